@@ -1,0 +1,45 @@
+"""Algorithm section: advantage estimator and GRPO-family loss knobs.
+
+WHY: the loss is a pure function of tensors plus these settings; keeping them in one typed section
+lets the trainer, the docs and the tests agree on names and defaults (DESIGN section 7).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dora_megatron.config.base import ConfigError, field_doc
+
+
+@dataclass
+class AlgoConfig:
+    """GRPO-family objective settings."""
+
+    advantage_estimator: str = field_doc("grpo", "advantage estimator name (see dora_megatron.algo.ADVANTAGE_ESTIMATORS)",
+                                         choices=("grpo", "grpo_no_std"))
+    adv_eps: float = field_doc(1e-6, "added to the group std before dividing", ge=0)
+    loss: str = field_doc("ppo_clip", "policy loss name (see dora_megatron.algo.POLICY_LOSSES)",
+                          choices=("ppo_clip", "triplet_clip"))
+    clip_eps_low: float = field_doc(0.2, "PPO ratio lower clip: ratio >= 1 - clip_eps_low", ge=0)
+    clip_eps_high: float = field_doc(0.2, "PPO ratio upper clip: ratio <= 1 + clip_eps_high", ge=0)
+    triplet_neg_low: float = field_doc(0.2, "triplet clip: lower eps for negative advantages", ge=0)
+    triplet_neg_high: float = field_doc(0.28, "triplet clip: upper eps for negative advantages", ge=0)
+    triplet_pos_low: float = field_doc(0.2, "triplet clip: lower eps for positive advantages", ge=0)
+    triplet_pos_high: float = field_doc(0.28, "triplet clip: upper eps for positive advantages", ge=0)
+    dual_clip_c: float = field_doc(3.0, "dual-clip bound for negative advantages (loss <= c*|A|); 0 disables",
+                                   ge=0)
+    tis_cap: float = field_doc(0.0, "truncated importance-sampling cap on exp(trainer_lp - rollout_lp); 0 disables",
+                               ge=0)
+    length_norm: str = field_doc("token_mean", "token_mean (sum/total tokens), seq_mean (per-sample mean) or "
+                                 "constant (Dr.GRPO: sum / (num_samples * length_norm_constant))",
+                                 choices=("token_mean", "seq_mean", "constant"))
+    length_norm_constant: int = field_doc(0, "divisor per sample for length_norm=constant, tokens; 0 = max_new_tokens",
+                                          ge=0)
+    kl_coef: float = field_doc(0.0, "k3 KL penalty vs the reference policy; 0 = no reference model", ge=0)
+    entropy_coef: float = field_doc(0.0, "entropy bonus coefficient (entropy is always logged)", ge=0)
+
+    def check(self, path: str) -> None:
+        if self.clip_eps_low >= 1:
+            raise ConfigError(f"{path}.clip_eps_low", "must be < 1 (ratio lower bound would be <= 0)")
+        if self.dual_clip_c and self.dual_clip_c <= 1:
+            raise ConfigError(f"{path}.dual_clip_c", "must be > 1 (or 0 to disable)")

@@ -1,0 +1,25 @@
+"""Prompt source and reward for the RL job."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dora_megatron.config.base import ConfigError, field_doc
+
+
+@dataclass
+class DataConfig:
+    task: str = field_doc("running_sum", "Synthetic task (`running_sum`) or `jsonl` for a prompt dataset file.", choices=("running_sum", "jsonl"))
+    path: str = field_doc("", "JSONL file with `prompt` and `answer` fields (DAPO-Math-17k layout); required when task is jsonl.")
+    prompt_key: str = field_doc("prompt", "JSONL field holding the prompt text.")
+    answer_key: str = field_doc("answer", "JSONL field holding the ground-truth answer.")
+    min_len: int = field_doc(1, "running_sum: shortest digit list.", ge=1)
+    max_len: int = field_doc(24, "running_sum: longest digit list.", ge=1)
+    length_exponent: float = field_doc(1.6, "running_sum: list length n is drawn with p(n) ~ n^-exponent (heavy tail).", gt=0.0)
+    seed: int = field_doc(0, "Seed of the prompt stream (independent of the run seed so baselines see the same prompts).", ge=0)
+
+    def check(self, path: str) -> None:
+        if self.max_len < self.min_len:
+            raise ConfigError(f"{path}.max_len", f"must be >= min_len ({self.min_len}), got {self.max_len}")
+        if self.task == "jsonl" and not self.path:
+            raise ConfigError(f"{path}.path", "required when task is 'jsonl'")

@@ -1,0 +1,20 @@
+"""Which policy model to train and serve (a Hugging Face format directory)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dora_megatron.config.base import ConfigError, field_doc
+
+
+@dataclass
+class ModelConfig:
+    path: str = field_doc("", "Hugging Face format model directory (config.json + safetensors). Empty = create it from `preset` inside the run directory.")
+    preset: str = field_doc("tiny-moe", "Preset used when `path` is empty (`dora init-model --preset`).", choices=("tiny-moe", "tiny-dense"))
+    warm_start: str = field_doc("", "When the model is created from a preset: supervised warm start on this task first (empty = random init).")
+    warm_start_steps: int = field_doc(300, "Optimizer steps of the supervised warm start.", ge=0)
+    max_context: int = field_doc(512, "Longest prompt+response (tokens) used by rollout and training.", ge=8)
+
+    def check(self, path: str) -> None:
+        if self.warm_start and self.path:
+            raise ConfigError(f"{path}.warm_start", "only applies when the model is created from `preset` (model.path must be empty)")

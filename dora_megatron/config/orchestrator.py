@@ -1,0 +1,63 @@
+"""Orchestrator section: rollout mode, batch sizes, staleness window and rebalancer thresholds.
+
+WHY: the orchestrator (DESIGN sections 2-4) is one sans-IO state machine whose four modes are
+policies; every number that shapes its decisions lives here, documented, so the runtime, the
+simulator and the benchmark all run the same policy from the same YAML.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dora_megatron.config.base import ConfigError, field_doc
+
+MODES = ("sync", "one_step_off", "partial", "dora")
+
+
+@dataclass
+class OrchestratorConfig:
+    """Rollout orchestration policy (DESIGN sections 2-4)."""
+
+    mode: str = field_doc("dora", "rollout mode: sync | one_step_off | partial | dora (DESIGN section 3)",
+                          choices=MODES)
+    tbs: int = field_doc(8, "training batch size: groups consumed by every training step (exact)", ge=1)
+    rbs: int = field_doc(16, "rollout batch size: cap on outstanding groups (dispatched, not yet consumed); "
+                         "streaming modes only, sync/one_step_off use tbs", ge=1)
+    max_staleness: int = field_doc(1, "S: a group of version w may be trained in step t only if t - w <= S; up to "
+                                   "S+1 versions live (paper k=3 runs use S=3). Used by partial and dora; sync "
+                                   "forces 0 and one_step_off forces 1", ge=0)
+    group_size: int = field_doc(4, "G: samples per prompt group (GRPO group)", ge=1)
+    kv_high_watermark: float = field_doc(0.9, "KV-cache usage fraction above which an instance triggers a "
+                                         "rebalance (dora)", gt=0, le=1)
+    rebalance_interval_s: float = field_doc(5.0, "timer trigger: rebalance at least this often while work is "
+                                            "in flight (dora), seconds; 0 disables the timer", ge=0, unit="s")
+    imbalance_ratio: float = field_doc(1.5, "hysteresis: a partition that neither fixes a stranded version nor "
+                                       "frees an idle instance is applied only if max/min per-instance load "
+                                       "across versions exceeds this ratio", ge=1)
+    legacy_fill: bool = field_doc(False, "tier-2: let idle slots of legacy-version instances take new groups of "
+                                  "that version when the admission rule allows (dora)")
+    cap_before_rebalance: int = field_doc(8, "per-instance concurrency cap (running samples) before the first "
+                                          "non-update rebalance of a step (streaming modes)", ge=1)
+    cap_after_rebalance: int = field_doc(4, "per-instance concurrency cap after the first non-update rebalance "
+                                         "of a step (streaming modes)", ge=1)
+
+    def check(self, path: str) -> None:
+        if self.rbs < self.tbs:
+            raise ConfigError(f"{path}.rbs", f"must be >= tbs ({self.tbs}), got {self.rbs}")
+        if self.cap_after_rebalance > self.cap_before_rebalance:
+            raise ConfigError(f"{path}.cap_after_rebalance",
+                              f"must be <= cap_before_rebalance ({self.cap_before_rebalance})")
+
+    @property
+    def effective_staleness(self) -> int:
+        """S actually enforced: sync is on-policy (0), one_step_off is one step behind (1)."""
+        if self.mode == "sync":
+            return 0
+        if self.mode == "one_step_off":
+            return 1
+        return self.max_staleness
+
+    @property
+    def effective_rbs(self) -> int:
+        """Outstanding-group cap actually enforced: the barrier modes keep exactly one batch out."""
+        return self.tbs if self.mode in ("sync", "one_step_off") else self.rbs

@@ -1,0 +1,56 @@
+"""The top-level job config: one typed section per component.
+
+Cross-section rules live here (``DoraConfig.check``), section rules next to
+their fields. ``load_config`` is the only entry point the CLI uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+from dora_megatron.config.algo import AlgoConfig
+from dora_megatron.config.base import ConfigError
+from dora_megatron.config.data import DataConfig
+from dora_megatron.config.launch import LaunchConfig
+from dora_megatron.config.loader import apply_overrides, from_dict, read_yaml, validate
+from dora_megatron.config.model import ModelConfig
+from dora_megatron.config.observability import ObservabilityConfig
+from dora_megatron.config.orchestrator import OrchestratorConfig
+from dora_megatron.config.rollout import RolloutConfig
+from dora_megatron.config.run import RunConfig
+from dora_megatron.config.trainer import TrainerConfig
+
+
+@dataclass
+class DoraConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+    def check(self, path: str) -> None:
+        t = self.trainer
+        world = t.tp * t.pp * t.dp
+        if world != self.launch.trainer_procs:
+            raise ConfigError(
+                "launch.trainer_procs",
+                f"must equal trainer.tp*trainer.pp*trainer.dp = {t.tp}*{t.pp}*{t.dp} = {world}, got {self.launch.trainer_procs}",
+            )
+        if t.ep > 1 and (t.dp * t.tp) % t.ep != 0:
+            raise ConfigError("trainer.ep", f"must divide trainer.tp*trainer.dp = {t.tp * t.dp}, got {t.ep}")
+
+
+def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> DoraConfig:
+    """Load ``path`` (or the defaults), apply ``a.b=c`` overrides and validate."""
+    data = read_yaml(path) if path else {}
+    data = apply_overrides(data, overrides)
+    cfg = from_dict(DoraConfig, data)
+    validate(cfg)
+    return cfg

@@ -1,0 +1,194 @@
+"""Verifiable prompt sources and rule-based rewards.
+
+``running_sum`` is the project's built-in long-tail task: the prompt is a list of
+digits, the answer is the running sum mod 10 after each digit. The list length
+``n`` is drawn with ``p(n) ~ n^-a`` on ``[min_len, max_len]``, so correct
+responses (``2n`` characters) have a heavy tail: most are short, a few are long.
+That is exactly the workload where synchronous RL idles on stragglers and
+multi-version streaming helps, and the long lists are where a small model has
+room to improve with RL. Everything here is pure Python (no torch) so the
+controller, the simulator and the tests share it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Protocol
+
+PROMPT_SEP = ":"
+ANSWER_END = "."
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One RL prompt: an index in the stream, its text and the ground truth."""
+
+    index: int
+    text: str
+    answer: str
+
+
+class PromptSource(Protocol):
+    """An endless, seekable prompt stream (position is checkpointed on resume)."""
+
+    def get(self, index: int) -> Prompt: ...
+
+
+def heavy_tail_lengths(min_len: int, max_len: int, exponent: float) -> tuple[list[int], list[float]]:
+    """Support and normalised weights of ``p(n) ~ n^-exponent`` on ``[min_len, max_len]``."""
+    support = list(range(min_len, max_len + 1))
+    weights = [n ** (-exponent) for n in support]
+    total = sum(weights)
+    return support, [w / total for w in weights]
+
+
+def running_sum_answer(digits: list[int]) -> str:
+    """The running sums mod 10 of ``digits``, as a digit string (``[3,1,9] -> '343'``)."""
+    out, acc = [], 0
+    for d in digits:
+        acc = (acc + d) % 10
+        out.append(str(acc))
+    return "".join(out)
+
+
+def running_sum_prompt(digits: list[int]) -> str:
+    return "".join(str(d) for d in digits) + PROMPT_SEP
+
+
+class RunningSumTask:
+    """Deterministic prompt ``index -> (digits, answer)`` stream for a seed.
+
+    Response format: the answer digits followed by ``.`` and end-of-sequence.
+    Reward: 1.0 for an exact answer, otherwise the fraction of correct leading
+    digits scaled by 0.5 (a dense signal that still ranks exact answers first).
+    """
+
+    def __init__(self, min_len: int = 1, max_len: int = 24, exponent: float = 1.6, seed: int = 0) -> None:
+        if min_len < 1 or max_len < min_len:
+            raise ValueError(f"need 1 <= min_len <= max_len, got {min_len}, {max_len}")
+        self.support, self.weights = heavy_tail_lengths(min_len, max_len, exponent)
+        self.seed = seed
+
+    def digits(self, index: int) -> list[int]:
+        rng = random.Random(self.seed * 1_000_003 + index)
+        n = rng.choices(self.support, weights=self.weights, k=1)[0]
+        return [rng.randrange(10) for _ in range(n)]
+
+    def get(self, index: int) -> Prompt:
+        digits = self.digits(index)
+        return Prompt(index, running_sum_prompt(digits), running_sum_answer(digits))
+
+    @staticmethod
+    def target(prompt: Prompt) -> str:
+        """The supervised response text for warm starts."""
+        return prompt.answer + ANSWER_END
+
+    @staticmethod
+    def reward(response: str, answer: str) -> float:
+        return running_sum_reward(response, answer)
+
+
+def running_sum_reward(response: str, answer: str) -> float:
+    text = response.split(ANSWER_END, 1)[0].strip()
+    if text == answer:
+        return 1.0
+    prefix = 0
+    for a, b in zip(text, answer):
+        if a != b:
+            break
+        prefix += 1
+    return 0.5 * prefix / max(len(answer), 1)
+
+
+class JsonlPromptSource:
+    """Prompts from a JSONL file (``{"prompt": ..., "answer": ...}`` per line), cycled.
+
+    The DAPO-Math-17k layout; errors name the line and the missing field.
+    """
+
+    def __init__(self, path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer") -> None:
+        self.items: list[tuple[str, str]] = []
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"data.path: no such file {path}")
+        for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{lineno}: invalid JSON ({err.msg})") from err
+            prompt = _get_text(row, prompt_key)
+            answer = _get_text(row, answer_key)
+            if prompt is None:
+                raise ValueError(f"{path}:{lineno}: missing field '{prompt_key}'")
+            if answer is None:
+                raise ValueError(f"{path}:{lineno}: missing field '{answer_key}'")
+            self.items.append((prompt, answer))
+        if not self.items:
+            raise ValueError(f"{path}: no prompts")
+
+    def get(self, index: int) -> Prompt:
+        prompt, answer = self.items[index % len(self.items)]
+        return Prompt(index, prompt, answer)
+
+
+def _get_text(row: dict, key: str) -> str | None:
+    """Field lookup that also accepts DAPO's nested layouts (chat list / reward_model.ground_truth)."""
+    if key in row:
+        value = row[key]
+        if isinstance(value, list) and value and isinstance(value[-1], dict) and "content" in value[-1]:
+            return str(value[-1]["content"])
+        return None if value is None else str(value)
+    if key == "answer" and isinstance(row.get("reward_model"), dict) and "ground_truth" in row["reward_model"]:
+        return str(row["reward_model"]["ground_truth"])
+    return None
+
+
+def math_reward(response: str, answer: str) -> float:
+    """1.0 if the response's final answer equals ``answer``; uses ``math-verify`` when installed."""
+    try:
+        from math_verify import parse, verify  # type: ignore
+    except ImportError:
+        return 1.0 if _last_answer(response) == _normalise(answer) else 0.0
+    try:
+        return 1.0 if verify(parse(f"${answer}$"), parse(response)) else 0.0
+    except Exception:  # math-verify raises on unparsable text; that is a wrong answer
+        return 0.0
+
+
+def _normalise(text: str) -> str:
+    return text.strip().strip("$").replace(" ", "").rstrip(".")
+
+
+def _last_answer(response: str) -> str:
+    if "\\boxed{" in response:
+        start = response.rindex("\\boxed{") + len("\\boxed{")
+        depth, end = 1, start
+        while end < len(response) and depth:
+            depth += {"{": 1, "}": -1}.get(response[end], 0)
+            end += 1
+        return _normalise(response[start:end - 1])
+    if "Answer:" in response:
+        return _normalise(response.rsplit("Answer:", 1)[1].splitlines()[0] if response.rsplit("Answer:", 1)[1] else "")
+    tokens = response.strip().split()
+    return _normalise(tokens[-1]) if tokens else ""
+
+
+def make_prompt_source(task: str, **kwargs) -> tuple[PromptSource, Callable[[str, str], float]]:
+    """Build the prompt source and reward function named by ``data.task``."""
+    if task == "running_sum":
+        return RunningSumTask(**kwargs), running_sum_reward
+    if task == "jsonl":
+        return JsonlPromptSource(**kwargs), math_reward
+    raise ValueError(f"data.task: unknown task {task!r} (valid: running_sum, jsonl)")
+
+
+def iter_prompts(source: PromptSource, start: int = 0) -> Iterator[Prompt]:
+    index = start
+    while True:
+        yield source.get(index)
+        index += 1

@@ -1,0 +1,106 @@
+"""Character-level tokenizer shared by the synthetic tasks, the engine tooling and the trainer.
+
+Why character level: the synthetic tasks (digit lists, running sums) are short strings over
+printable ASCII, so one token per character keeps prompts and answers trivially aligned and
+lets every component agree on ids without a trained vocabulary. The ids are fixed:
+``<pad>``=0, ``<bos>``=1, ``<eos>``=2, then printable ASCII 32..126 in order (ids 3..97), then
+unused filler tokens up to :data:`VOCAB_SIZE` (128) so the embedding size is a round number.
+
+The module imports only the standard library at import time; :func:`build_tokenizer` and
+:func:`load_tokenizer` import the ``tokenizers`` library lazily. :func:`encode` / :func:`decode`
+are pure Python and give exactly the ids of the saved ``tokenizer.json``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable
+
+PAD_TOKEN = "<pad>"
+BOS_TOKEN = "<bos>"
+EOS_TOKEN = "<eos>"
+PAD_ID = 0
+BOS_ID = 1
+EOS_ID = 2
+FIRST_CHAR = 32
+LAST_CHAR = 126
+CHAR_OFFSET = 3 - FIRST_CHAR  # id = ord(ch) + CHAR_OFFSET
+VOCAB_SIZE = 128
+SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def vocab() -> dict[str, int]:
+    """The full token -> id table (specials, printable ASCII, unused fillers up to VOCAB_SIZE)."""
+    table: dict[str, int] = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for code in range(FIRST_CHAR, LAST_CHAR + 1):
+        table[chr(code)] = code + CHAR_OFFSET
+    next_id = len(table)
+    while next_id < VOCAB_SIZE:
+        table[f"<unused_{next_id}>"] = next_id
+        next_id += 1
+    return table
+
+
+def encode(text: str, add_bos: bool = False) -> list[int]:
+    """Map ``text`` to ids; raises ValueError naming the first character outside printable ASCII."""
+    ids = [BOS_ID] if add_bos else []
+    for pos, ch in enumerate(text):
+        code = ord(ch)
+        if code < FIRST_CHAR or code > LAST_CHAR:
+            raise ValueError(f"character {ch!r} at position {pos} is not printable ASCII (32..126)")
+        ids.append(code + CHAR_OFFSET)
+    return ids
+
+
+def decode(ids: Iterable[int], skip_special: bool = True) -> str:
+    """Map ids back to text; special and unused ids are dropped when ``skip_special``."""
+    inverse = {i: tok for tok, i in vocab().items()}
+    out = []
+    for i in ids:
+        i = int(i)
+        if FIRST_CHAR + CHAR_OFFSET <= i <= LAST_CHAR + CHAR_OFFSET:
+            out.append(chr(i - CHAR_OFFSET))
+        elif not skip_special:
+            out.append(inverse.get(i, f"<id_{i}>"))
+    return "".join(out)
+
+
+def build_tokenizer() -> Any:
+    """A ``tokenizers.Tokenizer`` whose ids equal :func:`encode` (one token per character)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel(vocab=vocab(), unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return tok
+
+
+def save_tokenizer(model_dir: str | Path) -> Path:
+    """Write ``tokenizer.json`` (plus a minimal ``tokenizer_config.json``) into ``model_dir``."""
+    import json
+
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    path = model_dir / TOKENIZER_FILE
+    build_tokenizer().save(str(path))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "pad_token": PAD_TOKEN,
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "model_max_length": 1 << 20,
+    }
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return path
+
+
+def load_tokenizer(model_dir: str | Path) -> Any:
+    """Load ``tokenizer.json`` from a model directory as a ``tokenizers.Tokenizer``."""
+    from tokenizers import Tokenizer
+
+    path = Path(model_dir) / TOKENIZER_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no {TOKENIZER_FILE} in {model_dir}")
+    return Tokenizer.from_file(str(path))

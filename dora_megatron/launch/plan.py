@@ -1,0 +1,77 @@
+"""The process plan of a job: which process runs where, with which ports and ranks.
+
+A plan is plain data computed from the config by a pure function, so
+``dora train --dry-run`` can print it and tests can check it without starting
+anything. The local launcher executes exactly this plan.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dora_megatron.config.schema import DoraConfig
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    role: str  # "engine", "trainer", "controller"
+    name: str
+    host: str
+    argv: tuple[str, ...]
+    port: int | None = None
+    threads: int = 1
+    ranks: tuple[int, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+
+    def command_line(self) -> str:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
+        cmd = " ".join(shlex.quote(a) for a in self.argv)
+        return f"{env} {cmd}".strip()
+
+
+def thread_env(threads: int) -> dict[str, str]:
+    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
+def local_plan(cfg: "DoraConfig", model_dir: str, run_dir: str, base_port: int | None = None) -> list[ProcessSpec]:
+    """All processes of a local run: N engines, the trainer (torchrun), the controller."""
+    host = cfg.launch.host
+    port0 = cfg.rollout.base_port if base_port is None else base_port
+    plan: list[ProcessSpec] = []
+    for i in range(cfg.rollout.num_instances):
+        port = port0 + i
+        argv = (
+            sys.executable, "-m", "dora_megatron", "serve",
+            "--model", model_dir, "--host", host, "--port", str(port),
+            "--device", cfg.rollout.device, "--max-running", str(cfg.rollout.max_running),
+            "--num-threads", str(cfg.launch.engine_threads),
+        )
+        plan.append(ProcessSpec("engine", f"engine{i}", host, argv, port=port, threads=cfg.launch.engine_threads,
+                                env=thread_env(cfg.launch.engine_threads)))
+    nprocs = cfg.launch.trainer_procs
+    trainer_argv = (
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}",
+        "-m", "dora_megatron.trainer.entry", "--run-dir", run_dir,
+    )
+    plan.append(ProcessSpec("trainer", "trainer", host, trainer_argv, threads=cfg.launch.trainer_threads,
+                            ranks=tuple(range(nprocs)), env=thread_env(cfg.launch.trainer_threads)))
+    plan.append(ProcessSpec("controller", "controller", host, ("<in-process>",), threads=1))
+    return plan
+
+
+def format_plan(plan: list[ProcessSpec]) -> str:
+    lines = ["process plan:"]
+    for p in plan:
+        extra = []
+        if p.port is not None:
+            extra.append(f"port={p.port}")
+        if p.ranks:
+            extra.append(f"ranks={list(p.ranks)}")
+        extra.append(f"threads={p.threads}")
+        lines.append(f"  [{p.role:10s}] {p.name:12s} host={p.host} {' '.join(extra)}")
+        lines.append(f"      $ {p.command_line()}")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Model presets and Hugging Face directory I/O."""

@@ -1,0 +1,107 @@
+"""Timeline of a run: which version each instance held when, requests, trainer phases.
+
+Recorded as plain intervals while the run goes, exported twice: a Chrome trace
+JSON (opens in Perfetto / chrome://tracing, one track per instance plus the
+trainer) and a PNG (instance x time, coloured by version) for the README and
+quick looks. No clock of its own: callers pass times in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Interval:
+    track: str
+    name: str
+    start: float
+    end: float
+    version: int | None = None
+    args: dict = field(default_factory=dict)
+
+
+class Timeline:
+    def __init__(self) -> None:
+        self.intervals: list[Interval] = []
+        self._open_versions: dict[str, tuple[int, float]] = {}
+
+    # ---- recording -------------------------------------------------------
+    def set_version(self, track: str, version: int, now: float) -> None:
+        """``track`` holds ``version`` from ``now`` on (closes the previous span)."""
+        prev = self._open_versions.get(track)
+        if prev is not None:
+            if prev[0] == version:
+                return
+            self.intervals.append(Interval(track, f"v{prev[0]}", prev[1], now, prev[0], {"kind": "version"}))
+        self._open_versions[track] = (version, now)
+
+    def span(self, track: str, name: str, start: float, end: float, version: int | None = None, **args) -> None:
+        self.intervals.append(Interval(track, name, start, max(end, start), version, dict(args)))
+
+    def close(self, now: float) -> None:
+        for track, (version, start) in list(self._open_versions.items()):
+            self.intervals.append(Interval(track, f"v{version}", start, now, version, {"kind": "version"}))
+        self._open_versions.clear()
+
+    # ---- export ----------------------------------------------------------
+    def to_chrome_trace(self) -> dict:
+        tracks = sorted({iv.track for iv in self.intervals})
+        tid = {t: i for i, t in enumerate(tracks)}
+        events: list[dict] = [
+            {"name": "thread_name", "ph": "M", "pid": 1, "tid": tid[t], "args": {"name": t}} for t in tracks
+        ]
+        for iv in self.intervals:
+            args = dict(iv.args)
+            if iv.version is not None:
+                args["version"] = iv.version
+            events.append({
+                "name": iv.name, "cat": args.get("kind", "span"), "ph": "X", "pid": 1, "tid": tid[iv.track],
+                "ts": round(iv.start * 1e6, 3), "dur": round((iv.end - iv.start) * 1e6, 3), "args": args,
+            })
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def write_chrome_trace(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(self.to_chrome_trace()))
+        return path
+
+    def write_png(self, path: str | Path, title: str = "instances x time, coloured by version") -> Path:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        path = Path(path)
+        version_spans = [iv for iv in self.intervals if iv.args.get("kind") == "version"]
+        other = [iv for iv in self.intervals if iv.args.get("kind") != "version"]
+        tracks = sorted({iv.track for iv in self.intervals}, key=_track_key)
+        row = {t: i for i, t in enumerate(tracks)}
+        fig, ax = plt.subplots(figsize=(10, 0.45 * max(len(tracks), 2) + 1.5))
+        cmap = plt.get_cmap("tab10")
+        seen_versions: set[int] = set()
+        for iv in version_spans:
+            v = iv.version or 0
+            label = f"v{v}" if v not in seen_versions else None
+            seen_versions.add(v)
+            ax.broken_barh([(iv.start, iv.end - iv.start)], (row[iv.track] - 0.4, 0.8),
+                           facecolors=cmap(v % 10), alpha=0.55, label=label)
+        for iv in other:
+            color = cmap((iv.version or 0) % 10) if iv.version is not None else "0.3"
+            ax.broken_barh([(iv.start, iv.end - iv.start)], (row[iv.track] - 0.15, 0.3), facecolors=color)
+        ax.set_yticks(range(len(tracks)))
+        ax.set_yticklabels(tracks)
+        ax.set_xlabel("seconds")
+        ax.set_title(title)
+        if seen_versions:
+            ax.legend(loc="upper right", fontsize="small", ncol=min(len(seen_versions), 6))
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
+
+def _track_key(track: str) -> tuple[int, str]:
+    return (0 if track.startswith("trainer") else 1, track)

@@ -1,0 +1,214 @@
+"""Build a Megatron-Core GPTModel from a Hugging Face Qwen3 / Qwen3-MoE config.
+
+WHY: the rollout engines load Hugging Face checkpoints and the trainer trains Megatron modules; the
+two must be the *same function* of the weights. This module maps the HF config onto a
+``TransformerConfig`` (RMSNorm, SwiGLU, RoPE, QK-norm, GQA, top-k routed experts, no dropout, no
+biases) and picks the layer spec: Transformer Engine when importable on CUDA, Megatron's local
+spec otherwise, with :class:`~dora_megatron.trainer.norm.RMSNorm` so that sequence parallelism
+(required by Megatron for MoE with TP>1) works without TE/apex.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """The architecture facts the trainer needs, read from an HF ``config.json``."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    num_experts: int = 0
+    moe_topk: int = 0
+    moe_ffn_hidden_size: int = 0
+    norm_topk_prob: bool = True
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+def arch_from_hf_config(cfg: dict) -> ModelArch:
+    """Parse an HF config dict (``config.json``) of a Qwen3 or Qwen3-MoE model."""
+    model_type = cfg.get("model_type", "")
+    if model_type not in ("qwen3", "qwen3_moe"):
+        raise ValueError(f"unsupported model_type {model_type!r} (supported: qwen3, qwen3_moe)")
+    if cfg.get("attention_bias"):
+        raise ValueError("attention_bias=True is not supported")
+    rope = cfg.get("rope_parameters") or {}
+    rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if rope.get("rope_type", "default") != "default" or cfg.get("rope_scaling"):
+        raise ValueError("only default RoPE is supported")
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    num_experts = 0
+    if model_type == "qwen3_moe":
+        num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts"))
+        if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1:
+            raise ValueError("Qwen3-MoE with dense layers (mlp_only_layers/decoder_sparse_step) is not supported")
+    return ModelArch(
+        model_type=model_type,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        ffn_hidden_size=int(cfg.get("intermediate_size") or 4 * hidden),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        num_experts=num_experts,
+        moe_topk=int(cfg.get("num_experts_per_tok", 0)) if num_experts else 0,
+        moe_ffn_hidden_size=int(cfg.get("moe_intermediate_size", 0)) if num_experts else 0,
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+    )
+
+
+def load_arch(hf_dir: str) -> ModelArch:
+    with open(os.path.join(hf_dir, "config.json"), encoding="utf-8") as f:
+        return arch_from_hf_config(json.load(f))
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """Vocab rows Megatron allocates: the HF vocab rounded up to a multiple of TP."""
+    return -(-vocab_size // tp) * tp
+
+
+def te_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # ImportError or a broken CUDA install
+        return False
+    return True
+
+
+def choose_spec(spec: str, device: str) -> str:
+    """Resolve ``auto`` to ``te`` (TE importable and CUDA) or ``local``."""
+    if spec == "auto":
+        return "te" if device == "cuda" and te_available() else "local"
+    return spec
+
+
+def build_transformer_config(arch: ModelArch, *, tp: int, pp: int, ep: int, device: str,
+                             moe_aux_loss_coef: float = 0.0, spec: str = "local"):
+    """A ``TransformerConfig`` equivalent to the HF model (fp32 params, no dropout, deterministic)."""
+    from megatron.core.transformer import TransformerConfig
+
+    if arch.num_layers % pp:
+        raise ValueError(f"num_layers={arch.num_layers} not divisible by pp={pp}")
+    if arch.num_kv_heads % tp or arch.num_heads % tp:
+        raise ValueError(f"heads ({arch.num_heads}/{arch.num_kv_heads} kv) not divisible by tp={tp}")
+    if ep > 1 and (not arch.is_moe or arch.num_experts % ep):
+        raise ValueError(f"ep={ep} needs an MoE model with experts divisible by ep")
+    kwargs: dict = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        qk_layernorm=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        use_cpu_initialization=(device == "cpu"),
+        variable_seq_lengths=True,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        deterministic_mode=(device == "cpu"),
+        transformer_impl="transformer_engine" if spec == "te" else "local",
+    )
+    if arch.is_moe:
+        kwargs.update(
+            num_moe_experts=arch.num_experts,
+            moe_router_topk=arch.moe_topk,
+            moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+            moe_router_score_function="softmax",
+            # Qwen3-MoE: softmax over all experts, top-k, renormalise iff norm_topk_prob. Megatron's
+            # pre_softmax=False (top-k logits then softmax) equals the renormalised form.
+            moe_router_pre_softmax=not arch.norm_topk_prob,
+            moe_router_load_balancing_type="aux_loss" if moe_aux_loss_coef > 0 else "none",
+            moe_aux_loss_coeff=moe_aux_loss_coef,
+            moe_router_dtype="fp32",
+            moe_token_dispatcher_type="allgather" if device == "cpu" else "alltoall",
+            moe_grouped_gemm=False,
+            # Megatron requires sequence parallelism for MoE with TP>1.
+            sequence_parallel=tp > 1,
+        )
+    return TransformerConfig(**kwargs)
+
+
+def build_layer_spec(arch: ModelArch, config, spec: str, pp_rank: int | None = None):
+    """Layer/block spec; ``spec`` is ``te`` or ``local`` (see :func:`choose_spec`)."""
+    num_experts = arch.num_experts or None
+    if spec == "te":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                                          qk_layernorm=True)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    from dora_megatron.trainer.norm import RMSNorm
+
+    layer = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=True,
+                                     normalization="RMSNorm")
+    sub = layer.submodules
+    sub.input_layernorm = RMSNorm
+    sub.pre_mlp_layernorm = RMSNorm
+    sub.self_attention.submodules.q_layernorm = RMSNorm
+    sub.self_attention.submodules.k_layernorm = RMSNorm
+    n = get_num_layers_to_build(config, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=RMSNorm)
+
+
+def build_gpt_model(arch: ModelArch, config, spec: str, *, tp: int, pre_process: bool, post_process: bool):
+    """Construct this rank's GPTModel chunk (parameters are overwritten by HF weights afterwards)."""
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=build_layer_spec(arch, config, spec),
+        vocab_size=padded_vocab_size(arch.vocab_size, tp),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(arch.rope_theta),
+    )

@@ -1,0 +1,371 @@
+"""Megatron-Core <-> Hugging Face parameter names and layouts for Qwen3 / Qwen3-MoE.
+
+WHY: the trainer holds Megatron tensors (fused QKV grouped per query group, fused gate/up
+``linear_fc1``, per-rank TP shards, PP-local layer indices, EP-local expert indices) while the
+rollout engines and checkpoints speak Hugging Face names in the per-expert layout
+``model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight``. Every conversion goes through three
+pure steps so each can be tested on its own:
+
+1. HF <-> *global* Megatron (full tensors, global layer and expert indices, local-spec names):
+   :func:`hf_to_megatron_global`, :func:`megatron_global_to_hf`.
+2. global <-> *rank-local* names (PP layer offset, EP expert offset): :func:`global_to_local_name`,
+   :func:`local_to_global_name`.
+3. full tensor <-> TP shard: :func:`shard_tp`, :func:`merge_tp`.
+
+:func:`hf_state_dict_to_megatron` composes 1-3 for one rank; :func:`megatron_to_hf` is the inverse
+for already-gathered tensors. Transformer Engine spec names (fused layernorm weights) are mapped to
+the local-spec names by :func:`canonical_name`. Pure torch; no Megatron import.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Mapping
+
+import torch
+
+# --------------------------------------------------------------------------- layout
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One rank's place in the model-parallel layout (expert TP is assumed equal to TP)."""
+
+    tp: int = 1
+    tp_rank: int = 0
+    pp: int = 1
+    pp_rank: int = 0
+    ep: int = 1
+    ep_rank: int = 0
+
+    def layers_per_stage(self, num_layers: int) -> int:
+        if num_layers % self.pp:
+            raise ValueError(f"num_layers={num_layers} not divisible by pp={self.pp}")
+        return num_layers // self.pp
+
+    def layer_offset(self, num_layers: int) -> int:
+        return self.pp_rank * self.layers_per_stage(num_layers)
+
+    def experts_per_rank(self, num_experts: int) -> int:
+        if num_experts % self.ep:
+            raise ValueError(f"num_experts={num_experts} not divisible by ep={self.ep}")
+        return num_experts // self.ep
+
+    def expert_offset(self, num_experts: int) -> int:
+        return self.ep_rank * self.experts_per_rank(num_experts)
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+
+@dataclass(frozen=True)
+class NamingArch:
+    """The shape facts naming needs (a subset of ``trainer.model.ModelArch``, duck-typed)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int = 0
+    tie_word_embeddings: bool = False
+
+
+# --------------------------------------------------------------------------- names
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+_HF_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+# TE-spec suffix -> local-spec suffix (within a layer).
+_TE_ALIASES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+
+# Simple one-to-one per-layer renames, Megatron (local spec) -> HF.
+_LAYER_SIMPLE = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    "mlp.router.weight": "mlp.gate.weight",
+}
+_TOP_SIMPLE = {
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "decoder.final_layernorm.weight": "model.norm.weight",
+    "output_layer.weight": "lm_head.weight",
+}
+
+
+def canonical_name(name: str) -> str:
+    """Strip DDP/Float16 ``module.`` prefixes and map TE-spec names onto local-spec names.
+
+    Returns ``""`` for entries that are not weights (``_extra_state``)."""
+    while name.startswith("module."):
+        name = name[len("module."):]
+    if name.endswith("_extra_state"):
+        return ""
+    m = _LAYER.match(name)
+    if m and m.group(2) in _TE_ALIASES:
+        return f"decoder.layers.{m.group(1)}.{_TE_ALIASES[m.group(2)]}"
+    return name
+
+
+def is_expert_param(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
+def local_to_global_name(name: str, arch, layout: Layout) -> str:
+    """Rank-local canonical Megatron name -> global name (layer += PP offset, expert += EP offset)."""
+    m = _LAYER.match(name)
+    if not m:
+        return name
+    layer = int(m.group(1)) + layout.layer_offset(arch.num_layers)
+    rest = m.group(2)
+    e = _EXPERT.match(rest)
+    if e:
+        rest = f"mlp.experts.local_experts.{int(e.group(1)) + layout.expert_offset(arch.num_experts)}.{e.group(2)}"
+    return f"decoder.layers.{layer}.{rest}"
+
+
+def global_to_local_name(name: str, arch, layout: Layout) -> str | None:
+    """Global Megatron name -> this rank's local name, or None when another rank owns it."""
+    m = _LAYER.match(name)
+    if not m:
+        if name.startswith("embedding.") and not layout.first_stage:
+            return None
+        if (name.startswith("output_layer.") or name.startswith("decoder.final_layernorm.")) and not layout.last_stage:
+            return None
+        return name
+    per = layout.layers_per_stage(arch.num_layers)
+    layer = int(m.group(1)) - layout.layer_offset(arch.num_layers)
+    if not 0 <= layer < per:
+        return None
+    rest = m.group(2)
+    e = _EXPERT.match(rest)
+    if e:
+        expert = int(e.group(1)) - layout.expert_offset(arch.num_experts)
+        if not 0 <= expert < layout.experts_per_rank(arch.num_experts):
+            return None
+        rest = f"mlp.experts.local_experts.{expert}.{e.group(2)}"
+    return f"decoder.layers.{layer}.{rest}"
+
+
+# --------------------------------------------------------------------------- TP shards
+
+
+def tp_kind(name: str) -> str:
+    """How a canonical Megatron parameter is split over TP: vocab|column|glu|row|replicated."""
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return "vocab"
+    if name.endswith("self_attention.linear_qkv.weight"):
+        return "column"
+    if name.endswith("linear_fc1.weight"):
+        return "glu"
+    if name.endswith("linear_fc2.weight") or name.endswith("self_attention.linear_proj.weight"):
+        return "row"
+    return "replicated"
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    return -(-vocab_size // tp) * tp
+
+
+def shard_tp(name: str, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """The TP shard of ``full`` held by TP rank ``rank`` (vocab rows must already be padded)."""
+    kind = tp_kind(name)
+    if tp == 1 or kind == "replicated":
+        return full
+    if kind in ("vocab", "column"):
+        return full.chunk(tp, dim=0)[rank]
+    if kind == "row":
+        return full.chunk(tp, dim=1)[rank]
+    gate, up = full.chunk(2, dim=0)
+    return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]], dim=0)
+
+
+def merge_tp(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    """Inverse of :func:`shard_tp` given the shards of all TP ranks in rank order."""
+    kind = tp_kind(name)
+    if len(shards) == 1 or kind == "replicated":
+        return shards[0]
+    if kind in ("vocab", "column"):
+        return torch.cat(shards, dim=0)
+    if kind == "row":
+        return torch.cat(shards, dim=1)
+    halves = [s.chunk(2, dim=0) for s in shards]
+    return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+
+
+# --------------------------------------------------------------------------- HF <-> global
+
+
+def _qkv_pack(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch) -> torch.Tensor:
+    ng, hd, hidden = arch.num_kv_heads, arch.head_dim, q.shape[-1]
+    qpg = arch.num_heads // ng
+    q = q.reshape(ng, qpg * hd, hidden)
+    k = k.reshape(ng, hd, hidden)
+    v = v.reshape(ng, hd, hidden)
+    return torch.cat([q, k, v], dim=1).reshape(ng * (qpg + 2) * hd, hidden)
+
+
+def _qkv_unpack(qkv: torch.Tensor, arch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ng, hd, hidden = arch.num_kv_heads, arch.head_dim, qkv.shape[-1]
+    qpg = arch.num_heads // ng
+    grouped = qkv.reshape(ng, (qpg + 2) * hd, hidden)
+    q, k, v = grouped.split([qpg * hd, hd, hd], dim=1)
+    return q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)
+
+
+def hf_per_expert(hf_sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Normalise fused in-memory expert tensors (transformers 5.x ``experts.gate_up_proj`` [E, 2I, H],
+    ``experts.down_proj`` [E, H, I]) to the per-expert layout; other entries pass through."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in hf_sd.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix = name[: -len("gate_up_proj")]
+            for e in range(t.shape[0]):
+                gate, up = t[e].chunk(2, dim=0)
+                out[f"{prefix}{e}.gate_proj.weight"] = gate
+                out[f"{prefix}{e}.up_proj.weight"] = up
+        elif name.endswith("mlp.experts.down_proj"):
+            prefix = name[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{prefix}{e}.down_proj.weight"] = t[e]
+        else:
+            out[name] = t
+    return out
+
+
+def hf_to_megatron_global(hf_sd: Mapping[str, torch.Tensor], arch, tp: int = 1) -> dict[str, torch.Tensor]:
+    """HF state dict -> full Megatron tensors under global local-spec names.
+
+    Vocab-parallel tensors are zero-padded to a multiple of ``tp`` rows. ``lm_head.weight`` may be
+    absent for tied embeddings (the embedding is used)."""
+    sd = hf_per_expert(hf_sd)
+    out: dict[str, torch.Tensor] = {}
+    vocab = padded_vocab(arch.vocab_size, tp)
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        if t.shape[0] == vocab:
+            return t
+        return torch.cat([t, t.new_zeros(vocab - t.shape[0], *t.shape[1:])], dim=0)
+
+    out["embedding.word_embeddings.weight"] = pad(sd["model.embed_tokens.weight"])
+    out["decoder.final_layernorm.weight"] = sd["model.norm.weight"]
+    lm_head = sd.get("lm_head.weight")
+    if lm_head is None or arch.tie_word_embeddings:
+        lm_head = sd["model.embed_tokens.weight"]
+    out["output_layer.weight"] = pad(lm_head)
+    hf_simple = {v: k for k, v in _LAYER_SIMPLE.items()}
+    for layer in range(arch.num_layers):
+        p = f"model.layers.{layer}."
+        g = f"decoder.layers.{layer}."
+        out[g + "self_attention.linear_qkv.weight"] = _qkv_pack(
+            sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"], sd[p + "self_attn.v_proj.weight"], arch)
+        for hf_suffix, mg_suffix in hf_simple.items():
+            if p + hf_suffix in sd:
+                out[g + mg_suffix] = sd[p + hf_suffix]
+        if arch.num_experts:
+            for e in range(arch.num_experts):
+                ep = f"{p}mlp.experts.{e}."
+                eg = f"{g}mlp.experts.local_experts.{e}."
+                out[eg + "linear_fc1.weight"] = torch.cat(
+                    [sd[ep + "gate_proj.weight"], sd[ep + "up_proj.weight"]], dim=0)
+                out[eg + "linear_fc2.weight"] = sd[ep + "down_proj.weight"]
+        else:
+            out[g + "mlp.linear_fc1.weight"] = torch.cat(
+                [sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]], dim=0)
+    return out
+
+
+def megatron_global_to_hf(name: str, tensor: torch.Tensor, arch) -> list[tuple[str, torch.Tensor]]:
+    """One full (TP-gathered) global canonical Megatron tensor -> its HF (name, tensor) pairs.
+
+    Vocab padding is removed; ``output_layer.weight`` yields nothing for tied embeddings."""
+    if name in _TOP_SIMPLE:
+        if name == "output_layer.weight" and arch.tie_word_embeddings:
+            return []
+        if name != "decoder.final_layernorm.weight":
+            tensor = tensor[: arch.vocab_size]
+        return [(_TOP_SIMPLE[name], tensor)]
+    m = _LAYER.match(name)
+    if not m:
+        raise KeyError(f"no HF name for Megatron parameter {name!r}")
+    p = f"model.layers.{m.group(1)}."
+    rest = m.group(2)
+    if rest == "self_attention.linear_qkv.weight":
+        q, k, v = _qkv_unpack(tensor, arch)
+        return [(p + "self_attn.q_proj.weight", q), (p + "self_attn.k_proj.weight", k),
+                (p + "self_attn.v_proj.weight", v)]
+    if rest == "mlp.linear_fc1.weight":
+        gate, up = tensor.chunk(2, dim=0)
+        return [(p + "mlp.gate_proj.weight", gate), (p + "mlp.up_proj.weight", up)]
+    e = _EXPERT.match(rest)
+    if e:
+        ep = f"{p}mlp.experts.{e.group(1)}."
+        if e.group(2) == "linear_fc1.weight":
+            gate, up = tensor.chunk(2, dim=0)
+            return [(ep + "gate_proj.weight", gate), (ep + "up_proj.weight", up)]
+        if e.group(2) == "linear_fc2.weight":
+            return [(ep + "down_proj.weight", tensor)]
+    if rest in _LAYER_SIMPLE:
+        return [(p + _LAYER_SIMPLE[rest], tensor)]
+    raise KeyError(f"no HF name for Megatron parameter {name!r}")
+
+
+# --------------------------------------------------------------------------- composed
+
+
+def hf_state_dict_to_megatron(hf_sd: Mapping[str, torch.Tensor], arch, layout: Layout) -> dict[str, torch.Tensor]:
+    """HF state dict -> this rank's canonical local Megatron tensors (PP/EP selected, TP sharded)."""
+    out: dict[str, torch.Tensor] = {}
+    for gname, full in hf_to_megatron_global(hf_sd, arch, layout.tp).items():
+        lname = global_to_local_name(gname, arch, layout)
+        if lname is None:
+            continue
+        if lname == "output_layer.weight" and arch.tie_word_embeddings and layout.pp == 1:
+            continue  # shares the embedding parameter
+        out[lname] = shard_tp(lname, full, layout.tp, layout.tp_rank).contiguous()
+    return out
+
+
+def megatron_to_hf(megatron_global_sd: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+                   arch) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full global Megatron tensors (any spec, ``module.`` prefixes allowed) -> HF (name, tensor)."""
+    items = megatron_global_sd.items() if isinstance(megatron_global_sd, Mapping) else megatron_global_sd
+    for name, tensor in items:
+        cname = canonical_name(name)
+        if cname:
+            yield from megatron_global_to_hf(cname, tensor, arch)
+
+
+def hf_names(arch) -> list[str]:
+    """Every HF name the model has, per-expert layout, in a deterministic order."""
+    names = ["model.embed_tokens.weight"]
+    for layer in range(arch.num_layers):
+        p = f"model.layers.{layer}."
+        names += [p + "input_layernorm.weight", p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
+                  p + "self_attn.v_proj.weight", p + "self_attn.o_proj.weight", p + "self_attn.q_norm.weight",
+                  p + "self_attn.k_norm.weight", p + "post_attention_layernorm.weight"]
+        if arch.num_experts:
+            names.append(p + "mlp.gate.weight")
+            for e in range(arch.num_experts):
+                names += [f"{p}mlp.experts.{e}.{k}_proj.weight" for k in ("gate", "up", "down")]
+        else:
+            names += [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", p + "mlp.down_proj.weight"]
+    names.append("model.norm.weight")
+    if not arch.tie_word_embeddings:
+        names.append("lm_head.weight")
+    return names

@@ -1,0 +1,35 @@
+"""Packaging for dora_megatron (setuptools; console script ``dora``).
+
+The CPU install path (tools/setup_env.sh) installs ``torch==2.13.0`` first so
+pip never resolves the multi-GB CUDA build; here torch is only lower-bounded so
+GPU clusters keep their own CUDA torch.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="dora_megatron",
+    version="0.1.0",
+    description="Asynchronous RL for LLMs with multi-version streaming rollout (DORA) on Megatron-Core and SGLang",
+    python_requires=">=3.11",
+    packages=find_packages(include=["dora_megatron", "dora_megatron.*"]),
+    install_requires=[
+        "torch>=2.4",
+        "megatron-core==0.16.1",
+        "pyyaml>=6",
+        "tensorboard>=2.14",
+        "safetensors>=0.4",
+        "tokenizers>=0.19",
+        "numpy>=1.24",
+        "aiohttp>=3.9",
+        "tqdm>=4.60",
+        "matplotlib>=3.7",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "hypothesis>=6.100", "transformers>=4.51"],
+        # CUDA clusters only; documented in the README, never needed on CPU.
+        "gpu": ["transformer-engine[pytorch]", "sglang[all]"],
+        "math": ["math-verify"],
+    },
+    entry_points={"console_scripts": ["dora=dora_megatron.cli.main:entrypoint"]},
+)

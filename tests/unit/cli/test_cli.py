@@ -1,0 +1,69 @@
+"""The ``dora`` command surface: subcommands, help, laziness, unavailable commands."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from dora_megatron.cli import main as cli
+
+HEAVY = ("megatron", "sglang", "transformer_engine")
+
+
+def test_subcommands_match_design():
+    assert list(cli.SUBCOMMANDS) == ["train", "serve", "init-model", "simulate", "bench", "convert"]
+
+
+def test_help_lists_every_subcommand(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for name in cli.SUBCOMMANDS:
+        assert name in out
+
+
+@pytest.mark.parametrize("name", list(cli.SUBCOMMANDS))
+def test_each_subcommand_has_help(name, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main([name, "--help"])
+    assert exc.value.code == 0
+    assert "usage: dora " + name in capsys.readouterr().out
+
+
+def test_import_and_help_do_not_import_heavy_frameworks():
+    code = (
+        "import sys, contextlib, io\n"
+        "import dora_megatron\n"
+        "from dora_megatron.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    try:\n"
+        "        main.main(['--help'])\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        f"bad = [m for m in sys.modules if m.split('.')[0] in {HEAVY!r}]\n"
+        "print('HEAVY', bad)\n"
+        "print('TORCH', 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "HEAVY []" in out, out
+    assert "TORCH False" in out, out
+
+
+def test_unavailable_subcommand_exits_nonzero(monkeypatch, capsys):
+    monkeypatch.setitem(cli.SUBCOMMANDS, "teleport", "not a real command")
+    rc = cli.main(["teleport"])
+    assert rc == cli.NOT_AVAILABLE_EXIT
+    assert "not available yet" in capsys.readouterr().err
+
+
+def test_no_subcommand_prints_help(capsys):
+    assert cli.main([]) == 2
+    assert "usage: dora" in capsys.readouterr().out
+
+
+def test_console_script_runs():
+    out = subprocess.run([sys.executable, "-m", "dora_megatron", "--help"], capture_output=True, text=True, check=True)
+    assert "dora_megatron" in out.stdout

@@ -1,0 +1,38 @@
+"""Timeline recording and both exports."""
+
+from __future__ import annotations
+
+import json
+
+from dora_megatron.observability.timeline import Timeline
+
+
+def test_version_spans_and_chrome_trace(tmp_path):
+    tl = Timeline()
+    tl.set_version("engine0", 0, 0.0)
+    tl.set_version("engine1", 0, 0.0)
+    tl.set_version("engine0", 0, 1.0)  # no change: no new span
+    tl.set_version("engine0", 1, 2.0)
+    tl.span("trainer", "step 0", 1.0, 2.0, version=0, kind="train")
+    tl.span("engine1", "req s1", 0.5, 3.0, version=0, kind="request")
+    tl.close(4.0)
+    versions = sorted((iv.track, iv.version, iv.start, iv.end) for iv in tl.intervals if iv.args.get("kind") == "version")
+    assert versions == [("engine0", 0, 0.0, 2.0), ("engine0", 1, 2.0, 4.0), ("engine1", 0, 0.0, 4.0)]
+    out = tl.write_chrome_trace(tmp_path / "trace.json")
+    trace = json.loads(out.read_text())
+    xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(xs) == 5
+    step = next(e for e in xs if e["name"] == "step 0")
+    assert step["ts"] == 1e6 and step["dur"] == 1e6 and step["args"]["version"] == 0
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    assert names == {"engine0", "engine1", "trainer"}
+
+
+def test_png_written(tmp_path):
+    tl = Timeline()
+    tl.set_version("engine0", 0, 0.0)
+    tl.set_version("engine0", 1, 1.0)
+    tl.span("trainer", "step 0", 0.2, 1.0, version=0, kind="train")
+    tl.close(2.0)
+    png = tl.write_png(tmp_path / "timeline.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
