@@ -1,4 +1,8 @@
-"""Process placement: which processes run where, with how many CPU threads."""
+"""Process placement: which processes run where, with how many CPU threads.
+
+Engine placement (count, ports, threads) lives in ``rollout``; this section
+holds the trainer job and the launcher itself.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +14,8 @@ from dora_megatron.config.base import field_doc
 @dataclass
 class LaunchConfig:
     backend: str = field_doc("local", "`local`: every process on this machine; `slurm`: roles from the SLURM environment.", choices=("local", "slurm"))
-    host: str = field_doc("127.0.0.1", "Address the local processes bind to (loopback by default).")
-    trainer_procs: int = field_doc(1, "torchrun processes of the trainer (must equal tp*pp*dp of the trainer).", ge=1)
+    trainer_procs: int = field_doc(1, "torchrun processes of the trainer (must fit trainer tp*pp*dp).", ge=1)
     trainer_threads: int = field_doc(1, "torch CPU threads per trainer process.", ge=1)
-    engine_threads: int = field_doc(1, "torch CPU threads per embedded engine process.", ge=1)
-    startup_timeout_s: float = field_doc(180.0, "How long to wait for every process to report healthy.", gt=0.0)
-    request_timeout_s: float = field_doc(600.0, "An engine that does not answer a request for this long is treated as failed.", gt=0.0)
+    trainer_port: int = field_doc(0, "Port of the trainer service (rank 0, loopback); 0 picks a free port.", ge=0, le=65535)
+    trainer_startup_timeout_s: float = field_doc(300.0, "How long to wait for the trainer to build the model and report ready.", gt=0.0, unit="s")
+    shutdown_timeout_s: float = field_doc(20.0, "Grace period for processes to exit before they are killed.", gt=0.0, unit="s")

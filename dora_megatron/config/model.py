@@ -13,7 +13,6 @@ class ModelConfig:
     preset: str = field_doc("tiny-moe", "Preset used when `path` is empty (`dora init-model --preset`).", choices=("tiny-moe", "tiny-dense"))
     warm_start: str = field_doc("", "When the model is created from a preset: supervised warm start on this task first (empty = random init).")
     warm_start_steps: int = field_doc(300, "Optimizer steps of the supervised warm start.", ge=0)
-    max_context: int = field_doc(512, "Longest prompt+response (tokens) used by rollout and training.", ge=8)
 
     def check(self, path: str) -> None:
         if self.warm_start and self.path:

@@ -37,14 +37,14 @@ class DoraConfig:
 
     def check(self, path: str) -> None:
         t = self.trainer
-        world = t.tp * t.pp * t.dp
-        if world != self.launch.trainer_procs:
+        procs = self.launch.trainer_procs
+        try:
+            t.data_parallel_size(procs)
+        except ConfigError as err:
             raise ConfigError(
                 "launch.trainer_procs",
-                f"must equal trainer.tp*trainer.pp*trainer.dp = {t.tp}*{t.pp}*{t.dp} = {world}, got {self.launch.trainer_procs}",
-            )
-        if t.ep > 1 and (t.dp * t.tp) % t.ep != 0:
-            raise ConfigError("trainer.ep", f"must divide trainer.tp*trainer.dp = {t.tp * t.dp}, got {t.ep}")
+                f"{procs} trainer processes do not fit trainer tp={t.tp} pp={t.pp} ep={t.ep} dp={t.dp}: {err}",
+            ) from err
 
 
 def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> DoraConfig:

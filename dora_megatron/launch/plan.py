@@ -39,23 +39,23 @@ def thread_env(threads: int) -> dict[str, str]:
 
 def local_plan(cfg: "DoraConfig", model_dir: str, run_dir: str, base_port: int | None = None) -> list[ProcessSpec]:
     """All processes of a local run: N engines, the trainer (torchrun), the controller."""
-    host = cfg.launch.host
+    host = cfg.rollout.host
     port0 = cfg.rollout.base_port if base_port is None else base_port
     plan: list[ProcessSpec] = []
     for i in range(cfg.rollout.num_instances):
-        port = port0 + i
+        port = port0 + i if port0 else None  # None: the launcher picks a free port
         argv = (
             sys.executable, "-m", "dora_megatron", "serve",
-            "--model", model_dir, "--host", host, "--port", str(port),
+            "--model", model_dir, "--host", host, "--port", str(port) if port else "<free-port>",
             "--device", cfg.rollout.device, "--max-running", str(cfg.rollout.max_running),
-            "--num-threads", str(cfg.launch.engine_threads),
+            "--num-threads", str(cfg.rollout.threads_per_instance),
         )
-        plan.append(ProcessSpec("engine", f"engine{i}", host, argv, port=port, threads=cfg.launch.engine_threads,
-                                env=thread_env(cfg.launch.engine_threads)))
+        plan.append(ProcessSpec("engine", f"engine{i}", host, argv, port=port, threads=cfg.rollout.threads_per_instance,
+                                env=thread_env(cfg.rollout.threads_per_instance)))
     nprocs = cfg.launch.trainer_procs
     trainer_argv = (
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}",
-        "-m", "dora_megatron.trainer.entry", "--run-dir", run_dir,
+        "-m", "dora_megatron.trainer.entry", "--run-dir", run_dir, "--model", model_dir,
     )
     plan.append(ProcessSpec("trainer", "trainer", host, trainer_argv, threads=cfg.launch.trainer_threads,
                             ranks=tuple(range(nprocs)), env=thread_env(cfg.launch.trainer_threads)))

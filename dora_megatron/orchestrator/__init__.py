@@ -1,1 +1,52 @@
-"""orchestrator package."""
+"""The DORA orchestrator: a sans-IO state machine for multi-version streaming rollout
+(DESIGN sections 2-4). Stdlib only; no threads, sockets, clock or torch.
+
+WHY sans-IO: the asyncio runtime and the virtual-clock simulator drive the *same* object, so a
+decision measured in the simulator is the decision taken in production, and every invariant
+(C1-C3, exactly-TBS batches, the staleness window) is property-tested without processes.
+
+Driving contract
+----------------
+``orch = Orchestrator(config: OrchestratorConfig, instances: list[str])`` - every instance starts
+active on version 0; the trainer is idle before step 0. Every event method returns
+``list[Action]`` that the driver executes **in order**:
+
+* ``start()`` - call once; returns the first dispatches.
+* ``on_tick(now)`` - the driver's clock (seconds); runs the timer-triggered rebalance.
+* ``on_sample_progress(sample_id, tokens)`` - optional generated-length report.
+* ``on_sample_finished(sample_id, tokens=None, now=None)`` - a sample is complete.
+* ``on_instance_stats(instance, running, kv_usage)`` - engine load; KV over
+  ``kv_high_watermark`` triggers a rebalance (dora).
+* ``on_step_finished(version)`` - the trainer finished step ``version - 1`` and the weights
+  ``version`` exist (push them to the per-version snapshot before calling).
+* ``on_instance_failed(instance)`` / ``on_instance_joined(instance)``.
+* ``on_switch_done(instance, version)`` - confirms a ``SwitchVersion``.
+* ``on_migration_done(sample_id, reprefill_tokens=0)`` - optional; report re-prefill when a
+  ``Migrate`` fell back to abort+resubmit.
+* ``set_prompt_tokens(group_id, n)`` - prompt length, for re-prefill accounting.
+* ``poll()`` - re-evaluate without an event.
+
+Actions (frozen dataclasses in :mod:`~dora_megatron.orchestrator.actions`):
+``Dispatch(group_id, version, sample_ids)`` (attach a prompt; G samples),
+``Submit(sample_id, instance, version, resume)`` (send prompt [+ partial output when
+``resume``]; this is abort-and-resubmit after an ``Interrupt`` or a failure),
+``Migrate(sample_id, src, dst, version)``, ``Interrupt(sample_id, instance)`` (partial mode),
+``SwitchVersion(instance, version)``, ``ReleaseBatch(step, group_ids, versions)`` (the trainer
+becomes busy with ``step`` until ``on_step_finished(step + 1)``).
+
+Queries: ``sample_status(id)``, ``live_versions()``, ``unfinished_by_version()``,
+``instances_by_version()``, ``outstanding``, ``cap()``, ``summary()`` (summary.json counters),
+``audit()``; ``snapshot()`` -> JSON-able dict and ``Orchestrator.restore(config, snap)``.
+
+Modes (``config.mode``) are policies of the same machine (:mod:`.policy`): ``sync`` (S=0, one
+batch at a time), ``one_step_off`` (S=1, next batch dispatched while the trainer trains),
+``partial`` (streaming, interrupt + resubmit at every update; C1 not kept, recorded per sample),
+``dora`` (streaming, up to S+1 versions, rebalancer, never interrupts).
+"""
+
+from dora_megatron.orchestrator.actions import (Action, Dispatch, Interrupt, Migrate, ReleaseBatch, Submit,
+                                                SwitchVersion)
+from dora_megatron.orchestrator.core import Counters, Orchestrator
+
+__all__ = ["Action", "Counters", "Dispatch", "Interrupt", "Migrate", "Orchestrator", "ReleaseBatch", "Submit",
+           "SwitchVersion"]

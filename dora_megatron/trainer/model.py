@@ -142,7 +142,9 @@ def build_transformer_config(arch: ModelArch, *, tp: int, pp: int, ep: int, devi
         params_dtype=torch.float32,
         pipeline_dtype=torch.float32,
         use_cpu_initialization=(device == "cpu"),
-        variable_seq_lengths=True,
+        # Every micro-batch of a step is padded to one length, so fixed p2p shapes suffice
+        # (and the allgather MoE dispatcher used on CPU refuses variable lengths).
+        variable_seq_lengths=False,
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,

@@ -1,0 +1,64 @@
+"""``dora serve``: run one embedded rollout engine (SGLang HTTP protocol) on loopback."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "serve a Hugging Face Qwen3 / Qwen3-MoE directory with the embedded engine (SGLang HTTP protocol)"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="HF model directory (config.json + safetensors)")
+    parser.add_argument("--port", type=int, required=True, help="TCP port (0 picks a free one and prints it)")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--max-running", type=int, default=32, help="cap on concurrently running requests")
+    parser.add_argument("--weight-version", default="0", help="version label of the loaded weights")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    parser.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
+    parser.add_argument("--kv-blocks", type=int, default=None, help="KV budget in blocks (default: max-running full contexts)")
+    parser.add_argument("--context-length", type=int, default=None, help="max tokens per request (default: model's)")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+    import socket
+
+    import torch
+    from aiohttp import web
+
+    from dora_megatron.rollout.engine.server import build_app
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda but CUDA is not available")
+        return 2
+    app = build_app(
+        args.model,
+        device=args.device,
+        max_running=args.max_running,
+        weight_version=str(args.weight_version),
+        block_size=args.block_size,
+        kv_blocks=args.kv_blocks,
+        max_context=args.context_length,
+    )
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    port = sock.getsockname()[1]
+    print(f"dora serve: listening on http://{args.host}:{port} model={args.model}", flush=True)
+    web.run_app(app, sock=sock, print=None, handle_signals=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dora serve", description=HELP)
+    configure(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,37 @@
+"""``rollout:`` config section: how many engine instances, where, and their sampling defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dora_megatron.config.base import ConfigError, field_doc
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = field_doc("embedded", "engine type: embedded (our CPU/CUDA engine) or sglang", choices=("embedded", "sglang"))
+    num_instances: int = field_doc(2, "number of rollout engine instances (one process each)", ge=1)
+    max_running: int = field_doc(32, "cap on concurrently running requests per instance", ge=1)
+    device: str = field_doc("cpu", "device of embedded engines", choices=("cpu", "cuda"))
+    threads_per_instance: int = field_doc(1, "torch intra-op threads per embedded instance (CPU)", ge=1)
+    host: str = field_doc("127.0.0.1", "address the instances bind to (loopback for local runs)")
+    base_port: int = field_doc(0, "port of instance 0, instance i uses base_port+i; 0 picks free ports", ge=0, le=65535)
+    block_size: int = field_doc(16, "KV cache block size in tokens (embedded engine)", ge=1)
+    kv_blocks: int | None = field_doc(None, "KV budget per instance in blocks; null = max_running full contexts", ge=1)
+    context_length: int | None = field_doc(None, "max tokens per request; null = the model's max_position_embeddings", ge=2)
+    temperature: float = field_doc(1.0, "sampling temperature (0 = greedy)", ge=0.0)
+    top_p: float = field_doc(1.0, "nucleus sampling threshold", gt=0.0, le=1.0)
+    top_k: int = field_doc(-1, "top-k sampling (-1 = disabled)", ge=-1)
+    max_new_tokens: int = field_doc(64, "max generated tokens per sample", ge=1, unit="tokens")
+    stop_token_ids: list[int] = field_doc(default_factory=list, doc="extra token ids that end a sample (EOS always does)")
+    request_timeout_s: float = field_doc(600.0, "HTTP timeout of one generate call", gt=0.0, unit="s")
+    startup_timeout_s: float = field_doc(120.0, "how long to wait for an instance to become healthy", gt=0.0, unit="s")
+    sglang_args: list[str] = field_doc(default_factory=list, doc="extra command-line flags passed to SGLang (engine=sglang)")
+
+    def check(self, path: str) -> None:
+        if self.top_k == 0:
+            raise ConfigError(f"{path}.top_k", "use -1 to disable top-k (0 is not a valid k)")
+        if self.engine == "sglang" and self.device != "cuda":
+            raise ConfigError(f"{path}.device", "engine sglang needs device cuda")
+        if self.base_port and self.base_port + self.num_instances - 1 > 65535:
+            raise ConfigError(f"{path}.base_port", "base_port + num_instances exceeds 65535")

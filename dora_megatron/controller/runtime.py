@@ -1,0 +1,507 @@
+"""The asyncio runtime that drives the orchestrator with real engines and a real trainer.
+
+Why one loop around one sans-IO object: every decision (what to dispatch where,
+which instance switches, which requests migrate, which groups form a batch) is
+made by :class:`~dora_megatron.orchestrator.Orchestrator`; this module only turns
+its actions into HTTP calls and feeds what happened back as events. All
+orchestrator calls happen on the event-loop thread, so the state machine needs
+no locks.
+
+::
+
+    prompts -> Dispatch ----------> records (prompt ids, seeds)
+               Submit   ----------> engine /generate (tagged with its version)   --+
+               Migrate  ----------> src /dora/export_request -> dst /dora/import  |  finished
+               Interrupt ---------> engine /abort_request (partial output kept)   |  samples
+               SwitchVersion -----> engine /update_weights_from_disk (snapshot)   |
+               ReleaseBatch ------> trainer /train -> new version snapshot ---+   |
+                                                                              |   v
+                       on_step_finished(v) <-----------------------------------+  reward,
+                       on_sample_finished(id) <------------------------------------+  records
+
+Per-sample ordering: each sample has at most one HTTP operation in flight; a new
+operation on a sample (a resubmission after an interrupt, a migration) first
+awaits the previous one, so partial outputs are never lost or applied twice. An
+instance switch first awaits every move away from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from dora_megatron.data import tokenizer as tok
+from dora_megatron.data.tasks import Prompt, PromptSource
+from dora_megatron.orchestrator import (Dispatch, Interrupt, Migrate, Orchestrator, ReleaseBatch, Submit,
+                                        SwitchVersion)
+from dora_megatron.sim.summary import RunTotals, StepRecord, build_summary
+
+log = logging.getLogger(__name__)
+
+
+class Engine(Protocol):
+    """The subset of :class:`~dora_megatron.rollout.client.EngineClient` the runtime uses."""
+
+    async def generate(self, input_ids, sampling_params=None, *, rid=None, return_logprob=True, version=None): ...
+    async def abort(self, rid: str = "", abort_all: bool = False) -> bool: ...
+    async def server_info(self) -> dict[str, Any]: ...
+    async def update_weights_from_disk(self, model_path: str, weight_version=None) -> dict[str, Any]: ...
+    async def supports(self, name: str) -> bool: ...
+    async def export_request(self, rid: str) -> bytes: ...
+    async def import_request(self, blob: bytes): ...
+    async def weights_checksum(self) -> str: ...
+
+
+class Trainer(Protocol):
+    async def train(self, step: int, samples: list[dict[str, Any]]) -> dict[str, Any]: ...
+
+
+@dataclass
+class SampleRecord:
+    sample_id: str
+    group_id: str
+    index: int
+    version: int
+    prompt_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: set[int] = field(default_factory=set)
+    submissions: int = 0
+    reward: float | None = None
+    finished: bool = False
+    task: asyncio.Task | None = None
+    gen_task: asyncio.Task | None = None
+    gen_instance: str | None = None
+
+
+@dataclass
+class GroupRecord:
+    group_id: str
+    version: int
+    prompt: Prompt
+    sample_ids: tuple[str, ...]
+    dispatched_at: float
+
+
+@dataclass
+class RuntimeOptions:
+    steps: int
+    seed: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    snapshot_dir: Callable[[int], str]  # version -> HF snapshot directory
+    stats_interval_s: float = 0.5
+    slots_per_instance: int = 8
+    request_timeout_s: float = 600.0
+    health_timeout_s: float = 30.0
+    verify_checksums: bool = True
+
+
+@dataclass
+class StepLog:
+    step: int
+    start_s: float
+    end_s: float
+    wait_s: float
+    train_s: float
+    sync_s: float
+    metrics: dict[str, float]
+    rewards: list[float]
+    response_lengths: list[int]
+    staleness: list[int]
+    tokens: int
+    live_versions: int
+
+
+class Runtime:
+    """Runs ``options.steps`` training steps; returns the run summary (DESIGN section 11)."""
+
+    def __init__(self, orch: Orchestrator, engines: dict[str, Engine], trainer: Trainer, source: PromptSource,
+                 reward_fn: Callable[[str, str], float], options: RuntimeOptions, *, timeline=None,
+                 on_step: Callable[[StepLog, "Runtime"], None] | None = None, first_prompt: int = 0) -> None:
+        self.orch = orch
+        self.engines = engines
+        self.trainer = trainer
+        self.source = source
+        self.reward_fn = reward_fn
+        self.opt = options
+        self.timeline = timeline
+        self.on_step = on_step
+        self.next_prompt = first_prompt
+        self.samples: dict[str, SampleRecord] = {}
+        self.groups: dict[str, GroupRecord] = {}
+        self.consumed: set[str] = set()
+        self.duplicated = 0
+        self.steps: list[StepLog] = []
+        self.failed: set[str] = set()
+        self.switch_s = 0.0
+        self.busy_slot_s = 0.0
+        self.migrated_bytes = 0
+        self.migrations_done = 0
+        self.migrations_fallback = 0
+        self.checksum_mismatches = 0
+        self.expected_checksums: dict[int, str] = {}
+        self._moves_from: dict[str, set[asyncio.Task]] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._error: BaseException | None = None
+        self._done = asyncio.Event()
+        self._t0 = 0.0
+        self._trainer_idle_since = 0.0
+        self._version_of: dict[str, int] = {iid: 0 for iid in engines}
+
+    # ------------------------------------------------------------------ helpers
+    def now(self) -> float:
+        return time.monotonic() - self._t0
+
+    def _spawn(self, coro, name: str) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(self._guard(coro), name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _guard(self, coro) -> None:
+        try:
+            await coro
+        except asyncio.CancelledError:
+            raise
+        except BaseException as err:  # noqa: BLE001 - any failure stops the run with its cause
+            log.exception("runtime task failed")
+            if self._error is None:
+                self._error = err
+            self._done.set()
+
+    def execute(self, actions: list) -> None:
+        for a in actions:
+            if isinstance(a, Dispatch):
+                self._dispatch(a)
+            elif isinstance(a, Submit):
+                self._chain(a.sample_id, self._submit(a), f"submit-{a.sample_id}")
+            elif isinstance(a, Migrate):
+                task = self._concurrent(a.sample_id, lambda prev, a=a: self._migrate(a, prev), f"migrate-{a.sample_id}")
+                self._moves_from.setdefault(a.src, set()).add(task)
+                task.add_done_callback(lambda t, src=a.src: self._moves_from.get(src, set()).discard(t))
+            elif isinstance(a, Interrupt):
+                self._spawn(self._interrupt(a), f"interrupt-{a.sample_id}")
+            elif isinstance(a, SwitchVersion):
+                self._spawn(self._switch(a), f"switch-{a.instance}")
+            elif isinstance(a, ReleaseBatch):
+                self._spawn(self._train(a), f"train-{a.step}")
+            else:
+                raise TypeError(f"unknown action {a!r}")
+
+    def _chain(self, sample_id: str, coro, name: str) -> asyncio.Task:
+        """Run ``coro`` after the sample's previous operation finished (per-sample ordering)."""
+        rec = self.samples[sample_id]
+        prev = rec.task
+
+        async def run():
+            if prev is not None and not prev.done():
+                await asyncio.wait([prev])
+            await coro
+
+        rec.task = self._spawn(run(), name)
+        return rec.task
+
+    def _concurrent(self, sample_id: str, make_coro, name: str) -> asyncio.Task:
+        """Run an operation that acts on the sample's in-flight request (it does not wait for it);
+        later operations on the sample wait for both."""
+        rec = self.samples[sample_id]
+        prev = rec.task
+        task = self._spawn(make_coro(prev), name)
+
+        async def both():
+            await asyncio.wait([t for t in (prev, task) if t is not None])
+
+        rec.task = self._spawn(both(), f"{name}-join")
+        return task
+
+    # ------------------------------------------------------------------ actions
+    def _dispatch(self, a: Dispatch) -> None:
+        prompt = self.source.get(self.next_prompt)
+        self.next_prompt += 1
+        prompt_ids = tok.encode(prompt.text, add_bos=True)
+        self.groups[a.group_id] = GroupRecord(a.group_id, a.version, prompt, tuple(a.sample_ids), self.now())
+        for i, sid in enumerate(a.sample_ids):
+            self.samples[sid] = SampleRecord(sid, a.group_id, i, a.version, list(prompt_ids))
+        self.orch.set_prompt_tokens(a.group_id, len(prompt_ids))
+
+    def _sampling(self, rec: SampleRecord) -> dict[str, Any]:
+        seed = zlib.crc32(f"{self.opt.seed}/{rec.sample_id}/{rec.submissions}".encode()) & 0x7FFFFFFF
+        return {
+            "max_new_tokens": max(1, self.opt.max_new_tokens - len(rec.output_ids)),
+            "temperature": self.opt.temperature, "top_p": self.opt.top_p, "top_k": self.opt.top_k,
+            "stop_token_ids": [tok.EOS_ID], "sampling_seed": seed,
+        }
+
+    async def _submit(self, a: Submit) -> None:
+        from dora_megatron.rollout.client import EngineError, VersionMismatch
+
+        rec = self.samples[a.sample_id]
+        if rec.finished:
+            return
+        rec.submissions += 1
+        rec.versions.add(a.version)
+        rec.version = a.version
+        engine = self.engines[a.instance]
+        start = self.now()
+        rec.gen_task, rec.gen_instance = asyncio.current_task(), a.instance
+        try:
+            resp = await engine.generate(rec.prompt_ids + rec.output_ids, self._sampling(rec), rid=a.sample_id,
+                                         return_logprob=True, version=a.version)
+        except VersionMismatch as err:
+            raise RuntimeError(f"C1 guard: {a.instance} refused {a.sample_id} for version {a.version}: {err.message}") from err
+        except (EngineError, OSError, asyncio.TimeoutError) as err:
+            self._instance_failed(a.instance, f"generate failed: {err}")
+            return
+        except Exception as err:  # aiohttp.ClientError and friends: the engine is gone
+            if type(err).__module__.startswith("aiohttp"):
+                self._instance_failed(a.instance, f"generate failed: {err}")
+                return
+            raise
+        self._absorb(rec, resp, a.instance, start)
+
+    def _absorb(self, rec: SampleRecord, resp, instance: str, start: float) -> None:
+        """Apply an engine response: finished -> event; aborted -> keep the partial output."""
+        end = self.now()
+        self.busy_slot_s += end - start
+        if getattr(resp, "migrated", False):
+            return  # the import on the destination delivers this sample
+        if self.timeline is not None:
+            self.timeline.span(instance, rec.sample_id, start, end, version=rec.version, kind="request")
+        rec.output_ids.extend(resp.output_ids)
+        rec.logprobs.extend(resp.output_token_logprobs or [0.0] * len(resp.output_ids))
+        reason = (resp.finish_reason or {}).get("type")
+        if reason == "abort":
+            return  # interrupted (partial mode) or failed over: a later Submit(resume) continues it
+        rec.finished = True
+        group = self.groups[rec.group_id]
+        rec.reward = float(self.reward_fn(tok.decode(rec.output_ids), group.prompt.answer))
+        self.execute(self.orch.on_sample_finished(rec.sample_id, tokens=len(rec.output_ids), now=end))
+
+    async def _migrate(self, a: Migrate, prev: asyncio.Task | None) -> None:
+        from dora_megatron.rollout.client import EngineError, ExtensionUnsupported
+
+        rec = self.samples[a.sample_id]
+        if rec.finished:
+            return
+        src, dst = self.engines[a.src], self.engines[a.dst]
+        start = self.now()
+        blob = None
+        if await src.supports("export_request") and await dst.supports("import_request"):
+            for _ in range(50):  # the generate may not have reached the engine yet
+                try:
+                    blob = await src.export_request(a.sample_id)
+                    break
+                except EngineError as err:
+                    if err.status != 404:
+                        raise
+                    if rec.finished:
+                        return
+                    await asyncio.sleep(0.02)
+        if blob is not None:
+            self.migrated_bytes += len(blob)
+            self.migrations_done += 1
+            if self.timeline is not None:
+                self.timeline.span(a.dst, f"migrate-in {a.sample_id}", start, self.now(), version=a.version, kind="migration")
+            try:
+                resp = await dst.import_request(blob)
+            except (EngineError, ExtensionUnsupported, OSError) as err:
+                self._instance_failed(a.dst, f"import failed: {err}")
+                return
+            self._absorb(rec, resp, a.dst, start)
+            return
+        # Fallback (SGLang): abort at src, resubmit prompt + partial output at dst (re-prefill).
+        self.migrations_fallback += 1
+        await src.abort(a.sample_id)
+        if prev is not None and not prev.done():
+            await asyncio.wait([prev])  # the aborted generate hands its partial output to _absorb
+        if rec.finished:
+            return
+        reprefill = len(rec.prompt_ids) + len(rec.output_ids)
+        self.orch.on_migration_done(a.sample_id, reprefill_tokens=reprefill)
+        await self._submit(Submit(a.sample_id, a.dst, a.version, resume=True))
+
+    async def _interrupt(self, a: Interrupt) -> None:
+        await self.engines[a.instance].abort(a.sample_id)
+
+    async def _switch(self, a: SwitchVersion) -> None:
+        moves = [t for t in self._moves_from.get(a.instance, ()) if not t.done()]
+        if moves:
+            await asyncio.wait(moves)
+        engine = self.engines[a.instance]
+        start = self.now()
+        try:
+            await engine.update_weights_from_disk(self.opt.snapshot_dir(a.version), weight_version=a.version)
+            if self.opt.verify_checksums and a.version in self.expected_checksums and await engine.supports("weights_checksum"):
+                got = await engine.weights_checksum()
+                if got != self.expected_checksums[a.version]:
+                    self.checksum_mismatches += 1
+                    self._instance_failed(a.instance, f"weights checksum mismatch for version {a.version}")
+                    return
+        except Exception as err:  # noqa: BLE001 - an instance that cannot load weights is failed
+            self._instance_failed(a.instance, f"switch to v{a.version} failed: {err}")
+            return
+        end = self.now()
+        self.switch_s += end - start
+        self._version_of[a.instance] = a.version
+        if self.timeline is not None:
+            self.timeline.set_version(a.instance, a.version, end)
+            self.timeline.span(a.instance, f"load v{a.version}", start, end, version=a.version, kind="weight_sync")
+        self.execute(self.orch.on_switch_done(a.instance, a.version))
+
+    def _instance_failed(self, instance: str, why: str) -> None:
+        if instance in self.failed:
+            return
+        log.warning("instance %s failed: %s", instance, why)
+        self.failed.add(instance)
+        current = asyncio.current_task()
+        for rec in self.samples.values():  # stop waiting on requests that lived there
+            if rec.gen_instance == instance and rec.gen_task is not None and rec.gen_task is not current \
+                    and not rec.gen_task.done() and not rec.finished:
+                rec.gen_task.cancel()
+        self.execute(self.orch.on_instance_failed(instance))
+        if len(self.failed) == len(self.engines):
+            self._error = RuntimeError("every rollout instance failed")
+            self._done.set()
+
+    async def _train(self, a: ReleaseBatch) -> None:
+        start = self.now()
+        wait = max(0.0, start - self._trainer_idle_since)
+        samples, rewards, lengths, staleness, tokens = [], [], [], [], 0
+        for gid, version in zip(a.group_ids, a.versions):
+            if gid in self.consumed:
+                self.duplicated += 1
+                raise RuntimeError(f"group {gid} released twice")
+            self.consumed.add(gid)
+            staleness.append(a.step - version)
+            group = self.groups[gid]
+            for sid in group.sample_ids:
+                rec = self.samples[sid]
+                samples.append({
+                    "prompt_ids": rec.prompt_ids, "response_ids": rec.output_ids, "rollout_logprobs": rec.logprobs,
+                    "reward": rec.reward, "group_id": gid, "version": rec.version,
+                })
+                rewards.append(rec.reward)
+                lengths.append(len(rec.output_ids))
+                tokens += len(rec.prompt_ids) + len(rec.output_ids)
+        t_train = time.monotonic()
+        result = await self.trainer.train(a.step, samples)
+        train_s = time.monotonic() - t_train
+        new_version = int(result["version"])
+        if result.get("checksum"):
+            self.expected_checksums[new_version] = result["checksum"]
+        end = self.now()
+        for gid in a.group_ids:  # free memory of consumed groups
+            for sid in self.groups[gid].sample_ids:
+                self.samples[sid].logprobs = []
+        log_ = StepLog(a.step, start, end, wait, train_s, 0.0, dict(result.get("metrics", {})), rewards, lengths,
+                       staleness, tokens, len(self.orch.live_versions()))
+        self.steps.append(log_)
+        if self.timeline is not None:
+            self.timeline.span("trainer", f"step {a.step}", start, end, version=a.step, kind="train")
+        if self.on_step is not None:
+            self.on_step(log_, self)
+        self._trainer_idle_since = end
+        if len(self.steps) >= self.opt.steps:
+            self._done.set()
+            return
+        self.execute(self.orch.on_step_finished(new_version))
+
+    # ------------------------------------------------------------------ main loop
+    async def _stats_loop(self) -> None:
+        while not self._done.is_set():
+            for iid, engine in self.engines.items():
+                if iid in self.failed:
+                    continue
+                try:
+                    info = await asyncio.wait_for(engine.server_info(), timeout=self.opt.health_timeout_s)
+                except Exception as err:  # noqa: BLE001 - unreachable engine = failed engine
+                    self._instance_failed(iid, f"server_info failed: {err}")
+                    continue
+                running = int(info.get("num_running_reqs", info.get("running", 0)) or 0)
+                kv = float(info.get("kv_usage", info.get("token_usage", 0.0)) or 0.0)
+                self.execute(self.orch.on_instance_stats(iid, running, kv))
+            self.execute(self.orch.on_tick(self.now()))
+            try:
+                await asyncio.wait_for(self._done.wait(), timeout=self.opt.stats_interval_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def run(self) -> dict[str, Any]:
+        self._t0 = time.monotonic()
+        self._trainer_idle_since = 0.0
+        if self.timeline is not None:
+            for iid, v in self._version_of.items():
+                self.timeline.set_version(iid, v, 0.0)
+        self.execute(self.orch.start())
+        stats = asyncio.get_running_loop().create_task(self._stats_loop())
+        try:
+            await self._done.wait()
+        finally:
+            stats.cancel()
+            await asyncio.gather(stats, return_exceptions=True)
+        if self._error is not None:
+            await self._cancel_all()
+            raise self._error
+        wall = self.now()
+        await self._cancel_all()
+        if self.timeline is not None:
+            self.timeline.close(wall)
+        return self.summary(wall)
+
+    async def _cancel_all(self) -> None:
+        """Abort what is still generating (outstanding groups of the next steps) and stop tasks."""
+        for iid, engine in self.engines.items():
+            if iid not in self.failed:
+                try:
+                    await asyncio.wait_for(engine.abort(abort_all=True), timeout=5)
+                except Exception:  # noqa: BLE001 - best effort at shutdown
+                    pass
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # ------------------------------------------------------------------ summary
+    def summary(self, wall: float) -> dict[str, Any]:
+        osum = self.orch.summary()
+        records = [StepRecord(s.step, s.end_s, s.wait_s, s.train_s, s.sync_s, s.tokens, s.staleness,
+                              statistics.fmean(s.rewards) if s.rewards else None) for s in self.steps]
+        slots = len(self.engines) * self.opt.slots_per_instance
+        totals = RunTotals(
+            dispatched_groups=osum["dispatched_groups"], consumed_groups=osum["consumed_groups"],
+            lost_groups=osum["lost_groups"], duplicated_groups=osum["duplicated_groups"] + self.duplicated,
+            c1_violations=self._c1_violations(), c3_violations=osum["c3_violations"],
+            migrations=osum["migrations"], migrated_kv_bytes=self.migrated_bytes,
+            reprefill_tokens=osum["reprefill_tokens"], busy_slot_s=self.busy_slot_s, slot_capacity=slots,
+            rebalance_s=None,
+        )
+        out = build_summary(mode=osum["mode"], max_staleness=osum["max_staleness"], tbs=osum["tbs"], rbs=osum["rbs"],
+                            steps=records, totals=totals, wall_time_s=wall)
+        out["weight_sync_fraction"] = self.switch_s / (wall * max(len(self.engines), 1)) if wall > 0 else None
+        out["migrations_kv"] = self.migrations_done
+        out["migrations_reprefill"] = self.migrations_fallback
+        out["checksum_mismatches"] = self.checksum_mismatches
+        out["failed_instances"] = sorted(self.failed)
+        out["max_live_versions"] = osum.get("max_live_versions")
+        out["outstanding_groups_at_end"] = osum["dispatched_groups"] - osum["consumed_groups"]
+        out["rollout_vs_trainer_logprob_diff_last"] = (
+            self.steps[-1].metrics.get("rollout_vs_trainer_logprob_diff") if self.steps else None)
+        return out
+
+    def _c1_violations(self) -> int:
+        """Samples of consumed groups whose tokens came from more than one version."""
+        n = 0
+        for gid in self.consumed:
+            for sid in self.groups[gid].sample_ids:
+                if len(self.samples[sid].versions) > 1:
+                    n += 1
+        return n

@@ -1,0 +1,55 @@
+"""Async client of the trainer service (:mod:`dora_megatron.trainer.service`)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+
+
+class TrainerError(RuntimeError):
+    pass
+
+
+class TrainerClient:
+    def __init__(self, base_url: str, timeout_s: float = 3600.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._session: aiohttp.ClientSession | None = None
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+
+    def _sess(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        async with self._sess().post(self.base_url + path, json=body) as resp:
+            data = await resp.json(content_type=None)
+            if resp.status >= 400:
+                raise TrainerError(f"trainer {path}: HTTP {resp.status}: {data.get('error') if isinstance(data, dict) else data}")
+            return data
+
+    async def health(self) -> dict[str, Any] | None:
+        try:
+            async with self._sess().get(self.base_url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                return await resp.json() if resp.status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return None
+
+    async def train(self, step: int, samples: list[dict[str, Any]]) -> dict[str, Any]:
+        return await self._post("/train", {"step": step, "samples": samples})
+
+    async def save_checkpoint(self, path: str) -> dict[str, Any]:
+        return await self._post("/save_checkpoint", {"path": path})
+
+    async def shutdown(self) -> None:
+        try:
+            await self._post("/shutdown", {})
+        except (aiohttp.ClientError, asyncio.TimeoutError, TrainerError):
+            pass

@@ -1,0 +1,279 @@
+"""The local launcher: every process of a job on this machine, on loopback.
+
+``dora train`` with ``launch.backend: local`` lands here. It prepares the run
+directory (resolved config, model), starts ``rollout.num_instances`` engine
+processes (each the same ``dora serve`` command a user runs) and the trainer
+(torchrun, gloo), waits for all of them to be healthy, runs the controller
+(:mod:`dora_megatron.controller.runtime`) in this process, writes the outputs
+(``summary.json``, TensorBoard, ``timeline.png``, ``trace.json``, ``steps.jsonl``)
+and stops every child on success, error or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from dora_megatron.config.loader import dump_yaml
+from dora_megatron.config.schema import DoraConfig
+from dora_megatron.launch.plan import ProcessSpec, local_plan
+from dora_megatron.launch.processes import ChildFailed, ProcessSet, free_ports
+
+log = logging.getLogger(__name__)
+
+
+def make_run_dir(cfg: DoraConfig) -> Path:
+    if cfg.run.run_dir:
+        run_dir = Path(cfg.run.run_dir)
+    else:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        run_dir = Path(cfg.run.output_dir) / f"{cfg.run.name}-{cfg.orchestrator.mode}-{stamp}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir.resolve()
+
+
+def prepare_model(cfg: DoraConfig, run_dir: Path, say=print) -> Path:
+    """The HF model directory of version 0: ``model.path``, or a preset (optionally warm-started)."""
+    if cfg.model.path:
+        path = Path(cfg.model.path).resolve()
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model.path: no config.json in {path}")
+        return path
+    from dora_megatron.models.presets import create_model_dir
+
+    path = run_dir / "model"
+    if (path / "model.safetensors").is_file():
+        return path
+    create_model_dir(cfg.model.preset, path, seed=cfg.run.seed)
+    if cfg.model.warm_start:
+        from dora_megatron.data.warm_start import run_warm_start
+
+        d = cfg.data
+        run_warm_start(path, cfg.model.warm_start, cfg.model.warm_start_steps, seed=cfg.run.seed, say=say,
+                       task_kwargs={"min_len": d.min_len, "max_len": d.max_len, "exponent": d.length_exponent})
+    return path
+
+
+async def _wait_http(url: str, procs: ProcessSet, timeout_s: float, what: str) -> None:
+    import aiohttp
+
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        while True:
+            procs.check_alive()
+            try:
+                async with session.get(url) as resp:
+                    if resp.status == 200:
+                        return
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} not healthy after {timeout_s:.0f} s ({url})")
+            await asyncio.sleep(0.25)
+
+
+def run_local_job(cfg: DoraConfig, resume: str | None = None) -> int:
+    if resume:
+        sys.stderr.write("dora train --resume: not available yet in this build\n")
+        return 3
+    say = _Say()
+    run_dir = make_run_dir(cfg)
+    (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+    say(f"run directory: {run_dir}")
+    model_dir = prepare_model(cfg, run_dir, say=say)
+    host = cfg.rollout.host
+    ports = free_ports(cfg.rollout.num_instances + 1, host)
+    base_port = cfg.rollout.base_port or None
+    engine_ports = [base_port + i for i in range(cfg.rollout.num_instances)] if base_port else ports[:-1]
+    trainer_port = cfg.launch.trainer_port or ports[-1]
+    plan = local_plan(cfg, str(model_dir), str(run_dir), base_port=engine_ports[0])
+    # free ports need not be consecutive: patch each engine's --port to its own
+    plan = [_with_port(p, engine_ports[i]) if p.role == "engine" else p for i, p in enumerate(plan)]
+    try:
+        with ProcessSet(run_dir / "logs", grace_s=cfg.launch.shutdown_timeout_s) as procs:
+            for spec in plan:
+                if spec.role == "engine":
+                    procs.start(spec.name, spec.argv, spec.env)
+                elif spec.role == "trainer":
+                    argv = list(spec.argv) + ["--host", host, "--port", str(trainer_port)]
+                    procs.start("trainer", argv, {**spec.env, "PYTHONUNBUFFERED": "1"})
+            summary = asyncio.run(_run_controller(cfg, run_dir, model_dir, host, engine_ports, trainer_port, procs, say))
+    except ChildFailed as err:
+        say(f"a process failed: {err}")
+        return 1
+    except KeyboardInterrupt:
+        say("interrupted; every process was stopped")
+        return 130
+    say(_summary_line(summary))
+    say(f"outputs in {run_dir}")
+    return 0
+
+
+def _with_port(spec: ProcessSpec, port: int) -> ProcessSpec:
+    argv = list(spec.argv)
+    argv[argv.index("--port") + 1] = str(port)
+    return ProcessSpec(spec.role, spec.name, spec.host, tuple(argv), port, spec.threads, spec.ranks, spec.env)
+
+
+async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host: str, engine_ports: list[int],
+                          trainer_port: int, procs: ProcessSet, say) -> dict[str, Any]:
+    from dora_megatron.controller.runtime import Runtime, RuntimeOptions
+    from dora_megatron.controller.trainer_client import TrainerClient
+    from dora_megatron.data.tasks import make_prompt_source
+    from dora_megatron.observability.tensorboard import NullWriter, TensorBoardWriter
+    from dora_megatron.observability.timeline import Timeline
+    from dora_megatron.orchestrator import Orchestrator
+    from dora_megatron.rollout.client import EngineClient
+
+    t_start = time.monotonic()
+    names = [f"engine{i}" for i in range(len(engine_ports))]
+    engines = {n: EngineClient(f"http://{host}:{p}", timeout_s=cfg.rollout.request_timeout_s) for n, p in zip(names, engine_ports)}
+    trainer = TrainerClient(f"http://{host}:{trainer_port}")
+    say(f"waiting for {len(engines)} engines and the trainer ({cfg.launch.trainer_procs} rank(s)) ...")
+    await asyncio.gather(
+        *(_wait_http(f"http://{host}:{p}/health", procs, cfg.rollout.startup_timeout_s, f"engine{i}") for i, p in enumerate(engine_ports)),
+        _wait_http(f"http://{host}:{trainer_port}/health", procs, cfg.launch.trainer_startup_timeout_s, "trainer"),
+    )
+    say(f"all processes healthy after {time.monotonic() - t_start:.1f} s")
+    data = cfg.data
+    if data.task == "running_sum":
+        source, reward_fn = make_prompt_source("running_sum", min_len=data.min_len, max_len=data.max_len,
+                                               exponent=data.length_exponent, seed=data.seed)
+    else:
+        source, reward_fn = make_prompt_source("jsonl", path=data.path, prompt_key=data.prompt_key, answer_key=data.answer_key)
+    orch = Orchestrator(cfg.orchestrator, names)
+    obs = cfg.observability
+    writer = TensorBoardWriter(run_dir / "tb") if obs.tensorboard else NullWriter()
+    timeline = Timeline() if obs.timeline else None
+    progress = _Progress(cfg.run.steps, enabled=obs.progress)
+    steps_file = open(run_dir / "steps.jsonl", "w")
+
+    def snapshot_dir(version: int) -> str:
+        return str(model_dir) if version == 0 else str(run_dir / "weights" / f"v{version:06d}")
+
+    def on_step(s, rt: Runtime) -> None:
+        lengths = sorted(s.response_lengths)
+        tokens_total = sum(x.tokens for x in rt.steps)
+        scalars = {
+            "reward/mean": statistics.fmean(s.rewards) if s.rewards else None,
+            "reward/exact_fraction": sum(r == 1.0 for r in s.rewards) / len(s.rewards) if s.rewards else None,
+            "response_length/p50": _pct(lengths, 0.5), "response_length/p99": _pct(lengths, 0.99),
+            "response_length/max": lengths[-1] if lengths else None,
+            "perf/throughput_tokens_per_s": tokens_total / s.end_s if s.end_s > 0 else None,
+            "perf/step_time_s": s.end_s - (rt.steps[-2].end_s if len(rt.steps) > 1 else 0.0),
+            "perf/train_time_s": s.train_s,
+            "perf/rollout_only_fraction": sum(x.wait_s for x in rt.steps) / s.end_s if s.end_s > 0 else None,
+            "perf/rollout_utilization": rt.busy_slot_s / (len(rt.engines) * rt.opt.slots_per_instance * s.end_s) if s.end_s > 0 else None,
+            "perf/weight_sync_time_s": rt.switch_s,
+            "staleness/mean": statistics.fmean(s.staleness) if s.staleness else None,
+            "staleness/max": max(s.staleness) if s.staleness else None,
+            "versions/live": s.live_versions,
+            "migrations/count": rt.orch.counters.migrations,
+            "migrations/kv_bytes": rt.migrated_bytes,
+            "migrations/reprefill_tokens": rt.orch.counters.reprefill_tokens,
+        }
+        for key, value in s.metrics.items():
+            scalars[f"train/{key}"] = value
+        writer.scalars(s.step, scalars)
+        steps_file.write(json.dumps({"step": s.step, **{k: v for k, v in scalars.items() if v is not None}}) + "\n")
+        steps_file.flush()
+        progress.update(s.step, scalars)
+
+    options = RuntimeOptions(
+        steps=cfg.run.steps, seed=cfg.run.seed, max_new_tokens=cfg.rollout.max_new_tokens,
+        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+        snapshot_dir=snapshot_dir, stats_interval_s=obs.stats_interval_s,
+        slots_per_instance=min(cfg.rollout.max_running, cfg.orchestrator.cap_before_rebalance),
+        request_timeout_s=cfg.rollout.request_timeout_s,
+    )
+    runtime = Runtime(orch, engines, trainer, source, reward_fn, options, timeline=timeline, on_step=on_step)
+    monitor = asyncio.get_running_loop().create_task(_watch_children(procs, engines, names, runtime))
+    try:
+        summary = await runtime.run()
+    finally:
+        monitor.cancel()
+        progress.close()
+        steps_file.close()
+        writer.close()
+        await trainer.shutdown()
+        await trainer.close()
+        for e in engines.values():
+            await e.close()
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (run_dir / "orchestrator_state.json").write_text(json.dumps(orch.snapshot()))
+    if timeline is not None:
+        timeline.write_chrome_trace(run_dir / "trace.json")
+        timeline.write_png(run_dir / "timeline.png", title=f"{cfg.orchestrator.mode}: instances x time, coloured by version")
+    return summary
+
+
+async def _watch_children(procs: ProcessSet, engines, names, runtime) -> None:
+    """An engine process that exits is a failed instance; a dead trainer stops the run."""
+    reported: set[str] = set()
+    while True:
+        await asyncio.sleep(0.5)
+        for child in procs.children:
+            if child.alive() or child.name in reported:
+                continue
+            reported.add(child.name)
+            if child.name == "trainer":
+                runtime._error = ChildFailed(f"trainer exited with status {child.popen.returncode}:\n{child.tail()}")
+                runtime._done.set()
+            elif child.name in engines:
+                runtime._instance_failed(child.name, f"process exited with status {child.popen.returncode}")
+
+
+def _pct(sorted_values: list[int], q: float) -> float | None:
+    if not sorted_values:
+        return None
+    return float(sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))])
+
+
+def _summary_line(s: dict[str, Any]) -> str:
+    def f(x, fmt="{:.3f}"):
+        return "n/a" if x is None else fmt.format(x)
+
+    return (f"done: {s['steps']} steps in {f(s['wall_time_s'], '{:.1f}')} s, reward {f(s['reward_first'])} -> "
+            f"{f(s['reward_last'])}, throughput {f(s['throughput_tokens_per_s'], '{:.1f}')} tok/s, rollout-only "
+            f"{f(s['rollout_only_fraction'])}, lost {s['lost_groups']}, duplicated {s['duplicated_groups']}, "
+            f"C1 {s['c1_violations']}, C3 {s['c3_violations']}, migrations {s['migrations']}")
+
+
+class _Say:
+    """User-facing progress lines (stderr), also logged."""
+
+    def __call__(self, msg: str) -> None:
+        log.info(msg)
+        if not logging.getLogger().isEnabledFor(logging.INFO):
+            sys.stderr.write(msg + "\n")
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc="dora train", unit="step", dynamic_ncols=True)
+        self.total = total
+
+    def update(self, step: int, scalars: dict[str, Any]) -> None:
+        reward = scalars.get("reward/mean")
+        text = (f"reward={reward:.3f} live_versions={scalars.get('versions/live')} "
+                f"tok/s={scalars.get('perf/throughput_tokens_per_s') or 0:.0f}")
+        if self.bar is not None:
+            self.bar.set_postfix_str(text)
+            self.bar.update(1)
+        else:
+            log.info("step %d/%d %s", step + 1, self.total, text)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,116 @@
+"""Child processes of a local job: start with logs, wait for health, stop without orphans.
+
+Every child runs in its own session (process group) so that stopping it also
+stops what it spawned (torchrun's ranks); stop is SIGTERM, a grace period, then
+SIGKILL of the whole group. A :class:`ProcessSet` is a context manager, so
+success, an exception and Ctrl-C all end in the same cleanup.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Sequence
+
+log = logging.getLogger(__name__)
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct free TCP ports on ``host`` (bound briefly, then released)."""
+    socks, ports = [], []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, 0))
+            socks.append(s)
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in socks:
+            s.close()
+    return ports
+
+
+@dataclass
+class Child:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+    log_file: IO
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+class ChildFailed(RuntimeError):
+    pass
+
+
+class ProcessSet:
+    def __init__(self, log_dir: Path, grace_s: float = 20.0) -> None:
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.grace_s = grace_s
+        self.children: list[Child] = []
+
+    def __enter__(self) -> "ProcessSet":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_all()
+
+    def start(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> Child:
+        log_path = self.log_dir / f"{name}.log"
+        fh = open(log_path, "ab", buffering=0)
+        full_env = {**os.environ, **(env or {})}
+        popen = subprocess.Popen(list(argv), stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 env=full_env, start_new_session=True)
+        child = Child(name, popen, log_path, fh)
+        self.children.append(child)
+        log.info("started %s (pid %d), log %s", name, popen.pid, log_path)
+        return child
+
+    def check_alive(self) -> None:
+        for c in self.children:
+            if not c.alive():
+                raise ChildFailed(f"{c.name} exited with status {c.popen.returncode}; last log lines:\n{c.tail()}")
+
+    def stop(self, child: Child, sig: int = signal.SIGTERM) -> None:
+        if child.alive():
+            try:
+                os.killpg(child.popen.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def stop_all(self) -> None:
+        for c in self.children:
+            self.stop(c)
+        deadline = time.monotonic() + self.grace_s
+        for c in self.children:
+            remaining = max(0.0, deadline - time.monotonic())
+            try:
+                c.popen.wait(timeout=remaining)
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not exit after SIGTERM; killing", c.name)
+            # kill the whole group in any case: children of the child (torchrun ranks) may linger
+            try:
+                os.killpg(c.popen.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                c.popen.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+            c.log_file.close()

@@ -1,0 +1,75 @@
+"""Actions the orchestrator asks its driver to perform (frozen dataclasses, JSON-able via asdict).
+
+WHY a closed vocabulary: the runtime turns each action into HTTP calls, the simulator into
+virtual-clock events; both must execute the same list in order. Ordering contract: within one
+returned list, actions are in causal order (a group's ``Dispatch`` precedes its ``Submit``s; a
+``Migrate`` or ``Interrupt`` away from an instance precedes that instance's ``SwitchVersion``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    """A new group exists: attach a prompt to ``group_id`` (G samples ``sample_ids``), all tagged
+    ``version``. Placement follows as ``Submit`` actions (possibly later, when slots free up)."""
+
+    group_id: str
+    version: int
+    sample_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Submit:
+    """Start (or resume) ``sample_id`` on ``instance`` with weights ``version``: send the prompt plus
+    any partial output the driver holds for it (``resume``: it has one, i.e. re-prefill). Covers
+    first placement, failure re-queue and partial-mode resubmission (abort-and-resubmit)."""
+
+    sample_id: str
+    instance: str
+    version: int
+    resume: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Migrate:
+    """Move the in-flight request ``sample_id`` from ``src`` to ``dst`` (both on ``version``),
+    keeping its state (KV export/import). A driver without native migration aborts at ``src`` and
+    resubmits prompt+partial at ``dst`` and reports the re-prefill via ``on_migration_done``."""
+
+    sample_id: str
+    src: str
+    dst: str
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class Interrupt:
+    """Abort ``sample_id`` on ``instance`` keeping its partial output (partial mode, before a
+    weight update); a later ``Submit(resume=True)`` continues it."""
+
+    sample_id: str
+    instance: str
+
+
+@dataclass(frozen=True, slots=True)
+class SwitchVersion:
+    """Load weights ``version`` on ``instance`` (from a peer or the per-version snapshot). The
+    instance holds no request of its old version; it takes none until ``on_switch_done``."""
+
+    instance: str
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseBatch:
+    """Train step ``step`` on exactly TBS complete groups (oldest version first)."""
+
+    step: int
+    group_ids: tuple[str, ...]
+    versions: tuple[int, ...]
+
+
+Action = Dispatch | Submit | Migrate | Interrupt | SwitchVersion | ReleaseBatch

@@ -1,0 +1,759 @@
+"""The orchestrator state machine: events in, actions out, no I/O (DESIGN sections 2-4).
+
+WHY one object for every mode and driver: the runtime (asyncio + HTTP) and the simulator (virtual
+clock) must make identical decisions, and the baselines must differ from DORA only by policy, so
+every decision lives here and every input arrives as an explicit event. The object never reads a
+clock, sleeps, spawns or sends; it only returns actions for the driver to execute in order.
+
+Internals are dicts/sets keyed by id plus per-version counters, so events cost O(touched samples)
+and a rebalance costs O(instances + moved requests), never O(all requests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import logging
+from typing import Any, Iterable
+
+from dora_megatron.config.orchestrator import OrchestratorConfig
+from dora_megatron.orchestrator import partition as part
+from dora_megatron.orchestrator import plan
+from dora_megatron.orchestrator.actions import (Action, Dispatch, Interrupt, Migrate, ReleaseBatch, Submit,
+                                                SwitchVersion)
+from dora_megatron.orchestrator.policy import ModePolicy
+from dora_megatron.orchestrator.rules import admits, legacy_admits, select_batch
+from dora_megatron.types import FINISHED, PENDING, RUNNING, Group, Instance, Sample
+
+log = logging.getLogger(__name__)
+
+_INF = float("inf")
+_BIG = 1 << 40  # free slots of an uncapped instance
+
+
+@dataclasses.dataclass
+class Counters:
+    """Run counters; names match the summary.json fields (DESIGN section 11)."""
+
+    dispatched_groups: int = 0
+    consumed_groups: int = 0
+    duplicated_groups: int = 0
+    c1_violations: int = 0
+    c3_violations: int = 0
+    max_consumed_staleness: int = 0
+    staleness_histogram: dict[int, int] = dataclasses.field(default_factory=dict)
+    migrations: int = 0
+    reprefill_tokens: int = 0
+    interrupts: int = 0
+    switches: int = 0
+    rebalances: int = 0
+    max_live_versions: int = 0
+    ignored_events: int = 0
+
+
+class Orchestrator:
+    """Sans-IO orchestrator. See the package docstring for the event/action contract."""
+
+    def __init__(self, config: OrchestratorConfig, instances: Iterable[str]) -> None:
+        config.check("orchestrator")
+        self.config = config
+        self.policy = ModePolicy.from_config(config)
+        self.S = self.policy.max_staleness
+        self.tbs = config.tbs
+        self.G = config.group_size
+        self.newest = 0
+        self.next_step = 0
+        self.trainer_busy = False
+        self.now = 0.0
+        self.counters = Counters()
+        self.groups: dict[str, Group] = {}
+        self.samples: dict[str, Sample] = {}
+        self.instances: dict[str, Instance] = {}
+        self._group_seq = 0
+        self._total_dispatched = 0
+        self._total_consumed = 0
+        self._dispatched: dict[int, int] = {}
+        self._consumed: dict[int, int] = {}
+        self._unconsumed: dict[int, int] = {}
+        self._finished_groups: dict[int, dict[str, None]] = {}
+        self._unfinished: dict[int, int] = {}
+        self._pending: dict[int, dict[str, None]] = {}
+        self._active: dict[int, set[str]] = {}
+        self._incoming: dict[int, set[str]] = {}
+        self._room: dict[int, set[str]] = {}
+        self._free: dict[int, int] = {}
+        self._contrib: dict[str, tuple[int, int]] = {}
+        self._cap_after = False
+        self._last_rebalance: float | None = None
+        self._out: list[Action] = []
+        for iid in instances:
+            if iid in self.instances:
+                raise ValueError(f"duplicate instance id {iid!r}")
+            inst = Instance(iid, version=0)
+            self.instances[iid] = inst
+            self._activate(inst, 0)
+
+    # ------------------------------------------------------------------ events
+
+    def start(self) -> list[Action]:
+        """First actions (initial dispatch). Call once after construction."""
+        if self.policy.rebalance:
+            self._rebalance("start")
+        return self._fill()
+
+    def on_tick(self, now: float) -> list[Action]:
+        """Time passes (the driver's clock). Runs the timer-triggered rebalance (dora)."""
+        self.now = now
+        interval = self.config.rebalance_interval_s
+        if (self.policy.rebalance and interval > 0
+                and (self._last_rebalance is None or now - self._last_rebalance >= interval)):
+            self._rebalance("timer")
+        return self._fill()
+
+    def on_sample_progress(self, sample_id: str, tokens: int) -> list[Action]:
+        """``sample_id`` has generated ``tokens`` so far (optional; used for re-prefill counts and
+        for choosing cheap requests to move)."""
+        s = self.samples.get(sample_id)
+        if s is not None and s.state != FINISHED:
+            s.tokens = tokens
+        return []
+
+    def on_sample_finished(self, sample_id: str, tokens: int | None = None,
+                           now: float | None = None) -> list[Action]:
+        """``sample_id`` finished generating (``tokens``: its response length). Unknown or already
+        finished samples are ignored (counted in ``ignored_events``), so duplicates are harmless."""
+        if now is not None:
+            self.now = now
+        s = self.samples.get(sample_id)
+        if s is None or s.state == FINISHED:
+            self.counters.ignored_events += 1
+            return []
+        if tokens is not None:
+            s.tokens = tokens
+        inst = self.instances.get(s.instance) if s.instance is not None else None
+        if s.state == PENDING:
+            self._pending[s.version].pop(sample_id, None)
+        else:
+            self._unassign(s)
+        s.state = FINISHED
+        self._dec(self._unfinished, s.version)
+        g = self.groups[s.group_id]
+        g.n_finished += 1
+        if g.complete:
+            self._finished_groups.setdefault(g.version, {})[g.group_id] = None
+        if self.policy.rebalance and inst is not None and inst.load == 0 and inst.alive:
+            self._rebalance("idle")
+        return self._fill()
+
+    def on_instance_stats(self, instance: str, running: int, kv_usage: float) -> list[Action]:
+        """Engine-reported load of ``instance``; KV usage over the watermark triggers a rebalance."""
+        inst = self.instances.get(instance)
+        if inst is None or not inst.alive:
+            self.counters.ignored_events += 1
+            return []
+        inst.reported_running = running
+        inst.kv_usage = kv_usage
+        if self.policy.rebalance and kv_usage >= self.config.kv_high_watermark and not inst.switching:
+            self._rebalance("kv")
+            self._level(inst)
+        return self._fill()
+
+    def on_step_finished(self, version: int) -> list[Action]:
+        """The trainer finished step ``version - 1`` and produced weights ``version``."""
+        if version != self.next_step or not self.trainer_busy:
+            raise ValueError(f"step_finished({version}) but the trainer runs step {self.next_step - 1} "
+                             f"(busy={self.trainer_busy})")
+        self.trainer_busy = False
+        self.newest = version
+        if self.policy.interrupt:
+            self._interrupt_all()
+        if self.policy.rebalance:
+            self._set_cap_phase(after=False)
+            self._rebalance("new_version")
+        return self._fill()
+
+    def on_instance_failed(self, instance: str) -> list[Action]:
+        """``instance`` died: its requests go back to the queue of their version (re-prefill on
+        another instance of that version, still C1); nothing is dropped."""
+        inst = self.instances.get(instance)
+        if inst is None or not inst.alive:
+            self.counters.ignored_events += 1
+            return []
+        self._deactivate(inst)
+        inst.alive = False
+        for sid in sorted(inst.samples):
+            s = self.samples[sid]
+            self._unassign(s)
+            self._make_pending(s)
+        if self.policy.rebalance:
+            self._rebalance("failure")
+        return self._fill()
+
+    def on_instance_joined(self, instance: str) -> list[Action]:
+        """A new (or restarted) instance joins; it is first switched to the newest version."""
+        old = self.instances.get(instance)
+        if old is not None and old.alive:
+            self.counters.ignored_events += 1
+            return []
+        inst = Instance(instance, version=None)
+        self.instances[instance] = inst
+        self._switch(inst, self.newest)
+        return self._fill()
+
+    def on_switch_done(self, instance: str, version: int) -> list[Action]:
+        """``instance`` now holds weights ``version`` and accepts requests of it."""
+        inst = self.instances.get(instance)
+        if inst is None or not inst.alive or inst.target != version:
+            self.counters.ignored_events += 1
+            return []
+        self._incoming[version].discard(instance)
+        self._activate(inst, version)
+        return self._fill()
+
+    def on_migration_done(self, sample_id: str, reprefill_tokens: int = 0) -> list[Action]:
+        """Optional: a ``Migrate`` completed; a driver that fell back to abort+resubmit reports the
+        re-prefilled tokens here."""
+        s = self.samples.get(sample_id)
+        if s is not None and reprefill_tokens:
+            s.reprefill_tokens += reprefill_tokens
+            self.counters.reprefill_tokens += reprefill_tokens
+        return []
+
+    def set_prompt_tokens(self, group_id: str, prompt_tokens: int) -> None:
+        """Record the prompt length of a dispatched group (for re-prefill accounting)."""
+        self.groups[group_id].prompt_tokens = prompt_tokens
+
+    def poll(self) -> list[Action]:
+        """Re-evaluate dispatch/release without a new event (always safe to call)."""
+        return self._fill()
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def outstanding(self) -> int:
+        """Groups dispatched but not yet consumed."""
+        return self._total_dispatched - self._total_consumed
+
+    def sample_status(self, sample_id: str) -> dict[str, Any]:
+        s = self.samples[sample_id]
+        return {"sample_id": s.sample_id, "group_id": s.group_id, "version": s.version,
+                "min_version": s.min_version, "max_version": s.max_version, "instance": s.instance,
+                "state": s.state, "finished": s.state == FINISHED, "tokens": s.tokens}
+
+    def live_versions(self) -> list[int]:
+        """Versions with unconsumed groups, plus the newest weights."""
+        return sorted({v for v, n in self._unconsumed.items() if n > 0} | {self.newest})
+
+    def unfinished_by_version(self) -> dict[int, int]:
+        return {v: n for v, n in self._unfinished.items() if n > 0}
+
+    def instances_by_version(self) -> dict[int, int]:
+        """Current allocation: active plus incoming (switching) instances per version."""
+        out: dict[int, int] = {}
+        for d in (self._active, self._incoming):
+            for v, ids in d.items():
+                if ids:
+                    out[v] = out.get(v, 0) + len(ids)
+        return out
+
+    def cap(self) -> float:
+        """Per-instance concurrency cap now in force (inf for the barrier modes)."""
+        if not self.policy.caps:
+            return _INF
+        return self.config.cap_after_rebalance if self._cap_after else self.config.cap_before_rebalance
+
+    def audit(self) -> int:
+        """Check the internal indexes against the records; returns the number of lost groups
+        (unconsumed groups with a sample that is neither running, pending nor finished)."""
+        lost = set()
+        for s in self.samples.values():
+            g = self.groups[s.group_id]
+            if g.consumed_step is not None:
+                continue
+            if s.state == RUNNING:
+                inst = self.instances.get(s.instance or "")
+                ok = inst is not None and inst.alive and s.sample_id in inst.samples
+            elif s.state == PENDING:
+                ok = s.sample_id in self._pending.get(s.version, {})
+            else:
+                ok = s.state == FINISHED
+            if not ok:
+                lost.add(s.group_id)
+        return len(lost)
+
+    def summary(self) -> dict[str, Any]:
+        """Counters under the summary.json names (DESIGN section 11)."""
+        c = self.counters
+        return {
+            "mode": self.policy.name, "max_staleness": self.S, "tbs": self.tbs, "rbs": self.policy.rbs,
+            "steps": self.next_step, "dispatched_groups": c.dispatched_groups,
+            "consumed_groups": c.consumed_groups, "lost_groups": self.audit(),
+            "duplicated_groups": c.duplicated_groups, "c1_violations": c.c1_violations,
+            "c3_violations": c.c3_violations, "max_consumed_staleness": c.max_consumed_staleness,
+            "staleness_histogram": {str(k): v for k, v in sorted(c.staleness_histogram.items())},
+            "migrations": c.migrations, "reprefill_tokens": c.reprefill_tokens,
+            "interrupts": c.interrupts, "switches": c.switches, "rebalances": c.rebalances,
+            "live_versions": len(self.live_versions()), "max_live_versions": c.max_live_versions,
+        }
+
+    # ------------------------------------------------------------------ snapshot
+
+    def snapshot(self) -> dict[str, Any]:
+        """The full state as a JSON-able dict (checkpoint/resume, simulator inspection)."""
+        return {
+            "format": 1,
+            "newest": self.newest, "next_step": self.next_step, "trainer_busy": self.trainer_busy,
+            "now": self.now, "group_seq": self._group_seq, "cap_after": self._cap_after,
+            "last_rebalance": self._last_rebalance,
+            "counters": {**dataclasses.asdict(self.counters),
+                         "staleness_histogram": {str(k): v for k, v in
+                                                 self.counters.staleness_histogram.items()}},
+            "groups": [dataclasses.asdict(g) for g in self.groups.values()],
+            "samples": [dataclasses.asdict(s) for s in self.samples.values()],
+            "instances": [{**dataclasses.asdict(i), "samples": sorted(i.samples)}
+                          for i in self.instances.values()],
+            "finished_order": {str(v): list(d) for v, d in self._finished_groups.items()},
+            "pending_order": {str(v): list(d) for v, d in self._pending.items()},
+        }
+
+    @classmethod
+    def restore(cls, config: OrchestratorConfig, snap: dict[str, Any]) -> "Orchestrator":
+        """Rebuild an orchestrator from :meth:`snapshot` output (after a JSON round trip)."""
+        self = cls(config, [])
+        self.newest, self.next_step = snap["newest"], snap["next_step"]
+        self.trainer_busy, self.now = snap["trainer_busy"], snap["now"]
+        self._group_seq, self._cap_after = snap["group_seq"], snap["cap_after"]
+        self._last_rebalance = snap["last_rebalance"]
+        cd = dict(snap["counters"])
+        cd["staleness_histogram"] = {int(k): v for k, v in cd["staleness_histogram"].items()}
+        self.counters = Counters(**cd)
+        for gd in snap["groups"]:
+            g = Group(**gd)
+            self.groups[g.group_id] = g
+            self._total_dispatched += 1
+            self._inc(self._dispatched, g.version)
+            if g.consumed_step is None:
+                self._inc(self._unconsumed, g.version)
+            else:
+                self._total_consumed += 1
+                self._inc(self._consumed, g.version)
+        for sd in snap["samples"]:
+            s = Sample(**sd)
+            self.samples[s.sample_id] = s
+            if s.state != FINISHED:
+                self._inc(self._unfinished, s.version)
+        for v, ids in snap["finished_order"].items():
+            self._finished_groups[int(v)] = dict.fromkeys(ids)
+        for v, ids in snap["pending_order"].items():
+            self._pending[int(v)] = dict.fromkeys(ids)
+        for idd in snap["instances"]:
+            inst = Instance(**{**idd, "samples": set(idd["samples"])})
+            self.instances[inst.instance_id] = inst
+            if not inst.alive:
+                continue
+            if inst.target is not None:
+                self._incoming.setdefault(inst.target, set()).add(inst.instance_id)
+            elif inst.version is not None:
+                self._active.setdefault(inst.version, set()).add(inst.instance_id)
+                self._update_room(inst)
+        return self
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    @staticmethod
+    def _inc(d: dict[int, int], k: int, n: int = 1) -> None:
+        d[k] = d.get(k, 0) + n
+
+    @staticmethod
+    def _dec(d: dict[int, int], k: int, n: int = 1) -> None:
+        left = d[k] - n
+        if left:
+            d[k] = left
+        else:
+            del d[k]
+
+    def _update_room(self, inst: Instance) -> None:
+        """Keep ``_room`` (instances under the cap) and ``_free`` (free slots per version) exact."""
+        iid = inst.instance_id
+        old_v, old_c = self._contrib.pop(iid, (None, 0))
+        if old_v is not None:
+            self._free[old_v] -= old_c
+            self._room.get(old_v, set()).discard(iid)
+        v = inst.version
+        if v is None or not inst.alive or inst.switching:
+            return
+        cap = self.cap()
+        c = max(0, (_BIG if cap == _INF else int(cap)) - inst.load)
+        if c > 0:
+            self._room.setdefault(v, set()).add(iid)
+        self._free[v] = self._free.get(v, 0) + c
+        self._contrib[iid] = (v, c)
+
+    def _activate(self, inst: Instance, version: int) -> None:
+        inst.version = version
+        inst.target = None
+        self._active.setdefault(version, set()).add(inst.instance_id)
+        self._update_room(inst)
+
+    def _deactivate(self, inst: Instance) -> None:
+        if inst.target is not None:
+            self._incoming.get(inst.target, set()).discard(inst.instance_id)
+        if inst.version is not None:
+            self._active.get(inst.version, set()).discard(inst.instance_id)
+        old_v, old_c = self._contrib.pop(inst.instance_id, (None, 0))
+        if old_v is not None:
+            self._free[old_v] -= old_c
+            self._room.get(old_v, set()).discard(inst.instance_id)
+
+    def _switch(self, inst: Instance, version: int) -> None:
+        """Emit SwitchVersion; the instance must hold no request."""
+        assert not inst.samples, "switching an instance that still holds requests"
+        self._deactivate(inst)
+        inst.target = version
+        self._incoming.setdefault(version, set()).add(inst.instance_id)
+        self.counters.switches += 1
+        self._out.append(SwitchVersion(inst.instance_id, version))
+
+    def _set_cap_phase(self, after: bool) -> None:
+        if self._cap_after == after:
+            return
+        self._cap_after = after
+        for ids in self._active.values():
+            for iid in ids:
+                self._update_room(self.instances[iid])
+
+    def _assign(self, s: Sample, inst: Instance) -> None:
+        s.instance = inst.instance_id
+        s.state = RUNNING
+        inst.samples.add(s.sample_id)
+        self._update_room(inst)
+
+    def _unassign(self, s: Sample) -> None:
+        inst = self.instances[s.instance]  # type: ignore[index]
+        inst.samples.discard(s.sample_id)
+        s.instance = None
+        self._update_room(inst)
+
+    def _make_pending(self, s: Sample) -> None:
+        s.state = PENDING
+        self._pending.setdefault(s.version, {})[s.sample_id] = None
+
+    # ------------------------------------------------------------------ the decision loop
+
+    def _fill(self) -> list[Action]:
+        self._try_release()
+        if self.policy.rebalance and self._stranded():
+            self._rebalance("stranded")
+        self._place_pending()
+        if not self.policy.rebalance:
+            self._follow_newest()
+            self._ensure_instances_for_pending()
+            self._place_pending()
+        self._supplement()
+        if self.policy.rebalance and self.config.legacy_fill:
+            self._legacy_fill()
+        live = len(self.live_versions())
+        if live > self.counters.max_live_versions:
+            self.counters.max_live_versions = live
+        out, self._out = self._out, []
+        return out
+
+    def _stranded(self) -> bool:
+        """Work that no instance can serve: queued samples of a version without instances, or
+        admissible new groups while no instance holds the newest version."""
+        def served(v: int) -> bool:
+            return bool(self._active.get(v) or self._incoming.get(v))
+        if any(q and not served(v) for v, q in self._pending.items()):
+            return True
+        return not served(self.newest) and self._admissible_new() > 0
+
+    def _try_release(self) -> None:
+        while not self.trainer_busy:
+            step = self.next_step
+            ids = select_batch(step, self.S, self.tbs, self._finished_groups, self._unconsumed)
+            if ids is None:
+                return
+            versions = []
+            c = self.counters
+            for gid in ids:
+                g = self.groups[gid]
+                if g.consumed_step is not None:
+                    c.duplicated_groups += 1
+                    continue
+                g.consumed_step = step
+                fin = self._finished_groups[g.version]
+                del fin[gid]
+                if not fin:
+                    del self._finished_groups[g.version]
+                self._dec(self._unconsumed, g.version)
+                self._inc(self._consumed, g.version)
+                self._total_consumed += 1
+                c.consumed_groups += 1
+                lag = step - g.version
+                c.staleness_histogram[lag] = c.staleness_histogram.get(lag, 0) + 1
+                c.max_consumed_staleness = max(c.max_consumed_staleness, lag)
+                if lag > self.S or lag < 0:
+                    c.c3_violations += 1
+                for sid in g.sample_ids:
+                    s = self.samples[sid]
+                    if s.min_version != s.max_version:
+                        c.c1_violations += 1
+                versions.append(g.version)
+            self._out.append(ReleaseBatch(step, tuple(ids), tuple(versions)))
+            self.trainer_busy = True
+            self.next_step = step + 1
+
+    def _pick(self, version: int, k: int) -> list[str]:
+        """Instances for ``k`` new placements on ``version``: least-loaded first, within the cap
+        (barrier modes: no cap). May return fewer than ``k``."""
+        cap = self.cap()
+        cands = self._room.get(version, set()) if cap != _INF else self._active.get(version, set())
+        if not cands or k <= 0:
+            return []
+        insts = self.instances
+        if len(cands) > 4 * k:
+            heap = heapq.nsmallest(k, ((insts[i].load, i) for i in cands))
+        else:
+            heap = [(insts[i].load, i) for i in cands]
+        heapq.heapify(heap)
+        out = []
+        while heap and len(out) < k:
+            load, iid = heapq.heappop(heap)
+            out.append(iid)
+            if load + 1 < cap:
+                heapq.heappush(heap, (load + 1, iid))
+        return out
+
+    def _group_fits(self, version: int) -> bool:
+        """A new group fits when G slots are free on the version's active instances, or, when the
+        whole version has fewer than G slots, when all of them are free (never stuck on G > cap)."""
+        cap = self.cap()
+        n_active = len(self._active.get(version, ()))
+        if not n_active:
+            return False
+        need = self.G if cap == _INF else min(self.G, int(cap) * n_active)
+        return self._free_slots(version) >= need
+
+    def _free_slots(self, version: int) -> int:
+        """Free slots (cap minus load) over the active instances of ``version``."""
+        return self._free.get(version, 0)
+
+    def _place_pending(self) -> None:
+        for v in list(self._pending):
+            queue = self._pending[v]
+            if not queue:
+                del self._pending[v]
+                continue
+            dest = self.newest if self.policy.interrupt else v
+            targets = self._pick(dest, len(queue))
+            if not targets:
+                continue
+            for iid, sid in zip(targets, list(queue)):
+                del queue[sid]
+                self._submit(self.samples[sid], self.instances[iid], dest)
+            if not queue:
+                del self._pending[v]
+
+    def _submit(self, s: Sample, inst: Instance, version: int) -> None:
+        resume = s.tokens > 0
+        if version != s.version:  # partial mode only: re-tag to the weights it continues on
+            self._dec(self._unfinished, s.version)
+            self._inc(self._unfinished, version)
+            s.version = version
+            if resume:
+                s.max_version = max(s.max_version, version)
+            else:
+                s.min_version = s.max_version = version
+        if resume:
+            n = self.groups[s.group_id].prompt_tokens + s.tokens
+            s.reprefill_tokens += n
+            self.counters.reprefill_tokens += n
+        s.submissions += 1
+        self._assign(s, inst)
+        self._out.append(Submit(s.sample_id, inst.instance_id, version, resume))
+
+    def _create_group(self, version: int) -> None:
+        gid = f"g{self._group_seq}"
+        sids = [f"{gid}.{i}" for i in range(self.G)]
+        g = Group(gid, version, self._group_seq, sids)
+        self._group_seq += 1
+        self.groups[gid] = g
+        pend = self._pending.setdefault(version, {})
+        for i, sid in enumerate(sids):
+            self.samples[sid] = Sample(sid, gid, i, version, version, version)
+            pend[sid] = None
+        self._total_dispatched += 1
+        self._inc(self._dispatched, version)
+        self._inc(self._unconsumed, version)
+        self._inc(self._unfinished, version, self.G)
+        self.counters.dispatched_groups += 1
+        self._out.append(Dispatch(gid, version, tuple(sids)))
+
+    def _admissible_new(self) -> int:
+        """How many more groups the admission rule and RBS allow at the newest version."""
+        by_window = (self.newest + self.S + 1) * self.tbs - self._total_dispatched
+        by_rbs = self.policy.rbs - self.outstanding
+        return max(0, min(by_window, by_rbs))
+
+    def _supplement(self) -> None:
+        """Tier 1: new groups tagged with the newest version while admission, RBS and capacity
+        allow (barrier modes: one whole batch when nothing is outstanding and every instance
+        holds the newest version)."""
+        v = self.newest
+        if self.policy.batch_dispatch:
+            if self.outstanding or any(self._pending.values()) or any(self._incoming.values()):
+                return
+            alive = [i for i in self.instances.values() if i.alive]
+            if not alive or any(i.version != v for i in alive):
+                return
+            n = self._admissible_new()
+            for _ in range(n):
+                self._create_group(v)
+            if n:
+                self._place_pending()
+            return
+        if self._pending.get(v) or not self._group_fits(v):
+            return
+        n = min(self._admissible_new(), max(1, self._free_slots(v) // self.G))
+        assert n == 0 or admits(v, self._total_dispatched + n - 1, self.outstanding + n - 1, self.S, self.tbs,
+                                self.policy.rbs)
+        for _ in range(n):
+            self._create_group(v)
+        if n:
+            self._place_pending()
+
+    def _legacy_fill(self) -> None:
+        """Tier 2 (dora, optional): fill idle slots of legacy instances with groups of their own
+        version when the (strict, legacy) admission rule allows."""
+        for v in sorted(self._active):
+            if v >= self.newest or not self._active[v] or self._pending.get(v):
+                continue
+            while (self._group_fits(v)
+                   and legacy_admits(v, self.newest, self._dispatched, self._consumed, self.outstanding,
+                                     self.S, self.tbs, self.policy.rbs)):
+                self._create_group(v)
+                self._place_pending()
+
+    def _follow_newest(self) -> None:
+        """Single-version modes: a drained instance on an older version loads the newest one,
+        unless its version still has queued requests."""
+        for v in [v for v in self._active if v != self.newest]:
+            if self._pending.get(v):
+                continue
+            for iid in sorted(self._active[v]):
+                inst = self.instances[iid]
+                if not inst.samples:
+                    self._switch(inst, self.newest)
+
+    def _ensure_instances_for_pending(self) -> None:
+        """Single-version modes: queued requests of a version no instance holds (after a failure)
+        get an idle instance switched back to that version from its snapshot."""
+        for v in sorted(self._pending):
+            if self.policy.interrupt:
+                v_dest = self.newest
+            else:
+                v_dest = v
+            if not self._pending[v] or self._active.get(v_dest) or self._incoming.get(v_dest):
+                continue
+            idle = [i for i in self.instances.values() if i.alive and not i.samples and not i.switching]
+            if not idle:
+                return
+            self._switch(min(idle, key=lambda i: i.instance_id), v_dest)
+
+    def _interrupt_all(self) -> None:
+        """Partial mode at a weight update: interrupt every in-flight request (partial output
+        kept by the driver), switch every instance to the newest version; the requests are
+        resubmitted (prompt + partial, re-prefill) as instances come back."""
+        for iid in sorted(self.instances):
+            inst = self.instances[iid]
+            if not inst.alive:
+                continue
+            for sid in sorted(inst.samples):
+                s = self.samples[sid]
+                self._unassign(s)
+                self._make_pending(s)
+                self.counters.interrupts += 1
+                self._out.append(Interrupt(sid, iid))
+            if inst.version != self.newest or inst.switching:
+                if inst.target != self.newest:
+                    self._switch(inst, self.newest)
+
+    # ------------------------------------------------------------------ dora rebalancer
+
+    def _rebalance(self, trigger: str) -> None:
+        """Partition the pool across live versions and move instances/requests (DESIGN 4.2-4.3)."""
+        self._last_rebalance = self.now
+        if trigger in ("timer", "kv", "idle"):
+            # two-phase caps: the first load-balancing of a step ends the high-cap phase
+            self._set_cap_phase(after=True)
+        alive = [i for i in self.instances.values() if i.alive]
+        if not alive:
+            return
+        adm = self._admissible_new()
+        demand: dict[int, float] = {v: float(n) for v, n in self._unfinished.items() if n > 0}
+        required = set(demand)
+        if adm > 0:
+            demand[self.newest] = demand.get(self.newest, 0.0) + adm * self.G
+            required.add(self.newest)
+        cur = self.instances_by_version()
+        running = sorted(v for v, ids in self._active.items()
+                         if any(self.instances[i].samples for i in ids))
+        target = part.partition(len(alive), demand, required, priority=running)
+        for v in cur:
+            target.setdefault(v, 0)
+        idle_versions = {v for v, ids in self._active.items()
+                         if any(not self.instances[i].samples for i in ids)}
+        if not part.should_apply(cur, target, demand, idle_versions, self.config.imbalance_ratio):
+            return
+        self.counters.rebalances += 1
+        freed: list[str] = []
+        for v in sorted(cur):
+            n = cur.get(v, 0) - target.get(v, 0)
+            if n <= 0:
+                continue
+            incoming = sorted(self._incoming.get(v, ()))
+            take = incoming[:n]
+            n -= len(take)
+            active = self._active.get(v, set())
+            loads = {iid: self.instances[iid].load for iid in active}
+            chosen = plan.choose_to_free(loads, n)
+            kept = {iid: loads[iid] for iid in active if iid not in set(chosen)}
+            if not kept and any(loads[i] for i in chosen):
+                # never free the last active instance of a version that still runs requests
+                chosen = [i for i in chosen if loads[i] == 0]
+                kept = {iid: loads[iid] for iid in active if iid not in set(chosen)}
+            moving = []
+            for iid in chosen:
+                moving.extend((sid, iid) for sid in sorted(self.instances[iid].samples))
+            for sid, src, dst in plan.assign_migrations(moving, kept):
+                s = self.samples[sid]
+                self._unassign(s)
+                self._assign(s, self.instances[dst])
+                self.counters.migrations += 1
+                self._out.append(Migrate(sid, src, dst, v))
+            freed.extend(take)
+            freed.extend(chosen)
+        deficits = {v: target[v] - cur.get(v, 0) for v in target if target[v] > cur.get(v, 0)}
+        for iid, v in plan.assign_freed(freed, deficits).items():
+            self._switch(self.instances[iid], v)
+        log.debug("rebalance(%s): %s -> %s", trigger, cur, target)
+
+    def _level(self, hot: Instance) -> None:
+        """KV pressure: move the shortest requests of ``hot`` to the least-loaded peer of the same
+        version until their loads are level (locality: only the pressured instance's requests)."""
+        v = hot.version
+        if v is None or not hot.alive or hot.switching:
+            return
+        peers = self._active.get(v, set())
+        loads = {iid: self.instances[iid].load for iid in peers}
+        res = plan.level_within_version(loads, hot.instance_id)
+        if res is None:
+            return
+        dst, count = res
+        victims = sorted(hot.samples, key=lambda sid: (self.samples[sid].tokens, sid))[:count]
+        for sid in victims:
+            s = self.samples[sid]
+            self._unassign(s)
+            self._assign(s, self.instances[dst])
+            self.counters.migrations += 1
+            self._out.append(Migrate(sid, hot.instance_id, dst, v))

@@ -1,0 +1,62 @@
+"""Move plans for a re-partition (DESIGN section 4.3): which instances a shrinking version frees,
+where their requests go, and which growing version each freed instance joins.
+
+WHY: locality first. A request moves only if its instance changes version, and then to the
+least-loaded instance that keeps its version, so transfers (KV bytes, or re-prefill on SGLang) are
+the minimum the new partition needs. Pure functions over ids and counts.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Iterable, Mapping, Sequence
+
+
+def choose_to_free(loads: Mapping[str, int], n: int) -> list[str]:
+    """The ``n`` instances with the least in-flight work (ties: instance id)."""
+    if n <= 0:
+        return []
+    return [iid for _, iid in heapq.nsmallest(n, ((load, iid) for iid, load in loads.items()))]
+
+
+def assign_migrations(moving: Iterable[tuple[str, str]], kept_loads: Mapping[str, int]
+                      ) -> list[tuple[str, str, str]]:
+    """Send each ``(sample_id, src)`` to the currently least-loaded kept instance.
+
+    Returns ``(sample_id, src, dst)`` triples; empty ``kept_loads`` returns nothing (the caller
+    must not free the last instance of a version that still has requests).
+    """
+    if not kept_loads:
+        return []
+    heap = [(load, iid) for iid, load in kept_loads.items()]
+    heapq.heapify(heap)
+    out = []
+    for sid, src in moving:
+        load, dst = heapq.heappop(heap)
+        out.append((sid, src, dst))
+        heapq.heappush(heap, (load + 1, dst))
+    return out
+
+
+def assign_freed(freed: Sequence[str], deficits: Mapping[int, int]) -> dict[str, int]:
+    """Give freed instances to growing versions: newest version first, ``deficits[v]`` each."""
+    out: dict[str, int] = {}
+    it = iter(freed)
+    for v in sorted(deficits, reverse=True):
+        for _ in range(deficits[v]):
+            iid = next(it, None)
+            if iid is None:
+                return out
+            out[iid] = v
+    return out
+
+
+def level_within_version(loads: Mapping[str, int], hot: str) -> tuple[str, int] | None:
+    """Intra-version leveling for a KV-pressured instance: move half the load difference from
+    ``hot`` to the least-loaded peer. Returns ``(dst, count)`` or None when already level."""
+    peers = [(load, iid) for iid, load in loads.items() if iid != hot]
+    if not peers:
+        return None
+    load, dst = min(peers)
+    count = (loads[hot] - load) // 2
+    return (dst, count) if count > 0 else None

@@ -1,0 +1,210 @@
+"""Async HTTP client for one rollout engine speaking SGLang's protocol (plus our extensions).
+
+Why one client for both engines: the controller drives SGLang servers and embedded engines the
+same way. Extensions (request export/import, weight checksum, ``dora_version``) are detected
+from ``/get_server_info``'s ``dora_extensions`` list (SGLang has none); calling one on an engine
+without it raises :class:`ExtensionUnsupported` so the caller can fall back (e.g. migrate by
+abort + resubmit of prompt + partial output with re-prefill, as reference A.6 describes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Sequence
+
+import aiohttp
+
+from dora_megatron.rollout.protocol import GenerateRequest, GenerateResponse, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """A non-2xx answer; ``status`` and the server's ``message`` are kept."""
+
+    def __init__(self, url: str, status: int, message: str) -> None:
+        super().__init__(f"{url}: HTTP {status}: {message}")
+        self.url = url
+        self.status = status
+        self.message = message
+
+
+class VersionMismatch(EngineError):
+    """The engine holds another weight version than the request demands (HTTP 409)."""
+
+
+class ExtensionUnsupported(RuntimeError):
+    """The engine lacks a dora extension (an SGLang server, or an older engine)."""
+
+
+class EngineClient:
+    """Talks to one engine at ``base_url`` (e.g. ``http://127.0.0.1:30000``)."""
+
+    def __init__(self, base_url: str, session: aiohttp.ClientSession | None = None, timeout_s: float = 600.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._session = session
+        self._own_session = session is None
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._extensions: frozenset[str] | None = None
+
+    async def __aenter__(self) -> "EngineClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._own_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _sess(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self.timeout)
+        return self._session
+
+    async def _request(self, method: str, path: str, json_body: Any = None, data: bytes | None = None, raw: bool = False) -> Any:
+        url = self.base_url + path
+        async with self._sess().request(method, url, json=json_body, data=data) as resp:
+            body = await resp.read()
+            if resp.status >= 400:
+                try:
+                    import json
+
+                    msg = json.loads(body).get("message") or body.decode(errors="replace")
+                except Exception:  # noqa: BLE001 - any non-JSON error body
+                    msg = body.decode(errors="replace")
+                cls = VersionMismatch if resp.status == 409 and "version" in msg else EngineError
+                raise cls(url, resp.status, msg)
+            if raw:
+                return body
+            if not body:
+                return {}
+            import json
+
+            return json.loads(body)
+
+    # ---- SGLang protocol -----------------------------------------------------------------
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: SamplingParams | dict[str, Any] | None = None,
+        *,
+        rid: str | None = None,
+        return_logprob: bool = True,
+        version: int | str | None = None,
+    ) -> GenerateResponse:
+        """POST /generate. ``version`` is sent as ``dora_version`` only if the engine supports it."""
+        sp = sampling_params if isinstance(sampling_params, SamplingParams) else SamplingParams.from_json(sampling_params)
+        req = GenerateRequest(list(input_ids), sp, rid, return_logprob)
+        body = req.to_json()
+        if version is not None and await self.supports("dora_version"):
+            body["dora_version"] = str(version)
+        return GenerateResponse.from_json(await self._request("POST", "/generate", body))
+
+    async def abort(self, rid: str = "", abort_all: bool = False) -> bool:
+        """Abort by rid prefix (or all); False if nothing matched (already finished)."""
+        try:
+            await self._request("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
+        except EngineError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    async def pause(self, mode: str = "abort") -> dict[str, Any]:
+        return await self._request("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> dict[str, Any]:
+        return await self._request("POST", "/continue_generation", {})
+
+    async def flush_cache(self) -> bool:
+        try:
+            await self._request("POST", "/flush_cache")
+        except EngineError as exc:
+            if exc.status == 400:
+                return False
+            raise
+        return True
+
+    async def server_info(self) -> dict[str, Any]:
+        return await self._request("GET", "/get_server_info")
+
+    async def weight_version(self) -> str:
+        return str((await self._request("GET", "/get_model_info")).get("weight_version"))
+
+    async def health(self) -> bool:
+        try:
+            await self._request("GET", "/health")
+        except (EngineError, aiohttp.ClientError, asyncio.TimeoutError):
+            return False
+        return True
+
+    async def wait_healthy(self, timeout_s: float = 120.0, interval_s: float = 0.2) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not await self.health():
+            if loop.time() > deadline:
+                raise TimeoutError(f"{self.base_url} not healthy after {timeout_s} s")
+            await asyncio.sleep(interval_s)
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int | str | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"model_path": model_path}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        return await self._request("POST", "/update_weights_from_disk", body)
+
+    async def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+        group_name: str = "weight_update_group", backend: str = "gloo",
+    ) -> dict[str, Any]:
+        body = {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend,
+        }
+        return await self._request("POST", "/init_weights_update_group", body)
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
+        return await self._request("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
+    async def update_weights_from_distributed(
+        self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
+        group_name: str = "weight_update_group", weight_version: int | str | None = None,
+    ) -> dict[str, Any]:
+        """POST the metadata; the caller broadcasts the tensors (rank 0) concurrently, in order."""
+        body: dict[str, Any] = {
+            "names": list(names), "dtypes": [str(d).replace("torch.", "") for d in dtypes],
+            "shapes": [list(s) for s in shapes], "group_name": group_name,
+        }
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        return await self._request("POST", "/update_weights_from_distributed", body)
+
+    # ---- dora extensions -----------------------------------------------------------------
+    async def extensions(self) -> frozenset[str]:
+        if self._extensions is None:
+            info = await self.server_info()
+            self._extensions = frozenset(info.get("dora_extensions") or ())
+        return self._extensions
+
+    async def supports(self, name: str) -> bool:
+        return name in await self.extensions()
+
+    async def _require(self, name: str) -> None:
+        if not await self.supports(name):
+            raise ExtensionUnsupported(f"{self.base_url} does not offer {name}")
+
+    async def export_request(self, rid: str) -> bytes:
+        """Take request ``rid`` out of this engine; returns its serialised state (KV included)."""
+        await self._require("export_request")
+        return await self._request("POST", "/dora/export_request", {"rid": rid}, raw=True)
+
+    async def import_request(self, blob: bytes) -> GenerateResponse:
+        """Continue an exported request here; returns its final generate response."""
+        await self._require("import_request")
+        return GenerateResponse.from_json(await self._request("POST", "/dora/import_request", data=blob))
+
+    async def weights_checksum(self) -> str:
+        await self._require("weights_checksum")
+        return str((await self._request("GET", "/dora/weights_checksum"))["checksum"])

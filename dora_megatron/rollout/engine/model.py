@@ -1,0 +1,311 @@
+"""Qwen3 (dense) and Qwen3-MoE forward pass in plain torch, with parameters named as in HF.
+
+Why our own model instead of transformers: the engine needs a ragged batch (prefill and decode
+of many requests of different lengths in one forward, no padding) over per-request KV caches
+that can be exported. The parameter names equal the Hugging Face checkpoint names, so loading,
+weight updates (HF names over the wire) and checksums need no renaming. Numerics follow
+transformers' implementation (RMSNorm in fp32, RoPE with rotate-half, QK-norm before RoPE, GQA,
+SwiGLU, softmax router over all experts then top-k, renormalised when ``norm_topk_prob``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dora_megatron.models import hf_io
+from dora_megatron.rollout.engine.kv_cache import KVShape, RequestKV
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The subset of an HF ``config.json`` the forward pass needs."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    num_experts: int = 0
+    top_k: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    sparse_layers: tuple[int, ...] = ()
+    eos_token_ids: tuple[int, ...] = ()
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
+        mt = cfg.get("model_type")
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {mt!r}; supported: {SUPPORTED_MODEL_TYPES}")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default")) if rope else "default"
+        if rope_type not in ("default", None):
+            raise ValueError(f"unsupported rope type {rope_type!r} (only default RoPE)")
+        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)) if rope else cfg.get("rope_theta", 10000.0))
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
+        n_layers = int(cfg["num_hidden_layers"])
+        sparse = tuple(i for i in range(n_layers) if hf_io.is_sparse_layer(dict(cfg), i))
+        return cls(
+            model_type=mt,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            num_layers=n_layers,
+            num_heads=int(cfg["num_attention_heads"]),
+            num_kv_heads=int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]),
+            head_dim=hf_io.head_dim(dict(cfg)),
+            intermediate_size=int(cfg.get("intermediate_size", 0) or 0),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            num_experts=int(cfg.get("num_experts", 0) or 0),
+            top_k=int(cfg.get("num_experts_per_tok", 0) or 0),
+            moe_intermediate_size=int(cfg.get("moe_intermediate_size", 0) or 0),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            sparse_layers=sparse,
+            eos_token_ids=eos_ids,
+            raw=dict(cfg),
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.c = c
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        layer: int,
+        segments: Sequence[tuple[RequestKV, int]],
+    ) -> torch.Tensor:
+        c = self.c
+        n = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(n, c.num_heads, c.head_dim))
+        k = self.k_norm(self.k_proj(x).view(n, c.num_kv_heads, c.head_dim))
+        v = self.v_proj(x).view(n, c.num_kv_heads, c.head_dim)
+        cos_, sin_ = cos[:, None, :], sin[:, None, :]
+        q = q * cos_ + rotate_half(q) * sin_
+        k = k * cos_ + rotate_half(k) * sin_
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, n, d]
+        out = torch.empty((c.num_heads, n, c.head_dim), dtype=x.dtype, device=x.device)
+        start = 0
+        scale = c.head_dim**-0.5
+        for kv, m in segments:
+            past = kv.length
+            k_all, v_all = kv.write(layer, k[:, start : start + m], v[:, start : start + m])
+            qs = q[:, start : start + m]
+            if m == 1:
+                mask, causal = None, False
+            elif past == 0:
+                mask, causal = None, True
+            else:
+                rows = torch.arange(m, device=x.device)[:, None] + past
+                mask, causal = torch.arange(past + m, device=x.device)[None, :] <= rows, False
+            o = F.scaled_dot_product_attention(
+                qs[None], k_all[None], v_all[None], attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+            )
+            out[:, start : start + m] = o[0]
+            start += m
+        return self.o_proj(out.transpose(0, 1).reshape(n, c.num_heads * c.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoE(nn.Module):
+    """Router (``mlp.gate``) + routed experts (``mlp.experts.E``), no shared expert."""
+
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.c = c
+        self.gate = nn.Linear(c.hidden_size, c.num_experts, bias=False)
+        self.experts = nn.ModuleList([MLP(c.hidden_size, c.moe_intermediate_size) for _ in range(c.num_experts)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top_w, top_i = torch.topk(probs, self.c.top_k, dim=-1)
+        if self.c.norm_topk_prob:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        top_w = top_w.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in torch.unique(top_i).tolist():
+            tok, slot = torch.where(top_i == e)
+            y = self.experts[e](x[tok]) * top_w[tok, slot, None]
+            out.index_add_(0, tok, y)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig, idx: int) -> None:
+        super().__init__()
+        self.idx = idx
+        self.self_attn = Attention(c)
+        self.mlp: nn.Module = SparseMoE(c) if idx in c.sparse_layers else MLP(c.hidden_size, c.intermediate_size)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, x, cos, sin, segments):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, self.idx, segments)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Backbone(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(c, i) for i in range(c.num_layers)])
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Qwen3 / Qwen3-MoE causal LM; ``state_dict()`` keys are the HF checkpoint names."""
+
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.config = c
+        self.model = _Backbone(c)
+        self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    # ---- weights -------------------------------------------------------------------------
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {k: tuple(v.shape) for k, v in self.state_dict().items()}
+
+    def check_weights(self, tensors: Mapping[str, torch.Tensor], require_all: bool) -> list[str]:
+        """Problems (unknown names, wrong shapes, missing names) as readable strings."""
+        expected = self.expected_shapes()
+        problems = []
+        for name, t in tensors.items():
+            if name not in expected:
+                problems.append(f"unknown weight name {name!r}")
+            elif tuple(t.shape) != expected[name]:
+                problems.append(f"{name}: shape {list(t.shape)} != expected {list(expected[name])}")
+        if require_all:
+            missing = sorted(set(expected) - set(tensors))
+            if missing:
+                shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+                problems.append(f"missing {len(missing)} weights: {shown}")
+        return problems
+
+    @torch.no_grad()
+    def load_weights(self, tensors: Mapping[str, torch.Tensor], require_all: bool = False) -> None:
+        """Copy HF-named tensors into the parameters; all-or-nothing (validated first)."""
+        problems = self.check_weights(tensors, require_all)
+        if problems:
+            raise ValueError("; ".join(problems))
+        params = self.state_dict()
+        for name, t in tensors.items():
+            params[name].copy_(t.to(params[name].dtype))
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.state_dict())
+
+    # ---- forward -------------------------------------------------------------------------
+    def forward_segments(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, segments: Sequence[tuple[RequestKV, int]]
+    ) -> torch.Tensor:
+        """Ragged forward: ``token_ids`` is the concatenation of each segment's new tokens.
+
+        Each segment ``(kv, m)`` appends ``m`` tokens to request ``kv`` (whose cache must hold
+        ``kv.length`` earlier tokens and have capacity for ``m`` more). Returns the final hidden
+        states ``[N, hidden]`` (after the last norm); caches are advanced by ``m``.
+        """
+        x = self.model.embed_tokens(token_ids)
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, segments)
+        for kv, m in segments:
+            kv.commit(m)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, w)
+
+    def kv_shape(self, block_size: int) -> KVShape:
+        p = self.model.embed_tokens.weight
+        c = self.config
+        return KVShape(c.num_layers, c.num_kv_heads, c.head_dim, block_size, p.dtype, p.device)
+
+    @torch.inference_mode()
+    def full_logits(self, token_ids: Sequence[int], block_size: int = 16) -> torch.Tensor:
+        """Logits for every position of one sequence (used by parity checks and tests)."""
+        kv = RequestKV(self.kv_shape(block_size))
+        kv.ensure_capacity(len(token_ids))
+        dev = self.model.embed_tokens.weight.device
+        ids = torch.tensor(list(token_ids), dtype=torch.long, device=dev)
+        pos = torch.arange(len(token_ids), device=dev)
+        return self.logits(self.forward_segments(ids, pos, [(kv, len(token_ids))])).float()
+
+
+def load_model(model_dir: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> CausalLM:
+    """Build :class:`CausalLM` from an HF directory (config.json + safetensors)."""
+    cfg = ModelConfig.from_hf(hf_io.load_config(model_dir))
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+    model.inv_freq = inv.to(device)
+    state = hf_io.load_state_dict(model_dir)
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    model.load_weights(state, require_all=True)
+    model.eval()
+    return model

@@ -1,0 +1,385 @@
+"""Continuous-batching scheduler: the single-threaded core of an embedded engine instance.
+
+Why single-threaded and I/O-free: every mutation of requests, KV caches and weights happens in
+one thread (the runner's), between forward steps, so there are no locks around model state and
+the logic can be unit-tested by calling :meth:`Scheduler.step` directly.
+
+Each :meth:`step` admits waiting requests (FIFO) while the running count is below
+``max_running`` and KV blocks can be reserved, then runs ONE ragged forward over every running
+request: requests that need a prefill contribute all their uncached tokens, the others their
+last token, so requests join and leave the batch at every step. Finished requests release their
+KV blocks and their ``on_done`` callback receives the SGLang-shaped response dict.
+
+A request's KV holds every token except the last sampled one; the next step feeds that token.
+This invariant is what export/import carry, so a migrated request continues without re-prefill.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from dora_megatron.rollout.engine.kv_cache import BlockPool, RequestKV, blocks_for
+from dora_megatron.rollout.engine.model import CausalLM
+from dora_megatron.rollout.engine.sampler import make_generator, sample_token
+from dora_megatron.rollout.protocol import (
+    ProtocolError,
+    SamplingParams,
+    finish_abort,
+    finish_length,
+    finish_stop,
+)
+
+log = logging.getLogger(__name__)
+
+EXPORT_FORMAT = "dora-request-v1"
+DoneCallback = Callable[[dict[str, Any]], None]
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool = False
+    on_done: DoneCallback | None = None
+    version: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    kv: RequestKV | None = None
+    reserved_blocks: int = 0
+    migrations: int = 0
+    created: float = field(default_factory=time.monotonic)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_running: int = 32
+    block_size: int = 16
+    kv_blocks: int | None = None  # None: enough for max_running full-context requests
+    max_context: int | None = None  # None: the model's max_position_embeddings
+
+
+class Scheduler:
+    def __init__(self, model: CausalLM, limits: SchedulerLimits, weight_version: str = "0") -> None:
+        self.model = model
+        self.limits = limits
+        self.max_context = int(limits.max_context or model.config.max_position_embeddings)
+        self.block_size = int(limits.block_size)
+        total = limits.kv_blocks or limits.max_running * blocks_for(self.max_context, self.block_size)
+        self.pool = BlockPool(total)
+        self.kv_shape = model.kv_shape(self.block_size)
+        self.weight_version = str(weight_version)
+        self.eos_ids = set(model.config.eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.held: list[Request] = []
+        self.by_rid: dict[str, Request] = {}
+        self.paused: str | None = None
+        self.hold_admission = False
+        self.steps = 0
+        self.tokens_generated = 0
+        self._checksum: str | None = None
+
+    # ---- submission ----------------------------------------------------------------------
+    def check_version(self, version: str | None) -> None:
+        if version is not None and str(version) != self.weight_version:
+            raise ProtocolError(
+                f"request needs weight version {version} but this instance holds version {self.weight_version}", 409
+            )
+
+    def submit(self, req: Request, required_version: str | None = None) -> None:
+        """Queue a new request; raises ProtocolError (4xx) for a request that cannot run here."""
+        self.check_version(required_version)
+        if req.rid in self.by_rid:
+            raise ProtocolError(f"rid {req.rid!r} is already in use on this instance")
+        if len(req.prompt_ids) >= self.max_context:
+            raise ProtocolError(
+                f"prompt has {len(req.prompt_ids)} tokens; the context length is {self.max_context} "
+                "(prompt must be shorter to generate at least one token)"
+            )
+        vocab = self.model.config.vocab_size
+        bad = [t for t in req.prompt_ids if t < 0 or t >= vocab]
+        if bad:
+            raise ProtocolError(f"input_ids contain ids outside [0, {vocab}): {bad[:5]}")
+        if self._blocks_needed(req) > self.pool.total:
+            raise ProtocolError(f"request needs more KV blocks than this instance has ({self.pool.total})")
+        req.version = self.weight_version
+        if req.generator is None:
+            req.generator = make_generator(req.params.sampling_seed)
+        self.by_rid[req.rid] = req
+        if req.params.max_new_tokens == 0:
+            self._finish(req, finish_length(0))
+            return
+        (self.held if self.hold_admission else self.waiting).append(req)
+
+    def _blocks_needed(self, req: Request) -> int:
+        remaining = req.params.max_new_tokens - len(req.output_ids)
+        return blocks_for(min(len(req.tokens) + max(remaining, 0), self.max_context), self.block_size)
+
+    # ---- stepping ------------------------------------------------------------------------
+    def is_idle(self) -> bool:
+        return not self.running and not self.waiting
+
+    def can_step(self) -> bool:
+        return self.paused is None and bool(self.running or self.waiting)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.limits.max_running:
+            req = self.waiting[0]
+            need = self._blocks_needed(req)
+            if not self.pool.can_reserve(need):
+                break
+            self.waiting.popleft()
+            self.pool.reserve(need)
+            req.reserved_blocks = need
+            if req.kv is None:
+                req.kv = RequestKV(self.kv_shape)
+            self.running.append(req)
+
+    @torch.inference_mode()
+    def step(self) -> int:
+        """Admit, run one forward over all running requests, sample; return tokens produced."""
+        if self.paused is not None:
+            return 0
+        self._admit()
+        if not self.running:
+            return 0
+        batch = list(self.running)
+        ids: list[int] = []
+        pos: list[int] = []
+        segs = []
+        for r in batch:
+            toks = r.tokens
+            start = r.kv.length
+            r.kv.ensure_capacity(len(toks))
+            ids.extend(toks[start:])
+            pos.extend(range(start, len(toks)))
+            segs.append((r.kv, len(toks) - start))
+        dev = self.kv_shape.device
+        hidden = self.model.forward_segments(
+            torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev), segs
+        )
+        last = torch.cumsum(torch.tensor([m for _, m in segs], device=dev), 0) - 1
+        logits = self.model.logits(hidden[last]).float().cpu()
+        for r, row in zip(batch, logits):
+            tok, lp = sample_token(row, r.params, r.generator)
+            r.output_ids.append(tok)
+            r.output_logprobs.append(lp)
+            reason = self._finish_reason(r, tok)
+            if reason is not None:
+                self._finish(r, reason)
+        self.steps += 1
+        self.tokens_generated += len(batch)
+        return len(batch)
+
+    def _finish_reason(self, r: Request, tok: int) -> dict[str, Any] | None:
+        if tok in r.params.stop_token_ids or (tok in self.eos_ids and not r.params.ignore_eos):
+            return finish_stop(tok)
+        if len(r.output_ids) >= r.params.max_new_tokens:
+            return finish_length(r.params.max_new_tokens)
+        if len(r.tokens) >= self.max_context:
+            return finish_length(len(r.output_ids))
+        return None
+
+    def _remove(self, r: Request) -> None:
+        if r in self.running:
+            self.running.remove(r)
+        elif r in self.waiting:
+            self.waiting.remove(r)
+        elif r in self.held:
+            self.held.remove(r)
+        self.pool.release(r.reserved_blocks)
+        r.reserved_blocks = 0
+        r.kv = None
+        self.by_rid.pop(r.rid, None)
+
+    def _finish(self, r: Request, reason: dict[str, Any], migrated: bool = False) -> None:
+        self._remove(r)
+        if r.on_done is not None:
+            r.on_done(self.response(r, reason, migrated))
+
+    def response(self, r: Request, reason: dict[str, Any], migrated: bool = False) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": r.rid,
+            "finish_reason": reason,
+            "prompt_tokens": len(r.prompt_ids),
+            "completion_tokens": len(r.output_ids),
+            "cached_tokens": 0,
+            "weight_version": self.weight_version,
+            "e2e_latency": time.monotonic() - r.created,
+            "dora_version": r.version,
+            "dora_migrations": r.migrations,
+            "dora_migrated": migrated,
+        }
+        if r.return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.output_logprobs, r.output_ids)]
+        return {"output_ids": list(r.output_ids), "meta_info": meta}
+
+    # ---- control -------------------------------------------------------------------------
+    def _match(self, rid: str, abort_all: bool) -> list[Request]:
+        reqs = list(self.running) + list(self.waiting) + list(self.held)
+        return reqs if abort_all else [r for r in reqs if r.rid.startswith(rid)]
+
+    def abort(self, rid: str = "", abort_all: bool = False, message: str = "Abort request") -> int:
+        """Abort requests whose rid starts with ``rid`` (SGLang's prefix match) or all; return count."""
+        matched = self._match(rid, abort_all)
+        for r in matched:
+            self._finish(r, finish_abort(message))
+        return len(matched)
+
+    def fail_running(self, message: str) -> int:
+        """Finish every running request with an internal-error abort (after a failed step)."""
+        reqs = list(self.running)
+        for r in reqs:
+            self._finish(r, finish_abort(message, 500, "internal_error"))
+        return len(reqs)
+
+    def pause(self, mode: str) -> int:
+        """SGLang's pause modes; returns the number of affected requests."""
+        if mode == "abort":
+            n = self.abort(abort_all=True, message="Aborted by pause_generation(mode=abort)")
+        elif mode == "retract":
+            n = len(self.running)
+            for r in reversed(self.running):
+                self.pool.release(r.reserved_blocks)
+                r.reserved_blocks = 0
+                r.kv = None
+                self.waiting.appendleft(r)
+            self.running = []
+        elif mode == "in_place":
+            n = len(self.running)
+        else:
+            raise ProtocolError(f"unknown pause mode {mode!r}")
+        self.paused = mode
+        return n
+
+    def resume(self) -> None:
+        self.paused = None
+
+    def release_held(self) -> None:
+        self.hold_admission = False
+        self.waiting.extend(self.held)
+        self.held = []
+
+    def flush_cache(self) -> None:
+        """No prefix cache to flush; refuses while requests are queued or running (as SGLang)."""
+        if self.running or self.waiting:
+            raise ProtocolError(
+                f"cannot flush cache with {len(self.running)} running and {len(self.waiting)} waiting requests"
+            )
+
+    # ---- weights -------------------------------------------------------------------------
+    def load_weights(self, tensors: dict[str, torch.Tensor], version: str | None, require_all: bool) -> None:
+        """Validate then copy weights (all or nothing); set the version only on success."""
+        try:
+            self.model.load_weights(tensors, require_all=require_all)
+        except ValueError as exc:
+            raise ProtocolError(f"weights rejected, old weights kept: {exc}") from None
+        self._checksum = None
+        if version is not None:
+            self.weight_version = str(version)
+
+    def weights_checksum(self) -> str:
+        from dora_megatron.weights.checksum import weights_checksum
+
+        if self._checksum is None:
+            self._checksum = weights_checksum(self.model.hf_state_dict())
+        return self._checksum
+
+    # ---- migration -----------------------------------------------------------------------
+    def export_request(self, rid: str) -> bytes:
+        """Remove request ``rid`` from this instance and serialise it (state, KV, RNG state).
+
+        Its pending ``/generate`` answers with ``finish_reason.type == "abort"``,
+        ``err_type == "migrated"`` and ``meta_info.dora_migrated == true``.
+        """
+        r = self.by_rid.get(rid)
+        if r is None:
+            raise ProtocolError(f"unknown rid {rid!r}", 404)
+        c = self.model.config
+        blob = {
+            "format": EXPORT_FORMAT,
+            "rid": r.rid,
+            "prompt_ids": list(r.prompt_ids),
+            "output_ids": list(r.output_ids),
+            "output_logprobs": list(r.output_logprobs),
+            "params": r.params.to_json(),
+            "return_logprob": r.return_logprob,
+            "version": r.version,
+            "migrations": r.migrations + 1,
+            "rng_state": r.generator.get_state(),
+            "kv": r.kv.export_tensor() if r.kv is not None and r.kv.length else None,
+            "model": [c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size],
+        }
+        buf = io.BytesIO()
+        torch.save(blob, buf)
+        self._finish(r, finish_abort("migrated to another instance", 200, "migrated"), migrated=True)
+        return buf.getvalue()
+
+    def import_request(self, data: bytes, on_done: DoneCallback | None) -> Request:
+        """Queue an exported request (first in line); it continues from its KV without re-prefill."""
+        try:
+            blob = torch.load(io.BytesIO(data), weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any decoding failure is the client's fault
+            raise ProtocolError(f"body is not an exported request: {exc}") from None
+        if not isinstance(blob, dict) or blob.get("format") != EXPORT_FORMAT:
+            raise ProtocolError(f"body is not a {EXPORT_FORMAT} export")
+        c = self.model.config
+        if list(blob["model"]) != [c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size]:
+            raise ProtocolError(f"exported request is for a different model shape {blob['model']}")
+        self.check_version(blob["version"])
+        if blob["rid"] in self.by_rid:
+            raise ProtocolError(f"rid {blob['rid']!r} is already in use on this instance", 409)
+        gen = torch.Generator(device="cpu")
+        gen.set_state(blob["rng_state"])
+        req = Request(
+            rid=blob["rid"],
+            prompt_ids=list(blob["prompt_ids"]),
+            params=SamplingParams(**blob["params"]),
+            return_logprob=bool(blob["return_logprob"]),
+            on_done=on_done,
+            version=self.weight_version,
+            output_ids=list(blob["output_ids"]),
+            output_logprobs=list(blob["output_logprobs"]),
+            generator=gen,
+            migrations=int(blob["migrations"]),
+        )
+        if blob["kv"] is not None:
+            try:
+                req.kv = RequestKV.from_tensor(self.kv_shape, blob["kv"])
+            except ValueError as exc:
+                raise ProtocolError(str(exc)) from None
+            if req.kv.length >= len(req.tokens):
+                raise ProtocolError("exported KV covers more tokens than the request has")
+        self.by_rid[req.rid] = req
+        (self.held if self.hold_admission else self.waiting).appendleft(req)
+        return req
+
+    # ---- reporting -----------------------------------------------------------------------
+    def info(self) -> dict[str, Any]:
+        return {
+            "num_running_reqs": len(self.running),
+            "num_waiting_reqs": len(self.waiting) + len(self.held),
+            "max_running_requests": self.limits.max_running,
+            "kv_blocks_total": self.pool.total,
+            "kv_blocks_used": self.pool.used,
+            "kv_usage": self.pool.used / self.pool.total,
+            "block_size": self.block_size,
+            "max_context_length": self.max_context,
+            "weight_version": self.weight_version,
+            "paused": self.paused,
+            "steps": self.steps,
+            "tokens_generated": self.tokens_generated,
+        }

@@ -1,0 +1,327 @@
+"""aiohttp application exposing an embedded engine with SGLang's HTTP protocol.
+
+Why SGLang's protocol: the controller talks to SGLang and to this engine with one client.
+The engine takes token ids only (like SGLang with ``--skip-tokenizer-init``).
+
+SGLang endpoints: ``/generate``, ``/abort_request``, ``/pause_generation``,
+``/continue_generation``, ``/flush_cache``, ``/get_server_info`` (= ``/server_info``),
+``/get_model_info`` (= ``/model_info``), ``/get_weight_version``, ``/health``,
+``/health_generate``, ``/update_weights_from_disk``, ``/init_weights_update_group``,
+``/destroy_weights_update_group``, ``/update_weights_from_distributed``.
+
+Our extensions (not in SGLang), under ``/dora/``:
+``POST /dora/export_request`` JSON ``{"rid"}`` -> binary body (torch.save of the request state,
+KV tensor ``[layers, 2, kv_heads, tokens, head_dim]`` and sampler RNG state); the request leaves
+this instance and its pending ``/generate`` answers with an abort whose ``err_type`` is
+``"migrated"``. ``POST /dora/import_request`` binary body -> the ``/generate`` answer of the
+request once it finishes here (``output_ids`` include the tokens made before the migration).
+``GET /dora/weights_checksum`` -> ``{"checksum", "weight_version"}`` (see
+``dora_megatron.weights.checksum``). ``/generate`` accepts ``dora_version``: 409 if this
+instance holds another weight version (so does an import of a request of another version).
+
+Errors: malformed JSON, missing/mistyped fields, prompts too long, unknown rids, bad weights
+answer 4xx with ``{"error": msg, "success": false, "message": msg}``; nothing else is affected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+from aiohttp import web
+
+from dora_megatron.rollout import protocol as P
+from dora_megatron.rollout.engine import weight_sync
+from dora_megatron.rollout.engine.runner import EngineRunner
+from dora_megatron.rollout.engine.scheduler import Request, Scheduler
+
+log = logging.getLogger(__name__)
+
+DORA_EXTENSIONS = ("export_request", "import_request", "weights_checksum", "dora_version")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message, "success": False, "message": message}, status=status)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except P.ProtocolError as exc:
+        return _error(exc.status, exc.message)
+    except web.HTTPException:
+        raise
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a handler bug must not kill the server
+        log.exception("handler %s failed", request.path)
+        return _error(500, f"internal error: {exc!r}")
+
+
+async def _json(request: web.Request) -> Any:
+    raw = await request.read()
+    if not raw:
+        return {}
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise P.ProtocolError(f"malformed JSON body: {exc}") from None
+
+
+@dataclass
+class ServerOptions:
+    model_path: str
+    device: str = "cpu"
+    group_timeout_s: float = 600.0
+
+
+class EngineServer:
+    """Routes HTTP calls to the :class:`EngineRunner`; owns the weight-update groups."""
+
+    def __init__(self, scheduler: Scheduler, options: ServerOptions) -> None:
+        self.scheduler = scheduler
+        self.options = options
+        self.runner: EngineRunner | None = None
+        self.groups: dict[str, Any] = {}
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[error_middleware], client_max_size=1 << 31)
+        r = app.router
+        r.add_post("/generate", self.generate)
+        r.add_put("/generate", self.generate)
+        r.add_post("/abort_request", self.abort_request)
+        r.add_post("/pause_generation", self.pause_generation)
+        r.add_post("/continue_generation", self.continue_generation)
+        for path in ("/flush_cache",):
+            r.add_post(path, self.flush_cache)
+            r.add_get(path, self.flush_cache)
+        for path in ("/get_server_info", "/server_info"):
+            r.add_get(path, self.server_info)
+        for path in ("/get_model_info", "/model_info"):
+            r.add_get(path, self.model_info)
+        r.add_get("/get_weight_version", self.weight_version)
+        r.add_get("/weight_version", self.weight_version)
+        r.add_get("/health", self.health)
+        r.add_get("/health_generate", self.health)
+        r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+        r.add_post("/init_weights_update_group", self.init_weights_update_group)
+        r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
+        r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
+        r.add_post("/dora/export_request", self.export_request)
+        r.add_post("/dora/import_request", self.import_request)
+        r.add_get("/dora/weights_checksum", self.weights_checksum)
+        app.on_startup.append(self._on_startup)
+        app.on_cleanup.append(self._on_cleanup)
+        return app
+
+    async def _on_startup(self, app: web.Application) -> None:
+        self.runner = EngineRunner(self.scheduler, asyncio.get_running_loop())
+        self.runner.start()
+
+    async def _on_cleanup(self, app: web.Application) -> None:
+        if self.runner is not None:
+            self.runner.stop()
+        for g in list(self.groups.values()):
+            try:
+                weight_sync.destroy_weight_update_group(g)
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                log.warning("could not destroy a weight update group", exc_info=True)
+
+    @property
+    def _runner(self) -> EngineRunner:
+        assert self.runner is not None, "server not started"
+        return self.runner
+
+    # ---- generation ----------------------------------------------------------------------
+    def _done_future(self) -> tuple["asyncio.Future[dict]", Callable[[dict], None]]:
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        runner = self._runner
+        return fut, lambda resp: runner.resolve(fut, resp)
+
+    async def _await_result(self, fut: "asyncio.Future[dict]", rid: str) -> web.Response:
+        try:
+            resp = await fut
+        except asyncio.CancelledError:
+            # the client went away: free the slot
+            self._runner.call(lambda s: s.abort(rid))
+            raise
+        return web.json_response(resp)
+
+    async def generate(self, request: web.Request) -> web.Response:
+        g = P.GenerateRequest.from_json(await _json(request))
+        rid = g.rid or uuid.uuid4().hex
+        fut, on_done = self._done_future()
+        req = Request(
+            rid=rid, prompt_ids=g.input_ids, params=g.sampling_params, return_logprob=g.return_logprob, on_done=on_done
+        )
+        await self._runner.call(lambda s: s.submit(req, required_version=g.dora_version))
+        return await self._await_result(fut, rid)
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        a = P.AbortRequest.from_json(await _json(request))
+        n = await self._runner.call(lambda s: s.abort(a.rid, a.abort_all))
+        if n == 0 and not a.abort_all:
+            raise P.ProtocolError(f"unknown rid {a.rid!r} (no running or queued request matches)", 404)
+        return web.json_response({"success": True, "message": f"aborted {n} request(s)", "num_aborted": n})
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        p = P.PauseRequest.from_json(await _json(request))
+        n = await self._runner.call(lambda s: s.pause(p.mode))
+        return web.json_response({"status": "ok", "message": f"paused ({p.mode}), {n} request(s) affected"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        await _json(request)
+        await self._runner.call(lambda s: s.resume())
+        return web.json_response({"status": "ok", "message": "generation continued"})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        await self._runner.call(lambda s: s.flush_cache())
+        return web.json_response({"success": True, "message": "cache flushed"})
+
+    # ---- info ----------------------------------------------------------------------------
+    async def server_info(self, request: web.Request) -> web.Response:
+        snap = dict(self._runner.snapshot)
+        snap.update(
+            {
+                "model_path": self.options.model_path,
+                "device": self.options.device,
+                "engine": "dora-embedded",
+                "dora_extensions": list(DORA_EXTENSIONS),
+                "weight_update_groups": sorted(self.groups),
+                "internal_states": [dict(self._runner.snapshot)],
+                "last_error": self._runner.last_error,
+            }
+        )
+        return web.json_response(snap)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        c = self.scheduler.model.config
+        return web.json_response(
+            {
+                "model_path": self.options.model_path,
+                "tokenizer_path": None,
+                "is_generation": True,
+                "weight_version": self._runner.snapshot["weight_version"],
+                "model_type": c.model_type,
+                "max_context_length": self.scheduler.max_context,
+            }
+        )
+
+    async def weight_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": self._runner.snapshot["weight_version"]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        if not self._runner.alive():
+            return _error(503, "engine thread is not running")
+        return web.json_response({"status": "ok"})
+
+    # ---- weights -------------------------------------------------------------------------
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        u = P.UpdateFromDiskRequest.from_json(await _json(request))
+        from dora_megatron.models import hf_io
+
+        try:
+            state = await asyncio.get_running_loop().run_in_executor(None, hf_io.load_state_dict, u.model_path)
+        except (FileNotFoundError, OSError, ValueError) as exc:
+            raise P.ProtocolError(f"cannot read weights from {u.model_path!r}: {exc}") from None
+        if u.abort_all_requests:
+            await self._runner.call(lambda s: s.abort(abort_all=True))
+        await self._runner.call_when_idle(lambda s: s.load_weights(state, u.weight_version, require_all=True))
+        v = self._runner.scheduler.weight_version
+        return web.json_response(
+            {"success": True, "message": f"loaded {len(state)} tensors, weight_version {v}", "num_paused_requests": 0}
+        )
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        g = P.InitGroupRequest.from_json(await _json(request))
+        if g.group_name in self.groups:
+            raise P.ProtocolError(f"weight update group {g.group_name!r} already exists", 409)
+        if g.backend == "nccl" and self.options.device != "cuda":
+            raise P.ProtocolError("backend nccl needs --device cuda; use gloo on CPU")
+        try:
+            group = await asyncio.get_running_loop().run_in_executor(
+                None,
+                lambda: weight_sync.init_weight_update_group(
+                    g.master_address, g.master_port, g.rank_offset, g.world_size, g.group_name, g.backend,
+                    self.options.group_timeout_s,
+                ),
+            )
+        except Exception as exc:  # noqa: BLE001 - rendezvous failures are reported
+            return _error(400, f"failed to join weight update group: {exc}")
+        self.groups[g.group_name] = group
+        return web.json_response({"success": True, "message": f"joined {g.group_name} as rank {g.rank_offset}"})
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        body = await _json(request)
+        name = body.get("group_name", "weight_update_group") if isinstance(body, dict) else None
+        if name not in self.groups:
+            raise P.ProtocolError(f"unknown weight update group {name!r}", 404)
+        weight_sync.destroy_weight_update_group(self.groups.pop(name))
+        return web.json_response({"success": True, "message": f"destroyed {name}"})
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        u = P.UpdateFromDistributedRequest.from_json(await _json(request))
+        group = self.groups.get(u.group_name)
+        if group is None:
+            raise P.ProtocolError(f"unknown weight update group {u.group_name!r}; call /init_weights_update_group first")
+        try:
+            dtypes = [weight_sync.parse_dtype(d) for d in u.dtypes]
+        except ValueError as exc:
+            raise P.ProtocolError(str(exc)) from None
+        device = self.scheduler.kv_shape.device
+        if u.abort_all_requests:
+            await self._runner.call(lambda s: s.abort(abort_all=True))
+
+        def receive_and_load(s: Scheduler) -> int:
+            tensors = weight_sync.receive_tensors(group, u.shapes, dtypes, device)
+            s.load_weights(dict(zip(u.names, tensors)), u.weight_version, require_all=False)
+            return len(tensors)
+
+        n = await self._runner.call_when_idle(receive_and_load)
+        v = self._runner.scheduler.weight_version
+        return web.json_response({"success": True, "message": f"updated {n} tensors, weight_version {v}"})
+
+    async def weights_checksum(self, request: web.Request) -> web.Response:
+        checksum, version = await self._runner.call(lambda s: (s.weights_checksum(), s.weight_version))
+        return web.json_response({"checksum": checksum, "weight_version": version})
+
+    # ---- migration -----------------------------------------------------------------------
+    async def export_request(self, request: web.Request) -> web.Response:
+        e = P.ExportRequest.from_json(await _json(request))
+        data = await self._runner.call(lambda s: s.export_request(e.rid))
+        return web.Response(body=data, content_type="application/octet-stream")
+
+    async def import_request(self, request: web.Request) -> web.Response:
+        data = await request.read()
+        if not data:
+            raise P.ProtocolError("empty body: expected the bytes returned by /dora/export_request")
+        fut, on_done = self._done_future()
+        req = await self._runner.call(lambda s: s.import_request(data, on_done))
+        return await self._await_result(fut, req.rid)
+
+
+def build_app(
+    model_path: str,
+    *,
+    device: str = "cpu",
+    max_running: int = 32,
+    weight_version: str = "0",
+    block_size: int = 16,
+    kv_blocks: int | None = None,
+    max_context: int | None = None,
+) -> web.Application:
+    """Load the model and return the aiohttp application (the engine thread starts with it)."""
+    from dora_megatron.rollout.engine.model import load_model
+    from dora_megatron.rollout.engine.scheduler import SchedulerLimits
+
+    model = load_model(model_path, device=device)
+    limits = SchedulerLimits(max_running=max_running, block_size=block_size, kv_blocks=kv_blocks, max_context=max_context)
+    sched = Scheduler(model, limits, weight_version=weight_version)
+    return EngineServer(sched, ServerOptions(model_path=model_path, device=device)).app()

@@ -1,0 +1,85 @@
+"""The torch.distributed group over which a trainer broadcasts weights to rollout engines.
+
+Why a custom group instead of ``dist.init_process_group``: the trainer process already owns
+its default (torchrun) group, so the weight-update group must be a second, independent group.
+Like slime does for SGLang, both sides create it from a TCPStore rendezvous at
+``tcp://master_address:master_port`` wrapped in ``PrefixStore(group_name, store)`` and built
+with torch's ``_new_process_group_helper`` (no default group needed or touched). The trainer
+calls :func:`init_weight_update_group` with ``rank=0`` (it hosts the store); each engine calls it
+with ``rank=rank_offset`` (the ``/init_weights_update_group`` handler does). Tensors are then sent
+with ``dist.broadcast(t, src=0, group=group)`` in the order of the ``names`` list. The same
+function is what a trainer should use towards SGLang engines (same store layout as slime's).
+Backend: gloo on CPU, nccl on CUDA.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+
+def init_weight_update_group(
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    backend: str = "gloo",
+    timeout_s: float = 600.0,
+) -> Any:
+    """Create (collectively, all ranks) and return a process group independent of the default one."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_available():
+        raise RuntimeError("torch.distributed is not available in this build")
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world_size = next(
+        c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
+    )
+    store.set_timeout(timeout)
+    prefix_store = c10d.PrefixStore(group_name, store)
+    pg, _ = c10d._new_process_group_helper(
+        world_size, rank, [], backend, prefix_store, group_name=group_name, timeout=timeout
+    )
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def destroy_weight_update_group(group: Any) -> None:
+    import torch.distributed as dist
+
+    dist.destroy_process_group(group)
+
+
+def receive_tensors(
+    group: Any, shapes: list[list[int]], dtypes: list[torch.dtype], device: str | torch.device = "cpu"
+) -> list[torch.Tensor]:
+    """Receive one broadcast from rank 0 per entry, in order."""
+    import torch.distributed as dist
+
+    out = []
+    for shape, dtype in zip(shapes, dtypes):
+        t = torch.empty(tuple(shape), dtype=dtype, device=device)
+        dist.broadcast(t, src=0, group=group)
+        out.append(t)
+    return out
+
+
+def send_tensors(group: Any, tensors: list[torch.Tensor]) -> None:
+    """Rank 0 side of :func:`receive_tensors`."""
+    import torch.distributed as dist
+
+    for t in tensors:
+        dist.broadcast(t.contiguous(), src=0, group=group)
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` or ``"torch.bfloat16"`` -> ``torch.bfloat16``; ValueError otherwise."""
+    short = name[len("torch.") :] if name.startswith("torch.") else name
+    dt = getattr(torch, short, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dt

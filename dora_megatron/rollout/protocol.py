@@ -1,0 +1,339 @@
+"""Typed requests/responses of the SGLang HTTP protocol subset we use, plus our extensions.
+
+Why: the embedded server validates untrusted JSON and the client builds requests; both use
+these dataclasses so field names and defaults live in one place. Parsing raises
+:class:`ProtocolError` carrying the HTTP status and a message that names the offending field.
+Only the standard library is imported.
+
+SGLang fields implemented (see reference A.3-A.4): ``/generate`` ``input_ids``, ``rid``,
+``sampling_params`` {``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop_token_ids``,
+``ignore_eos``, ``sampling_seed``}, ``return_logprob``; response ``output_ids`` and ``meta_info``.
+Our extension: ``dora_version`` (the weight version the request must run on; 409 otherwise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+class ProtocolError(Exception):
+    """A bad request; ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def _obj(body: Any, what: str) -> Mapping[str, Any]:
+    if not isinstance(body, Mapping):
+        raise ProtocolError(f"{what}: request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _int(d: Mapping[str, Any], key: str, default: Any, *, ge: int | None = None, path: str = "") -> Any:
+    v = d.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ProtocolError(f"{path}{key} must be an integer, got {v!r}")
+    if ge is not None and v < ge:
+        raise ProtocolError(f"{path}{key} must be >= {ge}, got {v}")
+    return v
+
+
+def _float(d: Mapping[str, Any], key: str, default: float, *, path: str = "") -> float:
+    v = d.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ProtocolError(f"{path}{key} must be a number, got {v!r}")
+    return float(v)
+
+
+def _bool(d: Mapping[str, Any], key: str, default: bool, *, path: str = "") -> bool:
+    v = d.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ProtocolError(f"{path}{key} must be a boolean, got {v!r}")
+    return v
+
+
+def _str(d: Mapping[str, Any], key: str, default: Any, *, path: str = "") -> Any:
+    v = d.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, str):
+        raise ProtocolError(f"{path}{key} must be a string, got {v!r}")
+    return v
+
+
+def _int_list(v: Any, name: str) -> list[int]:
+    if not isinstance(v, list) or any(isinstance(x, bool) or not isinstance(x, int) for x in v):
+        raise ProtocolError(f"{name} must be a list of integers")
+    return list(v)
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    sampling_seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+    @classmethod
+    def from_json(cls, d: Any) -> "SamplingParams":
+        if d is None:
+            return cls()
+        d = _obj(d, "sampling_params")
+        p = "sampling_params."
+        sp = cls(
+            max_new_tokens=_int(d, "max_new_tokens", DEFAULT_MAX_NEW_TOKENS, ge=0, path=p),
+            temperature=_float(d, "temperature", 1.0, path=p),
+            top_p=_float(d, "top_p", 1.0, path=p),
+            top_k=_int(d, "top_k", -1, path=p),
+            stop_token_ids=_int_list(d.get("stop_token_ids") or [], p + "stop_token_ids"),
+            ignore_eos=_bool(d, "ignore_eos", False, path=p),
+            sampling_seed=_int(d, "sampling_seed", None, path=p),
+        )
+        if sp.temperature < 0:
+            raise ProtocolError(f"{p}temperature must be >= 0, got {sp.temperature}")
+        if not 0.0 < sp.top_p <= 1.0:
+            raise ProtocolError(f"{p}top_p must be in (0, 1], got {sp.top_p}")
+        if sp.top_k == 0 or sp.top_k < -1:
+            raise ProtocolError(f"{p}top_k must be -1 (disabled) or >= 1, got {sp.top_k}")
+        return sp
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        if d["sampling_seed"] is None:
+            del d["sampling_seed"]
+        return d
+
+
+@dataclass
+class GenerateRequest:
+    input_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    rid: str | None = None
+    return_logprob: bool = False
+    dora_version: str | None = None
+
+    @classmethod
+    def from_json(cls, body: Any) -> "GenerateRequest":
+        body = _obj(body, "/generate")
+        if "input_ids" not in body:
+            raise ProtocolError("missing field input_ids (this engine takes token ids, not text)")
+        ids = body["input_ids"]
+        if isinstance(ids, list) and ids and isinstance(ids[0], list):
+            raise ProtocolError("batched input_ids (list of lists) are not supported; send one request per prompt")
+        ids = _int_list(ids, "input_ids")
+        if not ids:
+            raise ProtocolError("input_ids must not be empty")
+        if body.get("stream"):
+            raise ProtocolError("stream=true is not supported by the embedded engine")
+        version = body.get("dora_version")
+        if version is not None and (isinstance(version, bool) or not isinstance(version, (int, str))):
+            raise ProtocolError(f"dora_version must be a string or integer, got {version!r}")
+        return cls(
+            input_ids=ids,
+            sampling_params=SamplingParams.from_json(body.get("sampling_params")),
+            rid=_str(body, "rid", None),
+            return_logprob=_bool(body, "return_logprob", False),
+            dora_version=None if version is None else str(version),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "input_ids": list(self.input_ids),
+            "sampling_params": self.sampling_params.to_json(),
+            "return_logprob": self.return_logprob,
+        }
+        if self.rid is not None:
+            d["rid"] = self.rid
+        if self.dora_version is not None:
+            d["dora_version"] = self.dora_version
+        return d
+
+
+def finish_stop(matched: int) -> dict[str, Any]:
+    return {"type": "stop", "matched": int(matched)}
+
+
+def finish_length(length: int) -> dict[str, Any]:
+    return {"type": "length", "length": int(length)}
+
+
+def finish_abort(message: str = "Abort", status_code: int = 200, err_type: str | None = None) -> dict[str, Any]:
+    return {"type": "abort", "message": message, "status_code": status_code, "err_type": err_type}
+
+
+@dataclass
+class GenerateResponse:
+    """The parsed ``/generate`` answer (SGLang's shape)."""
+
+    rid: str
+    output_ids: list[int]
+    finish_reason: dict[str, Any]
+    prompt_tokens: int
+    completion_tokens: int
+    weight_version: str
+    output_token_logprobs: list[float] | None = None
+    migrated: bool = False
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def finish_type(self) -> str:
+        return str(self.finish_reason.get("type"))
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "GenerateResponse":
+        meta = d.get("meta_info") or {}
+        lps = meta.get("output_token_logprobs")
+        return cls(
+            rid=str(meta.get("id", "")),
+            output_ids=list(d.get("output_ids") or []),
+            finish_reason=dict(meta.get("finish_reason") or {}),
+            prompt_tokens=int(meta.get("prompt_tokens", 0)),
+            completion_tokens=int(meta.get("completion_tokens", 0)),
+            weight_version=str(meta.get("weight_version", "")),
+            output_token_logprobs=None if lps is None else [float(x[0]) for x in lps],
+            migrated=bool(meta.get("dora_migrated", False)),
+            raw=dict(d),
+        )
+
+
+@dataclass
+class AbortRequest:
+    rid: str = ""
+    abort_all: bool = False
+
+    @classmethod
+    def from_json(cls, body: Any) -> "AbortRequest":
+        body = _obj(body, "/abort_request")
+        r = cls(rid=_str(body, "rid", ""), abort_all=_bool(body, "abort_all", False))
+        if not r.rid and not r.abort_all:
+            raise ProtocolError("give rid (non-empty) or abort_all=true")
+        return r
+
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+@dataclass
+class PauseRequest:
+    mode: str = "abort"
+
+    @classmethod
+    def from_json(cls, body: Any) -> "PauseRequest":
+        body = _obj(body or {}, "/pause_generation")
+        mode = _str(body, "mode", "abort")
+        if mode not in PAUSE_MODES:
+            raise ProtocolError(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
+        return cls(mode=mode)
+
+
+@dataclass
+class UpdateFromDiskRequest:
+    model_path: str
+    weight_version: str | None = None
+    abort_all_requests: bool = False
+
+    @classmethod
+    def from_json(cls, body: Any) -> "UpdateFromDiskRequest":
+        body = _obj(body, "/update_weights_from_disk")
+        path = _str(body, "model_path", None)
+        if not path:
+            raise ProtocolError("missing field model_path")
+        v = body.get("weight_version")
+        return cls(path, None if v is None else str(v), _bool(body, "abort_all_requests", False))
+
+
+@dataclass
+class InitGroupRequest:
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "gloo"
+
+    @classmethod
+    def from_json(cls, body: Any) -> "InitGroupRequest":
+        body = _obj(body, "/init_weights_update_group")
+        for k in ("master_address", "master_port", "rank_offset", "world_size"):
+            if k not in body:
+                raise ProtocolError(f"missing field {k}")
+        r = cls(
+            master_address=_str(body, "master_address", ""),
+            master_port=_int(body, "master_port", 0, ge=1),
+            rank_offset=_int(body, "rank_offset", 1, ge=1),
+            world_size=_int(body, "world_size", 2, ge=2),
+            group_name=_str(body, "group_name", "weight_update_group"),
+            backend=_str(body, "backend", "gloo"),
+        )
+        if r.rank_offset >= r.world_size:
+            raise ProtocolError(f"rank_offset {r.rank_offset} must be < world_size {r.world_size}")
+        if r.backend not in ("gloo", "nccl"):
+            raise ProtocolError(f"backend must be gloo or nccl, got {r.backend!r}")
+        return r
+
+
+@dataclass
+class UpdateFromDistributedRequest:
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    weight_version: str | None = None
+    abort_all_requests: bool = False
+
+    @classmethod
+    def from_json(cls, body: Any) -> "UpdateFromDistributedRequest":
+        body = _obj(body, "/update_weights_from_distributed")
+        for k in ("names", "dtypes", "shapes"):
+            if k not in body:
+                raise ProtocolError(f"missing field {k}")
+        names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ProtocolError("names must be a list of strings")
+        if not isinstance(dtypes, list) or not all(isinstance(n, str) for n in dtypes):
+            raise ProtocolError("dtypes must be a list of strings")
+        if not isinstance(shapes, list):
+            raise ProtocolError("shapes must be a list of lists of integers")
+        shapes = [_int_list(s, f"shapes[{i}]") for i, s in enumerate(shapes)]
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise ProtocolError(f"names, dtypes, shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})")
+        v = body.get("weight_version")
+        return cls(
+            names=names,
+            dtypes=dtypes,
+            shapes=shapes,
+            group_name=_str(body, "group_name", "weight_update_group"),
+            weight_version=None if v is None else str(v),
+            abort_all_requests=_bool(body, "abort_all_requests", False),
+        )
+
+
+@dataclass
+class ExportRequest:
+    rid: str
+
+    @classmethod
+    def from_json(cls, body: Any) -> "ExportRequest":
+        body = _obj(body, "/dora/export_request")
+        rid = _str(body, "rid", None)
+        if not rid:
+            raise ProtocolError("missing field rid")
+        return cls(rid)

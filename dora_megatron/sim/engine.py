@@ -1,0 +1,627 @@
+"""The simulator's event loop: simulated instances and trainer around the production orchestrator.
+
+WHY this shape: the orchestrator (:class:`dora_megatron.orchestrator.Orchestrator`) is a sans-IO
+state machine; the real runtime turns its actions into HTTP calls and feeds back what engines and
+the trainer report. Here the *same object* is driven by a virtual clock: every action becomes a
+timed effect on a :class:`~dora_megatron.sim.instance.SimInstance` or on the simulated trainer,
+and every effect the runtime would report (sample finished, switch done, step finished, instance
+stats, clock ticks) is fed back through the orchestrator's public event methods. Orchestrator
+calls are deferred until the current action list is fully applied, so the driver honours the
+"execute in order" contract exactly like the runtime.
+
+Placement (DESIGN section 3; paper section 5.0): *colocated* modes alternate every accelerator
+between rollout and training (instances pause while the trainer runs, and the role swap costs
+``colocated_switch_s`` each way); *disaggregated* modes train on their own accelerators and push
+each new version (``trainer_push_s``); an instance switching version pays ``weight_sync_s``.
+With ``elastic_colocation`` the trainer's accelerators serve as extra rollout instances while the
+trainer waits for data; when training starts they leave (``on_instance_failed``: their requests go
+back to the orchestrator and are resubmitted to same-version instances; the simulator moves their
+KV instead of re-prefilling) and rejoin (``on_instance_joined``) when the trainer next waits.
+
+The driver also *checks* the orchestrator independently: every released batch must hold TBS
+complete groups never consumed before (C2) within the staleness bound (C3), and every consumed
+sample's tokens must come from one version (C1; partial mode breaks it by design).
+"""
+
+from __future__ import annotations
+
+import logging
+import time as _time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from dora_megatron.config.sim import SimConfig
+from dora_megatron.sim.cost import DecodeCost, kv_transfer_s
+from dora_megatron.sim.events import EventQueue
+from dora_megatron.sim.instance import PAUSED, READY, SWITCHING, SimInstance, SimRequest
+from dora_megatron.sim.summary import RunTotals, StepRecord, build_summary
+from dora_megatron.sim.workload import GroupSpec, Workload
+
+log = logging.getLogger(__name__)
+
+WAKE, SWITCH_DONE, ARRIVE, TRAIN_DONE, POLL = "wake", "switch_done", "arrive", "train_done", "poll"
+
+
+class SimProtocolError(RuntimeError):
+    """The orchestrator asked for something a real engine would refuse (a bug to fix)."""
+
+
+@dataclass
+class _GroupState:
+    spec: GroupSpec
+    version: int
+    sample_ids: tuple[str, ...]
+    finished: int = 0
+    consumed: int = 0
+    dispatch_s: float = 0.0
+    complete_s: float | None = None
+
+
+@dataclass
+class _Trainer:
+    busy: bool = False
+    idle_since: float = 0.0
+    steps_done: int = 0
+    current: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SimResult:
+    """What one simulation produced: the DESIGN section 11 summary plus series for plots."""
+
+    summary: dict[str, Any]
+    series: dict[str, list[Any]]
+    timeline: list[tuple[str, float, float, int | None, str]]
+    extra: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.summary, "series": self.series, "extra": self.extra}
+
+
+class Simulation:
+    """One run of one mode. ``Simulation(cfg).run()`` -> :class:`SimResult`."""
+
+    def __init__(self, cfg: SimConfig, orchestrator_factory: Callable[..., Any] | None = None) -> None:
+        from dora_megatron.orchestrator import Orchestrator
+
+        self.cfg = cfg
+        self.ocfg = cfg.orchestrator_config()
+        self.mode = self.ocfg.mode
+        self.S = self.ocfg.effective_staleness
+        self.cost = cfg.cost
+        self.record_timeline = cfg.sim.timeline
+        self.placement = cfg.cluster.placement(self.mode)
+        self.colocated = self.placement == "colocated"
+        decode = DecodeCost.from_config(cfg.cost)
+        n = cfg.cluster.rollout_instances(self.mode)
+        n_el = cfg.cluster.elastic_instances(self.mode)
+        self.instances: dict[str, SimInstance] = {}
+        for i in range(n):
+            iid = f"r{i}"
+            self.instances[iid] = SimInstance(iid, 0, cfg.cost, decode)
+        self.elastic_ids = [f"e{i}" for i in range(n_el)]
+        for iid in self.elastic_ids:
+            inst = SimInstance(iid, 0, cfg.cost, decode)
+            inst.state = PAUSED
+            self.instances[iid] = inst
+        self.rollout_ids = [f"r{i}" for i in range(n)]
+        self.workload = Workload(cfg.workload, self.ocfg.group_size)
+        self.q = EventQueue()
+        factory = orchestrator_factory or Orchestrator
+        # elastic instances are not in the pool until the trainer first waits
+        self.orch = factory(self.ocfg, list(self.rollout_ids))
+        self.elastic_in_pool = False
+        # sample / group bookkeeping
+        self.groups: dict[str, _GroupState] = {}
+        self.reqs: dict[str, SimRequest] = {}
+        self.where: dict[str, str] = {}  # sid -> instance id (running or queued there)
+        self.held: dict[str, tuple[SimRequest, bool]] = {}  # off-instance partial state; bool: KV kept
+        self.transit: dict[str, tuple[SimRequest, str]] = {}  # sid -> (req, dst)
+        self.finished_ids: set[str] = set()
+        self.trainer = _Trainer()
+        self._notes: deque[tuple[str, tuple[Any, ...]]] = deque()
+        self._last_progress = 0.0
+        self.window_start: float | None = 0.0 if cfg.sim.warmup_steps == 0 else None
+        # accounting
+        self.step_records: list[StepRecord] = []
+        self.series: dict[str, list[Any]] = {k: [] for k in (
+            "step", "end_s", "step_time_s", "wait_s", "train_s", "weight_sync_s", "tokens", "bubble",
+            "mean_staleness", "live_versions", "instances_by_version", "mean_response_tokens",
+            "max_response_tokens")}
+        self.sim_c1 = 0
+        self.sim_c3 = 0
+        self.sim_dup = 0
+        self.sim_lost = 0
+        self.migrations = 0
+        self.migrated_bytes = 0.0
+        self.migration_s = 0.0
+        self.reprefill_tokens = 0
+        self.switch_s_total = 0.0  # instance-seconds spent loading weights (window)
+        self.orch_calls = 0
+        self.orch_wall_s = 0.0
+        self.orch_rebalance_wall_s = 0.0
+        self.orch_max_call_s = 0.0
+        self.deadlock = False
+        self._last_step_end = 0.0
+
+    # ================================================================== orchestrator calls
+    def _call(self, name: str, *args: Any, **kw: Any) -> None:
+        fn = getattr(self.orch, name)
+        before = self.orch.counters.rebalances
+        t = _time.perf_counter()
+        actions = fn(*args, **kw)
+        dt = _time.perf_counter() - t
+        self.orch_calls += 1
+        self.orch_wall_s += dt
+        self.orch_max_call_s = max(self.orch_max_call_s, dt)
+        if self.orch.counters.rebalances != before:
+            self.orch_rebalance_wall_s += dt
+        self._apply(actions or [])
+
+    def _note(self, name: str, *args: Any) -> None:
+        self._notes.append((name, args))
+
+    # ================================================================== actions
+    def _apply(self, actions: list[Any]) -> None:
+        for a in actions:
+            kind = type(a).__name__
+            handler = getattr(self, f"_do_{kind}", None)
+            if handler is None:
+                raise SimProtocolError(f"unknown action {a!r}")
+            handler(a)
+
+    def _do_Dispatch(self, a: Any) -> None:
+        now = self.q.now
+        index = len(self.groups)
+        spec = self.workload.group(index, a.version)
+        if len(a.sample_ids) != len(spec.response_tokens):
+            raise SimProtocolError(f"group {a.group_id} has {len(a.sample_ids)} samples, G={len(spec.response_tokens)}")
+        self.groups[a.group_id] = _GroupState(spec, a.version, tuple(a.sample_ids), dispatch_s=now)
+        for sid, target in zip(a.sample_ids, spec.response_tokens):
+            self.reqs[sid] = SimRequest(sid, a.group_id, a.version, spec.prompt_tokens, target)
+        self.orch.set_prompt_tokens(a.group_id, spec.prompt_tokens)
+
+    def _inst(self, iid: str) -> SimInstance:
+        inst = self.instances.get(iid)
+        if inst is None:
+            raise SimProtocolError(f"unknown instance {iid}")
+        return inst
+
+    def _sync(self, inst: SimInstance) -> None:
+        for req in inst.sync(self.q.now):
+            self._complete(req, inst)
+
+    def _touch(self, inst: SimInstance) -> None:
+        inst.fill_from_queue(self.q.now)
+        inst.epoch += 1
+        w = inst.next_wake()
+        if w is not None:
+            self.q.push(w, WAKE, (inst.iid, inst.epoch))
+        inst.mark(self.q.now, self.record_timeline)
+
+    def _place(self, req: SimRequest, inst: SimInstance, prefill_tokens: int) -> None:
+        if inst.state == SWITCHING or inst.version != req.version:
+            raise SimProtocolError(f"{req.sample_id} (version {req.version}) sent to {inst.iid} holding "
+                                   f"version {inst.version} ({inst.state})")
+        self.where[req.sample_id] = inst.iid
+        inst.add(req, self.q.now, prefill_tokens)
+
+    def _do_Submit(self, a: Any) -> None:
+        now = self.q.now
+        inst = self._inst(a.instance)
+        req = self.reqs.get(a.sample_id)
+        if req is None:
+            raise SimProtocolError(f"submit of unknown sample {a.sample_id}")
+        kv_kept = False
+        if a.sample_id in self.held:
+            req, kv_kept = self.held.pop(a.sample_id)
+        elif a.sample_id in self.finished_ids:
+            return  # finished in the same instant; its finish note is queued
+        elif a.sample_id in self.where or a.sample_id in self.transit:
+            raise SimProtocolError(f"submit of {a.sample_id} which is already placed or finished")
+        if a.version != req.version:
+            if req.generated > 0:
+                req.mixed = True  # partial mode: tokens from more than one version (C1 broken)
+            req.version = a.version
+        self._sync(inst)
+        if kv_kept and req.generated > 0 and inst.version == req.version:
+            # elastic return: the KV travels with the request instead of being recomputed
+            self._start_transfer(req, inst, counted_as_migration=False)
+        else:
+            prefill = req.prompt_tokens + req.generated
+            if req.generated > 0:
+                self.reprefill_tokens += prefill
+            self._place(req, inst, prefill)
+            self._touch(inst)
+
+    def _start_transfer(self, req: SimRequest, dst: SimInstance, counted_as_migration: bool = True) -> None:
+        dt = kv_transfer_s(self.cost, req.context)
+        self.transit[req.sample_id] = (req, dst.iid)
+        if self._in_window():
+            self.migrations += 1 if counted_as_migration else 0
+            self.migrated_bytes += req.context * self.cost.kv_bytes_per_token
+            self.migration_s += dt
+        self.q.push(self.q.now + dt, ARRIVE, req.sample_id)
+
+    def _take(self, sid: str, iid: str) -> SimRequest:
+        """Remove a sample from wherever the simulator holds it (instance, queue or transit)."""
+        if sid in self.transit:
+            req, _ = self.transit.pop(sid)
+            return req
+        inst = self._inst(iid)
+        if self.where.get(sid) != iid:
+            raise SimProtocolError(f"{sid} is not on {iid} (it is on {self.where.get(sid)})")
+        self._sync(inst)
+        if sid in self.finished_ids:
+            raise SimProtocolError(f"{sid} finished before it could be moved")
+        req = inst.take(sid, self.q.now)
+        del self.where[sid]
+        self._touch(inst)
+        return req
+
+    def _do_Migrate(self, a: Any) -> None:
+        if a.sample_id in self.finished_ids:
+            return  # finished in the same instant (its finish note is queued); nothing to move
+        dst = self._inst(a.dst)
+        req = self._take(a.sample_id, a.src)
+        if req.version != a.version or dst.version != a.version or dst.state == SWITCHING:
+            raise SimProtocolError(f"migrate {a.sample_id} v{req.version} to {a.dst} holding v{dst.version} ({dst.state})")
+        if self.cost.reprefill_on_migrate or req.generated == 0:
+            prefill = req.prompt_tokens + req.generated
+            if req.generated > 0:
+                self.reprefill_tokens += prefill
+                self._note("on_migration_done", a.sample_id, prefill)
+            if self._in_window():
+                self.migrations += 1
+            self._sync(dst)
+            self._place(req, dst, prefill)
+            self._touch(dst)
+        else:
+            self._start_transfer(req, dst)
+
+    def _do_Interrupt(self, a: Any) -> None:
+        if a.sample_id in self.finished_ids:
+            return
+        req = self._take(a.sample_id, a.instance)
+        self.held[a.sample_id] = (req, False)
+
+    def _do_SwitchVersion(self, a: Any) -> None:
+        inst = self._inst(a.instance)
+        self._sync(inst)
+        if inst.running or inst.queue:
+            raise SimProtocolError(f"switch of {a.instance} while it holds {inst.load} requests")
+        if self.colocated:
+            dt = 0.0  # weights are resharded in place; the swap cost is on the trainer's timeline
+        elif a.instance in self.elastic_ids:
+            dt = self.cost.colocated_switch_s  # the trainer's own accelerators hold the newest weights
+        else:
+            dt = self.cost.weight_sync_s()
+        inst.state = SWITCHING
+        inst.epoch += 1
+        inst.mark(self.q.now, self.record_timeline)
+        if self._in_window():
+            self.switch_s_total += dt
+        self.q.push(self.q.now + dt, SWITCH_DONE, (a.instance, a.version))
+
+    def _do_ReleaseBatch(self, a: Any) -> None:
+        now = self.q.now
+        if self.trainer.busy:
+            raise SimProtocolError(f"batch {a.step} released while the trainer is busy")
+        if len(a.group_ids) != self.ocfg.tbs:
+            raise SimProtocolError(f"batch {a.step} has {len(a.group_ids)} groups, TBS={self.ocfg.tbs}")
+        tokens = 0
+        stal: list[int] = []
+        lengths: list[int] = []
+        for gid in a.group_ids:
+            g = self.groups.get(gid)
+            if g is None:
+                raise SimProtocolError(f"release of unknown group {gid}")
+            g.consumed += 1
+            if g.consumed > 1:
+                self.sim_dup += 1
+                continue
+            if g.finished < len(g.sample_ids):
+                self.sim_lost += 1  # its unfinished samples would be dropped
+            lag = a.step - g.version
+            if lag > self.S or lag < 0:
+                self.sim_c3 += 1
+            stal.append(lag)
+            for sid in g.sample_ids:
+                if getattr(self.reqs[sid], "mixed", False):
+                    self.sim_c1 += 1
+            tokens += g.spec.total_tokens
+            lengths.extend(g.spec.response_tokens)
+        self.trainer.busy = True
+        wait = now - self.trainer.idle_since
+        train = self.cost.train_s(tokens, self.cfg.cluster.trainer_gpu_count(self.mode))
+        if self.colocated:
+            for inst in self.instances.values():
+                self._sync(inst)
+                inst.pause(now)
+                inst.epoch += 1
+                inst.mark(now, self.record_timeline)
+            sync_s = 2 * self.cost.colocated_switch_s
+        else:
+            sync_s = self.cost.trainer_push_s
+            if self.elastic_in_pool:
+                sync_s += self.cost.colocated_switch_s
+                self._elastic_leave()
+        mean_len = sum(lengths) / len(lengths) if lengths else 0.0
+        max_len = max(lengths) if lengths else 0
+        self.trainer.current = {
+            "step": a.step, "wait_s": wait, "train_s": train, "sync_s": sync_s, "tokens": tokens,
+            "staleness": stal, "bubble": (max_len - mean_len) / max_len if max_len else 0.0,
+            "mean_len": mean_len, "max_len": max_len,
+        }
+        self.q.push(now + train + sync_s, TRAIN_DONE, a.step)
+
+    # ================================================================== elastic colocation
+    def _elastic_join(self) -> None:
+        self.elastic_in_pool = True
+        for iid in self.elastic_ids:
+            inst = self.instances[iid]
+            inst.state = READY
+            inst.version = None
+            inst.mark(self.q.now, self.record_timeline)
+            self._note("on_instance_joined", iid)
+
+    def _elastic_leave(self) -> None:
+        self.elastic_in_pool = False
+        now = self.q.now
+        for iid in self.elastic_ids:
+            inst = self.instances[iid]
+            self._sync(inst)
+            for sid, (req, dst) in list(self.transit.items()):
+                if dst == iid:
+                    del self.transit[sid]
+                    self.held[sid] = (req, True)
+            for req in inst.drain_all(now):
+                self.where.pop(req.sample_id, None)
+                self.held[req.sample_id] = (req, True)
+            inst.state = PAUSED
+            inst.epoch += 1
+            inst.mark(now, self.record_timeline)
+            self._note("on_instance_failed", iid)
+        self._report_progress(req for req, _ in self.held.values())
+
+    # ================================================================== events
+    def _complete(self, req: SimRequest, inst: SimInstance) -> None:
+        sid = req.sample_id
+        self.where.pop(sid, None)
+        self.finished_ids.add(sid)
+        g = self.groups[req.group_id]
+        g.finished += 1
+        if g.finished == len(g.sample_ids):
+            g.complete_s = self.q.now
+        self._last_progress = self.q.now
+        self._note("finished", sid, req.generated)
+
+    def _on_wake(self, payload: tuple[str, int]) -> None:
+        iid, epoch = payload
+        inst = self.instances[iid]
+        if epoch != inst.epoch:
+            return
+        self._sync(inst)
+        self._touch(inst)
+
+    def _on_switch_done(self, payload: tuple[str, int]) -> None:
+        iid, version = payload
+        inst = self.instances[iid]
+        if inst.state != SWITCHING:
+            return  # an elastic instance that left meanwhile
+        inst.version = version
+        inst.state = PAUSED if (self.colocated and self.trainer.busy) else READY
+        inst.t0 = self.q.now
+        inst.epoch += 1
+        inst.mark(self.q.now, self.record_timeline)
+        self._note("on_switch_done", iid, version)
+
+    def _on_arrive(self, sid: str) -> None:
+        entry = self.transit.pop(sid, None)
+        if entry is None:
+            return  # interrupted or re-routed while in transit
+        req, dst_id = entry
+        dst = self.instances[dst_id]
+        self._sync(dst)
+        self._place(req, dst, 0)
+        self._touch(dst)
+
+    def _on_train_done(self, step: int) -> None:
+        now = self.q.now
+        cur = self.trainer.current
+        rec = StepRecord(step=step, end_s=now, wait_s=cur["wait_s"], train_s=cur["train_s"],
+                         weight_sync_s=cur["sync_s"], tokens=cur["tokens"], staleness=cur["staleness"])
+        self.step_records.append(rec)
+        s = self.series
+        s["step"].append(step)
+        s["end_s"].append(now)
+        s["step_time_s"].append(now - self._last_step_end)
+        s["wait_s"].append(cur["wait_s"])
+        s["train_s"].append(cur["train_s"])
+        s["weight_sync_s"].append(cur["sync_s"])
+        s["tokens"].append(cur["tokens"])
+        s["bubble"].append(cur["bubble"])
+        st = cur["staleness"]
+        s["mean_staleness"].append(sum(st) / len(st) if st else None)
+        s["live_versions"].append(len(self.orch.live_versions()))
+        s["instances_by_version"].append({str(k): v for k, v in sorted(self.orch.instances_by_version().items())})
+        s["mean_response_tokens"].append(cur["mean_len"])
+        s["max_response_tokens"].append(cur["max_len"])
+        self._last_step_end = now
+        self.trainer.busy = False
+        self.trainer.idle_since = now
+        self.trainer.steps_done += 1
+        self._last_progress = now
+        if self.trainer.steps_done == self.cfg.sim.warmup_steps and self.window_start is None:
+            self._open_window(now)
+        if self.colocated:
+            for inst in self.instances.values():
+                if inst.state == PAUSED:
+                    inst.resume(now)
+                    inst.epoch += 1
+                    self._touch(inst)
+        if self.mode == "partial":
+            self._report_progress(self._running_requests())
+        self._note("on_step_finished", step + 1)
+        self._note("_maybe_elastic_join")
+
+    def _maybe_elastic_join(self) -> None:
+        if self.elastic_ids and not self.trainer.busy and not self.elastic_in_pool and self.trainer.steps_done < self.cfg.sim.steps:
+            self._elastic_join()
+
+    def _on_poll(self) -> None:
+        now = self.q.now
+        wm = self.ocfg.kv_high_watermark
+        for iid in list(self.instances):
+            inst = self.instances[iid]
+            if inst.state != READY or not inst.running:
+                continue
+            kv = inst.kv_usage()
+            if kv >= wm:
+                self._report_progress(inst.running.values())
+                self._note("on_instance_stats", iid, inst.load, kv)
+        self._note("on_tick", now)
+        self.q.push(now + self.cfg.sim.poll_interval_s, POLL)
+
+    # ================================================================== helpers
+    def _running_requests(self) -> list[SimRequest]:
+        out = []
+        for inst in self.instances.values():
+            self._sync(inst)
+            out.extend(inst.running.values())
+            out.extend(r for r, _ in inst.queue)
+        out.extend(r for r, _ in self.transit.values())
+        return out
+
+    def _report_progress(self, reqs: Any) -> None:
+        for req in list(reqs):
+            inst = self.instances.get(self.where.get(req.sample_id, ""))
+            gen = req.generated
+            if inst is not None and req.sample_id in inst.running:
+                gen = req.generated + (inst.steps_done - req.admit_step)
+            if gen > 0:
+                self.orch.on_sample_progress(req.sample_id, gen)
+
+    def _in_window(self) -> bool:
+        return self.window_start is not None
+
+    def _open_window(self, now: float) -> None:
+        self.window_start = now
+        self.switch_s_total = 0.0
+        self.migration_s = 0.0
+        for inst in self.instances.values():
+            inst.busy_slot_s = 0.0
+            inst.window_start = now
+
+    def _dispatch_event(self, kind: str, payload: Any) -> None:
+        if kind == WAKE:
+            self._on_wake(payload)
+        elif kind == SWITCH_DONE:
+            self._on_switch_done(payload)
+        elif kind == ARRIVE:
+            self._on_arrive(payload)
+        elif kind == TRAIN_DONE:
+            self._on_train_done(payload)
+        elif kind == POLL:
+            self._on_poll()
+
+    def _drain(self) -> None:
+        while self._notes:
+            name, args = self._notes.popleft()
+            if name == "finished":
+                sid, tokens = args
+                self._call("on_sample_finished", sid, tokens, now=self.q.now)
+            elif name.startswith("_"):
+                getattr(self, name)(*args)
+            else:
+                self._call(name, *args)
+
+    # ================================================================== run
+    def run(self) -> SimResult:
+        wall0 = _time.perf_counter()
+        cfg = self.cfg
+        for inst in self.instances.values():
+            inst.mark(0.0, self.record_timeline)
+        self._call("start")
+        self._drain()
+        self._maybe_elastic_join()
+        self._drain()
+        self.q.push(cfg.sim.poll_interval_s, POLL)
+        stall_limit = max(60.0, 50 * cfg.sim.poll_interval_s)
+        while self.trainer.steps_done < cfg.sim.steps and len(self.q):
+            t, kind, payload = self.q.pop()
+            if t > cfg.sim.max_sim_time_s:
+                break
+            if kind != POLL:
+                self._last_progress = t
+            self._dispatch_event(kind, payload)
+            self._drain()
+            if kind == POLL and t - self._last_progress > stall_limit and not self.trainer.busy:
+                busy = any(i.running or i.queue for i in self.instances.values()) or self.transit
+                if not busy:
+                    self.deadlock = True
+                    log.error("simulation stalled at t=%.1fs: no work in flight and the trainer idle", t)
+                    break
+        end = self.q.now
+        for inst in self.instances.values():
+            inst.close_timeline(end)
+        return self._result(end, _time.perf_counter() - wall0)
+
+    def _result(self, end: float, cpu_s: float) -> SimResult:
+        cfg = self.cfg
+        oc = self.orch.counters
+        wall = self.step_records[-1].end_s if self.step_records else end
+        window_start = self.window_start if self.window_start is not None else 0.0
+        busy = sum(inst.occupied_slot_s(wall) for inst in self.instances.values())
+        n_roll = len(self.rollout_ids)
+        span = max(1e-9, wall - window_start)
+        totals = RunTotals(
+            dispatched_groups=oc.dispatched_groups,
+            consumed_groups=oc.consumed_groups,
+            lost_groups=self.sim_lost + self.orch.audit(),
+            duplicated_groups=max(oc.duplicated_groups, self.sim_dup),
+            c1_violations=max(oc.c1_violations, self.sim_c1),
+            c3_violations=max(oc.c3_violations, self.sim_c3),
+            migrations=self.migrations,
+            migrated_kv_bytes=self.migrated_bytes,
+            reprefill_tokens=self.reprefill_tokens,
+            busy_slot_s=busy,
+            slot_capacity=n_roll * self.cost.max_concurrent,
+            rebalance_s=(self.switch_s_total / max(1, n_roll)) if self.mode == "dora" else None,
+        )
+        summary = build_summary(mode=self.mode, max_staleness=self.S, tbs=self.ocfg.tbs,
+                                rbs=self.orch.policy.rbs, steps=self.step_records, totals=totals,
+                                wall_time_s=wall, warmup_steps=cfg.sim.warmup_steps)
+        n_steps = max(1, len(self.step_records))
+        timeline = []
+        if self.record_timeline:
+            for iid, inst in list(self.instances.items())[: cfg.sim.timeline_max_instances]:
+                timeline.extend((iid, a, b, v, st) for a, b, v, st in inst.intervals)
+        extra = {
+            "placement": self.placement,
+            "rollout_instances": n_roll,
+            "elastic_instances": len(self.elastic_ids),
+            "trainer_gpus": cfg.cluster.trainer_gpu_count(self.mode),
+            "total_gpus": cfg.cluster.total_gpus,
+            "deadlock": self.deadlock,
+            "virtual_time_s": end,
+            "sim_cpu_s": cpu_s,
+            "orchestrator_calls": self.orch_calls,
+            "orchestrator_wall_s": self.orch_wall_s,
+            "orchestrator_wall_s_per_step": self.orch_wall_s / n_steps,
+            "orchestrator_rebalances": oc.rebalances,
+            "orchestrator_wall_s_per_rebalance": (self.orch_rebalance_wall_s / oc.rebalances) if oc.rebalances else None,
+            "orchestrator_max_call_s": self.orch_max_call_s,
+            "orchestrator_summary": self.orch.summary(),
+            "switch_instance_s": self.switch_s_total,
+            "migration_fraction": self.migration_s / (max(1, n_roll) * self.cost.max_concurrent * span),
+            "sim_checks": {"c1": self.sim_c1, "c3": self.sim_c3, "duplicated": self.sim_dup, "lost": self.sim_lost},
+            "mean_response_tokens": (sum(self.series["mean_response_tokens"]) / n_steps) if self.step_records else None,
+        }
+        return SimResult(summary=summary, series=self.series, timeline=timeline, extra=extra)
+
+
+def simulate(cfg: SimConfig) -> SimResult:
+    """Run one simulation of ``cfg`` (its ``orchestrator.mode``)."""
+    return Simulation(cfg).run()

@@ -1,0 +1,116 @@
+"""torchrun entry point of the trainer job: ``python -m dora_megatron.trainer.entry``.
+
+Every rank builds a :class:`~dora_megatron.trainer.worker.TrainerWorker` from the
+run's resolved ``config.yaml``; rank 0 then serves the
+:class:`~dora_megatron.trainer.service.TrainerService` HTTP API and the other
+ranks follow its commands. :class:`VersionedWorker` adds what the runtime needs
+on top of the Megatron worker: the integer weight version (DESIGN section 2)
+and the per-version Hugging Face snapshot with its checksum (DESIGN section 8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("dora_megatron.trainer")
+
+SNAPSHOT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+class VersionedWorker:
+    """The Megatron worker plus version tracking and per-version snapshots."""
+
+    def __init__(self, worker: Any, model_dir: str, rank: int) -> None:
+        self.worker = worker
+        self.model_dir = Path(model_dir)
+        self.rank = rank
+        self.version = 0
+
+    def train_step(self, samples: list[dict[str, Any]]) -> dict[str, float]:
+        metrics = self.worker.train_step(samples)
+        self.version += 1
+        return {k: float(v) for k, v in metrics.items()}
+
+    def export_snapshot(self, out_dir: Path) -> str | None:
+        """Gather HF weights to rank 0 and write ``out_dir`` (config + safetensors); returns the checksum."""
+        from dora_megatron.models import hf_io
+        from dora_megatron.weights.checksum import weights_checksum
+
+        tensors = {name: t.detach().cpu().clone() for name, t in self.worker.export_hf_state_dict()}
+        if self.rank != 0:
+            return None
+        tmp = out_dir.with_name(out_dir.name + ".tmp")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        hf_io.save_model_dir(tmp, hf_io.load_config(self.model_dir), tensors)
+        for name in SNAPSHOT_FILES[1:]:
+            if (self.model_dir / name).is_file():
+                shutil.copy2(self.model_dir / name, tmp / name)
+        checksum = weights_checksum(tensors)
+        (tmp / "dora_version.json").write_text(json.dumps({"version": self.version, "checksum": checksum}))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)  # atomic: a snapshot directory is complete or absent
+        return checksum
+
+    def save_checkpoint(self, path: str) -> None:
+        self.worker.save_checkpoint(path)
+        if self.rank == 0:
+            (Path(path) / "dora_version.json").write_text(json.dumps({"version": self.version}))
+
+    def load_checkpoint(self, path: str) -> None:
+        self.worker.load_checkpoint(path)
+        meta = Path(path) / "dora_version.json"
+        self.version = int(json.loads(meta.read_text())["version"]) if meta.is_file() else int(self.worker.step)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="dora trainer rank (started by torchrun)")
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--model", required=True, help="HF model directory with the initial weights (version 0)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--resume", default="", help="dist_checkpointing directory to load before serving")
+    args = parser.parse_args(argv)
+
+    import torch
+    import torch.distributed as dist
+
+    from dora_megatron.config.schema import load_config
+    from dora_megatron.trainer.service import TrainerService
+    from dora_megatron.trainer.worker import TrainerWorker
+
+    run_dir = Path(args.run_dir)
+    cfg = load_config(run_dir / "config.yaml")
+    logging.basicConfig(level=getattr(logging, cfg.observability.log_level), format="%(asctime)s %(levelname)s trainer: %(message)s")
+    torch.set_num_threads(cfg.launch.trainer_threads)
+    worker = VersionedWorker(TrainerWorker(cfg.trainer, cfg.algo, args.model), args.model, rank=dist.get_rank())
+    if args.resume:
+        worker.load_checkpoint(args.resume)
+        log.info("resumed from %s at version %d", args.resume, worker.version)
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def broadcast(obj: Any) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    service = TrainerService(worker, run_dir, rank, world, broadcast=broadcast if world > 1 else None)
+    try:
+        if rank == 0:
+            service.leader_loop(args.host, args.port, ready_file=run_dir / "trainer.ready")
+        else:
+            service.follower_loop()
+    finally:
+        worker.worker.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Small rank programs that exercise the trainer end to end (tests, tools, GPU smoke).
+
+WHY: multi-rank checks need a program every torchrun rank runs; keeping them in the package (not
+in the tests) lets the integration tests, ``tools/check_parity.py`` and ``tools/gpu_trainer_smoke.py``
+share one implementation. Run as::
+
+    python -m torch.distributed.run --nproc_per_node N -m dora_megatron.trainer.scenarios \
+        step --hf DIR --tp 2 --out result.pt
+
+``step``: parity logits, then one train step on :func:`fixed_batch`, then the exported HF weights.
+``resume-save``: step on batch 0, save a checkpoint, step on batch 1. ``resume-load``: load the
+checkpoint, step on batch 1. Rank 0 writes a ``torch.save`` dict to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+import warnings
+
+import torch
+
+
+def fixed_batch(vocab_size: int, seed: int, num_groups: int = 2, group_size: int = 2) -> list[dict]:
+    """Deterministic GRPO batch: groups of samples with varied prompt/response lengths and 0/1 rewards."""
+    g = torch.Generator().manual_seed(seed)
+    batch = []
+    for grp in range(num_groups):
+        prompt = torch.randint(0, vocab_size, (3 + grp,), generator=g).tolist()
+        for k in range(group_size):
+            n = 4 + (k + grp) % 3
+            batch.append({"prompt_ids": prompt, "response_ids": torch.randint(0, vocab_size, (n,), generator=g).tolist(),
+                          "reward": float((k + grp) % 2), "group_id": grp, "version": 0})
+    return batch
+
+
+def _with_rollout_logprobs(worker, batch: list[dict], noise: float, seed: int) -> list[dict]:
+    """Rollout log-probs = trainer log-probs (+ optional deterministic noise to exercise clipping)."""
+    lps = worker.compute_logprobs(batch)
+    g = torch.Generator().manual_seed(seed)
+    for s, lp in zip(batch, lps):
+        s["rollout_logprobs"] = (lp + noise * torch.randn(lp.shape, generator=g)).tolist()
+    return batch
+
+
+def run(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dora_megatron.trainer.scenarios")
+    parser.add_argument("scenario", choices=("step", "resume-save", "resume-load"))
+    parser.add_argument("--hf", required=True)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--ckpt", default="")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--adam-eps", type=float, default=1e-8)
+    parser.add_argument("--micro-batch-size", type=int, default=1)
+    parser.add_argument("--noise", type=float, default=0.3)
+    parser.add_argument("--loss", default="triplet_clip")
+    parser.add_argument("--tis-cap", type=float, default=2.0)
+    parser.add_argument("--no-distributed-optimizer", action="store_true")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(1)
+
+    from dora_megatron.config.algo import AlgoConfig
+    from dora_megatron.config.trainer import TrainerConfig
+    from dora_megatron.trainer.parity import fixed_inputs, megatron_logits
+    from dora_megatron.trainer.worker import TrainerWorker
+
+    cfg = TrainerConfig(tp=args.tp, pp=args.pp, ep=args.ep, device=args.device, lr=args.lr, adam_eps=args.adam_eps,
+                        micro_batch_size=args.micro_batch_size,
+                        use_distributed_optimizer=not args.no_distributed_optimizer)
+    algo = AlgoConfig(loss=args.loss, tis_cap=args.tis_cap)
+    worker = TrainerWorker(cfg, algo, args.hf)
+    vocab = worker.arch.vocab_size
+    result: dict = {"layout": (args.tp, args.pp, args.ep)}
+    if args.scenario == "step":
+        ids = fixed_inputs(vocab)
+        result["logits"] = megatron_logits(worker, ids)
+        batch = _with_rollout_logprobs(worker, fixed_batch(vocab, seed=0), args.noise, seed=0)
+        t0 = time.perf_counter()
+        result["metrics"] = worker.train_step(batch)
+        result["step_seconds"] = time.perf_counter() - t0
+        result["tokens"] = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in batch)
+    elif args.scenario == "resume-save":
+        result["metrics0"] = worker.train_step(_with_rollout_logprobs(worker, fixed_batch(vocab, 0), args.noise, 0))
+        worker.save_checkpoint(args.ckpt)
+        result["metrics"] = worker.train_step(_with_rollout_logprobs(worker, fixed_batch(vocab, 1), args.noise, 1))
+    else:
+        worker.load_checkpoint(args.ckpt)
+        result["metrics"] = worker.train_step(_with_rollout_logprobs(worker, fixed_batch(vocab, 1), args.noise, 1))
+    weights = dict(worker.export_hf_state_dict())
+    if worker.info.rank == 0:
+        result["weights"] = weights
+        torch.save(result, args.out)
+    worker.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run())

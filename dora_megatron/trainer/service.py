@@ -1,0 +1,202 @@
+"""The trainer as a service: torchrun ranks that take commands from the controller.
+
+Why this shape: the controller is an asyncio process that must never block on
+training, and the trainer is a torchrun job whose ranks must execute the same
+collective calls in the same order. Rank 0 therefore serves a tiny HTTP API on
+loopback (stdlib ``http.server``, one request at a time, which is the order the
+ranks execute) and broadcasts every command to the other ranks over the gloo
+world group; all ranks run it; rank 0 answers. Commands:
+
+``GET /health``            -> {"ready": true, "version": v, "world_size": n}
+``POST /train``            {"step": t, "samples": [...]} -> metrics, new version, snapshot path, checksum
+``POST /save_checkpoint``  {"path": dir} -> {"path": dir}
+``POST /load_checkpoint``  {"path": dir} -> {"version": v}
+``POST /shutdown``         -> {"ok": true}; every rank exits its loop
+
+Every new version is exported once, as a Hugging Face safetensors snapshot
+(``<run_dir>/weights/v000001``) that rollout engines load with
+``/update_weights_from_disk``; late switchers load the same snapshot.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+from queue import Queue
+from typing import Any, Callable, Protocol
+
+log = logging.getLogger(__name__)
+
+
+class TrainWorker(Protocol):
+    """What the service needs from a trainer rank (``dora_megatron.trainer.worker``)."""
+
+    version: int
+
+    def train_step(self, samples: list[dict[str, Any]]) -> dict[str, float]: ...
+
+    def export_snapshot(self, out_dir: Path) -> str | None: ...
+
+    def save_checkpoint(self, path: str) -> None: ...
+
+    def load_checkpoint(self, path: str) -> None: ...
+
+
+@dataclass
+class Command:
+    op: str
+    payload: dict[str, Any]
+
+
+class BadRequest(ValueError):
+    """A malformed command: answered with HTTP 400, the trainer keeps running."""
+
+
+def validate_samples(samples: Any) -> list[dict[str, Any]]:
+    if not isinstance(samples, list) or not samples:
+        raise BadRequest("'samples' must be a non-empty list")
+    required = {"prompt_ids": list, "response_ids": list, "rollout_logprobs": list, "version": int}
+    for i, s in enumerate(samples):
+        if not isinstance(s, dict):
+            raise BadRequest(f"samples[{i}] must be an object")
+        for key, tp in required.items():
+            if key not in s:
+                raise BadRequest(f"samples[{i}].{key} is missing")
+            if not isinstance(s[key], tp) or isinstance(s[key], bool):
+                raise BadRequest(f"samples[{i}].{key} has the wrong type")
+        has_adv = isinstance(s.get("advantage"), (int, float)) and not isinstance(s.get("advantage"), bool)
+        has_reward = isinstance(s.get("reward"), (int, float)) and "group_id" in s
+        if not (has_adv or has_reward):
+            raise BadRequest(f"samples[{i}] needs a numeric 'advantage', or 'reward' with 'group_id'")
+        if len(s["rollout_logprobs"]) != len(s["response_ids"]):
+            raise BadRequest(f"samples[{i}]: rollout_logprobs and response_ids differ in length")
+        if not s["response_ids"]:
+            raise BadRequest(f"samples[{i}].response_ids is empty")
+    return samples
+
+
+class TrainerService:
+    """Executes commands on every rank; rank 0 also owns the HTTP front end."""
+
+    def __init__(self, worker: TrainWorker, run_dir: Path, rank: int, world_size: int,
+                 broadcast: Callable[[Any], Any] | None = None) -> None:
+        self.worker = worker
+        self.run_dir = Path(run_dir)
+        self.rank = rank
+        self.world_size = world_size
+        self._broadcast = broadcast or (lambda obj: obj)
+        self._inbox: Queue[tuple[Command, Queue]] = Queue()
+
+    # ---- command execution (all ranks) ----------------------------------
+    def execute(self, cmd: Command) -> dict[str, Any]:
+        if cmd.op == "train":
+            step = int(cmd.payload["step"])
+            if step != self.worker.version:
+                raise BadRequest(f"step {step} does not match the trainer's weights version {self.worker.version}")
+            metrics = self.worker.train_step(cmd.payload["samples"])
+            snapshot_dir = self.run_dir / "weights" / f"v{self.worker.version:06d}"
+            checksum = self.worker.export_snapshot(snapshot_dir)
+            return {"version": self.worker.version, "metrics": metrics, "snapshot": str(snapshot_dir), "checksum": checksum}
+        if cmd.op == "save_checkpoint":
+            self.worker.save_checkpoint(cmd.payload["path"])
+            return {"path": cmd.payload["path"], "version": self.worker.version}
+        if cmd.op == "load_checkpoint":
+            self.worker.load_checkpoint(cmd.payload["path"])
+            return {"version": self.worker.version}
+        if cmd.op == "shutdown":
+            return {"ok": True}
+        raise BadRequest(f"unknown command {cmd.op!r}")
+
+    def follower_loop(self) -> None:
+        """Ranks > 0: receive each command from rank 0 and execute it."""
+        while True:
+            cmd = self._broadcast(None)
+            try:
+                self.execute(cmd)
+            except Exception:  # rank 0 reports the error; keep the collective order
+                log.exception("rank %d: command %s failed", self.rank, cmd.op)
+            if cmd.op == "shutdown":
+                return
+
+    def leader_loop(self, host: str, port: int, ready_file: Path | None = None) -> None:
+        """Rank 0: serve HTTP in a thread, execute queued commands here (main thread)."""
+        server = HTTPServer((host, port), _make_handler(self))
+        thread = threading.Thread(target=server.serve_forever, name="trainer-http", daemon=True)
+        thread.start()
+        bound = server.server_address[1]
+        log.info("trainer service on http://%s:%d (world size %d)", host, bound, self.world_size)
+        if ready_file is not None:
+            ready_file.write_text(json.dumps({"port": bound}))
+        try:
+            while True:
+                cmd, reply = self._inbox.get()
+                self._broadcast(cmd)
+                try:
+                    reply.put((200, self.execute(cmd)))
+                except BadRequest as err:
+                    reply.put((400, {"error": str(err)}))
+                except Exception as err:  # noqa: BLE001 - reported to the controller, process stays up
+                    log.exception("command %s failed", cmd.op)
+                    reply.put((500, {"error": f"{type(err).__name__}: {err}"}))
+                if cmd.op == "shutdown":
+                    return
+        finally:
+            server.shutdown()
+
+    def submit(self, cmd: Command) -> tuple[int, dict[str, Any]]:
+        reply: Queue = Queue(maxsize=1)
+        self._inbox.put((cmd, reply))
+        return reply.get()
+
+
+def _make_handler(service: TrainerService) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, fmt: str, *args: Any) -> None:  # route to logging, not stderr
+            log.debug("http: " + fmt, *args)
+
+        def _send(self, code: int, body: dict[str, Any]) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            if self.path == "/health":
+                self._send(200, {"ready": True, "version": service.worker.version, "world_size": service.world_size})
+            else:
+                self._send(404, {"error": f"unknown path {self.path}"})
+
+        def do_POST(self) -> None:
+            ops = {"/train": "train", "/save_checkpoint": "save_checkpoint", "/load_checkpoint": "load_checkpoint",
+                   "/shutdown": "shutdown"}
+            op = ops.get(self.path)
+            if op is None:
+                self._send(404, {"error": f"unknown path {self.path}"})
+                return
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+                payload = json.loads(self.rfile.read(length) or b"{}")
+                if not isinstance(payload, dict):
+                    raise BadRequest("body must be a JSON object")
+                if op == "train":
+                    if not isinstance(payload.get("step"), int):
+                        raise BadRequest("'step' must be an integer")
+                    validate_samples(payload.get("samples"))
+                if op in ("save_checkpoint", "load_checkpoint") and not isinstance(payload.get("path"), str):
+                    raise BadRequest("'path' must be a string")
+            except json.JSONDecodeError as err:
+                self._send(400, {"error": f"malformed JSON: {err.msg}"})
+                return
+            except BadRequest as err:
+                self._send(400, {"error": str(err)})
+                return
+            code, body = service.submit(Command(op, payload))
+            self._send(code, body)
+
+    return Handler

@@ -1,0 +1,90 @@
+"""Our forward pass equals transformers' Qwen3 / Qwen3-MoE on the same weights (fp32, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dora_megatron.models import hf_io
+from dora_megatron.rollout.engine.kv_cache import RequestKV
+from dora_megatron.rollout.engine.model import load_model
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("which,cls", [("moe_dir", "Qwen3MoeForCausalLM"), ("dense_dir", "Qwen3ForCausalLM")])
+def test_logits_match_transformers(request, which, cls):
+    model_dir = request.getfixturevalue(which)
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(model_dir, output_loading_info=True)
+    assert type(hf).__name__ == cls
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    hf.eval()
+    ours = load_model(model_dir)
+    ids = torch.randint(3, 98, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    got = ours.full_logits(ids)
+    assert ref.std() > 0.5  # the layers matter, not just embedding -> head
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_incremental_decode_matches_full_forward(moe_model):
+    ids = torch.randint(3, 98, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    full = moe_model.full_logits(ids)
+    kv = RequestKV(moe_model.kv_shape(16))
+    rows = []
+    with torch.inference_mode():
+        kv.ensure_capacity(10)
+        h = moe_model.forward_segments(torch.tensor(ids[:10]), torch.arange(10), [(kv, 10)])
+        rows.append(moe_model.logits(h)[-1])
+        for i in range(10, 30):
+            kv.ensure_capacity(i + 1)
+            h = moe_model.forward_segments(torch.tensor([ids[i]]), torch.tensor([i]), [(kv, 1)])
+            rows.append(moe_model.logits(h)[-1])
+    torch.testing.assert_close(torch.stack(rows), full[9:], rtol=1e-4, atol=1e-4)
+    assert kv.length == 30 and kv.capacity % 16 == 0
+
+
+def test_ragged_batch_equals_separate_sequences(moe_model):
+    a = list(range(5, 25))
+    b = list(range(40, 47))
+    kva, kvb = RequestKV(moe_model.kv_shape(16)), RequestKV(moe_model.kv_shape(16))
+    kva.ensure_capacity(len(a))
+    kvb.ensure_capacity(len(b))
+    with torch.inference_mode():
+        h = moe_model.forward_segments(
+            torch.tensor(a + b), torch.tensor(list(range(len(a))) + list(range(len(b)))), [(kva, len(a)), (kvb, len(b))]
+        )
+        logits = moe_model.logits(h)
+    torch.testing.assert_close(logits[: len(a)], moe_model.full_logits(a), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits[len(a) :], moe_model.full_logits(b), rtol=1e-5, atol=1e-5)
+
+
+def test_reads_what_transformers_saves(moe_dir, tmp_path):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(moe_dir)
+    hf.save_pretrained(tmp_path)
+    ours = hf_io.load_state_dict(tmp_path)
+    orig = hf_io.load_state_dict(moe_dir)
+    assert set(ours) == set(orig)
+    for k in orig:
+        assert torch.equal(ours[k], orig[k]), k
+
+
+def test_unfuse_experts_splits_packed_layout():
+    gate_up = torch.arange(2 * 6 * 3, dtype=torch.float32).reshape(2, 6, 3)
+    down = torch.arange(2 * 3 * 3, dtype=torch.float32).reshape(2, 3, 3)
+    out = hf_io.unfuse_experts({"model.layers.0.mlp.experts.gate_up_proj": gate_up, "model.layers.0.mlp.experts.down_proj": down})
+    assert torch.equal(out["model.layers.0.mlp.experts.1.gate_proj.weight"], gate_up[1, :3])
+    assert torch.equal(out["model.layers.0.mlp.experts.1.up_proj.weight"], gate_up[1, 3:])
+    assert torch.equal(out["model.layers.0.mlp.experts.0.down_proj.weight"], down[0])
+
+
+def test_load_weights_rejects_bad_names_and_shapes_atomically(moe_dir):
+    m = load_model(moe_dir)
+    before = m.model.norm.weight.clone()
+    bad = {"model.norm.weight": torch.zeros_like(before), "model.bogus.weight": torch.zeros(3)}
+    with pytest.raises(ValueError, match="unknown weight name 'model.bogus.weight'"):
+        m.load_weights(bad)
+    with pytest.raises(ValueError, match="shape"):
+        m.load_weights({"model.norm.weight": torch.zeros(3)})
+    assert torch.equal(m.model.norm.weight, before)

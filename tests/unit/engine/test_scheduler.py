@@ -1,0 +1,260 @@
+"""Continuous batching, finish rules, pause modes, versions and migration on the scheduler core."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dora_megatron.rollout.engine.model import load_model
+from dora_megatron.rollout.engine.scheduler import Request, Scheduler, SchedulerLimits
+from dora_megatron.rollout.protocol import ProtocolError, SamplingParams
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.done: dict[str, dict] = {}
+
+    def __call__(self, resp: dict) -> None:
+        self.done[resp["meta_info"]["id"]] = resp
+
+
+def mk(rid, prompt, sink, n=12, **sp):
+    sp.setdefault("ignore_eos", True)
+    return Request(rid=rid, prompt_ids=list(prompt), params=SamplingParams(max_new_tokens=n, **sp), return_logprob=True, on_done=sink)
+
+
+def run(s: Scheduler, limit: int = 10_000) -> None:
+    for _ in range(limit):
+        if not s.can_step():
+            return
+        s.step()
+    raise AssertionError("scheduler did not finish")
+
+
+def lps(resp):
+    return [x[0] for x in resp["meta_info"]["output_token_logprobs"]]
+
+
+PROMPTS = [[5 + i, 20 + 2 * i, 30] * (2 + i) for i in range(6)]
+
+
+@pytest.fixture
+def sched(moe_model):
+    return Scheduler(moe_model, SchedulerLimits(max_running=4))
+
+
+def test_batched_greedy_equals_alone(moe_model):
+    alone = {}
+    for i, p in enumerate(PROMPTS):
+        sink = Collector()
+        s = Scheduler(moe_model, SchedulerLimits(max_running=1))
+        s.submit(mk(f"r{i}", p, sink, temperature=0.0))
+        run(s)
+        alone[f"r{i}"] = sink.done[f"r{i}"]
+    sink = Collector()
+    s = Scheduler(moe_model, SchedulerLimits(max_running=4))  # 6 requests, cap 4: joins/leaves mid-run
+    for i, p in enumerate(PROMPTS):
+        s.submit(mk(f"r{i}", p, sink, n=12 - i, temperature=0.0))
+    peak = 0
+    while s.can_step():
+        s.step()
+        peak = max(peak, len(s.running))
+    assert peak == 4
+    for i in range(len(PROMPTS)):
+        got, ref = sink.done[f"r{i}"], alone[f"r{i}"]
+        assert got["output_ids"] == ref["output_ids"][: 12 - i]
+        assert lps(got) == pytest.approx(lps(ref)[: 12 - i], abs=1e-4)
+    assert len({tuple(r["output_ids"]) for r in alone.values()}) > 1  # prompts lead to different outputs
+
+
+def test_request_joins_running_batch(sched):
+    sink = Collector()
+    sched.submit(mk("a", PROMPTS[0], sink, n=20, temperature=0.0))
+    for _ in range(5):
+        sched.step()
+    sched.submit(mk("b", PROMPTS[1], sink, n=3, temperature=0.0))
+    sched.step()
+    assert {r.rid for r in sched.running} == {"a", "b"}
+    run(sched)
+    assert len(sink.done["a"]["output_ids"]) == 20 and len(sink.done["b"]["output_ids"]) == 3
+    assert sched.pool.used == 0
+
+
+def test_finish_reasons(sched, moe_model):
+    sink = Collector()
+    sched.submit(mk("len", PROMPTS[0], sink, n=4, temperature=0.0))
+    run(sched)
+    first = sink.done["len"]["output_ids"]
+    assert sink.done["len"]["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+    sched.submit(mk("stop", PROMPTS[0], sink, n=10, temperature=0.0, stop_token_ids=[first[2]]))
+    run(sched)
+    out = sink.done["stop"]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": first[2]}
+    assert out["output_ids"] == first[: first.index(first[2]) + 1]
+    sched.submit(mk("zero", PROMPTS[0], sink, n=0))
+    assert sink.done["zero"]["output_ids"] == [] and sched.is_idle()
+
+
+def test_eos_stops_unless_ignored(moe_model):
+    eos = next(iter(moe_model.config.eos_token_ids))
+    s = Scheduler(moe_model, SchedulerLimits(max_running=2))
+    sink = Collector()
+    s.submit(mk("probe", PROMPTS[2], sink, n=3, temperature=0.0))
+    run(s)
+    second = sink.done["probe"]["output_ids"][1]
+    s.eos_ids = {second}  # make the model's 2nd greedy token act as EOS
+    s.submit(mk("eos", PROMPTS[2], sink, n=10, temperature=0.0, ignore_eos=False))
+    s.submit(mk("ign", PROMPTS[2], sink, n=10, temperature=0.0, ignore_eos=True))
+    run(s)
+    assert sink.done["eos"]["meta_info"]["finish_reason"] == {"type": "stop", "matched": second}
+    assert len(sink.done["ign"]["output_ids"]) == 10
+    assert eos is not None
+
+
+def test_context_limit_and_bad_prompts(moe_model):
+    s = Scheduler(moe_model, SchedulerLimits(max_running=2, max_context=16))
+    sink = Collector()
+    with pytest.raises(ProtocolError, match="context length is 16"):
+        s.submit(mk("long", [5] * 16, sink))
+    with pytest.raises(ProtocolError, match="outside"):
+        s.submit(mk("vocab", [5, 100000], sink))
+    s.submit(mk("ok", [5] * 10, sink, n=50, temperature=0.0))
+    with pytest.raises(ProtocolError, match="already in use"):
+        s.submit(mk("ok", [5], sink))
+    run(s)
+    assert len(sink.done["ok"]["output_ids"]) == 6  # stopped at the context length
+    assert sink.done["ok"]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_abort_returns_partial_output(sched):
+    sink = Collector()
+    sched.submit(mk("abc-1", PROMPTS[0], sink, n=50, temperature=0.0))
+    sched.submit(mk("abc-2", PROMPTS[1], sink, n=50, temperature=0.0))
+    sched.submit(mk("zzz", PROMPTS[1], sink, n=5, temperature=0.0))
+    for _ in range(3):
+        sched.step()
+    assert sched.abort("abc") == 2  # prefix match, as SGLang
+    assert sched.abort("nope") == 0
+    for rid in ("abc-1", "abc-2"):
+        r = sink.done[rid]
+        assert r["meta_info"]["finish_reason"]["type"] == "abort"
+        assert len(r["output_ids"]) == 3 and len(r["meta_info"]["output_token_logprobs"]) == 3
+    run(sched)
+    assert len(sink.done["zzz"]["output_ids"]) == 5
+
+
+def test_pause_modes(moe_model):
+    ref_sink = Collector()
+    s = Scheduler(moe_model, SchedulerLimits(max_running=2))
+    s.submit(mk("x", PROMPTS[3], ref_sink, n=10, temperature=0.0))
+    run(s)
+    ref = ref_sink.done["x"]
+
+    sink = Collector()
+    s.submit(mk("x", PROMPTS[3], sink, n=10, temperature=0.0))
+    s.step(), s.step()
+    s.pause("in_place")
+    assert not s.can_step() and s.step() == 0
+    with pytest.raises(ProtocolError, match="cannot flush"):
+        s.flush_cache()
+    s.resume()
+    s.step()
+    s.pause("retract")
+    assert not s.running and len(s.waiting) == 1 and s.pool.used == 0
+    s.resume()
+    run(s)
+    assert sink.done["x"]["output_ids"] == ref["output_ids"]  # retract recomputes the KV, same tokens
+    assert lps(sink.done["x"]) == pytest.approx(lps(ref), abs=1e-4)
+
+    s.submit(mk("y", PROMPTS[3], sink, n=10, temperature=0.0))
+    s.step()
+    s.pause("abort")
+    assert sink.done["y"]["meta_info"]["finish_reason"]["type"] == "abort"
+    s.flush_cache()  # idle now
+
+
+def _migrated_vs_plain(moe_model, split: int, **sp):
+    plain_sink = Collector()
+    a = Scheduler(moe_model, SchedulerLimits(max_running=2))
+    a.submit(mk("m", PROMPTS[4], plain_sink, n=16, **sp))
+    run(a)
+
+    sink_a, sink_b = Collector(), Collector()
+    a.submit(mk("m", PROMPTS[4], sink_a, n=16, **sp))
+    for _ in range(split):
+        a.step()
+    blob = a.export_request("m")
+    assert a.is_idle() and a.pool.used == 0
+    src = sink_a.done["m"]
+    assert src["meta_info"]["finish_reason"]["err_type"] == "migrated" and src["meta_info"]["dora_migrated"]
+    b = Scheduler(moe_model, SchedulerLimits(max_running=2))
+    b.import_request(blob, sink_b)
+    b.step()
+    assert b.running[0].kv.length == len(PROMPTS[4]) + split  # continued from the KV: no re-prefill
+    run(b)
+    return plain_sink.done["m"], sink_b.done["m"], src
+
+
+@pytest.mark.parametrize("sp", [dict(temperature=0.0), dict(temperature=1.0, sampling_seed=1234, top_p=0.95)])
+def test_migrated_request_matches_unmigrated_exactly(moe_model, sp):
+    plain, migrated, src = _migrated_vs_plain(moe_model, 5, **sp)
+    assert migrated["output_ids"] == plain["output_ids"]
+    assert lps(migrated) == lps(plain)  # bit-exact: same KV, same RNG stream
+    assert src["output_ids"] == plain["output_ids"][:5]
+    assert migrated["meta_info"]["dora_migrations"] == 1
+
+
+def test_seeded_sampling_reproducible_and_seed_dependent(moe_model):
+    outs = []
+    for seed in (7, 7, 8):
+        sink = Collector()
+        s = Scheduler(moe_model, SchedulerLimits(max_running=2))
+        s.submit(mk("s", PROMPTS[0], sink, n=16, temperature=1.0, sampling_seed=seed))
+        run(s)
+        outs.append(sink.done["s"]["output_ids"])
+    assert outs[0] == outs[1] and outs[0] != outs[2]
+
+
+def test_version_checks_on_submit_and_import(moe_model):
+    a = Scheduler(moe_model, SchedulerLimits(max_running=2), weight_version="3")
+    b = Scheduler(moe_model, SchedulerLimits(max_running=2), weight_version="4")
+    sink = Collector()
+    with pytest.raises(ProtocolError) as e:
+        a.submit(mk("v", PROMPTS[0], sink), required_version="4")
+    assert e.value.status == 409 and "holds version 3" in e.value.message
+    a.submit(mk("v", PROMPTS[0], sink, n=8, temperature=0.0), required_version="3")
+    a.step()
+    blob = a.export_request("v")
+    with pytest.raises(ProtocolError) as e:
+        b.import_request(blob, sink)
+    assert e.value.status == 409
+    with pytest.raises(ProtocolError, match="not an exported request"):
+        b.import_request(b"garbage", sink)
+    with pytest.raises(ProtocolError) as e:
+        a.export_request("unknown")
+    assert e.value.status == 404
+
+
+def test_failed_weight_update_keeps_weights_and_version(moe_dir):
+    m = load_model(moe_dir)
+    s = Scheduler(m, SchedulerLimits(max_running=1), weight_version="0")
+    before = s.weights_checksum()
+    bad = {"model.norm.weight": torch.zeros(128), "lm_head.weight": torch.zeros(3, 3)}
+    with pytest.raises(ProtocolError, match="old weights kept"):
+        s.load_weights(bad, "1", require_all=False)
+    assert s.weight_version == "0" and s.weights_checksum() == before
+    s.load_weights({"model.norm.weight": torch.full((128,), 2.0)}, "1", require_all=False)
+    assert s.weight_version == "1" and s.weights_checksum() != before
+
+
+def test_admission_respects_kv_budget(moe_model):
+    s = Scheduler(moe_model, SchedulerLimits(max_running=8, kv_blocks=3, block_size=16))
+    sink = Collector()
+    s.submit(mk("a", [5] * 20, sink, n=10))  # 30 tokens -> 2 blocks
+    s.submit(mk("b", [5] * 20, sink, n=10))
+    s.step()
+    assert len(s.running) == 1 and len(s.waiting) == 1 and s.info()["kv_usage"] == pytest.approx(2 / 3)
+    run(s)
+    assert set(sink.done) == {"a", "b"}
+    with pytest.raises(ProtocolError, match="KV blocks"):
+        s.submit(mk("huge", [5] * 40, sink, n=20))
