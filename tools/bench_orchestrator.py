@@ -27,8 +27,10 @@ from dora_megatron.orchestrator import Orchestrator, ReleaseBatch, Submit, Switc
 
 
 def build(n_inst: int, inflight: int, group_size: int, staleness: int, seed: int):
-    groups = inflight // group_size
-    tbs = groups // (staleness + 1) + 1
+    # the window holds (S+1)*TBS groups; one step consumes TBS of them, so size the window so that
+    # ~``inflight`` requests are still running when the next version arrives
+    groups = -(-inflight * (staleness + 1) // (staleness * group_size))
+    tbs = -(-groups // (staleness + 1))
     cap = -(-inflight // n_inst) + 8
     cfg = OrchestratorConfig(mode="dora", tbs=tbs, rbs=groups, max_staleness=staleness, group_size=group_size,
                              cap_before_rebalance=cap, cap_after_rebalance=cap, rebalance_interval_s=0,
@@ -52,19 +54,22 @@ def build(n_inst: int, inflight: int, group_size: int, staleness: int, seed: int
 
 
 def advance_one_step(orch, rng, state, apply, tail_keep: float):
-    """Finish random samples (keeping a long tail) until a batch is released, then confirm
-    pending switches. Returns nothing; the trainer is left busy."""
+    """Finish whole random groups (the rest is the long tail, ``tail_keep`` of the groups is never
+    picked) until a batch is released, then confirm pending switches. The trainer is left busy."""
     running = state["running"]
-    while not state["busy"]:
-        sids = list(running)
-        rng.shuffle(sids)
-        # short ones finish; a fraction stays as the long tail
-        for sid in sids[: max(1, int(len(sids) * (1 - tail_keep)))]:
+    by_group: dict[str, list[str]] = {}
+    for sid in running:
+        by_group.setdefault(sid.rsplit(".", 1)[0], []).append(sid)
+    gids = sorted(by_group)
+    rng.shuffle(gids)
+    gids = gids[: int(len(gids) * (1 - tail_keep))]
+    for gid in gids:
+        for sid in by_group[gid]:
             if sid in running:
                 del running[sid]
                 apply(orch.on_sample_finished(sid))
-                if state["busy"]:
-                    break
+        if state["busy"]:
+            break
     for iid, v in list(state["switching"].items()):
         del state["switching"][iid]
         apply(orch.on_switch_done(iid, v))
@@ -85,7 +90,7 @@ def main(argv=None) -> int:
     cfg, orch, rng, state, apply = build(args.instances, args.inflight, args.group_size, args.staleness, args.seed)
     update_ms, forced_ms, inflight_at = [], [], []
     for step in range(args.steps):
-        advance_one_step(orch, rng, state, apply, tail_keep=0.6)
+        advance_one_step(orch, rng, state, apply, tail_keep=0.3)
         n_inflight = sum(orch.unfinished_by_version().values())
         t = time.perf_counter()
         acts = orch.on_step_finished(step + 1)

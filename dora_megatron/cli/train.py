@@ -24,8 +24,13 @@ def run(args: argparse.Namespace) -> int:
     from dora_megatron.config.loader import dump_yaml
     from dora_megatron.config.schema import load_config
 
+    config_path = args.config
+    if args.resume and not config_path:
+        from pathlib import Path
+
+        config_path = str(Path(args.resume) / "config.yaml")
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(config_path, args.overrides)
     except ConfigError as err:
         sys.stderr.write(f"config error: {err}\n")
         return 2

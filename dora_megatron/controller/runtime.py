@@ -28,6 +28,7 @@ instance switch first awaits every move away from it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import statistics
 import time
@@ -103,6 +104,8 @@ class RuntimeOptions:
     request_timeout_s: float = 600.0
     health_timeout_s: float = 30.0
     verify_checksums: bool = True
+    checkpoint_interval: int = 0  # steps; 0 = only at the end
+    checkpoint_dir: Callable[[int], str] | None = None  # version -> checkpoint directory (None: no checkpoints)
 
 
 @dataclass
@@ -150,16 +153,20 @@ class Runtime:
         self.checksum_mismatches = 0
         self.expected_checksums: dict[int, str] = {}
         self._moves_from: dict[str, set[asyncio.Task]] = {}
+        self._switching: dict[str, asyncio.Task] = {}
         self._tasks: set[asyncio.Task] = set()
         self._error: BaseException | None = None
         self._done = asyncio.Event()
         self._t0 = 0.0
         self._trainer_idle_since = 0.0
         self._version_of: dict[str, int] = {iid: 0 for iid in engines}
+        self._wall_offset = 0.0
+        self._resumed = False
+        self.c1_count = 0
 
     # ------------------------------------------------------------------ helpers
     def now(self) -> float:
-        return time.monotonic() - self._t0
+        return time.monotonic() - self._t0 + self._wall_offset
 
     def _spawn(self, coro, name: str) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(self._guard(coro), name=name)
@@ -189,9 +196,12 @@ class Runtime:
                 self._moves_from.setdefault(a.src, set()).add(task)
                 task.add_done_callback(lambda t, src=a.src: self._moves_from.get(src, set()).discard(t))
             elif isinstance(a, Interrupt):
-                self._spawn(self._interrupt(a), f"interrupt-{a.sample_id}")
+                task = self._concurrent(a.sample_id, lambda prev, a=a: self._interrupt(a, prev), f"interrupt-{a.sample_id}")
+                self._moves_from.setdefault(a.instance, set()).add(task)
+                task.add_done_callback(lambda t, src=a.instance: self._moves_from.get(src, set()).discard(t))
             elif isinstance(a, SwitchVersion):
-                self._spawn(self._switch(a), f"switch-{a.instance}")
+                prev = self._switching.get(a.instance)  # loads on one instance run in order
+                self._switching[a.instance] = self._spawn(self._switch(a, prev), f"switch-{a.instance}")
             elif isinstance(a, ReleaseBatch):
                 self._spawn(self._train(a), f"train-{a.step}")
             else:
@@ -329,10 +339,18 @@ class Runtime:
         self.orch.on_migration_done(a.sample_id, reprefill_tokens=reprefill)
         await self._submit(Submit(a.sample_id, a.dst, a.version, resume=True))
 
-    async def _interrupt(self, a: Interrupt) -> None:
-        await self.engines[a.instance].abort(a.sample_id)
+    async def _interrupt(self, a: Interrupt, prev: asyncio.Task | None) -> None:
+        """Abort the request and wait until its partial output is back (before the instance switches)."""
+        for _ in range(50):
+            if await self.engines[a.instance].abort(a.sample_id) or prev is None or prev.done():
+                break
+            await asyncio.sleep(0.02)  # the generate may not have reached the engine yet
+        if prev is not None and not prev.done():
+            await asyncio.wait([prev])
 
-    async def _switch(self, a: SwitchVersion) -> None:
+    async def _switch(self, a: SwitchVersion, prev: asyncio.Task | None = None) -> None:
+        if prev is not None and not prev.done():
+            await asyncio.wait([prev])
         moves = [t for t in self._moves_from.get(a.instance, ()) if not t.done()]
         if moves:
             await asyncio.wait(moves)
@@ -385,6 +403,8 @@ class Runtime:
             group = self.groups[gid]
             for sid in group.sample_ids:
                 rec = self.samples[sid]
+                if len(rec.versions) > 1:
+                    self.c1_count += 1
                 samples.append({
                     "prompt_ids": rec.prompt_ids, "response_ids": rec.output_ids, "rollout_logprobs": rec.logprobs,
                     "reward": rec.reward, "group_id": gid, "version": rec.version,
@@ -399,9 +419,10 @@ class Runtime:
         if result.get("checksum"):
             self.expected_checksums[new_version] = result["checksum"]
         end = self.now()
-        for gid in a.group_ids:  # free memory of consumed groups
+        for gid in a.group_ids:  # free the token data of consumed groups
             for sid in self.groups[gid].sample_ids:
-                self.samples[sid].logprobs = []
+                rec = self.samples[sid]
+                rec.logprobs, rec.output_ids, rec.prompt_ids = [], [], []
         log_ = StepLog(a.step, start, end, wait, train_s, 0.0, dict(result.get("metrics", {})), rewards, lengths,
                        staleness, tokens, len(self.orch.live_versions()))
         self.steps.append(log_)
@@ -410,10 +431,97 @@ class Runtime:
         if self.on_step is not None:
             self.on_step(log_, self)
         self._trainer_idle_since = end
-        if len(self.steps) >= self.opt.steps:
+        last = len(self.steps) >= self.opt.steps
+        due = self.opt.checkpoint_dir is not None and (
+            last or (self.opt.checkpoint_interval and new_version % self.opt.checkpoint_interval == 0))
+        if due:
+            await self._checkpoint(new_version)
+        if last:
             self._done.set()
             return
         self.execute(self.orch.on_step_finished(new_version))
+        if due:
+            self._write_controller_state(new_version)
+
+    # ------------------------------------------------------------------ checkpoints
+    async def _checkpoint(self, version: int) -> None:
+        """Trainer part of checkpoint ``version`` (model + optimizer via dist_checkpointing)."""
+        path = Path(self.opt.checkpoint_dir(version))
+        path.mkdir(parents=True, exist_ok=True)
+        start = self.now()
+        await self.trainer.save_checkpoint(str(path / "trainer"))
+        if self.timeline is not None:
+            self.timeline.span("trainer", f"checkpoint v{version}", start, self.now(), kind="checkpoint")
+
+    def _write_controller_state(self, version: int) -> None:
+        """Controller part, written after ``on_step_finished`` so the orchestrator is at a step boundary.
+
+        Written last and atomically: a checkpoint directory without ``controller.json`` is
+        incomplete and ignored by resume."""
+        import json
+
+        path = Path(self.opt.checkpoint_dir(version))
+        tmp = path / "controller.json.tmp"
+        tmp.write_text(json.dumps(self.state_dict(version)))
+        tmp.rename(path / "controller.json")
+        log.info("checkpoint v%d written to %s", version, path)
+        self.on_checkpoint(version)
+
+    def on_checkpoint(self, version: int) -> None:
+        """Hook for the launcher (snapshot retention); no-op by default."""
+
+    def state_dict(self, version: int) -> dict[str, Any]:
+        unconsumed = [g for gid, g in self.groups.items() if gid not in self.consumed]
+        samples = []
+        for g in unconsumed:
+            for sid in g.sample_ids:
+                r = self.samples[sid]
+                samples.append({
+                    "sample_id": r.sample_id, "group_id": r.group_id, "index": r.index, "version": r.version,
+                    "prompt_ids": r.prompt_ids, "finished": r.finished, "reward": r.reward,
+                    # unfinished samples restart from their prompt on their own version (C1)
+                    "output_ids": r.output_ids if r.finished else [],
+                    "logprobs": r.logprobs if r.finished else [],
+                    "versions": sorted(r.versions) if r.finished else [],
+                })
+        return {
+            "format": 1, "version": version, "next_prompt": self.next_prompt, "wall_s": self.now(),
+            "orchestrator": self.orch.snapshot(),
+            "groups": [{"group_id": g.group_id, "version": g.version, "prompt_index": g.prompt.index,
+                        "sample_ids": list(g.sample_ids)} for g in unconsumed],
+            "samples": samples,
+            "consumed": sorted(self.consumed),
+            "steps": [dataclasses.asdict(x) for x in self.steps],
+            "busy_slot_s": self.busy_slot_s, "switch_s": self.switch_s, "migrated_bytes": self.migrated_bytes,
+            "migrations_done": self.migrations_done, "migrations_fallback": self.migrations_fallback,
+            "expected_checksums": {str(k): v for k, v in self.expected_checksums.items()},
+            "c1_count": self.c1_count, "duplicated": self.duplicated,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`: unfinished samples of unconsumed groups are re-run on
+        their own version; every instance is fresh and is switched to the version it is given."""
+        self.next_prompt = int(state["next_prompt"])
+        self._wall_offset = float(state["wall_s"])
+        for g in state["groups"]:
+            prompt = self.source.get(int(g["prompt_index"]))
+            self.groups[g["group_id"]] = GroupRecord(g["group_id"], int(g["version"]), prompt, tuple(g["sample_ids"]), 0.0)
+        for d in state["samples"]:
+            rec = SampleRecord(d["sample_id"], d["group_id"], int(d["index"]), int(d["version"]), list(d["prompt_ids"]),
+                               output_ids=list(d["output_ids"]), logprobs=list(d["logprobs"]),
+                               versions=set(d["versions"]), reward=d["reward"], finished=bool(d["finished"]))
+            self.samples[rec.sample_id] = rec
+        self.consumed = set(state["consumed"])
+        self.steps = [StepLog(**x) for x in state["steps"]]
+        self.busy_slot_s = float(state["busy_slot_s"])
+        self.switch_s = float(state["switch_s"])
+        self.migrated_bytes = int(state["migrated_bytes"])
+        self.migrations_done = int(state["migrations_done"])
+        self.migrations_fallback = int(state["migrations_fallback"])
+        self.expected_checksums = {int(k): v for k, v in state["expected_checksums"].items()}
+        self.c1_count = int(state.get("c1_count", 0))
+        self.duplicated = int(state.get("duplicated", 0))
+        self._resumed = True
 
     # ------------------------------------------------------------------ main loop
     async def _stats_loop(self) -> None:
@@ -437,11 +545,19 @@ class Runtime:
 
     async def run(self) -> dict[str, Any]:
         self._t0 = time.monotonic()
-        self._trainer_idle_since = 0.0
+        self._trainer_idle_since = self._wall_offset
         if self.timeline is not None:
             for iid, v in self._version_of.items():
                 self.timeline.set_version(iid, v, 0.0)
-        self.execute(self.orch.start())
+        if self._resumed:
+            self._trainer_idle_since = self.now()
+            for iid in self.engines:  # fresh processes: re-queue what ran there, switch them anew
+                self.execute(self.orch.on_instance_failed(iid))
+            for iid in self.engines:
+                self.execute(self.orch.on_instance_joined(iid))
+            self.execute(self.orch.poll())
+        else:
+            self.execute(self.orch.start())
         stats = asyncio.get_running_loop().create_task(self._stats_loop())
         try:
             await self._done.wait()
@@ -498,10 +614,5 @@ class Runtime:
         return out
 
     def _c1_violations(self) -> int:
-        """Samples of consumed groups whose tokens came from more than one version."""
-        n = 0
-        for gid in self.consumed:
-            for sid in self.groups[gid].sample_ids:
-                if len(self.samples[sid].versions) > 1:
-                    n += 1
-        return n
+        """Samples of consumed groups whose tokens came from more than one version (counted at release)."""
+        return self.c1_count

@@ -79,12 +79,24 @@ async def _wait_http(url: str, procs: ProcessSet, timeout_s: float, what: str) -
             await asyncio.sleep(0.25)
 
 
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint (one with ``controller.json``) of a run, if any."""
+    done = sorted(p for p in (run_dir / "checkpoints").glob("v*") if (p / "controller.json").is_file())
+    return done[-1] if done else None
+
+
 def run_local_job(cfg: DoraConfig, resume: str | None = None) -> int:
-    if resume:
-        sys.stderr.write("dora train --resume: not available yet in this build\n")
-        return 3
     say = _Say()
-    run_dir = make_run_dir(cfg)
+    checkpoint = None
+    if resume:
+        run_dir = Path(resume).resolve()
+        checkpoint = latest_checkpoint(run_dir)
+        if checkpoint is None:
+            say(f"--resume {run_dir}: no complete checkpoint under {run_dir / 'checkpoints'}")
+            return 2
+        say(f"resuming {run_dir} from {checkpoint.name}")
+    else:
+        run_dir = make_run_dir(cfg)
     (run_dir / "config.yaml").write_text(dump_yaml(cfg))
     say(f"run directory: {run_dir}")
     model_dir = prepare_model(cfg, run_dir, say=say)
@@ -103,8 +115,11 @@ def run_local_job(cfg: DoraConfig, resume: str | None = None) -> int:
                     procs.start(spec.name, spec.argv, spec.env)
                 elif spec.role == "trainer":
                     argv = list(spec.argv) + ["--host", host, "--port", str(trainer_port)]
+                    if checkpoint is not None:
+                        argv += ["--resume", str(checkpoint / "trainer")]
                     procs.start("trainer", argv, {**spec.env, "PYTHONUNBUFFERED": "1"})
-            summary = asyncio.run(_run_controller(cfg, run_dir, model_dir, host, engine_ports, trainer_port, procs, say))
+            summary = asyncio.run(_run_controller(cfg, run_dir, model_dir, host, engine_ports, trainer_port, procs, say,
+                                                  checkpoint))
     except ChildFailed as err:
         say(f"a process failed: {err}")
         return 1
@@ -123,7 +138,7 @@ def _with_port(spec: ProcessSpec, port: int) -> ProcessSpec:
 
 
 async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host: str, engine_ports: list[int],
-                          trainer_port: int, procs: ProcessSet, say) -> dict[str, Any]:
+                          trainer_port: int, procs: ProcessSet, say, checkpoint: Path | None = None) -> dict[str, Any]:
     from dora_megatron.controller.runtime import Runtime, RuntimeOptions
     from dora_megatron.controller.trainer_client import TrainerClient
     from dora_megatron.data.tasks import make_prompt_source
@@ -148,12 +163,13 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
                                                exponent=data.length_exponent, seed=data.seed)
     else:
         source, reward_fn = make_prompt_source("jsonl", path=data.path, prompt_key=data.prompt_key, answer_key=data.answer_key)
-    orch = Orchestrator(cfg.orchestrator, names)
+    state = json.loads((checkpoint / "controller.json").read_text()) if checkpoint is not None else None
+    orch = Orchestrator.restore(cfg.orchestrator, state["orchestrator"]) if state else Orchestrator(cfg.orchestrator, names)
     obs = cfg.observability
     writer = TensorBoardWriter(run_dir / "tb") if obs.tensorboard else NullWriter()
     timeline = Timeline() if obs.timeline else None
     progress = _Progress(cfg.run.steps, enabled=obs.progress)
-    steps_file = open(run_dir / "steps.jsonl", "w")
+    steps_file = open(run_dir / "steps.jsonl", "a" if state else "w")
 
     def snapshot_dir(version: int) -> str:
         return str(model_dir) if version == 0 else str(run_dir / "weights" / f"v{version:06d}")
@@ -182,6 +198,7 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
         for key, value in s.metrics.items():
             scalars[f"train/{key}"] = value
         writer.scalars(s.step, scalars)
+        retention.prune()
         steps_file.write(json.dumps({"step": s.step, **{k: v for k, v in scalars.items() if v is not None}}) + "\n")
         steps_file.flush()
         progress.update(s.step, scalars)
@@ -192,8 +209,17 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
         snapshot_dir=snapshot_dir, stats_interval_s=obs.stats_interval_s,
         slots_per_instance=min(cfg.rollout.max_running, cfg.orchestrator.cap_before_rebalance),
         request_timeout_s=cfg.rollout.request_timeout_s,
+        checkpoint_interval=cfg.run.checkpoint_interval,
+        checkpoint_dir=lambda v: str(run_dir / "checkpoints" / f"v{v:06d}"),
     )
     runtime = Runtime(orch, engines, trainer, source, reward_fn, options, timeline=timeline, on_step=on_step)
+    retention = _SnapshotRetention(run_dir, runtime)
+    if cfg.run.checkpoint_interval == 0:  # no mid-run checkpoint to resume from: only live versions matter
+        retention.min_live_at_checkpoint = float("inf")
+    runtime.on_checkpoint = retention.checkpointed
+    if state is not None:
+        runtime.load_state_dict(state)
+        retention.min_live_at_checkpoint = min(orch.live_versions())
     monitor = asyncio.get_running_loop().create_task(_watch_children(procs, engines, names, runtime))
     try:
         summary = await runtime.run()
@@ -210,7 +236,7 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
     (run_dir / "orchestrator_state.json").write_text(json.dumps(orch.snapshot()))
     if timeline is not None:
         timeline.write_chrome_trace(run_dir / "trace.json")
-        timeline.write_png(run_dir / "timeline.png", title=f"{cfg.orchestrator.mode}: instances x time, coloured by version")
+        timeline.write_png(run_dir / "timeline.png", title=f"{cfg.orchestrator.mode}: instances x time, coloured by version (line: running requests)")
     return summary
 
 
@@ -228,6 +254,30 @@ async def _watch_children(procs: ProcessSet, engines, names, runtime) -> None:
                 runtime._done.set()
             elif child.name in engines:
                 runtime._instance_failed(child.name, f"process exited with status {child.popen.returncode}")
+
+
+class _SnapshotRetention:
+    """Deletes per-version weight snapshots once no live version and no resumable checkpoint needs them."""
+
+    def __init__(self, run_dir: Path, runtime) -> None:
+        self.run_dir = run_dir
+        self.runtime = runtime
+        self.min_live_at_checkpoint = 0
+
+    def checkpointed(self, version: int) -> None:
+        self.min_live_at_checkpoint = min(self.runtime.orch.live_versions())
+
+    def prune(self) -> None:
+        import shutil
+
+        keep_from = min(min(self.runtime.orch.live_versions()), self.min_live_at_checkpoint)
+        for path in (self.run_dir / "weights").glob("v*"):
+            try:
+                version = int(path.name[1:].split(".")[0])
+            except ValueError:
+                continue
+            if 0 < version < keep_from:
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def _pct(sorted_values: list[int], q: float) -> float | None:

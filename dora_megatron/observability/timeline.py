@@ -68,7 +68,7 @@ class Timeline:
         path.write_text(json.dumps(self.to_chrome_trace()))
         return path
 
-    def write_png(self, path: str | Path, title: str = "instances x time, coloured by version") -> Path:
+    def write_png(self, path: str | Path, title: str = "instances x time, coloured by version (line: running requests)") -> Path:
         import matplotlib
 
         matplotlib.use("Agg")
@@ -88,9 +88,18 @@ class Timeline:
             seen_versions.add(v)
             ax.broken_barh([(iv.start, iv.end - iv.start)], (row[iv.track] - 0.4, 0.8),
                            facecolors=cmap(v % 10), alpha=0.55, label=label)
+        requests: dict[str, list[Interval]] = {}
         for iv in other:
+            if iv.args.get("kind") == "request":
+                requests.setdefault(iv.track, []).append(iv)
+                continue
             color = cmap((iv.version or 0) % 10) if iv.version is not None else "0.3"
             ax.broken_barh([(iv.start, iv.end - iv.start)], (row[iv.track] - 0.15, 0.3), facecolors=color)
+        peak = max((max(c for _, c in concurrency(ivs)) for ivs in requests.values() if ivs), default=1) or 1
+        for track, ivs in requests.items():
+            pts = concurrency(ivs)
+            ax.step([t for t, _ in pts], [row[track] - 0.4 + 0.8 * c / peak for _, c in pts], where="post",
+                    color="black", linewidth=0.8)
         ax.set_yticks(range(len(tracks)))
         ax.set_yticklabels(tracks)
         ax.set_xlabel("seconds")
@@ -101,6 +110,16 @@ class Timeline:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         return path
+
+
+def concurrency(intervals: list[Interval]) -> list[tuple[float, int]]:
+    """Step curve of how many intervals are open: [(time, count)] at every change."""
+    events = sorted([(iv.start, 1) for iv in intervals] + [(iv.end, -1) for iv in intervals])
+    out, n = [], 0
+    for t, d in events:
+        n += d
+        out.append((t, n))
+    return out or [(0.0, 0)]
 
 
 def _track_key(track: str) -> tuple[int, str]:

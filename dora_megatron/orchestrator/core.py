@@ -84,6 +84,8 @@ class Orchestrator:
         self._free: dict[int, int] = {}
         self._contrib: dict[str, tuple[int, int]] = {}
         self._cap_after = False
+        self._cap_value = self._compute_cap()
+        self._cap_int = _BIG if self._cap_value == _INF else int(self._cap_value)
         self._last_rebalance: float | None = None
         self._out: list[Action] = []
         for iid in instances:
@@ -258,6 +260,9 @@ class Orchestrator:
 
     def cap(self) -> float:
         """Per-instance concurrency cap now in force (inf for the barrier modes)."""
+        return self._cap_value
+
+    def _compute_cap(self) -> float:
         if not self.policy.caps:
             return _INF
         return self.config.cap_after_rebalance if self._cap_after else self.config.cap_before_rebalance
@@ -322,7 +327,8 @@ class Orchestrator:
         self = cls(config, [])
         self.newest, self.next_step = snap["newest"], snap["next_step"]
         self.trainer_busy, self.now = snap["trainer_busy"], snap["now"]
-        self._group_seq, self._cap_after = snap["group_seq"], snap["cap_after"]
+        self._group_seq = snap["group_seq"]
+        self._set_cap_phase(bool(snap["cap_after"]))
         self._last_rebalance = snap["last_rebalance"]
         cd = dict(snap["counters"])
         cd["staleness_histogram"] = {int(k): v for k, v in cd["staleness_histogram"].items()}
@@ -375,15 +381,28 @@ class Orchestrator:
     def _update_room(self, inst: Instance) -> None:
         """Keep ``_room`` (instances under the cap) and ``_free`` (free slots per version) exact."""
         iid = inst.instance_id
-        old_v, old_c = self._contrib.pop(iid, (None, 0))
-        if old_v is not None:
-            self._free[old_v] -= old_c
-            self._room.get(old_v, set()).discard(iid)
         v = inst.version
-        if v is None or not inst.alive or inst.switching:
+        serving = v is not None and inst.alive and inst.target is None
+        c = self._cap_int - len(inst.samples) if serving else 0
+        if c < 0:
+            c = 0
+        old = self._contrib.get(iid)
+        if old is not None:
+            ov, oc = old
+            if serving and ov == v:
+                if oc != c:
+                    self._free[v] += c - oc
+                    self._contrib[iid] = (v, c)
+                    if c > 0 and oc == 0:
+                        self._room.setdefault(v, set()).add(iid)
+                    elif c == 0:
+                        self._room[v].discard(iid)
+                return
+            self._free[ov] -= oc
+            self._room.get(ov, set()).discard(iid)
+            del self._contrib[iid]
+        if not serving:
             return
-        cap = self.cap()
-        c = max(0, (_BIG if cap == _INF else int(cap)) - inst.load)
         if c > 0:
             self._room.setdefault(v, set()).add(iid)
         self._free[v] = self._free.get(v, 0) + c
@@ -418,6 +437,8 @@ class Orchestrator:
         if self._cap_after == after:
             return
         self._cap_after = after
+        self._cap_value = self._compute_cap()
+        self._cap_int = _BIG if self._cap_value == _INF else int(self._cap_value)
         for ids in self._active.values():
             for iid in ids:
                 self._update_room(self.instances[iid])
@@ -715,28 +736,43 @@ class Orchestrator:
             take = incoming[:n]
             n -= len(take)
             active = self._active.get(v, set())
-            loads = {iid: self.instances[iid].load for iid in active}
+            insts = self.instances
+            loads = {iid: len(insts[iid].samples) for iid in active}
             chosen = plan.choose_to_free(loads, n)
-            kept = {iid: loads[iid] for iid in active if iid not in set(chosen)}
+            chosen_set = set(chosen)
+            kept = {iid: load for iid, load in loads.items() if iid not in chosen_set}
             if not kept and any(loads[i] for i in chosen):
                 # never free the last active instance of a version that still runs requests
                 chosen = [i for i in chosen if loads[i] == 0]
-                kept = {iid: loads[iid] for iid in active if iid not in set(chosen)}
+                chosen_set = set(chosen)
+                kept = {iid: load for iid, load in loads.items() if iid not in chosen_set}
             moving = []
             for iid in chosen:
-                moving.extend((sid, iid) for sid in sorted(self.instances[iid].samples))
-            for sid, src, dst in plan.assign_migrations(moving, kept):
-                s = self.samples[sid]
-                self._unassign(s)
-                self._assign(s, self.instances[dst])
-                self.counters.migrations += 1
-                self._out.append(Migrate(sid, src, dst, v))
+                moving.extend((sid, iid) for sid in sorted(insts[iid].samples))
+            self._bulk_migrate(plan.assign_migrations(moving, kept), v)
             freed.extend(take)
             freed.extend(chosen)
         deficits = {v: target[v] - cur.get(v, 0) for v in target if target[v] > cur.get(v, 0)}
         for iid, v in plan.assign_freed(freed, deficits).items():
             self._switch(self.instances[iid], v)
         log.debug("rebalance(%s): %s -> %s", trigger, cur, target)
+
+    def _bulk_migrate(self, moves: list[tuple[str, str, str]], version: int) -> None:
+        """Apply ``(sample, src, dst)`` moves: one room update per touched instance."""
+        if not moves:
+            return
+        insts, samples, out = self.instances, self.samples, self._out
+        touched = set()
+        for sid, src, dst in moves:
+            insts[src].samples.discard(sid)
+            insts[dst].samples.add(sid)
+            samples[sid].instance = dst
+            touched.add(src)
+            touched.add(dst)
+            out.append(Migrate(sid, src, dst, version))
+        self.counters.migrations += len(moves)
+        for iid in touched:
+            self._update_room(insts[iid])
 
     def _level(self, hot: Instance) -> None:
         """KV pressure: move the shortest requests of ``hot`` to the least-loaded peer of the same
@@ -751,9 +787,4 @@ class Orchestrator:
             return
         dst, count = res
         victims = sorted(hot.samples, key=lambda sid: (self.samples[sid].tokens, sid))[:count]
-        for sid in victims:
-            s = self.samples[sid]
-            self._unassign(s)
-            self._assign(s, self.instances[dst])
-            self.counters.migrations += 1
-            self._out.append(Migrate(sid, hot.instance_id, dst, v))
+        self._bulk_migrate([(sid, hot.instance_id, dst) for sid in victims], v)

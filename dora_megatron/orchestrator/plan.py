@@ -9,7 +9,7 @@ the minimum the new partition needs. Pure functions over ids and counts.
 from __future__ import annotations
 
 import heapq
-from typing import Iterable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 
 def choose_to_free(loads: Mapping[str, int], n: int) -> list[str]:
@@ -19,22 +19,42 @@ def choose_to_free(loads: Mapping[str, int], n: int) -> list[str]:
     return [iid for _, iid in heapq.nsmallest(n, ((load, iid) for iid, load in loads.items()))]
 
 
-def assign_migrations(moving: Iterable[tuple[str, str]], kept_loads: Mapping[str, int]
+def assign_migrations(moving: Sequence[tuple[str, str]], kept_loads: Mapping[str, int]
                       ) -> list[tuple[str, str, str]]:
-    """Send each ``(sample_id, src)`` to the currently least-loaded kept instance.
+    """Send each ``(sample_id, src)`` to the kept instances by water-filling: the least-loaded
+    instances are raised to a common level first (the same result as sending each request to the
+    currently least-loaded instance, ties by id, in O(K log K + M)).
 
     Returns ``(sample_id, src, dst)`` triples; empty ``kept_loads`` returns nothing (the caller
     must not free the last instance of a version that still has requests).
     """
-    if not kept_loads:
+    if not kept_loads or not moving:
         return []
-    heap = [(load, iid) for iid, load in kept_loads.items()]
-    heapq.heapify(heap)
+    items = sorted((load, iid) for iid, load in kept_loads.items())
+    n = len(items)
+    remaining = len(moving)
+    level = items[0][0]
+    i = 0
+    extra = 0
+    while True:
+        while i < n and items[i][0] <= level:
+            i += 1
+        nxt = items[i][0] if i < n else None
+        if nxt is None or remaining <= (nxt - level) * i:
+            full, extra = divmod(remaining, i)
+            level += full
+            break
+        remaining -= (nxt - level) * i
+        level = nxt
+    # the first i instances reach ``level``; ties at the level go to the smallest ids
+    extra_ids = set(sorted(iid for _, iid in items[:i])[:extra])
+    quota = [(iid, level - load + (1 if iid in extra_ids else 0)) for load, iid in items[:i]]
     out = []
-    for sid, src in moving:
-        load, dst = heapq.heappop(heap)
-        out.append((sid, src, dst))
-        heapq.heappush(heap, (load + 1, dst))
+    k = 0
+    for iid, q in quota:
+        for sid, src in moving[k:k + q]:
+            out.append((sid, src, iid))
+        k += q
     return out
 
 

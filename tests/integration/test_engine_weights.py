@@ -129,3 +129,28 @@ def test_update_over_distributed_group(engine, dirs):
     assert isinstance(err, EngineError) and err.status == 400
     assert "experts.99" in err.message and "lm_head.weight" in err.message
     assert kept == after and len(still.output_ids) == 16
+
+
+def test_update_waits_for_running_requests_and_holds_new_ones(engine, dirs):
+    """SGLang semantics when not paused: the update drains in-flight work first."""
+
+    async def go():
+        async with EngineClient(engine.url) as c:
+            v0 = await c.weight_version()
+            long = asyncio.create_task(c.generate(PROMPT, {**GREEDY, "max_new_tokens": 400}))
+            for _ in range(500):
+                if (await c.server_info())["num_running_reqs"] == 1:
+                    break
+                await asyncio.sleep(0.01)
+            update = asyncio.create_task(c.update_weights_from_disk(dirs[0], weight_version=int(v0) + 10))
+            for _ in range(500):
+                if (await c.server_info())["weight_update_pending"]:
+                    break
+                await asyncio.sleep(0.01)
+            late = asyncio.create_task(c.generate(PROMPT, GREEDY))
+            return v0, await long, await update, await late
+
+    v0, long_res, _, late_res = asyncio.run(go())
+    # the running request finished on the old weights (version echoed at its end), the late one on the new
+    assert long_res.weight_version == v0 and len(long_res.output_ids) == 400
+    assert late_res.weight_version == str(int(v0) + 10)

@@ -58,6 +58,8 @@ class ModelConfig:
         if rope_type not in ("default", None):
             raise ValueError(f"unsupported rope type {rope_type!r} (only default RoPE)")
         theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)) if rope else cfg.get("rope_theta", 10000.0))
+        if cfg.get("use_sliding_window"):
+            raise ValueError("use_sliding_window=true is not supported by the embedded engine")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
         n_layers = int(cfg["num_hidden_layers"])

@@ -230,10 +230,18 @@ class Scheduler:
     # ---- control -------------------------------------------------------------------------
     def _match(self, rid: str, abort_all: bool) -> list[Request]:
         reqs = list(self.running) + list(self.waiting) + list(self.held)
-        return reqs if abort_all else [r for r in reqs if r.rid.startswith(rid)]
+        if abort_all:
+            return reqs
+        exact = [r for r in reqs if r.rid == rid]
+        return exact or [r for r in reqs if r.rid.startswith(rid)]
 
     def abort(self, rid: str = "", abort_all: bool = False, message: str = "Abort request") -> int:
-        """Abort requests whose rid starts with ``rid`` (SGLang's prefix match) or all; return count."""
+        """Abort request ``rid``, or all; return the count.
+
+        An exact rid match aborts only that request; otherwise every request whose rid starts
+        with ``rid`` is aborted (SGLang's prefix match). The exact-first rule keeps ``abort("s1")``
+        from also aborting ``"s10"``.
+        """
         matched = self._match(rid, abort_all)
         for r in matched:
             self._finish(r, finish_abort(message))
@@ -380,6 +388,7 @@ class Scheduler:
             "max_context_length": self.max_context,
             "weight_version": self.weight_version,
             "paused": self.paused,
+            "weight_update_pending": self.hold_admission,
             "steps": self.steps,
             "tokens_generated": self.tokens_generated,
         }

@@ -28,6 +28,23 @@ def test_logits_match_transformers(request, which, cls):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_tied_embeddings_and_attention_bias_match_transformers(tmp_path):
+    from dora_megatron.models.presets import preset_config
+
+    cfg = preset_config("tiny-dense")
+    cfg.update(tie_word_embeddings=True, attention_bias=True, num_hidden_layers=2, initializer_range=0.1)
+    cfg["layer_types"] = ["full_attention"] * 2
+    state = hf_io.random_state_dict(cfg, 4)
+    for k in [k for k in state if k.endswith(".bias")]:
+        state[k] = torch.randn(state[k].shape) * 0.1
+    hf_io.save_model_dir(tmp_path, cfg, state)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = list(range(3, 40))
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    torch.testing.assert_close(load_model(str(tmp_path)).full_logits(ids), ref, rtol=1e-5, atol=1e-5)
+
+
 def test_incremental_decode_matches_full_forward(moe_model):
     ids = torch.randint(3, 98, (30,), generator=torch.Generator().manual_seed(2)).tolist()
     full = moe_model.full_logits(ids)

@@ -133,7 +133,10 @@ def test_abort_returns_partial_output(sched):
     sched.submit(mk("zzz", PROMPTS[1], sink, n=5, temperature=0.0))
     for _ in range(3):
         sched.step()
-    assert sched.abort("abc") == 2  # prefix match, as SGLang
+    sched.submit(mk("abc", PROMPTS[2], sink, n=50, temperature=0.0))
+    assert sched.abort("abc") == 1  # exact match first
+    assert sink.done["abc"]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert sched.abort("abc") == 2  # then prefix match, as SGLang
     assert sched.abort("nope") == 0
     for rid in ("abc-1", "abc-2"):
         r = sink.done[rid]

@@ -36,3 +36,14 @@ def test_png_written(tmp_path):
     tl.close(2.0)
     png = tl.write_png(tmp_path / "timeline.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_concurrency_curve():
+    from dora_megatron.observability.timeline import Interval, concurrency
+
+    ivs = [Interval("e", "a", 0.0, 2.0), Interval("e", "b", 1.0, 3.0), Interval("e", "c", 2.5, 4.0)]
+    pts = concurrency(ivs)
+    assert max(c for _, c in pts) == 2
+    assert pts[-1] == (4.0, 0)
+    # at t=2.0 one interval ends: count drops to 1 before c starts at 2.5
+    assert dict(pts)[2.0] == 1 and dict(pts)[2.5] == 2

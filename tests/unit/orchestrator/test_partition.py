@@ -71,3 +71,28 @@ def test_freed_instances_go_to_newest_growing_version_first():
 def test_level_within_version():
     assert level_within_version({"hot": 9, "p": 1, "q": 3}, "hot") == ("p", 4)
     assert level_within_version({"hot": 2, "p": 2}, "hot") is None
+
+
+def _heap_reference(moving, kept):
+    import heapq
+    heap = [(load, iid) for iid, load in kept.items()]
+    heapq.heapify(heap)
+    counts = {}
+    for _ in moving:
+        load, iid = heapq.heappop(heap)
+        counts[iid] = counts.get(iid, 0) + 1
+        heapq.heappush(heap, (load + 1, iid))
+    return counts
+
+
+@settings(max_examples=200, deadline=None)
+@given(kept=st.dictionaries(st.text("abcdef", min_size=1, max_size=3), st.integers(0, 20), min_size=1, max_size=12),
+       m=st.integers(0, 80))
+def test_water_filling_matches_least_loaded_one_by_one(kept, m):
+    moving = [(f"s{k}", "src") for k in range(m)]
+    out = assign_migrations(moving, kept)
+    assert [o[0] for o in out] == [s for s, _ in moving]
+    counts = {}
+    for _, _, dst in out:
+        counts[dst] = counts.get(dst, 0) + 1
+    assert counts == _heap_reference(moving, kept)

@@ -1,0 +1,148 @@
+"""In-process fakes of an engine and the trainer for runtime unit tests.
+
+The fake engine generates a deterministic answer for the running-sum prompt, one
+token per ``token_s`` of (real, short) time, honours abort (partial output),
+export/import (migration without recomputation), version tags (409 on
+mismatch, like the real engine) and weight loads; it records everything it saw so
+tests can check C1 and that migrated requests were not restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from dora_megatron.data import tokenizer as tok
+from dora_megatron.rollout.client import EngineError, VersionMismatch
+
+
+@dataclass
+class _Req:
+    rid: str
+    input_ids: list[int]
+    target: list[int]
+    produced: list[int]
+    version: int
+    done: asyncio.Future
+    aborted: bool = False
+    migrated: bool = False
+
+
+class FakeEngine:
+    def __init__(self, name: str, token_s: float = 0.002, migration: bool = True, lengths: dict | None = None) -> None:
+        self.name = name
+        self.version = 0
+        self.token_s = token_s
+        self.migration = migration
+        self.reqs: dict[str, _Req] = {}
+        self.log: list[tuple[str, str, int]] = []  # (op, rid, version)
+        self.dead = False
+        self.loads: list[str] = []
+
+    def _check(self) -> None:
+        if self.dead:
+            raise EngineError(self.name, 503, "dead")
+
+    async def supports(self, name: str) -> bool:
+        return self.migration and name in ("export_request", "import_request")
+
+    async def server_info(self) -> dict[str, Any]:
+        self._check()
+        return {"num_running_reqs": len(self.reqs), "kv_usage": 0.1 * len(self.reqs), "weight_version": str(self.version)}
+
+    async def update_weights_from_disk(self, model_path: str, weight_version=None) -> dict[str, Any]:
+        self._check()
+        assert not self.reqs, f"{self.name}: switch while holding {list(self.reqs)}"
+        await asyncio.sleep(0.005)
+        self.version = int(weight_version)
+        self.loads.append(model_path)
+        return {"success": True}
+
+    @staticmethod
+    def _answer(input_ids: list[int]) -> list[int]:
+        text = tok.decode(input_ids)
+        prompt = text.split(":")[0]
+        acc, out = 0, []
+        for ch in prompt:
+            acc = (acc + int(ch)) % 10
+            out.append(str(acc))
+        return tok.encode("".join(out) + ".") + [tok.EOS_ID]
+
+    async def generate(self, input_ids, sampling_params=None, *, rid=None, return_logprob=True, version=None):
+        self._check()
+        if version is not None and int(version) != self.version:
+            raise VersionMismatch(self.name, 409, f"weight version {self.version} != requested {version}")
+        full = self._answer(list(input_ids))
+        prompt_len = len(tok.encode(tok.decode(input_ids).split(":")[0] + ":", add_bos=True))
+        already = len(input_ids) - prompt_len
+        req = _Req(rid, list(input_ids), full[already:], [], self.version, asyncio.get_running_loop().create_future())
+        self.reqs[rid] = req
+        self.log.append(("generate", rid, self.version))
+        return await self._run(req)
+
+    async def _run(self, req: _Req):
+        while len(req.produced) < len(req.target) and not req.aborted and not req.migrated:
+            await asyncio.sleep(self.token_s)
+            if self.dead:
+                raise EngineError(self.name, 503, "dead")
+            if req.aborted or req.migrated:
+                break
+            req.produced.append(req.target[len(req.produced)])
+        self.reqs.pop(req.rid, None)
+        reason = "abort" if req.aborted else "stop"
+        return SimpleNamespace(output_ids=list(req.produced), output_token_logprobs=[-0.5] * len(req.produced),
+                               finish_reason={"type": reason}, migrated=req.migrated, weight_version=str(req.version))
+
+    async def abort(self, rid: str = "", abort_all: bool = False) -> bool:
+        hit = False
+        for r in list(self.reqs.values()):
+            if abort_all or r.rid == rid:
+                r.aborted = True
+                hit = True
+        return hit
+
+    async def export_request(self, rid: str) -> bytes:
+        self._check()
+        req = self.reqs.get(rid)
+        if req is None:
+            raise EngineError(self.name, 404, f"unknown rid {rid}")
+        req.migrated = True
+        self.reqs.pop(rid)
+        self.log.append(("export", rid, req.version))
+        return pickle.dumps({"rid": rid, "input_ids": req.input_ids, "target": req.target, "produced": req.produced,
+                             "version": req.version})
+
+    async def import_request(self, blob: bytes):
+        self._check()
+        d = pickle.loads(blob)
+        assert d["version"] == self.version, "imported a request of another version"
+        req = _Req(d["rid"], d["input_ids"], d["target"], list(d["produced"]), self.version,
+                   asyncio.get_running_loop().create_future())
+        self.reqs[req.rid] = req
+        self.log.append(("import", req.rid, self.version))
+        return await self._run(req)
+
+    async def weights_checksum(self) -> str:
+        return "x"
+
+
+class FakeTrainer:
+    def __init__(self, train_s: float = 0.01) -> None:
+        self.version = 0
+        self.batches: list[list[dict]] = []
+        self.train_s = train_s
+        self.checkpoints: list[str] = []
+
+    async def train(self, step: int, samples: list[dict]) -> dict:
+        assert step == self.version, (step, self.version)
+        await asyncio.sleep(self.train_s)
+        self.batches.append(samples)
+        self.version += 1
+        return {"version": self.version, "metrics": {"loss": 0.0}, "checksum": None}
+
+    async def save_checkpoint(self, path: str) -> dict:
+        self.checkpoints.append(path)
+        return {"path": path}
