@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dora_megatron.config.orchestrator import OrchestratorConfig  # noqa: E402
-from dora_megatron.orchestrator import Orchestrator, ReleaseBatch, Submit, SwitchVersion  # noqa: E402
+from dora_megatron.orchestrator import Migrate, Orchestrator, ReleaseBatch, Submit, SwitchVersion  # noqa: E402
 
 
 def build(n_inst: int, inflight: int, group_size: int, staleness: int, seed: int):
@@ -89,12 +89,15 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     cfg, orch, rng, state, apply = build(args.instances, args.inflight, args.group_size, args.staleness, args.seed)
     update_ms, forced_ms, inflight_at = [], [], []
+    update_cpu_ms, forced_cpu_ms, update_moves = [], [], []
     for step in range(args.steps):
         advance_one_step(orch, rng, state, apply, tail_keep=0.3)
         n_inflight = sum(orch.unfinished_by_version().values())
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         acts = orch.on_step_finished(step + 1)
         update_ms.append((time.perf_counter() - t) * 1e3)
+        update_cpu_ms.append((time.process_time() - c) * 1e3)
+        update_moves.append(sum(1 for a in acts if isinstance(a, Migrate)))
         inflight_at.append(n_inflight)
         state["busy"] = False
         apply(acts)
@@ -105,9 +108,10 @@ def main(argv=None) -> int:
     orch.config.imbalance_ratio = 1.0
     for k in range(args.forced):
         n_inflight = sum(orch.unfinished_by_version().values())
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         orch._rebalance("timer")  # the step itself, without the surrounding dispatch
         forced_ms.append((time.perf_counter() - t) * 1e3)
+        forced_cpu_ms.append((time.process_time() - c) * 1e3)
         apply(orch.poll())
         for iid, v in list(state["switching"].items()):
             del state["switching"][iid]
@@ -115,7 +119,10 @@ def main(argv=None) -> int:
     res = {
         "instances": args.instances, "inflight_requests_at_update": inflight_at,
         "update_rebalance_ms": [round(x, 2) for x in update_ms],
+        "update_rebalance_cpu_ms": [round(x, 2) for x in update_cpu_ms],
+        "update_rebalance_migrations": update_moves,
         "forced_rebalance_ms": [round(x, 2) for x in forced_ms],
+        "forced_rebalance_cpu_ms": [round(x, 2) for x in forced_cpu_ms],
         "update_rebalance_ms_max": round(max(update_ms), 2),
         "forced_rebalance_ms_median": round(statistics.median(forced_ms), 2) if forced_ms else None,
         "instances_by_version": {str(k): v for k, v in orch.instances_by_version().items()},

@@ -18,6 +18,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
     parser.add_argument("--kv-blocks", type=int, default=None, help="KV budget in blocks (default: max-running full contexts)")
     parser.add_argument("--context-length", type=int, default=None, help="max tokens per request (default: model's)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                        help="dtype of weights and KV cache (checkpoints are cast on load)")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -44,13 +46,15 @@ def run(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         kv_blocks=args.kv_blocks,
         max_context=args.context_length,
+        dtype=getattr(torch, args.dtype),
     )
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
     port = sock.getsockname()[1]
     print(f"dora serve: listening on http://{args.host}:{port} model={args.model}", flush=True)
-    web.run_app(app, sock=sock, print=None, handle_signals=True)
+    # handler_cancellation: a client that disconnects cancels its /generate, which aborts the request
+    web.run_app(app, sock=sock, print=None, handle_signals=True, handler_cancellation=True)
     return 0
 
 

@@ -15,6 +15,8 @@ from dora_megatron.config.base import field_doc
 class LaunchConfig:
     backend: str = field_doc("local", "`local`: every process on this machine; `slurm`: roles from the SLURM environment.", choices=("local", "slurm"))
     trainer_procs: int = field_doc(1, "torchrun processes of the trainer (must fit trainer tp*pp*dp).", ge=1)
+    engine_cpus: list[int] = field_doc(default_factory=list, doc="CPU cores the engine processes are pinned to (empty = no pinning).")
+    trainer_cpus: list[int] = field_doc(default_factory=list, doc="CPU cores the trainer processes are pinned to (empty = no pinning).")
     trainer_threads: int = field_doc(1, "torch CPU threads per trainer process.", ge=1)
     trainer_port: int = field_doc(0, "Port of the trainer service (rank 0, loopback); 0 picks a free port.", ge=0, le=65535)
     trainer_startup_timeout_s: float = field_doc(300.0, "How long to wait for the trainer to build the model and report ready.", gt=0.0, unit="s")

@@ -12,6 +12,9 @@ from typing import Iterable
 
 from dora_megatron.config.algo import AlgoConfig
 from dora_megatron.config.base import ConfigError
+from dora_megatron.config.cluster import ClusterConfig
+from dora_megatron.config.bench import BenchConfig
+from dora_megatron.config.controller import ControllerConfig
 from dora_megatron.config.data import DataConfig
 from dora_megatron.config.launch import LaunchConfig
 from dora_megatron.config.loader import apply_overrides, from_dict, read_yaml, validate
@@ -20,6 +23,7 @@ from dora_megatron.config.observability import ObservabilityConfig
 from dora_megatron.config.orchestrator import OrchestratorConfig
 from dora_megatron.config.rollout import RolloutConfig
 from dora_megatron.config.run import RunConfig
+from dora_megatron.config.sglang import SGLangConfig
 from dora_megatron.config.trainer import TrainerConfig
 
 
@@ -34,6 +38,10 @@ class DoraConfig:
     data: DataConfig = field(default_factory=DataConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
 
     def check(self, path: str) -> None:
         t = self.trainer

@@ -104,6 +104,7 @@ class RuntimeOptions:
     request_timeout_s: float = 600.0
     health_timeout_s: float = 30.0
     verify_checksums: bool = True
+    migration: str = "kv"  # "kv": export/import when both engines offer it; "reprefill": abort + resubmit
     checkpoint_interval: int = 0  # steps; 0 = only at the end
     checkpoint_dir: Callable[[int], str] | None = None  # version -> checkpoint directory (None: no checkpoints)
 
@@ -305,7 +306,7 @@ class Runtime:
         src, dst = self.engines[a.src], self.engines[a.dst]
         start = self.now()
         blob = None
-        if await src.supports("export_request") and await dst.supports("import_request"):
+        if self.opt.migration == "kv" and await src.supports("export_request") and await dst.supports("import_request"):
             for _ in range(50):  # the generate may not have reached the engine yet
                 try:
                     blob = await src.export_request(a.sample_id)

@@ -112,16 +112,16 @@ def run_local_job(cfg: DoraConfig, resume: str | None = None) -> int:
         with ProcessSet(run_dir / "logs", grace_s=cfg.launch.shutdown_timeout_s) as procs:
             for spec in plan:
                 if spec.role == "engine":
-                    procs.start(spec.name, spec.argv, spec.env)
+                    procs.start(spec.name, spec.argv, spec.env, cpus=spec.cpus)
                 elif spec.role == "trainer":
                     argv = list(spec.argv) + ["--host", host, "--port", str(trainer_port)]
                     if checkpoint is not None:
                         argv += ["--resume", str(checkpoint / "trainer")]
-                    procs.start("trainer", argv, {**spec.env, "PYTHONUNBUFFERED": "1"})
+                    procs.start("trainer", argv, {**spec.env, "PYTHONUNBUFFERED": "1"}, cpus=spec.cpus)
             summary = asyncio.run(_run_controller(cfg, run_dir, model_dir, host, engine_ports, trainer_port, procs, say,
                                                   checkpoint))
-    except ChildFailed as err:
-        say(f"a process failed: {err}")
+    except (ChildFailed, TimeoutError, ValueError) as err:
+        say(f"dora train failed: {err}")
         return 1
     except KeyboardInterrupt:
         say("interrupted; every process was stopped")
@@ -134,7 +134,7 @@ def run_local_job(cfg: DoraConfig, resume: str | None = None) -> int:
 def _with_port(spec: ProcessSpec, port: int) -> ProcessSpec:
     argv = list(spec.argv)
     argv[argv.index("--port") + 1] = str(port)
-    return ProcessSpec(spec.role, spec.name, spec.host, tuple(argv), port, spec.threads, spec.ranks, spec.env)
+    return ProcessSpec(spec.role, spec.name, spec.host, tuple(argv), port, spec.threads, spec.ranks, spec.env, spec.cpus)
 
 
 async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host: str, engine_ports: list[int],
@@ -210,6 +210,8 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
         slots_per_instance=min(cfg.rollout.max_running, cfg.orchestrator.cap_before_rebalance),
         request_timeout_s=cfg.rollout.request_timeout_s,
         checkpoint_interval=cfg.run.checkpoint_interval,
+        migration=cfg.controller.migration, health_timeout_s=cfg.controller.health_timeout_s,
+        verify_checksums=cfg.controller.verify_checksums,
         checkpoint_dir=lambda v: str(run_dir / "checkpoints" / f"v{v:06d}"),
     )
     runtime = Runtime(orch, engines, trainer, source, reward_fn, options, timeline=timeline, on_step=on_step)

@@ -26,6 +26,7 @@ class ProcessSpec:
     threads: int = 1
     ranks: tuple[int, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    cpus: tuple[int, ...] = ()  # CPU affinity (empty = not pinned)
 
     def command_line(self) -> str:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
@@ -51,14 +52,15 @@ def local_plan(cfg: "DoraConfig", model_dir: str, run_dir: str, base_port: int |
             "--num-threads", str(cfg.rollout.threads_per_instance),
         )
         plan.append(ProcessSpec("engine", f"engine{i}", host, argv, port=port, threads=cfg.rollout.threads_per_instance,
-                                env=thread_env(cfg.rollout.threads_per_instance)))
+                                env=thread_env(cfg.rollout.threads_per_instance), cpus=tuple(cfg.launch.engine_cpus)))
     nprocs = cfg.launch.trainer_procs
     trainer_argv = (
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}",
         "-m", "dora_megatron.trainer.entry", "--run-dir", run_dir, "--model", model_dir,
     )
     plan.append(ProcessSpec("trainer", "trainer", host, trainer_argv, threads=cfg.launch.trainer_threads,
-                            ranks=tuple(range(nprocs)), env=thread_env(cfg.launch.trainer_threads)))
+                            ranks=tuple(range(nprocs)), env=thread_env(cfg.launch.trainer_threads),
+                            cpus=tuple(cfg.launch.trainer_cpus)))
     plan.append(ProcessSpec("controller", "controller", host, ("<in-process>",), threads=1))
     return plan
 
@@ -72,6 +74,8 @@ def format_plan(plan: list[ProcessSpec]) -> str:
         if p.ranks:
             extra.append(f"ranks={list(p.ranks)}")
         extra.append(f"threads={p.threads}")
+        if p.cpus:
+            extra.append(f"cpus={list(p.cpus)}")
         lines.append(f"  [{p.role:10s}] {p.name:12s} host={p.host} {' '.join(extra)}")
         lines.append(f"      $ {p.command_line()}")
     return "\n".join(lines)

@@ -71,12 +71,21 @@ class ProcessSet:
     def __exit__(self, *exc) -> None:
         self.stop_all()
 
-    def start(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> Child:
+    def start(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None,
+              cpus: Sequence[int] = ()) -> Child:
         log_path = self.log_dir / f"{name}.log"
         fh = open(log_path, "ab", buffering=0)
         full_env = {**os.environ, **(env or {})}
+        preexec = None
+        if cpus:
+            available = os.sched_getaffinity(0)
+            missing = sorted(set(cpus) - available)
+            if missing:
+                raise ValueError(f"{name}: CPU cores {missing} are not available here (have {sorted(available)})")
+            pinned = set(cpus)
+            preexec = lambda: os.sched_setaffinity(0, pinned)  # noqa: E731 - runs in the child before exec
         popen = subprocess.Popen(list(argv), stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 env=full_env, start_new_session=True)
+                                 env=full_env, start_new_session=True, preexec_fn=preexec)
         child = Child(name, popen, log_path, fh)
         self.children.append(child)
         log.info("started %s (pid %d), log %s", name, popen.pid, log_path)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 import logging
 from typing import Any, Iterable
 
@@ -758,21 +759,29 @@ class Orchestrator:
         log.debug("rebalance(%s): %s -> %s", trigger, cur, target)
 
     def _bulk_migrate(self, moves: list[tuple[str, str, str]], version: int) -> None:
-        """Apply ``(sample, src, dst)`` moves: one room update per touched instance."""
+        """Apply ``(sample, src, dst)`` moves with one room update per touched instance."""
         if not moves:
             return
         insts, samples, out = self.instances, self.samples, self._out
-        touched = set()
-        for sid, src, dst in moves:
-            insts[src].samples.discard(sid)
-            insts[dst].samples.add(sid)
-            samples[sid].instance = dst
-            touched.add(src)
-            touched.add(dst)
-            out.append(Migrate(sid, src, dst, version))
+        for dst, chunk in plan.group_by_dst(moves).items():
+            sids = [sid for sid, _ in chunk]
+            insts[dst].samples.update(sids)
+            for sid in sids:
+                samples[sid].instance = dst
+            out.extend(map(Migrate, sids, [src for _, src in chunk], itertools.repeat(dst),
+                           itertools.repeat(version)))
+            self._update_room(insts[dst])
+        moved_from: dict[str, list[str]] = {}
+        for sid, src, _ in moves:
+            moved_from.setdefault(src, []).append(sid)
+        for src, sids in moved_from.items():
+            ss = insts[src].samples
+            if len(sids) == len(ss):
+                ss.clear()
+            else:
+                ss.difference_update(sids)
+            self._update_room(insts[src])
         self.counters.migrations += len(moves)
-        for iid in touched:
-            self._update_room(insts[iid])
 
     def _level(self, hot: Instance) -> None:
         """KV pressure: move the shortest requests of ``hot`` to the least-loaded peer of the same

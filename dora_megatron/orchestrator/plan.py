@@ -52,9 +52,19 @@ def assign_migrations(moving: Sequence[tuple[str, str]], kept_loads: Mapping[str
     out = []
     k = 0
     for iid, q in quota:
-        for sid, src in moving[k:k + q]:
-            out.append((sid, src, iid))
+        out.extend((sid, src, iid) for sid, src in moving[k:k + q])
         k += q
+    return out
+
+
+def group_by_dst(moves: Sequence[tuple[str, str, str]]) -> dict[str, list[tuple[str, str]]]:
+    """``(sample, src, dst)`` triples as ``dst -> [(sample, src), ...]`` (order kept)."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    for sid, src, dst in moves:
+        lst = out.get(dst)
+        if lst is None:
+            lst = out[dst] = []
+        lst.append((sid, src))
     return out
 
 

@@ -193,3 +193,20 @@ def test_engine_error_carries_status(engine):
 
     err = call(go)
     assert err.status == 404 and "missing-rid" in err.message
+
+
+def test_client_disconnect_frees_the_slot(engine):
+    async def go():
+        async with EngineClient(engine.url) as c:
+            task = asyncio.create_task(c.generate(PROMPTS[4], {**GREEDY, "max_new_tokens": 3000}))
+            await wait_running(c, 1)
+            task.cancel()  # closes the connection
+            for _ in range(500):
+                info = await c.server_info()
+                if info["num_running_reqs"] == 0:
+                    return info
+                await asyncio.sleep(0.01)
+            return info
+
+    info = call(go)
+    assert info["num_running_reqs"] == 0 and info["kv_blocks_used"] == 0

@@ -316,12 +316,15 @@ def build_app(
     block_size: int = 16,
     kv_blocks: int | None = None,
     max_context: int | None = None,
+    dtype: Any = None,
 ) -> web.Application:
     """Load the model and return the aiohttp application (the engine thread starts with it)."""
     from dora_megatron.rollout.engine.model import load_model
     from dora_megatron.rollout.engine.scheduler import SchedulerLimits
 
-    model = load_model(model_path, device=device)
+    import torch
+
+    model = load_model(model_path, device=device, dtype=dtype or torch.float32)
     limits = SchedulerLimits(max_running=max_running, block_size=block_size, kv_blocks=kv_blocks, max_context=max_context)
     sched = Scheduler(model, limits, weight_version=weight_version)
     return EngineServer(sched, ServerOptions(model_path=model_path, device=device)).app()

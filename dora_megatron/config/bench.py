@@ -1,0 +1,29 @@
+"""``dora bench``: which variants run side by side, and how often."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dora_megatron.config.base import ConfigError, field_doc
+
+#: Variant name -> (orchestrator/launch overrides); see dora_megatron.launch.bench.VARIANTS.
+VARIANT_NAMES = ("sync_colocated", "sync", "one_step_off", "partial", "dora_s1", "dora_s3",
+                 "dora_no_repartition", "dora_reprefill", "dora_legacy_fill", "dora_one_cap")
+
+
+@dataclass
+class BenchConfig:
+    variants: list[str] = field_doc(
+        default_factory=lambda: ["sync_colocated", "sync", "one_step_off", "partial", "dora_s1", "dora_s3"],
+        doc="Variants to run, in order: " + ", ".join(VARIANT_NAMES) + ". `sync_colocated` lets every phase use "
+            "all cores; the others pin engines and trainer to their own cores. `dora_*` ablations switch one DORA "
+            "mechanism off.")
+    seeds: int = field_doc(1, "Runs per variant with different run seeds (reward noise).", ge=1)
+    baseline: str = field_doc("auto", "Sync baseline of the ratios: `auto` = the faster of sync and sync_colocated.")
+
+    def check(self, path: str) -> None:
+        for i, name in enumerate(self.variants):
+            if name not in VARIANT_NAMES:
+                raise ConfigError(f"{path}.variants[{i}]", f"unknown variant {name!r}; valid: {', '.join(VARIANT_NAMES)}")
+        if not self.variants:
+            raise ConfigError(f"{path}.variants", "must name at least one variant")

@@ -1,0 +1,41 @@
+"""``cluster:`` section: how a SLURM allocation is split into roles (``launch.backend: slurm``).
+
+WHY: the same config must give the same plan on every node of a job (each node runs ``dora train``
+and starts only its own processes), so the split into trainer and rollout nodes and every fixed
+port is config, not discovered at run time. Hosts and GPUs per node come from the SLURM
+environment (see ``dora_megatron.launch.slurm``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dora_megatron.config.base import ConfigError, field_doc
+
+
+@dataclass
+class ClusterConfig:
+    """Role assignment and fixed ports of a multi-node (SLURM) job."""
+
+    trainer_nodes: int = field_doc(1, "Nodes running the torchrun trainer (the first nodes of the allocation).", ge=1)
+    rollout_nodes: int = field_doc(0, "Nodes running rollout instances, after the trainer nodes; 0 = every remaining node.", ge=0)
+    gpus_per_node: int = field_doc(0, "GPUs per node; 0 = from SLURM (SLURM_GPUS_ON_NODE / SLURM_GPUS_PER_NODE / SLURM_JOB_GPUS).", ge=0)
+    share_node: bool = field_doc(False, "Single-node jobs only: trainer and rollout instances share the node's GPUs (trainer first).")
+    trainer_gpus: int = field_doc(0, "With share_node: GPUs given to the trainer (the rest go to rollout); 0 = half.", ge=0)
+    torchrun_port: int = field_doc(29500, "torchrun rendezvous port on the first trainer node.", ge=1, le=65535)
+    trainer_service_port: int = field_doc(29600, "Port of the trainer service (rank 0) the controller calls.", ge=1, le=65535)
+    weight_group_port: int = field_doc(29700, "Store port (on trainer rank 0) of the trainer -> rollout weight-update group.", ge=1, le=65535)
+    rollout_base_port: int = field_doc(30000, "HTTP port of the first instance on each rollout node (see sglang.port_stride).", ge=1, le=65535)
+    join_dir: str = field_doc("", "Elastic pools: folder watched for join requests of new instances; empty = `<run_dir>/join`.")
+    join_poll_s: float = field_doc(5.0, "How often the controller looks for join requests.", gt=0.0, unit="s")
+
+    def check(self, path: str) -> None:
+        fixed = {"torchrun_port": self.torchrun_port, "trainer_service_port": self.trainer_service_port,
+                 "weight_group_port": self.weight_group_port}
+        seen: dict[int, str] = {}
+        for name, port in fixed.items():
+            if port in seen:
+                raise ConfigError(f"{path}.{name}", f"port {port} also used by {seen[port]}")
+            seen[port] = name
+        if self.share_node and self.trainer_nodes != 1:
+            raise ConfigError(f"{path}.share_node", "only for single-node jobs (trainer_nodes must be 1)")
