@@ -13,6 +13,7 @@ Usage: python tools/bench_orchestrator.py [--instances 4096] [--inflight 100000]
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -26,7 +27,7 @@ from dora_megatron.config.orchestrator import OrchestratorConfig  # noqa: E402
 from dora_megatron.orchestrator import Migrate, Orchestrator, ReleaseBatch, Submit, SwitchVersion  # noqa: E402
 
 
-def build(n_inst: int, inflight: int, group_size: int, staleness: int, seed: int):
+def build(n_inst: int, inflight: int, group_size: int, staleness: int, seed: int, budget: int = 0):
     # the window holds (S+1)*TBS groups; one step consumes TBS of them, so size the window so that
     # ~``inflight`` requests are still running when the next version arrives
     groups = -(-inflight * (staleness + 1) // (staleness * group_size))
@@ -34,7 +35,7 @@ def build(n_inst: int, inflight: int, group_size: int, staleness: int, seed: int
     cap = -(-inflight // n_inst) + 8
     cfg = OrchestratorConfig(mode="dora", tbs=tbs, rbs=groups, max_staleness=staleness, group_size=group_size,
                              cap_before_rebalance=cap, cap_after_rebalance=cap, rebalance_interval_s=0,
-                             imbalance_ratio=1.2)
+                             imbalance_ratio=1.2, max_migrations_per_rebalance=budget)
     ids = [f"inst{i:05d}" for i in range(n_inst)]
     orch = Orchestrator(cfg, ids)
     rng = random.Random(seed)
@@ -84,19 +85,26 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="weight updates to time")
     ap.add_argument("--forced", type=int, default=5, help="forced timer rebalances to time")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-gc", action="store_true",
+                    help="disable the cyclic GC during the timed calls (shows its share)")
+    ap.add_argument("--budget", type=int, default=0, help="max_migrations_per_rebalance (0 = unlimited)")
     args = ap.parse_args(argv)
 
     t0 = time.perf_counter()
-    cfg, orch, rng, state, apply = build(args.instances, args.inflight, args.group_size, args.staleness, args.seed)
+    cfg, orch, rng, state, apply = build(args.instances, args.inflight, args.group_size, args.staleness, args.seed,
+                                        args.budget)
     update_ms, forced_ms, inflight_at = [], [], []
     update_cpu_ms, forced_cpu_ms, update_moves = [], [], []
     for step in range(args.steps):
         advance_one_step(orch, rng, state, apply, tail_keep=0.3)
         n_inflight = sum(orch.unfinished_by_version().values())
+        if args.no_gc:
+            gc.disable()
         t, c = time.perf_counter(), time.process_time()
         acts = orch.on_step_finished(step + 1)
         update_ms.append((time.perf_counter() - t) * 1e3)
         update_cpu_ms.append((time.process_time() - c) * 1e3)
+        gc.enable()
         update_moves.append(sum(1 for a in acts if isinstance(a, Migrate)))
         inflight_at.append(n_inflight)
         state["busy"] = False
@@ -108,10 +116,13 @@ def main(argv=None) -> int:
     orch.config.imbalance_ratio = 1.0
     for k in range(args.forced):
         n_inflight = sum(orch.unfinished_by_version().values())
+        if args.no_gc:
+            gc.disable()
         t, c = time.perf_counter(), time.process_time()
         orch._rebalance("timer")  # the step itself, without the surrounding dispatch
         forced_ms.append((time.perf_counter() - t) * 1e3)
         forced_cpu_ms.append((time.process_time() - c) * 1e3)
+        gc.enable()
         apply(orch.poll())
         for iid, v in list(state["switching"].items()):
             del state["switching"][iid]

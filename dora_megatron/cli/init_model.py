@@ -1,24 +1,43 @@
-"""``dora init-model``: write a randomly initialised HF model directory from a preset."""
+"""``dora init-model``: write a Hugging Face model directory from a preset, optionally warm-started."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
-HELP = "create a Hugging Face format Qwen3 / Qwen3-MoE model directory (random init + tokenizer.json)"
+HELP = ("create a Hugging Face format Qwen3 / Qwen3-MoE model directory (random init + tokenizer.json), "
+        "optionally warm-started with supervised traces of a task")
 PRESET_NAMES = ("tiny-moe", "tiny-dense")
+WARM_START_TASKS = ("running_sum",)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=PRESET_NAMES, required=True)
     parser.add_argument("--out", required=True, help="output directory (created)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random initialisation")
+    parser.add_argument("--warm-start", choices=WARM_START_TASKS, default=None,
+                        help="supervised warm start on this task after the random init (minutes on CPU)")
+    parser.add_argument("--warm-start-steps", type=int, default=300, help="optimizer steps of the warm start")
+    parser.add_argument("--max-len", type=int, default=24, help="running_sum: longest digit list of the warm-start traces")
 
 
 def run(args: argparse.Namespace) -> int:
     from dora_megatron.models.presets import create_model_dir
 
+    if args.warm_start_steps < 1:
+        sys.stderr.write("dora init-model: --warm-start-steps must be >= 1\n")
+        return 2
     out = create_model_dir(args.preset, args.out, args.seed)
-    print(f"wrote {args.preset} model (seed {args.seed}) to {out}")
+    sys.stdout.write(f"wrote {args.preset} model (seed {args.seed}) to {out}\n")
+    if args.warm_start:
+        from dora_megatron.data.warm_start import run_warm_start
+
+        def say(msg: str) -> None:
+            sys.stdout.write(msg + "\n")
+            sys.stdout.flush()
+
+        run_warm_start(out, args.warm_start, args.warm_start_steps, seed=args.seed, say=say,
+                       task_kwargs={"min_len": 1, "max_len": args.max_len})
     return 0
 
 

@@ -20,6 +20,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context-length", type=int, default=None, help="max tokens per request (default: model's)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                         help="dtype of weights and KV cache (checkpoints are cast on load)")
+    parser.add_argument("--max-waiting", type=int, default=4096,
+                        help="cap on queued (not yet running) requests; /generate answers 429 beyond it")
+    parser.add_argument("--group-connect-timeout", type=float, default=30.0,
+                        help="seconds to reach the trainer's store in /init_weights_update_group before a 400")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -33,6 +37,8 @@ def run(args: argparse.Namespace) -> int:
     from dora_megatron.rollout.engine.server import build_app
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # one line per request is noise
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -47,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
         kv_blocks=args.kv_blocks,
         max_context=args.context_length,
         dtype=getattr(torch, args.dtype),
+        max_waiting=args.max_waiting,
+        group_connect_timeout_s=args.group_connect_timeout,
     )
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -54,7 +62,9 @@ def run(args: argparse.Namespace) -> int:
     port = sock.getsockname()[1]
     print(f"dora serve: listening on http://{args.host}:{port} model={args.model}", flush=True)
     # handler_cancellation: a client that disconnects cancels its /generate, which aborts the request
-    web.run_app(app, sock=sock, print=None, handle_signals=True, handler_cancellation=True)
+    # backlog: a burst of connections (the controller opens one per in-flight request) must not
+    # overflow the accept queue (dropped SYNs cost the client a 1 s retransmit each)
+    web.run_app(app, sock=sock, print=None, handle_signals=True, handler_cancellation=True, backlog=4096)
     return 0
 
 

@@ -17,6 +17,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="Override one config key (repeatable), e.g. --set orchestrator.max_staleness=2.")
     parser.add_argument("--dry-run", action="store_true", help="Validate, print the resolved config and process plan, start nothing.")
     parser.add_argument("--resume", metavar="RUN_DIR", help="Continue the run in RUN_DIR from its last checkpoint.")
+    parser.add_argument("--slurm-env", action="append", default=[], metavar="KEY=VALUE|@FILE",
+                        help="launch.backend slurm: SLURM variables that replace the real environment (repeatable; "
+                             "@FILE reads KEY=VALUE lines), e.g. --slurm-env 'SLURM_JOB_NODELIST=node[0001-1024]' "
+                             "--slurm-env SLURM_GPUS_ON_NODE=8, to check a plan on a laptop with --dry-run.")
+    parser.add_argument("--join", action="store_true",
+                        help="launch.backend slurm: start this allocation's SGLang instances and add them to the "
+                             "running job in run.run_dir (elastic pool; see slurm/elastic_join.sbatch).")
+    parser.add_argument("--plan-nodes", type=int, default=0, metavar="N",
+                        help="--dry-run with launch.backend slurm: list only the first N nodes in full (0 = all).")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -34,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         sys.stderr.write(f"config error: {err}\n")
         return 2
+    if cfg.launch.backend == "slurm":
+        return _run_slurm(cfg, args)
     if args.dry_run:
         from dora_megatron.launch.plan import format_plan, local_plan
 
@@ -50,3 +61,39 @@ def run(args: argparse.Namespace) -> int:
             return 3
         raise
     return run_local_job(cfg, resume=args.resume)
+
+
+def _run_slurm(cfg, args: argparse.Namespace) -> int:
+    """``launch.backend: slurm``: plan from the SLURM environment (or ``--slurm-env``), print or run it."""
+    import os
+
+    from dora_megatron.config.loader import dump_yaml
+    from dora_megatron.launch.cluster import PlanError, check_plan, format_cluster_plan, slurm_plan
+    from dora_megatron.launch.slurm import SlurmEnvError, parse_env_overrides, read_slurm_env, slurm_run_dir
+
+    try:
+        fake = parse_env_overrides(args.slurm_env)
+        env = read_slurm_env(fake if fake else os.environ)
+        run_dir = slurm_run_dir(cfg, env)
+        model_dir = cfg.model.path or f"{run_dir}/model"
+        plan = slurm_plan(cfg, env, model_dir, run_dir, join=args.join)
+    except (SlurmEnvError, PlanError, OSError) as err:
+        sys.stderr.write(f"slurm plan error: {err}\n")
+        return 2
+    problems = check_plan(plan, cfg.cluster.gpus_per_node or env.gpus_per_node or 0)
+    if args.dry_run:
+        sys.stdout.write("# resolved config\n")
+        sys.stdout.write(dump_yaml(cfg))
+        sys.stdout.write(format_cluster_plan(plan, args.plan_nodes or None) + "\n")
+        for p in problems:
+            sys.stdout.write(f"PLAN PROBLEM: {p}\n")
+        sys.stdout.write(f"plan check: {'OK' if not problems else f'{len(problems)} problem(s)'}\n")
+        return 0 if not problems else 2
+    if problems:
+        sys.stderr.write("slurm plan is inconsistent:\n" + "\n".join(problems) + "\n")
+        return 2
+    from dora_megatron.launch.slurm_run import run_join_node, run_slurm_node
+
+    if args.join:
+        return run_join_node(cfg, env, plan)
+    return run_slurm_node(cfg, env, plan, resume=args.resume)

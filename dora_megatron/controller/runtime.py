@@ -46,6 +46,15 @@ from dora_megatron.sim.summary import RunTotals, StepRecord, build_summary
 log = logging.getLogger(__name__)
 
 
+def _is_comm_error(err: BaseException) -> bool:
+    """Errors that mean "this engine cannot be reached or refused to work": the instance is failed."""
+    from dora_megatron.rollout.client import EngineError, ExtensionUnsupported
+
+    if isinstance(err, (EngineError, ExtensionUnsupported, OSError, asyncio.TimeoutError, ConnectionError)):
+        return True
+    return type(err).__module__.split(".")[0] == "aiohttp"
+
+
 class Engine(Protocol):
     """The subset of :class:`~dora_megatron.rollout.client.EngineClient` the runtime uses."""
 
@@ -164,6 +173,7 @@ class Runtime:
         self._wall_offset = 0.0
         self._resumed = False
         self.c1_count = 0
+        self.version_refusals = 0
 
     # ------------------------------------------------------------------ helpers
     def now(self) -> float:
@@ -253,7 +263,7 @@ class Runtime:
         }
 
     async def _submit(self, a: Submit) -> None:
-        from dora_megatron.rollout.client import EngineError, VersionMismatch
+        from dora_megatron.rollout.client import VersionMismatch
 
         rec = self.samples[a.sample_id]
         if rec.finished:
@@ -268,15 +278,16 @@ class Runtime:
             resp = await engine.generate(rec.prompt_ids + rec.output_ids, self._sampling(rec), rid=a.sample_id,
                                          return_logprob=True, version=a.version)
         except VersionMismatch as err:
-            raise RuntimeError(f"C1 guard: {a.instance} refused {a.sample_id} for version {a.version}: {err.message}") from err
-        except (EngineError, OSError, asyncio.TimeoutError) as err:
+            # the engine's C1 guard refused it (it holds another version): nothing ran, re-queue it
+            log.warning("C1 guard: %s refused %s for version %d: %s", a.instance, a.sample_id, a.version, err.message)
+            self.version_refusals += 1
+            self.execute(self.orch.on_migration_failed(a.sample_id))
+            return
+        except Exception as err:  # noqa: BLE001
+            if not _is_comm_error(err):
+                raise
             self._instance_failed(a.instance, f"generate failed: {err}")
             return
-        except Exception as err:  # aiohttp.ClientError and friends: the engine is gone
-            if type(err).__module__.startswith("aiohttp"):
-                self._instance_failed(a.instance, f"generate failed: {err}")
-                return
-            raise
         self._absorb(rec, resp, a.instance, start)
 
     def _absorb(self, rec: SampleRecord, resp, instance: str, start: float) -> None:
@@ -298,7 +309,7 @@ class Runtime:
         self.execute(self.orch.on_sample_finished(rec.sample_id, tokens=len(rec.output_ids), now=end))
 
     async def _migrate(self, a: Migrate, prev: asyncio.Task | None) -> None:
-        from dora_megatron.rollout.client import EngineError, ExtensionUnsupported
+        from dora_megatron.rollout.client import EngineError
 
         rec = self.samples[a.sample_id]
         if rec.finished:
@@ -306,17 +317,26 @@ class Runtime:
         src, dst = self.engines[a.src], self.engines[a.dst]
         start = self.now()
         blob = None
-        if self.opt.migration == "kv" and await src.supports("export_request") and await dst.supports("import_request"):
-            for _ in range(50):  # the generate may not have reached the engine yet
-                try:
-                    blob = await src.export_request(a.sample_id)
-                    break
-                except EngineError as err:
-                    if err.status != 404:
-                        raise
-                    if rec.finished:
-                        return
-                    await asyncio.sleep(0.02)
+        try:
+            use_kv = (self.opt.migration == "kv" and await src.supports("export_request")
+                      and await dst.supports("import_request"))
+            if use_kv:
+                for _ in range(50):  # the generate may not have reached the engine yet
+                    try:
+                        blob = await src.export_request(a.sample_id)
+                        break
+                    except EngineError as err:
+                        if err.status != 404:
+                            raise
+                        if rec.finished:
+                            return
+                        await asyncio.sleep(0.02)
+        except Exception as err:  # noqa: BLE001 - the source is unreachable: re-run the sample elsewhere
+            if not _is_comm_error(err):
+                raise
+            self._instance_failed(a.src, f"export failed: {err}")
+            self.execute(self.orch.on_migration_failed(a.sample_id))
+            return
         if blob is not None:
             self.migrated_bytes += len(blob)
             self.migrations_done += 1
@@ -324,14 +344,23 @@ class Runtime:
                 self.timeline.span(a.dst, f"migrate-in {a.sample_id}", start, self.now(), version=a.version, kind="migration")
             try:
                 resp = await dst.import_request(blob)
-            except (EngineError, ExtensionUnsupported, OSError) as err:
+            except Exception as err:  # noqa: BLE001 - the destination failed: its requests are re-queued
+                if not _is_comm_error(err):
+                    raise
                 self._instance_failed(a.dst, f"import failed: {err}")
                 return
             self._absorb(rec, resp, a.dst, start)
             return
         # Fallback (SGLang): abort at src, resubmit prompt + partial output at dst (re-prefill).
         self.migrations_fallback += 1
-        await src.abort(a.sample_id)
+        try:
+            await src.abort(a.sample_id)
+        except Exception as err:  # noqa: BLE001
+            if not _is_comm_error(err):
+                raise
+            self._instance_failed(a.src, f"abort failed: {err}")
+            self.execute(self.orch.on_migration_failed(a.sample_id))
+            return
         if prev is not None and not prev.done():
             await asyncio.wait([prev])  # the aborted generate hands its partial output to _absorb
         if rec.finished:
@@ -375,6 +404,16 @@ class Runtime:
             self.timeline.set_version(a.instance, a.version, end)
             self.timeline.span(a.instance, f"load v{a.version}", start, end, version=a.version, kind="weight_sync")
         self.execute(self.orch.on_switch_done(a.instance, a.version))
+
+    def add_instance(self, name: str, engine: Engine) -> None:
+        """Elastic pools: ``engine`` joins the running job as ``name`` (new, or a failed name coming
+        back); the orchestrator switches it to the version it assigns, then routes work to it."""
+        if name in self.engines and name not in self.failed:
+            raise ValueError(f"instance {name} is already in the pool")
+        self.engines[name] = engine
+        self.failed.discard(name)
+        log.info("instance %s joined the pool", name)
+        self.execute(self.orch.on_instance_joined(name))
 
     def _instance_failed(self, instance: str, why: str) -> None:
         if instance in self.failed:
@@ -527,7 +566,7 @@ class Runtime:
     # ------------------------------------------------------------------ main loop
     async def _stats_loop(self) -> None:
         while not self._done.is_set():
-            for iid, engine in self.engines.items():
+            for iid, engine in list(self.engines.items()):  # instances may join meanwhile
                 if iid in self.failed:
                     continue
                 try:
@@ -576,7 +615,7 @@ class Runtime:
 
     async def _cancel_all(self) -> None:
         """Abort what is still generating (outstanding groups of the next steps) and stop tasks."""
-        for iid, engine in self.engines.items():
+        for iid, engine in list(self.engines.items()):
             if iid not in self.failed:
                 try:
                     await asyncio.wait_for(engine.abort(abort_all=True), timeout=5)
@@ -607,6 +646,7 @@ class Runtime:
         out["migrations_kv"] = self.migrations_done
         out["migrations_reprefill"] = self.migrations_fallback
         out["checksum_mismatches"] = self.checksum_mismatches
+        out["version_refusals"] = self.version_refusals
         out["failed_instances"] = sorted(self.failed)
         out["max_live_versions"] = osum.get("max_live_versions")
         out["outstanding_groups_at_end"] = osum["dispatched_groups"] - osum["consumed_groups"]

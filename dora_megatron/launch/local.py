@@ -132,13 +132,19 @@ def run_local_job(cfg: DoraConfig, resume: str | None = None) -> int:
 
 
 def _with_port(spec: ProcessSpec, port: int) -> ProcessSpec:
+    import dataclasses
+
     argv = list(spec.argv)
     argv[argv.index("--port") + 1] = str(port)
-    return ProcessSpec(spec.role, spec.name, spec.host, tuple(argv), port, spec.threads, spec.ranks, spec.env, spec.cpus)
+    return dataclasses.replace(spec, argv=tuple(argv), port=port)
 
 
 async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host: str, engine_ports: list[int],
-                          trainer_port: int, procs: ProcessSet, say, checkpoint: Path | None = None) -> dict[str, Any]:
+                          trainer_port: int, procs: ProcessSet, say, checkpoint: Path | None = None, *,
+                          engine_urls: dict[str, str] | None = None, trainer_url: str | None = None,
+                          on_runtime=None) -> dict[str, Any]:
+    """``engine_urls``/``trainer_url`` (SLURM jobs) replace ``host`` + ports; ``on_runtime(runtime)``
+    runs once the runtime exists (e.g. to start the elastic join watcher)."""
     from dora_megatron.controller.runtime import Runtime, RuntimeOptions
     from dora_megatron.controller.trainer_client import TrainerClient
     from dora_megatron.data.tasks import make_prompt_source
@@ -149,12 +155,20 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
 
     t_start = time.monotonic()
     names = [f"engine{i}" for i in range(len(engine_ports))]
-    engines = {n: EngineClient(f"http://{host}:{p}", timeout_s=cfg.rollout.request_timeout_s) for n, p in zip(names, engine_ports)}
-    trainer = TrainerClient(f"http://{host}:{trainer_port}")
+    urls = engine_urls or {n: f"http://{host}:{p}" for n, p in zip(names, engine_ports)}
+    names = list(urls)
+    engines = {n: EngineClient(u, timeout_s=cfg.rollout.request_timeout_s) for n, u in urls.items()}
+    if cfg.rollout.engine == "sglang":  # SGLang protocol only: abort+resubmit migration, echoed-version C1 check
+        from dora_megatron.rollout.sglang.client import SGLangClient
+        from dora_megatron.rollout.sglang.engine import SGLangEngine
+
+        engines = {n: SGLangEngine(SGLangClient(u, timeout_s=cfg.rollout.request_timeout_s)) for n, u in urls.items()}
+    trainer_url = trainer_url or f"http://{host}:{trainer_port}"
+    trainer = TrainerClient(trainer_url)
     say(f"waiting for {len(engines)} engines and the trainer ({cfg.launch.trainer_procs} rank(s)) ...")
     await asyncio.gather(
-        *(_wait_http(f"http://{host}:{p}/health", procs, cfg.rollout.startup_timeout_s, f"engine{i}") for i, p in enumerate(engine_ports)),
-        _wait_http(f"http://{host}:{trainer_port}/health", procs, cfg.launch.trainer_startup_timeout_s, "trainer"),
+        *(_wait_http(f"{u}/health", procs, cfg.rollout.startup_timeout_s, n) for n, u in urls.items()),
+        _wait_http(f"{trainer_url}/health", procs, cfg.launch.trainer_startup_timeout_s, "trainer"),
     )
     say(f"all processes healthy after {time.monotonic() - t_start:.1f} s")
     data = cfg.data
@@ -222,6 +236,8 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
     if state is not None:
         runtime.load_state_dict(state)
         retention.min_live_at_checkpoint = min(orch.live_versions())
+    if on_runtime is not None:
+        on_runtime(runtime)
     monitor = asyncio.get_running_loop().create_task(_watch_children(procs, engines, names, runtime))
     try:
         summary = await runtime.run()

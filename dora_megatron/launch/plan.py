@@ -27,6 +27,8 @@ class ProcessSpec:
     ranks: tuple[int, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     cpus: tuple[int, ...] = ()  # CPU affinity (empty = not pinned)
+    gpus: tuple[int, ...] = ()  # GPU indices on ``host`` this process uses (empty: none / CPU)
+    extra_ports: dict[str, int] = field(default_factory=dict)  # other ports it binds on ``host`` (nccl, store ...)
 
     def command_line(self) -> str:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
@@ -43,12 +45,17 @@ def local_plan(cfg: "DoraConfig", model_dir: str, run_dir: str, base_port: int |
     host = cfg.rollout.host
     port0 = cfg.rollout.base_port if base_port is None else base_port
     plan: list[ProcessSpec] = []
-    for i in range(cfg.rollout.num_instances):
+    if cfg.rollout.engine == "sglang":
+        from dora_megatron.launch.cluster import local_sglang_engines
+
+        plan.extend(local_sglang_engines(cfg, model_dir, port0))
+    for i in range(cfg.rollout.num_instances if cfg.rollout.engine == "embedded" else 0):
         port = port0 + i if port0 else None  # None: the launcher picks a free port
         argv = (
             sys.executable, "-m", "dora_megatron", "serve",
             "--model", model_dir, "--host", host, "--port", str(port) if port else "<free-port>",
             "--device", cfg.rollout.device, "--max-running", str(cfg.rollout.max_running),
+            "--max-waiting", str(cfg.rollout.max_waiting),
             "--num-threads", str(cfg.rollout.threads_per_instance),
         )
         plan.append(ProcessSpec("engine", f"engine{i}", host, argv, port=port, threads=cfg.rollout.threads_per_instance,
@@ -73,6 +80,9 @@ def format_plan(plan: list[ProcessSpec]) -> str:
             extra.append(f"port={p.port}")
         if p.ranks:
             extra.append(f"ranks={list(p.ranks)}")
+        if p.gpus:
+            extra.append(f"gpus={list(p.gpus)}")
+        extra.extend(f"{k}={v}" for k, v in sorted(p.extra_ports.items()))
         extra.append(f"threads={p.threads}")
         if p.cpus:
             extra.append(f"cpus={list(p.cpus)}")

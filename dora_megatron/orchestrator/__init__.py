@@ -23,6 +23,11 @@ active on version 0; the trainer is idle before step 0. Every event method retur
 * ``on_switch_done(instance, version)`` - confirms a ``SwitchVersion``.
 * ``on_migration_done(sample_id, reprefill_tokens=0)`` - optional; report re-prefill when a
   ``Migrate`` fell back to abort+resubmit.
+* ``on_migration_failed(sample_id)`` - a ``Migrate`` could not be done (source died before the
+  export, ...): the request is re-queued on its version and comes back as a ``Submit``.
+  A ``Submit``/``SwitchVersion`` that fails because the instance died is reported as
+  ``on_instance_failed(instance)``: its requests (including ones just submitted or migrated to
+  it) are re-queued.
 * ``set_prompt_tokens(group_id, n)`` - prompt length, for re-prefill accounting.
 * ``poll()`` - re-evaluate without an event.
 

@@ -222,6 +222,18 @@ class Orchestrator:
             self.counters.reprefill_tokens += reprefill_tokens
         return []
 
+    def on_migration_failed(self, sample_id: str) -> list[Action]:
+        """A ``Migrate`` could not be carried out (e.g. the source died before the export): the
+        request is queued again for its version and resubmitted (prompt + whatever partial output
+        the driver holds) by a ``Submit(resume=...)``. Nothing is dropped."""
+        s = self.samples.get(sample_id)
+        if s is None or s.state != RUNNING:
+            self.counters.ignored_events += 1
+            return []
+        self._unassign(s)
+        self._make_pending(s)
+        return self._fill()
+
     def set_prompt_tokens(self, group_id: str, prompt_tokens: int) -> None:
         """Record the prompt length of a dispatched group (for re-prefill accounting)."""
         self.groups[group_id].prompt_tokens = prompt_tokens
@@ -728,6 +740,7 @@ class Orchestrator:
         if not part.should_apply(cur, target, demand, idle_versions, self.config.imbalance_ratio):
             return
         self.counters.rebalances += 1
+        budget = self.config.max_migrations_per_rebalance or None
         freed: list[str] = []
         for v in sorted(cur):
             n = cur.get(v, 0) - target.get(v, 0)
@@ -740,6 +753,13 @@ class Orchestrator:
             insts = self.instances
             loads = {iid: len(insts[iid].samples) for iid in active}
             chosen = plan.choose_to_free(loads, n)
+            if budget is not None:
+                within = []
+                for iid in chosen:  # least-loaded first
+                    if loads[iid] <= budget:
+                        budget -= loads[iid]
+                        within.append(iid)
+                chosen = within
             chosen_set = set(chosen)
             kept = {iid: load for iid, load in loads.items() if iid not in chosen_set}
             if not kept and any(loads[i] for i in chosen):
@@ -747,16 +767,39 @@ class Orchestrator:
                 chosen = [i for i in chosen if loads[i] == 0]
                 chosen_set = set(chosen)
                 kept = {iid: load for iid, load in loads.items() if iid not in chosen_set}
-            moving = []
-            for iid in chosen:
-                moving.extend((sid, iid) for sid in sorted(insts[iid].samples))
-            self._bulk_migrate(plan.assign_migrations(moving, kept), v)
+            self._move_all_off(chosen, kept, v)
             freed.extend(take)
             freed.extend(chosen)
         deficits = {v: target[v] - cur.get(v, 0) for v in target if target[v] > cur.get(v, 0)}
         for iid, v in plan.assign_freed(freed, deficits).items():
             self._switch(self.instances[iid], v)
         log.debug("rebalance(%s): %s -> %s", trigger, cur, target)
+
+    def _move_all_off(self, freed: list[str], kept: dict[str, int], version: int) -> None:
+        """Every request of the ``freed`` instances goes to the ``kept`` ones (water-filling);
+        costs O(kept log kept + moved) and one room update per touched instance."""
+        insts, samples, out = self.instances, self.samples, self._out
+        sids: list[str] = []
+        srcs: list[str] = []
+        for iid in freed:
+            own = sorted(insts[iid].samples)
+            sids.extend(own)
+            srcs.extend(itertools.repeat(iid, len(own)))
+        if not sids:
+            return
+        k = 0
+        for dst, q in plan.migration_quotas(len(sids), kept):
+            chunk = sids[k:k + q]
+            insts[dst].samples.update(chunk)
+            for sid in chunk:
+                samples[sid].instance = dst
+            out.extend(map(Migrate, chunk, srcs[k:k + q], itertools.repeat(dst, q), itertools.repeat(version, q)))
+            self._update_room(insts[dst])
+            k += q
+        for iid in freed:
+            insts[iid].samples.clear()
+            self._update_room(insts[iid])
+        self.counters.migrations += len(sids)
 
     def _bulk_migrate(self, moves: list[tuple[str, str, str]], version: int) -> None:
         """Apply ``(sample, src, dst)`` moves with one room update per touched instance."""

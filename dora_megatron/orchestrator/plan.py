@@ -19,20 +19,19 @@ def choose_to_free(loads: Mapping[str, int], n: int) -> list[str]:
     return [iid for _, iid in heapq.nsmallest(n, ((load, iid) for iid, load in loads.items()))]
 
 
-def assign_migrations(moving: Sequence[tuple[str, str]], kept_loads: Mapping[str, int]
-                      ) -> list[tuple[str, str, str]]:
-    """Send each ``(sample_id, src)`` to the kept instances by water-filling: the least-loaded
-    instances are raised to a common level first (the same result as sending each request to the
-    currently least-loaded instance, ties by id, in O(K log K + M)).
+def migration_quotas(n_moving: int, kept_loads: Mapping[str, int]) -> list[tuple[str, int]]:
+    """How many of ``n_moving`` requests each kept instance receives, by water-filling: the
+    least-loaded instances are raised to a common level first (the same counts as sending each
+    request to the currently least-loaded instance, ties by id), in O(K log K).
 
-    Returns ``(sample_id, src, dst)`` triples; empty ``kept_loads`` returns nothing (the caller
-    must not free the last instance of a version that still has requests).
+    Returns ``(instance, count)`` with count > 0, least-loaded first; empty ``kept_loads`` returns
+    nothing (the caller must not free the last instance of a version that still has requests).
     """
-    if not kept_loads or not moving:
+    if not kept_loads or n_moving <= 0:
         return []
     items = sorted((load, iid) for iid, load in kept_loads.items())
     n = len(items)
-    remaining = len(moving)
+    remaining = n_moving
     level = items[0][0]
     i = 0
     extra = 0
@@ -48,10 +47,20 @@ def assign_migrations(moving: Sequence[tuple[str, str]], kept_loads: Mapping[str
         level = nxt
     # the first i instances reach ``level``; ties at the level go to the smallest ids
     extra_ids = set(sorted(iid for _, iid in items[:i])[:extra])
-    quota = [(iid, level - load + (1 if iid in extra_ids else 0)) for load, iid in items[:i]]
+    out = []
+    for load, iid in items[:i]:
+        q = level - load + (1 if iid in extra_ids else 0)
+        if q > 0:
+            out.append((iid, q))
+    return out
+
+
+def assign_migrations(moving: Sequence[tuple[str, str]], kept_loads: Mapping[str, int]
+                      ) -> list[tuple[str, str, str]]:
+    """``(sample_id, src)`` -> ``(sample_id, src, dst)`` following :func:`migration_quotas`."""
     out = []
     k = 0
-    for iid, q in quota:
+    for iid, q in migration_quotas(len(moving), kept_loads):
         out.extend((sid, src, iid) for sid, src in moving[k:k + q])
         k += q
     return out

@@ -22,8 +22,8 @@ class ModePolicy:
     batch_dispatch: bool   # dispatch a whole batch at once, only when nothing is outstanding and
                            # every instance holds the newest version (sync, one_step_off)
     interrupt: bool        # at a weight update, interrupt everything and resubmit (partial)
-    rebalance: bool        # multi-version rebalancer (dora); otherwise drained instances follow
-                           # the newest version
+    rebalance: bool        # multi-version rebalancer (dora with repartition=True); otherwise
+                           # drained instances follow the newest version
     caps: bool             # per-instance concurrency caps gate new work (streaming modes)
 
     @staticmethod
@@ -35,6 +35,6 @@ class ModePolicy:
             rbs=cfg.effective_rbs,
             batch_dispatch=mode in ("sync", "one_step_off"),
             interrupt=mode == "partial",
-            rebalance=mode == "dora",
+            rebalance=mode == "dora" and cfg.repartition,
             caps=mode in ("partial", "dora"),
         )

@@ -64,9 +64,14 @@ class EngineClient:
             self._session = aiohttp.ClientSession(timeout=self.timeout)
         return self._session
 
-    async def _request(self, method: str, path: str, json_body: Any = None, data: bytes | None = None, raw: bool = False) -> Any:
+    async def _request(
+        self, method: str, path: str, json_body: Any = None, data: bytes | None = None, raw: bool = False,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """One call; ``timeout_s`` overrides the client's timeout (a stalled engine raises TimeoutError)."""
         url = self.base_url + path
-        async with self._sess().request(method, url, json=json_body, data=data) as resp:
+        timeout = None if timeout_s is None else aiohttp.ClientTimeout(total=timeout_s)
+        async with self._sess().request(method, url, json=json_body, data=data, timeout=timeout) as resp:
             body = await resp.read()
             if resp.status >= 400:
                 try:
@@ -134,9 +139,10 @@ class EngineClient:
     async def weight_version(self) -> str:
         return str((await self._request("GET", "/get_model_info")).get("weight_version"))
 
-    async def health(self) -> bool:
+    async def health(self, timeout_s: float = 5.0) -> bool:
+        """True if ``/health`` answers 200 within ``timeout_s`` (a hung engine gives False, not a wait)."""
         try:
-            await self._request("GET", "/health")
+            await self._request("GET", "/health", timeout_s=timeout_s)
         except (EngineError, aiohttp.ClientError, asyncio.TimeoutError):
             return False
         return True
@@ -144,7 +150,7 @@ class EngineClient:
     async def wait_healthy(self, timeout_s: float = 120.0, interval_s: float = 0.2) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while not await self.health():
+        while not await self.health(timeout_s=max(0.1, min(5.0, deadline - loop.time()))):
             if loop.time() > deadline:
                 raise TimeoutError(f"{self.base_url} not healthy after {timeout_s} s")
             await asyncio.sleep(interval_s)

@@ -13,10 +13,18 @@ Our extension: ``dora_version`` (the weight version the request must run on; 409
 
 from __future__ import annotations
 
+import ipaddress
+import math
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
 DEFAULT_MAX_NEW_TOKENS = 128
+# Temperatures below this are greedy (as SGLang): dividing logits by a smaller one overflows.
+SAMPLING_EPS = 1e-6
+# torch.Generator.manual_seed accepts exactly this range.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
 
 
 class ProtocolError(Exception):
@@ -34,14 +42,24 @@ def _obj(body: Any, what: str) -> Mapping[str, Any]:
     return body
 
 
-def _int(d: Mapping[str, Any], key: str, default: Any, *, ge: int | None = None, path: str = "") -> Any:
+def _short(v: Any) -> str:
+    """repr of an untrusted value, cut so that error messages stay small."""
+    r = repr(v)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+def _int(
+    d: Mapping[str, Any], key: str, default: Any, *, ge: int | None = None, le: int | None = None, path: str = ""
+) -> Any:
     v = d.get(key, default)
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, int):
-        raise ProtocolError(f"{path}{key} must be an integer, got {v!r}")
+        raise ProtocolError(f"{path}{key} must be an integer, got {_short(v)}")
     if ge is not None and v < ge:
-        raise ProtocolError(f"{path}{key} must be >= {ge}, got {v}")
+        raise ProtocolError(f"{path}{key} must be >= {ge}, got {_short(v)}")
+    if le is not None and v > le:
+        raise ProtocolError(f"{path}{key} must be <= {le}, got {_short(v)}")
     return v
 
 
@@ -50,8 +68,14 @@ def _float(d: Mapping[str, Any], key: str, default: float, *, path: str = "") ->
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ProtocolError(f"{path}{key} must be a number, got {v!r}")
-    return float(v)
+        raise ProtocolError(f"{path}{key} must be a number, got {_short(v)}")
+    try:
+        f = float(v)
+    except OverflowError:  # an integer too large for a float
+        f = math.inf
+    if not math.isfinite(f):
+        raise ProtocolError(f"{path}{key} must be a finite number, got {_short(v)}")
+    return f
 
 
 def _bool(d: Mapping[str, Any], key: str, default: bool, *, path: str = "") -> bool:
@@ -59,7 +83,7 @@ def _bool(d: Mapping[str, Any], key: str, default: bool, *, path: str = "") -> b
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise ProtocolError(f"{path}{key} must be a boolean, got {v!r}")
+        raise ProtocolError(f"{path}{key} must be a boolean, got {_short(v)}")
     return v
 
 
@@ -68,7 +92,7 @@ def _str(d: Mapping[str, Any], key: str, default: Any, *, path: str = "") -> Any
     if v is None:
         return default
     if not isinstance(v, str):
-        raise ProtocolError(f"{path}{key} must be a string, got {v!r}")
+        raise ProtocolError(f"{path}{key} must be a string, got {_short(v)}")
     return v
 
 
@@ -76,6 +100,31 @@ def _int_list(v: Any, name: str) -> list[int]:
     if not isinstance(v, list) or any(isinstance(x, bool) or not isinstance(x, int) for x in v):
         raise ProtocolError(f"{name} must be a list of integers")
     return list(v)
+
+
+def _version(d: Mapping[str, Any], key: str) -> str | None:
+    """A weight version label: a string or an integer (sent as either by clients)."""
+    v = d.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, str)):
+        raise ProtocolError(f"{key} must be a string or integer, got {_short(v)}")
+    return str(v)
+
+
+def check_host(address: str) -> str:
+    """``address`` as it goes into a ``tcp://`` URL: an IP literal or a syntactically valid host name.
+
+    Why: the address is spliced into a rendezvous URL and resolved by torch; rejecting garbage
+    here answers 400 at once instead of a resolver or connect timeout (or URL injection).
+    """
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        if not _HOSTNAME.match(address):
+            raise ProtocolError(f"master_address {_short(address)} is not an IP address or host name") from None
+        return address
+    return f"[{ip}]" if ip.version == 6 else str(ip)
 
 
 @dataclass
@@ -90,7 +139,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
     @classmethod
     def from_json(cls, d: Any) -> "SamplingParams":
@@ -105,7 +154,7 @@ class SamplingParams:
             top_k=_int(d, "top_k", -1, path=p),
             stop_token_ids=_int_list(d.get("stop_token_ids") or [], p + "stop_token_ids"),
             ignore_eos=_bool(d, "ignore_eos", False, path=p),
-            sampling_seed=_int(d, "sampling_seed", None, path=p),
+            sampling_seed=_int(d, "sampling_seed", None, ge=SEED_MIN, le=SEED_MAX, path=p),
         )
         if sp.temperature < 0:
             raise ProtocolError(f"{p}temperature must be >= 0, got {sp.temperature}")
@@ -143,15 +192,13 @@ class GenerateRequest:
             raise ProtocolError("input_ids must not be empty")
         if body.get("stream"):
             raise ProtocolError("stream=true is not supported by the embedded engine")
-        version = body.get("dora_version")
-        if version is not None and (isinstance(version, bool) or not isinstance(version, (int, str))):
-            raise ProtocolError(f"dora_version must be a string or integer, got {version!r}")
+        version = _version(body, "dora_version")
         return cls(
             input_ids=ids,
             sampling_params=SamplingParams.from_json(body.get("sampling_params")),
             rid=_str(body, "rid", None),
             return_logprob=_bool(body, "return_logprob", False),
-            dora_version=None if version is None else str(version),
+            dora_version=version,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -256,8 +303,10 @@ class UpdateFromDiskRequest:
         path = _str(body, "model_path", None)
         if not path:
             raise ProtocolError("missing field model_path")
-        v = body.get("weight_version")
-        return cls(path, None if v is None else str(v), _bool(body, "abort_all_requests", False))
+        return cls(path, _version(body, "weight_version"), _bool(body, "abort_all_requests", False))
+
+
+MAX_WORLD_SIZE = 1 << 16  # far above any real weight-update group; keeps ranks in C++ int range
 
 
 @dataclass
@@ -277,12 +326,13 @@ class InitGroupRequest:
                 raise ProtocolError(f"missing field {k}")
         r = cls(
             master_address=_str(body, "master_address", ""),
-            master_port=_int(body, "master_port", 0, ge=1),
-            rank_offset=_int(body, "rank_offset", 1, ge=1),
-            world_size=_int(body, "world_size", 2, ge=2),
+            master_port=_int(body, "master_port", 0, ge=1, le=65535),
+            rank_offset=_int(body, "rank_offset", 1, ge=1, le=MAX_WORLD_SIZE - 1),
+            world_size=_int(body, "world_size", 2, ge=2, le=MAX_WORLD_SIZE),
             group_name=_str(body, "group_name", "weight_update_group"),
             backend=_str(body, "backend", "gloo"),
         )
+        check_host(r.master_address)
         if r.rank_offset >= r.world_size:
             raise ProtocolError(f"rank_offset {r.rank_offset} must be < world_size {r.world_size}")
         if r.backend not in ("gloo", "nccl"):
@@ -313,15 +363,17 @@ class UpdateFromDistributedRequest:
         if not isinstance(shapes, list):
             raise ProtocolError("shapes must be a list of lists of integers")
         shapes = [_int_list(s, f"shapes[{i}]") for i, s in enumerate(shapes)]
+        for i, s in enumerate(shapes):
+            if any(x < 0 for x in s):
+                raise ProtocolError(f"shapes[{i}] has a negative dimension: {_short(s)}")
         if not (len(names) == len(dtypes) == len(shapes)):
             raise ProtocolError(f"names, dtypes, shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})")
-        v = body.get("weight_version")
         return cls(
             names=names,
             dtypes=dtypes,
             shapes=shapes,
             group_name=_str(body, "group_name", "weight_update_group"),
-            weight_version=None if v is None else str(v),
+            weight_version=_version(body, "weight_version"),
             abort_all_requests=_bool(body, "abort_all_requests", False),
         )
 

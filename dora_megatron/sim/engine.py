@@ -188,8 +188,8 @@ class Simulation:
             raise SimProtocolError(f"unknown instance {iid}")
         return inst
 
-    def _sync(self, inst: SimInstance) -> None:
-        for req in inst.sync(self.q.now):
+    def _sync(self, inst: SimInstance, wake: bool = False) -> None:
+        for req in inst.sync(self.q.now, wake):
             self._complete(req, inst)
 
     def _touch(self, inst: SimInstance) -> None:
@@ -368,22 +368,28 @@ class Simulation:
 
     def _elastic_leave(self) -> None:
         self.elastic_in_pool = False
-        now = self.q.now
         for iid in self.elastic_ids:
             inst = self.instances[iid]
             self._sync(inst)
-            for sid, (req, dst) in list(self.transit.items()):
-                if dst == iid:
-                    del self.transit[sid]
-                    self.held[sid] = (req, True)
-            for req in inst.drain_all(now):
-                self.where.pop(req.sample_id, None)
-                self.held[req.sample_id] = (req, True)
             inst.state = PAUSED
             inst.epoch += 1
-            inst.mark(now, self.record_timeline)
-            self._note("on_instance_failed", iid)
-        self._report_progress(req for req, _ in self.held.values())
+            inst.mark(self.q.now, self.record_timeline)
+            # drained when the note runs: Submits later in the current action list land here too
+            self._note("_elastic_fail", iid)
+
+    def _elastic_fail(self, iid: str) -> None:
+        inst = self.instances[iid]
+        moved = []
+        for sid, (req, dst) in list(self.transit.items()):
+            if dst == iid:
+                del self.transit[sid]
+                moved.append(req)
+        moved.extend(inst.drain_all(self.q.now))
+        for req in moved:
+            self.where.pop(req.sample_id, None)
+            self.held[req.sample_id] = (req, True)
+        self._report_progress(moved)
+        self._call("on_instance_failed", iid)
 
     # ================================================================== events
     def _complete(self, req: SimRequest, inst: SimInstance) -> None:
@@ -402,7 +408,7 @@ class Simulation:
         inst = self.instances[iid]
         if epoch != inst.epoch:
             return
-        self._sync(inst)
+        self._sync(inst, wake=True)
         self._touch(inst)
 
     def _on_switch_done(self, payload: tuple[str, int]) -> None:
@@ -478,9 +484,12 @@ class Simulation:
             if inst.state != READY or not inst.running:
                 continue
             kv = inst.kv_usage()
-            if kv >= wm:
+            hot = kv >= wm
+            if hot and not inst.kv_hot:
+                # edge-triggered: the engine reports when its KV usage crosses the watermark
                 self._report_progress(inst.running.values())
                 self._note("on_instance_stats", iid, inst.load, kv)
+            inst.kv_hot = hot
         self._note("on_tick", now)
         self.q.push(now + self.cfg.sim.poll_interval_s, POLL)
 

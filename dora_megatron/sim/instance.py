@@ -67,6 +67,7 @@ class SimInstance:
         self.steps_done = 0
         self.ctx_base = 0  # context = ctx_base + batch * steps_done
         self.t0 = 0.0  # decode progress is exact at t0 (steps_done whole steps done)
+        self.kv_hot = False  # KV usage above the orchestrator's watermark at the last poll
         self.epoch = 0  # bumps on every reschedule; stale wake events are ignored
         self.busy_slot_s = 0.0  # request-slot-seconds, accumulated as requests leave
         self.window_start = 0.0  # slot-seconds before this time are not counted
@@ -111,15 +112,20 @@ class SimInstance:
     def _steps_to_next_finish(self) -> int:
         return self._finish[0][0] - self.steps_done if self._finish else 0
 
-    def sync(self, now: float) -> list[SimRequest]:
+    def sync(self, now: float, wake: bool = False) -> list[SimRequest]:
         """Advance decoding to ``now`` in whole steps; return requests that completed.
 
-        Completed requests leave the batch (their slot frees at the completion time).
+        ``wake``: ``now`` is this instance's own scheduled completion time, so the next finish
+        is reached exactly (no floating-point shortfall). Completed requests leave the batch
+        (their slot frees at the completion time).
         """
-        if self.state != READY or not self.running or now <= self.t0:
+        if self.state != READY or not self.running or (now <= self.t0 and not wake):
             return []
         k = self._steps_to_next_finish()
-        n = self.decode.steps_within(self.batch, self.context, now - self.t0, k)
+        if wake:
+            n = k
+        else:
+            n = self.decode.steps_within(self.batch, self.context, now - self.t0 + 1e-9, k)
         if n > 0:
             self.t0 += self.decode.span_s(self.batch, self.context, n)
             self.steps_done += n
@@ -159,10 +165,17 @@ class SimInstance:
     def add(self, req: SimRequest, now: float, prefill_tokens: int) -> None:
         """Admit a request (or queue it when the instance is full); ``prefill_tokens`` to compute."""
         self.sync_noop_guard(now)
-        if len(self.running) >= self.cost.max_concurrent:
+        if self.queue or not self._fits(req):
             self.queue.append((req, prefill_tokens))
             return
         self._start(req, now, prefill_tokens)
+
+    def _fits(self, req: SimRequest) -> bool:
+        """Admission: a free request slot and KV room for the request's current context."""
+        if not self.running:
+            return True
+        return (len(self.running) < self.cost.max_concurrent
+                and self.context + req.context <= self.cost.kv_capacity_tokens)
 
     def sync_noop_guard(self, now: float) -> None:
         if not self.running and self.state == READY:
@@ -174,7 +187,7 @@ class SimInstance:
         self._admit_running(req, now)
 
     def fill_from_queue(self, now: float) -> None:
-        while self.queue and len(self.running) < self.cost.max_concurrent:
+        while self.queue and self._fits(self.queue[0][0]):
             req, pf = self.queue.popleft()
             self._start(req, now, pf)
 

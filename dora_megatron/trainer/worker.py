@@ -336,9 +336,12 @@ class TrainerWorker:
     # ------------------------------------------------------------------ checkpoints
 
     def _sharded_state_dict(self, is_loading: bool) -> dict:
-        model_sd = self.model.sharded_state_dict()
-        # fully_reshardable: canonical per-parameter optimizer state, loadable in another layout.
-        meta = {"distrib_optim_sharding_type": "fully_reshardable"}
+        from dora_megatron.trainer.hf_io import unwrap
+
+        model_sd = unwrap(self.model).sharded_state_dict()
+        # dp_reshardable: parallel save/load without gathers; resharding only across DP. (fully_reshardable
+        # breaks with the torch Adam fallback: it copies a per-param "step" the saved state lacks.)
+        meta = {"distrib_optim_sharding_type": "dp_reshardable"}
         return {"model": model_sd,
                 "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=meta),
                 "step": self.step}
@@ -350,6 +353,7 @@ class TrainerWorker:
         self.optimizer.zero_grad()
         self.optimizer.step()
 
+    @torch.no_grad()
     def save_checkpoint(self, directory: str) -> None:
         """Collective ``dist_checkpointing`` save of model + optimizer state + step into ``directory``."""
         from megatron.core import dist_checkpointing
@@ -360,6 +364,7 @@ class TrainerWorker:
         dist_checkpointing.save(self._sharded_state_dict(is_loading=False), directory)
         dist.barrier()
 
+    @torch.no_grad()
     def load_checkpoint(self, directory: str) -> None:
         """Collective load of a :meth:`save_checkpoint` directory (same or another layout)."""
         from megatron.core import dist_checkpointing
@@ -367,7 +372,9 @@ class TrainerWorker:
         if self.step == 0:
             self._init_optimizer_state()
         state = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), directory)
-        self.model.load_state_dict(state["model"])
+        from dora_megatron.trainer.hf_io import unwrap
+
+        unwrap(self.model).load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
         dist.barrier()

@@ -4,7 +4,7 @@ Why per request: a request's random stream must not depend on which other reques
 batch, and it must travel with the request when it migrates, so each request owns a
 ``torch.Generator`` (seeded from ``sampling_seed`` when given) whose state is exported.
 
-Semantics (as SGLang's sampler): temperature 0 (or top_k 1) is greedy (argmax) and the logprob
+Semantics (as SGLang's sampler): temperature below ``SAMPLING_EPS`` (or top_k 1) is greedy (argmax) and the logprob
 is ``log_softmax(logits)``; otherwise logits are divided by the temperature, the reported
 logprob is ``log_softmax(logits / T)`` of the chosen token (before top-k/top-p truncation), and
 the token is drawn from the top-k/top-p truncated, renormalised distribution.

@@ -50,6 +50,7 @@ class Request:
     return_logprob: bool = False
     on_done: DoneCallback | None = None
     version: str = ""
+    required_version: str | None = None  # set by dora_version / import: C1 guard
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     generator: torch.Generator | None = None
@@ -69,6 +70,7 @@ class SchedulerLimits:
     block_size: int = 16
     kv_blocks: int | None = None  # None: enough for max_running full-context requests
     max_context: int | None = None  # None: the model's max_position_embeddings
+    max_waiting: int | None = 4096  # queued (not yet running) requests; more get 429. None: unbounded
 
 
 class Scheduler:
@@ -115,7 +117,14 @@ class Scheduler:
             raise ProtocolError(f"input_ids contain ids outside [0, {vocab}): {bad[:5]}")
         if self._blocks_needed(req) > self.pool.total:
             raise ProtocolError(f"request needs more KV blocks than this instance has ({self.pool.total})")
+        queued = len(self.waiting) + len(self.held)
+        if self.limits.max_waiting is not None and queued >= self.limits.max_waiting:
+            raise ProtocolError(
+                f"engine overloaded: {queued} requests already queued (max_waiting {self.limits.max_waiting}); retry later",
+                429,
+            )
         req.version = self.weight_version
+        req.required_version = None if required_version is None else str(required_version)
         if req.generator is None:
             req.generator = make_generator(req.params.sampling_seed)
         self.by_rid[req.rid] = req
@@ -174,7 +183,12 @@ class Scheduler:
         last = torch.cumsum(torch.tensor([m for _, m in segs], device=dev), 0) - 1
         logits = self.model.logits(hidden[last]).float().cpu()
         for r, row in zip(batch, logits):
-            tok, lp = sample_token(row, r.params, r.generator)
+            try:
+                tok, lp = sample_token(row, r.params, r.generator)
+            except Exception as exc:  # noqa: BLE001 - one request's bad sample must not fail the batch
+                log.exception("sampling failed for request %s", r.rid)
+                self._finish(r, finish_abort(f"sampling failed: {exc!r}", 500, "internal_error"))
+                continue
             r.output_ids.append(tok)
             r.output_logprobs.append(lp)
             reason = self._finish_reason(r, tok)
@@ -296,8 +310,16 @@ class Scheduler:
         except ValueError as exc:
             raise ProtocolError(f"weights rejected, old weights kept: {exc}") from None
         self._checksum = None
-        if version is not None:
-            self.weight_version = str(version)
+        if version is not None and str(version) != self.weight_version:
+            old, self.weight_version = self.weight_version, str(version)
+            self._abort_version_bound(old)
+
+    def _abort_version_bound(self, old: str) -> None:
+        """C1: a request pinned to a version must not continue on other weights (paused updates)."""
+        for r in list(self.running) + list(self.waiting) + list(self.held):
+            if r.required_version is not None and r.required_version != self.weight_version:
+                msg = f"weights changed from version {old} to {self.weight_version}; request requires {r.required_version}"
+                self._finish(r, finish_abort(msg, 409, "version_changed"))
 
     def weights_checksum(self) -> str:
         from dora_megatron.weights.checksum import weights_checksum
@@ -341,32 +363,29 @@ class Scheduler:
         try:
             blob = torch.load(io.BytesIO(data), weights_only=True)
         except Exception as exc:  # noqa: BLE001 - any decoding failure is the client's fault
-            raise ProtocolError(f"body is not an exported request: {exc}") from None
+            raise ProtocolError(f"body is not an exported request: {str(exc)[:200]}") from None
         if not isinstance(blob, dict) or blob.get("format") != EXPORT_FORMAT:
             raise ProtocolError(f"body is not a {EXPORT_FORMAT} export")
         c = self.model.config
-        if list(blob["model"]) != [c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size]:
-            raise ProtocolError(f"exported request is for a different model shape {blob['model']}")
-        self.check_version(blob["version"])
-        if blob["rid"] in self.by_rid:
-            raise ProtocolError(f"rid {blob['rid']!r} is already in use on this instance", 409)
-        gen = torch.Generator(device="cpu")
-        gen.set_state(blob["rng_state"])
-        req = Request(
-            rid=blob["rid"],
-            prompt_ids=list(blob["prompt_ids"]),
-            params=SamplingParams(**blob["params"]),
-            return_logprob=bool(blob["return_logprob"]),
-            on_done=on_done,
-            version=self.weight_version,
-            output_ids=list(blob["output_ids"]),
-            output_logprobs=list(blob["output_logprobs"]),
-            generator=gen,
-            migrations=int(blob["migrations"]),
-        )
-        if blob["kv"] is not None:
+        shape = blob.get("model")
+        if not isinstance(shape, list) or shape != [c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size]:
+            raise ProtocolError(f"exported request is for a different model shape {str(blob.get('model'))[:80]}")
+        req = self._request_from_blob(blob, on_done)
+        self.check_version(req.required_version)
+        if req.rid in self.by_rid:
+            raise ProtocolError(f"rid {req.rid!r} is already in use on this instance", 409)
+        if len(req.tokens) >= self.max_context or len(req.output_ids) >= req.params.max_new_tokens:
+            raise ProtocolError(f"exported request has {len(req.tokens)} tokens; nothing left to generate here")
+        if self._blocks_needed(req) > self.pool.total:
+            raise ProtocolError(f"request needs more KV blocks than this instance has ({self.pool.total})")
+        kv = blob.get("kv")
+        if kv is not None:
+            if not isinstance(kv, torch.Tensor) or kv.layout != torch.strided or kv.device.type != "cpu":
+                raise ProtocolError("kv must be a dense CPU tensor")
+            if not kv.is_floating_point():
+                raise ProtocolError("kv must be a floating-point tensor")
             try:
-                req.kv = RequestKV.from_tensor(self.kv_shape, blob["kv"])
+                req.kv = RequestKV.from_tensor(self.kv_shape, kv)
             except ValueError as exc:
                 raise ProtocolError(str(exc)) from None
             if req.kv.length >= len(req.tokens):
@@ -375,12 +394,63 @@ class Scheduler:
         (self.held if self.hold_admission else self.waiting).appendleft(req)
         return req
 
+    def _request_from_blob(self, blob: dict[str, Any], on_done: DoneCallback | None) -> Request:
+        """Validate an export's fields (it is untrusted input) and build the request."""
+        vocab = self.model.config.vocab_size
+
+        def ids(key: str, allow_empty: bool) -> list[int]:
+            v = blob.get(key)
+            if not isinstance(v, list) or not (v or allow_empty):
+                raise ProtocolError(f"{key} must be a{'' if allow_empty else ' non-empty'} list of token ids")
+            if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in v):
+                raise ProtocolError(f"{key} must hold token ids in [0, {vocab})")
+            return list(v)
+
+        rid, version, lps = blob.get("rid"), blob.get("version"), blob.get("output_logprobs")
+        if not isinstance(rid, str) or not rid:
+            raise ProtocolError("rid must be a non-empty string")
+        if isinstance(version, bool) or not isinstance(version, (str, int)):
+            raise ProtocolError("version must be a string or integer")
+        output_ids = ids("output_ids", allow_empty=True)
+        try:
+            if not isinstance(lps, list) or len(lps) != len(output_ids) or any(
+                isinstance(x, bool) or not isinstance(x, (int, float)) for x in lps
+            ):
+                raise TypeError
+            logprobs = [float(x) for x in lps]  # TypeError for non-numbers, OverflowError for huge ints
+        except (TypeError, ValueError, OverflowError):
+            raise ProtocolError("output_logprobs must be a list of numbers, one per output id") from None
+        migrations = blob.get("migrations")
+        if isinstance(migrations, bool) or not isinstance(migrations, int) or migrations < 0:
+            raise ProtocolError("migrations must be an integer >= 0")
+        if not isinstance(blob.get("return_logprob"), bool):
+            raise ProtocolError("return_logprob must be a boolean")
+        gen = torch.Generator(device="cpu")
+        try:
+            gen.set_state(blob.get("rng_state"))
+        except Exception as exc:  # noqa: BLE001 - TypeError, RuntimeError, ... all mean "not a state"
+            raise ProtocolError(f"rng_state is not a CPU generator state: {str(exc)[:200]}") from None
+        return Request(
+            rid=rid,
+            prompt_ids=ids("prompt_ids", allow_empty=False),
+            params=SamplingParams.from_json(blob.get("params")),
+            return_logprob=blob["return_logprob"],
+            on_done=on_done,
+            version=self.weight_version,
+            required_version=str(version),
+            output_ids=output_ids,
+            output_logprobs=logprobs,
+            generator=gen,
+            migrations=migrations,
+        )
+
     # ---- reporting -----------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
         return {
             "num_running_reqs": len(self.running),
             "num_waiting_reqs": len(self.waiting) + len(self.held),
             "max_running_requests": self.limits.max_running,
+            "max_waiting_requests": self.limits.max_waiting,
             "kv_blocks_total": self.pool.total,
             "kv_blocks_used": self.pool.used,
             "kv_usage": self.pool.used / self.pool.total,

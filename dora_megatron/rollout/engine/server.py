@@ -18,9 +18,16 @@ request once it finishes here (``output_ids`` include the tokens made before the
 ``GET /dora/weights_checksum`` -> ``{"checksum", "weight_version"}`` (see
 ``dora_megatron.weights.checksum``). ``/generate`` accepts ``dora_version``: 409 if this
 instance holds another weight version (so does an import of a request of another version).
+Such pinned requests (``dora_version`` or imported) are aborted with ``status_code`` 409 and
+``err_type`` ``"version_changed"`` if a weight update changes the version while they are still
+here (possible only while paused): the C1 guard. Unpinned requests follow SGLang's semantics.
+Unlike SGLang, ``/abort_request`` aborts only the exact rid when one matches (prefix match
+otherwise) and answers 404 when nothing matches.
 
 Errors: malformed JSON, missing/mistyped fields, prompts too long, unknown rids, bad weights
 answer 4xx with ``{"error": msg, "success": false, "message": msg}``; nothing else is affected.
+Load: ``/generate`` answers 429 at once when ``max_waiting`` requests are already queued, so a
+burst cannot grow the queue (and memory) without bound; JSON bodies are capped (413).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import json
 import logging
 import uuid
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
@@ -64,14 +72,28 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return _error(500, f"internal error: {exc!r}")
 
 
+# JSON bodies are small (a 128k-token prompt is about 1 MB); only /dora/import_request carries
+# large binary bodies (up to the app's client_max_size). Bounding JSON bodies bounds the memory a
+# burst of requests can pin.
+MAX_JSON_BYTES = 64 << 20
+
+
 async def _json(request: web.Request) -> Any:
-    raw = await request.read()
+    if request.content_length is not None and request.content_length > MAX_JSON_BYTES:
+        raise P.ProtocolError(f"JSON body of {request.content_length} bytes exceeds {MAX_JSON_BYTES}", 413)
+    chunks, size = [], 0
+    while chunk := await request.content.read(1 << 20):  # also bounds chunked bodies
+        size += len(chunk)
+        if size > MAX_JSON_BYTES:
+            raise P.ProtocolError(f"JSON body exceeds {MAX_JSON_BYTES} bytes", 413)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     if not raw:
         return {}
     try:
         return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise P.ProtocolError(f"malformed JSON body: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise P.ProtocolError(f"malformed JSON body: {str(exc)[:200]}") from None
 
 
 @dataclass
@@ -79,6 +101,7 @@ class ServerOptions:
     model_path: str
     device: str = "cpu"
     group_timeout_s: float = 600.0
+    group_connect_timeout_s: float = 30.0  # reaching the trainer's store; a bad address fails after this
 
 
 class EngineServer:
@@ -229,8 +252,8 @@ class EngineServer:
 
         try:
             state = await asyncio.get_running_loop().run_in_executor(None, hf_io.load_state_dict, u.model_path)
-        except (FileNotFoundError, OSError, ValueError) as exc:
-            raise P.ProtocolError(f"cannot read weights from {u.model_path!r}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - whatever the client pointed at is not a model directory
+            raise P.ProtocolError(f"cannot read weights from {u.model_path!r}: {str(exc)[:300]}") from None
         if u.abort_all_requests:
             await self._runner.call(lambda s: s.abort(abort_all=True))
         await self._runner.call_when_idle(lambda s: s.load_weights(state, u.weight_version, require_all=True))
@@ -250,11 +273,11 @@ class EngineServer:
                 None,
                 lambda: weight_sync.init_weight_update_group(
                     g.master_address, g.master_port, g.rank_offset, g.world_size, g.group_name, g.backend,
-                    self.options.group_timeout_s,
+                    self.options.group_timeout_s, self.options.group_connect_timeout_s,
                 ),
             )
         except Exception as exc:  # noqa: BLE001 - rendezvous failures are reported
-            return _error(400, f"failed to join weight update group: {exc}")
+            return _error(400, f"failed to join weight update group: {str(exc).splitlines()[0][:300] if str(exc) else exc!r}")
         self.groups[g.group_name] = group
         return web.json_response({"success": True, "message": f"joined {g.group_name} as rank {g.rank_offset}"})
 
@@ -275,6 +298,12 @@ class EngineServer:
             dtypes = [weight_sync.parse_dtype(d) for d in u.dtypes]
         except ValueError as exc:
             raise P.ProtocolError(str(exc)) from None
+        # check names and shapes before receiving: a wrong (or huge) shape must not allocate
+        problems = self.scheduler.model.check_weights(
+            {n: SimpleNamespace(shape=tuple(s)) for n, s in zip(u.names, u.shapes)}, require_all=False
+        )
+        if problems:
+            raise P.ProtocolError("weights rejected before receiving, old weights kept: " + "; ".join(problems[:5]))
         device = self.scheduler.kv_shape.device
         if u.abort_all_requests:
             await self._runner.call(lambda s: s.abort(abort_all=True))
@@ -317,6 +346,8 @@ def build_app(
     kv_blocks: int | None = None,
     max_context: int | None = None,
     dtype: Any = None,
+    max_waiting: int | None = 4096,
+    group_connect_timeout_s: float = 30.0,
 ) -> web.Application:
     """Load the model and return the aiohttp application (the engine thread starts with it)."""
     from dora_megatron.rollout.engine.model import load_model
@@ -325,6 +356,9 @@ def build_app(
     import torch
 
     model = load_model(model_path, device=device, dtype=dtype or torch.float32)
-    limits = SchedulerLimits(max_running=max_running, block_size=block_size, kv_blocks=kv_blocks, max_context=max_context)
+    limits = SchedulerLimits(
+        max_running=max_running, block_size=block_size, kv_blocks=kv_blocks, max_context=max_context, max_waiting=max_waiting
+    )
     sched = Scheduler(model, limits, weight_version=weight_version)
-    return EngineServer(sched, ServerOptions(model_path=model_path, device=device)).app()
+    options = ServerOptions(model_path=model_path, device=device, group_connect_timeout_s=group_connect_timeout_s)
+    return EngineServer(sched, options).app()

@@ -28,17 +28,23 @@ def init_weight_update_group(
     group_name: str,
     backend: str = "gloo",
     timeout_s: float = 600.0,
+    connect_timeout_s: float | None = None,
 ) -> Any:
-    """Create (collectively, all ranks) and return a process group independent of the default one."""
+    """Create (collectively, all ranks) and return a process group independent of the default one.
+
+    ``connect_timeout_s`` bounds reaching the store at ``master_address:master_port`` (the
+    TCPStore client retries until then); ``timeout_s`` bounds every later collective. An engine
+    passes a short connect timeout so that a wrong address or port fails in seconds, not minutes.
+    """
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
     if not dist.is_available():
         raise RuntimeError("torch.distributed is not available in this build")
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(
-        c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
-    )
+    connect = timedelta(seconds=min(timeout_s, connect_timeout_s or timeout_s))
+    host = f"[{master_address}]" if ":" in master_address and not master_address.startswith("[") else master_address
+    store, rank, world_size = next(c10d.rendezvous(f"tcp://{host}:{master_port}", rank, world_size, timeout=connect))
     store.set_timeout(timeout)
     prefix_store = c10d.PrefixStore(group_name, store)
     pg, _ = c10d._new_process_group_helper(

@@ -261,3 +261,20 @@ def test_admission_respects_kv_budget(moe_model):
     assert set(sink.done) == {"a", "b"}
     with pytest.raises(ProtocolError, match="KV blocks"):
         s.submit(mk("huge", [5] * 40, sink, n=20))
+
+
+def test_weight_change_aborts_requests_pinned_to_old_version(moe_dir):
+    m = load_model(moe_dir)
+    s = Scheduler(m, SchedulerLimits(max_running=4), weight_version="1")
+    sink = Collector()
+    s.submit(mk("pinned", PROMPTS[0], sink, n=30, temperature=0.0), required_version="1")
+    s.submit(mk("free", PROMPTS[1], sink, n=30, temperature=0.0))
+    s.step()
+    s.pause("in_place")
+    s.load_weights({"model.norm.weight": torch.full((128,), 1.5)}, "2", require_all=False)
+    reason = sink.done["pinned"]["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and reason["err_type"] == "version_changed" and reason["status_code"] == 409
+    assert len(sink.done["pinned"]["output_ids"]) == 1
+    s.resume()
+    run(s)
+    assert len(sink.done["free"]["output_ids"]) == 30  # unpinned requests follow SGLang's in-place semantics

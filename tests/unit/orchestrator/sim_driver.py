@@ -45,11 +45,13 @@ class Engine:
 class Driver:
     def __init__(self, cfg: OrchestratorConfig, n_instances: int, seed: int, fail_prob: float = 0.0,
                  join_prob: float = 0.0, switch_time: float = 0.5, train_time: float = 3.0,
-                 tick_every: float = 2.0, tail_alpha: float = 1.3, max_len: float = 200.0) -> None:
+                 tick_every: float = 2.0, tail_alpha: float = 1.3, max_len: float = 200.0,
+                 migration_fail_prob: float = 0.0) -> None:
         self.cfg = cfg
         self.rng = random.Random(seed)
         self.S = cfg.effective_staleness
         self.fail_prob, self.join_prob = fail_prob, join_prob
+        self.migration_fail_prob = migration_fail_prob
         self.switch_time, self.train_time, self.tick_every = switch_time, train_time, tick_every
         self.tail_alpha, self.max_len = tail_alpha, max_len
         ids = [f"i{k}" for k in range(n_instances)]
@@ -95,7 +97,11 @@ class Driver:
                 if s.instance != a.src or a.sample_id not in self.engines[a.src].running:
                     raise ContractViolation(f"migrate {a.sample_id} not on {a.src}")
                 self._stop(a.sample_id)
-                self._start(a.sample_id, a.dst, a.version)
+                if self.rng.random() < self.migration_fail_prob:
+                    # the transfer failed: the request was aborted at src, partial output kept
+                    self.execute(self.orch.on_migration_failed(a.sample_id))
+                else:
+                    self._start(a.sample_id, a.dst, a.version)
             elif isinstance(a, Interrupt):
                 s = self.samples[a.sample_id]
                 if s.instance != a.instance:

@@ -171,6 +171,17 @@ def test_rebalance_shrinks_least_loaded_and_migrates_only_its_requests():
     assert h.o.instances_by_version() == {0: 3, 1: 1}
 
 
+def test_migration_budget_frees_only_instances_whose_requests_fit():
+    h = Harness(instances=("a", "b", "c", "d"), mode="dora", tbs=4, rbs=12, group_size=1, max_staleness=2,
+                cap_before_rebalance=3, cap_after_rebalance=3, imbalance_ratio=1.0, max_migrations_per_rebalance=2)
+    on = {i: sorted(s for s, x in h.where.items() if x == i) for i in "abcd"}
+    h.finish(*on["a"][:2], *on["b"][:1], *on["c"][:1])   # a: 1, b: 2, c: 2, d: 3 running
+    h.do(h.o.on_step_finished(1))
+    moves = h.of(Migrate)
+    assert len(moves) <= 2 and all(m.src == "a" for m in moves)
+    assert set(h.switching) == {"a"}
+
+
 def test_migration_plan_moves_requests_of_freed_instance_to_same_version_peer():
     h = Harness(instances=("a", "b", "c"), mode="dora", tbs=1, rbs=4, group_size=1, max_staleness=3,
                 cap_before_rebalance=2, cap_after_rebalance=2, imbalance_ratio=1.0)
@@ -241,6 +252,21 @@ def test_dora_failure_with_no_instance_left_on_version():
     assert h.o.audit() == 0
 
 
+def test_failed_migration_requeues_the_request_on_its_version():
+    h = Harness(instances=("a", "b", "c"), mode="dora", tbs=8, rbs=8, group_size=1, max_staleness=0,
+                cap_before_rebalance=8, cap_after_rebalance=8, kv_high_watermark=0.8)
+    on_a = sorted(s for s, i in h.where.items() if i == "a")
+    h.finish(*[s for s, i in sorted(h.where.items()) if i != "a"])
+    moves = [a for a in h.do(h.o.on_instance_stats("a", len(on_a), 0.95)) if isinstance(a, Migrate)]
+    assert moves
+    m = moves[0]
+    acts = h.do(h.o.on_migration_failed(m.sample_id))
+    sub = [a for a in acts if isinstance(a, Submit) and a.sample_id == m.sample_id]
+    assert len(sub) == 1 and sub[0].version == 0 and h.o.instances[sub[0].instance].version == 0
+    assert h.o.sample_status(m.sample_id)["state"] == "running" and h.o.audit() == 0
+    assert h.o.on_migration_failed("nope") == []
+
+
 def test_kv_watermark_levels_load_within_version():
     h = Harness(instances=("a", "b"), mode="dora", tbs=8, rbs=8, group_size=1, max_staleness=0,
                 cap_before_rebalance=8, cap_after_rebalance=8, kv_high_watermark=0.8)
@@ -265,7 +291,8 @@ def test_two_phase_caps_and_timer_trigger():
     assert len(h.where) == 3                  # 6 - 3 finished, nothing new: over the cap of 2
     h.finish(*sorted(h.where)[:2])
     assert len(h.where) == 2                  # back under the cap: one new sample
-    h.batches and h.do(h.o.on_step_finished(1))
+    assert h.batches
+    h.do(h.o.on_step_finished(1))
     assert h.o.cap() == 6                     # a new step starts in the high-cap phase
 
 

@@ -19,16 +19,19 @@ def scenarios(draw, modes=("sync", "one_step_off", "partial", "dora")):
         mode=mode, tbs=tbs, rbs=tbs + draw(st.integers(0, 2 * tbs)), max_staleness=draw(st.integers(0, 4)),
         group_size=draw(st.integers(1, 4)), kv_high_watermark=draw(st.sampled_from([0.5, 0.9, 1.0])),
         rebalance_interval_s=draw(st.sampled_from([0.0, 1.0, 5.0])),
-        imbalance_ratio=draw(st.sampled_from([1.0, 1.5, 3.0])), legacy_fill=draw(st.booleans()),
-        cap_before_rebalance=cap_after + draw(st.integers(0, 4)), cap_after_rebalance=cap_after)
+        imbalance_ratio=draw(st.sampled_from([1.0, 1.5, 3.0, 100.0])), legacy_fill=draw(st.booleans()),
+        cap_before_rebalance=cap_after + draw(st.integers(0, 4)), cap_after_rebalance=cap_after,
+        max_migrations_per_rebalance=draw(st.sampled_from([0, 0, 1, 3])),
+        repartition=draw(st.sampled_from([True, True, True, False])))
     return dict(cfg=cfg, n_instances=draw(st.integers(1, 6)), seed=draw(st.integers(0, 2**31)),
                 fail_prob=draw(st.sampled_from([0.0, 0.05, 0.2])), join_prob=draw(st.sampled_from([0.0, 0.1])),
-                tail_alpha=draw(st.sampled_from([1.1, 1.5, 3.0])), steps=draw(st.integers(2, 12)))
+                tail_alpha=draw(st.sampled_from([1.1, 1.5, 3.0])), steps=draw(st.integers(2, 12)),
+                migration_fail_prob=draw(st.sampled_from([0.0, 0.0, 0.2])))
 
 
 def _run(sc):
     d = Driver(sc["cfg"], sc["n_instances"], sc["seed"], fail_prob=sc["fail_prob"], join_prob=sc["join_prob"],
-               tail_alpha=sc["tail_alpha"])
+               tail_alpha=sc["tail_alpha"], migration_fail_prob=sc["migration_fail_prob"])
     d.run(sc["steps"])  # raises ContractViolation on any broken invariant or on a deadlock
     return d
 
@@ -40,6 +43,8 @@ def test_invariants_hold_for_every_mode(sc):
     cfg = sc["cfg"]
     assert d.steps_done == sc["steps"] and len(d.batches) in (sc["steps"], sc["steps"] + 1)
     assert all(len(b.group_ids) == cfg.tbs for b in d.batches)
+    if cfg.mode != "dora" or not cfg.repartition:
+        assert d.orch.counters.migrations == 0
     if cfg.mode != "dora":
         # single-version modes never generate with two versions at once
         assert d.max_running_versions <= 1

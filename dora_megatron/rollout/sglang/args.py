@@ -1,0 +1,105 @@
+"""Command lines of SGLang servers, computed from the config by pure functions.
+
+WHY pure: the local launcher, the SLURM planner and ``dora train --dry-run`` all print or run
+exactly these argv tuples, and tests check them without SGLang installed. Flag names are those of
+SGLang 0.5.x ``ServerArgs`` (``--tp-size``, ``--ep-size``, ``--enable-eplb`` ...; reference A.2);
+``--enable-ep-moe`` no longer exists there and is never emitted. Flags the user passes through
+``rollout.sglang_args`` may not repeat one that dora sets (the plan would be ambiguous).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dora_megatron.config.rollout import RolloutConfig
+    from dora_megatron.config.sglang import SGLangConfig
+
+
+class SGLangArgsError(ValueError):
+    """The instance cannot be described with the supported flags."""
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    """One SGLang instance (or, when ``nnodes > 1``, the part of it on one node)."""
+
+    name: str
+    model_path: str
+    host: str  # address the HTTP server binds to
+    port: int
+    nccl_port: int | None  # None: SGLang picks one (local runs)
+    base_gpu_id: int
+    tp_size: int
+    weight_version: str = "0"
+    seed: int = 0
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None  # "host:port" of node_rank 0 when nnodes > 1
+
+    @property
+    def gpus_here(self) -> int:
+        return self.tp_size // self.nnodes
+
+
+def dora_flags(inst: InstanceSpec, sg: "SGLangConfig", rollout: "RolloutConfig") -> list[str]:
+    """The flags dora sets for ``inst`` (without the interpreter and module)."""
+    if inst.tp_size != sg.tp_size:
+        raise SGLangArgsError(f"{inst.name}: tp_size {inst.tp_size} differs from sglang.tp_size {sg.tp_size}")
+    if inst.tp_size % inst.nnodes:
+        raise SGLangArgsError(f"{inst.name}: tp_size {inst.tp_size} not divisible by nnodes {inst.nnodes}")
+    if inst.nnodes > 1 and not inst.dist_init_addr:
+        raise SGLangArgsError(f"{inst.name}: a multi-node instance needs dist_init_addr")
+    a = [
+        "--model-path", inst.model_path,
+        "--host", inst.host, "--port", str(inst.port),
+        "--tp-size", str(inst.tp_size),
+        "--base-gpu-id", str(inst.base_gpu_id), "--gpu-id-step", "1",
+        "--weight-version", str(inst.weight_version),
+        "--random-seed", str(inst.seed),
+        "--max-running-requests", str(rollout.max_running),
+        "--skip-tokenizer-init",
+    ]
+    if inst.nccl_port is not None:
+        a += ["--nccl-port", str(inst.nccl_port)]
+    if sg.ep_size > 1:
+        a += ["--ep-size", str(sg.ep_size)]
+    if sg.moe_a2a_backend != "none":
+        a += ["--moe-a2a-backend", sg.moe_a2a_backend]
+    if sg.enable_dp_attention:
+        a += ["--enable-dp-attention"]
+    if sg.enable_eplb:
+        a += ["--enable-eplb", "--eplb-algorithm", sg.eplb_algorithm,
+              "--eplb-rebalance-num-iterations", str(sg.eplb_rebalance_num_iterations)]
+        if sg.ep_num_redundant_experts:
+            a += ["--ep-num-redundant-experts", str(sg.ep_num_redundant_experts)]
+    if sg.mem_fraction_static is not None:
+        a += ["--mem-fraction-static", str(sg.mem_fraction_static)]
+    if sg.load_format != "auto":
+        a += ["--load-format", sg.load_format]
+    context = sg.context_length or rollout.context_length
+    if context:
+        a += ["--context-length", str(context)]
+    if sg.disable_radix_cache:
+        a += ["--disable-radix-cache"]
+    if inst.nnodes > 1:
+        a += ["--nnodes", str(inst.nnodes), "--node-rank", str(inst.node_rank), "--dist-init-addr", str(inst.dist_init_addr)]
+    return a
+
+
+def _flag_names(args: list[str]) -> set[str]:
+    return {x.split("=", 1)[0] for x in args if x.startswith("--")}
+
+
+def server_argv(inst: InstanceSpec, sg: "SGLangConfig", rollout: "RolloutConfig") -> tuple[str, ...]:
+    """``python -m sglang.launch_server`` plus every flag, user flags last."""
+    ours = dora_flags(inst, sg, rollout)
+    user = list(rollout.sglang_args)
+    clash = sorted(_flag_names(ours) & _flag_names(user))
+    if clash:
+        raise SGLangArgsError(f"rollout.sglang_args repeats flags dora sets from the config: {', '.join(clash)} "
+                              "(set them through the sglang: section instead)")
+    python = sg.python or sys.executable
+    return (python, "-m", "sglang.launch_server", *ours, *user)

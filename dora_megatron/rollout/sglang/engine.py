@@ -1,0 +1,98 @@
+"""The runtime's view of an SGLang instance: the protocol SGLang really offers, nothing more.
+
+WHY an adapter: SGLang has no request export/import and no per-request version check, and its
+abort matches rids by prefix (reference A.5, A.6). This adapter
+
+* exposes only the dora extensions it is told to (none by default), so the runtime takes the
+  SGLang paths: migration = abort + resubmit of prompt + partial output on a same-version
+  instance (counted as re-prefill), weight switches without a checksum call;
+* checks C1 after the fact: every ``/generate`` answer echoes ``meta_info.weight_version``, and an
+  answer from another version than the one the request was routed for raises
+  :class:`~dora_megatron.rollout.client.VersionMismatch` (the runtime's C1 guard);
+* makes rids prefix-free on the wire (``<rid>#``), so aborting ``s1`` never aborts ``s10``;
+* reads running requests and KV usage from ``/v1/loads`` when ``/get_server_info`` lacks them.
+
+Wrapping the embedded engine's client in this adapter gives exactly the SGLang behaviour, which is
+how the CPU integration tests exercise the production path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Sequence
+
+from dora_megatron.rollout.client import EngineClient, ExtensionUnsupported, VersionMismatch
+from dora_megatron.rollout.sglang.client import SGLangClient
+
+RID_END = "#"
+
+
+def wire_rid(rid: str) -> str:
+    """The rid sent to SGLang: no wire rid is a prefix of another (sample ids never contain ``#``)."""
+    if RID_END in rid:
+        raise ValueError(f"rid {rid!r} contains {RID_END!r}")
+    return rid + RID_END
+
+
+class SGLangEngine:
+    """Implements the runtime's ``Engine`` protocol on an SGLang server."""
+
+    def __init__(self, client: EngineClient | str, *, expose: Iterable[str] = (), timeout_s: float = 600.0) -> None:
+        self.client = SGLangClient(client, timeout_s=timeout_s) if isinstance(client, str) else client
+        self.expose = frozenset(expose)
+        self.version_mismatches = 0
+
+    @property
+    def base_url(self) -> str:
+        return self.client.base_url
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def supports(self, name: str) -> bool:
+        return name in self.expose and await self.client.supports(name)
+
+    async def generate(self, input_ids: Sequence[int], sampling_params=None, *, rid: str | None = None,
+                       return_logprob: bool = True, version: int | str | None = None):
+        server_checks = version is not None and await self.supports("dora_version")
+        resp = await self.client.generate(input_ids, sampling_params, rid=None if rid is None else wire_rid(rid),
+                                          return_logprob=return_logprob, version=version if server_checks else None)
+        if version is not None and resp.weight_version != str(version):
+            self.version_mismatches += 1
+            raise VersionMismatch(self.base_url + "/generate", 409,
+                                  f"request {rid} routed for weight version {version} ran on {resp.weight_version!r}")
+        return dataclasses.replace(resp, rid=rid) if rid is not None else resp
+
+    async def abort(self, rid: str = "", abort_all: bool = False) -> bool:
+        return await self.client.abort(wire_rid(rid) if rid else "", abort_all)
+
+    async def server_info(self) -> dict[str, Any]:
+        info = dict(await self.client.server_info())
+        if "num_running_reqs" not in info and isinstance(self.client, SGLangClient):
+            loads = await self.client.loads()
+            if loads is not None:
+                info.update(loads)
+        return info
+
+    async def weight_version(self) -> str:
+        return await self.client.weight_version()
+
+    async def update_weights_from_disk(self, model_path: str, weight_version=None) -> dict[str, Any]:
+        """Switch to a snapshot; the runtime calls this only once the instance is empty, so the
+        update neither waits for nor aborts anything, and the post-update cache flush succeeds."""
+        return await self.client.update_weights_from_disk(model_path, weight_version=weight_version)
+
+    async def export_request(self, rid: str) -> bytes:
+        if not await self.supports("export_request"):
+            raise ExtensionUnsupported(f"{self.base_url}: SGLang has no request export")
+        return await self.client.export_request(rid)
+
+    async def import_request(self, blob: bytes):
+        if not await self.supports("import_request"):
+            raise ExtensionUnsupported(f"{self.base_url}: SGLang has no request import")
+        return await self.client.import_request(blob)
+
+    async def weights_checksum(self) -> str:
+        if not await self.supports("weights_checksum"):
+            raise ExtensionUnsupported(f"{self.base_url}: SGLang has no weights checksum")
+        return await self.client.weights_checksum()

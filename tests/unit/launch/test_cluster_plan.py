@@ -1,0 +1,172 @@
+"""SLURM plans: roles, ranks, GPUs, ports and groups are consistent for many allocations.
+
+The consistency rules are re-derived here from the processes' command lines (not only through
+``check_plan``), so a planner bug and a checker bug cannot hide each other."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import re
+import subprocess
+from collections import Counter, defaultdict
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import pytest
+
+from dora_megatron.config.schema import load_config
+from dora_megatron.launch.cluster import PlanError, check_plan, slurm_plan
+from dora_megatron.launch.slurm import read_slurm_env
+
+ROOT = Path(__file__).resolve().parents[3]
+MULTI = ROOT / "configs" / "qwen3_30b_a3b_multinode.yaml"
+
+
+def _flag(argv, name):
+    for i, a in enumerate(argv):
+        if a == name:
+            return argv[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def _independent_checks(plan, gpn, tp):
+    ports, gpus = defaultdict(list), defaultdict(list)
+    for p in plan.processes:
+        if p.port is not None:
+            ports[p.host].append(p.port)
+        ports[p.host].extend(p.extra_ports.values())
+        gpus[p.host].extend(p.gpus)
+        if p.role == "engine":  # the argv says the same as the spec
+            assert int(_flag(p.argv, "--base-gpu-id")) == p.gpus[0]
+            assert int(_flag(p.argv, "--tp-size")) == tp
+            if p.port is not None:
+                assert int(_flag(p.argv, "--port")) == p.port
+    for host, ps in ports.items():
+        assert len(ps) == len(set(ps)), f"{host}: duplicate port in {sorted(ps)}"
+    for host, gs in gpus.items():
+        assert len(gs) == len(set(gs)), f"{host}: GPU used twice: {sorted(gs)}"
+        assert all(0 <= g < gpn for g in gs)
+    trainers = [p for p in plan.processes if p.role == "trainer"]
+    ranks = [r for p in trainers for r in p.ranks]
+    assert ranks == list(range(len(ranks)))
+    for k, p in enumerate(trainers):
+        assert _flag(p.argv, "--node-rank") == str(k) and _flag(p.argv, "--nnodes") == str(len(trainers))
+        assert int(_flag(p.argv, "--nproc-per-node")) == len(p.ranks) == len(p.gpus)
+        assert _flag(p.argv, "--master-addr") == trainers[0].host
+    groups = {g.name: g for g in plan.groups}
+    assert groups["trainer"].world_size == len(ranks)
+    engine_gpus = sum(len(p.gpus) for p in plan.processes if p.role == "engine")
+    assert groups["weight_update"].world_size == 1 + engine_gpus
+    assert [p.host for p in plan.processes if p.role == "controller"] == [plan.nodes[0]]
+    assert check_plan(plan, gpn) == []
+
+
+@pytest.mark.parametrize("nodes,gpn,trainer_nodes,tp,ep,want_instances", [
+    ("gpu[0001-0008]", 8, 4, 4, 4, 8),       # 2 instances per rollout node
+    ("gpu[01-16]", 8, 4, 8, 8, 12),          # 1 per node
+    ("gpu[001-012]", 8, 4, 16, 8, 4),        # each instance spans 2 nodes
+    ("a[1-3],b[7-9]", 4, 2, 1, 1, 16),       # 4 per node, mixed names
+    ("gpu[0001-1100]", 8, 100, 4, 4, 2000),  # 1,000+ nodes
+])
+def test_plans_are_consistent(nodes, gpn, trainer_nodes, tp, ep, want_instances):
+    cfg = load_config(MULTI, [f"cluster.trainer_nodes={trainer_nodes}", f"sglang.tp_size={tp}", f"sglang.ep_size={ep}",
+                              f"launch.trainer_procs={trainer_nodes * gpn}", f"sglang.enable_eplb={ep > 1}",
+                              "trainer.ep=2"])
+    env = read_slurm_env({"SLURM_JOB_NODELIST": nodes, "SLURM_GPUS_ON_NODE": str(gpn), "SLURM_JOB_ID": "42"})
+    plan = slurm_plan(cfg, env, "/m", "/r")
+    assert len(plan.engine_urls) == want_instances
+    roles = Counter(plan.roles.values())
+    assert roles["trainer"] == trainer_nodes and roles["rollout"] == len(env.nodes) - trainer_nodes
+    _independent_checks(plan, gpn, tp)
+    if tp > gpn:  # a multi-node instance: every part points at the head's dist-init address
+        parts = [p for p in plan.processes if p.role == "engine" and p.name.startswith("sgl0.")]
+        assert [int(_flag(p.argv, "--node-rank")) for p in parts] == list(range(tp // gpn))
+        head = parts[0]
+        assert {_flag(p.argv, "--dist-init-addr") for p in parts} == {f"{head.host}:{head.extra_ports['dist_init']}"}
+        assert plan.engine_urls["sgl0"] == f"http://{head.host}:{head.port}"
+
+
+def test_single_node_shared_gpus():
+    cfg = load_config(ROOT / "configs" / "gpu_ci_small.yaml",
+                      ["launch.backend=slurm", "cluster.share_node=true", "cluster.trainer_gpus=1"])
+    env = read_slurm_env({"SLURM_JOB_NODELIST": "box1", "SLURM_GPUS_ON_NODE": "4"})
+    plan = slurm_plan(cfg, env, "/m", "/r")
+    assert plan.roles == {"box1": "trainer+rollout"}
+    assert len(plan.engine_urls) == 3  # GPUs 1, 2, 3
+    _independent_checks(plan, 4, 1)
+
+
+@pytest.mark.parametrize("overrides,env,match", [
+    (["sglang.tp_size=12", "sglang.ep_size=4"], {"SLURM_JOB_NODELIST": "n[1-8]", "SLURM_GPUS_ON_NODE": "8"}, "multiple"),
+    ([], {"SLURM_JOB_NODELIST": "n[1-4]", "SLURM_GPUS_ON_NODE": "8"}, "no rollout node"),
+    ([], {"SLURM_JOB_NODELIST": "n[1-8]", "SLURM_GPUS_ON_NODE": "6"}, "trainer world size 24"),
+    ([], {"SLURM_JOB_NODELIST": "n[1-8]"}, "GPUs per node unknown"),
+    (["cluster.rollout_nodes=9"], {"SLURM_JOB_NODELIST": "n[1-8]", "SLURM_GPUS_ON_NODE": "8"}, "rollout_nodes"),
+])
+def test_impossible_allocations_are_refused(overrides, env, match):
+    cfg = load_config(MULTI, overrides)
+    with pytest.raises(PlanError, match=match):
+        slurm_plan(cfg, read_slurm_env(env), "/m", "/r")
+
+
+def test_check_plan_catches_port_and_gpu_clashes():
+    cfg = load_config(MULTI)
+    plan = slurm_plan(cfg, read_slurm_env({"SLURM_JOB_NODELIST": "n[1-6]", "SLURM_GPUS_ON_NODE": "8"}), "/m", "/r")
+    engines = [i for i, p in enumerate(plan.processes) if p.role == "engine"]
+    a, b = plan.processes[engines[0]], plan.processes[engines[1]]
+    assert a.host == b.host
+    plan.processes[engines[1]] = dataclasses.replace(b, port=a.port, gpus=a.gpus)
+    problems = check_plan(plan, 8)
+    assert any("port" in p for p in problems) and any("GPU" in p for p in problems)
+
+
+def _dry_run(argv: list[str]) -> tuple[int, str]:
+    from dora_megatron.cli import train
+
+    parser = argparse.ArgumentParser()
+    train.configure(parser)
+    out = io.StringIO()
+    with redirect_stdout(out):
+        rc = train.run(parser.parse_args(argv))
+    return rc, out.getvalue()
+
+
+def test_dry_run_prints_a_1000_node_plan():
+    rc, out = _dry_run(["--config", str(MULTI), "--dry-run", "--slurm-env", "SLURM_JOB_NODELIST=gpu[0001-1024]",
+                        "--slurm-env", "SLURM_GPUS_ON_NODE=8", "--slurm-env", "SLURM_JOB_ID=9"])
+    assert rc == 0 and "plan check: OK" in out
+    assert "cluster plan: 1024 node(s)" in out and "node gpu1024 [rollout]" in out
+    assert out.count("sglang.launch_server") == (1024 - 4) * 2
+    assert "job9" in out  # the shared run directory derives from the job id, identical on every node
+
+
+def test_dry_run_reports_plan_errors(capsys):
+    rc, _ = _dry_run(["--config", str(MULTI), "--dry-run", "--set", "sglang.tp_size=16", "--set", "sglang.ep_size=16",
+                      "--slurm-env", "SLURM_JOB_NODELIST=n[1-5]", "--slurm-env", "SLURM_GPUS_ON_NODE=8"])
+    assert rc == 2 and "needs 2 nodes" in capsys.readouterr().err
+
+
+def test_local_plan_places_sglang_after_trainer_gpus():
+    from dora_megatron.launch.plan import local_plan
+
+    cfg = load_config(ROOT / "configs" / "gpu_ci_small.yaml", ["rollout.base_port=31000"])
+    plan = local_plan(cfg, "/m", "/r")
+    engines = [p for p in plan if p.role == "engine"]
+    assert len(engines) == 2 and all("sglang.launch_server" in p.argv for p in engines)
+    assert [p.gpus for p in engines] == [(1,), (2,)]  # GPU 0 is the trainer's
+    assert len({p.port for p in engines} | {v for p in engines for v in p.extra_ports.values()}) == 4
+
+
+def test_sbatch_templates_parse_and_only_call_dora():
+    scripts = sorted((ROOT / "slurm").glob("*.sbatch"))
+    assert len(scripts) >= 2
+    for s in scripts:
+        subprocess.run(["bash", "-n", str(s)], check=True)
+        body = [ln for ln in s.read_text().splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+        runs = [ln for ln in body if re.match(r"\s*srun\b", ln)]
+        assert runs, f"{s.name}: no srun line"
+        assert all('"$DORA" train' in ln or "dora train" in ln for ln in " ".join(body).split("srun")[1:])

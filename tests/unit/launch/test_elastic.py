@@ -1,0 +1,97 @@
+"""Elastic pools: an instance that joins a running job is switched to the version the orchestrator
+assigns and takes work; a failed instance can come back under its name; nothing is lost."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import sys
+from pathlib import Path
+
+from dora_megatron.config.orchestrator import OrchestratorConfig
+from dora_megatron.controller.runtime import Runtime, RuntimeOptions
+from dora_megatron.data.tasks import RunningSumTask, running_sum_reward
+from dora_megatron.launch.elastic import JoinRequest, read_join_requests, watch_joins, write_join_request
+from dora_megatron.orchestrator import Orchestrator
+
+_spec = importlib.util.spec_from_file_location("runtime_fakes", Path(__file__).parents[1] / "controller" / "fakes.py")
+fakes = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("runtime_fakes", fakes)  # dataclasses look their module up
+_spec.loader.exec_module(fakes)
+
+
+def _runtime(names, steps=8):
+    cfg = OrchestratorConfig(mode="dora", tbs=4, rbs=8, max_staleness=2, group_size=2, rebalance_interval_s=0.05,
+                             cap_before_rebalance=6, cap_after_rebalance=4)
+    engines = {n: fakes.FakeEngine(n, token_s=0.002, migration=False) for n in names}
+    trainer = fakes.FakeTrainer()
+    opts = RuntimeOptions(steps=steps, seed=0, max_new_tokens=64, temperature=1.0, top_p=1.0, top_k=-1,
+                          snapshot_dir=lambda v: f"/snap/v{v}", stats_interval_s=0.01)
+    rt = Runtime(Orchestrator(cfg, names), engines, trainer, RunningSumTask(1, 30, 1.2, seed=1), running_sum_reward, opts)
+    return rt, engines, trainer
+
+
+def _check(rt, trainer, steps):
+    assert len(trainer.batches) == steps
+    seen = set()
+    for step, batch in enumerate(trainer.batches):
+        groups = {s["group_id"] for s in batch}
+        assert len(groups) == 4 and not groups & seen
+        seen |= groups
+        assert all(s["reward"] == 1.0 and step - s["version"] <= 2 for s in batch)
+
+
+def test_join_request_files_roundtrip(tmp_path):
+    write_join_request(tmp_path, JoinRequest("x1", "http://h:1", 4))
+    (tmp_path / "broken.json").write_text("{")
+    assert read_join_requests(tmp_path) == [JoinRequest("x1", "http://h:1", 4)]
+
+
+def test_joined_instance_gets_the_assigned_version_and_serves(tmp_path):
+    rt, engines, trainer = _runtime(["e0", "e1"])
+    joined = {}
+
+    def make(req: JoinRequest):
+        joined[req.name] = fakes.FakeEngine(req.name, token_s=0.002, migration=False)
+        return joined[req.name]
+
+    async def main():
+        watcher = asyncio.get_running_loop().create_task(watch_joins(tmp_path, rt, make, poll_s=0.01))
+
+        async def join_later():
+            while len(trainer.batches) < 2:
+                await asyncio.sleep(0.005)
+            write_join_request(tmp_path, JoinRequest("new0", "http://unused"))
+        asyncio.get_running_loop().create_task(join_later())
+        try:
+            return await rt.run()
+        finally:
+            watcher.cancel()
+
+    summary = asyncio.run(main())
+    _check(rt, trainer, 8)
+    new = joined["new0"]
+    assert new.loads and new.loads[0].startswith("/snap/v") and int(new.loads[0][7:]) >= 2  # a current version
+    assert any(op == "generate" for op, _, _ in new.log), "the joined instance never got work"
+    assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
+
+
+def test_failed_instance_is_removed_and_can_rejoin():
+    rt, engines, trainer = _runtime(["e0", "e1", "e2"])
+    back = fakes.FakeEngine("e1", token_s=0.002, migration=False)
+
+    async def main():
+        async def fail_then_rejoin():
+            while len(trainer.batches) < 1:
+                await asyncio.sleep(0.005)
+            engines["e1"].dead = True
+            while "e1" not in rt.failed:
+                await asyncio.sleep(0.005)
+            rt.add_instance("e1", back)
+        asyncio.get_running_loop().create_task(fail_then_rejoin())
+        return await rt.run()
+
+    summary = asyncio.run(main())
+    _check(rt, trainer, 8)
+    assert "e1" not in rt.failed and back.loads and any(op == "generate" for op, _, _ in back.log)
+    assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0

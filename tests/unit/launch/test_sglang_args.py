@@ -1,0 +1,118 @@
+"""SGLang command lines, the weight-push plan (ranks, buckets, flush flags) and the adapter's wire rids."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from dora_megatron.config.base import ConfigError
+from dora_megatron.config.schema import load_config
+from dora_megatron.rollout.sglang.args import InstanceSpec, SGLangArgsError, server_argv
+from dora_megatron.rollout.sglang.client import summarize_loads
+from dora_megatron.rollout.sglang.engine import wire_rid
+from dora_megatron.rollout.sglang.weights import bucket_flags, group_layout, plan_buckets
+
+
+def _inst(**kw):
+    base = dict(name="s0", model_path="/m", host="0.0.0.0", port=30000, nccl_port=30001, base_gpu_id=4, tp_size=4)
+    return InstanceSpec(**{**base, **kw})
+
+
+def _flags(argv):
+    """flag -> value (None for switches)."""
+    out, i = {}, 0
+    while i < len(argv):
+        if argv[i].startswith("--"):
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if nxt is not None and not nxt.startswith("--"):
+                out[argv[i]] = nxt
+                i += 2
+                continue
+            out[argv[i]] = None
+        i += 1
+    return out
+
+
+def test_argv_has_shape_eplb_and_memory_flags():
+    cfg = load_config(None, ["rollout.engine=sglang", "rollout.device=cuda", "sglang.tp_size=4", "sglang.ep_size=4",
+                             "sglang.enable_eplb=true", "sglang.ep_num_redundant_experts=8",
+                             "sglang.mem_fraction_static=0.75", "sglang.python=/opt/sgl/bin/python"])
+    argv = server_argv(_inst(weight_version="3"), cfg.sglang, cfg.rollout)
+    assert argv[:3] == ("/opt/sgl/bin/python", "-m", "sglang.launch_server")
+    f = _flags(list(argv[3:]))
+    assert f["--tp-size"] == "4" and f["--ep-size"] == "4" and f["--base-gpu-id"] == "4"
+    assert "--enable-eplb" in f and f["--ep-num-redundant-experts"] == "8" and f["--eplb-algorithm"] == "auto"
+    assert f["--mem-fraction-static"] == "0.75" and f["--weight-version"] == "3"
+    assert "--skip-tokenizer-init" in f and f["--port"] == "30000" and f["--nccl-port"] == "30001"
+    assert "--enable-ep-moe" not in f and "--nnodes" not in f  # removed in 0.5.x; single node
+
+
+def test_multi_node_instance_flags_and_user_flag_clash():
+    cfg = load_config(None, ["rollout.engine=sglang", "rollout.device=cuda", "sglang.tp_size=16",
+                             "rollout.sglang_args=[--disable-cuda-graph]"])
+    f = _flags(list(server_argv(_inst(tp_size=16, nnodes=2, node_rank=1, dist_init_addr="h1:30002"), cfg.sglang, cfg.rollout)))
+    assert (f["--nnodes"], f["--node-rank"], f["--dist-init-addr"]) == ("2", "1", "h1:30002")
+    assert "--disable-cuda-graph" in f
+    with pytest.raises(SGLangArgsError, match="dist_init_addr"):
+        server_argv(_inst(tp_size=16, nnodes=2), cfg.sglang, cfg.rollout)
+    clash = load_config(None, ["rollout.engine=sglang", "rollout.device=cuda", "rollout.sglang_args=[--tp-size=2]"])
+    with pytest.raises(SGLangArgsError, match="--tp-size"):
+        server_argv(_inst(tp_size=1), clash.sglang, clash.rollout)
+
+
+@pytest.mark.parametrize("override,where", [
+    (["sglang.tp_size=4", "sglang.ep_size=3"], "sglang.ep_size"),
+    (["sglang.enable_eplb=true"], "sglang.enable_eplb"),
+    (["sglang.skip_tokenizer_init=false"], "sglang.skip_tokenizer_init"),
+    (["sglang.pause_mode=stop"], "sglang.pause_mode"),
+    (["cluster.weight_group_port=29500"], "cluster.weight_group_port"),
+])
+def test_bad_sglang_and_cluster_settings_name_the_field(override, where):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, override)
+    assert err.value.path == where
+
+
+def test_group_layout_gives_each_instance_consecutive_ranks():
+    lay = group_layout({"a": 4, "b": 1, "c": 8})
+    assert lay.rank_offsets == (1, 5, 6) and lay.world_size == 14
+    ranks = [0] + [r for n, g in (("a", 4), ("b", 1), ("c", 8)) for r in lay.ranks_of(n, g)]
+    assert ranks == list(range(14))
+    with pytest.raises(ValueError):
+        group_layout({"a": 0})
+
+
+@pytest.mark.parametrize("sizes,cap", [([5, 5, 5], 10), ([1] * 7, 3), ([30, 1, 1], 10), ([], 4), ([4, 6, 10, 1], 10)])
+def test_buckets_cover_in_order_and_respect_the_cap(sizes, cap):
+    buckets = plan_buckets(sizes, cap)
+    assert [i for b in buckets for i in b] == list(range(len(sizes)))
+    for b in buckets:
+        assert len(b) == 1 or sum(sizes[i] for i in b) <= cap
+    for b1, b2 in zip(buckets, buckets[1:]):  # greedy: the next tensor did not fit
+        assert sum(sizes[i] for i in b1) + sizes[b2[0]] > cap
+
+
+def test_flush_only_after_abort_pause_and_only_on_the_last_bucket():
+    assert bucket_flags("abort", last=True) == {"flush_cache": True, "abort_all_requests": False}
+    assert bucket_flags("abort", last=False)["flush_cache"] is False
+    for mode in ("retract", "in_place"):
+        assert not bucket_flags(mode, last=True)["flush_cache"]
+    with pytest.raises(ValueError):
+        bucket_flags("drain", True)
+
+
+def test_wire_rids_are_prefix_free():
+    ids = [f"g{g}.{i}" for g in range(120) for i in range(12)]
+    wires = [wire_rid(x) for x in ids]
+    assert any(a.startswith(b) for a, b in itertools.permutations(ids, 2))  # the raw ids are not
+    assert not any(a.startswith(b) for a, b in itertools.permutations(wires, 2))
+    with pytest.raises(ValueError):
+        wire_rid("a#b")
+
+
+def test_loads_are_summed_over_dp_ranks():
+    body = {"loads": [{"dp_rank": 0, "num_running_reqs": 3, "num_waiting_reqs": 1, "num_used_tokens": 50, "num_total_tokens": 100},
+                      {"dp_rank": 1, "num_running_reqs": 2, "num_used_tokens": 10, "num_total_tokens": 100}]}
+    assert summarize_loads(body) == {"num_running_reqs": 5, "num_waiting_reqs": 1, "kv_usage": 0.3}
+    assert summarize_loads({"nothing": 1}) is None

@@ -1,0 +1,30 @@
+"""``dora simulate`` writes the summary JSON (every DESIGN section 11 field) and the PNGs."""
+
+import json
+from pathlib import Path
+
+from dora_megatron.cli.main import main
+from dora_megatron.sim.summary import SUMMARY_FIELDS
+
+TINY = Path(__file__).resolve().parents[3] / "configs" / "sim" / "tiny.yaml"
+
+
+def test_single_mode_writes_summary_and_plots(tmp_path):
+    out = tmp_path / "r.json"
+    rc = main(["simulate", "--config", str(TINY), "--mode", "dora", "--set", "sim.steps=3",
+               "--set", "sim.warmup_steps=0", "--out", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    for key in SUMMARY_FIELDS:
+        assert key in data
+    assert data["mode"] == "dora" and data["steps"] == 3
+    assert len(data["series"]["step_time_s"]) == 3
+    assert (tmp_path / "r_steps.png").stat().st_size > 0
+    assert (tmp_path / "r_timeline_dora.png").stat().st_size > 0
+
+
+def test_bad_override_is_a_config_error(tmp_path, capsys):
+    rc = main(["simulate", "--config", str(TINY), "--set", "cluster.nope=1", "--out", str(tmp_path / "x.json"),
+               "--no-plots"])
+    assert rc == 2
+    assert "cluster.nope" in capsys.readouterr().out

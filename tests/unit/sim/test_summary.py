@@ -1,0 +1,50 @@
+"""The DESIGN section 11 summary: every field present, the section 9 definitions, nulls."""
+
+import pytest
+
+from dora_megatron.sim.summary import SUMMARY_FIELDS, RunTotals, StepRecord, build_summary
+
+
+def _steps():
+    # three steps ending at 100, 250, 400 s; waits 60, 10, 0; tokens 1000 each
+    return [StepRecord(0, 100.0, 60.0, 30.0, 10.0, 1000, [0, 0], reward=0.1),
+            StepRecord(1, 250.0, 10.0, 130.0, 10.0, 1000, [0, 1], reward=0.2),
+            StepRecord(2, 400.0, 0.0, 140.0, 10.0, 1000, [1, 2], reward=0.5)]
+
+
+def test_every_field_present_in_order():
+    s = build_summary(mode="dora", max_staleness=2, tbs=2, rbs=4, steps=_steps(),
+                      totals=RunTotals(dispatched_groups=8, consumed_groups=6), wall_time_s=400.0)
+    assert tuple(s) == SUMMARY_FIELDS
+
+
+def test_definitions_over_the_whole_run():
+    totals = RunTotals(dispatched_groups=8, consumed_groups=6, busy_slot_s=400.0, slot_capacity=4,
+                       rebalance_s=8.0)
+    s = build_summary(mode="dora", max_staleness=2, tbs=2, rbs=4, steps=_steps(), totals=totals, wall_time_s=400.0)
+    assert s["throughput_tokens_per_s"] == pytest.approx(3000 / 400)
+    assert s["rollout_only_fraction"] == pytest.approx(70 / 400)
+    assert s["weight_sync_fraction"] == pytest.approx(30 / 400)
+    assert s["rollout_utilization"] == pytest.approx(400 / (4 * 400))
+    assert s["rebalance_fraction"] == pytest.approx(8 / 400)
+    assert s["mean_step_time_s"] == pytest.approx(400 / 3)
+    assert s["staleness_histogram"] == {"0": 3, "1": 2, "2": 1}
+    assert s["max_consumed_staleness"] == 2
+    assert s["reward_first"] == pytest.approx(0.1) and s["reward_last"] == pytest.approx(0.5)
+
+
+def test_warmup_window_excludes_first_steps():
+    s = build_summary(mode="sync", max_staleness=0, tbs=2, rbs=2, steps=_steps(),
+                      totals=RunTotals(dispatched_groups=6, consumed_groups=6), wall_time_s=400.0, warmup_steps=1)
+    assert s["throughput_tokens_per_s"] == pytest.approx(2000 / 300)
+    assert s["rollout_only_fraction"] == pytest.approx(10 / 300)
+    assert s["mean_step_time_s"] == pytest.approx(150)
+    assert s["steps"] == 3  # counts cover the whole run
+
+
+def test_not_applicable_is_null_not_missing():
+    steps = [StepRecord(0, 50.0, 5.0, 40.0, 5.0, 10)]
+    s = build_summary(mode="sync", max_staleness=0, tbs=1, rbs=1, steps=steps,
+                      totals=RunTotals(dispatched_groups=1, consumed_groups=1, rebalance_s=None), wall_time_s=50.0)
+    for key in ("reward_first", "reward_last", "rollout_utilization", "rebalance_fraction", "max_consumed_staleness"):
+        assert key in s and s[key] is None
