@@ -24,6 +24,7 @@ setup(
         "aiohttp>=3.9",
         "tqdm>=4.60",
         "matplotlib>=3.7",
+        "psutil>=5.9",  # megatron dist_checkpointing save
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6.100", "transformers>=4.51"],

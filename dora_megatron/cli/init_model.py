@@ -18,7 +18,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warm-start", choices=WARM_START_TASKS, default=None,
                         help="supervised warm start on this task after the random init (minutes on CPU)")
     parser.add_argument("--warm-start-steps", type=int, default=300, help="optimizer steps of the warm start")
-    parser.add_argument("--max-len", type=int, default=24, help="running_sum: longest digit list of the warm-start traces")
+    parser.add_argument("--max-len", type=int, default=40, help="running_sum: longest digit list of the warm-start traces")
 
 
 def run(args: argparse.Namespace) -> int:

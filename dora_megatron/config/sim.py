@@ -182,7 +182,9 @@ class SimRunConfig:
     timeline: bool = field_doc(True, "record per-instance (instance x time x version) intervals for the timeline plot")
     timeline_max_instances: int = field_doc(128, "instances drawn in the timeline plot (the first N)", ge=1)
     max_sim_time_s: float = field_doc(1e9, "stop the simulation after this much virtual time", gt=0, unit="s")
-    poll_interval_s: float = field_doc(1.0, "virtual-time period of instance_stats/tick events to the orchestrator", gt=0, unit="s")
+    poll_interval_s: float = field_doc(1.0, "virtual-time period of on_tick events to the orchestrator", gt=0, unit="s")
+    stats_interval_s: float = field_doc(5.0, "virtual-time period of engine load reports (on_instance_stats, sent for "
+                                        "instances over the KV watermark or with requests waiting for KV)", gt=0, unit="s")
 
 
 @dataclass

@@ -1,9 +1,14 @@
 """Verifiable prompt sources and rule-based rewards.
 
 ``running_sum`` is the project's built-in long-tail task: the prompt is a list of
-digits, the answer is the running sum mod 10 after each digit. The list length
-``n`` is drawn with ``p(n) ~ n^-a`` on ``[min_len, max_len]``, so correct
-responses (``2n`` characters) have a heavy tail: most are short, a few are long.
+digits, the answer is the running sum mod 10 after each digit. Each digit is
+preceded by a position marker (``a``, ``b``, ... ``z``, ``A``, ...), in the prompt
+and in the answer: ``a3b1c9:`` -> ``a3b4c3.``. The markers make the task learnable
+by a 4-layer model in minutes (to emit the k-th sum it attends to the same marker
+in the prompt, an induction-head pattern, instead of counting positions). The
+list length ``n`` is drawn with ``p(n) ~ n^-a`` on ``[min_len, max_len]``, so
+correct responses (``2n + 2`` tokens) have a heavy tail: most are short, a few are
+long.
 That is exactly the workload where synchronous RL idles on stragglers and
 multi-version streaming helps, and the long lists are where a small model has
 room to improve with RL. Everything here is pure Python (no torch) so the
@@ -20,6 +25,8 @@ from typing import Callable, Iterator, Protocol
 
 PROMPT_SEP = ":"
 ANSWER_END = "."
+#: Position markers of the running-sum task (one per list element).
+MARKERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
 @dataclass(frozen=True)
@@ -46,16 +53,23 @@ def heavy_tail_lengths(min_len: int, max_len: int, exponent: float) -> tuple[lis
 
 
 def running_sum_answer(digits: list[int]) -> str:
-    """The running sums mod 10 of ``digits``, as a digit string (``[3,1,9] -> '343'``)."""
+    """The marked running sums mod 10 of ``digits`` (``[3,1,9] -> 'a3b4c3'``)."""
     out, acc = [], 0
-    for d in digits:
+    for i, d in enumerate(digits):
         acc = (acc + d) % 10
-        out.append(str(acc))
+        out.append(MARKERS[i] + str(acc))
     return "".join(out)
 
 
 def running_sum_prompt(digits: list[int]) -> str:
-    return "".join(str(d) for d in digits) + PROMPT_SEP
+    """``[3,1,9] -> 'a3b1c9:'``."""
+    return "".join(MARKERS[i] + str(d) for i, d in enumerate(digits)) + PROMPT_SEP
+
+
+def parse_running_sum_prompt(text: str) -> list[int]:
+    """Inverse of :func:`running_sum_prompt` (ignores anything after the separator)."""
+    body = text.split(PROMPT_SEP, 1)[0]
+    return [int(ch) for ch in body if ch.isdigit()]
 
 
 class RunningSumTask:
@@ -69,6 +83,8 @@ class RunningSumTask:
     def __init__(self, min_len: int = 1, max_len: int = 24, exponent: float = 1.6, seed: int = 0) -> None:
         if min_len < 1 or max_len < min_len:
             raise ValueError(f"need 1 <= min_len <= max_len, got {min_len}, {max_len}")
+        if max_len > len(MARKERS):
+            raise ValueError(f"max_len must be <= {len(MARKERS)} (one position marker per digit), got {max_len}")
         self.support, self.weights = heavy_tail_lengths(min_len, max_len, exponent)
         self.seed = seed
 

@@ -65,7 +65,7 @@ def warm_start(
     task: RunningSumTask,
     steps: int = 300,
     batch_size: int = 32,
-    lr: float = 3e-3,
+    lr: float = 1e-3,
     seed: int = 0,
     progress: Callable[[int, float], None] | None = None,
 ) -> WarmStartResult:

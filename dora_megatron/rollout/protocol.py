@@ -341,6 +341,16 @@ class InitGroupRequest:
 
 
 @dataclass
+class DestroyGroupRequest:
+    group_name: str = "weight_update_group"
+
+    @classmethod
+    def from_json(cls, body: Any) -> "DestroyGroupRequest":
+        body = _obj(body, "/destroy_weights_update_group")
+        return cls(_str(body, "group_name", "weight_update_group"))
+
+
+@dataclass
 class UpdateFromDistributedRequest:
     names: list[str]
     dtypes: list[str]

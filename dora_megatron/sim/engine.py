@@ -91,6 +91,9 @@ class Simulation:
         self.S = self.ocfg.effective_staleness
         self.cost = cfg.cost
         self.record_timeline = cfg.sim.timeline
+        # request slots per instance for the utilization metric: the engine's physical cap, or the
+        # orchestrator's (higher, first-phase) cap when that is lower; the same for every mode
+        self.slot_cap = min(cfg.cost.max_concurrent, self.ocfg.cap_before_rebalance)
         self.placement = cfg.cluster.placement(self.mode)
         self.colocated = self.placement == "colocated"
         decode = DecodeCost.from_config(cfg.cost)
@@ -122,6 +125,7 @@ class Simulation:
         self.trainer = _Trainer()
         self._notes: deque[tuple[str, tuple[Any, ...]]] = deque()
         self._last_progress = 0.0
+        self._last_stats = 0.0
         self.window_start: float | None = 0.0 if cfg.sim.warmup_steps == 0 else None
         # accounting
         self.step_records: list[StepRecord] = []
@@ -244,7 +248,7 @@ class Simulation:
             self.migration_s += dt
         self.q.push(self.q.now + dt, ARRIVE, req.sample_id)
 
-    def _take(self, sid: str, iid: str) -> SimRequest:
+    def _take(self, sid: str, iid: str) -> SimRequest | None:
         """Remove a sample from wherever the simulator holds it (instance, queue or transit)."""
         if sid in self.transit:
             req, _ = self.transit.pop(sid)
@@ -254,7 +258,7 @@ class Simulation:
             raise SimProtocolError(f"{sid} is not on {iid} (it is on {self.where.get(sid)})")
         self._sync(inst)
         if sid in self.finished_ids:
-            raise SimProtocolError(f"{sid} finished before it could be moved")
+            return None  # it completed at the sync; its finish note is queued, nothing to move
         req = inst.take(sid, self.q.now)
         del self.where[sid]
         self._touch(inst)
@@ -265,6 +269,8 @@ class Simulation:
             return  # finished in the same instant (its finish note is queued); nothing to move
         dst = self._inst(a.dst)
         req = self._take(a.sample_id, a.src)
+        if req is None:
+            return
         if req.version != a.version or dst.version != a.version or dst.state == SWITCHING:
             raise SimProtocolError(f"migrate {a.sample_id} v{req.version} to {a.dst} holding v{dst.version} ({dst.state})")
         if self.cost.reprefill_on_migrate or req.generated == 0:
@@ -284,6 +290,8 @@ class Simulation:
         if a.sample_id in self.finished_ids:
             return
         req = self._take(a.sample_id, a.instance)
+        if req is None:
+            return
         self.held[a.sample_id] = (req, False)
 
     def _do_SwitchVersion(self, a: Any) -> None:
@@ -479,17 +487,19 @@ class Simulation:
     def _on_poll(self) -> None:
         now = self.q.now
         wm = self.ocfg.kv_high_watermark
-        for iid in list(self.instances):
-            inst = self.instances[iid]
-            if inst.state != READY or not inst.running:
-                continue
-            kv = inst.kv_usage()
-            hot = kv >= wm
-            if hot and not inst.kv_hot:
-                # edge-triggered: the engine reports when its KV usage crosses the watermark
-                self._report_progress(inst.running.values())
-                self._note("on_instance_stats", iid, inst.load, kv)
-            inst.kv_hot = hot
+        stats_due = now - self._last_stats >= self.cfg.sim.stats_interval_s - 1e-9
+        if stats_due:
+            self._last_stats = now
+            for iid in list(self.instances):
+                inst = self.instances[iid]
+                if inst.state != READY or not inst.running:
+                    continue
+                # an engine with requests waiting for KV is full, whatever its nominal usage
+                kv = 1.0 if inst.queue else inst.kv_usage()
+                if kv >= wm:
+                    # periodic engine report while over the watermark (what the runtime polls)
+                    self._report_progress(inst.running.values())
+                    self._note("on_instance_stats", iid, inst.load, kv)
         self._note("on_tick", now)
         self.q.push(now + self.cfg.sim.poll_interval_s, POLL)
 
@@ -596,7 +606,7 @@ class Simulation:
             migrated_kv_bytes=self.migrated_bytes,
             reprefill_tokens=self.reprefill_tokens,
             busy_slot_s=busy,
-            slot_capacity=n_roll * self.cost.max_concurrent,
+            slot_capacity=n_roll * self.slot_cap,
             rebalance_s=(self.switch_s_total / max(1, n_roll)) if self.mode == "dora" else None,
         )
         summary = build_summary(mode=self.mode, max_staleness=self.S, tbs=self.ocfg.tbs,
@@ -624,7 +634,8 @@ class Simulation:
             "orchestrator_max_call_s": self.orch_max_call_s,
             "orchestrator_summary": self.orch.summary(),
             "switch_instance_s": self.switch_s_total,
-            "migration_fraction": self.migration_s / (max(1, n_roll) * self.cost.max_concurrent * span),
+            "migration_fraction": self.migration_s / (max(1, n_roll) * self.slot_cap * span),
+            "slot_cap": self.slot_cap,
             "sim_checks": {"c1": self.sim_c1, "c3": self.sim_c3, "duplicated": self.sim_dup, "lost": self.sim_lost},
             "mean_response_tokens": (sum(self.series["mean_response_tokens"]) / n_steps) if self.step_records else None,
         }

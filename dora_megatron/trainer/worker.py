@@ -346,6 +346,17 @@ class TrainerWorker:
                 "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=meta),
                 "step": self.step}
 
+    def _unshare_adam_steps(self) -> None:
+        """Megatron's DistributedOptimizer.load_state_dict (torch-Adam fallback) gives every parameter
+        the *same* ``step`` tensor; torch Adam increments each param's step in place, so a shared
+        tensor would advance N times per step and break bias correction. Give each its own copy."""
+        chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        for opt in chained:
+            inner = getattr(opt, "optimizer", None)
+            for st in getattr(inner, "state", {}).values():
+                if isinstance(st.get("step"), torch.Tensor):
+                    st["step"] = st["step"].clone()
+
     def _init_optimizer_state(self) -> None:
         """Materialise Adam state with a zero-gradient step (torch Adam creates state lazily and
         Megatron's state_dict needs it before a load). Parameters are overwritten by the load."""
@@ -358,6 +369,10 @@ class TrainerWorker:
         """Collective ``dist_checkpointing`` save of model + optimizer state + step into ``directory``."""
         from megatron.core import dist_checkpointing
 
+        try:
+            import psutil  # noqa: F401  (megatron's torch_dist writer needs it but does not declare it)
+        except ImportError as exc:
+            raise RuntimeError("dist_checkpointing save needs the 'psutil' package: pip install psutil") from exc
         if self.info.rank == 0:
             os.makedirs(directory, exist_ok=True)
         dist.barrier()
@@ -376,6 +391,7 @@ class TrainerWorker:
 
         unwrap(self.model).load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self._unshare_adam_steps()
         self.step = int(state["step"])
         dist.barrier()
 

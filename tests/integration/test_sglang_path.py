@@ -10,6 +10,7 @@ the last bucket, continue) over gloo.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 
 import pytest
@@ -198,6 +199,10 @@ def test_slurm_node_runs_a_whole_single_node_job(tmp_path):
     import sys
     from pathlib import Path
 
+    import importlib.util
+
+    if importlib.util.find_spec("psutil") is None and not os.environ.get("PYTHONPATH"):
+        pytest.skip("the trainer's end-of-run checkpoint (dist_checkpointing) needs psutil")
     shim = tmp_path / "sglang-python"
     shim.write_text(SHIM.format(python=sys.executable))
     shim.chmod(0o755)
@@ -217,7 +222,7 @@ def test_slurm_node_runs_a_whole_single_node_job(tmp_path):
            "--slurm-env", "SLURM_GPUS_ON_NODE=3", "--slurm-env", "SLURM_JOB_ID=7"]
     if ports[3] + 2 * 10 + 2 in ports[:3]:
         pytest.skip("port collision in the test setup")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=root)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert (run_dir / "DONE").is_file()
     summary = json.loads((run_dir / "summary.json").read_text())

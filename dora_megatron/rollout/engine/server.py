@@ -282,8 +282,7 @@ class EngineServer:
         return web.json_response({"success": True, "message": f"joined {g.group_name} as rank {g.rank_offset}"})
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
-        body = await _json(request)
-        name = body.get("group_name", "weight_update_group") if isinstance(body, dict) else None
+        name = P.DestroyGroupRequest.from_json(await _json(request)).group_name
         if name not in self.groups:
             raise P.ProtocolError(f"unknown weight update group {name!r}", 404)
         weight_sync.destroy_weight_update_group(self.groups.pop(name))

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from dora_megatron.data import tokenizer as tok
+from dora_megatron.data.tasks import parse_running_sum_prompt, running_sum_answer
 from dora_megatron.rollout.client import EngineError, VersionMismatch
 
 
@@ -63,13 +64,8 @@ class FakeEngine:
 
     @staticmethod
     def _answer(input_ids: list[int]) -> list[int]:
-        text = tok.decode(input_ids)
-        prompt = text.split(":")[0]
-        acc, out = 0, []
-        for ch in prompt:
-            acc = (acc + int(ch)) % 10
-            out.append(str(acc))
-        return tok.encode("".join(out) + ".") + [tok.EOS_ID]
+        digits = parse_running_sum_prompt(tok.decode(input_ids))
+        return tok.encode(running_sum_answer(digits) + ".") + [tok.EOS_ID]
 
     async def generate(self, input_ids, sampling_params=None, *, rid=None, return_logprob=True, version=None):
         self._check()

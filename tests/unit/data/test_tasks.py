@@ -8,13 +8,16 @@ import statistics
 import pytest
 
 from dora_megatron.data.tasks import (
-    JsonlPromptSource, RunningSumTask, heavy_tail_lengths, math_reward, running_sum_answer, running_sum_reward,
+    JsonlPromptSource, RunningSumTask, heavy_tail_lengths, math_reward, parse_running_sum_prompt, running_sum_answer,
+    running_sum_prompt, running_sum_reward,
 )
 
 
 def test_running_sum_answer_by_hand():
-    assert running_sum_answer([3, 1, 9]) == "343"
-    assert running_sum_answer([5, 5, 5, 5]) == "5050"
+    assert running_sum_answer([3, 1, 9]) == "a3b4c3"
+    assert running_sum_answer([5, 5, 5, 5]) == "a5b0c5d0"
+    assert running_sum_prompt([3, 1, 9]) == "a3b1c9:"
+    assert parse_running_sum_prompt("a3b1c9:") == [3, 1, 9]
 
 
 def test_prompts_are_deterministic_and_consistent():
@@ -22,7 +25,7 @@ def test_prompts_are_deterministic_and_consistent():
     for i in range(50):
         p = a.get(i)
         assert p == b.get(i)
-        digits = [int(c) for c in p.text.rstrip(":")]
+        digits = parse_running_sum_prompt(p.text)
         assert running_sum_answer(digits) == p.answer
     assert RunningSumTask(seed=4).get(0) != RunningSumTask(seed=3).get(0) or RunningSumTask(seed=4).get(1) != RunningSumTask(seed=3).get(1)
 
@@ -33,6 +36,11 @@ def test_heavy_tail_p99_over_median_at_least_8():
     median = statistics.median(lengths)
     p99 = lengths[int(0.99 * len(lengths))]
     assert p99 / median >= 8, (p99, median)
+
+
+def test_max_len_bounded_by_markers():
+    with pytest.raises(ValueError, match="max_len must be <= 52"):
+        RunningSumTask(1, 60)
 
 
 def test_length_weights_normalised_and_decreasing():
