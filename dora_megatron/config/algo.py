@@ -33,13 +33,15 @@ class AlgoConfig:
     length_norm: str = field_doc("token_mean", "token_mean (sum/total tokens), seq_mean (per-sample mean) or "
                                  "constant (Dr.GRPO: sum / (num_samples * length_norm_constant))",
                                  choices=("token_mean", "seq_mean", "constant"))
-    length_norm_constant: int = field_doc(0, "divisor per sample for length_norm=constant, tokens; 0 = max_new_tokens",
-                                          ge=0)
+    length_norm_constant: int = field_doc(0, "divisor per sample for length_norm=constant, tokens (set it to the "
+                                          "rollout max_new_tokens); required > 0 with length_norm=constant", ge=0)
     kl_coef: float = field_doc(0.0, "k3 KL penalty vs the reference policy; 0 = no reference model", ge=0)
     entropy_coef: float = field_doc(0.0, "entropy bonus coefficient (entropy is always logged)", ge=0)
 
     def check(self, path: str) -> None:
         if self.clip_eps_low >= 1:
             raise ConfigError(f"{path}.clip_eps_low", "must be < 1 (ratio lower bound would be <= 0)")
+        if self.length_norm == "constant" and self.length_norm_constant <= 0:
+            raise ConfigError(f"{path}.length_norm_constant", "must be > 0 when length_norm is constant")
         if self.dual_clip_c and self.dual_clip_c <= 1:
             raise ConfigError(f"{path}.dual_clip_c", "must be > 1 (or 0 to disable)")

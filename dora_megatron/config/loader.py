@@ -76,6 +76,11 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
             raise ConfigError(path, f"expected an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):  # PyYAML reads 1e-4 (no dot) as a string; accept numeric text
+            try:
+                return float(value)
+            except ValueError:
+                raise ConfigError(path, f"expected a number, got {value!r}") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(path, f"expected a number, got {value!r}")
         return float(value)

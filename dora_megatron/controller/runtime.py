@@ -132,6 +132,8 @@ class StepLog:
     staleness: list[int]
     tokens: int
     live_versions: int
+    group_ids: list[str] = field(default_factory=list)
+    group_versions: list[int] = field(default_factory=list)
 
 
 class Runtime:
@@ -464,7 +466,7 @@ class Runtime:
                 rec = self.samples[sid]
                 rec.logprobs, rec.output_ids, rec.prompt_ids = [], [], []
         log_ = StepLog(a.step, start, end, wait, train_s, 0.0, dict(result.get("metrics", {})), rewards, lengths,
-                       staleness, tokens, len(self.orch.live_versions()))
+                       staleness, tokens, len(self.orch.live_versions()), list(a.group_ids), list(a.versions))
         self.steps.append(log_)
         if self.timeline is not None:
             self.timeline.span("trainer", f"step {a.step}", start, end, version=a.step, kind="train")

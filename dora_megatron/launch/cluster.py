@@ -110,6 +110,8 @@ def slurm_plan(cfg: "DoraConfig", env: SlurmEnv, model_dir: str, run_dir: str, *
         rollout_gpu0, rollout_gpus = 0, gpn
     notes: list[str] = []
     world = len(trainer_nodes) * t_gpus
+    if cfg.launch.trainer_procs != world:
+        notes.append(f"launch.trainer_procs={cfg.launch.trainer_procs} is not used: the allocation gives {world} trainer rank(s)")
     try:
         dp = cfg.trainer.data_parallel_size(world)
     except Exception as err:  # ConfigError: the layout does not fit this allocation

@@ -118,6 +118,8 @@ def run_local_job(cfg: DoraConfig, resume: str | None = None) -> int:
                     if checkpoint is not None:
                         argv += ["--resume", str(checkpoint / "trainer")]
                     procs.start("trainer", argv, {**spec.env, "PYTHONUNBUFFERED": "1"}, cpus=spec.cpus)
+            (run_dir / "processes.json").write_text(json.dumps(
+                {"controller": os.getpid(), **{c.name: c.popen.pid for c in procs.children}}, indent=1))
             summary = asyncio.run(_run_controller(cfg, run_dir, model_dir, host, engine_ports, trainer_port, procs, say,
                                                   checkpoint))
     except (ChildFailed, TimeoutError, ValueError) as err:
@@ -184,6 +186,7 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
     timeline = Timeline() if obs.timeline else None
     progress = _Progress(cfg.run.steps, enabled=obs.progress)
     steps_file = open(run_dir / "steps.jsonl", "a" if state else "w")
+    consumed_file = open(run_dir / "consumed.jsonl", "a" if state else "w")
 
     def snapshot_dir(version: int) -> str:
         return str(model_dir) if version == 0 else str(run_dir / "weights" / f"v{version:06d}")
@@ -215,6 +218,8 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
         retention.prune()
         steps_file.write(json.dumps({"step": s.step, **{k: v for k, v in scalars.items() if v is not None}}) + "\n")
         steps_file.flush()
+        consumed_file.write(json.dumps({"step": s.step, "groups": s.group_ids, "versions": s.group_versions}) + "\n")
+        consumed_file.flush()
         progress.update(s.step, scalars)
 
     options = RuntimeOptions(
@@ -245,6 +250,7 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
         monitor.cancel()
         progress.close()
         steps_file.close()
+        consumed_file.close()
         writer.close()
         await trainer.shutdown()
         await trainer.close()

@@ -54,6 +54,18 @@ class Child:
             return ""
 
 
+def _die_with_parent() -> None:
+    """Linux: deliver SIGTERM to this child when the launcher dies, even by SIGKILL (no orphans)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except OSError:  # not Linux / no glibc: the context-manager cleanup still applies
+        pass
+
+
 class ChildFailed(RuntimeError):
     pass
 
@@ -76,14 +88,19 @@ class ProcessSet:
         log_path = self.log_dir / f"{name}.log"
         fh = open(log_path, "ab", buffering=0)
         full_env = {**os.environ, **(env or {})}
-        preexec = None
+        pinned: set[int] = set()
         if cpus:
             available = os.sched_getaffinity(0)
             missing = sorted(set(cpus) - available)
             if missing:
                 raise ValueError(f"{name}: CPU cores {missing} are not available here (have {sorted(available)})")
             pinned = set(cpus)
-            preexec = lambda: os.sched_setaffinity(0, pinned)  # noqa: E731 - runs in the child before exec
+
+        def preexec() -> None:  # runs in the child before exec
+            _die_with_parent()
+            if pinned:
+                os.sched_setaffinity(0, pinned)
+
         popen = subprocess.Popen(list(argv), stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  env=full_env, start_new_session=True, preexec_fn=preexec)
         child = Child(name, popen, log_path, fh)

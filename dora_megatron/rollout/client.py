@@ -68,9 +68,10 @@ class EngineClient:
         self, method: str, path: str, json_body: Any = None, data: bytes | None = None, raw: bool = False,
         timeout_s: float | None = None,
     ) -> Any:
-        """One call; ``timeout_s`` overrides the client's timeout (a stalled engine raises TimeoutError)."""
+        """One call, bounded by ``timeout_s`` or else the client's ``timeout_s``: a stalled engine raises TimeoutError."""
         url = self.base_url + path
-        timeout = None if timeout_s is None else aiohttp.ClientTimeout(total=timeout_s)
+        # per call, so that timeout_s also holds on a session shared with other clients
+        timeout = self.timeout if timeout_s is None else aiohttp.ClientTimeout(total=timeout_s)
         async with self._sess().request(method, url, json=json_body, data=data, timeout=timeout) as resp:
             body = await resp.read()
             if resp.status >= 400:

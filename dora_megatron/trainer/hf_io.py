@@ -88,7 +88,7 @@ def gather_megatron_global(model: torch.nn.Module, arch, layout: naming.Layout) 
         else:
             owner = ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
         if owner:
-            out[naming.local_to_global_name(cname, arch, layout)] = data.clone()
+            out[naming.local_to_global_name(cname, arch, layout)] = data.detach().cpu().clone()
     return out
 
 

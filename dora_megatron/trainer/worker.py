@@ -14,7 +14,8 @@ batch whatever the micro-batch split.
 Batch format: a list of samples, each a mapping or an object with ``prompt_ids`` (list[int]),
 ``response_ids`` (list[int]), ``rollout_logprobs`` (list[float], one per response token; optional
 for ``compute_logprobs``), and either ``advantage`` (float) or ``reward`` (float) with ``group_id``
-(hashable); ``version`` is optional and only logged. Sequences are right-padded to the longest
+(hashable); ``version`` is optional and only logged; ``ref_logprobs`` (one per response token) is
+required only when ``algo.kl_coef > 0`` (the trainer holds no reference model). Sequences are right-padded to the longest
 sample of the step (rounded up to a multiple of TP when sequence parallelism is on).
 """
 
@@ -57,6 +58,7 @@ class MicroBatch:
     advantages: torch.Tensor
     trainer_logprobs: torch.Tensor | None
     index: list[int]
+    ref_logprobs: torch.Tensor | None = None
 
 
 def build_micro_batches(samples: Sequence[Any], *, indices: Sequence[int], micro_batch_size: int,
@@ -76,6 +78,8 @@ def build_micro_batches(samples: Sequence[Any], *, indices: Sequence[int], micro
         lmask = torch.zeros(len(rows), seq_len)
         rlp = torch.zeros(len(rows), seq_len)
         tlp = torch.zeros(len(rows), seq_len)
+        ref = torch.zeros(len(rows), seq_len)
+        has_ref = False
         adv = torch.zeros(len(rows))
         for r, i in enumerate(rows):
             if i < 0:
@@ -94,12 +98,17 @@ def build_micro_batches(samples: Sequence[Any], *, indices: Sequence[int], micro
                 rlp[r, p - 1: n - 1] = torch.as_tensor(lp, dtype=torch.float32)
             if trainer_logprobs is not None:
                 tlp[r, p - 1: n - 1] = trainer_logprobs[i]
+            ref_lp = _field(s, "ref_logprobs")
+            if ref_lp is not None:
+                ref[r, p - 1: n - 1] = torch.as_tensor(ref_lp, dtype=torch.float32)
+                has_ref = True
             if advantages is not None:
                 adv[r] = advantages[i]
         out.append(MicroBatch(
             tokens=tokens, position_ids=torch.arange(seq_len).unsqueeze(0).expand(len(rows), -1).contiguous(),
             attention_mask=mask, targets=targets, loss_mask=lmask, rollout_logprobs=rlp, advantages=adv,
-            trainer_logprobs=tlp if trainer_logprobs is not None else None, index=rows))
+            trainer_logprobs=tlp if trainer_logprobs is not None else None, index=rows,
+            ref_logprobs=ref if has_ref else None))
     return out
 
 
@@ -274,6 +283,9 @@ class TrainerWorker:
                                   num_micro_batches=nmb, seq_len=seq_len, advantages=advantages,
                                   trainer_logprobs=trainer_lp)
         has_rollout = all(_field(s, "rollout_logprobs") is not None for s in batch)
+        if settings.kl_coef > 0 and any(_field(s, "ref_logprobs") is None for s in batch):
+            raise ValueError("algo.kl_coef > 0 needs per-token 'ref_logprobs' on every sample (no reference model "
+                             "is held by the trainer)")
 
         def loss_fn(mb: MicroBatch, logits: torch.Tensor):
             logp, ent = self._logprobs(mb, logits, with_entropy=True)
@@ -283,6 +295,7 @@ class TrainerWorker:
                               mb.loss_mask.to(dev), settings,
                               rollout_logprobs=rlp if has_rollout else None,
                               trainer_logprobs=mb.trainer_logprobs.to(dev) if mb.trainer_logprobs is not None else None,
+                              ref_logprobs=mb.ref_logprobs.to(dev) if mb.ref_logprobs is not None else None,
                               entropy=ent)
             report = {k: v.detach().reshape(()).float() for k, v in out.metric_sums.items()}
             report["loss_sum"] = out.loss_sum.detach().reshape(())
@@ -314,7 +327,9 @@ class TrainerWorker:
                     if name in rep:
                         totals[k] += float(rep[name])
                         present[k] = 1
-        dist.all_reduce(totals)
+        dev = torch.device("cuda", torch.cuda.current_device()) if self.cfg.device == "cuda" else torch.device("cpu")
+        totals, present = totals.to(dev), present.to(dev)
+        dist.all_reduce(totals)  # NCCL needs device tensors
         dist.all_reduce(present, op=dist.ReduceOp.MAX)
         t = dict(zip(keys, totals.tolist()))
         ntok = max(t["num_tokens"], 1.0)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import uuid
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -94,6 +95,35 @@ async def _json(request: web.Request) -> Any:
         return json.loads(raw)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise P.ProtocolError(f"malformed JSON body: {str(exc)[:200]}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else repr(exc)
+
+
+def _in_daemon_thread(fn: Callable[[], Any]) -> "asyncio.Future[Any]":
+    """Run ``fn`` on a new daemon thread; the future can be abandoned if ``fn`` never returns."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future = loop.create_future()
+
+    def settle(value: Any, exc: BaseException | None) -> None:
+        if fut.done():  # abandoned (timed out)
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(value)
+
+    def work() -> None:
+        try:
+            value, exc = fn(), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting handler
+            value, exc = None, e
+        loop.call_soon_threadsafe(settle, value, exc)
+
+    threading.Thread(target=work, name="dora-group-connect", daemon=True).start()
+    return fut
 
 
 @dataclass
@@ -268,16 +298,31 @@ class EngineServer:
             raise P.ProtocolError(f"weight update group {g.group_name!r} already exists", 409)
         if g.backend == "nccl" and self.options.device != "cuda":
             raise P.ProtocolError("backend nccl needs --device cuda; use gloo on CPU")
+        opts = self.options
+        connect_s = min(opts.group_timeout_s, opts.group_connect_timeout_s)
+        try:
+            # TCPStore retries with back-off until connect_s; a peer that accepts but never answers
+            # would block it for good, so wait on an abandonable thread with a bound of our own
+            store = await asyncio.wait_for(
+                _in_daemon_thread(
+                    lambda: weight_sync.connect_store(g.master_address, g.master_port, g.rank_offset, g.world_size, connect_s)
+                ),
+                3 * connect_s + 5,
+            )
+        except asyncio.TimeoutError:
+            return _error(400, f"failed to join weight update group: no TCPStore answered at "
+                               f"{g.master_address}:{g.master_port} within {3 * connect_s + 5:.0f} s")
+        except Exception as exc:  # noqa: BLE001 - rendezvous failures are reported
+            return _error(400, f"failed to join weight update group: {_first_line(exc)}")
         try:
             group = await asyncio.get_running_loop().run_in_executor(
                 None,
-                lambda: weight_sync.init_weight_update_group(
-                    g.master_address, g.master_port, g.rank_offset, g.world_size, g.group_name, g.backend,
-                    self.options.group_timeout_s, self.options.group_connect_timeout_s,
+                lambda: weight_sync.group_from_store(
+                    store, g.rank_offset, g.world_size, g.group_name, g.backend, opts.group_timeout_s
                 ),
             )
-        except Exception as exc:  # noqa: BLE001 - rendezvous failures are reported
-            return _error(400, f"failed to join weight update group: {str(exc).splitlines()[0][:300] if str(exc) else exc!r}")
+        except Exception as exc:  # noqa: BLE001 - e.g. the other ranks never joined
+            return _error(400, f"failed to join weight update group: {_first_line(exc)}")
         self.groups[g.group_name] = group
         return web.json_response({"success": True, "message": f"joined {g.group_name} as rank {g.rank_offset}"})
 

@@ -36,15 +36,33 @@ def init_weight_update_group(
     TCPStore client retries until then); ``timeout_s`` bounds every later collective. An engine
     passes a short connect timeout so that a wrong address or port fails in seconds, not minutes.
     """
+    store = connect_store(master_address, master_port, rank, world_size, min(timeout_s, connect_timeout_s or timeout_s))
+    return group_from_store(store, rank, world_size, group_name, backend, timeout_s)
+
+
+def connect_store(master_address: str, master_port: int, rank: int, world_size: int, connect_timeout_s: float) -> Any:
+    """The rendezvous TCPStore (hosted by rank 0; the other ranks connect as clients).
+
+    Caveat (torch 2.13): a peer that accepts the TCP connection but never answers the store's
+    handshake blocks this call regardless of the timeout; callers that must not hang run it in a
+    thread they can abandon (the engine's ``/init_weights_update_group`` does).
+    """
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
     if not dist.is_available():
         raise RuntimeError("torch.distributed is not available in this build")
-    timeout = timedelta(seconds=timeout_s)
-    connect = timedelta(seconds=min(timeout_s, connect_timeout_s or timeout_s))
     host = f"[{master_address}]" if ":" in master_address and not master_address.startswith("[") else master_address
-    store, rank, world_size = next(c10d.rendezvous(f"tcp://{host}:{master_port}", rank, world_size, timeout=connect))
+    url = f"tcp://{host}:{master_port}"
+    store, _, _ = next(c10d.rendezvous(url, rank, world_size, timeout=timedelta(seconds=connect_timeout_s)))
+    return store
+
+
+def group_from_store(store: Any, rank: int, world_size: int, group_name: str, backend: str, timeout_s: float) -> Any:
+    """Collectively build the group over a connected store (waits up to ``timeout_s`` for all ranks)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = timedelta(seconds=timeout_s)
     store.set_timeout(timeout)
     prefix_store = c10d.PrefixStore(group_name, store)
     pg, _ = c10d._new_process_group_helper(

@@ -93,6 +93,11 @@ def test_cross_field_check():
         load({"low": 5, "high": 2})
 
 
+def test_scientific_notation_without_dot_is_a_number():
+    cfg = load(apply_overrides({}, ["inner.ratio=5e-1"]))
+    assert cfg.inner.ratio == 0.5
+
+
 def test_overrides_parse_yaml_values():
     data = apply_overrides({"inner": {"size": 2}}, ["inner.size=16", "flag=true", "inner.names=[a, b]", "maybe=7"])
     cfg = load(data)

@@ -38,3 +38,12 @@ def test_data_parallel_size_is_derived_and_checked():
         TrainerConfig(dp=3).data_parallel_size(2)
     with pytest.raises(ConfigError):
         TrainerConfig(ep=4).data_parallel_size(2)
+
+
+def test_reference_logprobs_are_aligned_when_given():
+    samples = [{"prompt_ids": [5], "response_ids": [7, 8], "ref_logprobs": [-0.5, -0.25]}]
+    mb = build_micro_batches(samples, indices=[0], micro_batch_size=1, num_micro_batches=1, seq_len=4)[0]
+    assert mb.ref_logprobs[0].tolist() == [-0.5, -0.25, 0, 0]
+    plain = build_micro_batches([{"prompt_ids": [5], "response_ids": [7]}], indices=[0], micro_batch_size=1,
+                                num_micro_batches=1, seq_len=4)[0]
+    assert plain.ref_logprobs is None

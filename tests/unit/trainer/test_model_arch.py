@@ -1,0 +1,48 @@
+import pytest
+
+from dora_megatron.config.algo import AlgoConfig
+from dora_megatron.config.base import ConfigError
+from dora_megatron.config.trainer import TrainerConfig
+from dora_megatron.trainer.model import arch_from_hf_config, choose_spec, padded_vocab_size
+
+MOE = {"model_type": "qwen3_moe", "vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2,
+       "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 256,
+       "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 96, "norm_topk_prob": False,
+       "rms_norm_eps": 1e-6, "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"},
+       "tie_word_embeddings": True, "mlp_only_layers": [], "decoder_sparse_step": 1}
+
+
+def test_moe_config_fields():
+    a = arch_from_hf_config(MOE)
+    assert (a.num_experts, a.moe_topk, a.moe_ffn_hidden_size, a.head_dim, a.num_kv_heads) == (8, 2, 96, 32, 2)
+    assert a.rope_theta == 1e6 and a.tie_word_embeddings and not a.norm_topk_prob and a.is_moe
+
+
+def test_dense_defaults_and_legacy_rope_theta():
+    cfg = {k: v for k, v in MOE.items() if k not in ("num_experts", "rope_parameters", "head_dim")}
+    cfg.update(model_type="qwen3", rope_theta=5000.0)
+    a = arch_from_hf_config(cfg)
+    assert not a.is_moe and a.rope_theta == 5000.0 and a.head_dim == 16
+
+
+@pytest.mark.parametrize("patch", [{"model_type": "llama"}, {"attention_bias": True}, {"mlp_only_layers": [1]},
+                                   {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1.0}}])
+def test_unsupported_configs_are_rejected(patch):
+    with pytest.raises(ValueError):
+        arch_from_hf_config({**MOE, **patch})
+
+
+def test_spec_choice_and_vocab_padding():
+    assert choose_spec("auto", "cpu") == "local"
+    assert choose_spec("te", "cuda") == "te"
+    assert padded_vocab_size(10, 4) == 12 and padded_vocab_size(128, 2) == 128
+
+
+def test_config_cross_field_checks():
+    with pytest.raises(ConfigError):
+        TrainerConfig(spec="te", device="cpu").check("trainer")
+    with pytest.raises(ConfigError):
+        AlgoConfig(length_norm="constant").check("algo")
+    with pytest.raises(ConfigError):
+        AlgoConfig(dual_clip_c=0.5).check("algo")
+    AlgoConfig(length_norm="constant", length_norm_constant=64).check("algo")
