@@ -13,14 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("dora_megatron.trainer")
+from dora_megatron.weights.snapshots import SNAPSHOT_FILES  # noqa: F401  (re-exported)
 
-SNAPSHOT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
+log = logging.getLogger("dora_megatron.trainer")
 
 
 class VersionedWorker:
@@ -39,25 +38,13 @@ class VersionedWorker:
 
     def export_snapshot(self, out_dir: Path) -> str | None:
         """Gather HF weights to rank 0 and write ``out_dir`` (config + safetensors); returns the checksum."""
-        from dora_megatron.models import hf_io
-        from dora_megatron.weights.checksum import weights_checksum
+        from dora_megatron.weights.snapshots import write_snapshot
 
         tensors = {name: t.detach().cpu().clone() for name, t in self.worker.export_hf_state_dict()}
         if self.rank != 0:
             return None
-        tmp = out_dir.with_name(out_dir.name + ".tmp")
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        hf_io.save_model_dir(tmp, hf_io.load_config(self.model_dir), tensors)
-        for name in SNAPSHOT_FILES[1:]:
-            if (self.model_dir / name).is_file():
-                shutil.copy2(self.model_dir / name, tmp / name)
-        checksum = weights_checksum(tensors)
-        (tmp / "dora_version.json").write_text(json.dumps({"version": self.version, "checksum": checksum}))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)  # atomic: a snapshot directory is complete or absent
-        return checksum
+        # atomic (tmp dir + rename): a snapshot directory is complete or absent
+        return write_snapshot(out_dir, tensors, self.model_dir, version=self.version)
 
     def save_checkpoint(self, path: str) -> None:
         self.worker.save_checkpoint(path)
@@ -90,7 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(run_dir / "config.yaml")
     logging.basicConfig(level=getattr(logging, cfg.observability.log_level), format="%(asctime)s %(levelname)s trainer: %(message)s")
     torch.set_num_threads(cfg.launch.trainer_threads)
-    worker = VersionedWorker(TrainerWorker(cfg.trainer, cfg.algo, args.model), args.model, rank=dist.get_rank())
+    megatron_worker = TrainerWorker(cfg.trainer, cfg.algo, args.model)
+    if cfg.rollout.temperature > 0:  # greedy rollouts report plain log_softmax
+        megatron_worker.logit_temperature = cfg.rollout.temperature
+    worker = VersionedWorker(megatron_worker, args.model, rank=dist.get_rank())
     if args.resume:
         worker.load_checkpoint(args.resume)
         log.info("resumed from %s at version %d", args.resume, worker.version)

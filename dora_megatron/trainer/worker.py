@@ -146,6 +146,8 @@ class TrainerWorker:
         self.model = self._wrap_ddp(gpt)
         self.optimizer = self._build_optimizer()
         self.step = 0
+        #: Rollout sampling temperature: engines report log_softmax(logits / T); set by the runtime.
+        self.logit_temperature = 1.0
         logger.info("trainer rank %d: layout %s dp=%d spec=%s", self.info.rank, self.layout, self.info.dp, self.spec)
 
     # ------------------------------------------------------------------ setup
@@ -213,6 +215,8 @@ class TrainerWorker:
     def _logprobs(self, mb: MicroBatch, logits: torch.Tensor, with_entropy: bool):
         from dora_megatron.trainer.logprobs import token_logprobs_and_entropy
 
+        if self.logit_temperature != 1.0:  # log-probs of the distribution the engine sampled from
+            logits = logits / self.logit_temperature
         return token_logprobs_and_entropy(logits, mb.targets.to(logits.device), vocab_size=self.arch.vocab_size,
                                           tp=self.layout.tp, tp_rank=self.layout.tp_rank, with_entropy=with_entropy)
 
