@@ -174,6 +174,7 @@ class Runtime:
         self._version_of: dict[str, int] = {iid: 0 for iid in engines}
         self._wall_offset = 0.0
         self._resumed = False
+        self._pending_step_finished: int | None = None
         self.c1_count = 0
         self.version_refusals = 0
 
@@ -477,13 +478,15 @@ class Runtime:
         due = self.opt.checkpoint_dir is not None and (
             last or (self.opt.checkpoint_interval and new_version % self.opt.checkpoint_interval == 0))
         if due:
+            # Trainer first, then the controller state, both at the same boundary: weights
+            # ``new_version`` exist and the orchestrator has not yet reacted to them (resume
+            # replays ``on_step_finished(new_version)``).
             await self._checkpoint(new_version)
+            self._write_controller_state(new_version)
         if last:
             self._done.set()
             return
         self.execute(self.orch.on_step_finished(new_version))
-        if due:
-            self._write_controller_state(new_version)
 
     # ------------------------------------------------------------------ checkpoints
     async def _checkpoint(self, version: int) -> None:
@@ -527,7 +530,8 @@ class Runtime:
                     "versions": sorted(r.versions) if r.finished else [],
                 })
         return {
-            "format": 1, "version": version, "next_prompt": self.next_prompt, "wall_s": self.now(),
+            "format": 1, "version": version, "pending_step_finished": version,
+            "next_prompt": self.next_prompt, "wall_s": self.now(),
             "orchestrator": self.orch.snapshot(),
             "groups": [{"group_id": g.group_id, "version": g.version, "prompt_index": g.prompt.index,
                         "sample_ids": list(g.sample_ids)} for g in unconsumed],
@@ -561,6 +565,7 @@ class Runtime:
         self.migrations_done = int(state["migrations_done"])
         self.migrations_fallback = int(state["migrations_fallback"])
         self.expected_checksums = {int(k): v for k, v in state["expected_checksums"].items()}
+        self._pending_step_finished = state.get("pending_step_finished")
         self.c1_count = int(state.get("c1_count", 0))
         self.duplicated = int(state.get("duplicated", 0))
         self._resumed = True
@@ -597,6 +602,8 @@ class Runtime:
                 self.execute(self.orch.on_instance_failed(iid))
             for iid in self.engines:
                 self.execute(self.orch.on_instance_joined(iid))
+            if self._pending_step_finished is not None and len(self.steps) < self.opt.steps:
+                self.execute(self.orch.on_step_finished(int(self._pending_step_finished)))
             self.execute(self.orch.poll())
         else:
             self.execute(self.orch.start())

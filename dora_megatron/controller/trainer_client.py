@@ -45,6 +45,20 @@ class TrainerClient:
     async def train(self, step: int, samples: list[dict[str, Any]]) -> dict[str, Any]:
         return await self._post("/train", {"step": step, "samples": samples})
 
+    async def push_weights(self, engines: list[str], bucket_mb: float, master_addr: str | None = None,
+                           timeout_s: float | None = None) -> dict[str, Any]:
+        """Broadcast the trainer's current weights to ``engines`` (``POST /push_weights``).
+
+        Returns ``bytes, seconds, num_buckets, checksum`` (of what was sent), ``versions``
+        (engine URL -> reported weight_version) and ``version``; raises :class:`TrainerError` if an
+        engine did not get them."""
+        body: dict[str, Any] = {"engines": list(engines), "bucket_mb": bucket_mb}
+        if master_addr is not None:
+            body["master_addr"] = master_addr
+        if timeout_s is not None:
+            body["timeout_s"] = timeout_s
+        return await self._post("/push_weights", body)
+
     async def save_checkpoint(self, path: str) -> dict[str, Any]:
         return await self._post("/save_checkpoint", {"path": path})
 

@@ -215,3 +215,26 @@ class EngineClient:
     async def weights_checksum(self) -> str:
         await self._require("weights_checksum")
         return str((await self._request("GET", "/dora/weights_checksum"))["checksum"])
+
+    async def get_weights(self) -> tuple[bytes, str, str]:
+        """This engine's current weights as a safetensors blob, with its weight_version and checksum."""
+        await self._require("weights")
+        url = self.base_url + "/dora/weights"
+        async with self._sess().get(url) as resp:
+            body = await resp.read()
+            if resp.status >= 400:
+                raise EngineError(url, resp.status, body.decode(errors="replace")[:300])
+            return body, resp.headers.get("X-Dora-Weight-Version", ""), resp.headers.get("X-Dora-Weights-Checksum", "")
+
+    async def update_weights_from_peer(
+        self, peer_url: str, weight_version: int | str | None = None, checksum: str | None = None,
+    ) -> dict[str, Any]:
+        """Copy the weights of the engine at ``peer_url``; ``weight_version``/``checksum``, when given,
+        must match what the peer holds (else HTTP 400 and the old weights stay)."""
+        await self._require("update_weights_from_peer")
+        body: dict[str, Any] = {"url": peer_url.rstrip("/"), "timeout_s": self.timeout.total or 600.0}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        if checksum is not None:
+            body["checksum"] = checksum
+        return await self._request("POST", "/dora/update_weights_from_peer", body)

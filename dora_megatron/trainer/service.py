@@ -11,6 +11,9 @@ world group; all ranks run it; rank 0 answers. Commands:
 ``POST /train``            {"step": t, "samples": [...]} -> metrics, new version, snapshot path, checksum
 ``POST /save_checkpoint``  {"path": dir} -> {"path": dir}
 ``POST /load_checkpoint``  {"path": dir} -> {"version": v}
+``POST /push_weights``     {"engines": [base urls], "bucket_mb": n, "master_addr"?, "timeout_s"?} ->
+                           bytes, seconds, per-engine versions, checksum of what was sent
+                           (:func:`dora_megatron.weights.transport.push_distributed`)
 ``POST /shutdown``         -> {"ok": true}; every rank exits its loop
 
 Every new version is exported once, as a Hugging Face safetensors snapshot
@@ -44,6 +47,9 @@ class TrainWorker(Protocol):
     def save_checkpoint(self, path: str) -> None: ...
 
     def load_checkpoint(self, path: str) -> None: ...
+
+    def push_weights(self, engines: list[str], bucket_mb: float, master_addr: str,
+                     timeout_s: float) -> dict[str, Any] | None: ...
 
 
 @dataclass
@@ -79,6 +85,20 @@ def validate_samples(samples: Any) -> list[dict[str, Any]]:
     return samples
 
 
+def validate_push(payload: dict[str, Any]) -> None:
+    engines = payload.get("engines")
+    if not isinstance(engines, list) or not engines or not all(isinstance(u, str) and u for u in engines):
+        raise BadRequest("'engines' must be a non-empty list of base URLs")
+    mb = payload.get("bucket_mb")
+    if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not mb > 0:
+        raise BadRequest("'bucket_mb' must be a number > 0")
+    if "master_addr" in payload and not isinstance(payload["master_addr"], str):
+        raise BadRequest("'master_addr' must be a string")
+    t = payload.get("timeout_s")
+    if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
+        raise BadRequest("'timeout_s' must be a number > 0")
+
+
 class TrainerService:
     """Executes commands on every rank; rank 0 also owns the HTTP front end."""
 
@@ -107,6 +127,11 @@ class TrainerService:
         if cmd.op == "load_checkpoint":
             self.worker.load_checkpoint(cmd.payload["path"])
             return {"version": self.worker.version}
+        if cmd.op == "push_weights":
+            p = cmd.payload
+            return self.worker.push_weights(list(p["engines"]), float(p["bucket_mb"]),
+                                            str(p.get("master_addr") or "127.0.0.1"),
+                                            float(p.get("timeout_s") or 120.0)) or {}
         if cmd.op == "shutdown":
             return {"ok": True}
         raise BadRequest(f"unknown command {cmd.op!r}")
@@ -174,7 +199,7 @@ def _make_handler(service: TrainerService) -> type[BaseHTTPRequestHandler]:
 
         def do_POST(self) -> None:
             ops = {"/train": "train", "/save_checkpoint": "save_checkpoint", "/load_checkpoint": "load_checkpoint",
-                   "/shutdown": "shutdown"}
+                   "/shutdown": "shutdown", "/push_weights": "push_weights"}
             op = ops.get(self.path)
             if op is None:
                 self._send(404, {"error": f"unknown path {self.path}"})
@@ -190,6 +215,8 @@ def _make_handler(service: TrainerService) -> type[BaseHTTPRequestHandler]:
                     validate_samples(payload.get("samples"))
                 if op in ("save_checkpoint", "load_checkpoint") and not isinstance(payload.get("path"), str):
                     raise BadRequest("'path' must be a string")
+                if op == "push_weights":
+                    validate_push(payload)
             except json.JSONDecodeError as err:
                 self._send(400, {"error": f"malformed JSON: {err.msg}"})
                 return

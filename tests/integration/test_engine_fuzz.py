@@ -103,14 +103,19 @@ def bad_model_dirs(tmp_path_factory, model_dir):
 @pytest.fixture(scope="module")
 def real_blob(engine, reference):
     """A genuine export of a request that was mid-generation (the source answers 'migrated')."""
+    for attempt in range(5):  # the request may finish before the pause lands; then try again
+        blob = _export_mid_generation(engine, f"blob-src-{attempt}")
+        if blob is not None:
+            return blob
+    pytest.fail("could not catch a request mid-generation")
+
+
+def _export_mid_generation(engine, rid: str) -> bytes | None:
     import threading
 
     box = {}
-    t = threading.Thread(
-        target=lambda: box.update(r=_post(engine, "/generate", {"input_ids": PROMPTS[0], "rid": "blob-src",
-                                                                 "sampling_params": {**GREEDY, "max_new_tokens": 40}})),
-        daemon=True,
-    )
+    body = {"input_ids": PROMPTS[0], "rid": rid, "sampling_params": {**GREEDY, "max_new_tokens": 40}}
+    t = threading.Thread(target=lambda: box.update(r=_post(engine, "/generate", body)), daemon=True)
     t0 = json.loads(_send(engine, "GET", "/get_server_info")[1])["tokens_generated"]
     t.start()
     try:
@@ -120,12 +125,13 @@ def real_blob(engine, reference):
                 break
             time.sleep(0.002)
         _post(engine, "/pause_generation", {"mode": "in_place"})
-        status, blob = _send(engine, "POST", "/dora/export_request", json.dumps({"rid": "blob-src"}).encode())
+        status, blob = _send(engine, "POST", "/dora/export_request", json.dumps({"rid": rid}).encode())
     finally:
         _post(engine, "/continue_generation", {})
         t.join(30)
-    assert status == 200 and box["r"][0] == 200
-    assert json.loads(box["r"][1])["meta_info"]["finish_reason"]["err_type"] == "migrated"
+    if status != 200:
+        return None
+    assert box["r"][0] == 200 and json.loads(box["r"][1])["meta_info"]["finish_reason"]["err_type"] == "migrated"
     return blob
 
 
@@ -231,7 +237,7 @@ generate_body = st.fixed_dictionaries({}, optional={
     "dora_version": maybe(st.sampled_from([VERSION, int(VERSION), "2", 2])),
     "stream": maybe(st.booleans()),
 })
-rids = st.one_of(st.text(max_size=12), st.just(""), st.just("blob-src"))
+rids = st.one_of(st.text(max_size=12), st.just(""), st.just("blob-src-0"))
 
 
 def _json(structured):

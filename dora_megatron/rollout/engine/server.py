@@ -50,7 +50,8 @@ from dora_megatron.rollout.engine.scheduler import Request, Scheduler
 
 log = logging.getLogger(__name__)
 
-DORA_EXTENSIONS = ("export_request", "import_request", "weights_checksum", "dora_version")
+DORA_EXTENSIONS = ("export_request", "import_request", "weights_checksum", "dora_version", "weights",
+                   "update_weights_from_peer")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -170,6 +171,8 @@ class EngineServer:
         r.add_post("/dora/export_request", self.export_request)
         r.add_post("/dora/import_request", self.import_request)
         r.add_get("/dora/weights_checksum", self.weights_checksum)
+        r.add_get("/dora/weights", self.get_weights)
+        r.add_post("/dora/update_weights_from_peer", self.update_weights_from_peer)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -364,6 +367,33 @@ class EngineServer:
     async def weights_checksum(self, request: web.Request) -> web.Response:
         checksum, version = await self._runner.call(lambda s: (s.weights_checksum(), s.weight_version))
         return web.json_response({"checksum": checksum, "weight_version": version})
+
+    # ---- peer copy (dora extension) ------------------------------------------------------
+    async def get_weights(self, request: web.Request) -> web.Response:
+        """The current weights as one safetensors blob; version and checksum in the headers."""
+        from dora_megatron.rollout.engine import peer_weights
+
+        # clone on the engine thread (consistent with the version and checksum), serialise off it
+        state, version, checksum = await self._runner.call(peer_weights.capture)
+        blob = await asyncio.get_running_loop().run_in_executor(None, peer_weights.serialize, state, version, checksum)
+        return web.Response(body=blob, content_type="application/octet-stream",
+                            headers=peer_weights.headers(version, checksum))
+
+    async def update_weights_from_peer(self, request: web.Request) -> web.Response:
+        """Copy the weights of the instance at ``url`` (its ``GET /dora/weights``), verified by checksum."""
+        from dora_megatron.rollout.engine import peer_weights
+
+        body = await _json(request)
+        req = peer_weights.PeerRequest.from_json(body)
+        fetched = await peer_weights.fetch(req)
+        if req.abort_all_requests:
+            await self._runner.call(lambda s: s.abort(abort_all=True))
+        version = req.weight_version if req.weight_version is not None else fetched.version
+        await self._runner.call_when_idle(lambda s: s.load_weights(fetched.state, version, require_all=True))
+        v = self._runner.scheduler.weight_version
+        return web.json_response({"success": True, "message": f"copied {len(fetched.state)} tensors from {req.url}, "
+                                  f"weight_version {v}", "weight_version": v, "checksum": fetched.checksum,
+                                  "bytes": fetched.nbytes})
 
     # ---- migration -----------------------------------------------------------------------
     async def export_request(self, request: web.Request) -> web.Response:
