@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from dora_megatron.data import tokenizer as tok
+from dora_megatron.data.codec import CharCodec, TextCodec
 from dora_megatron.data.tasks import Prompt, PromptSource
 from dora_megatron.orchestrator import (Dispatch, Interrupt, Migrate, Orchestrator, ReleaseBatch, Submit,
                                         SwitchVersion)
@@ -141,7 +141,8 @@ class Runtime:
 
     def __init__(self, orch: Orchestrator, engines: dict[str, Engine], trainer: Trainer, source: PromptSource,
                  reward_fn: Callable[[str, str], float], options: RuntimeOptions, *, timeline=None,
-                 on_step: Callable[[StepLog, "Runtime"], None] | None = None, first_prompt: int = 0) -> None:
+                 on_step: Callable[[StepLog, "Runtime"], None] | None = None, first_prompt: int = 0,
+                 codec: TextCodec | None = None) -> None:
         self.orch = orch
         self.engines = engines
         self.trainer = trainer
@@ -151,6 +152,7 @@ class Runtime:
         self.timeline = timeline
         self.on_step = on_step
         self.next_prompt = first_prompt
+        self.codec: TextCodec = codec or CharCodec()
         self.samples: dict[str, SampleRecord] = {}
         self.groups: dict[str, GroupRecord] = {}
         self.consumed: set[str] = set()
@@ -251,7 +253,7 @@ class Runtime:
     def _dispatch(self, a: Dispatch) -> None:
         prompt = self.source.get(self.next_prompt)
         self.next_prompt += 1
-        prompt_ids = tok.encode(prompt.text, add_bos=True)
+        prompt_ids = self.codec.encode_prompt(prompt.text)
         self.groups[a.group_id] = GroupRecord(a.group_id, a.version, prompt, tuple(a.sample_ids), self.now())
         for i, sid in enumerate(a.sample_ids):
             self.samples[sid] = SampleRecord(sid, a.group_id, i, a.version, list(prompt_ids))
@@ -262,7 +264,7 @@ class Runtime:
         return {
             "max_new_tokens": max(1, self.opt.max_new_tokens - len(rec.output_ids)),
             "temperature": self.opt.temperature, "top_p": self.opt.top_p, "top_k": self.opt.top_k,
-            "stop_token_ids": [tok.EOS_ID], "sampling_seed": seed,
+            "stop_token_ids": list(self.codec.eos_ids), "sampling_seed": seed,
         }
 
     async def _submit(self, a: Submit) -> None:
@@ -308,7 +310,7 @@ class Runtime:
             return  # interrupted (partial mode) or failed over: a later Submit(resume) continues it
         rec.finished = True
         group = self.groups[rec.group_id]
-        rec.reward = float(self.reward_fn(tok.decode(rec.output_ids), group.prompt.answer))
+        rec.reward = float(self.reward_fn(self.codec.decode(rec.output_ids), group.prompt.answer))
         self.execute(self.orch.on_sample_finished(rec.sample_id, tokens=len(rec.output_ids), now=end))
 
     async def _migrate(self, a: Migrate, prev: asyncio.Task | None) -> None:

@@ -233,7 +233,10 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
         verify_checksums=cfg.controller.verify_checksums,
         checkpoint_dir=lambda v: str(run_dir / "checkpoints" / f"v{v:06d}"),
     )
-    runtime = Runtime(orch, engines, trainer, source, reward_fn, options, timeline=timeline, on_step=on_step)
+    from dora_megatron.data.codec import load_codec
+
+    runtime = Runtime(orch, engines, trainer, source, reward_fn, options, timeline=timeline, on_step=on_step,
+                      codec=load_codec(model_dir))
     retention = _SnapshotRetention(run_dir, runtime)
     if cfg.run.checkpoint_interval == 0:  # no mid-run checkpoint to resume from: only live versions matter
         retention.min_live_at_checkpoint = float("inf")
