@@ -310,7 +310,8 @@ class Simulation:
         inst.mark(self.q.now, self.record_timeline)
         if self._in_window():
             self.switch_s_total += dt
-        self.q.push(self.q.now + dt, SWITCH_DONE, (a.instance, a.version))
+        inst.switch_seq += 1
+        self.q.push(self.q.now + dt, SWITCH_DONE, (a.instance, a.version, inst.switch_seq))
 
     def _do_ReleaseBatch(self, a: Any) -> None:
         now = self.q.now
@@ -419,11 +420,11 @@ class Simulation:
         self._sync(inst, wake=True)
         self._touch(inst)
 
-    def _on_switch_done(self, payload: tuple[str, int]) -> None:
-        iid, version = payload
+    def _on_switch_done(self, payload: tuple[str, int, int]) -> None:
+        iid, version, seq = payload
         inst = self.instances[iid]
-        if inst.state != SWITCHING:
-            return  # an elastic instance that left meanwhile
+        if inst.state != SWITCHING or seq != inst.switch_seq:
+            return  # an elastic instance that left (and maybe rejoined) meanwhile
         inst.version = version
         inst.state = PAUSED if (self.colocated and self.trainer.busy) else READY
         inst.t0 = self.q.now

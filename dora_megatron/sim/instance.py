@@ -67,6 +67,7 @@ class SimInstance:
         self.steps_done = 0
         self.ctx_base = 0  # context = ctx_base + batch * steps_done
         self.t0 = 0.0  # decode progress is exact at t0 (steps_done whole steps done)
+        self.switch_seq = 0  # identifies the latest SwitchVersion (stale completions are ignored)
         self.epoch = 0  # bumps on every reschedule; stale wake events are ignored
         self.busy_slot_s = 0.0  # request-slot-seconds, accumulated as requests leave
         self.window_start = 0.0  # slot-seconds before this time are not counted

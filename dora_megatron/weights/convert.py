@@ -87,14 +87,32 @@ def megatron_to_hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config_dir: str
 
     ``hf_config_dir``: where ``config.json`` (+ tokenizer) come from; default the copy kept in the
     checkpoint by :func:`hf_to_megatron`. ``dtype``: of the written tensors; default the config's."""
-    argv = ["megatron-to-hf", "--ckpt", str(ckpt_dir), "--out", str(out_dir), "--tp", str(tp), "--pp", str(pp),
-            "--ep", str(ep)]
+    return megatron_to_hf_many([(ckpt_dir, out_dir)], hf_config_dir, tp, pp, ep, dtype, timeout_s)[0]
+
+
+def megatron_to_hf_many(pairs: Sequence[tuple[str | Path, str | Path]], hf_config_dir: str | Path | None = None,
+                        tp: int = 1, pp: int = 1, ep: int = 1, dtype: str | None = None,
+                        timeout_s: float | None = None) -> list[Path]:
+    """:func:`megatron_to_hf` for several ``(ckpt_dir, out_dir)`` pairs of the same model in one
+    launch (the model is built once; saves the start-up cost in tests and benchmarks)."""
+    if not pairs:
+        return []
+    for ckpt_dir, _ in pairs:
+        if not Path(ckpt_dir).is_dir():
+            raise FileNotFoundError(f"no checkpoint directory {ckpt_dir}")
+    config_dir = Path(hf_config_dir) if hf_config_dir is not None else Path(pairs[0][0]) / HF_META_DIR
+    if not (config_dir / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in {config_dir}; pass the model's HF directory as hf_config_dir "
+                                "(--hf-config)")
+    argv = ["megatron-to-hf", "--tp", str(tp), "--pp", str(pp), "--ep", str(ep)]
+    for ckpt_dir, out_dir in pairs:
+        argv += ["--ckpt", str(ckpt_dir), "--out", str(out_dir)]
     if hf_config_dir is not None:
         argv += ["--hf-config", str(hf_config_dir)]
     if dtype is not None:
         argv += ["--dtype", dtype]
     _launch(argv, tp * pp * ep, timeout_s)
-    return Path(out_dir)
+    return [Path(o) for _, o in pairs]
 
 
 # --------------------------------------------------------------------------- rank programs
@@ -163,7 +181,7 @@ def _output_dtype(config: dict, requested: str | None):
     return getattr(torch, _DTYPES[name])
 
 
-def run_megatron_to_hf(ckpt: str, out: str, hf_config: str | None, tp: int, pp: int, ep: int,
+def run_megatron_to_hf(ckpts: Sequence[str], outs: Sequence[str], hf_config: str | None, tp: int, pp: int, ep: int,
                        dtype: str | None) -> None:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
@@ -172,18 +190,19 @@ def run_megatron_to_hf(ckpt: str, out: str, hf_config: str | None, tp: int, pp: 
     from dora_megatron.trainer import hf_io
     from dora_megatron.weights.snapshots import write_snapshot
 
-    config_dir = Path(hf_config) if hf_config else Path(ckpt) / HF_META_DIR
+    config_dir = Path(hf_config) if hf_config else Path(ckpts[0]) / HF_META_DIR
     if not (config_dir / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in {config_dir}; pass --hf-config DIR (the model's HF directory)")
     compat, info, arch, _, gpt = _setup(tp, pp, ep, str(config_dir))
     try:
-        state = dist_checkpointing.load({"model": gpt.sharded_state_dict()}, ckpt)
-        gpt.load_state_dict(state["model"])
         out_dtype = _output_dtype(load_config(config_dir), dtype)
-        tensors = {n: t.to(out_dtype) for n, t in hf_io.export_hf(gpt, arch, info.layout)}
-        if info.rank == 0:
-            write_snapshot(out, tensors, config_dir)
-        dist.barrier()
+        for ckpt, out in zip(ckpts, outs):
+            state = dist_checkpointing.load({"model": gpt.sharded_state_dict()}, ckpt)
+            gpt.load_state_dict(state["model"])
+            tensors = {n: t.to(out_dtype) for n, t in hf_io.export_hf(gpt, arch, info.layout)}
+            if info.rank == 0:
+                write_snapshot(out, tensors, config_dir)
+            dist.barrier()
     finally:
         _teardown(compat)
 
@@ -192,9 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dora_megatron.weights.convert")
     parser.add_argument("direction", choices=("hf-to-megatron", "megatron-to-hf"))
     parser.add_argument("--hf", help="hf-to-megatron: HF model directory")
-    parser.add_argument("--ckpt", help="megatron-to-hf: dist_checkpointing directory")
+    parser.add_argument("--ckpt", action="append", help="megatron-to-hf: dist_checkpointing directory (repeatable, "
+                        "one --out each)")
     parser.add_argument("--hf-config", default=None, help="megatron-to-hf: HF dir with config.json (default: copy in the checkpoint)")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", action="append", required=True)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
@@ -210,10 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.direction == "hf-to-megatron":
         if not args.hf:
             parser.error("--hf is required")
-        run_hf_to_megatron(args.hf, args.out, args.tp, args.pp, args.ep)
+        run_hf_to_megatron(args.hf, args.out[-1], args.tp, args.pp, args.ep)
     else:
-        if not args.ckpt:
-            parser.error("--ckpt is required")
+        if not args.ckpt or len(args.ckpt) != len(args.out):
+            parser.error("--ckpt is required, with one --out per --ckpt")
         run_megatron_to_hf(args.ckpt, args.out, args.hf_config, args.tp, args.pp, args.ep, args.dtype)
     return 0
 

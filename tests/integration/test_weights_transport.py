@@ -56,7 +56,7 @@ def engines(dirs):
 
 
 async def _state(url: str):
-    async with EngineClient(url) as c:
+    async with EngineClient(url, timeout_s=60) as c:  # a hung engine fails the test instead of stalling it
         r = await c.generate(PROMPT, GREEDY)
         return {"ids": r.output_ids, "lps": r.output_token_logprobs, "version": await c.weight_version(),
                 "checksum": await c.weights_checksum()}
@@ -141,6 +141,12 @@ def test_sender_dying_mid_bucket_keeps_old_version(engines):
     proc = subprocess.run([sys.executable, "-c", SENDER_DIES % vocab, engines[1], str(free_port())], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
     assert "sent one" in proc.stdout, proc.stderr[-2000:]
+
+    async def groups():
+        async with EngineClient(engines[1], timeout_s=60) as c:
+            return (await c.server_info())["weight_update_groups"]
+
+    assert "dying" in asyncio.run(groups())  # the engine did join the sender's group
     # the engine noticed the dead peer (connection closed), answered, and kept its weights and version
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

@@ -1,0 +1,69 @@
+"""``dora convert``: Hugging Face <-> Megatron-Core ``dist_checkpointing`` checkpoints.
+
+Two forms, the same code as ``tools/convert_hf_to_megatron.py`` and ``tools/convert_megatron_to_hf.py``
+(:mod:`dora_megatron.weights.convert`)::
+
+    dora convert hf-to-megatron --hf DIR --out DIR [--tp N] [--pp N] [--ep N]
+    dora convert megatron-to-hf --ckpt DIR --out DIR [--hf-config DIR] [--dtype D]
+
+``hf-to-megatron`` starts ``tp * pp * ep`` gloo ranks (CPU) and writes the checkpoint in that layout;
+``megatron-to-hf`` reads a checkpoint of any layout (also a trainer checkpoint, with ``--hf-config``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+HELP = "convert checkpoints between Hugging Face (safetensors) and Megatron-Core dist_checkpointing, any TP/PP/EP layout"
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="direction", metavar="DIRECTION", required=True)
+    a = sub.add_parser("hf-to-megatron", help="HF model directory -> dist_checkpointing checkpoint in a TP/PP/EP layout")
+    a.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors)")
+    a.add_argument("--out", required=True, help="checkpoint directory to create (must be empty or absent)")
+    a.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the written checkpoint")
+    a.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (layers split evenly)")
+    a.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE only)")
+    b = sub.add_parser("megatron-to-hf", help="dist_checkpointing checkpoint (any layout) -> HF model directory")
+    b.add_argument("--ckpt", required=True, help="checkpoint directory (from hf-to-megatron or the trainer)")
+    b.add_argument("--out", required=True, help="HF directory to write (replaced if present)")
+    b.add_argument("--hf-config", default=None,
+                   help="HF directory whose config.json/tokenizer to use (default: the copy kept by hf-to-megatron; "
+                        "required for trainer checkpoints)")
+    b.add_argument("--dtype", choices=DTYPES, default=None, help="dtype of the written tensors (default: the config's)")
+    b.add_argument("--tp", type=int, default=1, help="layout to read in (default one rank; any layout reshards)")
+    b.add_argument("--pp", type=int, default=1)
+    b.add_argument("--ep", type=int, default=1)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dora_megatron.weights import convert
+
+    for k in ("tp", "pp", "ep"):
+        if getattr(args, k) < 1:
+            sys.stderr.write(f"dora convert: --{k} must be >= 1\n")
+            return 2
+    try:
+        if args.direction == "hf-to-megatron":
+            out = convert.hf_to_megatron(args.hf, args.out, args.tp, args.pp, args.ep)
+            sys.stdout.write(f"wrote Megatron checkpoint (tp={args.tp} pp={args.pp} ep={args.ep}) to {out}\n")
+        else:
+            out = convert.megatron_to_hf(args.ckpt, args.out, args.hf_config, args.tp, args.pp, args.ep, args.dtype)
+            sys.stdout.write(f"wrote Hugging Face model to {out}\n")
+    except (FileNotFoundError, FileExistsError, ValueError, RuntimeError) as exc:
+        sys.stderr.write(f"dora convert: {exc}\n")
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dora convert", description=HELP)
+    configure(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
