@@ -17,3 +17,11 @@ class ControllerConfig:
                                         "time is treated as failed.", gt=0.0, unit="s")
     verify_checksums: bool = field_doc(True, "After a weight load, compare the engine's weights checksum with the "
                                        "trainer's export checksum; a mismatch fails the instance.")
+    weight_transport: str = field_doc("disk", "How a new version reaches the instances switching to it right after "
+                                      "a training step: `disk` loads the per-version safetensors snapshot "
+                                      "(`/update_weights_from_disk`); `distributed` has the trainer broadcast it "
+                                      "in buckets over a torch.distributed group (`/update_weights_from_distributed`, "
+                                      "gloo on CPU, NCCL on GPU). Instances switching later to an older live "
+                                      "version always load its snapshot.", choices=("disk", "distributed"))
+    bucket_mb: float = field_doc(256.0, "Largest bucket of the `distributed` weight transport (a bigger tensor is "
+                                 "sent alone).", gt=0.0, unit="MB")

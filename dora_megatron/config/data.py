@@ -16,6 +16,7 @@ class DataConfig:
     min_len: int = field_doc(1, "running_sum: shortest digit list.", ge=1)
     max_len: int = field_doc(40, "running_sum: longest digit list (at most 52: one position marker per digit).", ge=1, le=52)
     length_exponent: float = field_doc(1.6, "running_sum: list length n is drawn with p(n) ~ n^-exponent (heavy tail).", gt=0.0)
+    partial_credit: bool = field_doc(False, "running_sum: reward wrong answers with half the fraction of correct leading characters instead of 0.")
     seed: int = field_doc(0, "Seed of the prompt stream (independent of the run seed so baselines see the same prompts).", ge=0)
 
     def check(self, path: str) -> None:

@@ -17,6 +17,7 @@ controller, the simulator and the tests share it.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from dataclasses import dataclass
@@ -75,9 +76,9 @@ def parse_running_sum_prompt(text: str) -> list[int]:
 class RunningSumTask:
     """Deterministic prompt ``index -> (digits, answer)`` stream for a seed.
 
-    Response format: the answer digits followed by ``.`` and end-of-sequence.
-    Reward: 1.0 for an exact answer, otherwise the fraction of correct leading
-    digits scaled by 0.5 (a dense signal that still ranks exact answers first).
+    Response format: the marked answer followed by ``.`` and end-of-sequence.
+    Reward: 1.0 for an exact answer, else 0 (optionally partial credit, see
+    :func:`running_sum_reward`).
     """
 
     def __init__(self, min_len: int = 1, max_len: int = 24, exponent: float = 1.6, seed: int = 0) -> None:
@@ -102,15 +103,17 @@ class RunningSumTask:
         """The supervised response text for warm starts."""
         return prompt.answer + ANSWER_END
 
-    @staticmethod
-    def reward(response: str, answer: str) -> float:
-        return running_sum_reward(response, answer)
 
 
-def running_sum_reward(response: str, answer: str) -> float:
+def running_sum_reward(response: str, answer: str, partial_credit: bool = False) -> float:
+    """1.0 for the exact answer; otherwise 0, or with ``partial_credit`` half the fraction of
+    correct leading characters (a denser but noisier signal: it separates samples of groups
+    where every sample is wrong)."""
     text = response.split(ANSWER_END, 1)[0].strip()
     if text == answer:
         return 1.0
+    if not partial_credit:
+        return 0.0
     prefix = 0
     for a, b in zip(text, answer):
         if a != b:
@@ -194,10 +197,10 @@ def _last_answer(response: str) -> str:
     return _normalise(tokens[-1]) if tokens else ""
 
 
-def make_prompt_source(task: str, **kwargs) -> tuple[PromptSource, Callable[[str, str], float]]:
+def make_prompt_source(task: str, partial_credit: bool = False, **kwargs) -> tuple[PromptSource, Callable[[str, str], float]]:
     """Build the prompt source and reward function named by ``data.task``."""
     if task == "running_sum":
-        return RunningSumTask(**kwargs), running_sum_reward
+        return RunningSumTask(**kwargs), functools.partial(running_sum_reward, partial_credit=partial_credit)
     if task == "jsonl":
         return JsonlPromptSource(**kwargs), math_reward
     raise ValueError(f"data.task: unknown task {task!r} (valid: running_sum, jsonl)")

@@ -176,7 +176,8 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
     data = cfg.data
     if data.task == "running_sum":
         source, reward_fn = make_prompt_source("running_sum", min_len=data.min_len, max_len=data.max_len,
-                                               exponent=data.length_exponent, seed=data.seed)
+                                               exponent=data.length_exponent, seed=data.seed,
+                                               partial_credit=data.partial_credit)
     else:
         source, reward_fn = make_prompt_source("jsonl", path=data.path, prompt_key=data.prompt_key, answer_key=data.answer_key)
     state = json.loads((checkpoint / "controller.json").read_text()) if checkpoint is not None else None

@@ -17,8 +17,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dora_megatron.weights.snapshots import SNAPSHOT_FILES  # noqa: F401  (re-exported)
-
 log = logging.getLogger("dora_megatron.trainer")
 
 

@@ -191,6 +191,15 @@ def test_disk_and_peer_copy(engines, dirs, tmp_path):
     copied = state(engines[1])
     assert copied["checksum"] == checksum and copied == state(engines[0])
 
+    async def raw():
+        async with EngineClient(engines[1]) as c:
+            return await c.get_weights()
+
+    from safetensors.torch import load
+
+    blob, version, announced = asyncio.run(raw())
+    assert version == "3" and announced == checksum == weights_checksum(load(blob))
+
 
 class _FakeMegatron:
     """Stands in for TrainerWorker: its export yields the weights of an HF directory."""

@@ -376,8 +376,8 @@ class EngineServer:
         # clone on the engine thread (consistent with the version and checksum), serialise off it
         state, version, checksum = await self._runner.call(peer_weights.capture)
         blob = await asyncio.get_running_loop().run_in_executor(None, peer_weights.serialize, state, version, checksum)
-        return web.Response(body=blob, content_type="application/octet-stream",
-                            headers=peer_weights.headers(version, checksum))
+        del state
+        return await peer_weights.stream(request, blob, version, checksum)
 
     async def update_weights_from_peer(self, request: web.Request) -> web.Response:
         """Copy the weights of the instance at ``url`` (its ``GET /dora/weights``), verified by checksum."""

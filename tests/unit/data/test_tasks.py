@@ -53,8 +53,9 @@ def test_length_weights_normalised_and_decreasing():
 def test_running_sum_reward():
     assert running_sum_reward("347.", "347") == 1.0
     assert running_sum_reward("347", "347") == 1.0
-    assert running_sum_reward("340.", "347") == pytest.approx(0.5 * 2 / 3)
-    assert running_sum_reward("9", "347") == 0.0
+    assert running_sum_reward("340.", "347") == 0.0
+    assert running_sum_reward("340.", "347", partial_credit=True) == pytest.approx(0.5 * 2 / 3)
+    assert running_sum_reward("9", "347", partial_credit=True) == 0.0
     assert running_sum_reward("3478.", "347") < 1.0
 
 

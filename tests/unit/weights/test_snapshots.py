@@ -87,3 +87,20 @@ def test_missing_config_is_an_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         write_snapshot(tmp_path / "v000000", tensors(0), tmp_path / "empty")
     assert not (tmp_path / "v000000").exists()
+
+
+def test_versioned_worker_export_snapshot_uses_atomic_writer(tmp_path, src):
+    from dora_megatron.trainer.entry import VersionedWorker
+
+    class Fake:
+        def export_hf_state_dict(self):
+            return iter(tensors(4).items())
+
+    w = VersionedWorker(Fake(), str(src), rank=0)
+    w.version = 4
+    store = SnapshotStore(tmp_path / "weights")
+    checksum = w.export_snapshot(store.path(4))
+    assert checksum == weights_checksum(tensors(4)) == store.verify(4)
+    assert json.loads((store.path(4) / MANIFEST).read_text())["version"] == 4
+    assert VersionedWorker(Fake(), str(src), rank=1).export_snapshot(store.path(5)) is None  # only rank 0 writes
+    assert store.versions() == [4]

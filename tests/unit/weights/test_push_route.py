@@ -1,0 +1,71 @@
+"""The trainer service's ``/push_weights`` route: validation, dispatch to the worker, client call."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import pytest
+
+from dora_megatron.controller.trainer_client import TrainerClient, TrainerError
+from dora_megatron.trainer.service import BadRequest, Command, TrainerService, validate_push
+
+
+class FakeWorker:
+    version = 3
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def push_weights(self, engines, bucket_mb, master_addr, timeout_s):
+        self.calls.append((engines, bucket_mb, master_addr, timeout_s))
+        return {"bytes": 10, "versions": {u: str(self.version) for u in engines}, "checksum": "abc"}
+
+
+@pytest.mark.parametrize("payload, msg", [
+    ({"bucket_mb": 1}, "engines"),
+    ({"engines": [], "bucket_mb": 1}, "engines"),
+    ({"engines": ["http://a"], "bucket_mb": 0}, "bucket_mb"),
+    ({"engines": ["http://a"], "bucket_mb": True}, "bucket_mb"),
+    ({"engines": ["http://a"], "bucket_mb": 1, "timeout_s": -1}, "timeout_s"),
+    ({"engines": ["http://a"], "bucket_mb": 1, "master_addr": 5}, "master_addr"),
+])
+def test_validate_push_rejects(payload, msg):
+    with pytest.raises(BadRequest, match=msg):
+        validate_push(payload)
+
+
+def test_execute_dispatches_with_defaults():
+    w = FakeWorker()
+    svc = TrainerService(w, run_dir=".", rank=0, world_size=1)
+    out = svc.execute(Command("push_weights", {"engines": ["http://e1"], "bucket_mb": 8}))
+    assert out["versions"] == {"http://e1": "3"}
+    assert w.calls == [(["http://e1"], 8.0, "127.0.0.1", 120.0)]
+
+
+def test_http_route_and_client():
+    w = FakeWorker()
+    svc = TrainerService(w, run_dir=".", rank=0, world_size=1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t = threading.Thread(target=svc.leader_loop, args=("127.0.0.1", port), daemon=True)
+    t.start()
+
+    async def go():
+        c = TrainerClient(f"http://127.0.0.1:{port}")
+        try:
+            while await c.health() is None:
+                await asyncio.sleep(0.02)
+            with pytest.raises(TrainerError, match="400"):
+                await c.push_weights(["http://e"], -1)
+            return await c.push_weights(["http://e1", "http://e2"], 16, master_addr="10.0.0.1", timeout_s=30)
+        finally:
+            await c.shutdown()
+            await c.close()
+
+    reply = asyncio.run(go())
+    t.join(timeout=10)
+    assert reply["checksum"] == "abc"
+    assert w.calls == [(["http://e1", "http://e2"], 16.0, "10.0.0.1", 30.0)]  # the 400 never reached the worker
