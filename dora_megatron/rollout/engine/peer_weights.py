@@ -23,38 +23,98 @@ VERSION_HEADER = "X-Dora-Weight-Version"
 CHECKSUM_HEADER = "X-Dora-Weights-Checksum"
 
 
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+CHUNK = 8 << 20  # aiohttp sends one huge body far slower (~60 MB/s) than a stream of 8 MiB writes
+
+
 def capture(s: Any) -> tuple[dict[str, torch.Tensor], str, str]:
-    """On the engine thread: a consistent copy of the weights with their version and checksum."""
-    state = {k: v.detach().to("cpu", copy=True) for k, v in s.model.hf_state_dict().items()}
-    return state, s.weight_version, s.weights_checksum()
+    """On the engine thread: the live weights (no copy) with their version and checksum.
+
+    Not copied: if a weight update lands while they are being sent, the receiver's checksum
+    check fails and it keeps its old weights (a copy would cost one model's memory and time)."""
+    return dict(s.model.hf_state_dict()), s.weight_version, s.weights_checksum()
 
 
-def serialize(state: dict[str, torch.Tensor], version: str, checksum: str) -> bytes:
-    from safetensors.torch import save
+class Blob:
+    """A safetensors-format byte stream of ``state``, produced without an extra full copy."""
 
-    return save(state, metadata={"weight_version": str(version), "checksum": checksum})
+    def __init__(self, state: dict[str, torch.Tensor], version: str, checksum: str) -> None:
+        import json
+
+        self.tensors = [(n, state[n].detach().to("cpu").contiguous()) for n in sorted(state)]
+        header: dict[str, Any] = {"__metadata__": {"weight_version": str(version), "checksum": checksum}}
+        offset = 0
+        for name, t in self.tensors:
+            if t.dtype not in _ST_DTYPES:
+                raise ValueError(f"{name}: dtype {t.dtype} cannot be sent")
+            n = t.numel() * t.element_size()
+            header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+            offset += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.head = len(raw).to_bytes(8, "little") + raw
+        self.nbytes = len(self.head) + offset
+
+    def chunks(self):
+        yield self.head
+        for _, t in self.tensors:
+            if t.numel() == 0:
+                continue
+            view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            for i in range(0, len(view), CHUNK):
+                yield view[i:i + CHUNK]
 
 
 def headers(version: str, checksum: str) -> dict[str, str]:
     return {VERSION_HEADER: str(version), CHECKSUM_HEADER: checksum}
 
 
-CHUNK = 8 << 20  # aiohttp sends one huge body far slower (~60 MB/s) than a stream of 8 MiB writes
-
-
-async def stream(request: Any, blob: bytes, version: str, checksum: str) -> Any:
-    """Send ``blob`` as the response to ``request`` in chunks (Content-Length set)."""
+async def stream(request: Any, state: dict[str, torch.Tensor], version: str, checksum: str) -> Any:
+    """Answer ``request`` with the safetensors stream of ``state`` (Content-Length set)."""
     from aiohttp import web
 
+    blob = Blob(state, version, checksum)
     resp = web.StreamResponse(headers=headers(version, checksum))
     resp.content_type = "application/octet-stream"
-    resp.content_length = len(blob)
+    resp.content_length = blob.nbytes
     await resp.prepare(request)
-    view = memoryview(blob)
-    for i in range(0, len(blob), CHUNK):
-        await resp.write(view[i:i + CHUNK])
+    for chunk in blob.chunks():
+        await resp.write(chunk)
     await resp.write_eof()
     return resp
+
+
+def parse(buf: bytearray) -> dict[str, torch.Tensor]:
+    """Tensors of a safetensors byte buffer, as views into ``buf`` (ValueError if malformed)."""
+    import json
+
+    if len(buf) < 8:
+        raise ValueError("shorter than the safetensors header")
+    hlen = int.from_bytes(buf[:8], "little")
+    if hlen > len(buf) - 8:
+        raise ValueError(f"header length {hlen} exceeds the {len(buf)} bytes received")
+    header = json.loads(bytes(buf[8:8 + hlen]))
+    base, size = 8 + hlen, len(buf) - 8 - hlen
+    out: dict[str, torch.Tensor] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _ST_NAMES.get(info.get("dtype"))
+        if dtype is None:
+            raise ValueError(f"{name}: unknown dtype {info.get('dtype')!r}")
+        shape = [int(x) for x in info["shape"]]
+        begin, end = (int(x) for x in info["data_offsets"])
+        numel = 1
+        for d in shape:
+            numel *= d
+        if not 0 <= begin <= end <= size or end - begin != numel * torch.empty((), dtype=dtype).element_size():
+            raise ValueError(f"{name}: data offsets {begin}..{end} do not fit shape {shape} in {size} data bytes")
+        t = torch.frombuffer(buf, dtype=dtype, count=numel, offset=base + begin) if numel else torch.empty(0, dtype=dtype)
+        out[name] = t.reshape(shape)
+    return out
 
 
 @dataclass
@@ -87,12 +147,10 @@ class Fetched:
     nbytes: int
 
 
-def _decode(blob: bytes) -> tuple[dict[str, torch.Tensor], str]:
-    from safetensors.torch import load
-
+def _decode(buf: bytearray) -> tuple[dict[str, torch.Tensor], str]:
     from dora_megatron.weights.checksum import weights_checksum
 
-    state = load(blob)
+    state = parse(buf)
     return state, weights_checksum(state)
 
 
@@ -109,24 +167,29 @@ async def fetch(req: PeerRequest) -> Fetched:
                 version = resp.headers.get(VERSION_HEADER)
                 announced = resp.headers.get(CHECKSUM_HEADER)
                 expected_len = resp.content_length
-                buf = bytearray()
+                if expected_len is None:
+                    raise ProtocolError(f"peer {req.url} sent no Content-Length")
+                buf = bytearray(expected_len)  # filled in place: no second copy of the model
+                got = 0
                 async for chunk in resp.content.iter_chunked(CHUNK):
-                    buf += chunk
-                blob = bytes(buf)
-                del buf
+                    n = len(chunk)
+                    if got + n > expected_len:
+                        raise ProtocolError(f"peer {req.url} sent more than its Content-Length")
+                    buf[got:got + n] = chunk
+                    got += n
     except ProtocolError:
         raise
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
         raise ProtocolError(f"cannot fetch weights from peer {req.url}: {type(exc).__name__}: {str(exc)[:200]}") from None
     if version is None or announced is None:
         raise ProtocolError(f"peer {req.url} did not send {VERSION_HEADER}/{CHECKSUM_HEADER} (not a dora engine?)")
-    if expected_len is not None and len(blob) != expected_len:
-        raise ProtocolError(f"peer {req.url}: truncated weights ({len(blob)} of {expected_len} bytes), old weights kept")
+    if got != expected_len:
+        raise ProtocolError(f"peer {req.url}: truncated weights ({got} of {expected_len} bytes), old weights kept")
     if req.weight_version is not None and req.weight_version != version:
         raise ProtocolError(f"peer {req.url} holds weight_version {version}, not the requested {req.weight_version}; "
                             "old weights kept")
     try:
-        state, checksum = await asyncio.get_running_loop().run_in_executor(None, _decode, blob)
+        state, checksum = await asyncio.get_running_loop().run_in_executor(None, _decode, buf)
     except Exception as exc:  # noqa: BLE001 - corrupt blob
         raise ProtocolError(f"peer {req.url}: unreadable weights blob ({str(exc)[:200]}), old weights kept") from None
     if checksum != announced:
@@ -135,4 +198,4 @@ async def fetch(req: PeerRequest) -> Fetched:
     if req.checksum is not None and checksum != req.checksum:
         raise ProtocolError(f"peer {req.url}: weights checksum {checksum[:16]}... != expected {req.checksum[:16]}..., "
                             "old weights kept")
-    return Fetched(state, version, checksum, len(blob))
+    return Fetched(state, version, checksum, got)

@@ -373,11 +373,9 @@ class EngineServer:
         """The current weights as one safetensors blob; version and checksum in the headers."""
         from dora_megatron.rollout.engine import peer_weights
 
-        # clone on the engine thread (consistent with the version and checksum), serialise off it
+        # version and checksum are read on the engine thread; the receiver verifies the checksum
         state, version, checksum = await self._runner.call(peer_weights.capture)
-        blob = await asyncio.get_running_loop().run_in_executor(None, peer_weights.serialize, state, version, checksum)
-        del state
-        return await peer_weights.stream(request, blob, version, checksum)
+        return await peer_weights.stream(request, state, version, checksum)
 
     async def update_weights_from_peer(self, request: web.Request) -> web.Response:
         """Copy the weights of the instance at ``url`` (its ``GET /dora/weights``), verified by checksum."""
