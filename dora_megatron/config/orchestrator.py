@@ -29,6 +29,11 @@ class OrchestratorConfig:
     group_size: int = field_doc(4, "G: samples per prompt group (GRPO group)", ge=1)
     kv_high_watermark: float = field_doc(0.9, "KV-cache usage fraction above which an instance triggers a "
                                          "rebalance (dora)", gt=0, le=1)
+    kv_rebalance_min_interval_s: float = field_doc(1.0, "rate limit of the KV-watermark trigger: a full "
+                                                   "rebalance triggered by KV usage runs at most once per "
+                                                   "this many seconds of driver time (the intra-version "
+                                                   "leveling of the hot instance still runs every time); "
+                                                   "0 = no limit", ge=0, unit="s")
     rebalance_interval_s: float = field_doc(5.0, "timer trigger: rebalance at least this often while work is "
                                             "in flight (dora), seconds; 0 disables the timer", ge=0, unit="s")
     imbalance_ratio: float = field_doc(1.5, "hysteresis: a partition that neither fixes a stranded version nor "

@@ -13,14 +13,21 @@ active on version 0; the trainer is idle before step 0. Every event method retur
 
 * ``start()`` - call once; returns the first dispatches.
 * ``on_tick(now)`` - the driver's clock (seconds); runs the timer-triggered rebalance.
-* ``on_sample_progress(sample_id, tokens)`` - optional generated-length report.
+* ``on_sample_progress(sample_id, tokens)`` - optional generated-length report. In ``partial``
+  mode it is **not** optional for interrupted work: report the generated length of every
+  in-flight sample *before* ``on_step_finished`` (which interrupts them), because a later
+  ``Submit`` is a resume (prompt + partial output, re-prefill counted) only when the sample's
+  tokens are > 0; a sample whose progress was never reported is resubmitted as a fresh start.
 * ``on_sample_finished(sample_id, tokens=None, now=None)`` - a sample is complete.
-* ``on_instance_stats(instance, running, kv_usage)`` - engine load; KV over
-  ``kv_high_watermark`` triggers a rebalance (dora).
+* ``on_instance_stats(instance, running, kv_usage, now=None)`` - engine load; KV over
+  ``kv_high_watermark`` levels the instance with its least-loaded peer and triggers a full
+  rebalance (dora) at most once per ``kv_rebalance_min_interval_s`` of driver time (``now``, else
+  the last time seen by ``on_tick``/``on_sample_finished``).
 * ``on_step_finished(version)`` - the trainer finished step ``version - 1`` and the weights
   ``version`` exist (push them to the per-version snapshot before calling).
 * ``on_instance_failed(instance)`` / ``on_instance_joined(instance)``.
-* ``on_switch_done(instance, version)`` - confirms a ``SwitchVersion``.
+* ``on_switch_done(instance, version)`` - confirms a ``SwitchVersion``; in dora the new instance
+  then takes (``Migrate``) the requests its version's instances hold above the cap.
 * ``on_migration_done(sample_id, reprefill_tokens=0)`` - optional; report re-prefill when a
   ``Migrate`` fell back to abort+resubmit.
 * ``on_migration_failed(sample_id)`` - a ``Migrate`` could not be done (source died before the

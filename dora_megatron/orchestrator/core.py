@@ -88,6 +88,13 @@ class Orchestrator:
         self._cap_value = self._compute_cap()
         self._cap_int = _BIG if self._cap_value == _INF else int(self._cap_value)
         self._last_rebalance: float | None = None
+        self._last_kv_rebalance: float | None = None
+        # batch release is re-evaluated only when it can have become possible: a group completed,
+        # a step ended (new step index, trainer idle) or the state was restored
+        self._release_dirty = True
+        # serving instances holding more requests than the cap, per version (leveled onto new ones)
+        self._over: dict[int, set[str]] = {}
+        self._over_v: dict[str, int] = {}
         self._out: list[Action] = []
         for iid in instances:
             if iid in self.instances:
@@ -144,12 +151,18 @@ class Orchestrator:
         g.n_finished += 1
         if g.complete:
             self._finished_groups.setdefault(g.version, {})[g.group_id] = None
+            self._release_dirty = True
         if self.policy.rebalance and inst is not None and inst.load == 0 and inst.alive:
             self._rebalance("idle")
         return self._fill()
 
-    def on_instance_stats(self, instance: str, running: int, kv_usage: float) -> list[Action]:
-        """Engine-reported load of ``instance``; KV usage over the watermark triggers a rebalance."""
+    def on_instance_stats(self, instance: str, running: int, kv_usage: float,
+                          now: float | None = None) -> list[Action]:
+        """Engine-reported load of ``instance``; KV usage over the watermark levels it with its
+        least-loaded peer and triggers a full rebalance at most once per
+        ``kv_rebalance_min_interval_s`` (driver time: ``now``, else the last time seen)."""
+        if now is not None:
+            self.now = now
         inst = self.instances.get(instance)
         if inst is None or not inst.alive:
             self.counters.ignored_events += 1
@@ -157,7 +170,11 @@ class Orchestrator:
         inst.reported_running = running
         inst.kv_usage = kv_usage
         if self.policy.rebalance and kv_usage >= self.config.kv_high_watermark and not inst.switching:
-            self._rebalance("kv")
+            gap = self.config.kv_rebalance_min_interval_s
+            last = self._last_kv_rebalance
+            if gap <= 0 or last is None or self.now - last >= gap or self.now < last:
+                self._last_kv_rebalance = self.now
+                self._rebalance("kv")
             self._level(inst)
         return self._fill()
 
@@ -167,6 +184,7 @@ class Orchestrator:
             raise ValueError(f"step_finished({version}) but the trainer runs step {self.next_step - 1} "
                              f"(busy={self.trainer_busy})")
         self.trainer_busy = False
+        self._release_dirty = True
         self.newest = version
         if self.policy.interrupt:
             self._interrupt_all()
@@ -211,6 +229,8 @@ class Orchestrator:
             return []
         self._incoming[version].discard(instance)
         self._activate(inst, version)
+        if self.policy.rebalance:
+            self._absorb_overflow(inst)
         return self._fill()
 
     def on_migration_done(self, sample_id: str, reprefill_tokens: int = 0) -> list[Action]:
@@ -322,7 +342,7 @@ class Orchestrator:
             "format": 1,
             "newest": self.newest, "next_step": self.next_step, "trainer_busy": self.trainer_busy,
             "now": self.now, "group_seq": self._group_seq, "cap_after": self._cap_after,
-            "last_rebalance": self._last_rebalance,
+            "last_rebalance": self._last_rebalance, "last_kv_rebalance": self._last_kv_rebalance,
             "counters": {**dataclasses.asdict(self.counters),
                          "staleness_histogram": {str(k): v for k, v in
                                                  self.counters.staleness_histogram.items()}},
@@ -343,6 +363,7 @@ class Orchestrator:
         self._group_seq = snap["group_seq"]
         self._set_cap_phase(bool(snap["cap_after"]))
         self._last_rebalance = snap["last_rebalance"]
+        self._last_kv_rebalance = snap.get("last_kv_rebalance")
         cd = dict(snap["counters"])
         cd["staleness_histogram"] = {int(k): v for k, v in cd["staleness_histogram"].items()}
         self.counters = Counters(**cd)
@@ -396,9 +417,19 @@ class Orchestrator:
         iid = inst.instance_id
         v = inst.version
         serving = v is not None and inst.alive and inst.target is None
-        c = self._cap_int - len(inst.samples) if serving else 0
+        n = len(inst.samples)
+        c = self._cap_int - n if serving else 0
         if c < 0:
             c = 0
+        is_over = serving and n > self._cap_int
+        ov = self._over_v.get(iid)
+        if ov is not None and (not is_over or ov != v):
+            self._over[ov].discard(iid)
+            del self._over_v[iid]
+            ov = None
+        if is_over and ov is None:
+            self._over.setdefault(v, set()).add(iid)  # type: ignore[arg-type]
+            self._over_v[iid] = v  # type: ignore[assignment]
         old = self._contrib.get(iid)
         if old is not None:
             ov, oc = old
@@ -432,6 +463,9 @@ class Orchestrator:
             self._incoming.get(inst.target, set()).discard(inst.instance_id)
         if inst.version is not None:
             self._active.get(inst.version, set()).discard(inst.instance_id)
+        ov = self._over_v.pop(inst.instance_id, None)
+        if ov is not None:
+            self._over[ov].discard(inst.instance_id)
         old_v, old_c = self._contrib.pop(inst.instance_id, (None, 0))
         if old_v is not None:
             self._free[old_v] -= old_c
@@ -502,10 +536,13 @@ class Orchestrator:
         return not served(self.newest) and self._admissible_new() > 0
 
     def _try_release(self) -> None:
-        while not self.trainer_busy:
+        # Only a completed group or a new step can make a batch formable (a dispatch only adds
+        # unconsumed groups, which raises the batch_needs bounds), so skip the check otherwise.
+        while not self.trainer_busy and self._release_dirty:
             step = self.next_step
             ids = select_batch(step, self.S, self.tbs, self._finished_groups, self._unconsumed)
             if ids is None:
+                self._release_dirty = False
                 return
             versions = []
             c = self.counters
@@ -732,7 +769,11 @@ class Orchestrator:
         cur = self.instances_by_version()
         running = sorted(v for v, ids in self._active.items()
                          if any(self.instances[i].samples for i in ids))
-        target = part.partition(len(alive), demand, required, priority=running)
+        # C-cap: a version keeps at least ceil(unfinished / cap) instances when the pool allows,
+        # so a shrinking version's requests fit on its kept instances within the cap
+        cap = self._cap_int
+        floors = ({v: -(-n // cap) for v, n in self._unfinished.items() if n > 0} if cap < _BIG else None)
+        target = part.partition(len(alive), demand, required, priority=running, floors=floors)
         for v in cur:
             target.setdefault(v, 0)
         idle_versions = {v for v, ids in self._active.items()
@@ -825,6 +866,34 @@ class Orchestrator:
                 ss.difference_update(sids)
             self._update_room(insts[src])
         self.counters.migrations += len(moves)
+
+    def _absorb_overflow(self, new: Instance) -> None:
+        """A version grew: its newly active instance takes the requests its peers hold above the
+        cap (most-loaded peer first, shortest requests first), up to the cap and the migration
+        budget. Requests within the cap stay where their KV is (locality)."""
+        v = new.version
+        over = self._over.get(v) if v is not None else None
+        if not over:
+            return
+        room = self._cap_int - len(new.samples)
+        budget = self.config.max_migrations_per_rebalance
+        if budget:
+            room = min(room, budget)
+        insts, samples = self.instances, self.samples
+        moves: list[tuple[str, str, str]] = []
+        for iid in sorted(over, key=lambda i: (-len(insts[i].samples), i)):
+            if room <= 0:
+                break
+            if iid == new.instance_id:
+                continue
+            src = insts[iid]
+            k = min(len(src.samples) - self._cap_int, room)
+            if k <= 0:
+                continue
+            victims = sorted(src.samples, key=lambda sid: (samples[sid].tokens, sid))[:k]
+            moves.extend((sid, iid, new.instance_id) for sid in victims)
+            room -= k
+        self._bulk_migrate(moves, v)  # type: ignore[arg-type]
 
     def _level(self, hot: Instance) -> None:
         """KV pressure: move the shortest requests of ``hot`` to the least-loaded peer of the same

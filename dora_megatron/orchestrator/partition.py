@@ -34,7 +34,7 @@ def largest_remainder(total: int, weights: Mapping[int, float]) -> dict[int, int
 
 
 def partition(pool: int, demand: Mapping[int, float], required: Iterable[int],
-              priority: Iterable[int] = ()) -> dict[int, int]:
+              priority: Iterable[int] = (), floors: Mapping[int, int] | None = None) -> dict[int, int]:
     """Target instances per version: proportional to ``demand`` (largest remainder, sum = ``pool``)
     with at least one instance for each version in ``required``.
 
@@ -42,6 +42,11 @@ def partition(pool: int, demand: Mapping[int, float], required: Iterable[int],
     versions in ``priority`` (in that order), then to the oldest required versions; the others
     get 0 and wait (they are served when an instance frees up). Returns every version of
     ``demand`` and ``required`` (zeros included).
+
+    ``floors[v]`` (e.g. ``ceil(requests_v / cap)``, so a version's requests fit under the
+    per-instance cap) is a further minimum, applied only when every floor and every min-1 fit in
+    ``pool`` together; the instances come from the versions furthest above their quota, never
+    below their own floor/minimum. Otherwise floors are ignored (proportional split as above).
     """
     versions = set(demand) | set(required)
     if not versions:
@@ -66,6 +71,19 @@ def partition(pool: int, demand: Mapping[int, float], required: Iterable[int],
             d = max(donors, key=lambda u: (out[u] - quota[u], out[u], -u))
             out[d] -= 1
             out[v] += 1
+    if floors:
+        lo = {v: max(mins[v], int(floors.get(v, 0))) for v in versions}
+        if sum(lo.values()) <= pool:
+            for v in sorted(versions):
+                need = lo[v] - out[v]
+                while need > 0:
+                    # one exists: sum(lo) <= pool == sum(out) and out[v] < lo[v]
+                    donors = [u for u in versions if out[u] > lo[u]]
+                    d = max(donors, key=lambda u: (out[u] - quota[u], out[u], -u))
+                    k = min(need, out[d] - lo[d])
+                    out[d] -= k
+                    out[v] += k
+                    need -= k
     return out
 
 

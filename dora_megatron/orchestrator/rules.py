@@ -75,6 +75,12 @@ def select_batch(step: int, max_staleness: int, tbs: int, finished: Mapping[int,
     Takes finished groups oldest version first, exactly ``tbs`` of them, only versions with
     ``step - v <= S``, and only if every :func:`batch_needs` bound is met.
     """
+    avail = 0
+    for v, ids in finished.items():  # early exit, O(versions): not enough eligible groups
+        if 0 <= step - v <= max_staleness:
+            avail += len(ids)
+    if avail < tbs:
+        return None
     chosen: list[str] = []
     taken_le: dict[int, int] = {}
     for v in sorted(finished):
