@@ -330,3 +330,71 @@ def test_step_finished_out_of_order_is_rejected():
     h = Harness(mode="dora", tbs=1, rbs=1, group_size=1)
     with pytest.raises(ValueError):
         h.o.on_step_finished(1)  # no batch released yet
+
+
+def test_kv_trigger_runs_a_full_rebalance_at_most_once_per_interval():
+    def run(gap):
+        h = Harness(instances=("a", "b"), mode="dora", tbs=8, rbs=8, group_size=1, max_staleness=0,
+                    cap_before_rebalance=8, cap_after_rebalance=8, kv_high_watermark=0.8,
+                    rebalance_interval_s=0.0, kv_rebalance_min_interval_s=gap)
+        seen = []
+        for now in (5.0, 5.5, 5.9, 6.0, 6.2, 7.5):
+            h.do(h.o.on_instance_stats("a", 4, 0.95, now=now))
+            seen.append(h.o.snapshot()["last_rebalance"])
+        return seen
+
+    assert run(1.0) == [5.0, 5.0, 5.0, 6.0, 6.0, 7.5]
+    assert run(0.0) == [5.0, 5.5, 5.9, 6.0, 6.2, 7.5]  # 0 = every report above the watermark
+
+
+def test_kv_rate_limited_report_still_levels_the_hot_instance():
+    h = Harness(instances=("a", "b"), mode="dora", tbs=8, rbs=8, group_size=1, max_staleness=0,
+                cap_before_rebalance=8, cap_after_rebalance=8, kv_high_watermark=0.8,
+                rebalance_interval_s=0.0, kv_rebalance_min_interval_s=100.0)
+    h.do(h.o.on_instance_stats("b", 4, 0.95, now=1.0))  # uses up the interval
+    on_b = sorted(s for s, i in h.where.items() if i == "b")
+    h.finish(*on_b)
+    acts = h.do(h.o.on_instance_stats("a", 4, 0.95, now=2.0))
+    assert h.o.snapshot()["last_rebalance"] != 2.0
+    moves = [a for a in acts if isinstance(a, Migrate)]
+    assert len(moves) == 2 and all(m.src == "a" and m.dst == "b" for m in moves)
+
+
+def test_new_instance_of_a_version_takes_the_requests_held_above_the_cap():
+    h = Harness(instances=("a", "b"), mode="dora", tbs=2, rbs=4, group_size=2, max_staleness=1,
+                cap_before_rebalance=4, cap_after_rebalance=2, rebalance_interval_s=5.0)
+    assert h.o.instances["a"].load == 4 and h.o.instances["b"].load == 4
+    h.do(h.o.on_tick(10.0))  # first load-balancing of the step: cap drops to 2, both are over it
+    assert h.o.cap() == 2 and not h.of(Migrate)
+    h.do(h.o.on_instance_joined("c"))
+    acts = h.do(h.o.on_switch_done("c", 0))
+    moves = [a for a in acts if isinstance(a, Migrate)]
+    assert len(moves) == 2 and all(m.dst == "c" and m.version == 0 for m in moves)
+    loads = {i: h.o.instances[i].load for i in "abc"}
+    assert loads["c"] == 2 and sum(loads.values()) == 8 and min(loads["a"], loads["b"]) >= 2
+    assert h.o.audit() == 0
+    # a further instance takes the rest of the excess, and no instance is left over the cap
+    h.do(h.o.on_instance_joined("d"))
+    h.do(h.o.on_switch_done("d", 0))
+    assert all(h.o.instances[i].load <= 2 for i in "abcd")
+
+
+def test_new_instance_takes_nothing_when_no_peer_is_over_the_cap():
+    h = Harness(instances=("a", "b"), mode="dora", tbs=2, rbs=4, group_size=2, max_staleness=1,
+                cap_before_rebalance=4, cap_after_rebalance=4)
+    h.do(h.o.on_instance_joined("c"))
+    acts = h.do(h.o.on_switch_done("c", 0))
+    assert not [a for a in acts if isinstance(a, Migrate)]
+
+
+def test_release_is_not_reevaluated_without_a_completed_group_or_a_new_step():
+    h = Harness(instances=("a", "b"), mode="dora", tbs=2, rbs=4, group_size=2, max_staleness=1)
+    gid = sorted(h.where)[0].rsplit(".", 1)[0]
+    h.finish(f"{gid}.0", f"{gid}.1")   # one complete group: not enough for TBS=2
+    assert not h.batches
+    for now in (1.0, 2.0):
+        h.do(h.o.on_tick(now))
+    assert not h.batches
+    rest = sorted(s for s in h.where if not s.startswith(gid + "."))
+    h.finish(*rest[:2])
+    assert len(h.batches) == 1 and len(h.batches[0].group_ids) == 2

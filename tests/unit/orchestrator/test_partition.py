@@ -96,3 +96,35 @@ def test_water_filling_matches_least_loaded_one_by_one(kept, m):
     for _, _, dst in out:
         counts[dst] = counts.get(dst, 0) + 1
     assert counts == _heap_reference(moving, kept)
+
+
+def test_floors_keep_a_shrinking_version_within_the_cap():
+    # cap 4: version 0 still runs 20 requests -> needs ceil(20/4) = 5 instances; proportional
+    # alone (20 : 300 over 16) would leave it 1
+    plain = partition(16, {0: 20, 3: 300}, required={0, 3})
+    assert plain[0] < 5
+    out = partition(16, {0: 20, 3: 300}, required={0, 3}, floors={0: 5, 3: 75})
+    # floors do not all fit (5 + 75 > 16): ignored
+    assert out == plain
+    out = partition(16, {0: 20, 3: 300}, required={0, 3}, floors={0: 5})
+    assert out == {0: 5, 3: 11}
+
+
+@settings(max_examples=300, deadline=None)
+@given(pool=st.integers(1, 64),
+       demand=st.dictionaries(st.integers(0, 6), st.integers(0, 1000), min_size=1, max_size=5),
+       extra=st.sets(st.integers(0, 6), max_size=3), cap=st.integers(1, 64))
+def test_partition_with_floors_keeps_sum_minimums_and_floors_when_they_fit(pool, demand, extra, cap):
+    required = {v for v, r in demand.items() if r > 0} | extra
+    floors = {v: -(-r // cap) for v, r in demand.items() if r > 0}
+    out = partition(pool, demand, required, floors=floors)
+    assert sum(out.values()) == pool and all(n >= 0 for n in out.values())
+    if len(required) <= pool:
+        assert all(out[v] >= 1 for v in required)
+    else:
+        assert sorted(v for v in required if out[v] >= 1) == sorted(required)[:pool]
+    lo = {v: max(floors.get(v, 0), 1 if v in required else 0) for v in out}
+    if len(required) <= pool and sum(lo.values()) <= pool:
+        assert all(out[v] >= lo[v] for v in out)
+    elif sum(lo.values()) > pool or len(required) > pool:
+        assert out == partition(pool, demand, required)  # floors ignored when they cannot all fit
