@@ -818,7 +818,17 @@ class Orchestrator:
 
     def _move_all_off(self, freed: list[str], kept: dict[str, int], version: int) -> None:
         """Every request of the ``freed`` instances goes to the ``kept`` ones (water-filling);
-        costs O(kept log kept + moved) and one room update per touched instance."""
+        costs O(kept log kept + moved) and one room update per touched instance.
+
+        Cap policy (keeps C1 and C2, never drops KV): water-filling fills the least-loaded kept
+        instances first, so no kept instance is pushed over the cap while the kept room
+        suffices; the partition floors (``ceil(unfinished / cap)`` instances per version when the
+        pool allows) make it suffice unless some of those instances are still switching in. When
+        it does not (pool too small, or kept instances still switching
+        in), the overflow is spread evenly *above* the cap rather than re-queued, because a
+        re-queued running request loses its KV (re-prefill); the version's instances that finish
+        switching take that excess at ``on_switch_done`` (:meth:`_absorb_overflow`), and the
+        two-phase cap stops new work landing on them until they are back under it."""
         insts, samples, out = self.instances, self.samples, self._out
         sids: list[str] = []
         srcs: list[str] = []

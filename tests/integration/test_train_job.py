@@ -31,7 +31,8 @@ def run_train(tmp_path: Path, *overrides: str, timeout: int = 600) -> tuple[subp
 
 def test_short_dora_run(tmp_path):
     proc, run_dir = run_train(tmp_path, "run.steps=4", "model.warm_start_steps=10", "orchestrator.tbs=4",
-                              "orchestrator.rbs=8", "orchestrator.max_staleness=1")
+                              "orchestrator.rbs=8", "orchestrator.max_staleness=1",
+                              "orchestrator.group_size=4")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"run directory: {run_dir}" in proc.stderr + proc.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
