@@ -114,6 +114,8 @@ class RuntimeOptions:
     health_timeout_s: float = 30.0
     verify_checksums: bool = True
     migration: str = "kv"  # "kv": export/import when both engines offer it; "reprefill": abort + resubmit
+    weight_transport: str = "disk"  # "distributed": the trainer broadcasts the newest version to switching engines
+    bucket_mb: float = 256.0
     checkpoint_interval: int = 0  # steps; 0 = only at the end
     checkpoint_dir: Callable[[int], str] | None = None  # version -> checkpoint directory (None: no checkpoints)
 
@@ -179,6 +181,8 @@ class Runtime:
         self._pending_step_finished: int | None = None
         self.c1_count = 0
         self.version_refusals = 0
+        self.latest_version = 0  # newest weights the trainer holds (pushed by `distributed`)
+        self.pushed_bytes = 0
 
     # ------------------------------------------------------------------ helpers
     def now(self) -> float:
@@ -202,7 +206,12 @@ class Runtime:
             self._done.set()
 
     def execute(self, actions: list) -> None:
+        pushes: list[SwitchVersion] = []
         for a in actions:
+            if (isinstance(a, SwitchVersion) and self.opt.weight_transport == "distributed"
+                    and a.version == self.latest_version and a.version > 0):
+                pushes.append(a)  # the trainer still holds these weights: broadcast them once
+                continue
             if isinstance(a, Dispatch):
                 self._dispatch(a)
             elif isinstance(a, Submit):
@@ -222,6 +231,11 @@ class Runtime:
                 self._spawn(self._train(a), f"train-{a.step}")
             else:
                 raise TypeError(f"unknown action {a!r}")
+        if pushes:
+            prevs = {a.instance: self._switching.get(a.instance) for a in pushes}
+            task = self._spawn(self._push_switch(pushes, prevs), f"push-v{pushes[0].version}")
+            for a in pushes:
+                self._switching[a.instance] = task
 
     def _chain(self, sample_id: str, coro, name: str) -> asyncio.Task:
         """Run ``coro`` after the sample's previous operation finished (per-sample ordering)."""
@@ -420,6 +434,36 @@ class Runtime:
         log.info("instance %s joined the pool", name)
         self.execute(self.orch.on_instance_joined(name))
 
+    async def _push_switch(self, actions: list[SwitchVersion], prevs: dict[str, asyncio.Task | None]) -> None:
+        """Switch several instances to the newest version with one trainer broadcast (W1 `distributed`).
+
+        Falls back to the per-version snapshot (disk) for every instance if the broadcast fails."""
+        waits = [t for t in prevs.values() if t is not None and not t.done()]
+        waits += [t for a in actions for t in self._moves_from.get(a.instance, ()) if not t.done()]
+        if waits:
+            await asyncio.wait(waits)
+        live = [a for a in actions if a.instance not in self.failed]
+        if not live:
+            return
+        start = self.now()
+        try:
+            urls = [getattr(self.engines[a.instance], "base_url") for a in live]
+            result = await self.trainer.push_weights(urls, self.opt.bucket_mb)
+        except Exception as err:  # noqa: BLE001 - the snapshot path still works
+            log.warning("weight broadcast of v%d failed (%s); loading the snapshot instead", live[0].version, err)
+            for a in live:
+                await self._switch(a)
+            return
+        end = self.now()
+        self.switch_s += (end - start) * len(live)
+        self.pushed_bytes += int(result.get("bytes", 0))
+        for a in live:
+            self._version_of[a.instance] = a.version
+            if self.timeline is not None:
+                self.timeline.set_version(a.instance, a.version, end)
+                self.timeline.span(a.instance, f"push v{a.version}", start, end, version=a.version, kind="weight_sync")
+            self.execute(self.orch.on_switch_done(a.instance, a.version))
+
     def _instance_failed(self, instance: str, why: str) -> None:
         if instance in self.failed:
             return
@@ -461,6 +505,7 @@ class Runtime:
         result = await self.trainer.train(a.step, samples)
         train_s = time.monotonic() - t_train
         new_version = int(result["version"])
+        self.latest_version = new_version
         if result.get("checksum"):
             self.expected_checksums[new_version] = result["checksum"]
         end = self.now()
@@ -568,6 +613,7 @@ class Runtime:
         self.migrations_fallback = int(state["migrations_fallback"])
         self.expected_checksums = {int(k): v for k, v in state["expected_checksums"].items()}
         self._pending_step_finished = state.get("pending_step_finished")
+        self.latest_version = int(state["version"])
         self.c1_count = int(state.get("c1_count", 0))
         self.duplicated = int(state.get("duplicated", 0))
         self._resumed = True
@@ -658,6 +704,7 @@ class Runtime:
         out["migrations_reprefill"] = self.migrations_fallback
         out["checksum_mismatches"] = self.checksum_mismatches
         out["version_refusals"] = self.version_refusals
+        out["weight_push_bytes"] = self.pushed_bytes
         out["failed_instances"] = sorted(self.failed)
         out["max_live_versions"] = osum.get("max_live_versions")
         out["outstanding_groups_at_end"] = osum["dispatched_groups"] - osum["consumed_groups"]

@@ -232,6 +232,7 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
         checkpoint_interval=cfg.run.checkpoint_interval,
         migration=cfg.controller.migration, health_timeout_s=cfg.controller.health_timeout_s,
         verify_checksums=cfg.controller.verify_checksums,
+        weight_transport=cfg.controller.weight_transport, bucket_mb=cfg.controller.bucket_mb,
         checkpoint_dir=lambda v: str(run_dir / "checkpoints" / f"v{v:06d}"),
     )
     from dora_megatron.data.codec import load_codec

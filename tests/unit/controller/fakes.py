@@ -35,6 +35,7 @@ class _Req:
 class FakeEngine:
     def __init__(self, name: str, token_s: float = 0.002, migration: bool = True, lengths: dict | None = None) -> None:
         self.name = name
+        self.base_url = f"fake://{name}"
         self.version = 0
         self.token_s = token_s
         self.migration = migration
@@ -126,7 +127,9 @@ class FakeEngine:
 
 
 class FakeTrainer:
-    def __init__(self, train_s: float = 0.01) -> None:
+    def __init__(self, train_s: float = 0.01, engines: dict | None = None) -> None:
+        self.engines = {e.base_url: e for e in (engines or {}).values()}
+        self.pushes: list[tuple[int, list[str]]] = []
         self.version = 0
         self.batches: list[list[dict]] = []
         self.train_s = train_s
@@ -138,6 +141,14 @@ class FakeTrainer:
         self.batches.append(samples)
         self.version += 1
         return {"version": self.version, "metrics": {"loss": 0.0}, "checksum": None}
+
+    async def push_weights(self, engines: list[str], bucket_mb: float) -> dict:
+        for url in engines:
+            e = self.engines[url]
+            assert not e.reqs, f"{e.name}: push while holding {list(e.reqs)}"
+            e.version = self.version
+        self.pushes.append((self.version, list(engines)))
+        return {"bytes": 1000 * len(engines), "version": self.version, "checksum": None}
 
     async def save_checkpoint(self, path: str) -> dict:
         self.checkpoints.append(path)

@@ -22,13 +22,14 @@ from dora_megatron.orchestrator import Orchestrator
 from .fakes import FakeEngine, FakeTrainer
 
 
-def make(mode="dora", n=3, steps=6, tbs=4, rbs=8, S=2, G=2, migration=True, token_s=0.001, tmp_path=None, **orch):
+def make(mode="dora", n=3, steps=6, tbs=4, rbs=8, S=2, G=2, migration=True, token_s=0.001, tmp_path=None,
+         transport="disk", **orch):
     cfg = OrchestratorConfig(mode=mode, tbs=tbs, rbs=rbs, max_staleness=S, group_size=G, rebalance_interval_s=0.05,
                              cap_before_rebalance=6, cap_after_rebalance=4, **orch)
     names = [f"e{i}" for i in range(n)]
     engines = {name: FakeEngine(name, token_s=token_s, migration=migration) for name in names}
-    trainer = FakeTrainer()
-    opts = RuntimeOptions(steps=steps, seed=0, max_new_tokens=64, temperature=1.0, top_p=1.0, top_k=-1,
+    trainer = FakeTrainer(engines=engines)
+    opts = RuntimeOptions(steps=steps, seed=0, weight_transport=transport, max_new_tokens=64, temperature=1.0, top_p=1.0, top_k=-1,
                           snapshot_dir=lambda v: f"/snap/v{v}", stats_interval_s=0.01,
                           checkpoint_interval=2 if tmp_path else 0,
                           checkpoint_dir=(lambda v: str(tmp_path / f"ck{v}")) if tmp_path else None)
@@ -135,3 +136,17 @@ def test_checkpoint_and_resume_consume_every_group_once(tmp_path):
     for batch in trainer2.batches:
         for s in batch:
             assert s["reward"] == 1.0
+
+
+def test_distributed_transport_pushes_newest_version_once_per_switch_batch():
+    rt, engines, trainer = make(mode="dora", n=3, steps=6, transport="distributed")
+    summary = asyncio.run(rt.run())
+    check_run(rt, engines, trainer, 6, 4, 2)
+    assert trainer.pushes, "no broadcast happened"
+    versions = [v for v, _ in trainer.pushes]
+    assert all(v >= 1 for v in versions)
+    assert summary["weight_push_bytes"] > 0
+    # older versions (late switchers) still come from snapshots
+    for e in engines.values():
+        for path in e.loads:
+            assert path.startswith("/snap/v")
