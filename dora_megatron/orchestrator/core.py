@@ -229,7 +229,7 @@ class Orchestrator:
             return []
         self._incoming[version].discard(instance)
         self._activate(inst, version)
-        if self.policy.rebalance and False:
+        if self.policy.rebalance:
             self._absorb_overflow(inst)
         return self._fill()
 

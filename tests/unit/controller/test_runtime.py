@@ -87,8 +87,9 @@ def test_dora_keeps_multiple_versions_and_migrates():
     assert summary["max_consumed_staleness"] >= 1
     for e in engines.values():  # migrated requests continue where they were (no restart)
         imports = [rid for op, rid, _ in e.log if op == "import"]
-        for rid in imports:
-            assert rt.samples[rid].finished
+        for rid in imports:  # (samples still in flight when the run ends are simply aborted)
+            rec = rt.samples[rid]
+            assert rec.finished or rec.group_id not in rt.consumed
 
 
 def test_migration_falls_back_to_resubmit_without_extension():
