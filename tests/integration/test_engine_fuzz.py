@@ -52,19 +52,6 @@ JSON_ENDPOINTS = {
 
 # ---- fixtures -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from dora_megatron.models import hf_io
-    from dora_megatron.models.presets import preset_config
-
-    out = tmp_path_factory.mktemp("moe")
-    cfg = preset_config("tiny-moe")
-    cfg["initializer_range"] = 0.1
-    assert cfg["vocab_size"] == VOCAB
-    hf_io.save_model_dir(out, cfg, hf_io.random_state_dict(cfg, 0))
-    return str(out)
-
-
-@pytest.fixture(scope="module")
 def engine(model_dir):
     from dora_megatron.rollout.engine.process import start_engine
 

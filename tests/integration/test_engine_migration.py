@@ -6,6 +6,8 @@ import asyncio
 
 import pytest
 
+from tests.integration.conftest import make_tiny_moe
+
 from dora_megatron.rollout.client import EngineClient, ExtensionUnsupported
 
 pytestmark = pytest.mark.integration
@@ -15,14 +17,7 @@ PROMPT = [7, 8, 9, 40, 41, 42] * 5
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from dora_megatron.models import hf_io
-    from dora_megatron.models.presets import preset_config
-
-    out = tmp_path_factory.mktemp("moe")
-    cfg = preset_config("tiny-moe")
-    cfg["initializer_range"] = 0.1
-    hf_io.save_model_dir(out, cfg, hf_io.random_state_dict(cfg, 3))
-    return str(out)
+    return make_tiny_moe(tmp_path_factory.mktemp("moe"), seed=3)
 
 
 @pytest.fixture(scope="module")
