@@ -104,7 +104,7 @@ class Timeline:
         ax.set_yticklabels(tracks)
         ax.set_xlabel("seconds")
         ax.set_title(title)
-        if seen_versions:
+        if 0 < len(seen_versions) <= 10:  # colours repeat every 10 versions; a longer legend hides the plot
             ax.legend(loc="upper right", fontsize="small", ncol=min(len(seen_versions), 6))
         fig.tight_layout()
         fig.savefig(path, dpi=100)
