@@ -41,7 +41,7 @@ from dora_megatron.data.codec import CharCodec, TextCodec
 from dora_megatron.data.tasks import Prompt, PromptSource
 from dora_megatron.orchestrator import (Dispatch, Interrupt, Migrate, Orchestrator, ReleaseBatch, Submit,
                                         SwitchVersion)
-from dora_megatron.sim.summary import RunTotals, StepRecord, build_summary
+from dora_megatron.observability.summary import RunTotals, StepRecord, build_summary
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ class Runtime:
         self.migrations_fallback = 0
         self.checksum_mismatches = 0
         self.expected_checksums: dict[int, str] = {}
-        self._moves_from: dict[str, set[asyncio.Task]] = {}
+        self._moves_at: dict[str, set[asyncio.Task]] = {}  # instance -> migrations/interrupts into or out of it
         self._switching: dict[str, asyncio.Task] = {}
         self._tasks: set[asyncio.Task] = set()
         self._error: BaseException | None = None
@@ -220,12 +220,12 @@ class Runtime:
                 task = self._concurrent(a.sample_id, lambda prev, a=a: self._migrate(a, prev), f"migrate-{a.sample_id}")
                 # a switch of either end waits for this move (out of src, into dst)
                 for inst in (a.src, a.dst):
-                    self._moves_from.setdefault(inst, set()).add(task)
-                    task.add_done_callback(lambda t, i=inst: self._moves_from.get(i, set()).discard(t))
+                    self._moves_at.setdefault(inst, set()).add(task)
+                    task.add_done_callback(lambda t, i=inst: self._moves_at.get(i, set()).discard(t))
             elif isinstance(a, Interrupt):
                 task = self._concurrent(a.sample_id, lambda prev, a=a: self._interrupt(a, prev), f"interrupt-{a.sample_id}")
-                self._moves_from.setdefault(a.instance, set()).add(task)
-                task.add_done_callback(lambda t, src=a.instance: self._moves_from.get(src, set()).discard(t))
+                self._moves_at.setdefault(a.instance, set()).add(task)
+                task.add_done_callback(lambda t, src=a.instance: self._moves_at.get(src, set()).discard(t))
             elif isinstance(a, SwitchVersion):
                 prev = self._switching.get(a.instance)  # loads on one instance run in order
                 self._switching[a.instance] = self._spawn(self._switch(a, prev), f"switch-{a.instance}")
@@ -402,7 +402,7 @@ class Runtime:
     async def _switch(self, a: SwitchVersion, prev: asyncio.Task | None = None) -> None:
         if prev is not None and not prev.done():
             await asyncio.wait([prev])
-        moves = [t for t in self._moves_from.get(a.instance, ()) if not t.done()]
+        moves = [t for t in self._moves_at.get(a.instance, ()) if not t.done()]
         if moves:
             await asyncio.wait(moves)
         engine = self.engines[a.instance]
@@ -441,7 +441,7 @@ class Runtime:
 
         Falls back to the per-version snapshot (disk) for every instance if the broadcast fails."""
         waits = [t for t in prevs.values() if t is not None and not t.done()]
-        waits += [t for a in actions for t in self._moves_from.get(a.instance, ()) if not t.done()]
+        waits += [t for a in actions for t in self._moves_at.get(a.instance, ()) if not t.done()]
         if waits:
             await asyncio.wait(waits)
         live = [a for a in actions if a.instance not in self.failed]

@@ -35,7 +35,7 @@ from dora_megatron.config.sim import SimConfig
 from dora_megatron.sim.cost import DecodeCost, kv_transfer_s
 from dora_megatron.sim.events import EventQueue
 from dora_megatron.sim.instance import PAUSED, READY, SWITCHING, SimInstance, SimRequest
-from dora_megatron.sim.summary import RunTotals, StepRecord, build_summary
+from dora_megatron.observability.summary import RunTotals, StepRecord, build_summary
 from dora_megatron.sim.workload import GroupSpec, Workload
 
 log = logging.getLogger(__name__)

@@ -210,27 +210,37 @@ def push_distributed(
     return asyncio.run(push_distributed_async(tensors, engine_urls, bucket_mb, version, master_addr, backend, **kwargs))
 
 
-async def push_disk(snapshot_dir: str, engine_urls: Sequence[str], version: int | str,
-                    timeout_s: float = 600.0) -> PushResult:
-    """Every engine loads ``snapshot_dir`` (``/update_weights_from_disk``), concurrently."""
-    import os
+async def _fan_out(engine_urls: Sequence[str], call, what: str, timeout_s: float) -> tuple[list, float, dict]:
+    """Run ``call(client)`` on every engine concurrently; raise :class:`PushError` naming the failed ones.
 
+    Returns the per-engine results, the seconds the calls took and the versions the engines report."""
     from dora_megatron.rollout.client import EngineClient
-    from dora_megatron.weights.snapshots import WEIGHTS_FILE, read_manifest
 
     urls = [u.rstrip("/") for u in engine_urls]
     clients = [EngineClient(u, timeout_s=timeout_s) for u in urls]
     t0 = time.perf_counter()
     try:
-        res = await asyncio.gather(*(c.update_weights_from_disk(snapshot_dir, weight_version=version) for c in clients),
-                                   return_exceptions=True)
+        res = await asyncio.gather(*(call(c) for c in clients), return_exceptions=True)
         seconds = time.perf_counter() - t0
         if _errors(urls, res):
-            raise PushError(f"update_weights_from_disk {snapshot_dir} failed", _errors(urls, res))
+            raise PushError(f"{what} failed", _errors(urls, res))
         versions = await _versions(clients)
     finally:
         await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
-    size = os.path.getsize(os.path.join(snapshot_dir, WEIGHTS_FILE)) * len(urls)
+    return res, seconds, versions
+
+
+async def push_disk(snapshot_dir: str, engine_urls: Sequence[str], version: int | str,
+                    timeout_s: float = 600.0) -> PushResult:
+    """Every engine loads ``snapshot_dir`` (``/update_weights_from_disk``), concurrently."""
+    import os
+
+    from dora_megatron.weights.snapshots import WEIGHTS_FILE, read_manifest
+
+    _, seconds, versions = await _fan_out(
+        engine_urls, lambda c: c.update_weights_from_disk(snapshot_dir, weight_version=version),
+        f"update_weights_from_disk {snapshot_dir}", timeout_s)
+    size = os.path.getsize(os.path.join(snapshot_dir, WEIGHTS_FILE)) * len(engine_urls)
     try:
         checksum = read_manifest(snapshot_dir).get("checksum")
     except Exception:  # noqa: BLE001 - a plain HF dir without manifest
@@ -241,20 +251,9 @@ async def push_disk(snapshot_dir: str, engine_urls: Sequence[str], version: int 
 async def push_peer(peer_url: str, engine_urls: Sequence[str], version: int | str,
                     timeout_s: float = 600.0) -> PushResult:
     """Every engine in ``engine_urls`` copies the weights of the instance at ``peer_url``."""
-    from dora_megatron.rollout.client import EngineClient
-
-    urls = [u.rstrip("/") for u in engine_urls]
-    clients = [EngineClient(u, timeout_s=timeout_s) for u in urls]
-    t0 = time.perf_counter()
-    try:
-        res = await asyncio.gather(*(c.update_weights_from_peer(peer_url, weight_version=version) for c in clients),
-                                   return_exceptions=True)
-        seconds = time.perf_counter() - t0
-        if _errors(urls, res):
-            raise PushError(f"update_weights_from_peer {peer_url} failed", _errors(urls, res))
-        versions = await _versions(clients)
-    finally:
-        await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+    res, seconds, versions = await _fan_out(
+        engine_urls, lambda c: c.update_weights_from_peer(peer_url, weight_version=version),
+        f"update_weights_from_peer {peer_url}", timeout_s)
     nbytes = sum(int(r.get("bytes", 0)) for r in res if isinstance(r, dict))
     checksums = {r.get("checksum") for r in res if isinstance(r, dict)}
     return PushResult("peer", version, nbytes, seconds, checksum=checksums.pop() if len(checksums) == 1 else None,

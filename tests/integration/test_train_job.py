@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dora_megatron.sim.summary import SUMMARY_FIELDS
+from dora_megatron.observability.summary import SUMMARY_FIELDS
 
 pytestmark = pytest.mark.integration
 

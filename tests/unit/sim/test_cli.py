@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 from dora_megatron.cli.main import main
-from dora_megatron.sim.summary import SUMMARY_FIELDS
+from dora_megatron.observability.summary import SUMMARY_FIELDS
 
 TINY = Path(__file__).resolve().parents[3] / "configs" / "sim" / "tiny.yaml"
 

@@ -9,7 +9,7 @@ import pytest
 from dora_megatron.config.base import ConfigError
 from dora_megatron.config.sim import load_sim_config
 from dora_megatron.sim.engine import Simulation, simulate
-from dora_megatron.sim.summary import SUMMARY_FIELDS
+from dora_megatron.observability.summary import SUMMARY_FIELDS
 
 TINY = Path(__file__).resolve().parents[3] / "configs" / "sim" / "tiny.yaml"
 FAST = ["sim.steps=6", "sim.warmup_steps=1"]

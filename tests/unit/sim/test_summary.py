@@ -2,7 +2,7 @@
 
 import pytest
 
-from dora_megatron.sim.summary import SUMMARY_FIELDS, RunTotals, StepRecord, build_summary
+from dora_megatron.observability.summary import SUMMARY_FIELDS, RunTotals, StepRecord, build_summary
 
 
 def _steps():
