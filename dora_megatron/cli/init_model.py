@@ -8,7 +8,7 @@ import sys
 HELP = ("create a Hugging Face format Qwen3 / Qwen3-MoE model directory (random init + tokenizer.json), "
         "optionally warm-started with supervised traces of a task")
 PRESET_NAMES = ("tiny-moe", "tiny-dense")
-WARM_START_TASKS = ("running_sum",)
+WARM_START_TASKS = ("digit_cipher", "running_sum")  # keep in step with data.tasks.DIGIT_TASKS
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -18,7 +18,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warm-start", choices=WARM_START_TASKS, default=None,
                         help="supervised warm start on this task after the random init (minutes on CPU)")
     parser.add_argument("--warm-start-steps", type=int, default=300, help="optimizer steps of the warm start")
-    parser.add_argument("--max-len", type=int, default=40, help="running_sum: longest digit list of the warm-start traces")
+    parser.add_argument("--max-len", type=int, default=40, help="longest digit list of the warm-start traces")
 
 
 def run(args: argparse.Namespace) -> int:

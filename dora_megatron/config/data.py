@@ -9,14 +9,14 @@ from dora_megatron.config.base import ConfigError, field_doc
 
 @dataclass
 class DataConfig:
-    task: str = field_doc("running_sum", "Synthetic task (`running_sum`) or `jsonl` for a prompt dataset file.", choices=("running_sum", "jsonl"))
+    task: str = field_doc("digit_cipher", "Synthetic marked-digit task (`digit_cipher`: each digit through a fixed substitution; `running_sum`: running sum mod 10, much harder for tiny models) or `jsonl` for a prompt dataset file.", choices=("digit_cipher", "running_sum", "jsonl"))
     path: str = field_doc("", "JSONL file with `prompt` and `answer` fields (DAPO-Math-17k layout); required when task is jsonl.")
     prompt_key: str = field_doc("prompt", "JSONL field holding the prompt text.")
     answer_key: str = field_doc("answer", "JSONL field holding the ground-truth answer.")
-    min_len: int = field_doc(1, "running_sum: shortest digit list.", ge=1)
-    max_len: int = field_doc(40, "running_sum: longest digit list (at most 52: one position marker per digit).", ge=1, le=52)
-    length_exponent: float = field_doc(1.6, "running_sum: list length n is drawn with p(n) ~ n^-exponent (heavy tail).", gt=0.0)
-    partial_credit: bool = field_doc(False, "running_sum: reward wrong answers with half the fraction of correct leading characters instead of 0.")
+    min_len: int = field_doc(1, "Digit tasks: shortest digit list.", ge=1)
+    max_len: int = field_doc(40, "Digit tasks: longest digit list (at most 52: one position marker per digit).", ge=1, le=52)
+    length_exponent: float = field_doc(1.6, "Digit tasks: list length n is drawn with p(n) ~ n^-exponent (heavy tail).", gt=0.0)
+    partial_credit: bool = field_doc(False, "Digit tasks: reward wrong answers with half the fraction of correct leading characters instead of 0.")
     seed: int = field_doc(0, "Seed of the prompt stream (independent of the run seed so baselines see the same prompts).", ge=0)
 
     def check(self, path: str) -> None:

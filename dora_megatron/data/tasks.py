@@ -1,18 +1,28 @@
 """Verifiable prompt sources and rule-based rewards.
 
-``running_sum`` is the project's built-in long-tail task: the prompt is a list of
-digits, the answer is the running sum mod 10 after each digit. Each digit is
-preceded by a position marker (``a``, ``b``, ... ``z``, ``A``, ...), in the prompt
-and in the answer: ``a3b1c9:`` -> ``a3b4c3.``. The markers make the task learnable
-by a 4-layer model in minutes (to emit the k-th sum it attends to the same marker
-in the prompt, an induction-head pattern, instead of counting positions). The
-list length ``n`` is drawn with ``p(n) ~ n^-a`` on ``[min_len, max_len]``, so
-correct responses (``2n + 2`` tokens) have a heavy tail: most are short, a few are
-long.
-That is exactly the workload where synchronous RL idles on stragglers and
-multi-version streaming helps, and the long lists are where a small model has
-room to improve with RL. Everything here is pure Python (no torch) so the
-controller, the simulator and the tests share it.
+The built-in long-tail tasks map a list of digits to a list of digits. Each digit
+is preceded by a position marker (``a``, ``b``, ... ``z``, ``A``, ...), in the
+prompt and in the answer, so emitting the k-th answer digit means attending to the
+same marker in the prompt (an induction-head pattern) instead of counting
+positions. The list length ``n`` is drawn with ``p(n) ~ n^-a`` on
+``[min_len, max_len]``, so correct responses (``2n + 2`` tokens) have a heavy
+tail: most are short, a few are long. That is exactly the workload where
+synchronous RL idles on stragglers and multi-version streaming helps.
+
+* ``digit_cipher`` (the main job's task): every digit goes through a fixed
+  substitution table, ``d -> (3d + 1) mod 10``: ``a3b1c9:`` -> ``a0b4c8.``.
+  A 4-layer model learns the format and the short lists from a warm start of a
+  minute or two; one wrong digit anywhere fails the whole answer, so the long lists
+  are where RL has room to improve within minutes on a CPU.
+* ``running_sum``: the answer is the running sum mod 10 after each digit,
+  ``a3b1c9:`` -> ``a3b4c3.``. Each answer digit depends on the previous one, a
+  two-argument function a tiny model does not learn from minutes of warm start
+  (measured: after 600 warm-start steps it is exact only on single digits), so RL
+  finds almost no reward signal on it at the CPU scale. Kept as a harder task
+  for bigger models.
+
+Everything here is pure Python (no torch) so the controller, the simulator and the
+tests share it.
 """
 
 from __future__ import annotations
@@ -53,6 +63,15 @@ def heavy_tail_lengths(min_len: int, max_len: int, exponent: float) -> tuple[lis
     return support, [w / total for w in weights]
 
 
+#: ``digit_cipher`` substitution table: digit d maps to CIPHER[d] = (3d + 1) mod 10.
+CIPHER = "1470369258"
+
+
+def digit_cipher_answer(digits: list[int]) -> str:
+    """The marked substituted digits (``[3,1,9] -> 'a0b4c8'``)."""
+    return "".join(MARKERS[i] + CIPHER[d] for i, d in enumerate(digits))
+
+
 def running_sum_answer(digits: list[int]) -> str:
     """The marked running sums mod 10 of ``digits`` (``[3,1,9] -> 'a3b4c3'``)."""
     out, acc = [], 0
@@ -73,15 +92,29 @@ def parse_running_sum_prompt(text: str) -> list[int]:
     return [int(ch) for ch in body if ch.isdigit()]
 
 
+#: Marked-digit tasks by name: the answer function of each.
+DIGIT_TASKS: dict[str, Callable[[list[int]], str]] = {
+    "digit_cipher": digit_cipher_answer,
+    "running_sum": running_sum_answer,
+}
+
+
 class RunningSumTask:
     """Deterministic prompt ``index -> (digits, answer)`` stream for a seed.
 
+    ``kind`` names the answer function (a key of :data:`DIGIT_TASKS`; the class name
+    is historical: every marked-digit task shares the prompts and the heavy tail).
     Response format: the marked answer followed by ``.`` and end-of-sequence.
     Reward: 1.0 for an exact answer, else 0 (optionally partial credit, see
     :func:`running_sum_reward`).
     """
 
-    def __init__(self, min_len: int = 1, max_len: int = 24, exponent: float = 1.6, seed: int = 0) -> None:
+    def __init__(self, min_len: int = 1, max_len: int = 24, exponent: float = 1.6, seed: int = 0,
+                 kind: str = "running_sum") -> None:
+        if kind not in DIGIT_TASKS:
+            raise ValueError(f"unknown digit task {kind!r} (valid: {', '.join(DIGIT_TASKS)})")
+        self.kind = kind
+        self._answer = DIGIT_TASKS[kind]
         if min_len < 1 or max_len < min_len:
             raise ValueError(f"need 1 <= min_len <= max_len, got {min_len}, {max_len}")
         if max_len > len(MARKERS):
@@ -96,7 +129,7 @@ class RunningSumTask:
 
     def get(self, index: int) -> Prompt:
         digits = self.digits(index)
-        return Prompt(index, running_sum_prompt(digits), running_sum_answer(digits))
+        return Prompt(index, running_sum_prompt(digits), self._answer(digits))
 
     @staticmethod
     def target(prompt: Prompt) -> str:
@@ -199,11 +232,11 @@ def _last_answer(response: str) -> str:
 
 def make_prompt_source(task: str, partial_credit: bool = False, **kwargs) -> tuple[PromptSource, Callable[[str, str], float]]:
     """Build the prompt source and reward function named by ``data.task``."""
-    if task == "running_sum":
-        return RunningSumTask(**kwargs), functools.partial(running_sum_reward, partial_credit=partial_credit)
+    if task in DIGIT_TASKS:
+        return RunningSumTask(kind=task, **kwargs), functools.partial(running_sum_reward, partial_credit=partial_credit)
     if task == "jsonl":
         return JsonlPromptSource(**kwargs), math_reward
-    raise ValueError(f"data.task: unknown task {task!r} (valid: running_sum, jsonl)")
+    raise ValueError(f"data.task: unknown task {task!r} (valid: {', '.join(DIGIT_TASKS)}, jsonl)")
 
 
 def iter_prompts(source: PromptSource, start: int = 0) -> Iterator[Prompt]:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from dora_megatron.data import tokenizer as tok
-from dora_megatron.data.tasks import RunningSumTask
+from dora_megatron.data.tasks import DIGIT_TASKS, RunningSumTask
 
 log = logging.getLogger(__name__)
 
@@ -137,9 +137,9 @@ def _exact_rates(model, task: RunningSumTask, seed: int, n: int = 256) -> tuple[
 def run_warm_start(model_dir: str | Path, task_name: str, steps: int, seed: int = 0,
                    say: Callable[[str], None] = log.info, task_kwargs: dict | None = None) -> WarmStartResult:
     """Warm-start ``model_dir`` on the named task with progress lines every ~10% of the steps."""
-    if task_name != "running_sum":
-        raise ValueError(f"warm start: unknown task {task_name!r} (valid: running_sum)")
-    task = RunningSumTask(**(task_kwargs or {}))
+    if task_name not in DIGIT_TASKS:
+        raise ValueError(f"warm start: unknown task {task_name!r} (valid: {', '.join(DIGIT_TASKS)})")
+    task = RunningSumTask(kind=task_name, **(task_kwargs or {}))
     every = max(1, steps // 10)
 
     def progress(step: int, loss: float) -> None:

@@ -30,7 +30,7 @@ class VersionedWorker:
         self.version = 0
 
     def train_step(self, samples: list[dict[str, Any]]) -> dict[str, float]:
-        metrics = self.worker.train_step(samples)
+        metrics = self.worker.train_step(samples, current_version=self.version)
         self.version += 1
         return {k: float(v) for k, v in metrics.items()}
 

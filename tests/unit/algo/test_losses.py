@@ -102,3 +102,18 @@ def test_masked_tokens_do_not_count():
     out = policy_loss(lp, torch.zeros(1, 2), _t(1.0), _t([0.0, 1.0]), LossSettings())
     assert out.num_tokens == 1
     assert out.loss.item() == pytest.approx(-1.2)
+
+
+def test_logprob_diff_counts_only_on_policy_samples():
+    lp = torch.zeros(2, 3)
+    rollout = _t([0.1, 0.1, 0.1], [2.0, 2.0, 0.0])  # sample 1 is stale: its log-probs differ a lot
+    mask = _t([1, 1, 1], [1, 1, 0])
+    out = policy_loss(lp, rollout, _t(1.0, -1.0), mask, LossSettings(), rollout_logprobs=rollout,
+                      on_policy=torch.tensor([True, False]))
+    assert out.metric_sums["rollout_vs_trainer_logprob_diff"].item() == pytest.approx(0.3, rel=1e-6)
+    assert out.metric_sums["on_policy_tokens"].item() == 3
+    everything = policy_loss(lp, rollout, _t(1.0, -1.0), mask, LossSettings(), rollout_logprobs=rollout)
+    assert everything.metric_sums["rollout_vs_trainer_logprob_diff"].item() == pytest.approx(4.3, rel=1e-6)
+    assert everything.metric_sums["on_policy_tokens"].item() == 5
+    # the loss itself does not depend on the on-policy mask
+    assert out.loss.item() == pytest.approx(everything.loss.item())

@@ -8,7 +8,7 @@ import statistics
 import pytest
 
 from dora_megatron.data.tasks import (
-    JsonlPromptSource, RunningSumTask, heavy_tail_lengths, math_reward, parse_running_sum_prompt, running_sum_answer,
+    CIPHER, JsonlPromptSource, RunningSumTask, digit_cipher_answer, heavy_tail_lengths, make_prompt_source, math_reward, parse_running_sum_prompt, running_sum_answer,
     running_sum_prompt, running_sum_reward,
 )
 
@@ -18,6 +18,32 @@ def test_running_sum_answer_by_hand():
     assert running_sum_answer([5, 5, 5, 5]) == "a5b0c5d0"
     assert running_sum_prompt([3, 1, 9]) == "a3b1c9:"
     assert parse_running_sum_prompt("a3b1c9:") == [3, 1, 9]
+
+
+def test_digit_cipher_answer_by_hand():
+    # d -> (3d + 1) mod 10, written out: 3 -> 0, 1 -> 4, 9 -> 8
+    assert digit_cipher_answer([3, 1, 9]) == "a0b4c8"
+    assert sorted(CIPHER) == sorted("0123456789"), "the substitution must be a permutation"
+    assert all(CIPHER[d] == str((3 * d + 1) % 10) for d in range(10))
+
+
+def test_digit_task_kinds_share_prompts_and_differ_in_answers():
+    cipher, rsum = RunningSumTask(seed=3, kind="digit_cipher"), RunningSumTask(seed=3, kind="running_sum")
+    for i in range(20):
+        a, b = cipher.get(i), rsum.get(i)
+        assert a.text == b.text
+        assert a.answer == digit_cipher_answer(parse_running_sum_prompt(a.text))
+        assert b.answer == running_sum_answer(parse_running_sum_prompt(b.text))
+    with pytest.raises(ValueError, match="unknown digit task 'sum'"):
+        RunningSumTask(kind="sum")
+
+
+def test_make_prompt_source_names_bad_task():
+    source, reward = make_prompt_source("digit_cipher", min_len=1, max_len=5, exponent=1.2, seed=0)
+    p = source.get(7)
+    assert reward(p.answer + ".", p.answer) == 1.0
+    with pytest.raises(ValueError, match="data.task: unknown task 'nope'"):
+        make_prompt_source("nope")
 
 
 def test_prompts_are_deterministic_and_consistent():
@@ -30,8 +56,9 @@ def test_prompts_are_deterministic_and_consistent():
     assert RunningSumTask(seed=4).get(0) != RunningSumTask(seed=3).get(0) or RunningSumTask(seed=4).get(1) != RunningSumTask(seed=3).get(1)
 
 
-def test_heavy_tail_p99_over_median_at_least_8():
-    task = RunningSumTask(min_len=1, max_len=40, exponent=1.6, seed=0)
+@pytest.mark.parametrize("exponent", [1.2, 1.6])
+def test_heavy_tail_p99_over_median_at_least_8(exponent):
+    task = RunningSumTask(min_len=1, max_len=40, exponent=exponent, seed=0, kind="digit_cipher")
     lengths = sorted(len(RunningSumTask.target(task.get(i))) for i in range(4000))
     median = statistics.median(lengths)
     p99 = lengths[int(0.99 * len(lengths))]

@@ -47,3 +47,12 @@ def test_reference_logprobs_are_aligned_when_given():
     plain = build_micro_batches([{"prompt_ids": [5], "response_ids": [7]}], indices=[0], micro_batch_size=1,
                                 num_micro_batches=1, seq_len=4)[0]
     assert plain.ref_logprobs is None
+
+
+def test_on_policy_rows_follow_the_current_version():
+    samples = [{"prompt_ids": [1, 2], "response_ids": [3], "version": v} for v in (5, 4, 5)]
+    (mb,) = build_micro_batches(samples, indices=[0, 1, 2], micro_batch_size=4, num_micro_batches=1, seq_len=4,
+                                current_version=5)
+    assert mb.on_policy.tolist() == [True, False, True, False]  # last row is filler
+    (mb,) = build_micro_batches(samples, indices=[0, 1, 2], micro_batch_size=3, num_micro_batches=1, seq_len=4)
+    assert mb.on_policy.tolist() == [True, True, True]
