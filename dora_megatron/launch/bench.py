@@ -59,7 +59,10 @@ def variant_config(base: DoraConfig, name: str, seed_index: int, run_dir: Path, 
     overrides += [f"run.run_dir={run_dir}", f"model.path={model_dir}", "model.warm_start=''",
                   f"run.seed={base.run.seed + seed_index}", "observability.progress=false"]
     if colocated:
-        overrides += ["launch.engine_cpus=[]", "launch.trainer_cpus=[]", f"rollout.threads_per_instance={n_cores}",
+        # every phase may use every core: the engines share them during rollout (one slice each, so
+        # the rollout phase is not oversubscribed), the trainer uses all of them during training
+        per_engine = max(1, n_cores // base.rollout.num_instances)
+        overrides += ["launch.engine_cpus=[]", "launch.trainer_cpus=[]", f"rollout.threads_per_instance={per_engine}",
                       f"launch.trainer_threads={n_cores}"]
     else:
         engines, trainer = split_cores(n_cores, base.rollout.num_instances)
@@ -116,7 +119,40 @@ def markdown_table(agg: dict[str, Any]) -> str:
     return "\n".join(lines + ["", f"Sync baseline: `{base}`.", ""] + ratio_lines) + "\n"
 
 
-def plot_rewards(run_dirs: dict[str, list[Path]], out: Path) -> Path:
+def _smooth(values: list[float], window: int) -> list[float]:
+    """Trailing moving average (the first points average what exists)."""
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= window:
+            acc -= values[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def seed_mean_curves(dirs: list[Path]) -> tuple[list[int], list[float], list[float]]:
+    """Steps, reward per step averaged over the seeds' runs, and mean cumulative step time per step."""
+    per_run = []
+    for d in dirs:
+        path = d / "steps.jsonl"
+        if path.is_file():
+            rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            per_run.append({r["step"]: r for r in rows})
+    if not per_run:
+        return [], [], []
+    steps = sorted(set.intersection(*(set(r) for r in per_run)))
+    rewards = [statistics.fmean(r[s].get("reward/mean", 0.0) for r in per_run) for s in steps]
+    walls, t = [], [0.0] * len(per_run)
+    for s in steps:
+        for k, r in enumerate(per_run):
+            t[k] += r[s].get("perf/step_time_s", 0.0)
+        walls.append(statistics.fmean(t))
+    return steps, rewards, walls
+
+
+def plot_rewards(run_dirs: dict[str, list[Path]], out: Path, window: int = 5) -> Path:
+    """Reward per step and per wall second, one line per variant: mean over seeds, then a
+    ``window``-step moving average (single steps of a few groups are too noisy to compare)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -124,24 +160,15 @@ def plot_rewards(run_dirs: dict[str, list[Path]], out: Path) -> Path:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for variant, dirs in run_dirs.items():
-        for i, d in enumerate(dirs):
-            path = d / "steps.jsonl"
-            if not path.is_file():
-                continue
-            rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-            steps = [r["step"] for r in rows]
-            rewards = [r.get("reward/mean") for r in rows]
-            wall = []
-            t = 0.0
-            for r in rows:
-                t += r.get("perf/step_time_s", 0.0)
-                wall.append(t)
-            label = variant if i == 0 else None
-            line, = ax1.plot(steps, rewards, label=label, alpha=0.8)
-            ax2.plot(wall, rewards, color=line.get_color(), alpha=0.8)
+        steps, rewards, walls = seed_mean_curves(dirs)
+        if not steps:
+            continue
+        smooth = _smooth(rewards, window)
+        line, = ax1.plot(steps, smooth, label=f"{variant} ({len(dirs)} seeds)", alpha=0.85)
+        ax2.plot(walls, smooth, color=line.get_color(), alpha=0.85)
     ax1.set_xlabel("training step")
-    ax1.set_ylabel("mean reward")
-    ax2.set_xlabel("wall seconds")
+    ax1.set_ylabel(f"mean reward ({window}-step moving average)")
+    ax2.set_xlabel("wall seconds (training steps only)")
     ax1.legend(fontsize="small")
     ax1.set_title("reward per step")
     ax2.set_title("reward per wall second")

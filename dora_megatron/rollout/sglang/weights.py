@@ -9,7 +9,8 @@ WHY this order (reference B.2 and pitfalls E.1-E.8):
   ``_new_process_group_helper``, the layout SGLang uses), then the HTTP answers are awaited:
   either side alone blocks forever.
 * **push(version)**: ``/pause_generation`` with the configured mode; then per bucket (HF names,
-  at most ``bucket_mb``) one ``/update_weights_from_distributed`` per instance, sent before the
+  at most ``bucket_mb``, planned by :func:`dora_megatron.weights.plan.plan_buckets`, the planner
+  every transport shares) one ``/update_weights_from_distributed`` per instance, sent before the
   broadcast of the bucket's tensors (in ``names`` order, from a worker thread so the HTTP answers,
   which carry errors and have timeouts, stay on the event loop); then ``/continue_generation``.
   ``weight_version`` travels inside every update request (never ``/update_weight_version``, which
@@ -85,20 +86,6 @@ def bucket_flags(pause_mode: str, last: bool) -> dict[str, bool]:
     return {"flush_cache": pause_mode == "abort" and last, "abort_all_requests": False}
 
 
-def plan_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[range]:
-    """Consecutive index ranges whose byte sizes sum to at most ``bucket_bytes`` (a tensor larger
-    than that gets a bucket of its own); order is preserved, so the plan is deterministic."""
-    out, start, acc = [], 0, 0
-    for i, n in enumerate(sizes):
-        if i > start and acc + n > bucket_bytes:
-            out.append(range(start, i))
-            start, acc = i, 0
-        acc += n
-    if start < len(sizes):
-        out.append(range(start, len(sizes)))
-    return out
-
-
 @dataclass
 class PushReport:
     version: int
@@ -117,7 +104,7 @@ class DistributedWeightPusher:
 
     def __init__(self, targets: Mapping[str, UpdateTarget], gpus: Mapping[str, int], *, master_address: str,
                  master_port: int, group_name: str = "dora_weights", backend: str = "nccl",
-                 pause_mode: str = "abort", bucket_mb: int = 512, timeout_s: float = 600.0) -> None:
+                 pause_mode: str = "abort", bucket_mb: float = 512, timeout_s: float = 600.0) -> None:
         if set(targets) != set(gpus):
             raise ValueError("targets and gpus must name the same instances")
         bucket_flags(pause_mode, True)  # validates the mode
@@ -128,7 +115,7 @@ class DistributedWeightPusher:
         self.group_name = group_name
         self.backend = backend
         self.pause_mode = pause_mode
-        self.bucket_bytes = bucket_mb << 20
+        self.bucket_mb = bucket_mb
         self.timeout_s = timeout_s
         self.group: Any = None
 
@@ -169,19 +156,19 @@ class DistributedWeightPusher:
         if self.group is None:
             raise RuntimeError("push before connect")
         t0 = time.monotonic()
-        items = [(n, t.contiguous()) for n, t in named_tensors]
-        sizes = [t.numel() * t.element_size() for _, t in items]
-        buckets = plan_buckets(sizes, self.bucket_bytes)
+        from dora_megatron.weights.plan import plan_buckets, spec_of
+
+        by_name = {n: t.contiguous() for n, t in named_tensors}
+        buckets = plan_buckets([spec_of(n, t) for n, t in by_name.items()], self.bucket_mb)
         names = list(self.targets)
         paused = dict(zip(names, await asyncio.gather(*(t.pause(self.pause_mode) for t in self.targets.values()))))
         failed: dict[str, str] = {}
-        for i, b in enumerate(buckets):
-            chunk = [items[j] for j in b]
-            flags = bucket_flags(self.pause_mode, last=i == len(buckets) - 1)
+        for b in buckets:
+            flags = bucket_flags(self.pause_mode, last=b.index == len(buckets) - 1)
             posts = [asyncio.ensure_future(t.update_weights_from_distributed(
-                [n for n, _ in chunk], [str(x.dtype) for _, x in chunk], [list(x.shape) for _, x in chunk],
-                group_name=self.group_name, weight_version=str(version), **flags)) for t in self.targets.values()]
-            send = asyncio.to_thread(weight_sync.send_tensors, self.group, [x for _, x in chunk])
+                b.names, b.dtypes, b.shapes, group_name=self.group_name, weight_version=str(version), **flags))
+                for t in self.targets.values()]
+            send = asyncio.to_thread(weight_sync.send_tensors, self.group, [by_name[n] for n in b.names])
             results = await asyncio.gather(send, *posts, return_exceptions=True)
             if isinstance(results[0], BaseException):
                 raise WeightPushFailed({n: f"broadcast failed: {results[0]!r}" for n in names})
@@ -195,4 +182,5 @@ class DistributedWeightPusher:
         if wrong:
             raise WeightPushFailed(wrong)
         await asyncio.gather(*(t.continue_generation() for t in self.targets.values()))
-        return PushReport(version, len(buckets), len(items), sum(sizes), time.monotonic() - t0, paused)
+        return PushReport(version, len(buckets), len(by_name), sum(b.nbytes for b in buckets), time.monotonic() - t0,
+                          paused)

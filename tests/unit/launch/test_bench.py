@@ -28,7 +28,12 @@ def test_variant_configs_share_model_and_prompts(tmp_path):
     assert {c.model.path for c in cfgs.values()} == {str(tmp_path / "model")}
     assert {c.data.seed for c in cfgs.values()} == {base.data.seed}
     assert {c.run.steps for c in cfgs.values()} == {base.run.steps}
-    assert cfgs["sync_colocated"].launch.engine_cpus == [] and cfgs["sync_colocated"].rollout.threads_per_instance == 2
+    colo = cfgs["sync_colocated"]
+    # colocated: no pinning; the 2 engines split the 2 cores during rollout, the trainer takes both
+    assert colo.launch.engine_cpus == [] and colo.launch.trainer_cpus == []
+    assert colo.rollout.threads_per_instance == 1 and colo.launch.trainer_threads == 2
+    wide = variant_config(base, "sync_colocated", 0, tmp_path / "w", tmp_path / "model", 8)
+    assert wide.rollout.threads_per_instance == 4 and wide.launch.trainer_threads == 8
     assert cfgs["sync"].launch.engine_cpus == [0] and cfgs["sync"].launch.trainer_cpus == [1]
     assert cfgs["dora_s3"].orchestrator.max_staleness == 3 and cfgs["dora_s1"].orchestrator.max_staleness == 1
     assert cfgs["dora_reprefill"].controller.migration == "reprefill"
@@ -58,3 +63,21 @@ def test_every_variant_is_documented():
     from dora_megatron.config.bench import VARIANT_NAMES
 
     assert set(VARIANTS) == set(VARIANT_NAMES)
+
+
+def test_seed_mean_curves_and_smoothing(tmp_path):
+    import json
+
+    from dora_megatron.launch.bench import _smooth, seed_mean_curves
+
+    for k, rewards in enumerate(([0.0, 1.0, 0.5], [1.0, 0.0, 0.5, 0.9])):  # the second seed ran one step more
+        d = tmp_path / f"s{k}"
+        d.mkdir()
+        d.joinpath("steps.jsonl").write_text("".join(
+            json.dumps({"step": i, "reward/mean": r, "perf/step_time_s": 2.0 * (k + 1)}) + "\n" for i, r in enumerate(rewards)))
+    steps, rewards, walls = seed_mean_curves([tmp_path / "s0", tmp_path / "s1"])
+    assert steps == [0, 1, 2]  # only steps every seed reached
+    assert rewards == [0.5, 0.5, 0.5]
+    assert walls == [3.0, 6.0, 9.0]  # mean of the seeds' cumulative step times
+    assert _smooth([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert seed_mean_curves([tmp_path / "missing"]) == ([], [], [])

@@ -11,7 +11,7 @@ from dora_megatron.config.schema import load_config
 from dora_megatron.rollout.sglang.args import InstanceSpec, SGLangArgsError, server_argv
 from dora_megatron.rollout.sglang.client import summarize_loads
 from dora_megatron.rollout.sglang.engine import wire_rid
-from dora_megatron.rollout.sglang.weights import bucket_flags, group_layout, plan_buckets
+from dora_megatron.rollout.sglang.weights import bucket_flags, group_layout
 
 
 def _inst(**kw):
@@ -81,16 +81,6 @@ def test_group_layout_gives_each_instance_consecutive_ranks():
     assert ranks == list(range(14))
     with pytest.raises(ValueError):
         group_layout({"a": 0})
-
-
-@pytest.mark.parametrize("sizes,cap", [([5, 5, 5], 10), ([1] * 7, 3), ([30, 1, 1], 10), ([], 4), ([4, 6, 10, 1], 10)])
-def test_buckets_cover_in_order_and_respect_the_cap(sizes, cap):
-    buckets = plan_buckets(sizes, cap)
-    assert [i for b in buckets for i in b] == list(range(len(sizes)))
-    for b in buckets:
-        assert len(b) == 1 or sum(sizes[i] for i in b) <= cap
-    for b1, b2 in zip(buckets, buckets[1:]):  # greedy: the next tensor did not fit
-        assert sum(sizes[i] for i in b1) + sizes[b2[0]] > cap
 
 
 def test_flush_only_after_abort_pause_and_only_on_the_last_bucket():
