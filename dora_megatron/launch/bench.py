@@ -32,6 +32,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "sync": {"orchestrator.mode": "sync"},
     "one_step_off": {"orchestrator.mode": "one_step_off"},
     "partial": {"orchestrator.mode": "partial"},
+    "dora": {"orchestrator.mode": "dora"},  # S as configured: the reference of the ablations
     "dora_s1": {"orchestrator.mode": "dora", "orchestrator.max_staleness": 1},
     "dora_s3": {"orchestrator.mode": "dora", "orchestrator.max_staleness": 3},
     # ablations: one DORA mechanism off (S as configured)
