@@ -25,3 +25,14 @@ class ControllerConfig:
                                       "version always load its snapshot.", choices=("disk", "distributed"))
     bucket_mb: float = field_doc(256.0, "Largest bucket of the `distributed` weight transport (a bigger tensor is "
                                  "sent alone).", gt=0.0, unit="MB")
+    weight_sync_timeout_s: float = field_doc(600.0, "Bound on one instance's weight update (snapshot load plus "
+                                             "checksum check); an instance that has not finished within it is "
+                                             "treated as failed (its requests re-run on another instance of the "
+                                             "same version, training goes on). The `distributed` transport passes "
+                                             "it to the trainer as the broadcast timeout; a failed broadcast falls "
+                                             "back to the snapshot path.", gt=0.0, unit="s")
+    journal: bool = field_doc(True, "Write-ahead journal `RUN_DIR/journal.jsonl` (with `run.checkpoint_interval` > 0): "
+                              "every dispatch and every finished sample (tokens, log-probs, reward) after the last "
+                              "checkpoint, flushed per line; `--resume` restores the finished samples it may "
+                              "(generated in one piece by a version <= the checkpoint's) instead of regenerating "
+                              "them, listed in `RUN_DIR/replayed.jsonl`.")

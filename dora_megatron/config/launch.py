@@ -21,3 +21,11 @@ class LaunchConfig:
     trainer_port: int = field_doc(0, "Port of the trainer service (rank 0, loopback); 0 picks a free port.", ge=0, le=65535)
     trainer_startup_timeout_s: float = field_doc(300.0, "How long to wait for the trainer to build the model and report ready.", gt=0.0, unit="s")
     shutdown_timeout_s: float = field_doc(20.0, "Grace period for processes to exit before they are killed.", gt=0.0, unit="s")
+    restart_engines: bool = field_doc(True, "Local runs: restart an engine process that died (or that the controller "
+                                      "failed, e.g. it stopped answering or a weight load timed out) once the "
+                                      "controller has re-queued its requests; the new process starts on a fresh free "
+                                      "port (the same port when `rollout.base_port` is fixed), and once `/health` "
+                                      "answers it rejoins the pool and is switched to the version the orchestrator "
+                                      "assigns (the newest).")
+    max_engine_restarts: int = field_doc(3, "Restarts allowed per engine (each start attempt counts); after that the "
+                                         "engine stays failed and the run continues on the others.", ge=0)

@@ -88,6 +88,7 @@ class SampleRecord:
     task: asyncio.Task | None = None
     gen_task: asyncio.Task | None = None
     gen_instance: str | None = None
+    replay_pending: bool = False  # restored from the journal; reported finished at its next Submit
 
 
 @dataclass
@@ -116,6 +117,7 @@ class RuntimeOptions:
     migration: str = "kv"  # "kv": export/import when both engines offer it; "reprefill": abort + resubmit
     weight_transport: str = "disk"  # "distributed": the trainer broadcasts the newest version to switching engines
     bucket_mb: float = 256.0
+    weight_sync_timeout_s: float = 600.0  # one instance's weight update; slower = the instance failed
     checkpoint_interval: int = 0  # steps; 0 = only at the end
     checkpoint_dir: Callable[[int], str] | None = None  # version -> checkpoint directory (None: no checkpoints)
 
@@ -138,13 +140,23 @@ class StepLog:
     group_versions: list[int] = field(default_factory=list)
 
 
+def _clear_stale_checkpoint(path: Path) -> None:
+    """Remove an old checkpoint directory about to be rewritten: the completion marker first, so a
+    crash part-way leaves an incomplete (ignored) directory, never a mix of two lineages."""
+    import shutil
+
+    (path / "controller.json").unlink(missing_ok=True)
+    log.info("replacing the stale checkpoint %s", path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
 class Runtime:
     """Runs ``options.steps`` training steps; returns the run summary (DESIGN section 11)."""
 
     def __init__(self, orch: Orchestrator, engines: dict[str, Engine], trainer: Trainer, source: PromptSource,
                  reward_fn: Callable[[str, str], float], options: RuntimeOptions, *, timeline=None,
                  on_step: Callable[[StepLog, "Runtime"], None] | None = None, first_prompt: int = 0,
-                 codec: TextCodec | None = None) -> None:
+                 codec: TextCodec | None = None, journal=None) -> None:
         self.orch = orch
         self.engines = engines
         self.trainer = trainer
@@ -155,18 +167,31 @@ class Runtime:
         self.on_step = on_step
         self.next_prompt = first_prompt
         self.codec: TextCodec = codec or CharCodec()
+        self.journal = journal  # :class:`~dora_megatron.controller.journal.Journal` or None
+        self._from_journal: dict[str, Any] = {}  # sample id -> JournaledSample, restorable on resume
+        self.samples_from_journal = 0
         self.samples: dict[str, SampleRecord] = {}
         self.groups: dict[str, GroupRecord] = {}
         self.consumed: set[str] = set()
         self.duplicated = 0
         self.steps: list[StepLog] = []
         self.failed: set[str] = set()
+        self.failed_ever: set[str] = set()  # every instance that failed at least once (rejoined ones too)
+        self.rejoins = 0  # failed instances that came back (``add_instance`` of a failed name)
+        self.samples_after_rejoin = 0  # samples finished on an instance after it rejoined
+        self._rejoined: set[str] = set()
+        #: engine processes restarted by a supervising launcher (None: no supervisor, e.g. SLURM)
+        self.engine_restarts: int | None = None
+        #: set by a supervisor that restarts failed instances: losing all of them is not fatal then
+        #: (the supervisor ends the run when no restart is left)
+        self.instances_may_return = False
         self.switch_s = 0.0
         self.busy_slot_s = 0.0
         self.migrated_bytes = 0
         self.migrations_done = 0
         self.migrations_fallback = 0
         self.checksum_mismatches = 0
+        self.weight_sync_timeouts = 0
         self.expected_checksums: dict[int, str] = {}
         self._moves_at: dict[str, set[asyncio.Task]] = {}  # instance -> migrations/interrupts into or out of it
         self._switching: dict[str, asyncio.Task] = {}
@@ -179,6 +204,7 @@ class Runtime:
         self._wall_offset = 0.0
         self._resumed = False
         self._pending_step_finished: int | None = None
+        self._trainer_manifest: dict[str, dict] = {}  # checksums of the trainer part of the checkpoint being written
         self.c1_count = 0
         self.version_refusals = 0
         self.latest_version = 0  # newest weights the trainer holds (pushed by `distributed`)
@@ -228,7 +254,8 @@ class Runtime:
                 task.add_done_callback(lambda t, src=a.instance: self._moves_at.get(src, set()).discard(t))
             elif isinstance(a, SwitchVersion):
                 prev = self._switching.get(a.instance)  # loads on one instance run in order
-                self._switching[a.instance] = self._spawn(self._switch(a, prev), f"switch-{a.instance}")
+                self._switching[a.instance] = self._spawn(self._switch(a, prev, self.engines[a.instance]),
+                                                          f"switch-{a.instance}")
             elif isinstance(a, ReleaseBatch):
                 self._spawn(self._train(a), f"train-{a.step}")
             else:
@@ -274,6 +301,46 @@ class Runtime:
         for i, sid in enumerate(a.sample_ids):
             self.samples[sid] = SampleRecord(sid, a.group_id, i, a.version, list(prompt_ids))
         self.orch.set_prompt_tokens(a.group_id, len(prompt_ids))
+        if self.journal is not None:
+            self.journal.dispatch(a.group_id, a.version, prompt.index, list(a.sample_ids))
+        if self._from_journal:
+            self._restore_from_journal(a.group_id)
+
+    # ------------------------------------------------------------------ journal (resume)
+    def load_journal(self, samples: dict[str, Any]) -> None:
+        """After :meth:`load_state_dict`: finished samples the journal recorded after the checkpoint
+        (:func:`~dora_megatron.controller.journal.read_journal`). Those of restored groups are filled
+        in now, those of groups dispatched again later when they are (same id, version, prompt)."""
+        self._from_journal = dict(samples)
+        for gid in list(self.groups):
+            self._restore_from_journal(gid)
+
+    def _restore_from_journal(self, group_id: str) -> None:
+        group = self.groups[group_id]
+        for sid in group.sample_ids:
+            j = self._from_journal.pop(sid, None)
+            rec = self.samples[sid]
+            if (j is None or rec.finished or j.group_id != group_id or j.version != group.version
+                    or j.prompt_index != group.prompt.index or rec.version != j.version):
+                continue
+            rec.output_ids, rec.logprobs = list(j.output_ids), list(j.logprobs)
+            rec.reward, rec.versions = j.reward, {j.version}
+            rec.finished = rec.replay_pending = True
+
+    def _report_replayed(self, rec: SampleRecord) -> None:
+        """The orchestrator asked to run a sample the journal restored: it is finished already."""
+        rec.replay_pending = False
+        self.samples_from_journal += 1
+        group = self.groups[rec.group_id]
+        if self.journal is not None:  # still finished after this lineage's checkpoint
+            from dora_megatron.controller.journal import JournaledSample
+
+            self.journal.sample(sample_id=rec.sample_id, group_id=rec.group_id, version=rec.version,
+                                prompt_index=group.prompt.index, versions=sorted(rec.versions),
+                                output_ids=rec.output_ids, logprobs=rec.logprobs, reward=rec.reward, replayed=True)
+            self.journal.replayed(JournaledSample(rec.sample_id, rec.group_id, rec.version, group.prompt.index,
+                                                  tuple(rec.output_ids), (), rec.reward))
+        self.execute(self.orch.on_sample_finished(rec.sample_id, tokens=len(rec.output_ids), now=self.now()))
 
     def _sampling(self, rec: SampleRecord) -> dict[str, Any]:
         seed = zlib.crc32(f"{self.opt.seed}/{rec.sample_id}/{rec.submissions}".encode()) & 0x7FFFFFFF
@@ -288,6 +355,8 @@ class Runtime:
 
         rec = self.samples[a.sample_id]
         if rec.finished:
+            if rec.replay_pending:
+                self._report_replayed(rec)
             return
         rec.submissions += 1
         rec.versions.add(a.version)
@@ -307,7 +376,7 @@ class Runtime:
         except Exception as err:  # noqa: BLE001
             if not _is_comm_error(err):
                 raise
-            self._instance_failed(a.instance, f"generate failed: {err}")
+            self._instance_failed(a.instance, f"generate failed: {err}", engine=engine)
             return
         self._absorb(rec, resp, a.instance, start)
 
@@ -325,8 +394,14 @@ class Runtime:
         if reason == "abort":
             return  # interrupted (partial mode) or failed over: a later Submit(resume) continues it
         rec.finished = True
+        if instance in self._rejoined:
+            self.samples_after_rejoin += 1
         group = self.groups[rec.group_id]
         rec.reward = float(self.reward_fn(self.codec.decode(rec.output_ids), group.prompt.answer))
+        if self.journal is not None:
+            self.journal.sample(sample_id=rec.sample_id, group_id=rec.group_id, version=rec.version,
+                                prompt_index=group.prompt.index, versions=sorted(rec.versions),
+                                output_ids=rec.output_ids, logprobs=rec.logprobs, reward=rec.reward)
         self.execute(self.orch.on_sample_finished(rec.sample_id, tokens=len(rec.output_ids), now=end))
 
     async def _migrate(self, a: Migrate, prev: asyncio.Task | None) -> None:
@@ -355,7 +430,7 @@ class Runtime:
         except Exception as err:  # noqa: BLE001 - the source is unreachable: re-run the sample elsewhere
             if not _is_comm_error(err):
                 raise
-            self._instance_failed(a.src, f"export failed: {err}")
+            self._instance_failed(a.src, f"export failed: {err}", engine=src)
             self.execute(self.orch.on_migration_failed(a.sample_id))
             return
         if blob is not None:
@@ -368,7 +443,7 @@ class Runtime:
             except Exception as err:  # noqa: BLE001 - the destination failed: its requests are re-queued
                 if not _is_comm_error(err):
                     raise
-                self._instance_failed(a.dst, f"import failed: {err}")
+                self._instance_failed(a.dst, f"import failed: {err}", engine=dst)
                 return
             self._absorb(rec, resp, a.dst, start)
             return
@@ -379,7 +454,7 @@ class Runtime:
         except Exception as err:  # noqa: BLE001
             if not _is_comm_error(err):
                 raise
-            self._instance_failed(a.src, f"abort failed: {err}")
+            self._instance_failed(a.src, f"abort failed: {err}", engine=src)
             self.execute(self.orch.on_migration_failed(a.sample_id))
             return
         if prev is not None and not prev.done():
@@ -399,25 +474,39 @@ class Runtime:
         if prev is not None and not prev.done():
             await asyncio.wait([prev])
 
-    async def _switch(self, a: SwitchVersion, prev: asyncio.Task | None = None) -> None:
+    async def _switch(self, a: SwitchVersion, prev: asyncio.Task | None = None, engine: Engine | None = None) -> None:
+        """``engine``: the instance's client when the switch was ordered (a switch ordered before the
+        instance was restarted does not touch its new process)."""
         if prev is not None and not prev.done():
             await asyncio.wait([prev])
         moves = [t for t in self._moves_at.get(a.instance, ()) if not t.done()]
         if moves:
             await asyncio.wait(moves)
-        engine = self.engines[a.instance]
+        if self._superseded(a.instance):
+            return
+        engine = engine if engine is not None else self.engines[a.instance]
+        if a.instance in self.failed or self.engines.get(a.instance) is not engine:
+            return  # failed (or replaced) while this switch waited: the orchestrator no longer expects it
         start = self.now()
         try:
-            await engine.update_weights_from_disk(self.opt.snapshot_dir(a.version), weight_version=a.version)
-            if self.opt.verify_checksums and a.version in self.expected_checksums and await engine.supports("weights_checksum"):
-                got = await engine.weights_checksum()
-                if got != self.expected_checksums[a.version]:
-                    self.checksum_mismatches += 1
-                    self._instance_failed(a.instance, f"weights checksum mismatch for version {a.version}")
-                    return
-        except Exception as err:  # noqa: BLE001 - an instance that cannot load weights is failed
-            self._instance_failed(a.instance, f"switch to v{a.version} failed: {err}")
+            got = await asyncio.wait_for(self._load_weights(engine, a.version), timeout=self.opt.weight_sync_timeout_s)
+        except asyncio.TimeoutError:
+            self.weight_sync_timeouts += 1
+            self._instance_failed(a.instance, f"switch to v{a.version} did not finish within "
+                                              f"{self.opt.weight_sync_timeout_s:g} s (controller.weight_sync_timeout_s)",
+                                  engine=engine)
             return
+        except Exception as err:  # noqa: BLE001 - an instance that cannot load weights is failed
+            self._instance_failed(a.instance, f"switch to v{a.version} failed: {err}", engine=engine)
+            return
+        if got is not None and got != self.expected_checksums[a.version]:
+            self.checksum_mismatches += 1
+            self._instance_failed(a.instance, f"weights checksum mismatch for version {a.version}", engine=engine)
+            return
+        if self.engines.get(a.instance) is not engine:
+            return  # the instance was replaced (restarted) meanwhile; its own switch follows
+        if self._superseded(a.instance):
+            return  # re-targeted while loading: the newest switch order reports (after loading again)
         end = self.now()
         self.switch_s += end - start
         self._version_of[a.instance] = a.version
@@ -426,14 +515,36 @@ class Runtime:
             self.timeline.span(a.instance, f"load v{a.version}", start, end, version=a.version, kind="weight_sync")
         self.execute(self.orch.on_switch_done(a.instance, a.version))
 
+    def _superseded(self, instance: str) -> bool:
+        """True when a newer switch of ``instance`` was ordered after the one running in this task.
+
+        The orchestrator may re-target an instance before its switch ran (v2, then v0, then v2 again);
+        only the newest order is carried out. Otherwise the first v2 load would report
+        ``on_switch_done(v2)``, the orchestrator would route v2 requests to the instance, and the
+        queued v0 load would then replace its weights under those requests."""
+        latest = self._switching.get(instance)
+        return latest is not None and latest is not asyncio.current_task()
+
+    async def _load_weights(self, engine: Engine, version: int) -> str | None:
+        """Load snapshot ``version``; return the engine's weights checksum when it is to be verified."""
+        await engine.update_weights_from_disk(self.opt.snapshot_dir(version), weight_version=version)
+        if self.opt.verify_checksums and version in self.expected_checksums and await engine.supports("weights_checksum"):
+            return await engine.weights_checksum()
+        return None
+
     def add_instance(self, name: str, engine: Engine) -> None:
         """Elastic pools: ``engine`` joins the running job as ``name`` (new, or a failed name coming
         back); the orchestrator switches it to the version it assigns, then routes work to it."""
         if name in self.engines and name not in self.failed:
             raise ValueError(f"instance {name} is already in the pool")
         self.engines[name] = engine
-        self.failed.discard(name)
-        log.info("instance %s joined the pool", name)
+        if name in self.failed:
+            self.rejoins += 1
+            self._rejoined.add(name)
+            self.failed.discard(name)
+            log.info("instance %s rejoined the pool", name)
+        else:
+            log.info("instance %s joined the pool", name)
         self.execute(self.orch.on_instance_joined(name))
 
     async def _push_switch(self, actions: list[SwitchVersion], prevs: dict[str, asyncio.Task | None]) -> None:
@@ -444,15 +555,24 @@ class Runtime:
         waits += [t for a in actions for t in self._moves_at.get(a.instance, ()) if not t.done()]
         if waits:
             await asyncio.wait(waits)
-        live = [a for a in actions if a.instance not in self.failed]
+        live = [a for a in actions if a.instance not in self.failed and not self._superseded(a.instance)]
         if not live:
             return
         start = self.now()
         try:
             urls = [getattr(self.engines[a.instance], "base_url") for a in live]
-            result = await self.trainer.push_weights(urls, self.opt.bucket_mb)
+            result = await self.trainer.push_weights(urls, self.opt.bucket_mb, timeout_s=self.opt.weight_sync_timeout_s)
         except Exception as err:  # noqa: BLE001 - the snapshot path still works
             log.warning("weight broadcast of v%d failed (%s); loading the snapshot instead", live[0].version, err)
+            for a in live:
+                await self._switch(a)
+            return
+        pushed = result.get("version")
+        if pushed is not None and int(pushed) != live[0].version:
+            # the trainer finished another step while this push waited: it sent newer weights than
+            # the orchestrator assigned (C1) -- load the assigned version's snapshot instead
+            log.info("the trainer sent v%s instead of v%d (it trained on meanwhile); loading the snapshot",
+                     pushed, live[0].version)
             for a in live:
                 await self._switch(a)
             return
@@ -464,20 +584,28 @@ class Runtime:
             if self.timeline is not None:
                 self.timeline.set_version(a.instance, a.version, end)
                 self.timeline.span(a.instance, f"push v{a.version}", start, end, version=a.version, kind="weight_sync")
+            if self._superseded(a.instance):
+                continue  # re-targeted meanwhile: the newest switch order reports
             self.execute(self.orch.on_switch_done(a.instance, a.version))
 
-    def _instance_failed(self, instance: str, why: str) -> None:
+    def _instance_failed(self, instance: str, why: str, engine: Engine | None = None) -> None:
+        """``engine``: the client the failing call used; a failure seen through a client that has since
+        been replaced (the instance was restarted and rejoined) is stale and ignored."""
         if instance in self.failed:
+            return
+        if engine is not None and self.engines.get(instance) is not engine:
+            log.info("ignoring a stale failure of %s (replaced since): %s", instance, why)
             return
         log.warning("instance %s failed: %s", instance, why)
         self.failed.add(instance)
+        self.failed_ever.add(instance)
         current = asyncio.current_task()
         for rec in self.samples.values():  # stop waiting on requests that lived there
             if rec.gen_instance == instance and rec.gen_task is not None and rec.gen_task is not current \
                     and not rec.gen_task.done() and not rec.finished:
                 rec.gen_task.cancel()
         self.execute(self.orch.on_instance_failed(instance))
-        if len(self.failed) == len(self.engines):
+        if len(self.failed) == len(self.engines) and not self.instances_may_return:
             self._error = RuntimeError("every rollout instance failed")
             self._done.set()
 
@@ -541,9 +669,15 @@ class Runtime:
     async def _checkpoint(self, version: int) -> None:
         """Trainer part of checkpoint ``version`` (model + optimizer via dist_checkpointing)."""
         path = Path(self.opt.checkpoint_dir(version))
+        if path.exists():  # left by a crashed lineage after the checkpoint this run resumed from
+            await asyncio.to_thread(_clear_stale_checkpoint, path)
         path.mkdir(parents=True, exist_ok=True)
         start = self.now()
         await self.trainer.save_checkpoint(str(path / "trainer"))
+        from dora_megatron.controller.checkpoint_manifest import describe_tree
+
+        # checksums of what the trainer wrote (off the event loop: real checkpoints are large)
+        self._trainer_manifest = await asyncio.to_thread(describe_tree, path, "trainer")
         if self.timeline is not None:
             self.timeline.span("trainer", f"checkpoint v{version}", start, self.now(), kind="checkpoint")
 
@@ -551,14 +685,25 @@ class Runtime:
         """Controller part, written after ``on_step_finished`` so the orchestrator is at a step boundary.
 
         Written last and atomically: a checkpoint directory without ``controller.json`` is
-        incomplete and ignored by resume."""
+        incomplete and ignored by resume. Just before it, ``manifest.json`` (sizes and SHA-256 of the
+        trainer's files and of ``controller.json``) lets resume detect a corrupt checkpoint."""
+        import hashlib
         import json
+
+        from dora_megatron.controller.checkpoint_manifest import write_manifest
 
         path = Path(self.opt.checkpoint_dir(version))
         tmp = path / "controller.json.tmp"
-        tmp.write_text(json.dumps(self.state_dict(version)))
+        data = json.dumps(self.state_dict(version)).encode()
+        tmp.write_bytes(data)
+        entries = dict(self._trainer_manifest)
+        self._trainer_manifest = {}
+        entries["controller.json"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        write_manifest(path, entries)
         tmp.rename(path / "controller.json")
         log.info("checkpoint v%d written to %s", version, path)
+        if self.journal is not None:  # same event-loop turn as state_dict: the marker splits exactly there
+            self.journal.checkpoint(version)
         self.on_checkpoint(version)
 
     def on_checkpoint(self, version: int) -> None:
@@ -570,13 +715,14 @@ class Runtime:
         for g in unconsumed:
             for sid in g.sample_ids:
                 r = self.samples[sid]
+                done = r.finished and not r.replay_pending  # a pending replay is unfinished for the orchestrator
                 samples.append({
                     "sample_id": r.sample_id, "group_id": r.group_id, "index": r.index, "version": r.version,
-                    "prompt_ids": r.prompt_ids, "finished": r.finished, "reward": r.reward,
+                    "prompt_ids": r.prompt_ids, "finished": done, "reward": r.reward if done else None,
                     # unfinished samples restart from their prompt on their own version (C1)
-                    "output_ids": r.output_ids if r.finished else [],
-                    "logprobs": r.logprobs if r.finished else [],
-                    "versions": sorted(r.versions) if r.finished else [],
+                    "output_ids": r.output_ids if done else [],
+                    "logprobs": r.logprobs if done else [],
+                    "versions": sorted(r.versions) if done else [],
                 })
         return {
             "format": 1, "version": version, "pending_step_finished": version,
@@ -629,8 +775,10 @@ class Runtime:
                 try:
                     info = await asyncio.wait_for(engine.server_info(), timeout=self.opt.health_timeout_s)
                 except Exception as err:  # noqa: BLE001 - unreachable engine = failed engine
-                    self._instance_failed(iid, f"server_info failed: {err}")
+                    self._instance_failed(iid, f"server_info failed: {err}", engine=engine)
                     continue
+                if iid in self.failed or self.engines.get(iid) is not engine:
+                    continue  # failed or replaced while we asked
                 running = int(info.get("num_running_reqs", info.get("running", 0)) or 0)
                 kv = float(info.get("kv_usage", info.get("token_usage", 0.0)) or 0.0)
                 self.execute(self.orch.on_instance_stats(iid, running, kv, now=self.now()))
@@ -707,11 +855,20 @@ class Runtime:
         out["checksum_mismatches"] = self.checksum_mismatches
         out["version_refusals"] = self.version_refusals
         out["weight_push_bytes"] = self.pushed_bytes
-        out["failed_instances"] = sorted(self.failed)
+        out["failed_instances"] = sorted(self.failed_ever)
+        out["instances_rejoined"] = self.rejoins
+        out["samples_after_rejoin"] = self.samples_after_rejoin
+        out["engine_restarts"] = self.engine_restarts
+        out["weight_sync_timeouts"] = self.weight_sync_timeouts
+        out["samples_from_journal"] = self.samples_from_journal
         out["max_live_versions"] = osum.get("max_live_versions")
         out["outstanding_groups_at_end"] = osum["dispatched_groups"] - osum["consumed_groups"]
-        out["rollout_vs_trainer_logprob_diff_last"] = (
-            self.steps[-1].metrics.get("rollout_vs_trainer_logprob_diff") if self.steps else None)
+        diffs = [r.metrics["rollout_vs_trainer_logprob_diff"] for r in self.steps
+                 if r.metrics.get("rollout_vs_trainer_logprob_diff") is not None]
+        # measured on on-policy samples only (see algo.losses.policy_loss): engine vs trainer numerics
+        out["rollout_vs_trainer_logprob_diff_mean"] = sum(diffs) / len(diffs) if diffs else None
+        out["rollout_vs_trainer_logprob_diff_max"] = max(diffs) if diffs else None
+        out["rollout_vs_trainer_logprob_diff_steps"] = len(diffs)
         return out
 
     def _c1_violations(self) -> int:

@@ -6,7 +6,9 @@ processes (each the same ``dora serve`` command a user runs) and the trainer
 (torchrun, gloo), waits for all of them to be healthy, runs the controller
 (:mod:`dora_megatron.controller.runtime`) in this process, writes the outputs
 (``summary.json``, TensorBoard, ``timeline.png``, ``trace.json``, ``steps.jsonl``)
-and stops every child on success, error or Ctrl-C.
+and stops every child on success, error or Ctrl-C. While it runs, an engine process that dies
+is restarted and rejoins the pool (:mod:`.supervise`); ``--resume`` picks the newest checkpoint
+that passes its checksum manifest and restores finished samples from the controller's journal.
 """
 
 from __future__ import annotations
@@ -80,9 +82,21 @@ async def _wait_http(url: str, procs: ProcessSet, timeout_s: float, what: str) -
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint (one with ``controller.json``) of a run, if any."""
-    done = sorted(p for p in (run_dir / "checkpoints").glob("v*") if (p / "controller.json").is_file())
+    """The newest complete checkpoint (one with ``controller.json``) of a run, if any (unverified)."""
+    from dora_megatron.controller.checkpoint_manifest import complete_checkpoints
+
+    done = complete_checkpoints(run_dir)
     return done[-1] if done else None
+
+
+def resume_checkpoint(run_dir: Path, say, quarantine: bool = True) -> tuple[Path | None, str]:
+    """The checkpoint ``--resume`` continues from: the newest one that matches its checksum
+    manifest and whose weight snapshots still exist, falling back to older ones (each rejected
+    one is reported through ``say``). Returns ``(checkpoint, "")`` or ``(None, error message)``."""
+    from dora_megatron.controller.checkpoint_manifest import choose_checkpoint
+
+    choice = choose_checkpoint(run_dir, lambda v: run_dir / "weights" / f"v{v:06d}", say=say, quarantine=quarantine)
+    return choice.checkpoint, ("" if choice.checkpoint is not None else choice.error(run_dir))
 
 
 def run_local_job(cfg: DoraConfig, resume: str | None = None) -> int:
@@ -90,9 +104,9 @@ def run_local_job(cfg: DoraConfig, resume: str | None = None) -> int:
     checkpoint = None
     if resume:
         run_dir = Path(resume).resolve()
-        checkpoint = latest_checkpoint(run_dir)
+        checkpoint, error = resume_checkpoint(run_dir, say)
         if checkpoint is None:
-            say(f"--resume {run_dir}: no complete checkpoint under {run_dir / 'checkpoints'}")
+            say(error)
             return 2
         say(f"resuming {run_dir} from {checkpoint.name}")
     else:
@@ -118,8 +132,7 @@ def run_local_job(cfg: DoraConfig, resume: str | None = None) -> int:
                     if checkpoint is not None:
                         argv += ["--resume", str(checkpoint / "trainer")]
                     procs.start("trainer", argv, {**spec.env, "PYTHONUNBUFFERED": "1"}, cpus=spec.cpus)
-            (run_dir / "processes.json").write_text(json.dumps(
-                {"controller": os.getpid(), **{c.name: c.popen.pid for c in procs.children}}, indent=1))
+            _write_processes(run_dir, procs)
             summary = asyncio.run(_run_controller(cfg, run_dir, model_dir, host, engine_ports, trainer_port, procs, say,
                                                   checkpoint))
     except (ChildFailed, TimeoutError, ValueError) as err:
@@ -128,9 +141,47 @@ def run_local_job(cfg: DoraConfig, resume: str | None = None) -> int:
     except KeyboardInterrupt:
         say("interrupted; every process was stopped")
         return 130
+    _heldout_eval(cfg, run_dir, model_dir, summary, say)
     say(_summary_line(summary))
     say(f"outputs in {run_dir}")
     return 0
+
+
+def _heldout_eval(cfg: DoraConfig, run_dir: Path, model_dir: Path, summary: dict[str, Any], say) -> None:
+    """Held-out exact-answer rates of the initial and the final weights (after every process stopped).
+
+    Adds ``heldout_exact_initial`` / ``heldout_exact_final`` / ``heldout_prompts`` to ``summary``
+    (null when off or not applicable), rewrites ``summary.json`` and writes ``heldout.json``."""
+    from dora_megatron.data.tasks import DIGIT_TASKS
+
+    summary.update(heldout_exact_initial=None, heldout_exact_final=None, heldout_prompts=0)
+    obs, data = cfg.observability, cfg.data
+    final = None
+    if obs.heldout_prompts > 0 and data.task in DIGIT_TASKS:
+        from dora_megatron.observability.heldout import evaluate_model, heldout_prompts, latest_snapshot
+
+        final = latest_snapshot(run_dir)
+        if final is None:
+            say("held-out evaluation skipped: no weight snapshot in the run directory")
+    if final is not None:
+        import torch
+
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+        prompts = heldout_prompts(data.task, data.min_len, data.max_len, data.length_exponent, data.seed,
+                                  obs.heldout_prompts)
+        say(f"held-out evaluation: {len(prompts)} prompts, initial weights vs {final.name} ...")
+        results = []
+        for decode in ("sample", "greedy") if obs.heldout_greedy else ("sample",):
+            for which, path in (("initial", model_dir), ("final", final)):
+                res = evaluate_model(path, prompts, decode, temperature=cfg.rollout.temperature,
+                                     max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.run.seed)
+                results.append({"weights": which, **res.to_json()})
+                say(f"held-out {which:7} {res.line()}")
+                if decode == "sample":
+                    summary[f"heldout_exact_{which}"] = res.exact
+        summary["heldout_prompts"] = len(prompts)
+        (run_dir / "heldout.json").write_text(json.dumps(results, indent=2) + "\n")
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
 def _with_port(spec: ProcessSpec, port: int) -> ProcessSpec:
@@ -159,12 +210,16 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
     names = [f"engine{i}" for i in range(len(engine_ports))]
     urls = engine_urls or {n: f"http://{host}:{p}" for n, p in zip(names, engine_ports)}
     names = list(urls)
-    engines = {n: EngineClient(u, timeout_s=cfg.rollout.request_timeout_s) for n, u in urls.items()}
-    if cfg.rollout.engine == "sglang":  # SGLang protocol only: abort+resubmit migration, echoed-version C1 check
-        from dora_megatron.rollout.sglang.client import SGLangClient
-        from dora_megatron.rollout.sglang.engine import SGLangEngine
 
-        engines = {n: SGLangEngine(SGLangClient(u, timeout_s=cfg.rollout.request_timeout_s)) for n, u in urls.items()}
+    def make_engine(url: str):
+        if cfg.rollout.engine == "sglang":  # SGLang protocol only: abort+resubmit migration, echoed-version C1 check
+            from dora_megatron.rollout.sglang.client import SGLangClient
+            from dora_megatron.rollout.sglang.engine import SGLangEngine
+
+            return SGLangEngine(SGLangClient(url, timeout_s=cfg.rollout.request_timeout_s))
+        return EngineClient(url, timeout_s=cfg.rollout.request_timeout_s)
+
+    engines = {n: make_engine(u) for n, u in urls.items()}
     trainer_url = trainer_url or f"http://{host}:{trainer_port}"
     trainer = TrainerClient(trainer_url)
     say(f"waiting for {len(engines)} engines and the trainer ({cfg.launch.trainer_procs} rank(s)) ...")
@@ -174,8 +229,8 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
     )
     say(f"all processes healthy after {time.monotonic() - t_start:.1f} s")
     data = cfg.data
-    if data.task == "running_sum":
-        source, reward_fn = make_prompt_source("running_sum", min_len=data.min_len, max_len=data.max_len,
+    if data.task != "jsonl":
+        source, reward_fn = make_prompt_source(data.task, min_len=data.min_len, max_len=data.max_len,
                                                exponent=data.length_exponent, seed=data.seed,
                                                partial_credit=data.partial_credit)
     else:
@@ -233,12 +288,18 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
         migration=cfg.controller.migration, health_timeout_s=cfg.controller.health_timeout_s,
         verify_checksums=cfg.controller.verify_checksums,
         weight_transport=cfg.controller.weight_transport, bucket_mb=cfg.controller.bucket_mb,
+        weight_sync_timeout_s=cfg.controller.weight_sync_timeout_s,
         checkpoint_dir=lambda v: str(run_dir / "checkpoints" / f"v{v:06d}"),
     )
     from dora_megatron.data.codec import load_codec
 
+    journal = None
+    if cfg.controller.journal and cfg.run.checkpoint_interval > 0:
+        from dora_megatron.controller.journal import Journal
+
+        journal = Journal(run_dir)
     runtime = Runtime(orch, engines, trainer, source, reward_fn, options, timeline=timeline, on_step=on_step,
-                      codec=load_codec(model_dir))
+                      codec=load_codec(model_dir), journal=journal)
     retention = _SnapshotRetention(run_dir, runtime)
     if cfg.run.checkpoint_interval == 0:  # no mid-run checkpoint to resume from: only live versions matter
         retention.min_live_at_checkpoint = float("inf")
@@ -246,13 +307,32 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
     if state is not None:
         runtime.load_state_dict(state)
         retention.min_live_at_checkpoint = min(orch.live_versions())
+    if journal is not None:
+        if state is not None:  # read what the crashed lineage finished after this checkpoint, then start anew
+            from dora_megatron.controller.journal import read_journal
+
+            restorable = read_journal(run_dir, int(state["version"]))
+            runtime.load_journal(restorable)
+            say(f"journal: {len(restorable)} finished sample(s) after {checkpoint.name} may be restored")
+        journal.start(int(state["version"]) if state is not None else None)
     if on_runtime is not None:
         on_runtime(runtime)
-    monitor = asyncio.get_running_loop().create_task(_watch_children(procs, engines, names, runtime))
+    from dora_megatron.launch.supervise import EngineSupervisor, RestartPolicy
+
+    policy = RestartPolicy(enabled=cfg.launch.restart_engines and engine_urls is None,
+                           max_restarts=cfg.launch.max_engine_restarts,
+                           startup_timeout_s=cfg.rollout.startup_timeout_s,
+                           fixed_port=bool(cfg.rollout.base_port), host=host)
+    supervisor = EngineSupervisor(procs, runtime, policy, make_engine, names,
+                                  on_restarted=lambda: _write_processes(run_dir, procs))
+    monitor = asyncio.get_running_loop().create_task(supervisor.run())
     try:
         summary = await runtime.run()
     finally:
         monitor.cancel()
+        await asyncio.gather(monitor, return_exceptions=True)
+        if journal is not None:
+            journal.close()
         progress.close()
         steps_file.close()
         consumed_file.close()
@@ -269,32 +349,35 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
     return summary
 
 
-async def _watch_children(procs: ProcessSet, engines, names, runtime) -> None:
-    """An engine process that exits is a failed instance; a dead trainer stops the run."""
-    reported: set[str] = set()
-    while True:
-        await asyncio.sleep(0.5)
-        for child in procs.children:
-            if child.alive() or child.name in reported:
-                continue
-            reported.add(child.name)
-            if child.name == "trainer":
-                runtime._error = ChildFailed(f"trainer exited with status {child.popen.returncode}:\n{child.tail()}")
-                runtime._done.set()
-            elif child.name in engines:
-                runtime._instance_failed(child.name, f"process exited with status {child.popen.returncode}")
+def _write_processes(run_dir: Path, procs: ProcessSet) -> None:
+    """``processes.json``: the pid of the controller and of every child (rewritten after a restart)."""
+    tmp = run_dir / "processes.json.tmp"
+    tmp.write_text(json.dumps({"controller": os.getpid(), **{c.name: c.popen.pid for c in procs.children}}, indent=1))
+    os.replace(tmp, run_dir / "processes.json")
 
 
 class _SnapshotRetention:
-    """Deletes per-version weight snapshots once no live version and no resumable checkpoint needs them."""
+    """Deletes per-version weight snapshots once no live version and no resumable checkpoint needs them.
+
+    The last two checkpoints count: resume falls back to the previous one when the newest is corrupt."""
+
+    KEEP_CHECKPOINTS = 2
 
     def __init__(self, run_dir: Path, runtime) -> None:
         self.run_dir = run_dir
         self.runtime = runtime
-        self.min_live_at_checkpoint = 0
+        self._floors: list[float] = [0]  # oldest live version at each of the last checkpoints
+
+    @property
+    def min_live_at_checkpoint(self) -> float:
+        return min(self._floors)
+
+    @min_live_at_checkpoint.setter
+    def min_live_at_checkpoint(self, value: float) -> None:
+        self._floors = [value]
 
     def checkpointed(self, version: int) -> None:
-        self.min_live_at_checkpoint = min(self.runtime.orch.live_versions())
+        self._floors = (self._floors + [min(self.runtime.orch.live_versions())])[-self.KEEP_CHECKPOINTS:]
 
     def prune(self) -> None:
         import shutil
@@ -319,8 +402,10 @@ def _summary_line(s: dict[str, Any]) -> str:
     def f(x, fmt="{:.3f}"):
         return "n/a" if x is None else fmt.format(x)
 
+    heldout = (f", held-out exact {f(s['heldout_exact_initial'])} -> {f(s['heldout_exact_final'])}"
+               if s.get("heldout_exact_final") is not None else "")
     return (f"done: {s['steps']} steps in {f(s['wall_time_s'], '{:.1f}')} s, reward {f(s['reward_first'])} -> "
-            f"{f(s['reward_last'])}, throughput {f(s['throughput_tokens_per_s'], '{:.1f}')} tok/s, rollout-only "
+            f"{f(s['reward_last'])}{heldout}, throughput {f(s['throughput_tokens_per_s'], '{:.1f}')} tok/s, rollout-only "
             f"{f(s['rollout_only_fraction'])}, lost {s['lost_groups']}, duplicated {s['duplicated_groups']}, "
             f"C1 {s['c1_violations']}, C3 {s['c3_violations']}, migrations {s['migrations']}")
 
@@ -334,6 +419,13 @@ class _Say:
             sys.stderr.write(msg + "\n")
 
 
+def _clock(seconds: float) -> str:
+    """``754.2 -> '12:34'`` (minutes:seconds; hours:minutes:seconds from one hour)."""
+    m, sec = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
+
+
 class _Progress:
     def __init__(self, total: int, enabled: bool) -> None:
         self.bar = None
@@ -342,16 +434,20 @@ class _Progress:
 
             self.bar = tqdm(total=total, desc="dora train", unit="step", dynamic_ncols=True)
         self.total = total
+        self.t0 = time.monotonic()
+        self.done = 0
 
     def update(self, step: int, scalars: dict[str, Any]) -> None:
         reward = scalars.get("reward/mean")
         text = (f"reward={reward:.3f} live_versions={scalars.get('versions/live')} "
                 f"tok/s={scalars.get('perf/throughput_tokens_per_s') or 0:.0f}")
+        self.done += 1
         if self.bar is not None:
             self.bar.set_postfix_str(text)
             self.bar.update(1)
-        else:
-            log.info("step %d/%d %s", step + 1, self.total, text)
+        else:  # the tqdm bar shows its own ETA; log lines carry one computed from this run's pace
+            eta = (time.monotonic() - self.t0) / self.done * max(self.total - step - 1, 0)
+            log.info("step %d/%d %s eta=%s", step + 1, self.total, text, _clock(eta))
 
     def close(self) -> None:
         if self.bar is not None:

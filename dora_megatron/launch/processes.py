@@ -43,6 +43,9 @@ class Child:
     popen: subprocess.Popen
     log_path: Path
     log_file: IO
+    argv: tuple[str, ...] = ()
+    env: dict[str, str] | None = None
+    cpus: tuple[int, ...] = ()
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -103,10 +106,33 @@ class ProcessSet:
 
         popen = subprocess.Popen(list(argv), stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  env=full_env, start_new_session=True, preexec_fn=preexec)
-        child = Child(name, popen, log_path, fh)
+        child = Child(name, popen, log_path, fh, tuple(argv), dict(env or {}), tuple(cpus))
         self.children.append(child)
         log.info("started %s (pid %d), log %s", name, popen.pid, log_path)
         return child
+
+    def restart(self, name: str, argv: Sequence[str] | None = None) -> Child:
+        """Stop child ``name`` (its whole group, if still alive) and start it again with the same
+        environment and CPUs, and ``argv`` (default: the same); it keeps its place and its log file."""
+        index = next(i for i, c in enumerate(self.children) if c.name == name)
+        old = self.children[index]
+        self._kill(old)
+        old.log_file.write(f"\n--- restarted by the launcher at {time.strftime('%H:%M:%S')} ---\n".encode())
+        old.log_file.close()
+        self.children.pop(index)
+        new = self.start(name, argv if argv is not None else old.argv, old.env, cpus=old.cpus)
+        self.children.insert(index, self.children.pop())
+        return new
+
+    def _kill(self, child: Child) -> None:
+        try:
+            os.killpg(child.popen.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            child.popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            log.warning("%s (pid %d) did not exit after SIGKILL", child.name, child.popen.pid)
 
     def check_alive(self) -> None:
         for c in self.children:

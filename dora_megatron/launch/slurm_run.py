@@ -58,7 +58,7 @@ def _wait_end(run_dir: Path, procs: ProcessSet, poll_s: float = 5.0) -> int:
 
 
 def run_slurm_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan, resume: str | None = None) -> int:
-    from dora_megatron.launch.local import latest_checkpoint, prepare_model
+    from dora_megatron.launch.local import prepare_model, resume_checkpoint
     from dora_megatron.rollout.sglang.server import start_instance
 
     node = env.this_node
@@ -75,7 +75,12 @@ def run_slurm_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan, resume: st
     else:
         _say("dora train (slurm): multi-node jobs need model.path (a HF directory on a shared filesystem)")
         return 2
-    checkpoint = latest_checkpoint(run_dir) if resume else None
+    checkpoint = None
+    if resume:  # every node verifies the same files and picks the same one; none moves anything
+        checkpoint, error = resume_checkpoint(run_dir, _say, quarantine=False)
+        if checkpoint is None:
+            _say(error)
+            return 2
     is_controller = node == plan.controller_node
     mine = plan.processes_on(node)
     _say(f"node {node} ({plan.roles[node]}): {len(mine)} process(es), run directory {run_dir}")

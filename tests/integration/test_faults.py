@@ -1,4 +1,5 @@
-"""Faults on real processes: an engine SIGKILLed mid-run, the whole job SIGKILLed and resumed.
+"""Faults on real processes: an engine SIGKILLed mid-run (restarted, it rejoins), the whole job
+SIGKILLed and resumed (from the previous checkpoint, the newest one being garbled).
 
 Each scenario checks the run summary (zero lost, zero duplicated groups, zero C1
 violations) and, for the resume, the consumed-group log across the crash: every
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ["run.steps=8", "model.warm_start_steps=10", "orchestrator.tbs=4", "orchestrator.rbs=8",
         "orchestrator.max_staleness=1", "orchestrator.group_size=2", "observability.progress=false",
-        "observability.timeline=false", "rollout.max_new_tokens=48"]
+        "observability.timeline=false", "observability.heldout_prompts=0", "rollout.max_new_tokens=48"]
 
 
 def start_train(run_dir: Path, *overrides: str, resume: bool = False) -> subprocess.Popen:
@@ -62,36 +63,105 @@ def alive(pid: int) -> bool:
         return False
 
 
+def journaled_samples(run_dir: Path, version: int) -> dict[str, dict]:
+    """Samples the journal shows finished after checkpoint marker ``version``, in one piece by a
+    version <= it (the ones a resume from that checkpoint may restore)."""
+    lines = []
+    for name in ("journal.prev.jsonl", "journal.jsonl"):
+        path = run_dir / name
+        if path.is_file():
+            lines += path.read_text().splitlines()
+    out: dict[str, dict] = {}
+    started = False
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # the crash may tear the last line
+        if rec["t"] == "checkpoint" and rec["version"] == version:
+            started = True
+        elif started and rec["t"] == "sample" and rec["version"] <= version and rec["versions"] == [rec["version"]]:
+            out[rec["sample_id"]] = rec
+    return out
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants (torchrun's ranks may run in their own process groups)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def signal_tree(pids: list[int], sig: int) -> None:
+    for p in pids:
+        try:
+            os.kill(p, sig)
+        except ProcessLookupError:
+            pass
+
+
 def finish(proc: subprocess.Popen, timeout: float = 600) -> str:
     out, _ = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, out[-4000:]
     return out
 
 
-def test_engine_sigkill_mid_run_loses_nothing(tmp_path):
+def test_engine_sigkill_mid_run_loses_nothing_and_the_engine_rejoins(tmp_path):
     run_dir = tmp_path / "run"
-    proc = start_train(run_dir, "rollout.num_instances=3")
+    n = 12
+    proc = start_train(run_dir, "rollout.num_instances=3", f"run.steps={n}")
+    trainer_stopped: list[int] = []
     try:
         wait_for(lambda: steps_done(run_dir) >= 2, 400, "two steps", proc)
         pids = json.loads((run_dir / "processes.json").read_text())
+        # hold training (not rollout) until the engine is back, so that steps remain for it to serve
+        trainer_stopped = process_tree(pids["trainer"])
+        signal_tree(trainer_stopped, signal.SIGSTOP)
+        stopped_at = steps_done(run_dir)
         os.kill(pids["engine1"], signal.SIGKILL)
+        wait_for(lambda: json.loads((run_dir / "processes.json").read_text())["engine1"] != pids["engine1"],
+                 120, "engine1 to be restarted and rejoin", proc)
+        assert steps_done(run_dir) <= stopped_at + 1  # (a step may have been finishing when it stopped)
+        signal_tree(trainer_stopped, signal.SIGCONT)
+        trainer_stopped = []
         finish(proc)
     finally:
+        signal_tree(trainer_stopped, signal.SIGCONT)
         if proc.poll() is None:
             proc.kill()
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 8 and summary["consumed_groups"] == 32
+    assert summary["steps"] == n and summary["consumed_groups"] == n * 4
     assert "engine1" in summary["failed_instances"]
     assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0
     assert summary["c1_violations"] == 0 and summary["c3_violations"] == 0
+    # the launcher restarted it (a new process), it rejoined the pool and served requests again
+    assert summary["engine_restarts"] == 1 and summary["instances_rejoined"] == 1
+    assert summary["samples_after_rejoin"] > 0
+    new_pid = json.loads((run_dir / "processes.json").read_text())["engine1"]
+    assert new_pid != pids["engine1"] and not alive(new_pid)  # stopped with the job
+    assert "restarted by the launcher" in (run_dir / "logs" / "engine1.log").read_text()
 
 
 def test_job_sigkill_then_resume_consumes_every_group_once(tmp_path):
+    """Also: the newest checkpoint is garbled before the resume, which falls back to the previous one,
+    and the samples the journal recorded as finished after that one are restored, not regenerated."""
     run_dir = tmp_path / "run"
-    proc = start_train(run_dir, "run.checkpoint_interval=2")
+    n = 12
+    args = ("run.checkpoint_interval=2", f"run.steps={n}")
+    proc = start_train(run_dir, *args)
     try:
-        wait_for(lambda: (run_dir / "checkpoints" / "v000002" / "controller.json").is_file() and steps_done(run_dir) >= 3,
-                 400, "checkpoint v2 and three steps", proc)
+        wait_for(lambda: (run_dir / "checkpoints" / "v000004" / "controller.json").is_file() and steps_done(run_dir) >= 5,
+                 400, "checkpoint v4 and five steps", proc)
         pids = json.loads((run_dir / "processes.json").read_text())
         os.kill(pids["controller"], signal.SIGKILL)  # the whole job loses its controller
         proc.wait(timeout=30)
@@ -101,21 +171,46 @@ def test_job_sigkill_then_resume_consumes_every_group_once(tmp_path):
         if proc.poll() is None:
             proc.kill()
     crashed_steps = steps_done(run_dir)
-    resumed = start_train(run_dir, "run.checkpoint_interval=2", resume=True)
+    done = sorted(p for p in (run_dir / "checkpoints").glob("v*") if (p / "controller.json").is_file())
+    newest, previous = done[-1], done[-2]
+    resumed_from = int(previous.name[1:])
+    finished_after = journaled_samples(run_dir, resumed_from)
+    shard = sorted((newest / "trainer").glob("*.distcp"))[0]
+    with open(shard, "r+b") as f:  # garbled in place (same size): torch would load it silently
+        f.seek(shard.stat().st_size // 2)
+        f.write(b"\xff" * 4096)
+    resumed = start_train(run_dir, *args, resume=True)
     out = finish(resumed)
-    assert "resuming" in out
+    assert f"checkpoint {newest} is corrupt" in out and shard.name in out
+    assert f"falling back to the previous good checkpoint {previous}" in out
+    assert f"resuming {run_dir} from {previous.name}" in out
+    assert (run_dir / "checkpoints" / f"bad-{newest.name}").is_dir()
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 8 and summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0
+    assert summary["steps"] == n and summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0
     assert summary["c1_violations"] == 0
     # lineage: the last record of each step wins (steps after the checkpoint were re-done)
     lineage: dict[int, list[str]] = {}
     records = [json.loads(line) for line in (run_dir / "consumed.jsonl").read_text().splitlines()]
-    assert len(records) >= 8 + (crashed_steps - 2) - 1
+    assert len(records) >= n + (crashed_steps - resumed_from) - 1
+    final_versions: dict[int, list[int]] = {}
     for rec in records:
         lineage[rec["step"]] = rec["groups"]
-    assert sorted(lineage) == list(range(8))
-    groups = [g for s in range(8) for g in lineage[s]]
-    assert len(groups) == len(set(groups)) == 8 * 4
-    # the steps before the checkpoint were not re-run
-    first_two = [r for r in records if r["step"] < 2]
-    assert len(first_two) == 2
+        final_versions[rec["step"]] = rec["versions"]
+    assert sorted(lineage) == list(range(n))
+    groups = [g for s in range(n) for g in lineage[s]]
+    assert len(groups) == len(set(groups)) == n * 4
+    # the steps before the checkpoint it resumed from were not re-run
+    before = [r for r in records if r["step"] < resumed_from]
+    assert len(before) == resumed_from
+    # write-ahead journal: samples finished after that checkpoint (by versions <= it) were restored, not
+    # regenerated, whenever their group came back with the same version
+    replayed = {r["sample_id"]: r for r in map(json.loads, (run_dir / "replayed.jsonl").read_text().splitlines())}
+    assert replayed and summary["samples_from_journal"] == len(replayed)
+    for sid, r in replayed.items():
+        j = finished_after[sid]
+        assert (r["group_id"], r["version"], r["prompt_index"], r["tokens"]) == (
+            j["group_id"], j["version"], j["prompt_index"], len(j["output_ids"]))
+    final_version = {g: v for s in range(n) for g, v in zip(lineage[s], final_versions[s])}
+    for sid, j in finished_after.items():
+        if final_version.get(j["group_id"]) == j["version"]:
+            assert sid in replayed, f"{sid} was finished in the journal but generated again"

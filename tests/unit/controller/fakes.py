@@ -142,7 +142,7 @@ class FakeTrainer:
         self.version += 1
         return {"version": self.version, "metrics": {"loss": 0.0}, "checksum": None}
 
-    async def push_weights(self, engines: list[str], bucket_mb: float) -> dict:
+    async def push_weights(self, engines: list[str], bucket_mb: float, timeout_s: float | None = None) -> dict:
         for url in engines:
             e = self.engines[url]
             assert not e.reqs, f"{e.name}: push while holding {list(e.reqs)}"

@@ -1,0 +1,147 @@
+"""Supervision of a local job's children: failed engines are restarted and rejoin the pool.
+
+WHY in the launcher: only the launcher owns the processes; the runtime only sees instances.
+The order matters for C2: the runtime first marks the instance failed (the orchestrator
+re-queues its requests on their own version), then the process is replaced (killed first if it
+is still alive, e.g. hung or failed by a weight-sync timeout), and only once the new process
+answers ``/health`` does :meth:`Runtime.add_instance` bring the same name back; the orchestrator
+then switches it to the version it assigns (``on_instance_joined``: the newest) like any
+joining instance. Requests that ran on the old process never come back from it: its client is
+replaced, and the runtime ignores failures reported through the old client.
+
+A dead trainer stops the run (its state lives in the trainer; resume from a checkpoint).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from dora_megatron.launch.processes import ChildFailed, ProcessSet, free_ports
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    enabled: bool = True
+    max_restarts: int = 3  # per engine; every start attempt counts
+    startup_timeout_s: float = 300.0
+    fixed_port: bool = False  # True: restart on the same port; False: a fresh free port
+    host: str = "127.0.0.1"
+
+
+def with_port(argv: list[str] | tuple[str, ...], port: int) -> list[str]:
+    """``argv`` with the value after ``--port`` replaced."""
+    out = list(argv)
+    out[out.index("--port") + 1] = str(port)
+    return out
+
+
+class EngineSupervisor:
+    """Watches the children of ``procs``; see the module docstring.
+
+    ``make_engine(url)`` builds the runtime's client for an engine URL; ``on_restarted()`` runs after
+    each successful restart (e.g. to rewrite ``processes.json``)."""
+
+    def __init__(self, procs: ProcessSet, runtime: Any, policy: RestartPolicy,
+                 make_engine: Callable[[str], Any], engine_names: list[str],
+                 on_restarted: Callable[[], None] | None = None, poll_s: float = 0.5) -> None:
+        self.procs = procs
+        self.runtime = runtime
+        self.policy = policy
+        self.make_engine = make_engine
+        self.engine_names = set(engine_names)
+        self.on_restarted = on_restarted
+        self.poll_s = poll_s
+        self.attempts: dict[str, int] = {}
+        self._restarting: dict[str, asyncio.Task] = {}
+        self._reported: set[int] = set()  # pids whose exit was reported
+        if policy.enabled:
+            runtime.engine_restarts = 0
+            runtime.instances_may_return = True
+
+    async def run(self) -> None:
+        try:
+            while True:
+                await asyncio.sleep(self.poll_s)
+                self.check()
+        finally:
+            for task in self._restarting.values():
+                task.cancel()
+            if self._restarting:
+                await asyncio.gather(*self._restarting.values(), return_exceptions=True)
+
+    def check(self) -> None:
+        """One pass: report exits, start restarts (no waiting here)."""
+        rt = self.runtime
+        for child in list(self.procs.children):
+            name = child.name
+            if not child.alive() and child.popen.pid not in self._reported:
+                self._reported.add(child.popen.pid)
+                if name == "trainer":
+                    rt._error = ChildFailed(f"trainer exited with status {child.popen.returncode}:\n{child.tail()}")
+                    rt._done.set()
+                    return
+                if name in self.engine_names and name in rt.engines:
+                    rt._instance_failed(name, f"process exited with status {child.popen.returncode}")
+            if (name in self.engine_names and name in rt.failed and self.policy.enabled
+                    and name not in self._restarting and self.attempts.get(name, 0) < self.policy.max_restarts
+                    and not rt._done.is_set()):
+                self._restarting[name] = asyncio.get_running_loop().create_task(self._restart(name),
+                                                                                name=f"restart-{name}")
+        if (self.policy.enabled and rt.engines and set(rt.engines) <= rt.failed and not self._restarting
+                and not rt._done.is_set()):
+            rt._error = RuntimeError(f"every rollout instance failed and no restart is left "
+                                     f"(launch.max_engine_restarts={self.policy.max_restarts})")
+            rt._done.set()
+
+    async def _restart(self, name: str) -> None:
+        try:
+            self.attempts[name] = self.attempts.get(name, 0) + 1
+            old = next(c for c in self.procs.children if c.name == name)
+            port = int(old.argv[old.argv.index("--port") + 1])
+            if not self.policy.fixed_port:
+                port = free_ports(1, self.policy.host)[0]
+            log.warning("restarting %s (attempt %d of %d) on port %d", name, self.attempts[name],
+                        self.policy.max_restarts, port)
+            child = await asyncio.to_thread(self.procs.restart, name, with_port(old.argv, port))
+            self._reported.discard(child.popen.pid)
+            url = f"http://{self.policy.host}:{port}"
+            if not await self._healthy(url, child):
+                log.warning("restarted %s did not become healthy (log %s)", name, child.log_path)
+                return  # still failed: the next check() tries again while attempts remain
+            old_engine = self.runtime.engines.get(name)
+            self.runtime.add_instance(name, self.make_engine(url))
+            self.runtime.engine_restarts = (self.runtime.engine_restarts or 0) + 1
+            if old_engine is not None and hasattr(old_engine, "close"):
+                try:
+                    await old_engine.close()
+                except Exception:  # noqa: BLE001 - best effort: it pointed at a dead process
+                    pass
+            if self.on_restarted is not None:
+                self.on_restarted()
+        except Exception:  # noqa: BLE001 - a failed restart leaves the instance failed; the run goes on
+            log.exception("restarting %s failed", name)
+        finally:
+            self._restarting.pop(name, None)
+
+    async def _healthy(self, url: str, child) -> bool:
+        import aiohttp
+
+        deadline = time.monotonic() + self.policy.startup_timeout_s
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+            while time.monotonic() < deadline:
+                if not child.alive():
+                    return False
+                try:
+                    async with session.get(f"{url}/health") as resp:
+                        if resp.status == 200:
+                            return True
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                    pass
+                await asyncio.sleep(0.25)
+        return False

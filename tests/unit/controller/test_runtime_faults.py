@@ -1,0 +1,204 @@
+"""Runtime fault handling against fakes: a failed instance rejoining, a weight sync that never
+ends, switch orders that overtake each other, a push of newer weights than assigned, checkpoint
+manifests, and finished samples restored from the write-ahead journal on resume.
+
+All must keep C1-C3 (requests of a failed instance re-run on their own version; nothing lost or
+trained twice) and the runs must finish every step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from .fakes import FakeEngine
+from .test_runtime import check_run, make
+
+
+def test_failed_instance_rejoins_and_serves_again():
+    rt, engines, trainer = make(mode="dora", n=3, steps=10, token_s=0.003)
+    replacement = FakeEngine("e1-restarted", token_s=0.003)
+
+    async def main():
+        async def kill_then_rejoin():
+            while len(trainer.batches) < 1:
+                await asyncio.sleep(0.005)
+            engines["e1"].dead = True
+            while "e1" not in rt.failed:
+                await asyncio.sleep(0.005)
+            # a stale failure report through the old client, after the rejoin, must be ignored
+            old = rt.engines["e1"]
+            rt.add_instance("e1", replacement)
+            rt._instance_failed("e1", "late error from the old process", engine=old)
+        asyncio.get_running_loop().create_task(kill_then_rejoin())
+        return await rt.run()
+
+    summary = asyncio.run(main())
+    check_run(rt, {**engines, "e1-restarted": replacement}, trainer, 10, 4, 2)
+    assert summary["failed_instances"] == ["e1"] and "e1" not in rt.failed
+    assert summary["instances_rejoined"] == 1
+    assert summary["engine_restarts"] is None  # no supervising launcher here
+    # it was switched to a version by the orchestrator, then generated and finished samples
+    assert replacement.loads and any(op == "generate" for op, _, _ in replacement.log)
+    assert summary["samples_after_rejoin"] > 0
+    assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
+
+
+class HangOnceEngine(FakeEngine):
+    """The first load of a version >= 1 among all engines sharing ``budget`` never finishes."""
+
+    def __init__(self, name: str, budget: dict, **kw) -> None:
+        super().__init__(name, **kw)
+        self.budget = budget
+        self.stuck = False
+
+    async def update_weights_from_disk(self, model_path: str, weight_version=None):
+        if int(weight_version) >= 1 and self.budget["hangs"] > 0:
+            self.budget["hangs"] -= 1
+            self.stuck = True
+            await asyncio.sleep(3600)
+        return await super().update_weights_from_disk(model_path, weight_version)
+
+
+def test_weight_sync_timeout_fails_the_instance_and_training_continues():
+    rt, engines, trainer = make(mode="dora", n=3, steps=6, token_s=0.002)
+    budget = {"hangs": 1}
+    for name in list(engines):
+        engines[name] = rt.engines[name] = HangOnceEngine(name, budget, token_s=0.002)
+    rt.opt = dataclasses.replace(rt.opt, weight_sync_timeout_s=0.2)
+    summary = asyncio.run(asyncio.wait_for(rt.run(), timeout=60))
+    check_run(rt, engines, trainer, 6, 4, 2)
+    slow = [name for name, e in engines.items() if e.stuck]
+    assert len(slow) == 1
+    assert summary["failed_instances"] == slow and summary["weight_sync_timeouts"] == 1
+    assert summary["steps"] == 6 and summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0
+    assert summary["c1_violations"] == 0 and summary["c3_violations"] == 0
+    # after it failed, nothing more was sent to it: it never ran a version >= 1
+    assert all(version == 0 for _, _, version in engines[slow[0]].log)
+
+
+def test_only_the_newest_switch_order_of_an_instance_is_carried_out():
+    """Re-targeted before its switch ran (v2, v0, v2): one load of v2, reported once; an earlier
+    completion reported as ``v2`` would let v2 requests in before the queued v0 load."""
+    from dora_megatron.orchestrator import SwitchVersion
+
+    rt, engines, trainer = make(mode="dora", n=2, steps=1)
+    done: list[tuple[str, int]] = []
+
+    class Orch:
+        def on_switch_done(self, instance, version):
+            done.append((instance, version))
+            return []
+
+    rt.orch = Orch()
+
+    async def main():
+        rt.execute([SwitchVersion("e1", 2), SwitchVersion("e1", 0), SwitchVersion("e1", 2)])
+        await asyncio.gather(*list(rt._tasks))
+
+    asyncio.run(main())
+    assert engines["e1"].loads == ["/snap/v2"] and engines["e1"].version == 2
+    assert done == [("e1", 2)]
+
+
+def test_checkpoints_carry_a_manifest_and_stale_ones_are_replaced(tmp_path):
+    from dora_megatron.controller.checkpoint_manifest import MANIFEST, verify
+
+    stale = tmp_path / "ck4"  # left by a crashed lineage: must not mix with the new checkpoint
+    (stale / "trainer").mkdir(parents=True)
+    (stale / "trainer" / "old_shard.distcp").write_bytes(b"old")
+    (stale / "controller.json").write_text("{}")
+    rt, engines, trainer = make(mode="dora", steps=4, tmp_path=tmp_path)
+    asyncio.run(rt.run())
+    for ck in (tmp_path / "ck2", tmp_path / "ck4"):
+        assert (ck / MANIFEST).is_file() and verify(ck) == []
+    assert not (stale / "trainer" / "old_shard.distcp").exists()
+    state = (tmp_path / "ck2" / "controller.json").read_text()
+    (tmp_path / "ck2" / "controller.json").write_text(state.replace('"version"', '"versioX"', 1))
+    assert any("controller.json" in p and "SHA-256" in p for p in verify(tmp_path / "ck2"))
+
+
+def test_resume_restores_finished_samples_from_the_journal(tmp_path):
+    """A lineage runs past checkpoint 2 (to 4); resuming from 2 restores the samples finished after
+    it by versions <= 2 from the journal instead of generating them again; every group once."""
+    import json
+
+    from dora_megatron.controller.journal import JOURNAL, Journal, read_journal
+    from dora_megatron.orchestrator import Orchestrator
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    rt, engines, trainer = make(mode="dora", steps=4, tmp_path=tmp_path)
+    rt.journal = Journal(run_dir)
+    rt.journal.start(None)
+    asyncio.run(rt.run())
+    rt.journal.close()
+    state = json.loads((tmp_path / "ck2" / "controller.json").read_text())
+    journaled = read_journal(run_dir, 2)
+    assert journaled and all(j.version <= 2 for j in journaled.values())
+    assert read_journal(run_dir, 1) == {}  # no marker for a version without a checkpoint
+    first_two = [{s["group_id"] for s in b} for b in trainer.batches[:2]]
+
+    rt2, engines2, trainer2 = make(mode="dora", steps=6, tmp_path=tmp_path)
+    rt2.orch = Orchestrator.restore(rt2.orch.config, state["orchestrator"])
+    rt2.load_state_dict(state)
+    rt2.journal = Journal(run_dir)
+    rt2.load_journal(journaled)
+    rt2.journal.start(2)
+    trainer2.version = 2
+    summary = asyncio.run(rt2.run())
+    rt2.journal.close()
+    replayed = [json.loads(x) for x in (run_dir / "replayed.jsonl").read_text().splitlines()]
+    assert summary["samples_from_journal"] == len(replayed) > 0
+    generated = {rid for e in engines2.values() for op, rid, _ in e.log if op == "generate"}
+    trained: dict[str, dict] = {}  # sample id -> what the trainer got (samples come in group order)
+    for b in trainer2.batches:
+        per_group: dict[str, list] = {}
+        for s in b:
+            per_group.setdefault(s["group_id"], []).append(s)
+        for gid, ss in per_group.items():
+            trained.update(zip(rt2.groups[gid].sample_ids, ss))
+    for r in replayed:
+        assert r["sample_id"] not in generated  # not regenerated
+        s = trained.get(r["sample_id"])
+        if s is not None:  # consumed in this lineage: trained on exactly the journaled tokens
+            j = journaled[r["sample_id"]]
+            assert s["response_ids"] == list(j.output_ids) and s["rollout_logprobs"] == list(j.logprobs)
+            assert s["version"] == j.version
+    assert any(r["sample_id"] in trained for r in replayed)
+    # every group of the final lineage consumed once; the restored samples are right answers
+    resumed = [{s["group_id"] for s in b} for b in trainer2.batches]
+    all_groups = [g for b in first_two + resumed for g in b]
+    assert len(all_groups) == len(set(all_groups)) == 6 * 4
+    assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
+    for batch in trainer2.batches:
+        for s in batch:
+            assert s["reward"] == 1.0
+    assert (run_dir / JOURNAL).is_file()
+
+
+def test_a_push_of_newer_weights_than_assigned_falls_back_to_the_snapshot():
+    """`distributed` transport: the trainer trained on while the push waited and sent v3 for an
+    instance the orchestrator assigned v2; the instance must end on v2 (C1), from the snapshot."""
+    from dora_megatron.orchestrator import SwitchVersion
+
+    rt, engines, trainer = make(mode="dora", n=2, steps=1, transport="distributed")
+    done: list[tuple[str, int]] = []
+
+    class Orch:
+        def on_switch_done(self, instance, version):
+            done.append((instance, version))
+            return []
+
+    rt.orch = Orch()
+    rt.latest_version = 2  # what the runtime knew when it chose the push
+    trainer.version = 3  # what the trainer holds when the push runs
+
+    async def main():
+        rt.execute([SwitchVersion("e1", 2)])
+        await asyncio.gather(*list(rt._tasks))
+
+    asyncio.run(main())
+    assert trainer.pushes == [(3, ["fake://e1"])]
+    assert engines["e1"].version == 2 and engines["e1"].loads == ["/snap/v2"]
+    assert done == [("e1", 2)]

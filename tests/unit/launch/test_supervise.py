@@ -1,0 +1,122 @@
+"""Engine supervision with tiny stand-in processes (no model): restart, rejoin, restart budget."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+
+from dora_megatron.launch.processes import ProcessSet
+from dora_megatron.launch.supervise import EngineSupervisor, RestartPolicy
+
+# answers GET /health with 200 on the port after --port
+HEALTHY = ("import sys, http.server\n"
+           "port = int(sys.argv[sys.argv.index('--port') + 1])\n"
+           "class H(http.server.BaseHTTPRequestHandler):\n"
+           "    def do_GET(self):\n"
+           "        self.send_response(200); self.end_headers()\n"
+           "    def log_message(self, *a): pass\n"
+           "http.server.HTTPServer(('127.0.0.1', port), H).serve_forever()\n")
+CRASHES = "import sys; sys.exit(3)"
+
+
+class FakeRuntime:
+    def __init__(self, names):
+        self.engines = {n: f"client-of-{n}" for n in names}
+        self.failed: set[str] = set()
+        self.added: list[tuple[str, str]] = []
+        self.engine_restarts = None
+        self.instances_may_return = False
+        self._done = asyncio.Event()
+        self._error = None
+
+    def _instance_failed(self, name, why, engine=None):
+        self.failed.add(name)
+
+    def add_instance(self, name, engine):
+        self.engines[name] = engine
+        self.failed.discard(name)
+        self.added.append((name, engine))
+
+
+def _start(procs: ProcessSet, name: str, script: str, port: int = 1):
+    return procs.start(name, [sys.executable, "-c", script, "--port", str(port)])
+
+
+def test_restart_keeps_place_env_and_log(tmp_path):
+    with ProcessSet(tmp_path / "logs", grace_s=2) as procs:
+        a = _start(procs, "a", "import time; time.sleep(60)")
+        _start(procs, "b", "import time; time.sleep(60)")
+        new = procs.restart("a", [sys.executable, "-c", "import time; time.sleep(60)", "--port", "2"])
+        assert [c.name for c in procs.children] == ["a", "b"] and procs.children[0] is new
+        assert a.popen.poll() is not None and new.alive() and new.popen.pid != a.popen.pid
+        assert new.argv[-1] == "2"
+    assert "restarted by the launcher" in (tmp_path / "logs" / "a.log").read_text()
+
+
+def test_killed_engine_is_restarted_on_a_new_port_and_rejoins(tmp_path):
+    async def main():
+        with ProcessSet(tmp_path / "logs", grace_s=2) as procs:
+            old = _start(procs, "engine0", HEALTHY, port=0)  # port 0: it only has to die
+            rt = FakeRuntime(["engine0"])
+            sup = EngineSupervisor(procs, rt, RestartPolicy(max_restarts=2, startup_timeout_s=30),
+                                   make_engine=lambda url: url, engine_names=["engine0"], poll_s=0.05)
+            assert rt.engine_restarts == 0
+            task = asyncio.get_running_loop().create_task(sup.run())
+            os.kill(old.popen.pid, signal.SIGKILL)
+            for _ in range(400):
+                if rt.added:
+                    break
+                await asyncio.sleep(0.05)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return rt, procs.children[0]
+
+    rt, child = asyncio.run(main())
+    assert len(rt.added) == 1 and rt.engine_restarts == 1 and not rt.failed
+    assert rt._error is None  # losing its only instance for a moment did not end the run
+    name, url = rt.added[0]
+    assert name == "engine0" and url.startswith("http://127.0.0.1:") and not url.endswith(":0")
+    assert child.argv[-1] == url.rsplit(":", 1)[1]
+
+
+def test_restart_budget_is_respected(tmp_path):
+    async def main():
+        with ProcessSet(tmp_path / "logs", grace_s=2) as procs:
+            _start(procs, "engine0", CRASHES)
+            rt = FakeRuntime(["engine0"])
+            sup = EngineSupervisor(procs, rt, RestartPolicy(max_restarts=2, startup_timeout_s=30),
+                                   make_engine=lambda url: url, engine_names=["engine0"], poll_s=0.05)
+            task = asyncio.get_running_loop().create_task(sup.run())
+            for _ in range(400):
+                if sup.attempts.get("engine0") == 2 and not sup._restarting:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)  # several more checks: no third attempt
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return rt, sup
+
+    rt, sup = asyncio.run(main())
+    assert sup.attempts == {"engine0": 2}
+    assert rt.added == [] and rt.failed == {"engine0"} and rt.engine_restarts == 0
+    # its only instance is gone for good: the run is ended with a message, not left waiting
+    assert rt._done.is_set() and "no restart is left" in str(rt._error)
+
+
+def test_disabled_policy_only_reports_failures(tmp_path):
+    async def main():
+        with ProcessSet(tmp_path / "logs", grace_s=2) as procs:
+            _start(procs, "engine0", CRASHES)
+            rt = FakeRuntime(["engine0"])
+            sup = EngineSupervisor(procs, rt, RestartPolicy(enabled=False), make_engine=lambda url: url,
+                                   engine_names=["engine0"], poll_s=0.05)
+            task = asyncio.get_running_loop().create_task(sup.run())
+            await asyncio.sleep(1)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return rt, sup
+
+    rt, sup = asyncio.run(main())
+    assert rt.failed == {"engine0"} and sup.attempts == {} and rt.engine_restarts is None
