@@ -124,13 +124,14 @@ class ProcessSet:
         self.children.insert(index, self.children.pop())
         return new
 
-    def _kill(self, child: Child) -> None:
+    def _kill(self, child: Child, wait_s: float = 10.0) -> None:
+        """SIGKILL the child's whole process group (torchrun ranks included) and reap it."""
         try:
             os.killpg(child.popen.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
         try:
-            child.popen.wait(timeout=10)
+            child.popen.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
             log.warning("%s (pid %d) did not exit after SIGKILL", child.name, child.popen.pid)
 
@@ -157,12 +158,5 @@ class ProcessSet:
             except subprocess.TimeoutExpired:
                 log.warning("%s did not exit after SIGTERM; killing", c.name)
             # kill the whole group in any case: children of the child (torchrun ranks) may linger
-            try:
-                os.killpg(c.popen.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                c.popen.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
+            self._kill(c, wait_s=5.0)
             c.log_file.close()
