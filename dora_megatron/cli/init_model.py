@@ -8,14 +8,15 @@ import sys
 HELP = ("create a Hugging Face format Qwen3 / Qwen3-MoE model directory (random init + tokenizer.json), "
         "optionally warm-started with supervised traces of a task")
 PRESET_NAMES = ("tiny-moe", "tiny-dense")
-WARM_START_TASKS = ("digit_cipher", "running_sum")  # keep in step with data.tasks.DIGIT_TASKS
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    from dora_megatron.data.tasks import DIGIT_TASKS  # pure Python, keeps `dora --help` light
+
     parser.add_argument("--preset", choices=PRESET_NAMES, required=True)
     parser.add_argument("--out", required=True, help="output directory (created)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random initialisation")
-    parser.add_argument("--warm-start", choices=WARM_START_TASKS, default=None,
+    parser.add_argument("--warm-start", choices=tuple(DIGIT_TASKS), default=None,
                         help="supervised warm start on this task after the random init (minutes on CPU)")
     parser.add_argument("--warm-start-steps", type=int, default=300, help="optimizer steps of the warm start")
     parser.add_argument("--max-len", type=int, default=40, help="longest digit list of the warm-start traces")

@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dora_megatron.config.base import ConfigError, field_doc
+from dora_megatron.data.tasks import DIGIT_TASKS  # pure Python: names of the built-in digit tasks
 
 
 @dataclass
 class DataConfig:
-    task: str = field_doc("digit_cipher", "Synthetic marked-digit task (`digit_cipher`: each digit through a fixed substitution; `running_sum`: running sum mod 10, much harder for tiny models) or `jsonl` for a prompt dataset file.", choices=("digit_cipher", "running_sum", "jsonl"))
+    task: str = field_doc("digit_cipher", "Synthetic marked-digit task (`digit_cipher`: each digit through a fixed substitution; `running_sum`: running sum mod 10, much harder for tiny models) or `jsonl` for a prompt dataset file.", choices=(*DIGIT_TASKS, "jsonl"))
     path: str = field_doc("", "JSONL file with `prompt` and `answer` fields (DAPO-Math-17k layout); required when task is jsonl.")
     prompt_key: str = field_doc("prompt", "JSONL field holding the prompt text.")
     answer_key: str = field_doc("answer", "JSONL field holding the ground-truth answer.")

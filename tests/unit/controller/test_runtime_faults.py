@@ -15,6 +15,19 @@ from .fakes import FakeEngine
 from .test_runtime import check_run, make
 
 
+def record_switches(rt) -> list[tuple[str, int]]:
+    """Replace the runtime's orchestrator by one that only records ``on_switch_done`` calls."""
+    done: list[tuple[str, int]] = []
+
+    class Orch:
+        def on_switch_done(self, instance, version):
+            done.append((instance, version))
+            return []
+
+    rt.orch = Orch()
+    return done
+
+
 def test_failed_instance_rejoins_and_serves_again():
     rt, engines, trainer = make(mode="dora", n=3, steps=10, token_s=0.003)
     replacement = FakeEngine("e1-restarted", token_s=0.003)
@@ -83,14 +96,7 @@ def test_only_the_newest_switch_order_of_an_instance_is_carried_out():
     from dora_megatron.orchestrator import SwitchVersion
 
     rt, engines, trainer = make(mode="dora", n=2, steps=1)
-    done: list[tuple[str, int]] = []
-
-    class Orch:
-        def on_switch_done(self, instance, version):
-            done.append((instance, version))
-            return []
-
-    rt.orch = Orch()
+    done = record_switches(rt)
 
     async def main():
         rt.execute([SwitchVersion("e1", 2), SwitchVersion("e1", 0), SwitchVersion("e1", 2)])
@@ -183,14 +189,7 @@ def test_a_push_of_newer_weights_than_assigned_falls_back_to_the_snapshot():
     from dora_megatron.orchestrator import SwitchVersion
 
     rt, engines, trainer = make(mode="dora", n=2, steps=1, transport="distributed")
-    done: list[tuple[str, int]] = []
-
-    class Orch:
-        def on_switch_done(self, instance, version):
-            done.append((instance, version))
-            return []
-
-    rt.orch = Orch()
+    done = record_switches(rt)
     rt.latest_version = 2  # what the runtime knew when it chose the push
     trainer.version = 3  # what the trainer holds when the push runs
 
