@@ -79,6 +79,19 @@ def test_weight_sync_timeout_fails_the_instance_and_training_continues():
     for name in list(engines):
         engines[name] = rt.engines[name] = HangOnceEngine(name, budget, token_s=0.002)
     rt.opt = dataclasses.replace(rt.opt, weight_sync_timeout_s=0.2)
+    # On a loaded machine the other two instances could finish all steps before the 0.2 s timeout
+    # and the hung switch would just be cancelled at shutdown: the last step waits for the timeout.
+    train = trainer.train
+
+    async def train_last_after_timeout(step, samples):
+        if step == 5:
+            for _ in range(1000):
+                if rt.weight_sync_timeouts:
+                    break
+                await asyncio.sleep(0.01)
+        return await train(step, samples)
+
+    trainer.train = train_last_after_timeout
     summary = asyncio.run(asyncio.wait_for(rt.run(), timeout=60))
     check_run(rt, engines, trainer, 6, 4, 2)
     slow = [name for name, e in engines.items() if e.stuck]
