@@ -134,9 +134,21 @@ class FakeTrainer:
         self.batches: list[list[dict]] = []
         self.train_s = train_s
         self.checkpoints: list[str] = []
+        self._holds: dict[int, tuple[Any, float]] = {}
+
+    def hold_step(self, step: int, until, limit_s: float = 10.0) -> None:
+        """Start training ``step`` only once ``until()`` is true (or ``limit_s`` passed). These runs
+        last a fraction of a second: on a loaded machine the rest of a run could otherwise finish
+        before the event a test is about (a timeout, a rejoin serving work) happens at all."""
+        self._holds[step] = (until, limit_s)
 
     async def train(self, step: int, samples: list[dict]) -> dict:
         assert step == self.version, (step, self.version)
+        if step in self._holds:
+            until, limit_s = self._holds[step]
+            deadline = asyncio.get_running_loop().time() + limit_s
+            while not until() and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.005)
         await asyncio.sleep(self.train_s)
         self.batches.append(samples)
         self.version += 1

@@ -31,6 +31,7 @@ def record_switches(rt) -> list[tuple[str, int]]:
 def test_failed_instance_rejoins_and_serves_again():
     rt, engines, trainer = make(mode="dora", n=3, steps=10, token_s=0.003)
     replacement = FakeEngine("e1-restarted", token_s=0.003)
+    trainer.hold_step(9, lambda: rt.samples_after_rejoin > 0)
 
     async def main():
         async def kill_then_rejoin():
@@ -79,19 +80,7 @@ def test_weight_sync_timeout_fails_the_instance_and_training_continues():
     for name in list(engines):
         engines[name] = rt.engines[name] = HangOnceEngine(name, budget, token_s=0.002)
     rt.opt = dataclasses.replace(rt.opt, weight_sync_timeout_s=0.2)
-    # On a loaded machine the other two instances could finish all steps before the 0.2 s timeout
-    # and the hung switch would just be cancelled at shutdown: the last step waits for the timeout.
-    train = trainer.train
-
-    async def train_last_after_timeout(step, samples):
-        if step == 5:
-            for _ in range(1000):
-                if rt.weight_sync_timeouts:
-                    break
-                await asyncio.sleep(0.01)
-        return await train(step, samples)
-
-    trainer.train = train_last_after_timeout
+    trainer.hold_step(5, lambda: rt.weight_sync_timeouts > 0)  # else the run may end first
     summary = asyncio.run(asyncio.wait_for(rt.run(), timeout=60))
     check_run(rt, engines, trainer, 6, 4, 2)
     slow = [name for name, e in engines.items() if e.stuck]

@@ -50,6 +50,7 @@ def test_join_request_files_roundtrip(tmp_path):
 def test_joined_instance_gets_the_assigned_version_and_serves(tmp_path):
     rt, engines, trainer = _runtime(["e0", "e1"])
     joined = {}
+    trainer.hold_step(7, lambda: "new0" in joined and any(op == "generate" for op, _, _ in joined["new0"].log))
 
     def make(req: JoinRequest):
         joined[req.name] = fakes.FakeEngine(req.name, token_s=0.002, migration=False)
@@ -79,6 +80,7 @@ def test_joined_instance_gets_the_assigned_version_and_serves(tmp_path):
 def test_failed_instance_is_removed_and_can_rejoin():
     rt, engines, trainer = _runtime(["e0", "e1", "e2"])
     back = fakes.FakeEngine("e1", token_s=0.002, migration=False)
+    trainer.hold_step(7, lambda: any(op == "generate" for op, _, _ in back.log))
 
     async def main():
         async def fail_then_rejoin():
