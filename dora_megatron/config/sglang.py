@@ -12,8 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dora_megatron.config.base import ConfigError, field_doc
-
-PAUSE_MODES = ("abort", "retract", "in_place")
+from dora_megatron.rollout.protocol import PAUSE_MODES
 
 
 @dataclass
@@ -37,8 +36,7 @@ class SGLangConfig:
     disable_radix_cache: bool = field_doc(False, "`--disable-radix-cache`.")
     port_stride: int = field_doc(10, "Ports of instance j on a node: http = rollout.base_port + j*stride, nccl = +1, dist-init = +2.", ge=3)
     health_path: str = field_doc("/health_generate", "Endpoint polled until 200 before an instance is used.", choices=("/health", "/health_generate"))
-    pause_mode: str = field_doc("abort", "`/pause_generation` mode before a weight update (abort returns partial outputs; retract/in_place keep requests and skip the cache flush).", choices=PAUSE_MODES)
-    bucket_mb: int = field_doc(512, "Weight-update bucket size for `/update_weights_from_distributed` (SGLang allocates one receive buffer per bucket).", ge=1, unit="MiB")
+    pause_mode: str = field_doc("abort", "`/pause_generation` mode of the `distributed` weight transport before its first bucket (abort returns partial outputs; retract/in_place keep requests and skip the cache flush). The bucket size is `controller.bucket_mb`.", choices=PAUSE_MODES)
     weight_group_backend: str = field_doc("nccl", "torch.distributed backend of the trainer -> instances weight-update group.", choices=("nccl", "gloo"))
 
     def check(self, path: str) -> None:

@@ -117,6 +117,9 @@ class RuntimeOptions:
     migration: str = "kv"  # "kv": export/import when both engines offer it; "reprefill": abort + resubmit
     weight_transport: str = "disk"  # "distributed": the trainer broadcasts the newest version to switching engines
     bucket_mb: float = 256.0
+    push_master_addr: str | None = None  # where engines reach the trainer's rendezvous (None: the trainer's loopback)
+    engine_ranks: int = 1  # ranks one engine takes in a weight-update group (SGLang: its TP size)
+    push_pause_mode: str | None = None  # /pause_generation around a broadcast (None: the instances were drained)
     weight_sync_timeout_s: float = 600.0  # one instance's weight update; slower = the instance failed
     checkpoint_interval: int = 0  # steps; 0 = only at the end
     checkpoint_dir: Callable[[int], str] | None = None  # version -> checkpoint directory (None: no checkpoints)
@@ -448,7 +451,6 @@ class Runtime:
             self._absorb(rec, resp, a.dst, start)
             return
         # Fallback (SGLang): abort at src, resubmit prompt + partial output at dst (re-prefill).
-        self.migrations_fallback += 1
         try:
             await src.abort(a.sample_id)
         except Exception as err:  # noqa: BLE001
@@ -460,7 +462,8 @@ class Runtime:
         if prev is not None and not prev.done():
             await asyncio.wait([prev])  # the aborted generate hands its partial output to _absorb
         if rec.finished:
-            return
+            return  # it finished before the abort reached it: nothing to move
+        self.migrations_fallback += 1
         reprefill = len(rec.prompt_ids) + len(rec.output_ids)
         self.orch.on_migration_done(a.sample_id, reprefill_tokens=reprefill)
         await self._submit(Submit(a.sample_id, a.dst, a.version, resume=True))
@@ -561,7 +564,10 @@ class Runtime:
         start = self.now()
         try:
             urls = [getattr(self.engines[a.instance], "base_url") for a in live]
-            result = await self.trainer.push_weights(urls, self.opt.bucket_mb, timeout_s=self.opt.weight_sync_timeout_s)
+            result = await self.trainer.push_weights(
+                urls, self.opt.bucket_mb, master_addr=self.opt.push_master_addr,
+                timeout_s=self.opt.weight_sync_timeout_s, pause_mode=self.opt.push_pause_mode,
+                gpus={u: self.opt.engine_ranks for u in urls} if self.opt.engine_ranks != 1 else None)
         except Exception as err:  # noqa: BLE001 - the snapshot path still works
             log.warning("weight broadcast of v%d failed (%s); loading the snapshot instead", live[0].version, err)
             for a in live:

@@ -46,8 +46,11 @@ class TrainerClient:
         return await self._post("/train", {"step": step, "samples": samples})
 
     async def push_weights(self, engines: list[str], bucket_mb: float, master_addr: str | None = None,
-                           timeout_s: float | None = None) -> dict[str, Any]:
-        """Broadcast the trainer's current weights to ``engines`` (``POST /push_weights``).
+                           timeout_s: float | None = None, gpus: dict[str, int] | None = None,
+                           pause_mode: str | None = None) -> dict[str, Any]:
+        """Broadcast the trainer's current weights to ``engines`` (``POST /push_weights``); ``gpus``:
+        engine URL -> ranks it takes in the group (its TP size, 1 when absent); ``pause_mode``: pause
+        the engines around the push (None: the caller drained them).
 
         Returns ``bytes, seconds, num_buckets, checksum`` (of what was sent), ``versions``
         (engine URL -> reported weight_version) and ``version``; raises :class:`TrainerError` if an
@@ -57,6 +60,10 @@ class TrainerClient:
             body["master_addr"] = master_addr
         if timeout_s is not None:
             body["timeout_s"] = timeout_s
+        if gpus:
+            body["gpus"] = dict(gpus)
+        if pause_mode is not None:
+            body["pause_mode"] = pause_mode
         return await self._post("/push_weights", body)
 
     async def save_checkpoint(self, path: str) -> dict[str, Any]:

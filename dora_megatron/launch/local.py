@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from dora_megatron.config.loader import dump_yaml
 from dora_megatron.config.schema import DoraConfig
@@ -278,6 +279,7 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
         consumed_file.flush()
         progress.update(s.step, scalars)
 
+    sglang = cfg.rollout.engine == "sglang"
     options = RuntimeOptions(
         steps=cfg.run.steps, seed=cfg.run.seed, max_new_tokens=cfg.rollout.max_new_tokens,
         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
@@ -288,6 +290,8 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
         migration=cfg.controller.migration, health_timeout_s=cfg.controller.health_timeout_s,
         verify_checksums=cfg.controller.verify_checksums,
         weight_transport=cfg.controller.weight_transport, bucket_mb=cfg.controller.bucket_mb,
+        push_master_addr=urlsplit(trainer_url).hostname,
+        engine_ranks=cfg.sglang.tp_size if sglang else 1, push_pause_mode=cfg.sglang.pause_mode if sglang else None,
         weight_sync_timeout_s=cfg.controller.weight_sync_timeout_s,
         checkpoint_dir=lambda v: str(run_dir / "checkpoints" / f"v{v:06d}"),
     )

@@ -45,7 +45,8 @@ class VersionedWorker:
         return write_snapshot(out_dir, tensors, self.model_dir, version=self.version)
 
     def push_weights(self, engines: list[str], bucket_mb: float, master_addr: str = "127.0.0.1",
-                     timeout_s: float = 120.0) -> dict[str, Any] | None:
+                     timeout_s: float = 120.0, gpus: dict[str, int] | None = None,
+                     pause_mode: str | None = None) -> dict[str, Any] | None:
         """Collective export, then rank 0 broadcasts the weights to ``engines`` in buckets
         (:func:`dora_megatron.weights.transport.push_distributed`); returns its stats on rank 0."""
         from dora_megatron.weights.transport import push_distributed
@@ -54,7 +55,8 @@ class VersionedWorker:
         if self.rank != 0:
             return None
         backend = "nccl" if getattr(getattr(self.worker, "cfg", None), "device", "cpu") == "cuda" else "gloo"
-        result = push_distributed(tensors, engines, bucket_mb, self.version, master_addr, backend, timeout_s=timeout_s)
+        result = push_distributed(tensors, engines, bucket_mb, self.version, master_addr, backend, timeout_s=timeout_s,
+                                  gpus=gpus, pause_mode=pause_mode)
         return result.to_json()
 
     def save_checkpoint(self, path: str) -> None:

@@ -11,7 +11,8 @@ world group; all ranks run it; rank 0 answers. Commands:
 ``POST /train``            {"step": t, "samples": [...]} -> metrics, new version, snapshot path, checksum
 ``POST /save_checkpoint``  {"path": dir} -> {"path": dir}
 ``POST /load_checkpoint``  {"path": dir} -> {"version": v}
-``POST /push_weights``     {"engines": [base urls], "bucket_mb": n, "master_addr"?, "timeout_s"?} ->
+``POST /push_weights``     {"engines": [base urls], "bucket_mb": n, "master_addr"?, "timeout_s"?,
+                           "gpus"? {url: TP size}, "pause_mode"? abort|retract|in_place} ->
                            bytes, seconds, per-engine versions, checksum of what was sent
                            (:func:`dora_megatron.weights.transport.push_distributed`)
 ``POST /shutdown``         -> {"ok": true}; every rank exits its loop
@@ -32,6 +33,8 @@ from pathlib import Path
 from queue import Queue
 from typing import Any, Callable, Protocol
 
+from dora_megatron.rollout.protocol import PAUSE_MODES
+
 log = logging.getLogger(__name__)
 
 
@@ -48,8 +51,8 @@ class TrainWorker(Protocol):
 
     def load_checkpoint(self, path: str) -> None: ...
 
-    def push_weights(self, engines: list[str], bucket_mb: float, master_addr: str,
-                     timeout_s: float) -> dict[str, Any] | None: ...
+    def push_weights(self, engines: list[str], bucket_mb: float, master_addr: str, timeout_s: float,
+                     gpus: dict[str, int] | None = None, pause_mode: str | None = None) -> dict[str, Any] | None: ...
 
 
 @dataclass
@@ -97,6 +100,17 @@ def validate_push(payload: dict[str, Any]) -> None:
     t = payload.get("timeout_s")
     if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
         raise BadRequest("'timeout_s' must be a number > 0")
+    gpus = payload.get("gpus")
+    if gpus is not None:
+        if not isinstance(gpus, dict) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
+                                                 for n in gpus.values()):
+            raise BadRequest("'gpus' must map engine URLs to integers >= 1 (each engine's TP size)")
+        unknown = sorted(set(gpus) - set(engines))
+        if unknown:
+            raise BadRequest(f"'gpus' names engines not in 'engines': {unknown}")
+    mode = payload.get("pause_mode")
+    if mode is not None and mode not in PAUSE_MODES:
+        raise BadRequest(f"'pause_mode' must be one of {list(PAUSE_MODES)} or null, got {mode!r}")
 
 
 class TrainerService:
@@ -131,7 +145,8 @@ class TrainerService:
             p = cmd.payload
             return self.worker.push_weights(list(p["engines"]), float(p["bucket_mb"]),
                                             str(p.get("master_addr") or "127.0.0.1"),
-                                            float(p.get("timeout_s") or 120.0)) or {}
+                                            float(p.get("timeout_s") or 120.0),
+                                            p.get("gpus"), p.get("pause_mode")) or {}
         if cmd.op == "shutdown":
             return {"ok": True}
         raise BadRequest(f"unknown command {cmd.op!r}")

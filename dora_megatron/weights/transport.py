@@ -5,12 +5,10 @@ later (DORA keeps several versions live). Three ways, all ending with the engine
 ``weight_version`` and a weights checksum equal to the trainer's export checksum:
 
 ``distributed`` (:func:`push_distributed`): SGLang's ``/init_weights_update_group`` +
-``/update_weights_from_distributed`` (reference B.2). One group per push: the trainer is rank 0 and
-engine ``i`` is rank ``i + 1`` (TP=1 engines; an engine with TP=k would take k consecutive ranks).
-The engines are asked to join first, concurrently, while the trainer hosts the rendezvous; then
-for each bucket of :mod:`dora_megatron.weights.plan` the metadata is POSTed to every engine while
-the tensors are broadcast, in ``names`` order; then the group is destroyed on both sides. Gloo on
-CPU, NCCL on CUDA.
+``/update_weights_from_distributed`` (reference B.2) through
+:class:`dora_megatron.weights.distributed.DistributedWeightPusher`, one group per push (the trainer
+is rank 0, engine ``i`` takes as many consecutive ranks as it has GPUs), destroyed afterwards on
+both sides. Gloo on CPU, NCCL on CUDA. Its failure semantics are in that module.
 
 ``disk`` (:func:`push_disk`): every engine loads a snapshot directory written by
 :mod:`dora_megatron.weights.snapshots` (``/update_weights_from_disk``).
@@ -18,65 +16,25 @@ CPU, NCCL on CUDA.
 ``peer`` (:func:`push_peer`): an instance that already holds the version serves its weights to
 others (``/dora/update_weights_from_peer``), so a late switch to an older live version needs
 neither the trainer nor a snapshot.
-
-Failure semantics of the distributed path: an engine that rejects a bucket (unknown names, wrong
-shapes) answers before receiving, so the broadcast to it cannot complete; the trainer's broadcast
-then fails after ``timeout_s`` (gloo/NCCL collectives cannot be cancelled) and
-:class:`PushError` names the engines and their messages. An engine keeps its old weights for any
-bucket it did not load completely; an engine whose sender dies mid-bucket gets a
-connection-closed error at once and answers 500. Between buckets an engine that is not paused may
-run requests on partly updated weights; pass ``pause_mode`` (or pause the instances yourself) when
-that matters.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
-from dora_megatron.weights.plan import plan_buckets, spec_of
+from dora_megatron.weights.distributed import DistributedWeightPusher
+from dora_megatron.weights.results import PushError, PushResult, failures
+
+__all__ = ["PushError", "PushResult", "free_port", "push_disk", "push_distributed", "push_distributed_async",
+           "push_peer"]
 
 log = logging.getLogger(__name__)
-
-
-class PushError(RuntimeError):
-    """A push did not reach every engine; ``errors`` maps engine URL -> message."""
-
-    def __init__(self, message: str, errors: Mapping[str, str]) -> None:
-        detail = "; ".join(f"{u}: {m}" for u, m in errors.items())
-        super().__init__(f"{message}: {detail}" if detail else message)
-        self.errors = dict(errors)
-
-
-@dataclass
-class PushResult:
-    """What one push moved and what the engines report afterwards."""
-
-    transport: str
-    version: int | str
-    bytes: int
-    seconds: float
-    num_tensors: int = 0
-    num_buckets: int = 0
-    connect_seconds: float = 0.0
-    checksum: str | None = None
-    versions: dict[str, str] = field(default_factory=dict)
-    group_name: str = ""
-
-    @property
-    def mb_per_s(self) -> float:
-        return self.bytes / (1 << 20) / self.seconds if self.seconds > 0 else float("inf")
-
-    def to_json(self) -> dict[str, Any]:
-        return {"transport": self.transport, "version": self.version, "bytes": self.bytes, "seconds": self.seconds,
-                "num_tensors": self.num_tensors, "num_buckets": self.num_buckets,
-                "connect_seconds": self.connect_seconds, "checksum": self.checksum, "versions": self.versions,
-                "group_name": self.group_name, "mb_per_s": self.mb_per_s}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -84,10 +42,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def _errors(urls: Sequence[str], results: Sequence[Any]) -> dict[str, str]:
-    return {u: f"{type(r).__name__}: {r}" for u, r in zip(urls, results) if isinstance(r, BaseException)}
 
 
 async def _versions(clients: Sequence[Any]) -> dict[str, str]:
@@ -107,94 +61,41 @@ async def push_distributed_async(
     group_name: str | None = None,
     compute_checksum: bool = True,
     pause_mode: str | None = None,
+    gpus: Mapping[str, int] | None = None,
 ) -> PushResult:
     """Broadcast HF-named ``tensors`` to every engine in buckets of at most ``bucket_mb`` MiB.
 
     ``timeout_s`` bounds the group rendezvous and every broadcast (a rejected or dead engine makes
     the push fail after at most that long). ``pause_mode`` (``"abort"``, ``"retract"``,
-    ``"in_place"``): pause the engines before the first bucket and continue them after the last.
-    Raises :class:`PushError` when any engine failed; returns a :class:`PushResult` otherwise."""
-    from dora_megatron.rollout.client import EngineClient
-    from dora_megatron.rollout.engine import weight_sync
+    ``"in_place"``): pause the engines before the first bucket and continue them after the last;
+    None: the caller drained them. ``gpus``: engine URL -> its TP size (ranks in the group; 1 when
+    absent). Raises :class:`PushError` when any engine failed (those are not resumed); returns a
+    :class:`PushResult` whose ``seconds`` include forming the group."""
+    from dora_megatron.rollout.sglang.client import SGLangClient
     from dora_megatron.weights.checksum import weights_checksum
 
     items = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
-    named = [(n, t.detach().contiguous()) for n, t in items]
-    if backend == "gloo":
-        named = [(n, t.cpu()) for n, t in named]
-    buckets = plan_buckets([spec_of(n, t) for n, t in named], bucket_mb)
     urls = [u.rstrip("/") for u in engine_urls]
     if not urls:
         raise ValueError("no engines to push to")
-    group = group_name or f"dora-w{version}-{uuid.uuid4().hex[:8]}"
-    world = 1 + len(urls)
-    port = free_port(master_addr)
-    checksum = weights_checksum(dict(named)) if compute_checksum else None
+    ranks = {u.rstrip("/"): int(n) for u, n in (gpus or {}).items()}
+    unknown = sorted(set(ranks) - set(urls))
+    if unknown:
+        raise ValueError(f"gpus names engines that are not pushed to: {unknown}")
+    checksum = weights_checksum({n: t.detach().cpu() for n, t in items}) if compute_checksum else None
     t0 = time.perf_counter()
-    clients = [EngineClient(u, timeout_s=timeout_s + 60) for u in urls]
-    trainer_group = None
-    joined: list[bool] = [False] * len(urls)
+    clients = {u: SGLangClient(u, timeout_s=timeout_s + 60) for u in urls}
+    pusher = DistributedWeightPusher(
+        clients, {u: ranks.get(u, 1) for u in urls}, master_address=master_addr, master_port=free_port(master_addr),
+        group_name=group_name or f"dora-w{version}-{uuid.uuid4().hex[:8]}", backend=backend, pause_mode=pause_mode,
+        bucket_mb=bucket_mb, timeout_s=timeout_s)
     try:
-        if pause_mode is not None:
-            res = await asyncio.gather(*(c.pause(pause_mode) for c in clients), return_exceptions=True)
-            if _errors(urls, res):
-                raise PushError("pause_generation failed", _errors(urls, res))
-        # engines first (they retry connecting to the store), the trainer hosts the rendezvous
-        joins = [asyncio.create_task(c.init_weights_update_group(master_addr, port, i + 1, world, group, backend))
-                 for i, c in enumerate(clients)]
-        trainer_join = asyncio.create_task(asyncio.to_thread(
-            weight_sync.init_weight_update_group, master_addr, port, 0, world, group, backend, timeout_s))
-        join_results = await asyncio.gather(*joins, return_exceptions=True)
-        joined = [not isinstance(r, BaseException) for r in join_results]
-        try:
-            trainer_group = await trainer_join
-        except Exception as exc:  # noqa: BLE001 - reported with the engines' reasons
-            errs = _errors(urls, join_results) or {"trainer": f"{type(exc).__name__}: {exc}"}
-            raise PushError(f"weight update group {group} not formed", errs) from None
-        if not all(joined):
-            raise PushError(f"weight update group {group} not formed", _errors(urls, join_results))
-        connect_s = time.perf_counter() - t0
-        total = 0
-        by_name = dict(named)
-        for b in buckets:
-            payload = [by_name[n] for n in b.names]
-            posts = [asyncio.create_task(c.update_weights_from_distributed(
-                b.names, b.dtypes, b.shapes, group_name=group, weight_version=version)) for c in clients]
-            send = asyncio.create_task(asyncio.to_thread(weight_sync.send_tensors, trainer_group, payload))
-            results = await asyncio.gather(*posts, return_exceptions=True)
-            errs = _errors(urls, results)
-            try:
-                await send
-            except Exception as exc:  # noqa: BLE001
-                errs.setdefault("trainer", f"broadcast failed: {type(exc).__name__}: {str(exc)[:200]}")
-            if errs:
-                raise PushError(f"bucket {b.index + 1}/{len(buckets)} ({len(b.names)} tensors) not delivered", errs)
-            total += b.nbytes
-        seconds = time.perf_counter() - t0
-        versions = await _versions(clients)
-        return PushResult("distributed", version, total, seconds, num_tensors=len(named), num_buckets=len(buckets),
-                          connect_seconds=connect_s, checksum=checksum, versions=versions, group_name=group)
+        await pusher.connect()
+        result = await pusher.push(version, items)
     finally:
-        await _teardown(clients, urls, joined, group, trainer_group, pause_mode is not None)
-
-
-async def _teardown(clients: Sequence[Any], urls: Sequence[str], joined: Sequence[bool], group: str,
-                    trainer_group: Any, resume: bool) -> None:
-    from dora_megatron.rollout.engine import weight_sync
-
-    gone = await asyncio.gather(*(c.destroy_weights_update_group(group) for c, ok in zip(clients, joined) if ok),
-                                return_exceptions=True)
-    for err in gone:
-        if isinstance(err, BaseException):
-            log.warning("destroy_weights_update_group %s: %s", group, err)
-    if trainer_group is not None:
-        try:
-            weight_sync.destroy_weight_update_group(trainer_group)
-        except Exception:  # noqa: BLE001 - best effort
-            log.warning("could not destroy trainer side of %s", group, exc_info=True)
-    if resume:
-        await asyncio.gather(*(c.continue_generation() for c in clients), return_exceptions=True)
-    await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+        await pusher.disconnect()
+        await asyncio.gather(*(c.close() for c in clients.values()), return_exceptions=True)
+    return dataclasses.replace(result, seconds=time.perf_counter() - t0, checksum=checksum)
 
 
 def push_distributed(
@@ -222,8 +123,8 @@ async def _fan_out(engine_urls: Sequence[str], call, what: str, timeout_s: float
     try:
         res = await asyncio.gather(*(call(c) for c in clients), return_exceptions=True)
         seconds = time.perf_counter() - t0
-        if _errors(urls, res):
-            raise PushError(f"{what} failed", _errors(urls, res))
+        if failures(urls, res):
+            raise PushError(f"{what} failed", failures(urls, res))
         versions = await _versions(clients)
     finally:
         await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)

@@ -87,7 +87,7 @@ def test_generate_update_and_version_echo(server, model_dir):
     from dora_megatron.models import hf_io
     from dora_megatron.rollout.sglang.client import SGLangClient
     from dora_megatron.rollout.sglang.engine import SGLangEngine
-    from dora_megatron.rollout.sglang.weights import DistributedWeightPusher
+    from dora_megatron.weights.distributed import DistributedWeightPusher
 
     url, cfg = server
     prompt = [1, 2, 3, 4, 5, 6, 7, 8]
@@ -111,7 +111,7 @@ def test_generate_update_and_version_echo(server, model_dir):
                                              pause_mode="abort", bucket_mb=64)
             await pusher.connect()
             report = await pusher.push(1, tensors)
-            assert report.tensors == len(tensors)
+            assert report.num_tensors == len(tensors)
             await pusher.disconnect()
         else:
             await client.update_weights_from_disk(model_dir, weight_version=1)

@@ -24,7 +24,8 @@ from dora_megatron.orchestrator import Orchestrator
 from dora_megatron.rollout.client import EngineClient, VersionMismatch
 from dora_megatron.rollout.sglang.client import SGLangClient
 from dora_megatron.rollout.sglang.engine import SGLangEngine
-from dora_megatron.rollout.sglang.weights import DistributedWeightPusher, WeightPushFailed
+from dora_megatron.weights.distributed import DistributedWeightPusher
+from dora_megatron.weights.results import PushError
 from dora_megatron.weights.checksum import weights_checksum
 
 pytestmark = pytest.mark.integration
@@ -140,8 +141,7 @@ def test_distributed_push_pauses_updates_in_buckets_and_resumes(engines, model_d
         before = await clients["e0"].generate(prompt, greedy)
         pusher = DistributedWeightPusher(clients, {n: 1 for n in clients}, master_address="127.0.0.1",
                                          master_port=_free_port(), group_name="dora-test", backend="gloo",
-                                         pause_mode="abort", bucket_mb=1, timeout_s=10)
-        pusher.bucket_bytes = 64 << 10  # several buckets even for the tiny model
+                                         pause_mode="abort", bucket_mb=1, timeout_s=10)  # 1 MiB: several buckets
         await pusher.connect()
         in_flight = asyncio.create_task(clients["e1"].generate(prompt, long, rid="long-1"))
         for _ in range(500):
@@ -158,7 +158,7 @@ def test_distributed_push_pauses_updates_in_buckets_and_resumes(engines, model_d
             await adapter.generate(prompt, greedy, rid="stale", version=6)
         # an update naming a tensor the model lacks fails on the instance and is reported as such
         # (an instance that refuses before receiving leaves the broadcast to the group timeout)
-        with pytest.raises(WeightPushFailed) as bad:
+        with pytest.raises(PushError) as bad:
             await pusher.push(8, [("model.layers.0.mlp.experts.99.up_proj.weight", torch.zeros(4, 4))])
         await pusher.disconnect()
         for c in clients.values():
@@ -167,13 +167,13 @@ def test_distributed_push_pauses_updates_in_buckets_and_resumes(engines, model_d
         return before, report, cut, after, bad.value
 
     before, report, cut, after, bad = asyncio.run(go())
-    assert report.buckets > 1 and report.tensors == len(new)
+    assert report.num_buckets > 1 and report.num_tensors == len(new) and set(report.paused) == {"e0", "e1"}
     assert cut.finish_type == "abort" and 0 < len(cut.output_ids) < 400 and cut.weight_version == "0"
     for out, checksum, version in after.values():
         assert version == "7" and out.weight_version == "7"
         assert checksum == weights_checksum(new)  # every instance holds exactly the pushed tensors
         assert out.output_ids != before.output_ids
-    assert set(bad.failed) == {"e0", "e1"}
+    assert {"e0", "e1"} <= set(bad.errors) and "rejected before receiving" in bad.errors["e0"]
 
 
 SHIM = '''#!{python}

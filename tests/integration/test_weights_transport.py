@@ -230,7 +230,7 @@ def test_trainer_service_push_weights(engines, dirs):
                 await asyncio.sleep(0.05)
             with pytest.raises(TrainerError, match="engines"):
                 await client.push_weights([], 16)
-            return await client.push_weights(engines, 0.5)
+            return await client.push_weights(engines, 0.5, pause_mode="abort")  # paused, pushed, continued
         finally:
             await client.shutdown()
             await client.close()

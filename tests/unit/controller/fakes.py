@@ -130,6 +130,7 @@ class FakeTrainer:
     def __init__(self, train_s: float = 0.01, engines: dict | None = None) -> None:
         self.engines = {e.base_url: e for e in (engines or {}).values()}
         self.pushes: list[tuple[int, list[str]]] = []
+        self.push_args: list[dict] = []
         self.version = 0
         self.batches: list[list[dict]] = []
         self.train_s = train_s
@@ -154,7 +155,10 @@ class FakeTrainer:
         self.version += 1
         return {"version": self.version, "metrics": {"loss": 0.0}, "checksum": None}
 
-    async def push_weights(self, engines: list[str], bucket_mb: float, timeout_s: float | None = None) -> dict:
+    async def push_weights(self, engines: list[str], bucket_mb: float, master_addr: str | None = None,
+                           timeout_s: float | None = None, gpus: dict[str, int] | None = None,
+                           pause_mode: str | None = None) -> dict:
+        self.push_args.append({"master_addr": master_addr, "gpus": gpus, "pause_mode": pause_mode})
         for url in engines:
             e = self.engines[url]
             assert not e.reqs, f"{e.name}: push while holding {list(e.reqs)}"

@@ -151,3 +151,16 @@ def test_distributed_transport_pushes_newest_version_once_per_switch_batch():
     for e in engines.values():
         for path in e.loads:
             assert path.startswith("/snap/v")
+
+
+def test_distributed_transport_passes_rendezvous_address_tp_ranks_and_pause_mode():
+    """SGLang instances with TP 4 take 4 ranks each in the group; the engines reach the trainer's
+    rendezvous at its host (not the trainer's loopback); the configured pause mode is used."""
+    import dataclasses
+
+    rt, engines, trainer = make(mode="dora", n=3, steps=3, transport="distributed")
+    rt.opt = dataclasses.replace(rt.opt, push_master_addr="10.1.2.3", engine_ranks=4, push_pause_mode="abort")
+    asyncio.run(rt.run())
+    assert trainer.push_args
+    for (_, urls), args in zip(trainer.pushes, trainer.push_args):
+        assert args == {"master_addr": "10.1.2.3", "gpus": {u: 4 for u in urls}, "pause_mode": "abort"}

@@ -11,7 +11,7 @@ from dora_megatron.config.schema import load_config
 from dora_megatron.rollout.sglang.args import InstanceSpec, SGLangArgsError, server_argv
 from dora_megatron.rollout.sglang.client import summarize_loads
 from dora_megatron.rollout.sglang.engine import wire_rid
-from dora_megatron.rollout.sglang.weights import bucket_flags, group_layout
+from dora_megatron.weights.distributed import bucket_flags, group_layout
 
 
 def _inst(**kw):
@@ -88,6 +88,8 @@ def test_flush_only_after_abort_pause_and_only_on_the_last_bucket():
     assert bucket_flags("abort", last=False)["flush_cache"] is False
     for mode in ("retract", "in_place"):
         assert not bucket_flags(mode, last=True)["flush_cache"]
+    # no pause: the caller drained the instance, so it is empty as after an abort pause
+    assert bucket_flags(None, last=True)["flush_cache"] and not bucket_flags(None, last=False)["flush_cache"]
     with pytest.raises(ValueError):
         bucket_flags("drain", True)
 

@@ -18,8 +18,8 @@ class FakeWorker:
     def __init__(self) -> None:
         self.calls: list[tuple] = []
 
-    def push_weights(self, engines, bucket_mb, master_addr, timeout_s):
-        self.calls.append((engines, bucket_mb, master_addr, timeout_s))
+    def push_weights(self, engines, bucket_mb, master_addr, timeout_s, gpus=None, pause_mode=None):
+        self.calls.append((engines, bucket_mb, master_addr, timeout_s, gpus, pause_mode))
         return {"bytes": 10, "versions": {u: str(self.version) for u in engines}, "checksum": "abc"}
 
 
@@ -30,6 +30,10 @@ class FakeWorker:
     ({"engines": ["http://a"], "bucket_mb": True}, "bucket_mb"),
     ({"engines": ["http://a"], "bucket_mb": 1, "timeout_s": -1}, "timeout_s"),
     ({"engines": ["http://a"], "bucket_mb": 1, "master_addr": 5}, "master_addr"),
+    ({"engines": ["http://a"], "bucket_mb": 1, "gpus": {"http://a": 0}}, "gpus"),
+    ({"engines": ["http://a"], "bucket_mb": 1, "gpus": [2]}, "gpus"),
+    ({"engines": ["http://a"], "bucket_mb": 1, "gpus": {"http://b": 2}}, "http://b"),
+    ({"engines": ["http://a"], "bucket_mb": 1, "pause_mode": "drain"}, "pause_mode"),
 ])
 def test_validate_push_rejects(payload, msg):
     with pytest.raises(BadRequest, match=msg):
@@ -41,7 +45,7 @@ def test_execute_dispatches_with_defaults():
     svc = TrainerService(w, run_dir=".", rank=0, world_size=1)
     out = svc.execute(Command("push_weights", {"engines": ["http://e1"], "bucket_mb": 8}))
     assert out["versions"] == {"http://e1": "3"}
-    assert w.calls == [(["http://e1"], 8.0, "127.0.0.1", 120.0)]
+    assert w.calls == [(["http://e1"], 8.0, "127.0.0.1", 120.0, None, None)]
 
 
 def test_http_route_and_client():
@@ -60,7 +64,8 @@ def test_http_route_and_client():
                 await asyncio.sleep(0.02)
             with pytest.raises(TrainerError, match="400"):
                 await c.push_weights(["http://e"], -1)
-            return await c.push_weights(["http://e1", "http://e2"], 16, master_addr="10.0.0.1", timeout_s=30)
+            return await c.push_weights(["http://e1", "http://e2"], 16, master_addr="10.0.0.1", timeout_s=30,
+                                        gpus={"http://e2": 4}, pause_mode="retract")
         finally:
             await c.shutdown()
             await c.close()
@@ -68,4 +73,5 @@ def test_http_route_and_client():
     reply = asyncio.run(go())
     t.join(timeout=10)
     assert reply["checksum"] == "abc"
-    assert w.calls == [(["http://e1", "http://e2"], 16.0, "10.0.0.1", 30.0)]  # the 400 never reached the worker
+    # the 400 never reached the worker
+    assert w.calls == [(["http://e1", "http://e2"], 16.0, "10.0.0.1", 30.0, {"http://e2": 4}, "retract")]

@@ -1,0 +1,212 @@
+"""Trainer side of SGLang's distributed weight update: group setup, pause, bucketed push, resume.
+
+The one implementation of the ``distributed`` transport: the trainer's ``/push_weights``
+(:func:`dora_megatron.weights.transport.push_distributed`, one group per push) and long-lived
+groups (a pusher kept connected across versions, as slime does) both run through
+:class:`DistributedWeightPusher`, against SGLang and the embedded engine alike (gloo on CPU, which
+is how it is tested; NCCL on CUDA).
+
+WHY this order (reference B.2 and pitfalls E.1-E.8):
+
+* **connect**: the weight-update group has the trainer at rank 0 and instance ``i`` at
+  ``rank_offset = 1 + sum(gpus of instances before i)`` (each TP rank of an instance joins at
+  ``rank_offset + tp_rank``), ``world_size = 1 + sum(gpus)``. Every ``/init_weights_update_group``
+  request is sent *first*, then the trainer builds its side (``PrefixStore(group_name)`` +
+  ``_new_process_group_helper``, the layout SGLang uses), then the HTTP answers are awaited:
+  either side alone blocks forever.
+* **push(version)**: ``/pause_generation`` with the configured mode (none: the caller pushes only
+  to instances it drained, as the DORA runtime does); then per bucket (HF names, at most
+  ``bucket_mb``, planned by :func:`dora_megatron.weights.plan.plan_buckets`, the planner every
+  transport shares) one ``/update_weights_from_distributed`` per instance, sent before the
+  broadcast of the bucket's tensors (in ``names`` order, from a worker thread so the HTTP answers,
+  which carry errors and have timeouts, stay on the event loop); then ``/continue_generation``.
+  ``weight_version`` travels inside every update request (never ``/update_weight_version``, which
+  aborts everything by default) and ``abort_all_requests`` stays false (the pause did the work).
+* **flush_cache**: SGLang flushes the radix cache after an update with ``flush_cache=true`` and
+  asserts the flush succeeded, which it cannot while requests are running or waiting. After an
+  ``abort`` pause (or with no pause, on a drained instance) the instance is empty: only the last
+  bucket asks for the flush (once, after all weights are in). After ``retract``/``in_place``
+  requests are still held: no bucket asks for it, and the KV those requests computed under the old
+  weights stays in use (a sample then spans two versions: only acceptable in ``partial`` mode,
+  which records it).
+* **failure**: an engine that rejects a bucket (unknown names, wrong shapes) answers before
+  receiving, so the broadcast to it cannot complete; the trainer's broadcast then fails after
+  ``timeout_s`` (gloo/NCCL collectives cannot be cancelled). :class:`PushError` names the engines
+  and their messages; their weights may be partly updated, so they are not resumed: the caller
+  discards them or loads a whole version again. An engine keeps its old weights for any bucket it
+  did not load completely.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Protocol
+
+from dora_megatron.rollout.protocol import PAUSE_MODES
+from dora_megatron.weights.plan import plan_buckets, spec_of
+from dora_megatron.weights.results import PushError, PushResult, failures
+
+log = logging.getLogger(__name__)
+
+
+class UpdateTarget(Protocol):
+    """The instance calls a push needs (:class:`~dora_megatron.rollout.sglang.client.SGLangClient`)."""
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                        group_name: str = ..., backend: str = ...) -> dict[str, Any]: ...
+    async def destroy_weights_update_group(self, group_name: str = ...) -> dict[str, Any]: ...
+    async def update_weights_from_distributed(self, names, dtypes, shapes, group_name=..., weight_version=None, *,
+                                              flush_cache: bool = True, abort_all_requests: bool = False) -> dict[str, Any]: ...
+    async def pause(self, mode: str = "abort") -> dict[str, Any]: ...
+    async def continue_generation(self) -> dict[str, Any]: ...
+    async def weight_version(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    names: tuple[str, ...]
+    rank_offsets: tuple[int, ...]
+    world_size: int
+
+    def ranks_of(self, name: str, gpus: int) -> range:
+        off = self.rank_offsets[self.names.index(name)]
+        return range(off, off + gpus)
+
+
+def group_layout(gpus: Mapping[str, int]) -> GroupLayout:
+    """Trainer rank 0, then each instance's GPUs as consecutive ranks, in the mapping's order."""
+    offsets, nxt = [], 1
+    for name, n in gpus.items():
+        if n < 1:
+            raise ValueError(f"{name}: an instance has at least one GPU, got {n}")
+        offsets.append(nxt)
+        nxt += n
+    return GroupLayout(tuple(gpus), tuple(offsets), nxt)
+
+
+def bucket_flags(pause_mode: str | None, last: bool) -> dict[str, bool]:
+    """``flush_cache`` / ``abort_all_requests`` of one bucket's update request (see module doc);
+    ``pause_mode`` None: the instance was drained by the caller (empty, like after ``abort``)."""
+    if pause_mode is not None and pause_mode not in PAUSE_MODES:
+        raise ValueError(f"unknown pause mode {pause_mode!r} (expected one of {', '.join(PAUSE_MODES)} or none)")
+    return {"flush_cache": pause_mode in (None, "abort") and last, "abort_all_requests": False}
+
+
+class DistributedWeightPusher:
+    """One weight-update group from this trainer rank to a fixed set of instances.
+
+    Membership is fixed per group (``world_size`` is part of the rendezvous): when instances join or
+    leave, :meth:`disconnect` and build a new pusher (as slime's ``reconnect``). ``gpus``: ranks per
+    instance (its TP size; default 1 each). ``timeout_s`` bounds the rendezvous and every broadcast."""
+
+    def __init__(self, targets: Mapping[str, UpdateTarget], gpus: Mapping[str, int] | None = None, *,
+                 master_address: str, master_port: int, group_name: str = "dora_weights", backend: str = "nccl",
+                 pause_mode: str | None = "abort", bucket_mb: float = 512, timeout_s: float = 600.0) -> None:
+        gpus = {n: 1 for n in targets} if gpus is None else dict(gpus)
+        if set(targets) != set(gpus):
+            raise ValueError(f"targets and gpus must name the same instances: {sorted(targets)} vs {sorted(gpus)}")
+        if not targets:
+            raise ValueError("no engines to push to")
+        bucket_flags(pause_mode, True)  # validates the mode
+        self.targets = dict(targets)
+        self.layout = group_layout({n: gpus[n] for n in targets})
+        self.master_address = master_address
+        self.master_port = master_port
+        self.group_name = group_name
+        self.backend = backend
+        self.pause_mode = pause_mode
+        self.bucket_mb = bucket_mb
+        self.timeout_s = timeout_s
+        self.group: Any = None
+        self.joined: list[str] = []
+        self.connect_seconds = 0.0
+
+    async def connect(self) -> None:
+        """Form the group; raises :class:`PushError` naming the instances (or ``trainer``) that
+        could not join. Call :meth:`disconnect` afterwards either way."""
+        from dora_megatron.rollout.engine import weight_sync
+
+        t0 = time.perf_counter()
+        names = list(self.targets)
+        # engines first (they retry connecting to the store), the trainer hosts the rendezvous
+        calls = [asyncio.ensure_future(t.init_weights_update_group(self.master_address, self.master_port, off,
+                                                                   self.layout.world_size, self.group_name, self.backend))
+                 for t, off in zip(self.targets.values(), self.layout.rank_offsets)]
+        own = asyncio.ensure_future(asyncio.to_thread(
+            weight_sync.init_weight_update_group, self.master_address, self.master_port, 0, self.layout.world_size,
+            self.group_name, self.backend, self.timeout_s))
+        results = await asyncio.gather(own, *calls, return_exceptions=True)
+        errors = failures(names, results[1:])
+        self.joined = [n for n, r in zip(names, results[1:]) if not isinstance(r, BaseException)]
+        if isinstance(results[0], BaseException):
+            errors = errors or {"trainer": f"{type(results[0]).__name__}: {results[0]}"}
+            raise PushError(f"weight update group {self.group_name} not formed", errors)
+        self.group = results[0]
+        if errors:
+            raise PushError(f"weight update group {self.group_name} not formed", errors)
+        self.connect_seconds = time.perf_counter() - t0
+        log.info("weight-update group %s: world %d over %d instances", self.group_name, self.layout.world_size,
+                 len(self.targets))
+
+    async def disconnect(self) -> None:
+        """Destroy the group on the instances that joined it and on this side (best effort)."""
+        from dora_megatron.rollout.engine import weight_sync
+
+        gone = await asyncio.gather(*(self.targets[n].destroy_weights_update_group(self.group_name)
+                                      for n in self.joined), return_exceptions=True)
+        for name, err in zip(self.joined, gone):
+            if isinstance(err, BaseException):
+                log.warning("%s: destroy_weights_update_group %s: %s", name, self.group_name, err)
+        self.joined = []
+        if self.group is not None:
+            try:
+                weight_sync.destroy_weight_update_group(self.group)
+            except Exception:  # noqa: BLE001 - best effort
+                log.warning("could not destroy the trainer side of %s", self.group_name, exc_info=True)
+            self.group = None
+
+    async def push(self, version: int | str, named_tensors: Iterable[tuple[str, Any]]) -> PushResult:
+        """Send every ``(hf_name, tensor)`` as weights ``version`` to every instance."""
+        from dora_megatron.rollout.engine import weight_sync
+
+        if self.group is None:
+            raise RuntimeError("push before connect")
+        t0 = time.perf_counter()
+        by_name = {n: t.detach().contiguous() for n, t in named_tensors}
+        if self.backend == "gloo":
+            by_name = {n: t.cpu() for n, t in by_name.items()}
+        buckets = plan_buckets([spec_of(n, t) for n, t in by_name.items()], self.bucket_mb)
+        names = list(self.targets)
+        paused: dict[str, Any] = {}
+        if self.pause_mode is not None:
+            res = await asyncio.gather(*(t.pause(self.pause_mode) for t in self.targets.values()),
+                                       return_exceptions=True)
+            if failures(names, res):
+                raise PushError("pause_generation failed", failures(names, res))
+            paused = dict(zip(names, res))
+        for b in buckets:
+            flags = bucket_flags(self.pause_mode, last=b.index == len(buckets) - 1)
+            posts = [asyncio.ensure_future(t.update_weights_from_distributed(
+                b.names, b.dtypes, b.shapes, group_name=self.group_name, weight_version=str(version), **flags))
+                for t in self.targets.values()]
+            send = asyncio.to_thread(weight_sync.send_tensors, self.group, [by_name[n] for n in b.names])
+            results = await asyncio.gather(send, *posts, return_exceptions=True)
+            errors = failures(names, results[1:])
+            if isinstance(results[0], BaseException):
+                errors["trainer"] = f"broadcast failed: {type(results[0]).__name__}: {str(results[0])[:200]}"
+            if errors:  # the collective order is broken for the failed ones: stop here
+                raise PushError(f"bucket {b.index + 1}/{len(buckets)} ({len(b.names)} tensors) not delivered", errors)
+        got = await asyncio.gather(*(t.weight_version() for t in self.targets.values()), return_exceptions=True)
+        versions = {n: (f"error: {v}" if isinstance(v, BaseException) else str(v)) for n, v in zip(names, got)}
+        wrong = {n: f"reports weight_version {v!r} after pushing {version}" for n, v in versions.items()
+                 if v != str(version)}
+        if wrong:
+            raise PushError("weights not taken", wrong)
+        if self.pause_mode is not None:
+            await asyncio.gather(*(t.continue_generation() for t in self.targets.values()))
+        return PushResult("distributed", version, sum(b.nbytes for b in buckets), time.perf_counter() - t0,
+                          num_tensors=len(by_name), num_buckets=len(buckets), connect_seconds=self.connect_seconds,
+                          versions=versions, group_name=self.group_name, paused=paused)
