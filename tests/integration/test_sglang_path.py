@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from typing import Callable
 
 import pytest
 import torch
@@ -24,9 +25,9 @@ from dora_megatron.orchestrator import Orchestrator
 from dora_megatron.rollout.client import EngineClient, VersionMismatch
 from dora_megatron.rollout.sglang.client import SGLangClient
 from dora_megatron.rollout.sglang.engine import SGLangEngine
+from dora_megatron.weights.checksum import weights_checksum
 from dora_megatron.weights.distributed import DistributedWeightPusher
 from dora_megatron.weights.results import PushError
-from dora_megatron.weights.checksum import weights_checksum
 
 pytestmark = pytest.mark.integration
 
@@ -66,12 +67,21 @@ def engines(model_dir):
 
 
 class StaticTrainer:
-    """Produces a new version label per step without changing the weights (snapshots = version 0)."""
+    """Produces a new version label per step without changing the weights (snapshots = version 0).
 
-    def __init__(self) -> None:
+    ``hold``: (step, condition): that step starts only once ``condition()`` holds (at most 30 s), so
+    that on a loaded machine the run does not end before the event under test happened."""
+
+    def __init__(self, hold: tuple[int, Callable[[], bool]] | None = None) -> None:
         self.batches: list[list[dict]] = []
+        self.hold = hold
 
     async def train(self, step: int, samples: list[dict]) -> dict:
+        if self.hold is not None and step == self.hold[0]:
+            for _ in range(3000):
+                if self.hold[1]():
+                    break
+                await asyncio.sleep(0.01)
         self.batches.append(samples)
         await asyncio.sleep(0.01)
         return {"version": step + 1, "metrics": {}, "checksum": None}
@@ -86,13 +96,15 @@ def test_runtime_on_sglang_adapter_migrates_by_resubmit_and_keeps_outputs(engine
                              cap_before_rebalance=6, cap_after_rebalance=4)
     opts = RuntimeOptions(steps=5, seed=0, max_new_tokens=MAX_NEW, temperature=0.0, top_p=1.0, top_k=-1,
                           snapshot_dir=lambda v: model_dir, stats_interval_s=0.02)
-    trainer = StaticTrainer()
+    runtime: list[Runtime] = []
+    trainer = StaticTrainer(hold=(4, lambda: bool(runtime) and runtime[0].migrations_fallback > 0))
 
     async def go():
         adapters = {n: SGLangEngine(SGLangClient(e.url)) for n, e in zip(names, engines)}
         for a in adapters.values():  # start every instance at version 0
             await a.update_weights_from_disk(model_dir, weight_version=0)
         rt = Runtime(Orchestrator(cfg, names), adapters, trainer, RunningSumTask(1, 30, 1.2, seed=1), running_sum_reward, opts)
+        runtime.append(rt)
         summary = await rt.run()
         # greedy reference: every sample generated in one piece on one instance
         ref = EngineClient(engines[0].url)
