@@ -82,6 +82,22 @@ def test_short_dora_run(tmp_path):
     assert out.stdout.strip() == "", out.stdout
 
 
+def test_distributed_weight_transport_from_the_torchrun_trainer(tmp_path):
+    """``controller.weight_transport: distributed``: trainer rank 0 (a torchrun child) broadcasts each
+    new version to the switching engines; no push falls back to the snapshot, checksums match."""
+    proc, run_dir = run_train(tmp_path, "run.steps=3", "model.warm_start_steps=0", "orchestrator.tbs=4",
+                              "orchestrator.rbs=8", "orchestrator.max_staleness=1", "orchestrator.group_size=4",
+                              "observability.heldout_prompts=0", "observability.timeline=false",
+                              "controller.weight_transport=distributed", "controller.weight_sync_timeout_s=120")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "weight broadcast" not in out, out[-4000:]  # the fallback to the snapshot path was not needed
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["weight_push_bytes"] > 0 and summary["checksum_mismatches"] == 0
+    assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
+    assert summary["failed_instances"] == []
+
+
 def test_bad_config_fails_fast_naming_the_key(tmp_path):
     proc, run_dir = run_train(tmp_path, "orchestrator.max_stalenes=2", timeout=60)
     assert proc.returncode == 2

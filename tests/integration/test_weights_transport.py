@@ -94,6 +94,14 @@ def test_distributed_push_to_two_engines_in_buckets(engines, dirs):
     assert after[0]["ids"] == ref_greedy
 
 
+def test_push_from_a_torchrun_child_hosts_its_own_rendezvous(engines, dirs, monkeypatch):
+    """Under torchrun ``TORCHELASTIC_USE_AGENT_STORE=True``; torch's tcp:// rendezvous would then
+    make rank 0 a client of the agent's store and the group would never form."""
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    result = push_distributed(hf_io.load_state_dict(dirs[0]), engines[:1], bucket_mb=64, version=9, timeout_s=30)
+    assert result.versions == {engines[0]: "9"} and state(engines[0])["checksum"] == result.checksum
+
+
 def test_rejected_bucket_keeps_old_version(engines, dirs):
     good = state(engines[0])
     bad = dict(hf_io.load_state_dict(dirs[2]))

@@ -41,21 +41,22 @@ def init_weight_update_group(
 
 
 def connect_store(master_address: str, master_port: int, rank: int, world_size: int, connect_timeout_s: float) -> Any:
-    """The rendezvous TCPStore (hosted by rank 0; the other ranks connect as clients).
+    """The rendezvous TCPStore: rank 0 hosts it, the other ranks connect as clients.
+
+    Built directly rather than through ``c10d.rendezvous("tcp://...")``: inside a process started
+    by torchrun (the trainer) that helper sees ``TORCHELASTIC_USE_AGENT_STORE`` and connects as a
+    client to what it takes for the elastic agent's store, so nobody would host this one.
 
     Caveat (torch 2.13): a peer that accepts the TCP connection but never answers the store's
     handshake blocks this call regardless of the timeout; callers that must not hang run it in a
     thread they can abandon (the engine's ``/init_weights_update_group`` does).
     """
     import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
 
     if not dist.is_available():
         raise RuntimeError("torch.distributed is not available in this build")
-    host = f"[{master_address}]" if ":" in master_address and not master_address.startswith("[") else master_address
-    url = f"tcp://{host}:{master_port}"
-    store, _, _ = next(c10d.rendezvous(url, rank, world_size, timeout=timedelta(seconds=connect_timeout_s)))
-    return store
+    return dist.TCPStore(master_address.strip("[]"), master_port, world_size, is_master=rank == 0,
+                         timeout=timedelta(seconds=connect_timeout_s))
 
 
 def group_from_store(store: Any, rank: int, world_size: int, group_name: str, backend: str, timeout_s: float) -> Any:
