@@ -24,7 +24,7 @@ class ClusterConfig:
     trainer_gpus: int = field_doc(0, "With share_node: GPUs given to the trainer (the rest go to rollout); 0 = half.", ge=0)
     torchrun_port: int = field_doc(29500, "torchrun rendezvous port on the first trainer node.", ge=1, le=65535)
     trainer_service_port: int = field_doc(29600, "Port of the trainer service (rank 0) the controller calls.", ge=1, le=65535)
-    weight_group_port: int = field_doc(29700, "Store port (on trainer rank 0) of the trainer -> rollout weight-update group.", ge=1, le=65535)
+    weight_group_port: int = field_doc(29700, "Store port (on trainer rank 0) of the trainer -> rollout weight-update group of the `distributed` weight transport (local runs take a free port per push).", ge=1, le=65535)
     rollout_base_port: int = field_doc(30000, "HTTP port of the first instance on each rollout node (see sglang.port_stride).", ge=1, le=65535)
     join_dir: str = field_doc("", "Elastic pools: folder watched for join requests of new instances; empty = `<run_dir>/join`.")
     join_poll_s: float = field_doc(5.0, "How often the controller looks for join requests.", gt=0.0, unit="s")

@@ -37,7 +37,7 @@ class SGLangConfig:
     port_stride: int = field_doc(10, "Ports of instance j on a node: http = rollout.base_port + j*stride, nccl = +1, dist-init = +2.", ge=3)
     health_path: str = field_doc("/health_generate", "Endpoint polled until 200 before an instance is used.", choices=("/health", "/health_generate"))
     pause_mode: str = field_doc("abort", "`/pause_generation` mode of the `distributed` weight transport before its first bucket (abort returns partial outputs; retract/in_place keep requests and skip the cache flush). The bucket size is `controller.bucket_mb`.", choices=PAUSE_MODES)
-    weight_group_backend: str = field_doc("nccl", "torch.distributed backend of the trainer -> instances weight-update group.", choices=("nccl", "gloo"))
+    weight_group_backend: str = field_doc("nccl", "torch.distributed backend of the trainer -> instances weight-update group (`controller.weight_transport: distributed`); nccl needs the trainer on CUDA.", choices=("nccl", "gloo"))
 
     def check(self, path: str) -> None:
         if self.ep_size > self.tp_size or self.tp_size % self.ep_size:

@@ -118,6 +118,8 @@ class RuntimeOptions:
     weight_transport: str = "disk"  # "distributed": the trainer broadcasts the newest version to switching engines
     bucket_mb: float = 256.0
     push_master_addr: str | None = None  # where engines reach the trainer's rendezvous (None: the trainer's loopback)
+    push_master_port: int | None = None  # its store port (None: a free port per push)
+    push_backend: str | None = None  # gloo | nccl (None: the trainer's choice by its device)
     engine_ranks: int = 1  # ranks one engine takes in a weight-update group (SGLang: its TP size)
     push_pause_mode: str | None = None  # /pause_generation around a broadcast (None: the instances were drained)
     weight_sync_timeout_s: float = 600.0  # one instance's weight update; slower = the instance failed
@@ -565,7 +567,8 @@ class Runtime:
         try:
             urls = [getattr(self.engines[a.instance], "base_url") for a in live]
             result = await self.trainer.push_weights(
-                urls, self.opt.bucket_mb, master_addr=self.opt.push_master_addr,
+                urls, self.opt.bucket_mb, master_addr=self.opt.push_master_addr, master_port=self.opt.push_master_port,
+                backend=self.opt.push_backend,
                 timeout_s=self.opt.weight_sync_timeout_s, pause_mode=self.opt.push_pause_mode,
                 gpus={u: self.opt.engine_ranks for u in urls} if self.opt.engine_ranks != 1 else None)
         except Exception as err:  # noqa: BLE001 - the snapshot path still works

@@ -47,7 +47,8 @@ class TrainerClient:
 
     async def push_weights(self, engines: list[str], bucket_mb: float, master_addr: str | None = None,
                            timeout_s: float | None = None, gpus: dict[str, int] | None = None,
-                           pause_mode: str | None = None) -> dict[str, Any]:
+                           pause_mode: str | None = None, master_port: int | None = None,
+                           backend: str | None = None) -> dict[str, Any]:
         """Broadcast the trainer's current weights to ``engines`` (``POST /push_weights``); ``gpus``:
         engine URL -> ranks it takes in the group (its TP size, 1 when absent); ``pause_mode``: pause
         the engines around the push (None: the caller drained them).
@@ -64,6 +65,10 @@ class TrainerClient:
             body["gpus"] = dict(gpus)
         if pause_mode is not None:
             body["pause_mode"] = pause_mode
+        if master_port is not None:
+            body["master_port"] = master_port
+        if backend is not None:
+            body["backend"] = backend
         return await self._post("/push_weights", body)
 
     async def save_checkpoint(self, path: str) -> dict[str, Any]:

@@ -291,7 +291,9 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
         verify_checksums=cfg.controller.verify_checksums,
         weight_transport=cfg.controller.weight_transport, bucket_mb=cfg.controller.bucket_mb,
         push_master_addr=urlsplit(trainer_url).hostname,
+        push_master_port=cfg.cluster.weight_group_port if cfg.launch.backend == "slurm" else None,
         engine_ranks=cfg.sglang.tp_size if sglang else 1, push_pause_mode=cfg.sglang.pause_mode if sglang else None,
+        push_backend=cfg.sglang.weight_group_backend if sglang else None,
         weight_sync_timeout_s=cfg.controller.weight_sync_timeout_s,
         checkpoint_dir=lambda v: str(run_dir / "checkpoints" / f"v{v:06d}"),
     )

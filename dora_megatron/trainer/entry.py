@@ -46,17 +46,22 @@ class VersionedWorker:
 
     def push_weights(self, engines: list[str], bucket_mb: float, master_addr: str = "127.0.0.1",
                      timeout_s: float = 120.0, gpus: dict[str, int] | None = None,
-                     pause_mode: str | None = None) -> dict[str, Any] | None:
+                     pause_mode: str | None = None, master_port: int | None = None,
+                     backend: str | None = None) -> dict[str, Any] | None:
         """Collective export, then rank 0 broadcasts the weights to ``engines`` in buckets
-        (:func:`dora_megatron.weights.transport.push_distributed`); returns its stats on rank 0."""
+        (:func:`dora_megatron.weights.transport.push_distributed`); returns its stats on rank 0.
+        ``backend`` None: nccl when this trainer runs on CUDA, gloo otherwise."""
         from dora_megatron.weights.transport import push_distributed
 
         tensors = list(self.worker.export_hf_state_dict())
         if self.rank != 0:
             return None
-        backend = "nccl" if getattr(getattr(self.worker, "cfg", None), "device", "cpu") == "cuda" else "gloo"
+        on_cuda = getattr(getattr(self.worker, "cfg", None), "device", "cpu") == "cuda"
+        if backend == "nccl" and not on_cuda:
+            raise ValueError("backend nccl needs a trainer on CUDA; this one runs on CPU (use gloo)")
+        backend = backend or ("nccl" if on_cuda else "gloo")
         result = push_distributed(tensors, engines, bucket_mb, self.version, master_addr, backend, timeout_s=timeout_s,
-                                  gpus=gpus, pause_mode=pause_mode)
+                                  gpus=gpus, pause_mode=pause_mode, master_port=master_port)
         return result.to_json()
 
     def save_checkpoint(self, path: str) -> None:

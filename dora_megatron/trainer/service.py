@@ -12,7 +12,9 @@ world group; all ranks run it; rank 0 answers. Commands:
 ``POST /save_checkpoint``  {"path": dir} -> {"path": dir}
 ``POST /load_checkpoint``  {"path": dir} -> {"version": v}
 ``POST /push_weights``     {"engines": [base urls], "bucket_mb": n, "master_addr"?, "timeout_s"?,
-                           "gpus"? {url: TP size}, "pause_mode"? abort|retract|in_place} ->
+                           "gpus"? {url: TP size}, "pause_mode"? abort|retract|in_place,
+                           "master_port"? (rendezvous store port; default: a free one),
+                           "backend"? gloo|nccl (default: nccl on a CUDA trainer, gloo on CPU)} ->
                            bytes, seconds, per-engine versions, checksum of what was sent
                            (:func:`dora_megatron.weights.transport.push_distributed`)
 ``POST /shutdown``         -> {"ok": true}; every rank exits its loop
@@ -52,7 +54,8 @@ class TrainWorker(Protocol):
     def load_checkpoint(self, path: str) -> None: ...
 
     def push_weights(self, engines: list[str], bucket_mb: float, master_addr: str, timeout_s: float,
-                     gpus: dict[str, int] | None = None, pause_mode: str | None = None) -> dict[str, Any] | None: ...
+                     gpus: dict[str, int] | None = None, pause_mode: str | None = None,
+                     master_port: int | None = None, backend: str | None = None) -> dict[str, Any] | None: ...
 
 
 @dataclass
@@ -97,6 +100,12 @@ def validate_push(payload: dict[str, Any]) -> None:
         raise BadRequest("'bucket_mb' must be a number > 0")
     if "master_addr" in payload and not isinstance(payload["master_addr"], str):
         raise BadRequest("'master_addr' must be a string")
+    backend = payload.get("backend")
+    if backend is not None and backend not in ("gloo", "nccl"):
+        raise BadRequest(f"'backend' must be gloo or nccl, got {backend!r}")
+    port = payload.get("master_port")
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535):
+        raise BadRequest(f"'master_port' must be an integer port 1..65535, got {port!r}")
     t = payload.get("timeout_s")
     if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
         raise BadRequest("'timeout_s' must be a number > 0")
@@ -146,7 +155,8 @@ class TrainerService:
             return self.worker.push_weights(list(p["engines"]), float(p["bucket_mb"]),
                                             str(p.get("master_addr") or "127.0.0.1"),
                                             float(p.get("timeout_s") or 120.0),
-                                            p.get("gpus"), p.get("pause_mode")) or {}
+                                            p.get("gpus"), p.get("pause_mode"), p.get("master_port"),
+                                            p.get("backend")) or {}
         if cmd.op == "shutdown":
             return {"ok": True}
         raise BadRequest(f"unknown command {cmd.op!r}")

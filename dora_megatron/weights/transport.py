@@ -62,6 +62,7 @@ async def push_distributed_async(
     compute_checksum: bool = True,
     pause_mode: str | None = None,
     gpus: Mapping[str, int] | None = None,
+    master_port: int | None = None,
 ) -> PushResult:
     """Broadcast HF-named ``tensors`` to every engine in buckets of at most ``bucket_mb`` MiB.
 
@@ -69,7 +70,8 @@ async def push_distributed_async(
     the push fail after at most that long). ``pause_mode`` (``"abort"``, ``"retract"``,
     ``"in_place"``): pause the engines before the first bucket and continue them after the last;
     None: the caller drained them. ``gpus``: engine URL -> its TP size (ranks in the group; 1 when
-    absent). Raises :class:`PushError` when any engine failed (those are not resumed); returns a
+    absent). ``master_port``: the rendezvous store's port on this host (None: a free one).
+    Raises :class:`PushError` when any engine failed (those are not resumed); returns a
     :class:`PushResult` whose ``seconds`` include forming the group."""
     from dora_megatron.rollout.sglang.client import SGLangClient
     from dora_megatron.weights.checksum import weights_checksum
@@ -86,7 +88,7 @@ async def push_distributed_async(
     t0 = time.perf_counter()
     clients = {u: SGLangClient(u, timeout_s=timeout_s + 60) for u in urls}
     pusher = DistributedWeightPusher(
-        clients, {u: ranks.get(u, 1) for u in urls}, master_address=master_addr, master_port=free_port(master_addr),
+        clients, {u: ranks.get(u, 1) for u in urls}, master_address=master_addr, master_port=master_port or free_port(master_addr),
         group_name=group_name or f"dora-w{version}-{uuid.uuid4().hex[:8]}", backend=backend, pause_mode=pause_mode,
         bucket_mb=bucket_mb, timeout_s=timeout_s)
     try:

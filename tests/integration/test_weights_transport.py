@@ -98,8 +98,11 @@ def test_push_from_a_torchrun_child_hosts_its_own_rendezvous(engines, dirs, monk
     """Under torchrun ``TORCHELASTIC_USE_AGENT_STORE=True``; torch's tcp:// rendezvous would then
     make rank 0 a client of the agent's store and the group would never form."""
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
-    result = push_distributed(hf_io.load_state_dict(dirs[0]), engines[:1], bucket_mb=64, version=9, timeout_s=30)
-    assert result.versions == {engines[0]: "9"} and state(engines[0])["checksum"] == result.checksum
+    port = free_port()  # fixed, as cluster.weight_group_port on SLURM: pushed to twice in a row
+    for version in (8, 9):
+        result = push_distributed(hf_io.load_state_dict(dirs[0]), engines[:1], bucket_mb=64, version=version,
+                                  timeout_s=30, master_port=port)
+        assert result.versions == {engines[0]: str(version)} and state(engines[0])["checksum"] == result.checksum
 
 
 def test_rejected_bucket_keeps_old_version(engines, dirs):
@@ -238,6 +241,8 @@ def test_trainer_service_push_weights(engines, dirs):
                 await asyncio.sleep(0.05)
             with pytest.raises(TrainerError, match="engines"):
                 await client.push_weights([], 16)
+            with pytest.raises(TrainerError, match="nccl needs a trainer on CUDA"):
+                await client.push_weights(engines, 0.5, backend="nccl")  # this trainer runs on CPU
             return await client.push_weights(engines, 0.5, pause_mode="abort")  # paused, pushed, continued
         finally:
             await client.shutdown()

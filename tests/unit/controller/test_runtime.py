@@ -159,8 +159,10 @@ def test_distributed_transport_passes_rendezvous_address_tp_ranks_and_pause_mode
     import dataclasses
 
     rt, engines, trainer = make(mode="dora", n=3, steps=3, transport="distributed")
-    rt.opt = dataclasses.replace(rt.opt, push_master_addr="10.1.2.3", engine_ranks=4, push_pause_mode="abort")
+    rt.opt = dataclasses.replace(rt.opt, push_master_addr="10.1.2.3", push_master_port=29700, engine_ranks=4,
+                                 push_pause_mode="abort", push_backend="nccl")
     asyncio.run(rt.run())
     assert trainer.push_args
     for (_, urls), args in zip(trainer.pushes, trainer.push_args):
-        assert args == {"master_addr": "10.1.2.3", "gpus": {u: 4 for u in urls}, "pause_mode": "abort"}
+        assert args == {"master_addr": "10.1.2.3", "master_port": 29700, "gpus": {u: 4 for u in urls},
+                        "pause_mode": "abort", "backend": "nccl"}

@@ -18,8 +18,9 @@ class FakeWorker:
     def __init__(self) -> None:
         self.calls: list[tuple] = []
 
-    def push_weights(self, engines, bucket_mb, master_addr, timeout_s, gpus=None, pause_mode=None):
-        self.calls.append((engines, bucket_mb, master_addr, timeout_s, gpus, pause_mode))
+    def push_weights(self, engines, bucket_mb, master_addr, timeout_s, gpus=None, pause_mode=None, master_port=None,
+                     backend=None):
+        self.calls.append((engines, bucket_mb, master_addr, timeout_s, gpus, pause_mode, master_port, backend))
         return {"bytes": 10, "versions": {u: str(self.version) for u in engines}, "checksum": "abc"}
 
 
@@ -34,6 +35,9 @@ class FakeWorker:
     ({"engines": ["http://a"], "bucket_mb": 1, "gpus": [2]}, "gpus"),
     ({"engines": ["http://a"], "bucket_mb": 1, "gpus": {"http://b": 2}}, "http://b"),
     ({"engines": ["http://a"], "bucket_mb": 1, "pause_mode": "drain"}, "pause_mode"),
+    ({"engines": ["http://a"], "bucket_mb": 1, "master_port": 70000}, "master_port"),
+    ({"engines": ["http://a"], "bucket_mb": 1, "master_port": "29700"}, "master_port"),
+    ({"engines": ["http://a"], "bucket_mb": 1, "backend": "mpi"}, "backend"),
 ])
 def test_validate_push_rejects(payload, msg):
     with pytest.raises(BadRequest, match=msg):
@@ -45,7 +49,7 @@ def test_execute_dispatches_with_defaults():
     svc = TrainerService(w, run_dir=".", rank=0, world_size=1)
     out = svc.execute(Command("push_weights", {"engines": ["http://e1"], "bucket_mb": 8}))
     assert out["versions"] == {"http://e1": "3"}
-    assert w.calls == [(["http://e1"], 8.0, "127.0.0.1", 120.0, None, None)]
+    assert w.calls == [(["http://e1"], 8.0, "127.0.0.1", 120.0, None, None, None, None)]
 
 
 def test_http_route_and_client():
@@ -65,7 +69,8 @@ def test_http_route_and_client():
             with pytest.raises(TrainerError, match="400"):
                 await c.push_weights(["http://e"], -1)
             return await c.push_weights(["http://e1", "http://e2"], 16, master_addr="10.0.0.1", timeout_s=30,
-                                        gpus={"http://e2": 4}, pause_mode="retract")
+                                        gpus={"http://e2": 4}, pause_mode="retract", master_port=29700,
+                                        backend="gloo")
         finally:
             await c.shutdown()
             await c.close()
@@ -74,4 +79,5 @@ def test_http_route_and_client():
     t.join(timeout=10)
     assert reply["checksum"] == "abc"
     # the 400 never reached the worker
-    assert w.calls == [(["http://e1", "http://e2"], 16.0, "10.0.0.1", 30.0, {"http://e2": 4}, "retract")]
+    assert w.calls == [(["http://e1", "http://e2"], 16.0, "10.0.0.1", 30.0, {"http://e2": 4}, "retract", 29700,
+                        "gloo")]
