@@ -117,6 +117,7 @@ class RuntimeOptions:
     migration: str = "kv"  # "kv": export/import when both engines offer it; "reprefill": abort + resubmit
     weight_transport: str = "disk"  # "distributed": the trainer broadcasts the newest version to switching engines
     bucket_mb: float = 256.0
+    stop_token_ids: tuple[int, ...] = ()  # extra ids that end a sample (the codec's EOS always does)
     push_master_addr: str | None = None  # where engines reach the trainer's rendezvous (None: the trainer's loopback)
     push_master_port: int | None = None  # its store port (None: a free port per push)
     push_backend: str | None = None  # gloo | nccl (None: the trainer's choice by its device)
@@ -352,7 +353,8 @@ class Runtime:
         return {
             "max_new_tokens": max(1, self.opt.max_new_tokens - len(rec.output_ids)),
             "temperature": self.opt.temperature, "top_p": self.opt.top_p, "top_k": self.opt.top_k,
-            "stop_token_ids": list(self.codec.eos_ids), "sampling_seed": seed,
+            "stop_token_ids": list(dict.fromkeys([*self.codec.eos_ids, *self.opt.stop_token_ids])),
+            "sampling_seed": seed,
         }
 
     async def _submit(self, a: Submit) -> None:

@@ -290,6 +290,7 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
         migration=cfg.controller.migration, health_timeout_s=cfg.controller.health_timeout_s,
         verify_checksums=cfg.controller.verify_checksums,
         weight_transport=cfg.controller.weight_transport, bucket_mb=cfg.controller.bucket_mb,
+        stop_token_ids=tuple(cfg.rollout.stop_token_ids),
         push_master_addr=urlsplit(trainer_url).hostname,
         push_master_port=cfg.cluster.weight_group_port if cfg.launch.backend == "slurm" else None,
         engine_ranks=cfg.sglang.tp_size if sglang else 1, push_pause_mode=cfg.sglang.pause_mode if sglang else None,

@@ -57,6 +57,8 @@ def local_plan(cfg: "DoraConfig", model_dir: str, run_dir: str, base_port: int |
             "--device", cfg.rollout.device, "--max-running", str(cfg.rollout.max_running),
             "--max-waiting", str(cfg.rollout.max_waiting),
             "--num-threads", str(cfg.rollout.threads_per_instance),
+            *(("--kv-blocks", str(cfg.rollout.kv_blocks)) if cfg.rollout.kv_blocks else ()),
+            *(("--context-length", str(cfg.rollout.context_length)) if cfg.rollout.context_length else ()),
         )
         plan.append(ProcessSpec("engine", f"engine{i}", host, argv, port=port, threads=cfg.rollout.threads_per_instance,
                                 env=thread_env(cfg.rollout.threads_per_instance), cpus=tuple(cfg.launch.engine_cpus)))

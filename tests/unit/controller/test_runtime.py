@@ -166,3 +166,14 @@ def test_distributed_transport_passes_rendezvous_address_tp_ranks_and_pause_mode
     for (_, urls), args in zip(trainer.pushes, trainer.push_args):
         assert args == {"master_addr": "10.1.2.3", "master_port": 29700, "gpus": {u: 4 for u in urls},
                         "pause_mode": "abort", "backend": "nccl"}
+
+
+def test_extra_stop_token_ids_reach_every_request():
+    import dataclasses
+
+    rt, engines, trainer = make(mode="dora", n=2, steps=1)
+    eos = list(rt.codec.eos_ids)
+    rt.opt = dataclasses.replace(rt.opt, stop_token_ids=(7, eos[0], 9))
+    asyncio.run(rt.run())
+    rec = next(iter(rt.samples.values()))
+    assert rt._sampling(rec)["stop_token_ids"] == [*eos, 7, 9]  # EOS first, no duplicates

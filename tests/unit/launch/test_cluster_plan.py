@@ -161,6 +161,18 @@ def test_local_plan_places_sglang_after_trainer_gpus():
     assert len({p.port for p in engines} | {v for p in engines for v in p.extra_ports.values()}) == 4
 
 
+def test_local_plan_passes_engine_kv_budget_and_context_length():
+    from dora_megatron.launch.plan import local_plan
+
+    cfg = load_config(ROOT / "configs" / "cpu_tiny.yaml", [])
+    argv = next(p.argv for p in local_plan(cfg, "/m", "/r") if p.role == "engine")
+    assert "--kv-blocks" not in argv and "--context-length" not in argv  # null: the engine's defaults
+    cfg = load_config(ROOT / "configs" / "cpu_tiny.yaml", ["rollout.kv_blocks=96", "rollout.context_length=512"])
+    for p in (p for p in local_plan(cfg, "/m", "/r") if p.role == "engine"):
+        assert p.argv[p.argv.index("--kv-blocks") + 1] == "96"
+        assert p.argv[p.argv.index("--context-length") + 1] == "512"
+
+
 def test_sbatch_templates_parse_and_only_call_dora():
     scripts = sorted((ROOT / "slurm").glob("*.sbatch"))
     assert len(scripts) >= 2
