@@ -84,11 +84,12 @@ class Journal:
         self._write({"t": "dispatch", "group_id": group_id, "version": int(version), "prompt_index": int(prompt_index),
                      "sample_ids": list(sample_ids)})
 
-    def sample(self, *, sample_id: str, group_id: str, version: int, prompt_index: int, versions: list[int],
-               output_ids: list[int], logprobs: list[float], reward: float, replayed: bool = False) -> None:
-        self._write({"t": "sample", "sample_id": sample_id, "group_id": group_id, "version": int(version),
-                     "prompt_index": int(prompt_index), "versions": sorted(versions), "output_ids": list(output_ids),
-                     "logprobs": list(logprobs), "reward": reward, "replayed": replayed})
+    def sample(self, s: JournaledSample, versions: list[int], replayed: bool = False) -> None:
+        """A finished sample; ``versions``: every weight version that generated part of it."""
+        self._write({"t": "sample", "sample_id": s.sample_id, "group_id": s.group_id, "version": int(s.version),
+                     "prompt_index": int(s.prompt_index), "versions": sorted(versions),
+                     "output_ids": list(s.output_ids), "logprobs": list(s.logprobs), "reward": s.reward,
+                     "replayed": replayed})
 
     def replayed(self, s: JournaledSample) -> None:
         if self._replayed is None:

@@ -337,16 +337,18 @@ class Runtime:
         """The orchestrator asked to run a sample the journal restored: it is finished already."""
         rec.replay_pending = False
         self.samples_from_journal += 1
-        group = self.groups[rec.group_id]
         if self.journal is not None:  # still finished after this lineage's checkpoint
-            from dora_megatron.controller.journal import JournaledSample
-
-            self.journal.sample(sample_id=rec.sample_id, group_id=rec.group_id, version=rec.version,
-                                prompt_index=group.prompt.index, versions=sorted(rec.versions),
-                                output_ids=rec.output_ids, logprobs=rec.logprobs, reward=rec.reward, replayed=True)
-            self.journal.replayed(JournaledSample(rec.sample_id, rec.group_id, rec.version, group.prompt.index,
-                                                  tuple(rec.output_ids), (), rec.reward))
+            js = self._journaled(rec)
+            self.journal.sample(js, sorted(rec.versions), replayed=True)
+            self.journal.replayed(js)
         self.execute(self.orch.on_sample_finished(rec.sample_id, tokens=len(rec.output_ids), now=self.now()))
+
+    def _journaled(self, rec: SampleRecord):
+        """``rec`` as the journal records it (:class:`~dora_megatron.controller.journal.JournaledSample`)."""
+        from dora_megatron.controller.journal import JournaledSample
+
+        return JournaledSample(rec.sample_id, rec.group_id, rec.version, self.groups[rec.group_id].prompt.index,
+                               tuple(rec.output_ids), tuple(rec.logprobs), float(rec.reward))
 
     def _sampling(self, rec: SampleRecord) -> dict[str, Any]:
         seed = zlib.crc32(f"{self.opt.seed}/{rec.sample_id}/{rec.submissions}".encode()) & 0x7FFFFFFF
@@ -406,9 +408,7 @@ class Runtime:
         group = self.groups[rec.group_id]
         rec.reward = float(self.reward_fn(self.codec.decode(rec.output_ids), group.prompt.answer))
         if self.journal is not None:
-            self.journal.sample(sample_id=rec.sample_id, group_id=rec.group_id, version=rec.version,
-                                prompt_index=group.prompt.index, versions=sorted(rec.versions),
-                                output_ids=rec.output_ids, logprobs=rec.logprobs, reward=rec.reward)
+            self.journal.sample(self._journaled(rec), sorted(rec.versions))
         self.execute(self.orch.on_sample_finished(rec.sample_id, tokens=len(rec.output_ids), now=end))
 
     async def _migrate(self, a: Migrate, prev: asyncio.Task | None) -> None:
@@ -575,15 +575,15 @@ class Runtime:
                 gpus={u: self.opt.engine_ranks for u in urls} if self.opt.engine_ranks != 1 else None)
         except Exception as err:  # noqa: BLE001 - the snapshot path still works
             log.warning("weight broadcast of v%d failed (%s); loading the snapshot instead", live[0].version, err)
-            for a in live:
-                await self._switch(a)
-            return
-        pushed = result.get("version")
+            result = None
+        pushed = None if result is None else result.get("version")
         if pushed is not None and int(pushed) != live[0].version:
             # the trainer finished another step while this push waited: it sent newer weights than
             # the orchestrator assigned (C1) -- load the assigned version's snapshot instead
             log.info("the trainer sent v%s instead of v%d (it trained on meanwhile); loading the snapshot",
                      pushed, live[0].version)
+            result = None
+        if result is None:
             for a in live:
                 await self._switch(a)
             return

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from dora_megatron.controller.journal import read_journal
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,28 +63,6 @@ def alive(pid: int) -> bool:
         return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return False
-
-
-def journaled_samples(run_dir: Path, version: int) -> dict[str, dict]:
-    """Samples the journal shows finished after checkpoint marker ``version``, in one piece by a
-    version <= it (the ones a resume from that checkpoint may restore)."""
-    lines = []
-    for name in ("journal.prev.jsonl", "journal.jsonl"):
-        path = run_dir / name
-        if path.is_file():
-            lines += path.read_text().splitlines()
-    out: dict[str, dict] = {}
-    started = False
-    for line in lines:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue  # the crash may tear the last line
-        if rec["t"] == "checkpoint" and rec["version"] == version:
-            started = True
-        elif started and rec["t"] == "sample" and rec["version"] <= version and rec["versions"] == [rec["version"]]:
-            out[rec["sample_id"]] = rec
-    return out
 
 
 def process_tree(pid: int) -> list[int]:
@@ -174,7 +154,7 @@ def test_job_sigkill_then_resume_consumes_every_group_once(tmp_path):
     done = sorted(p for p in (run_dir / "checkpoints").glob("v*") if (p / "controller.json").is_file())
     newest, previous = done[-1], done[-2]
     resumed_from = int(previous.name[1:])
-    finished_after = journaled_samples(run_dir, resumed_from)
+    finished_after = read_journal(run_dir, resumed_from)  # finished after that checkpoint, by versions <= it
     shard = sorted((newest / "trainer").glob("*.distcp"))[0]
     with open(shard, "r+b") as f:  # garbled in place (same size): torch would load it silently
         f.seek(shard.stat().st_size // 2)
@@ -209,8 +189,8 @@ def test_job_sigkill_then_resume_consumes_every_group_once(tmp_path):
     for sid, r in replayed.items():
         j = finished_after[sid]
         assert (r["group_id"], r["version"], r["prompt_index"], r["tokens"]) == (
-            j["group_id"], j["version"], j["prompt_index"], len(j["output_ids"]))
+            j.group_id, j.version, j.prompt_index, len(j.output_ids))
     final_version = {g: v for s in range(n) for g, v in zip(lineage[s], final_versions[s])}
     for sid, j in finished_after.items():
-        if final_version.get(j["group_id"]) == j["version"]:
+        if final_version.get(j.group_id) == j.version:
             assert sid in replayed, f"{sid} was finished in the journal but generated again"

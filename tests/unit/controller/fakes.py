@@ -171,3 +171,13 @@ class FakeTrainer:
     async def save_checkpoint(self, path: str) -> dict:
         self.checkpoints.append(path)
         return {"path": path}
+
+
+async def fail_after_first_step(rt, trainer: FakeTrainer, engine: FakeEngine, name: str) -> None:
+    """Once the first batch is trained, make ``engine`` (instance ``name``) unreachable; return when
+    the runtime has marked the instance failed (a test then lets it rejoin)."""
+    while len(trainer.batches) < 1:
+        await asyncio.sleep(0.005)
+    engine.dead = True
+    while name not in rt.failed:
+        await asyncio.sleep(0.005)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from .fakes import FakeEngine
+from .fakes import FakeEngine, fail_after_first_step
 from .test_runtime import check_run, make
 
 
@@ -35,11 +35,7 @@ def test_failed_instance_rejoins_and_serves_again():
 
     async def main():
         async def kill_then_rejoin():
-            while len(trainer.batches) < 1:
-                await asyncio.sleep(0.005)
-            engines["e1"].dead = True
-            while "e1" not in rt.failed:
-                await asyncio.sleep(0.005)
+            await fail_after_first_step(rt, trainer, engines["e1"], "e1")
             # a stale failure report through the old client, after the rejoin, must be ignored
             old = rt.engines["e1"]
             rt.add_instance("e1", replacement)

@@ -84,11 +84,7 @@ def test_failed_instance_is_removed_and_can_rejoin():
 
     async def main():
         async def fail_then_rejoin():
-            while len(trainer.batches) < 1:
-                await asyncio.sleep(0.005)
-            engines["e1"].dead = True
-            while "e1" not in rt.failed:
-                await asyncio.sleep(0.005)
+            await fakes.fail_after_first_step(rt, trainer, engines["e1"], "e1")
             rt.add_instance("e1", back)
         asyncio.get_running_loop().create_task(fail_then_rejoin())
         return await rt.run()
