@@ -31,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=400)
     parser.add_argument("--decode", nargs="+", default=["sample", "greedy"], choices=["sample", "greedy"])
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1, help="-1: off (the rollout default)")
+    parser.add_argument("--stop-token-ids", type=int, nargs="*", default=[],
+                        help="extra token ids that end an answer (rollout.stop_token_ids); EOS always does")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
@@ -46,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for decode in args.decode:
         for model_dir in args.models:
-            res = evaluate_model(model_dir, prompts, decode, temperature=args.temperature,
+            res = evaluate_model(model_dir, prompts, decode, temperature=args.temperature, top_p=args.top_p,
+                                 top_k=args.top_k, stop_token_ids=args.stop_token_ids,
                                  max_new_tokens=args.max_new_tokens, seed=args.seed)
             results.append(res.to_json())
             log.info("%s  %s", res.line(), model_dir)

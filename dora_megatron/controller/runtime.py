@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
+from dora_megatron.controller.trainer_client import PushOptions
 from dora_megatron.data.codec import CharCodec, TextCodec
 from dora_megatron.data.tasks import Prompt, PromptSource
 from dora_megatron.orchestrator import (Dispatch, Interrupt, Migrate, Orchestrator, ReleaseBatch, Submit,
@@ -116,13 +117,8 @@ class RuntimeOptions:
     verify_checksums: bool = True
     migration: str = "kv"  # "kv": export/import when both engines offer it; "reprefill": abort + resubmit
     weight_transport: str = "disk"  # "distributed": the trainer broadcasts the newest version to switching engines
-    bucket_mb: float = 256.0
+    push: PushOptions = field(default_factory=PushOptions)  # how the trainer broadcasts (distributed transport)
     stop_token_ids: tuple[int, ...] = ()  # extra ids that end a sample (the codec's EOS always does)
-    push_master_addr: str | None = None  # where engines reach the trainer's rendezvous (None: the trainer's loopback)
-    push_master_port: int | None = None  # its store port (None: a free port per push)
-    push_backend: str | None = None  # gloo | nccl (None: the trainer's choice by its device)
-    engine_ranks: int = 1  # ranks one engine takes in a weight-update group (SGLang: its TP size)
-    push_pause_mode: str | None = None  # /pause_generation around a broadcast (None: the instances were drained)
     weight_sync_timeout_s: float = 600.0  # one instance's weight update; slower = the instance failed
     checkpoint_interval: int = 0  # steps; 0 = only at the end
     checkpoint_dir: Callable[[int], str] | None = None  # version -> checkpoint directory (None: no checkpoints)
@@ -568,11 +564,8 @@ class Runtime:
         start = self.now()
         try:
             urls = [getattr(self.engines[a.instance], "base_url") for a in live]
-            result = await self.trainer.push_weights(
-                urls, self.opt.bucket_mb, master_addr=self.opt.push_master_addr, master_port=self.opt.push_master_port,
-                backend=self.opt.push_backend,
-                timeout_s=self.opt.weight_sync_timeout_s, pause_mode=self.opt.push_pause_mode,
-                gpus={u: self.opt.engine_ranks for u in urls} if self.opt.engine_ranks != 1 else None)
+            result = await self.trainer.push_weights(urls, timeout_s=self.opt.weight_sync_timeout_s,
+                                                     **self.opt.push.request(urls))
         except Exception as err:  # noqa: BLE001 - the snapshot path still works
             log.warning("weight broadcast of v%d failed (%s); loading the snapshot instead", live[0].version, err)
             result = None

@@ -3,9 +3,29 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+
+
+@dataclass(frozen=True)
+class PushOptions:
+    """The fields of ``POST /push_weights`` that stay the same for every push of a run
+    (``controller.weight_transport: distributed``); the launcher fills them from the config."""
+
+    bucket_mb: float = 256.0
+    master_addr: str | None = None  # where engines reach the trainer's rendezvous (None: the trainer's loopback)
+    master_port: int | None = None  # its store port (None: a free port per push)
+    backend: str | None = None  # gloo | nccl (None: the trainer's choice by its device)
+    engine_ranks: int = 1  # ranks one engine takes in a weight-update group (SGLang: its TP size)
+    pause_mode: str | None = None  # /pause_generation around a broadcast (None: the instances were drained)
+
+    def request(self, engines: list[str]) -> dict[str, Any]:
+        """Keyword arguments of :meth:`TrainerClient.push_weights` for a push to ``engines``."""
+        return {"bucket_mb": self.bucket_mb, "master_addr": self.master_addr, "master_port": self.master_port,
+                "backend": self.backend, "pause_mode": self.pause_mode,
+                "gpus": {u: self.engine_ranks for u in engines} if self.engine_ranks != 1 else None}
 
 
 class TrainerError(RuntimeError):

@@ -175,6 +175,8 @@ def _heldout_eval(cfg: DoraConfig, run_dir: Path, model_dir: Path, summary: dict
         for decode in ("sample", "greedy") if obs.heldout_greedy else ("sample",):
             for which, path in (("initial", model_dir), ("final", final)):
                 res = evaluate_model(path, prompts, decode, temperature=cfg.rollout.temperature,
+                                     top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+                                     stop_token_ids=cfg.rollout.stop_token_ids,
                                      max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.run.seed)
                 results.append({"weights": which, **res.to_json()})
                 say(f"held-out {which:7} {res.line()}")
@@ -200,7 +202,7 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
     """``engine_urls``/``trainer_url`` (SLURM jobs) replace ``host`` + ports; ``on_runtime(runtime)``
     runs once the runtime exists (e.g. to start the elastic join watcher)."""
     from dora_megatron.controller.runtime import Runtime, RuntimeOptions
-    from dora_megatron.controller.trainer_client import TrainerClient
+    from dora_megatron.controller.trainer_client import PushOptions, TrainerClient
     from dora_megatron.data.tasks import make_prompt_source
     from dora_megatron.observability.tensorboard import NullWriter, TensorBoardWriter
     from dora_megatron.observability.timeline import Timeline
@@ -289,12 +291,13 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
         checkpoint_interval=cfg.run.checkpoint_interval,
         migration=cfg.controller.migration, health_timeout_s=cfg.controller.health_timeout_s,
         verify_checksums=cfg.controller.verify_checksums,
-        weight_transport=cfg.controller.weight_transport, bucket_mb=cfg.controller.bucket_mb,
+        weight_transport=cfg.controller.weight_transport,
+        push=PushOptions(
+            bucket_mb=cfg.controller.bucket_mb, master_addr=urlsplit(trainer_url).hostname,
+            master_port=cfg.cluster.weight_group_port if cfg.launch.backend == "slurm" else None,
+            backend=cfg.sglang.weight_group_backend if sglang else None,
+            engine_ranks=cfg.sglang.tp_size if sglang else 1, pause_mode=cfg.sglang.pause_mode if sglang else None),
         stop_token_ids=tuple(cfg.rollout.stop_token_ids),
-        push_master_addr=urlsplit(trainer_url).hostname,
-        push_master_port=cfg.cluster.weight_group_port if cfg.launch.backend == "slurm" else None,
-        engine_ranks=cfg.sglang.tp_size if sglang else 1, push_pause_mode=cfg.sglang.pause_mode if sglang else None,
-        push_backend=cfg.sglang.weight_group_backend if sglang else None,
         weight_sync_timeout_s=cfg.controller.weight_sync_timeout_s,
         checkpoint_dir=lambda v: str(run_dir / "checkpoints" / f"v{v:06d}"),
     )

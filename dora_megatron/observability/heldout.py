@@ -52,28 +52,33 @@ def heldout_prompts(task: str, min_len: int, max_len: int, exponent: float, data
     return [source.get(i) for i in range(count)]
 
 
-def evaluate_model(model_dir: str | Path, prompts: Sequence[Any], decode: str = "sample", *, temperature: float = 1.0,
-                   batch: int = 100, max_new_tokens: int = 96, seed: int = 0) -> EvalResult:
-    """Exact-answer rate of ``model_dir`` on ``prompts`` (``decode``: ``sample`` or ``greedy``)."""
+def _load(model_dir: str | Path):
     import torch
     from transformers import AutoModelForCausalLM
 
+    if not (Path(model_dir) / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir}: not a model directory (no config.json)")
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+def generate_responses(model: Any, prompts: Sequence[Any], decode: str = "sample", *, temperature: float = 1.0,
+                       top_p: float = 1.0, top_k: int = -1, stop_token_ids: Sequence[int] = (),
+                       batch: int = 100, max_new_tokens: int = 96, seed: int = 0) -> list[list[int]]:
+    """Response token ids of ``model`` (a loaded HF causal LM) for ``prompts``, each ending at its
+    first EOS or ``stop_token_ids`` token (kept, as the engines keep it). Sampling follows the
+    rollout's parameters (``top_k`` -1 = off); the caller's torch RNG stream is left untouched."""
+    import torch
+
     from dora_megatron.data import tokenizer as tok
-    from dora_megatron.data.tasks import running_sum_reward
 
     if decode not in ("sample", "greedy"):
         raise ValueError(f"decode must be 'sample' or 'greedy', got {decode!r}")
-    if not prompts:
-        raise ValueError("no prompts to evaluate")
-    if not (Path(model_dir) / "config.json").is_file():
-        raise FileNotFoundError(f"{model_dir}: not a model directory (no config.json)")
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    # plain temperature sampling over the whole vocabulary (as the engines sample), or argmax
-    sampling = ({"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if decode == "sample"
-                else {"do_sample": False})
+    stops = list(dict.fromkeys([tok.EOS_ID, *map(int, stop_token_ids)]))
+    sampling = ({"do_sample": True, "temperature": temperature, "top_k": max(0, top_k), "top_p": top_p}
+                if decode == "sample" else {"do_sample": False})
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
-    per_bucket: dict[int, list[float]] = {}
+    out_ids: list[list[int]] = []
     try:
         for start in range(0, len(prompts), batch):
             chunk = prompts[start: start + batch]
@@ -82,13 +87,34 @@ def evaluate_model(model_dir: str | Path, prompts: Sequence[Any], decode: str = 
             inp = torch.tensor([[tok.PAD_ID] * (width - len(x)) + x for x in ids])  # left padding
             with torch.no_grad():
                 out = model.generate(input_ids=inp, attention_mask=(inp != tok.PAD_ID).long(),
-                                     max_new_tokens=max_new_tokens, eos_token_id=tok.EOS_ID, pad_token_id=tok.PAD_ID,
+                                     max_new_tokens=max_new_tokens, eos_token_id=stops, pad_token_id=tok.PAD_ID,
                                      **sampling)
-            for p, row in zip(chunk, out[:, width:].tolist()):
-                reward = running_sum_reward(tok.decode(row), p.answer)
-                per_bucket.setdefault(bucket_of(len(p.answer) // 2), []).append(reward)
+            for row in out[:, width:].tolist():
+                end = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
+                out_ids.append(row[:end])
     finally:
         torch.random.set_rng_state(generator_state)
+    return out_ids
+
+
+def evaluate_model(model_dir: str | Path, prompts: Sequence[Any], decode: str = "sample", *, temperature: float = 1.0,
+                   top_p: float = 1.0, top_k: int = -1, stop_token_ids: Sequence[int] = (),
+                   batch: int = 100, max_new_tokens: int = 96, seed: int = 0) -> EvalResult:
+    """Exact-answer rate of ``model_dir`` on ``prompts`` (``decode``: ``sample`` or ``greedy``),
+    decoded as the rollout decodes (its sampling parameters and stop tokens)."""
+    from dora_megatron.data import tokenizer as tok
+    from dora_megatron.data.tasks import running_sum_reward
+
+    if decode not in ("sample", "greedy"):
+        raise ValueError(f"decode must be 'sample' or 'greedy', got {decode!r}")
+    if not prompts:
+        raise ValueError("no prompts to evaluate")
+    responses = generate_responses(_load(model_dir), prompts, decode, temperature=temperature, top_p=top_p,
+                                   top_k=top_k, stop_token_ids=stop_token_ids, batch=batch,
+                                   max_new_tokens=max_new_tokens, seed=seed)
+    per_bucket: dict[int, list[float]] = {}
+    for p, row in zip(prompts, responses):
+        per_bucket.setdefault(bucket_of(len(p.answer) // 2), []).append(running_sum_reward(tok.decode(row), p.answer))
     rewards = [r for rs in per_bucket.values() for r in rs]
     buckets = {f"n<={b}": {"exact": statistics.fmean(per_bucket[b]), "prompts": len(per_bucket[b])}
                for b in sorted(per_bucket)}

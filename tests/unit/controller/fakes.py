@@ -159,8 +159,8 @@ class FakeTrainer:
                            timeout_s: float | None = None, gpus: dict[str, int] | None = None,
                            pause_mode: str | None = None, master_port: int | None = None,
                            backend: str | None = None) -> dict:
-        self.push_args.append({"master_addr": master_addr, "master_port": master_port, "gpus": gpus,
-                               "pause_mode": pause_mode, "backend": backend})
+        self.push_args.append({"bucket_mb": bucket_mb, "master_addr": master_addr, "master_port": master_port,
+                               "gpus": gpus, "pause_mode": pause_mode, "backend": backend})
         for url in engines:
             e = self.engines[url]
             assert not e.reqs, f"{e.name}: push while holding {list(e.reqs)}"

@@ -15,6 +15,7 @@ import pytest
 
 from dora_megatron.config.orchestrator import OrchestratorConfig
 from dora_megatron.controller.runtime import Runtime, RuntimeOptions
+from dora_megatron.controller.trainer_client import PushOptions
 from dora_megatron.data import tokenizer as tok
 from dora_megatron.data.tasks import RunningSumTask, running_sum_reward
 from dora_megatron.orchestrator import Orchestrator
@@ -159,12 +160,12 @@ def test_distributed_transport_passes_rendezvous_address_tp_ranks_and_pause_mode
     import dataclasses
 
     rt, engines, trainer = make(mode="dora", n=3, steps=3, transport="distributed")
-    rt.opt = dataclasses.replace(rt.opt, push_master_addr="10.1.2.3", push_master_port=29700, engine_ranks=4,
-                                 push_pause_mode="abort", push_backend="nccl")
+    rt.opt = dataclasses.replace(rt.opt, push=PushOptions(bucket_mb=8, master_addr="10.1.2.3", master_port=29700,
+                                                          engine_ranks=4, pause_mode="abort", backend="nccl"))
     asyncio.run(rt.run())
     assert trainer.push_args
     for (_, urls), args in zip(trainer.pushes, trainer.push_args):
-        assert args == {"master_addr": "10.1.2.3", "master_port": 29700, "gpus": {u: 4 for u in urls},
+        assert args == {"bucket_mb": 8, "master_addr": "10.1.2.3", "master_port": 29700, "gpus": {u: 4 for u in urls},
                         "pause_mode": "abort", "backend": "nccl"}
 
 

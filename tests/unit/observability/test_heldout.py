@@ -7,7 +7,7 @@ import torch
 
 from dora_megatron.data.tasks import RunningSumTask
 from dora_megatron.observability.heldout import (
-    HELDOUT_SEED_OFFSET, bucket_of, evaluate_model, heldout_prompts, latest_snapshot,
+    HELDOUT_SEED_OFFSET, _load, bucket_of, evaluate_model, generate_responses, heldout_prompts, latest_snapshot,
 )
 
 
@@ -52,3 +52,22 @@ def test_evaluate_model_counts_and_restores_the_rng(tmp_path):
         evaluate_model(tmp_path / "nothing", prompts)
     with pytest.raises(ValueError, match="decode"):
         evaluate_model(d, prompts, "beam")
+
+
+def test_responses_end_at_the_rollout_stop_tokens(tmp_path):
+    """The evaluation decodes as the rollout does: an extra stop token ends an answer (kept)."""
+    from dora_megatron.models.presets import create_model_dir
+
+    torch.set_num_threads(1)
+    model = _load(create_model_dir("tiny-dense", tmp_path / "m", seed=0))
+    prompts = heldout_prompts("digit_cipher", 1, 6, 1.2, data_seed=0, count=4)
+    free = generate_responses(model, prompts, "greedy", max_new_tokens=12, batch=3)
+    assert all(0 < len(r) <= 12 for r in free)
+    row = max(free, key=len)
+    assert len(row) >= 3
+    stop = row[2] if row[2] not in row[:2] else row[1]
+    cut = generate_responses(model, prompts, "greedy", max_new_tokens=12, batch=3, stop_token_ids=[stop])
+    for a, b in zip(free, cut):  # greedy: the same tokens up to and including the first stop token
+        end = a.index(stop) + 1 if stop in a else len(a)
+        assert b == a[:end]
+    assert any(len(b) < len(a) for a, b in zip(free, cut))
