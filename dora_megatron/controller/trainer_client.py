@@ -32,6 +32,10 @@ class TrainerError(RuntimeError):
     pass
 
 
+class TrainerUnreachable(TrainerError):
+    """No answer at all (connection refused or dropped): the trainer process is likely gone."""
+
+
 class TrainerClient:
     def __init__(self, base_url: str, timeout_s: float = 3600.0) -> None:
         self.base_url = base_url.rstrip("/")
@@ -49,11 +53,14 @@ class TrainerClient:
             self._session = None
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        async with self._sess().post(self.base_url + path, json=body) as resp:
-            data = await resp.json(content_type=None)
-            if resp.status >= 400:
-                raise TrainerError(f"trainer {path}: HTTP {resp.status}: {data.get('error') if isinstance(data, dict) else data}")
-            return data
+        try:
+            async with self._sess().post(self.base_url + path, json=body) as resp:
+                data = await resp.json(content_type=None)
+        except aiohttp.ClientError as err:
+            raise TrainerUnreachable(f"trainer {path}: no answer from {self.base_url}: {err}") from err
+        if resp.status >= 400:
+            raise TrainerError(f"trainer {path}: HTTP {resp.status}: {data.get('error') if isinstance(data, dict) else data}")
+        return data
 
     async def health(self) -> dict[str, Any] | None:
         try:

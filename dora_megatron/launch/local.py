@@ -202,7 +202,7 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
     """``engine_urls``/``trainer_url`` (SLURM jobs) replace ``host`` + ports; ``on_runtime(runtime)``
     runs once the runtime exists (e.g. to start the elastic join watcher)."""
     from dora_megatron.controller.runtime import Runtime, RuntimeOptions
-    from dora_megatron.controller.trainer_client import PushOptions, TrainerClient
+    from dora_megatron.controller.trainer_client import PushOptions, TrainerClient, TrainerUnreachable
     from dora_megatron.data.tasks import make_prompt_source
     from dora_megatron.observability.tensorboard import NullWriter, TensorBoardWriter
     from dora_megatron.observability.timeline import Timeline
@@ -338,6 +338,8 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
     monitor = asyncio.get_running_loop().create_task(supervisor.run())
     try:
         summary = await runtime.run()
+    except TrainerUnreachable as err:
+        raise await _trainer_failure(procs, err) from err
     finally:
         monitor.cancel()
         await asyncio.gather(monitor, return_exceptions=True)
@@ -357,6 +359,19 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
         timeline.write_chrome_trace(run_dir / "trace.json")
         timeline.write_png(run_dir / "timeline.png", title=f"{cfg.orchestrator.mode}: instances x time, coloured by version (line: running requests)")
     return summary
+
+
+async def _trainer_failure(procs: ProcessSet, err: Exception, wait_s: float = 30.0) -> ChildFailed:
+    """The trainer stopped answering: name the cause. A local trainer process that died (a rank
+    killed, out of memory) takes torchrun down within seconds; its exit status and log tail say
+    why, which the connection error alone does not."""
+    child = next((c for c in procs.children if c.name == "trainer"), None)
+    deadline = time.monotonic() + wait_s
+    while child is not None and child.alive() and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    if child is not None and not child.alive():
+        return ChildFailed(f"trainer exited with status {child.popen.returncode}; last log lines:\n{child.tail()}")
+    return ChildFailed(f"the trainer stopped answering ({err})")
 
 
 def _write_processes(run_dir: Path, procs: ProcessSet) -> None:

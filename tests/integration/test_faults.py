@@ -194,3 +194,42 @@ def test_job_sigkill_then_resume_consumes_every_group_once(tmp_path):
     for sid, j in finished_after.items():
         if final_version.get(j.group_id) == j.version:
             assert sid in replayed, f"{sid} was finished in the journal but generated again"
+
+
+def test_trainer_rank_sigkill_stops_the_job_and_resume_consumes_every_group_once(tmp_path):
+    """The trainer rank (torchrun's child, where the step runs) is SIGKILLed: the job stops with an
+    error naming the trainer, takes every process with it, and ``--resume`` finishes the run from
+    the last checkpoint with each group of the final lineage consumed exactly once."""
+    run_dir = tmp_path / "run"
+    n = 6
+    args = ("run.checkpoint_interval=2", f"run.steps={n}")
+    proc = start_train(run_dir, *args)
+    try:
+        wait_for(lambda: (run_dir / "checkpoints" / "v000002" / "controller.json").is_file() and steps_done(run_dir) >= 3,
+                 400, "checkpoint v2 and three steps", proc)
+        pids = json.loads((run_dir / "processes.json").read_text())
+        ranks = [p for p in process_tree(pids["trainer"]) if p != pids["trainer"]]
+        assert ranks, "torchrun has no rank process"
+        signal_tree(ranks, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 1, out[-4000:]
+        assert "dora train failed" in out and "trainer" in out.split("dora train failed", 1)[1][:400], out[-4000:]
+        print(out[out.index("dora train failed"):][:400])
+        wait_for(lambda: not any(alive(p) for k, p in pids.items() if k != "controller"), 60, "children to exit")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    crashed_steps = steps_done(run_dir)
+    out = finish(start_train(run_dir, *args, resume=True))
+    assert "resuming" in out
+    print(f"crashed after {crashed_steps} steps;", out[out.index("resuming"):].splitlines()[0])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == n and summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0
+    assert summary["c1_violations"] == 0
+    lineage = {}
+    records = [json.loads(line) for line in (run_dir / "consumed.jsonl").read_text().splitlines()]
+    for rec in records:
+        lineage[rec["step"]] = rec["groups"]
+    assert sorted(lineage) == list(range(n)) and len(records) >= n + crashed_steps - 4
+    groups = [g for s in range(n) for g in lineage[s]]
+    assert len(groups) == len(set(groups)) == n * 4
