@@ -14,5 +14,5 @@ class ObservabilityConfig:
     timeline: bool = field_doc(True, "Write `timeline.png` and `trace.json` (Chrome trace, opens in Perfetto).")
     progress: bool = field_doc(True, "Show a progress bar on stderr.")
     stats_interval_s: float = field_doc(0.5, "How often the controller polls engine load (seconds).", gt=0.0)
-    heldout_prompts: int = field_doc(0, "Digit tasks: after the run, answer this many held-out prompts with the initial and the final weights (sampling at the rollout temperature) and write `heldout.json` and `summary.json` fields `heldout_exact_initial` / `heldout_exact_final`; 0 = off.", ge=0)
+    heldout_prompts: int = field_doc(0, "Digit tasks: after the run, answer this many held-out prompts with the initial and the final weights (sampled as the rollout samples: its temperature, top-p, top-k and stop tokens) and write `heldout.json` and `summary.json` fields `heldout_exact_initial` / `heldout_exact_final`; 0 = off.", ge=0)
     heldout_greedy: bool = field_doc(False, "Also evaluate the held-out prompts with greedy decoding.")
