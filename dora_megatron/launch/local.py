@@ -202,7 +202,7 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
     """``engine_urls``/``trainer_url`` (SLURM jobs) replace ``host`` + ports; ``on_runtime(runtime)``
     runs once the runtime exists (e.g. to start the elastic join watcher)."""
     from dora_megatron.controller.runtime import Runtime, RuntimeOptions
-    from dora_megatron.controller.trainer_client import PushOptions, TrainerClient, TrainerUnreachable
+    from dora_megatron.controller.trainer_client import PushOptions, TrainerClient, TrainerError, TrainerUnreachable
     from dora_megatron.data.tasks import make_prompt_source
     from dora_megatron.observability.tensorboard import NullWriter, TensorBoardWriter
     from dora_megatron.observability.timeline import Timeline
@@ -340,6 +340,8 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
         summary = await runtime.run()
     except TrainerUnreachable as err:
         raise await _trainer_failure(procs, err) from err
+    except TrainerError as err:  # the trainer answered with an error (its log has the traceback)
+        raise ChildFailed(f"{err} (see {run_dir / 'logs' / 'trainer.log'})") from err
     finally:
         monitor.cancel()
         await asyncio.gather(monitor, return_exceptions=True)

@@ -1,0 +1,34 @@
+"""How the launcher names a trainer that stopped answering: its exit status and log tail when the
+process died (as after a killed rank), else the connection error after a bounded wait."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+from dora_megatron.launch.local import _trainer_failure
+from dora_megatron.launch.processes import ProcessSet
+
+
+def test_dead_trainer_is_named_with_its_status_and_log(tmp_path):
+    script = "import sys, time; print('rank 0 lost', flush=True); time.sleep(0.5); sys.exit(7)"
+    with ProcessSet(tmp_path) as procs:
+        procs.start("trainer", [sys.executable, "-c", script])
+        err = asyncio.run(_trainer_failure(procs, ConnectionError("refused"), wait_s=30))
+    assert "trainer exited with status 7" in str(err) and "rank 0 lost" in str(err)
+
+
+def test_live_but_silent_trainer_reports_the_connection_error_after_the_wait(tmp_path):
+    with ProcessSet(tmp_path) as procs:
+        procs.start("trainer", [sys.executable, "-c", "import time; time.sleep(60)"])
+        t0 = time.monotonic()
+        err = asyncio.run(_trainer_failure(procs, ConnectionError("refused"), wait_s=0.5))
+        assert 0.4 < time.monotonic() - t0 < 10
+    assert str(err) == "the trainer stopped answering (refused)"
+
+
+def test_remote_trainer_without_a_local_process(tmp_path):
+    with ProcessSet(tmp_path) as procs:
+        err = asyncio.run(_trainer_failure(procs, ConnectionError("reset"), wait_s=5))
+    assert str(err) == "the trainer stopped answering (reset)"
