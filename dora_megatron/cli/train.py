@@ -37,6 +37,9 @@ def run(args: argparse.Namespace) -> int:
     if args.resume and not config_path:
         from pathlib import Path
 
+        if not Path(args.resume).is_dir():
+            sys.stderr.write(f"--resume {args.resume}: no such run directory\n")
+            return 2
         config_path = str(Path(args.resume) / "config.yaml")
     try:
         cfg = load_config(config_path, args.overrides)
