@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -233,3 +234,31 @@ def test_trainer_rank_sigkill_stops_the_job_and_resume_consumes_every_group_once
     assert sorted(lineage) == list(range(n)) and len(records) >= n + crashed_steps - 4
     groups = [g for s in range(n) for g in lineage[s]]
     assert len(groups) == len(set(groups)) == n * 4
+
+
+def test_ctrl_c_stops_every_process_and_frees_the_ports(tmp_path):
+    """Ctrl-C (SIGINT to the launcher only: the children run in their own process groups) ends the
+    job with status 130; every child, torchrun's ranks included, is gone and the ports are free."""
+    import socket
+
+    run_dir = tmp_path / "run"
+    proc = start_train(run_dir, "run.steps=50")
+    try:
+        wait_for(lambda: steps_done(run_dir) >= 1, 400, "one step", proc)
+        pids = json.loads((run_dir / "processes.json").read_text())
+        tree = [p for k, v in pids.items() if k != "controller" for p in process_tree(v)]
+        ports = [int(m) for log in (run_dir / "logs").glob("*.log")
+                 for m in re.findall(r"listening on http://[0-9.]+:(\d+)", log.read_text(errors="replace"))]
+        os.kill(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out[-3000:]
+    assert "interrupted; every process was stopped" in out
+    assert not any(alive(p) for p in tree), [p for p in tree if alive(p)]
+    assert len(ports) >= 2, ports  # both engines (and the trainer, if it logs its address)
+    for port in ports:  # free again: a new server can bind it
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
