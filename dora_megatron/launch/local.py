@@ -17,8 +17,10 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -100,6 +102,14 @@ def resume_checkpoint(run_dir: Path, say, quarantine: bool = True) -> tuple[Path
     return choice.checkpoint, ("" if choice.checkpoint is not None else choice.error(run_dir))
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the launcher is, so that it unwinds as on Ctrl-C (children stopped)."""
+
+
+def _terminated(signum, frame) -> None:
+    raise _Terminated()
+
+
 def run_local_job(cfg: DoraConfig, resume: str | None = None) -> int:
     say = _Say()
     checkpoint = None
@@ -123,6 +133,9 @@ def run_local_job(cfg: DoraConfig, resume: str | None = None) -> int:
     plan = local_plan(cfg, str(model_dir), str(run_dir), base_port=engine_ports[0])
     # free ports need not be consecutive: patch each engine's --port to its own
     plan = [_with_port(p, engine_ports[i]) if p.role == "engine" else p for i, p in enumerate(plan)]
+    # kill / scancel: unwind as on Ctrl-C (only the main thread may set handlers)
+    previous_term = (signal.signal(signal.SIGTERM, _terminated)
+                     if threading.current_thread() is threading.main_thread() else None)
     try:
         with ProcessSet(run_dir / "logs", grace_s=cfg.launch.shutdown_timeout_s) as procs:
             for spec in plan:
@@ -139,9 +152,15 @@ def run_local_job(cfg: DoraConfig, resume: str | None = None) -> int:
     except (ChildFailed, TimeoutError, ValueError) as err:
         say(f"dora train failed: {err}")
         return 1
+    except _Terminated:
+        say("terminated (SIGTERM); every process was stopped")
+        return 143
     except KeyboardInterrupt:
         say("interrupted; every process was stopped")
         return 130
+    finally:
+        if previous_term is not None:
+            signal.signal(signal.SIGTERM, previous_term)
     _heldout_eval(cfg, run_dir, model_dir, summary, say)
     say(_summary_line(summary))
     say(f"outputs in {run_dir}")

@@ -236,9 +236,12 @@ def test_trainer_rank_sigkill_stops_the_job_and_resume_consumes_every_group_once
     assert len(groups) == len(set(groups)) == n * 4
 
 
-def test_ctrl_c_stops_every_process_and_frees_the_ports(tmp_path):
-    """Ctrl-C (SIGINT to the launcher only: the children run in their own process groups) ends the
-    job with status 130; every child, torchrun's ranks included, is gone and the ports are free."""
+@pytest.mark.parametrize("sig, status, said", [(signal.SIGINT, 130, "interrupted; every process was stopped"),
+                                               (signal.SIGTERM, 143, "terminated (SIGTERM); every process was stopped")])
+def test_ctrl_c_or_sigterm_stops_every_process_and_frees_the_ports(tmp_path, sig, status, said):
+    """Ctrl-C (SIGINT to the launcher only: the children run in their own process groups) or a
+    SIGTERM (kill, scancel) ends the job with status 130 / 143; every child, torchrun's ranks
+    included, is gone and the ports are free."""
     import socket
 
     run_dir = tmp_path / "run"
@@ -249,13 +252,13 @@ def test_ctrl_c_stops_every_process_and_frees_the_ports(tmp_path):
         tree = [p for k, v in pids.items() if k != "controller" for p in process_tree(v)]
         ports = [int(m) for log in (run_dir / "logs").glob("*.log")
                  for m in re.findall(r"listening on http://[0-9.]+:(\d+)", log.read_text(errors="replace"))]
-        os.kill(proc.pid, signal.SIGINT)
+        os.kill(proc.pid, sig)
         out, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, out[-3000:]
-    assert "interrupted; every process was stopped" in out
+    assert proc.returncode == status, out[-3000:]
+    assert said in out
     assert not any(alive(p) for p in tree), [p for p in tree if alive(p)]
     assert len(ports) >= 2, ports  # both engines (and the trainer, if it logs its address)
     for port in ports:  # free again: a new server can bind it
