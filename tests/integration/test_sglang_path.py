@@ -200,7 +200,8 @@ p = argparse.ArgumentParser()
 for flag in ("--model-path", "--host", "--port", "--weight-version", "--max-running-requests"):
     p.add_argument(flag)
 a, _ = p.parse_known_args(sys.argv[3:])
-os.execv({python!r}, [{python!r}, "-m", "dora_megatron", "serve", "--model", a.model_path, "--host", a.host,
+host = os.environ.get("FAKE_NODE_ADDR", a.host)  # fake multi-node jobs: each 'node' is its own loopback address
+os.execv({python!r}, [{python!r}, "-m", "dora_megatron", "serve", "--model", a.model_path, "--host", host,
           "--port", a.port, "--weight-version", a.weight_version, "--max-running", a.max_running_requests,
           "--num-threads", "1"])
 '''
@@ -242,3 +243,65 @@ def test_slurm_node_runs_a_whole_single_node_job(tmp_path):
     assert summary["steps"] == 3 and summary["lost_groups"] == 0 and summary["migrations_kv"] == 0
     logs = run_dir / "logs" / "localhost"
     assert (logs / "sgl0.log").is_file() and (logs / "sgl1.log").is_file() and (logs / "trainer.log").is_file()
+
+
+def test_three_node_slurm_job_pushes_weights_across_nodes(tmp_path):
+    """A 3-node SLURM job faked on loopback addresses 127.0.0.1-3: node 0 runs the trainer and the
+    controller, nodes 1 and 2 one 'SGLang' instance each; every node runs the same `dora train`.
+    With the distributed transport the trainer broadcasts each version to the instances on the
+    other nodes (they reach its rendezvous at node 0's address); the other nodes stop on DONE."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if subprocess.run([sys.executable, "-c", "import psutil"], capture_output=True).returncode != 0:
+        pytest.skip("the trainer's end-of-run checkpoint (dist_checkpointing) needs psutil")
+    from dora_megatron.models.presets import create_model_dir
+
+    model_dir = create_model_dir("tiny-moe", tmp_path / "model", seed=0)  # on the 'shared filesystem'
+    shim = tmp_path / "sglang-python"
+    shim.write_text(SHIM.format(python=sys.executable))
+    shim.chmod(0o755)
+    ports = sorted({_free_port() for _ in range(4)})
+    if len(ports) < 4:
+        pytest.skip("port collision in the test setup")
+    root = Path(__file__).resolve().parents[2]
+    run_dir = tmp_path / "run"
+    nodes = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+    cmd = [sys.executable, "-m", "dora_megatron", "train", "--config", str(root / "configs" / "cpu_tiny.yaml"),
+           "--set", "launch.backend=slurm", "--set", f"model.path={model_dir}", "--set", "model.warm_start=",
+           "--set", "rollout.engine=sglang", "--set", "rollout.device=cuda", "--set", f"sglang.python={shim}",
+           "--set", "sglang.health_path=/health", "--set", "sglang.weight_group_backend=gloo",
+           "--set", "controller.weight_transport=distributed", "--set", "controller.weight_sync_timeout_s=120",
+           "--set", "run.steps=3", "--set", "orchestrator.max_staleness=1",
+           "--set", "orchestrator.tbs=2", "--set", "orchestrator.rbs=4", "--set", "orchestrator.group_size=2",
+           "--set", "rollout.max_new_tokens=16", "--set", f"run.run_dir={run_dir}",
+           "--set", "observability.tensorboard=false", "--set", "observability.timeline=false",
+           "--set", f"cluster.torchrun_port={ports[0]}", "--set", f"cluster.trainer_service_port={ports[1]}",
+           "--set", f"cluster.weight_group_port={ports[2]}", "--set", f"cluster.rollout_base_port={ports[3]}",
+           "--set", "cluster.join_poll_s=0.5",
+           "--slurm-env", f"SLURM_JOB_NODELIST={','.join(nodes)}", "--slurm-env", "SLURM_GPUS_ON_NODE=1",
+           "--slurm-env", "SLURM_JOB_ID=8"]
+    procs = [subprocess.Popen(cmd + ["--slurm-env", f"SLURM_NODEID={i}"], cwd=root, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env={**os.environ, "FAKE_NODE_ADDR": node})
+             for i, node in enumerate(nodes)]
+    try:
+        outs = [p.communicate(timeout=400)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for i, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"node {i}:\n{out[-4000:]}"
+    assert (run_dir / "DONE").is_file()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0
+    assert summary["c1_violations"] == 0
+    assert summary["weight_push_bytes"] > 0 and summary["checksum_mismatches"] == 0, outs[0][-4000:]
+    assert summary["failed_instances"] == [] and "weight broadcast" not in outs[0], outs[0][-4000:]  # no fallback
+    for node, inst in (("127.0.0.2", "sgl0"), ("127.0.0.3", "sgl1")):
+        log = (run_dir / "logs" / node / f"{inst}.log").read_text()
+        assert f"listening on http://{node}:{ports[3]}" in log, log[-2000:]
