@@ -44,13 +44,25 @@ def make_run_dir(cfg: DoraConfig) -> Path:
     return run_dir.resolve()
 
 
+class ModelDirError(ValueError):
+    """``model.path`` cannot be used (reported before any process starts)."""
+
+
+def model_path_problem(cfg: DoraConfig) -> str | None:
+    """Why ``model.path`` (when set) cannot run a job, or None; checked before anything starts."""
+    from dora_megatron.models.hf_io import check_model_dir
+
+    problems = check_model_dir(Path(cfg.model.path).resolve()) if cfg.model.path else []
+    return "model.path: " + "; ".join(problems) if problems else None
+
+
 def prepare_model(cfg: DoraConfig, run_dir: Path, say=print) -> Path:
     """The HF model directory of version 0: ``model.path``, or a preset (optionally warm-started)."""
     if cfg.model.path:
-        path = Path(cfg.model.path).resolve()
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model.path: no config.json in {path}")
-        return path
+        problem = model_path_problem(cfg)
+        if problem:
+            raise ModelDirError(problem)
+        return Path(cfg.model.path).resolve()
     from dora_megatron.models.presets import create_model_dir
 
     path = run_dir / "model"
@@ -112,6 +124,10 @@ def _terminated(signum, frame) -> None:
 
 def run_local_job(cfg: DoraConfig, resume: str | None = None) -> int:
     say = _Say()
+    problem = model_path_problem(cfg)
+    if problem:
+        say(f"dora train: {problem}")
+        return 2
     checkpoint = None
     if resume:
         run_dir = Path(resume).resolve()

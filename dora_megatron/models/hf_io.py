@@ -30,6 +30,35 @@ def load_config(model_dir: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+#: what the trainer (Megatron-Core Qwen3 / Qwen3-MoE bridge) and the embedded engine load
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
+
+
+def check_model_dir(model_dir: str | Path, need_tokenizer: bool = True) -> list[str]:
+    """Problems that would stop a job on this HF directory, found before any process starts
+    (empty list: usable): config.json readable with a supported ``model_type``, weights present,
+    and (the controller decodes responses) ``tokenizer.json``."""
+    d = Path(model_dir)
+    if not d.is_dir():
+        return [f"{d} is not a directory"]
+    problems = []
+    try:
+        config = json.loads((d / CONFIG_FILE).read_text())
+        model_type = config.get("model_type") if isinstance(config, dict) else None
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            problems.append(f"{d / CONFIG_FILE}: model_type {model_type!r} is not supported "
+                            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    except FileNotFoundError:
+        problems.append(f"no {CONFIG_FILE} in {d}")
+    except (OSError, ValueError) as err:
+        problems.append(f"{d / CONFIG_FILE} is not valid JSON: {err}")
+    if not (d / WEIGHTS_FILE).is_file() and not (d / INDEX_FILE).is_file():
+        problems.append(f"no {WEIGHTS_FILE} or {INDEX_FILE} in {d}")
+    if need_tokenizer and not (d / "tokenizer.json").is_file():
+        problems.append(f"no tokenizer.json in {d} (engines take token ids; the controller needs the tokenizer)")
+    return problems
+
+
 def is_moe(config: dict[str, Any]) -> bool:
     return int(config.get("num_experts", 0) or 0) > 0
 

@@ -20,7 +20,7 @@ from torch import nn
 from dora_megatron.models import hf_io
 from dora_megatron.rollout.engine.kv_cache import KVShape, RequestKV
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = hf_io.SUPPORTED_MODEL_TYPES
 
 
 @dataclass(frozen=True)

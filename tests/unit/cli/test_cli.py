@@ -78,3 +78,21 @@ def test_train_input_errors_name_what_is_wrong(tmp_path, capsys):
     config = Path(__file__).resolve().parents[3] / "configs" / "cpu_tiny.yaml"
     assert cli.main(["train", "--config", str(config), "--set", "orchestrator.tbs=0"]) == 2
     assert "orchestrator.tbs: must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_unusable_model_path_is_refused_before_anything_starts(tmp_path, capsys):
+    from dora_megatron.models.presets import create_model_dir
+
+    config = Path(__file__).resolve().parents[3] / "configs" / "cpu_tiny.yaml"
+    run_dir = tmp_path / "run"
+    common = ["--set", "model.warm_start=", "--set", f"run.run_dir={run_dir}"]
+    assert cli.main(["train", "--config", str(config), "--set", f"model.path={tmp_path / 'none'}", *common]) == 2
+    assert f"model.path: {tmp_path / 'none'} is not a directory" in capsys.readouterr().err
+    model = create_model_dir("tiny-dense", tmp_path / "m", seed=0)
+    (model / "tokenizer.json").unlink()
+    assert cli.main(["train", "--config", str(config), "--set", f"model.path={model}", *common]) == 2
+    assert f"no tokenizer.json in {model}" in capsys.readouterr().err
+    assert cli.main(["bench", "--config", str(config), "--set", f"model.path={model}", "--out", str(tmp_path / "b"),
+                     *common]) == 2
+    assert f"dora bench: model.path: no tokenizer.json in {model}" in capsys.readouterr().err
+    assert not run_dir.exists() and not (tmp_path / "b").exists()  # nothing was started or written
