@@ -19,14 +19,14 @@ def run(args: argparse.Namespace) -> int:
     from dora_megatron.config.base import ConfigError
     from dora_megatron.config.schema import load_config
     from dora_megatron.launch.bench import run_bench
-    from dora_megatron.launch.local import model_path_problem
+    from dora_megatron.launch.local import input_problem
 
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
         sys.stderr.write(f"config error: {err}\n")
         return 2
-    problem = model_path_problem(cfg)
+    problem = input_problem(cfg)
     if problem:
         sys.stderr.write(f"dora bench: {problem}\n")
         return 2

@@ -56,6 +56,30 @@ def model_path_problem(cfg: DoraConfig) -> str | None:
     return "model.path: " + "; ".join(problems) if problems else None
 
 
+def input_problem(cfg: DoraConfig) -> str | None:
+    """Why the job's inputs cannot run it, or None: ``model.path`` and, for ``data.task: jsonl``, the
+    prompt file read whole and every prompt encoded with the model's tokenizer (a bad line would
+    otherwise stop the run when its turn comes, engines and trainer already up)."""
+    problem = model_path_problem(cfg)
+    if problem or cfg.data.task != "jsonl":
+        return problem
+    from dora_megatron.data.codec import CharCodec, load_codec
+    from dora_megatron.data.tasks import JsonlPromptSource
+
+    d = cfg.data
+    try:
+        source = JsonlPromptSource(d.path, prompt_key=d.prompt_key, answer_key=d.answer_key)
+    except (OSError, ValueError) as err:
+        return str(err) if str(err).startswith("data.path") else f"data.path: {err}"
+    codec = load_codec(cfg.model.path) if cfg.model.path else CharCodec()  # presets use the char vocabulary
+    for i, (prompt, _) in enumerate(source.items):
+        try:
+            codec.encode_prompt(prompt)
+        except ValueError as err:
+            return f"data.path: {d.path}: prompt {i + 1}: the model's tokenizer cannot encode it: {err}"
+    return None
+
+
 def prepare_model(cfg: DoraConfig, run_dir: Path, say=print) -> Path:
     """The HF model directory of version 0: ``model.path``, or a preset (optionally warm-started)."""
     if cfg.model.path:
@@ -124,7 +148,7 @@ def _terminated(signum, frame) -> None:
 
 def run_local_job(cfg: DoraConfig, resume: str | None = None) -> int:
     say = _Say()
-    problem = model_path_problem(cfg)
+    problem = input_problem(cfg)
     if problem:
         say(f"dora train: {problem}")
         return 2

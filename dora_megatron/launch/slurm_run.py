@@ -58,14 +58,14 @@ def _wait_end(run_dir: Path, procs: ProcessSet, poll_s: float = 5.0) -> int:
 
 
 def run_slurm_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan, resume: str | None = None) -> int:
-    from dora_megatron.launch.local import model_path_problem, prepare_model, resume_checkpoint
+    from dora_megatron.launch.local import input_problem, prepare_model, resume_checkpoint
     from dora_megatron.rollout.sglang.server import start_instance
 
     node = env.this_node
     if node is None:
         _say("dora train (slurm): SLURM_NODEID/SLURMD_NODENAME not set: run through srun, or use --dry-run")
         return 2
-    problem = model_path_problem(cfg)
+    problem = input_problem(cfg)
     if problem:
         _say(f"dora train (slurm): {problem}")
         return 2
