@@ -109,6 +109,9 @@ def run_slurm_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan, resume: st
     except ChildFailed as err:
         _say(f"a process on {node} failed: {err}")
         return 1
+    except (TimeoutError, ValueError) as err:  # e.g. an instance never became healthy (FAILED was written)
+        _say(f"dora train failed on {node}: {err}")
+        return 1
 
 
 async def _controller(cfg: DoraConfig, plan: ClusterPlan, run_dir: Path, model_dir: Path, procs: ProcessSet,

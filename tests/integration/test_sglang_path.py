@@ -305,3 +305,33 @@ def test_three_node_slurm_job_pushes_weights_across_nodes(tmp_path):
     for node, inst in (("127.0.0.2", "sgl0"), ("127.0.0.3", "sgl1")):
         log = (run_dir / "logs" / node / f"{inst}.log").read_text()
         assert f"listening on http://{node}:{ports[3]}" in log, log[-2000:]
+
+
+def test_slurm_instance_that_never_gets_healthy_fails_the_job_with_a_message(tmp_path):
+    """An 'SGLang' instance that never answers /health: the controller node stops after
+    rollout.startup_timeout_s, writes FAILED (which stops the other nodes) and exits 1 naming the
+    instance, without a traceback."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    shim = tmp_path / "sglang-python"
+    shim.write_text(f"#!{sys.executable}\nimport time\ntime.sleep(600)\n")
+    shim.chmod(0o755)
+    ports = sorted({_free_port() for _ in range(4)})
+    root = Path(__file__).resolve().parents[2]
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "dora_megatron", "train", "--config", str(root / "configs" / "cpu_tiny.yaml"),
+           "--set", "launch.backend=slurm", "--set", "cluster.share_node=true", "--set", "cluster.trainer_gpus=1",
+           "--set", "rollout.engine=sglang", "--set", "rollout.device=cuda", "--set", f"sglang.python={shim}",
+           "--set", "model.warm_start=", "--set", "rollout.startup_timeout_s=3", "--set", f"run.run_dir={run_dir}",
+           "--set", f"cluster.torchrun_port={ports[0]}", "--set", f"cluster.trainer_service_port={ports[1]}",
+           "--set", f"cluster.weight_group_port={ports[2]}", "--set", f"cluster.rollout_base_port={ports[3]}",
+           "--slurm-env", "SLURM_JOB_NODELIST=localhost", "--slurm-env", "SLURM_NODEID=0",
+           "--slurm-env", "SLURM_GPUS_ON_NODE=3", "--slurm-env", "SLURM_JOB_ID=6"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-4000:]
+    assert "dora train failed on localhost" in out and "sgl" in out.split("dora train failed on localhost", 1)[1]
+    assert "Traceback" not in out, out[-4000:]
+    assert (run_dir / "FAILED").is_file() and not (run_dir / "DONE").exists()
