@@ -245,7 +245,7 @@ def test_ctrl_c_or_sigterm_stops_every_process_and_frees_the_ports(tmp_path, sig
     import socket
 
     run_dir = tmp_path / "run"
-    proc = start_train(run_dir, "run.steps=50")
+    proc = start_train(run_dir, "run.steps=50", "model.warm_start=")
     try:
         wait_for(lambda: steps_done(run_dir) >= 1, 400, "one step", proc)
         pids = json.loads((run_dir / "processes.json").read_text())
