@@ -19,7 +19,7 @@ def run(args: argparse.Namespace) -> int:
     from dora_megatron.config.base import ConfigError
     from dora_megatron.config.schema import load_config
     from dora_megatron.launch.bench import run_bench
-    from dora_megatron.launch.local import input_problem
+    from dora_megatron.launch.inputs import input_problem
 
     try:
         cfg = load_config(args.config, args.overrides)

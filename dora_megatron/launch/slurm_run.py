@@ -58,7 +58,8 @@ def _wait_end(run_dir: Path, procs: ProcessSet, poll_s: float = 5.0) -> int:
 
 
 def run_slurm_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan, resume: str | None = None) -> int:
-    from dora_megatron.launch.local import input_problem, prepare_model, resume_checkpoint
+    from dora_megatron.launch.inputs import input_problem
+    from dora_megatron.launch.local import prepare_model, resume_checkpoint
     from dora_megatron.rollout.sglang.server import start_instance
 
     node = env.this_node

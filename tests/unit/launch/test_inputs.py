@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from dora_megatron.config.schema import load_config
-from dora_megatron.launch.local import input_problem
+from dora_megatron.launch.inputs import input_problem
 
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "cpu_tiny.yaml"
 
