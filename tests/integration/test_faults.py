@@ -29,6 +29,12 @@ BASE = ["run.steps=8", "model.warm_start_steps=10", "orchestrator.tbs=4", "orche
         "observability.timeline=false", "observability.heldout_prompts=0", "rollout.max_new_tokens=48"]
 
 
+def _default_sigint() -> None:
+    # a job started in the background (`cmd &`, as CI may run this suite) inherits SIGINT ignored,
+    # and Python then installs no KeyboardInterrupt handler: give the launcher a terminal's default
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_train(run_dir: Path, *overrides: str, resume: bool = False) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "dora_megatron", "train"]
     if resume:
@@ -37,7 +43,8 @@ def start_train(run_dir: Path, *overrides: str, resume: bool = False) -> subproc
         cmd += ["--config", str(ROOT / "configs" / "cpu_tiny.yaml"), "--set", f"run.run_dir={run_dir}"]
     for o in (*BASE, *overrides):
         cmd += ["--set", o]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=run_dir.parent)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=run_dir.parent,
+                            preexec_fn=_default_sigint)
 
 
 def wait_for(pred, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
