@@ -70,7 +70,15 @@ class Engine(Protocol):
 
 
 class Trainer(Protocol):
+    """The subset of :class:`~dora_megatron.controller.trainer_client.TrainerClient` the runtime uses
+    (``push_weights`` only with ``weight_transport: distributed``)."""
+
     async def train(self, step: int, samples: list[dict[str, Any]]) -> dict[str, Any]: ...
+    async def save_checkpoint(self, path: str) -> dict[str, Any]: ...
+    async def push_weights(self, engines: list[str], bucket_mb: float, master_addr: str | None = None,
+                           timeout_s: float | None = None, gpus: dict[str, int] | None = None,
+                           pause_mode: str | None = None, master_port: int | None = None,
+                           backend: str | None = None) -> dict[str, Any]: ...
 
 
 @dataclass
