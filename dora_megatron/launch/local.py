@@ -225,7 +225,8 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
                           on_runtime=None) -> dict[str, Any]:
     """``engine_urls``/``trainer_url`` (SLURM jobs) replace ``host`` + ports; ``on_runtime(runtime)``
     runs once the runtime exists (e.g. to start the elastic join watcher)."""
-    from dora_megatron.controller.runtime import Runtime, RuntimeOptions
+    from dora_megatron.controller.records import RuntimeOptions
+    from dora_megatron.controller.runtime import Runtime
     from dora_megatron.controller.trainer_client import PushOptions, TrainerClient, TrainerError, TrainerUnreachable
     from dora_megatron.data.tasks import make_prompt_source
     from dora_megatron.observability.tensorboard import NullWriter, TensorBoardWriter

@@ -212,7 +212,6 @@ class Simulation:
         inst.add(req, self.q.now, prefill_tokens)
 
     def _do_Submit(self, a: Any) -> None:
-        now = self.q.now
         inst = self._inst(a.instance)
         req = self.reqs.get(a.sample_id)
         if req is None:

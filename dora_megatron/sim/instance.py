@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from dora_megatron.config.sim import CostModelConfig
 from dora_megatron.sim.cost import DecodeCost, prefill_s

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import pickle
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 

@@ -14,7 +14,8 @@ import json
 import pytest
 
 from dora_megatron.config.orchestrator import OrchestratorConfig
-from dora_megatron.controller.runtime import Runtime, RuntimeOptions
+from dora_megatron.controller.records import RuntimeOptions
+from dora_megatron.controller.runtime import Runtime
 from dora_megatron.controller.trainer_client import PushOptions
 from dora_megatron.data import tokenizer as tok
 from dora_megatron.data.tasks import RunningSumTask, running_sum_reward

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 from dora_megatron.config.orchestrator import OrchestratorConfig
-from dora_megatron.controller.runtime import Runtime, RuntimeOptions
+from dora_megatron.controller.records import RuntimeOptions
+from dora_megatron.controller.runtime import Runtime
 from dora_megatron.data.tasks import RunningSumTask, running_sum_reward
 from dora_megatron.launch.elastic import JoinRequest, read_join_requests, watch_joins, write_join_request
 from dora_megatron.orchestrator import Orchestrator

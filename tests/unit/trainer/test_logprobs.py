@@ -1,4 +1,3 @@
-import pytest
 import torch
 
 from dora_megatron.trainer.logprobs import token_logprobs_and_entropy

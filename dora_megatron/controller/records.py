@@ -1,0 +1,109 @@
+"""The runtime's vocabulary: the engine and trainer interfaces it drives, its options, and the
+records it keeps per sample, per group and per step.
+
+Why apart from :mod:`.runtime`: these are plain data and protocols that tests, the launcher and
+fakes construct directly; the runtime module keeps only the behaviour.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from dora_megatron.controller.trainer_client import PushOptions
+from dora_megatron.data.tasks import Prompt
+
+
+class Engine(Protocol):
+    """The subset of :class:`~dora_megatron.rollout.client.EngineClient` the runtime uses."""
+
+    async def generate(self, input_ids, sampling_params=None, *, rid=None, return_logprob=True, version=None): ...
+    async def abort(self, rid: str = "", abort_all: bool = False) -> bool: ...
+    async def server_info(self) -> dict[str, Any]: ...
+    async def update_weights_from_disk(self, model_path: str, weight_version=None) -> dict[str, Any]: ...
+    async def supports(self, name: str) -> bool: ...
+    async def export_request(self, rid: str) -> bytes: ...
+    async def import_request(self, blob: bytes): ...
+    async def weights_checksum(self) -> str: ...
+
+
+class Trainer(Protocol):
+    """The subset of :class:`~dora_megatron.controller.trainer_client.TrainerClient` the runtime uses
+    (``push_weights`` only with ``weight_transport: distributed``)."""
+
+    async def train(self, step: int, samples: list[dict[str, Any]]) -> dict[str, Any]: ...
+    async def save_checkpoint(self, path: str) -> dict[str, Any]: ...
+    async def push_weights(self, engines: list[str], bucket_mb: float, master_addr: str | None = None,
+                           timeout_s: float | None = None, gpus: dict[str, int] | None = None,
+                           pause_mode: str | None = None, master_port: int | None = None,
+                           backend: str | None = None) -> dict[str, Any]: ...
+
+
+@dataclass
+class SampleRecord:
+    sample_id: str
+    group_id: str
+    index: int
+    version: int
+    prompt_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: set[int] = field(default_factory=set)
+    submissions: int = 0
+    reward: float | None = None
+    finished: bool = False
+    task: asyncio.Task | None = None
+    gen_task: asyncio.Task | None = None
+    gen_instance: str | None = None
+    replay_pending: bool = False  # restored from the journal; reported finished at its next Submit
+
+
+@dataclass
+class GroupRecord:
+    group_id: str
+    version: int
+    prompt: Prompt
+    sample_ids: tuple[str, ...]
+    dispatched_at: float
+
+
+@dataclass
+class RuntimeOptions:
+    steps: int
+    seed: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    snapshot_dir: Callable[[int], str]  # version -> HF snapshot directory
+    stats_interval_s: float = 0.5
+    slots_per_instance: int = 8
+    request_timeout_s: float = 600.0
+    health_timeout_s: float = 30.0
+    verify_checksums: bool = True
+    migration: str = "kv"  # "kv": export/import when both engines offer it; "reprefill": abort + resubmit
+    weight_transport: str = "disk"  # "distributed": the trainer broadcasts the newest version to switching engines
+    push: PushOptions = field(default_factory=PushOptions)  # how the trainer broadcasts (distributed transport)
+    stop_token_ids: tuple[int, ...] = ()  # extra ids that end a sample (the codec's EOS always does)
+    weight_sync_timeout_s: float = 600.0  # one instance's weight update; slower = the instance failed
+    checkpoint_interval: int = 0  # steps; 0 = only at the end
+    checkpoint_dir: Callable[[int], str] | None = None  # version -> checkpoint directory (None: no checkpoints)
+
+
+@dataclass
+class StepLog:
+    step: int
+    start_s: float
+    end_s: float
+    wait_s: float
+    train_s: float
+    sync_s: float
+    metrics: dict[str, float]
+    rewards: list[float]
+    response_lengths: list[int]
+    staleness: list[int]
+    tokens: int
+    live_versions: int
+    group_ids: list[str] = field(default_factory=list)
+    group_versions: list[int] = field(default_factory=list)
