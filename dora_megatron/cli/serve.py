@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 HELP = "serve a Hugging Face Qwen3 / Qwen3-MoE directory with the embedded engine (SGLang HTTP protocol)"
 
@@ -42,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("error: --device cuda but CUDA is not available")
+        sys.stderr.write("dora serve: --device cuda but CUDA is not available\n")
         return 2
     app = build_app(
         args.model,

@@ -9,6 +9,7 @@ all`` runs every mode on the same workload and writes ``{"modes": {...}, "compar
 from __future__ import annotations
 
 import argparse
+import sys
 
 HELP = "Run the orchestrator against simulated instances on a virtual clock (writes summary JSON + PNGs)."
 MODES = ("sync", "one_step_off", "partial", "dora")
@@ -75,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
             modes = [load_sim_config(args.config, args.overrides).orchestrator_config().mode]
         results = run_modes(args.config, modes, args.overrides)
     except ConfigError as err:
-        print(f"config error: {err}")
+        sys.stderr.write(f"config error: {err}\n")
         return 2
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

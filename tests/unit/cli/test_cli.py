@@ -96,3 +96,9 @@ def test_unusable_model_path_is_refused_before_anything_starts(tmp_path, capsys)
                      *common]) == 2
     assert f"dora bench: model.path: no tokenizer.json in {model}" in capsys.readouterr().err
     assert not run_dir.exists() and not (tmp_path / "b").exists()  # nothing was started or written
+
+
+def test_simulate_config_error_goes_to_stderr(tmp_path, capsys):
+    assert cli.main(["simulate", "--config", str(tmp_path / "nope.yaml"), "--out", str(tmp_path / "o")]) == 2
+    captured = capsys.readouterr()
+    assert "config error:" in captured.err and "config file not found" in captured.err and captured.out == ""
