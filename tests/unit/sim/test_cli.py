@@ -27,4 +27,5 @@ def test_bad_override_is_a_config_error(tmp_path, capsys):
     rc = main(["simulate", "--config", str(TINY), "--set", "cluster.nope=1", "--out", str(tmp_path / "x.json"),
                "--no-plots"])
     assert rc == 2
-    assert "cluster.nope" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "cluster.nope" in captured.err and captured.out == ""
