@@ -13,10 +13,6 @@ from pathlib import Path
 from dora_megatron.config.schema import DoraConfig
 
 
-class ModelDirError(ValueError):
-    """``model.path`` cannot be used (reported before any process starts)."""
-
-
 def model_path_problem(cfg: DoraConfig) -> str | None:
     """Why ``model.path`` (when set) cannot run a job, or None; checked before anything starts."""
     from dora_megatron.models.hf_io import check_model_dir

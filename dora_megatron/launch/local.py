@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 from dora_megatron.config.loader import dump_yaml
 from dora_megatron.config.schema import DoraConfig
-from dora_megatron.launch.inputs import ModelDirError, input_problem, model_path_problem
+from dora_megatron.launch.inputs import input_problem
 from dora_megatron.launch.plan import ProcessSpec, local_plan
 from dora_megatron.launch.processes import ChildFailed, ProcessSet, free_ports
 
@@ -46,11 +46,10 @@ def make_run_dir(cfg: DoraConfig) -> Path:
 
 
 def prepare_model(cfg: DoraConfig, run_dir: Path, say=print) -> Path:
-    """The HF model directory of version 0: ``model.path``, or a preset (optionally warm-started)."""
+    """The HF model directory of version 0: ``model.path`` (checked by
+    :func:`~dora_megatron.launch.inputs.input_problem` before anything starts), or a preset
+    (optionally warm-started)."""
     if cfg.model.path:
-        problem = model_path_problem(cfg)
-        if problem:
-            raise ModelDirError(problem)
         return Path(cfg.model.path).resolve()
     from dora_megatron.models.presets import create_model_dir
 

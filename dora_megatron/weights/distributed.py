@@ -184,8 +184,8 @@ class DistributedWeightPusher:
         if self.pause_mode is not None:
             res = await asyncio.gather(*(t.pause(self.pause_mode) for t in self.targets.values()),
                                        return_exceptions=True)
-            if failures(names, res):
-                raise PushError("pause_generation failed", failures(names, res))
+            if errors := failures(names, res):
+                raise PushError("pause_generation failed", errors)
             paused = dict(zip(names, res))
         for b in buckets:
             flags = bucket_flags(self.pause_mode, last=b.index == len(buckets) - 1)

@@ -125,8 +125,8 @@ async def _fan_out(engine_urls: Sequence[str], call, what: str, timeout_s: float
     try:
         res = await asyncio.gather(*(call(c) for c in clients), return_exceptions=True)
         seconds = time.perf_counter() - t0
-        if failures(urls, res):
-            raise PushError(f"{what} failed", failures(urls, res))
+        if errors := failures(urls, res):
+            raise PushError(f"{what} failed", errors)
         versions = await _versions(clients)
     finally:
         await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)

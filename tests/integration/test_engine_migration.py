@@ -80,6 +80,7 @@ def test_migrated_request_equals_unmigrated(engines, sp):
 
 def test_client_falls_back_when_engine_lacks_extensions():
     from aiohttp import web
+    from aiohttp.test_utils import TestServer
 
     async def go():
         app = web.Application()
@@ -88,19 +89,12 @@ def test_client_falls_back_when_engine_lacks_extensions():
             return web.json_response({"num_running_reqs": 0})  # an SGLang-like server: no dora_extensions
 
         app.router.add_get("/get_server_info", info)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        try:
-            async with EngineClient(f"http://127.0.0.1:{port}") as c:
+        async with TestServer(app, host="127.0.0.1") as server:
+            async with EngineClient(str(server.make_url("")).rstrip("/")) as c:
                 assert not await c.supports("export_request")
                 with pytest.raises(ExtensionUnsupported):
                     await c.export_request("x")
                 with pytest.raises(ExtensionUnsupported):
                     await c.import_request(b"x")
-        finally:
-            await runner.cleanup()
 
     asyncio.run(go())

@@ -98,6 +98,26 @@ def signal_tree(pids: list[int], sig: int) -> None:
             pass
 
 
+def check_resumed_run(run_dir: Path, n: int) -> tuple[dict, list[dict], dict[int, list[str]], dict[int, list[int]]]:
+    """A run resumed after a crash ended whole: ``n`` steps, nothing lost, duplicated or off-version,
+    and each group of the final lineage (the last record of each step: steps after the checkpoint
+    were re-done) consumed exactly once. Returns the summary, the ``consumed.jsonl`` records and
+    per step the final groups and their versions."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == n and summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0
+    assert summary["c1_violations"] == 0
+    records = [json.loads(line) for line in (run_dir / "consumed.jsonl").read_text().splitlines()]
+    lineage: dict[int, list[str]] = {}
+    final_versions: dict[int, list[int]] = {}
+    for rec in records:
+        lineage[rec["step"]] = rec["groups"]
+        final_versions[rec["step"]] = rec["versions"]
+    assert sorted(lineage) == list(range(n))
+    groups = [g for s in range(n) for g in lineage[s]]
+    assert len(groups) == len(set(groups)) == n * 4
+    return summary, records, lineage, final_versions
+
+
 def finish(proc: subprocess.Popen, timeout: float = 600) -> str:
     out, _ = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, out[-4000:]
@@ -173,20 +193,8 @@ def test_job_sigkill_then_resume_consumes_every_group_once(tmp_path):
     assert f"falling back to the previous good checkpoint {previous}" in out
     assert f"resuming {run_dir} from {previous.name}" in out
     assert (run_dir / "checkpoints" / f"bad-{newest.name}").is_dir()
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == n and summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0
-    assert summary["c1_violations"] == 0
-    # lineage: the last record of each step wins (steps after the checkpoint were re-done)
-    lineage: dict[int, list[str]] = {}
-    records = [json.loads(line) for line in (run_dir / "consumed.jsonl").read_text().splitlines()]
+    summary, records, lineage, final_versions = check_resumed_run(run_dir, n)
     assert len(records) >= n + (crashed_steps - resumed_from) - 1
-    final_versions: dict[int, list[int]] = {}
-    for rec in records:
-        lineage[rec["step"]] = rec["groups"]
-        final_versions[rec["step"]] = rec["versions"]
-    assert sorted(lineage) == list(range(n))
-    groups = [g for s in range(n) for g in lineage[s]]
-    assert len(groups) == len(set(groups)) == n * 4
     # the steps before the checkpoint it resumed from were not re-run
     before = [r for r in records if r["step"] < resumed_from]
     assert len(before) == resumed_from
@@ -231,16 +239,8 @@ def test_trainer_rank_sigkill_stops_the_job_and_resume_consumes_every_group_once
     out = finish(start_train(run_dir, *args, resume=True))
     assert "resuming" in out
     print(f"crashed after {crashed_steps} steps;", out[out.index("resuming"):].splitlines()[0])
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == n and summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0
-    assert summary["c1_violations"] == 0
-    lineage = {}
-    records = [json.loads(line) for line in (run_dir / "consumed.jsonl").read_text().splitlines()]
-    for rec in records:
-        lineage[rec["step"]] = rec["groups"]
-    assert sorted(lineage) == list(range(n)) and len(records) >= n + crashed_steps - 4
-    groups = [g for s in range(n) for g in lineage[s]]
-    assert len(groups) == len(set(groups)) == n * 4
+    _, records, _, _ = check_resumed_run(run_dir, n)
+    assert len(records) >= n + crashed_steps - 4
 
 
 @pytest.mark.parametrize("sig, status, said", [(signal.SIGINT, 130, "interrupted; every process was stopped"),

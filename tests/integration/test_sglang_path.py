@@ -10,7 +10,12 @@ the last bucket, continue) over gloo.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 from typing import Callable
 
 import pytest
@@ -208,36 +213,50 @@ os.execv({python!r}, [{python!r}, "-m", "dora_megatron", "serve", "--model", a.m
 '''
 
 
+ROOT = Path(__file__).resolve().parents[2]
+#: a short run: 3 steps of 2 groups x 2 samples, 16 new tokens, no TensorBoard or timeline
+SHORT_RUN = ("run.steps=3", "orchestrator.tbs=2", "orchestrator.rbs=4", "orchestrator.group_size=2",
+             "rollout.max_new_tokens=16", "observability.tensorboard=false", "observability.timeline=false")
+
+
+def _needs_psutil() -> None:
+    if subprocess.run([sys.executable, "-c", "import psutil"], capture_output=True).returncode != 0:
+        pytest.skip("the trainer's end-of-run checkpoint (dist_checkpointing) needs psutil")
+
+
+def slurm_train(tmp_path: Path, shim_text: str, sets: tuple[str, ...], slurm_env: tuple[str, ...]
+                ) -> tuple[list[str], list[int], Path]:
+    """``dora train`` on a fake SLURM allocation with a stand-in ``sglang`` interpreter
+    (``shim_text``) and fixed free ports; returns the command, the ports (torchrun, trainer
+    service, weight group store, rollout base) and the run directory."""
+    shim = tmp_path / "sglang-python"
+    shim.write_text(shim_text)
+    shim.chmod(0o755)
+    ports = sorted({_free_port() for _ in range(4)})
+    # the instances use rollout base + slot * 10 (+1, +2): none may be one of the fixed ports
+    if len(ports) < 4 or any(ports[3] <= p < ports[3] + 30 for p in ports[:3]):
+        pytest.skip("port collision in the test setup")
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "dora_megatron", "train", "--config", str(ROOT / "configs" / "cpu_tiny.yaml")]
+    for o in ("launch.backend=slurm", "rollout.engine=sglang", "rollout.device=cuda", f"sglang.python={shim}",
+              "model.warm_start=", f"run.run_dir={run_dir}", f"cluster.torchrun_port={ports[0]}",
+              f"cluster.trainer_service_port={ports[1]}", f"cluster.weight_group_port={ports[2]}",
+              f"cluster.rollout_base_port={ports[3]}", *sets):
+        cmd += ["--set", o]
+    for e in slurm_env:
+        cmd += ["--slurm-env", e]
+    return cmd, ports, run_dir
+
+
 def test_slurm_node_runs_a_whole_single_node_job(tmp_path):
     """`dora train` with launch.backend slurm on one (fake) node: trainer (torchrun) and two
     'SGLang' instances share the node, the controller runs in-process and writes DONE."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    if subprocess.run([sys.executable, "-c", "import psutil"], capture_output=True).returncode != 0:
-        pytest.skip("the trainer's end-of-run checkpoint (dist_checkpointing) needs psutil")
-    shim = tmp_path / "sglang-python"
-    shim.write_text(SHIM.format(python=sys.executable))
-    shim.chmod(0o755)
-    ports = sorted({_free_port() for _ in range(6)})
-    root = Path(__file__).resolve().parents[2]
-    run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "dora_megatron", "train", "--config", str(root / "configs" / "cpu_tiny.yaml"),
-           "--set", "launch.backend=slurm", "--set", "cluster.share_node=true", "--set", "cluster.trainer_gpus=1",
-           "--set", "rollout.engine=sglang", "--set", "rollout.device=cuda", "--set", f"sglang.python={shim}",
-           "--set", "sglang.health_path=/health", "--set", "model.warm_start=", "--set", "run.steps=3",
-           "--set", "orchestrator.tbs=2", "--set", "orchestrator.rbs=4", "--set", "orchestrator.group_size=2",
-           "--set", "rollout.max_new_tokens=16", "--set", f"run.run_dir={run_dir}",
-           "--set", "observability.tensorboard=false", "--set", "observability.timeline=false",
-           "--set", f"cluster.torchrun_port={ports[0]}", "--set", f"cluster.trainer_service_port={ports[1]}",
-           "--set", f"cluster.weight_group_port={ports[2]}", "--set", f"cluster.rollout_base_port={ports[3]}",
-           "--slurm-env", "SLURM_JOB_NODELIST=localhost", "--slurm-env", "SLURM_NODEID=0",
-           "--slurm-env", "SLURM_GPUS_ON_NODE=3", "--slurm-env", "SLURM_JOB_ID=7"]
-    if ports[3] + 2 * 10 + 2 in ports[:3]:
-        pytest.skip("port collision in the test setup")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root)
+    _needs_psutil()
+    cmd, _, run_dir = slurm_train(
+        tmp_path, SHIM.format(python=sys.executable),
+        ("cluster.share_node=true", "cluster.trainer_gpus=1", "sglang.health_path=/health", *SHORT_RUN),
+        ("SLURM_JOB_NODELIST=localhost", "SLURM_NODEID=0", "SLURM_GPUS_ON_NODE=3", "SLURM_JOB_ID=7"))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert (run_dir / "DONE").is_file()
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -251,41 +270,18 @@ def test_three_node_slurm_job_pushes_weights_across_nodes(tmp_path):
     controller, nodes 1 and 2 one 'SGLang' instance each; every node runs the same `dora train`.
     With the distributed transport the trainer broadcasts each version to the instances on the
     other nodes (they reach its rendezvous at node 0's address); the other nodes stop on DONE."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    if subprocess.run([sys.executable, "-c", "import psutil"], capture_output=True).returncode != 0:
-        pytest.skip("the trainer's end-of-run checkpoint (dist_checkpointing) needs psutil")
     from dora_megatron.models.presets import create_model_dir
 
+    _needs_psutil()
     model_dir = create_model_dir("tiny-moe", tmp_path / "model", seed=0)  # on the 'shared filesystem'
-    shim = tmp_path / "sglang-python"
-    shim.write_text(SHIM.format(python=sys.executable))
-    shim.chmod(0o755)
-    ports = sorted({_free_port() for _ in range(4)})
-    if len(ports) < 4:
-        pytest.skip("port collision in the test setup")
-    root = Path(__file__).resolve().parents[2]
-    run_dir = tmp_path / "run"
     nodes = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
-    cmd = [sys.executable, "-m", "dora_megatron", "train", "--config", str(root / "configs" / "cpu_tiny.yaml"),
-           "--set", "launch.backend=slurm", "--set", f"model.path={model_dir}", "--set", "model.warm_start=",
-           "--set", "rollout.engine=sglang", "--set", "rollout.device=cuda", "--set", f"sglang.python={shim}",
-           "--set", "sglang.health_path=/health", "--set", "sglang.weight_group_backend=gloo",
-           "--set", "controller.weight_transport=distributed", "--set", "controller.weight_sync_timeout_s=120",
-           "--set", "run.steps=3", "--set", "orchestrator.max_staleness=1",
-           "--set", "orchestrator.tbs=2", "--set", "orchestrator.rbs=4", "--set", "orchestrator.group_size=2",
-           "--set", "rollout.max_new_tokens=16", "--set", f"run.run_dir={run_dir}",
-           "--set", "observability.tensorboard=false", "--set", "observability.timeline=false",
-           "--set", f"cluster.torchrun_port={ports[0]}", "--set", f"cluster.trainer_service_port={ports[1]}",
-           "--set", f"cluster.weight_group_port={ports[2]}", "--set", f"cluster.rollout_base_port={ports[3]}",
-           "--set", "cluster.join_poll_s=0.5",
-           "--slurm-env", f"SLURM_JOB_NODELIST={','.join(nodes)}", "--slurm-env", "SLURM_GPUS_ON_NODE=1",
-           "--slurm-env", "SLURM_JOB_ID=8"]
-    procs = [subprocess.Popen(cmd + ["--slurm-env", f"SLURM_NODEID={i}"], cwd=root, text=True,
+    cmd, ports, run_dir = slurm_train(
+        tmp_path, SHIM.format(python=sys.executable),
+        (f"model.path={model_dir}", "sglang.health_path=/health", "sglang.weight_group_backend=gloo",
+         "controller.weight_transport=distributed", "controller.weight_sync_timeout_s=120",
+         "orchestrator.max_staleness=1", "cluster.join_poll_s=0.5", *SHORT_RUN),
+        (f"SLURM_JOB_NODELIST={','.join(nodes)}", "SLURM_GPUS_ON_NODE=1", "SLURM_JOB_ID=8"))
+    procs = [subprocess.Popen(cmd + ["--slurm-env", f"SLURM_NODEID={i}"], cwd=ROOT, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               env={**os.environ, "FAKE_NODE_ADDR": node})
              for i, node in enumerate(nodes)]
@@ -312,25 +308,11 @@ def test_slurm_instance_that_never_gets_healthy_fails_the_job_with_a_message(tmp
     """An 'SGLang' instance that never answers /health: the controller node stops after
     rollout.startup_timeout_s, writes FAILED (which stops the other nodes) and exits 1 naming the
     instance, without a traceback."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    shim = tmp_path / "sglang-python"
-    shim.write_text(f"#!{sys.executable}\nimport time\ntime.sleep(600)\n")
-    shim.chmod(0o755)
-    ports = sorted({_free_port() for _ in range(4)})
-    root = Path(__file__).resolve().parents[2]
-    run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "dora_megatron", "train", "--config", str(root / "configs" / "cpu_tiny.yaml"),
-           "--set", "launch.backend=slurm", "--set", "cluster.share_node=true", "--set", "cluster.trainer_gpus=1",
-           "--set", "rollout.engine=sglang", "--set", "rollout.device=cuda", "--set", f"sglang.python={shim}",
-           "--set", "model.warm_start=", "--set", "rollout.startup_timeout_s=3", "--set", f"run.run_dir={run_dir}",
-           "--set", f"cluster.torchrun_port={ports[0]}", "--set", f"cluster.trainer_service_port={ports[1]}",
-           "--set", f"cluster.weight_group_port={ports[2]}", "--set", f"cluster.rollout_base_port={ports[3]}",
-           "--slurm-env", "SLURM_JOB_NODELIST=localhost", "--slurm-env", "SLURM_NODEID=0",
-           "--slurm-env", "SLURM_GPUS_ON_NODE=3", "--slurm-env", "SLURM_JOB_ID=6"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root)
+    cmd, _, run_dir = slurm_train(
+        tmp_path, f"#!{sys.executable}\nimport time\ntime.sleep(600)\n",
+        ("cluster.share_node=true", "cluster.trainer_gpus=1", "rollout.startup_timeout_s=3"),
+        ("SLURM_JOB_NODELIST=localhost", "SLURM_NODEID=0", "SLURM_GPUS_ON_NODE=3", "SLURM_JOB_ID=6"))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out[-4000:]
     assert "dora train failed on localhost" in out and "sgl" in out.split("dora train failed on localhost", 1)[1]

@@ -7,6 +7,7 @@ import socket
 
 import pytest
 from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from dora_megatron.controller.trainer_client import TrainerClient, TrainerError, TrainerUnreachable
 
@@ -36,18 +37,13 @@ def test_reported_error_is_a_trainer_error_with_its_message():
     async def go():
         app = web.Application()
         app.router.add_post("/train", fail)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        client = TrainerClient(f"http://127.0.0.1:{port}")
-        try:
-            with pytest.raises(TrainerError, match="HTTP 500: RuntimeError: loss is nan") as info:
-                await client.train(0, [])
-            assert not isinstance(info.value, TrainerUnreachable)
-        finally:
-            await client.close()
-            await runner.cleanup()
+        async with TestServer(app, host="127.0.0.1") as server:
+            client = TrainerClient(str(server.make_url("")))
+            try:
+                with pytest.raises(TrainerError, match="HTTP 500: RuntimeError: loss is nan") as info:
+                    await client.train(0, [])
+                assert not isinstance(info.value, TrainerUnreachable)
+            finally:
+                await client.close()
 
     asyncio.run(go())
