@@ -30,7 +30,8 @@ from dora_megatron.config.loader import dump_yaml
 from dora_megatron.config.schema import DoraConfig
 from dora_megatron.launch.inputs import input_problem
 from dora_megatron.launch.plan import ProcessSpec, local_plan
-from dora_megatron.launch.processes import ChildFailed, ProcessSet, free_ports
+from dora_megatron.launch.processes import ChildFailed, ProcessSet
+from dora_megatron.ports import free_ports
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from dora_megatron.launch.processes import ChildFailed, ProcessSet, free_ports
+from dora_megatron.launch.processes import ChildFailed, ProcessSet
+from dora_megatron.ports import free_ports
 
 log = logging.getLogger(__name__)
 

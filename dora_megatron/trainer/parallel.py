@@ -40,8 +40,10 @@ def init_distributed(cfg: TrainerConfig) -> ParallelInfo:
     if not dist.is_initialized():
         backend = "nccl" if cfg.device == "cuda" else "gloo"
         if "RANK" not in os.environ:
+            from dora_megatron.ports import free_port
+
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         if cfg.device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -79,9 +81,3 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

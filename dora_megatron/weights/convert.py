@@ -23,11 +23,12 @@ import json
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Sequence
+
+from dora_megatron.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -40,18 +41,12 @@ _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 # --------------------------------------------------------------------------- launcher
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(argv: Sequence[str], nproc: int, timeout_s: float | None) -> None:
     if nproc == 1:
         cmd = [sys.executable, "-m", "dora_megatron.weights.convert", *argv]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={_free_port()}", "--master_addr=127.0.0.1", "-m", "dora_megatron.weights.convert",
+               f"--master_port={free_port()}", "--master_addr=127.0.0.1", "-m", "dora_megatron.weights.convert",
                *argv]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")

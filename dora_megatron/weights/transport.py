@@ -23,25 +23,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import socket
 import time
 import uuid
 from typing import Any, Iterable, Mapping, Sequence
 
+from dora_megatron.ports import free_port
 from dora_megatron.weights.distributed import DistributedWeightPusher
 from dora_megatron.weights.results import PushError, PushResult, failures
 
-__all__ = ["PushError", "PushResult", "free_port", "push_disk", "push_distributed", "push_distributed_async",
+__all__ = ["PushError", "PushResult", "push_disk", "push_distributed", "push_distributed_async",
            "push_peer"]
 
 log = logging.getLogger(__name__)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now (the trainer's rendezvous store binds it)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 async def _versions(clients: Sequence[Any]) -> dict[str, str]:

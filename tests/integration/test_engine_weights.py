@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 import torch
 
 from dora_megatron.models import hf_io
 from dora_megatron.models.presets import create_model_dir, preset_config
+from dora_megatron.ports import free_port
 from dora_megatron.rollout.client import EngineClient, EngineError
 from dora_megatron.rollout.engine import weight_sync
 from dora_megatron.weights.checksum import weights_checksum
@@ -42,12 +42,6 @@ def engine(dirs):
     ep = start_engine(dirs[0], max_running=4, num_threads=1, weight_version="0")
     yield ep
     ep.stop()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _state(c: EngineClient):

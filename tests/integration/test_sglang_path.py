@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +27,7 @@ from dora_megatron.data import tokenizer as tok
 from dora_megatron.data.tasks import RunningSumTask, running_sum_reward
 from dora_megatron.models import hf_io
 from dora_megatron.orchestrator import Orchestrator
+from dora_megatron.ports import free_port, free_ports
 from dora_megatron.rollout.client import EngineClient, VersionMismatch
 from dora_megatron.rollout.sglang.client import SGLangClient
 from dora_megatron.rollout.sglang.engine import SGLangEngine
@@ -140,12 +140,6 @@ def test_runtime_on_sglang_adapter_migrates_by_resubmit_and_keeps_outputs(engine
         assert got == want, (tok.decode(got), tok.decode(want))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_distributed_push_pauses_updates_in_buckets_and_resumes(engines, model_dir, tmp_path):
     from dora_megatron.models.presets import preset_config
 
@@ -161,7 +155,7 @@ def test_distributed_push_pauses_updates_in_buckets_and_resumes(engines, model_d
             await c.update_weights_from_disk(model_dir, weight_version=0)
         before = await clients["e0"].generate(prompt, greedy)
         pusher = DistributedWeightPusher(clients, {n: 1 for n in clients}, master_address="127.0.0.1",
-                                         master_port=_free_port(), group_name="dora-test", backend="gloo",
+                                         master_port=free_port(), group_name="dora-test", backend="gloo",
                                          pause_mode="abort", bucket_mb=1, timeout_s=10)  # 1 MiB: several buckets
         await pusher.connect()
         in_flight = asyncio.create_task(clients["e1"].generate(prompt, long, rid="long-1"))
@@ -232,7 +226,7 @@ def slurm_train(tmp_path: Path, shim_text: str, sets: tuple[str, ...], slurm_env
     shim = tmp_path / "sglang-python"
     shim.write_text(shim_text)
     shim.chmod(0o755)
-    ports = sorted({_free_port() for _ in range(4)})
+    ports = sorted(free_ports(4))
     # the instances use rollout base + slot * 10 (+1, +2): none may be one of the fixed ports
     if len(ports) < 4 or any(ports[3] <= p < ports[3] + 30 for p in ports[:3]):
         pytest.skip("port collision in the test setup")

@@ -9,23 +9,18 @@ dense model is checked at 1 rank and with TP=2 through ``tools/check_parity.py``
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from dora_megatron.ports import free_port
+
 pytestmark = pytest.mark.integration
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LR = 1e-3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_scenario(args: list[str], nproc: int, out: str, timeout: int = 300) -> dict:
@@ -35,7 +30,7 @@ def run_scenario(args: list[str], nproc: int, out: str, timeout: int = 300) -> d
         cmd = [sys.executable, "-m", "dora_megatron.trainer.scenarios"]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={_free_port()}", "--master_addr=127.0.0.1", "-m", "dora_megatron.trainer.scenarios"]
+               f"--master_port={free_port()}", "--master_addr=127.0.0.1", "-m", "dora_megatron.trainer.scenarios"]
     proc = subprocess.run(cmd + args + ["--out", out, "--lr", str(LR)], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -17,7 +17,8 @@ from dora_megatron.models import hf_io
 from dora_megatron.models.presets import preset_config
 from dora_megatron.rollout.client import EngineClient, EngineError
 from dora_megatron.weights.checksum import weights_checksum
-from dora_megatron.weights.transport import PushError, free_port, push_disk, push_distributed, push_peer
+from dora_megatron.ports import free_port
+from dora_megatron.weights.transport import PushError, push_disk, push_distributed, push_peer
 
 pytestmark = pytest.mark.integration
 
