@@ -25,9 +25,10 @@ setup(
         "tqdm>=4.60",
         "matplotlib>=3.7",
         "psutil>=5.9",  # megatron dist_checkpointing save
+        "transformers>=4.51",  # config.json is read by its config classes (dora_megatron/models/hf_config.py)
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6.100", "transformers>=4.51"],
+        "test": ["pytest>=8", "hypothesis>=6.100"],
         # CUDA clusters only; documented in the README, never needed on CPU.
         "gpu": ["transformer-engine[pytorch]", "sglang[all]"],
         "math": ["math-verify"],

@@ -15,7 +15,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-CONFIG_FILE = "config.json"
+from dora_megatron.models import hf_config
+
+CONFIG_FILE = hf_config.CONFIG_FILE
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -24,34 +26,24 @@ _FUSED_DOWN = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.down_proj$")
 
 
 def load_config(model_dir: str | Path) -> dict[str, Any]:
-    path = Path(model_dir) / CONFIG_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"no {CONFIG_FILE} in {model_dir}")
-    return json.loads(path.read_text())
-
-
-#: what the trainer (Megatron-Core Qwen3 / Qwen3-MoE bridge) and the embedded engine load
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
+    """``config.json`` as written (to copy or rewrite it); read its meaning with :mod:`.hf_config`."""
+    return hf_config.read_json(model_dir)
 
 
 def check_model_dir(model_dir: str | Path, need_tokenizer: bool = True) -> list[str]:
     """Problems that would stop a job on this HF directory, found before any process starts
-    (empty list: usable): config.json readable with a supported ``model_type``, weights present,
-    and (the controller decodes responses) ``tokenizer.json``."""
+    (empty list: usable): config.json read by transformers' config class with a supported
+    ``model_type`` and an architecture the engine and the trainer build, weights present, and
+    (the controller decodes responses) ``tokenizer.json``."""
     d = Path(model_dir)
     if not d.is_dir():
         return [f"{d} is not a directory"]
     problems = []
     try:
-        config = json.loads((d / CONFIG_FILE).read_text())
-        model_type = config.get("model_type") if isinstance(config, dict) else None
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            problems.append(f"{d / CONFIG_FILE}: model_type {model_type!r} is not supported "
-                            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    except FileNotFoundError:
-        problems.append(f"no {CONFIG_FILE} in {d}")
+        spec = hf_config.read_spec(d)
+        problems += [f"{d / CONFIG_FILE}: {p}" for p in spec.trainer_problems()]
     except (OSError, ValueError) as err:
-        problems.append(f"{d / CONFIG_FILE} is not valid JSON: {err}")
+        problems.append(str(err))
     if not (d / WEIGHTS_FILE).is_file() and not (d / INDEX_FILE).is_file():
         problems.append(f"no {WEIGHTS_FILE} or {INDEX_FILE} in {d}")
     if need_tokenizer and not (d / "tokenizer.json").is_file():
@@ -59,61 +51,9 @@ def check_model_dir(model_dir: str | Path, need_tokenizer: bool = True) -> list[
     return problems
 
 
-def is_moe(config: dict[str, Any]) -> bool:
-    return int(config.get("num_experts", 0) or 0) > 0
-
-
-def is_sparse_layer(config: dict[str, Any], layer: int) -> bool:
-    """Qwen3-MoE's rule for which decoder layers use routed experts."""
-    if not is_moe(config):
-        return False
-    step = int(config.get("decoder_sparse_step", 1) or 1)
-    return layer not in (config.get("mlp_only_layers") or []) and (layer + 1) % step == 0
-
-
-def head_dim(config: dict[str, Any]) -> int:
-    return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
-
-
 def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """HF name -> shape of every weight a Qwen3 / Qwen3-MoE model of ``config`` has."""
-    h = int(config["hidden_size"])
-    v = int(config["vocab_size"])
-    nh = int(config["num_attention_heads"])
-    nkv = int(config["num_key_value_heads"])
-    d = head_dim(config)
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
-    if not config.get("tie_word_embeddings", False):
-        shapes["lm_head.weight"] = (v, h)
-    for i in range(int(config["num_hidden_layers"])):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes[p + "self_attn.q_proj.weight"] = (nh * d, h)
-        shapes[p + "self_attn.k_proj.weight"] = (nkv * d, h)
-        shapes[p + "self_attn.v_proj.weight"] = (nkv * d, h)
-        shapes[p + "self_attn.o_proj.weight"] = (h, nh * d)
-        shapes[p + "self_attn.q_norm.weight"] = (d,)
-        shapes[p + "self_attn.k_norm.weight"] = (d,)
-        if config.get("attention_bias", False):
-            shapes[p + "self_attn.q_proj.bias"] = (nh * d,)
-            shapes[p + "self_attn.k_proj.bias"] = (nkv * d,)
-            shapes[p + "self_attn.v_proj.bias"] = (nkv * d,)
-            shapes[p + "self_attn.o_proj.bias"] = (h,)
-        if is_sparse_layer(config, i):
-            inter = int(config["moe_intermediate_size"])
-            shapes[p + "mlp.gate.weight"] = (int(config["num_experts"]), h)
-            for e in range(int(config["num_experts"])):
-                q = f"{p}mlp.experts.{e}."
-                shapes[q + "gate_proj.weight"] = (inter, h)
-                shapes[q + "up_proj.weight"] = (inter, h)
-                shapes[q + "down_proj.weight"] = (h, inter)
-        else:
-            inter = int(config["intermediate_size"])
-            shapes[p + "mlp.gate_proj.weight"] = (inter, h)
-            shapes[p + "mlp.up_proj.weight"] = (inter, h)
-            shapes[p + "mlp.down_proj.weight"] = (h, inter)
-    return shapes
+    """HF name -> shape of every weight a Qwen3 / Qwen3-MoE model of ``config`` (a config.json dict) has."""
+    return hf_config.spec_from_dict(config).expected_shapes()
 
 
 def unfuse_experts(state: dict[str, Any]) -> dict[str, Any]:
@@ -170,10 +110,11 @@ def random_state_dict(config: dict[str, Any], seed: int) -> dict[str, Any]:
     """Random weights for ``config``: N(0, initializer_range) for matrices, ones for norms."""
     import torch
 
+    spec = hf_config.spec_from_dict(config)
     gen = torch.Generator().manual_seed(int(seed))
-    std = float(config.get("initializer_range", 0.02))
+    std = spec.initializer_range
     state: dict[str, Any] = {}
-    for name, shape in sorted(expected_shapes(config).items()):
+    for name, shape in sorted(spec.expected_shapes().items()):
         if len(shape) == 1:
             state[name] = torch.zeros(shape) if name.endswith(".bias") else torch.ones(shape)
         else:

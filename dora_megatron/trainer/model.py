@@ -1,5 +1,8 @@
 """Build a Megatron-Core GPTModel from a Hugging Face Qwen3 / Qwen3-MoE config.
 
+The config is read by :mod:`dora_megatron.models.hf_config` (transformers' config classes), the
+same reader the embedded engine uses, so both build the model the directory describes.
+
 WHY: the rollout engines load Hugging Face checkpoints and the trainer trains Megatron modules; the
 two must be the *same function* of the weights. This module maps the HF config onto a
 ``TransformerConfig`` (RMSNorm, SwiGLU, RoPE, QK-norm, GQA, top-k routed experts, no dropout, no
@@ -10,83 +13,37 @@ spec otherwise, with :class:`~dora_megatron.trainer.norm.RMSNorm` so that sequen
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-from dataclasses import dataclass
 
 import torch
+
+from dora_megatron.models import hf_config
+from dora_megatron.models.hf_config import ModelSpec
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class ModelArch:
-    """The architecture facts the trainer needs, read from an HF ``config.json``."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    ffn_hidden_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    num_experts: int = 0
-    moe_topk: int = 0
-    moe_ffn_hidden_size: int = 0
-    norm_topk_prob: bool = True
-
-    @property
-    def is_moe(self) -> bool:
-        return self.num_experts > 0
+def arch_from_spec(spec: ModelSpec) -> ModelSpec:
+    """``spec`` if the Megatron trainer builds it, else ValueError naming every config key at fault."""
+    problems = spec.trainer_problems()
+    if problems:
+        raise ValueError("; ".join(problems))
+    return spec
 
 
-def arch_from_hf_config(cfg: dict) -> ModelArch:
-    """Parse an HF config dict (``config.json``) of a Qwen3 or Qwen3-MoE model."""
-    model_type = cfg.get("model_type", "")
-    if model_type not in ("qwen3", "qwen3_moe"):
-        raise ValueError(f"unsupported model_type {model_type!r} (supported: qwen3, qwen3_moe)")
-    if cfg.get("attention_bias"):
-        raise ValueError("attention_bias=True is not supported")
-    rope = cfg.get("rope_parameters") or {}
-    rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    if rope.get("rope_type", "default") != "default" or cfg.get("rope_scaling"):
-        raise ValueError("only default RoPE is supported")
-    heads = int(cfg["num_attention_heads"])
-    hidden = int(cfg["hidden_size"])
-    num_experts = 0
-    if model_type == "qwen3_moe":
-        num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts"))
-        if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1:
-            raise ValueError("Qwen3-MoE with dense layers (mlp_only_layers/decoder_sparse_step) is not supported")
-    return ModelArch(
-        model_type=model_type,
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=hidden,
-        num_layers=int(cfg["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
-        ffn_hidden_size=int(cfg.get("intermediate_size") or 4 * hidden),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=rope_theta,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        num_experts=num_experts,
-        moe_topk=int(cfg.get("num_experts_per_tok", 0)) if num_experts else 0,
-        moe_ffn_hidden_size=int(cfg.get("moe_intermediate_size", 0)) if num_experts else 0,
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-    )
+def arch_from_hf_config(cfg: dict) -> ModelSpec:
+    """The trainer's architecture of a ``config.json`` dictionary (read by transformers' config class)."""
+    return arch_from_spec(hf_config.spec_from_dict(cfg))
 
 
-def load_arch(hf_dir: str) -> ModelArch:
-    with open(os.path.join(hf_dir, "config.json"), encoding="utf-8") as f:
-        return arch_from_hf_config(json.load(f))
+def load_arch(hf_dir: str) -> ModelSpec:
+    """The trainer's architecture of the HF directory ``hf_dir`` (the reader the engine uses too)."""
+    spec = hf_config.read_spec(hf_dir)
+    try:
+        return arch_from_spec(spec)
+    except ValueError as err:
+        raise ValueError(f"{os.path.join(hf_dir, hf_config.CONFIG_FILE)}: {err}") from None
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
@@ -109,7 +66,7 @@ def choose_spec(spec: str, device: str) -> str:
     return spec
 
 
-def build_transformer_config(arch: ModelArch, *, tp: int, pp: int, ep: int, device: str,
+def build_transformer_config(arch: ModelSpec, *, tp: int, pp: int, ep: int, device: str,
                              moe_aux_loss_coef: float = 0.0, spec: str = "local"):
     """A ``TransformerConfig`` equivalent to the HF model (fp32 params, no dropout, deterministic)."""
     from megatron.core.transformer import TransformerConfig
@@ -126,7 +83,7 @@ def build_transformer_config(arch: ModelArch, *, tp: int, pp: int, ep: int, devi
         num_attention_heads=arch.num_heads,
         num_query_groups=arch.num_kv_heads,
         kv_channels=arch.head_dim,
-        ffn_hidden_size=arch.ffn_hidden_size,
+        ffn_hidden_size=arch.intermediate_size,
         normalization="RMSNorm",
         layernorm_epsilon=arch.rms_norm_eps,
         gated_linear_unit=True,
@@ -157,8 +114,8 @@ def build_transformer_config(arch: ModelArch, *, tp: int, pp: int, ep: int, devi
     if arch.is_moe:
         kwargs.update(
             num_moe_experts=arch.num_experts,
-            moe_router_topk=arch.moe_topk,
-            moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+            moe_router_topk=arch.top_k,
+            moe_ffn_hidden_size=arch.moe_intermediate_size,
             moe_router_score_function="softmax",
             # Qwen3-MoE: softmax over all experts, top-k, renormalise iff norm_topk_prob. Megatron's
             # pre_softmax=False (top-k logits then softmax) equals the renormalised form.
@@ -174,7 +131,7 @@ def build_transformer_config(arch: ModelArch, *, tp: int, pp: int, ep: int, devi
     return TransformerConfig(**kwargs)
 
 
-def build_layer_spec(arch: ModelArch, config, spec: str, pp_rank: int | None = None):
+def build_layer_spec(arch: ModelSpec, config, spec: str, pp_rank: int | None = None):
     """Layer/block spec; ``spec`` is ``te`` or ``local`` (see :func:`choose_spec`)."""
     num_experts = arch.num_experts or None
     if spec == "te":
@@ -198,7 +155,7 @@ def build_layer_spec(arch: ModelArch, config, spec: str, pp_rank: int | None = N
     return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=RMSNorm)
 
 
-def build_gpt_model(arch: ModelArch, config, spec: str, *, tp: int, pre_process: bool, post_process: bool):
+def build_gpt_model(arch: ModelSpec, config, spec: str, *, tp: int, pre_process: bool, post_process: bool):
     """Construct this rank's GPTModel chunk (parameters are overwritten by HF weights afterwards)."""
     from megatron.core.models.gpt import GPTModel
 

@@ -167,10 +167,11 @@ def run_hf_to_megatron(hf: str, out: str, tp: int, pp: int, ep: int) -> None:
         _teardown(compat)
 
 
-def _output_dtype(config: dict, requested: str | None):
+def _output_dtype(checkpoint_dtype: str | None, requested: str | None):
+    """``requested``, else the dtype the config gives the checkpoint (``dtype`` / ``torch_dtype``), else fp32."""
     import torch
 
-    name = requested or str(config.get("torch_dtype") or config.get("dtype") or "float32").replace("torch.", "")
+    name = requested or checkpoint_dtype or "float32"
     if name not in _DTYPES:
         raise ValueError(f"unsupported output dtype {name!r}; choose one of {sorted(_DTYPES)}")
     return getattr(torch, _DTYPES[name])
@@ -181,7 +182,6 @@ def run_megatron_to_hf(ckpts: Sequence[str], outs: Sequence[str], hf_config: str
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from dora_megatron.models.hf_io import load_config
     from dora_megatron.trainer import hf_io
     from dora_megatron.weights.snapshots import write_snapshot
 
@@ -190,7 +190,7 @@ def run_megatron_to_hf(ckpts: Sequence[str], outs: Sequence[str], hf_config: str
         raise FileNotFoundError(f"no config.json in {config_dir}; pass --hf-config DIR (the model's HF directory)")
     compat, info, arch, _, gpt = _setup(tp, pp, ep, str(config_dir))
     try:
-        out_dtype = _output_dtype(load_config(config_dir), dtype)
+        out_dtype = _output_dtype(arch.dtype, dtype)
         for ckpt, out in zip(ckpts, outs):
             state = dist_checkpointing.load({"model": gpt.sharded_state_dict()}, ckpt)
             gpt.load_state_dict(state["model"])

@@ -66,7 +66,7 @@ class Layout:
 
 @dataclass(frozen=True)
 class NamingArch:
-    """The shape facts naming needs (a subset of ``trainer.model.ModelArch``, duck-typed)."""
+    """The shape facts naming needs (a subset of ``models.hf_config.ModelSpec``, duck-typed)."""
 
     vocab_size: int
     hidden_size: int

@@ -5,88 +5,22 @@ of many requests of different lengths in one forward, no padding) over per-reque
 that can be exported. The parameter names equal the Hugging Face checkpoint names, so loading,
 weight updates (HF names over the wire) and checksums need no renaming. Numerics follow
 transformers' implementation (RMSNorm in fp32, RoPE with rotate-half, QK-norm before RoPE, GQA,
-SwiGLU, softmax router over all experts then top-k, renormalised when ``norm_topk_prob``).
+SwiGLU, softmax router over all experts then top-k, renormalised when ``norm_topk_prob``). The
+architecture comes from :func:`dora_megatron.models.hf_config.read_spec`, the one ``config.json``
+reader (transformers' config classes) that the trainer and the converter use too.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dora_megatron.models import hf_io
+from dora_megatron.models import hf_config, hf_io
+from dora_megatron.models.hf_config import ModelSpec
 from dora_megatron.rollout.engine.kv_cache import KVShape, RequestKV
-
-SUPPORTED_MODEL_TYPES = hf_io.SUPPORTED_MODEL_TYPES
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The subset of an HF ``config.json`` the forward pass needs."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    num_experts: int = 0
-    top_k: int = 0
-    moe_intermediate_size: int = 0
-    norm_topk_prob: bool = True
-    sparse_layers: tuple[int, ...] = ()
-    eos_token_ids: tuple[int, ...] = ()
-    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
-
-    @classmethod
-    def from_hf(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
-        mt = cfg.get("model_type")
-        if mt not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"unsupported model_type {mt!r}; supported: {SUPPORTED_MODEL_TYPES}")
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default")) if rope else "default"
-        if rope_type not in ("default", None):
-            raise ValueError(f"unsupported rope type {rope_type!r} (only default RoPE)")
-        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)) if rope else cfg.get("rope_theta", 10000.0))
-        if cfg.get("use_sliding_window"):
-            raise ValueError("use_sliding_window=true is not supported by the embedded engine")
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
-        n_layers = int(cfg["num_hidden_layers"])
-        sparse = tuple(i for i in range(n_layers) if hf_io.is_sparse_layer(dict(cfg), i))
-        return cls(
-            model_type=mt,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=int(cfg["hidden_size"]),
-            num_layers=n_layers,
-            num_heads=int(cfg["num_attention_heads"]),
-            num_kv_heads=int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]),
-            head_dim=hf_io.head_dim(dict(cfg)),
-            intermediate_size=int(cfg.get("intermediate_size", 0) or 0),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", False)),
-            num_experts=int(cfg.get("num_experts", 0) or 0),
-            top_k=int(cfg.get("num_experts_per_tok", 0) or 0),
-            moe_intermediate_size=int(cfg.get("moe_intermediate_size", 0) or 0),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-            sparse_layers=sparse,
-            eos_token_ids=eos_ids,
-            raw=dict(cfg),
-        )
-
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -107,7 +41,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelSpec) -> None:
         super().__init__()
         self.c = c
         self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias)
@@ -170,7 +104,7 @@ class MLP(nn.Module):
 class SparseMoE(nn.Module):
     """Router (``mlp.gate``) + routed experts (``mlp.experts.E``), no shared expert."""
 
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelSpec) -> None:
         super().__init__()
         self.c = c
         self.gate = nn.Linear(c.hidden_size, c.num_experts, bias=False)
@@ -192,7 +126,7 @@ class SparseMoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig, idx: int) -> None:
+    def __init__(self, c: ModelSpec, idx: int) -> None:
         super().__init__()
         self.idx = idx
         self.self_attn = Attention(c)
@@ -206,7 +140,7 @@ class DecoderLayer(nn.Module):
 
 
 class _Backbone(nn.Module):
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelSpec) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList([DecoderLayer(c, i) for i in range(c.num_layers)])
@@ -216,7 +150,7 @@ class _Backbone(nn.Module):
 class CausalLM(nn.Module):
     """Qwen3 / Qwen3-MoE causal LM; ``state_dict()`` keys are the HF checkpoint names."""
 
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelSpec) -> None:
         super().__init__()
         self.config = c
         self.model = _Backbone(c)
@@ -299,7 +233,10 @@ class CausalLM(nn.Module):
 
 def load_model(model_dir: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> CausalLM:
     """Build :class:`CausalLM` from an HF directory (config.json + safetensors)."""
-    cfg = ModelConfig.from_hf(hf_io.load_config(model_dir))
+    cfg = hf_config.read_spec(model_dir)
+    problems = cfg.engine_problems()
+    if problems:
+        raise ValueError(f"{model_dir}/{hf_config.CONFIG_FILE}: " + "; ".join(problems))
     with torch.device("meta"):
         model = CausalLM(cfg)
     model = model.to_empty(device=device).to(dtype)

@@ -14,15 +14,17 @@ MOE = {"model_type": "qwen3_moe", "vocab_size": 128, "hidden_size": 64, "num_hid
 
 def test_moe_config_fields():
     a = arch_from_hf_config(MOE)
-    assert (a.num_experts, a.moe_topk, a.moe_ffn_hidden_size, a.head_dim, a.num_kv_heads) == (8, 2, 96, 32, 2)
+    assert (a.num_experts, a.top_k, a.moe_intermediate_size, a.head_dim, a.num_kv_heads) == (8, 2, 96, 32, 2)
     assert a.rope_theta == 1e6 and a.tie_word_embeddings and not a.norm_topk_prob and a.is_moe
 
 
 def test_dense_defaults_and_legacy_rope_theta():
+    """Omitted keys mean what they mean to transformers: Qwen3's head_dim defaults to 128 (not
+    hidden / heads = 16), so the weights' shapes and RoPE follow the model transformers builds."""
     cfg = {k: v for k, v in MOE.items() if k not in ("num_experts", "rope_parameters", "head_dim")}
     cfg.update(model_type="qwen3", rope_theta=5000.0)
     a = arch_from_hf_config(cfg)
-    assert not a.is_moe and a.rope_theta == 5000.0 and a.head_dim == 16
+    assert not a.is_moe and a.rope_theta == 5000.0 and a.head_dim == 128
 
 
 @pytest.mark.parametrize("patch", [{"model_type": "llama"}, {"attention_bias": True}, {"mlp_only_layers": [1]},

@@ -1,0 +1,210 @@
+"""The one reader of a Hugging Face ``config.json``, through transformers' own config classes.
+
+WHY: a checkpoint's ``config.json`` has several spellings of the same fact. transformers 5.x
+``save_pretrained`` writes ``num_local_experts`` and ``rope_parameters``; the Hub's Qwen3-MoE
+checkpoints (written by 4.x) spell ``num_experts``, ``rope_theta`` and ``rope_scaling: null``; an
+omitted key means transformers' default for that class (``norm_topk_prob`` false for Qwen3-MoE,
+``head_dim`` 128 for Qwen3), not a default we would pick. Two hand-written parsers (engine and
+trainer) disagreed on exactly this, so a directory one of them accepted the other read as another
+model. Here the dictionary goes through ``Qwen3Config`` / ``Qwen3MoeConfig`` (what SGLang and vLLM
+do via ``AutoConfig``), and :class:`ModelSpec` is built from the config *object's* attributes, so
+every spelling transformers accepts means what it means to transformers. The embedded engine, the
+Megatron trainer, the converter and the job's input checks all read the model through this module.
+
+transformers is imported lazily (``import dora_megatron`` and ``dora --help`` stay light).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+CONFIG_FILE = "config.json"
+
+#: what the trainer (Megatron-Core Qwen3 / Qwen3-MoE bridge) and the embedded engine load
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The architecture facts every component needs, as transformers reads ``config.json``."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    num_experts: int = 0
+    top_k: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    sparse_layers: tuple[int, ...] = ()
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: str | None = None  # of the checkpoint's tensors ("float32", "bfloat16", ...), None if not said
+    initializer_range: float = 0.02
+    rope_type: str = "default"
+    sliding_window_layers: tuple[int, ...] = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def engine_problems(self) -> list[str]:
+        """What the embedded engine (and the trainer) cannot compute, each naming the config key."""
+        problems = []
+        if self.rope_type != "default":
+            problems.append(f"rope_parameters.rope_type {self.rope_type!r} is not supported (only 'default' RoPE)")
+        if self.sliding_window_layers:
+            problems.append(f"sliding-window attention (use_sliding_window / layer_types) on layers "
+                            f"{list(self.sliding_window_layers)} is not supported")
+        return problems
+
+    def trainer_problems(self) -> list[str]:
+        """What the Megatron trainer cannot build (a superset of :meth:`engine_problems`)."""
+        problems = self.engine_problems()
+        if self.attention_bias:
+            problems.append("attention_bias=true is not supported by the Megatron trainer")
+        if self.is_moe and len(self.sparse_layers) != self.num_layers:
+            problems.append("Qwen3-MoE with dense layers (mlp_only_layers / decoder_sparse_step) is not supported "
+                            "by the Megatron trainer")
+        return problems
+
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF name -> shape of every weight of this model (per-expert layout, as on disk)."""
+        h, v, d = self.hidden_size, self.vocab_size, self.head_dim
+        nh, nkv = self.num_heads, self.num_kv_heads
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+        if not self.tie_word_embeddings:
+            shapes["lm_head.weight"] = (v, h)
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            shapes[p + "input_layernorm.weight"] = (h,)
+            shapes[p + "post_attention_layernorm.weight"] = (h,)
+            shapes[p + "self_attn.q_proj.weight"] = (nh * d, h)
+            shapes[p + "self_attn.k_proj.weight"] = (nkv * d, h)
+            shapes[p + "self_attn.v_proj.weight"] = (nkv * d, h)
+            shapes[p + "self_attn.o_proj.weight"] = (h, nh * d)
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
+            if self.attention_bias:
+                shapes[p + "self_attn.q_proj.bias"] = (nh * d,)
+                shapes[p + "self_attn.k_proj.bias"] = (nkv * d,)
+                shapes[p + "self_attn.v_proj.bias"] = (nkv * d,)
+                shapes[p + "self_attn.o_proj.bias"] = (h,)
+            if i in self.sparse_layers:
+                inter = self.moe_intermediate_size
+                shapes[p + "mlp.gate.weight"] = (self.num_experts, h)
+                for e in range(self.num_experts):
+                    q = f"{p}mlp.experts.{e}."
+                    shapes[q + "gate_proj.weight"] = (inter, h)
+                    shapes[q + "up_proj.weight"] = (inter, h)
+                    shapes[q + "down_proj.weight"] = (h, inter)
+            else:
+                shapes[p + "mlp.gate_proj.weight"] = (self.intermediate_size, h)
+                shapes[p + "mlp.up_proj.weight"] = (self.intermediate_size, h)
+                shapes[p + "mlp.down_proj.weight"] = (h, self.intermediate_size)
+        return shapes
+
+
+def read_json(model_dir: str | Path) -> dict[str, Any]:
+    """``config.json`` of ``model_dir`` as a dictionary (FileNotFoundError / ValueError naming the file)."""
+    path = Path(model_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no {CONFIG_FILE} in {model_dir}")
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    return data
+
+
+def read_spec(model_dir: str | Path) -> ModelSpec:
+    """:class:`ModelSpec` of the HF directory ``model_dir`` (ValueError naming the file and field)."""
+    return spec_from_dict(read_json(model_dir), where=str(Path(model_dir) / CONFIG_FILE))
+
+
+def transformers_config(config: Mapping[str, Any], where: str = CONFIG_FILE):
+    """The transformers config object of ``config`` (``Qwen3Config`` / ``Qwen3MoeConfig``).
+
+    ValueError (naming ``where``, the model type and transformers' reason, which names the field)
+    for an unsupported ``model_type`` or a value transformers' validation refuses."""
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{where}: model_type {model_type!r} is not supported "
+                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    import transformers
+
+    try:
+        return transformers.CONFIG_MAPPING[model_type].from_dict(dict(config))
+    except Exception as err:  # transformers raises TypeError, ValueError or huggingface_hub's StrictDataclassError
+        raise ValueError(f"{where}: transformers {transformers.__version__} cannot read it as {model_type}: "
+                         f"{' '.join(str(err).split())}") from None
+
+
+def spec_from_dict(config: Mapping[str, Any], where: str = CONFIG_FILE) -> ModelSpec:
+    """:class:`ModelSpec` of a ``config.json`` dictionary, read by transformers' config class."""
+    return spec_from_transformers(transformers_config(config, where), where)
+
+
+def spec_from_transformers(c: Any, where: str = CONFIG_FILE) -> ModelSpec:
+    """:class:`ModelSpec` from a transformers config object; attribute names of 4.x and 5.x both read.
+
+    5.x keeps RoPE in ``rope_parameters`` (``rope_theta``, ``rope_type``); 4.x in ``rope_theta`` and
+    ``rope_scaling``. ``num_experts`` is an attribute in 4.x and an alias of ``num_local_experts`` in
+    5.x. Which decoder layers are sparse follows the Qwen3-MoE modelling code."""
+    rope = dict(getattr(c, "rope_parameters", None) or {})
+    if not rope:
+        rope = dict(getattr(c, "rope_scaling", None) or {})
+        rope.setdefault("rope_theta", getattr(c, "rope_theta", None))
+    if rope.get("rope_theta") is None:
+        raise ValueError(f"{where}: no rope_theta (rope_parameters.rope_theta or rope_theta) in the config")
+    n_layers = int(c.num_hidden_layers)
+    num_experts = int(getattr(c, "num_experts", 0) or 0) if c.model_type == "qwen3_moe" else 0
+    mlp_only = set(getattr(c, "mlp_only_layers", None) or [])
+    step = int(getattr(c, "decoder_sparse_step", 1) or 1)
+    sparse = tuple(i for i in range(n_layers) if num_experts > 0 and i not in mlp_only and (i + 1) % step == 0)
+    layer_types = list(getattr(c, "layer_types", None) or [])
+    sliding = tuple(i for i, t in enumerate(layer_types) if t != "full_attention")
+    if getattr(c, "sliding_window", None) is not None and not layer_types:  # Qwen3-MoE: every layer
+        sliding = tuple(range(n_layers))
+    eos = getattr(c, "eos_token_id", None)
+    eos_ids = tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else ((int(eos),) if eos is not None else ())
+    dtype = getattr(c, "dtype", None) or getattr(c, "torch_dtype", None)
+    heads = int(c.num_attention_heads)
+    return ModelSpec(
+        model_type=c.model_type,
+        vocab_size=int(c.vocab_size),
+        hidden_size=int(c.hidden_size),
+        num_layers=n_layers,
+        num_heads=heads,
+        num_kv_heads=int(getattr(c, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(c, "head_dim", None) or int(c.hidden_size) // heads),
+        intermediate_size=int(c.intermediate_size),
+        rms_norm_eps=float(c.rms_norm_eps),
+        rope_theta=float(rope["rope_theta"]),
+        max_position_embeddings=int(c.max_position_embeddings),
+        tie_word_embeddings=bool(c.tie_word_embeddings),
+        attention_bias=bool(getattr(c, "attention_bias", False)),
+        num_experts=num_experts,
+        top_k=int(c.num_experts_per_tok) if num_experts else 0,
+        moe_intermediate_size=int(c.moe_intermediate_size) if num_experts else 0,
+        norm_topk_prob=bool(getattr(c, "norm_topk_prob", False)) if num_experts else False,
+        sparse_layers=sparse,
+        eos_token_ids=eos_ids,
+        dtype=None if dtype is None else str(dtype).replace("torch.", ""),
+        initializer_range=float(getattr(c, "initializer_range", 0.02)),
+        rope_type=str(rope.get("rope_type") or rope.get("type") or "default"),
+        sliding_window_layers=sliding,
+    )
