@@ -1,0 +1,55 @@
+"""Model directories as they exist outside this project, for the config-reading tests.
+
+``save_pretrained``: written by the installed transformers itself (random init, seeded), so the
+config spells what that version writes (5.x: ``num_local_experts``, ``rope_parameters``).
+``hub_spelled``: the same weights with ``config.json`` rewritten the way the Hub's Qwen3 /
+Qwen3-MoE checkpoints spell it (transformers 4.x: ``num_experts``, ``rope_theta``,
+``rope_scaling: null``, ``torch_dtype``) and, as in older configs, without the keys whose
+transformers default applies (``norm_topk_prob``: false; a Qwen3-MoE ``head_dim``: hidden / heads).
+
+The models use a RoPE base other than the default and a larger init std, so a reader that missed
+the base, the experts or the routing would give other logits, not nearly the same ones.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+ROPE_THETA = 500000.0
+VOCAB = 96
+
+
+def save_pretrained(out: str | Path, moe: bool, seed: int = 0) -> Path:
+    """A tiny Qwen3-MoE (``moe``) or Qwen3 written by transformers' ``save_pretrained``."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, intermediate_size=128, tie_word_embeddings=False, initializer_range=0.1,
+                  rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA}, eos_token_id=2)
+    torch.manual_seed(seed)
+    if moe:
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                   norm_topk_prob=False, **common))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**common))
+    model.save_pretrained(str(out))
+    return Path(out)
+
+
+def hub_spelled(src: str | Path, out: str | Path) -> Path:
+    """Copy of ``src`` (from :func:`save_pretrained`) with ``config.json`` in the Hub's spelling."""
+    src, out = Path(src), Path(out)
+    shutil.copytree(src, out)
+    cfg = json.loads((src / "config.json").read_text())
+    rope = cfg.pop("rope_parameters")
+    cfg.update(rope_theta=rope["rope_theta"], rope_scaling=None, torch_dtype=cfg.pop("dtype"),
+               transformers_version="4.51.0")
+    if cfg["model_type"] == "qwen3_moe":
+        cfg["num_experts"] = cfg.pop("num_local_experts")
+        assert cfg.pop("norm_topk_prob") is False and cfg["head_dim"] * cfg["num_attention_heads"] == cfg["hidden_size"]
+        del cfg["head_dim"]
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
