@@ -45,18 +45,22 @@ def run(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.stderr.write("dora serve: --device cuda but CUDA is not available\n")
         return 2
-    app = build_app(
-        args.model,
-        device=args.device,
-        max_running=args.max_running,
-        weight_version=str(args.weight_version),
-        block_size=args.block_size,
-        kv_blocks=args.kv_blocks,
-        max_context=args.context_length,
-        dtype=getattr(torch, args.dtype),
-        max_waiting=args.max_waiting,
-        group_connect_timeout_s=args.group_connect_timeout,
-    )
+    try:
+        app = build_app(
+            args.model,
+            device=args.device,
+            max_running=args.max_running,
+            weight_version=str(args.weight_version),
+            block_size=args.block_size,
+            kv_blocks=args.kv_blocks,
+            max_context=args.context_length,
+            dtype=getattr(torch, args.dtype),
+            max_waiting=args.max_waiting,
+            group_connect_timeout_s=args.group_connect_timeout,
+        )
+    except (FileNotFoundError, ValueError) as err:  # the model directory: config.json, weights
+        sys.stderr.write(f"dora serve: --model {args.model}: {err}\n")
+        return 2
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))

@@ -108,3 +108,12 @@ def test_unsupported_architectures_are_refused_before_start(dirs, tmp_path, base
     if engine_refuses:
         with pytest.raises(ValueError, match=re.escape(needle)):
             load_model(str(d))
+
+
+def test_dora_serve_refuses_a_bad_config_with_exit_2(dirs, tmp_path, capsys):
+    from dora_megatron.cli import serve
+
+    bad = _rewrite(dirs["moe-hub"], tmp_path / "bad", num_experts="four")
+    assert serve.main(["--model", str(bad), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dora serve: --model {bad}: {bad / 'config.json'}: transformers") and "num_experts" in err

@@ -38,3 +38,16 @@ def test_prompt_file_problems_are_named(tmp_path):
 def test_model_path_is_checked_first(tmp_path):
     cfg = load_config(str(CONFIG), ["model.warm_start=", f"model.path={tmp_path / 'none'}"])
     assert input_problem(cfg) == f"model.path: {tmp_path / 'none'} is not a directory"
+
+
+def test_model_config_is_read_as_transformers_reads_it(tmp_path):
+    """``model.path``'s config.json goes through transformers' config class before anything starts:
+    a value it refuses is named with the file and the field (it used to surface when the engines loaded)."""
+    from dora_megatron.models.presets import create_model_dir
+
+    d = create_model_dir("tiny-moe", tmp_path / "m", seed=0)
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": "two"}))
+    cfg = load_config(str(CONFIG), ["model.warm_start=", f"model.path={d}"])
+    problem = input_problem(cfg)
+    assert problem.startswith(f"model.path: {d / 'config.json'}: transformers") and "num_experts_per_tok" in problem
