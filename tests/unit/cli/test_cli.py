@@ -10,7 +10,7 @@ import pytest
 
 from dora_megatron.cli import main as cli
 
-HEAVY = ("megatron", "sglang", "transformer_engine")
+HEAVY = ("megatron", "sglang", "transformer_engine", "transformers")
 
 
 def test_subcommands_match_design():
