@@ -133,3 +133,44 @@ def test_sglang_instances_are_compared_with_each_other_after_a_push():
     assert summary["checksum_mismatches"] >= 1
     assert rt.failed, "an instance reporting other weights than its peers on the same version stayed in the pool"
     assert summary["lost_groups"] == 0
+
+
+class PausableEngine(FakeEngine):
+    """SGLang's pause: held until ``/continue_generation``; a disk update leaves it paused."""
+
+    def __init__(self, name: str, **kw) -> None:
+        super().__init__(name, **kw)
+        self.paused = False
+        self.resumed = asyncio.Event()
+
+    async def generate(self, input_ids, sampling_params=None, *, rid=None, return_logprob=True, version=None):
+        while self.paused:
+            await self.resumed.wait()
+        return await super().generate(input_ids, sampling_params, rid=rid, return_logprob=return_logprob,
+                                      version=version)
+
+    async def continue_generation(self) -> dict:
+        self.paused = False
+        self.resumed.set()
+        return {"status": "ok"}
+
+
+class PausingFailedPushTrainer(FakeTrainer):
+    """A push that paused the instances, then failed before it could resume them (the trainer
+    died mid-push, say): the runtime falls back to the snapshot."""
+
+    async def push_weights(self, engines, *args, **kwargs):
+        for url in engines:
+            self.engines[url].paused = True
+            self.engines[url].resumed.clear()
+        raise RuntimeError("broadcast failed: peer gone")
+
+
+def test_the_snapshot_fallback_after_a_failed_push_resumes_the_instance():
+    rt, engines, _ = make(mode="dora", n=2, steps=3, transport="distributed")
+    engines = {n: PausableEngine(n, token_s=0.001) for n in engines}
+    rt.engines, rt.trainer = engines, PausingFailedPushTrainer(engines=engines)
+    summary = asyncio.run(asyncio.wait_for(rt.run(), timeout=60))  # paused instances: every generate would wait
+    assert len(rt.trainer.batches) == 3 and summary["lost_groups"] == 0
+    assert all(e.loads for e in engines.values()), "the fallback loads the snapshot"
+    assert not any(e.paused for e in engines.values())
