@@ -95,6 +95,11 @@ class SGLangClient(EngineClient):
             raise
         return summarize_loads(body)
 
+    async def server_version(self) -> str | None:
+        """The SGLang release serving (``/v1/loads`` carries ``version``), None if not reported."""
+        body = await self._request("GET", "/v1/loads?include=core")
+        return str(body["version"]) if isinstance(body, dict) and body.get("version") else None
+
     async def server_info(self) -> dict[str, Any]:
         """What the runtime polls: ``/v1/loads`` (not the scheduler-bound ``/get_server_info``)."""
         loads = await self.loads()

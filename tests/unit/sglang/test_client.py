@@ -246,3 +246,27 @@ def test_a_refused_session_call_raises_with_sglangs_message():
             await c.close()
 
     asyncio.run(go())
+
+
+def test_an_untested_sglang_release_gets_a_warning_naming_the_tested_one():
+    from dora_megatron.rollout.sglang.server import check_versions
+
+    def app_for(version):
+        async def loads(request: web.Request) -> web.Response:
+            return web.json_response({**LOADS, "version": version})
+
+        app = web.Application()
+        app.router.add_get("/v1/loads", loads)
+        return app
+
+    async def go():
+        out = []
+        for version in ("0.5.23", "0.5.21"):
+            async with TestServer(app_for(version)) as server:
+                out.append(await check_versions([str(server.make_url("")).rstrip("/")]))
+        return out
+
+    tested, older = asyncio.run(go())
+    assert tested == []
+    (warning,) = older
+    assert "SGLang 0.5.21" in warning and "tested with SGLang 0.5.23" in warning
