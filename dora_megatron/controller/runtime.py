@@ -56,6 +56,25 @@ def _is_comm_error(err: BaseException) -> bool:
     return type(err).__module__.split(".")[0] == "aiohttp"
 
 
+async def abort_until_returned(engine: Engine, sample_id: str, prev: asyncio.Task | None) -> None:
+    """Abort ``sample_id`` until its in-flight ``/generate`` (``prev``) has returned.
+
+    WHY repeat: an abort's answer proves nothing. SGLang answers 200 with an empty body whether or
+    not anything matched, and drops the abort of a rid its tokenizer has not seen yet
+    (tokenizer_manager.py ``abort_request``), which is the case while the ``/generate`` is still on
+    its way; the embedded engine answers 404 then. Only the return of the generate says the abort
+    took effect (or the request finished first). The wait between tries doubles from 20 ms to 1 s,
+    so a long generation is not flooded with aborts."""
+    await engine.abort(sample_id)
+    delay = 0.02
+    while prev is not None and not prev.done():
+        done, _ = await asyncio.wait([prev], timeout=delay)
+        if done:
+            break
+        await engine.abort(sample_id)
+        delay = min(1.0, delay * 2)
+
+
 def _clear_stale_checkpoint(path: Path) -> None:
     """Remove an old checkpoint directory about to be rewritten: the completion marker first, so a
     crash part-way leaves an incomplete (ignored) directory, never a mix of two lineages."""
@@ -372,7 +391,7 @@ class Runtime:
             return
         # Fallback (SGLang): abort at src, resubmit prompt + partial output at dst (re-prefill).
         try:
-            await self._abort_until_returned(src, a.sample_id, prev)
+            await abort_until_returned(src, a.sample_id, prev)
         except Exception as err:  # noqa: BLE001
             if not _is_comm_error(err):
                 raise
@@ -388,27 +407,9 @@ class Runtime:
         self.orch.on_migration_done(a.sample_id, reprefill_tokens=reprefill)
         await self._submit(Submit(a.sample_id, a.dst, a.version, resume=True))
 
-    async def _abort_until_returned(self, engine: Engine, sample_id: str, prev: asyncio.Task | None) -> None:
-        """Abort ``sample_id`` until its in-flight ``/generate`` (``prev``) has returned.
-
-        WHY repeat: an abort's answer proves nothing. SGLang answers 200 with an empty body
-        whether or not anything matched, and drops the abort of a rid its tokenizer has not seen
-        yet (tokenizer_manager.py ``abort_request``), which is the case while the ``/generate``
-        is still on its way; the embedded engine answers 404 then. Only the return of the
-        generate says the abort took effect (or the request finished first). The wait between
-        tries doubles from 20 ms to 1 s: a long generation is not flooded with aborts."""
-        await engine.abort(sample_id)
-        delay = 0.02
-        while prev is not None and not prev.done():
-            done, _ = await asyncio.wait([prev], timeout=delay)
-            if done:
-                break
-            await engine.abort(sample_id)
-            delay = min(1.0, delay * 2)
-
     async def _interrupt(self, a: Interrupt, prev: asyncio.Task | None) -> None:
         """Abort the request and wait until its partial output is back (before the instance switches)."""
-        await self._abort_until_returned(self.engines[a.instance], a.sample_id, prev)
+        await abort_until_returned(self.engines[a.instance], a.sample_id, prev)
         if prev is not None and not prev.done():
             await asyncio.wait([prev])
 
