@@ -28,9 +28,12 @@ setup(
         "transformers>=4.51",  # config.json is read by its config classes (dora_megatron/models/hf_config.py)
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6.100"],
-        # CUDA clusters only; documented in the README, never needed on CPU.
-        "gpu": ["transformer-engine[pytorch]", "sglang[all]"],
+        # msgspec: SGLang 0.5.23's request types (tests/sglang_wheel.py) validate the client's bodies
+        "test": ["pytest>=8", "hypothesis>=6.100", "msgspec>=0.18"],
+        # CUDA clusters only; documented in the README, never needed on CPU. SGLang is pinned to
+        # the release whose protocol dora speaks (rollout/sglang/client.py TESTED_SGLANG_VERSION);
+        # another one gets a warning at launch.
+        "gpu": ["transformer-engine[pytorch]", "sglang[all]==0.5.23"],
         "math": ["math-verify"],
     },
     entry_points={"console_scripts": ["dora=dora_megatron.cli.main:entrypoint"]},

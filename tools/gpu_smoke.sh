@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# GPU smoke test of the SGLang production path (launch, generate, one weight update, version echo),
-# then a dry-run of the shipped GPU configs. Run on a machine with CUDA and sglang 0.5.x:
+# GPU smoke test of the SGLang production path against a real SGLang 0.5.23 server: /v1/loads,
+# /model_info, abort (empty reply, a race with the dispatch), plain-text flush, the weight-update
+# session rule, a pause across a disk update, and with 2+ GPUs the NCCL push choreography (pause,
+# begin, buckets, end, continue; a retract push crossed by a request; a push failing halfway);
+# then a dry-run of the shipped GPU configs. Run on a machine with CUDA:
 #   bash tools/gpu_smoke.sh
 # Environment:
 #   DORA_VENV            venv with dora (default .venv)
-#   DORA_SGLANG_PYTHON   interpreter that has sglang, if not the venv's (SGLang pins its own torch)
+#   DORA_SGLANG_PYTHON   interpreter that has sglang 0.5.23, if not the venv's (SGLang pins its own torch)
 #   DORA_GPU_MODEL       small HF model dir to serve (default: the tiny MoE preset, created on the fly)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,10 +18,12 @@ import torch
 print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}, GPUs: {torch.cuda.device_count()}")
 PY
 SGL="${DORA_SGLANG_PYTHON:-$PY}"
-if ! "$SGL" -c "import sglang, sys; print('sglang', sglang.__version__)"; then
-  echo "[gpu_smoke] sglang is not importable from $SGL: set DORA_SGLANG_PYTHON" >&2
+# usable, not merely importable: the server stack must import (an unpacked wheel does not count)
+if ! "$SGL" -c "import sglang.srt.entrypoints.http_server, sglang; print('sglang', sglang.__version__)"; then
+  echo "[gpu_smoke] no usable sglang in $SGL (sglang.srt.entrypoints.http_server does not import): set DORA_SGLANG_PYTHON" >&2
   exit 2
 fi
+"$SGL" -c "import sglang, sys; v = sglang.__version__; sys.exit(0) if v == '0.5.23' else print(f'[gpu_smoke] warning: sglang {v}; dora is tested with 0.5.23')"
 "$PY" -m dora_megatron train --config configs/gpu_ci_small.yaml --dry-run > /dev/null
 "$PY" -m dora_megatron train --config configs/gpu_ci_small.yaml --dry-run --set launch.backend=slurm \
   --set cluster.share_node=true --slurm-env SLURM_JOB_NODELIST=localhost --slurm-env SLURM_GPUS_ON_NODE=3 | tail -1

@@ -16,4 +16,12 @@ if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.__version__.s
 fi
 echo "[setup] installing dora_megatron with test extras"
 "$VENV/bin/python" -m pip install -q -e ".[test]" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
+# SGLang 0.5.23's wheel, unpacked beside the venv (not importable as `sglang`: its request types are
+# loaded by tests/sglang_wheel.py to validate what the client sends; SGLang itself needs a GPU)
+SGL_DIR="$VENV/sglang-wheel"
+if [ ! -f "$SGL_DIR/sglang/_version.py" ] || ! grep -q "'0.5.23'" "$SGL_DIR/sglang/_version.py"; then
+  echo "[setup] unpacking sglang==0.5.23 (no dependencies) into $SGL_DIR"
+  rm -rf "$SGL_DIR"
+  "$VENV/bin/python" -m pip install -q --no-deps --no-compile --target "$SGL_DIR" "sglang==0.5.23"
+fi
 "$VENV/bin/python" -c "import dora_megatron, torch, megatron.core; print('[setup] ok: torch', torch.__version__)"

@@ -24,7 +24,7 @@ class SGLangConfig:
     ep_size: int = field_doc(1, "expert-parallel size inside an instance (`--ep-size`, carved out of tp_size).", ge=1)
     moe_a2a_backend: str = field_doc("none", "MoE all-to-all backend (`--moe-a2a-backend`).",
                                      choices=("none", "deepep", "mooncake", "nixl", "mori", "flashinfer"))
-    enable_dp_attention: bool = field_doc(False, "`--enable-dp-attention` (DP attention + TP FFN for MoE models).")
+    attn_dp_size: int = field_doc(1, "`--attn-dp-size`: data-parallel attention groups inside an instance (attention DP, FFN stays TP; SGLang 0.5.23 ignores the deprecated `--enable-dp-attention`); divides tp_size.", ge=1)
     enable_eplb: bool = field_doc(False, "`--enable-eplb`: expert-parallel load balancing (needs ep_size > 1).")
     eplb_algorithm: str = field_doc("auto", "`--eplb-algorithm`.")
     eplb_rebalance_num_iterations: int = field_doc(1000, "`--eplb-rebalance-num-iterations`: forward passes between rebalances.", ge=1)
@@ -36,12 +36,17 @@ class SGLangConfig:
     disable_radix_cache: bool = field_doc(False, "`--disable-radix-cache`.")
     port_stride: int = field_doc(10, "Ports of instance j on a node: http = rollout.base_port + j*stride, nccl = +1, dist-init = +2.", ge=3)
     health_path: str = field_doc("/health_generate", "Endpoint polled until 200 before an instance is used.", choices=("/health", "/health_generate"))
-    pause_mode: str = field_doc("abort", "`/pause_generation` mode of the `distributed` weight transport before its first bucket (abort returns partial outputs; retract/in_place keep requests and skip the cache flush). The bucket size is `controller.bucket_mb`.", choices=PAUSE_MODES)
+    pause_mode: str = field_doc("abort", "`/pause_generation` mode of the `distributed` weight transport before its first bucket (abort returns partial outputs; retract keeps requests queued and flushes the cache, so they recompute their KV on the new weights; in_place keeps them running on the old KV, no flush). The bucket size is `controller.bucket_mb`.", choices=PAUSE_MODES)
     weight_group_backend: str = field_doc("nccl", "torch.distributed backend of the trainer -> instances weight-update group (`controller.weight_transport: distributed`); nccl needs the trainer on CUDA.", choices=("nccl", "gloo"))
 
     def check(self, path: str) -> None:
         if self.ep_size > self.tp_size or self.tp_size % self.ep_size:
             raise ConfigError(f"{path}.ep_size", f"must divide tp_size ({self.tp_size}); SGLang carves EP out of TP")
+        if self.tp_size % self.attn_dp_size:
+            raise ConfigError(f"{path}.attn_dp_size", f"must divide tp_size ({self.tp_size}); attention DP groups split the TP group")
+        if self.moe_a2a_backend == "flashinfer" and self.attn_dp_size != self.tp_size:
+            raise ConfigError(f"{path}.attn_dp_size", f"moe_a2a_backend flashinfer needs attn_dp_size == tp_size "
+                                                      f"({self.tp_size}); SGLang 0.5.23 refuses to start otherwise")
         if self.enable_eplb and self.ep_size <= 1:
             raise ConfigError(f"{path}.enable_eplb", "needs ep_size > 1 (SGLang asserts it)")
         if self.ep_num_redundant_experts and not self.enable_eplb:

@@ -56,6 +56,25 @@ def _is_comm_error(err: BaseException) -> bool:
     return type(err).__module__.split(".")[0] == "aiohttp"
 
 
+async def abort_until_returned(engine: Engine, sample_id: str, prev: asyncio.Task | None) -> None:
+    """Abort ``sample_id`` until its in-flight ``/generate`` (``prev``) has returned.
+
+    WHY repeat: an abort's answer proves nothing. SGLang answers 200 with an empty body whether or
+    not anything matched, and drops the abort of a rid its tokenizer has not seen yet
+    (tokenizer_manager.py ``abort_request``), which is the case while the ``/generate`` is still on
+    its way; the embedded engine answers 404 then. Only the return of the generate says the abort
+    took effect (or the request finished first). The wait between tries doubles from 20 ms to 1 s,
+    so a long generation is not flooded with aborts."""
+    await engine.abort(sample_id)
+    delay = 0.02
+    while prev is not None and not prev.done():
+        done, _ = await asyncio.wait([prev], timeout=delay)
+        if done:
+            break
+        await engine.abort(sample_id)
+        delay = min(1.0, delay * 2)
+
+
 def _clear_stale_checkpoint(path: Path) -> None:
     """Remove an old checkpoint directory about to be rewritten: the completion marker first, so a
     crash part-way leaves an incomplete (ignored) directory, never a mix of two lineages."""
@@ -109,6 +128,9 @@ class Runtime:
         self.checksum_mismatches = 0
         self.weight_sync_timeouts = 0
         self.expected_checksums: dict[int, str] = {}
+        #: version -> SGLang's own checksum of it (``/weights_checker``), as the first instance that
+        #: loaded it reported: SGLang's checksum is comparable between instances only
+        self.instance_checksums: dict[int, str] = {}
         self._moves_at: dict[str, set[asyncio.Task]] = {}  # instance -> migrations/interrupts into or out of it
         self._switching: dict[str, asyncio.Task] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -309,6 +331,9 @@ class Runtime:
             self.timeline.span(instance, rec.sample_id, start, end, version=rec.version, kind="request")
         rec.output_ids.extend(resp.output_ids)
         rec.logprobs.extend(resp.output_token_logprobs or [0.0] * len(resp.output_ids))
+        # C1 accounting: an answer that crossed a weight update (SGLang's meta_info.weight_versions)
+        # produced its tokens under several versions; each is recorded, not just the routed one
+        rec.versions.update(int(v) for v in getattr(resp, "versions_used", ()) if str(v).lstrip("-").isdigit())
         reason = (resp.finish_reason or {}).get("type")
         if reason == "abort":
             return  # interrupted (partial mode) or failed over: a later Submit(resume) continues it
@@ -366,7 +391,7 @@ class Runtime:
             return
         # Fallback (SGLang): abort at src, resubmit prompt + partial output at dst (re-prefill).
         try:
-            await src.abort(a.sample_id)
+            await abort_until_returned(src, a.sample_id, prev)
         except Exception as err:  # noqa: BLE001
             if not _is_comm_error(err):
                 raise
@@ -384,16 +409,16 @@ class Runtime:
 
     async def _interrupt(self, a: Interrupt, prev: asyncio.Task | None) -> None:
         """Abort the request and wait until its partial output is back (before the instance switches)."""
-        for _ in range(50):
-            if await self.engines[a.instance].abort(a.sample_id) or prev is None or prev.done():
-                break
-            await asyncio.sleep(0.02)  # the generate may not have reached the engine yet
+        await abort_until_returned(self.engines[a.instance], a.sample_id, prev)
         if prev is not None and not prev.done():
             await asyncio.wait([prev])
 
-    async def _switch(self, a: SwitchVersion, prev: asyncio.Task | None = None, engine: Engine | None = None) -> None:
+    async def _switch(self, a: SwitchVersion, prev: asyncio.Task | None = None, engine: Engine | None = None,
+                      *, resume: bool = False) -> None:
         """``engine``: the instance's client when the switch was ordered (a switch ordered before the
-        instance was restarted does not touch its new process)."""
+        instance was restarted does not touch its new process). ``resume``: the load follows a
+        failed push, which may have left the instance paused; a disk update does not clear
+        SGLang's pause (every later ``/generate`` would wait), so generation is continued after it."""
         if prev is not None and not prev.done():
             await asyncio.wait([prev])
         moves = [t for t in self._moves_at.get(a.instance, ()) if not t.done()]
@@ -406,7 +431,8 @@ class Runtime:
             return  # failed (or replaced) while this switch waited: the orchestrator no longer expects it
         start = self.now()
         try:
-            got = await asyncio.wait_for(self._load_weights(engine, a.version), timeout=self.opt.weight_sync_timeout_s)
+            got = await asyncio.wait_for(self._load_weights(engine, a.version, resume=resume),
+                                         timeout=self.opt.weight_sync_timeout_s)
         except asyncio.TimeoutError:
             self.weight_sync_timeouts += 1
             self._instance_failed(a.instance, f"switch to v{a.version} did not finish within "
@@ -416,9 +442,9 @@ class Runtime:
         except Exception as err:  # noqa: BLE001 - an instance that cannot load weights is failed
             self._instance_failed(a.instance, f"switch to v{a.version} failed: {err}", engine=engine)
             return
-        if got is not None and got != self.expected_checksums[a.version]:
+        if got is not None:
             self.checksum_mismatches += 1
-            self._instance_failed(a.instance, f"weights checksum mismatch for version {a.version}", engine=engine)
+            self._instance_failed(a.instance, got, engine=engine)
             return
         if self.engines.get(a.instance) is not engine:
             return  # the instance was replaced (restarted) meanwhile; its own switch follows
@@ -442,12 +468,34 @@ class Runtime:
         latest = self._switching.get(instance)
         return latest is not None and latest is not asyncio.current_task()
 
-    async def _load_weights(self, engine: Engine, version: int) -> str | None:
-        """Load snapshot ``version``; return the engine's weights checksum when it is to be verified."""
+    async def _load_weights(self, engine: Engine, version: int, *, resume: bool = False) -> str | None:
+        """Load snapshot ``version``; returns why the loaded weights are wrong (checksum), or None."""
         await engine.update_weights_from_disk(self.opt.snapshot_dir(version), weight_version=version)
-        if self.opt.verify_checksums and version in self.expected_checksums and await engine.supports("weights_checksum"):
-            return await engine.weights_checksum()
-        return None
+        if resume and hasattr(engine, "continue_generation"):
+            await engine.continue_generation()
+        return await self._verify_weights(engine, version)
+
+    async def _verify_weights(self, engine: Engine, version: int) -> str | None:
+        """``controller.verify_checksums`` after every load, whatever moved the weights: the
+        embedded engine's checksum equals the trainer's export checksum of ``version``; SGLang's
+        own (``/weights_checker``) is compared with the one the first instance on ``version``
+        reported. Returns the mismatch, or None."""
+        if not self.opt.verify_checksums:
+            return None
+        if await engine.supports("weights_checksum"):
+            if version not in self.expected_checksums:
+                return None
+            got = await engine.weights_checksum()
+            want = self.expected_checksums[version]
+            return None if got == want else (f"weights checksum mismatch for version {version}: engine {got[:16]}, "
+                                             f"trainer {want[:16]}")
+        instance_checksum = getattr(engine, "instance_checksum", None)
+        got = await instance_checksum() if instance_checksum is not None else None
+        if got is None:
+            return None
+        want = self.instance_checksums.setdefault(version, got)
+        return None if got == want else (f"weights checksum mismatch for version {version}: /weights_checker "
+                                         f"{got[:16]}, other instances on it {want[:16]}")
 
     def add_instance(self, name: str, engine: Engine) -> None:
         """Elastic pools: ``engine`` joins the running job as ``name`` (new, or a failed name coming
@@ -492,12 +540,27 @@ class Runtime:
             result = None
         if result is None:
             for a in live:
-                await self._switch(a)
+                await self._switch(a, resume=True)
             return
+        if result.get("checksum") and live[0].version not in self.expected_checksums:
+            self.expected_checksums[live[0].version] = str(result["checksum"])
         end = self.now()
         self.switch_s += (end - start) * len(live)
         self.pushed_bytes += int(result.get("bytes", 0))
         for a in live:
+            engine = self.engines[a.instance]
+            try:
+                wrong = await self._verify_weights(engine, a.version)
+            except Exception as err:  # noqa: BLE001
+                if not _is_comm_error(err):
+                    raise
+                self._instance_failed(a.instance, f"weights check after the push of v{a.version} failed: {err}",
+                                      engine=engine)
+                continue
+            if wrong is not None:
+                self.checksum_mismatches += 1
+                self._instance_failed(a.instance, wrong, engine=engine)
+                continue
             self._version_of[a.instance] = a.version
             if self.timeline is not None:
                 self.timeline.set_version(a.instance, a.version, end)

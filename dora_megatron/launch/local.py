@@ -256,6 +256,11 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
         _wait_http(f"{trainer_url}/health", procs, cfg.launch.trainer_startup_timeout_s, "trainer"),
     )
     say(f"all processes healthy after {time.monotonic() - t_start:.1f} s")
+    if cfg.rollout.engine == "sglang":
+        from dora_megatron.rollout.sglang.server import check_versions
+
+        for warning in await check_versions(list(urls.values())):
+            say(f"warning: {warning}")
     data = cfg.data
     if data.task != "jsonl":
         source, reward_fn = make_prompt_source(data.task, min_len=data.min_len, max_len=data.max_len,

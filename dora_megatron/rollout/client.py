@@ -126,8 +126,10 @@ class EngineClient:
         return await self._request("POST", "/continue_generation", {})
 
     async def flush_cache(self) -> bool:
+        """True once the cache is flushed; False when the engine refused (requests still running).
+        The body is not read: SGLang answers plain text ("Cache flushed. ..."), not JSON."""
         try:
-            await self._request("POST", "/flush_cache")
+            await self._request("POST", "/flush_cache", raw=True)
         except EngineError as exc:
             if exc.status == 400:
                 return False

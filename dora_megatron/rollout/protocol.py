@@ -238,7 +238,16 @@ class GenerateResponse:
     weight_version: str
     output_token_logprobs: list[float] | None = None
     migrated: bool = False
+    #: ``meta_info.weight_versions`` (SGLang >= 0.5.22): ``(version, start, end)`` output-token spans,
+    #: in order, saying which weights produced which tokens; empty when the engine does not report them
+    weight_versions: list[tuple[str, int, int]] = field(default_factory=list)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def versions_used(self) -> list[str]:
+        """The weight versions that produced this answer's tokens, in order (at least the echoed one)."""
+        spans = [v for v, _, _ in self.weight_versions]
+        return spans or [self.weight_version]
 
     @property
     def finish_type(self) -> str:
@@ -257,8 +266,18 @@ class GenerateResponse:
             weight_version=str(meta.get("weight_version", "")),
             output_token_logprobs=None if lps is None else [float(x[0]) for x in lps],
             migrated=bool(meta.get("dora_migrated", False)),
+            weight_versions=_spans(meta.get("weight_versions")),
             raw=dict(d),
         )
+
+
+def _spans(raw: Any) -> list[tuple[str, int, int]]:
+    """``meta_info.weight_versions`` as ``(version, start, end)``; malformed entries are skipped."""
+    out: list[tuple[str, int, int]] = []
+    for span in raw or ():
+        if isinstance(span, Mapping) and "version" in span:
+            out.append((str(span["version"]), int(span.get("start", 0)), int(span.get("end", 0))))
+    return out
 
 
 @dataclass

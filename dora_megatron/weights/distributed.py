@@ -15,26 +15,32 @@ WHY this order (reference B.2 and pitfalls E.1-E.8):
   ``_new_process_group_helper``, the layout SGLang uses), then the HTTP answers are awaited:
   either side alone blocks forever.
 * **push(version)**: ``/pause_generation`` with the configured mode (none: the caller pushes only
-  to instances it drained, as the DORA runtime does); then per bucket (HF names, at most
-  ``bucket_mb``, planned by :func:`dora_megatron.weights.plan.plan_buckets`, the planner every
-  transport shares) one ``/update_weights_from_distributed`` per instance, sent before the
-  broadcast of the bucket's tensors (in ``names`` order, from a worker thread so the HTTP answers,
-  which carry errors and have timeouts, stay on the event loop); then ``/continue_generation``.
-  ``weight_version`` travels inside every update request (never ``/update_weight_version``, which
-  aborts everything by default) and ``abort_all_requests`` stays false (the pause did the work).
+  to instances it drained, as the DORA runtime does); ``/begin_weight_update`` (SGLang >= 0.5.22
+  refuses ``/update_weights_from_distributed`` outside such a session, weight_updater.py); then
+  per bucket (HF names, at most ``bucket_mb``, planned by
+  :func:`dora_megatron.weights.plan.plan_buckets`, the planner every transport shares) one
+  ``/update_weights_from_distributed`` per instance, sent before the broadcast of the bucket's
+  tensors (in ``names`` order, from a worker thread so the HTTP answers, which carry errors and
+  have timeouts, stay on the event loop); then ``/end_weight_update`` and
+  ``/continue_generation``. ``weight_version`` travels with the *last* bucket only (SGLang sets
+  the version on every successful update call, so a push failing halfway would otherwise leave the
+  instance reporting the new version on mixed weights); never ``/update_weight_version``, which
+  aborts everything by default. ``abort_all_requests`` stays false (the pause did the work).
 * **flush_cache**: SGLang flushes the radix cache after an update with ``flush_cache=true`` and
-  asserts the flush succeeded, which it cannot while requests are running or waiting. After an
-  ``abort`` pause (or with no pause, on a drained instance) the instance is empty: only the last
-  bucket asks for the flush (once, after all weights are in). After ``retract``/``in_place``
-  requests are still held: no bucket asks for it, and the KV those requests computed under the old
-  weights stays in use (a sample then spans two versions: only acceptable in ``partial`` mode,
-  which records it).
+  fails the update when the flush is refused, which it is while requests run (or wait, unless
+  generation is paused; scheduler.py ``flush_cache``). After an ``abort`` pause (or with no pause,
+  on a drained instance) the instance is empty, after ``retract`` its requests wait in the queue
+  with their KV freed: the last bucket asks for the flush (once, after all weights are in), so no
+  request reuses prefix KV the old weights computed. After ``in_place`` the requests keep running
+  on the old KV (SGLang's documented semantics): no bucket asks for it; a sample then spans two
+  versions, which ``meta_info.weight_versions`` reports and the runtime records.
 * **failure**: an engine that rejects a bucket (unknown names, wrong shapes) answers before
   receiving, so the broadcast to it cannot complete; the trainer's broadcast then fails after
   ``timeout_s`` (gloo/NCCL collectives cannot be cancelled). :class:`PushError` names the engines
-  and their messages; their weights may be partly updated, so they are not resumed: the caller
-  discards them or loads a whole version again. An engine keeps its old weights for any bucket it
-  did not load completely.
+  and their messages. Every exit path closes the sessions it opened and resumes the instances it
+  paused (a paused SGLang instance holds every later ``/generate``, and a disk update does not
+  clear the pause); their weights may be mixed but they still report the old version, so the
+  caller loads a whole version (the runtime: the snapshot) before routing work to them.
 """
 
 from __future__ import annotations
@@ -60,6 +66,8 @@ class UpdateTarget(Protocol):
     async def destroy_weights_update_group(self, group_name: str = ...) -> dict[str, Any]: ...
     async def update_weights_from_distributed(self, names, dtypes, shapes, group_name=..., weight_version=None, *,
                                               flush_cache: bool = True, abort_all_requests: bool = False) -> dict[str, Any]: ...
+    async def begin_weight_update(self, selector: str = ...) -> dict[str, Any]: ...
+    async def end_weight_update(self) -> dict[str, Any]: ...
     async def pause(self, mode: str = "abort") -> dict[str, Any]: ...
     async def continue_generation(self) -> dict[str, Any]: ...
     async def weight_version(self) -> str: ...
@@ -92,7 +100,7 @@ def bucket_flags(pause_mode: str | None, last: bool) -> dict[str, bool]:
     ``pause_mode`` None: the instance was drained by the caller (empty, like after ``abort``)."""
     if pause_mode is not None and pause_mode not in PAUSE_MODES:
         raise ValueError(f"unknown pause mode {pause_mode!r} (expected one of {', '.join(PAUSE_MODES)} or none)")
-    return {"flush_cache": pause_mode in (None, "abort") and last, "abort_all_requests": False}
+    return {"flush_cache": pause_mode in (None, "abort", "retract") and last, "abort_all_requests": False}
 
 
 class DistributedWeightPusher:
@@ -168,6 +176,14 @@ class DistributedWeightPusher:
                 log.warning("could not destroy the trainer side of %s", self.group_name, exc_info=True)
             self.group = None
 
+    async def _end_sessions(self, names: list[str]) -> dict[str, str]:
+        """``/end_weight_update`` on ``names``; returns the failures (logged)."""
+        res = await asyncio.gather(*(self.targets[n].end_weight_update() for n in names), return_exceptions=True)
+        errors = failures(names, res)
+        for name, err in errors.items():
+            log.error("%s: end_weight_update failed: %s", name, err)
+        return errors
+
     async def push(self, version: int | str, named_tensors: Iterable[tuple[str, Any]]) -> PushResult:
         """Send every ``(hf_name, tensor)`` as weights ``version`` to every instance."""
         from dora_megatron.rollout.engine import weight_sync
@@ -181,32 +197,49 @@ class DistributedWeightPusher:
         buckets = plan_buckets([spec_of(n, t) for n, t in by_name.items()], self.bucket_mb)
         names = list(self.targets)
         paused: dict[str, Any] = {}
-        if self.pause_mode is not None:
-            res = await asyncio.gather(*(t.pause(self.pause_mode) for t in self.targets.values()),
-                                       return_exceptions=True)
+        opened: list[str] = []
+        try:
+            if self.pause_mode is not None:
+                res = await asyncio.gather(*(t.pause(self.pause_mode) for t in self.targets.values()),
+                                           return_exceptions=True)
+                if errors := failures(names, res):
+                    raise PushError("pause_generation failed", errors)
+                paused = dict(zip(names, res))
+            res = await asyncio.gather(*(t.begin_weight_update() for t in self.targets.values()), return_exceptions=True)
+            opened = [n for n, r in zip(names, res) if not isinstance(r, BaseException)]
             if errors := failures(names, res):
-                raise PushError("pause_generation failed", errors)
-            paused = dict(zip(names, res))
-        for b in buckets:
-            flags = bucket_flags(self.pause_mode, last=b.index == len(buckets) - 1)
-            posts = [asyncio.ensure_future(t.update_weights_from_distributed(
-                b.names, b.dtypes, b.shapes, group_name=self.group_name, weight_version=str(version), **flags))
-                for t in self.targets.values()]
-            send = asyncio.to_thread(weight_sync.send_tensors, self.group, [by_name[n] for n in b.names])
-            results = await asyncio.gather(send, *posts, return_exceptions=True)
-            errors = failures(names, results[1:])
-            if isinstance(results[0], BaseException):
-                errors["trainer"] = f"broadcast failed: {type(results[0]).__name__}: {str(results[0])[:200]}"
-            if errors:  # the collective order is broken for the failed ones: stop here
-                raise PushError(f"bucket {b.index + 1}/{len(buckets)} ({len(b.names)} tensors) not delivered", errors)
-        got = await asyncio.gather(*(t.weight_version() for t in self.targets.values()), return_exceptions=True)
-        versions = {n: (f"error: {v}" if isinstance(v, BaseException) else str(v)) for n, v in zip(names, got)}
-        wrong = {n: f"reports weight_version {v!r} after pushing {version}" for n, v in versions.items()
-                 if v != str(version)}
-        if wrong:
-            raise PushError("weights not taken", wrong)
-        if self.pause_mode is not None:
-            await asyncio.gather(*(t.continue_generation() for t in self.targets.values()))
+                raise PushError("begin_weight_update failed", errors)
+            for b in buckets:
+                last = b.index == len(buckets) - 1
+                flags = bucket_flags(self.pause_mode, last=last)
+                posts = [asyncio.ensure_future(t.update_weights_from_distributed(
+                    b.names, b.dtypes, b.shapes, group_name=self.group_name,
+                    weight_version=str(version) if last else None, **flags))
+                    for t in self.targets.values()]
+                send = asyncio.to_thread(weight_sync.send_tensors, self.group, [by_name[n] for n in b.names])
+                results = await asyncio.gather(send, *posts, return_exceptions=True)
+                errors = failures(names, results[1:])
+                if isinstance(results[0], BaseException):
+                    errors["trainer"] = f"broadcast failed: {type(results[0]).__name__}: {str(results[0])[:200]}"
+                if errors:  # the collective order is broken for the failed ones: stop here
+                    raise PushError(f"bucket {b.index + 1}/{len(buckets)} ({len(b.names)} tensors) not delivered", errors)
+            ended, opened = await self._end_sessions(opened), []
+            if ended:
+                raise PushError("end_weight_update failed", ended)
+            got = await asyncio.gather(*(t.weight_version() for t in self.targets.values()), return_exceptions=True)
+            versions = {n: (f"error: {v}" if isinstance(v, BaseException) else str(v)) for n, v in zip(names, got)}
+            wrong = {n: f"reports weight_version {v!r} after pushing {version}" for n, v in versions.items()
+                     if v != str(version)}
+            if wrong:
+                raise PushError("weights not taken", wrong)
+        finally:  # every exit path: close the sessions opened, resume what was paused
+            if opened:
+                await self._end_sessions(opened)
+            if self.pause_mode is not None:
+                res = await asyncio.gather(*(t.continue_generation() for t in self.targets.values()),
+                                           return_exceptions=True)
+                for name, err in failures(names, res).items():
+                    log.error("%s: continue_generation after the push failed: %s", name, err)
         return PushResult("distributed", version, sum(b.nbytes for b in buckets), time.perf_counter() - t0,
                           num_tensors=len(by_name), num_buckets=len(buckets), connect_seconds=self.connect_seconds,
                           versions=versions, group_name=self.group_name, paused=paused)

@@ -1,10 +1,14 @@
-"""The SGLang production path, run on CPU against embedded engines speaking the same protocol.
+"""The SGLang production path, run on CPU against stand-ins for SGLang 0.5.23 servers.
 
-The :class:`SGLangEngine` adapter hides every dora extension, so the runtime behaves exactly as it
-would with SGLang servers: migrations become abort + resubmit of prompt + partial output on a
-same-version instance (re-prefill, counted), C1 is checked from the echoed ``weight_version``,
-and weights are pushed with the SGLang distributed-update choreography (pause, buckets, flush on
-the last bucket, continue) over gloo.
+Each instance is ``tests/sglang_standin.py``: the embedded engine for the arithmetic behind the
+HTTP surface of SGLang 0.5.23 as its source says it behaves (weight-update sessions, empty abort
+replies, plain-text flush, a pause that outlives a disk update, ``/v1/loads`` semantics, no dora
+extension; each behaviour cites the SGLang file it models), validating every request body with
+SGLang's own request types when the wheel is installed (``tools/setup_env.sh``). So the runtime
+takes exactly the SGLang paths: migrations become abort + resubmit of prompt + partial output on a
+same-version instance (re-prefill, counted), C1 is checked from the echoed versions, and weights
+are pushed with the SGLang distributed-update choreography (pause, begin, buckets, end, continue)
+over gloo.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -28,16 +33,17 @@ from dora_megatron.data.tasks import RunningSumTask, running_sum_reward
 from dora_megatron.models import hf_io
 from dora_megatron.orchestrator import Orchestrator
 from dora_megatron.ports import free_port, free_ports
-from dora_megatron.rollout.client import EngineClient, VersionMismatch
+from dora_megatron.rollout.client import VersionMismatch
 from dora_megatron.rollout.sglang.client import SGLangClient
 from dora_megatron.rollout.sglang.engine import SGLangEngine
-from dora_megatron.weights.checksum import weights_checksum
 from dora_megatron.weights.distributed import DistributedWeightPusher
 from dora_megatron.weights.results import PushError
+from tests.sglang_standin import start_standin
 
 pytestmark = pytest.mark.integration
 
 MAX_NEW = 64
+STANDIN = Path(__file__).resolve().parents[1] / "sglang_standin.py"
 
 
 @pytest.fixture(scope="module")
@@ -53,21 +59,17 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engines(model_dir):
-    from dora_megatron.rollout.engine.process import start_engine
-
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(3) as pool:  # start in parallel; each waits for its own /health
-        futures = [pool.submit(start_engine, model_dir, max_running=8, num_threads=1, weight_version="0") for _ in range(3)]
+def engines(model_dir, tmp_path_factory):
+    """Three SGLang 0.5.23 stand-ins, started in parallel; stopped by pid afterwards."""
+    logs = tmp_path_factory.mktemp("standin-logs")
+    with ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(start_standin, model_dir, logs, name=f"sgl{i}", weight_version="0") for i in range(3)]
     started = [f.result() for f in futures if f.exception() is None]
     try:
         if len(started) < 3:
-            raise RuntimeError(f"engine start failed: {[f.exception() for f in futures if f.exception()]}")
+            raise RuntimeError(f"stand-in start failed: {[f.exception() for f in futures if f.exception()]}")
         yield started
     finally:
-        for e in started:
-            e.proc.terminate()
         for e in started:
             e.stop()
 
@@ -116,7 +118,7 @@ def test_runtime_on_sglang_adapter_migrates_by_resubmit_and_keeps_outputs(engine
         runtime.append(rt)
         summary = await rt.run()
         # greedy reference: every sample generated in one piece on one instance
-        ref = EngineClient(engines[0].url)
+        ref = SGLangClient(engines[0].url)
         refs = []
         for batch in trainer.batches:
             for s in batch:
@@ -127,83 +129,112 @@ def test_runtime_on_sglang_adapter_migrates_by_resubmit_and_keeps_outputs(engine
         mismatches = sum(a.version_mismatches for a in adapters.values())
         for a in adapters.values():
             await a.close()
-        return summary, refs, mismatches
+        return summary, refs, mismatches, rt
 
-    summary, refs, mismatches = asyncio.run(go())
+    summary, refs, mismatches, rt = asyncio.run(go())
     print({k: summary[k] for k in ("migrations", "migrations_reprefill", "reprefill_tokens", "max_live_versions")})
     assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0
     assert summary["c1_violations"] == 0 and mismatches == 0
     assert summary["migrations_kv"] == 0, "the SGLang path must never use the KV export extension"
     assert summary["migrations_reprefill"] > 0 and summary["reprefill_tokens"] > 0
+    assert summary["checksum_mismatches"] == 0 and len(rt.instance_checksums) >= 1  # /weights_checker was compared
     assert len(trainer.batches) == 5 and all(len(b) == 2 * 2 for b in trainer.batches)
     for got, want in refs:  # resubmitting prompt + partial output continues the same greedy sequence
         assert got == want, (tok.decode(got), tok.decode(want))
 
 
-def test_distributed_push_pauses_updates_in_buckets_and_resumes(engines, model_dir, tmp_path):
+def test_distributed_push_choreography_against_sglang_0_5_23(engines, model_dir, tmp_path):
+    """pause -> begin_weight_update -> buckets (version on the last) -> end -> continue; a retract
+    pause flushes and the request that crossed the update reports both versions; a push that
+    fails halfway leaves the instances resumed, their sessions closed and the old version reported."""
     from dora_megatron.models.presets import preset_config
 
     cfg = preset_config("tiny-moe")
     new = hf_io.random_state_dict(cfg, 11)
+    newer = hf_io.random_state_dict(cfg, 12)
     prompt = tok.encode("123:", add_bos=True)
     long = {"temperature": 0.0, "max_new_tokens": 400, "ignore_eos": True}
     greedy = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
+
+    def pusher_for(clients, pause_mode):
+        return DistributedWeightPusher(clients, {n: 1 for n in clients}, master_address="127.0.0.1",
+                                       master_port=free_port(), group_name=f"dora-test-{pause_mode}", backend="gloo",
+                                       pause_mode=pause_mode, bucket_mb=1, timeout_s=10)  # 1 MiB: several buckets
+
+    async def running(client, n=1):
+        for _ in range(1000):  # bounded: 10 s
+            if (await client.server_info())["num_running_reqs"] == n:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("the long request never ran")
 
     async def go():
         clients = {f"e{i}": SGLangClient(e.url) for i, e in enumerate(engines[:2])}
         for c in clients.values():
             await c.update_weights_from_disk(model_dir, weight_version=0)
         before = await clients["e0"].generate(prompt, greedy)
-        pusher = DistributedWeightPusher(clients, {n: 1 for n in clients}, master_address="127.0.0.1",
-                                         master_port=free_port(), group_name="dora-test", backend="gloo",
-                                         pause_mode="abort", bucket_mb=1, timeout_s=10)  # 1 MiB: several buckets
+        sum_before = await clients["e0"].instance_checksum()
+        out = {}
+        # 1. abort pause: the in-flight request comes back cut, every instance takes v7
+        pusher = pusher_for(clients, "abort")
         await pusher.connect()
-        in_flight = asyncio.create_task(clients["e1"].generate(prompt, long, rid="long-1"))
-        for _ in range(500):
-            if (await clients["e1"].server_info())["num_running_reqs"] == 1:
-                break
-            await asyncio.sleep(0.01)
-        report = await pusher.push(7, sorted(new.items()))
-        cut = await in_flight  # the abort pause returned it with its partial output
-        after = {n: (await c.generate(prompt, greedy), await c.weights_checksum(), await c.weight_version())
-                 for n, c in clients.items()}
+        in_flight = asyncio.create_task(clients["e1"].generate(prompt, long, rid="long-1#"))
+        await running(clients["e1"])
+        out["report"] = await pusher.push(7, sorted(new.items()))
+        out["cut"] = await in_flight
+        out["after"] = {n: (await c.generate(prompt, greedy), await c.instance_checksum(), await c.weight_version())
+                        for n, c in clients.items()}
         # a stale routing decision is caught from the echoed version (SGLang has no per-request check)
-        adapter = SGLangEngine(clients["e0"])
         with pytest.raises(VersionMismatch):
-            await adapter.generate(prompt, greedy, rid="stale", version=6)
-        # an update naming a tensor the model lacks fails on the instance and is reported as such
-        # (an instance that refuses before receiving leaves the broadcast to the group timeout)
+            await SGLangEngine(clients["e0"]).generate(prompt, greedy, rid="stale", version=6)
+        await pusher.disconnect()
+        # 2. retract pause: the request waits, the cache is flushed, it resumes on v9 and says so
+        pusher = pusher_for(clients, "retract")
+        await pusher.connect()
+        crossing = asyncio.create_task(SGLangEngine(clients["e1"]).generate(prompt, long, rid="cross", version=7))
+        await running(clients["e1"])
+        await asyncio.sleep(0.5)  # let it produce tokens on v7 first
+        await pusher.push(9, sorted(newer.items()))
+        out["crossed"] = await crossing
+        # 3. a push failing halfway (the last bucket names a tensor the model lacks): the instance
+        # refuses it before receiving, the broadcast fails after the group timeout
+        items = sorted(new.items()) + [("model.layers.0.mlp.experts.99.up_proj.weight", torch.zeros(4, 4))]
         with pytest.raises(PushError) as bad:
-            await pusher.push(8, [("model.layers.0.mlp.experts.99.up_proj.weight", torch.zeros(4, 4))])
+            await pusher.push(10, items)
+        out["bad"] = bad.value
+        out["after_bad"] = {n: await c.weight_version() for n, c in clients.items()}
+        # resumed: a generate answers (a still-paused SGLang holds it until its timeout)
+        out["served"] = await asyncio.wait_for(clients["e0"].generate(prompt, greedy), timeout=60)
+        # the failed push closed its sessions: a new one opens
+        for c in clients.values():
+            await c.begin_weight_update()
+            await c.end_weight_update()
         await pusher.disconnect()
         for c in clients.values():
-            await c.continue_generation()
             await c.close()
-        return before, report, cut, after, bad.value
+        return before, sum_before, out
 
-    before, report, cut, after, bad = asyncio.run(go())
+    before, sum_before, out = asyncio.run(go())
+    report, cut, after = out["report"], out["cut"], out["after"]
     assert report.num_buckets > 1 and report.num_tensors == len(new) and set(report.paused) == {"e0", "e1"}
     assert cut.finish_type == "abort" and 0 < len(cut.output_ids) < 400 and cut.weight_version == "0"
-    for out, checksum, version in after.values():
-        assert version == "7" and out.weight_version == "7"
-        assert checksum == weights_checksum(new)  # every instance holds exactly the pushed tensors
-        assert out.output_ids != before.output_ids
-    assert {"e0", "e1"} <= set(bad.errors) and "rejected before receiving" in bad.errors["e0"]
+    sums = {checksum for _, checksum, _ in after.values()}
+    assert len(sums) == 1 and sum_before not in sums  # both hold the same, new weights
+    for gen, _, version in after.values():
+        assert version == "7" and gen.weight_version == "7" and gen.output_ids != before.output_ids
+    crossed = out["crossed"]
+    assert crossed.versions_used == ["7", "9"] and len(crossed.output_ids) == 400, crossed.weight_versions
+    assert {"e0", "e1"} <= set(out["bad"].errors) and "rejected before receiving" in out["bad"].errors["e0"]
+    assert out["after_bad"] == {"e0": "9", "e1": "9"}, "a half-pushed v10 must not be reported"
+    assert out["served"].weight_version == "9"
 
 
 SHIM = '''#!{python}
 """Stands in for an interpreter with sglang: `-m sglang.launch_server <SGLang flags>` runs the
-embedded engine, which speaks the same HTTP protocol, with the flags that matter mapped over."""
-import argparse, os, sys
+SGLang 0.5.23 stand-in (tests/sglang_standin.py) with the same flags."""
+import os, sys
 assert sys.argv[1:3] == ["-m", "sglang.launch_server"], sys.argv
-p = argparse.ArgumentParser()
-for flag in ("--model-path", "--host", "--port", "--weight-version", "--max-running-requests"):
-    p.add_argument(flag)
-a, _ = p.parse_known_args(sys.argv[3:])
-host = os.environ.get("FAKE_NODE_ADDR", a.host)  # fake multi-node jobs: each 'node' is its own loopback address
-os.execv({python!r}, [{python!r}, "-m", "dora_megatron", "serve", "--model", a.model_path, "--host", host,
-          "--port", a.port, "--weight-version", a.weight_version, "--max-running", a.max_running_requests,
-          "--num-threads", "1"])
+os.execv({python!r}, [{python!r}, {standin!r}, *sys.argv[3:]])
 '''
 
 
@@ -247,7 +278,7 @@ def test_slurm_node_runs_a_whole_single_node_job(tmp_path):
     'SGLang' instances share the node, the controller runs in-process and writes DONE."""
     _needs_psutil()
     cmd, _, run_dir = slurm_train(
-        tmp_path, SHIM.format(python=sys.executable),
+        tmp_path, SHIM.format(python=sys.executable, standin=str(STANDIN)),
         ("cluster.share_node=true", "cluster.trainer_gpus=1", "sglang.health_path=/health", *SHORT_RUN),
         ("SLURM_JOB_NODELIST=localhost", "SLURM_NODEID=0", "SLURM_GPUS_ON_NODE=3", "SLURM_JOB_ID=7"))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -270,7 +301,7 @@ def test_three_node_slurm_job_pushes_weights_across_nodes(tmp_path):
     model_dir = create_model_dir("tiny-moe", tmp_path / "model", seed=0)  # on the 'shared filesystem'
     nodes = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
     cmd, ports, run_dir = slurm_train(
-        tmp_path, SHIM.format(python=sys.executable),
+        tmp_path, SHIM.format(python=sys.executable, standin=str(STANDIN)),
         (f"model.path={model_dir}", "sglang.health_path=/health", "sglang.weight_group_backend=gloo",
          "controller.weight_transport=distributed", "controller.weight_sync_timeout_s=120",
          "orchestrator.max_staleness=1", "cluster.join_poll_s=0.5", *SHORT_RUN),

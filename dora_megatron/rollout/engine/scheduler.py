@@ -58,10 +58,28 @@ class Request:
     reserved_blocks: int = 0
     migrations: int = 0
     created: float = field(default_factory=time.monotonic)
+    #: (old version, output tokens made so far) at each weight change the request lived through
+    version_changes: list[tuple[str, int]] = field(default_factory=list)
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+
+def weight_version_spans(changes: list[tuple[str, int]], current: str, num_output: int) -> list[dict[str, Any]]:
+    """``meta_info.weight_versions`` as SGLang (>= 0.5.22) reports it: consecutive output-token
+    spans ``{"version", "start", "end"}``, one per version that produced tokens (a request with
+    no output yet: one empty span of the current version)."""
+    spans: list[dict[str, Any]] = []
+    for version, end in [*changes, (current, num_output)]:
+        end = min(end, num_output)
+        if spans and end <= spans[-1]["end"]:
+            continue
+        if spans and version == spans[-1]["version"]:
+            spans[-1]["end"] = end
+            continue
+        spans.append({"version": version, "start": spans[-1]["end"] if spans else 0, "end": end})
+    return spans
 
 
 @dataclass(frozen=True)
@@ -232,6 +250,7 @@ class Scheduler:
             "completion_tokens": len(r.output_ids),
             "cached_tokens": 0,
             "weight_version": self.weight_version,
+            "weight_versions": weight_version_spans(r.version_changes, self.weight_version, len(r.output_ids)),
             "e2e_latency": time.monotonic() - r.created,
             "dora_version": r.version,
             "dora_migrations": r.migrations,
@@ -313,6 +332,9 @@ class Scheduler:
         if version is not None and str(version) != self.weight_version:
             old, self.weight_version = self.weight_version, str(version)
             self._abort_version_bound(old)
+            for r in list(self.running) + list(self.waiting) + list(self.held):
+                if r.output_ids:
+                    r.version_changes.append((old, len(r.output_ids)))
 
     def _abort_version_bound(self, old: str) -> None:
         """C1: a request pinned to a version must not continue on other weights (paused updates)."""

@@ -7,7 +7,11 @@ SGLang endpoints: ``/generate``, ``/abort_request``, ``/pause_generation``,
 ``/continue_generation``, ``/flush_cache``, ``/get_server_info`` (= ``/server_info``),
 ``/get_model_info`` (= ``/model_info``), ``/get_weight_version``, ``/health``,
 ``/health_generate``, ``/update_weights_from_disk``, ``/init_weights_update_group``,
-``/destroy_weights_update_group``, ``/update_weights_from_distributed``.
+``/destroy_weights_update_group``, ``/update_weights_from_distributed``, ``/begin_weight_update`` and
+``/end_weight_update`` (accepted: this engine has no in-place-quantized weights to restore, so a
+session changes nothing here; SGLang >= 0.5.22 requires one around distributed updates), ``/v1/loads``
+(``include=core`` fields: running/waiting requests, ``num_used_tokens``, ``max_total_num_tokens``,
+``token_usage``).
 
 Our extensions (not in SGLang), under ``/dora/``:
 ``POST /dora/export_request`` JSON ``{"rid"}`` -> binary body (torch.save of the request state,
@@ -168,6 +172,9 @@ class EngineServer:
         r.add_post("/init_weights_update_group", self.init_weights_update_group)
         r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
+        r.add_post("/begin_weight_update", self.weight_update_session)
+        r.add_post("/end_weight_update", self.weight_update_session)
+        r.add_get("/v1/loads", self.loads)
         r.add_post("/dora/export_request", self.export_request)
         r.add_post("/dora/import_request", self.import_request)
         r.add_get("/dora/weights_checksum", self.weights_checksum)
@@ -269,6 +276,21 @@ class EngineServer:
                 "max_context_length": self.scheduler.max_context,
             }
         )
+
+    async def loads(self, request: web.Request) -> web.Response:
+        """One DP rank in SGLang's ``/v1/loads`` shape (token counts = KV blocks x block size)."""
+        snap = self._runner.snapshot
+        bs = int(snap.get("block_size", 1))
+        used, total = int(snap.get("kv_blocks_used", 0)) * bs, int(snap.get("kv_blocks_total", 0)) * bs
+        load = {"dp_rank": 0, "num_running_reqs": snap.get("num_running_reqs", 0),
+                "num_waiting_reqs": snap.get("num_waiting_reqs", 0), "num_used_tokens": used,
+                "max_total_num_tokens": total, "token_usage": round(used / total, 4) if total else 0.0,
+                "max_running_requests": snap.get("max_running_requests", 0)}
+        return web.json_response({"loads": [load]})
+
+    async def weight_update_session(self, request: web.Request) -> web.Response:
+        await _json(request)
+        return web.json_response({"success": True, "message": "Success"})
 
     async def weight_version(self, request: web.Request) -> web.Response:
         return web.json_response({"weight_version": self._runner.snapshot["weight_version"]})

@@ -3,7 +3,8 @@
 WHY pure: the local launcher, the SLURM planner and ``dora train --dry-run`` all print or run
 exactly these argv tuples, and tests check them without SGLang installed. Flag names are those of
 SGLang 0.5.x ``ServerArgs`` (``--tp-size``, ``--ep-size``, ``--enable-eplb`` ...; reference A.2);
-``--enable-ep-moe`` no longer exists there and is never emitted. Flags the user passes through
+``--enable-ep-moe`` no longer exists there and is never emitted, nor ``--enable-dp-attention``
+(deprecated in 0.5.23: attention DP comes from ``--attn-dp-size``). Flags the user passes through
 ``rollout.sglang_args`` may not repeat one that dora sets (the plan would be ambiguous).
 """
 
@@ -68,8 +69,8 @@ def dora_flags(inst: InstanceSpec, sg: "SGLangConfig", rollout: "RolloutConfig")
         a += ["--ep-size", str(sg.ep_size)]
     if sg.moe_a2a_backend != "none":
         a += ["--moe-a2a-backend", sg.moe_a2a_backend]
-    if sg.enable_dp_attention:
-        a += ["--enable-dp-attention"]
+    if sg.attn_dp_size > 1:  # 0.5.23: --enable-dp-attention is deprecated and sets nothing by itself
+        a += ["--attn-dp-size", str(sg.attn_dp_size)]
     if sg.enable_eplb:
         a += ["--enable-eplb", "--eplb-algorithm", sg.eplb_algorithm,
               "--eplb-rebalance-num-iterations", str(sg.eplb_rebalance_num_iterations)]

@@ -1,10 +1,25 @@
 """SGLang-only calls on top of the shared :class:`~dora_megatron.rollout.client.EngineClient`.
 
-WHY a subclass: the base client covers what SGLang and the embedded engine share; SGLang's
-weight-update requests carry ``flush_cache`` / ``abort_all_requests`` (reference A.3) that the
-pause choreography must set explicitly (pitfalls E.6-E.8), and its load numbers live in
-``/v1/loads`` rather than in ``/get_server_info``. Every request here is plain SGLang protocol,
-so the same calls work against the embedded engine (which ignores fields it does not need).
+WHY a subclass: the base client covers what SGLang and the embedded engine share; SGLang 0.5.23
+differs from it on points that decide whether a weight update works at all (README, "SGLang
+0.5.23 conformance"; the file of SGLang 0.5.23 each point is read from is named):
+
+* ``/update_weights_from_distributed`` answers 400 unless a weight-update session is open:
+  ``POST /begin_weight_update {"selector"}`` first, ``POST /end_weight_update`` after
+  (``srt/managers/scheduler_components/weight_updater.py``);
+* every update request carries ``flush_cache`` / ``abort_all_requests`` (reference A.3), and an
+  update from disk without ``load_format`` uses the *server's* load format (``dummy`` on a server
+  started for pushed weights), so it is always sent (``srt/managers/tokenizer_manager.py``);
+* loads and versions are read from ``/v1/loads`` and ``/model_info``, which the tokenizer process
+  answers itself; ``/get_server_info`` goes to the scheduler (it blocks while weights load) and is
+  deprecated, as is ``/get_model_info`` (``srt/entrypoints/http_server.py``);
+* KV usage is ``token_usage`` (used / pool size); ``num_total_tokens`` is used + *waiting* tokens,
+  not the pool size (``srt/managers/scheduler_components/load_inquirer.py``);
+* ``/abort_request`` always answers 200 with an empty body, matched or not, and ``/flush_cache``
+  answers plain text (``srt/entrypoints/http_server.py``);
+* SGLang has no dora extension; its weight checksum (``/weights_checker`` with ``action=checksum``)
+  hashes SGLang's own per-GPU checksums, so it compares instances with each other, never with the
+  trainer's checksum.
 """
 
 from __future__ import annotations
@@ -13,14 +28,37 @@ from typing import Any, Sequence
 
 from dora_megatron.rollout.client import EngineClient, EngineError
 
+#: the SGLang release whose protocol this client speaks (and the gpu extra pins)
+TESTED_SGLANG_VERSION = "0.5.23"
+
 
 class SGLangClient(EngineClient):
+    def _check(self, path: str, out: Any) -> Any:
+        if isinstance(out, dict) and out.get("success") is False:
+            raise EngineError(self.base_url + path, 400, str(out.get("message")))
+        return out
+
+    async def extensions(self) -> frozenset[str]:
+        """SGLang offers no dora extension; asking the scheduler-bound ``/get_server_info`` would
+        only risk a stall while weights load."""
+        return frozenset()
+
+    async def begin_weight_update(self, selector: str = "all") -> dict[str, Any]:
+        """Open the weight-update session every ``update_weights_from_distributed`` needs."""
+        return self._check("/begin_weight_update",
+                           await self._request("POST", "/begin_weight_update", {"selector": selector}))
+
+    async def end_weight_update(self) -> dict[str, Any]:
+        """Close the session (also after a failed update: the next push cannot open one otherwise)."""
+        return self._check("/end_weight_update", await self._request("POST", "/end_weight_update", {}))
+
     async def update_weights_from_distributed(  # type: ignore[override]
         self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
         group_name: str = "weight_update_group", weight_version: int | str | None = None,
         *, flush_cache: bool = True, abort_all_requests: bool = False,
     ) -> dict[str, Any]:
-        """POST the metadata of one bucket; rank 0 broadcasts the tensors concurrently, in order."""
+        """POST the metadata of one bucket; rank 0 broadcasts the tensors concurrently, in order.
+        ``weight_version``: only with the last bucket (SGLang sets it on every successful call)."""
         body: dict[str, Any] = {
             "names": list(names), "dtypes": [str(d).replace("torch.", "") for d in dtypes],
             "shapes": [list(s) for s in shapes], "group_name": group_name,
@@ -28,23 +66,27 @@ class SGLangClient(EngineClient):
         }
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
-        out = await self._request("POST", "/update_weights_from_distributed", body)
-        if isinstance(out, dict) and out.get("success") is False:
-            raise EngineError(self.base_url + "/update_weights_from_distributed", 400, str(out.get("message")))
-        return out
+        path = "/update_weights_from_distributed"
+        return self._check(path, await self._request("POST", path, body))
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int | str | None = None,  # type: ignore[override]
-                                       *, flush_cache: bool = True, abort_all_requests: bool = False) -> dict[str, Any]:
-        body: dict[str, Any] = {"model_path": model_path, "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
+                                       *, load_format: str = "auto", flush_cache: bool = True,
+                                       abort_all_requests: bool = False) -> dict[str, Any]:
+        """``load_format``: how ``model_path`` is read; sent always (see module doc)."""
+        body: dict[str, Any] = {"model_path": model_path, "load_format": load_format, "flush_cache": flush_cache,
+                                "abort_all_requests": abort_all_requests}
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
-        out = await self._request("POST", "/update_weights_from_disk", body)
-        if isinstance(out, dict) and out.get("success") is False:
-            raise EngineError(self.base_url + "/update_weights_from_disk", 400, str(out.get("message")))
-        return out
+        return self._check("/update_weights_from_disk", await self._request("POST", "/update_weights_from_disk", body))
+
+    async def model_info(self) -> dict[str, Any]:
+        return await self._request("GET", "/model_info")
+
+    async def weight_version(self) -> str:
+        return str((await self.model_info()).get("weight_version"))
 
     async def loads(self) -> dict[str, float] | None:
-        """Running requests and KV usage summed over DP ranks (``/v1/loads``); None if absent."""
+        """Running/waiting requests and KV usage over every DP rank (``/v1/loads``); None if absent."""
         try:
             body = await self._request("GET", "/v1/loads?include=core")
         except EngineError as exc:
@@ -52,6 +94,27 @@ class SGLangClient(EngineClient):
                 return None
             raise
         return summarize_loads(body)
+
+    async def server_version(self) -> str | None:
+        """The SGLang release serving (``/v1/loads`` carries ``version``), None if not reported."""
+        body = await self._request("GET", "/v1/loads?include=core")
+        return str(body["version"]) if isinstance(body, dict) and body.get("version") else None
+
+    async def server_info(self) -> dict[str, Any]:
+        """What the runtime polls: ``/v1/loads`` (not the scheduler-bound ``/get_server_info``)."""
+        loads = await self.loads()
+        if loads is None:
+            raise EngineError(self.base_url + "/v1/loads", 404, "no /v1/loads: not an SGLang 0.5.x server")
+        return loads
+
+    async def instance_checksum(self) -> str:
+        """SGLang's checksum of the weights it serves (``/weights_checker``, ``action=checksum``):
+        equal on two instances holding the same weights with the same layout."""
+        out = self._check("/weights_checker", await self._request("POST", "/weights_checker", {"action": "checksum"}))
+        checksum = out.get("per_engine_checksum") if isinstance(out, dict) else None
+        if not checksum:
+            raise EngineError(self.base_url + "/weights_checker", 200, f"no per_engine_checksum in {str(out)[:200]}")
+        return str(checksum)
 
     async def health_generate(self) -> bool:
         try:
@@ -62,10 +125,14 @@ class SGLangClient(EngineClient):
 
 
 def summarize_loads(body: Any) -> dict[str, float] | None:
-    """Sum ``num_running_reqs`` / ``num_waiting_reqs`` / token counts over every per-DP entry.
+    """Sum ``num_running_reqs`` / ``num_waiting_reqs`` over every per-DP entry; KV usage is the
+    used share of the summed pools (``num_used_tokens`` / ``max_total_num_tokens``), or the mean
+    ``token_usage`` when a pool size is missing.
 
     The shape of ``/v1/loads`` has changed across 0.5.x (a list, or an object holding one), so
-    every nested object that carries ``num_running_reqs`` counts as one DP rank."""
+    every nested object that carries ``num_running_reqs`` counts as one DP rank. Never
+    ``num_total_tokens``: it is used + waiting tokens (load_inquirer.py), about the used count
+    itself when nothing waits, which read as a pool size gives a usage of about 1.0."""
     entries: list[dict] = []
 
     def walk(x: Any) -> None:
@@ -85,6 +152,9 @@ def summarize_loads(body: Any) -> dict[str, float] | None:
     running = sum(int(e.get("num_running_reqs") or 0) for e in entries)
     waiting = sum(int(e.get("num_waiting_reqs") or 0) for e in entries)
     used = sum(float(e.get("num_used_tokens") or 0) for e in entries)
-    total = sum(float(e.get("num_total_tokens") or 0) for e in entries)
-    return {"num_running_reqs": running, "num_waiting_reqs": waiting,
-            "kv_usage": used / total if total > 0 else 0.0}
+    pool = [float(e.get("max_total_num_tokens") or 0) for e in entries]
+    if all(p > 0 for p in pool):
+        kv = used / sum(pool)
+    else:
+        kv = sum(float(e.get("token_usage") or 0.0) for e in entries) / len(entries)
+    return {"num_running_reqs": running, "num_waiting_reqs": waiting, "kv_usage": kv}

@@ -6,11 +6,18 @@ abort matches rids by prefix (reference A.5, A.6). This adapter
 * exposes only the dora extensions it is told to (none by default), so the runtime takes the
   SGLang paths: migration = abort + resubmit of prompt + partial output on a same-version
   instance (counted as re-prefill), weight switches without a checksum call;
-* checks C1 after the fact: every ``/generate`` answer echoes ``meta_info.weight_version``, and an
-  answer from another version than the one the request was routed for raises
-  :class:`~dora_megatron.rollout.client.VersionMismatch` (the runtime's C1 guard);
+* checks C1 after the fact: every ``/generate`` answer echoes ``meta_info.weight_version`` and,
+  since 0.5.22, ``meta_info.weight_versions`` (which version produced which output tokens). An
+  answer whose first tokens come from another version than the one the request was routed for
+  raises :class:`~dora_megatron.rollout.client.VersionMismatch` (the runtime's C1 guard); one that
+  started on the routed version and crossed an update (``retract``/``in_place`` pauses) is returned
+  with its spans, and the runtime records every version in it;
 * makes rids prefix-free on the wire (``<rid>#``), so aborting ``s1`` never aborts ``s10``;
-* reads running requests and KV usage from ``/v1/loads`` when ``/get_server_info`` lacks them.
+* reads running requests and KV usage from ``/v1/loads`` and the version from ``/model_info``
+  (both answered without the scheduler, which ``/get_server_info`` waits for while weights load);
+* compares weights across instances with SGLang's own checksum (``/weights_checker``), the only
+  one SGLang has: it is not the trainer's checksum, so the runtime checks that every instance on
+  a version reports the same one.
 
 Wrapping the embedded engine's client in this adapter gives exactly the SGLang behaviour, which is
 how the CPU integration tests exercise the production path.
@@ -57,22 +64,28 @@ class SGLangEngine:
         server_checks = version is not None and await self.supports("dora_version")
         resp = await self.client.generate(input_ids, sampling_params, rid=None if rid is None else wire_rid(rid),
                                           return_logprob=return_logprob, version=version if server_checks else None)
-        if version is not None and resp.weight_version != str(version):
+        used = resp.versions_used
+        if version is not None and used[0] != str(version):
             self.version_mismatches += 1
             raise VersionMismatch(self.base_url + "/generate", 409,
-                                  f"request {rid} routed for weight version {version} ran on {resp.weight_version!r}")
+                                  f"request {rid} routed for weight version {version} ran on {'+'.join(used)!r}")
         return dataclasses.replace(resp, rid=rid) if rid is not None else resp
 
     async def abort(self, rid: str = "", abort_all: bool = False) -> bool:
         return await self.client.abort(wire_rid(rid) if rid else "", abort_all)
 
     async def server_info(self) -> dict[str, Any]:
-        info = dict(await self.client.server_info())
-        if "num_running_reqs" not in info and isinstance(self.client, SGLangClient):
-            loads = await self.client.loads()
-            if loads is not None:
-                info.update(loads)
-        return info
+        """Running requests and KV usage (``/v1/loads`` on an :class:`SGLangClient`)."""
+        return dict(await self.client.server_info())
+
+    async def continue_generation(self) -> dict[str, Any]:
+        return await self.client.continue_generation()
+
+    async def instance_checksum(self) -> str | None:
+        """SGLang's own weights checksum (comparable between instances only); None without one."""
+        if isinstance(self.client, SGLangClient):
+            return await self.client.instance_checksum()
+        return None
 
     async def weight_version(self) -> str:
         return await self.client.weight_version()

@@ -83,11 +83,14 @@ def test_group_layout_gives_each_instance_consecutive_ranks():
         group_layout({"a": 0})
 
 
-def test_flush_only_after_abort_pause_and_only_on_the_last_bucket():
+def test_flush_on_the_last_bucket_unless_requests_keep_running_in_place():
     assert bucket_flags("abort", last=True) == {"flush_cache": True, "abort_all_requests": False}
     assert bucket_flags("abort", last=False)["flush_cache"] is False
-    for mode in ("retract", "in_place"):
-        assert not bucket_flags(mode, last=True)["flush_cache"]
+    # retract: the requests wait with their KV freed; without a flush they would reuse prefix KV
+    # the old weights computed (SGLang allows the flush then: waiting requests do not count)
+    assert bucket_flags("retract", last=True)["flush_cache"] and not bucket_flags("retract", last=False)["flush_cache"]
+    # in_place: the requests keep running on their KV (SGLang's documented semantics): no flush
+    assert not bucket_flags("in_place", last=True)["flush_cache"]
     # no pause: the caller drained the instance, so it is empty as after an abort pause
     assert bucket_flags(None, last=True)["flush_cache"] and not bucket_flags(None, last=False)["flush_cache"]
     with pytest.raises(ValueError):
@@ -104,7 +107,25 @@ def test_wire_rids_are_prefix_free():
 
 
 def test_loads_are_summed_over_dp_ranks():
-    body = {"loads": [{"dp_rank": 0, "num_running_reqs": 3, "num_waiting_reqs": 1, "num_used_tokens": 50, "num_total_tokens": 100},
-                      {"dp_rank": 1, "num_running_reqs": 2, "num_used_tokens": 10, "num_total_tokens": 100}]}
+    # SGLang 0.5.23: num_total_tokens is used + waiting tokens; the pool is max_total_num_tokens
+    body = {"loads": [{"dp_rank": 0, "num_running_reqs": 3, "num_waiting_reqs": 1, "num_used_tokens": 50,
+                       "num_total_tokens": 90, "max_total_num_tokens": 100, "token_usage": 0.5},
+                      {"dp_rank": 1, "num_running_reqs": 2, "num_used_tokens": 10, "num_total_tokens": 10,
+                       "max_total_num_tokens": 100, "token_usage": 0.1}]}
     assert summarize_loads(body) == {"num_running_reqs": 5, "num_waiting_reqs": 1, "kv_usage": 0.3}
     assert summarize_loads({"nothing": 1}) is None
+
+
+def test_attention_dp_is_emitted_as_attn_dp_size_and_flashinfer_a2a_needs_it_equal_to_tp():
+    cfg = load_config(None, ["rollout.engine=sglang", "rollout.device=cuda", "sglang.tp_size=4", "sglang.ep_size=4",
+                             "sglang.attn_dp_size=4", "sglang.moe_a2a_backend=flashinfer"])
+    f = _flags(list(server_argv(_inst(), cfg.sglang, cfg.rollout)))
+    assert f["--attn-dp-size"] == "4" and f["--moe-a2a-backend"] == "flashinfer"
+    assert "--enable-dp-attention" not in f  # deprecated in 0.5.23: sets nothing by itself
+    plain = load_config(None, ["rollout.engine=sglang", "rollout.device=cuda", "sglang.tp_size=4"])
+    assert "--attn-dp-size" not in _flags(list(server_argv(_inst(), plain.sglang, plain.rollout)))
+    for bad in (["sglang.tp_size=4", "sglang.attn_dp_size=3"],
+                ["sglang.tp_size=4", "sglang.ep_size=4", "sglang.attn_dp_size=2", "sglang.moe_a2a_backend=flashinfer"]):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, ["rollout.engine=sglang", "rollout.device=cuda", *bad])
+        assert err.value.path == "sglang.attn_dp_size"

@@ -1,0 +1,421 @@
+"""A stand-in for an SGLang 0.5.23 server, for the SGLang-path tests on CPU.
+
+``python tests/sglang_standin.py <SGLang flags>`` (``--model-path --host --port --weight-version
+--max-running-requests --load-format``; other flags are accepted and ignored) runs dora's embedded
+engine in this process on a private loopback port, for the arithmetic, and serves in front of it
+the HTTP surface of SGLang 0.5.23 as its source says it behaves. Each behaviour below cites the
+file of SGLang 0.5.23 it models (paths under ``sglang/srt/``); no SGLang code is used or copied.
+
+* no ``/dora/*`` route and no ``dora_extensions``: SGLang has none;
+* a paused server holds every new ``/generate`` until ``/continue_generation`` after registering
+  its rid (``managers/tokenizer_manager.py`` ``generate_request``: ``_init_req_state``, then the
+  wait on ``is_pause_cond``); the pause outlives ``/update_weights_from_disk`` (nothing but
+  ``continue_generation`` clears ``is_pause``);
+* ``/abort_request`` answers 200 with an empty body, matched or not (``entrypoints/http_server.py``),
+  drops the abort of a rid the tokenizer has not registered, and sends one abort per rid at most
+  (``tokenizer_manager.py`` ``abort_request``: ``rid_to_state`` lookup, ``abort_sent``);
+* ``/update_weights_from_distributed`` answers 400 outside a ``/begin_weight_update`` ..
+  ``/end_weight_update`` session, before touching the group (so a trainer's broadcast waits for a
+  peer that never joins); begin twice or end without begin answer 400
+  (``managers/scheduler_components/weight_updater.py``);
+* every successful update call with ``weight_version`` sets it (each bucket, not only the last;
+  ``weight_updater.py`` ``record_weight_version_after_update``, ``tokenizer_control_mixin.py``);
+* ``flush_cache`` after an update, and ``/flush_cache``, succeed only when nothing runs and nothing
+  waits, waiting requests not counted while a ``retract``/``in_place`` pause holds the scheduler
+  (``managers/scheduler.py`` ``flush_cache``: ``is_fully_idle(ignore_waiting=_engine_paused)``); a
+  refused flush fails the update call with SGLang's message (``weight_updater.py``
+  ``flush_cache_after_weight_update``); ``/flush_cache`` answers plain text
+  (``entrypoints/http_server.py``);
+* ``/update_weights_from_disk`` without ``load_format`` uses the server's ``--load-format``
+  (``tokenizer_manager.py`` ``update_weights_from_disk``); with ``dummy`` the update does not load
+  the directory, which here answers 400;
+* ``/v1/loads``: per DP rank ``num_used_tokens``, ``num_total_tokens`` = used + tokens of the
+  waiting requests (not the pool size), ``max_total_num_tokens`` (the pool), ``token_usage``
+  (``managers/scheduler_components/load_inquirer.py``, ``entrypoints/v1_loads.py``);
+* ``/model_info`` answers from the tokenizer side; ``/get_server_info`` goes to the scheduler, so it
+  waits while a weight update runs (``entrypoints/http_server.py``: ``get_internal_state``);
+* ``/weights_checker`` with ``action=checksum``: ``per_engine_checksum``, a sha256 over per-GPU
+  checksums (``managers/tokenizer_control_mixin.py`` ``check_weights``), so it never equals a
+  trainer-side checksum, only another instance's;
+* ``meta_info.weight_versions`` spans on every ``/generate`` answer (``utils/weight_versions.py``),
+  from the embedded engine, which records them the same way.
+
+Request bodies are validated with SGLang's own request types from the wheel when it is installed
+(``tests/sglang_wheel.py``), answering 422 as FastAPI does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import signal
+import sys
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import ClientSession, ClientTimeout, web
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's packages
+
+log = logging.getLogger("sglang_standin")
+
+
+@dataclass
+class _ReqState:
+    """One registered request (``tokenizer_manager.py`` ``ReqState``): what an abort can find."""
+
+    prompt_tokens: int
+    abort_sent: bool = False
+    forwarded: bool = False
+
+
+@dataclass
+class StandIn:
+    engine_url: str
+    load_format: str
+    http: ClientSession
+    is_pause: bool = False
+    engine_paused: bool = False  # the scheduler's _engine_paused: only retract / in_place set it
+    session: dict[str, Any] | None = None
+    rid_to_state: dict[str, _ReqState] = field(default_factory=dict)
+    schemas: Any = None
+    pause_changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+    updating: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    # ---- plumbing ------------------------------------------------------------------------
+    async def engine(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        async with self.http.request(method, self.engine_url + path, json=body) as resp:
+            raw = await resp.read()
+            try:
+                return resp.status, json.loads(raw) if raw else {}
+            except ValueError:
+                return resp.status, {"message": raw.decode(errors="replace")}
+
+    async def body(self, request: web.Request, route: str) -> dict[str, Any]:
+        raw = await request.read()
+        try:
+            body = json.loads(raw) if raw else {}
+        except ValueError as exc:
+            raise web.HTTPUnprocessableEntity(text=json.dumps({"detail": f"JSON decode error: {exc}"}),
+                                              content_type="application/json") from None
+        if self.schemas is not None:
+            from tests.sglang_wheel import SchemaError
+
+            try:
+                self.schemas.validate(route, body)
+            except SchemaError as exc:
+                raise web.HTTPUnprocessableEntity(text=json.dumps({"detail": str(exc)}),
+                                                  content_type="application/json") from None
+        return body
+
+    async def idle(self) -> bool:
+        """``scheduler.py`` ``is_fully_idle(ignore_waiting=self._engine_paused)``."""
+        _, info = await self.engine("GET", "/get_server_info")
+        return int(info.get("num_running_reqs", 0)) == 0 and (
+            self.engine_paused or int(info.get("num_waiting_reqs", 0)) == 0)
+
+    async def flush_after_update(self, body: dict[str, Any], ok: bool, message: str) -> tuple[bool, str]:
+        """``weight_updater.py`` ``flush_cache_after_weight_update``."""
+        if ok and body.get("flush_cache", True) and not await self.idle():
+            return False, ("Weights were updated, but the cache was not flushed because requests are still running "
+                           "or queued. Retract or finish them, then call /flush_cache.")
+        return ok, message
+
+    # ---- generation ----------------------------------------------------------------------
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await self.body(request, "/generate")
+        rid = body.get("rid") or uuid.uuid4().hex
+        if rid in self.rid_to_state:
+            return web.json_response({"error": {"message": f"Duplicate request ID: {rid}"}}, status=400)
+        state = self.rid_to_state[rid] = _ReqState(len(body.get("input_ids") or ()))
+        try:
+            async with self.pause_changed:
+                await self.pause_changed.wait_for(lambda: not self.is_pause)
+            state.forwarded = True
+            status, out = await self.engine("POST", "/generate", {**body, "rid": rid})
+        finally:
+            self.rid_to_state.pop(rid, None)
+        if status >= 400:
+            return web.json_response({"error": {"message": out.get("message")}}, status=status)
+        meta = out.get("meta_info") or {}
+        for k in [k for k in meta if k.startswith("dora_")]:
+            del meta[k]
+        return web.json_response(out)
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await self.body(request, "/abort_request")
+        rid, abort_all = str(body.get("rid") or ""), bool(body.get("abort_all"))
+        if abort_all:
+            await self.engine("POST", "/abort_request", {"abort_all": True})
+        elif rid:
+            state = self.rid_to_state.get(rid)
+            if state is not None and not state.abort_sent:
+                state.abort_sent = True
+                # SGLang sends it to the scheduler even when the request is not there (still held by
+                # a pause): it is lost then. Once the request was sent on, SGLang's ordered
+                # tokenizer -> scheduler channel delivers the abort after it; this stand-in's own
+                # HTTP hop to the engine is not ordered that way, so it retries across that hop only.
+                for _ in range(100):
+                    status, _ = await self.engine("POST", "/abort_request", {"rid": rid})
+                    if status != 404 or not state.forwarded or rid not in self.rid_to_state:
+                        break
+                    await asyncio.sleep(0.01)
+        return web.Response(status=200)
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        body = await self.body(request, "/pause_generation")
+        mode = body.get("mode", "abort")
+        async with self.pause_changed:
+            self.is_pause = True
+        await self.engine("POST", "/pause_generation", {"mode": mode})
+        self.engine_paused = mode in ("retract", "in_place")
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        await self.body(request, "/continue_generation")
+        await self.engine("POST", "/continue_generation", {})
+        self.engine_paused = False
+        async with self.pause_changed:
+            self.is_pause = False
+            self.pause_changed.notify_all()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        if await self.idle():
+            return web.Response(text="Cache flushed.\nPlease check backend logs for more details. (When there are "
+                                     "running or waiting requests, the operation will not be performed.)\n")
+        return web.Response(text="Flush cache failed.\n", status=400)
+
+    # ---- weights -------------------------------------------------------------------------
+    @staticmethod
+    def _result(ok: bool, message: str, **extra: Any) -> web.Response:
+        return web.json_response({"success": ok, "message": message, **extra}, status=200 if ok else 400)
+
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        body = await self.body(request, "/begin_weight_update")
+        if self.session is not None:
+            return self._result(False, "a weight-update session is already open; call end_weight_update() first")
+        self.session = {"selector": body.get("selector", "all"), "loaded_weights": False}
+        return self._result(True, "Success")
+
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        await self.body(request, "/end_weight_update")
+        if self.session is None:
+            return self._result(False, "no weight-update session is open; call begin_weight_update() first")
+        self.session = None
+        return self._result(True, "Success")
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        body = await self.body(request, "/update_weights_from_distributed")
+        if self.session is None:
+            return self._result(False, "update_weights_from_distributed must run between begin_weight_update() "
+                                       "and end_weight_update()")
+        if body.get("abort_all_requests"):
+            await self.engine("POST", "/abort_request", {"abort_all": True})
+        async with self.updating:
+            status, out = await self.engine("POST", "/update_weights_from_distributed", body)
+            ok, message = status < 400, str(out.get("message"))
+            if ok:
+                self.session["loaded_weights"] = True
+            ok, message = await self.flush_after_update(body, ok, message)
+        return self._result(ok, message)
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        body = await self.body(request, "/update_weights_from_disk")
+        load_format = body.get("load_format") or self.load_format
+        if load_format == "dummy":
+            return self._result(False, f"Failed to update weights: load format {load_format!r} does not read "
+                                       f"{body.get('model_path')!r}", num_paused_requests=0)
+        if body.get("abort_all_requests"):
+            await self.engine("POST", "/abort_request", {"abort_all": True})
+        async with self.updating:
+            status, out = await self.engine("POST", "/update_weights_from_disk", body)
+            ok, message = await self.flush_after_update(body, status < 400, str(out.get("message")))
+        return self._result(ok, message, num_paused_requests=0)
+
+    async def forward(self, request: web.Request) -> web.Response:
+        body = await self.body(request, request.path)
+        status, out = await self.engine("POST", request.path, body)
+        return self._result(status < 400, str(out.get("message")))
+
+    async def weights_checker(self, request: web.Request) -> web.Response:
+        body = await self.body(request, "/weights_checker")
+        if body.get("action", "checksum") != "checksum":
+            return self._result(False, f"unsupported action {body.get('action')!r} in this stand-in")
+        _, out = await self.engine("GET", "/dora/weights_checksum")
+        per_gpu = hashlib.sha256(f"tp0:{out['checksum']}".encode()).hexdigest()
+        return web.json_response({"success": True, "message": "Success.",
+                                  "ranks": [{"checksums": {}, "per_gpu_checksum": per_gpu, "parallelism_info": []}],
+                                  "per_engine_checksum": hashlib.sha256(per_gpu.encode()).hexdigest()})
+
+    # ---- info ----------------------------------------------------------------------------
+    async def model_info(self, request: web.Request) -> web.Response:
+        _, out = await self.engine("GET", "/model_info")
+        return web.json_response({"model_path": out.get("model_path"), "weight_version": out.get("weight_version"),
+                                  "load_format": self.load_format, "is_generation": True,
+                                  "model_type": out.get("model_type")})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        async with self.updating:  # the scheduler answers it, and it is busy loading weights
+            _, out = await self.engine("GET", "/get_server_info")
+        return web.json_response({"internal_states": [{"weight_version": out.get("weight_version")}],
+                                  "version": "0.5.23"})
+
+    async def loads(self, request: web.Request) -> web.Response:
+        _, out = await self.engine("GET", "/v1/loads")
+        loads = []
+        waiting_tokens = sum(s.prompt_tokens for s in self.rid_to_state.values() if s.forwarded)
+        for load in out.get("loads", []):
+            used = int(load["num_used_tokens"])
+            waiting = int(load["num_waiting_reqs"])
+            loads.append({**load, "num_total_tokens": used + (waiting_tokens if waiting else 0)})
+        return web.json_response({"version": "0.5.23", "loads": loads})
+
+    async def health(self, request: web.Request) -> web.Response:
+        status, _ = await self.engine("GET", "/health")
+        return web.Response(status=200 if status == 200 else 503)
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=1 << 28)
+        r = app.router
+        r.add_post("/generate", self.generate)
+        r.add_post("/abort_request", self.abort_request)
+        r.add_post("/pause_generation", self.pause_generation)
+        r.add_post("/continue_generation", self.continue_generation)
+        r.add_route("*", "/flush_cache", self.flush_cache)
+        r.add_post("/begin_weight_update", self.begin_weight_update)
+        r.add_post("/end_weight_update", self.end_weight_update)
+        r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
+        r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+        r.add_post("/init_weights_update_group", self.forward)
+        r.add_post("/destroy_weights_update_group", self.forward)
+        r.add_route("*", "/weights_checker", self.weights_checker)
+        for path in ("/model_info", "/get_model_info"):
+            r.add_get(path, self.model_info)
+        for path in ("/server_info", "/get_server_info"):
+            r.add_get(path, self.server_info)
+        r.add_get("/v1/loads", self.loads)
+        r.add_get("/health", self.health)
+        r.add_get("/health_generate", self.health)
+        return app
+
+
+@dataclass
+class StandInProcess:
+    """A stand-in started by a test (:func:`start_standin`); :meth:`stop` ends it by pid."""
+
+    url: str
+    proc: Any
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_standin(model_dir: str, log_dir: Path, *, name: str = "sgl", weight_version: str = "0",
+                  load_format: str = "auto", max_running: int = 8, timeout_s: float = 180.0) -> StandInProcess:
+    """Start one stand-in on a free loopback port and wait (bounded) until ``/health`` answers 200."""
+    import subprocess
+    import time
+    import urllib.request
+
+    from dora_megatron.ports import free_port
+
+    port = free_port()
+    log_path = Path(log_dir) / f"{name}.log"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--model-path", str(model_dir), "--host", "127.0.0.1",
+           "--port", str(port), "--weight-version", str(weight_version), "--load-format", load_format,
+           "--max-running-requests", str(max_running)]
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    inst = StandInProcess(f"http://127.0.0.1:{port}", proc, log_path)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"stand-in exited ({proc.returncode}):\n{inst.log()[-3000:]}")
+        try:
+            with urllib.request.urlopen(inst.url + "/health", timeout=5) as resp:
+                if resp.status == 200:
+                    return inst
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            inst.stop()
+            raise RuntimeError(f"stand-in not healthy after {timeout_s:.0f} s:\n{inst.log()[-3000:]}")
+        time.sleep(0.2)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="SGLang 0.5.23 stand-in (tests only)")
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--max-running-requests", type=int, default=8)
+    p.add_argument("--load-format", default="auto")
+    args, _ = p.parse_known_args(argv)
+    return args
+
+
+async def serve(args: argparse.Namespace) -> None:
+    import torch
+
+    from dora_megatron.ports import free_port
+    from dora_megatron.rollout.engine.server import build_app
+
+    torch.set_num_threads(int(os.environ.get("SGLANG_STANDIN_THREADS", "1")))  # test machines are small
+
+    host = os.environ.get("FAKE_NODE_ADDR", args.host)  # fake multi-node jobs: each 'node' is a loopback address
+    inner = web.AppRunner(build_app(args.model_path, max_running=args.max_running_requests,
+                                    weight_version=str(args.weight_version)))
+    await inner.setup()
+    inner_port = free_port("127.0.0.1")
+    await web.TCPSite(inner, "127.0.0.1", inner_port).start()
+    try:
+        from tests.sglang_wheel import load
+
+        schemas = load()
+    except Exception:  # noqa: BLE001 - validation is an extra; say why it is off
+        log.warning("SGLang wheel schemas unavailable; request bodies are not validated", exc_info=True)
+        schemas = None
+    async with ClientSession(timeout=ClientTimeout(total=None)) as http:
+        standin = StandIn(f"http://127.0.0.1:{inner_port}", args.load_format, http, schemas=schemas)
+        outer = web.AppRunner(standin.app())
+        await outer.setup()
+        await web.TCPSite(outer, host, args.port).start()
+        print(f"sglang stand-in (0.5.23 protocol) listening on http://{host}:{args.port}; "
+              f"wheel schemas: {'on' if schemas else 'off'}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await outer.cleanup()
+    await inner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    asyncio.run(serve(parse_args(sys.argv[1:] if argv is None else argv)))
+
+
+if __name__ == "__main__":
+    main()
