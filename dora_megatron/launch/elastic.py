@@ -103,10 +103,17 @@ async def watch_joins(join_dir: str | Path, runtime: Any, make_engine: Callable[
                     await close()
                 continue
             seen.add(key)
-            if req.name in runtime.engines and req.name not in runtime.failed:
+            old = runtime.engines.get(req.name)
+            if old is not None and req.name not in runtime.failed:
                 # restarted by its node before the controller noticed: what ran on the old process is lost
                 runtime._instance_failed(req.name, f"restarted by its node's launcher (attempt {req.attempt})")
             runtime.add_instance(req.name, engine)
+            close = getattr(old, "close", None)
+            if close is not None:  # it pointed at the dead process
+                try:
+                    await close()
+                except Exception:  # noqa: BLE001 - best effort
+                    pass
         await asyncio.sleep(poll_s)
 
 

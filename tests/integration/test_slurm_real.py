@@ -107,41 +107,53 @@ def test_single_node_template_runs_the_cpu_config(slurm_cluster, tmp_path):
     assert (run_dir / "logs" / "n1" / "engine0.log").is_file() and (run_dir / "logs" / "n1" / "trainer.log").is_file()
 
 
-def _engine_pid(run_dir: Path, node: str) -> int | None:
-    """The pid of the ``dora serve`` bound to ``node`` for this run (its command line names both)."""
-    model = str(run_dir / "model").encode()
-    rel = f"runs/{run_dir.name}/model".encode()
+def _pids_of(run_dir: Path, *words: bytes, host: str | None = None) -> list[int]:
+    """Pids of this run's processes whose argv holds every one of ``words`` (and ``--host host``)."""
+    found = []
+    marks = (str(run_dir).encode(), f"runs/{run_dir.name}".encode())
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
-            argv = (d / "cmdline").read_bytes().split(b"\0")
+            raw = (d / "cmdline").read_bytes()
         except OSError:
             continue
-        if b"serve" in argv and (model in argv or rel in argv) and b"--host" in argv \
-                and argv[argv.index(b"--host") + 1] == node.encode():
-            return int(d.name)
-    return None
+        argv = raw.split(b"\0")
+        if not any(m in raw for m in marks) or not all(w in argv for w in words):
+            continue
+        if host is None or (b"--host" in argv and argv[argv.index(b"--host") + 1] == host.encode()):
+            found.append(int(d.name))
+    return found
 
 
 def test_multi_node_template_survives_a_killed_rollout_instance_on_another_node(slurm_cluster, tmp_path):
     """3 nodes (trainer + controller on n1, one engine each on n2 and n3). The engine on n3 is
-    SIGKILLed after the first step: its node restarts it and it rejoins; the job completes with
-    nothing lost (before: n3's `dora train` exited 1 and --kill-on-bad-exit ended the job)."""
-    steps = 10
+    SIGKILLed after the first step: its node restarts it, it rejoins, and the job completes with
+    nothing lost (before: n3's `dora train` exited 1 and --kill-on-bad-exit ended the job within a
+    second). The trainer is held (SIGSTOP) meanwhile so that the run cannot end before the rejoin."""
+    steps = 6
     job = slurm_cluster.sbatch(["--nodes=3", MULTI, CONFIG, "--set", f"run.steps={steps}"], cwd=tmp_path, env=_job_env())
     run_dir = _run_dir(tmp_path, job)
     steps_file = run_dir / "steps.jsonl"
     _wait(lambda: steps_file.exists() and steps_file.read_text().count("\n") >= 1, JOB_TIMEOUT_S,
           f"first step of job {job}:\n{_output(tmp_path, job)[-3000:]}")
-    pid = _engine_pid(run_dir, "n3")
-    assert pid is not None, _output(tmp_path, job)[-3000:]
-    os.kill(pid, signal.SIGKILL)
+    trainer = _pids_of(run_dir, b"dora_megatron.trainer.entry")  # torchrun and its rank (own sessions)
+    engine = _pids_of(run_dir, b"serve", host="n3")
+    assert len(trainer) == 2 and len(engine) == 1, (trainer, engine, _output(tmp_path, job)[-3000:])
+    for pid in trainer:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        os.kill(engine[0], signal.SIGKILL)
+        _wait(lambda: "instance engine1 rejoined the pool" in _output(tmp_path, job), 180,
+              f"rejoin of engine1:\n{_output(tmp_path, job)[-3000:]}")
+    finally:
+        for pid in trainer:
+            os.kill(pid, signal.SIGCONT)
     _finish(slurm_cluster, job, tmp_path)
     summary = _check_run(run_dir, steps)
     out = _output(tmp_path, job)
     assert "engine1 on n3 exited with status -9: restarting it" in out, out[-4000:]
-    assert summary["failed_instances"] == ["engine1"], summary
+    assert summary["failed_instances"] == ["engine1"] and summary["instances_rejoined"] == 1, summary
     assert (run_dir / "logs" / "n2" / "engine0.log").is_file()
 
 
