@@ -1,0 +1,110 @@
+"""End markers of SLURM jobs and the wait of the non-controller nodes: every end leaves a marker that
+names its job, a resumed job is not stopped by the marker of the job it resumes, a signal writes
+FAILED before anything stops, and a dead rollout instance is restarted instead of ending the node."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from dora_megatron.config.schema import load_config
+from dora_megatron.launch.cluster import slurm_plan
+from dora_megatron.launch.elastic import read_join_requests
+from dora_megatron.launch.processes import ProcessSet
+from dora_megatron.launch.slurm import read_slurm_env
+from dora_megatron.launch.slurm_run import (DONE, FAILED, NodeEngines, _clear_previous_markers, _EndSignals,
+                                            _serve_until_end, _Terminated, read_marker, write_marker)
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_first_marker_of_a_job_wins_and_names_the_job(tmp_path):
+    assert write_marker(tmp_path, FAILED, "terminated by SIGTERM on n2 (scancel or time limit)", "41")
+    assert not write_marker(tmp_path, DONE, "ok", "41")  # the job already ended: the first reason stays
+    m = read_marker(tmp_path)
+    assert (m.kind, m.reason, m.job_id) == (FAILED, "terminated by SIGTERM on n2 (scancel or time limit)", "41")
+    _clear_previous_markers(tmp_path, "42")  # job 42 resumes the run
+    assert read_marker(tmp_path) is None and (tmp_path / "FAILED.job41").is_file()
+    assert write_marker(tmp_path, DONE, "ok", "42") and read_marker(tmp_path).job_id == "42"
+
+
+def test_sigterm_writes_failed_before_unwinding(tmp_path):
+    with pytest.raises(_Terminated):
+        with _EndSignals(tmp_path, "7", "n1"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler interrupts this
+    m = read_marker(tmp_path)
+    assert m.kind == FAILED and "SIGTERM on n1" in m.reason and m.job_id == "7"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or callable(signal.getsignal(signal.SIGTERM))
+
+
+def _node(tmp_path: Path, overrides=()):
+    """Node n2 of a 3-node CPU job whose single engine is a stand-in HTTP server (python -m http.server)."""
+    cfg = load_config(ROOT / "configs" / "cpu_slurm.yaml", ["rollout.startup_timeout_s=30", *overrides])
+    plan = slurm_plan(cfg, read_slurm_env({"SLURM_JOB_NODELIST": "n[1-3]", "SLURM_JOB_ID": "5"}), "/m", str(tmp_path))
+    return cfg, plan
+
+
+class _StandIn:
+    """What matters here is the process and its /health; a tiny HTTP server on a free loopback port."""
+
+    def __init__(self, procs: ProcessSet, name: str, root: Path) -> None:
+        from dora_megatron.ports import free_port
+
+        (root / "health").write_text("ok")  # GET /health answers 200 with this file
+        self.port = free_port()
+        self.argv = [sys.executable, "-m", "http.server", str(self.port), "--bind", "127.0.0.1", "--directory", str(root)]
+        self.child = procs.start(name, self.argv)
+
+
+def test_dead_instance_is_restarted_and_asks_to_rejoin_and_the_node_stays_up(tmp_path):
+    """Before: a dead instance on a non-controller node made that node exit 1 (ProcessSet.check_alive),
+    and srun --kill-on-bad-exit then ended the whole job."""
+    import dataclasses
+
+    cfg, plan = _node(tmp_path)
+    with ProcessSet(tmp_path / "logs", grace_s=5) as procs:
+        inst = _StandIn(procs, "engine0", tmp_path)
+        url = f"http://127.0.0.1:{inst.port}"
+        plan = dataclasses.replace(plan, engine_urls={**plan.engine_urls, "engine0": url})
+        engines = NodeEngines(cfg, procs, plan, "n2", tmp_path / "join", announce_first=False)
+        assert engines.names == {"engine0"}
+        inst.child.popen.kill()
+        inst.child.popen.wait()
+        deadline = time.monotonic() + 60
+        while not read_join_requests(tmp_path / "join") and time.monotonic() < deadline:
+            engines.check()  # raises ChildFailed in the old behaviour
+            time.sleep(0.2)
+        reqs = read_join_requests(tmp_path / "join")
+        assert [(r.name, r.url, r.attempt) for r in reqs] == [("engine0", url, 1)]
+        assert procs.children[0].alive() and procs.children[0].popen.pid != inst.child.popen.pid
+        # a marker of another job (the one this run resumes) does not end the wait; this job's does
+        write_marker(tmp_path, FAILED, "terminated by SIGTERM on n1", "4")
+        later = threading.Timer(1.0, lambda: (os.replace(tmp_path / FAILED, tmp_path / "FAILED.job4"),
+                                              write_marker(tmp_path, DONE, "ok", "5")))
+        later.start()
+        try:
+            t0 = time.monotonic()
+            assert _serve_until_end(tmp_path, engines, "5", poll_s=0.1) == 0
+            assert time.monotonic() - t0 >= 0.9
+        finally:
+            later.join()
+
+
+def test_instance_without_restarts_left_is_given_up_and_the_node_stays_up(tmp_path):
+    cfg, plan = _node(tmp_path, ["launch.max_engine_restarts=0"])
+    with ProcessSet(tmp_path / "logs", grace_s=5) as procs:
+        inst = _StandIn(procs, "engine0", tmp_path)
+        engines = NodeEngines(cfg, procs, plan, "n2", tmp_path / "join", announce_first=False)
+        inst.child.popen.kill()
+        inst.child.popen.wait()
+        engines.check()
+        assert engines.given_up == {"engine0"} and not read_join_requests(tmp_path / "join")
+        write_marker(tmp_path, DONE, "ok", "5")
+        assert _serve_until_end(tmp_path, engines, "5", poll_s=0.1) == 0
