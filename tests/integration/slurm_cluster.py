@@ -168,7 +168,17 @@ class SlurmCluster:
             time.sleep(0.2)
 
     def stop(self) -> None:
-        """SIGTERM every daemon this object started (slurmds first), then SIGKILL what is left."""
+        """Cancel what still runs (a failed test may leave a job), then SIGTERM every daemon this
+        object started (slurmds first) and SIGKILL what is left."""
+        if self.procs and all(p.poll() is None for p in self.procs):
+            subprocess.run(["scancel", "--full", "--user", "root"], env=self.env, capture_output=True, timeout=30)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                out = subprocess.run(["squeue", "-h", "-o", "%i"], env=self.env, capture_output=True, text=True,
+                                     timeout=30)
+                if out.returncode != 0 or not out.stdout.strip():
+                    break
+                time.sleep(0.5)
         for p in reversed(self.procs):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
