@@ -126,35 +126,55 @@ def _pids_of(run_dir: Path, *words: bytes, host: str | None = None) -> list[int]
     return found
 
 
-def test_multi_node_template_survives_a_killed_rollout_instance_on_another_node(slurm_cluster, tmp_path):
-    """3 nodes (trainer + controller on n1, one engine each on n2 and n3). The engine on n3 is
-    SIGKILLed after the first step: its node restarts it, it rejoins, and the job completes with
-    nothing lost (before: n3's `dora train` exited 1 and --kill-on-bad-exit ended the job within a
-    second). The trainer is held (SIGSTOP) meanwhile so that the run cannot end before the rejoin."""
-    steps = 6
-    job = slurm_cluster.sbatch(["--nodes=3", MULTI, CONFIG, "--set", f"run.steps={steps}"], cwd=tmp_path, env=_job_env())
-    run_dir = _run_dir(tmp_path, job)
+def _kill_engine_while_training_is_held(run_dir: Path, cwd: Path, job: str, node: str, name: str) -> None:
+    """After the first step: SIGSTOP the trainer (torchrun and its rank), SIGKILL the engine bound to
+    ``node``, wait until the controller reports ``name`` back in the pool, SIGCONT the trainer.
+    WHY hold the trainer: the short run would otherwise end before the restarted engine is up."""
     steps_file = run_dir / "steps.jsonl"
     _wait(lambda: steps_file.exists() and steps_file.read_text().count("\n") >= 1, JOB_TIMEOUT_S,
-          f"first step of job {job}:\n{_output(tmp_path, job)[-3000:]}")
+          f"first step of job {job}:\n{_output(cwd, job)[-3000:]}")
     trainer = _pids_of(run_dir, b"dora_megatron.trainer.entry")  # torchrun and its rank (own sessions)
-    engine = _pids_of(run_dir, b"serve", host="n3")
-    assert len(trainer) == 2 and len(engine) == 1, (trainer, engine, _output(tmp_path, job)[-3000:])
+    engine = _pids_of(run_dir, b"serve", host=node)
+    assert len(trainer) == 2 and len(engine) == 1, (trainer, engine, _output(cwd, job)[-3000:])
     for pid in trainer:
         os.kill(pid, signal.SIGSTOP)
     try:
         os.kill(engine[0], signal.SIGKILL)
-        _wait(lambda: "instance engine1 rejoined the pool" in _output(tmp_path, job), 180,
-              f"rejoin of engine1:\n{_output(tmp_path, job)[-3000:]}")
+        _wait(lambda: f"instance {name} rejoined the pool" in _output(cwd, job), 180,
+              f"rejoin of {name}:\n{_output(cwd, job)[-3000:]}")
     finally:
         for pid in trainer:
             os.kill(pid, signal.SIGCONT)
+
+
+def test_multi_node_template_survives_a_killed_rollout_instance_on_another_node(slurm_cluster, tmp_path):
+    """3 nodes (trainer + controller on n1, one engine each on n2 and n3). The engine on n3 is
+    SIGKILLed after the first step: its node restarts it, it rejoins, and the job completes with
+    nothing lost (before: n3's `dora train` exited 1 and --kill-on-bad-exit ended the job within a
+    second)."""
+    steps = 6
+    job = slurm_cluster.sbatch(["--nodes=3", MULTI, CONFIG, "--set", f"run.steps={steps}"], cwd=tmp_path, env=_job_env())
+    run_dir = _run_dir(tmp_path, job)
+    _kill_engine_while_training_is_held(run_dir, tmp_path, job, "n3", "engine1")
     _finish(slurm_cluster, job, tmp_path)
     summary = _check_run(run_dir, steps)
     out = _output(tmp_path, job)
     assert "engine1 on n3 exited with status -9: restarting it" in out, out[-4000:]
     assert summary["failed_instances"] == ["engine1"] and summary["instances_rejoined"] == 1, summary
     assert (run_dir / "logs" / "n2" / "engine0.log").is_file()
+
+
+def test_single_node_job_restarts_a_killed_instance_on_the_controllers_node(slurm_cluster, tmp_path):
+    """The controller's own node: its supervisor restarts the engine on its planned host and port
+    (before: SLURM jobs had no restart, so the only engine failing ended the run FAILED)."""
+    steps = 6
+    job = slurm_cluster.sbatch([SINGLE, CONFIG, "--set", f"run.steps={steps}"], cwd=tmp_path, env=_job_env())
+    run_dir = _run_dir(tmp_path, job)
+    _kill_engine_while_training_is_held(run_dir, tmp_path, job, "n1", "engine0")
+    _finish(slurm_cluster, job, tmp_path)
+    summary = _check_run(run_dir, steps)
+    assert summary["failed_instances"] == ["engine0"] and summary["engine_restarts"] == 1, summary
+    assert "listening on http://n1:30000" in (run_dir / "logs" / "n1" / "engine0.log").read_text().split("restarted")[-1]
 
 
 def test_elastic_join_template_adds_an_engine_to_a_running_job(slurm_cluster, tmp_path):
