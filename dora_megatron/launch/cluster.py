@@ -20,6 +20,10 @@ Role assignment (``cluster:`` section):
 
 Single-node jobs may set ``cluster.share_node`` to split one node's GPUs between trainer and
 rollout.
+
+CPU route (``rollout.engine: embedded``): no GPU count; every rollout node runs
+``rollout.num_instances`` embedded engines and every trainer node ``launch.trainer_procs`` gloo
+ranks (:func:`_embedded_plan`).
 """
 
 from __future__ import annotations
