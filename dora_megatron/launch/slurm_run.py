@@ -162,8 +162,10 @@ class NodeEngines:
 
         for child in list(self.procs.children):
             name = child.name
-            if name not in self.names or name in self.given_up:
-                if not child.alive() and name not in self.names and name not in self.given_up:
+            if name in self.given_up:
+                continue
+            if name not in self.names:  # a trainer (or part of a multi-node instance): the run cannot go on
+                if not child.alive():
                     raise ChildFailed(f"{name} exited with status {child.popen.returncode}; last log lines:\n{child.tail()}")
                 continue
             late = name in self.pending and time.monotonic() > self.pending[name]

@@ -34,15 +34,24 @@ def test_first_marker_of_a_job_wins_and_names_the_job(tmp_path):
     assert write_marker(tmp_path, DONE, "ok", "42") and read_marker(tmp_path).job_id == "42"
 
 
-def test_sigterm_writes_failed_before_unwinding(tmp_path):
-    before = signal.getsignal(signal.SIGTERM)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_and_sigint_write_failed_before_unwinding(tmp_path, sig):
+    before = signal.getsignal(sig)
     with pytest.raises(_Terminated):
         with _EndSignals(tmp_path, "7", "n1"):
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), sig)
             time.sleep(5)  # the handler interrupts this
     m = read_marker(tmp_path)
-    assert m.kind == FAILED and "SIGTERM on n1" in m.reason and m.job_id == "7"
-    assert signal.getsignal(signal.SIGTERM) is before  # restored
+    assert m.kind == FAILED and f"{sig.name} on n1" in m.reason and m.job_id == "7"
+    assert signal.getsignal(sig) is before  # restored
+
+
+def test_a_joining_node_ending_does_not_mark_the_run(tmp_path):
+    with pytest.raises(_Terminated):
+        with _EndSignals(tmp_path, "8", "n2", mark=False):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+    assert read_marker(tmp_path) is None
 
 
 def _node(tmp_path: Path, overrides=()):
