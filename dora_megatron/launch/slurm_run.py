@@ -165,7 +165,8 @@ class NodeEngines:
             if name in self.given_up:
                 continue
             if name not in self.names:  # a trainer (or part of a multi-node instance): the run cannot go on
-                if not child.alive():
+                # status 0: the trainer was told to stop at the end of the run (DONE follows)
+                if not child.alive() and child.popen.returncode != 0:
                     raise ChildFailed(f"{name} exited with status {child.popen.returncode}; last log lines:\n{child.tail()}")
                 continue
             late = name in self.pending and time.monotonic() > self.pending[name]

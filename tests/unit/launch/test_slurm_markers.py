@@ -118,3 +118,18 @@ def test_instance_without_restarts_left_is_given_up_and_the_node_stays_up(tmp_pa
         assert engines.given_up == {"engine0"} and not read_join_requests(tmp_path / "join")
         write_marker(tmp_path, DONE, "ok", "5")
         assert _serve_until_end(tmp_path, engines, "5", poll_s=0.1) == 0
+
+
+def test_a_trainer_rank_node_fails_only_on_a_non_zero_exit(tmp_path):
+    """Nodes 2.. of a multi-node trainer: torchrun exits 0 when the controller shuts the trainer down
+    at the end (DONE follows); any other exit ends the run."""
+    from dora_megatron.launch.processes import ChildFailed
+
+    cfg, plan = _node(tmp_path)
+    with ProcessSet(tmp_path / "logs", grace_s=5) as procs:
+        procs.start("trainer1", [sys.executable, "-c", "pass"]).popen.wait()
+        engines = NodeEngines(cfg, procs, plan, "n2", tmp_path / "join", announce_first=False)
+        engines.check()  # exit 0: not a failure
+        procs.start("trainer2", [sys.executable, "-c", "raise SystemExit(3)"]).popen.wait()
+        with pytest.raises(ChildFailed, match="trainer2 exited with status 3"):
+            engines.check()
