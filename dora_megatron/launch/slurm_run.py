@@ -277,14 +277,9 @@ def run_slurm_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan, resume: st
                         procs.start("trainer" if is_controller else spec.name, argv, {**spec.env, "PYTHONUNBUFFERED": "1"})
                     elif spec.role == "engine":
                         start_instance(procs, spec)
-                if not is_controller:
-                    try:
-                        return _serve_until_end(run_dir, NodeEngines(cfg, procs, plan, node, join_dir,
-                                                                     announce_first=False), env.job_id)
-                    except ChildFailed as err:  # its trainer died: the run cannot go on
-                        write_marker(run_dir, FAILED, f"a process on {node} failed: {str(err).splitlines()[0]}",
-                                     env.job_id)
-                        raise
+                if not is_controller:  # a ChildFailed (its trainer died) writes FAILED below
+                    return _serve_until_end(run_dir, NodeEngines(cfg, procs, plan, node, join_dir,
+                                                                 announce_first=False), env.job_id)
                 try:
                     asyncio.run(_controller(cfg, plan, run_dir, model_dir, procs, checkpoint, node))
                 except _Terminated:
@@ -296,9 +291,11 @@ def run_slurm_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan, resume: st
                 write_marker(run_dir, DONE, "ok", env.job_id)
                 return 0
     except ChildFailed as err:
+        write_marker(run_dir, FAILED, f"a process on {node} failed: {str(err).splitlines()[0]}", env.job_id)
         _say(f"a process on {node} failed: {err}")
         return 1
-    except (TimeoutError, ValueError) as err:  # e.g. an instance never became healthy (FAILED was written)
+    except (TimeoutError, ValueError) as err:  # e.g. an instance never became healthy, no model from node 0
+        write_marker(run_dir, FAILED, f"dora train failed on {node}: {str(err).splitlines()[0]}", env.job_id)
         _say(f"dora train failed on {node}: {err}")
         return 1
     except _Terminated as sig:
