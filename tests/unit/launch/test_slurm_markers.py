@@ -133,3 +133,22 @@ def test_a_trainer_rank_node_fails_only_on_a_non_zero_exit(tmp_path):
         procs.start("trainer2", [sys.executable, "-c", "raise SystemExit(3)"]).popen.wait()
         with pytest.raises(ChildFailed, match="trainer2 exited with status 3"):
             engines.check()
+
+
+def test_joiner_refuses_a_run_that_has_ended_at_once(tmp_path):
+    """A joiner pointed at a finished run (DONE, no live heartbeat) exits 1 naming the marker, before
+    starting anything (before: it waited for the end of a run that had already ended, i.e. forever)."""
+    import subprocess
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text((ROOT / "configs" / "cpu_slurm.yaml").read_text())
+    write_marker(run_dir, DONE, "ok", "3")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "dora_megatron", "train", "--config", str(ROOT / "configs" / "cpu_slurm.yaml"),
+                           "--join", "--set", f"run.run_dir={run_dir}", "--slurm-env", "SLURM_JOB_NODELIST=n2",
+                           "--slurm-env", "SLURM_NODEID=0", "--slurm-env", "SLURM_JOB_ID=4"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "has ended (DONE: ok)" in proc.stderr and time.monotonic() - t0 < 60
+    assert not (run_dir / "logs").exists()  # nothing was started
