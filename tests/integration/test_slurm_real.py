@@ -9,6 +9,7 @@ resume it as a new job, and point a joiner at a dead run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -126,25 +127,32 @@ def _pids_of(run_dir: Path, *words: bytes, host: str | None = None) -> list[int]
     return found
 
 
-def _kill_engine_while_training_is_held(run_dir: Path, cwd: Path, job: str, node: str, name: str) -> None:
-    """After the first step: SIGSTOP the trainer (torchrun and its rank), SIGKILL the engine bound to
-    ``node``, wait until the controller reports ``name`` back in the pool, SIGCONT the trainer.
-    WHY hold the trainer: the short run would otherwise end before the restarted engine is up."""
+@contextlib.contextmanager
+def _trainer_held(run_dir: Path, cwd: Path, job: str, until: str):
+    """After the first step: SIGSTOP the trainer (torchrun and its rank), run the block, wait until the
+    job's output shows ``until``, SIGCONT the trainer.
+    WHY hold the trainer: the short run would otherwise end before the event under test."""
     steps_file = run_dir / "steps.jsonl"
     _wait(lambda: steps_file.exists() and steps_file.read_text().count("\n") >= 1, JOB_TIMEOUT_S,
           f"first step of job {job}:\n{_output(cwd, job)[-3000:]}")
     trainer = _pids_of(run_dir, b"dora_megatron.trainer.entry")  # torchrun and its rank (own sessions)
-    engine = _pids_of(run_dir, b"serve", host=node)
-    assert len(trainer) == 2 and len(engine) == 1, (trainer, engine, _output(cwd, job)[-3000:])
+    assert len(trainer) == 2, (trainer, _output(cwd, job)[-3000:])
     for pid in trainer:
         os.kill(pid, signal.SIGSTOP)
     try:
-        os.kill(engine[0], signal.SIGKILL)
-        _wait(lambda: f"instance {name} rejoined the pool" in _output(cwd, job), 180,
-              f"rejoin of {name}:\n{_output(cwd, job)[-3000:]}")
+        yield
+        _wait(lambda: until in _output(cwd, job), 180, f"{until!r} in the output of job {job}:\n{_output(cwd, job)[-3000:]}")
     finally:
         for pid in trainer:
             os.kill(pid, signal.SIGCONT)
+
+
+def _kill_engine_while_training_is_held(run_dir: Path, cwd: Path, job: str, node: str, name: str) -> None:
+    """SIGKILL the engine bound to ``node`` while the trainer is held, until ``name`` is back in the pool."""
+    with _trainer_held(run_dir, cwd, job, f"instance {name} rejoined the pool"):
+        engine = _pids_of(run_dir, b"serve", host=node)
+        assert len(engine) == 1, (engine, _output(cwd, job)[-3000:])
+        os.kill(engine[0], signal.SIGKILL)
 
 
 def test_multi_node_template_survives_a_killed_rollout_instance_on_another_node(slurm_cluster, tmp_path):
@@ -178,16 +186,21 @@ def test_single_node_job_restarts_a_killed_instance_on_the_controllers_node(slur
 
 
 def test_elastic_join_template_adds_an_engine_to_a_running_job(slurm_cluster, tmp_path):
-    steps = 12  # long enough for the joiner's engine to start and take work
+    """The joiner (its own sbatch job, another node) starts an engine, asks to join, the running
+    controller adds it; the joiner ends with the run's DONE."""
+    steps = 6
     job = slurm_cluster.sbatch([SINGLE, CONFIG, "--set", f"run.steps={steps}"], cwd=tmp_path, env=_job_env())
     run_dir = _run_dir(tmp_path, job)
     _wait(lambda: (run_dir / "config.yaml").is_file(), JOB_TIMEOUT_S, f"run directory of job {job}")
     joiner = slurm_cluster.sbatch(["--nodes=1", JOIN, CONFIG, str(run_dir)], cwd=tmp_path, env=_job_env())
+    with _trainer_held(run_dir, tmp_path, job, f"instance j{joiner}-engine0 joined the pool"):
+        pass
     _finish(slurm_cluster, job, tmp_path)
     _finish(slurm_cluster, joiner, tmp_path, prefix="dora-join")
     summary = _check_run(run_dir, steps)
-    assert f"j{joiner}-engine0" in summary["instances"], (summary, _output(tmp_path, joiner, "dora-join")[-3000:])
-    assert "join requested" in _output(tmp_path, joiner, "dora-join")
+    assert summary["instances"] == ["engine0", f"j{joiner}-engine0"], summary
+    out = _output(tmp_path, joiner, "dora-join")
+    assert "join requested" in out and "run ended: DONE" in out, out[-3000:]
 
 
 def test_scancel_writes_failed_and_a_resumed_job_consumes_every_group_once(slurm_cluster, tmp_path):
