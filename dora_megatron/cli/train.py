@@ -77,7 +77,7 @@ def _run_slurm(cfg, args: argparse.Namespace) -> int:
     try:
         fake = parse_env_overrides(args.slurm_env)
         env = read_slurm_env(fake if fake else os.environ)
-        run_dir = slurm_run_dir(cfg, env)
+        run_dir = args.resume or slurm_run_dir(cfg, env)  # a resumed job continues in the directory it resumes
         model_dir = cfg.model.path or f"{run_dir}/model"
         plan = slurm_plan(cfg, env, model_dir, run_dir, join=args.join)
     except (SlurmEnvError, PlanError, OSError) as err:

@@ -27,7 +27,8 @@ class ClusterConfig:
     weight_group_port: int = field_doc(29700, "Store port (on trainer rank 0) of the trainer -> rollout weight-update group of the `distributed` weight transport (local runs take a free port per push).", ge=1, le=65535)
     rollout_base_port: int = field_doc(30000, "HTTP port of the first instance on each rollout node (see sglang.port_stride).", ge=1, le=65535)
     join_dir: str = field_doc("", "Elastic pools: folder watched for join requests of new instances; empty = `<run_dir>/join`.")
-    join_poll_s: float = field_doc(5.0, "How often the controller looks for join requests.", gt=0.0, unit="s")
+    join_poll_s: float = field_doc(5.0, "How often the controller looks for join requests (and refreshes its heartbeat `<join_dir>/controller.alive`).", gt=0.0, unit="s")
+    join_timeout_s: float = field_doc(600.0, "`--join`: how long a joining node waits for a live controller (a heartbeat younger than this) before it exits with a message; also how long it keeps serving after the heartbeat stops without DONE/FAILED.", gt=0.0, unit="s")
 
     def check(self, path: str) -> None:
         fixed = {"torchrun_port": self.torchrun_port, "trainer_service_port": self.trainer_service_port,

@@ -26,6 +26,8 @@ class LaunchConfig:
                                       "controller has re-queued its requests; the new process starts on a fresh free "
                                       "port (the same port when `rollout.base_port` is fixed), and once `/health` "
                                       "answers it rejoins the pool and is switched to the version the orchestrator "
-                                      "assigns (the newest).")
+                                      "assigns (the newest). SLURM jobs: every node's launcher restarts its own "
+                                      "instances on the same port; one on another node than the controller's asks "
+                                      "to rejoin through the join folder (see slurm/README.md).")
     max_engine_restarts: int = field_doc(3, "Restarts allowed per engine (each start attempt counts); after that the "
                                          "engine stays failed and the run continues on the others.", ge=0)

@@ -836,6 +836,7 @@ class Runtime:
         out["checksum_mismatches"] = self.checksum_mismatches
         out["version_refusals"] = self.version_refusals
         out["weight_push_bytes"] = self.pushed_bytes
+        out["instances"] = sorted(self.engines)  # every instance that was in the pool (joined ones too)
         out["failed_instances"] = sorted(self.failed_ever)
         out["instances_rejoined"] = self.rejoins
         out["samples_after_rejoin"] = self.samples_after_rejoin

@@ -20,6 +20,10 @@ Role assignment (``cluster:`` section):
 
 Single-node jobs may set ``cluster.share_node`` to split one node's GPUs between trainer and
 rollout.
+
+CPU route (``rollout.engine: embedded``): no GPU count; every rollout node runs
+``rollout.num_instances`` embedded engines and every trainer node ``launch.trainer_procs`` gloo
+ranks (:func:`_embedded_plan`).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from dora_megatron.launch.plan import ProcessSpec, thread_env
+from dora_megatron.launch.plan import ProcessSpec, embedded_argv, thread_env
 from dora_megatron.launch.slurm import SlurmEnv
 from dora_megatron.rollout.sglang.args import InstanceSpec, server_argv
 
@@ -82,11 +86,12 @@ def slurm_plan(cfg: "DoraConfig", env: SlurmEnv, model_dir: str, run_dir: str, *
     already running job (names ``j<JOBID>-sgl<i>``; no trainer, controller or groups)."""
     c, sg = cfg.cluster, cfg.sglang
     nodes = env.nodes
+    if cfg.rollout.engine == "embedded":
+        return _embedded_plan(cfg, env, model_dir, run_dir, join=join)
     gpn = c.gpus_per_node or env.gpus_per_node
     if not gpn:
-        raise PlanError("GPUs per node unknown: set cluster.gpus_per_node or SLURM_GPUS_ON_NODE")
-    if cfg.rollout.engine != "sglang":
-        raise PlanError("launch.backend slurm runs SGLang instances: set rollout.engine: sglang")
+        raise PlanError("GPUs per node unknown: set cluster.gpus_per_node or SLURM_GPUS_ON_NODE "
+                        "(or rollout.engine: embedded for the CPU route)")
     tp = sg.tp_size
     if join:
         return _join_plan(cfg, env, model_dir, gpn)
@@ -184,6 +189,84 @@ def slurm_plan(cfg: "DoraConfig", env: SlurmEnv, model_dir: str, run_dir: str, *
                  + (" with EPLB" if sg.enable_eplb else ""))
     return ClusterPlan(tuple(nodes), roles, procs, groups, engine_urls, engine_gpus,
                        f"http://{master}:{c.trainer_service_port}", nodes[0], notes)
+
+
+def _split_nodes(cfg: "DoraConfig", nodes: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """(trainer nodes, rollout nodes) of a job; one node shared by both with ``cluster.share_node``."""
+    c = cfg.cluster
+    if c.share_node:
+        if len(nodes) != 1:
+            raise PlanError(f"cluster.share_node needs a single-node job, got {len(nodes)} nodes")
+        return list(nodes), list(nodes)
+    if c.trainer_nodes >= len(nodes):
+        raise PlanError(f"cluster.trainer_nodes={c.trainer_nodes} leaves no rollout node in a {len(nodes)}-node job "
+                        f"(set cluster.share_node: true for a single-node job)")
+    n_roll = c.rollout_nodes or len(nodes) - c.trainer_nodes
+    if c.trainer_nodes + n_roll > len(nodes):
+        raise PlanError(f"trainer_nodes={c.trainer_nodes} + rollout_nodes={n_roll} > {len(nodes)} nodes")
+    return list(nodes[: c.trainer_nodes]), list(nodes[c.trainer_nodes: c.trainer_nodes + n_roll])
+
+
+def _embedded_plan(cfg: "DoraConfig", env: SlurmEnv, model_dir: str, run_dir: str, *, join: bool) -> ClusterPlan:
+    """The CPU route: ``rollout.num_instances`` embedded engines (``dora serve``, the same protocol) on
+    every rollout node and ``launch.trainer_procs`` trainer ranks (gloo) on every trainer node.
+
+    WHY counts from the config, not the allocation: CPU jobs have no GPU GRES to count, and a CPU
+    count per task says nothing about how many engines a node should run. Each engine binds its
+    node's own address (the node name), so emulated nodes sharing one host do not collide."""
+    c = cfg.cluster
+    if cfg.rollout.device != "cpu" or cfg.trainer.device != "cpu":
+        raise PlanError("rollout.engine embedded on SLURM is the CPU route: set rollout.device and trainer.device "
+                        "to cpu (rollout.engine: sglang for GPUs)")
+    per_node = cfg.rollout.num_instances
+    procs: list[ProcessSpec] = []
+    urls: dict[str, str] = {}
+
+    def engine(node: str, j: int, name: str) -> None:
+        port = c.rollout_base_port + j
+        r = cfg.rollout
+        procs.append(ProcessSpec("engine", name, node, embedded_argv(cfg, model_dir, node, port), port=port,
+                                 threads=r.threads_per_instance, env=thread_env(r.threads_per_instance)))
+        urls[name] = f"http://{node}:{port}"
+
+    if join:
+        for node in env.nodes:
+            for j in range(per_node):
+                engine(node, j, f"j{env.job_id}-engine{len(urls)}")
+        return ClusterPlan(tuple(env.nodes), {n: "rollout" for n in env.nodes}, procs, [], urls,
+                           {n: 1 for n in urls}, "", "",
+                           [f"join: {len(urls)} embedded engine(s) join the running job"])
+    trainer_nodes, rollout_nodes = _split_nodes(cfg, env.nodes)
+    nproc = cfg.launch.trainer_procs
+    world = len(trainer_nodes) * nproc
+    try:
+        dp = cfg.trainer.data_parallel_size(world)
+    except Exception as err:  # ConfigError: the layout does not fit this allocation
+        raise PlanError(f"trainer world size {world} ({len(trainer_nodes)} node(s) x {nproc} rank(s)): {err}") from err
+    master = trainer_nodes[0]
+    roles = {n: "idle" for n in env.nodes}
+    for k, node in enumerate(trainer_nodes):
+        roles[node] = "trainer"
+        extra = {"torchrun": c.torchrun_port, "trainer_service": c.trainer_service_port,
+                 "weight_group_store": c.weight_group_port} if k == 0 else {}
+        procs.append(ProcessSpec(
+            "trainer", f"trainer{k}", node, _trainer_argv(cfg, model_dir, run_dir, len(trainer_nodes), k, nproc, master),
+            threads=cfg.launch.trainer_threads, ranks=tuple(range(k * nproc, (k + 1) * nproc)),
+            env=thread_env(cfg.launch.trainer_threads), extra_ports=extra))
+    for node in rollout_nodes:
+        roles[node] = "trainer+rollout" if roles[node] == "trainer" else "rollout"
+        for j in range(per_node):
+            engine(node, j, f"engine{len(urls)}")
+    procs.append(ProcessSpec("controller", "controller", env.nodes[0], ("<in-process: dora train on this node>",), threads=1))
+    groups = [GroupSpec("trainer", "gloo", world, f"{master}:{c.torchrun_port}",
+                        tuple((p.name, p.ranks[0], len(p.ranks)) for p in procs if p.role == "trainer")),
+              GroupSpec("weight_update", "gloo", 1 + len(urls), f"{master}:{c.weight_group_port}",
+                        (("trainer0", 0, 1), *((n, 1 + i, 1) for i, n in enumerate(urls))))]
+    notes = [f"trainer: {world} rank(s) (launch.trainer_procs={nproc} per trainer node), tp={cfg.trainer.tp} "
+             f"pp={cfg.trainer.pp} ep={cfg.trainer.ep} dp={dp}; rollout: {len(urls)} embedded engine(s) "
+             f"({per_node} per rollout node, CPU)"]
+    return ClusterPlan(tuple(env.nodes), roles, procs, groups, urls, {n: 1 for n in urls},
+                       f"http://{master}:{c.trainer_service_port}", env.nodes[0], notes)
 
 
 def _join_plan(cfg: "DoraConfig", env: SlurmEnv, model_dir: str, gpn: int) -> ClusterPlan:

@@ -7,7 +7,12 @@ shares only the run directory with the controller. Once its SGLang instance is h
 answers, and calls ``Runtime.add_instance``, after which the orchestrator switches the instance to
 the version it assigns (``Orchestrator.on_instance_joined``). Failed instances need nothing here:
 the runtime's stats loop fails an instance whose ``/get_server_info`` errors or times out, and the
-orchestrator re-runs its requests on their own version.
+orchestrator re-runs its requests on their own version. An instance that its node's launcher
+restarted (same name, same URL) asks again with a higher ``attempt``: the controller then treats
+the old process as failed (if it had not noticed yet) and adds the new one.
+
+The controller also touches ``<join_dir>/controller.alive`` at every poll: a joining node that sees
+no fresh heartbeat gives up after ``cluster.join_timeout_s`` instead of holding its node forever.
 """
 
 from __future__ import annotations
@@ -28,6 +33,26 @@ class JoinRequest:
     name: str
     url: str
     gpus: int = 1
+    attempt: int = 0  # restarts of this instance by its node's launcher
+
+
+HEARTBEAT = "controller.alive"
+
+
+def heartbeat_age(join_dir: str | Path) -> float | None:
+    """Seconds since the controller last touched its heartbeat (None: it never did)."""
+    import time
+
+    try:
+        return max(0.0, time.time() - (Path(join_dir) / HEARTBEAT).stat().st_mtime)
+    except OSError:
+        return None
+
+
+def touch_heartbeat(join_dir: str | Path) -> None:
+    p = Path(join_dir) / HEARTBEAT
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.touch()
 
 
 def write_join_request(join_dir: str | Path, req: JoinRequest) -> Path:
@@ -36,7 +61,7 @@ def write_join_request(join_dir: str | Path, req: JoinRequest) -> Path:
     if "#" in req.name or "/" in req.name:
         raise ValueError(f"instance name {req.name!r} may not contain '#' or '/'")
     tmp = d / f".{req.name}.json.tmp"
-    tmp.write_text(json.dumps({"name": req.name, "url": req.url, "gpus": req.gpus}))
+    tmp.write_text(json.dumps({"name": req.name, "url": req.url, "gpus": req.gpus, "attempt": req.attempt}))
     os.replace(tmp, d / f"{req.name}.json")
     return d / f"{req.name}.json"
 
@@ -46,7 +71,7 @@ def read_join_requests(join_dir: str | Path) -> list[JoinRequest]:
     for p in sorted(Path(join_dir).glob("*.json")):
         try:
             d = json.loads(p.read_text())
-            out.append(JoinRequest(str(d["name"]), str(d["url"]), int(d.get("gpus", 1))))
+            out.append(JoinRequest(str(d["name"]), str(d["url"]), int(d.get("gpus", 1)), int(d.get("attempt", 0))))
         except (OSError, ValueError, KeyError) as err:
             log.warning("ignoring malformed join request %s: %s", p, err)
     return out
@@ -58,11 +83,14 @@ async def watch_joins(join_dir: str | Path, runtime: Any, make_engine: Callable[
 
     ``probe(engine)`` (default: ``server_info()`` answers) must succeed before the instance is added;
     one that does not answer is retried at the next poll."""
-    seen: set[str] = set()
+    seen: set[tuple[str, int]] = set()
     while True:
+        touch_heartbeat(join_dir)
         for req in read_join_requests(join_dir):
-            if req.name in seen or (req.name in runtime.engines and req.name not in runtime.failed):
-                seen.add(req.name)
+            key = (req.name, req.attempt)
+            live = req.name in runtime.engines and req.name not in runtime.failed
+            if key in seen or (live and req.attempt == 0):
+                seen.add(key)
                 continue
             engine = make_engine(req)
             try:
@@ -74,8 +102,18 @@ async def watch_joins(join_dir: str | Path, runtime: Any, make_engine: Callable[
                 if close is not None:
                     await close()
                 continue
-            seen.add(req.name)
+            seen.add(key)
+            old = runtime.engines.get(req.name)
+            if old is not None and req.name not in runtime.failed:
+                # restarted by its node before the controller noticed: what ran on the old process is lost
+                runtime._instance_failed(req.name, f"restarted by its node's launcher (attempt {req.attempt})")
             runtime.add_instance(req.name, engine)
+            close = getattr(old, "close", None)
+            if close is not None:  # it pointed at the dead process
+                try:
+                    await close()
+                except Exception:  # noqa: BLE001 - best effort
+                    pass
         await asyncio.sleep(poll_s)
 
 

@@ -359,10 +359,11 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
         on_runtime(runtime)
     from dora_megatron.launch.supervise import EngineSupervisor, RestartPolicy
 
-    policy = RestartPolicy(enabled=cfg.launch.restart_engines and engine_urls is None,
+    # SLURM jobs (engine_urls given): instances on this node come back on their planned port and host
+    policy = RestartPolicy(enabled=cfg.launch.restart_engines,
                            max_restarts=cfg.launch.max_engine_restarts,
                            startup_timeout_s=cfg.rollout.startup_timeout_s,
-                           fixed_port=bool(cfg.rollout.base_port), host=host)
+                           fixed_port=bool(cfg.rollout.base_port) or engine_urls is not None, host=host)
     supervisor = EngineSupervisor(procs, runtime, policy, make_engine, names,
                                   on_restarted=lambda: _write_processes(run_dir, procs))
     monitor = asyncio.get_running_loop().create_task(supervisor.run())

@@ -40,6 +40,19 @@ def thread_env(threads: int) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
 
 
+def embedded_argv(cfg: "DoraConfig", model_dir: str, host: str, port: int | None) -> tuple[str, ...]:
+    """The ``dora serve`` command of one embedded engine (local runs and SLURM rollout nodes alike)."""
+    r = cfg.rollout
+    return (
+        sys.executable, "-m", "dora_megatron", "serve",
+        "--model", model_dir, "--host", host, "--port", str(port) if port else "<free-port>",
+        "--device", r.device, "--max-running", str(r.max_running), "--max-waiting", str(r.max_waiting),
+        "--num-threads", str(r.threads_per_instance),
+        *(("--kv-blocks", str(r.kv_blocks)) if r.kv_blocks else ()),
+        *(("--context-length", str(r.context_length)) if r.context_length else ()),
+    )
+
+
 def local_plan(cfg: "DoraConfig", model_dir: str, run_dir: str, base_port: int | None = None) -> list[ProcessSpec]:
     """All processes of a local run: N engines, the trainer (torchrun), the controller."""
     host = cfg.rollout.host
@@ -51,16 +64,8 @@ def local_plan(cfg: "DoraConfig", model_dir: str, run_dir: str, base_port: int |
         plan.extend(local_sglang_engines(cfg, model_dir, port0))
     for i in range(cfg.rollout.num_instances if cfg.rollout.engine == "embedded" else 0):
         port = port0 + i if port0 else None  # None: the launcher picks a free port
-        argv = (
-            sys.executable, "-m", "dora_megatron", "serve",
-            "--model", model_dir, "--host", host, "--port", str(port) if port else "<free-port>",
-            "--device", cfg.rollout.device, "--max-running", str(cfg.rollout.max_running),
-            "--max-waiting", str(cfg.rollout.max_waiting),
-            "--num-threads", str(cfg.rollout.threads_per_instance),
-            *(("--kv-blocks", str(cfg.rollout.kv_blocks)) if cfg.rollout.kv_blocks else ()),
-            *(("--context-length", str(cfg.rollout.context_length)) if cfg.rollout.context_length else ()),
-        )
-        plan.append(ProcessSpec("engine", f"engine{i}", host, argv, port=port, threads=cfg.rollout.threads_per_instance,
+        plan.append(ProcessSpec("engine", f"engine{i}", host, embedded_argv(cfg, model_dir, host, port), port=port,
+                                threads=cfg.rollout.threads_per_instance,
                                 env=thread_env(cfg.rollout.threads_per_instance), cpus=tuple(cfg.launch.engine_cpus)))
     nprocs = cfg.launch.trainer_procs
     trainer_argv = (

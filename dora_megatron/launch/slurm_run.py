@@ -2,13 +2,22 @@
 
 WHY every node runs the same command: ``srun dora train`` starts one task per node; each task
 reads the same config and SLURM environment, computes the same :class:`ClusterPlan` and starts only
-the processes placed on its node (torchrun, SGLang instances), logging to
+the processes placed on its node (torchrun, rollout instances), logging to
 ``<run_dir>/logs/<node>/``. The first node also runs the controller in-process; at the end it
 writes ``<run_dir>/DONE`` (or ``FAILED``), which tells every other node to stop its processes and
-exit. A node whose process dies exits non-zero, which (``srun --kill-on-bad-exit``) ends the job.
+exit.
 
-``--join`` (elastic pools): the allocation's nodes start SGLang instances only and, once each is
-ready, write a join request into the running job's join folder (:mod:`.elastic`).
+Faults: a rollout instance that dies is restarted by its own node's launcher on the same port
+(``launch.restart_engines``, at most ``launch.max_engine_restarts`` times); on a node other than the
+controller's it then asks to rejoin through the join folder. A node exits non-zero only when the run
+fails (FAILED, or its trainer died), so ``srun --kill-on-bad-exit`` ends the job for run failures
+only. Every way a job ends leaves a marker: SIGTERM (``scancel``, the time limit) and SIGINT write
+FAILED with the reason before the processes stop. Markers name the job that wrote them, so the
+nodes of a resumed job are not stopped by the FAILED of the job they resume.
+
+``--join`` (elastic pools): the allocation's nodes start rollout instances only and, once each is
+ready, write a join request into the running job's join folder (:mod:`.elastic`). A joiner waits at
+most ``cluster.join_timeout_s`` for the controller's heartbeat, so one pointed at a dead run exits.
 """
 
 from __future__ import annotations
@@ -16,8 +25,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import sys
+import threading
 import time
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from dora_megatron.config.loader import dump_yaml
@@ -42,24 +55,192 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+@dataclass(frozen=True)
+class Marker:
+    kind: str  # DONE | FAILED
+    reason: str
+    job_id: str
+
+
+def read_marker(run_dir: Path) -> Marker | None:
+    for kind in (DONE, FAILED):
+        try:
+            lines = (run_dir / kind).read_text().splitlines()
+        except OSError:
+            continue
+        job = next((x[4:] for x in lines if x.startswith("job ")), "")
+        return Marker(kind, lines[0] if lines else "", job)
+    return None
+
+
+def write_marker(run_dir: Path, kind: str, reason: str, job_id: str) -> bool:
+    """Write DONE or FAILED unless this job already ended (the first reason is kept). Returns whether
+    it was written."""
+    current = read_marker(run_dir)
+    if current is not None and current.job_id == job_id:
+        return False
+    tmp = run_dir / f".{kind}.{os.getpid()}.tmp"
+    tmp.write_text(f"{reason}\njob {job_id}\n")
+    try:
+        os.link(tmp, run_dir / kind)  # fails if another node wrote it first
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _clear_previous_markers(run_dir: Path, job_id: str) -> None:
+    """A resumed run: the FAILED of the job it resumes is kept as ``FAILED.job<id>``."""
+    m = read_marker(run_dir)
+    if m is not None and m.kind == FAILED and m.job_id != job_id:
+        os.replace(run_dir / FAILED, run_dir / f"{FAILED}.job{m.job_id or 'unknown'}")
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM/SIGINT, raised where the launcher is, so that it unwinds and stops its children."""
+
+
+class _EndSignals:
+    """While active, SIGTERM and SIGINT write FAILED (with the signal and node) and then unwind;
+    ``mark=False`` (joining nodes: their end is not the run's) only unwinds.
+
+    WHY write in the handler: ``scancel`` and the time limit give the job only ``KillWait`` seconds
+    before SIGKILL; the marker must be on disk before anything else is attempted."""
+
+    def __init__(self, run_dir: Path, job_id: str, node: str, *, mark: bool = True) -> None:
+        self.run_dir, self.job_id, self.node, self.mark = run_dir, job_id, node, mark
+        self.previous: dict[int, object] = {}
+
+    def _handler(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        why = "scancel or time limit" if signum == signal.SIGTERM else "interrupted"
+        if self.mark:
+            write_marker(self.run_dir, FAILED, f"terminated by {name} on {self.node} ({why})", self.job_id)
+        raise _Terminated(name)
+
+    def __enter__(self) -> "_EndSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self.previous[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
 def _join_dir(cfg: DoraConfig, run_dir: Path) -> Path:
     return Path(cfg.cluster.join_dir) if cfg.cluster.join_dir else run_dir / "join"
 
 
-def _wait_end(run_dir: Path, procs: ProcessSet, poll_s: float = 5.0) -> int:
-    """Non-controller nodes: keep the processes up until the controller ends the job."""
+def _healthy(url: str, timeout_s: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return resp.status == 200
+    except (OSError, ValueError):
+        return False
+
+
+class NodeEngines:
+    """A node's rollout instances outside the controller's process: restart one that died on its
+    port and ask the controller to take it back (a join request with the next ``attempt``).
+
+    ``announce_first``: joining nodes announce every instance once it is first ready, too."""
+
+    def __init__(self, cfg: DoraConfig, procs: ProcessSet, plan: ClusterPlan, node: str, join_dir: Path, *,
+                 announce_first: bool) -> None:
+        self.cfg, self.procs, self.plan, self.node, self.join_dir = cfg, procs, plan, node, join_dir
+        self.names = {p.name for p in plan.processes_on(node) if p.role == "engine" and p.port is not None}
+        self.health = "/health" if cfg.rollout.engine == "embedded" else cfg.sglang.health_path
+        self.attempts = {n: 0 for n in self.names}
+        self.pending = {n: time.monotonic() + cfg.rollout.startup_timeout_s for n in self.names} if announce_first else {}
+        self.given_up: set[str] = set()
+
+    def check(self) -> None:
+        from dora_megatron.launch.elastic import JoinRequest, write_join_request
+
+        for child in list(self.procs.children):
+            name = child.name
+            if name in self.given_up:
+                continue
+            if name not in self.names:  # a trainer (or part of a multi-node instance): the run cannot go on
+                # status 0: the trainer was told to stop at the end of the run (DONE follows)
+                if not child.alive() and child.popen.returncode != 0:
+                    raise ChildFailed(f"{name} exited with status {child.popen.returncode}; last log lines:\n{child.tail()}")
+                continue
+            late = name in self.pending and time.monotonic() > self.pending[name]
+            if child.alive() and not late:
+                if name in self.pending and _healthy(self.plan.engine_urls[name] + self.health):
+                    del self.pending[name]
+                    write_join_request(self.join_dir, JoinRequest(name, self.plan.engine_urls[name],
+                                                                  self.plan.engine_gpus[name], self.attempts[name]))
+                    _say(f"{name} on {self.node} ready at {self.plan.engine_urls[name]}: join requested "
+                         f"(attempt {self.attempts[name]})")
+                continue
+            why = f"exited with status {child.popen.returncode}" if not child.alive() else "never became healthy"
+            if not self.cfg.launch.restart_engines or self.attempts[name] >= self.cfg.launch.max_engine_restarts:
+                self.given_up.add(name)
+                self.pending.pop(name, None)
+                self.procs.stop(child)
+                _say(f"{name} on {self.node} {why}; no restart left (launch.max_engine_restarts="
+                     f"{self.cfg.launch.max_engine_restarts}): the node stays up, the run goes on without it")
+                continue
+            self.attempts[name] += 1
+            _say(f"{name} on {self.node} {why}: restarting it (attempt {self.attempts[name]} of "
+                 f"{self.cfg.launch.max_engine_restarts}), log {child.log_path}")
+            self.procs.restart(name)
+            self.pending[name] = time.monotonic() + self.cfg.rollout.startup_timeout_s
+
+
+def _serve_until_end(run_dir: Path, engines: NodeEngines, job_id: str | None, poll_s: float = 1.0,
+                     alive_bound_s: float | None = None) -> int:
+    """Keep this node's processes up until the run ends.
+
+    ``job_id``: markers of that job end the wait (None: any marker, for joining nodes).
+    ``alive_bound_s``: joining nodes also stop when the controller's heartbeat is older than this."""
+    from dora_megatron.launch.elastic import heartbeat_age
+
     while True:
-        if (run_dir / DONE).exists():
-            return 0
-        if (run_dir / FAILED).exists():
-            return 1
-        procs.check_alive()
+        m = read_marker(run_dir)
+        if m is not None and (job_id is None or m.job_id == job_id):
+            _say(f"run ended: {m.kind} ({m.reason})")
+            return 0 if m.kind == DONE else 1
+        if alive_bound_s is not None:
+            age = heartbeat_age(engines.join_dir)
+            if age is not None and age > alive_bound_s:
+                _say(f"the controller of {run_dir} stopped ({age:.0f} s without a heartbeat, no DONE/FAILED): "
+                     f"stopping this node's instances")
+                return 1
+        engines.check()
         time.sleep(poll_s)
+
+
+def _shared_model(cfg: DoraConfig, plan: ClusterPlan, run_dir: Path, node: str) -> Path:
+    """The model of version 0: ``model.path``, else made once by the controller's node in
+    ``<run_dir>/model`` (the shared filesystem) while the other nodes wait for it (bounded)."""
+    from dora_megatron.launch.local import prepare_model
+
+    if cfg.model.path:
+        return Path(cfg.model.path)
+    ready = run_dir / "model" / ".ready"
+    if node == plan.controller_node:
+        path = prepare_model(cfg, run_dir, say=_say)
+        ready.write_text("ok\n")
+        return path
+    bound = cfg.launch.trainer_startup_timeout_s
+    deadline = time.monotonic() + bound
+    while not ready.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no model in {ready.parent} after {bound:.0f} s (launch.trainer_startup_timeout_s): "
+                               f"the controller's node {plan.controller_node} did not prepare it")
+        time.sleep(0.5)
+    return ready.parent
 
 
 def run_slurm_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan, resume: str | None = None) -> int:
     from dora_megatron.launch.inputs import input_problem
-    from dora_megatron.launch.local import prepare_model, resume_checkpoint
+    from dora_megatron.launch.local import resume_checkpoint
     from dora_megatron.rollout.sglang.server import start_instance
 
     node = env.this_node
@@ -72,71 +253,89 @@ def run_slurm_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan, resume: st
         return 2
     run_dir = Path(resume or slurm_run_dir(cfg, env)).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    _write_atomic(run_dir / "config.yaml", dump_yaml(cfg))  # same text on every node
-    if cfg.model.path:
-        model_dir = Path(cfg.model.path)
-    elif len(plan.nodes) == 1:
-        model_dir = prepare_model(cfg, run_dir, say=_say)
-    else:
-        _say("dora train (slurm): multi-node jobs need model.path (a HF directory on a shared filesystem)")
-        return 2
-    checkpoint = None
-    if resume:  # every node verifies the same files and picks the same one; none moves anything
-        checkpoint, error = resume_checkpoint(run_dir, _say, quarantine=False)
-        if checkpoint is None:
-            _say(error)
-            return 2
     is_controller = node == plan.controller_node
-    mine = plan.processes_on(node)
-    _say(f"node {node} ({plan.roles[node]}): {len(mine)} process(es), run directory {run_dir}")
+    if is_controller and resume:
+        _clear_previous_markers(run_dir, env.job_id)
+    _write_atomic(run_dir / "config.yaml", dump_yaml(cfg))  # same text on every node
+    join_dir = _join_dir(cfg, run_dir)
     try:
-        with ProcessSet(run_dir / "logs" / node, grace_s=cfg.launch.shutdown_timeout_s) as procs:
-            for spec in mine:
-                if spec.role == "trainer":
-                    argv = list(spec.argv) + (["--resume", str(checkpoint / "trainer")] if checkpoint else [])
-                    # the controller's child watcher knows the trainer by this name
-                    procs.start("trainer" if is_controller else spec.name, argv, {**spec.env, "PYTHONUNBUFFERED": "1"})
-                elif spec.role == "engine":
-                    start_instance(procs, spec)
-            if not is_controller:
-                return _wait_end(run_dir, procs)
-            try:
-                asyncio.run(_controller(cfg, plan, run_dir, model_dir, procs, checkpoint))
-            except BaseException:
-                _write_atomic(run_dir / FAILED, "controller failed\n")
-                raise
-            _write_atomic(run_dir / DONE, "ok\n")
-            return 0
+        with _EndSignals(run_dir, env.job_id, node):
+            model_dir = _shared_model(cfg, plan, run_dir, node)
+            checkpoint = None
+            if resume:  # every node verifies the same files and picks the same one; none moves anything
+                checkpoint, error = resume_checkpoint(run_dir, _say, quarantine=False)
+                if checkpoint is None:
+                    _say(error)
+                    return 2
+            mine = plan.processes_on(node)
+            _say(f"node {node} ({plan.roles[node]}): {len(mine)} process(es), run directory {run_dir}")
+            with ProcessSet(run_dir / "logs" / node, grace_s=cfg.launch.shutdown_timeout_s) as procs:
+                for spec in mine:
+                    if spec.role == "trainer":
+                        argv = list(spec.argv) + (["--resume", str(checkpoint / "trainer")] if checkpoint else [])
+                        # the controller's child watcher knows the trainer by this name
+                        procs.start("trainer" if is_controller else spec.name, argv, {**spec.env, "PYTHONUNBUFFERED": "1"})
+                    elif spec.role == "engine":
+                        start_instance(procs, spec)
+                if not is_controller:  # a ChildFailed (its trainer died) writes FAILED below
+                    return _serve_until_end(run_dir, NodeEngines(cfg, procs, plan, node, join_dir,
+                                                                 announce_first=False), env.job_id)
+                try:
+                    asyncio.run(_controller(cfg, plan, run_dir, model_dir, procs, checkpoint, node))
+                except _Terminated:
+                    raise
+                except BaseException as err:
+                    write_marker(run_dir, FAILED, f"controller failed: {type(err).__name__}: "
+                                 f"{str(err).splitlines()[0] if str(err) else ''}", env.job_id)
+                    raise
+                write_marker(run_dir, DONE, "ok", env.job_id)
+                return 0
     except ChildFailed as err:
+        write_marker(run_dir, FAILED, f"a process on {node} failed: {str(err).splitlines()[0]}", env.job_id)
         _say(f"a process on {node} failed: {err}")
         return 1
-    except (TimeoutError, ValueError) as err:  # e.g. an instance never became healthy (FAILED was written)
+    except (TimeoutError, ValueError) as err:  # e.g. an instance never became healthy, no model from node 0
+        write_marker(run_dir, FAILED, f"dora train failed on {node}: {str(err).splitlines()[0]}", env.job_id)
         _say(f"dora train failed on {node}: {err}")
         return 1
+    except _Terminated as sig:
+        _say(f"dora train on {node}: terminated by {sig}; FAILED written, every process was stopped")
+        return 143 if str(sig) == "SIGTERM" else 130
 
 
 async def _controller(cfg: DoraConfig, plan: ClusterPlan, run_dir: Path, model_dir: Path, procs: ProcessSet,
-                      checkpoint) -> dict:
+                      checkpoint, node: str) -> dict:
     from dora_megatron.launch.elastic import watch_joins
     from dora_megatron.launch.local import _run_controller
-    from dora_megatron.rollout.sglang.client import SGLangClient
-    from dora_megatron.rollout.sglang.engine import SGLangEngine
 
     join_dir = _join_dir(cfg, run_dir)
     join_dir.mkdir(parents=True, exist_ok=True)
 
+    def make(req):
+        if cfg.rollout.engine == "embedded":
+            from dora_megatron.rollout.client import EngineClient
+
+            return EngineClient(req.url, timeout_s=cfg.rollout.request_timeout_s)
+        from dora_megatron.rollout.sglang.client import SGLangClient
+        from dora_megatron.rollout.sglang.engine import SGLangEngine
+
+        return SGLangEngine(SGLangClient(req.url, timeout_s=cfg.rollout.request_timeout_s))
+
     def start_watcher(runtime) -> None:
-        make = lambda req: SGLangEngine(SGLangClient(req.url, timeout_s=cfg.rollout.request_timeout_s))  # noqa: E731
         asyncio.get_running_loop().create_task(watch_joins(join_dir, runtime, make, poll_s=cfg.cluster.join_poll_s))
 
-    return await _run_controller(cfg, run_dir, model_dir, "", [], 0, procs, _say, checkpoint,
+    # ``node``: instances on this node are restarted by the controller's own supervisor at their URL
+    return await _run_controller(cfg, run_dir, model_dir, node, [], 0, procs, _say, checkpoint,
                                  engine_urls=plan.engine_urls, trainer_url=plan.trainer_url, on_runtime=start_watcher)
 
 
 def run_join_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan) -> int:
-    """Start this node's joining instances, announce each once ready, serve until the job ends."""
-    from dora_megatron.launch.elastic import JoinRequest, write_join_request
-    from dora_megatron.rollout.sglang.server import start_instance, wait_ready
+    """Start this node's joining instances, announce each once ready, serve until the run ends.
+
+    Bounded: a run that has ended (DONE/FAILED) and shows no live controller is refused at once; a
+    run whose controller gives no heartbeat for ``cluster.join_timeout_s`` is left with a message."""
+    from dora_megatron.launch.elastic import heartbeat_age
+    from dora_megatron.rollout.sglang.server import start_instance
 
     node = env.this_node
     if node is None or not cfg.run.run_dir:
@@ -146,23 +345,31 @@ def run_join_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan) -> int:
     if not (run_dir / "config.yaml").is_file():
         _say(f"dora train --join: {run_dir} is not a run directory (no config.yaml)")
         return 2
-    mine = [p for p in plan.processes_on(node) if p.role == "engine"]
+    join_dir, bound = _join_dir(cfg, run_dir), cfg.cluster.join_timeout_s
+    m, age = read_marker(run_dir), heartbeat_age(join_dir)
+    if m is not None and (age is None or age > 3 * cfg.cluster.join_poll_s):
+        _say(f"dora train --join: the run in {run_dir} has ended ({m.kind}: {m.reason}); nothing to join")
+        return 1
+    deadline = time.monotonic() + bound
     try:
-        with ProcessSet(run_dir / "logs" / f"join-{env.job_id}-{node}", grace_s=cfg.launch.shutdown_timeout_s) as procs:
-            children = {spec.name: start_instance(procs, spec) for spec in mine}
-
-            async def announce() -> None:
-                async def one(spec) -> None:
-                    child = children[spec.name]
-                    await wait_ready(plan.engine_urls[spec.name], path=cfg.sglang.health_path,
-                                     timeout_s=cfg.rollout.startup_timeout_s, alive=child.alive, tail=child.tail)
-                    write_join_request(_join_dir(cfg, run_dir), JoinRequest(spec.name, plan.engine_urls[spec.name],
-                                                                            plan.engine_gpus[spec.name]))
-                    _say(f"{spec.name} ready at {plan.engine_urls[spec.name]}: join requested")
-                await asyncio.gather(*(one(s) for s in mine))
-
-            asyncio.run(announce())
-            return _wait_end(run_dir, procs)
-    except (ChildFailed, RuntimeError) as err:
+        with _EndSignals(run_dir, env.job_id, node, mark=False), \
+                ProcessSet(run_dir / "logs" / f"join-{env.job_id}-{node}", grace_s=cfg.launch.shutdown_timeout_s) as procs:
+            for spec in plan.processes_on(node):
+                if spec.role == "engine":
+                    start_instance(procs, spec)
+            engines = NodeEngines(cfg, procs, plan, node, join_dir, announce_first=True)
+            while (heartbeat_age(join_dir) or float("inf")) > bound:  # no live controller yet
+                if time.monotonic() > deadline:
+                    _say(f"dora train --join: no live controller in {run_dir} after {bound:.0f} s "
+                         f"(cluster.join_timeout_s; heartbeat {join_dir / 'controller.alive'} "
+                         f"{'missing' if heartbeat_age(join_dir) is None else 'too old'}): giving up")
+                    return 1
+                engines.check()
+                time.sleep(1.0)
+            return _serve_until_end(run_dir, engines, None, alive_bound_s=bound)
+    except ChildFailed as err:
         _say(f"joining instance on {node} failed: {err}")
         return 1
+    except _Terminated as sig:
+        _say(f"dora train --join on {node}: terminated by {sig}; every process was stopped")
+        return 143 if str(sig) == "SIGTERM" else 130

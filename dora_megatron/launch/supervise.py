@@ -10,6 +10,9 @@ joining instance. Requests that ran on the old process never come back from it: 
 replaced, and the runtime ignores failures reported through the old client.
 
 A dead trainer stops the run (its state lives in the trainer; resume from a checkpoint).
+In a SLURM job only the controller's node's instances are children here; the others are restarted
+by their own node's launcher and rejoin through the join folder (``launch/slurm_run.py``), so when
+every instance has failed the run waits ``rollout.startup_timeout_s`` for those before it ends.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class EngineSupervisor:
         self.attempts: dict[str, int] = {}
         self._restarting: dict[str, asyncio.Task] = {}
         self._reported: set[int] = set()  # pids whose exit was reported
+        self._all_failed_since: float | None = None
         if policy.enabled:
             runtime.engine_restarts = 0
             runtime.instances_may_return = True
@@ -94,11 +98,25 @@ class EngineSupervisor:
                     and not rt._done.is_set()):
                 self._restarting[name] = asyncio.get_running_loop().create_task(self._restart(name),
                                                                                 name=f"restart-{name}")
-        if (self.policy.enabled and rt.engines and set(rt.engines) <= rt.failed and not self._restarting
+        if not (self.policy.enabled and rt.engines and set(rt.engines) <= rt.failed and not self._restarting
                 and not rt._done.is_set()):
-            rt._error = RuntimeError(f"every rollout instance failed and no restart is left "
-                                     f"(launch.max_engine_restarts={self.policy.max_restarts})")
-            rt._done.set()
+            self._all_failed_since = None
+            return
+        # instances on other nodes (SLURM) are restarted by their own node and may still rejoin: wait
+        # for them as long as one start may take, then end the run
+        local = {c.name for c in self.procs.children}
+        remote = [n for n in rt.engines if n not in local]
+        now = time.monotonic()
+        if self._all_failed_since is None:
+            self._all_failed_since = now
+        if remote and now - self._all_failed_since < self.policy.startup_timeout_s:
+            return
+        rt._error = RuntimeError(
+            f"every rollout instance failed and no restart is left (launch.max_engine_restarts="
+            f"{self.policy.max_restarts}" + (f"; none of {remote} on other nodes came back within "
+                                            f"rollout.startup_timeout_s={self.policy.startup_timeout_s:.0f} s"
+                                            if remote else "") + ")")
+        rt._done.set()
 
     async def _restart(self, name: str) -> None:
         try:

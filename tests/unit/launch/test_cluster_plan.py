@@ -182,3 +182,47 @@ def test_sbatch_templates_parse_and_only_call_dora():
         runs = [ln for ln in body if re.match(r"\s*srun\b", ln)]
         assert runs, f"{s.name}: no srun line"
         assert all('"$DORA" train' in ln or "dora train" in ln for ln in " ".join(body).split("srun")[1:])
+
+
+CPU_SLURM = ROOT / "configs" / "cpu_slurm.yaml"
+
+
+def test_cpu_route_plans_embedded_engines_from_the_config_without_gpus():
+    """rollout.engine embedded on SLURM (no GPU in the environment): the trainer node runs
+    launch.trainer_procs ranks, each rollout node rollout.num_instances engines bound to its own
+    name (emulated nodes on one host must not collide on 0.0.0.0)."""
+    cfg = load_config(CPU_SLURM, ["rollout.num_instances=2"])
+    plan = slurm_plan(cfg, read_slurm_env({"SLURM_JOB_NODELIST": "n[1-3]", "SLURM_JOB_ID": "5"}), "/m", "/r")
+    assert plan.roles == {"n1": "trainer", "n2": "rollout", "n3": "rollout"}
+    engines = [p for p in plan.processes if p.role == "engine"]
+    assert [(p.host, p.port) for p in engines] == [("n2", 30000), ("n2", 30001), ("n3", 30000), ("n3", 30001)]
+    for p in engines:
+        assert "serve" in p.argv and _flag(p.argv, "--host") == p.host and _flag(p.argv, "--device") == "cpu"
+        assert plan.engine_urls[p.name] == f"http://{p.host}:{p.port}"
+    trainer = next(p for p in plan.processes if p.role == "trainer")
+    assert _flag(trainer.argv, "--host") == "n1" and "--nproc-per-node=1" in trainer.argv
+    assert check_plan(plan, 0) == []
+    single = slurm_plan(load_config(CPU_SLURM, ["cluster.share_node=true"]),
+                        read_slurm_env({"SLURM_JOB_NODELIST": "n1"}), "/m", "/r")
+    assert single.roles == {"n1": "trainer+rollout"} and list(single.engine_urls) == ["engine0"]
+    join = slurm_plan(cfg, read_slurm_env({"SLURM_JOB_NODELIST": "n4", "SLURM_JOB_ID": "9"}), "/m", "/r", join=True)
+    assert list(join.engine_urls) == ["j9-engine0", "j9-engine1"] and join.controller_node == ""
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["rollout.engine=sglang", "rollout.device=cuda"], "GPUs per node unknown"),
+    (["trainer.device=cuda"], "CPU route"),
+    (["cluster.trainer_nodes=3"], "no rollout node"),
+])
+def test_cpu_route_refuses_what_it_cannot_run(overrides, match):
+    cfg = load_config(CPU_SLURM, overrides)
+    with pytest.raises(PlanError, match=match):
+        slurm_plan(cfg, read_slurm_env({"SLURM_JOB_NODELIST": "n[1-3]"}), "/m", "/r")
+
+
+def test_sbatch_templates_fix_no_gpu_or_cpu_count():
+    """Counts a user must edit (or that a CPU cluster refuses: no GPU GRES) come from the sbatch line."""
+    for s in sorted((ROOT / "slurm").glob("*.sbatch")):
+        directives = [ln for ln in s.read_text().splitlines() if ln.startswith("#SBATCH")]
+        assert directives, s.name
+        assert not [d for d in directives if re.search(r"gpus|gres|cpus-per-task|exclusive", d)], (s.name, directives)

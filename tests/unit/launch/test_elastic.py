@@ -94,3 +94,41 @@ def test_failed_instance_is_removed_and_can_rejoin():
     _check(rt, trainer, 8)
     assert "e1" not in rt.failed and back.loads and any(op == "generate" for op, _, _ in back.log)
     assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
+
+
+def test_instance_restarted_by_its_node_rejoins_even_before_the_controller_noticed(tmp_path):
+    """SLURM rollout nodes restart a dead instance on the same URL and ask again with attempt+1.
+    The controller may not have seen the old process fail yet (its URL answers again): the new
+    attempt fails the old one (its requests re-run on their own version) and adds the new one, once;
+    an attempt-0 request for a live instance changes nothing."""
+    from dora_megatron.launch.elastic import heartbeat_age
+
+    rt, engines, trainer = _runtime(["e0", "e1"])
+    made = []
+    trainer.hold_step(7, lambda: made and any(op == "generate" for op, _, _ in made[-1].log))
+
+    def make(req: JoinRequest):
+        made.append(fakes.FakeEngine(req.name, token_s=0.002, migration=False))
+        return made[-1]
+
+    async def main():
+        watcher = asyncio.get_running_loop().create_task(watch_joins(tmp_path, rt, make, poll_s=0.01))
+
+        async def restart_later():
+            while len(trainer.batches) < 2:
+                await asyncio.sleep(0.005)
+            write_join_request(tmp_path, JoinRequest("e0", "http://e0"))  # live, attempt 0: ignored
+            write_join_request(tmp_path, JoinRequest("e1", "http://e1", attempt=1))
+        asyncio.get_running_loop().create_task(restart_later())
+        try:
+            return await rt.run()
+        finally:
+            watcher.cancel()
+
+    summary = asyncio.run(main())
+    _check(rt, trainer, 8)
+    assert [e.name for e in made] == ["e1"] and rt.engines["e1"] is made[0] and rt.engines["e0"] is engines["e0"]
+    assert summary["instances_rejoined"] == 1 and summary["failed_instances"] == ["e1"]
+    assert made[0].loads and any(op == "generate" for op, _, _ in made[0].log)
+    assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
+    assert heartbeat_age(tmp_path) is not None and heartbeat_age(tmp_path) < 60  # the watcher's heartbeat

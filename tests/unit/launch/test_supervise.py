@@ -120,3 +120,26 @@ def test_disabled_policy_only_reports_failures(tmp_path):
 
     rt, sup = asyncio.run(main())
     assert rt.failed == {"engine0"} and sup.attempts == {} and rt.engine_restarts is None
+
+
+def test_all_failed_waits_for_instances_on_other_nodes_then_ends_the_run(tmp_path):
+    """SLURM: an instance that is not this launcher's child (another node restarts it) may rejoin, so
+    'every instance failed' ends the run only after rollout.startup_timeout_s (before: at once)."""
+    async def main(come_back: bool):
+        with ProcessSet(tmp_path / f"logs{come_back}", grace_s=2) as procs:
+            rt = FakeRuntime(["remote0"])
+            rt.failed.add("remote0")
+            sup = EngineSupervisor(procs, rt, RestartPolicy(max_restarts=1, startup_timeout_s=1.0),
+                                   make_engine=lambda url: url, engine_names=["remote0"], poll_s=0.05)
+            sup.check()
+            assert not rt._done.is_set()  # its node may still bring it back
+            if come_back:
+                rt.add_instance("remote0", "client-2")
+            await asyncio.sleep(1.2)
+            sup.check()
+            return rt
+
+    rt = asyncio.run(main(come_back=True))
+    assert rt._error is None and not rt._done.is_set()
+    rt = asyncio.run(main(come_back=False))
+    assert rt._done.is_set() and "remote0" in str(rt._error) and "startup_timeout_s" in str(rt._error)

@@ -1,0 +1,251 @@
+"""The sbatch templates, run for real on a one-host SLURM cluster (three emulated nodes n1-n3).
+
+Each test submits a template with ``sbatch`` exactly as the README shows (CPU route,
+``configs/cpu_slurm.yaml``), waits for the job's state from ``scontrol`` and checks the run
+directory: every step trained, no group lost or duplicated, C1/C3 0, the end marker, no process
+left. The fault tests kill a rollout instance on a non-controller node, ``scancel`` a job and
+resume it as a new job, and point a joiner at a dead run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.slurm_cluster import FINISHED
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = str(ROOT / "configs" / "cpu_slurm.yaml")
+SINGLE, MULTI, JOIN = (str(ROOT / "slurm" / t) for t in ("single_node.sbatch", "multi_node.sbatch", "elastic_join.sbatch"))
+STEPS = 4  # run.steps of configs/cpu_slurm.yaml
+JOB_TIMEOUT_S = 420
+
+
+def _dora() -> str:
+    found = Path(sys.executable).with_name("dora")
+    return str(found) if found.exists() else (shutil.which("dora") or "dora")
+
+
+def _job_env() -> dict[str, str]:
+    """What the job inherits from the submitting shell (sbatch exports it): this checkout's dora."""
+    return {"DORA": _dora(), "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+
+
+def _run_dir(cwd: Path, job: str) -> Path:
+    return cwd / "runs" / f"cpu_slurm-dora-job{job}"
+
+
+def _output(cwd: Path, job: str, prefix: str = "dora") -> str:
+    p = cwd / f"{prefix}-{job}.out"
+    return p.read_text(errors="replace") if p.exists() else f"(no {p.name})"
+
+
+def _procs_under(run_dir: Path) -> list[int]:
+    """Pids of live processes whose command line names the run directory (none may outlive a job)."""
+    out = []
+    needle = str(run_dir).encode()
+    rel = f"runs/{run_dir.name}".encode()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes()
+            state = next((ln for ln in (d / "status").read_text().splitlines() if ln.startswith("State:")), "")
+        except OSError:
+            continue
+        if (needle in cmd or rel in cmd) and "zombie" not in state:
+            out.append(int(d.name))
+    return out
+
+
+def _wait(cond, timeout_s: float, what: str, interval_s: float = 0.5):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} after {timeout_s:.0f} s")
+        time.sleep(interval_s)
+
+
+def _finish(cluster, job: str, cwd: Path, expect: str = "COMPLETED", prefix: str = "dora") -> None:
+    state = cluster.wait_state(job, FINISHED, JOB_TIMEOUT_S)
+    assert state == expect, f"job {job} ended {state}:\n{_output(cwd, job, prefix)[-6000:]}"
+
+
+def _check_run(run_dir: Path, steps: int = STEPS) -> dict:
+    """The completed run: DONE, every step trained once, nothing lost/duplicated, C1/C3 0, no process left."""
+    assert (run_dir / "DONE").is_file() and not (run_dir / "FAILED").exists()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == steps
+    assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0
+    assert summary["c1_violations"] == 0 and summary["c3_violations"] == 0
+    records = [json.loads(x) for x in (run_dir / "consumed.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(steps))
+    groups = [g for r in records for g in r["groups"]]
+    assert len(groups) == len(set(groups))
+    _wait(lambda: not _procs_under(run_dir), 30, "exit of every process of the job")
+    return summary
+
+
+def test_single_node_template_runs_the_cpu_config(slurm_cluster, tmp_path):
+    job = slurm_cluster.sbatch([SINGLE, CONFIG], cwd=tmp_path, env=_job_env())
+    _finish(slurm_cluster, job, tmp_path)
+    run_dir = _run_dir(tmp_path, job)
+    summary = _check_run(run_dir)
+    assert summary["instances"] == ["engine0"]
+    assert (run_dir / "logs" / "n1" / "engine0.log").is_file() and (run_dir / "logs" / "n1" / "trainer.log").is_file()
+
+
+def _pids_of(run_dir: Path, *words: bytes, host: str | None = None) -> list[int]:
+    """Pids of this run's processes whose argv holds every one of ``words`` (and ``--host host``)."""
+    found = []
+    marks = (str(run_dir).encode(), f"runs/{run_dir.name}".encode())
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            raw = (d / "cmdline").read_bytes()
+        except OSError:
+            continue
+        argv = raw.split(b"\0")
+        if not any(m in raw for m in marks) or not all(w in argv for w in words):
+            continue
+        if host is None or (b"--host" in argv and argv[argv.index(b"--host") + 1] == host.encode()):
+            found.append(int(d.name))
+    return found
+
+
+@contextlib.contextmanager
+def _trainer_held(run_dir: Path, cwd: Path, job: str, until: str):
+    """After the first step: SIGSTOP the trainer (torchrun and its rank), run the block, wait until the
+    job's output shows ``until``, SIGCONT the trainer.
+    WHY hold the trainer: the short run would otherwise end before the event under test."""
+    steps_file = run_dir / "steps.jsonl"
+    _wait(lambda: steps_file.exists() and steps_file.read_text().count("\n") >= 1, JOB_TIMEOUT_S,
+          f"first step of job {job}:\n{_output(cwd, job)[-3000:]}")
+    trainer = _pids_of(run_dir, b"dora_megatron.trainer.entry")  # torchrun and its rank (own sessions)
+    assert len(trainer) == 2, (trainer, _output(cwd, job)[-3000:])
+    for pid in trainer:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+        _wait(lambda: until in _output(cwd, job), 180, f"{until!r} in the output of job {job}:\n{_output(cwd, job)[-3000:]}")
+    finally:
+        for pid in trainer:
+            os.kill(pid, signal.SIGCONT)
+
+
+def _kill_engine_while_training_is_held(run_dir: Path, cwd: Path, job: str, node: str, name: str) -> None:
+    """SIGKILL the engine bound to ``node`` while the trainer is held, until ``name`` is back in the pool."""
+    with _trainer_held(run_dir, cwd, job, f"instance {name} rejoined the pool"):
+        engine = _pids_of(run_dir, b"serve", host=node)
+        assert len(engine) == 1, (engine, _output(cwd, job)[-3000:])
+        os.kill(engine[0], signal.SIGKILL)
+
+
+def test_multi_node_template_survives_a_killed_rollout_instance_on_another_node(slurm_cluster, tmp_path):
+    """3 nodes (trainer + controller on n1, one engine each on n2 and n3). The engine on n3 is
+    SIGKILLed after the first step: its node restarts it, it rejoins, and the job completes with
+    nothing lost (before: n3's `dora train` exited 1 and --kill-on-bad-exit ended the job within a
+    second)."""
+    steps = 6
+    job = slurm_cluster.sbatch(["--nodes=3", MULTI, CONFIG, "--set", f"run.steps={steps}"], cwd=tmp_path, env=_job_env())
+    run_dir = _run_dir(tmp_path, job)
+    _kill_engine_while_training_is_held(run_dir, tmp_path, job, "n3", "engine1")
+    _finish(slurm_cluster, job, tmp_path)
+    summary = _check_run(run_dir, steps)
+    out = _output(tmp_path, job)
+    assert "engine1 on n3 exited with status -9: restarting it" in out, out[-4000:]
+    assert summary["failed_instances"] == ["engine1"] and summary["instances_rejoined"] == 1, summary
+    assert (run_dir / "logs" / "n2" / "engine0.log").is_file()
+
+
+def test_single_node_job_restarts_a_killed_instance_on_the_controllers_node(slurm_cluster, tmp_path):
+    """The controller's own node: its supervisor restarts the engine on its planned host and port
+    (before: SLURM jobs had no restart, so the only engine failing ended the run FAILED)."""
+    steps = 6
+    job = slurm_cluster.sbatch([SINGLE, CONFIG, "--set", f"run.steps={steps}"], cwd=tmp_path, env=_job_env())
+    run_dir = _run_dir(tmp_path, job)
+    _kill_engine_while_training_is_held(run_dir, tmp_path, job, "n1", "engine0")
+    _finish(slurm_cluster, job, tmp_path)
+    summary = _check_run(run_dir, steps)
+    assert summary["failed_instances"] == ["engine0"] and summary["engine_restarts"] == 1, summary
+    assert "listening on http://n1:30000" in (run_dir / "logs" / "n1" / "engine0.log").read_text().split("restarted")[-1]
+
+
+def test_elastic_join_template_adds_an_engine_to_a_running_job(slurm_cluster, tmp_path):
+    """The joiner (its own sbatch job, another node) starts an engine, asks to join, the running
+    controller adds it; the joiner ends with the run's DONE."""
+    steps = 6
+    job = slurm_cluster.sbatch([SINGLE, CONFIG, "--set", f"run.steps={steps}"], cwd=tmp_path, env=_job_env())
+    run_dir = _run_dir(tmp_path, job)
+    _wait(lambda: (run_dir / "config.yaml").is_file(), JOB_TIMEOUT_S, f"run directory of job {job}")
+    joiner = slurm_cluster.sbatch(["--nodes=1", JOIN, CONFIG, str(run_dir)], cwd=tmp_path, env=_job_env())
+    with _trainer_held(run_dir, tmp_path, job, f"instance j{joiner}-engine0 joined the pool"):
+        pass
+    _finish(slurm_cluster, job, tmp_path)
+    _finish(slurm_cluster, joiner, tmp_path, prefix="dora-join")
+    summary = _check_run(run_dir, steps)
+    assert summary["instances"] == ["engine0", f"j{joiner}-engine0"], summary
+    out = _output(tmp_path, joiner, "dora-join")
+    assert "join requested" in out and "run ended: DONE" in out, out[-3000:]
+
+
+def test_scancel_writes_failed_and_a_resumed_job_consumes_every_group_once(slurm_cluster, tmp_path):
+    steps = 8
+    job = slurm_cluster.sbatch([SINGLE, CONFIG, "--set", f"run.steps={steps}", "--set", "run.checkpoint_interval=2"],
+                               cwd=tmp_path, env=_job_env())
+    run_dir = _run_dir(tmp_path, job)
+    _wait(lambda: list(run_dir.glob("checkpoints/*/controller.json")), JOB_TIMEOUT_S,
+          f"a checkpoint of job {job}:\n{_output(tmp_path, job)[-3000:]}")
+    slurm_cluster.scancel(job)
+    assert slurm_cluster.wait_state(job, FINISHED, 120) == "CANCELLED"
+    failed = _wait(lambda: (run_dir / "FAILED").is_file() and (run_dir / "FAILED").read_text(), 30, "FAILED marker")
+    assert "terminated by SIGTERM" in failed and f"job {job}" in failed, failed
+    _wait(lambda: not _procs_under(run_dir), 60, "exit of every process of the cancelled job")
+    assert not (run_dir / "DONE").exists()
+
+    resumed = slurm_cluster.sbatch([SINGLE, CONFIG, "--set", f"run.steps={steps}", "--set", "run.checkpoint_interval=2",
+                                    "--resume", str(run_dir)], cwd=tmp_path, env=_job_env())
+    _finish(slurm_cluster, resumed, tmp_path)
+    assert (run_dir / "DONE").is_file() and f"job {resumed}" in (run_dir / "DONE").read_text()
+    assert (run_dir / f"FAILED.job{job}").is_file()  # the cancelled job's marker, kept aside
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
+    lineage: dict[int, list[str]] = {}
+    for rec in (json.loads(x) for x in (run_dir / "consumed.jsonl").read_text().splitlines()):
+        lineage[rec["step"]] = rec["groups"]  # steps after the checkpoint were re-done: the last record counts
+    assert sorted(lineage) == list(range(steps))
+    groups = [g for s in range(steps) for g in lineage[s]]
+    assert len(groups) == len(set(groups))
+    _wait(lambda: not _procs_under(run_dir), 30, "exit of every process of the resumed job")
+
+
+def test_joiner_pointed_at_a_dead_run_exits_with_a_message_within_its_bound(slurm_cluster, tmp_path):
+    """A run directory whose controller is gone (no heartbeat, no marker): the joiner gives up after
+    cluster.join_timeout_s instead of holding its node for the template's 24 h."""
+    run_dir = tmp_path / "dead-run"
+    run_dir.mkdir()
+    shutil.copy(CONFIG, run_dir / "config.yaml")
+    bound = 10
+    t0 = time.monotonic()
+    joiner = slurm_cluster.sbatch(["--nodes=1", JOIN, CONFIG, str(run_dir), "--set", f"cluster.join_timeout_s={bound}"],
+                                  cwd=tmp_path, env=_job_env())
+    state = slurm_cluster.wait_state(joiner, FINISHED, 180)
+    out = _output(tmp_path, joiner, "dora-join")
+    assert state == "FAILED", out[-3000:]
+    assert "no live controller" in out and f"after {bound} s" in out, out[-3000:]
+    assert time.monotonic() - t0 < 150
+    _wait(lambda: not _procs_under(run_dir), 30, "exit of the joiner's processes")

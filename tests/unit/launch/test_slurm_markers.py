@@ -1,0 +1,154 @@
+"""End markers of SLURM jobs and the wait of the non-controller nodes: every end leaves a marker that
+names its job, a resumed job is not stopped by the marker of the job it resumes, a signal writes
+FAILED before anything stops, and a dead rollout instance is restarted instead of ending the node."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from dora_megatron.config.schema import load_config
+from dora_megatron.launch.cluster import slurm_plan
+from dora_megatron.launch.elastic import read_join_requests
+from dora_megatron.launch.processes import ProcessSet
+from dora_megatron.launch.slurm import read_slurm_env
+from dora_megatron.launch.slurm_run import (DONE, FAILED, NodeEngines, _clear_previous_markers, _EndSignals,
+                                            _serve_until_end, _Terminated, read_marker, write_marker)
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_first_marker_of_a_job_wins_and_names_the_job(tmp_path):
+    assert write_marker(tmp_path, FAILED, "terminated by SIGTERM on n2 (scancel or time limit)", "41")
+    assert not write_marker(tmp_path, DONE, "ok", "41")  # the job already ended: the first reason stays
+    m = read_marker(tmp_path)
+    assert (m.kind, m.reason, m.job_id) == (FAILED, "terminated by SIGTERM on n2 (scancel or time limit)", "41")
+    _clear_previous_markers(tmp_path, "42")  # job 42 resumes the run
+    assert read_marker(tmp_path) is None and (tmp_path / "FAILED.job41").is_file()
+    assert write_marker(tmp_path, DONE, "ok", "42") and read_marker(tmp_path).job_id == "42"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_and_sigint_write_failed_before_unwinding(tmp_path, sig):
+    before = signal.getsignal(sig)
+    with pytest.raises(_Terminated):
+        with _EndSignals(tmp_path, "7", "n1"):
+            os.kill(os.getpid(), sig)
+            time.sleep(5)  # the handler interrupts this
+    m = read_marker(tmp_path)
+    assert m.kind == FAILED and f"{sig.name} on n1" in m.reason and m.job_id == "7"
+    assert signal.getsignal(sig) is before  # restored
+
+
+def test_a_joining_node_ending_does_not_mark_the_run(tmp_path):
+    with pytest.raises(_Terminated):
+        with _EndSignals(tmp_path, "8", "n2", mark=False):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+    assert read_marker(tmp_path) is None
+
+
+def _node(tmp_path: Path, overrides=()):
+    """Node n2 of a 3-node CPU job whose single engine is a stand-in HTTP server (python -m http.server)."""
+    cfg = load_config(ROOT / "configs" / "cpu_slurm.yaml", ["rollout.startup_timeout_s=30", *overrides])
+    plan = slurm_plan(cfg, read_slurm_env({"SLURM_JOB_NODELIST": "n[1-3]", "SLURM_JOB_ID": "5"}), "/m", str(tmp_path))
+    return cfg, plan
+
+
+class _StandIn:
+    """What matters here is the process and its /health; a tiny HTTP server on a free loopback port."""
+
+    def __init__(self, procs: ProcessSet, name: str, root: Path) -> None:
+        from dora_megatron.ports import free_port
+
+        (root / "health").write_text("ok")  # GET /health answers 200 with this file
+        self.port = free_port()
+        self.argv = [sys.executable, "-m", "http.server", str(self.port), "--bind", "127.0.0.1", "--directory", str(root)]
+        self.child = procs.start(name, self.argv)
+
+
+def test_dead_instance_is_restarted_and_asks_to_rejoin_and_the_node_stays_up(tmp_path):
+    """Before: a dead instance on a non-controller node made that node exit 1 (ProcessSet.check_alive),
+    and srun --kill-on-bad-exit then ended the whole job."""
+    import dataclasses
+
+    cfg, plan = _node(tmp_path)
+    with ProcessSet(tmp_path / "logs", grace_s=5) as procs:
+        inst = _StandIn(procs, "engine0", tmp_path)
+        url = f"http://127.0.0.1:{inst.port}"
+        plan = dataclasses.replace(plan, engine_urls={**plan.engine_urls, "engine0": url})
+        engines = NodeEngines(cfg, procs, plan, "n2", tmp_path / "join", announce_first=False)
+        assert engines.names == {"engine0"}
+        inst.child.popen.kill()
+        inst.child.popen.wait()
+        deadline = time.monotonic() + 60
+        while not read_join_requests(tmp_path / "join") and time.monotonic() < deadline:
+            engines.check()  # raises ChildFailed in the old behaviour
+            time.sleep(0.2)
+        reqs = read_join_requests(tmp_path / "join")
+        assert [(r.name, r.url, r.attempt) for r in reqs] == [("engine0", url, 1)]
+        assert procs.children[0].alive() and procs.children[0].popen.pid != inst.child.popen.pid
+        # a marker of another job (the one this run resumes) does not end the wait; this job's does
+        write_marker(tmp_path, FAILED, "terminated by SIGTERM on n1", "4")
+        later = threading.Timer(1.0, lambda: (os.replace(tmp_path / FAILED, tmp_path / "FAILED.job4"),
+                                              write_marker(tmp_path, DONE, "ok", "5")))
+        later.start()
+        try:
+            t0 = time.monotonic()
+            assert _serve_until_end(tmp_path, engines, "5", poll_s=0.1) == 0
+            assert time.monotonic() - t0 >= 0.9
+        finally:
+            later.join()
+
+
+def test_instance_without_restarts_left_is_given_up_and_the_node_stays_up(tmp_path):
+    cfg, plan = _node(tmp_path, ["launch.max_engine_restarts=0"])
+    with ProcessSet(tmp_path / "logs", grace_s=5) as procs:
+        inst = _StandIn(procs, "engine0", tmp_path)
+        engines = NodeEngines(cfg, procs, plan, "n2", tmp_path / "join", announce_first=False)
+        inst.child.popen.kill()
+        inst.child.popen.wait()
+        engines.check()
+        assert engines.given_up == {"engine0"} and not read_join_requests(tmp_path / "join")
+        write_marker(tmp_path, DONE, "ok", "5")
+        assert _serve_until_end(tmp_path, engines, "5", poll_s=0.1) == 0
+
+
+def test_a_trainer_rank_node_fails_only_on_a_non_zero_exit(tmp_path):
+    """Nodes 2.. of a multi-node trainer: torchrun exits 0 when the controller shuts the trainer down
+    at the end (DONE follows); any other exit ends the run."""
+    from dora_megatron.launch.processes import ChildFailed
+
+    cfg, plan = _node(tmp_path)
+    with ProcessSet(tmp_path / "logs", grace_s=5) as procs:
+        procs.start("trainer1", [sys.executable, "-c", "pass"]).popen.wait()
+        engines = NodeEngines(cfg, procs, plan, "n2", tmp_path / "join", announce_first=False)
+        engines.check()  # exit 0: not a failure
+        procs.start("trainer2", [sys.executable, "-c", "raise SystemExit(3)"]).popen.wait()
+        with pytest.raises(ChildFailed, match="trainer2 exited with status 3"):
+            engines.check()
+
+
+def test_joiner_refuses_a_run_that_has_ended_at_once(tmp_path):
+    """A joiner pointed at a finished run (DONE, no live heartbeat) exits 1 naming the marker, before
+    starting anything (before: it waited for the end of a run that had already ended, i.e. forever)."""
+    import subprocess
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text((ROOT / "configs" / "cpu_slurm.yaml").read_text())
+    write_marker(run_dir, DONE, "ok", "3")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "dora_megatron", "train", "--config", str(ROOT / "configs" / "cpu_slurm.yaml"),
+                           "--join", "--set", f"run.run_dir={run_dir}", "--slurm-env", "SLURM_JOB_NODELIST=n2",
+                           "--slurm-env", "SLURM_NODEID=0", "--slurm-env", "SLURM_JOB_ID=4"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "has ended (DONE: ok)" in proc.stderr and time.monotonic() - t0 < 60
+    assert not (run_dir / "logs").exists()  # nothing was started
