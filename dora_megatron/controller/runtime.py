@@ -723,6 +723,9 @@ class Runtime:
             self.execute(self.orch.poll())
         else:
             self.execute(self.orch.start())
+        if self._resumed and len(self.steps) >= self.opt.steps:
+            # every step was done before the checkpoint: no on_step_finished will ever set it
+            self._done.set()
         stats = asyncio.get_running_loop().create_task(self._stats_loop())
         try:
             await self._done.wait()

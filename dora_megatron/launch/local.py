@@ -103,6 +103,11 @@ def resume_checkpoint(run_dir: Path, say, quarantine: bool = True) -> tuple[Path
     return choice.checkpoint, ("" if choice.checkpoint is not None else choice.error(run_dir))
 
 
+def _steps_done(checkpoint: Path) -> int:
+    """Training steps finished at ``checkpoint``: its version (step ``t`` produces version ``t + 1``)."""
+    return int(json.loads((checkpoint / "controller.json").read_text())["version"])
+
+
 class _Terminated(KeyboardInterrupt):
     """SIGTERM, raised where the launcher is, so that it unwinds as on Ctrl-C (children stopped)."""
 
@@ -124,6 +129,11 @@ def run_local_job(cfg: DoraConfig, resume: str | None = None) -> int:
         if checkpoint is None:
             say(error)
             return 2
+        done = _steps_done(checkpoint)
+        if done >= cfg.run.steps:  # nothing left to train: say so instead of starting every process
+            say(f"run {run_dir} is complete: {done} of run.steps={cfg.run.steps} steps done ({checkpoint.name}); "
+                f"to train further: dora train --resume {run_dir} --set run.steps=N (N > {done})")
+            return 0
         say(f"resuming {run_dir} from {checkpoint.name}")
     else:
         run_dir = make_run_dir(cfg)

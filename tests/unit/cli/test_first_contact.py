@@ -1,0 +1,49 @@
+"""What a new user meets in the first hour, through the real ``dora`` command (issue U1).
+
+Each test runs the console script in a subprocess, as a user would, and checks the exit status
+and the one line that tells what happened; none of them may start engines or a trainer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+CPU_TINY = ROOT / "configs" / "cpu_tiny.yaml"
+
+
+def dora(*args: str, timeout: float = 120, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """The installed ``dora`` script next to this interpreter (``python -m dora_megatron`` without one)."""
+    script = Path(sys.executable).with_name("dora")
+    cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "dora_megatron"]
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def _finished_run(run_dir: Path, steps: int) -> None:
+    """A run directory whose last checkpoint is the end of a finished run: the real controller state
+    (the runtime driven by fake engines and a fake trainer) and the resolved config."""
+    from dora_megatron.config.loader import dump_yaml
+    from dora_megatron.config.schema import load_config
+    from tests.unit.controller.test_runtime import make
+
+    rt, _, _ = make(mode="dora", steps=steps, tmp_path=run_dir)
+    rt.opt.checkpoint_dir = lambda v: str(run_dir / "checkpoints" / f"v{v:06d}")
+    asyncio.run(rt.run())
+    for v in range(1, steps + 1):  # the snapshots the checkpoint's unconsumed groups need
+        (run_dir / "weights" / f"v{v:06d}").mkdir(parents=True)
+    cfg = load_config(str(CPU_TINY), [f"run.run_dir={run_dir}", f"run.steps={steps}"])
+    (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+
+
+def test_resume_of_a_finished_run_says_it_is_complete_and_exits_0(tmp_path):
+    run_dir = tmp_path / "run"
+    _finished_run(run_dir, steps=2)
+    proc = dora("train", "--resume", str(run_dir), timeout=60)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert f"run {run_dir} is complete: 2 of run.steps=2 steps done" in out, out
+    assert "--set run.steps=N" in out
+    assert not (run_dir / "logs").exists() and not (run_dir / "model").exists()  # nothing was started
