@@ -49,7 +49,13 @@ def run(args: argparse.Namespace) -> int:
     if cfg.launch.backend == "slurm":
         return _run_slurm(cfg, args)
     if args.dry_run:
+        from dora_megatron.launch.inputs import input_problem
         from dora_megatron.launch.plan import format_plan, local_plan
+
+        problem = input_problem(cfg)
+        if problem:
+            sys.stderr.write(f"dora train: {problem}\n")
+            return 2
 
         sys.stdout.write("# resolved config\n")
         sys.stdout.write(dump_yaml(cfg))

@@ -407,7 +407,7 @@ async def _trainer_failure(procs: ProcessSet, err: Exception, wait_s: float = 30
     while child is not None and child.alive() and time.monotonic() < deadline:
         await asyncio.sleep(0.2)
     if child is not None and not child.alive():
-        return ChildFailed(f"trainer exited with status {child.popen.returncode}; last log lines:\n{child.tail()}")
+        return ChildFailed(child.failure())
     return ChildFailed(f"the trainer stopped answering ({err})")
 
 

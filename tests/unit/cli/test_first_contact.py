@@ -47,3 +47,27 @@ def test_resume_of_a_finished_run_says_it_is_complete_and_exits_0(tmp_path):
     assert f"run {run_dir} is complete: 2 of run.steps=2 steps done" in out, out
     assert "--set run.steps=N" in out
     assert not (run_dir / "logs").exists() and not (run_dir / "model").exists()  # nothing was started
+
+
+def test_impossible_trainer_layout_is_refused_before_anything_starts(tmp_path):
+    run_dir = tmp_path / "run"
+    layout = ["--set", "model.preset=tiny-dense", "--set", "trainer.ep=2", "--set", "launch.trainer_procs=2",
+              "--set", f"run.run_dir={run_dir}"]
+    for extra in (["--dry-run"], []):
+        proc = dora("train", "--config", str(CPU_TINY), *layout, *extra, timeout=60)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert "trainer.ep=2 needs an MoE model with experts divisible by ep" in proc.stderr, proc.stderr
+        assert "model.preset tiny-dense" in proc.stderr
+    assert not run_dir.exists()  # no warm start, no engines
+
+
+def test_convert_to_a_tp_that_does_not_divide_the_heads_is_refused_at_once(tmp_path):
+    from dora_megatron.models.presets import create_model_dir
+
+    model = create_model_dir("tiny-dense", tmp_path / "m", seed=0)
+    out = tmp_path / "ckpt"
+    proc = dora("convert", "hf-to-megatron", "--hf", str(model), "--out", str(out), "--tp", "3", timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("dora convert: --tp=3: the model's attention heads (4 query, 2 key/value) "
+                                  "are not divisible by tp"), proc.stderr
+    assert not out.exists()
