@@ -71,3 +71,28 @@ def test_convert_to_a_tp_that_does_not_divide_the_heads_is_refused_at_once(tmp_p
     assert proc.stderr.startswith("dora convert: --tp=3: the model's attention heads (4 query, 2 key/value) "
                                   "are not divisible by tp"), proc.stderr
     assert not out.exists()
+
+
+def test_serve_on_a_port_in_use_is_one_line_before_the_model_loads(tmp_path):
+    import socket
+
+    from dora_megatron.models.presets import create_model_dir
+
+    model = create_model_dir("tiny-dense", tmp_path / "m", seed=0)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = dora("serve", "--model", str(model), "--port", str(port), timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith(f"dora serve: cannot listen on 127.0.0.1:{port}: Address already in use"), proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_serve_of_a_directory_that_is_not_a_model_is_one_line(tmp_path):
+    (tmp_path / "notes.txt").write_text("not a model")
+    proc = dora("serve", "--model", str(tmp_path), "--port", "0", timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith(f"dora serve: --model {tmp_path} is not a usable model directory: "
+                                  f"no config.json in {tmp_path}"), proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
