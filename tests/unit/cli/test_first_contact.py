@@ -96,3 +96,47 @@ def test_serve_of_a_directory_that_is_not_a_model_is_one_line(tmp_path):
     assert proc.stderr.startswith(f"dora serve: --model {tmp_path} is not a usable model directory: "
                                   f"no config.json in {tmp_path}"), proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+SIM = ROOT / "configs" / "sim"
+
+
+def test_simulate_step_time_covers_every_measured_step(tmp_path):
+    """tiny.yaml: 10 steps, 2 warm-up: the reported step time is the mean of steps 2..9 (the first
+    one after the warm-up included), i.e. the window's wall time over its 8 steps."""
+    import json
+
+    out = tmp_path / "t.json"
+    proc = dora("simulate", "--config", str(SIM / "tiny.yaml"), "--mode", "dora", "--out", str(out), "--no-plots")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    measured = data["series"]["step_time_s"][2:]
+    assert len(measured) == 8
+    assert abs(data["mean_step_time_s"] - sum(measured) / 8) < 1e-6 * data["mean_step_time_s"]
+    assert f"step {data['mean_step_time_s']:8.1f} s" in proc.stdout
+
+
+def test_simulate_paper_config_with_fewer_steps_lowers_the_warmup(tmp_path):
+    import json
+
+    out = tmp_path / "p.json"
+    proc = dora("simulate", "--config", str(SIM / "paper_qwen32b_64gpu.yaml"), "--mode", "sync",
+                "--set", "sim.steps=3", "--out", str(out), "--no-plots")
+    assert proc.returncode == 0, proc.stderr
+    assert "sim.warmup_steps lowered from 4 to 2" in proc.stderr
+    data = json.loads(out.read_text())
+    assert data["steps"] == 3 and data["mean_step_time_s"] > 0  # one measured step, not null
+    # both set, inconsistent: the error says what to set
+    proc = dora("simulate", "--config", str(SIM / "paper_qwen32b_64gpu.yaml"), "--set", "sim.steps=3",
+                "--set", "sim.warmup_steps=3", "--out", str(out), "--no-plots")
+    assert proc.returncode == 2
+    assert "sim.warmup_steps: 3 must be < sim.steps (3); set e.g. --set sim.warmup_steps=2" in proc.stderr
+
+
+def test_simulate_without_timeline_writes_no_timeline_image(tmp_path):
+    out = tmp_path / "r.json"
+    proc = dora("simulate", "--config", str(SIM / "tiny.yaml"), "--mode", "dora", "--set", "sim.steps=3",
+                "--set", "sim.timeline=false", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "r_steps.png").is_file()
+    assert list(tmp_path.glob("r_timeline_*.png")) == []
