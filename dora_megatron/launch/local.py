@@ -238,7 +238,7 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
     from dora_megatron.controller.records import RuntimeOptions
     from dora_megatron.controller.runtime import Runtime
     from dora_megatron.controller.trainer_client import PushOptions, TrainerClient, TrainerError, TrainerUnreachable
-    from dora_megatron.data.tasks import make_prompt_source
+    from dora_megatron.data.tasks import make_prompt_source, reward_description
     from dora_megatron.observability.tensorboard import NullWriter, TensorBoardWriter
     from dora_megatron.observability.timeline import Timeline
     from dora_megatron.orchestrator import Orchestrator
@@ -273,6 +273,8 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
                                                partial_credit=data.partial_credit)
     else:
         source, reward_fn = make_prompt_source("jsonl", path=data.path, prompt_key=data.prompt_key, answer_key=data.answer_key)
+    reward_name = reward_description(data.task, data.partial_credit)
+    say(f"reward: {reward_name}")
     state = json.loads((checkpoint / "controller.json").read_text()) if checkpoint is not None else None
     orch = Orchestrator.restore(cfg.orchestrator, state["orchestrator"]) if state else Orchestrator(cfg.orchestrator, names)
     obs = cfg.observability
@@ -390,6 +392,7 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
         await trainer.close()
         for e in engines.values():
             await e.close()
+    summary["reward_fn"] = reward_name
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (run_dir / "orchestrator_state.json").write_text(json.dumps(orch.snapshot()))
     if timeline is not None:

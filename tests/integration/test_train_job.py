@@ -109,7 +109,7 @@ def test_jsonl_prompt_dataset_runs_end_to_end(tmp_path):
     """``data.task: jsonl`` (DAPO-Math layout, nested ``reward_model.ground_truth`` answers) drives a
     real run; a file with a line the tokenizer cannot encode is refused before anything starts."""
     data = tmp_path / "math.jsonl"
-    data.write_text("\n".join(json.dumps({"prompt": [{"role": "user", "content": f"{a}+{a}="}],
+    data.write_text("\n".join(json.dumps({"prompt": [{"role": "user", "content": f"Compute:\n\t{a}+{a} \u2013 ="}],
                                           "reward_model": {"ground_truth": str(2 * a)}}) for a in range(20)))
     common = ("data.task=jsonl", f"data.path={data}", "model.warm_start=", "orchestrator.tbs=2",
               "orchestrator.rbs=4", "orchestrator.group_size=2", "rollout.max_new_tokens=16",
@@ -118,6 +118,7 @@ def test_jsonl_prompt_dataset_runs_end_to_end(tmp_path):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["consumed_groups"] == 6
+    assert summary["reward_fn"].startswith("math: ") and f"reward: {summary['reward_fn']}" in proc.stdout + proc.stderr
     assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
     with data.open("a") as f:
         f.write("\n" + json.dumps({"prompt": "caf\u00e9?", "answer": "1"}))

@@ -140,3 +140,18 @@ def test_simulate_without_timeline_writes_no_timeline_image(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "r_steps.png").is_file()
     assert list(tmp_path.glob("r_timeline_*.png")) == []
+
+
+def test_jsonl_task_does_not_silently_warm_start_on_the_digit_task(tmp_path):
+    import json
+
+    data = tmp_path / "math.jsonl"
+    data.write_text(json.dumps({"prompt": "Compute:\n\t1 + 1 \u2026 = ?", "answer": "2"}) + "\n")
+    common = ["train", "--config", str(CPU_TINY), "--set", "data.task=jsonl", "--set", f"data.path={data}", "--dry-run"]
+    proc = dora(*common, timeout=60)  # cpu_tiny.yaml warm-starts on digit_cipher
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "model.warm_start: 'digit_cipher' is a supervised warm start on that digit task, not on data.task jsonl" \
+        in proc.stderr, proc.stderr
+    # without it, a prompt with newlines, a tab and an ellipsis passes the input checks
+    proc = dora(*common, "--set", "model.warm_start=", timeout=60)
+    assert proc.returncode == 0, proc.stderr
