@@ -41,6 +41,10 @@ def run(args: argparse.Namespace) -> int:
             sys.stderr.write(f"--resume {args.resume}: no such run directory\n")
             return 2
         config_path = str(Path(args.resume) / "config.yaml")
+        if not Path(config_path).is_file():
+            sys.stderr.write(f"--resume {args.resume}: not a run directory (no config.yaml; a run directory is what "
+                             "dora train printed as 'run directory: ...')\n")
+            return 2
     try:
         cfg = load_config(config_path, args.overrides)
     except ConfigError as err:

@@ -155,3 +155,23 @@ def test_jsonl_task_does_not_silently_warm_start_on_the_digit_task(tmp_path):
     # without it, a prompt with newlines, a tab and an ellipsis passes the input checks
     proc = dora(*common, "--set", "model.warm_start=", timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_resume_of_a_directory_that_is_not_a_run_says_so(tmp_path):
+    proc = dora("train", "--resume", str(tmp_path), timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"--resume {tmp_path}: not a run directory (no config.yaml"), proc.stderr
+
+
+def test_init_model_does_not_overwrite_an_existing_directory(tmp_path):
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / "mine.txt").write_text("keep me")
+    proc = dora("init-model", "--preset", "tiny-dense", "--out", str(out), timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"dora init-model: --out {out} is a non-empty directory; choose a new directory "
+                                  "or pass --force"), proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["mine.txt"]
+    proc = dora("init-model", "--preset", "tiny-dense", "--out", str(out), "--force", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "config.json").is_file() and (out / "mine.txt").read_text() == "keep me"
