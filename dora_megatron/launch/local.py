@@ -103,6 +103,27 @@ def resume_checkpoint(run_dir: Path, say, quarantine: bool = True) -> tuple[Path
     return choice.checkpoint, ("" if choice.checkpoint is not None else choice.error(run_dir))
 
 
+def drop_steps_from(path: Path, first: int) -> int:
+    """Remove the lines of steps >= ``first`` from ``steps.jsonl`` (atomically): the crashed
+    lineage's steps after the checkpoint, which the resumed run does again. Returns how many."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            keep = int(json.loads(line)["step"]) < first
+        except (ValueError, KeyError, TypeError):  # a line torn by the crash: not a step record
+            keep = False
+        if keep:
+            kept.append(line)
+        elif line.strip():
+            dropped += 1
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(x + "\n" for x in kept))
+    os.replace(tmp, path)
+    return dropped
+
+
 def _steps_done(checkpoint: Path) -> int:
     """Training steps finished at ``checkpoint``: its version (step ``t`` produces version ``t + 1``)."""
     return int(json.loads((checkpoint / "controller.json").read_text())["version"])
@@ -278,9 +299,12 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
     state = json.loads((checkpoint / "controller.json").read_text()) if checkpoint is not None else None
     orch = Orchestrator.restore(cfg.orchestrator, state["orchestrator"]) if state else Orchestrator(cfg.orchestrator, names)
     obs = cfg.observability
-    writer = TensorBoardWriter(run_dir / "tb") if obs.tensorboard else NullWriter()
+    resumed_at = int(state["version"]) if state else None  # steps >= it are re-done: keep only the new ones
+    writer = TensorBoardWriter(run_dir / "tb", purge_step=resumed_at) if obs.tensorboard else NullWriter()
     timeline = Timeline() if obs.timeline else None
     progress = _Progress(cfg.run.steps, enabled=obs.progress)
+    if resumed_at is not None:
+        drop_steps_from(run_dir / "steps.jsonl", resumed_at)
     steps_file = open(run_dir / "steps.jsonl", "a" if state else "w")
     consumed_file = open(run_dir / "consumed.jsonl", "a" if state else "w")
 
