@@ -412,7 +412,8 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
         steps_file.close()
         consumed_file.close()
         writer.close()
-        await trainer.shutdown()
+        if await trainer.shutdown():  # let torchrun end by itself: SIGTERM would leave a SignalException traceback
+            await _wait_exit(procs, "trainer", cfg.launch.shutdown_timeout_s)
         await trainer.close()
         for e in engines.values():
             await e.close()
@@ -423,6 +424,14 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
         timeline.write_chrome_trace(run_dir / "trace.json")
         timeline.write_png(run_dir / "timeline.png", title=f"{cfg.orchestrator.mode}: instances x time, coloured by version (line: running requests)")
     return summary
+
+
+async def _wait_exit(procs: ProcessSet, name: str, timeout_s: float) -> None:
+    """Wait (bounded) for the local child ``name`` to exit on its own; the launcher stops it after."""
+    child = next((c for c in procs.children if c.name == name), None)
+    deadline = time.monotonic() + timeout_s
+    while child is not None and child.alive() and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
 
 
 async def _trainer_failure(procs: ProcessSet, err: Exception, wait_s: float = 30.0) -> ChildFailed:

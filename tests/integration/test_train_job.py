@@ -77,6 +77,9 @@ def test_short_dora_run(tmp_path):
     assert any(e.get("name") == "step 0" for e in trace["traceEvents"])
     assert (run_dir / "config.yaml").is_file()
     assert (run_dir / "weights" / "v000004" / "model.safetensors").is_file()
+    # the trainer was stopped through its service, not by SIGTERM to torchrun (no traceback left)
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert "SignalException" not in trainer_log and "Traceback" not in trainer_log, trainer_log[-3000:]
     # every child process is gone
     out = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
     assert out.stdout.strip() == "", out.stdout
