@@ -14,7 +14,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     from dora_megatron.data.tasks import DIGIT_TASKS  # pure Python, keeps `dora --help` light
 
     parser.add_argument("--preset", choices=PRESET_NAMES, required=True)
-    parser.add_argument("--out", required=True, help="output directory (created)")
+    parser.add_argument("--out", required=True, help="output directory (created; an existing non-empty one only with --force)")
+    parser.add_argument("--force", action="store_true", help="overwrite the model files of an existing --out directory")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random initialisation")
     parser.add_argument("--warm-start", choices=tuple(DIGIT_TASKS), default=None,
                         help="supervised warm start on this task after the random init (minutes on CPU)")
@@ -23,11 +24,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dora_megatron.models.presets import create_model_dir
+    from pathlib import Path
 
     if args.warm_start_steps < 1:
         sys.stderr.write("dora init-model: --warm-start-steps must be >= 1\n")
         return 2
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:
+        what = "a non-empty directory" if out.is_dir() else "a file"
+        sys.stderr.write(f"dora init-model: --out {out} is {what}; choose a new directory or pass --force to overwrite\n")
+        return 2
+    from dora_megatron.models.presets import create_model_dir
+
     out = create_model_dir(args.preset, args.out, args.seed)
     sys.stdout.write(f"wrote {args.preset} model (seed {args.seed}) to {out}\n")
     if args.warm_start:

@@ -28,9 +28,40 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="INFO")
 
 
-def run(args: argparse.Namespace) -> int:
-    import logging
+def _listen(host: str, port: int):
+    """The listening socket, bound before the model loads: a port in use is reported at once, not
+    after the weights are in memory (and nothing else can take the port meanwhile)."""
     import socket
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def run(args: argparse.Namespace) -> int:
+    from dora_megatron.models.hf_io import check_model_dir
+
+    problems = check_model_dir(args.model, need_tokenizer=False)  # the engine takes token ids
+    if problems:
+        sys.stderr.write(f"dora serve: --model {args.model} is not a usable model directory: {'; '.join(problems)}\n")
+        return 2
+    try:
+        sock = _listen(args.host, args.port)
+    except OSError as err:
+        sys.stderr.write(f"dora serve: cannot listen on {args.host}:{args.port}: {err.strerror or err} "
+                         "(choose another --port, or 0 for a free one)\n")
+        return 2
+    with sock:
+        return _serve(args, sock)
+
+
+def _serve(args: argparse.Namespace, sock) -> int:
+    import logging
 
     import torch
     from aiohttp import web
@@ -58,12 +89,9 @@ def run(args: argparse.Namespace) -> int:
             max_waiting=args.max_waiting,
             group_connect_timeout_s=args.group_connect_timeout,
         )
-    except (FileNotFoundError, ValueError) as err:  # the model directory: config.json, weights
-        sys.stderr.write(f"dora serve: --model {args.model}: {err}\n")
+    except (OSError, ValueError, KeyError) as err:  # unreadable or inconsistent weights/config
+        sys.stderr.write(f"dora serve: --model {args.model}: cannot load the model: {err}\n")
         return 2
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
     port = sock.getsockname()[1]
     print(f"dora serve: listening on http://{args.host}:{port} model={args.model}", flush=True)
     # handler_cancellation: a client that disconnects cancels its /generate, which aborts the request

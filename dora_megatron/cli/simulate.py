@@ -92,11 +92,14 @@ def run(args: argparse.Namespace) -> int:
         stem = out.with_suffix("")
         plot_steps(results, f"{stem}_steps.png")
         for m, tl in timelines.items():
+            if not tl:  # sim.timeline: false records none: no blank image
+                continue
             plot_timeline(tl, f"{stem}_timeline_{m}.png", title=f"{m}: rollout instances by version")
     for m, r in results.items():
         thr = r["throughput_tokens_per_s"]
+        step = r["mean_step_time_s"]
         print(f"{m:>13}: throughput {thr if thr is None else round(thr):>8} tok/s, step "
-              f"{r['mean_step_time_s'] or 0:8.1f} s, rollout-only {r['rollout_only_fraction'] or 0:.3f}, "
+              f"{'n/a' if step is None else f'{step:.1f}':>8} s, rollout-only {r['rollout_only_fraction'] or 0:.3f}, "
               f"util {r['rollout_utilization'] or 0:.3f}, staleness {r['staleness_histogram']}")
     log.info("wrote %s", out)
     return 0

@@ -41,6 +41,10 @@ def run(args: argparse.Namespace) -> int:
             sys.stderr.write(f"--resume {args.resume}: no such run directory\n")
             return 2
         config_path = str(Path(args.resume) / "config.yaml")
+        if not Path(config_path).is_file():
+            sys.stderr.write(f"--resume {args.resume}: not a run directory (no config.yaml; a run directory is what "
+                             "dora train printed as 'run directory: ...')\n")
+            return 2
     try:
         cfg = load_config(config_path, args.overrides)
     except ConfigError as err:
@@ -49,7 +53,13 @@ def run(args: argparse.Namespace) -> int:
     if cfg.launch.backend == "slurm":
         return _run_slurm(cfg, args)
     if args.dry_run:
+        from dora_megatron.launch.inputs import input_problem
         from dora_megatron.launch.plan import format_plan, local_plan
+
+        problem = input_problem(cfg)
+        if problem:
+            sys.stderr.write(f"dora train: {problem}\n")
+            return 2
 
         sys.stdout.write("# resolved config\n")
         sys.stdout.write(dump_yaml(cfg))

@@ -44,6 +44,12 @@ class DoraConfig:
     bench: BenchConfig = field(default_factory=BenchConfig)
 
     def check(self, path: str) -> None:
+        if self.data.task == "jsonl" and self.model.warm_start and not self.model.path:
+            # the warm start teaches the digit task: silently applied, it would train a model for
+            # the wrong task before a prompt of the file is seen
+            raise ConfigError("model.warm_start", f"{self.model.warm_start!r} is a supervised warm start on that digit "
+                              "task, not on data.task jsonl: set model.warm_start= (empty: random init) or "
+                              "model.path=DIR (a model for your prompts)")
         t = self.trainer
         procs = self.launch.trainer_procs
         try:

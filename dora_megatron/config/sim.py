@@ -10,6 +10,7 @@ the simulator runs exactly the policy a real run would.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -17,6 +18,8 @@ from typing import Any, Iterable
 from dora_megatron.config.base import ConfigError, field_doc
 
 PLACEMENTS = ("colocated", "disaggregated")
+log = logging.getLogger(__name__)
+
 DIST_KINDS = ("lognormal", "empirical", "point", "mixture")
 
 
@@ -204,7 +207,8 @@ class SimConfig:
     def check(self, path: str) -> None:
         if self.sim.warmup_steps >= self.sim.steps:
             raise ConfigError(f"{path}.sim.warmup_steps" if path else "sim.warmup_steps",
-                              f"must be < sim.steps ({self.sim.steps})")
+                              f"{self.sim.warmup_steps} must be < sim.steps ({self.sim.steps}); "
+                              f"set e.g. --set sim.warmup_steps={self.sim.steps - 1}")
         self.orchestrator_config()  # strict-load now so a typo fails at config time
 
     def orchestrator_config(self):  # -> OrchestratorConfig
@@ -221,8 +225,10 @@ def load_sim_config(path: str | Path | None = None, overrides: Iterable[str] = (
     """Load a sim YAML (or defaults), apply ``a.b=c`` overrides and ``--mode``, validate."""
     from dora_megatron.config.loader import apply_overrides, from_dict, read_yaml, validate
 
+    overrides = list(overrides)
     data = read_yaml(path) if path else {}
     data = apply_overrides(data, overrides)
+    _clamp_warmup(data, overrides)
     if mode is not None:
         data.setdefault("orchestrator", {})
         if not isinstance(data["orchestrator"], dict):
@@ -231,3 +237,18 @@ def load_sim_config(path: str | Path | None = None, overrides: Iterable[str] = (
     cfg = from_dict(SimConfig, data)
     validate(cfg)
     return cfg
+
+
+def _clamp_warmup(data: dict, overrides: list[str]) -> None:
+    """``--set sim.steps=N`` alone, below the file's ``warmup_steps``: keep at least one measured
+    step (warm-up ``N - 1``) and say so, rather than refuse an override the user did not make.
+    Both set explicitly and inconsistent stays an error (:meth:`SimConfig.check`)."""
+    keys = {o.split("=", 1)[0].strip() for o in overrides}
+    run = data.get("sim")
+    if "sim.steps" not in keys or "sim.warmup_steps" in keys or not isinstance(run, dict):
+        return
+    steps, warmup = run.get("steps"), run.get("warmup_steps")
+    if isinstance(steps, int) and isinstance(warmup, int) and steps >= 1 and warmup >= steps:
+        run["warmup_steps"] = steps - 1
+        log.warning("sim.steps=%d: sim.warmup_steps lowered from %d to %d (one measured step at least)",
+                    steps, warmup, steps - 1)

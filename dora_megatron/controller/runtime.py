@@ -773,8 +773,11 @@ class Runtime:
         self._t0 = time.monotonic()
         self._trainer_idle_since = self._wall_offset
         if self.timeline is not None:
+            start = self.now()  # a resumed run starts at the checkpoint's wall time, not at 0
+            if self._resumed and start > 0:
+                self.timeline.span("trainer", "before the resume (previous run)", 0.0, start, kind="resumed")
             for iid, v in self._version_of.items():
-                self.timeline.set_version(iid, v, 0.0)
+                self.timeline.set_version(iid, v, start)
         if self._resumed:
             self._trainer_idle_since = self.now()
             for iid in self.engines:  # fresh processes: re-queue what ran there, switch them anew
@@ -786,6 +789,9 @@ class Runtime:
             self.execute(self.orch.poll())
         else:
             self.execute(self.orch.start())
+        if self._resumed and len(self.steps) >= self.opt.steps:
+            # every step was done before the checkpoint: no on_step_finished will ever set it
+            self._done.set()
         stats = asyncio.get_running_loop().create_task(self._stats_loop())
         try:
             await self._done.wait()

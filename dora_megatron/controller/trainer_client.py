@@ -101,8 +101,10 @@ class TrainerClient:
     async def save_checkpoint(self, path: str) -> dict[str, Any]:
         return await self._post("/save_checkpoint", {"path": path})
 
-    async def shutdown(self) -> None:
+    async def shutdown(self) -> bool:
+        """Ask every rank to leave its loop; True when the trainer acknowledged it."""
         try:
             await self._post("/shutdown", {})
         except (aiohttp.ClientError, asyncio.TimeoutError, TrainerError):
-            pass
+            return False
+        return True

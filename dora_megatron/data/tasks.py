@@ -30,7 +30,9 @@ from __future__ import annotations
 import functools
 import json
 import random
+import re
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Callable, Iterator, Protocol
 
@@ -200,16 +202,62 @@ def _get_text(row: dict, key: str) -> str | None:
     return None
 
 
+def math_verify_available() -> bool:
+    try:
+        import math_verify  # type: ignore # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def math_reward(response: str, answer: str) -> float:
-    """1.0 if the response's final answer equals ``answer``; uses ``math-verify`` when installed."""
+    """1.0 if the response's final answer equals ``answer``; uses ``math-verify`` when installed,
+    else :func:`same_answer` on the last ``\\boxed{}`` / ``Answer:`` / last token."""
     try:
         from math_verify import parse, verify  # type: ignore
     except ImportError:
-        return 1.0 if _last_answer(response) == _normalise(answer) else 0.0
+        return 1.0 if same_answer(_last_answer(response), answer) else 0.0
     try:
         return 1.0 if verify(parse(f"${answer}$"), parse(response)) else 0.0
     except Exception:  # math-verify raises on unparsable text; that is a wrong answer
         return 0.0
+
+
+def reward_description(task: str, partial_credit: bool = False) -> str:
+    """Which reward a job uses, in words (logged at start, ``summary.json`` ``reward_fn``)."""
+    if task in DIGIT_TASKS:
+        return f"{task}: exact answer" + (" with partial credit" if partial_credit else "")
+    if math_verify_available():
+        return "math: math-verify"
+    return ("math: builtin final-answer match (math-verify not installed: pip install -e '.[math]' for "
+            "symbolic equivalence)")
+
+
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+_FRAC = re.compile(r"^(-?)\\d?frac\{(-?\d+)\}\{(-?\d+)\}$")
+
+
+def _number(text: str) -> Fraction | None:
+    """``text`` as an exact number when it is one: ``12``, ``-0.5``, ``1/2``, ``\\frac{1}{2}``."""
+    m = _FRAC.match(text)
+    if m:
+        text = f"{m.group(1)}{m.group(2)}/{m.group(3)}"
+    try:
+        return Fraction(text)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def same_answer(got: str, want: str) -> bool:
+    """The fallback comparison without ``math-verify``: equal after removing ``$``, spaces, a
+    final period and thousands separators, or equal as numbers (``1/2`` = ``0.5``, ``1,000`` =
+    ``1000``). Anything symbolic beyond that needs ``math-verify``."""
+    a = _THOUSANDS.sub("", _normalise(got))
+    b = _THOUSANDS.sub("", _normalise(want))
+    if a == b:
+        return True
+    x, y = _number(a), _number(b)
+    return x is not None and y is not None and x == y
 
 
 def _normalise(text: str) -> str:

@@ -25,7 +25,9 @@ def input_problem(cfg: DoraConfig) -> str | None:
     """Why the job's inputs cannot run it, or None: ``model.path`` and, for ``data.task: jsonl``, the
     prompt file read whole and every prompt encoded with the model's tokenizer (a bad line would
     otherwise stop the run when its turn comes, engines and trainer already up)."""
-    problem = model_path_problem(cfg)
+    from dora_megatron.launch.layout import trainer_layout_problem
+
+    problem = model_path_problem(cfg) or trainer_layout_problem(cfg)
     if problem or cfg.data.task != "jsonl":
         return problem
     from dora_megatron.data.codec import CharCodec, load_codec

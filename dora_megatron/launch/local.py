@@ -103,6 +103,32 @@ def resume_checkpoint(run_dir: Path, say, quarantine: bool = True) -> tuple[Path
     return choice.checkpoint, ("" if choice.checkpoint is not None else choice.error(run_dir))
 
 
+def drop_steps_from(path: Path, first: int) -> int:
+    """Remove the lines of steps >= ``first`` from ``steps.jsonl`` (atomically): the crashed
+    lineage's steps after the checkpoint, which the resumed run does again. Returns how many."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            keep = int(json.loads(line)["step"]) < first
+        except (ValueError, KeyError, TypeError):  # a line torn by the crash: not a step record
+            keep = False
+        if keep:
+            kept.append(line)
+        elif line.strip():
+            dropped += 1
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(x + "\n" for x in kept))
+    os.replace(tmp, path)
+    return dropped
+
+
+def _steps_done(checkpoint: Path) -> int:
+    """Training steps finished at ``checkpoint``: its version (step ``t`` produces version ``t + 1``)."""
+    return int(json.loads((checkpoint / "controller.json").read_text())["version"])
+
+
 class _Terminated(KeyboardInterrupt):
     """SIGTERM, raised where the launcher is, so that it unwinds as on Ctrl-C (children stopped)."""
 
@@ -124,6 +150,11 @@ def run_local_job(cfg: DoraConfig, resume: str | None = None) -> int:
         if checkpoint is None:
             say(error)
             return 2
+        done = _steps_done(checkpoint)
+        if done >= cfg.run.steps:  # nothing left to train: say so instead of starting every process
+            say(f"run {run_dir} is complete: {done} of run.steps={cfg.run.steps} steps done ({checkpoint.name}); "
+                f"to train further: dora train --resume {run_dir} --set run.steps=N (N > {done})")
+            return 0
         say(f"resuming {run_dir} from {checkpoint.name}")
     else:
         run_dir = make_run_dir(cfg)
@@ -228,7 +259,7 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
     from dora_megatron.controller.records import RuntimeOptions
     from dora_megatron.controller.runtime import Runtime
     from dora_megatron.controller.trainer_client import PushOptions, TrainerClient, TrainerError, TrainerUnreachable
-    from dora_megatron.data.tasks import make_prompt_source
+    from dora_megatron.data.tasks import make_prompt_source, reward_description
     from dora_megatron.observability.tensorboard import NullWriter, TensorBoardWriter
     from dora_megatron.observability.timeline import Timeline
     from dora_megatron.orchestrator import Orchestrator
@@ -268,12 +299,17 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
                                                partial_credit=data.partial_credit)
     else:
         source, reward_fn = make_prompt_source("jsonl", path=data.path, prompt_key=data.prompt_key, answer_key=data.answer_key)
+    reward_name = reward_description(data.task, data.partial_credit)
+    say(f"reward: {reward_name}")
     state = json.loads((checkpoint / "controller.json").read_text()) if checkpoint is not None else None
     orch = Orchestrator.restore(cfg.orchestrator, state["orchestrator"]) if state else Orchestrator(cfg.orchestrator, names)
     obs = cfg.observability
-    writer = TensorBoardWriter(run_dir / "tb") if obs.tensorboard else NullWriter()
+    resumed_at = int(state["version"]) if state else None  # steps >= it are re-done: keep only the new ones
+    writer = TensorBoardWriter(run_dir / "tb", purge_step=resumed_at) if obs.tensorboard else NullWriter()
     timeline = Timeline() if obs.timeline else None
     progress = _Progress(cfg.run.steps, enabled=obs.progress)
+    if resumed_at is not None:
+        drop_steps_from(run_dir / "steps.jsonl", resumed_at)
     steps_file = open(run_dir / "steps.jsonl", "a" if state else "w")
     consumed_file = open(run_dir / "consumed.jsonl", "a" if state else "w")
 
@@ -382,16 +418,26 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
         steps_file.close()
         consumed_file.close()
         writer.close()
-        await trainer.shutdown()
+        if await trainer.shutdown():  # let torchrun end by itself: SIGTERM would leave a SignalException traceback
+            await _wait_exit(procs, "trainer", cfg.launch.shutdown_timeout_s)
         await trainer.close()
         for e in engines.values():
             await e.close()
+    summary["reward_fn"] = reward_name
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (run_dir / "orchestrator_state.json").write_text(json.dumps(orch.snapshot()))
     if timeline is not None:
         timeline.write_chrome_trace(run_dir / "trace.json")
         timeline.write_png(run_dir / "timeline.png", title=f"{cfg.orchestrator.mode}: instances x time, coloured by version (line: running requests)")
     return summary
+
+
+async def _wait_exit(procs: ProcessSet, name: str, timeout_s: float) -> None:
+    """Wait (bounded) for the local child ``name`` to exit on its own; the launcher stops it after."""
+    child = next((c for c in procs.children if c.name == name), None)
+    deadline = time.monotonic() + timeout_s
+    while child is not None and child.alive() and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
 
 
 async def _trainer_failure(procs: ProcessSet, err: Exception, wait_s: float = 30.0) -> ChildFailed:
@@ -403,7 +449,7 @@ async def _trainer_failure(procs: ProcessSet, err: Exception, wait_s: float = 30
     while child is not None and child.alive() and time.monotonic() < deadline:
         await asyncio.sleep(0.2)
     if child is not None and not child.alive():
-        return ChildFailed(f"trainer exited with status {child.popen.returncode}; last log lines:\n{child.tail()}")
+        return ChildFailed(child.failure())
     return ChildFailed(f"the trainer stopped answering ({err})")
 
 

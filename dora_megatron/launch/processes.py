@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import subprocess
 import time
@@ -38,6 +39,32 @@ class Child:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
+
+    def failure(self) -> str:
+        """Why the child exited: its exit status, its own last error line, then its log tail."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            text = ""
+        error = last_error_line(text)
+        head = f"{self.name} exited with status {self.popen.returncode}" + (f": {error}" if error else "")
+        return f"{head}\nlast log lines:\n{self.tail()}"
+
+
+#: ``SomeError: message`` (optionally behind torchrun's ``[rankN]:`` prefix), the last line of a traceback
+_ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit)\b:?.*)$")
+#: what torchrun and its elastic agent add after the child's own error: never the cause
+_LAUNCHER_ERRORS = ("ChildFailedError", "SignalException")
+
+
+def last_error_line(log_text: str) -> str | None:
+    """The last exception line a child wrote (``ValueError: ep=2 needs ...``), skipping torchrun's
+    own ``ChildFailedError`` / ``SignalException`` banner lines, which only say that a rank failed."""
+    for line in reversed(log_text.splitlines()):
+        m = _ERROR_LINE.match(line.strip())
+        if m and not any(name in m.group(1).split(":")[0] for name in _LAUNCHER_ERRORS):
+            return m.group(1).strip()
+    return None
 
 
 def _die_with_parent() -> None:
@@ -121,7 +148,7 @@ class ProcessSet:
     def check_alive(self) -> None:
         for c in self.children:
             if not c.alive():
-                raise ChildFailed(f"{c.name} exited with status {c.popen.returncode}; last log lines:\n{c.tail()}")
+                raise ChildFailed(c.failure())
 
     def stop(self, child: Child, sig: int = signal.SIGTERM) -> None:
         if child.alive():

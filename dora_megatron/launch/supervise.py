@@ -88,7 +88,7 @@ class EngineSupervisor:
             if not child.alive() and child.popen.pid not in self._reported:
                 self._reported.add(child.popen.pid)
                 if name == "trainer":
-                    rt._error = ChildFailed(f"trainer exited with status {child.popen.returncode}:\n{child.tail()}")
+                    rt._error = ChildFailed(child.failure())
                     rt._done.set()
                     return
                 if name in self.engine_names and name in rt.engines:

@@ -108,9 +108,10 @@ def build_summary(
     def frac(x: float | None) -> float | None:
         return None if x is None or span <= 0 else x / span
 
-    step_times = [b.end_s - a.end_s for a, b in zip([None] + window[:-1], window) if a is not None]
-    if warm == 0 and window:
-        step_times = [window[0].end_s] + step_times
+    # every window step, the first one included, from the end of the step before it (the last
+    # warm-up step, or time 0): the window's mean step time is then span / steps, as throughput's
+    ends = [t0] + [s.end_s for s in window]
+    step_times = [b - a for a, b in zip(ends, ends[1:])]
     util = None
     if totals.busy_slot_s is not None and totals.slot_capacity and span > 0:
         util = totals.busy_slot_s / (totals.slot_capacity * span)

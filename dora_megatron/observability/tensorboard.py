@@ -26,10 +26,13 @@ class NullWriter:
 
 
 class TensorBoardWriter:
-    def __init__(self, logdir: str | Path) -> None:
+    """``purge_step``: a resumed run re-does the steps from its checkpoint on; TensorBoard then
+    hides the crashed lineage's scalars at steps >= ``purge_step``, so each step shows once."""
+
+    def __init__(self, logdir: str | Path, purge_step: int | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self._writer = SummaryWriter(log_dir=str(logdir))
+        self._writer = SummaryWriter(log_dir=str(logdir), purge_step=purge_step)
 
     def scalars(self, step: int, values: Mapping[str, float | int | None]) -> None:
         for tag, value in values.items():

@@ -80,20 +80,23 @@ class Timeline:
         tracks = sorted({iv.track for iv in self.intervals}, key=_track_key)
         row = {t: i for i, t in enumerate(tracks)}
         fig, ax = plt.subplots(figsize=(10, 0.45 * max(len(tracks), 2) + 1.5))
-        cmap = plt.get_cmap("tab10")
         seen_versions: set[int] = set()
         for iv in version_spans:
             v = iv.version or 0
             label = f"v{v}" if v not in seen_versions else None
             seen_versions.add(v)
             ax.broken_barh([(iv.start, iv.end - iv.start)], (row[iv.track] - 0.4, 0.8),
-                           facecolors=cmap(v % 10), alpha=0.55, label=label)
+                           facecolors=version_color(v), alpha=0.55, label=label)
         requests: dict[str, list[Interval]] = {}
         for iv in other:
             if iv.args.get("kind") == "request":
                 requests.setdefault(iv.track, []).append(iv)
                 continue
-            color = cmap((iv.version or 0) % 10) if iv.version is not None else "0.3"
+            if iv.args.get("kind") == "resumed":  # the previous run's time: not idle instances
+                ax.axvspan(iv.start, iv.end, facecolor="none", edgecolor="0.6", hatch="//", linewidth=0,
+                           label="before the resume")
+                continue
+            color = version_color(iv.version or 0) if iv.version is not None else UNVERSIONED_COLOR
             ax.broken_barh([(iv.start, iv.end - iv.start)], (row[iv.track] - 0.15, 0.3), facecolors=color)
         peak = max((max(c for _, c in concurrency(ivs)) for ivs in requests.values() if ivs), default=1) or 1
         for track, ivs in requests.items():
@@ -104,12 +107,22 @@ class Timeline:
         ax.set_yticklabels(tracks)
         ax.set_xlabel("seconds")
         ax.set_title(title)
-        if 0 < len(seen_versions) <= 10:  # colours repeat every 10 versions; a longer legend hides the plot
+        if 0 < len(seen_versions) <= len(VERSION_COLORS):  # colours repeat; a longer legend hides the plot
             ax.legend(loc="upper right", fontsize="small", ncol=min(len(seen_versions), 6))
         fig.tight_layout()
         fig.savefig(path, dpi=100)
         plt.close(fig)
         return path
+
+
+#: version colours: matplotlib's tab10 without its grey, which is kept for spans of no version
+#: (checkpoints), so that no version looks like a checkpoint bar
+VERSION_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf")
+UNVERSIONED_COLOR = "0.3"
+
+
+def version_color(version: int) -> str:
+    return VERSION_COLORS[version % len(VERSION_COLORS)]
 
 
 def concurrency(intervals: list[Interval]) -> list[tuple[float, int]]:

@@ -55,7 +55,11 @@ def _launch(argv: Sequence[str], nproc: int, timeout_s: float | None) -> None:
     env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
-        raise RuntimeError(f"conversion failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+        from dora_megatron.launch.processes import last_error_line
+
+        error = last_error_line(proc.stdout + "\n" + proc.stderr)
+        raise RuntimeError(f"conversion failed (exit {proc.returncode})" + (f": {error}" if error else "")
+                           + f"\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
 
 
 def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 1, ep: int = 1,

@@ -77,6 +77,9 @@ def test_short_dora_run(tmp_path):
     assert any(e.get("name") == "step 0" for e in trace["traceEvents"])
     assert (run_dir / "config.yaml").is_file()
     assert (run_dir / "weights" / "v000004" / "model.safetensors").is_file()
+    # the trainer was stopped through its service, not by SIGTERM to torchrun (no traceback left)
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert "SignalException" not in trainer_log and "Traceback" not in trainer_log, trainer_log[-3000:]
     # every child process is gone
     out = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
     assert out.stdout.strip() == "", out.stdout
@@ -109,7 +112,7 @@ def test_jsonl_prompt_dataset_runs_end_to_end(tmp_path):
     """``data.task: jsonl`` (DAPO-Math layout, nested ``reward_model.ground_truth`` answers) drives a
     real run; a file with a line the tokenizer cannot encode is refused before anything starts."""
     data = tmp_path / "math.jsonl"
-    data.write_text("\n".join(json.dumps({"prompt": [{"role": "user", "content": f"{a}+{a}="}],
+    data.write_text("\n".join(json.dumps({"prompt": [{"role": "user", "content": f"Compute:\n\t{a}+{a} \u2013 ="}],
                                           "reward_model": {"ground_truth": str(2 * a)}}) for a in range(20)))
     common = ("data.task=jsonl", f"data.path={data}", "model.warm_start=", "orchestrator.tbs=2",
               "orchestrator.rbs=4", "orchestrator.group_size=2", "rollout.max_new_tokens=16",
@@ -118,6 +121,7 @@ def test_jsonl_prompt_dataset_runs_end_to_end(tmp_path):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["consumed_groups"] == 6
+    assert summary["reward_fn"].startswith("math: ") and f"reward: {summary['reward_fn']}" in proc.stdout + proc.stderr
     assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
     with data.open("a") as f:
         f.write("\n" + json.dumps({"prompt": "caf\u00e9?", "answer": "1"}))

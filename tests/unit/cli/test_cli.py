@@ -74,7 +74,7 @@ def test_train_input_errors_name_what_is_wrong(tmp_path, capsys):
     assert cli.main(["train", "--resume", str(tmp_path / "gone")]) == 2
     assert f"--resume {tmp_path / 'gone'}: no such run directory" in capsys.readouterr().err
     assert cli.main(["train", "--resume", str(tmp_path)]) == 2  # a directory, but not a run
-    assert "config.yaml: config file not found" in capsys.readouterr().err
+    assert f"--resume {tmp_path}: not a run directory (no config.yaml" in capsys.readouterr().err
     config = Path(__file__).resolve().parents[3] / "configs" / "cpu_tiny.yaml"
     assert cli.main(["train", "--config", str(config), "--set", "orchestrator.tbs=0"]) == 2
     assert "orchestrator.tbs: must be >= 1, got 0" in capsys.readouterr().err

@@ -141,6 +141,24 @@ def test_checkpoint_and_resume_consume_every_group_once(tmp_path):
             assert s["reward"] == 1.0
 
 
+def test_resuming_a_finished_run_returns_at_once(tmp_path):
+    """The final checkpoint of a finished run has every step done and the trainer still marked
+    busy: the restored runtime must finish at once instead of waiting for a step that never comes."""
+    rt, engines, trainer = make(mode="dora", steps=2, tmp_path=tmp_path)
+    asyncio.run(rt.run())
+    state = json.loads((tmp_path / "ck2" / "controller.json").read_text())
+    rt2, _, trainer2 = make(mode="dora", steps=2, tmp_path=tmp_path)
+    rt2.orch = Orchestrator.restore(rt2.orch.config, state["orchestrator"])
+    rt2.load_state_dict(state)
+    trainer2.version = 2
+
+    async def bounded():
+        return await asyncio.wait_for(rt2.run(), timeout=20)
+
+    summary = asyncio.run(bounded())
+    assert trainer2.batches == [] and summary["steps"] == 2 and summary["lost_groups"] == 0
+
+
 def test_distributed_transport_pushes_newest_version_once_per_switch_batch():
     rt, engines, trainer = make(mode="dora", n=3, steps=6, transport="distributed")
     summary = asyncio.run(rt.run())

@@ -105,3 +105,21 @@ def test_jsonl_loader_and_errors(tmp_path):
 def test_math_reward_fallback_or_verify():
     assert math_reward("so the answer is \\boxed{42}", "42") == 1.0
     assert math_reward("so the answer is \\boxed{41}", "42") == 0.0
+
+
+def test_fallback_math_answers_equal_as_numbers_and_without_thousands_separators():
+    from dora_megatron.data.tasks import same_answer
+
+    assert same_answer("1/2", "0.5") and same_answer("\\frac{1}{2}", "0.5") and same_answer("\\dfrac{3}{4}", "3/4")
+    assert same_answer("1,000", "1000") and same_answer("$12,345,678$", "12345678")
+    assert not same_answer("1,5", "15")  # not a thousands separator
+    assert not same_answer("1/3", "0.33") and not same_answer("2", "3")
+    assert math_reward("so the answer is \\boxed{1/2}", "0.5") == 1.0  # whichever reward is installed
+
+
+def test_the_active_reward_is_named():
+    from dora_megatron.data.tasks import math_verify_available, reward_description
+
+    assert reward_description("digit_cipher") == "digit_cipher: exact answer"
+    name = reward_description("jsonl")
+    assert name == "math: math-verify" if math_verify_available() else "math-verify not installed" in name

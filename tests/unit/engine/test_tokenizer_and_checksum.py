@@ -19,6 +19,15 @@ def test_encode_matches_saved_tokenizer(tmp_path):
     assert t.decode(tok.encode(text)) == text
 
 
+def test_prompt_whitespace_and_typographic_punctuation_are_mapped_to_ascii(tmp_path):
+    """A DAPO-Math-17k style prompt: lines, a tab, curly quotes, an en dash, an ellipsis, math signs."""
+    text = "Solve:\n\tLet \u201cx\u201d be 2\u20133\u2026 \u2018y\u2019 \u2264 3\u00d74 \u2212 1"
+    ascii_text = 'Solve:  Let "x" be 2-3... \'y\' <= 3*4 - 1'
+    assert tok.encode(text) == tok.encode(ascii_text)
+    tok.save_tokenizer(tmp_path)
+    assert tok.load_tokenizer(tmp_path).encode(text).ids == tok.encode(text)  # tokenizer.json agrees
+
+
 def test_decode_roundtrip_and_specials():
     text = "".join(chr(c) for c in range(32, 127))
     ids = tok.encode(text, add_bos=True)
@@ -28,7 +37,7 @@ def test_decode_roundtrip_and_specials():
 
 
 def test_encode_rejects_non_ascii():
-    with pytest.raises(ValueError, match="position 1"):
+    with pytest.raises(ValueError, match="position 1 .*model.path with a tokenizer.json"):
         tok.encode("a\u00e9")
 
 

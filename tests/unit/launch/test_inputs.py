@@ -13,7 +13,7 @@ CONFIG = Path(__file__).resolve().parents[3] / "configs" / "cpu_tiny.yaml"
 
 
 def jsonl_cfg(path):
-    return load_config(str(CONFIG), ["data.task=jsonl", f"data.path={path}"])
+    return load_config(str(CONFIG), ["data.task=jsonl", f"data.path={path}", "model.warm_start="])
 
 
 def test_good_prompt_file_passes(tmp_path):

@@ -32,3 +32,25 @@ def test_remote_trainer_without_a_local_process(tmp_path):
     with ProcessSet(tmp_path) as procs:
         err = asyncio.run(_trainer_failure(procs, ConnectionError("reset"), wait_s=5))
     assert str(err) == "the trainer stopped answering (reset)"
+
+
+def test_a_failed_torchrun_child_is_named_by_its_own_error_not_the_launcher_banner(tmp_path):
+    """torchrun ends a failed rank's log with its ``ChildFailedError`` banner; the reason is the
+    rank's own exception line above it, which must lead the message."""
+    from dora_megatron.launch.processes import ChildFailed
+
+    script = tmp_path / "rank.py"
+    script.write_text("raise ValueError('ep=2 needs an MoE model with experts divisible by ep')\n")
+    with ProcessSet(tmp_path / "logs") as procs:
+        child = procs.start("trainer", [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1",
+                                        "--master_port=0", str(script)])
+        child.popen.wait(timeout=120)
+        try:
+            procs.check_alive()
+        except ChildFailed as err:
+            message = str(err)
+        else:
+            raise AssertionError("a dead child was not reported")
+    assert "ChildFailedError" in child.tail(60)  # the banner is there, and is not what we report first
+    assert message.splitlines()[0] == ("trainer exited with status 1: "
+                                       "ValueError: ep=2 needs an MoE model with experts divisible by ep"), message

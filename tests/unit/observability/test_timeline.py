@@ -47,3 +47,40 @@ def test_concurrency_curve():
     assert pts[-1] == (4.0, 0)
     # at t=2.0 one interval ends: count drops to 1 before c starts at 2.5
     assert dict(pts)[2.0] == 1 and dict(pts)[2.5] == 2
+
+
+def test_no_version_is_drawn_in_the_grey_of_checkpoint_bars():
+    from matplotlib.colors import to_rgb
+
+    from dora_megatron.observability.timeline import UNVERSIONED_COLOR, version_color
+
+    for v in range(40):
+        r, g, b = to_rgb(version_color(v))
+        assert max(r, g, b) - min(r, g, b) > 0.15, (v, version_color(v))  # a hue, not a grey
+    assert len({version_color(v) for v in range(9)}) == 9
+    r, g, b = to_rgb(UNVERSIONED_COLOR)
+    assert r == g == b
+
+
+def test_resumed_run_does_not_draw_the_time_before_the_crash_as_idle_instances(tmp_path):
+    import asyncio
+
+    from dora_megatron.orchestrator import Orchestrator
+    from tests.unit.controller.test_runtime import make
+
+    rt, _, _ = make(mode="dora", steps=2, tmp_path=tmp_path)
+    asyncio.run(rt.run())
+    state = json.loads((tmp_path / "ck2" / "controller.json").read_text())
+    rt2, _, trainer2 = make(mode="dora", steps=4, tmp_path=tmp_path)
+    rt2.orch = Orchestrator.restore(rt2.orch.config, state["orchestrator"])
+    rt2.load_state_dict(state)
+    trainer2.version = 2
+    rt2.timeline = Timeline()
+    asyncio.run(rt2.run())
+    offset = float(state["wall_s"])
+    assert offset > 0
+    versions = [iv for iv in rt2.timeline.intervals if iv.args.get("kind") == "version"]
+    assert versions and min(iv.start for iv in versions) >= offset
+    before = [iv for iv in rt2.timeline.intervals if iv.args.get("kind") == "resumed"]
+    assert len(before) == 1 and before[0].start == 0.0 and offset <= before[0].end < offset + 5.0
+    rt2.timeline.write_png(tmp_path / "timeline.png")

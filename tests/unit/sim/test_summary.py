@@ -42,6 +42,19 @@ def test_warmup_window_excludes_first_steps():
     assert s["steps"] == 3  # counts cover the whole run
 
 
+def test_window_step_time_counts_the_first_step_after_the_warmup():
+    # steps end at 100, 250, 480 s: after one warm-up step the window holds steps of 150 s and 230 s
+    steps = _steps()
+    steps[2].end_s = 480.0
+    s = build_summary(mode="sync", max_staleness=0, tbs=2, rbs=2, steps=steps,
+                      totals=RunTotals(dispatched_groups=6, consumed_groups=6), wall_time_s=480.0, warmup_steps=1)
+    assert s["mean_step_time_s"] == pytest.approx((150 + 230) / 2)
+    # one measured step (two warm-up steps): its own duration, 480 - 250 s, not null
+    s = build_summary(mode="sync", max_staleness=0, tbs=2, rbs=2, steps=steps,
+                      totals=RunTotals(dispatched_groups=6, consumed_groups=6), wall_time_s=480.0, warmup_steps=2)
+    assert s["mean_step_time_s"] == pytest.approx(230)
+
+
 def test_not_applicable_is_null_not_missing():
     steps = [StepRecord(0, 50.0, 5.0, 40.0, 5.0, 10)]
     s = build_summary(mode="sync", max_staleness=0, tbs=1, rbs=1, steps=steps,
