@@ -26,6 +26,10 @@ def input_problem(cfg: DoraConfig) -> str | None:
     prompt file read whole and every prompt encoded with the model's tokenizer (a bad line would
     otherwise stop the run when its turn comes, engines and trainer already up)."""
     problem = model_path_problem(cfg)
+    if not problem and cfg.rollout.engine == "vllm":
+        from dora_megatron.rollout.vllm.launch import vllm_problem
+
+        problem = vllm_problem(cfg)
     if problem or cfg.data.task != "jsonl":
         return problem
     from dora_megatron.data.codec import CharCodec, load_codec
