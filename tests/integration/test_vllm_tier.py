@@ -133,6 +133,93 @@ def test_reload_on_the_moe_preset_leaves_experts_stale_and_is_detected(tmp_path)
     assert switch_mode(VLLMConfig(), tmp_path / "v1", "cuda") == "reload"
 
 
+class StaticTrainer:
+    """A new version label per step, weights unchanged (every snapshot is the same directory);
+    step ``hold[0]`` starts only once ``hold[1]()`` holds (at most 120 s), so the event under test
+    happens before the run ends, however loaded the machine."""
+
+    def __init__(self, hold) -> None:
+        self.batches: list[list[dict]] = []
+        self.hold = hold
+
+    async def train(self, step: int, samples: list[dict]) -> dict:
+        if step == self.hold[0]:
+            for _ in range(12000):
+                if self.hold[1]():
+                    break
+                await asyncio.sleep(0.01)
+        self.batches.append(samples)
+        return {"version": step + 1, "metrics": {}, "checksum": None}
+
+    async def save_checkpoint(self, path: str) -> dict:
+        return {"path": path}
+
+
+def test_runtime_on_vllm_migrates_by_resubmit_and_continues_the_same_greedy_sequence(tmp_path):
+    """DORA runtime on two real vLLM servers: versions switch by reload (labels change), migrations
+    are abort + resubmit of prompt + partial output, and the resubmitted continuation is exactly
+    the sequence one uninterrupted greedy request gives."""
+    from dora_megatron.config.orchestrator import OrchestratorConfig
+    from dora_megatron.controller.records import RuntimeOptions
+    from dora_megatron.controller.runtime import Runtime
+    from dora_megatron.data import tokenizer as tok
+    from dora_megatron.data.tasks import RunningSumTask, running_sum_reward
+    from dora_megatron.models import hf_io
+    from dora_megatron.models.presets import preset_config
+    from dora_megatron.orchestrator import Orchestrator
+    from dora_megatron.rollout.vllm.engine import VLLMEngine
+
+    cfg = preset_config("tiny-dense")
+    cfg["initializer_range"] = 0.3  # answers end (EOS) after very different lengths: a long tail
+    model_dir = tmp_path / "model"
+    hf_io.save_model_dir(model_dir, cfg, hf_io.random_state_dict(cfg, 1))
+    ports = free_ports(2, "127.0.0.1")
+    servers = [Server(model_dir, p, tmp_path) for p in ports]
+    names = ["e0", "e1"]
+    ocfg = OrchestratorConfig(mode="dora", tbs=2, rbs=6, max_staleness=2, group_size=2, rebalance_interval_s=0.05,
+                              cap_before_rebalance=6, cap_after_rebalance=4,
+                              kv_high_watermark=1e-3, kv_rebalance_min_interval_s=0.05)
+    max_new = 64
+    opts = RuntimeOptions(steps=5, seed=0, max_new_tokens=max_new, temperature=0.0, top_p=1.0, top_k=-1,
+                          snapshot_dir=lambda v: str(model_dir), stats_interval_s=0.02)
+    runtime: list[Runtime] = []
+    trainer = StaticTrainer(hold=(1, lambda: bool(runtime) and runtime[0].migrations_fallback > 0))
+    try:
+        for s in servers:
+            s.wait_ready()
+
+        async def go():
+            adapters = {n: VLLMEngine(s.url, initial_version=0) for n, s in zip(names, servers)}
+            rt = Runtime(Orchestrator(ocfg, names), adapters, trainer, RunningSumTask(1, 30, 1.2, seed=1),
+                         running_sum_reward, opts)
+            runtime.append(rt)
+            summary = await rt.run()
+            ref = adapters["e0"]
+            refs = []
+            for batch in trainer.batches:
+                for s in batch:
+                    r = await ref.generate(s["prompt_ids"], {"temperature": 0.0, "max_new_tokens": max_new,
+                                                             "stop_token_ids": [tok.EOS_ID]})
+                    refs.append((s["response_ids"], r.output_ids))
+            mismatches = sum(a.version_mismatches for a in adapters.values())
+            for a in adapters.values():
+                await a.close()
+            return summary, refs, mismatches
+
+        summary, refs, mismatches = asyncio.run(go())
+    finally:
+        for s in servers:
+            s.stop()
+    print({k: summary[k] for k in ("migrations", "migrations_reprefill", "reprefill_tokens", "max_live_versions")})
+    assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0
+    assert summary["c1_violations"] == 0 and mismatches == 0 and summary["version_refusals"] == 0
+    assert summary["migrations_kv"] == 0 and summary["migrations_reprefill"] > 0 and summary["reprefill_tokens"] > 0
+    assert summary["max_live_versions"] >= 2
+    assert len(trainer.batches) == 5 and all(len(b) == 2 * 2 for b in trainer.batches)
+    for got, want in refs:
+        assert got == want, (tok.decode(got), tok.decode(want))
+
+
 # ---------------------------------------------------------------- dora train end to end
 def start_train(tmp_path: Path, *overrides: str) -> tuple[subprocess.Popen, Path]:
     run_dir = tmp_path / "run"
