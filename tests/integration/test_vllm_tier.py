@@ -262,24 +262,34 @@ MIGRATE = ("orchestrator.kv_high_watermark=0.001", "orchestrator.kv_rebalance_mi
            "orchestrator.max_staleness=2", "orchestrator.rbs=12", "orchestrator.cap_after_rebalance=16")
 
 
-def test_dora_train_dense_reloads_migrates_and_a_killed_instance_rejoins(tmp_path):
-    steps = 10
+def test_dora_train_dense_reloads_and_a_killed_instance_rejoins(tmp_path):
+    """Once training runs, engine1 is killed; the trainer is held (SIGSTOP) until the restarted
+    instance has rejoined, so the run cannot end first however slowly vLLM starts here."""
+    steps = 8
     proc, run_dir = start_train(tmp_path, f"run.steps={steps}", *MIGRATE)
-    killed = None
+    log_path = tmp_path / "train.log"
+    killed = rejoined = False
+    trainer_pid = None
     try:
-        deadline = time.monotonic() + 1200
-        while killed is None and proc.poll() is None and time.monotonic() < deadline:
+        deadline = time.monotonic() + 1500
+        while proc.poll() is None and time.monotonic() < deadline and not rejoined:
             steps_file = run_dir / "steps.jsonl"
-            if steps_file.is_file() and steps_file.read_text().strip():  # training runs: kill engine1
-                pid = json.loads((run_dir / "processes.json").read_text())["engine1"]
-                os.killpg(pid, signal.SIGKILL)
-                killed = pid
+            if not killed and steps_file.is_file() and steps_file.read_text().strip():
+                pids = json.loads((run_dir / "processes.json").read_text())
+                trainer_pid = pids["trainer"]
+                os.killpg(trainer_pid, signal.SIGSTOP)
+                os.killpg(pids["engine1"], signal.SIGKILL)
+                killed = True
+            rejoined = killed and "instance engine1 rejoined the pool" in log_path.read_text(errors="replace")
             time.sleep(0.2)
     finally:
+        if trainer_pid is not None:
+            os.killpg(trainer_pid, signal.SIGCONT)
         log = finish(proc, tmp_path)
-    assert killed is not None, log[-3000:]
+    assert killed and rejoined, log[-3000:]
     summary = check_run(run_dir, steps, 4)
     assert summary["engine_restarts"] >= 1 and summary["instances_rejoined"] >= 1, log[-3000:]
+    assert "engine1" in summary["failed_instances"]
     assert "vLLM version switch by restart" not in log  # dense: in-place reloads
     print({k: summary[k] for k in ("wall_time_s", "throughput_tokens_per_s", "migrations", "migrations_reprefill",
                                    "reprefill_tokens", "instances_rejoined", "samples_after_rejoin",

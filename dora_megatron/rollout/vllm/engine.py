@@ -195,7 +195,13 @@ class VLLMEngine:
                                 "weight_version": self._label, "dora_extensions": []}
         if self._switching:
             return info  # a planned restart/reload: not a failure
-        kv = parse_kv_usage(await self.client.metrics())
+        try:
+            text = await self.client.metrics()
+        except Exception:  # noqa: BLE001 - a restart that began while we asked is not a failure
+            if self._switching:
+                return info
+            raise
+        kv = parse_kv_usage(text)
         if kv is not None:
             info["kv_usage"] = kv
         return info

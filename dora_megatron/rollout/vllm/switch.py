@@ -91,18 +91,51 @@ async def reload_defects(reloaded: "VLLMClient", fresh: "VLLMClient", prompts: l
     return {"stale_parameters": stale, "output_mismatches": mismatches, "max_logprob_diff": worst}
 
 
+def pinned_copy(snapshot: str | Path, root: str | Path, name: str) -> Path:
+    """``root/<name>-<snapshot dir name>``: hard links to the snapshot's files (a copy where links fail).
+
+    WHY: a restarted process reads its ``--model`` directory for tens of seconds, and the engine
+    supervisor restarts a crashed instance with the same argv later on, while the run's snapshot
+    retention deletes versions no live group needs. The links keep the files of the snapshot an
+    instance serves for as long as it serves it, at no extra disk cost."""
+    import os
+    import shutil
+
+    src, dst = Path(snapshot), Path(root) / f"{name}-{Path(snapshot).name}"
+    if dst.is_dir():
+        return dst
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    files = [f for f in src.iterdir() if f.is_file()] if src.is_dir() else []
+    if not any(f.name == "config.json" for f in files):
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise FileNotFoundError(f"snapshot {src} is gone or incomplete (no config.json)")
+    for f in files:
+        try:
+            os.link(f, tmp / f.name)
+        except OSError:
+            shutil.copy2(f, tmp / f.name)
+    os.replace(tmp, dst)
+    return dst
+
+
 class ProcessRestart:
     """``await restart(model_path)``: the launcher's child serving ``url`` restarted on ``model_path``.
 
-    The child is found by its ``--port`` (the supervisor may have moved it to another port)."""
+    The child is found by its ``--port`` (the supervisor may have moved it to another port). It is
+    started on a :func:`pinned_copy` of the snapshot under ``pin_root`` (default: ``serving/`` in
+    the run directory, next to the launcher's ``logs/``); the previous copy is removed once the
+    new process serves."""
 
     def __init__(self, procs: "ProcessSet", url: str, *, health_path: str = "/health",
-                 startup_timeout_s: float = 300.0) -> None:
+                 startup_timeout_s: float = 300.0, pin_root: str | Path | None = None) -> None:
         self.procs = procs
         self.url = url.rstrip("/")
         self.port = str(urlsplit(url).port)
         self.health_path = health_path
         self.startup_timeout_s = startup_timeout_s
+        self.pin_root = Path(pin_root) if pin_root is not None else Path(procs.log_dir).parent / "serving"
 
     def _child(self):
         for c in self.procs.children:
@@ -112,12 +145,19 @@ class ProcessRestart:
         raise RuntimeError(f"no launched process serves {self.url}")
 
     async def __call__(self, model_path: str) -> None:
+        import shutil
+
         from dora_megatron.rollout.sglang.server import wait_ready
         from dora_megatron.rollout.vllm.server import with_model
 
         old = self._child()
+        argv = list(old.argv)
+        previous = Path(argv[argv.index("--model") + 1])
+        pinned = pinned_copy(model_path, self.pin_root, old.name)
         log.info("restarting %s on %s (vLLM version switch by restart)", old.name, model_path)
         # synchronous on purpose: kill + start without yielding, so no supervisor pass sees a dead child
-        child = self.procs.restart(old.name, with_model(old.argv, model_path))
+        child = self.procs.restart(old.name, with_model(argv, str(pinned)))
         await wait_ready(self.url, path=self.health_path, timeout_s=self.startup_timeout_s,
                          alive=child.alive, tail=child.tail)
+        if previous.parent == self.pin_root and previous != pinned:
+            shutil.rmtree(previous, ignore_errors=True)

@@ -102,27 +102,32 @@ web.run_app(app, host="127.0.0.1", port=int(argv[argv.index("--port") + 1]), pri
 """
 
 
-def test_restart_switch_replaces_the_child_in_place_on_the_new_snapshot(tmp_path):
+def test_restart_switch_replaces_the_child_in_place_on_a_pinned_copy_of_the_snapshot(tmp_path):
     """The engine supervisor must never see the old process dead: ProcessRestart swaps the child
-    synchronously (same name and place, new --model), then waits for health."""
+    synchronously (same name and place), on hard links of the snapshot that outlive its pruning
+    (a later crash restart reuses that argv), then waits for health."""
     import aiohttp
+    import shutil
 
     port = free_port("127.0.0.1")
     script = tmp_path / "stand_in.py"
     script.write_text(STAND_IN)
     moe = _model(tmp_path, True)
+    snap = tmp_path / "weights" / "v000001"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text((moe / "config.json").read_text())
+    (snap / "dora_version.json").write_text(json.dumps({"version": 1}))
     cfg = load_config(None, ["rollout.engine=vllm", f"vllm.python={sys.executable}"])
     url = f"http://127.0.0.1:{port}"
 
     async def go(procs):
-        engine = make_vllm_engine(cfg, url, str(moe), procs)
-        assert isinstance(engine.restart, ProcessRestart)
-        restart = engine.restart
         from dora_megatron.rollout.sglang.server import wait_ready
 
+        engine = make_vllm_engine(cfg, url, str(moe), procs)
+        assert isinstance(engine.restart, ProcessRestart)
         await wait_ready(url, path="/health", timeout_s=60, interval_s=0.1)
         before = procs.children[0]
-        await restart(str(tmp_path / "v000001"))
+        await engine.restart(str(snap))
         after = procs.children[0]
         async with aiohttp.ClientSession() as s:
             async with s.get(url + "/health") as r:
@@ -135,4 +140,8 @@ def test_restart_switch_replaces_the_child_in_place_on_the_new_snapshot(tmp_path
         before, after, body = asyncio.run(go(procs))
         assert len(procs.children) == 1 and after.name == "engine0" and after is not before
         assert not before.alive() and after.alive()
-        assert body == {"model": str(tmp_path / "v000001")}
+        pinned = tmp_path / "serving" / "engine0-v000001"
+        assert body == {"model": str(pinned)}
+        shutil.rmtree(snap)  # the run's retention prunes the snapshot: the served copy stays
+        assert (pinned / "config.json").is_file()
+        assert served_version(str(pinned), str(moe)) == 1  # a crash restart on it is labelled v1
