@@ -145,3 +145,14 @@ def test_restart_switch_replaces_the_child_in_place_on_a_pinned_copy_of_the_snap
         shutil.rmtree(snap)  # the run's retention prunes the snapshot: the served copy stays
         assert (pinned / "config.json").is_file()
         assert served_version(str(pinned), str(moe)) == 1  # a crash restart on it is labelled v1
+
+
+def test_bench_runs_the_same_dora_workload_on_each_engine(tmp_path):
+    from dora_megatron.launch.bench import variant_config
+
+    base = load_config(str(Path(__file__).resolve().parents[3] / "configs" / "cpu_vllm.yaml"), [])
+    cfgs = {v: variant_config(base, v, 0, tmp_path / v, tmp_path / "model", 2) for v in ("dora_embedded", "dora_vllm")}
+    assert cfgs["dora_embedded"].rollout.engine == "embedded" and cfgs["dora_vllm"].rollout.engine == "vllm"
+    for c in cfgs.values():
+        assert c.orchestrator.mode == "dora" and c.model.path == str(tmp_path / "model")
+        assert (c.data.seed, c.run.steps, c.orchestrator.tbs) == (base.data.seed, base.run.steps, base.orchestrator.tbs)
