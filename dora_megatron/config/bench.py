@@ -8,7 +8,8 @@ from dora_megatron.config.base import ConfigError, field_doc
 
 #: Variant name -> (orchestrator/launch overrides); see dora_megatron.launch.bench.VARIANTS.
 VARIANT_NAMES = ("sync_colocated", "sync", "one_step_off", "partial", "dora", "dora_s1", "dora_s3",
-                 "dora_no_repartition", "dora_reprefill", "dora_legacy_fill", "dora_one_cap")
+                 "dora_no_repartition", "dora_reprefill", "dora_legacy_fill", "dora_one_cap",
+                 "dora_embedded", "dora_vllm")
 
 
 @dataclass
@@ -18,7 +19,7 @@ class BenchConfig:
         doc="Variants to run, in order: " + ", ".join(VARIANT_NAMES) + ". `sync_colocated` lets every phase use "
             "all cores; the others pin engines and trainer to their own cores. `dora` uses the configured "
             "max_staleness, `dora_s1`/`dora_s3` set it; the other `dora_*` variants are ablations that switch one DORA "
-            "mechanism off (compare them with `dora`).")
+            "mechanism off (compare them with `dora`); `dora_embedded`/`dora_vllm` run the same DORA workload on each rollout engine.")
     seeds: int = field_doc(1, "Runs per variant with different run seeds (reward noise).", ge=1)
     baseline: str = field_doc("auto", "Sync baseline of the ratios: `auto` = the faster of sync and sync_colocated.")
 

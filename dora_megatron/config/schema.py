@@ -25,6 +25,7 @@ from dora_megatron.config.rollout import RolloutConfig
 from dora_megatron.config.run import RunConfig
 from dora_megatron.config.sglang import SGLangConfig
 from dora_megatron.config.trainer import TrainerConfig
+from dora_megatron.config.vllm import VLLMConfig
 
 
 @dataclass
@@ -39,6 +40,7 @@ class DoraConfig:
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)

@@ -40,6 +40,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "dora_reprefill": {"orchestrator.mode": "dora", "controller.migration": "reprefill"},
     "dora_legacy_fill": {"orchestrator.mode": "dora", "orchestrator.legacy_fill": True},
     "dora_one_cap": {"orchestrator.mode": "dora", "_one_cap": True},
+    # the same DORA workload on each rollout engine (vllm: the venv of tools/setup_vllm.sh)
+    "dora_embedded": {"orchestrator.mode": "dora", "rollout.engine": "embedded"},
+    "dora_vllm": {"orchestrator.mode": "dora", "rollout.engine": "vllm"},
 }
 
 

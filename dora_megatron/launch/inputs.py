@@ -28,6 +28,10 @@ def input_problem(cfg: DoraConfig) -> str | None:
     from dora_megatron.launch.layout import trainer_layout_problem
 
     problem = model_path_problem(cfg) or trainer_layout_problem(cfg)
+    if not problem and cfg.rollout.engine == "vllm":
+        from dora_megatron.rollout.vllm.launch import vllm_problem
+
+        problem = vllm_problem(cfg)
     if problem or cfg.data.task != "jsonl":
         return problem
     from dora_megatron.data.codec import CharCodec, load_codec

@@ -276,6 +276,10 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
             from dora_megatron.rollout.sglang.engine import SGLangEngine
 
             return SGLangEngine(SGLangClient(url, timeout_s=cfg.rollout.request_timeout_s))
+        if cfg.rollout.engine == "vllm":  # vLLM API: resubmit migration, weight_versions C1 guard, reload/restart switch
+            from dora_megatron.rollout.vllm.launch import make_vllm_engine
+
+            return make_vllm_engine(cfg, url, str(model_dir), procs if engine_urls is None else None)
         return EngineClient(url, timeout_s=cfg.rollout.request_timeout_s)
 
     engines = {n: make_engine(u) for n, u in urls.items()}

@@ -62,6 +62,10 @@ def local_plan(cfg: "DoraConfig", model_dir: str, run_dir: str, base_port: int |
         from dora_megatron.launch.cluster import local_sglang_engines
 
         plan.extend(local_sglang_engines(cfg, model_dir, port0))
+    if cfg.rollout.engine == "vllm":
+        from dora_megatron.rollout.vllm.launch import local_vllm_engines
+
+        plan.extend(local_vllm_engines(cfg, model_dir, run_dir, port0))
     for i in range(cfg.rollout.num_instances if cfg.rollout.engine == "embedded" else 0):
         port = port0 + i if port0 else None  # None: the launcher picks a free port
         plan.append(ProcessSpec("engine", f"engine{i}", host, embedded_argv(cfg, model_dir, host, port), port=port,

