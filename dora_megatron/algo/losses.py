@@ -13,7 +13,9 @@ the sample's own behaviour log-probs):
 
 * clipped surrogate ``max(-A r, -A clip(r, 1-lo, 1+hi))`` with (lo, hi) chosen by the sign of A
   (triplet clipping), and for A<0 the dual-clip bound ``min(., -A c)``;
-* truncated importance sampling weight ``min(exp(trainer_lp - rollout_lp), tis_cap)`` (detached);
+* rollout correction (:mod:`dora_megatron.algo.correction`): truncated importance sampling weight
+  ``min(exp(trainer_lp - rollout_lp), tis_cap)`` (detached) and/or masked IS (token or sequence
+  level) / IcePop masking of tokens whose trainer/rollout ratio leaves a band;
 * optional k3 KL to a reference ``exp(ref - logp) - (ref - logp) - 1`` times ``kl_coef``;
 * optional entropy bonus ``-entropy_coef * H``.
 """
@@ -23,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from dora_megatron.algo.correction import CorrectionSettings, rollout_correction
 
 
 @dataclass(frozen=True)
@@ -46,11 +50,20 @@ class LossSettings:
     length_norm_constant: int = 0
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
+    correction: CorrectionSettings = field(default_factory=CorrectionSettings)
+
+    @property
+    def needs_trainer_logprobs(self) -> bool:
+        """True when the loss compares recomputed trainer log-probs with the rollout's."""
+        return self.tis_cap > 0 or self.correction.mode != "none"
 
 
 @dataclass
 class LossOutput:
-    """``loss_sum / denominator`` is the loss; ``metric_sums`` are token sums (divide by ``num_tokens``)."""
+    """``loss_sum / denominator`` is the loss; ``metric_sums`` are token sums (divide by ``num_tokens``).
+
+    ``num_tokens`` counts every response token; ``denominator`` counts what the loss is normalised
+    by, which excludes tokens/samples a masked-IS correction dropped."""
 
     loss_sum: torch.Tensor
     denominator: int
@@ -71,9 +84,11 @@ def settings_from_config(cfg) -> LossSettings:
                             cfg.dual_clip_c)
     else:
         raise KeyError(f"unknown policy loss {cfg.loss!r}")
+    correction = CorrectionSettings(mode=cfg.rollout_correction, low=cfg.correction_low,
+                                    high=cfg.correction_high, seq_agg=cfg.seq_mis_agg, tis_cap=cfg.tis_cap)
     return LossSettings(bounds=bounds, tis_cap=cfg.tis_cap, length_norm=cfg.length_norm,
                         length_norm_constant=cfg.length_norm_constant, kl_coef=cfg.kl_coef,
-                        entropy_coef=cfg.entropy_coef)
+                        entropy_coef=cfg.entropy_coef, correction=correction)
 
 
 def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, b: ClipBounds) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,12 +138,18 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     ratio = torch.exp(log_ratio)
     per_token, was_clipped = clipped_surrogate(ratio, advantages, settings.bounds)
     metrics: dict[str, torch.Tensor] = {}
-    if settings.tis_cap > 0 and rollout_logprobs is not None:
+    loss_mask = mask
+    if settings.needs_trainer_logprobs and rollout_logprobs is not None:
         base = (trainer_logprobs if trainer_logprobs is not None else old_logprobs).detach()
-        weight = torch.clamp(torch.exp(base - rollout_logprobs.detach()), max=settings.tis_cap)
-        per_token = per_token * weight
-        metrics["tis_weight"] = (weight * mask).sum().detach()
-    metrics["pg_loss"] = (per_token * mask).sum().detach()
+        corr = rollout_correction(base, rollout_logprobs, mask,
+                                  CorrectionSettings(**{**settings.correction.__dict__, "tis_cap": settings.tis_cap}))
+        per_token = per_token * corr.weight
+        loss_mask = corr.loss_mask
+        if settings.tis_cap > 0:
+            metrics["tis_weight"] = (corr.weight * mask).sum().detach()
+        if settings.correction.mode != "none":
+            metrics["correction_dropped_fraction"] = corr.dropped.sum().detach()
+    metrics["pg_loss"] = (per_token * loss_mask).sum().detach()
     if settings.kl_coef > 0:
         if ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs")
@@ -145,13 +166,14 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         fresh = mask if on_policy is None else mask * on_policy.to(mask.dtype)[:, None]
         metrics["rollout_vs_trainer_logprob_diff"] = ((logprobs.detach() - rollout_logprobs).abs() * fresh).sum()
         metrics["on_policy_tokens"] = fresh.sum().detach()
-    masked = per_token * mask
+    masked = per_token * loss_mask
     num_tokens = int(mask.sum().item())
-    num_samples = int((mask.sum(-1) > 0).sum().item())
+    kept_tokens = int(loss_mask.sum().item())
+    num_samples = int((loss_mask.sum(-1) > 0).sum().item())
     if settings.length_norm == "token_mean":
-        loss_sum, denom = masked.sum(), num_tokens
+        loss_sum, denom = masked.sum(), kept_tokens
     elif settings.length_norm == "seq_mean":
-        loss_sum = (masked.sum(-1) / mask.sum(-1).clamp(min=1)).sum()
+        loss_sum = (masked.sum(-1) / loss_mask.sum(-1).clamp(min=1)).sum()
         denom = num_samples
     elif settings.length_norm == "constant":
         if settings.length_norm_constant <= 0:

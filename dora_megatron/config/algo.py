@@ -30,6 +30,15 @@ class AlgoConfig:
                                    ge=0)
     tis_cap: float = field_doc(0.0, "truncated importance-sampling cap on exp(trainer_lp - rollout_lp); 0 disables",
                                ge=0)
+    rollout_correction: str = field_doc(
+        "none", "rollout correction on r = exp(trainer_lp - rollout_lp): token_mis / seq_mis drop tokens / samples "
+        "whose ratio (seq: see seq_mis_agg) leaves [correction_low, correction_high] from the loss; icepop weights "
+        "kept tokens by r and zeroes the rest (see dora_megatron.algo.correction); composes with tis_cap",
+        choices=("none", "token_mis", "seq_mis", "icepop"))
+    correction_low: float = field_doc(0.5, "lower bound of the rollout_correction ratio band", gt=0)
+    correction_high: float = field_doc(2.0, "upper bound of the rollout_correction ratio band", gt=0)
+    seq_mis_agg: str = field_doc("geometric", "seq_mis sample ratio: geometric (exp of the mean log-ratio) or "
+                                 "product (exp of the sum)", choices=("geometric", "product"))
     length_norm: str = field_doc("token_mean", "token_mean (sum/total tokens), seq_mean (per-sample mean) or "
                                  "constant (Dr.GRPO: sum / (num_samples * length_norm_constant))",
                                  choices=("token_mean", "seq_mean", "constant"))
@@ -43,5 +52,8 @@ class AlgoConfig:
             raise ConfigError(f"{path}.clip_eps_low", "must be < 1 (ratio lower bound would be <= 0)")
         if self.length_norm == "constant" and self.length_norm_constant <= 0:
             raise ConfigError(f"{path}.length_norm_constant", "must be > 0 when length_norm is constant")
+        if not self.correction_low <= 1.0 <= self.correction_high:
+            raise ConfigError(f"{path}.correction_low", f"the band [{self.correction_low}, {self.correction_high}] "
+                              "must contain 1 (on-policy tokens would be dropped)")
         if self.dual_clip_c and self.dual_clip_c <= 1:
             raise ConfigError(f"{path}.dual_clip_c", "must be > 1 (or 0 to disable)")

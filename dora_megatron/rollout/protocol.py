@@ -178,6 +178,9 @@ class GenerateRequest:
     rid: str | None = None
     return_logprob: bool = False
     dora_version: str | None = None
+    #: routing replay (SGLang 0.5.23 names): reply meta_info.routed_experts for positions [start_len, seqlen-1)
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
 
     @classmethod
     def from_json(cls, body: Any) -> "GenerateRequest":
@@ -199,6 +202,8 @@ class GenerateRequest:
             rid=_str(body, "rid", None),
             return_logprob=_bool(body, "return_logprob", False),
             dora_version=version,
+            return_routed_experts=_bool(body, "return_routed_experts", False),
+            routed_experts_start_len=_int(body, "routed_experts_start_len", 0, ge=0),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -211,6 +216,9 @@ class GenerateRequest:
             d["rid"] = self.rid
         if self.dora_version is not None:
             d["dora_version"] = self.dora_version
+        if self.return_routed_experts:
+            d["return_routed_experts"] = True
+            d["routed_experts_start_len"] = self.routed_experts_start_len
         return d
 
 

@@ -36,7 +36,7 @@ from dora_megatron.config.trainer import TrainerConfig
 logger = logging.getLogger(__name__)
 
 METRIC_KEYS = ("pg_loss", "entropy", "clip_fraction", "rollout_vs_trainer_logprob_diff", "kl", "tis_weight",
-               "approx_kl_behaviour")
+               "approx_kl_behaviour", "correction_dropped_fraction")
 #: Metrics averaged over the tokens of on-policy samples only (the rest are over all response tokens).
 ON_POLICY_METRICS = ("rollout_vs_trainer_logprob_diff",)
 
@@ -291,7 +291,7 @@ class TrainerWorker:
 
         settings = settings_from_config(self.algo)
         advantages = self.advantages_for(batch)
-        need_recompute = settings.tis_cap > 0
+        need_recompute = settings.needs_trainer_logprobs
         trainer_lp = self.compute_logprobs(batch) if need_recompute else None
         seq_len = self._seq_len(batch)
         idx, nmb = self._my_share(len(batch))

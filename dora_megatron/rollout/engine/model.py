@@ -110,10 +110,13 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(c.hidden_size, c.num_experts, bias=False)
         self.experts = nn.ModuleList([MLP(c.hidden_size, c.moe_intermediate_size) for _ in range(c.num_experts)])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, routing_out: dict[int, torch.Tensor] | None = None, layer: int = 0
+                ) -> torch.Tensor:
         logits = self.gate(x)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top_w, top_i = torch.topk(probs, self.c.top_k, dim=-1)
+        if routing_out is not None:  # routing replay: the top-k experts of every token, as used
+            routing_out[layer] = top_i.to(torch.int32)
         if self.c.norm_topk_prob:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         top_w = top_w.to(x.dtype)
@@ -134,9 +137,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x, cos, sin, segments):
+    def forward(self, x, cos, sin, segments, routing_out=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, self.idx, segments)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, SparseMoE):
+            return x + self.mlp(h, routing_out, self.idx)
+        return x + self.mlp(h)
 
 
 class _Backbone(nn.Module):
@@ -193,20 +199,23 @@ class CausalLM(nn.Module):
 
     # ---- forward -------------------------------------------------------------------------
     def forward_segments(
-        self, token_ids: torch.Tensor, positions: torch.Tensor, segments: Sequence[tuple[RequestKV, int]]
+        self, token_ids: torch.Tensor, positions: torch.Tensor, segments: Sequence[tuple[RequestKV, int]],
+        routing_out: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Ragged forward: ``token_ids`` is the concatenation of each segment's new tokens.
 
         Each segment ``(kv, m)`` appends ``m`` tokens to request ``kv`` (whose cache must hold
         ``kv.length`` earlier tokens and have capacity for ``m`` more). Returns the final hidden
-        states ``[N, hidden]`` (after the last norm); caches are advanced by ``m``.
+        states ``[N, hidden]`` (after the last norm); caches are advanced by ``m``. With
+        ``routing_out`` (a dict), each MoE layer ``i`` stores its top-k expert ids ``[N, top_k]``
+        (int32) under key ``i``.
         """
         x = self.model.embed_tokens(token_ids)
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, segments)
+            x = layer(x, cos, sin, segments, routing_out)
         for kv, m in segments:
             kv.commit(m)
         return self.model.norm(x)

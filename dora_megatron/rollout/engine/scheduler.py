@@ -27,6 +27,7 @@ import torch
 
 from dora_megatron.rollout.engine.kv_cache import BlockPool, RequestKV, blocks_for
 from dora_megatron.rollout.engine.model import CausalLM
+from dora_megatron.rollout.engine.routing_trace import RoutingTrace, split_step_routing
 from dora_megatron.rollout.engine.sampler import make_generator, sample_token
 from dora_megatron.rollout.protocol import (
     ProtocolError,
@@ -60,6 +61,7 @@ class Request:
     created: float = field(default_factory=time.monotonic)
     #: (old version, output tokens made so far) at each weight change the request lived through
     version_changes: list[tuple[str, int]] = field(default_factory=list)
+    routing: RoutingTrace | None = None  # set when the request asks for return_routed_experts
 
     @property
     def tokens(self) -> list[int]:
@@ -141,6 +143,9 @@ class Scheduler:
                 f"engine overloaded: {queued} requests already queued (max_waiting {self.limits.max_waiting}); retry later",
                 429,
             )
+        if req.routing is not None and not 0 <= req.routing.start_len <= len(req.prompt_ids):
+            raise ProtocolError(f"routed_experts_start_len {req.routing.start_len} must be in [0, "
+                                f"{len(req.prompt_ids)}] (the prompt length)")
         req.version = self.weight_version
         req.required_version = None if required_version is None else str(required_version)
         if req.generator is None:
@@ -194,10 +199,19 @@ class Scheduler:
             ids.extend(toks[start:])
             pos.extend(range(start, len(toks)))
             segs.append((r.kv, len(toks) - start))
+            if r.routing is not None:
+                r.routing.truncate(start)  # a retracted request re-prefills: its rows are recomputed
         dev = self.kv_shape.device
+        routing_out: dict[int, torch.Tensor] | None = {} if any(r.routing is not None for r in batch) else None
         hidden = self.model.forward_segments(
-            torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev), segs
+            torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev), segs,
+            routing_out,
         )
+        if routing_out is not None:
+            c = self.model.config
+            for r, rows in zip(batch, split_step_routing(routing_out, [m for _, m in segs], c.num_layers, c.top_k)):
+                if r.routing is not None:
+                    r.routing.append(rows)
         last = torch.cumsum(torch.tensor([m for _, m in segs], device=dev), 0) - 1
         logits = self.model.logits(hidden[last]).float().cpu()
         for r, row in zip(batch, logits):
@@ -258,6 +272,8 @@ class Scheduler:
         }
         if r.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.output_logprobs, r.output_ids)]
+        if r.routing is not None:
+            meta["routed_experts"] = r.routing.encode(len(r.tokens) - 1)
         return {"output_ids": list(r.output_ids), "meta_info": meta}
 
     # ---- control -------------------------------------------------------------------------
@@ -374,6 +390,7 @@ class Scheduler:
             "rng_state": r.generator.get_state(),
             "kv": r.kv.export_tensor() if r.kv is not None and r.kv.length else None,
             "model": [c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size],
+            "routing": r.routing.export() if r.routing is not None else None,
         }
         buf = io.BytesIO()
         torch.save(blob, buf)
@@ -412,6 +429,9 @@ class Scheduler:
                 raise ProtocolError(str(exc)) from None
             if req.kv.length >= len(req.tokens):
                 raise ProtocolError("exported KV covers more tokens than the request has")
+        if blob.get("routing") is not None:
+            req.routing = RoutingTrace.from_export(blob["routing"], c.num_layers, c.top_k, c.num_experts,
+                                                   req.kv.length if req.kv is not None else 0)
         self.by_rid[req.rid] = req
         (self.held if self.hold_admission else self.waiting).appendleft(req)
         return req

@@ -49,6 +49,7 @@ from aiohttp import web
 
 from dora_megatron.rollout import protocol as P
 from dora_megatron.rollout.engine import weight_sync
+from dora_megatron.rollout.engine.routing_trace import routing_trace_for
 from dora_megatron.rollout.engine.runner import EngineRunner
 from dora_megatron.rollout.engine.scheduler import Request, Scheduler
 
@@ -224,6 +225,8 @@ class EngineServer:
         req = Request(
             rid=rid, prompt_ids=g.input_ids, params=g.sampling_params, return_logprob=g.return_logprob, on_done=on_done
         )
+        if g.return_routed_experts:
+            req.routing = routing_trace_for(self._runner.scheduler.model.config, g.routed_experts_start_len)
         await self._runner.call(lambda s: s.submit(req, required_version=g.dora_version))
         return await self._await_result(fut, rid)
 
