@@ -116,4 +116,6 @@ def test_dora_serve_refuses_a_bad_config_with_exit_2(dirs, tmp_path, capsys):
     bad = _rewrite(dirs["moe-hub"], tmp_path / "bad", num_experts="four")
     assert serve.main(["--model", str(bad), "--port", "0"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"dora serve: --model {bad}: {bad / 'config.json'}: transformers") and "num_experts" in err
+    # one line, before the model loads: the input check names the file, transformers' verdict and the field
+    assert err.startswith(f"dora serve: --model {bad}") and err.count("\n") == 1
+    assert f"{bad / 'config.json'}: transformers" in err and "num_experts" in err
