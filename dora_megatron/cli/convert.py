@@ -46,14 +46,18 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, k) < 1:
             sys.stderr.write(f"dora convert: --{k} must be >= 1\n")
             return 2
-    if args.direction == "hf-to-megatron":
-        from dora_megatron.launch.layout import layout_problems, read_hf_config
+    from pathlib import Path
 
-        hf_config = read_hf_config(args.hf)
-        problems = layout_problems(hf_config, args.tp, args.pp, args.ep, prefix="--") if hf_config else []
-        if problems:  # before any rank starts (Megatron would say it only inside torchrun's failure banner)
-            sys.stderr.write(f"dora convert: {'; '.join(problems)} ({args.hf})\n")
-            return 2
+    from dora_megatron.launch.layout import layout_problems, read_hf_config
+
+    # the model's config.json: the HF directory, or the one the conversion reads the checkpoint with
+    model_dir = args.hf if args.direction == "hf-to-megatron" else (
+        args.hf_config or str(Path(args.ckpt) / convert.HF_META_DIR))
+    hf_config = read_hf_config(model_dir)
+    problems = layout_problems(hf_config, args.tp, args.pp, args.ep, prefix="--") if hf_config else []
+    if problems:  # before any rank starts (Megatron would say it only inside torchrun's failure banner)
+        sys.stderr.write(f"dora convert: {'; '.join(problems)} ({model_dir})\n")
+        return 2
     try:
         if args.direction == "hf-to-megatron":
             out = convert.hf_to_megatron(args.hf, args.out, args.tp, args.pp, args.ep)

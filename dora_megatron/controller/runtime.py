@@ -778,7 +778,11 @@ class Runtime:
                 self.timeline.span("trainer", "before the resume (previous run)", 0.0, start, kind="resumed")
             for iid, v in self._version_of.items():
                 self.timeline.set_version(iid, v, start)
-        if self._resumed:
+        if self._resumed and len(self.steps) >= self.opt.steps:
+            # every step was done before the checkpoint: nothing to dispatch, and no
+            # on_step_finished will ever come to end the run
+            self._done.set()
+        elif self._resumed:
             self._trainer_idle_since = self.now()
             for iid in self.engines:  # fresh processes: re-queue what ran there, switch them anew
                 self.execute(self.orch.on_instance_failed(iid))
@@ -789,9 +793,6 @@ class Runtime:
             self.execute(self.orch.poll())
         else:
             self.execute(self.orch.start())
-        if self._resumed and len(self.steps) >= self.opt.steps:
-            # every step was done before the checkpoint: no on_step_finished will ever set it
-            self._done.set()
         stats = asyncio.get_running_loop().create_task(self._stats_loop())
         try:
             await self._done.wait()

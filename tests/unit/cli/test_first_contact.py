@@ -71,6 +71,10 @@ def test_convert_to_a_tp_that_does_not_divide_the_heads_is_refused_at_once(tmp_p
     assert proc.stderr.startswith("dora convert: --tp=3: the model's attention heads (4 query, 2 key/value) "
                                   "are not divisible by tp"), proc.stderr
     assert not out.exists()
+    proc = dora("convert", "megatron-to-hf", "--ckpt", str(tmp_path / "any"), "--hf-config", str(model),
+                "--out", str(out), "--pp", "3", timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("dora convert: --pp=3: the model's 4 layers are not divisible by pp"), proc.stderr
 
 
 def test_serve_on_a_port_in_use_is_one_line_before_the_model_loads(tmp_path):
