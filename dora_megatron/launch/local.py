@@ -244,7 +244,8 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
             from dora_megatron.rollout.sglang.client import SGLangClient
             from dora_megatron.rollout.sglang.engine import SGLangEngine
 
-            return SGLangEngine(SGLangClient(url, timeout_s=cfg.rollout.request_timeout_s))
+            return SGLangEngine(SGLangClient(url, timeout_s=cfg.rollout.request_timeout_s),
+                                checksum=not cfg.sglang.enable_eplb)  # EPLB: per-instance expert layouts
         return EngineClient(url, timeout_s=cfg.rollout.request_timeout_s)
 
     engines = {n: make_engine(u) for n, u in urls.items()}

@@ -126,7 +126,8 @@ async def _controller(cfg: DoraConfig, plan: ClusterPlan, run_dir: Path, model_d
     join_dir.mkdir(parents=True, exist_ok=True)
 
     def start_watcher(runtime) -> None:
-        make = lambda req: SGLangEngine(SGLangClient(req.url, timeout_s=cfg.rollout.request_timeout_s))  # noqa: E731
+        make = lambda req: SGLangEngine(SGLangClient(req.url, timeout_s=cfg.rollout.request_timeout_s),  # noqa: E731
+                                        checksum=not cfg.sglang.enable_eplb)
         asyncio.get_running_loop().create_task(watch_joins(join_dir, runtime, make, poll_s=cfg.cluster.join_poll_s))
 
     return await _run_controller(cfg, run_dir, model_dir, "", [], 0, procs, _say, checkpoint,
