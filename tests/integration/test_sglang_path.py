@@ -288,6 +288,8 @@ def test_slurm_node_runs_a_whole_single_node_job(tmp_path):
     assert (run_dir / "DONE").is_file()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["lost_groups"] == 0 and summary["migrations_kv"] == 0
+    assert summary["checksum_mismatches"] == 0 and summary["failed_instances"] == []
+    assert "tested with SGLang" not in proc.stdout + proc.stderr  # the stand-in reports 0.5.23: no warning
     logs = run_dir / "logs" / "localhost"
     assert (logs / "sgl0.log").is_file() and (logs / "sgl1.log").is_file() and (logs / "trainer.log").is_file()
 
