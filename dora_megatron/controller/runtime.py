@@ -547,14 +547,15 @@ class Runtime:
         end = self.now()
         self.switch_s += (end - start) * len(live)
         self.pushed_bytes += int(result.get("bytes", 0))
-        for a in live:
-            engine = self.engines[a.instance]
-            try:
-                wrong = await self._verify_weights(engine, a.version)
-            except Exception as err:  # noqa: BLE001
-                if not _is_comm_error(err):
-                    raise
-                self._instance_failed(a.instance, f"weights check after the push of v{a.version} failed: {err}",
+        engines = {a.instance: self.engines[a.instance] for a in live}
+        checks = await asyncio.gather(*(self._verify_weights(engines[a.instance], a.version) for a in live),
+                                      return_exceptions=True)  # concurrently: a checksum can take seconds
+        for a, wrong in zip(live, checks):
+            engine = engines[a.instance]
+            if isinstance(wrong, BaseException):
+                if not _is_comm_error(wrong):
+                    raise wrong
+                self._instance_failed(a.instance, f"weights check after the push of v{a.version} failed: {wrong}",
                                       engine=engine)
                 continue
             if wrong is not None:

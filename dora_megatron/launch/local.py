@@ -275,7 +275,8 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
             from dora_megatron.rollout.sglang.client import SGLangClient
             from dora_megatron.rollout.sglang.engine import SGLangEngine
 
-            return SGLangEngine(SGLangClient(url, timeout_s=cfg.rollout.request_timeout_s))
+            return SGLangEngine(SGLangClient(url, timeout_s=cfg.rollout.request_timeout_s),
+                                checksum=not cfg.sglang.enable_eplb)  # EPLB: per-instance expert layouts
         if cfg.rollout.engine == "vllm":  # vLLM API: resubmit migration, weight_versions C1 guard, reload/restart switch
             from dora_megatron.rollout.vllm.launch import make_vllm_engine
 

@@ -319,7 +319,8 @@ async def _controller(cfg: DoraConfig, plan: ClusterPlan, run_dir: Path, model_d
         from dora_megatron.rollout.sglang.client import SGLangClient
         from dora_megatron.rollout.sglang.engine import SGLangEngine
 
-        return SGLangEngine(SGLangClient(req.url, timeout_s=cfg.rollout.request_timeout_s))
+        return SGLangEngine(SGLangClient(req.url, timeout_s=cfg.rollout.request_timeout_s),
+                            checksum=not cfg.sglang.enable_eplb)  # EPLB: per-instance expert layouts
 
     def start_watcher(runtime) -> None:
         asyncio.get_running_loop().create_task(watch_joins(join_dir, runtime, make, poll_s=cfg.cluster.join_poll_s))

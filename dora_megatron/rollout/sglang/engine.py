@@ -44,9 +44,13 @@ def wire_rid(rid: str) -> str:
 class SGLangEngine:
     """Implements the runtime's ``Engine`` protocol on an SGLang server."""
 
-    def __init__(self, client: EngineClient | str, *, expose: Iterable[str] = (), timeout_s: float = 600.0) -> None:
+    def __init__(self, client: EngineClient | str, *, expose: Iterable[str] = (), timeout_s: float = 600.0,
+                 checksum: bool = True) -> None:
+        """``checksum``: compare instances with ``/weights_checker``; off where instances holding the
+        same weights lay them out differently (EPLB moves experts per instance)."""
         self.client = SGLangClient(client, timeout_s=timeout_s) if isinstance(client, str) else client
         self.expose = frozenset(expose)
+        self.checksum = checksum
         self.version_mismatches = 0
 
     @property
@@ -83,7 +87,7 @@ class SGLangEngine:
 
     async def instance_checksum(self) -> str | None:
         """SGLang's own weights checksum (comparable between instances only); None without one."""
-        if isinstance(self.client, SGLangClient):
+        if self.checksum and isinstance(self.client, SGLangClient):
             return await self.client.instance_checksum()
         return None
 
