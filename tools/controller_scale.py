@@ -1,0 +1,313 @@
+"""Load harness: the real controller runtime of ``dora train`` against N fake SGLang instances.
+
+``python tools/controller_scale.py --instances N --steps K --out FILE.json``
+
+WHY: the simulator prices the orchestrator's decisions on a virtual clock; this measures the
+asyncio controller itself (SGLang HTTP clients, stats polling every
+``observability.stats_interval_s``, one task per request, journal writes, JSON parsing) at
+cluster scale. The controller is built by the launcher's own wiring
+(:func:`dora_megatron.launch.local._run_controller`, the path SLURM jobs take with engine URLs),
+so what runs is exactly the production runtime with ``rollout.engine: sglang``; only the engines
+(``tools/fake_fleet.py``, many per process on 127.0.0.1) and the trainer are fakes.
+
+Measured in this process (the controller): event-loop lag (a 20 ms ticker's lateness), CPU
+seconds per 1,000 finished samples, peak RSS. Measured on the fakes' side: the interval between
+two stats polls of one instance (``stats_interval_s`` + the time one sweep over every instance
+takes), and the time from a trainer step's end to each instance's load of the new version.
+Checked: lost / duplicated groups and C1/C3 from the run summary, groups the fake trainer saw
+twice or incomplete, and instances the controller declared failed (every one is a false
+failure: the fakes never fail). Exit 0 when every invariant holds, 1 otherwise, 2 for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fake_fleet import raise_fd_limit  # noqa: E402
+
+log = logging.getLogger("controller_scale")
+
+FLEET = Path(__file__).resolve().parent / "fake_fleet.py"
+
+
+def pct(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (None for no values)."""
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))]
+
+
+class LagMonitor:
+    """Samples how late a ``period_s`` sleep wakes up: the event loop's lag behind its work."""
+
+    def __init__(self, period_s: float = 0.02) -> None:
+        self.period_s = period_s
+        self.lags: list[float] = []
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            t = time.monotonic()
+            await asyncio.sleep(self.period_s)
+            self.lags.append(max(0.0, time.monotonic() - t - self.period_s))
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+
+def build_config(args: argparse.Namespace, run_dir: Path, model_dir: Path):
+    """The ``dora train`` config of the measured run: SGLang engines, DORA, journal on."""
+    from dora_megatron.config.schema import load_config
+
+    slots = args.slots
+    groups_in_flight = max(1, args.instances * slots // args.group_size)
+    tbs = args.tbs or max(1, groups_in_flight // 2)
+    overrides = [
+        "rollout.engine=sglang", "rollout.device=cuda",  # fakes: the device is never used
+        f"rollout.max_running={slots}", f"rollout.max_new_tokens={args.max_new_tokens}",
+        f"orchestrator.mode={args.mode}", f"orchestrator.group_size={args.group_size}",
+        f"orchestrator.tbs={tbs}", f"orchestrator.rbs={max(tbs, args.rbs or groups_in_flight)}",
+        f"orchestrator.cap_before_rebalance={slots}", f"orchestrator.cap_after_rebalance={slots}",
+        f"run.steps={args.steps}", f"run.checkpoint_interval={args.steps}", f"run.run_dir={run_dir}",
+        f"model.path={model_dir}", "controller.journal=true", "launch.restart_engines=false",
+        "observability.tensorboard=false", "observability.timeline=false", "observability.progress=false",
+        f"observability.stats_interval_s={args.stats_interval_s}",
+        *args.set,
+    ]
+    return load_config(None, overrides)
+
+
+async def _wait_ready(paths: list[Path], procs, timeout_s: float) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while not all(p.exists() for p in paths):
+        procs.check_alive()
+        if time.monotonic() > deadline:
+            missing = [str(p) for p in paths if not p.exists()]
+            raise TimeoutError(f"fake fleet not listening after {timeout_s:.0f} s: {missing}")
+        await asyncio.sleep(0.1)
+    return [json.loads(p.read_text()) for p in paths]
+
+
+async def _get_json(url: str) -> Any:
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+        async with s.get(url) as resp:
+            return await resp.json()
+
+
+async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    from dora_megatron.data.tokenizer import save_tokenizer
+    from dora_megatron.launch.local import _run_controller
+    from dora_megatron.launch.processes import ProcessSet
+
+    run_dir, model_dir = work / "run", work / "model"
+    model_dir.mkdir(parents=True)
+    save_tokenizer(model_dir)
+    (run_dir / "logs").mkdir(parents=True)
+    cfg = build_config(args, run_dir, model_dir)
+    per_proc = -(-args.instances // args.procs)
+    counts = [min(per_proc, args.instances - i * per_proc) for i in range(args.procs)]
+    counts = [c for c in counts if c > 0]
+    py = sys.executable
+    with ProcessSet(work / "fleet_logs", grace_s=10.0) as procs:  # stopped by pid on exit
+        ready = [work / f"fleet{i}.json" for i in range(len(counts))]
+        for i, n in enumerate(counts):
+            procs.start(f"fleet{i}", [py, str(FLEET), "--instances", str(n), "--ready", str(ready[i]),
+                                      "--per-token-s", str(args.per_token_s), "--min-tokens", str(args.min_tokens),
+                                      "--alpha", str(args.alpha), "--load-s", str(args.load_s)])
+        trainer_ready = work / "trainer.json"
+        procs.start("trainer", [py, str(FLEET), "--role", "trainer", "--ready", str(trainer_ready),
+                                "--step-s", str(args.step_s), "--run-dir", str(run_dir)])
+        fleets = await _wait_ready([*ready, trainer_ready], procs, args.startup_timeout_s)
+        engine_ports = [p for f in fleets[:-1] for p in f["ports"]]
+        urls = {f"engine{i}": f"http://127.0.0.1:{p}" for i, p in enumerate(engine_ports)}
+        trainer_url = f"http://127.0.0.1:{fleets[-1]['ports'][0]}"
+        holder: dict[str, Any] = {}
+        lag = LagMonitor(args.lag_period_s)
+        ru0 = resource.getrusage(resource.RUSAGE_SELF)
+        t0 = time.monotonic()
+        load_before = os.getloadavg()
+
+        def on_runtime(rt) -> None:
+            holder["runtime"] = rt
+            holder["t_run"] = time.monotonic()
+            holder["ru_run"] = resource.getrusage(resource.RUSAGE_SELF)  # CPU from here: not the startup
+            lag.start()  # from the runtime's start: startup (health checks of N URLs) is not the steady state
+
+        error = None
+        try:
+            summary = await asyncio.wait_for(
+                _run_controller(cfg, run_dir, model_dir, "127.0.0.1", [], 0, procs, log.info, None,
+                                engine_urls=urls, trainer_url=trainer_url, on_runtime=on_runtime),
+                timeout=args.timeout_s)
+        except Exception as err:  # noqa: BLE001 - reported in the JSON, exit 1
+            log.exception("controller run failed")
+            error, summary = f"{type(err).__name__}: {err}", {}
+        await lag.stop()
+        t1 = time.monotonic()
+        ru1 = resource.getrusage(resource.RUSAGE_SELF)
+        load_after = os.getloadavg()
+        fleet_stats: dict[str, Any] = {}
+        for f in fleets[:-1]:
+            fleet_stats.update(await _get_json(f"http://127.0.0.1:{f['ports'][0]}/fleet/stats"))
+        stats_file = Path(str(trainer_ready) + ".stats")  # written by the fake trainer at /shutdown
+        trainer_stats = (json.loads(stats_file.read_text()) if stats_file.exists()
+                         else await _get_json(f"{trainer_url}/fleet/stats"))
+    rt = holder.get("runtime")
+    finished = sum(1 for r in rt.samples.values() if r.finished) if rt is not None else 0
+    ru0 = holder.get("ru_run", ru0)
+    cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+    run_s = summary.get("wall_time_s") or (t1 - holder.get("t_run", t0))  # the runtime's own, without shutdown
+    intervals = [x for s in fleet_stats.values() for x in s["poll_intervals"]]
+    # step end -> load of the new version, per (version, instance)
+    ends = {v: t for v, t in trainer_stats["step_ends"].items()}
+    to_switch: dict[str, list[float]] = {}
+    for s in fleet_stats.values():
+        for v, t in s["loaded"]:
+            if v in ends:
+                to_switch.setdefault(v, []).append(t - ends[v])
+    per_version_max = [max(x) for x in to_switch.values()]
+    incomplete = sum(1 for n in trainer_stats["groups"].values() if n != args.group_size)
+    lags_ms = [x * 1000 for x in lag.lags]
+    totals = summary.get("totals", summary)
+    return {
+        "instances": args.instances, "steps": args.steps, "fleet_processes": len(counts),
+        "error": error,
+        "steps_done": len(rt.steps) if rt is not None else 0,
+        "wall_s": run_s, "startup_s": holder.get("t_run", t1) - t0,
+        "loop_lag_p50_ms": pct(lags_ms, 0.5), "loop_lag_p99_ms": pct(lags_ms, 0.99),
+        "loop_lag_max_ms": max(lags_ms) if lags_ms else None, "loop_lag_samples": len(lags_ms),
+        "controller_cpu_s": cpu, "finished_samples": finished,
+        "cpu_s_per_1k_samples": cpu / finished * 1000 if finished else None,
+        "controller_max_rss_mb": ru1.ru_maxrss / 1024,
+        "stats_interval_s": args.stats_interval_s,
+        "stats_poll_interval_p50_s": pct(intervals, 0.5), "stats_poll_interval_p99_s": pct(intervals, 0.99),
+        "stats_poll_interval_max_s": max(intervals) if intervals else None,
+        "stats_polls": len(intervals) + len(fleet_stats),
+        "stats_polls_per_s": (len(intervals) + len(fleet_stats)) / run_s if run_s > 0 else None,
+        "generate_requests": sum(s["generates"] for s in fleet_stats.values()),
+        "step_end_to_switch_p50_s": pct([x for v in to_switch.values() for x in v], 0.5),
+        "step_end_to_all_switched_max_s": max(per_version_max) if per_version_max else None,
+        "switched_instance_loads": sum(len(v) for v in to_switch.values()),
+        "false_instance_failures": len(summary.get("failed_instances", [])) if rt is None else len(rt.failed_ever),
+        "lost_groups": totals.get("lost_groups"), "duplicated_groups": totals.get("duplicated_groups"),
+        "c1_violations": totals.get("c1_violations"), "c3_violations": totals.get("c3_violations"),
+        "consumed_groups": totals.get("consumed_groups"),
+        "trainer_groups_seen": len(trainer_stats["groups"]),
+        "trainer_repeated_groups": trainer_stats["repeated_groups"],
+        "trainer_incomplete_groups": incomplete,
+        "load_average_before": list(load_before), "load_average_after": list(load_after),
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def holds(r: dict[str, Any]) -> list[str]:
+    """The invariants a run must keep (timings are reported, not judged here)."""
+    bad = []
+    if r["error"]:
+        bad.append(f"run failed: {r['error']}")
+    if r["steps_done"] != r["steps"]:
+        bad.append(f"{r['steps_done']} of {r['steps']} steps done")
+    for key in ("false_instance_failures", "lost_groups", "duplicated_groups", "c1_violations", "c3_violations",
+                "trainer_repeated_groups", "trainer_incomplete_groups"):
+        if r[key] != 0:
+            bad.append(f"{key} = {r[key]}")
+    if r["consumed_groups"] != r["trainer_groups_seen"]:
+        bad.append(f"controller consumed {r['consumed_groups']} groups, the trainer saw {r['trainer_groups_seen']}")
+    return bad
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--instances", type=int, required=True, help="fake SGLang instances")
+    p.add_argument("--steps", type=int, required=True, help="training steps of the run")
+    p.add_argument("--out", required=True, help="JSON file for the measurements")
+    p.add_argument("--procs", type=int, default=0, help="processes serving the instances (0: 1 per 512, at least 1)")
+    p.add_argument("--slots", type=int, default=8, help="requests per instance (rollout.max_running)")
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--tbs", type=int, default=0, help="groups per step (0: half of the groups the pool holds)")
+    p.add_argument("--rbs", type=int, default=0, help="outstanding groups (0: as many as the pool holds)")
+    p.add_argument("--mode", default="dora", help="orchestrator.mode")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--per-token-s", type=float, default=0.01, help="fake decode time per token")
+    p.add_argument("--min-tokens", type=int, default=8, help="scale of the Pareto response length")
+    p.add_argument("--alpha", type=float, default=1.2, help="Pareto shape of the response length")
+    p.add_argument("--load-s", type=float, default=0.05, help="fake weight load time")
+    p.add_argument("--step-s", type=float, default=1.0, help="fake trainer step time")
+    p.add_argument("--stats-interval-s", type=float, default=0.5, help="observability.stats_interval_s")
+    p.add_argument("--lag-period-s", type=float, default=0.02)
+    p.add_argument("--timeout-s", type=float, default=900.0, help="bound on the controller run")
+    p.add_argument("--startup-timeout-s", type=float, default=120.0, help="bound on the fleet's start")
+    p.add_argument("--set", action="append", default=[], metavar="A.B=C", help="extra config override (repeatable)")
+    p.add_argument("--keep", action="store_true", help="keep the run directory (printed)")
+    args = p.parse_args(argv)
+    for name in ("instances", "steps", "slots", "group_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    args.procs = args.procs or max(1, -(-args.instances // 512))
+    if args.procs < 1 or args.procs > args.instances:
+        p.error(f"--procs must be in 1..{args.instances}, got {args.procs}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    limit = raise_fd_limit()
+    need = args.instances * (args.slots + 2) + 256
+    if limit < need:
+        log.warning("open-files limit %d may be too low for %d instances x %d slots (about %d sockets)",
+                    limit, args.instances, args.slots, need)
+    work = Path(tempfile.mkdtemp(prefix="controller_scale_"))
+    try:
+        from dora_megatron.config.base import ConfigError
+
+        try:
+            result = asyncio.run(measure(args, work))
+        except ConfigError as err:
+            sys.stderr.write(f"config error: {err}\n")
+            return 2
+    finally:
+        if args.keep:
+            sys.stderr.write(f"run directory kept: {work}\n")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    result["open_files_limit"] = limit
+    result["invariant_violations"] = holds(result)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    keys = ("instances", "wall_s", "loop_lag_p50_ms", "loop_lag_p99_ms", "loop_lag_max_ms", "cpu_s_per_1k_samples",
+            "stats_poll_interval_p50_s", "stats_poll_interval_p99_s", "step_end_to_all_switched_max_s",
+            "controller_max_rss_mb", "false_instance_failures", "lost_groups", "duplicated_groups",
+            "c1_violations", "c3_violations")
+    for k in keys:
+        v = result.get(k)
+        sys.stdout.write(f"{k}: {v:.3f}\n" if isinstance(v, float) else f"{k}: {v}\n")
+    for problem in result["invariant_violations"]:
+        sys.stdout.write(f"VIOLATION: {problem}\n")
+    return 1 if result["invariant_violations"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
