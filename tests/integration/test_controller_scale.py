@@ -1,0 +1,59 @@
+"""The controller load harness at CI size: the real controller runtime (launcher wiring, SGLang
+clients, stats polling, journal) against 32 fake SGLang instances and a fake trainer.
+
+What is checked are the invariants (every group consumed exactly once, as both the controller and
+the trainer count them; C1/C3 0; no instance declared failed), never timings: the machine may be
+loaded. The second test proves the false-failure check can fail: a stats-poll timeout no answer
+can meet makes healthy instances look dead, and the harness must say so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOL = ROOT / "tools" / "controller_scale.py"
+
+
+def run_harness(tmp_path: Path, *extra: str, timeout_s: float = 240.0) -> tuple[int, dict, str]:
+    out = tmp_path / "scale.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(TOOL), "--instances", "32", "--steps", "3", "--out", str(out),
+                           "--step-s", "0.3", "--timeout-s", "150", *extra],
+                          env=env, capture_output=True, text=True, timeout=timeout_s)
+    result = json.loads(out.read_text()) if out.exists() else {}
+    return proc.returncode, result, proc.stdout + proc.stderr
+
+
+def test_32_instances_exactly_once_no_false_failures(tmp_path):
+    rc, r, log = run_harness(tmp_path)
+    assert rc == 0, log[-3000:]
+    assert r["instances"] == 32 and r["steps_done"] == 3
+    assert r["invariant_violations"] == []
+    assert r["false_instance_failures"] == 0
+    assert r["lost_groups"] == 0 and r["duplicated_groups"] == 0
+    assert r["c1_violations"] == 0 and r["c3_violations"] == 0
+    # exactly once as the trainer saw it, independently of the controller's own counters
+    assert r["trainer_repeated_groups"] == 0 and r["trainer_incomplete_groups"] == 0
+    assert r["trainer_groups_seen"] == r["consumed_groups"] > 0
+    # the measurement really ran: instances were polled and generated, a new version was loaded
+    assert r["stats_polls"] >= 32 and r["generate_requests"] >= r["finished_samples"] > 0
+    assert r["switched_instance_loads"] > 0
+    for key in ("loop_lag_p50_ms", "loop_lag_p99_ms", "loop_lag_max_ms", "cpu_s_per_1k_samples"):
+        assert isinstance(r[key], float), key
+
+
+def test_false_failures_are_reported(tmp_path):
+    """A poll timeout of 1 µs fails every healthy instance: the harness must count them and exit 1."""
+    rc, r, log = run_harness(tmp_path, "--set", "controller.health_timeout_s=0.000001")
+    assert rc == 1, log[-3000:]
+    assert r["false_instance_failures"] > 0
+    assert any("false_instance_failures" in v for v in r["invariant_violations"])
