@@ -31,7 +31,9 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -61,19 +63,44 @@ class LagMonitor:
         self.lags: list[float] = []
         self._task: asyncio.Task | None = None
 
-    def start(self) -> None:
+    def start(self, stall_s: float = 0.0) -> None:
+        """``stall_s`` > 0: a watchdog thread records where the loop's thread is whenever no tick
+        came for ``stall_s`` (what blocks the loop, by innermost project frame)."""
+        self._last_tick = time.monotonic()
+        self.stalls: dict[str, int] = {}
         self._task = asyncio.get_running_loop().create_task(self._run())
+        if stall_s > 0:
+            self._stop_watch = threading.Event()
+            self._watch = threading.Thread(target=self._watchdog, args=(threading.get_ident(), stall_s), daemon=True)
+            self._watch.start()
 
     async def _run(self) -> None:
         while True:
             t = time.monotonic()
             await asyncio.sleep(self.period_s)
-            self.lags.append(max(0.0, time.monotonic() - t - self.period_s))
+            self._last_tick = time.monotonic()
+            self.lags.append(max(0.0, self._last_tick - t - self.period_s))
+
+    def _watchdog(self, loop_thread: int, stall_s: float) -> None:
+        seen = None
+        while not self._stop_watch.wait(stall_s / 4):
+            if time.monotonic() - self._last_tick < stall_s or seen == self._last_tick:
+                continue
+            seen = self._last_tick  # one sample per stall
+            frame = sys._current_frames().get(loop_thread)
+            stack = traceback.extract_stack(frame) if frame is not None else []
+            ours = [f for f in stack if "dora_megatron" in f.filename]
+            where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in reversed(ours[-3:]))
+            key = where or (f"{Path(stack[-1].filename).name}:{stack[-1].lineno}" if stack else "?")
+            self.stalls[key] = self.stalls.get(key, 0) + 1
 
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if getattr(self, "_watch", None) is not None:
+            self._stop_watch.set()
+            self._watch.join(timeout=5)
 
 
 def build_config(args: argparse.Namespace, run_dir: Path, model_dir: Path):
@@ -147,6 +174,7 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         holder: dict[str, Any] = {}
         lag = LagMonitor(args.lag_period_s)
         ru0 = resource.getrusage(resource.RUSAGE_SELF)
+        ruc0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.monotonic()
         load_before = os.getloadavg()
 
@@ -154,7 +182,7 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             holder["runtime"] = rt
             holder["t_run"] = time.monotonic()
             holder["ru_run"] = resource.getrusage(resource.RUSAGE_SELF)  # CPU from here: not the startup
-            lag.start()  # from the runtime's start: startup (health checks of N URLs) is not the steady state
+            lag.start(args.stall_s)  # from the runtime's start: startup (health checks of N URLs) is not the steady state
 
         error = None
         try:
@@ -175,8 +203,10 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         stats_file = Path(str(trainer_ready) + ".stats")  # written by the fake trainer at /shutdown
         trainer_stats = (json.loads(stats_file.read_text()) if stats_file.exists()
                          else await _get_json(f"{trainer_url}/fleet/stats"))
+    ruc1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # after ProcessSet stopped and reaped them
     rt = holder.get("runtime")
     finished = sum(1 for r in rt.samples.values() if r.finished) if rt is not None else 0
+    fleet_cpu = (ruc1.ru_utime - ruc0.ru_utime) + (ruc1.ru_stime - ruc0.ru_stime)  # reaped children
     ru0 = holder.get("ru_run", ru0)
     cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
     run_s = summary.get("wall_time_s") or (t1 - holder.get("t_run", t0))  # the runtime's own, without shutdown
@@ -199,7 +229,8 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "wall_s": run_s, "startup_s": holder.get("t_run", t1) - t0,
         "loop_lag_p50_ms": pct(lags_ms, 0.5), "loop_lag_p99_ms": pct(lags_ms, 0.99),
         "loop_lag_max_ms": max(lags_ms) if lags_ms else None, "loop_lag_samples": len(lags_ms),
-        "controller_cpu_s": cpu, "finished_samples": finished,
+        "loop_stalls": dict(sorted(lag.stalls.items(), key=lambda kv: -kv[1])),
+        "controller_cpu_s": cpu, "fleet_and_trainer_cpu_s": fleet_cpu, "finished_samples": finished,
         "cpu_s_per_1k_samples": cpu / finished * 1000 if finished else None,
         "controller_max_rss_mb": ru1.ru_maxrss / 1024,
         "stats_interval_s": args.stats_interval_s,
@@ -258,6 +289,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--step-s", type=float, default=1.0, help="fake trainer step time")
     p.add_argument("--stats-interval-s", type=float, default=0.5, help="observability.stats_interval_s")
     p.add_argument("--lag-period-s", type=float, default=0.02)
+    p.add_argument("--stall-s", type=float, default=0.25,
+                   help="record where the loop is when it has not ticked for this long (0: off)")
     p.add_argument("--timeout-s", type=float, default=900.0, help="bound on the controller run")
     p.add_argument("--startup-timeout-s", type=float, default=120.0, help="bound on the fleet's start")
     p.add_argument("--set", action="append", default=[], metavar="A.B=C", help="extra config override (repeatable)")
