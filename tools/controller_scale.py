@@ -221,7 +221,7 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     per_version_max = [max(x) for x in to_switch.values()]
     incomplete = sum(1 for n in trainer_stats["groups"].values() if n != args.group_size)
     lags_ms = [x * 1000 for x in lag.lags]
-    totals = summary.get("totals", summary)
+    totals = summary
     return {
         "instances": args.instances, "steps": args.steps, "fleet_processes": len(counts),
         "error": error,

@@ -78,6 +78,7 @@ class RuntimeOptions:
     top_k: int
     snapshot_dir: Callable[[int], str]  # version -> HF snapshot directory
     stats_interval_s: float = 0.5
+    stats_concurrency: int = 64  # stats polls in flight at once during one sweep
     slots_per_instance: int = 8
     request_timeout_s: float = 600.0
     health_timeout_s: float = 30.0

@@ -1,0 +1,73 @@
+"""Stats polling: one sweep asks every instance at once (bounded), not one after the other.
+
+WHY it matters: asked in turn, a sweep over N instances takes N round trips, so at cluster scale
+the loads the orchestrator balances on are seconds old (tools/controller_scale.py: a 6 s poll
+interval at 256 instances with stats_interval_s 0.5).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from dora_megatron.config.orchestrator import OrchestratorConfig
+from dora_megatron.controller.records import RuntimeOptions
+from dora_megatron.controller.runtime import Runtime
+from dora_megatron.data.tasks import RunningSumTask, running_sum_reward
+from dora_megatron.orchestrator import Orchestrator
+
+from .fakes import FakeEngine, FakeTrainer
+
+POLL_S = 0.2  # one stats round trip of a slow instance
+
+
+class SlowStatsEngine(FakeEngine):
+    """Answers ``server_info`` after ``POLL_S``; records when each poll started."""
+
+    def __init__(self, name: str, polls: list[tuple[str, float]]) -> None:
+        super().__init__(name, token_s=0.02)
+        self.polls = polls
+
+    async def server_info(self) -> dict[str, Any]:
+        self.polls.append((self.name, time.monotonic()))
+        await asyncio.sleep(POLL_S)
+        return await super().server_info()
+
+
+def run(n: int, concurrency: int) -> list[tuple[str, float]]:
+    polls: list[tuple[str, float]] = []
+    names = [f"e{i}" for i in range(n)]
+    engines = {name: SlowStatsEngine(name, polls) for name in names}
+    cfg = OrchestratorConfig(mode="dora", tbs=4, rbs=8, max_staleness=1, group_size=2, rebalance_interval_s=0.05)
+    opts = RuntimeOptions(steps=3, seed=0, max_new_tokens=64, temperature=1.0, top_p=1.0, top_k=-1,
+                          snapshot_dir=lambda v: f"/snap/v{v}", stats_interval_s=0.01, stats_concurrency=concurrency)
+    rt = Runtime(Orchestrator(cfg, names), engines, FakeTrainer(engines=engines), RunningSumTask(1, 30, 1.2, seed=1),
+                 running_sum_reward, opts)
+    summary = asyncio.run(asyncio.wait_for(rt.run(), timeout=120))
+    assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0
+    assert not rt.failed_ever
+    return polls
+
+
+def first_sweep(polls: list[tuple[str, float]], n: int) -> list[float]:
+    """Start times of each instance's first poll."""
+    first: dict[str, float] = {}
+    for name, t in polls:
+        first.setdefault(name, t)
+    assert len(first) == n, f"only {sorted(first)} of {n} instances were polled"
+    return sorted(first.values())
+
+
+def test_one_sweep_polls_every_instance_concurrently():
+    n = 8
+    starts = first_sweep(run(n, concurrency=64), n)
+    # in turn, the last first poll would start (n - 1) * POLL_S = 1.4 s after the first
+    assert starts[-1] - starts[0] < 3 * POLL_S
+
+
+def test_polls_in_flight_are_bounded_by_stats_concurrency():
+    n = 8
+    starts = first_sweep(run(n, concurrency=2), n)
+    # two at a time: the 8 first polls take at least 4 rounds of POLL_S
+    assert starts[-1] - starts[0] >= 3 * POLL_S * 0.9
