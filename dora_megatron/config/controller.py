@@ -13,8 +13,9 @@ class ControllerConfig:
                                "elsewhere (zero re-prefill; falls back automatically on engines without the "
                                "extension, e.g. SGLang); `reprefill` always aborts and resubmits prompt + partial "
                                "output (the SGLang path; an ablation).", choices=("kv", "reprefill"))
-    health_timeout_s: float = field_doc(30.0, "An engine whose `/get_server_info` does not answer within this "
-                                        "time is treated as failed.", gt=0.0, unit="s")
+    health_timeout_s: float = field_doc(30.0, "An engine whose stats poll (`/v1/loads` on SGLang, "
+                                        "`/get_server_info` otherwise) does not answer within this time twice in a "
+                                        "row is treated as failed (one timeout can be the controller's own loop lag).", gt=0.0, unit="s")
     verify_checksums: bool = field_doc(True, "After a weight load, compare the engine's weights checksum with the "
                                        "trainer's export checksum; a mismatch fails the instance.")
     weight_transport: str = field_doc("disk", "How a new version reaches the instances switching to it right after "

@@ -751,15 +751,28 @@ class Runtime:
     # ------------------------------------------------------------------ main loop
     async def _poll_stats(self, iid: str, engine: Engine, slots: asyncio.Semaphore) -> None:
         """One instance's load report, applied as soon as it arrives. ``health_timeout_s`` bounds
-        the call itself, not the wait for a polling slot: a long sweep must not fail healthy instances."""
+        the call itself, not the wait for a polling slot: a long sweep must not fail healthy instances.
+
+        A timeout is confirmed by a second poll before the instance is failed: the answer of a
+        healthy instance can sit unread while the controller's own loop lags (seconds at 1,024
+        fake instances on a loaded machine, tools/controller_scale.py), and one late timer would
+        then fail it. Errors (refused connection, HTTP error) fail it at once."""
         async with slots:
-            if iid in self.failed or self.engines.get(iid) is not engine:
-                return
-            try:
-                info = await asyncio.wait_for(engine.server_info(), timeout=self.opt.health_timeout_s)
-            except Exception as err:  # noqa: BLE001 - unreachable engine = failed engine
-                self._instance_failed(iid, f"server_info failed: {err}", engine=engine)
-                return
+            for attempt in (1, 2):
+                if iid in self.failed or self.engines.get(iid) is not engine:
+                    return
+                try:
+                    info = await asyncio.wait_for(engine.server_info(), timeout=self.opt.health_timeout_s)
+                    break
+                except asyncio.TimeoutError:
+                    if attempt == 2:
+                        self._instance_failed(iid, f"server_info did not answer within {self.opt.health_timeout_s:g} s "
+                                                   "(controller.health_timeout_s), twice in a row", engine=engine)
+                        return
+                    log.info("stats poll of %s timed out; asking again before failing it", iid)
+                except Exception as err:  # noqa: BLE001 - unreachable engine = failed engine
+                    self._instance_failed(iid, f"server_info failed: {err}", engine=engine)
+                    return
         if iid in self.failed or self.engines.get(iid) is not engine:
             return  # failed or replaced while we asked
         running = int(info.get("num_running_reqs", info.get("running", 0)) or 0)

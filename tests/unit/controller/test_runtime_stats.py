@@ -35,17 +35,45 @@ class SlowStatsEngine(FakeEngine):
         return await super().server_info()
 
 
-def run(n: int, concurrency: int) -> list[tuple[str, float]]:
-    polls: list[tuple[str, float]] = []
-    names = [f"e{i}" for i in range(n)]
-    engines = {name: SlowStatsEngine(name, polls) for name in names}
+class StallingStatsEngine(FakeEngine):
+    """``server_info`` answers only after ``stall_s`` for its first ``stalls`` polls: what a healthy
+    instance looks like to a controller whose loop lags (its answer is read too late)."""
+
+    def __init__(self, name: str, stalls: int, stall_s: float = 2.0) -> None:
+        super().__init__(name, token_s=0.02)
+        self.stalls, self.stall_s = stalls, stall_s
+        self.answered = 0  # polls answered after the stalls
+
+    async def server_info(self) -> dict[str, Any]:
+        if self.stalls > 0:
+            self.stalls -= 1
+            await asyncio.sleep(self.stall_s)
+        out = await super().server_info()
+        self.answered += 1
+        return out
+
+
+def make_runtime(engines: dict, concurrency: int = 64, health_timeout_s: float = 30.0) -> Runtime:
+    names = list(engines)
     cfg = OrchestratorConfig(mode="dora", tbs=4, rbs=8, max_staleness=1, group_size=2, rebalance_interval_s=0.05)
     opts = RuntimeOptions(steps=3, seed=0, max_new_tokens=64, temperature=1.0, top_p=1.0, top_k=-1,
-                          snapshot_dir=lambda v: f"/snap/v{v}", stats_interval_s=0.01, stats_concurrency=concurrency)
-    rt = Runtime(Orchestrator(cfg, names), engines, FakeTrainer(engines=engines), RunningSumTask(1, 30, 1.2, seed=1),
-                 running_sum_reward, opts)
+                          snapshot_dir=lambda v: f"/snap/v{v}", stats_interval_s=0.01, stats_concurrency=concurrency,
+                          health_timeout_s=health_timeout_s)
+    return Runtime(Orchestrator(cfg, names), engines, FakeTrainer(engines=engines), RunningSumTask(1, 30, 1.2, seed=1),
+                   running_sum_reward, opts)
+
+
+def finish(rt: Runtime) -> dict[str, Any]:
     summary = asyncio.run(asyncio.wait_for(rt.run(), timeout=120))
     assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0
+    assert len(rt.steps) == 3
+    return summary
+
+
+def run(n: int, concurrency: int) -> list[tuple[str, float]]:
+    polls: list[tuple[str, float]] = []
+    rt = make_runtime({f"e{i}": SlowStatsEngine(f"e{i}", polls) for i in range(n)}, concurrency)
+    finish(rt)
     assert not rt.failed_ever
     return polls
 
@@ -71,3 +99,21 @@ def test_polls_in_flight_are_bounded_by_stats_concurrency():
     starts = first_sweep(run(n, concurrency=2), n)
     # two at a time: the 8 first polls take at least 4 rounds of POLL_S
     assert starts[-1] - starts[0] >= 3 * POLL_S * 0.9
+
+
+def test_one_stats_timeout_does_not_fail_a_healthy_instance():
+    """Before: the first late answer failed the instance (a false failure under loop lag)."""
+    engines = {"e0": StallingStatsEngine("e0", stalls=1), **{f"e{i}": FakeEngine(f"e{i}") for i in (1, 2)}}
+    rt = make_runtime(engines, health_timeout_s=0.5)
+    # the run lasts until e0 answered again (or 10 s): the short run must not end before the stall
+    rt.trainer.hold_step(1, until=lambda: engines["e0"].answered > 0 or "e0" in rt.failed_ever)
+    finish(rt)
+    assert not rt.failed_ever
+
+
+def test_an_instance_whose_polls_keep_timing_out_is_failed():
+    engines = {"e0": StallingStatsEngine("e0", stalls=10**6), **{f"e{i}": FakeEngine(f"e{i}") for i in (1, 2)}}
+    rt = make_runtime(engines, health_timeout_s=0.3)
+    rt.trainer.hold_step(1, until=lambda: "e0" in rt.failed_ever)
+    finish(rt)
+    assert rt.failed_ever == {"e0"}
