@@ -61,13 +61,14 @@ class LagMonitor:
     def __init__(self, period_s: float = 0.02) -> None:
         self.period_s = period_s
         self.lags: list[float] = []
+        self.stalls: dict[str, int] = {}
         self._task: asyncio.Task | None = None
+        self._watch: threading.Thread | None = None
 
     def start(self, stall_s: float = 0.0) -> None:
         """``stall_s`` > 0: a watchdog thread records where the loop's thread is whenever no tick
         came for ``stall_s`` (what blocks the loop, by innermost project frame)."""
         self._last_tick = time.monotonic()
-        self.stalls: dict[str, int] = {}
         self._task = asyncio.get_running_loop().create_task(self._run())
         if stall_s > 0:
             self._stop_watch = threading.Event()
@@ -98,7 +99,7 @@ class LagMonitor:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        if getattr(self, "_watch", None) is not None:
+        if self._watch is not None:
             self._stop_watch.set()
             self._watch.join(timeout=5)
 
