@@ -25,6 +25,7 @@ sample's tokens must come from one version (C1; partial mode breaks it by design
 
 from __future__ import annotations
 
+import json
 import logging
 import time as _time
 from collections import deque
@@ -633,6 +634,8 @@ class Simulation:
             "orchestrator_wall_s_per_rebalance": (self.orch_rebalance_wall_s / oc.rebalances) if oc.rebalances else None,
             "orchestrator_max_call_s": self.orch_max_call_s,
             "orchestrator_summary": self.orch.summary(),
+            # what a checkpoint holds of the orchestrator: must stay O(outstanding work), not O(steps)
+            "orchestrator_state_bytes": len(json.dumps(self.orch.snapshot()).encode()),
             "switch_instance_s": self.switch_s_total,
             "migration_fraction": self.migration_s / (max(1, n_roll) * self.slot_cap * span),
             "slot_cap": self.slot_cap,

@@ -86,3 +86,16 @@ def test_orchestrator_section_is_loaded_strictly():
         load_sim_config(TINY, ["orchestrator.max_stalenes=3"])
     with pytest.raises(ConfigError, match="cost.decode_weight_read_s"):
         load_sim_config(TINY, ["cost.decode_weight_read_s=-1"])
+
+
+@pytest.mark.slow
+def test_orchestrator_state_stays_bounded_over_a_long_run():
+    """Consumed groups leave the orchestrator (their record is consumed.jsonl): what a checkpoint
+    holds of it after 320 steps is about what it holds after 20, not 16x (issue A1)."""
+    short = simulate(load_sim_config(TINY, ["sim.steps=20"], mode="dora"))
+    long = simulate(load_sim_config(TINY, ["sim.steps=320"], mode="dora"))
+    assert long.summary["consumed_groups"] == 320 * long.summary["tbs"]
+    assert long.summary["lost_groups"] == 0 and long.summary["duplicated_groups"] == 0
+    small, big = short.extra["orchestrator_state_bytes"], long.extra["orchestrator_state_bytes"]
+    assert small > 0
+    assert big <= 1.5 * small, (small, big)
