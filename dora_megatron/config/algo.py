@@ -44,7 +44,8 @@ class AlgoConfig:
                                  choices=("token_mean", "seq_mean", "constant"))
     length_norm_constant: int = field_doc(0, "divisor per sample for length_norm=constant, tokens (set it to the "
                                           "rollout max_new_tokens); required > 0 with length_norm=constant", ge=0)
-    kl_coef: float = field_doc(0.0, "k3 KL penalty vs the reference policy; 0 = no reference model", ge=0)
+    kl_coef: float = field_doc(0.0, "k3 KL penalty vs a reference policy; must be 0: dora runs no reference "
+                               "model (a value > 0 is refused at load)", ge=0)
     entropy_coef: float = field_doc(0.0, "entropy bonus coefficient (entropy is always logged)", ge=0)
 
     def check(self, path: str) -> None:
@@ -55,5 +56,10 @@ class AlgoConfig:
         if not self.correction_low <= 1.0 <= self.correction_high:
             raise ConfigError(f"{path}.correction_low", f"the band [{self.correction_low}, {self.correction_high}] "
                               "must contain 1 (on-policy tokens would be dropped)")
+        if self.kl_coef > 0:
+            # the loss supports it, but nothing computes reference log-probs: refused here rather
+            # than failing at the first training step
+            raise ConfigError(f"{path}.kl_coef", f"{self.kl_coef} > 0 needs a reference model, and dora runs none "
+                              "(no sample carries ref_logprobs); set algo.kl_coef=0")
         if self.dual_clip_c and self.dual_clip_c <= 1:
             raise ConfigError(f"{path}.dual_clip_c", "must be > 1 (or 0 to disable)")

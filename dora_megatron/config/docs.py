@@ -52,6 +52,10 @@ def render_section(name: str, cls: type) -> str:
         if rules:
             text += f" ({rules})"
         lines.append(f"| `{name}.{f.name}` | {_type_str(hints[f.name])} | `{default!r}` | {text} |")
+    removed = getattr(cls, "REMOVED_KEYS", {})
+    if removed:  # refused at load unless at their old, inert default (see loader.from_dict)
+        lines.append("")
+        lines.extend(f"- removed `{name}.{key}`: {why}." for key, (_, why) in sorted(removed.items()))
     return "\n".join(lines)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import types
 import typing
 from pathlib import Path
@@ -19,6 +20,8 @@ from typing import Any, Iterable, Mapping, TypeVar
 from dora_megatron.config.base import ConfigError
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 
 def _type_name(tp: Any) -> str:
@@ -105,9 +108,21 @@ def from_dict(cls: type[T], data: Mapping[str, Any], path: str = "") -> T:
     """Build dataclass ``cls`` from ``data``; unknown keys are errors."""
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     hints = _hints(cls)
-    for key in data:
+    # a section's REMOVED_KEYS: {key: (the value it had by default, what to do instead)}
+    removed: Mapping[str, tuple[Any, str]] = getattr(cls, "REMOVED_KEYS", {})
+    data = dict(data)
+    for key in list(data):
         if key not in fields:
             where = f"{path}.{key}" if path else str(key)
+            if key in removed:
+                old_default, instead = removed[key]
+                if data[key] == old_default:
+                    # the resolved config.yaml of a run made before the removal lists every key with
+                    # its default (which did nothing): --resume of that run must still load
+                    log.warning("%s: ignored (the key was removed; %s)", where, instead)
+                    del data[key]
+                    continue
+                raise ConfigError(where, f"this key was removed: {instead}")
             raise ConfigError(where, f"unknown key{_closest(str(key), fields)}; valid keys: {', '.join(sorted(fields))}")
     kwargs = {}
     for name, value in data.items():

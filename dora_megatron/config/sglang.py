@@ -10,6 +10,7 @@ through ``rollout.sglang_args`` verbatim.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from dora_megatron.config.base import ConfigError, field_doc
 from dora_megatron.rollout.protocol import PAUSE_MODES
@@ -18,6 +19,12 @@ from dora_megatron.rollout.protocol import PAUSE_MODES
 @dataclass
 class SGLangConfig:
     """SGLang instance shape, EPLB and weight-update settings (used when rollout.engine is sglang)."""
+
+    # keys that existed once and did not act: {key: (old default, why)}; see loader.from_dict
+    REMOVED_KEYS: ClassVar[dict[str, tuple[Any, str]]] = {
+        "skip_tokenizer_init": (True, "dora always starts SGLang with --skip-tokenizer-init (the controller sends "
+                                      "token ids and reads output_ids; the engine never tokenizes); delete the key"),
+    }
 
     python: str = field_doc("", "Python interpreter that has sglang installed (it pins its own torch); empty = the one running dora.")
     tp_size: int = field_doc(1, "GPUs per instance (`--tp-size`); an instance may span nodes when larger than the GPUs of a node.", ge=1)
@@ -30,7 +37,6 @@ class SGLangConfig:
     eplb_rebalance_num_iterations: int = field_doc(1000, "`--eplb-rebalance-num-iterations`: forward passes between rebalances.", ge=1)
     ep_num_redundant_experts: int = field_doc(0, "`--ep-num-redundant-experts` (extra physical expert replicas).", ge=0)
     mem_fraction_static: float | None = field_doc(None, "`--mem-fraction-static` (weights + KV pool share of GPU memory); null = SGLang's choice.", gt=0.0, lt=1.0)
-    skip_tokenizer_init: bool = field_doc(True, "`--skip-tokenizer-init`: the controller sends token ids (required by dora).")
     load_format: str = field_doc("auto", "`--load-format` (`dummy` when every version is pushed by the trainer).")
     context_length: int | None = field_doc(None, "`--context-length`; null = the model's.", ge=2)
     disable_radix_cache: bool = field_doc(False, "`--disable-radix-cache`.")
@@ -51,5 +57,3 @@ class SGLangConfig:
             raise ConfigError(f"{path}.enable_eplb", "needs ep_size > 1 (SGLang asserts it)")
         if self.ep_num_redundant_experts and not self.enable_eplb:
             raise ConfigError(f"{path}.ep_num_redundant_experts", "redundant experts need enable_eplb")
-        if not self.skip_tokenizer_init:
-            raise ConfigError(f"{path}.skip_tokenizer_init", "dora sends token ids and reads output_ids; keep it true")

@@ -164,8 +164,10 @@ class CostModelConfig:
     trainer_peak_flops_per_gpu: float = field_doc(9.89e14, "dense bf16 peak per accelerator", gt=0, unit="FLOP/s")
     trainer_mfu: float = field_doc(0.2, "model FLOPs utilisation of the trainer", gt=0, le=1)
     train_fixed_s: float = field_doc(30.0, "per-step fixed trainer time (experience maker setup, optimizer, barriers)", ge=0, unit="s")
-    rebalance_overhead_s: float = field_doc(0.0, "control-plane time charged per rebalance that moves instances "
-                                            "(the orchestrator's own CPU time is measured, not modelled)", ge=0, unit="s")
+    rebalance_overhead_s: float = field_doc(0.0, "fixed control-plane time of a rebalance that moves instances "
+                                            "(pause, reassign, resume RPCs): each version switch and KV migration it "
+                                            "orders starts that much later (the orchestrator's own CPU time is "
+                                            "measured, not modelled)", ge=0, unit="s")
 
     def weight_sync_s(self) -> float:
         return self.weight_sync_latency_s + self.weight_bytes / self.weight_sync_bandwidth_Bps

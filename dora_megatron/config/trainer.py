@@ -7,13 +7,27 @@ the same model layout, optimizer and checkpoints deterministically is here and n
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from dora_megatron.config.base import ConfigError, field_doc
 
 
 @dataclass
 class TrainerConfig:
-    """Megatron-Core trainer settings (parallel sizes, optimizer, checkpoints, device)."""
+    """Megatron-Core trainer settings (parallel sizes, optimizer, device).
+
+    Checkpoints are the run's (``run.checkpoint_interval``, under ``RUN_DIR/checkpoints/``): the
+    trainer and the controller state must be saved at the same step boundary, so the trainer has
+    no checkpoint keys of its own."""
+
+    # keys that existed once and were never read: {key: (old default, what to set instead)}; a config
+    # that sets one to anything but its old default is refused with that message (loader.from_dict)
+    REMOVED_KEYS: ClassVar[dict[str, tuple[Any, str]]] = {
+        "checkpoint_dir": ("", "checkpoints are always written to RUN_DIR/checkpoints/vNNNNNN (trainer and "
+                               "controller state together); delete the key and set run.checkpoint_interval"),
+        "checkpoint_interval": (0, "use run.checkpoint_interval (it saves the trainer and the controller state "
+                                   "together)"),
+    }
 
     tp: int = field_doc(1, "tensor-parallel size", ge=1)
     pp: int = field_doc(1, "pipeline-parallel size (layers are split evenly)", ge=1)
@@ -29,8 +43,6 @@ class TrainerConfig:
     adam_eps: float = field_doc(1e-8, "Adam epsilon", gt=0)
     use_distributed_optimizer: bool = field_doc(True, "shard optimizer state over data-parallel ranks")
     seed: int = field_doc(1234, "seed for parameter init and any sampling in the trainer")
-    checkpoint_dir: str = field_doc("", "dist_checkpointing directory; empty disables checkpoints")
-    checkpoint_interval: int = field_doc(0, "save every N steps; 0 = only at the end", ge=0)
     device: str = field_doc("cpu", "where the trainer runs", choices=("cpu", "cuda"))
     num_threads: int = field_doc(0, "torch intra-op threads per rank on CPU; 0 = torch default", ge=0)
     moe_aux_loss_coef: float = field_doc(0.0, "MoE load-balancing aux-loss coefficient", ge=0)

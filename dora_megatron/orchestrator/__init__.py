@@ -49,6 +49,8 @@ becomes busy with ``step`` until ``on_step_finished(step + 1)``).
 Queries: ``sample_status(id)``, ``live_versions()``, ``unfinished_by_version()``,
 ``instances_by_version()``, ``outstanding``, ``cap()``, ``summary()`` (summary.json counters),
 ``audit()``; ``snapshot()`` -> JSON-able dict and ``Orchestrator.restore(config, snap)``.
+A released group and its samples are forgotten (the driver logs the ``ReleaseBatch``): queries
+and the snapshot cover outstanding work only, and late events about them are ignored.
 
 Modes (``config.mode``) are policies of the same machine (:mod:`.policy`): ``sync`` (S=0, one
 batch at a time), ``one_step_off`` (S=1, next batch dispatched while the trainer trains),

@@ -7,6 +7,13 @@ clock, sleeps, spawns or sends; it only returns actions for the driver to execut
 
 Internals are dicts/sets keyed by id plus per-version counters, so events cost O(touched samples)
 and a rebalance costs O(instances + moved requests), never O(all requests).
+
+WHY it forgets: a consumed group (and its samples) is dropped at release: its record is the
+``ReleaseBatch`` the driver logs (``consumed.jsonl``), and keeping it would make memory, ``audit``
+and every checkpoint grow with the run's history. What the rules still need of the past are
+counts (groups dispatched / consumed per version, the C1/C2/C3 counters), kept as running
+counters; per-version counts of versions no rule can ask about any more are folded into one
+bucket. State and snapshot are therefore O(outstanding work + live versions).
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ log = logging.getLogger(__name__)
 
 _INF = float("inf")
 _BIG = 1 << 40  # free slots of an uncapped instance
+# 2: consumed groups are not in the snapshot; per-version counts are (1: every group ever made)
+_SNAPSHOT_FORMAT = 2
 
 
 @dataclasses.dataclass
@@ -191,7 +200,9 @@ class Orchestrator:
         if self.policy.rebalance:
             self._set_cap_phase(after=False)
             self._rebalance("new_version")
-        return self._fill()
+        out = self._fill()
+        self._fold_counts()
+        return out
 
     def on_instance_failed(self, instance: str) -> list[Action]:
         """``instance`` died: its requests go back to the queue of their version (re-prefill on
@@ -255,8 +266,11 @@ class Orchestrator:
         return self._fill()
 
     def set_prompt_tokens(self, group_id: str, prompt_tokens: int) -> None:
-        """Record the prompt length of a dispatched group (for re-prefill accounting)."""
-        self.groups[group_id].prompt_tokens = prompt_tokens
+        """Record the prompt length of a dispatched group (for re-prefill accounting); a group
+        already consumed (and forgotten) is ignored."""
+        g = self.groups.get(group_id)
+        if g is not None:
+            g.prompt_tokens = prompt_tokens
 
     def poll(self) -> list[Action]:
         """Re-evaluate dispatch/release without a new event (always safe to call)."""
@@ -270,7 +284,10 @@ class Orchestrator:
         return self._total_dispatched - self._total_consumed
 
     def sample_status(self, sample_id: str) -> dict[str, Any]:
-        s = self.samples[sample_id]
+        """State of a sample of an unconsumed group (consumed groups are forgotten: KeyError)."""
+        s = self.samples.get(sample_id)
+        if s is None:
+            raise KeyError(f"{sample_id!r} is unknown or its group was consumed (consumed groups are forgotten)")
         return {"sample_id": s.sample_id, "group_id": s.group_id, "version": s.version,
                 "min_version": s.min_version, "max_version": s.max_version, "instance": s.instance,
                 "state": s.state, "finished": s.state == FINISHED, "tokens": s.tokens}
@@ -302,12 +319,10 @@ class Orchestrator:
 
     def audit(self) -> int:
         """Check the internal indexes against the records; returns the number of lost groups
-        (unconsumed groups with a sample that is neither running, pending nor finished)."""
+        (unconsumed groups with a sample that is neither running, pending nor finished).
+        O(outstanding samples): only unconsumed groups are held."""
         lost = set()
         for s in self.samples.values():
-            g = self.groups[s.group_id]
-            if g.consumed_step is not None:
-                continue
             if s.state == RUNNING:
                 inst = self.instances.get(s.instance or "")
                 ok = inst is not None and inst.alive and s.sample_id in inst.samples
@@ -337,15 +352,18 @@ class Orchestrator:
     # ------------------------------------------------------------------ snapshot
 
     def snapshot(self) -> dict[str, Any]:
-        """The full state as a JSON-able dict (checkpoint/resume, simulator inspection)."""
+        """The full state as a JSON-able dict (checkpoint/resume, simulator inspection); its size
+        is O(outstanding work + live versions), not O(history) (see the module docstring)."""
         return {
-            "format": 1,
+            "format": _SNAPSHOT_FORMAT,
             "newest": self.newest, "next_step": self.next_step, "trainer_busy": self.trainer_busy,
             "now": self.now, "group_seq": self._group_seq, "cap_after": self._cap_after,
             "last_rebalance": self._last_rebalance, "last_kv_rebalance": self._last_kv_rebalance,
             "counters": {**dataclasses.asdict(self.counters),
                          "staleness_histogram": {str(k): v for k, v in
                                                  self.counters.staleness_histogram.items()}},
+            "dispatched_by_version": {str(v): n for v, n in self._dispatched.items()},
+            "consumed_by_version": {str(v): n for v, n in self._consumed.items()},
             "groups": [dataclasses.asdict(g) for g in self.groups.values()],
             "samples": [dataclasses.asdict(s) for s in self.samples.values()],
             "instances": [{**dataclasses.asdict(i), "samples": sorted(i.samples)}
@@ -356,7 +374,14 @@ class Orchestrator:
 
     @classmethod
     def restore(cls, config: OrchestratorConfig, snap: dict[str, Any]) -> "Orchestrator":
-        """Rebuild an orchestrator from :meth:`snapshot` output (after a JSON round trip)."""
+        """Rebuild an orchestrator from :meth:`snapshot` output (after a JSON round trip).
+
+        Also reads format 1 (written before consumed groups were forgotten): its per-version
+        counts are rebuilt from the full group list, then its consumed groups are dropped."""
+        fmt = snap.get("format")
+        if fmt not in (1, _SNAPSHOT_FORMAT):
+            raise ValueError(f"orchestrator snapshot format {fmt!r} is not supported "
+                             f"(this version reads formats 1 and {_SNAPSHOT_FORMAT})")
         self = cls(config, [])
         self.newest, self.next_step = snap["newest"], snap["next_step"]
         self.trainer_busy, self.now = snap["trainer_busy"], snap["now"]
@@ -367,23 +392,32 @@ class Orchestrator:
         cd = dict(snap["counters"])
         cd["staleness_histogram"] = {int(k): v for k, v in cd["staleness_histogram"].items()}
         self.counters = Counters(**cd)
+        if fmt != 1:
+            self._dispatched = {int(v): n for v, n in snap["dispatched_by_version"].items()}
+            self._consumed = {int(v): n for v, n in snap["consumed_by_version"].items()}
+        forgotten: set[str] = set()
         for gd in snap["groups"]:
             g = Group(**gd)
+            if fmt == 1:
+                self._inc(self._dispatched, g.version)
+            if g.consumed_step is not None:
+                if fmt == 1:
+                    self._inc(self._consumed, g.version)
+                forgotten.add(g.group_id)
+                continue
             self.groups[g.group_id] = g
-            self._total_dispatched += 1
-            self._inc(self._dispatched, g.version)
-            if g.consumed_step is None:
-                self._inc(self._unconsumed, g.version)
-            else:
-                self._total_consumed += 1
-                self._inc(self._consumed, g.version)
+            self._inc(self._unconsumed, g.version)
+        self._total_dispatched = sum(self._dispatched.values())
+        self._total_consumed = sum(self._consumed.values())
         for sd in snap["samples"]:
             s = Sample(**sd)
+            if s.group_id in forgotten:
+                continue
             self.samples[s.sample_id] = s
             if s.state != FINISHED:
                 self._inc(self._unfinished, s.version)
         for v, ids in snap["finished_order"].items():
-            self._finished_groups[int(v)] = dict.fromkeys(ids)
+            self._finished_groups[int(v)] = dict.fromkeys(i for i in ids if i not in forgotten)
         for v, ids in snap["pending_order"].items():
             self._pending[int(v)] = dict.fromkeys(ids)
         for idd in snap["instances"]:
@@ -396,9 +430,31 @@ class Orchestrator:
             elif inst.version is not None:
                 self._active.setdefault(inst.version, set()).add(inst.instance_id)
                 self._update_room(inst)
+        if fmt == 1:
+            self._fold_counts()  # (format 2 holds counts folded at the last step; kept as they are)
         return self
 
     # ------------------------------------------------------------------ bookkeeping
+
+    def _fold_counts(self) -> None:
+        """Merge the per-version dispatched/consumed counts of versions below every version a
+        rule can still ask about into one bucket (keyed by the newest folded version).
+
+        Exact: :func:`~.rules.legacy_admits` sums ``dispatched`` over versions ``<= v`` and
+        ``consumed`` over versions ``> v`` for a queried ``v`` that is held by an instance (or is
+        the newest), and every folded version is below each such ``v``, so both sums are
+        unchanged; no instance can later be switched below the floor (switches go to the newest
+        version or to one with unconsumed groups, and the oldest unconsumed version only rises).
+        Keeps these dicts O(live versions) instead of O(steps)."""
+        floor = min((v for d in (self._active, self._incoming) for v, ids in d.items() if ids),
+                    default=self.newest)
+        floor = min(floor, self.newest, min(self._unconsumed, default=self.newest),
+                    min(self._pending, default=self.newest))
+        for d in (self._dispatched, self._consumed):
+            old = [v for v in d if v < floor]
+            if len(old) > 1:
+                key = max(old)
+                d[key] = sum(d.pop(v) for v in old)
 
     @staticmethod
     def _inc(d: dict[int, int], k: int, n: int = 1) -> None:
@@ -547,8 +603,8 @@ class Orchestrator:
             versions = []
             c = self.counters
             for gid in ids:
-                g = self.groups[gid]
-                if g.consumed_step is not None:
+                g = self.groups.get(gid)
+                if g is None or g.consumed_step is not None:  # consumed before (and forgotten)
                     c.duplicated_groups += 1
                     continue
                 g.consumed_step = step
@@ -566,9 +622,10 @@ class Orchestrator:
                 if lag > self.S or lag < 0:
                     c.c3_violations += 1
                 for sid in g.sample_ids:
-                    s = self.samples[sid]
+                    s = self.samples.pop(sid)  # forgotten with its group (module docstring)
                     if s.min_version != s.max_version:
                         c.c1_violations += 1
+                del self.groups[gid]
                 versions.append(g.version)
             self._out.append(ReleaseBatch(step, tuple(ids), tuple(versions)))
             self.trainer_busy = True

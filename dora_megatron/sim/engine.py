@@ -25,6 +25,7 @@ sample's tokens must come from one version (C1; partial mode breaks it by design
 
 from __future__ import annotations
 
+import json
 import logging
 import time as _time
 from collections import deque
@@ -146,6 +147,9 @@ class Simulation:
         self.orch_wall_s = 0.0
         self.orch_rebalance_wall_s = 0.0
         self.orch_max_call_s = 0.0
+        # cost.rebalance_overhead_s owed by the actions being applied (set while applying the
+        # actions of an orchestrator call that ran a rebalance)
+        self._rebalance_overhead_s = 0.0
         self.deadlock = False
         self._last_step_end = 0.0
 
@@ -159,9 +163,16 @@ class Simulation:
         self.orch_calls += 1
         self.orch_wall_s += dt
         self.orch_max_call_s = max(self.orch_max_call_s, dt)
-        if self.orch.counters.rebalances != before:
+        rebalances = self.orch.counters.rebalances - before
+        if rebalances:
             self.orch_rebalance_wall_s += dt
-        self._apply(actions or [])
+        # a rebalance's fixed control-plane cost (cost.rebalance_overhead_s): the switches and KV
+        # transfers it ordered start only after it
+        self._rebalance_overhead_s = rebalances * self.cost.rebalance_overhead_s
+        try:
+            self._apply(actions or [])
+        finally:
+            self._rebalance_overhead_s = 0.0
 
     def _note(self, name: str, *args: Any) -> None:
         self._notes.append((name, args))
@@ -239,7 +250,7 @@ class Simulation:
             self._touch(inst)
 
     def _start_transfer(self, req: SimRequest, dst: SimInstance, counted_as_migration: bool = True) -> None:
-        dt = kv_transfer_s(self.cost, req.context)
+        dt = kv_transfer_s(self.cost, req.context) + (self._rebalance_overhead_s if counted_as_migration else 0.0)
         self.transit[req.sample_id] = (req, dst.iid)
         if self._in_window():
             self.migrations += 1 if counted_as_migration else 0
@@ -304,6 +315,7 @@ class Simulation:
             dt = self.cost.colocated_switch_s  # the trainer's own accelerators hold the newest weights
         else:
             dt = self.cost.weight_sync_s()
+        dt += self._rebalance_overhead_s
         inst.state = SWITCHING
         inst.epoch += 1
         inst.mark(self.q.now, self.record_timeline)
@@ -633,6 +645,8 @@ class Simulation:
             "orchestrator_wall_s_per_rebalance": (self.orch_rebalance_wall_s / oc.rebalances) if oc.rebalances else None,
             "orchestrator_max_call_s": self.orch_max_call_s,
             "orchestrator_summary": self.orch.summary(),
+            # what a checkpoint holds of the orchestrator: must stay O(outstanding work), not O(steps)
+            "orchestrator_state_bytes": len(json.dumps(self.orch.snapshot()).encode()),
             "switch_instance_s": self.switch_s_total,
             "migration_fraction": self.migration_s / (max(1, n_roll) * self.slot_cap * span),
             "slot_cap": self.slot_cap,

@@ -79,3 +79,31 @@ def test_readme_config_reference_is_current():
     text = (ROOT / "README.md").read_text()
     block = text.split(START, 1)[1].split(END, 1)[0].strip()
     assert block == render_reference().strip(), "README config reference is stale: run python tools/gen_config_docs.py"
+
+
+@pytest.mark.parametrize("override,where,says", [
+    ("trainer.checkpoint_dir=/ck", "trainer.checkpoint_dir", "run.checkpoint_interval"),
+    ("trainer.checkpoint_interval=5", "trainer.checkpoint_interval", "run.checkpoint_interval"),
+    ("sglang.skip_tokenizer_init=false", "sglang.skip_tokenizer_init", "always starts SGLang with --skip-tokenizer-init"),
+    ("algo.kl_coef=0.1", "algo.kl_coef", "reference model"),
+])
+def test_keys_that_did_nothing_are_refused_naming_what_to_use(override, where, says):
+    """Issue A1: every config key acts or is gone. These were never read (or failed at step 1)."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert err.value.path == where and says in str(err.value), str(err.value)
+
+
+def test_resolved_config_of_an_older_run_still_loads(tmp_path):
+    """``--resume`` reads the run's resolved config.yaml, which lists every key: one written before
+    the removals holds the removed keys at their old (inert) defaults, and must still load."""
+    from dora_megatron.config.loader import dump_yaml, read_yaml
+
+    resolved = dump_yaml(load_config(ROOT / "configs" / "cpu_tiny.yaml"))
+    old = resolved.replace("trainer:\n", "trainer:\n  checkpoint_dir: ''\n  checkpoint_interval: 0\n", 1)
+    old = old.replace("sglang:\n", "sglang:\n  skip_tokenizer_init: true\n", 1)
+    assert old.count("skip_tokenizer_init") == 1 and old.count("checkpoint_dir") == 1
+    path = tmp_path / "config.yaml"
+    path.write_text(old)
+    assert read_yaml(path)["trainer"]["checkpoint_dir"] == ""
+    assert load_config(path) == load_config(ROOT / "configs" / "cpu_tiny.yaml")

@@ -398,3 +398,51 @@ def test_release_is_not_reevaluated_without_a_completed_group_or_a_new_step():
     rest = sorted(s for s in h.where if not s.startswith(gid + "."))
     h.finish(*rest[:2])
     assert len(h.batches) == 1 and len(h.batches[0].group_ids) == 2
+
+
+def test_consumed_groups_are_forgotten_and_late_reports_are_harmless():
+    """A released group leaves the orchestrator's state and snapshot (its record is the
+    ReleaseBatch, logged by the driver), so state is O(outstanding work), not O(history)."""
+    h = Harness(instances=("a", "b"), mode="dora", tbs=2, rbs=4, group_size=2, max_staleness=1)
+    dispatched = {sid for a in h.of(Dispatch) for sid in a.sample_ids}
+    h.finish(*sorted(h.where)[:4])
+    (batch,) = h.batches
+    gone = {f"{g}.{i}" for g in batch.group_ids for i in range(2)}
+    assert gone <= dispatched
+    snap = json.loads(json.dumps(h.o.snapshot()))
+    assert not {g["group_id"] for g in snap["groups"]} & set(batch.group_ids)
+    assert not {s["sample_id"] for s in snap["samples"]} & gone
+    assert len(snap["samples"]) == 2 * h.o.outstanding
+    with pytest.raises(KeyError, match="consumed"):
+        h.o.sample_status(sorted(gone)[0])
+    ignored = h.o.counters.ignored_events
+    assert h.o.on_sample_finished(sorted(gone)[0]) == []  # a late duplicate report
+    assert h.o.counters.ignored_events == ignored + 1
+    h.o.set_prompt_tokens(batch.group_ids[0], 10)  # late: ignored, no KeyError
+    s = h.o.summary()
+    assert s["consumed_groups"] == 2 and s["lost_groups"] == 0 and s["duplicated_groups"] == 0
+    clone = Orchestrator.restore(h.cfg, snap)
+    assert clone.summary() == s
+    assert clone.on_step_finished(1) == h.o.on_step_finished(1)
+
+
+def test_snapshot_written_before_groups_were_forgotten_still_restores():
+    """``data/snapshot_format1.json`` was written by the pre-change code (format 1: every group
+    ever made) for exactly this driver run; restoring it must give the orchestrator the current
+    code has at the same point: same counters, same next decisions, consumed groups dropped."""
+    from pathlib import Path
+
+    from .sim_driver import Driver
+
+    cfg = OrchestratorConfig(mode="dora", tbs=2, rbs=6, group_size=2, max_staleness=2, cap_before_rebalance=3,
+                             cap_after_rebalance=3, legacy_fill=True)
+    d = Driver(cfg, 3, seed=5)
+    d.run(6)
+    old = json.loads((Path(__file__).parent / "data" / "snapshot_format1.json").read_text())
+    assert old["format"] == 1 and len(old["groups"]) > d.orch.outstanding  # it does hold consumed groups
+    clone = Orchestrator.restore(cfg, old)
+    assert set(clone.groups) == set(d.orch.groups) and set(clone.samples) == set(d.orch.samples)
+    assert clone.summary() == d.orch.summary()
+    assert clone.on_tick(d.now + 100.0) == d.orch.on_tick(d.now + 100.0)
+    with pytest.raises(ValueError, match="format 99"):
+        Orchestrator.restore(cfg, {**old, "format": 99})

@@ -66,3 +66,28 @@ def test_dora_snapshot_round_trip_mid_run(sc):
     assert json.loads(json.dumps(clone.snapshot())) == snap
     assert clone.summary() == d.orch.summary()
     assert clone.on_tick(d.now + 100.0) == d.orch.on_tick(d.now + 100.0)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sc=scenarios(modes=("dora",)))
+def test_folding_old_version_counts_changes_no_decision(sc):
+    """The orchestrator folds the dispatched/consumed counts of versions no rule can query any more
+    (bounded state); an orchestrator that keeps every version's counts must decide identically,
+    legacy fill (the rule that reads them) included."""
+    import dataclasses
+
+    from dora_megatron.orchestrator import Orchestrator
+
+    class KeepsEveryCount(Orchestrator):
+        def _fold_counts(self) -> None:
+            pass
+
+    sc = {**sc, "cfg": dataclasses.replace(sc["cfg"], legacy_fill=True), "steps": sc["steps"] + 6}
+    folded = _run(sc)
+    kept = Driver(sc["cfg"], sc["n_instances"], sc["seed"], fail_prob=sc["fail_prob"], join_prob=sc["join_prob"],
+                  tail_alpha=sc["tail_alpha"], migration_fail_prob=sc["migration_fail_prob"])
+    kept.orch = KeepsEveryCount(sc["cfg"], list(kept.engines))
+    kept.run(sc["steps"])
+    assert kept.batches == folded.batches
+    assert kept.orch.summary() == folded.orch.summary()
+    assert sum(kept.orch._dispatched.values()) == sum(folded.orch._dispatched.values())

@@ -86,3 +86,34 @@ def test_orchestrator_section_is_loaded_strictly():
         load_sim_config(TINY, ["orchestrator.max_stalenes=3"])
     with pytest.raises(ConfigError, match="cost.decode_weight_read_s"):
         load_sim_config(TINY, ["cost.decode_weight_read_s=-1"])
+
+
+@pytest.mark.slow
+def test_orchestrator_state_stays_bounded_over_a_long_run():
+    """Consumed groups leave the orchestrator (their record is consumed.jsonl): what a checkpoint
+    holds of it after 320 steps is about what it holds after 20, not 16x (issue A1)."""
+    short = simulate(load_sim_config(TINY, ["sim.steps=20"], mode="dora"))
+    long = simulate(load_sim_config(TINY, ["sim.steps=320"], mode="dora"))
+    assert long.summary["consumed_groups"] == 320 * long.summary["tbs"]
+    assert long.summary["lost_groups"] == 0 and long.summary["duplicated_groups"] == 0
+    small, big = short.extra["orchestrator_state_bytes"], long.extra["orchestrator_state_bytes"]
+    assert small > 0
+    assert big <= 1.5 * small, (small, big)
+
+
+def test_rebalance_overhead_delays_the_switches_a_rebalance_orders():
+    """cost.rebalance_overhead_s is a rebalance's fixed control-plane cost: every version switch
+    (in dora, all come from rebalances) keeps its instance switching that much longer."""
+    def switch_spans(overhead):
+        res = simulate(_cfg("dora", f"cost.rebalance_overhead_s={overhead}"))
+        end = res.extra["virtual_time_s"]
+        spans = [b - a for _, a, b, _, st in res.timeline if st == "switching" and b < end]
+        assert spans and res.extra["orchestrator_rebalances"] > 0
+        return res, spans
+
+    cost = _cfg("dora").cost
+    base, plain = switch_spans(0.0)
+    slow, delayed = switch_spans(7.0)
+    assert min(plain) == pytest.approx(cost.weight_sync_s())
+    assert min(delayed) == pytest.approx(cost.weight_sync_s() + 7.0)
+    assert slow.extra["switch_instance_s"] > base.extra["switch_instance_s"]
