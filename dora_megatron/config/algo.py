@@ -39,6 +39,10 @@ class AlgoConfig:
     correction_high: float = field_doc(2.0, "upper bound of the rollout_correction ratio band", gt=0)
     seq_mis_agg: str = field_doc("geometric", "seq_mis sample ratio: geometric (exp of the mean log-ratio) or "
                                  "product (exp of the sum)", choices=("geometric", "product"))
+    routing_replay: bool = field_doc(
+        False, "MoE routing replay (R3): engines are asked for return_routed_experts (SGLang: "
+        "--enable-return-routed-experts) and every trainer MoE router uses the engine's top-k experts for "
+        "each token (Megatron RouterReplay)")
     length_norm: str = field_doc("token_mean", "token_mean (sum/total tokens), seq_mean (per-sample mean) or "
                                  "constant (Dr.GRPO: sum / (num_samples * length_norm_constant))",
                                  choices=("token_mean", "seq_mean", "constant"))
