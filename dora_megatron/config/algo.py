@@ -43,6 +43,9 @@ class AlgoConfig:
         False, "MoE routing replay (R3): engines are asked for return_routed_experts (SGLang: "
         "--enable-return-routed-experts) and every trainer MoE router uses the engine's top-k experts for "
         "each token (Megatron RouterReplay)")
+    router_agreement: bool = field_doc(
+        False, "ask engines for routed experts and log router_topk_agreement (trainer top-k vs engine top-k, before "
+        "replay) without replaying; implied by routing_replay")
     length_norm: str = field_doc("token_mean", "token_mean (sum/total tokens), seq_mean (per-sample mean) or "
                                  "constant (Dr.GRPO: sum / (num_samples * length_norm_constant))",
                                  choices=("token_mean", "seq_mean", "constant"))
@@ -50,6 +53,11 @@ class AlgoConfig:
                                           "rollout max_new_tokens); required > 0 with length_norm=constant", ge=0)
     kl_coef: float = field_doc(0.0, "k3 KL penalty vs the reference policy; 0 = no reference model", ge=0)
     entropy_coef: float = field_doc(0.0, "entropy bonus coefficient (entropy is always logged)", ge=0)
+
+    @property
+    def wants_routed_experts(self) -> bool:
+        """Engines must return routed experts (SGLang: started with --enable-return-routed-experts)."""
+        return self.routing_replay or self.router_agreement
 
     def check(self, path: str) -> None:
         if self.clip_eps_low >= 1:

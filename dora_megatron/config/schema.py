@@ -44,6 +44,12 @@ class DoraConfig:
     bench: BenchConfig = field(default_factory=BenchConfig)
 
     def check(self, path: str) -> None:
+        if self.rollout.dtype != "float32" and self.controller.verify_checksums:
+            raise ConfigError("controller.verify_checksums", f"must be false with rollout.dtype {self.rollout.dtype}: "
+                              "the engine hashes its cast copy, which never equals the trainer's fp32 weights")
+        if self.rollout.dtype != "float32" and self.rollout.engine != "embedded":
+            raise ConfigError("rollout.dtype", "applies to the embedded engine only (SGLang: pass --dtype in "
+                              "rollout.sglang_args)")
         t = self.trainer
         procs = self.launch.trainer_procs
         try:

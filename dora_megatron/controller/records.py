@@ -57,6 +57,7 @@ class SampleRecord:
     gen_task: asyncio.Task | None = None
     gen_instance: str | None = None
     replay_pending: bool = False  # restored from the journal; reported finished at its next Submit
+    routed_experts: str | None = None  # engine's meta_info.routed_experts for prompt + output (routing replay)
 
 
 @dataclass
@@ -89,6 +90,7 @@ class RuntimeOptions:
     weight_sync_timeout_s: float = 600.0  # one instance's weight update; slower = the instance failed
     checkpoint_interval: int = 0  # steps; 0 = only at the end
     checkpoint_dir: Callable[[int], str] | None = None  # version -> checkpoint directory (None: no checkpoints)
+    routed_experts: bool = False  # ask engines for routed experts and hand them to the trainer (algo.routing_replay)
 
 
 @dataclass

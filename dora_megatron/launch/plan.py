@@ -56,7 +56,7 @@ def local_plan(cfg: "DoraConfig", model_dir: str, run_dir: str, base_port: int |
             "--model", model_dir, "--host", host, "--port", str(port) if port else "<free-port>",
             "--device", cfg.rollout.device, "--max-running", str(cfg.rollout.max_running),
             "--max-waiting", str(cfg.rollout.max_waiting),
-            "--num-threads", str(cfg.rollout.threads_per_instance),
+            "--num-threads", str(cfg.rollout.threads_per_instance), "--dtype", cfg.rollout.dtype,
             *(("--kv-blocks", str(cfg.rollout.kv_blocks)) if cfg.rollout.kv_blocks else ()),
             *(("--context-length", str(cfg.rollout.context_length)) if cfg.rollout.context_length else ()),
         )
