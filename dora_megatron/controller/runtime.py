@@ -647,6 +647,7 @@ class Runtime:
                     "output_ids": r.output_ids if done else [],
                     "logprobs": r.logprobs if done else [],
                     "versions": sorted(r.versions) if done else [],
+                    **({"routed_experts": r.routed_experts} if done and r.routed_experts is not None else {}),
                 })
         return {
             "format": 1, "version": version, "pending_step_finished": version,
@@ -674,7 +675,8 @@ class Runtime:
         for d in state["samples"]:
             rec = SampleRecord(d["sample_id"], d["group_id"], int(d["index"]), int(d["version"]), list(d["prompt_ids"]),
                                output_ids=list(d["output_ids"]), logprobs=list(d["logprobs"]),
-                               versions=set(d["versions"]), reward=d["reward"], finished=bool(d["finished"]))
+                               versions=set(d["versions"]), reward=d["reward"], finished=bool(d["finished"]),
+                               routed_experts=d.get("routed_experts"))
             self.samples[rec.sample_id] = rec
         self.consumed = set(state["consumed"])
         self.steps = [StepLog(**x) for x in state["steps"]]

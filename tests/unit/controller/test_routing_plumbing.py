@@ -105,3 +105,52 @@ def test_sglang_gets_enable_return_routed_experts_when_replay_is_on():
         cfg = load_config(None, ["rollout.engine=sglang", "rollout.device=cuda", *overrides])
         argv = server_argv(spec, cfg.sglang, cfg.rollout, cfg.algo.wants_routed_experts)
         assert ("--enable-return-routed-experts" in argv) == want, overrides
+
+
+def _routed_make(steps, tmp_path):
+    rt, engines, trainer = make(mode="dora", steps=steps, tmp_path=tmp_path)
+    fakes = {name: RoutingEngine(name, token_s=0.001) for name in engines}
+    rt.engines.clear()
+    rt.engines.update(fakes)
+    rt.opt.routed_experts = True
+    return rt, fakes, trainer
+
+
+def test_resume_from_the_journal_trains_on_the_journaled_routing(tmp_path):
+    import json
+
+    from dora_megatron.orchestrator import Orchestrator
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    rt, _, _ = _routed_make(4, tmp_path)
+    rt.journal = Journal(run_dir)
+    rt.journal.start(None)
+    asyncio.run(rt.run())
+    rt.journal.close()
+    state = json.loads((tmp_path / "ck2" / "controller.json").read_text())
+    journaled = read_journal(run_dir, 2)
+    assert journaled and all(j.routed_experts for j in journaled.values())
+
+    rt2, engines2, trainer2 = _routed_make(6, tmp_path)
+    rt2.orch = Orchestrator.restore(rt2.orch.config, state["orchestrator"])
+    rt2.load_state_dict(state)
+    rt2.journal = Journal(run_dir)
+    rt2.load_journal(journaled)
+    rt2.journal.start(2)
+    trainer2.version = 2
+    asyncio.run(rt2.run())
+    rt2.journal.close()
+    generated = {rid for e in engines2.values() for op, rid, _ in e.log if op == "generate"}
+    restored = 0
+    for b in trainer2.batches:
+        per_group: dict[str, list] = {}
+        for s in b:
+            per_group.setdefault(s["group_id"], []).append(s)
+        for gid, ss in per_group.items():
+            for sid, s in zip(rt2.groups[gid].sample_ids, ss):
+                assert s["routed_experts"] == _routing_of(s["prompt_ids"] + s["response_ids"])
+                if sid in journaled and sid not in generated:
+                    assert s["routed_experts"] == journaled[sid].routed_experts
+                    restored += 1
+    assert restored > 0
