@@ -111,6 +111,7 @@ def recorded_agreement(routers: list[tuple[int, Any]], engine: torch.Tensor, cou
 
     ``engine`` ``[L, S, B, k]``; ``count_mask`` ``[S, B]`` selects the positions to count."""
     agree, total = 0.0, 0.0
+    engine, count_mask = engine.cpu(), count_mask.cpu()  # (micro-batches sit on the GPU under CUDA)
     mask = _local_chunk(count_mask, 0, tp, tp_rank, sequence_parallel).reshape(-1)
     for layer, router in routers:
         got = router.router_replay.get_recorded_indices()

@@ -263,7 +263,7 @@ class TrainerWorker:
                 rr.set_record(self._routers)
             out = model(mb.tokens, mb.position_ids, mb.attention_mask)
             if routing == "record" and mb.routing is not None:
-                count = mb.routing_known & (mb.loss_mask.T.cpu() > 0)
+                count = mb.routing_known.cpu() & (mb.loss_mask.T.cpu() > 0)
                 a, t = rr.recorded_agreement(self._routers, mb.routing, count, tp=self.layout.tp,
                                              tp_rank=self.layout.tp_rank, sequence_parallel=sp)
                 self._agreement[0] += a
