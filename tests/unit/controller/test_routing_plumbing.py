@@ -154,3 +154,27 @@ def test_resume_from_the_journal_trains_on_the_journaled_routing(tmp_path):
                     assert s["routed_experts"] == journaled[sid].routed_experts
                     restored += 1
     assert restored > 0
+
+
+def test_sglang_adapter_forwards_the_routed_experts_request():
+    from dora_megatron.rollout.protocol import GenerateResponse
+    from dora_megatron.rollout.sglang.engine import SGLangEngine
+
+    class Client:
+        base_url = "http://x"
+
+        def __init__(self):
+            self.kw = []
+
+        async def supports(self, name):
+            return False
+
+        async def generate(self, input_ids, sampling_params=None, **kw):
+            self.kw.append(kw)
+            return GenerateResponse("r#", [1], {"type": "stop"}, 1, 1, "0")
+
+    client = Client()
+    eng = SGLangEngine(client)
+    asyncio.run(eng.generate([1, 2], {}, rid="r", routed_experts=True))
+    asyncio.run(eng.generate([1, 2], {}, rid="r"))
+    assert [k["routed_experts"] for k in client.kw] == [True, False]
