@@ -135,10 +135,10 @@ def build_micro_batches(samples: Sequence[Any], *, indices: Sequence[int], micro
 
             routing, known = micro_batch_routing(routed, seq_len, *routing_shape)
         out.append(MicroBatch(
-            routing=routing, routing_known=known, tokens=tokens, position_ids=torch.arange(seq_len).unsqueeze(0).expand(len(rows), -1).contiguous(),
+            tokens=tokens, position_ids=torch.arange(seq_len).unsqueeze(0).expand(len(rows), -1).contiguous(),
             attention_mask=mask, targets=targets, loss_mask=lmask, rollout_logprobs=rlp, advantages=adv,
             trainer_logprobs=tlp if trainer_logprobs is not None else None, index=rows,
-            ref_logprobs=ref if has_ref else None, on_policy=fresh))
+            ref_logprobs=ref if has_ref else None, on_policy=fresh, routing=routing, routing_known=known))
     return out
 
 
