@@ -39,6 +39,13 @@ class AlgoConfig:
     correction_high: float = field_doc(2.0, "upper bound of the rollout_correction ratio band", gt=0)
     seq_mis_agg: str = field_doc("geometric", "seq_mis sample ratio: geometric (exp of the mean log-ratio) or "
                                  "product (exp of the sum)", choices=("geometric", "product"))
+    routing_replay: bool = field_doc(
+        False, "MoE routing replay (R3): engines are asked for return_routed_experts (SGLang: "
+        "--enable-return-routed-experts) and every trainer MoE router uses the engine's top-k experts for "
+        "each token (Megatron RouterReplay)")
+    router_agreement: bool = field_doc(
+        False, "ask engines for routed experts and log router_topk_agreement (trainer top-k vs engine top-k, before "
+        "replay) without replaying; implied by routing_replay")
     length_norm: str = field_doc("token_mean", "token_mean (sum/total tokens), seq_mean (per-sample mean) or "
                                  "constant (Dr.GRPO: sum / (num_samples * length_norm_constant))",
                                  choices=("token_mean", "seq_mean", "constant"))
@@ -47,6 +54,11 @@ class AlgoConfig:
     kl_coef: float = field_doc(0.0, "k3 KL penalty vs a reference policy; must be 0: dora runs no reference "
                                "model (a value > 0 is refused at load)", ge=0)
     entropy_coef: float = field_doc(0.0, "entropy bonus coefficient (entropy is always logged)", ge=0)
+
+    @property
+    def wants_routed_experts(self) -> bool:
+        """Engines must return routed experts (SGLang: started with --enable-return-routed-experts)."""
+        return self.routing_replay or self.router_agreement
 
     def check(self, path: str) -> None:
         if self.clip_eps_low >= 1:

@@ -14,6 +14,9 @@ class RolloutConfig:
     max_running: int = field_doc(32, "cap on concurrently running requests per instance", ge=1)
     max_waiting: int = field_doc(4096, "cap on queued requests per embedded instance; beyond it /generate answers 429", ge=1)
     device: str = field_doc("cpu", "device of embedded (and vllm) engines", choices=("cpu", "cuda"))
+    dtype: str = field_doc("float32", "weights/KV dtype of embedded engines (bfloat16 makes the engine/trainer "
+                           "mismatch of GPU engines real on CPU: the trainer stays fp32)",
+                           choices=("float32", "bfloat16", "float16"))
     threads_per_instance: int = field_doc(1, "torch intra-op threads per embedded instance (CPU)", ge=1)
     host: str = field_doc("127.0.0.1", "address the instances bind to (loopback for local runs)")
     base_port: int = field_doc(0, "port of instance 0, instance i uses base_port+i; 0 picks free ports", ge=0, le=65535)

@@ -52,6 +52,12 @@ class DoraConfig:
             raise ConfigError("model.warm_start", f"{self.model.warm_start!r} is a supervised warm start on that digit "
                               "task, not on data.task jsonl: set model.warm_start= (empty: random init) or "
                               "model.path=DIR (a model for your prompts)")
+        if self.rollout.dtype != "float32" and self.controller.verify_checksums:
+            raise ConfigError("controller.verify_checksums", f"must be false with rollout.dtype {self.rollout.dtype}: "
+                              "the engine hashes its cast copy, which never equals the trainer's fp32 weights")
+        if self.rollout.dtype != "float32" and self.rollout.engine != "embedded":
+            raise ConfigError("rollout.dtype", "applies to the embedded engine only (SGLang: pass --dtype in "
+                              "rollout.sglang_args)")
         t = self.trainer
         procs = self.launch.trainer_procs
         try:

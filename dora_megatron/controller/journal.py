@@ -49,6 +49,7 @@ class JournaledSample:
     output_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     reward: float
+    routed_experts: str | None = None  # engine routing (base64, SGLang encoding) when routing replay is on
 
 
 class Journal:
@@ -89,7 +90,8 @@ class Journal:
         self._write({"t": "sample", "sample_id": s.sample_id, "group_id": s.group_id, "version": int(s.version),
                      "prompt_index": int(s.prompt_index), "versions": sorted(versions),
                      "output_ids": list(s.output_ids), "logprobs": list(s.logprobs), "reward": s.reward,
-                     "replayed": replayed})
+                     "replayed": replayed,
+                     **({"routed_experts": s.routed_experts} if s.routed_experts is not None else {})})
 
     def replayed(self, s: JournaledSample) -> None:
         if self._replayed is None:
@@ -138,5 +140,6 @@ def read_journal(run_dir: str | Path, version: int) -> dict[str, JournaledSample
         if v > version or list(rec.get("versions", [])) != [v] or rec.get("reward") is None:
             continue
         out[rec["sample_id"]] = JournaledSample(rec["sample_id"], rec["group_id"], v, int(rec["prompt_index"]),
-                                                tuple(rec["output_ids"]), tuple(rec["logprobs"]), float(rec["reward"]))
+                                                tuple(rec["output_ids"]), tuple(rec["logprobs"]), float(rec["reward"]),
+                                                rec.get("routed_experts"))
     return out

@@ -18,7 +18,8 @@ from dora_megatron.data.tasks import Prompt
 class Engine(Protocol):
     """The subset of :class:`~dora_megatron.rollout.client.EngineClient` the runtime uses."""
 
-    async def generate(self, input_ids, sampling_params=None, *, rid=None, return_logprob=True, version=None): ...
+    async def generate(self, input_ids, sampling_params=None, *, rid=None, return_logprob=True, version=None,
+                       **kw): ...  # routed_experts=True when routing replay is on (omitted otherwise)
     async def abort(self, rid: str = "", abort_all: bool = False) -> bool: ...
     async def server_info(self) -> dict[str, Any]: ...
     async def update_weights_from_disk(self, model_path: str, weight_version=None) -> dict[str, Any]: ...
@@ -57,6 +58,7 @@ class SampleRecord:
     gen_task: asyncio.Task | None = None
     gen_instance: str | None = None
     replay_pending: bool = False  # restored from the journal; reported finished at its next Submit
+    routed_experts: str | None = None  # engine's meta_info.routed_experts for prompt + output (routing replay)
 
 
 @dataclass
@@ -90,6 +92,7 @@ class RuntimeOptions:
     weight_sync_timeout_s: float = 600.0  # one instance's weight update; slower = the instance failed
     checkpoint_interval: int = 0  # steps; 0 = only at the end
     checkpoint_dir: Callable[[int], str] | None = None  # version -> checkpoint directory (None: no checkpoints)
+    routed_experts: bool = False  # ask engines for routed experts and hand them to the trainer (algo.routing_replay)
 
 
 @dataclass

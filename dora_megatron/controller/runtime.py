@@ -263,6 +263,7 @@ class Runtime:
                 continue
             rec.output_ids, rec.logprobs = list(j.output_ids), list(j.logprobs)
             rec.reward, rec.versions = j.reward, {j.version}
+            rec.routed_experts = j.routed_experts
             rec.finished = rec.replay_pending = True
 
     def _report_replayed(self, rec: SampleRecord) -> None:
@@ -280,7 +281,7 @@ class Runtime:
         from dora_megatron.controller.journal import JournaledSample
 
         return JournaledSample(rec.sample_id, rec.group_id, rec.version, self.groups[rec.group_id].prompt.index,
-                               tuple(rec.output_ids), tuple(rec.logprobs), float(rec.reward))
+                               tuple(rec.output_ids), tuple(rec.logprobs), float(rec.reward), rec.routed_experts)
 
     def _sampling(self, rec: SampleRecord) -> dict[str, Any]:
         seed = zlib.crc32(f"{self.opt.seed}/{rec.sample_id}/{rec.submissions}".encode()) & 0x7FFFFFFF
@@ -307,7 +308,8 @@ class Runtime:
         rec.gen_task, rec.gen_instance = asyncio.current_task(), a.instance
         try:
             resp = await engine.generate(rec.prompt_ids + rec.output_ids, self._sampling(rec), rid=a.sample_id,
-                                         return_logprob=True, version=a.version)
+                                         return_logprob=True, version=a.version,
+                                         **({"routed_experts": True} if self.opt.routed_experts else {}))
         except VersionMismatch as err:
             # the engine's C1 guard refused it (it holds another version): nothing ran, re-queue it
             log.warning("C1 guard: %s refused %s for version %d: %s", a.instance, a.sample_id, a.version, err.message)
@@ -337,6 +339,8 @@ class Runtime:
         reason = (resp.finish_reason or {}).get("type")
         if reason == "abort":
             return  # interrupted (partial mode) or failed over: a later Submit(resume) continues it
+        if self.opt.routed_experts:  # covers prompt + every output token (the last submission's input is all of it)
+            rec.routed_experts = (resp.raw.get("meta_info") or {}).get("routed_experts")
         rec.finished = True
         if instance in self._rejoined:
             self.samples_after_rejoin += 1
@@ -609,6 +613,7 @@ class Runtime:
                 samples.append({
                     "prompt_ids": rec.prompt_ids, "response_ids": rec.output_ids, "rollout_logprobs": rec.logprobs,
                     "reward": rec.reward, "group_id": gid, "version": rec.version,
+                    **({"routed_experts": rec.routed_experts} if rec.routed_experts is not None else {}),
                 })
                 rewards.append(rec.reward)
                 lengths.append(len(rec.output_ids))
@@ -625,6 +630,7 @@ class Runtime:
             for sid in self.groups[gid].sample_ids:
                 rec = self.samples[sid]
                 rec.logprobs, rec.output_ids, rec.prompt_ids = [], [], []
+                rec.routed_experts = None
         log_ = StepLog(a.step, start, end, wait, train_s, 0.0, dict(result.get("metrics", {})), rewards, lengths,
                        staleness, tokens, len(self.orch.live_versions()), list(a.group_ids), list(a.versions))
         self.steps.append(log_)
@@ -705,6 +711,7 @@ class Runtime:
                     "output_ids": r.output_ids if done else [],
                     "logprobs": r.logprobs if done else [],
                     "versions": sorted(r.versions) if done else [],
+                    **({"routed_experts": r.routed_experts} if done and r.routed_experts is not None else {}),
                 })
         return {
             "format": 1, "version": version, "pending_step_finished": version,
@@ -732,7 +739,8 @@ class Runtime:
         for d in state["samples"]:
             rec = SampleRecord(d["sample_id"], d["group_id"], int(d["index"]), int(d["version"]), list(d["prompt_ids"]),
                                output_ids=list(d["output_ids"]), logprobs=list(d["logprobs"]),
-                               versions=set(d["versions"]), reward=d["reward"], finished=bool(d["finished"]))
+                               versions=set(d["versions"]), reward=d["reward"], finished=bool(d["finished"]),
+                               routed_experts=d.get("routed_experts"))
             self.samples[rec.sample_id] = rec
         self.consumed = set(state["consumed"])
         self.steps = [StepLog(**x) for x in state["steps"]]
@@ -884,6 +892,9 @@ class Runtime:
         out["rollout_vs_trainer_logprob_diff_mean"] = sum(diffs) / len(diffs) if diffs else None
         out["rollout_vs_trainer_logprob_diff_max"] = max(diffs) if diffs else None
         out["rollout_vs_trainer_logprob_diff_steps"] = len(diffs)
+        from dora_megatron.observability.routing import routing_summary
+
+        out.update(routing_summary(r.metrics for r in self.steps))
         return out
 
     def _c1_violations(self) -> int:

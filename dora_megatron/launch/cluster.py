@@ -150,7 +150,7 @@ def slurm_plan(cfg: "DoraConfig", env: SlurmEnv, model_dir: str, run_dir: str, *
             ports = {"nccl": http + 1} | ({"dist_init": http + 2} if len(part_nodes) > 1 else {})
             per_node = tp // len(part_nodes)
             procs.append(ProcessSpec(
-                "engine", name if len(part_nodes) == 1 else f"{name}.{r}", node, server_argv(spec, sg, cfg.rollout),
+                "engine", name if len(part_nodes) == 1 else f"{name}.{r}", node, server_argv(spec, sg, cfg.rollout, cfg.algo.wants_routed_experts),
                 port=http if r == 0 else None, ranks=(), gpus=tuple(range(gpu0, gpu0 + per_node)),
                 extra_ports=ports if r == 0 else {}))
         engine_urls[name] = f"http://{head}:{http}"
@@ -279,7 +279,7 @@ def _join_plan(cfg: "DoraConfig", env: SlurmEnv, model_dir: str, gpn: int) -> Cl
             name = f"j{env.job_id}-sgl{len(urls)}"
             http = c.rollout_base_port + j * sg.port_stride
             spec = InstanceSpec(name, model_dir, "0.0.0.0", http, http + 1, j * tp, tp, "0", seed=cfg.run.seed + len(urls))
-            procs.append(ProcessSpec("engine", name, node, server_argv(spec, sg, cfg.rollout), port=http,
+            procs.append(ProcessSpec("engine", name, node, server_argv(spec, sg, cfg.rollout, cfg.algo.wants_routed_experts), port=http,
                                      gpus=tuple(range(j * tp, (j + 1) * tp)), extra_ports={"nccl": http + 1}))
             urls[name] = f"http://{node}:{http}"
             gpus[name] = tp
@@ -296,7 +296,7 @@ def local_sglang_engines(cfg: "DoraConfig", model_dir: str, port0: int | None) -
         port = port0 + i * sg.port_stride if port0 else None
         spec = InstanceSpec(f"engine{i}", model_dir, cfg.rollout.host, port or 0, port + 1 if port else None,
                             gpu0 + i * sg.tp_size, sg.tp_size, "0", seed=cfg.run.seed + i)
-        argv = list(server_argv(spec, sg, cfg.rollout))
+        argv = list(server_argv(spec, sg, cfg.rollout, cfg.algo.wants_routed_experts))
         if not port:
             argv[argv.index("--port") + 1] = "<free-port>"
         out.append(ProcessSpec("engine", f"engine{i}", cfg.rollout.host, tuple(argv), port=port,

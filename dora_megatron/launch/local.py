@@ -371,6 +371,7 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
         stop_token_ids=tuple(cfg.rollout.stop_token_ids),
         weight_sync_timeout_s=cfg.controller.weight_sync_timeout_s,
         checkpoint_dir=lambda v: str(run_dir / "checkpoints" / f"v{v:06d}"),
+        routed_experts=cfg.algo.wants_routed_experts,
     )
     from dora_megatron.data.codec import load_codec
 

@@ -100,10 +100,12 @@ class EngineClient:
         rid: str | None = None,
         return_logprob: bool = True,
         version: int | str | None = None,
+        routed_experts: bool = False,
     ) -> GenerateResponse:
-        """POST /generate. ``version`` is sent as ``dora_version`` only if the engine supports it."""
+        """POST /generate. ``version`` is sent as ``dora_version`` only if the engine supports it;
+        ``routed_experts`` asks for ``meta_info.routed_experts`` over the whole sequence (start 0)."""
         sp = sampling_params if isinstance(sampling_params, SamplingParams) else SamplingParams.from_json(sampling_params)
-        req = GenerateRequest(list(input_ids), sp, rid, return_logprob)
+        req = GenerateRequest(list(input_ids), sp, rid, return_logprob, return_routed_experts=routed_experts)
         body = req.to_json()
         if version is not None and await self.supports("dora_version"):
             body["dora_version"] = str(version)

@@ -9,7 +9,10 @@ share one implementation. Run as::
 
 ``step``: parity logits, then one train step on :func:`fixed_batch`, then the exported HF weights.
 ``resume-save``: step on batch 0, save a checkpoint, step on batch 1. ``resume-load``: load the
-checkpoint, step on batch 1. Rank 0 writes a ``torch.save`` dict to ``--out``.
+checkpoint, step on batch 1. ``replay``: batch 0 with the ``routed_experts`` from ``--routing`` (a
+``torch.save`` list, one ``[positions, layers, top_k]`` tensor per sample): ``router_topk_agreement``
+before replay, log-probs with replay (``--replay``) or without, the routers' chosen experts (1 rank)
+and one train step. Rank 0 writes a ``torch.save`` dict to ``--out``.
 """
 
 from __future__ import annotations
@@ -45,9 +48,31 @@ def _with_rollout_logprobs(worker, batch: list[dict], noise: float, seed: int) -
     return batch
 
 
+def _replay(worker, vocab: int, routing: list, noise: float) -> dict:
+    batch = fixed_batch(vocab, seed=0)
+    for s, r in zip(batch, routing):
+        s["routed_experts"] = r
+    used: dict[int, list] = {}
+    hooks = []
+    if worker.info.world_size == 1:  # the experts each router really used, in micro-batch order
+        for layer, router in worker._routers:
+            hooks.append(router.register_forward_hook(
+                lambda mod, inp, out, layer=layer: used.setdefault(layer, []).append(out[1].detach().clone())))
+    out = {"agreement": worker.router_agreement(batch)}
+    used.clear()
+    out["logprobs"] = worker.compute_logprobs(batch)
+    out["routing_maps"] = dict(used)
+    for h in hooks:
+        h.remove()
+    out["metrics"] = worker.train_step(_with_rollout_logprobs(worker, batch, noise, seed=0))
+    return out
+
+
 def run(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dora_megatron.trainer.scenarios")
-    parser.add_argument("scenario", choices=("step", "resume-save", "resume-load"))
+    parser.add_argument("scenario", choices=("step", "resume-save", "resume-load", "replay"))
+    parser.add_argument("--routing", default="")
+    parser.add_argument("--replay", action="store_true")
     parser.add_argument("--hf", required=True)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
@@ -75,7 +100,7 @@ def run(argv: list[str] | None = None) -> int:
     cfg = TrainerConfig(tp=args.tp, pp=args.pp, ep=args.ep, device=args.device, lr=args.lr, adam_eps=args.adam_eps,
                         micro_batch_size=args.micro_batch_size,
                         use_distributed_optimizer=not args.no_distributed_optimizer)
-    algo = AlgoConfig(loss=args.loss, tis_cap=args.tis_cap)
+    algo = AlgoConfig(loss=args.loss, tis_cap=args.tis_cap, routing_replay=args.replay)
     worker = TrainerWorker(cfg, algo, args.hf)
     vocab = worker.arch.vocab_size
     result: dict = {"layout": (args.tp, args.pp, args.ep)}
@@ -87,6 +112,8 @@ def run(argv: list[str] | None = None) -> int:
         result["metrics"] = worker.train_step(batch)
         result["step_seconds"] = time.perf_counter() - t0
         result["tokens"] = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in batch)
+    elif args.scenario == "replay":
+        result.update(_replay(worker, vocab, torch.load(args.routing), args.noise))
     elif args.scenario == "resume-save":
         result["metrics0"] = worker.train_step(_with_rollout_logprobs(worker, fixed_batch(vocab, 0), args.noise, 0))
         worker.save_checkpoint(args.ckpt)

@@ -45,8 +45,10 @@ class InstanceSpec:
         return self.tp_size // self.nnodes
 
 
-def dora_flags(inst: InstanceSpec, sg: "SGLangConfig", rollout: "RolloutConfig") -> list[str]:
-    """The flags dora sets for ``inst`` (without the interpreter and module)."""
+def dora_flags(inst: InstanceSpec, sg: "SGLangConfig", rollout: "RolloutConfig", routed_experts: bool = False
+               ) -> list[str]:
+    """The flags dora sets for ``inst`` (without the interpreter and module); ``routed_experts``
+    (``algo.routing_replay`` / ``router_agreement``) adds ``--enable-return-routed-experts``."""
     if inst.tp_size != sg.tp_size:
         raise SGLangArgsError(f"{inst.name}: tp_size {inst.tp_size} differs from sglang.tp_size {sg.tp_size}")
     if inst.tp_size % inst.nnodes:
@@ -85,6 +87,8 @@ def dora_flags(inst: InstanceSpec, sg: "SGLangConfig", rollout: "RolloutConfig")
         a += ["--context-length", str(context)]
     if sg.disable_radix_cache:
         a += ["--disable-radix-cache"]
+    if routed_experts:
+        a += ["--enable-return-routed-experts"]
     if inst.nnodes > 1:
         a += ["--nnodes", str(inst.nnodes), "--node-rank", str(inst.node_rank), "--dist-init-addr", str(inst.dist_init_addr)]
     return a
@@ -94,9 +98,10 @@ def _flag_names(args: list[str]) -> set[str]:
     return {x.split("=", 1)[0] for x in args if x.startswith("--")}
 
 
-def server_argv(inst: InstanceSpec, sg: "SGLangConfig", rollout: "RolloutConfig") -> tuple[str, ...]:
+def server_argv(inst: InstanceSpec, sg: "SGLangConfig", rollout: "RolloutConfig", routed_experts: bool = False
+                ) -> tuple[str, ...]:
     """``python -m sglang.launch_server`` plus every flag, user flags last."""
-    ours = dora_flags(inst, sg, rollout)
+    ours = dora_flags(inst, sg, rollout, routed_experts)
     user = list(rollout.sglang_args)
     clash = sorted(_flag_names(ours) & _flag_names(user))
     if clash:

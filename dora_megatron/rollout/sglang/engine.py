@@ -64,10 +64,11 @@ class SGLangEngine:
         return name in self.expose and await self.client.supports(name)
 
     async def generate(self, input_ids: Sequence[int], sampling_params=None, *, rid: str | None = None,
-                       return_logprob: bool = True, version: int | str | None = None):
+                       return_logprob: bool = True, version: int | str | None = None, routed_experts: bool = False):
         server_checks = version is not None and await self.supports("dora_version")
         resp = await self.client.generate(input_ids, sampling_params, rid=None if rid is None else wire_rid(rid),
-                                          return_logprob=return_logprob, version=version if server_checks else None)
+                                          return_logprob=return_logprob, version=version if server_checks else None,
+                                          routed_experts=routed_experts)
         used = resp.versions_used
         if version is not None and used[0] != str(version):
             self.version_mismatches += 1

@@ -1,0 +1,127 @@
+"""Routing replay (R3) in the Megatron trainer, layouts 1 / EP=2 / TP=2, against transformers with the
+routing forced by hand (a forward hook on each ``Qwen3MoeTopKRouter`` returns the given experts).
+
+The forced experts are random (not what either model would choose), so a match proves every MoE
+layer of the trainer routed every token to exactly the given experts."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.integration.test_trainer_parallel import make_hf_model, run_scenario
+
+pytestmark = pytest.mark.integration
+
+transformers = pytest.importorskip("transformers")
+
+
+def _batch():
+    from dora_megatron.trainer.scenarios import fixed_batch
+
+    return fixed_batch(128, seed=0)
+
+
+def _random_routing(batch, layers: int, experts: int, k: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for s in batch:
+        n = len(s["prompt_ids"]) + len(s["response_ids"]) - 1
+        out.append(torch.stack([torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(layers)])
+                                for _ in range(n)]).to(torch.int32))
+    return out
+
+
+def _hf_forward(hf_dir: str, batch, forced: list[torch.Tensor] | None):
+    """Per-sample response log-probs from transformers (routing forced when ``forced``), and the
+    natural top-k per position when not forced."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    routers = [layer.mlp.gate for layer in hf.model.layers]
+    state: dict = {}
+
+    def hook(mod, inp, out, layer):
+        logits = out[0]
+        if state.get("forced") is None:
+            state.setdefault("natural", {})[layer] = out[2].clone()
+            return None
+        idx = torch.arange(mod.top_k).expand(logits.shape[0], -1).clone()
+        n = state["forced"].shape[0]
+        idx[:n] = state["forced"][:, layer].long()
+        w = torch.softmax(logits.float().gather(1, idx), -1).to(logits.dtype)  # norm_topk_prob=True
+        return logits, w, idx
+
+    handles = [r.register_forward_hook(lambda m, i, o, layer=layer: hook(m, i, o, layer))
+               for layer, r in enumerate(routers)]
+    lps, natural = [], []
+    with torch.no_grad():
+        for j, s in enumerate(batch):
+            ids = s["prompt_ids"] + s["response_ids"]
+            state.clear()
+            state["forced"] = None if forced is None else forced[j]
+            logits = hf(torch.tensor([ids])).logits[0].float()
+            p = len(s["prompt_ids"])
+            lp = torch.log_softmax(logits, -1)[p - 1:len(ids) - 1].gather(1, torch.tensor(s["response_ids"])[:, None])
+            lps.append(lp[:, 0])
+            if forced is None:
+                natural.append(torch.stack([state["natural"][layer][:-1] for layer in range(len(routers))], 1))
+    for h in handles:
+        h.remove()
+    return lps, natural
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("replay")
+    hf_dir = make_hf_model(str(root / "moe"), moe=True)
+    batch = _batch()
+    forced = _random_routing(batch, layers=2, experts=8, k=2)
+    torch.save(forced, str(root / "forced.pt"))
+    ref_lps, _ = _hf_forward(hf_dir, batch, forced)
+    plain_lps, natural = _hf_forward(hf_dir, batch, None)
+    torch.save([n.to(torch.int32) for n in natural], str(root / "natural.pt"))
+    return {"root": root, "hf": hf_dir, "batch": batch, "forced": forced, "ref": ref_lps, "plain": plain_lps,
+            "natural": natural}
+
+
+def _scenario(setup, routing: str, nproc: int, extra: list[str], name: str) -> dict:
+    root = setup["root"]
+    return run_scenario(["replay", "--hf", setup["hf"], "--routing", str(root / routing), *extra], nproc,
+                        str(root / f"{name}.pt"))
+
+
+def _close(got: list[torch.Tensor], ref: list[torch.Tensor]) -> None:
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4)
+
+
+def test_replay_single_rank_uses_exactly_the_given_experts(setup):
+    res = _scenario(setup, "forced.pt", 1, ["--replay"], "one")
+    # the random routing is not the trainer's own: agreement measured before replay is low
+    assert res["agreement"] is not None and res["agreement"] < 0.5
+    _close(res["logprobs"], setup["ref"])
+    assert max((a - b).abs().max().item() for a, b in zip(res["logprobs"], setup["plain"])) > 1e-2
+    # the routers' routing maps: per micro-batch (one sample each), every real position -> the given experts
+    maps = res["routing_maps"]
+    for layer in range(2):
+        for j, forced in enumerate(setup["forced"]):
+            used = maps[layer][j][: forced.shape[0]]  # [positions, experts] bool (padding rows follow)
+            want = torch.zeros_like(used)
+            want.scatter_(1, forced[:, layer].long(), True)
+            assert torch.equal(used.bool(), want.bool()), (layer, j)
+    assert res["metrics"]["routing_replay"] == 1.0 and res["metrics"]["router_topk_agreement"] < 0.5
+
+
+def test_agreement_is_one_for_the_trainers_own_routing_and_no_replay_means_own_routing(setup):
+    res = _scenario(setup, "natural.pt", 1, [], "natural")
+    assert res["agreement"] == 1.0
+    _close(res["logprobs"], setup["plain"])
+    assert res["metrics"]["routing_replay"] == 0.0
+
+
+@pytest.mark.parametrize("layout", [["--ep", "2"], ["--tp", "2"]], ids=["ep2", "tp2"])
+def test_replay_in_parallel_layouts_matches_forced_reference(setup, layout):
+    res = _scenario(setup, "forced.pt", 2, ["--replay", *layout], "-".join(layout).strip("-"))
+    _close(res["logprobs"], setup["ref"])
+    assert res["agreement"] < 0.5 and res["metrics"]["routing_replay"] == 1.0

@@ -1,0 +1,180 @@
+"""Routing replay plumbing: the runtime asks engines for routed experts only when configured, hands
+them to the trainer with each sample (also across migrations and partial-mode resubmits), the
+journal keeps them for a resume, summary.json aggregates the agreement, SGLang gets its flag."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from dora_megatron.config.schema import load_config
+from dora_megatron.controller.journal import Journal, JournaledSample, read_journal
+from dora_megatron.observability.routing import routing_summary
+from dora_megatron.rollout.routing import decode_routed_experts, encode_routed_experts
+from dora_megatron.rollout.sglang.args import InstanceSpec, server_argv
+
+from .fakes import FakeEngine
+from .test_runtime import check_run, make
+
+
+def _routing_of(ids: list[int]) -> str:
+    """A routing the fake engine 'used': one layer, top-2 = (token id, position) per fed position."""
+    return encode_routed_experts([v for p, t in enumerate(ids[:-1]) for v in (t, p)])
+
+
+class RoutingEngine(FakeEngine):
+    """FakeEngine that answers meta_info.routed_experts over prompt + output when asked."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.asked: list[bool] = []
+
+    async def generate(self, input_ids, sampling_params=None, *, rid=None, return_logprob=True, version=None,
+                       routed_experts=False):
+        self.asked.append(routed_experts)
+        resp = await super().generate(input_ids, sampling_params, rid=rid, return_logprob=return_logprob,
+                                      version=version)
+        return self._with_routing(resp, list(input_ids), routed_experts)
+
+    async def import_request(self, blob: bytes):
+        import pickle
+
+        d = pickle.loads(blob)
+        resp = await super().import_request(blob)
+        return self._with_routing(resp, d["input_ids"], True)
+
+    @staticmethod
+    def _with_routing(resp, input_ids, asked):
+        meta = {"routed_experts": _routing_of(input_ids + resp.output_ids)} if asked else {}
+        return SimpleNamespace(**vars(resp), raw={"meta_info": meta})
+
+
+def _run(mode: str, routed: bool):
+    rt, engines, trainer = make(mode=mode, n=3, steps=4)
+    fakes = {name: RoutingEngine(name, token_s=0.001) for name in engines}
+    rt.engines.clear()
+    rt.engines.update(fakes)
+    rt.opt.routed_experts = routed
+    summary = asyncio.run(rt.run())
+    return rt, fakes, trainer, summary
+
+
+def test_samples_carry_the_engines_routing_for_prompt_and_response():
+    for mode in ("dora", "partial"):
+        rt, engines, trainer, _ = _run(mode, True)
+        if mode == "dora":  # (partial mode re-tags resubmitted samples: C1 does not hold there)
+            check_run(rt, engines, trainer, 4, 4, 2)
+        for batch in trainer.batches:
+            for s in batch:
+                ids = s["prompt_ids"] + s["response_ids"]
+                rows = decode_routed_experts(s["routed_experts"], num_layers=1, top_k=2)
+                assert rows == [[[t, p]] for p, t in enumerate(ids[:-1])], mode
+        assert all(a for e in engines.values() for a in e.asked)
+
+
+def test_off_by_default_nothing_is_requested_or_sent():
+    rt, engines, trainer, _ = _run("dora", False)
+    assert not any(a for e in engines.values() for a in e.asked)
+    assert all("routed_experts" not in s for b in trainer.batches for s in b)
+
+
+def test_journal_keeps_routed_experts_for_resume(tmp_path):
+    j = Journal(tmp_path)
+    j.start(3)
+    with_r = JournaledSample("s1", "g1", 3, 0, (5, 6), (-0.1, -0.2), 1.0, _routing_of([1, 5, 6]))
+    without = JournaledSample("s2", "g1", 3, 0, (7,), (-0.3,), 0.0)
+    j.sample(with_r, [3])
+    j.sample(without, [3])
+    j.close()
+    back = read_journal(tmp_path, 3)
+    assert back["s1"] == with_r and back["s2"].routed_experts is None
+
+
+def test_summary_aggregates_agreement_and_replayed_steps():
+    out = routing_summary([{"router_topk_agreement": 0.9, "routing_replay": 1.0}, {"routing_replay": 0.0},
+                           {"router_topk_agreement": 0.7, "routing_replay": 1.0}])
+    assert out["router_topk_agreement"] == 0.8 and out["router_topk_agreement_min"] == 0.7
+    assert out["routing_replay_steps"] == 2
+    assert routing_summary([{}])["router_topk_agreement"] is None
+
+
+def test_sglang_gets_enable_return_routed_experts_when_replay_is_on():
+    spec = InstanceSpec(name="s0", model_path="/m", host="0.0.0.0", port=30000, nccl_port=30001, base_gpu_id=0,
+                        tp_size=1)
+    for overrides, want in ((["algo.routing_replay=true"], True), (["algo.router_agreement=true"], True), ([], False)):
+        cfg = load_config(None, ["rollout.engine=sglang", "rollout.device=cuda", *overrides])
+        argv = server_argv(spec, cfg.sglang, cfg.rollout, cfg.algo.wants_routed_experts)
+        assert ("--enable-return-routed-experts" in argv) == want, overrides
+
+
+def _routed_make(steps, tmp_path):
+    rt, engines, trainer = make(mode="dora", steps=steps, tmp_path=tmp_path)
+    fakes = {name: RoutingEngine(name, token_s=0.001) for name in engines}
+    rt.engines.clear()
+    rt.engines.update(fakes)
+    rt.opt.routed_experts = True
+    return rt, fakes, trainer
+
+
+def test_resume_from_the_journal_trains_on_the_journaled_routing(tmp_path):
+    import json
+
+    from dora_megatron.orchestrator import Orchestrator
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    rt, _, _ = _routed_make(4, tmp_path)
+    rt.journal = Journal(run_dir)
+    rt.journal.start(None)
+    asyncio.run(rt.run())
+    rt.journal.close()
+    state = json.loads((tmp_path / "ck2" / "controller.json").read_text())
+    journaled = read_journal(run_dir, 2)
+    assert journaled and all(j.routed_experts for j in journaled.values())
+
+    rt2, engines2, trainer2 = _routed_make(6, tmp_path)
+    rt2.orch = Orchestrator.restore(rt2.orch.config, state["orchestrator"])
+    rt2.load_state_dict(state)
+    rt2.journal = Journal(run_dir)
+    rt2.load_journal(journaled)
+    rt2.journal.start(2)
+    trainer2.version = 2
+    asyncio.run(rt2.run())
+    rt2.journal.close()
+    generated = {rid for e in engines2.values() for op, rid, _ in e.log if op == "generate"}
+    restored = 0
+    for b in trainer2.batches:
+        per_group: dict[str, list] = {}
+        for s in b:
+            per_group.setdefault(s["group_id"], []).append(s)
+        for gid, ss in per_group.items():
+            for sid, s in zip(rt2.groups[gid].sample_ids, ss):
+                assert s["routed_experts"] == _routing_of(s["prompt_ids"] + s["response_ids"])
+                if sid in journaled and sid not in generated:
+                    assert s["routed_experts"] == journaled[sid].routed_experts
+                    restored += 1
+    assert restored > 0
+
+
+def test_sglang_adapter_forwards_the_routed_experts_request():
+    from dora_megatron.rollout.protocol import GenerateResponse
+    from dora_megatron.rollout.sglang.engine import SGLangEngine
+
+    class Client:
+        base_url = "http://x"
+
+        def __init__(self):
+            self.kw = []
+
+        async def supports(self, name):
+            return False
+
+        async def generate(self, input_ids, sampling_params=None, **kw):
+            self.kw.append(kw)
+            return GenerateResponse("r#", [1], {"type": "stop"}, 1, 1, "0")
+
+    client = Client()
+    eng = SGLangEngine(client)
+    asyncio.run(eng.generate([1, 2], {}, rid="r", routed_experts=True))
+    asyncio.run(eng.generate([1, 2], {}, rid="r"))
+    assert [k["routed_experts"] for k in client.kw] == [True, False]
