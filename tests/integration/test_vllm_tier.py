@@ -266,6 +266,32 @@ MIGRATE = ("orchestrator.kv_high_watermark=0.001", "orchestrator.kv_rebalance_mi
            "orchestrator.max_staleness=2", "orchestrator.rbs=12", "orchestrator.cap_after_rebalance=16")
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (torchrun's ranks may run in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def signal_all(pids: list[int], sig: int) -> None:
+    for p in pids:
+        try:
+            os.kill(p, sig)
+        except ProcessLookupError:
+            pass
+
+
 def test_dora_train_dense_reloads_and_a_killed_instance_rejoins(tmp_path):
     """Once training runs, engine1 is killed; the trainer is held (SIGSTOP) until the restarted
     instance has rejoined, so the run cannot end first however slowly vLLM starts here."""
@@ -273,22 +299,21 @@ def test_dora_train_dense_reloads_and_a_killed_instance_rejoins(tmp_path):
     proc, run_dir = start_train(tmp_path, f"run.steps={steps}", *MIGRATE)
     log_path = tmp_path / "train.log"
     killed = rejoined = False
-    trainer_pid = None
+    held: list[int] = []
     try:
         deadline = time.monotonic() + 1500
         while proc.poll() is None and time.monotonic() < deadline and not rejoined:
             steps_file = run_dir / "steps.jsonl"
             if not killed and steps_file.is_file() and steps_file.read_text().strip():
                 pids = json.loads((run_dir / "processes.json").read_text())
-                trainer_pid = pids["trainer"]
-                os.killpg(trainer_pid, signal.SIGSTOP)
+                held = process_tree(pids["trainer"])
+                signal_all(held, signal.SIGSTOP)
                 os.killpg(pids["engine1"], signal.SIGKILL)
                 killed = True
             rejoined = killed and "instance engine1 rejoined the pool" in log_path.read_text(errors="replace")
             time.sleep(0.2)
     finally:
-        if trainer_pid is not None:
-            os.killpg(trainer_pid, signal.SIGCONT)
+        signal_all(held, signal.SIGCONT)
         log = finish(proc, tmp_path)
     assert killed and rejoined, log[-3000:]
     summary = check_run(run_dir, steps, 4)
