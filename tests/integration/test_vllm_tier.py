@@ -66,7 +66,7 @@ class Server:
                                          env=env, start_new_session=True)
 
     def wait_ready(self, timeout_s: float = 600.0) -> None:
-        from dora_megatron.rollout.sglang.server import wait_ready
+        from dora_megatron.rollout.vllm.server import wait_healthy as wait_ready
 
         asyncio.run(wait_ready(self.url, path="/health", timeout_s=timeout_s, alive=lambda: self.proc.poll() is None,
                                tail=lambda: self.log.read_text(errors="replace")[-3000:]))
