@@ -66,7 +66,7 @@ class Server:
                                          env=env, start_new_session=True)
 
     def wait_ready(self, timeout_s: float = 600.0) -> None:
-        from dora_megatron.rollout.sglang.server import wait_ready
+        from dora_megatron.rollout.vllm.server import wait_healthy as wait_ready
 
         asyncio.run(wait_ready(self.url, path="/health", timeout_s=timeout_s, alive=lambda: self.proc.poll() is None,
                                tail=lambda: self.log.read_text(errors="replace")[-3000:]))
@@ -182,7 +182,9 @@ def test_runtime_on_vllm_migrates_by_resubmit_and_continues_the_same_greedy_sequ
     names = ["e0", "e1"]
     ocfg = OrchestratorConfig(mode="dora", tbs=2, rbs=6, max_staleness=2, group_size=2, rebalance_interval_s=0.05,
                               cap_before_rebalance=6, cap_after_rebalance=4,
-                              kv_high_watermark=1e-3, kv_rebalance_min_interval_s=0.05)
+                              # any KV use is pressure (vLLM reports the share of its whole 1 GiB pool,
+                              # tiny here), so a hot instance levels with its peer every stats tick
+                              kv_high_watermark=1e-9, kv_rebalance_min_interval_s=0.05)
     max_new = 64
     opts = RuntimeOptions(steps=5, seed=0, max_new_tokens=max_new, temperature=0.0, top_p=1.0, top_k=-1,
                           snapshot_dir=lambda v: str(model_dir), stats_interval_s=0.02)
@@ -266,6 +268,32 @@ MIGRATE = ("orchestrator.kv_high_watermark=0.001", "orchestrator.kv_rebalance_mi
            "orchestrator.max_staleness=2", "orchestrator.rbs=12", "orchestrator.cap_after_rebalance=16")
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (torchrun's ranks may run in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def signal_all(pids: list[int], sig: int) -> None:
+    for p in pids:
+        try:
+            os.kill(p, sig)
+        except ProcessLookupError:
+            pass
+
+
 def test_dora_train_dense_reloads_and_a_killed_instance_rejoins(tmp_path):
     """Once training runs, engine1 is killed; the trainer is held (SIGSTOP) until the restarted
     instance has rejoined, so the run cannot end first however slowly vLLM starts here."""
@@ -273,22 +301,21 @@ def test_dora_train_dense_reloads_and_a_killed_instance_rejoins(tmp_path):
     proc, run_dir = start_train(tmp_path, f"run.steps={steps}", *MIGRATE)
     log_path = tmp_path / "train.log"
     killed = rejoined = False
-    trainer_pid = None
+    held: list[int] = []
     try:
         deadline = time.monotonic() + 1500
         while proc.poll() is None and time.monotonic() < deadline and not rejoined:
             steps_file = run_dir / "steps.jsonl"
             if not killed and steps_file.is_file() and steps_file.read_text().strip():
                 pids = json.loads((run_dir / "processes.json").read_text())
-                trainer_pid = pids["trainer"]
-                os.killpg(trainer_pid, signal.SIGSTOP)
+                held = process_tree(pids["trainer"])
+                signal_all(held, signal.SIGSTOP)
                 os.killpg(pids["engine1"], signal.SIGKILL)
                 killed = True
             rejoined = killed and "instance engine1 rejoined the pool" in log_path.read_text(errors="replace")
             time.sleep(0.2)
     finally:
-        if trainer_pid is not None:
-            os.killpg(trainer_pid, signal.SIGCONT)
+        signal_all(held, signal.SIGCONT)
         log = finish(proc, tmp_path)
     assert killed and rejoined, log[-3000:]
     summary = check_run(run_dir, steps, 4)

@@ -147,8 +147,7 @@ class ProcessRestart:
     async def __call__(self, model_path: str) -> None:
         import shutil
 
-        from dora_megatron.rollout.sglang.server import wait_ready
-        from dora_megatron.rollout.vllm.server import with_model
+        from dora_megatron.rollout.vllm.server import wait_healthy, with_model
 
         old = self._child()
         argv = list(old.argv)
@@ -157,7 +156,7 @@ class ProcessRestart:
         log.info("restarting %s on %s (vLLM version switch by restart)", old.name, model_path)
         # synchronous on purpose: kill + start without yielding, so no supervisor pass sees a dead child
         child = self.procs.restart(old.name, with_model(argv, str(pinned)))
-        await wait_ready(self.url, path=self.health_path, timeout_s=self.startup_timeout_s,
+        await wait_healthy(self.url, path=self.health_path, timeout_s=self.startup_timeout_s,
                          alive=child.alive, tail=child.tail)
         if previous.parent == self.pin_root and previous != pinned:
             shutil.rmtree(previous, ignore_errors=True)

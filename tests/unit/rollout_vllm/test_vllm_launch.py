@@ -121,7 +121,7 @@ def test_restart_switch_replaces_the_child_in_place_on_a_pinned_copy_of_the_snap
     url = f"http://127.0.0.1:{port}"
 
     async def go(procs):
-        from dora_megatron.rollout.sglang.server import wait_ready
+        from dora_megatron.rollout.vllm.server import wait_healthy as wait_ready
 
         engine = make_vllm_engine(cfg, url, str(moe), procs)
         assert isinstance(engine.restart, ProcessRestart)
