@@ -52,6 +52,11 @@ class DoraConfig:
             raise ConfigError("model.warm_start", f"{self.model.warm_start!r} is a supervised warm start on that digit "
                               "task, not on data.task jsonl: set model.warm_start= (empty: random init) or "
                               "model.path=DIR (a model for your prompts)")
+        if self.algo.wants_routed_experts and self.rollout.engine == "vllm":
+            # the vLLM adapter has no routed-experts reply to pass on: replay would silently train unreplayed
+            raise ConfigError("algo.routing_replay", "needs routed experts from the engine, which the vllm adapter "
+                              "does not return: use rollout.engine embedded or sglang, or set "
+                              "algo.routing_replay=false algo.router_agreement=false")
         if self.rollout.dtype != "float32" and self.controller.verify_checksums:
             raise ConfigError("controller.verify_checksums", f"must be false with rollout.dtype {self.rollout.dtype}: "
                               "the engine hashes its cast copy, which never equals the trainer's fp32 weights")

@@ -107,3 +107,11 @@ def test_resolved_config_of_an_older_run_still_loads(tmp_path):
     path.write_text(old)
     assert read_yaml(path)["trainer"]["checkpoint_dir"] == ""
     assert load_config(path) == load_config(ROOT / "configs" / "cpu_tiny.yaml")
+
+
+def test_routing_replay_on_the_vllm_engine_is_refused():
+    """The vLLM adapter returns no routed experts: replay there would train without replaying."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["rollout.engine=vllm", "algo.routing_replay=true"])
+    assert err.value.path == "algo.routing_replay" and "vllm" in str(err.value)
+    load_config(None, ["rollout.engine=vllm"])  # without replay the same engine is accepted
