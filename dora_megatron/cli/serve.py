@@ -37,6 +37,7 @@ def _listen(host: str, port: int):
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        sock.listen(128)  # listening, not only bound: another SO_REUSEADDR socket can bind a bound-only port
     except OSError:
         sock.close()
         raise

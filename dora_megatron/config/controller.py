@@ -16,8 +16,10 @@ class ControllerConfig:
     health_timeout_s: float = field_doc(30.0, "An engine whose stats poll (`/v1/loads` on SGLang, "
                                         "`/get_server_info` otherwise) does not answer within this time twice in a "
                                         "row is treated as failed (one timeout can be the controller's own loop lag).", gt=0.0, unit="s")
-    verify_checksums: bool = field_doc(True, "After a weight load, compare the engine's weights checksum with the "
-                                       "trainer's export checksum; a mismatch fails the instance.")
+    verify_checksums: bool = field_doc(True, "After a weight load, check the instance's weights: the embedded engine's "
+                                       "checksum against the trainer's export checksum, an SGLang instance's "
+                                       "/weights_checker checksum against the other instances on the same version "
+                                       "(off under EPLB); a mismatch fails the instance.")
     weight_transport: str = field_doc("disk", "How a new version reaches the instances switching to it right after "
                                       "a training step: `disk` loads the per-version safetensors snapshot "
                                       "(`/update_weights_from_disk`); `distributed` has the trainer broadcast it "

@@ -24,6 +24,8 @@ class SGLangConfig:
     REMOVED_KEYS: ClassVar[dict[str, tuple[Any, str]]] = {
         "skip_tokenizer_init": (True, "dora always starts SGLang with --skip-tokenizer-init (the controller sends "
                                       "token ids and reads output_ids; the engine never tokenizes); delete the key"),
+        "enable_dp_attention": (False, "SGLang 0.5.23 ignores --enable-dp-attention: set sglang.attn_dp_size "
+                                       "(--attn-dp-size) instead"),
     }
 
     python: str = field_doc("", "Python interpreter that has sglang installed (it pins its own torch); empty = the one running dora.")

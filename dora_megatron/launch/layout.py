@@ -2,8 +2,7 @@
 
 Why: Megatron refuses an impossible layout only once every rank has built its process groups, i.e.
 after the warm start and the engines have started, and torchrun then buries the reason under its
-``ChildFailedError`` banner. The same rules, read from ``config.json`` alone (stdlib only, no
-torch), let ``dora train`` (also ``--dry-run``) and ``dora convert`` refuse such a layout at once
+``ChildFailedError`` banner. The same rules, read from ``config.json`` alone (no torch), let ``dora train`` (also ``--dry-run``) and ``dora convert`` refuse such a layout at once
 with the reason. They mirror what :func:`dora_megatron.trainer.model.build_transformer_config`
 enforces on the ranks.
 """
@@ -15,32 +14,30 @@ from pathlib import Path
 from typing import Any
 
 
-def _int(cfg: dict[str, Any], *keys: str, default: int = 0) -> int:
-    for k in keys:
-        if cfg.get(k):
-            return int(cfg[k])
-    return default
-
-
 def layout_problems(hf_config: dict[str, Any], tp: int, pp: int, ep: int, prefix: str = "trainer.") -> list[str]:
     """Why a ``tp`` x ``pp`` x ``ep`` layout cannot hold the model ``hf_config`` (empty: it can).
 
-    Each problem names the size (``{prefix}tp`` etc.) and the model dimension it must divide."""
+    The config is read by the one reader (:mod:`dora_megatron.models.hf_config`, transformers' own
+    classes), so every spelling means here what it means to the engine and the trainer; a config that
+    reader refuses is reported by the model-directory check, not here. Each problem names the size
+    (``{prefix}tp`` etc.) and the model dimension it must divide."""
+    from dora_megatron.models.hf_config import spec_from_dict
+
+    try:
+        spec = spec_from_dict(hf_config)
+    except (ValueError, KeyError, TypeError):
+        return []
     problems = []
-    layers = _int(hf_config, "num_hidden_layers")
-    heads = _int(hf_config, "num_attention_heads")
-    kv_heads = _int(hf_config, "num_key_value_heads", default=heads)
-    experts = _int(hf_config, "num_experts", "num_local_experts")
-    if layers and layers % pp:
-        problems.append(f"{prefix}pp={pp}: the model's {layers} layers are not divisible by pp")
-    if heads and (heads % tp or kv_heads % tp):
-        problems.append(f"{prefix}tp={tp}: the model's attention heads ({heads} query, {kv_heads} key/value) "
-                        "are not divisible by tp")
-    if ep > 1 and not experts:
+    if spec.num_layers % pp:
+        problems.append(f"{prefix}pp={pp}: the model's {spec.num_layers} layers are not divisible by pp")
+    if spec.num_heads % tp or spec.num_kv_heads % tp:
+        problems.append(f"{prefix}tp={tp}: the model's attention heads ({spec.num_heads} query, {spec.num_kv_heads} "
+                        "key/value) are not divisible by tp")
+    if ep > 1 and not spec.num_experts:
         problems.append(f"{prefix}ep={ep} needs an MoE model with experts divisible by ep; the model "
-                        f"({hf_config.get('model_type', '?')}) is dense: use ep=1")
-    elif ep > 1 and experts % ep:
-        problems.append(f"{prefix}ep={ep}: the model's {experts} experts are not divisible by ep")
+                        f"({spec.model_type}) is dense: use ep=1")
+    elif ep > 1 and spec.num_experts % ep:
+        problems.append(f"{prefix}ep={ep}: the model's {spec.num_experts} experts are not divisible by ep")
     return problems
 
 
@@ -61,5 +58,15 @@ def trainer_layout_problem(cfg) -> str | None:
     if hf_config is None:
         return None
     problems = layout_problems(hf_config, trainer.tp, trainer.pp, trainer.ep)
+    if cfg.algo.wants_routed_experts:
+        from dora_megatron.models.hf_config import spec_from_dict
+
+        try:
+            dense = not spec_from_dict(hf_config).num_experts
+        except (ValueError, KeyError, TypeError):  # reported by the model-directory check
+            dense = False
+        if dense:  # a dense engine answers 400 to every return_routed_experts request, after every process is up
+            problems.append("algo.routing_replay / algo.router_agreement need an MoE model; the model "
+                            f"({hf_config.get('model_type', '?')}) is dense: set both to false")
     where = f"model.path {cfg.model.path}" if cfg.model.path else f"model.preset {cfg.model.preset}"
     return f"{'; '.join(problems)} ({where})" if problems else None

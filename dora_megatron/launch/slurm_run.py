@@ -91,10 +91,11 @@ def write_marker(run_dir: Path, kind: str, reason: str, job_id: str) -> bool:
 
 
 def _clear_previous_markers(run_dir: Path, job_id: str) -> None:
-    """A resumed run: the FAILED of the job it resumes is kept as ``FAILED.job<id>``."""
+    """A resumed run: the marker of the job it resumes (FAILED, or DONE when a finished run is extended
+    with ``--set run.steps=N``) is kept as ``<KIND>.job<id>``, so this job can write its own."""
     m = read_marker(run_dir)
-    if m is not None and m.kind == FAILED and m.job_id != job_id:
-        os.replace(run_dir / FAILED, run_dir / f"{FAILED}.job{m.job_id or 'unknown'}")
+    if m is not None and m.job_id != job_id:
+        os.replace(run_dir / m.kind, run_dir / f"{m.kind}.job{m.job_id or 'unknown'}")
 
 
 class _Terminated(KeyboardInterrupt):
@@ -167,7 +168,7 @@ class NodeEngines:
             if name not in self.names:  # a trainer (or part of a multi-node instance): the run cannot go on
                 # status 0: the trainer was told to stop at the end of the run (DONE follows)
                 if not child.alive() and child.popen.returncode != 0:
-                    raise ChildFailed(f"{name} exited with status {child.popen.returncode}; last log lines:\n{child.tail()}")
+                    raise ChildFailed(child.failure())
                 continue
             late = name in self.pending and time.monotonic() > self.pending[name]
             if child.alive() and not late:

@@ -64,7 +64,8 @@ async def push_distributed_async(
     ``"in_place"``): pause the engines before the first bucket and continue them after the last;
     None: the caller drained them. ``gpus``: engine URL -> its TP size (ranks in the group; 1 when
     absent). ``master_port``: the rendezvous store's port on this host (None: a free one).
-    Raises :class:`PushError` when any engine failed (those are not resumed); returns a
+    Raises :class:`PushError` when any engine failed (every engine's update session is closed and its
+    generation continued on every exit path all the same); returns a
     :class:`PushResult` whose ``seconds`` include forming the group."""
     from dora_megatron.rollout.sglang.client import SGLangClient
     from dora_megatron.weights.checksum import weights_checksum

@@ -170,8 +170,12 @@ class SlurmCluster:
     def stop(self) -> None:
         """Cancel what still runs (a failed test may leave a job), then SIGTERM every daemon this
         object started (slurmds first) and SIGKILL what is left."""
+        if self.procs:  # also when a daemon died: job steps are not its children and would run on
+            try:
+                subprocess.run(["scancel", "--full", "--user", "root"], env=self.env, capture_output=True, timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
         if self.procs and all(p.poll() is None for p in self.procs):
-            subprocess.run(["scancel", "--full", "--user", "root"], env=self.env, capture_output=True, timeout=30)
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
                 out = subprocess.run(["squeue", "-h", "-o", "%i"], env=self.env, capture_output=True, text=True,

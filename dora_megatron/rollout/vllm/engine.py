@@ -158,7 +158,10 @@ class VLLMEngine:
                 self._labelled = True
 
     async def generate(self, input_ids: Sequence[int], sampling_params=None, *, rid: str | None = None,
-                       return_logprob: bool = True, version: int | str | None = None) -> GenerateResponse:
+                       return_logprob: bool = True, version: int | str | None = None,
+                       routed_experts: bool = False) -> GenerateResponse:
+        if routed_experts:  # vLLM's generate reply carries no routed experts to replay
+            raise ExtensionUnsupported(f"{self.base_url}: routed experts (routing replay) are not available from vLLM")
         await self._ensure_label()
         rid = rid if rid is not None else f"r{next(self._ids)}"
         if WIRE_SEP in rid:

@@ -61,6 +61,16 @@ def test_impossible_trainer_layout_is_refused_before_anything_starts(tmp_path):
     assert not run_dir.exists()  # no warm start, no engines
 
 
+def test_routing_replay_on_a_dense_model_is_refused_before_anything_starts(tmp_path):
+    """A dense engine answers 400 to every routed-experts request: refused up front, not mid-run."""
+    run_dir = tmp_path / "run"
+    proc = dora("train", "--config", str(CPU_TINY), "--set", "model.preset=tiny-dense", "--set",
+                "algo.routing_replay=true", "--set", f"run.run_dir={run_dir}", "--dry-run", timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "algo.routing_replay / algo.router_agreement need an MoE model" in proc.stderr, proc.stderr
+    assert not run_dir.exists()
+
+
 def test_convert_to_a_tp_that_does_not_divide_the_heads_is_refused_at_once(tmp_path):
     from dora_megatron.models.presets import create_model_dir
 

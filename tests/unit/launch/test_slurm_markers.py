@@ -34,6 +34,15 @@ def test_first_marker_of_a_job_wins_and_names_the_job(tmp_path):
     assert write_marker(tmp_path, DONE, "ok", "42") and read_marker(tmp_path).job_id == "42"
 
 
+def test_a_finished_run_extended_by_a_new_job_gets_that_jobs_marker(tmp_path):
+    """``sbatch ... --resume RUN_DIR --set run.steps=N`` of a run that ended DONE: the old DONE is set
+    aside, so the new job can write its own (before, os.link failed and the other nodes waited on)."""
+    assert write_marker(tmp_path, DONE, "ok", "41")
+    _clear_previous_markers(tmp_path, "42")
+    assert read_marker(tmp_path) is None and (tmp_path / "DONE.job41").is_file()
+    assert write_marker(tmp_path, DONE, "ok", "42") and read_marker(tmp_path).job_id == "42"
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_sigterm_and_sigint_write_failed_before_unwinding(tmp_path, sig):
     before = signal.getsignal(sig)

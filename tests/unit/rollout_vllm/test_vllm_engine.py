@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from dora_megatron.rollout.client import VersionMismatch
+from dora_megatron.rollout.client import ExtensionUnsupported, VersionMismatch
 from dora_megatron.rollout.vllm.engine import VLLMEngine, parse_generate, span_problem, vllm_sampling_params
 
 
@@ -228,3 +228,16 @@ def test_parse_generate_rejects_logprobs_that_do_not_match_the_tokens():
                          "logprobs": {"content": [{"token_id": 1, "logprob": -1.0}]}}]}
     with pytest.raises(Exception, match="1 logprobs for 2 tokens"):
         parse_generate(body, "s", 3)
+
+
+def test_routed_experts_are_refused_before_anything_is_sent():
+    """The runtime asks for routed experts when routing replay is on; vLLM returns none, so the
+    adapter says so (ExtensionUnsupported) instead of a TypeError or an unreplayed sample."""
+    fake = FakeVLLM()
+
+    async def body(engine):
+        with pytest.raises(ExtensionUnsupported, match="routed experts"):
+            await engine.generate([1], {"max_new_tokens": 4}, rid="s1", version=0, routed_experts=True)
+
+    run_with(fake, body, initial_version=0)
+    assert fake.calls == []
