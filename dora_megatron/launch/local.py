@@ -286,9 +286,10 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
     engines = {n: make_engine(u) for n, u in urls.items()}
     trainer_url = trainer_url or f"http://{host}:{trainer_port}"
     trainer = TrainerClient(trainer_url)
+    health_path = cfg.vllm.health_path if cfg.rollout.engine == "vllm" else "/health"
     say(f"waiting for {len(engines)} engines and the trainer ({cfg.launch.trainer_procs} rank(s)) ...")
     await asyncio.gather(
-        *(_wait_http(f"{u}/health", procs, cfg.rollout.startup_timeout_s, n) for n, u in urls.items()),
+        *(_wait_http(f"{u}{health_path}", procs, cfg.rollout.startup_timeout_s, n) for n, u in urls.items()),
         _wait_http(f"{trainer_url}/health", procs, cfg.launch.trainer_startup_timeout_s, "trainer"),
     )
     say(f"all processes healthy after {time.monotonic() - t_start:.1f} s")
@@ -405,7 +406,8 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
     policy = RestartPolicy(enabled=cfg.launch.restart_engines,
                            max_restarts=cfg.launch.max_engine_restarts,
                            startup_timeout_s=cfg.rollout.startup_timeout_s,
-                           fixed_port=bool(cfg.rollout.base_port) or engine_urls is not None, host=host)
+                           fixed_port=bool(cfg.rollout.base_port) or engine_urls is not None, host=host,
+                           health_path=health_path)
     supervisor = EngineSupervisor(procs, runtime, policy, make_engine, names,
                                   on_restarted=lambda: _write_processes(run_dir, procs))
     monitor = asyncio.get_running_loop().create_task(supervisor.run())

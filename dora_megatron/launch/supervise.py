@@ -36,6 +36,7 @@ class RestartPolicy:
     startup_timeout_s: float = 300.0
     fixed_port: bool = False  # True: restart on the same port; False: a fresh free port
     host: str = "127.0.0.1"
+    health_path: str = "/health"  # polled until 200 after a restart (vllm: vllm.health_path)
 
 
 def with_port(argv: list[str] | tuple[str, ...], port: int) -> list[str]:
@@ -157,7 +158,7 @@ class EngineSupervisor:
                 if not child.alive():
                     return False
                 try:
-                    async with session.get(f"{url}/health") as resp:
+                    async with session.get(f"{url}{self.policy.health_path}") as resp:
                         if resp.status == 200:
                             return True
                 except (aiohttp.ClientError, asyncio.TimeoutError, OSError):

@@ -143,3 +143,29 @@ def test_all_failed_waits_for_instances_on_other_nodes_then_ends_the_run(tmp_pat
     assert rt._error is None and not rt._done.is_set()
     rt = asyncio.run(main(come_back=False))
     assert rt._done.is_set() and "remote0" in str(rt._error) and "startup_timeout_s" in str(rt._error)
+
+
+def test_a_restarted_engine_is_polled_on_the_configured_health_path():
+    """``vllm.health_path`` (RestartPolicy.health_path) is what a restart waits on, not a fixed /health."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    class Alive:
+        def alive(self):
+            return True
+
+    class Runtime:
+        engine_restarts = 0
+
+    async def go():
+        app = web.Application()
+        app.router.add_get("/ready", lambda _req: web.Response(text="ok"))
+        async with TestServer(app, host="127.0.0.1") as server:
+            url = str(server.make_url("")).rstrip("/")
+            on_path = EngineSupervisor(None, Runtime(), RestartPolicy(startup_timeout_s=5, health_path="/ready"),
+                                       make_engine=lambda u: u, engine_names=[])
+            default = EngineSupervisor(None, Runtime(), RestartPolicy(startup_timeout_s=1), make_engine=lambda u: u,
+                                       engine_names=[])
+            return await on_path._healthy(url, Alive()), await default._healthy(url, Alive())
+
+    assert asyncio.run(go()) == (True, False)
