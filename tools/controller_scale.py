@@ -323,6 +323,11 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as err:
             sys.stderr.write(f"config error: {err}\n")
             return 2
+        except (TimeoutError, OSError, RuntimeError) as err:  # the fake fleet or trainer never came up
+            Path(args.out).write_text(json.dumps({"instances": args.instances, "error": f"{type(err).__name__}: {err}"},
+                                                 indent=2) + "\n")
+            sys.stderr.write(f"controller_scale: {type(err).__name__}: {err} (written to {args.out})\n")
+            return 1
     finally:
         if args.keep:
             sys.stderr.write(f"run directory kept: {work}\n")
