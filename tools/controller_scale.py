@@ -28,7 +28,6 @@ import logging
 import os
 import resource
 import shutil
-import statistics
 import sys
 import tempfile
 import threading

@@ -67,6 +67,24 @@ def prepare_model(cfg: DoraConfig, run_dir: Path, say=print) -> Path:
     return path
 
 
+def engine_for(cfg: DoraConfig, url: str, model_dir: str, procs: ProcessSet | None = None):
+    """The runtime's client of the instance at ``url``, by ``rollout.engine`` (local runs, SLURM and
+    elastic joins alike). ``procs``: the launcher's processes, when it may restart vLLM instances."""
+    if cfg.rollout.engine == "sglang":  # SGLang protocol only: abort+resubmit migration, echoed-version C1 check
+        from dora_megatron.rollout.sglang.client import SGLangClient
+        from dora_megatron.rollout.sglang.engine import SGLangEngine
+
+        return SGLangEngine(SGLangClient(url, timeout_s=cfg.rollout.request_timeout_s),
+                            checksum=not cfg.sglang.enable_eplb)  # EPLB: per-instance expert layouts
+    if cfg.rollout.engine == "vllm":  # vLLM API: resubmit migration, weight_versions C1 guard, reload/restart switch
+        from dora_megatron.rollout.vllm.launch import make_vllm_engine
+
+        return make_vllm_engine(cfg, url, model_dir, procs)
+    from dora_megatron.rollout.client import EngineClient
+
+    return EngineClient(url, timeout_s=cfg.rollout.request_timeout_s)
+
+
 async def _wait_http(url: str, procs: ProcessSet, timeout_s: float, what: str) -> None:
     import aiohttp
 
@@ -263,7 +281,6 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
     from dora_megatron.observability.tensorboard import NullWriter, TensorBoardWriter
     from dora_megatron.observability.timeline import Timeline
     from dora_megatron.orchestrator import Orchestrator
-    from dora_megatron.rollout.client import EngineClient
 
     t_start = time.monotonic()
     names = [f"engine{i}" for i in range(len(engine_ports))]
@@ -271,17 +288,7 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
     names = list(urls)
 
     def make_engine(url: str):
-        if cfg.rollout.engine == "sglang":  # SGLang protocol only: abort+resubmit migration, echoed-version C1 check
-            from dora_megatron.rollout.sglang.client import SGLangClient
-            from dora_megatron.rollout.sglang.engine import SGLangEngine
-
-            return SGLangEngine(SGLangClient(url, timeout_s=cfg.rollout.request_timeout_s),
-                                checksum=not cfg.sglang.enable_eplb)  # EPLB: per-instance expert layouts
-        if cfg.rollout.engine == "vllm":  # vLLM API: resubmit migration, weight_versions C1 guard, reload/restart switch
-            from dora_megatron.rollout.vllm.launch import make_vllm_engine
-
-            return make_vllm_engine(cfg, url, str(model_dir), procs if engine_urls is None else None)
-        return EngineClient(url, timeout_s=cfg.rollout.request_timeout_s)
+        return engine_for(cfg, url, str(model_dir), procs if engine_urls is None else None)
 
     engines = {n: make_engine(u) for n, u in urls.items()}
     trainer_url = trainer_url or f"http://{host}:{trainer_port}"

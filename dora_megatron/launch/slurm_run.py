@@ -307,21 +307,13 @@ def run_slurm_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan, resume: st
 async def _controller(cfg: DoraConfig, plan: ClusterPlan, run_dir: Path, model_dir: Path, procs: ProcessSet,
                       checkpoint, node: str) -> dict:
     from dora_megatron.launch.elastic import watch_joins
-    from dora_megatron.launch.local import _run_controller
+    from dora_megatron.launch.local import _run_controller, engine_for
 
     join_dir = _join_dir(cfg, run_dir)
     join_dir.mkdir(parents=True, exist_ok=True)
 
-    def make(req):
-        if cfg.rollout.engine == "embedded":
-            from dora_megatron.rollout.client import EngineClient
-
-            return EngineClient(req.url, timeout_s=cfg.rollout.request_timeout_s)
-        from dora_megatron.rollout.sglang.client import SGLangClient
-        from dora_megatron.rollout.sglang.engine import SGLangEngine
-
-        return SGLangEngine(SGLangClient(req.url, timeout_s=cfg.rollout.request_timeout_s),
-                            checksum=not cfg.sglang.enable_eplb)  # EPLB: per-instance expert layouts
+    def make(req):  # a joining instance gets the same client as the planned ones
+        return engine_for(cfg, req.url, str(model_dir))
 
     def start_watcher(runtime) -> None:
         asyncio.get_running_loop().create_task(watch_joins(join_dir, runtime, make, poll_s=cfg.cluster.join_poll_s))

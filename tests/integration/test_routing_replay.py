@@ -6,7 +6,6 @@ layer of the trainer routed every token to exactly the given experts."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
