@@ -207,7 +207,8 @@ class _FakeClient(SGLangClient):
         super().__init__("http://sglang.invalid")
         self.meta = meta
 
-    async def generate(self, input_ids, sampling_params=None, *, rid=None, return_logprob=True, version=None):
+    async def generate(self, input_ids, sampling_params=None, *, rid=None, return_logprob=True, version=None,
+                       routed_experts=False):
         return GenerateResponse.from_json({"output_ids": [1, 2, 3], "meta_info": {"id": rid, **self.meta}})
 
 
