@@ -81,7 +81,7 @@ def server(model_dir, tmp_path_factory):
     with ProcessSet(logs, grace_s=30) as procs:
         child = start_instance(procs, ProcessSpec("engine", "sgl-smoke", "127.0.0.1", server_argv(spec, cfg.sglang, cfg.rollout)))
         url = f"http://127.0.0.1:{port}"
-        asyncio.run(wait_ready(url, timeout_s=900, alive=child.alive, tail=child.tail))
+        asyncio.run(wait_ready(url, path="/health_generate", timeout_s=900, alive=child.alive, tail=child.tail))
         yield url
 
 

@@ -3,7 +3,7 @@
 WHY here and not in the launcher: the local launcher and every SLURM node start instances the same
 way: the argv from :mod:`.args`, a log file per instance under the run's ``logs/`` (via
 :class:`~dora_megatron.launch.processes.ProcessSet`, so stopping the job stops the server's own
-children too), then a health poll (``/health_generate`` by default, which runs a one-token
+children too), then a health poll (:func:`dora_megatron.rollout.health.wait_ready`; SGLang's ``/health_generate`` runs a one-token
 generation in SGLang 0.5.x) that fails fast, with the log tail, when the process exits. Once the
 instances serve, :func:`check_versions` warns about any that is not the tested SGLang release.
 """
@@ -12,18 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from typing import Callable
 
 from dora_megatron.launch.plan import ProcessSpec
 from dora_megatron.launch.processes import Child, ProcessSet
-
-
-log = logging.getLogger(__name__)
-
-
-class InstanceNotReady(RuntimeError):
-    pass
+from dora_megatron.rollout.health import InstanceNotReady, wait_ready  # noqa: F401 (part of this module's API)
 
 
 def start_instance(procs: ProcessSet, spec: ProcessSpec) -> Child:
@@ -31,28 +23,7 @@ def start_instance(procs: ProcessSet, spec: ProcessSpec) -> Child:
     return procs.start(spec.name, spec.argv, {**spec.env, "PYTHONUNBUFFERED": "1"})
 
 
-async def wait_ready(url: str, *, path: str = "/health_generate", timeout_s: float = 600.0, interval_s: float = 1.0,
-                     alive: Callable[[], bool] | None = None, tail: Callable[[], str] | None = None) -> float:
-    """Poll ``url + path`` until HTTP 200; returns the seconds waited.
-
-    Raises :class:`InstanceNotReady` when ``alive()`` turns false (with ``tail()``, the log's end) or
-    after ``timeout_s``."""
-    import aiohttp
-
-    t0 = time.monotonic()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=max(5.0, interval_s * 5))) as session:
-        while True:
-            if alive is not None and not alive():
-                raise InstanceNotReady(f"{url}: process exited before it was ready\n{tail() if tail else ''}")
-            try:
-                async with session.get(url.rstrip("/") + path) as resp:
-                    if resp.status == 200:
-                        return time.monotonic() - t0
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-                pass
-            if time.monotonic() - t0 > timeout_s:
-                raise InstanceNotReady(f"{url}{path} not ready after {timeout_s:.0f} s\n{tail() if tail else ''}")
-            await asyncio.sleep(interval_s)
+log = logging.getLogger(__name__)
 
 
 def version_warning(url: str, found: str | None) -> str | None:

@@ -91,32 +91,10 @@ def with_model(argv: tuple[str, ...] | list[str], model_dir: str) -> list[str]:
     return out
 
 
-class InstanceNotReady(RuntimeError):
-    pass
-
-
 async def wait_healthy(url: str, *, path: str = "/health", timeout_s: float = 600.0, interval_s: float = 0.5,
                        alive=None, tail=None) -> float:
-    """Poll ``url + path`` until HTTP 200; returns the seconds waited.
+    """:func:`~dora_megatron.rollout.health.wait_ready` on vLLM's ``/health``: a vLLM start takes 20 s
+    on an idle machine and minutes on a loaded one."""
+    from dora_megatron.rollout.health import wait_ready
 
-    Raises :class:`InstanceNotReady` when ``alive()`` turns false (with ``tail()``, the log's end) or
-    after ``timeout_s``: a vLLM start takes 20 s on an idle machine and minutes on a loaded one."""
-    import asyncio
-    import time
-
-    import aiohttp
-
-    t0 = time.monotonic()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
-        while True:
-            if alive is not None and not alive():
-                raise InstanceNotReady(f"{url}: process exited before it was ready\n{tail() if tail else ''}")
-            try:
-                async with session.get(url.rstrip("/") + path) as resp:
-                    if resp.status == 200:
-                        return time.monotonic() - t0
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-                pass
-            if time.monotonic() - t0 > timeout_s:
-                raise InstanceNotReady(f"{url}{path} not ready after {timeout_s:.0f} s\n{tail() if tail else ''}")
-            await asyncio.sleep(interval_s)
+    return await wait_ready(url, path=path, timeout_s=timeout_s, interval_s=interval_s, alive=alive, tail=tail)
