@@ -33,7 +33,14 @@ class TrainerConfig:
     pp: int = field_doc(1, "pipeline-parallel size (layers are split evenly)", ge=1)
     ep: int = field_doc(1, "expert-parallel size (MoE models only; experts split evenly)", ge=1)
     dp: int = field_doc(0, "data-parallel size; 0 = derived as world_size / (tp * pp)", ge=0)
-    micro_batch_size: int = field_doc(1, "samples per micro-batch (padded to the longest)", ge=1)
+    micro_batch_size: int = field_doc(1, "samples per micro-batch, all padded to the step's longest sample "
+                                         "(used when max_tokens_per_micro_batch is 0)", ge=1)
+    max_tokens_per_micro_batch: int = field_doc(
+        0, "token budget of a micro-batch: samples sorted by length, each micro-batch holds as many as fit "
+           "at the padded length of its longest (rows x length <= budget), which removes most padding with "
+           "long-tailed lengths; 0 = fixed micro_batch_size rows padded to the step's longest sample. "
+           "Must be >= max_seq_len (the longest sample fits); with pp > 1 it needs a dense model or the "
+           "alltoall MoE dispatcher (CUDA)", ge=0)
     max_seq_len: int = field_doc(4096, "longest prompt+response the trainer accepts, tokens", ge=1)
     lr: float = field_doc(1e-6, "Adam learning rate (constant)", gt=0)
     weight_decay: float = field_doc(0.0, "decoupled weight decay", ge=0)
@@ -52,6 +59,10 @@ class TrainerConfig:
     def check(self, path: str) -> None:
         if self.device == "cpu" and self.spec == "te":
             raise ConfigError(f"{path}.spec", "the Transformer Engine spec needs device cuda")
+        if 0 < self.max_tokens_per_micro_batch < self.max_seq_len:
+            raise ConfigError(f"{path}.max_tokens_per_micro_batch",
+                              f"{self.max_tokens_per_micro_batch} is below max_seq_len={self.max_seq_len}: a micro-batch "
+                              "must hold the longest sample the trainer accepts (or set 0 to disable token budgets)")
 
     def data_parallel_size(self, world_size: int) -> int:
         """DP size for ``world_size`` ranks; raises ConfigError when the layout does not fit."""

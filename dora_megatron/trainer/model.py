@@ -67,9 +67,21 @@ def choose_spec(spec: str, device: str) -> str:
 
 
 def build_transformer_config(arch: ModelSpec, *, tp: int, pp: int, ep: int, device: str,
-                             moe_aux_loss_coef: float = 0.0, spec: str = "local"):
-    """A ``TransformerConfig`` equivalent to the HF model (fp32 params, no dropout, deterministic)."""
+                             moe_aux_loss_coef: float = 0.0, spec: str = "local",
+                             variable_seq_lengths: bool = False):
+    """A ``TransformerConfig`` equivalent to the HF model (fp32 params, no dropout, deterministic).
+
+    ``variable_seq_lengths``: micro-batches of one step have different shapes (token-budget
+    micro-batching); only pipeline stages need to know (they exchange each activation's shape)."""
     from megatron.core.transformer import TransformerConfig
+
+    variable = variable_seq_lengths and pp > 1
+    if variable and arch.is_moe and device == "cpu":
+        # Megatron refuses the allgather dispatcher (the one that runs on CPU) with variable lengths
+        # (megatron/core/transformer/transformer_config.py, "does not support variable sequence length").
+        raise ValueError("trainer.max_tokens_per_micro_batch > 0 with pp > 1 needs Megatron's variable_seq_lengths, "
+                         "which the allgather MoE dispatcher used on CPU does not support: set "
+                         "trainer.max_tokens_per_micro_batch: 0 or trainer.pp: 1")
 
     if arch.num_layers % pp:
         raise ValueError(f"num_layers={arch.num_layers} not divisible by pp={pp}")
@@ -99,9 +111,9 @@ def build_transformer_config(arch: ModelSpec, *, tp: int, pp: int, ep: int, devi
         params_dtype=torch.float32,
         pipeline_dtype=torch.float32,
         use_cpu_initialization=(device == "cpu"),
-        # Every micro-batch of a step is padded to one length, so fixed p2p shapes suffice
-        # (and the allgather MoE dispatcher used on CPU refuses variable lengths).
-        variable_seq_lengths=False,
+        # Fixed plan: every micro-batch of a step is padded to one length, so fixed p2p shapes
+        # suffice (and the allgather MoE dispatcher used on CPU refuses variable lengths).
+        variable_seq_lengths=variable,
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,

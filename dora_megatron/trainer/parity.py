@@ -40,12 +40,7 @@ def megatron_logits(worker, input_ids: torch.Tensor) -> torch.Tensor | None:
         store.append(logits[:, : input_ids.shape[1], : worker.arch.vocab_size].float().cpu())
         return logits.sum() * 0, torch.tensor(1, dtype=torch.int), {}
 
-    saved_mbs = worker.cfg.micro_batch_size
-    worker.cfg.micro_batch_size = len(samples)
-    try:
-        worker._run(mbs, seq_len, loss_fn, forward_only=True)
-    finally:
-        worker.cfg.micro_batch_size = saved_mbs
+    worker._run(mbs, loss_fn, forward_only=True)
     mine = store[0] if (store and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0) else None
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)

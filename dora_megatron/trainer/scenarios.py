@@ -12,7 +12,10 @@ share one implementation. Run as::
 checkpoint, step on batch 1. ``replay``: batch 0 with the ``routed_experts`` from ``--routing`` (a
 ``torch.save`` list, one ``[positions, layers, top_k]`` tensor per sample): ``router_topk_agreement``
 before replay, log-probs with replay (``--replay``) or without, the routers' chosen experts (1 rank)
-and one train step. Rank 0 writes a ``torch.save`` dict to ``--out``.
+and one train step. ``grouping``: the gradients and metrics of one long-tailed batch (:func:`long_tail_batch`)
+under each ``--budgets`` value of ``trainer.max_tokens_per_micro_batch`` (0 = ``--micro-batch-size``
+rows) and each ``--length-norms`` value, without optimizer steps. Rank 0 writes a ``torch.save`` dict
+to ``--out``.
 """
 
 from __future__ import annotations
@@ -37,6 +40,40 @@ def fixed_batch(vocab_size: int, seed: int, num_groups: int = 2, group_size: int
             batch.append({"prompt_ids": prompt, "response_ids": torch.randint(0, vocab_size, (n,), generator=g).tolist(),
                           "reward": float((k + grp) % 2), "group_id": grp, "version": 0})
     return batch
+
+
+def long_tail_batch(vocab_size: int, seed: int, response_lengths: tuple[int, ...] = (1, 2, 2, 3, 3, 4, 5, 7, 9, 14,
+                                                                                   22, 41)) -> list[dict]:
+    """GRPO batch of pairs whose response lengths have a long tail (most short, a few long), in a
+    shuffled order, so that grouping by length differs from batch order."""
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(response_lengths), generator=g).tolist()
+    batch = []
+    for k, j in enumerate(order):
+        prompt = torch.randint(0, vocab_size, (3 + k % 4,), generator=g).tolist()
+        response = torch.randint(0, vocab_size, (response_lengths[j],), generator=g).tolist()
+        batch.append({"prompt_ids": prompt, "response_ids": response, "reward": float(j % 3 == 0),
+                      "group_id": k // 2, "version": 0})
+    return batch
+
+
+def _grouping(worker, vocab: int, budgets: list[int], norms: list[str], noise: float) -> dict:
+    """{(length_norm, budget): {"metrics", "grads", "micro_batches"}} for one batch; ``grads`` maps
+    every local parameter's name to its reduced ``main_grad`` (with EP, rank 0's local experts are
+    global experts ``0..E/ep-1``, so its names match the 1-rank run's)."""
+    from dataclasses import replace
+
+    batch = _with_rollout_logprobs(worker, long_tail_batch(vocab, seed=0), noise, seed=0)
+    out: dict = {}
+    for norm in norms:
+        worker.algo = replace(worker.algo, length_norm=norm, length_norm_constant=64 if norm == "constant" else 0)
+        for budget in budgets:
+            worker.cfg.max_tokens_per_micro_batch = budget
+            metrics = worker.accumulate_gradients(batch)
+            grads = {name: p.main_grad.detach().clone() for name, p in worker.model.module.named_parameters()}
+            out[(norm, budget)] = {"metrics": metrics, "grads": grads,
+                                   "micro_batches": len(worker._plan(batch).micro_batches)}
+    return out
 
 
 def _with_rollout_logprobs(worker, batch: list[dict], noise: float, seed: int) -> list[dict]:
@@ -70,7 +107,9 @@ def _replay(worker, vocab: int, routing: list, noise: float) -> dict:
 
 def run(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dora_megatron.trainer.scenarios")
-    parser.add_argument("scenario", choices=("step", "resume-save", "resume-load", "replay"))
+    parser.add_argument("scenario", choices=("step", "resume-save", "resume-load", "replay", "grouping"))
+    parser.add_argument("--budgets", default="0", help="grouping: comma-separated max_tokens_per_micro_batch values")
+    parser.add_argument("--length-norms", default="token_mean", help="grouping: comma-separated algo.length_norm values")
     parser.add_argument("--routing", default="")
     parser.add_argument("--replay", action="store_true")
     parser.add_argument("--hf", required=True)
@@ -112,6 +151,9 @@ def run(argv: list[str] | None = None) -> int:
         result["metrics"] = worker.train_step(batch)
         result["step_seconds"] = time.perf_counter() - t0
         result["tokens"] = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in batch)
+    elif args.scenario == "grouping":
+        result["grouping"] = _grouping(worker, vocab, [int(b) for b in args.budgets.split(",")],
+                                       args.length_norms.split(","), args.noise)
     elif args.scenario == "replay":
         result.update(_replay(worker, vocab, torch.load(args.routing), args.noise))
     elif args.scenario == "resume-save":

@@ -18,14 +18,16 @@ for ``compute_logprobs``), and either ``advantage`` (float) or ``reward`` (float
 for positions ``[0, len(prompt + response) - 1)``, base64 or ``[positions, layers, top_k]``) gives
 ``router_topk_agreement`` and, with ``algo.routing_replay``, is replayed by every MoE router
 (:mod:`dora_megatron.trainer.routing_replay`); ``ref_logprobs`` (one per response token) is
-required only when ``algo.kl_coef > 0`` (the trainer holds no reference model). Sequences are right-padded to the longest
-sample of the step (rounded up to a multiple of TP when sequence parallelism is on).
+required only when ``algo.kl_coef > 0`` (the trainer holds no reference model). Sequences are right-padded: to the
+longest sample of the step with ``trainer.max_tokens_per_micro_batch: 0`` (``micro_batch_size`` rows per
+micro-batch), else to the longest of their micro-batch, the samples sorted by length and each micro-batch
+filled up to the token budget (:mod:`dora_megatron.trainer.packing`); lengths are rounded up to a
+multiple of TP when sequence parallelism is on. ``train_step`` reports the step's ``padding_fraction``.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
@@ -35,6 +37,7 @@ import torch.distributed as dist
 
 from dora_megatron.config.algo import AlgoConfig
 from dora_megatron.config.trainer import TrainerConfig
+from dora_megatron.trainer.packing import StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -70,11 +73,21 @@ class MicroBatch:
 
 
 def build_micro_batches(samples: Sequence[Any], *, indices: Sequence[int], micro_batch_size: int,
-                        num_micro_batches: int, seq_len: int, advantages: torch.Tensor | None = None,
-                        trainer_logprobs: Sequence[torch.Tensor] | None = None,
-                        current_version: int | None = None,
-                        routing_shape: tuple[int, int] | None = None) -> list[MicroBatch]:
-    """Pad ``samples[i] for i in indices`` into ``num_micro_batches`` micro-batches of ``seq_len``.
+                        num_micro_batches: int, seq_len: int, **fields: Any) -> list[MicroBatch]:
+    """Pad ``samples[i] for i in indices`` into ``num_micro_batches`` micro-batches of
+    ``micro_batch_size`` rows and ``seq_len`` (filler rows at the end); ``fields`` as for
+    :func:`pad_micro_batch`."""
+    slots = list(indices) + [-1] * (num_micro_batches * micro_batch_size - len(indices))
+    return [pad_micro_batch(samples, slots[m * micro_batch_size:(m + 1) * micro_batch_size], seq_len, **fields)
+            for m in range(num_micro_batches)]
+
+
+def pad_micro_batch(samples: Sequence[Any], rows: Sequence[int], seq_len: int, *,
+                    advantages: torch.Tensor | None = None,
+                    trainer_logprobs: Sequence[torch.Tensor] | None = None,
+                    current_version: int | None = None,
+                    routing_shape: tuple[int, int] | None = None) -> MicroBatch:
+    """One micro-batch: row ``r`` holds ``samples[rows[r]]`` right-padded to ``seq_len`` (``-1`` = filler).
 
     With ``current_version``, ``on_policy`` marks rows whose sample ``version`` equals it (a sample
     without a version counts as on-policy); without it every real row is on-policy.
@@ -85,61 +98,57 @@ def build_micro_batches(samples: Sequence[Any], *, indices: Sequence[int], micro
     With ``routing_shape`` ``(num_layers, top_k)``, every sample's ``routed_experts`` becomes the
     micro-batch's ``routing`` (see :func:`dora_megatron.trainer.routing_replay.micro_batch_routing`)."""
     mask = torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1)[None, None]
-    slots = list(indices) + [-1] * (num_micro_batches * micro_batch_size - len(indices))
-    out = []
-    for m in range(num_micro_batches):
-        rows = slots[m * micro_batch_size:(m + 1) * micro_batch_size]
-        tokens = torch.zeros(len(rows), seq_len, dtype=torch.long)
-        targets = torch.zeros_like(tokens)
-        lmask = torch.zeros(len(rows), seq_len)
-        rlp = torch.zeros(len(rows), seq_len)
-        tlp = torch.zeros(len(rows), seq_len)
-        ref = torch.zeros(len(rows), seq_len)
-        has_ref = False
-        adv = torch.zeros(len(rows))
-        fresh = torch.zeros(len(rows), dtype=torch.bool)
-        routed: list[torch.Tensor | None] = [None] * len(rows)
-        for r, i in enumerate(rows):
-            if i < 0:
-                continue
-            s = samples[i]
-            if routing_shape is not None:
-                from dora_megatron.trainer.routing_replay import sample_routing
-
-                n_pos = len(_field(s, "prompt_ids")) + len(_field(s, "response_ids")) - 1
-                routed[r] = sample_routing(_field(s, "routed_experts"), *routing_shape, n_pos, f"sample {i}")
-            version = _field(s, "version")
-            fresh[r] = current_version is None or version is None or int(version) == current_version
-            prompt, response = list(_field(s, "prompt_ids")), list(_field(s, "response_ids"))
-            ids = prompt + response
-            if len(ids) > seq_len:
-                raise ValueError(f"sample {i} has {len(ids)} tokens > seq_len {seq_len}")
-            n, p = len(ids), len(prompt)
-            tokens[r, :n] = torch.tensor(ids)
-            targets[r, : n - 1] = torch.tensor(ids[1:])
-            lmask[r, p - 1: n - 1] = 1.0
-            lp = _field(s, "rollout_logprobs")
-            if lp is not None and len(lp):
-                rlp[r, p - 1: n - 1] = torch.as_tensor(lp, dtype=torch.float32)
-            if trainer_logprobs is not None:
-                tlp[r, p - 1: n - 1] = trainer_logprobs[i]
-            ref_lp = _field(s, "ref_logprobs")
-            if ref_lp is not None:
-                ref[r, p - 1: n - 1] = torch.as_tensor(ref_lp, dtype=torch.float32)
-                has_ref = True
-            if advantages is not None:
-                adv[r] = advantages[i]
-        routing = known = None
+    rows = list(rows)
+    tokens = torch.zeros(len(rows), seq_len, dtype=torch.long)
+    targets = torch.zeros_like(tokens)
+    lmask = torch.zeros(len(rows), seq_len)
+    rlp = torch.zeros(len(rows), seq_len)
+    tlp = torch.zeros(len(rows), seq_len)
+    ref = torch.zeros(len(rows), seq_len)
+    has_ref = False
+    adv = torch.zeros(len(rows))
+    fresh = torch.zeros(len(rows), dtype=torch.bool)
+    routed: list[torch.Tensor | None] = [None] * len(rows)
+    for r, i in enumerate(rows):
+        if i < 0:
+            continue
+        s = samples[i]
         if routing_shape is not None:
-            from dora_megatron.trainer.routing_replay import micro_batch_routing
+            from dora_megatron.trainer.routing_replay import sample_routing
 
-            routing, known = micro_batch_routing(routed, seq_len, *routing_shape)
-        out.append(MicroBatch(
-            tokens=tokens, position_ids=torch.arange(seq_len).unsqueeze(0).expand(len(rows), -1).contiguous(),
-            attention_mask=mask, targets=targets, loss_mask=lmask, rollout_logprobs=rlp, advantages=adv,
-            trainer_logprobs=tlp if trainer_logprobs is not None else None, index=rows,
-            ref_logprobs=ref if has_ref else None, on_policy=fresh, routing=routing, routing_known=known))
-    return out
+            n_pos = len(_field(s, "prompt_ids")) + len(_field(s, "response_ids")) - 1
+            routed[r] = sample_routing(_field(s, "routed_experts"), *routing_shape, n_pos, f"sample {i}")
+        version = _field(s, "version")
+        fresh[r] = current_version is None or version is None or int(version) == current_version
+        prompt, response = list(_field(s, "prompt_ids")), list(_field(s, "response_ids"))
+        ids = prompt + response
+        if len(ids) > seq_len:
+            raise ValueError(f"sample {i} has {len(ids)} tokens > seq_len {seq_len}")
+        n, p = len(ids), len(prompt)
+        tokens[r, :n] = torch.tensor(ids)
+        targets[r, : n - 1] = torch.tensor(ids[1:])
+        lmask[r, p - 1: n - 1] = 1.0
+        lp = _field(s, "rollout_logprobs")
+        if lp is not None and len(lp):
+            rlp[r, p - 1: n - 1] = torch.as_tensor(lp, dtype=torch.float32)
+        if trainer_logprobs is not None:
+            tlp[r, p - 1: n - 1] = trainer_logprobs[i]
+        ref_lp = _field(s, "ref_logprobs")
+        if ref_lp is not None:
+            ref[r, p - 1: n - 1] = torch.as_tensor(ref_lp, dtype=torch.float32)
+            has_ref = True
+        if advantages is not None:
+            adv[r] = advantages[i]
+    routing = known = None
+    if routing_shape is not None:
+        from dora_megatron.trainer.routing_replay import micro_batch_routing
+
+        routing, known = micro_batch_routing(routed, seq_len, *routing_shape)
+    return MicroBatch(
+        tokens=tokens, position_ids=torch.arange(seq_len).unsqueeze(0).expand(len(rows), -1).contiguous(),
+        attention_mask=mask, targets=targets, loss_mask=lmask, rollout_logprobs=rlp, advantages=adv,
+        trainer_logprobs=tlp if trainer_logprobs is not None else None, index=rows,
+        ref_logprobs=ref if has_ref else None, on_policy=fresh, routing=routing, routing_known=known)
 
 
 class TrainerWorker:
@@ -165,7 +174,8 @@ class TrainerWorker:
         self.spec = model_mod.choose_spec(trainer_cfg.spec, trainer_cfg.device)
         self.config = model_mod.build_transformer_config(
             self.arch, tp=trainer_cfg.tp, pp=trainer_cfg.pp, ep=trainer_cfg.ep, device=trainer_cfg.device,
-            moe_aux_loss_coef=trainer_cfg.moe_aux_loss_coef, spec=self.spec)
+            moe_aux_loss_coef=trainer_cfg.moe_aux_loss_coef, spec=self.spec,
+            variable_seq_lengths=trainer_cfg.max_tokens_per_micro_batch > 0)
         self.config.calculate_per_token_loss = True
         if algo_cfg.routing_replay and not self.arch.is_moe:
             raise ValueError("algo.routing_replay needs a MoE model; the trainer's model is dense")
@@ -221,18 +231,23 @@ class TrainerWorker:
     # ------------------------------------------------------------------ batching
 
     def _seq_len(self, samples: Sequence[Any]) -> int:
-        longest = max(len(_field(s, "prompt_ids")) + len(_field(s, "response_ids")) for s in samples)
-        if longest > self.cfg.max_seq_len:
-            raise ValueError(f"sample of {longest} tokens exceeds trainer.max_seq_len={self.cfg.max_seq_len}")
-        mult = self.cfg.tp if self.config.sequence_parallel else 1
-        return -(-longest // mult) * mult
+        """The step's longest sample rounded up to what sequence parallelism needs (the fixed plan's length)."""
+        return self._plan(samples, max_tokens=0).micro_batches[0].seq_len
 
-    def _my_share(self, n: int) -> tuple[list[int], int]:
-        """Indices of the samples this DP rank processes, and the (DP-uniform) micro-batch count."""
-        dp, r = self.info.dp, self.info.dp_rank
-        per = math.ceil(n / dp)
-        idx = list(range(r * per, min(n, (r + 1) * per)))
-        return idx, max(1, math.ceil(per / self.cfg.micro_batch_size))
+    def _plan(self, samples: Sequence[Any], max_tokens: int | None = None) -> StepPlan:
+        """This DP rank's micro-batches (``trainer.max_tokens_per_micro_batch``; see :mod:`.packing`)."""
+        from dora_megatron.trainer.packing import plan_step
+
+        lengths = [len(_field(s, "prompt_ids")) + len(_field(s, "response_ids")) for s in samples]
+        return plan_step(lengths, dp=self.info.dp, dp_rank=self.info.dp_rank,
+                         micro_batch_size=self.cfg.micro_batch_size,
+                         max_tokens=self.cfg.max_tokens_per_micro_batch if max_tokens is None else max_tokens,
+                         seq_multiple=self.cfg.tp if self.config.sequence_parallel else 1,
+                         max_seq_len=self.cfg.max_seq_len)
+
+    @staticmethod
+    def _micro_batches(batch: Sequence[Any], plan: StepPlan, **fields: Any) -> list[MicroBatch]:
+        return [pad_micro_batch(batch, mb.rows, mb.seq_len, **fields) for mb in plan.micro_batches]
 
     def _routing_shape(self, batch: Sequence[Any]) -> tuple[int, int] | None:
         """``(layers, top_k)`` when every sample carries the engine's routed experts (MoE only)."""
@@ -243,7 +258,7 @@ class TrainerWorker:
             return None
         return self.arch.num_layers, self.arch.top_k
 
-    def _run(self, micro_batches: list[MicroBatch], seq_len: int, loss_fn, forward_only: bool,
+    def _run(self, micro_batches: list[MicroBatch], loss_fn, forward_only: bool,
              routing: str | None = None) -> list[dict]:
         """Megatron schedule over ``micro_batches``; ``routing`` ``replay`` forces each MoE router to
         the micro-batch's engine experts, ``record`` keeps the routers' own choice and accumulates
@@ -270,6 +285,9 @@ class TrainerWorker:
                 self._agreement[1] += t
             return out, lambda output: loss_fn(mb, output)
 
+        # The p2p shape of a pipeline without variable_seq_lengths; every micro-batch has it then
+        # (fixed plan). With variable lengths Megatron sends each micro-batch's shape instead.
+        seq_len, rows = micro_batches[0].tokens.shape[1], micro_batches[0].tokens.shape[0]
         dev = self.cfg.device
         if dev == "cuda":
             micro_batches = [_to_device(mb, "cuda") for mb in micro_batches]
@@ -277,7 +295,7 @@ class TrainerWorker:
         try:
             return fwd_bwd(forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[self.model],
                            num_microbatches=len(micro_batches), seq_length=seq_len,
-                           micro_batch_size=self.cfg.micro_batch_size, forward_only=forward_only)
+                           micro_batch_size=rows, forward_only=forward_only)
         finally:
             rr.clear(self._routers)
 
@@ -297,11 +315,8 @@ class TrainerWorker:
 
         Collective; the full list (one ``[len(response_ids)]`` tensor per sample, in batch order) is
         returned on every rank."""
-        seq_len = self._seq_len(batch)
-        idx, nmb = self._my_share(len(batch))
         shape = self._routing_shape(batch) if self.algo.routing_replay else None
-        mbs = build_micro_batches(batch, indices=idx, micro_batch_size=self.cfg.micro_batch_size,
-                                  num_micro_batches=nmb, seq_len=seq_len, routing_shape=shape)
+        mbs = self._micro_batches(batch, self._plan(batch), routing_shape=shape)
         results: dict[int, torch.Tensor] = {}
 
         def loss_fn(mb: MicroBatch, logits: torch.Tensor):
@@ -314,7 +329,7 @@ class TrainerWorker:
             zero = logits.sum() * 0
             return zero, torch.tensor(1, dtype=torch.int), {}
 
-        self._run(mbs, seq_len, loss_fn, forward_only=True, routing="replay" if shape else None)
+        self._run(mbs, loss_fn, forward_only=True, routing="replay" if shape else None)
         from megatron.core import parallel_state as ps
 
         mine = results if (self.layout.last_stage and ps.get_tensor_model_parallel_rank() == 0) else {}
@@ -334,16 +349,13 @@ class TrainerWorker:
         shape = self._routing_shape(batch)
         if shape is None:
             return None
-        seq_len = self._seq_len(batch)
-        idx, nmb = self._my_share(len(batch))
-        mbs = build_micro_batches(batch, indices=idx, micro_batch_size=self.cfg.micro_batch_size,
-                                  num_micro_batches=nmb, seq_len=seq_len, routing_shape=shape)
+        mbs = self._micro_batches(batch, self._plan(batch), routing_shape=shape)
         self._agreement = [0.0, 0.0]
 
         def loss_fn(mb: MicroBatch, logits: torch.Tensor):
             return logits.sum() * 0, torch.tensor(1, dtype=torch.int), {}
 
-        self._run(mbs, seq_len, loss_fn, forward_only=True, routing="record")
+        self._run(mbs, loss_fn, forward_only=True, routing="record")
         from megatron.core import parallel_state as ps
 
         counts = torch.tensor(self._agreement, dtype=torch.float64)
@@ -378,7 +390,24 @@ class TrainerWorker:
         all samples when ``current_version`` is None), ``on_policy_tokens``, ``kl``/``tis_weight``
         when enabled, ``num_tokens``, ``num_samples``, ``update_successful``, ``step``;
         ``router_topk_agreement`` when the samples carry ``routed_experts`` (measured before replay),
-        and ``routing_replay`` (1.0 when the step's forward passes replayed the engine's experts)."""
+        ``routing_replay`` (1.0 when the step's forward passes replayed the engine's experts) and
+        ``padding_fraction`` (of the token positions the step's training forward computed, the
+        share that held no sample: see :mod:`dora_megatron.trainer.packing`)."""
+        metrics = self.accumulate_gradients(batch, current_version)
+        ok, grad_norm, _ = self.optimizer.step()
+        self.step += 1
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics["update_successful"] = float(bool(ok))
+        metrics["step"] = float(self.step)
+        return metrics
+
+    def accumulate_gradients(self, batch: Sequence[Any], current_version: int | None = None) -> dict[str, float]:
+        """Zero the gradients, then forward and backward over ``batch`` without an optimizer step.
+
+        Afterwards every parameter's ``main_grad`` holds d(loss)/d(param), already reduced over DP
+        ranks and normalised by the step's token (or sample) count; the metrics are
+        :meth:`train_step`'s less the optimizer's. Collective. (Split from :meth:`train_step` so the
+        gradients of one batch can be compared across micro-batch plans.)"""
         from dora_megatron.algo.losses import policy_loss, settings_from_config
 
         settings = settings_from_config(self.algo)
@@ -387,12 +416,9 @@ class TrainerWorker:
         advantages = self.advantages_for(batch)
         need_recompute = settings.needs_trainer_logprobs
         trainer_lp = self.compute_logprobs(batch) if need_recompute else None
-        seq_len = self._seq_len(batch)
-        idx, nmb = self._my_share(len(batch))
-        mbs = build_micro_batches(batch, indices=idx, micro_batch_size=self.cfg.micro_batch_size,
-                                  num_micro_batches=nmb, seq_len=seq_len, advantages=advantages,
-                                  trainer_logprobs=trainer_lp, current_version=current_version,
-                                  routing_shape=shape)
+        plan = self._plan(batch)
+        mbs = self._micro_batches(batch, plan, advantages=advantages, trainer_logprobs=trainer_lp,
+                                  current_version=current_version, routing_shape=shape)
         has_rollout = all(_field(s, "rollout_logprobs") is not None for s in batch)
         if settings.kl_coef > 0 and any(_field(s, "ref_logprobs") is None for s in batch):
             raise ValueError("algo.kl_coef > 0 needs per-token 'ref_logprobs' on every sample (no reference model "
@@ -417,16 +443,12 @@ class TrainerWorker:
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        reports = self._run(mbs, seq_len, loss_fn, forward_only=False, routing="replay" if shape else None)
-        ok, grad_norm, _ = self.optimizer.step()
-        self.step += 1
+        reports = self._run(mbs, loss_fn, forward_only=False, routing="replay" if shape else None)
         metrics = self._reduce_reports(reports)
-        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
-        metrics["update_successful"] = float(bool(ok))
-        metrics["step"] = float(self.step)
         if agreement is not None:
             metrics["router_topk_agreement"] = agreement
         metrics["routing_replay"] = float(shape is not None)
+        metrics["padding_fraction"] = plan.padding_fraction
         return metrics
 
     def _reduce_reports(self, reports: list[dict]) -> dict[str, float]:
