@@ -114,6 +114,9 @@ def build_transformer_config(arch: ModelSpec, *, tp: int, pp: int, ep: int, devi
         # Fixed plan: every micro-batch of a step is padded to one length, so fixed p2p shapes
         # suffice (and the allgather MoE dispatcher used on CPU refuses variable lengths).
         variable_seq_lengths=variable,
+        # Megatron checks the dispatcher against variable lengths even for a dense model, whose
+        # default (allgather) it never uses: name one that allows them (MoE overrides it below).
+        moe_token_dispatcher_type="alltoall" if variable else "allgather",
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,

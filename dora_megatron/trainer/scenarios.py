@@ -138,6 +138,8 @@ def run(argv: list[str] | None = None) -> int:
 
     cfg = TrainerConfig(tp=args.tp, pp=args.pp, ep=args.ep, device=args.device, lr=args.lr, adam_eps=args.adam_eps,
                         micro_batch_size=args.micro_batch_size,
+                        # the largest budget at build time: with pp > 1 it turns on variable p2p shapes
+                        max_tokens_per_micro_batch=max(int(b) for b in args.budgets.split(",")),
                         use_distributed_optimizer=not args.no_distributed_optimizer)
     algo = AlgoConfig(loss=args.loss, tis_cap=args.tis_cap, routing_replay=args.replay)
     worker = TrainerWorker(cfg, algo, args.hf)

@@ -48,3 +48,15 @@ def test_config_cross_field_checks():
     with pytest.raises(ConfigError):
         AlgoConfig(dual_clip_c=0.5).check("algo")
     AlgoConfig(length_norm="constant", length_norm_constant=64).check("algo")
+
+
+def test_variable_lengths_are_set_only_for_pipelines_and_refused_by_the_cpu_moe_dispatcher():
+    from dora_megatron.trainer.model import build_transformer_config
+
+    dense = arch_from_hf_config({**{k: v for k, v in MOE.items() if k != "num_experts"}, "model_type": "qwen3"})
+    moe = arch_from_hf_config(MOE)
+    kw = dict(tp=1, ep=1, device="cpu", variable_seq_lengths=True)
+    assert build_transformer_config(dense, pp=2, **kw).variable_seq_lengths
+    assert not build_transformer_config(moe, pp=1, **kw).variable_seq_lengths  # no p2p: shapes need not travel
+    with pytest.raises(ValueError, match="trainer.max_tokens_per_micro_batch"):
+        build_transformer_config(moe, pp=2, **kw)
