@@ -18,15 +18,25 @@ Definitions (all tokens are prompt + response of consumed samples, like ``throug
   they are not applied, so a cap below the physical one shows up as lost efficiency.
 - *Training capacity*: ``tokens_per_step / (train_s(tokens_per_step, trainer accelerators) +
   per-step trainer sync)``, ``tokens_per_step = TBS x G x E[P + L]``.
-- *Bound* of a disaggregated mode: ``min(rollout, training)``; of a colocated mode (every
+- *Capacity bound* of a disaggregated mode: ``min(rollout, training)``; of a colocated mode (every
   accelerator alternates): ``tokens / (tokens / rollout + train_s + 2 x colocated_switch_s)``;
   with elastic colocation, the step time ``tau`` is the smallest that gives the rollout work
   ``W = tokens / instance capacity`` enough instance-seconds: the rollout pool's ``N x tau`` plus
   the elastic instances' ``(tau - trainer busy - their weight load)``, never below the trainer's
   busy time.
 
+- *Tail bound*: version ``w`` exists from the end of step ``w-1`` and its groups must be consumed
+  by step ``w+S`` (no group is lost, C3 holds), so the slowest sample of a batch, prefilled and
+  decoded alone (``tail_s``: the smallest over consecutive TBS-group batches of the stream), must
+  fit in ``S`` step times (disaggregated; ``S = 0``: the trainer waits for it) or in ``S + 1``
+  rollout phases (colocated). This is what the long tail costs whatever the capacities: a
+  deployment whose *bound* (``min(capacity bound, tail bound)``) is the tail is made faster by a
+  larger ``S`` or a faster single-request decode, not by more accelerators.
+
 Weight switches of rollout instances and re-prefill (partial mode) are left out, so the bound
-stays an upper bound of what the cost model allows; length drift is evaluated at version 0.
+stays an upper bound of what the cost model allows for the workload's mean batch (a short run on
+few groups per batch can consume heavier batches than the mean); length drift is evaluated at
+version 0.
 """
 
 from __future__ import annotations
@@ -51,6 +61,7 @@ class LengthMoments:
     response_tokens: float  # E[L]
     resident_context: float  # E[L*P + L*(L-1)/2] / E[L]: time-averaged context of a running request
     prefill_s: float  # E[prefill(P)]
+    tail_s: float = 0.0  # min over consecutive TBS-group batches of the batch's slowest sample, decoded alone
 
     @property
     def sample_tokens(self) -> float:
@@ -72,32 +83,44 @@ class DeploymentBound:
     rollout_instances: int
     elastic_instances: int
     trainer_gpus: int
+    max_staleness: int
     tokens_per_step: float
     instance_concurrency: int
     instance_step_s: float
     rollout_tokens_per_s: float  # the rollout pool alone (elastic instances not counted)
-    training_tokens_per_s: float  # trainer alone, per-step sync included
-    bound_tokens_per_s: float
-    binding: str  # "rollout" | "training" | "time-shared" (colocated)
+    training_tokens_per_s: float  # the trainer alone, its per-step sync included
+    capacity_bound_tokens_per_s: float  # min(rollout, training); time-shared when colocated; elastic
+    tail_s: float  # slowest sample of a batch, decoded alone (mean over batches)
+    tail_bound_tokens_per_s: float  # what the staleness window allows that tail
+    bound_tokens_per_s: float  # min(capacity bound, tail bound)
+    binding: str  # "rollout" | "training" | "time-shared" (colocated capacity) | "tail"
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def length_moments(cfg: SimConfig, groups: int = MOMENT_GROUPS) -> LengthMoments:
-    """Means over the first ``groups`` groups of the workload stream (version 0)."""
-    wl = Workload(cfg.workload, cfg.orchestrator_config().group_size)
+    """Means over the first ``max(groups, TBS)`` groups of the workload stream (version 0)."""
+    ocfg = cfg.orchestrator_config()
+    wl = Workload(cfg.workload, ocfg.group_size)
+    decode = DecodeCost.from_config(cfg.cost)
     n = sp = sl = sres = spf = 0.0
-    for k in range(groups):
+    batch_tails: list[float] = []
+    groups = max(groups, ocfg.tbs)
+    for k in range(groups - groups % ocfg.tbs):
         g = wl.group(k, 0)
         pf = prefill_s(cfg.cost, g.prompt_tokens)
+        if k % ocfg.tbs == 0:
+            batch_tails.append(0.0)
+        # the fastest a sample can finish: prefilled and decoded alone on an instance
+        batch_tails[-1] = max(batch_tails[-1], pf + decode.span_s(1, g.prompt_tokens, max(g.response_tokens)))
         for L in g.response_tokens:
             n += 1
             sp += g.prompt_tokens
             sl += L
             sres += L * g.prompt_tokens + L * (L - 1) / 2.0
             spf += pf
-    return LengthMoments(sp / n, sl / n, sres / sl, spf / n)
+    return LengthMoments(sp / n, sl / n, sres / sl, spf / n, min(batch_tails))
 
 
 def instance_capacity(cost: CostModelConfig, m: LengthMoments) -> InstanceCapacity:
@@ -117,7 +140,7 @@ def deployment_bound(cfg: SimConfig, moments: LengthMoments | None = None) -> De
     """The bound of ``cfg``'s mode on ``cfg``'s cluster (see the module docstring)."""
     m = moments or length_moments(cfg)
     ocfg = cfg.orchestrator_config()
-    mode, cost, cl = ocfg.mode, cfg.cost, cfg.cluster
+    mode, cost, cl, S = ocfg.mode, cfg.cost, cfg.cluster, ocfg.effective_staleness
     inst = instance_capacity(cost, m)
     tokens = ocfg.tbs * ocfg.group_size * m.sample_tokens
     n_roll = cl.rollout_instances(mode)
@@ -126,24 +149,32 @@ def deployment_bound(cfg: SimConfig, moments: LengthMoments | None = None) -> De
     rollout = n_roll * inst.tokens_per_s
     train_s = cost.train_s(int(tokens), gpus)
     if cl.placement(mode) == "colocated":
-        trainer_busy = train_s + 2 * cost.colocated_switch_s
-        step = tokens / rollout + trainer_busy
-        return DeploymentBound("colocated", n_roll, 0, gpus, tokens, inst.concurrency, inst.step_s, rollout,
-                               tokens / trainer_busy, tokens / step, "time-shared")
-    busy = train_s + cost.trainer_push_s
-    tau_roll = tokens / rollout
-    step, floor = max(busy, tau_roll), busy
-    if n_el and tau_roll > busy:
-        # elastic instances serve between steps: they leave for training (the trainer pays one
-        # role swap) and load the new weights when they come back (one more)
-        busy_el = busy + cost.colocated_switch_s
-        work = tokens / inst.tokens_per_s  # instance-seconds of rollout per step
-        tau_el = (work + n_el * (busy_el + cost.colocated_switch_s)) / (n_roll + n_el)
-        if tau_el >= busy_el + cost.colocated_switch_s and max(busy_el, tau_el) < step:
-            step, floor = max(busy_el, tau_el), busy_el
-    binding = "training" if step <= floor * (1 + 1e-9) else "rollout"
-    return DeploymentBound("disaggregated", n_roll, n_el, gpus, tokens, inst.concurrency, inst.step_s, rollout,
-                           tokens / busy, tokens / step, binding)
+        busy = train_s + 2 * cost.colocated_switch_s
+        step, binding = tokens / rollout + busy, "time-shared"
+        # a group dispatched in the rollout phase of step w is consumed by step w+S at the
+        # latest: its slowest sample has S+1 rollout phases
+        tail_step = busy + m.tail_s / (S + 1)
+    else:
+        busy = train_s + cost.trainer_push_s
+        tau_roll = tokens / rollout
+        step, floor = max(busy, tau_roll), busy
+        if n_el and tau_roll > busy:
+            # elastic instances serve between steps: they leave for training (the trainer pays one
+            # role swap) and load the new weights when they come back (one more)
+            busy_el = busy + cost.colocated_switch_s
+            work = tokens / inst.tokens_per_s  # instance-seconds of rollout per step
+            tau_el = (work + n_el * (busy_el + cost.colocated_switch_s)) / (n_roll + n_el)
+            if tau_el >= busy_el + cost.colocated_switch_s and max(busy_el, tau_el) < step:
+                step, floor = max(busy_el, tau_el), busy_el
+        binding = "training" if step <= floor * (1 + 1e-9) else "rollout"
+        # version w exists from the end of step w-1 and its groups must be consumed by step w+S,
+        # which starts S steps later (S = 0: the trainer waits for the whole rollout)
+        tail_step = m.tail_s / S if S > 0 else busy + m.tail_s
+    capacity, tail = tokens / step, tokens / tail_step
+    if tail < capacity:
+        binding = "tail"
+    return DeploymentBound(cl.placement(mode), n_roll, n_el, gpus, S, tokens, inst.concurrency, inst.step_s,
+                           rollout, tokens / busy, capacity, m.tail_s, tail, min(capacity, tail), binding)
 
 
 def bound_report(cfg: SimConfig, throughput: float | None, moments: LengthMoments | None = None) -> dict[str, Any]:

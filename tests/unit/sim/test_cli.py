@@ -41,6 +41,6 @@ def test_every_mode_reports_its_bound_and_efficiency(tmp_path):
     modes = json.loads(out.read_text())["modes"]
     for name, r in modes.items():
         b = r["bound"]
-        assert b["binding"] in ("rollout", "training", "time-shared"), name
+        assert b["binding"] in ("rollout", "training", "time-shared", "tail"), name
         assert r["efficiency"] == pytest.approx(r["throughput_tokens_per_s"] / b["bound_tokens_per_s"])
     assert modes["dora_elastic"]["bound"]["elastic_instances"] > 0
