@@ -109,12 +109,18 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, dict]] = {n: {} for n in names}
     from dora_megatron.config.base import ConfigError
 
+    def collect(rows) -> None:
+        for v, mode, r in rows:
+            results[v][mode] = r
+            print(f"done {v} {mode}: {_f(r['throughput'], '.0f')} tok/s, efficiency "
+                  f"{_f(r['bound']['efficiency'], '.3f')} (sim cpu {r['sim_cpu_s']:.0f}s)", file=sys.stderr, flush=True)
+
     try:
-        with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as ex:
-            for v, mode, r in ex.map(_one, jobs):
-                results[v][mode] = r
-                print(f"done {v} {mode}: {_f(r['throughput'], '.0f')} tok/s, efficiency "
-                      f"{_f(r['bound']['efficiency'], '.3f')} (sim cpu {r['sim_cpu_s']:.0f}s)", file=sys.stderr, flush=True)
+        if args.jobs <= 1:
+            collect(map(_one, jobs))  # in this process: no pickling, one core
+        else:
+            with ProcessPoolExecutor(max_workers=args.jobs) as ex:
+                collect(ex.map(_one, jobs))
     except ConfigError as err:
         sys.stderr.write(f"config error: {err}\n")
         return 2
