@@ -103,3 +103,16 @@ def test_tiered_span_equals_explicit_sum(batch, ctx0):
 def test_admission_counts_the_host_tier():
     assert kv_admit_tokens(TIER) == 300_000
     assert kv_admit_tokens(CostModelConfig(kv_capacity_tokens=100_000)) == 100_000
+
+
+def test_host_tier_keys_are_validated_by_name():
+    from pathlib import Path
+
+    from dora_megatron.config.base import ConfigError
+    from dora_megatron.config.sim import load_sim_config
+
+    tiny = Path(__file__).resolve().parents[3] / "configs" / "sim" / "tiny.yaml"
+    with pytest.raises(ConfigError, match="cost.host_kv_bandwidth_Bps"):
+        load_sim_config(tiny, ["cost.host_kv_bandwidth_Bps=0"])
+    with pytest.raises(ConfigError, match="cost.host_kv_capacity_tokens"):
+        load_sim_config(tiny, ["cost.host_kv_capacity_tokens=-1"])
