@@ -35,15 +35,19 @@ APPROX = {(128, "one_step_off"), (128, "partial")}
 def _one(job: tuple[int, str, list[str]]) -> tuple[int, str, dict]:
     gpus, mode, overrides = job
     from dora_megatron.config.sim import load_sim_config
+    from dora_megatron.sim.bound import bound_report
     from dora_megatron.sim.engine import simulate
 
     extra = list(overrides)
     m = mode
     if mode == "dora_elastic":
         m, extra = "dora", extra + ["cluster.elastic_colocation=true"]
-    res = simulate(load_sim_config(CONFIGS[gpus], extra, mode=m))
-    return gpus, mode, {**res.summary, "extra": {k: res.extra[k] for k in (
-        "sim_cpu_s", "orchestrator_wall_s", "orchestrator_rebalances", "deadlock", "mean_response_tokens")}}
+    cfg = load_sim_config(CONFIGS[gpus], extra, mode=m)
+    res = simulate(cfg)
+    return gpus, mode, {**res.summary, "bound": bound_report(cfg, res.summary["throughput_tokens_per_s"]),
+                        "extra": {k: res.extra[k] for k in (
+                            "sim_cpu_s", "orchestrator_wall_s", "orchestrator_rebalances", "deadlock",
+                            "mean_response_tokens")}}
 
 
 def _fmt(x: float | None, nd: int = 0) -> str:
@@ -75,6 +79,11 @@ def table(results: dict[int, dict[str, dict]]) -> str:
         row("rollout-only share", lambda d: d["rollout_only_fraction"], 2, 2)
         cells = [f"{_fmt(r[m]['rollout_utilization'], 2)}" if m in r else "-" for m in MODES]
         lines.append("| rollout utilization (sim) | " + " | ".join(cells) + " |")
+        cells = [f"{r[m]['bound']['bound_tokens_per_s']:,.0f} ({r[m]['bound']['binding']})" if m in r else "-"
+                 for m in MODES]
+        lines.append("| bound tok/s (sim/bound.py) | " + " | ".join(cells) + " |")
+        cells = [_fmt(r[m]["bound"]["efficiency"], 2) if m in r else "-" for m in MODES]
+        lines.append("| efficiency (throughput / bound) | " + " | ".join(cells) + " |")
         cells = [str(r[m]["staleness_histogram"]) if m in r else "-" for m in MODES]
         lines.append("| staleness histogram (sim) | " + " | ".join(cells) + " |")
         lines.append("")

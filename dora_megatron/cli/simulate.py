@@ -28,6 +28,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run_modes(config: str, modes: list[str], overrides: list[str]) -> dict[str, dict]:
     """Run each mode (``dora_elastic`` = dora with ``cluster.elastic_colocation=true``)."""
     from dora_megatron.config.sim import load_sim_config
+    from dora_megatron.sim.bound import bound_report
     from dora_megatron.sim.engine import simulate
 
     out = {}
@@ -40,6 +41,9 @@ def run_modes(config: str, modes: list[str], overrides: list[str]) -> dict[str, 
         res = simulate(cfg)
         d = res.to_json()
         d["timeline"] = res.timeline
+        # --- the deployment's physical bound (sim/bound.py) and how close this mode gets
+        d["bound"] = bound_report(cfg, d.get("throughput_tokens_per_s"))
+        d["efficiency"] = d["bound"]["efficiency"]
         out[m] = d
     return out
 
@@ -100,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
         step = r["mean_step_time_s"]
         print(f"{m:>13}: throughput {thr if thr is None else round(thr):>8} tok/s, step "
               f"{'n/a' if step is None else f'{step:.1f}':>8} s, rollout-only {r['rollout_only_fraction'] or 0:.3f}, "
-              f"util {r['rollout_utilization'] or 0:.3f}, staleness {r['staleness_histogram']}")
+              f"util {r['rollout_utilization'] or 0:.3f}, bound {r['bound']['bound_tokens_per_s']:.0f} tok/s "
+              f"({r['bound']['binding']}), efficiency {r['efficiency'] or 0:.3f}, staleness {r['staleness_histogram']}")
     log.info("wrote %s", out)
     return 0

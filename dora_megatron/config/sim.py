@@ -145,6 +145,14 @@ class CostModelConfig:
     kv_capacity_tokens: int = field_doc(400_000, "KV-cache capacity of one instance (reported as kv usage to the "
                                         "orchestrator)", ge=1, unit="tokens")
     kv_bytes_per_token: float = field_doc(262_144.0, "KV-cache bytes per token of one request (all layers, K and V)", gt=0, unit="bytes")
+    host_kv_capacity_tokens: int = field_doc(0, "host-memory KV tier of one instance (the paper's KV offload): requests are "
+                                             "admitted until device + host KV is full, the context beyond "
+                                             "kv_capacity_tokens lives in host memory; 0 = no tier (admission stops at "
+                                             "device KV)", ge=0, unit="tokens")
+    host_kv_bandwidth_Bps: float = field_doc(1.0e11, "host <-> device bandwidth of one instance for spilled KV: every "
+                                             "decode step streams the spilled tokens' KV over it (layer-wise, "
+                                             "overlapped with the HBM reads), so a step takes at least spilled bytes / "
+                                             "this", gt=0, unit="bytes/s")
     # --- weights ---
     weight_bytes: float = field_doc(65.5e9, "bytes of one full copy of the rollout weights", gt=0, unit="bytes")
     weight_sync_bandwidth_Bps: float = field_doc(50e9, "bandwidth at which one instance receives a new version "

@@ -12,10 +12,20 @@ Everything here is a pure function of :class:`~dora_megatron.config.sim.CostMode
 event loop can *jump* an instance over many decode steps at once: ``decode_span_s`` is a closed
 form of the sum of step times while the batch composition is fixed and the context grows by
 ``batch`` tokens per step, and ``decode_steps_within`` inverts it.
+
+Host KV tier (``cost.host_kv_capacity_tokens > 0``, the paper's KV offload): an instance admits
+requests until device + host KV is full instead of stopping at device KV. The context beyond
+``kv_capacity_tokens`` lives in host memory and its KV is streamed to the device every decode step
+over the host link, layer by layer and overlapped with the HBM reads, so a step costs
+``o + max(w + k*C_dev, h*C_host, b*c)`` with ``h = kv_bytes_per_token / host_kv_bandwidth_Bps``.
+Spilling is free while the host stream hides under the HBM time and slows every step beyond
+that point, which is why the tier pays only where the link is fast compared to the KV per token
+(:func:`host_kv_hidden_tokens`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from dora_megatron.config.sim import CostModelConfig
@@ -23,22 +33,41 @@ from dora_megatron.config.sim import CostModelConfig
 
 @dataclass(frozen=True)
 class DecodeCost:
-    """Coefficients of one decode step: ``t(b, C) = o + max(w + k*C, b*c)``."""
+    """Coefficients of one decode step: ``t(b, C) = o + max(w + k*C, b*c)`` without a host tier,
+    ``o + max(w + k*min(C, D), h*max(0, C - D), b*c)`` with one (``D = device_kv_tokens``)."""
 
     overhead_s: float
     weight_s: float
     kv_s_per_token: float
     compute_s_per_seq: float
+    device_kv_tokens: float = math.inf  # context beyond this is in the host tier
+    host_s_per_token: float = 0.0  # per decode step and spilled token: host-link time
 
     @classmethod
     def from_config(cls, cfg: CostModelConfig) -> "DecodeCost":
-        return cls(cfg.decode_step_overhead_s, cfg.decode_weight_read_s, cfg.decode_kv_read_s_per_token, cfg.decode_compute_s_per_seq)
+        tier = cfg.host_kv_capacity_tokens > 0
+        return cls(cfg.decode_step_overhead_s, cfg.decode_weight_read_s, cfg.decode_kv_read_s_per_token,
+                   cfg.decode_compute_s_per_seq,
+                   device_kv_tokens=float(cfg.kv_capacity_tokens) if tier else math.inf,
+                   host_s_per_token=cfg.kv_bytes_per_token / cfg.host_kv_bandwidth_Bps if tier else 0.0)
+
+    @property
+    def has_host_tier(self) -> bool:
+        return self.host_s_per_token > 0 and math.isfinite(self.device_kv_tokens)
+
+    def spill_s(self, context_tokens: float) -> float:
+        """Host-link time of one decode step: the KV beyond device capacity, streamed in."""
+        if not self.has_host_tier:
+            return 0.0
+        return self.host_s_per_token * max(0.0, context_tokens - self.device_kv_tokens)
 
     def step_s(self, batch: int, context_tokens: float) -> float:
         """Time of one decode step for ``batch`` sequences holding ``context_tokens`` in total."""
         if batch <= 0:
             return 0.0
-        return self.overhead_s + max(self.weight_s + self.kv_s_per_token * context_tokens, batch * self.compute_s_per_seq)
+        device = min(context_tokens, self.device_kv_tokens)
+        return self.overhead_s + max(self.weight_s + self.kv_s_per_token * device, self.spill_s(context_tokens),
+                                     batch * self.compute_s_per_seq)
 
     def knee_batch(self, context_tokens: float) -> float:
         """Batch at which compute time equals memory time for the given total context."""
@@ -54,6 +83,8 @@ class DecodeCost:
         """
         if steps <= 0 or batch <= 0:
             return 0.0
+        if self.has_host_tier:
+            return self._tiered_span_s(batch, context0, steps)
         a = self.weight_s + self.kv_s_per_token * context0  # memory term at i = 0
         c = self.kv_s_per_token * batch  # memory term growth per step
         d = batch * self.compute_s_per_seq  # compute term
@@ -67,6 +98,19 @@ class DecodeCost:
             i_star = min(n, max(0, -int(-(d - a) // c)))
         mem_sum = (n - i_star) * a + c * (n * (n - 1) - i_star * (i_star - 1)) / 2.0
         return n * self.overhead_s + i_star * d + mem_sum
+
+    def _tiered_span_s(self, batch: int, context0: float, steps: int) -> float:
+        """``span_s`` with a host tier: the steps before the context passes device capacity have
+        memory term ``w + k*C``, the steps after it ``max(w + k*D, h*(C - D))``; both segments are
+        sums of ``max(linear, constant)``, each in closed form."""
+        dev = self.device_kv_tokens
+        d = batch * self.compute_s_per_seq
+        # first step index whose context exceeds device capacity
+        i_dev = 0 if context0 > dev else min(steps, int((dev - context0) // batch) + 1)
+        head = _sum_max_linear(self.weight_s + self.kv_s_per_token * context0, self.kv_s_per_token * batch, d, 0, i_dev)
+        floor = max(self.weight_s + self.kv_s_per_token * dev, d)
+        tail = _sum_max_linear(self.host_s_per_token * (context0 - dev), self.host_s_per_token * batch, floor, i_dev, steps)
+        return steps * self.overhead_s + head + tail
 
     def steps_within(self, batch: int, context0: float, budget_s: float, max_steps: int) -> int:
         """Largest ``k <= max_steps`` with ``span_s(batch, context0, k) <= budget_s``."""
@@ -92,3 +136,35 @@ def prefill_s(cfg: CostModelConfig, tokens: int) -> float:
 def kv_transfer_s(cfg: CostModelConfig, tokens: int) -> float:
     """Time to move one request's KV (``tokens`` resident tokens) to another instance."""
     return cfg.migration_latency_s + tokens * cfg.kv_bytes_per_token / cfg.migration_bandwidth_Bps
+
+
+def _sum_max_linear(a: float, c: float, d: float, i0: int, i1: int) -> float:
+    """``sum(max(a + c*i, d) for i in range(i0, i1))`` in closed form (``c >= 0``)."""
+    if i1 <= i0:
+        return 0.0
+    if a + c * i0 >= d:
+        i_star = i0
+    elif c <= 0:
+        i_star = i1
+    else:
+        i_star = min(i1, max(i0, math.ceil((d - a) / c)))
+    return (i_star - i0) * d + (i1 - i_star) * a + c * (i1 * (i1 - 1) - i_star * (i_star - 1)) / 2.0
+
+
+def host_kv_spill_s(cfg: CostModelConfig, context_tokens: float) -> float:
+    """Host-link time one decode step of an instance holding ``context_tokens`` pays for its
+    spilled KV (0 without a tier or below device capacity)."""
+    return DecodeCost.from_config(cfg).spill_s(context_tokens)
+
+
+def host_kv_hidden_tokens(cfg: CostModelConfig) -> float:
+    """Spilled tokens whose stream hides under a full device's HBM time (the useful tier size)."""
+    if cfg.host_kv_capacity_tokens <= 0:
+        return 0.0
+    h = cfg.kv_bytes_per_token / cfg.host_kv_bandwidth_Bps
+    return (cfg.decode_weight_read_s + cfg.decode_kv_read_s_per_token * cfg.kv_capacity_tokens) / h
+
+
+def kv_admit_tokens(cfg: CostModelConfig) -> int:
+    """KV tokens an instance admits requests into: device capacity plus the host tier."""
+    return cfg.kv_capacity_tokens + cfg.host_kv_capacity_tokens

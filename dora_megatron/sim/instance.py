@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from dora_megatron.config.sim import CostModelConfig
-from dora_megatron.sim.cost import DecodeCost, prefill_s
+from dora_megatron.sim.cost import DecodeCost, kv_admit_tokens, prefill_s
 
 READY = "ready"
 SWITCHING = "switching"
@@ -71,6 +71,7 @@ class SimInstance:
         self.epoch = 0  # bumps on every reschedule; stale wake events are ignored
         self.busy_slot_s = 0.0  # request-slot-seconds, accumulated as requests leave
         self.window_start = 0.0  # slot-seconds before this time are not counted
+        self.kv_admit_tokens = kv_admit_tokens(cost)  # device KV, plus the host tier when there is one
         self.intervals: list[tuple[float, float, int | None, str]] = []  # timeline (t0, t1, version, state)
         self._seg_start = 0.0
         self._seg_key: tuple[int | None, str] | None = None
@@ -89,7 +90,7 @@ class SimInstance:
         return len(self.running) + len(self.queue)
 
     def kv_usage(self) -> float:
-        return min(1.0, self.context / self.cost.kv_capacity_tokens)
+        return min(1.0, self.context / self.kv_admit_tokens)
 
     def mark(self, now: float, record: bool) -> None:
         """Timeline segment bookkeeping: start a new segment when (version, activity) changes."""
@@ -171,11 +172,11 @@ class SimInstance:
         self._start(req, now, prefill_tokens)
 
     def _fits(self, req: SimRequest) -> bool:
-        """Admission: a free request slot and KV room for the request's current context."""
+        """Admission: a free request slot and KV room (device, plus host tier) for its context."""
         if not self.running:
             return True
         return (len(self.running) < self.cost.max_concurrent
-                and self.context + req.context <= self.cost.kv_capacity_tokens)
+                and self.context + req.context <= self.kv_admit_tokens)
 
     def sync_noop_guard(self, now: float) -> None:
         if not self.running and self.state == READY:

@@ -3,6 +3,8 @@
 import json
 from pathlib import Path
 
+import pytest
+
 from dora_megatron.cli.main import main
 from dora_megatron.observability.summary import SUMMARY_FIELDS
 
@@ -29,3 +31,16 @@ def test_bad_override_is_a_config_error(tmp_path, capsys):
     assert rc == 2
     captured = capsys.readouterr()
     assert "cluster.nope" in captured.err and captured.out == ""
+
+
+def test_every_mode_reports_its_bound_and_efficiency(tmp_path):
+    out = tmp_path / "all.json"
+    rc = main(["simulate", "--config", str(TINY), "--mode", "all", "--set", "sim.steps=3",
+               "--set", "sim.warmup_steps=1", "--out", str(out), "--no-plots"])
+    assert rc == 0
+    modes = json.loads(out.read_text())["modes"]
+    for name, r in modes.items():
+        b = r["bound"]
+        assert b["binding"] in ("rollout", "training", "time-shared", "tail"), name
+        assert r["efficiency"] == pytest.approx(r["throughput_tokens_per_s"] / b["bound_tokens_per_s"])
+    assert modes["dora_elastic"]["bound"]["elastic_instances"] > 0

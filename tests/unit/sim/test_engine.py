@@ -117,3 +117,18 @@ def test_rebalance_overhead_delays_the_switches_a_rebalance_orders():
     assert min(plain) == pytest.approx(cost.weight_sync_s())
     assert min(delayed) == pytest.approx(cost.weight_sync_s() + 7.0)
     assert slow.extra["switch_instance_s"] > base.extra["switch_instance_s"]
+
+
+def test_host_kv_tier_lifts_a_kv_bound_rollout():
+    """With device KV for ~5 requests per instance (cap 16), the host tier admits more requests
+    instead of queueing them: utilization rises, and throughput with it when the host link hides
+    the spilled KV's stream; a slow link makes every step pay for the spill."""
+    kv_bound = ["cost.kv_capacity_tokens=8000"]
+    off = simulate(_cfg("dora", *kv_bound))
+    fast = simulate(_cfg("dora", *kv_bound, "cost.host_kv_capacity_tokens=40000", "cost.host_kv_bandwidth_Bps=1e12"))
+    slow = simulate(_cfg("dora", *kv_bound, "cost.host_kv_capacity_tokens=40000", "cost.host_kv_bandwidth_Bps=1e9"))
+    for r in (off, fast, slow):
+        assert r.summary["lost_groups"] == 0 and r.summary["c1_violations"] == 0 and not r.extra["deadlock"]
+    assert fast.summary["rollout_utilization"] > 1.2 * off.summary["rollout_utilization"]
+    assert fast.summary["throughput_tokens_per_s"] > 1.2 * off.summary["throughput_tokens_per_s"]
+    assert slow.summary["throughput_tokens_per_s"] < off.summary["throughput_tokens_per_s"]
