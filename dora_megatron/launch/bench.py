@@ -278,6 +278,7 @@ def run_bench(cfg: DoraConfig, out_dir: str | Path, say=log.info) -> dict[str, A
             except Exception as err:  # noqa: BLE001 - a child that died, a timeout: name where the logs are
                 raise RuntimeError(f"bench limits round {k} failed: {err}; logs in {run_dir / 'logs'}") from err
             limits.append(lim)
+            (run_dir / "limits.json").write_text(json.dumps(lim, indent=2) + "\n")  # kept if a later run fails
             say(f"bench: limits round {k}: rollout alone {lim['rollout_tokens_per_s'] or 0:.0f} tok/s, "
                 f"training alone {lim['training_tokens_per_s'] or 0:.0f} tok/s")
             continue
