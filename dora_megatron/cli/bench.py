@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-HELP = "Run every rollout mode (sync, one_step_off, partial, dora) on the same workload and compare them."
+HELP = ("Run every rollout mode (sync, one_step_off, partial, dora) on the same workload and compare them, "
+        "and with the rollout and training capacity measured alone (the bound).")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

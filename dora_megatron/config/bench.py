@@ -20,7 +20,14 @@ class BenchConfig:
             "all cores; the others pin engines and trainer to their own cores. `dora` uses the configured "
             "max_staleness, `dora_s1`/`dora_s3` set it; the other `dora_*` variants are ablations that switch one DORA "
             "mechanism off (compare them with `dora`); `dora_embedded`/`dora_vllm` run the same DORA workload on each rollout engine.")
-    seeds: int = field_doc(1, "Runs per variant with different run seeds (reward noise).", ge=1)
+    seeds: int = field_doc(1, "Runs per variant with different run seeds (reward and load noise); run seed-major: "
+                              "every variant's seed k before any variant's seed k+1.", ge=1)
+    limits: bool = field_doc(True, "Before each seed round, measure rollout capacity (the engines alone at full "
+                                   "concurrency) and training capacity (the trainer alone on batches recorded from "
+                                   "that rollout) on the disaggregated cores; each variant's `efficiency` is its "
+                                   "throughput / min(the two).")
+    limit_steps: int = field_doc(5, "Recorded training batches the trainer-alone measurement times (the first is "
+                                    "warm-up, not counted); the rollout pass generates at least their groups.", ge=2)
     baseline: str = field_doc("auto", "Sync baseline of the ratios: `auto` = the faster of sync and sync_colocated.")
 
     def check(self, path: str) -> None:

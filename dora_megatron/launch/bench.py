@@ -7,9 +7,16 @@ cores, the trainer to its own); ``sync`` is measured both disaggregated and
 colocated (every phase may use all cores, as the paper's synchronous baseline
 does) and the faster of the two is the baseline of the ratios.
 
-Outputs in ``DIR``: ``bench.json`` (each run's summary, means per variant, ratios
-dora/sync, dora/one_step_off, dora/partial for throughput and step time),
-``bench.md`` (the table), ``reward.png`` (reward per step and per wall second).
+Runs are interleaved seed-major (:func:`run_order`): every variant's seed k runs before any
+variant's seed k+1, so load drift on a shared machine spreads over every variant instead of
+landing on whichever runs at that time. Before each round the two capacities of the disaggregated
+placement are measured (:mod:`.capacity`, ``bench.limits``); each run's throughput divided by
+min(the two) of its round is its ``efficiency``.
+
+Outputs in ``DIR``: ``bench.json`` (each run's summary; per variant the means, the median and
+min-max of throughput and efficiency; ``limits``; ratios dora/sync, dora/one_step_off,
+dora/partial of median throughput and step time), ``bench.md`` (the table), ``reward.png``
+(reward per step and per wall second).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from typing import Any
 
 from dora_megatron.config.loader import apply_overrides, from_dict, to_dict, validate
 from dora_megatron.config.schema import DoraConfig
+from dora_megatron.launch.capacity import bound, median_spread
 
 log = logging.getLogger(__name__)
 
@@ -80,19 +88,67 @@ def variant_config(base: DoraConfig, name: str, seed_index: int, run_dir: Path, 
     return cfg
 
 
+#: The name :func:`run_order` gives the capacity measurement of a round.
+LIMITS = "limits"
+
+
+def run_order(variants: list[str], seeds: int, limits: bool) -> list[tuple[int, str]]:
+    """``(seed index, variant)`` in run order, seed-major: round k runs the limits (when measured)
+    and then every variant's seed k, before any seed k+1."""
+    head = [LIMITS] if limits else []
+    return [(k, name) for k in range(seeds) for name in head + list(variants)]
+
+
 def _mean(xs):
     xs = [x for x in xs if x is not None]
     return statistics.fmean(xs) if xs else None
 
 
-def aggregate(runs: dict[str, list[dict[str, Any]]], baseline: str = "auto") -> dict[str, Any]:
-    """Per-variant means and the headline ratios."""
+def _efficiencies(runs: list[dict[str, Any]], limits: list[dict[str, Any]]) -> list[float | None]:
+    """Each run's throughput / the bound of its own round (runs and limits both in seed order)."""
+    out = []
+    for k, r in enumerate(runs):
+        b = bound(limits[k]) if k < len(limits) else None
+        t = r.get("throughput_tokens_per_s")
+        out.append(t / b if t is not None and b else None)
+    return out
+
+
+def summarize_limits(limits: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median and min-max over the rounds of both capacities and of the per-round bound."""
+    out: dict[str, Any] = {}
+    for key, values in (("rollout_tokens_per_s", [x.get("rollout_tokens_per_s") for x in limits]),
+                        ("training_tokens_per_s", [x.get("training_tokens_per_s") for x in limits]),
+                        ("bound_tokens_per_s", [bound(x) for x in limits])):
+        med, lo, hi = median_spread(values)
+        out[key], out[key.replace("_tokens_per_s", "_min")], out[key.replace("_tokens_per_s", "_max")] = med, lo, hi
+    b = out["bound_tokens_per_s"]
+    out["bound_by"] = None if b is None else (
+        "rollout" if out["rollout_tokens_per_s"] <= out["training_tokens_per_s"] else "training")
+    out["rounds"] = list(limits)
+    return out
+
+
+def aggregate(runs: dict[str, list[dict[str, Any]]], baseline: str = "auto",
+              limits: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Per variant: means, median and min-max of throughput, efficiency (median over the rounds of
+    throughput / that round's bound) when ``limits`` (one entry per seed round) are known; the
+    headline ratios, of median throughput and median step time."""
     keys = ("throughput_tokens_per_s", "mean_step_time_s", "rollout_only_fraction", "rollout_utilization",
             "reward_first", "reward_last", "wall_time_s", "max_consumed_staleness", "migrations", "reprefill_tokens")
-    means = {v: {k: _mean([r.get(k) for r in rs]) for k in keys} for v, rs in runs.items()}
-    syncs = [v for v in ("sync", "sync_colocated") if v in means and means[v]["throughput_tokens_per_s"]]
+    means: dict[str, dict[str, Any]] = {}
+    for v, rs in runs.items():
+        m = {k: _mean([r.get(k) for r in rs]) for k in keys}
+        m["throughput_median"], m["throughput_min"], m["throughput_max"] = median_spread(
+            [r.get("throughput_tokens_per_s") for r in rs])
+        m["step_time_median"] = median_spread([r.get("mean_step_time_s") for r in rs])[0]
+        m["seeds"] = len(rs)
+        m["efficiency"], m["efficiency_min"], m["efficiency_max"] = (
+            median_spread(_efficiencies(rs, limits)) if limits else (None, None, None))
+        means[v] = m
+    syncs = [v for v in ("sync", "sync_colocated") if v in means and means[v]["throughput_median"]]
     if baseline == "auto":
-        base = max(syncs, key=lambda v: means[v]["throughput_tokens_per_s"]) if syncs else None
+        base = max(syncs, key=lambda v: means[v]["throughput_median"]) if syncs else None
     else:
         base = baseline if baseline in means else None
     ratios: dict[str, Any] = {"sync_baseline": base}
@@ -101,26 +157,43 @@ def aggregate(runs: dict[str, list[dict[str, Any]]], baseline: str = "auto") -> 
             if other is None or other not in means:
                 continue
             a, b = means[dora], means[other]
-            if a["throughput_tokens_per_s"] and b["throughput_tokens_per_s"]:
-                ratios[f"{dora}/{label}_throughput"] = a["throughput_tokens_per_s"] / b["throughput_tokens_per_s"]
-            if a["mean_step_time_s"] and b["mean_step_time_s"]:
-                ratios[f"{dora}/{label}_step_time_speedup"] = b["mean_step_time_s"] / a["mean_step_time_s"]
-    return {"means": means, "ratios": ratios}
+            if a["throughput_median"] and b["throughput_median"]:
+                ratios[f"{dora}/{label}_throughput"] = a["throughput_median"] / b["throughput_median"]
+            if a["step_time_median"] and b["step_time_median"]:
+                ratios[f"{dora}/{label}_step_time_speedup"] = b["step_time_median"] / a["step_time_median"]
+    out: dict[str, Any] = {"means": means, "ratios": ratios}
+    if limits:
+        out["limits"] = summarize_limits(limits)
+    return out
 
 
 def markdown_table(agg: dict[str, Any]) -> str:
     def f(x, fmt="{:.2f}"):
         return "n/a" if x is None else fmt.format(x)
 
-    lines = ["| variant | throughput (tok/s) | step time (s) | rollout-only | utilization | reward first -> last | max staleness |",
-             "|---|---|---|---|---|---|---|"]
-    for v, m in agg["means"].items():
-        lines.append(f"| {v} | {f(m['throughput_tokens_per_s'], '{:.0f}')} | {f(m['mean_step_time_s'])} | "
-                     f"{f(m['rollout_only_fraction'])} | {f(m['rollout_utilization'])} | "
-                     f"{f(m['reward_first'], '{:.3f}')} -> {f(m['reward_last'], '{:.3f}')} | {f(m['max_consumed_staleness'], '{:.0f}')} |")
-    ratio_lines = [f"- `{k}`: {v:.2f}x" for k, v in agg["ratios"].items() if isinstance(v, float)]
     base = agg["ratios"].get("sync_baseline")
-    return "\n".join(lines + ["", f"Sync baseline: `{base}`.", ""] + ratio_lines) + "\n"
+    base_thr = agg["means"][base]["throughput_median"] if base else None
+    lines = ["| variant | throughput (tok/s), median (min-max) | spread | efficiency, median (min-max) | vs sync | "
+             "step time (s) | rollout-only | utilization | reward first -> last | max staleness |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for v, m in agg["means"].items():
+        med = m["throughput_median"]
+        spread = (m["throughput_max"] - m["throughput_min"]) / med if med else None
+        lines.append(
+            f"| {v} | {f(med, '{:.0f}')} ({f(m['throughput_min'], '{:.0f}')}-{f(m['throughput_max'], '{:.0f}')}) | "
+            f"{f(spread, '{:.0%}')} | {f(m['efficiency'])} ({f(m['efficiency_min'])}-{f(m['efficiency_max'])}) | "
+            f"{f(med / base_thr if med and base_thr else None)} | {f(m['step_time_median'])} | "
+            f"{f(m['rollout_only_fraction'])} | {f(m['rollout_utilization'])} | "
+            f"{f(m['reward_first'], '{:.3f}')} -> {f(m['reward_last'], '{:.3f}')} | {f(m['max_consumed_staleness'], '{:.0f}')} |")
+    lim = agg.get("limits")
+    limit_lines = []
+    if lim:
+        limit_lines = ["", "Limits (prompt+response tokens/s, median (min-max) over the rounds): rollout alone "
+                       f"{f(lim['rollout_tokens_per_s'], '{:.0f}')} ({f(lim['rollout_min'], '{:.0f}')}-{f(lim['rollout_max'], '{:.0f}')}), "
+                       f"training alone {f(lim['training_tokens_per_s'], '{:.0f}')} ({f(lim['training_min'], '{:.0f}')}-{f(lim['training_max'], '{:.0f}')}), "
+                       f"bound min(the two) {f(lim['bound_tokens_per_s'], '{:.0f}')} ({lim['bound_by']}-bound)."]
+    ratio_lines = [f"- `{k}`: {v:.2f}x" for k, v in agg["ratios"].items() if isinstance(v, float)]
+    return "\n".join(lines + limit_lines + ["", f"Sync baseline: `{base}`.", ""] + ratio_lines) + "\n"
 
 
 def _smooth(values: list[float], window: int) -> list[float]:
@@ -191,21 +264,37 @@ def run_bench(cfg: DoraConfig, out_dir: str | Path, say=log.info) -> dict[str, A
     n_cores = len(os.sched_getaffinity(0))
     runs: dict[str, list[dict[str, Any]]] = {}
     run_dirs: dict[str, list[Path]] = {}
-    for name in cfg.bench.variants:
-        for k in range(cfg.bench.seeds):
-            run_dir = out / "runs" / f"{name}-seed{k}"
-            vcfg = variant_config(cfg, name, k, run_dir, model_dir, n_cores)
-            say(f"bench: {name} (seed {k}) -> {run_dir}")
-            rc = run_local_job(vcfg)
-            if rc != 0:
-                raise RuntimeError(f"bench variant {name} seed {k} failed with status {rc}; logs in {run_dir / 'logs'}")
-            summary = json.loads((run_dir / "summary.json").read_text())
-            runs.setdefault(name, []).append(summary)
-            run_dirs.setdefault(name, []).append(run_dir)
-            say(f"bench: {name} seed {k}: {summary['throughput_tokens_per_s']:.0f} tok/s, "
-                f"step {summary['mean_step_time_s']:.2f} s, rollout-only {summary['rollout_only_fraction']:.2f}")
-    agg = aggregate(runs, cfg.bench.baseline)
-    result = {"runs": runs, **agg, "cores": n_cores}
+    limits: list[dict[str, Any]] = []
+    for k, name in run_order(cfg.bench.variants, cfg.bench.seeds, cfg.bench.limits):
+        run_dir = out / "runs" / f"{name}-seed{k}"
+        if name == LIMITS:
+            from dora_megatron.launch.capacity import measure_capacities
+
+            # the async variants' placement: engines on their cores, the trainer on its own
+            lcfg = variant_config(cfg, "sync", k, run_dir, model_dir, n_cores)
+            say(f"bench: limits (round {k}) -> {run_dir}")
+            try:
+                lim = measure_capacities(lcfg, run_dir, model_dir, cfg.bench.limit_steps, say=say)
+            except Exception as err:  # noqa: BLE001 - a child that died, a timeout: name where the logs are
+                raise RuntimeError(f"bench limits round {k} failed: {err}; logs in {run_dir / 'logs'}") from err
+            limits.append(lim)
+            (run_dir / "limits.json").write_text(json.dumps(lim, indent=2) + "\n")  # kept if a later run fails
+            say(f"bench: limits round {k}: rollout alone {lim['rollout_tokens_per_s'] or 0:.0f} tok/s, "
+                f"training alone {lim['training_tokens_per_s'] or 0:.0f} tok/s")
+            continue
+        vcfg = variant_config(cfg, name, k, run_dir, model_dir, n_cores)
+        say(f"bench: {name} (seed {k}) -> {run_dir}")
+        rc = run_local_job(vcfg)
+        if rc != 0:
+            raise RuntimeError(f"bench variant {name} seed {k} failed with status {rc}; logs in {run_dir / 'logs'}")
+        summary = json.loads((run_dir / "summary.json").read_text())
+        runs.setdefault(name, []).append(summary)
+        run_dirs.setdefault(name, []).append(run_dir)
+        say(f"bench: {name} seed {k}: {summary['throughput_tokens_per_s']:.0f} tok/s, "
+            f"step {summary['mean_step_time_s']:.2f} s, rollout-only {summary['rollout_only_fraction']:.2f}")
+    agg = aggregate(runs, cfg.bench.baseline, limits or None)
+    result = {"runs": runs, **agg, "cores": n_cores, "order": [f"{n}-seed{k}" for k, n in
+                                                              run_order(cfg.bench.variants, cfg.bench.seeds, cfg.bench.limits)]}
     (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "bench.md").write_text(markdown_table(agg))
     plot_rewards(run_dirs, out / "reward.png")

@@ -56,7 +56,7 @@ def test_aggregate_picks_faster_sync_and_ratios():
     assert agg["ratios"]["dora_s1/partial_throughput"] == pytest.approx(250 / 150)
     assert "dora_s1/one_step_off_throughput" not in agg["ratios"]
     table = markdown_table(agg)
-    assert "| dora_s1 | 250 |" in table and "sync_colocated" in table
+    assert "| dora_s1 | 250 (240-260) |" in table and "sync_colocated" in table
 
 
 def test_every_variant_is_documented():
@@ -81,3 +81,50 @@ def test_seed_mean_curves_and_smoothing(tmp_path):
     assert walls == [3.0, 6.0, 9.0]  # mean of the seeds' cumulative step times
     assert _smooth([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
     assert seed_mean_curves([tmp_path / "missing"]) == ([], [], [])
+
+
+def test_run_order_is_seed_major_with_the_limits_first():
+    from dora_megatron.launch.bench import run_order
+
+    assert run_order(["sync", "dora_s3"], 2, limits=True) == [
+        (0, "limits"), (0, "sync"), (0, "dora_s3"), (1, "limits"), (1, "sync"), (1, "dora_s3")]
+    assert run_order(["sync", "dora_s3"], 2, limits=False) == [(0, "sync"), (0, "dora_s3"), (1, "sync"), (1, "dora_s3")]
+
+
+def test_efficiency_pairs_each_run_with_the_bound_of_its_round():
+    limits = [{"rollout_tokens_per_s": 100.0, "training_tokens_per_s": 200.0},  # round 0: bound 100
+              {"rollout_tokens_per_s": 100.0, "training_tokens_per_s": 50.0}]  # round 1 (a busy machine): bound 50
+    runs = {"sync": [{"throughput_tokens_per_s": 40.0, "mean_step_time_s": 4.0},
+                     {"throughput_tokens_per_s": 20.0, "mean_step_time_s": 8.0}],
+            "dora_s3": [{"throughput_tokens_per_s": 90.0, "mean_step_time_s": 2.0},
+                        {"throughput_tokens_per_s": 50.0, "mean_step_time_s": 3.0}]}
+    agg = aggregate(runs, limits=limits)
+    d = agg["means"]["dora_s3"]
+    assert (d["efficiency"], d["efficiency_min"], d["efficiency_max"]) == pytest.approx((0.95, 0.9, 1.0))
+    assert (d["throughput_median"], d["throughput_min"], d["throughput_max"]) == (70.0, 50.0, 90.0)
+    assert agg["means"]["sync"]["efficiency"] == pytest.approx(0.4)
+    lim = agg["limits"]
+    assert lim["bound_tokens_per_s"] == 75.0 and (lim["bound_min"], lim["bound_max"]) == (50.0, 100.0)
+    assert lim["rollout_tokens_per_s"] == 100.0 and lim["training_tokens_per_s"] == 125.0
+    assert lim["bound_by"] == "rollout"
+    table = markdown_table(agg)
+    assert "| dora_s3 | 70 (50-90) | 57% | 0.95 (0.90-1.00) | 2.33 |" in table
+    assert "bound min(the two) 75 (rollout-bound)" in table
+    # without limits there is no efficiency, and the table says so
+    plain = aggregate(runs)
+    assert plain["means"]["dora_s3"]["efficiency"] is None and "limits" not in plain
+    assert "| n/a (n/a-n/a) |" in markdown_table(plain)
+
+
+def test_ratios_use_the_median_so_one_slow_seed_does_not_decide():
+    runs = {"sync": [{"throughput_tokens_per_s": 100.0}] * 3,
+            "dora_s3": [{"throughput_tokens_per_s": 150.0}, {"throughput_tokens_per_s": 150.0},
+                        {"throughput_tokens_per_s": 15.0}]}  # one seed on a machine under load
+    assert aggregate(runs)["ratios"]["dora_s3/sync_throughput"] == pytest.approx(1.5)
+
+
+def test_limit_steps_must_leave_a_measured_step(tmp_path):
+    from dora_megatron.config.base import ConfigError
+
+    with pytest.raises(ConfigError, match="bench.limit_steps"):
+        load_config(ROOT / "configs" / "bench" / "cpu_longtail.yaml", ["bench.limit_steps=1"])
