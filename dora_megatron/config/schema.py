@@ -52,9 +52,6 @@ class DoraConfig:
             raise ConfigError("model.warm_start", f"{self.model.warm_start!r} is a supervised warm start on that digit "
                               "task, not on data.task jsonl: set model.warm_start= (empty: random init) or "
                               "model.path=DIR (a model for your prompts)")
-        if self.rollout.engine == "vllm" and self.launch.backend == "slurm":
-            # the SLURM plan starts SGLang servers for every non-embedded engine: refuse, not mislaunch
-            raise ConfigError("rollout.engine", "vllm runs with launch.backend local only (SLURM: embedded or sglang)")
         if self.algo.wants_routed_experts and self.rollout.engine == "vllm":
             # the vLLM adapter has no routed-experts reply to pass on: replay would silently train unreplayed
             raise ConfigError("algo.routing_replay", "needs routed experts from the engine, which the vllm adapter "

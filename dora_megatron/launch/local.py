@@ -67,9 +67,11 @@ def prepare_model(cfg: DoraConfig, run_dir: Path, say=print) -> Path:
     return path
 
 
-def engine_for(cfg: DoraConfig, url: str, model_dir: str, procs: ProcessSet | None = None):
+def engine_for(cfg: DoraConfig, url: str, model_dir: str, procs: ProcessSet | None = None,
+               run_dir: Path | None = None):
     """The runtime's client of the instance at ``url``, by ``rollout.engine`` (local runs, SLURM and
-    elastic joins alike). ``procs``: the launcher's processes, when it may restart vLLM instances."""
+    elastic joins alike). ``procs``: the launcher's processes, when it may restart vLLM instances;
+    ``run_dir``: the run's (shared) directory, through which other nodes restart theirs."""
     if cfg.rollout.engine == "sglang":  # SGLang protocol only: abort+resubmit migration, echoed-version C1 check
         from dora_megatron.rollout.sglang.client import SGLangClient
         from dora_megatron.rollout.sglang.engine import SGLangEngine
@@ -79,7 +81,7 @@ def engine_for(cfg: DoraConfig, url: str, model_dir: str, procs: ProcessSet | No
     if cfg.rollout.engine == "vllm":  # vLLM API: resubmit migration, weight_versions C1 guard, reload/restart switch
         from dora_megatron.rollout.vllm.launch import make_vllm_engine
 
-        return make_vllm_engine(cfg, url, model_dir, procs)
+        return make_vllm_engine(cfg, url, model_dir, procs, run_dir)
     from dora_megatron.rollout.client import EngineClient
 
     return EngineClient(url, timeout_s=cfg.rollout.request_timeout_s)
@@ -288,7 +290,7 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
     names = list(urls)
 
     def make_engine(url: str):
-        return engine_for(cfg, url, str(model_dir), procs if engine_urls is None else None)
+        return engine_for(cfg, url, str(model_dir), procs, run_dir)
 
     engines = {n: make_engine(u) for n, u in urls.items()}
     trainer_url = trainer_url or f"http://{host}:{trainer_port}"

@@ -147,13 +147,20 @@ class NodeEngines:
     """A node's rollout instances outside the controller's process: restart one that died on its
     port and ask the controller to take it back (a join request with the next ``attempt``).
 
-    ``announce_first``: joining nodes announce every instance once it is first ready, too."""
+    ``announce_first``: joining nodes announce every instance once it is first ready, too.
+    ``run_dir`` (vLLM): the controller's requests to restart an instance on a new snapshot (the
+    MoE-on-CPU version switch) are carried out here, in the same loop."""
 
     def __init__(self, cfg: DoraConfig, procs: ProcessSet, plan: ClusterPlan, node: str, join_dir: Path, *,
-                 announce_first: bool) -> None:
+                 announce_first: bool, run_dir: Path | None = None) -> None:
         self.cfg, self.procs, self.plan, self.node, self.join_dir = cfg, procs, plan, node, join_dir
         self.names = {p.name for p in plan.processes_on(node) if p.role == "engine" and p.port is not None}
-        self.health = "/health" if cfg.rollout.engine == "embedded" else cfg.sglang.health_path
+        self.health = {"embedded": "/health", "vllm": cfg.vllm.health_path}.get(cfg.rollout.engine, cfg.sglang.health_path)
+        self.switches = None
+        if cfg.rollout.engine == "vllm" and run_dir is not None:
+            from dora_megatron.rollout.vllm.switch import RestartRequests, pin_root_of, restart_dir
+
+            self.switches = RestartRequests(procs, restart_dir(run_dir), pin_root_of(procs))
         self.attempts = {n: 0 for n in self.names}
         self.pending = {n: time.monotonic() + cfg.rollout.startup_timeout_s for n in self.names} if announce_first else {}
         self.given_up: set[str] = set()
@@ -161,6 +168,9 @@ class NodeEngines:
     def check(self) -> None:
         from dora_megatron.launch.elastic import JoinRequest, write_join_request
 
+        if self.switches is not None:
+            for name in self.switches.serve():
+                _say(f"{name} on {self.node} restarted on a new snapshot (vLLM version switch, asked by the controller)")
         for child in list(self.procs.children):
             name = child.name
             if name in self.given_up:
@@ -279,8 +289,8 @@ def run_slurm_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan, resume: st
                     elif spec.role == "engine":
                         start_instance(procs, spec)
                 if not is_controller:  # a ChildFailed (its trainer died) writes FAILED below
-                    return _serve_until_end(run_dir, NodeEngines(cfg, procs, plan, node, join_dir,
-                                                                 announce_first=False), env.job_id)
+                    return _serve_until_end(run_dir, NodeEngines(cfg, procs, plan, node, join_dir, announce_first=False,
+                                                                 run_dir=run_dir), env.job_id)
                 try:
                     asyncio.run(_controller(cfg, plan, run_dir, model_dir, procs, checkpoint, node))
                 except _Terminated:
@@ -313,7 +323,7 @@ async def _controller(cfg: DoraConfig, plan: ClusterPlan, run_dir: Path, model_d
     join_dir.mkdir(parents=True, exist_ok=True)
 
     def make(req):  # a joining instance gets the same client as the planned ones
-        return engine_for(cfg, req.url, str(model_dir))
+        return engine_for(cfg, req.url, str(model_dir), run_dir=run_dir)
 
     def start_watcher(runtime) -> None:
         asyncio.get_running_loop().create_task(watch_joins(join_dir, runtime, make, poll_s=cfg.cluster.join_poll_s))
@@ -351,7 +361,7 @@ def run_join_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan) -> int:
             for spec in plan.processes_on(node):
                 if spec.role == "engine":
                     start_instance(procs, spec)
-            engines = NodeEngines(cfg, procs, plan, node, join_dir, announce_first=True)
+            engines = NodeEngines(cfg, procs, plan, node, join_dir, announce_first=True, run_dir=run_dir)
             while (heartbeat_age(join_dir) or float("inf")) > bound:  # no live controller yet
                 if time.monotonic() > deadline:
                     _say(f"dora train --join: no live controller in {run_dir} after {bound:.0f} s "

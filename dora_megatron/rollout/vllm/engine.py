@@ -6,10 +6,10 @@ resubmit of prompt + partial output on a same-version instance (re-prefill, coun
 version in the controller, switches without a checksum call. What it adds:
 
 * **The version guard (C1).** vLLM labels every output token with the weight version that sampled
-  it (``weight_versions`` spans). An answer whose spans show any other label than the version the
-  request was routed for, or that do not cover every output token, raises
-  :class:`~dora_megatron.rollout.client.VersionMismatch`: the runtime then counts none of its
-  tokens and runs the sample again (C1 stays exact even if a reload raced a request).
+  it (``weight_versions`` spans); :func:`~dora_megatron.rollout.versions.span_problem` (the rule
+  shared with SGLang, case ``updates_in_flight=False``) refuses an answer not wholly from the routed
+  version with :class:`~dora_megatron.rollout.client.VersionMismatch`: the runtime then counts none
+  of its tokens and runs the sample again (C1 stays exact even if a reload raced a request).
 * **Request ids.** Each submission gets its own wire id ``<rid>@<n>`` (vLLM rejects nothing, but a
   resubmitted sample must never be confused with its aborted predecessor), and abort goes to the
   server's id ``generate-tokens-<wire id>`` (a raw id is silently ignored). vLLM's abort reply
@@ -32,6 +32,7 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from dora_megatron.rollout.client import EngineError, ExtensionUnsupported, VersionMismatch
 from dora_megatron.rollout.protocol import GenerateResponse, SamplingParams
+from dora_megatron.rollout.versions import Span, span_problem
 from dora_megatron.rollout.vllm.client import VLLMClient, server_request_id
 
 log = logging.getLogger(__name__)
@@ -60,28 +61,9 @@ def vllm_sampling_params(sp: SamplingParams | Mapping[str, Any] | None, return_l
     return out
 
 
-def span_problem(spans: Sequence[Mapping[str, Any]] | None, n_tokens: int, expected: str) -> str | None:
-    """Why an answer's ``weight_versions`` spans do not show all ``n_tokens`` from ``expected``
-    (None: they do). Spans must be contiguous from 0 to ``n_tokens``; no tokens need no span."""
-    if n_tokens == 0:
-        return None
-    if not spans:
-        return f"{n_tokens} output tokens without weight_versions spans"
-    pos = 0
-    for s in sorted(spans, key=lambda s: int(s.get("start", 0))):
-        start, end, version = int(s.get("start", -1)), int(s.get("end", -1)), str(s.get("version"))
-        if start != pos or end <= start:
-            return f"weight_versions spans are not contiguous at token {pos}: {list(spans)}"
-        if version != expected:
-            return f"tokens {start}..{end} were sampled by weights {version!r}, not {expected!r}"
-        pos = end
-    if pos != n_tokens:
-        return f"weight_versions spans cover {pos} of {n_tokens} output tokens"
-    return None
-
-
-def parse_generate(body: Mapping[str, Any], rid: str, prompt_len: int) -> tuple[GenerateResponse, list[dict[str, Any]]]:
-    """vLLM's generate answer as the runtime's :class:`GenerateResponse`, with its spans."""
+def parse_generate(body: Mapping[str, Any], rid: str, prompt_len: int) -> tuple[GenerateResponse, list[Span]]:
+    """vLLM's generate answer as the runtime's :class:`GenerateResponse`, with its spans
+    (``(version, start, end)``; a span without bounds gets -1, which the guard refuses)."""
     choices = body.get("choices") or []
     if not choices:
         raise EngineError("/inference/v1/generate", 502, f"answer without choices: {str(body)[:200]}")
@@ -97,8 +79,9 @@ def parse_generate(body: Mapping[str, Any], rid: str, prompt_len: int) -> tuple[
         finish["matched"] = c["stop_reason"]
     if reason == "length":
         finish["length"] = len(ids)
-    spans = [dict(s) for s in (c.get("weight_versions") or [])]
-    labels = sorted({str(s.get("version")) for s in spans})
+    spans = [(str(s.get("version")), int(s.get("start", -1)), int(s.get("end", -1)))
+             for s in (c.get("weight_versions") or [])]
+    labels = sorted({s[0] for s in spans})
     resp = GenerateResponse(rid=rid, output_ids=ids, finish_reason=finish, prompt_tokens=prompt_len,
                             completion_tokens=len(ids), weight_version=labels[0] if len(labels) == 1 else ",".join(labels),
                             output_token_logprobs=lps, raw=dict(body))
@@ -175,7 +158,8 @@ class VLLMEngine:
                 del self._inflight[rid]
         resp, spans = parse_generate(body, rid, len(input_ids))
         if version is not None:
-            problem = span_problem(spans, len(resp.output_ids), str(version))
+            # vLLM versions switch only on an empty instance: every span must be the routed version
+            problem = span_problem(spans, len(resp.output_ids), str(version), updates_in_flight=False)
             if problem is not None:
                 self.version_mismatches += 1
                 raise VersionMismatch(self.base_url + "/inference/v1/generate", 409,

@@ -12,7 +12,6 @@ import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit
 
 from dora_megatron.launch.plan import ProcessSpec
 from dora_megatron.rollout.vllm.server import server_argv, server_env, vllm_python
@@ -36,17 +35,22 @@ def vllm_problem(cfg: "DoraConfig") -> str | None:
     return None
 
 
+def vllm_engine_spec(cfg: "DoraConfig", name: str, host: str, port: int | None, model_dir: str, run_dir: str, *,
+                     seed: int, cpus: tuple[int, ...] = ()) -> ProcessSpec:
+    """One vLLM server bound to ``host:port``, started on ``model_dir`` (v0), its caches in
+    ``<run_dir>/vllm_cache/<name>`` (local runs and SLURM nodes alike; names are unique in a job)."""
+    r = cfg.rollout
+    argv = server_argv(model_dir, host, port or "<free-port>", cfg.vllm, r, seed=seed)
+    env = server_env(cfg.vllm, Path(run_dir) / "vllm_cache" / name, r.threads_per_instance)
+    return ProcessSpec("engine", name, host, argv, port=port, threads=r.threads_per_instance, env=env, cpus=cpus)
+
+
 def local_vllm_engines(cfg: "DoraConfig", model_dir: str, run_dir: str, port0: int | None) -> list[ProcessSpec]:
     """One vLLM server per ``rollout.num_instances`` on this machine, all started on ``model_dir`` (v0)."""
     r = cfg.rollout
-    out = []
-    for i in range(r.num_instances):
-        port = port0 + i if port0 else None
-        argv = server_argv(model_dir, r.host, port or "<free-port>", cfg.vllm, r, seed=cfg.run.seed + i)
-        env = server_env(cfg.vllm, Path(run_dir) / "vllm_cache" / f"engine{i}", r.threads_per_instance)
-        out.append(ProcessSpec("engine", f"engine{i}", r.host, argv, port=port, threads=r.threads_per_instance,
-                               env=env, cpus=tuple(cfg.launch.engine_cpus)))
-    return out
+    return [vllm_engine_spec(cfg, f"engine{i}", r.host, port0 + i if port0 else None, model_dir, run_dir,
+                             seed=cfg.run.seed + i, cpus=tuple(cfg.launch.engine_cpus))
+            for i in range(r.num_instances)]
 
 
 def served_version(model_path: str, model_dir: str) -> int | None:
@@ -60,20 +64,30 @@ def served_version(model_path: str, model_dir: str) -> int | None:
         return None
 
 
-def make_vllm_engine(cfg: "DoraConfig", url: str, model_dir: str, procs: "ProcessSet | None") -> "VLLMEngine":
-    """The adapter for the instance at ``url``; with ``procs``, MoE-on-CPU switches restart it."""
-    from dora_megatron.rollout.vllm.engine import VLLMEngine
-    from dora_megatron.rollout.vllm.switch import ProcessRestart, switch_mode
+def make_vllm_engine(cfg: "DoraConfig", url: str, model_dir: str, procs: "ProcessSet | None",
+                     run_dir: str | Path | None = None) -> "VLLMEngine":
+    """The adapter for the instance at ``url``.
 
+    Where versions switch by restart (MoE on CPU, :func:`~.switch.switch_mode`), the instance is
+    restarted by this launcher when it is one of ``procs``'s children, else (another node of a
+    SLURM job) by its node's launcher through ``<run_dir>/vllm_restart``. With neither, the adapter
+    is refused: a reload would leave the experts stale under the new version's label (C1)."""
+    from dora_megatron.rollout.vllm.engine import VLLMEngine
+    from dora_megatron.rollout.vllm.switch import (FileRestart, ProcessRestart, child_serving, remote_served_model,
+                                                   restart_dir, switch_mode)
+
+    child = child_serving(procs, url) if procs is not None else None
+    served = (child.argv[list(child.argv).index("--model") + 1] if child is not None  # a restarted process
+              else remote_served_model(restart_dir(run_dir), url) if run_dir is not None else None)
+    initial = served_version(served, model_dir) if served else 0  # may serve a later snapshot
     restart = None
-    initial = 0
-    if procs is not None:
-        port = str(urlsplit(url).port)
-        child = next((c for c in procs.children if "--port" in c.argv
-                      and c.argv[list(c.argv).index("--port") + 1] == port), None)
-        if child is not None:  # a restarted process may serve a later snapshot
-            initial = served_version(child.argv[list(child.argv).index("--model") + 1], model_dir)
-        if switch_mode(cfg.vllm, model_dir, cfg.rollout.device) == "restart":
-            restart = ProcessRestart(procs, url, health_path=cfg.vllm.health_path,
-                                     startup_timeout_s=cfg.rollout.startup_timeout_s)
+    if switch_mode(cfg.vllm, model_dir, cfg.rollout.device) == "restart":
+        timeouts = {"health_path": cfg.vllm.health_path, "startup_timeout_s": cfg.rollout.startup_timeout_s}
+        if child is not None:
+            restart = ProcessRestart(procs, url, **timeouts)
+        elif run_dir is not None:
+            restart = FileRestart(restart_dir(run_dir), url, **timeouts)
+        else:
+            raise ValueError(f"vllm.switch: {url} must switch versions by restart, and this launcher can "
+                             "restart neither it nor its node's processes")
     return VLLMEngine(url, initial_version=initial, restart=restart, timeout_s=cfg.rollout.request_timeout_s)

@@ -122,9 +122,3 @@ def test_resolved_config_written_by_an_earlier_release_still_loads():
     here): ``dora train --resume`` of such a run must load it, whichever keys were removed since."""
     old = Path(__file__).parent / "data" / "cpu_tiny_resolved_cd25a72.yaml"
     assert load_config(old) == load_config(ROOT / "configs" / "cpu_tiny.yaml")
-
-
-def test_vllm_under_slurm_is_refused_instead_of_launching_sglang():
-    with pytest.raises(ConfigError) as err:
-        load_config(None, ["rollout.engine=vllm", "launch.backend=slurm"])
-    assert err.value.path == "rollout.engine" and "local" in str(err.value)
