@@ -112,7 +112,8 @@ class Runtime:
 
     def __init__(self, orch: Orchestrator, engines: dict[str, Engine], trainer: Trainer, source: PromptSource,
                  reward_fn: Callable[[str, str], float], options: RuntimeOptions, *, timeline=None,
-                 on_step: Callable[[StepLog, "Runtime"], None] | None = None, first_prompt: int = 0,
+                 on_step: Callable[[StepLog, "Runtime"], None] | None = None,
+                 on_checkpoint: Callable[[int], None] | None = None, first_prompt: int = 0,
                  codec: TextCodec | None = None, journal=None) -> None:
         self.orch = orch
         self.engines = engines
@@ -122,6 +123,7 @@ class Runtime:
         self.opt = options
         self.timeline = timeline
         self.on_step = on_step
+        self.on_checkpoint = on_checkpoint  # after each complete checkpoint (the launcher's snapshot retention)
         self.next_prompt = first_prompt
         self.codec: TextCodec = codec or CharCodec()
         self.journal = journal  # :class:`~dora_megatron.controller.journal.Journal` or None
@@ -767,10 +769,8 @@ class Runtime:
         log.info("checkpoint v%d written to %s", version, path)
         if self.journal is not None:  # same event-loop turn as state_dict: the marker splits exactly there
             self.journal.checkpoint(version)
-        self.on_checkpoint(version)
-
-    def on_checkpoint(self, version: int) -> None:
-        """Hook for the launcher (snapshot retention); no-op by default."""
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(version)
 
     def state_dict(self, version: int, orchestrator_snapshot: dict[str, Any]) -> dict[str, Any]:
         unconsumed = [g for gid, g in self.groups.items() if gid not in self.consumed]
