@@ -773,6 +773,8 @@ class Runtime:
             self.on_checkpoint(version)
 
     def state_dict(self, version: int, orchestrator_snapshot: dict[str, Any]) -> dict[str, Any]:
+        """The controller part of a checkpoint: outstanding groups and their samples (unfinished ones
+        restart from their prompt), counters, the step logs; not the consumed groups' ids."""
         unconsumed = [g for gid, g in self.groups.items() if gid not in self.consumed]
         samples = []
         for g in unconsumed:
@@ -795,7 +797,6 @@ class Runtime:
             "groups": [{"group_id": g.group_id, "version": g.version, "prompt_index": g.prompt.index,
                         "sample_ids": list(g.sample_ids)} for g in unconsumed],
             "samples": samples,
-            "consumed": sorted(self.consumed),
             "steps": [dataclasses.asdict(x) for x in self.steps],
             "busy_slot_s": self.busy_slot_s, "switch_s": self.switch_s, "migrated_bytes": self.migrated_bytes,
             "migrations_done": self.migrations_done, "migrations_fallback": self.migrations_fallback,
@@ -817,7 +818,9 @@ class Runtime:
                                versions=set(d["versions"]), reward=d["reward"], finished=bool(d["finished"]),
                                routed_experts=d.get("routed_experts"))
             self.samples[rec.sample_id] = rec
-        self.consumed = set(state["consumed"])
+        # consumed groups are not carried (consumed.jsonl lists them; an older controller.json's
+        # "consumed" is ignored): the restored orchestrator has forgotten them, so none can be
+        # released again, and this set guards only against a release twice within this process
         self.steps = [StepLog(**x) for x in state["steps"]]
         self.busy_slot_s = float(state["busy_slot_s"])
         self.switch_s = float(state["switch_s"])

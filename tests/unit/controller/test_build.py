@@ -63,7 +63,27 @@ def test_a_resumed_controller_continues_from_the_checkpoint(tmp_path):
     rt = ctl.runtime
     assert ctl.state == state and ctl.orch.snapshot() == state["orchestrator"]
     assert len(rt.steps) == 2 and rt.latest_version == 2 and rt.next_prompt == state["next_prompt"]
-    assert set(rt.consumed) == set(state["consumed"]) and len(rt.consumed) == 2 * 4
+    # consumed groups stay out of controller.json (consumed.jsonl lists them): it grows with outstanding work
+    assert "consumed" not in state and rt.consumed == set()
+    assert {g["group_id"] for g in state["groups"]}.isdisjoint(g for b in rt.steps for g in b.group_ids)
     assert ctl.journal is not None  # cpu_tiny journals; a resume starts a new lineage at v2
     ctl.close_journal()
     assert json.loads((run_dir / "journal.jsonl").read_text().splitlines()[0]) == {"t": "checkpoint", "version": 2}
+
+
+def test_a_controller_json_that_lists_consumed_groups_still_loads(tmp_path):
+    """Checkpoints written before consumed ids left controller.json resume as before."""
+    rt0, _, _ = make(mode="dora", steps=2, tmp_path=tmp_path)
+    asyncio.run(rt0.run())
+    state = json.loads((tmp_path / "ck2" / "controller.json").read_text())
+    state["consumed"] = sorted(g for s in rt0.steps for g in s.group_ids)
+    rt, _, trainer = make(mode="dora", steps=4)
+    from dora_megatron.orchestrator import Orchestrator
+
+    rt.orch = Orchestrator.restore(rt.orch.config, state["orchestrator"])
+    rt.load_state_dict(state)
+    trainer.version = 2
+    summary = asyncio.run(rt.run())
+    trained = [s["group_id"] for b in trainer.batches for s in b]
+    assert summary["steps"] == 4 and len(trainer.batches) == 2
+    assert not set(trained) & set(state["consumed"])  # nothing of the old lineage trained again
