@@ -132,9 +132,9 @@ def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, mo
         from dora_megatron.controller.journal import Journal
 
         journal = Journal(run_dir)
-    runtime = Runtime(orch, engines, trainer, source, reward_fn, runtime_options(cfg, run_dir, model_dir, endpoints.trainer),
-                      timeline=timeline, on_step=on_step, on_checkpoint=on_checkpoint, codec=load_codec(model_dir),
-                      journal=journal)
+    options = runtime_options(cfg, run_dir, model_dir, endpoints.trainer)
+    runtime = Runtime(orch, engines, trainer, source, reward_fn, options, timeline=timeline, on_step=on_step,
+                      on_checkpoint=on_checkpoint, codec=load_codec(model_dir), journal=journal)
     restorable = 0
     if state is not None:
         runtime.load_state_dict(state)

@@ -62,5 +62,5 @@ from dora_megatron.orchestrator.actions import (Action, ActionHandler, Dispatch,
                                                 Submit, SwitchVersion, perform)
 from dora_megatron.orchestrator.core import Counters, Orchestrator
 
-__all__ = ["Action", "ActionHandler", "Counters", "Dispatch", "Interrupt", "Migrate", "Orchestrator", "ReleaseBatch", "Submit",
-           "SwitchVersion", "perform"]
+__all__ = ["Action", "ActionHandler", "Counters", "Dispatch", "Interrupt", "Migrate", "Orchestrator", "ReleaseBatch",
+           "Submit", "SwitchVersion", "perform"]
