@@ -1,11 +1,12 @@
-"""The asyncio runtime that drives the orchestrator with real engines and a real trainer.
+"""The asyncio executor that carries out the orchestrator's actions with real engines and a real trainer.
 
 Why one loop around one sans-IO object: every decision (what to dispatch where,
 which instance switches, which requests migrate, which groups form a batch) is
 made by :class:`~dora_megatron.orchestrator.Orchestrator`; this module only turns
-its actions into HTTP calls and feeds what happened back as events. All
-orchestrator calls happen on the event-loop thread, so the state machine needs
-no locks.
+its actions into HTTP calls (asyncio tasks) and puts what happened on the event
+queue of :class:`~dora_megatron.controller.loop.ControllerLoop`, which alone feeds
+the orchestrator (read :mod:`dora_megatron.controller.loop` first). All of it runs on
+the event-loop thread, so the state machine needs no locks.
 
 ::
 
@@ -30,18 +31,22 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from dataclasses import dataclass
 import statistics
 import time
 import zlib
 from pathlib import Path
 from typing import Any, Callable
 
+from dora_megatron.controller.loop import (CheckpointSaved, ControllerLoop, EngineReply, EventQueue, InstanceFailed,
+                                           InstanceJoined, InstanceStats, MigrationDone, MigrationFailed, Replayed,
+                                           Resume, Start, Stop, SwitchDone, Tick, TrainerDone)
 from dora_megatron.controller.records import (Engine, GroupRecord, RuntimeOptions, SampleRecord, StepLog,
                                               Trainer)
 from dora_megatron.data.codec import CharCodec, TextCodec
 from dora_megatron.data.tasks import PromptSource
 from dora_megatron.orchestrator import (Dispatch, Interrupt, Migrate, Orchestrator, ReleaseBatch, Submit,
-                                        SwitchVersion)
+                                        SwitchVersion, perform)
 from dora_megatron.observability.summary import RunTotals, StepRecord, build_summary
 
 log = logging.getLogger(__name__)
@@ -85,12 +90,30 @@ def _clear_stale_checkpoint(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+@dataclass(frozen=True)
+class _Batch:
+    """What the trainer was handed for one step, kept for its step log."""
+
+    wait_s: float
+    rewards: list
+    lengths: list
+    staleness: list
+    tokens: int
+    group_ids: tuple
+    versions: tuple
+
+
 class Runtime:
-    """Runs ``options.steps`` training steps; returns the run summary (DESIGN section 11)."""
+    """Runs ``options.steps`` training steps; returns the run summary (DESIGN section 11).
+
+    The executor of :class:`~dora_megatron.controller.loop.ControllerLoop`: it implements
+    :class:`~dora_megatron.orchestrator.ActionHandler` (one method per action, each starting
+    asyncio tasks) and the per-event bookkeeping the loop asks of it."""
 
     def __init__(self, orch: Orchestrator, engines: dict[str, Engine], trainer: Trainer, source: PromptSource,
                  reward_fn: Callable[[str, str], float], options: RuntimeOptions, *, timeline=None,
-                 on_step: Callable[[StepLog, "Runtime"], None] | None = None, first_prompt: int = 0,
+                 on_step: Callable[[StepLog, "Runtime"], None] | None = None,
+                 on_checkpoint: Callable[[int], None] | None = None, first_prompt: int = 0,
                  codec: TextCodec | None = None, journal=None) -> None:
         self.orch = orch
         self.engines = engines
@@ -100,6 +123,7 @@ class Runtime:
         self.opt = options
         self.timeline = timeline
         self.on_step = on_step
+        self.on_checkpoint = on_checkpoint  # after each complete checkpoint (the launcher's snapshot retention)
         self.next_prompt = first_prompt
         self.codec: TextCodec = codec or CharCodec()
         self.journal = journal  # :class:`~dora_megatron.controller.journal.Journal` or None
@@ -136,12 +160,14 @@ class Runtime:
         self._tasks: set[asyncio.Task] = set()
         self._error: BaseException | None = None
         self._done = asyncio.Event()
+        self.events = EventQueue()  # read by the ControllerLoop of :meth:`run`
         self._t0 = 0.0
         self._trainer_idle_since = 0.0
         self._version_of: dict[str, int] = {iid: 0 for iid in engines}
         self._wall_offset = 0.0
         self._resumed = False
         self._pending_step_finished: int | None = None
+        self._pushes: list[SwitchVersion] = []  # collected by switch_version within one execute
         self._trainer_manifest: dict[str, dict] = {}  # checksums of the trainer part of the checkpoint being written
         self.c1_count = 0
         self.version_refusals = 0
@@ -165,44 +191,44 @@ class Runtime:
             raise
         except BaseException as err:  # noqa: BLE001 - any failure stops the run with its cause
             log.exception("runtime task failed")
-            if self._error is None:
-                self._error = err
-            self._done.set()
+            self.stop(err)
 
     def execute(self, actions: list) -> None:
-        pushes: list[SwitchVersion] = []
-        for a in actions:
-            if (isinstance(a, SwitchVersion) and self.opt.weight_transport == "distributed"
-                    and a.version == self.latest_version and a.version > 0):
-                pushes.append(a)  # the trainer still holds these weights: broadcast them once
-                continue
-            if isinstance(a, Dispatch):
-                self._dispatch(a)
-            elif isinstance(a, Submit):
-                self._chain(a.sample_id, self._submit(a), f"submit-{a.sample_id}")
-            elif isinstance(a, Migrate):
-                task = self._concurrent(a.sample_id, lambda prev, a=a: self._migrate(a, prev), f"migrate-{a.sample_id}")
-                # a switch of either end waits for this move (out of src, into dst)
-                for inst in (a.src, a.dst):
-                    self._moves_at.setdefault(inst, set()).add(task)
-                    task.add_done_callback(lambda t, i=inst: self._moves_at.get(i, set()).discard(t))
-            elif isinstance(a, Interrupt):
-                task = self._concurrent(a.sample_id, lambda prev, a=a: self._interrupt(a, prev), f"interrupt-{a.sample_id}")
-                self._moves_at.setdefault(a.instance, set()).add(task)
-                task.add_done_callback(lambda t, src=a.instance: self._moves_at.get(src, set()).discard(t))
-            elif isinstance(a, SwitchVersion):
-                prev = self._switching.get(a.instance)  # loads on one instance run in order
-                self._switching[a.instance] = self._spawn(self._switch(a, prev, self.engines[a.instance]),
-                                                          f"switch-{a.instance}")
-            elif isinstance(a, ReleaseBatch):
-                self._spawn(self._train(a), f"train-{a.step}")
-            else:
-                raise TypeError(f"unknown action {a!r}")
+        """Carry out one orchestrator answer (called by the loop only). Switches to the weights the
+        trainer still holds (``distributed`` transport) are collected over the whole list and done
+        with one broadcast."""
+        self._pushes: list[SwitchVersion] = []
+        perform(self, actions)
+        pushes, self._pushes = self._pushes, []
         if pushes:
             prevs = {a.instance: self._switching.get(a.instance) for a in pushes}
             task = self._spawn(self._push_switch(pushes, prevs), f"push-v{pushes[0].version}")
             for a in pushes:
                 self._switching[a.instance] = task
+
+    # ------------------------------------------------------------------ ActionHandler
+    def submit(self, a: Submit) -> None:
+        self._chain(a.sample_id, self._submit(a), f"submit-{a.sample_id}")
+
+    def migrate(self, a: Migrate) -> None:
+        task = self._concurrent(a.sample_id, lambda prev: self._migrate(a, prev), f"migrate-{a.sample_id}")
+        # a switch of either end waits for this move (out of src, into dst)
+        for inst in (a.src, a.dst):
+            self._moves_at.setdefault(inst, set()).add(task)
+            task.add_done_callback(lambda t, i=inst: self._moves_at.get(i, set()).discard(t))
+
+    def interrupt(self, a: Interrupt) -> None:
+        task = self._concurrent(a.sample_id, lambda prev: self._interrupt(a, prev), f"interrupt-{a.sample_id}")
+        self._moves_at.setdefault(a.instance, set()).add(task)
+        task.add_done_callback(lambda t, src=a.instance: self._moves_at.get(src, set()).discard(t))
+
+    def switch_version(self, a: SwitchVersion) -> None:
+        if self.opt.weight_transport == "distributed" and a.version == self.latest_version and a.version > 0:
+            self._pushes.append(a)  # the trainer still holds these weights: broadcast them once (execute)
+            return
+        prev = self._switching.get(a.instance)  # loads on one instance run in order
+        self._switching[a.instance] = self._spawn(self._switch(a, prev, self.engines[a.instance]),
+                                                  f"switch-{a.instance}")
 
     def _chain(self, sample_id: str, coro, name: str) -> asyncio.Task:
         """Run ``coro`` after the sample's previous operation finished (per-sample ordering)."""
@@ -230,19 +256,21 @@ class Runtime:
         rec.task = self._spawn(both(), f"{name}-join")
         return task
 
-    # ------------------------------------------------------------------ actions
-    def _dispatch(self, a: Dispatch) -> None:
+    def dispatch(self, a: Dispatch) -> None:
         prompt = self.source.get(self.next_prompt)
         self.next_prompt += 1
         prompt_ids = self.codec.encode_prompt(prompt.text)
         self.groups[a.group_id] = GroupRecord(a.group_id, a.version, prompt, tuple(a.sample_ids), self.now())
         for i, sid in enumerate(a.sample_ids):
             self.samples[sid] = SampleRecord(sid, a.group_id, i, a.version, list(prompt_ids))
-        self.orch.set_prompt_tokens(a.group_id, len(prompt_ids))
         if self.journal is not None:
             self.journal.dispatch(a.group_id, a.version, prompt.index, list(a.sample_ids))
         if self._from_journal:
             self._restore_from_journal(a.group_id)
+
+    def prompt_tokens(self, group_id: str) -> int:
+        """Loop: the prompt length of a dispatched group (the orchestrator's re-prefill accounting)."""
+        return len(self.samples[self.groups[group_id].sample_ids[0]].prompt_ids)
 
     # ------------------------------------------------------------------ journal (resume)
     def load_journal(self, samples: dict[str, Any]) -> None:
@@ -266,15 +294,19 @@ class Runtime:
             rec.routed_experts = j.routed_experts
             rec.finished = rec.replay_pending = True
 
-    def _report_replayed(self, rec: SampleRecord) -> None:
-        """The orchestrator asked to run a sample the journal restored: it is finished already."""
+    def replayed(self, sample_id: str) -> int | None:
+        """Loop (:class:`Replayed`): the orchestrator asked to run a sample the journal restored: it
+        is finished already. Returns its length, None when it was reported before."""
+        rec = self.samples[sample_id]
+        if not rec.replay_pending:
+            return None
         rec.replay_pending = False
         self.samples_from_journal += 1
         if self.journal is not None:  # still finished after this lineage's checkpoint
             js = self._journaled(rec)
             self.journal.sample(js, sorted(rec.versions), replayed=True)
             self.journal.replayed(js)
-        self.execute(self.orch.on_sample_finished(rec.sample_id, tokens=len(rec.output_ids), now=self.now()))
+        return len(rec.output_ids)
 
     def _journaled(self, rec: SampleRecord):
         """``rec`` as the journal records it (:class:`~dora_megatron.controller.journal.JournaledSample`)."""
@@ -298,7 +330,7 @@ class Runtime:
         rec = self.samples[a.sample_id]
         if rec.finished:
             if rec.replay_pending:
-                self._report_replayed(rec)
+                await self.events.report(Replayed(a.sample_id))
             return
         rec.submissions += 1
         rec.versions.add(a.version)
@@ -314,21 +346,22 @@ class Runtime:
             # the engine's C1 guard refused it (it holds another version): nothing ran, re-queue it
             log.warning("C1 guard: %s refused %s for version %d: %s", a.instance, a.sample_id, a.version, err.message)
             self.version_refusals += 1
-            self.execute(self.orch.on_migration_failed(a.sample_id))
+            await self.events.report(MigrationFailed(a.sample_id))
             return
         except Exception as err:  # noqa: BLE001
             if not _is_comm_error(err):
                 raise
-            self._instance_failed(a.instance, f"generate failed: {err}", engine=engine)
+            await self.events.report(InstanceFailed(a.instance, f"generate failed: {err}", engine))
             return
-        self._absorb(rec, resp, a.instance, start)
+        await self.events.report(EngineReply(a.sample_id, a.instance, resp, start, self.now()))
 
-    def _absorb(self, rec: SampleRecord, resp, instance: str, start: float) -> None:
-        """Apply an engine response: finished -> event; aborted -> keep the partial output."""
-        end = self.now()
+    def absorb(self, ev: EngineReply) -> int | None:
+        """Loop (:class:`EngineReply`): apply an engine response. Finished: the sample's length (the
+        orchestrator hears of it); aborted: the partial output is kept, None."""
+        rec, resp, instance, start, end = self.samples[ev.sample_id], ev.resp, ev.instance, ev.start, ev.end
         self.busy_slot_s += end - start
         if getattr(resp, "migrated", False):
-            return  # the import on the destination delivers this sample
+            return None  # the import on the destination delivers this sample
         if self.timeline is not None:
             self.timeline.span(instance, rec.sample_id, start, end, version=rec.version, kind="request")
         rec.output_ids.extend(resp.output_ids)
@@ -338,7 +371,7 @@ class Runtime:
         rec.versions.update(int(v) for v in getattr(resp, "versions_used", ()) if str(v).lstrip("-").isdigit())
         reason = (resp.finish_reason or {}).get("type")
         if reason == "abort":
-            return  # interrupted (partial mode) or failed over: a later Submit(resume) continues it
+            return None  # interrupted (partial mode) or failed over: a later Submit(resume) continues it
         if self.opt.routed_experts:  # covers prompt + every output token (the last submission's input is all of it)
             rec.routed_experts = (resp.raw.get("meta_info") or {}).get("routed_experts")
         rec.finished = True
@@ -348,7 +381,7 @@ class Runtime:
         rec.reward = float(self.reward_fn(self.codec.decode(rec.output_ids), group.prompt.answer))
         if self.journal is not None:
             self.journal.sample(self._journaled(rec), sorted(rec.versions))
-        self.execute(self.orch.on_sample_finished(rec.sample_id, tokens=len(rec.output_ids), now=end))
+        return len(rec.output_ids)
 
     async def _migrate(self, a: Migrate, prev: asyncio.Task | None) -> None:
         from dora_megatron.rollout.client import EngineError
@@ -376,8 +409,8 @@ class Runtime:
         except Exception as err:  # noqa: BLE001 - the source is unreachable: re-run the sample elsewhere
             if not _is_comm_error(err):
                 raise
-            self._instance_failed(a.src, f"export failed: {err}", engine=src)
-            self.execute(self.orch.on_migration_failed(a.sample_id))
+            await self.events.report(InstanceFailed(a.src, f"export failed: {err}", src))
+            await self.events.report(MigrationFailed(a.sample_id))
             return
         if blob is not None:
             self.migrated_bytes += len(blob)
@@ -389,9 +422,9 @@ class Runtime:
             except Exception as err:  # noqa: BLE001 - the destination failed: its requests are re-queued
                 if not _is_comm_error(err):
                     raise
-                self._instance_failed(a.dst, f"import failed: {err}", engine=dst)
+                await self.events.report(InstanceFailed(a.dst, f"import failed: {err}", dst))
                 return
-            self._absorb(rec, resp, a.dst, start)
+            await self.events.report(EngineReply(a.sample_id, a.dst, resp, start, self.now()))
             return
         # Fallback (SGLang): abort at src, resubmit prompt + partial output at dst (re-prefill).
         try:
@@ -399,16 +432,16 @@ class Runtime:
         except Exception as err:  # noqa: BLE001
             if not _is_comm_error(err):
                 raise
-            self._instance_failed(a.src, f"abort failed: {err}", engine=src)
-            self.execute(self.orch.on_migration_failed(a.sample_id))
+            await self.events.report(InstanceFailed(a.src, f"abort failed: {err}", src))
+            await self.events.report(MigrationFailed(a.sample_id))
             return
         if prev is not None and not prev.done():
-            await asyncio.wait([prev])  # the aborted generate hands its partial output to _absorb
+            await asyncio.wait([prev])  # the aborted generate's partial output is applied (absorb)
         if rec.finished:
             return  # it finished before the abort reached it: nothing to move
         self.migrations_fallback += 1
         reprefill = len(rec.prompt_ids) + len(rec.output_ids)
-        self.orch.on_migration_done(a.sample_id, reprefill_tokens=reprefill)
+        await self.events.report(MigrationDone(a.sample_id, reprefill))
         await self._submit(Submit(a.sample_id, a.dst, a.version, resume=True))
 
     async def _interrupt(self, a: Interrupt, prev: asyncio.Task | None) -> None:
@@ -439,28 +472,37 @@ class Runtime:
                                          timeout=self.opt.weight_sync_timeout_s)
         except asyncio.TimeoutError:
             self.weight_sync_timeouts += 1
-            self._instance_failed(a.instance, f"switch to v{a.version} did not finish within "
-                                              f"{self.opt.weight_sync_timeout_s:g} s (controller.weight_sync_timeout_s)",
-                                  engine=engine)
+            await self.events.report(InstanceFailed(
+                a.instance, f"switch to v{a.version} did not finish within {self.opt.weight_sync_timeout_s:g} s "
+                            "(controller.weight_sync_timeout_s)", engine))
             return
         except Exception as err:  # noqa: BLE001 - an instance that cannot load weights is failed
-            self._instance_failed(a.instance, f"switch to v{a.version} failed: {err}", engine=engine)
+            await self.events.report(InstanceFailed(a.instance, f"switch to v{a.version} failed: {err}", engine))
             return
         if got is not None:
             self.checksum_mismatches += 1
-            self._instance_failed(a.instance, got, engine=engine)
+            await self.events.report(InstanceFailed(a.instance, got, engine))
             return
-        if self.engines.get(a.instance) is not engine:
-            return  # the instance was replaced (restarted) meanwhile; its own switch follows
-        if self._superseded(a.instance):
-            return  # re-targeted while loading: the newest switch order reports (after loading again)
-        end = self.now()
-        self.switch_s += end - start
-        self._version_of[a.instance] = a.version
+        await self.events.report(SwitchDone(a.instance, a.version, engine, start, self.now()))
+
+    def switch_landed(self, ev: SwitchDone, origin: asyncio.Task | None) -> bool:
+        """Loop (:class:`SwitchDone`): whether the orchestrator is to hear of it. Not when the
+        instance failed or was replaced (restarted: its own switch follows) or was re-targeted
+        while loading (``origin``, the task that loaded, is no longer its newest switch order:
+        that order reports, after loading again)."""
+        if ev.instance in self.failed or self.engines.get(ev.instance) is not ev.engine:
+            return False
+        latest = self._switching.get(ev.instance)
+        if origin is not None and latest is not None and latest is not origin:
+            return False
+        if ev.how == "load":
+            self.switch_s += ev.end - ev.start
+        self._version_of[ev.instance] = ev.version
         if self.timeline is not None:
-            self.timeline.set_version(a.instance, a.version, end)
-            self.timeline.span(a.instance, f"load v{a.version}", start, end, version=a.version, kind="weight_sync")
-        self.execute(self.orch.on_switch_done(a.instance, a.version))
+            self.timeline.set_version(ev.instance, ev.version, ev.end)
+            self.timeline.span(ev.instance, f"{ev.how} v{ev.version}", ev.start, ev.end, version=ev.version,
+                               kind="weight_sync")
+        return True
 
     def _superseded(self, instance: str) -> bool:
         """True when a newer switch of ``instance`` was ordered after the one running in this task.
@@ -503,10 +545,17 @@ class Runtime:
 
     def add_instance(self, name: str, engine: Engine) -> None:
         """Elastic pools: ``engine`` joins the running job as ``name`` (new, or a failed name coming
-        back); the orchestrator switches it to the version it assigns, then routes work to it."""
+        back); the orchestrator switches it to the version it assigns, then routes work to it.
+        Goes through the loop (:class:`InstanceJoined`), after any failure reported before it."""
+        self.events.post(InstanceJoined(name, engine))
+
+    def register(self, ev: InstanceJoined) -> bool:
+        """Loop (:class:`InstanceJoined`): put the client in the pool; whether the orchestrator is to hear of it."""
+        name = ev.instance
         if name in self.engines and name not in self.failed:
-            raise ValueError(f"instance {name} is already in the pool")
-        self.engines[name] = engine
+            log.warning("instance %s is already in the pool; ignoring its second join", name)
+            return False
+        self.engines[name] = ev.engine
         if name in self.failed:
             self.rejoins += 1
             self._rejoined.add(name)
@@ -514,7 +563,11 @@ class Runtime:
             log.info("instance %s rejoined the pool", name)
         else:
             log.info("instance %s joined the pool", name)
-        self.execute(self.orch.on_instance_joined(name))
+        return True
+
+    def is_current(self, instance: str, engine: Engine) -> bool:
+        """Loop: ``engine`` is still ``instance``'s client and the instance has not failed."""
+        return instance not in self.failed and self.engines.get(instance) is engine
 
     async def _push_switch(self, actions: list[SwitchVersion], prevs: dict[str, asyncio.Task | None]) -> None:
         """Switch several instances to the newest version with one trainer broadcast (W1 `distributed`).
@@ -559,43 +612,52 @@ class Runtime:
             if isinstance(wrong, BaseException):
                 if not _is_comm_error(wrong):
                     raise wrong
-                self._instance_failed(a.instance, f"weights check after the push of v{a.version} failed: {wrong}",
-                                      engine=engine)
+                await self.events.report(InstanceFailed(
+                    a.instance, f"weights check after the push of v{a.version} failed: {wrong}", engine))
                 continue
             if wrong is not None:
                 self.checksum_mismatches += 1
-                self._instance_failed(a.instance, wrong, engine=engine)
+                await self.events.report(InstanceFailed(a.instance, wrong, engine))
                 continue
-            self._version_of[a.instance] = a.version
-            if self.timeline is not None:
-                self.timeline.set_version(a.instance, a.version, end)
-                self.timeline.span(a.instance, f"push v{a.version}", start, end, version=a.version, kind="weight_sync")
-            if self._superseded(a.instance):
-                continue  # re-targeted meanwhile: the newest switch order reports
-            self.execute(self.orch.on_switch_done(a.instance, a.version))
+            await self.events.report(SwitchDone(a.instance, a.version, engine, start, end, how="push"))
 
-    def _instance_failed(self, instance: str, why: str, engine: Engine | None = None) -> None:
-        """``engine``: the client the failing call used; a failure seen through a client that has since
-        been replaced (the instance was restarted and rejoined) is stale and ignored."""
-        if instance in self.failed:
-            return
-        if engine is not None and self.engines.get(instance) is not engine:
+    def report_failure(self, instance: str, why: str, engine: Engine | None = None) -> None:
+        """For launchers (a supervisor saw the process exit, a node restarted it): ``instance``
+        failed. Goes through the loop like every other event."""
+        self.events.post(InstanceFailed(instance, why, engine))
+
+    def mark_failed(self, ev: InstanceFailed, origin: asyncio.Task | None) -> bool:
+        """Loop (:class:`InstanceFailed`): whether the orchestrator is to hear of it. ``ev.engine``:
+        the client the failing call used; a failure seen through a client that has since been
+        replaced (the instance was restarted and rejoined) is stale and ignored. The requests in
+        flight there are cancelled (not the one that reported, ``origin``)."""
+        instance, why = ev.instance, ev.why
+        if instance in self.failed or instance not in self.engines:
+            return False
+        if ev.engine is not None and self.engines.get(instance) is not ev.engine:
             log.info("ignoring a stale failure of %s (replaced since): %s", instance, why)
-            return
+            return False
         log.warning("instance %s failed: %s", instance, why)
         self.failed.add(instance)
         self.failed_ever.add(instance)
-        current = asyncio.current_task()
         for rec in self.samples.values():  # stop waiting on requests that lived there
-            if rec.gen_instance == instance and rec.gen_task is not None and rec.gen_task is not current \
+            if rec.gen_instance == instance and rec.gen_task is not None and rec.gen_task is not origin \
                     and not rec.gen_task.done() and not rec.finished:
                 rec.gen_task.cancel()
-        self.execute(self.orch.on_instance_failed(instance))
         if len(self.failed) == len(self.engines) and not self.instances_may_return:
-            self._error = RuntimeError("every rollout instance failed")
-            self._done.set()
+            self.stop(RuntimeError("every rollout instance failed"))
+        return True
 
-    async def _train(self, a: ReleaseBatch) -> None:
+    def stop(self, error: BaseException | None = None) -> None:
+        """End the run (with ``error``, the first one wins): the loop stops after its current event."""
+        if error is not None and self._error is None:
+            self._error = error
+        self._done.set()
+        self.events.post(Stop())
+
+    def release_batch(self, a: ReleaseBatch) -> None:
+        """Hand the batch to the trainer: the groups are consumed now (exactly once), ``/train`` runs
+        in a task that reports :class:`TrainerDone`."""
         start = self.now()
         wait = max(0.0, start - self._trainer_idle_since)
         samples, rewards, lengths, staleness, tokens = [], [], [], [], 0
@@ -618,40 +680,53 @@ class Runtime:
                 rewards.append(rec.reward)
                 lengths.append(len(rec.output_ids))
                 tokens += len(rec.prompt_ids) + len(rec.output_ids)
+        batch = _Batch(wait, rewards, lengths, staleness, tokens, tuple(a.group_ids), tuple(a.versions))
+        self._spawn(self._train(a.step, samples, start, batch), f"train-{a.step}")
+
+    async def _train(self, step: int, samples: list[dict], start: float, batch: _Batch) -> None:
         t_train = time.monotonic()
-        result = await self.trainer.train(a.step, samples)
+        result = await self.trainer.train(step, samples)
         train_s = time.monotonic() - t_train
+        await self.events.report(TrainerDone(step, result, start, train_s, batch))
+
+    def record_step(self, ev: TrainerDone, live_versions: int) -> tuple[int, bool]:
+        """Loop (:class:`TrainerDone`): log the step; returns the new weights' version and whether a
+        checkpoint is due (then its trainer part is being written and :class:`CheckpointSaved` follows)."""
+        result, b = ev.result, ev.batch
         new_version = int(result["version"])
         self.latest_version = new_version
         if result.get("checksum"):
             self.expected_checksums[new_version] = result["checksum"]
         end = self.now()
-        for gid in a.group_ids:  # free the token data of consumed groups
+        for gid in b.group_ids:  # free the token data of consumed groups
             for sid in self.groups[gid].sample_ids:
                 rec = self.samples[sid]
                 rec.logprobs, rec.output_ids, rec.prompt_ids = [], [], []
                 rec.routed_experts = None
-        log_ = StepLog(a.step, start, end, wait, train_s, 0.0, dict(result.get("metrics", {})), rewards, lengths,
-                       staleness, tokens, len(self.orch.live_versions()), list(a.group_ids), list(a.versions))
+        log_ = StepLog(ev.step, ev.start, end, b.wait_s, ev.train_s, 0.0, dict(result.get("metrics", {})), b.rewards,
+                       b.lengths, b.staleness, b.tokens, live_versions, list(b.group_ids), list(b.versions))
         self.steps.append(log_)
         if self.timeline is not None:
-            self.timeline.span("trainer", f"step {a.step}", start, end, version=a.step, kind="train")
+            self.timeline.span("trainer", f"step {ev.step}", ev.start, end, version=ev.step, kind="train")
         if self.on_step is not None:
             self.on_step(log_, self)
         self._trainer_idle_since = end
         last = len(self.steps) >= self.opt.steps
         due = self.opt.checkpoint_dir is not None and (
-            last or (self.opt.checkpoint_interval and new_version % self.opt.checkpoint_interval == 0))
+            last or bool(self.opt.checkpoint_interval and new_version % self.opt.checkpoint_interval == 0))
         if due:
             # Trainer first, then the controller state, both at the same boundary: weights
             # ``new_version`` exist and the orchestrator has not yet reacted to them (resume
             # replays ``on_step_finished(new_version)``).
-            await self._checkpoint(new_version)
-            self._write_controller_state(new_version)
-        if last:
-            self._done.set()
-            return
-        self.execute(self.orch.on_step_finished(new_version))
+            self._spawn(self._checkpoint(new_version), f"checkpoint-v{new_version}")
+        return new_version, due
+
+    def step_boundary(self) -> bool:
+        """Loop: after a step (and its checkpoint): True when it was the last one (the run ends)."""
+        if len(self.steps) >= self.opt.steps:
+            self.stop()
+            return True
+        return False
 
     # ------------------------------------------------------------------ checkpoints
     async def _checkpoint(self, version: int) -> None:
@@ -668,9 +743,11 @@ class Runtime:
         self._trainer_manifest = await asyncio.to_thread(describe_tree, path, "trainer")
         if self.timeline is not None:
             self.timeline.span("trainer", f"checkpoint v{version}", start, self.now(), kind="checkpoint")
+        await self.events.report(CheckpointSaved(version))
 
-    def _write_controller_state(self, version: int) -> None:
-        """Controller part, written after ``on_step_finished`` so the orchestrator is at a step boundary.
+    def write_controller_state(self, version: int, orchestrator_snapshot: dict[str, Any]) -> None:
+        """Loop (:class:`CheckpointSaved`): the controller part, written before ``on_step_finished``
+        so the orchestrator is at a step boundary.
 
         Written last and atomically: a checkpoint directory without ``controller.json`` is
         incomplete and ignored by resume. Just before it, ``manifest.json`` (sizes and SHA-256 of the
@@ -682,7 +759,7 @@ class Runtime:
 
         path = Path(self.opt.checkpoint_dir(version))
         tmp = path / "controller.json.tmp"
-        data = json.dumps(self.state_dict(version)).encode()
+        data = json.dumps(self.state_dict(version, orchestrator_snapshot)).encode()
         tmp.write_bytes(data)
         entries = dict(self._trainer_manifest)
         self._trainer_manifest = {}
@@ -692,12 +769,12 @@ class Runtime:
         log.info("checkpoint v%d written to %s", version, path)
         if self.journal is not None:  # same event-loop turn as state_dict: the marker splits exactly there
             self.journal.checkpoint(version)
-        self.on_checkpoint(version)
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(version)
 
-    def on_checkpoint(self, version: int) -> None:
-        """Hook for the launcher (snapshot retention); no-op by default."""
-
-    def state_dict(self, version: int) -> dict[str, Any]:
+    def state_dict(self, version: int, orchestrator_snapshot: dict[str, Any]) -> dict[str, Any]:
+        """The controller part of a checkpoint: outstanding groups and their samples (unfinished ones
+        restart from their prompt), counters, the step logs; not the consumed groups' ids."""
         unconsumed = [g for gid, g in self.groups.items() if gid not in self.consumed]
         samples = []
         for g in unconsumed:
@@ -716,11 +793,10 @@ class Runtime:
         return {
             "format": 1, "version": version, "pending_step_finished": version,
             "next_prompt": self.next_prompt, "wall_s": self.now(),
-            "orchestrator": self.orch.snapshot(),
+            "orchestrator": orchestrator_snapshot,
             "groups": [{"group_id": g.group_id, "version": g.version, "prompt_index": g.prompt.index,
                         "sample_ids": list(g.sample_ids)} for g in unconsumed],
             "samples": samples,
-            "consumed": sorted(self.consumed),
             "steps": [dataclasses.asdict(x) for x in self.steps],
             "busy_slot_s": self.busy_slot_s, "switch_s": self.switch_s, "migrated_bytes": self.migrated_bytes,
             "migrations_done": self.migrations_done, "migrations_fallback": self.migrations_fallback,
@@ -742,7 +818,9 @@ class Runtime:
                                versions=set(d["versions"]), reward=d["reward"], finished=bool(d["finished"]),
                                routed_experts=d.get("routed_experts"))
             self.samples[rec.sample_id] = rec
-        self.consumed = set(state["consumed"])
+        # consumed groups are not carried (consumed.jsonl lists them; an older controller.json's
+        # "consumed" is ignored): the restored orchestrator has forgotten them, so none can be
+        # released again, and this set guards only against a release twice within this process
         self.steps = [StepLog(**x) for x in state["steps"]]
         self.busy_slot_s = float(state["busy_slot_s"])
         self.switch_s = float(state["switch_s"])
@@ -774,21 +852,21 @@ class Runtime:
                     break
                 except asyncio.TimeoutError:
                     if attempt == 2:
-                        self._instance_failed(iid, f"server_info did not answer within {self.opt.health_timeout_s:g} s "
-                                                   "(controller.health_timeout_s), twice in a row", engine=engine)
+                        self.events.post(InstanceFailed(
+                            iid, f"server_info did not answer within {self.opt.health_timeout_s:g} s "
+                                 "(controller.health_timeout_s), twice in a row", engine))
                         return
                     log.info("stats poll of %s timed out; asking again before failing it", iid)
                 except Exception as err:  # noqa: BLE001 - unreachable engine = failed engine
-                    self._instance_failed(iid, f"server_info failed: {err}", engine=engine)
+                    self.events.post(InstanceFailed(iid, f"server_info failed: {err}", engine))
                     return
-        if iid in self.failed or self.engines.get(iid) is not engine:
-            return  # failed or replaced while we asked
         running = int(info.get("num_running_reqs", info.get("running", 0)) or 0)
         kv = float(info.get("kv_usage", info.get("token_usage", 0.0)) or 0.0)
-        self.execute(self.orch.on_instance_stats(iid, running, kv, now=self.now()))
+        self.events.post(InstanceStats(iid, running, kv, engine))  # the loop drops it if failed/replaced meanwhile
 
     async def _stats_loop(self) -> None:
-        """Every ``stats_interval_s``, one sweep over every live instance. WHY concurrent (at most
+        """Event source (the one place stats are polled): every ``stats_interval_s``, one sweep over
+        every live instance, then a :class:`Tick`. WHY concurrent (at most
         ``stats_concurrency`` calls in flight): asked one after the other, a sweep takes N round
         trips, so at a few hundred instances the load the orchestrator decides on is seconds old
         (tools/controller_scale.py measured a 6 s poll interval at 256 instances)."""
@@ -797,13 +875,15 @@ class Runtime:
             polls = [self._poll_stats(iid, engine, slots) for iid, engine in list(self.engines.items())
                      if iid not in self.failed]  # instances may join meanwhile
             await asyncio.gather(*polls)
-            self.execute(self.orch.on_tick(self.now()))
+            self.events.post(Tick())
             try:
                 await asyncio.wait_for(self._done.wait(), timeout=self.opt.stats_interval_s)
             except asyncio.TimeoutError:
                 pass
 
     async def run(self) -> dict[str, Any]:
+        """Run the :class:`~dora_megatron.controller.loop.ControllerLoop` until the last step (or an
+        error); returns the summary."""
         self._t0 = time.monotonic()
         self._trainer_idle_since = self._wall_offset
         if self.timeline is not None:
@@ -818,21 +898,23 @@ class Runtime:
             self._done.set()
         elif self._resumed:
             self._trainer_idle_since = self.now()
-            for iid in self.engines:  # fresh processes: re-queue what ran there, switch them anew
-                self.execute(self.orch.on_instance_failed(iid))
-            for iid in self.engines:
-                self.execute(self.orch.on_instance_joined(iid))
-            if self._pending_step_finished is not None and len(self.steps) < self.opt.steps:
-                self.execute(self.orch.on_step_finished(int(self._pending_step_finished)))
-            self.execute(self.orch.poll())
+            pending = self._pending_step_finished if len(self.steps) < self.opt.steps else None
+            self.events.post(Resume(tuple(self.engines), pending))
         else:
-            self.execute(self.orch.start())
+            self.events.post(Start())
+        loop = ControllerLoop(self.orch, self, self.events, self._done)
         stats = asyncio.get_running_loop().create_task(self._stats_loop())
+        watch = asyncio.get_running_loop().create_task(self._wake_on_done())
         try:
-            await self._done.wait()
+            await loop.run()
+        except Exception as err:  # noqa: BLE001 - a failed event handler stops the run with its cause
+            log.exception("controller loop failed")
+            if self._error is None:
+                self._error = err
         finally:
             stats.cancel()
-            await asyncio.gather(stats, return_exceptions=True)
+            watch.cancel()
+            await asyncio.gather(stats, watch, return_exceptions=True)
         if self._error is not None:
             await self._cancel_all()
             raise self._error
@@ -841,6 +923,11 @@ class Runtime:
         if self.timeline is not None:
             self.timeline.close(wall)
         return self.summary(wall)
+
+    async def _wake_on_done(self) -> None:
+        """The run may be ended from outside the loop (a supervisor sets ``_done``): wake the loop."""
+        await self._done.wait()
+        self.events.post(Stop())
 
     async def _cancel_all(self) -> None:
         """Abort what is still generating (outstanding groups of the next steps) and stop tasks."""

@@ -106,7 +106,7 @@ async def watch_joins(join_dir: str | Path, runtime: Any, make_engine: Callable[
             old = runtime.engines.get(req.name)
             if old is not None and req.name not in runtime.failed:
                 # restarted by its node before the controller noticed: what ran on the old process is lost
-                runtime._instance_failed(req.name, f"restarted by its node's launcher (attempt {req.attempt})")
+                runtime.report_failure(req.name, f"restarted by its node's launcher (attempt {req.attempt})")
             runtime.add_instance(req.name, engine)
             close = getattr(old, "close", None)
             if close is not None:  # it pointed at the dead process

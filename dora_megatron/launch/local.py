@@ -24,10 +24,10 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from dora_megatron.config.loader import dump_yaml
 from dora_megatron.config.schema import DoraConfig
+from dora_megatron.controller.build import Endpoints
 from dora_megatron.launch.inputs import input_problem
 from dora_megatron.launch.plan import ProcessSpec, local_plan
 from dora_megatron.launch.processes import ChildFailed, ProcessSet
@@ -203,8 +203,9 @@ def run_local_job(cfg: DoraConfig, resume: str | None = None) -> int:
                         argv += ["--resume", str(checkpoint / "trainer")]
                     procs.start("trainer", argv, {**spec.env, "PYTHONUNBUFFERED": "1"}, cpus=spec.cpus)
             _write_processes(run_dir, procs)
-            summary = asyncio.run(_run_controller(cfg, run_dir, model_dir, host, engine_ports, trainer_port, procs, say,
-                                                  checkpoint))
+            endpoints = Endpoints({f"engine{i}": f"http://{host}:{p}" for i, p in enumerate(engine_ports)},
+                                  f"http://{host}:{trainer_port}")
+            summary = asyncio.run(run_controller(cfg, endpoints, run_dir, model_dir, procs, say, checkpoint, host=host))
     except (ChildFailed, TimeoutError, ValueError) as err:
         say(f"dora train failed: {err}")
         return 1
@@ -270,33 +271,29 @@ def _with_port(spec: ProcessSpec, port: int) -> ProcessSpec:
     return dataclasses.replace(spec, argv=tuple(argv), port=port)
 
 
-async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host: str, engine_ports: list[int],
-                          trainer_port: int, procs: ProcessSet, say, checkpoint: Path | None = None, *,
-                          engine_urls: dict[str, str] | None = None, trainer_url: str | None = None,
-                          on_runtime=None) -> dict[str, Any]:
-    """``engine_urls``/``trainer_url`` (SLURM jobs) replace ``host`` + ports; ``on_runtime(runtime)``
-    runs once the runtime exists (e.g. to start the elastic join watcher)."""
-    from dora_megatron.controller.records import RuntimeOptions
-    from dora_megatron.controller.runtime import Runtime
-    from dora_megatron.controller.trainer_client import PushOptions, TrainerClient, TrainerError, TrainerUnreachable
-    from dora_megatron.data.tasks import make_prompt_source, reward_description
+async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: Path, procs: ProcessSet, say,
+                         checkpoint: Path | None = None, *, host: str = "127.0.0.1", fixed_ports: bool = False,
+                         on_runtime=None) -> dict[str, Any]:
+    """Run the controller of a job whose processes are started: wait until ``endpoints``
+    (:class:`~dora_megatron.controller.build.Endpoints`) answer, build the controller
+    (:func:`~dora_megatron.controller.build.build_controller`), supervise the engines this launcher
+    started (``procs``; restarted ones come back on ``host``, on their planned port when
+    ``fixed_ports``), run it and write the outputs. ``on_runtime(runtime)`` runs once the runtime
+    exists (e.g. to start the elastic join watcher)."""
+    from dora_megatron.controller.build import build_controller
+    from dora_megatron.controller.trainer_client import TrainerError, TrainerUnreachable
     from dora_megatron.observability.tensorboard import NullWriter, TensorBoardWriter
     from dora_megatron.observability.timeline import Timeline
-    from dora_megatron.orchestrator import Orchestrator
 
     t_start = time.monotonic()
-    names = [f"engine{i}" for i in range(len(engine_ports))]
-    urls = engine_urls or {n: f"http://{host}:{p}" for n, p in zip(names, engine_ports)}
+    urls, trainer_url = endpoints.engines, endpoints.trainer
     names = list(urls)
 
     def make_engine(url: str):
         return engine_for(cfg, url, str(model_dir), procs, run_dir)
 
-    engines = {n: make_engine(u) for n, u in urls.items()}
-    trainer_url = trainer_url or f"http://{host}:{trainer_port}"
-    trainer = TrainerClient(trainer_url)
     health_path = cfg.vllm.health_path if cfg.rollout.engine == "vllm" else "/health"
-    say(f"waiting for {len(engines)} engines and the trainer ({cfg.launch.trainer_procs} rank(s)) ...")
+    say(f"waiting for {len(urls)} engines and the trainer ({cfg.launch.trainer_procs} rank(s)) ...")
     await asyncio.gather(
         *(_wait_http(f"{u}{health_path}", procs, cfg.rollout.startup_timeout_s, n) for n, u in urls.items()),
         _wait_http(f"{trainer_url}/health", procs, cfg.launch.trainer_startup_timeout_s, "trainer"),
@@ -307,31 +304,18 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
 
         for warning in await check_versions(list(urls.values())):
             say(f"warning: {warning}")
-    data = cfg.data
-    if data.task != "jsonl":
-        source, reward_fn = make_prompt_source(data.task, min_len=data.min_len, max_len=data.max_len,
-                                               exponent=data.length_exponent, seed=data.seed,
-                                               partial_credit=data.partial_credit)
-    else:
-        source, reward_fn = make_prompt_source("jsonl", path=data.path, prompt_key=data.prompt_key, answer_key=data.answer_key)
-    reward_name = reward_description(data.task, data.partial_credit)
-    say(f"reward: {reward_name}")
-    state = json.loads((checkpoint / "controller.json").read_text()) if checkpoint is not None else None
-    orch = Orchestrator.restore(cfg.orchestrator, state["orchestrator"]) if state else Orchestrator(cfg.orchestrator, names)
     obs = cfg.observability
-    resumed_at = int(state["version"]) if state else None  # steps >= it are re-done: keep only the new ones
+    resuming = checkpoint is not None
+    resumed_at = _steps_done(checkpoint) if resuming else None  # steps >= it are re-done: keep only the new ones
     writer = TensorBoardWriter(run_dir / "tb", purge_step=resumed_at) if obs.tensorboard else NullWriter()
     timeline = Timeline() if obs.timeline else None
     progress = _Progress(cfg.run.steps, enabled=obs.progress)
     if resumed_at is not None:
         drop_steps_from(run_dir / "steps.jsonl", resumed_at)
-    steps_file = open(run_dir / "steps.jsonl", "a" if state else "w")
-    consumed_file = open(run_dir / "consumed.jsonl", "a" if state else "w")
+    steps_file = open(run_dir / "steps.jsonl", "a" if resuming else "w")
+    consumed_file = open(run_dir / "consumed.jsonl", "a" if resuming else "w")
 
-    def snapshot_dir(version: int) -> str:
-        return str(model_dir) if version == 0 else str(run_dir / "weights" / f"v{version:06d}")
-
-    def on_step(s, rt: Runtime) -> None:
+    def on_step(s, rt) -> None:
         lengths = sorted(s.response_lengths)
         tokens_total = sum(x.tokens for x in rt.steps)
         scalars = {
@@ -362,60 +346,27 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
         consumed_file.flush()
         progress.update(s.step, scalars)
 
-    sglang = cfg.rollout.engine == "sglang"
-    options = RuntimeOptions(
-        steps=cfg.run.steps, seed=cfg.run.seed, max_new_tokens=cfg.rollout.max_new_tokens,
-        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-        snapshot_dir=snapshot_dir, stats_interval_s=obs.stats_interval_s,
-        slots_per_instance=min(cfg.rollout.max_running, cfg.orchestrator.cap_before_rebalance),
-        request_timeout_s=cfg.rollout.request_timeout_s,
-        checkpoint_interval=cfg.run.checkpoint_interval,
-        migration=cfg.controller.migration, health_timeout_s=cfg.controller.health_timeout_s,
-        verify_checksums=cfg.controller.verify_checksums,
-        weight_transport=cfg.controller.weight_transport,
-        push=PushOptions(
-            bucket_mb=cfg.controller.bucket_mb, master_addr=urlsplit(trainer_url).hostname,
-            master_port=cfg.cluster.weight_group_port if cfg.launch.backend == "slurm" else None,
-            backend=cfg.sglang.weight_group_backend if sglang else None,
-            engine_ranks=cfg.sglang.tp_size if sglang else 1, pause_mode=cfg.sglang.pause_mode if sglang else None),
-        stop_token_ids=tuple(cfg.rollout.stop_token_ids),
-        weight_sync_timeout_s=cfg.controller.weight_sync_timeout_s,
-        checkpoint_dir=lambda v: str(run_dir / "checkpoints" / f"v{v:06d}"),
-        routed_experts=cfg.algo.wants_routed_experts,
-    )
-    from dora_megatron.data.codec import load_codec
-
-    journal = None
-    if cfg.controller.journal and cfg.run.checkpoint_interval > 0:
-        from dora_megatron.controller.journal import Journal
-
-        journal = Journal(run_dir)
-    runtime = Runtime(orch, engines, trainer, source, reward_fn, options, timeline=timeline, on_step=on_step,
-                      codec=load_codec(model_dir), journal=journal)
-    retention = _SnapshotRetention(run_dir, runtime)
+    retention = _SnapshotRetention(run_dir, lambda: ctl.orch.live_versions())
+    ctl = build_controller(cfg, endpoints, run_dir=run_dir, model_dir=model_dir, make_engine=make_engine,
+                           checkpoint=checkpoint, on_step=on_step, on_checkpoint=retention.checkpointed,
+                           timeline=timeline)
+    runtime, trainer, engines, orch = ctl.runtime, ctl.trainer, ctl.engines, ctl.orch
+    say(f"reward: {ctl.reward_name}")
     if cfg.run.checkpoint_interval == 0:  # no mid-run checkpoint to resume from: only live versions matter
         retention.min_live_at_checkpoint = float("inf")
-    runtime.on_checkpoint = retention.checkpointed
-    if state is not None:
-        runtime.load_state_dict(state)
+    if ctl.state is not None:
         retention.min_live_at_checkpoint = min(orch.live_versions())
-    if journal is not None:
-        if state is not None:  # read what the crashed lineage finished after this checkpoint, then start anew
-            from dora_megatron.controller.journal import read_journal
-
-            restorable = read_journal(run_dir, int(state["version"]))
-            runtime.load_journal(restorable)
-            say(f"journal: {len(restorable)} finished sample(s) after {checkpoint.name} may be restored")
-        journal.start(int(state["version"]) if state is not None else None)
+        if ctl.journal is not None:
+            say(f"journal: {ctl.restorable_samples} finished sample(s) after {checkpoint.name} may be restored")
     if on_runtime is not None:
         on_runtime(runtime)
     from dora_megatron.launch.supervise import EngineSupervisor, RestartPolicy
 
-    # SLURM jobs (engine_urls given): instances on this node come back on their planned port and host
+    # SLURM jobs (fixed_ports): instances on this node come back on their planned port and host
     policy = RestartPolicy(enabled=cfg.launch.restart_engines,
                            max_restarts=cfg.launch.max_engine_restarts,
                            startup_timeout_s=cfg.rollout.startup_timeout_s,
-                           fixed_port=bool(cfg.rollout.base_port) or engine_urls is not None, host=host,
+                           fixed_port=bool(cfg.rollout.base_port) or fixed_ports, host=host,
                            health_path=health_path)
     supervisor = EngineSupervisor(procs, runtime, policy, make_engine, names,
                                   on_restarted=lambda: _write_processes(run_dir, procs))
@@ -429,8 +380,7 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
     finally:
         monitor.cancel()
         await asyncio.gather(monitor, return_exceptions=True)
-        if journal is not None:
-            journal.close()
+        ctl.close_journal()
         progress.close()
         steps_file.close()
         consumed_file.close()
@@ -440,7 +390,7 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
         await trainer.close()
         for e in engines.values():
             await e.close()
-    summary["reward_fn"] = reward_name
+    summary["reward_fn"] = ctl.reward_name
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (run_dir / "orchestrator_state.json").write_text(json.dumps(orch.snapshot()))
     if timeline is not None:
@@ -484,9 +434,9 @@ class _SnapshotRetention:
 
     KEEP_CHECKPOINTS = 2
 
-    def __init__(self, run_dir: Path, runtime) -> None:
+    def __init__(self, run_dir: Path, live_versions) -> None:
         self.run_dir = run_dir
-        self.runtime = runtime
+        self.live_versions = live_versions  # () -> the orchestrator's live versions
         self._floors: list[float] = [0]  # oldest live version at each of the last checkpoints
 
     @property
@@ -498,12 +448,12 @@ class _SnapshotRetention:
         self._floors = [value]
 
     def checkpointed(self, version: int) -> None:
-        self._floors = (self._floors + [min(self.runtime.orch.live_versions())])[-self.KEEP_CHECKPOINTS:]
+        self._floors = (self._floors + [min(self.live_versions())])[-self.KEEP_CHECKPOINTS:]
 
     def prune(self) -> None:
         import shutil
 
-        keep_from = min(min(self.runtime.orch.live_versions()), self.min_live_at_checkpoint)
+        keep_from = min(min(self.live_versions()), self.min_live_at_checkpoint)
         for path in (self.run_dir / "weights").glob("v*"):
             try:
                 version = int(path.name[1:].split(".")[0])

@@ -317,7 +317,8 @@ def run_slurm_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan, resume: st
 async def _controller(cfg: DoraConfig, plan: ClusterPlan, run_dir: Path, model_dir: Path, procs: ProcessSet,
                       checkpoint, node: str) -> dict:
     from dora_megatron.launch.elastic import watch_joins
-    from dora_megatron.launch.local import _run_controller, engine_for
+    from dora_megatron.controller.build import Endpoints
+    from dora_megatron.launch.local import engine_for, run_controller
 
     join_dir = _join_dir(cfg, run_dir)
     join_dir.mkdir(parents=True, exist_ok=True)
@@ -329,8 +330,8 @@ async def _controller(cfg: DoraConfig, plan: ClusterPlan, run_dir: Path, model_d
         asyncio.get_running_loop().create_task(watch_joins(join_dir, runtime, make, poll_s=cfg.cluster.join_poll_s))
 
     # ``node``: instances on this node are restarted by the controller's own supervisor at their URL
-    return await _run_controller(cfg, run_dir, model_dir, node, [], 0, procs, _say, checkpoint,
-                                 engine_urls=plan.engine_urls, trainer_url=plan.trainer_url, on_runtime=start_watcher)
+    return await run_controller(cfg, Endpoints(dict(plan.engine_urls), plan.trainer_url), run_dir, model_dir, procs,
+                                _say, checkpoint, host=node, fixed_ports=True, on_runtime=start_watcher)
 
 
 def run_join_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan) -> int:

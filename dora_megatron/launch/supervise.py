@@ -93,7 +93,7 @@ class EngineSupervisor:
                     rt._done.set()
                     return
                 if name in self.engine_names and name in rt.engines:
-                    rt._instance_failed(name, f"process exited with status {child.popen.returncode}")
+                    rt.report_failure(name, f"process exited with status {child.popen.returncode}")
             if (name in self.engine_names and name in rt.failed and self.policy.enabled
                     and name not in self._restarting and self.attempts.get(name, 0) < self.policy.max_restarts
                     and not rt._done.is_set()):

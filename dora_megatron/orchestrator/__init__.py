@@ -58,9 +58,9 @@ batch at a time), ``one_step_off`` (S=1, next batch dispatched while the trainer
 ``dora`` (streaming, up to S+1 versions, rebalancer, never interrupts).
 """
 
-from dora_megatron.orchestrator.actions import (Action, Dispatch, Interrupt, Migrate, ReleaseBatch, Submit,
-                                                SwitchVersion)
+from dora_megatron.orchestrator.actions import (Action, ActionHandler, Dispatch, Interrupt, Migrate, ReleaseBatch,
+                                                Submit, SwitchVersion, perform)
 from dora_megatron.orchestrator.core import Counters, Orchestrator
 
-__all__ = ["Action", "Counters", "Dispatch", "Interrupt", "Migrate", "Orchestrator", "ReleaseBatch", "Submit",
-           "SwitchVersion"]
+__all__ = ["Action", "ActionHandler", "Counters", "Dispatch", "Interrupt", "Migrate", "Orchestrator", "ReleaseBatch",
+           "Submit", "SwitchVersion", "perform"]

@@ -9,6 +9,7 @@ returned list, actions are in causal order (a group's ``Dispatch`` precedes its 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable, Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,3 +74,41 @@ class ReleaseBatch:
 
 
 Action = Dispatch | Submit | Migrate | Interrupt | SwitchVersion | ReleaseBatch
+
+
+class ActionHandler(Protocol):
+    """What executes the orchestrator's actions: the asyncio runtime (HTTP calls,
+    :class:`~dora_megatron.controller.runtime.Runtime`), the simulator (virtual-clock events,
+    :class:`~dora_megatron.sim.engine.Simulator`) and the unit-test driver all implement it.
+
+    WHY one protocol with one method per action: a reader finds what each driver does for
+    ``Submit`` by name, and a new action type is a type error in every driver, not a missing
+    ``_do_<name>`` found at run time. Each method starts the action and returns; what comes of it
+    (a finished sample, a completed switch) is reported to the orchestrator later as an event."""
+
+    def dispatch(self, a: Dispatch) -> None: ...
+    def submit(self, a: Submit) -> None: ...
+    def migrate(self, a: Migrate) -> None: ...
+    def interrupt(self, a: Interrupt) -> None: ...
+    def switch_version(self, a: SwitchVersion) -> None: ...
+    def release_batch(self, a: ReleaseBatch) -> None: ...
+
+
+def perform(handler: ActionHandler, actions: Iterable[Action]) -> None:
+    """Hand ``actions`` to ``handler`` in order (the ordering contract above): the one place where
+    an action is mapped to the handler method that carries it out."""
+    for a in actions:
+        if isinstance(a, Dispatch):
+            handler.dispatch(a)
+        elif isinstance(a, Submit):
+            handler.submit(a)
+        elif isinstance(a, Migrate):
+            handler.migrate(a)
+        elif isinstance(a, Interrupt):
+            handler.interrupt(a)
+        elif isinstance(a, SwitchVersion):
+            handler.switch_version(a)
+        elif isinstance(a, ReleaseBatch):
+            handler.release_batch(a)
+        else:
+            raise TypeError(f"unknown action {a!r}")

@@ -37,6 +37,7 @@ from dora_megatron.sim.cost import DecodeCost, kv_transfer_s
 from dora_megatron.sim.events import EventQueue
 from dora_megatron.sim.instance import PAUSED, READY, SWITCHING, SimInstance, SimRequest
 from dora_megatron.observability.summary import RunTotals, StepRecord, build_summary
+from dora_megatron.orchestrator.actions import Dispatch, Interrupt, Migrate, ReleaseBatch, Submit, SwitchVersion, perform
 from dora_megatron.sim.workload import GroupSpec, Workload
 
 log = logging.getLogger(__name__)
@@ -179,14 +180,15 @@ class Simulation:
 
     # ================================================================== actions
     def _apply(self, actions: list[Any]) -> None:
-        for a in actions:
-            kind = type(a).__name__
-            handler = getattr(self, f"_do_{kind}", None)
-            if handler is None:
-                raise SimProtocolError(f"unknown action {a!r}")
-            handler(a)
+        """The simulator is an :class:`~dora_megatron.orchestrator.ActionHandler`: one method per action."""
+        try:
+            perform(self, actions)
+        except TypeError as err:
+            if str(err).startswith("unknown action"):
+                raise SimProtocolError(str(err)) from err
+            raise
 
-    def _do_Dispatch(self, a: Any) -> None:
+    def dispatch(self, a: Dispatch) -> None:
         now = self.q.now
         index = len(self.groups)
         spec = self.workload.group(index, a.version)
@@ -222,7 +224,7 @@ class Simulation:
         self.where[req.sample_id] = inst.iid
         inst.add(req, self.q.now, prefill_tokens)
 
-    def _do_Submit(self, a: Any) -> None:
+    def submit(self, a: Submit) -> None:
         inst = self._inst(a.instance)
         req = self.reqs.get(a.sample_id)
         if req is None:
@@ -274,7 +276,7 @@ class Simulation:
         self._touch(inst)
         return req
 
-    def _do_Migrate(self, a: Any) -> None:
+    def migrate(self, a: Migrate) -> None:
         if a.sample_id in self.finished_ids:
             return  # finished in the same instant (its finish note is queued); nothing to move
         dst = self._inst(a.dst)
@@ -296,7 +298,7 @@ class Simulation:
         else:
             self._start_transfer(req, dst)
 
-    def _do_Interrupt(self, a: Any) -> None:
+    def interrupt(self, a: Interrupt) -> None:
         if a.sample_id in self.finished_ids:
             return
         req = self._take(a.sample_id, a.instance)
@@ -304,7 +306,7 @@ class Simulation:
             return
         self.held[a.sample_id] = (req, False)
 
-    def _do_SwitchVersion(self, a: Any) -> None:
+    def switch_version(self, a: SwitchVersion) -> None:
         inst = self._inst(a.instance)
         self._sync(inst)
         if inst.running or inst.queue:
@@ -324,7 +326,7 @@ class Simulation:
         inst.switch_seq += 1
         self.q.push(self.q.now + dt, SWITCH_DONE, (a.instance, a.version, inst.switch_seq))
 
-    def _do_ReleaseBatch(self, a: Any) -> None:
+    def release_batch(self, a: ReleaseBatch) -> None:
         now = self.q.now
         if self.trainer.busy:
             raise SimProtocolError(f"batch {a.step} released while the trainer is busy")

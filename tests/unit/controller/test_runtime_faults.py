@@ -15,6 +15,18 @@ from .fakes import FakeEngine, fail_after_first_step
 from .test_runtime import check_run, make
 
 
+async def execute_with_loop(rt, actions) -> None:
+    """Execute ``actions`` while a :class:`ControllerLoop` applies what their tasks report, until
+    every task ended (the tasks wait for their events to be applied)."""
+    from dora_megatron.controller.loop import ControllerLoop
+
+    loop = asyncio.get_running_loop().create_task(ControllerLoop(rt.orch, rt, rt.events, rt._done).run())
+    rt.execute(actions)
+    await asyncio.gather(*list(rt._tasks))
+    rt.stop()
+    await loop
+
+
 def record_switches(rt) -> list[tuple[str, int]]:
     """Replace the runtime's orchestrator by one that only records ``on_switch_done`` calls."""
     done: list[tuple[str, int]] = []
@@ -39,7 +51,7 @@ def test_failed_instance_rejoins_and_serves_again():
             # a stale failure report through the old client, after the rejoin, must be ignored
             old = rt.engines["e1"]
             rt.add_instance("e1", replacement)
-            rt._instance_failed("e1", "late error from the old process", engine=old)
+            rt.report_failure("e1", "late error from the old process", engine=old)
         asyncio.get_running_loop().create_task(kill_then_rejoin())
         return await rt.run()
 
@@ -97,8 +109,7 @@ def test_only_the_newest_switch_order_of_an_instance_is_carried_out():
     done = record_switches(rt)
 
     async def main():
-        rt.execute([SwitchVersion("e1", 2), SwitchVersion("e1", 0), SwitchVersion("e1", 2)])
-        await asyncio.gather(*list(rt._tasks))
+        await execute_with_loop(rt, [SwitchVersion("e1", 2), SwitchVersion("e1", 0), SwitchVersion("e1", 2)])
 
     asyncio.run(main())
     assert engines["e1"].loads == ["/snap/v2"] and engines["e1"].version == 2
@@ -192,8 +203,7 @@ def test_a_push_of_newer_weights_than_assigned_falls_back_to_the_snapshot():
     trainer.version = 3  # what the trainer holds when the push runs
 
     async def main():
-        rt.execute([SwitchVersion("e1", 2)])
-        await asyncio.gather(*list(rt._tasks))
+        await execute_with_loop(rt, [SwitchVersion("e1", 2)])
 
     asyncio.run(main())
     assert trainer.pushes == [(3, ["fake://e1"])]

@@ -31,7 +31,7 @@ class FakeRuntime:
         self._done = asyncio.Event()
         self._error = None
 
-    def _instance_failed(self, name, why, engine=None):
+    def report_failure(self, name, why, engine=None):
         self.failed.add(name)
 
     def add_instance(self, name, engine):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from dora_megatron.config.orchestrator import OrchestratorConfig
 from dora_megatron.orchestrator import (Dispatch, Interrupt, Migrate, Orchestrator, ReleaseBatch, Submit,
-                                        SwitchVersion)
+                                        SwitchVersion, perform)
 
 
 class ContractViolation(AssertionError):
@@ -43,6 +43,8 @@ class Engine:
 
 
 class Driver:
+    """Plays engines and trainer; an :class:`~dora_megatron.orchestrator.ActionHandler`."""
+
     def __init__(self, cfg: OrchestratorConfig, n_instances: int, seed: int, fail_prob: float = 0.0,
                  join_prob: float = 0.0, switch_time: float = 0.5, train_time: float = 3.0,
                  tick_every: float = 2.0, tail_alpha: float = 1.3, max_len: float = 200.0,
@@ -79,49 +81,53 @@ class Driver:
 
     # -------------------------------------------------------------- actions
     def execute(self, actions) -> None:
-        for a in actions:
-            if isinstance(a, Dispatch):
-                if a.group_id in self.group_version:
-                    raise ContractViolation(f"group {a.group_id} dispatched twice")
-                if len(a.sample_ids) != self.cfg.group_size:
-                    raise ContractViolation("group size")
-                self.group_version[a.group_id] = a.version
-                self.group_samples[a.group_id] = a.sample_ids
-                for sid in a.sample_ids:
-                    self.samples[sid] = EngineSample(self._length())
-                self.orch.set_prompt_tokens(a.group_id, 10)
-            elif isinstance(a, Submit):
-                self._start(a.sample_id, a.instance, a.version)
-            elif isinstance(a, Migrate):
-                s = self.samples[a.sample_id]
-                if s.instance != a.src or a.sample_id not in self.engines[a.src].running:
-                    raise ContractViolation(f"migrate {a.sample_id} not on {a.src}")
-                self._stop(a.sample_id)
-                if self.rng.random() < self.migration_fail_prob:
-                    # the transfer failed: the request was aborted at src, partial output kept
-                    self.execute(self.orch.on_migration_failed(a.sample_id))
-                else:
-                    self._start(a.sample_id, a.dst, a.version)
-            elif isinstance(a, Interrupt):
-                s = self.samples[a.sample_id]
-                if s.instance != a.instance:
-                    raise ContractViolation(f"interrupt {a.sample_id} not on {a.instance}")
-                self._stop(a.sample_id)
-                self.execute(self.orch.on_sample_progress(a.sample_id, int(s.done)))
-            elif isinstance(a, SwitchVersion):
-                e = self.engines[a.instance]
-                if e.running:
-                    raise ContractViolation(f"switch of {a.instance} with running requests {sorted(e.running)}")
-                if not e.alive:
-                    raise ContractViolation(f"switch of dead {a.instance}")
-                if a.version > self.orch.newest:
-                    raise ContractViolation("switch to weights that do not exist")
-                e.switching_to = a.version
-                self._at(self.now + self.switch_time * self.rng.random(), "switch_done", a.instance, a.version)
-            elif isinstance(a, ReleaseBatch):
-                self._release(a)
-            else:
-                raise ContractViolation(f"unknown action {a!r}")
+        perform(self, actions)
+
+    def dispatch(self, a: Dispatch) -> None:
+        if a.group_id in self.group_version:
+            raise ContractViolation(f"group {a.group_id} dispatched twice")
+        if len(a.sample_ids) != self.cfg.group_size:
+            raise ContractViolation("group size")
+        self.group_version[a.group_id] = a.version
+        self.group_samples[a.group_id] = a.sample_ids
+        for sid in a.sample_ids:
+            self.samples[sid] = EngineSample(self._length())
+        self.orch.set_prompt_tokens(a.group_id, 10)
+
+    def submit(self, a: Submit) -> None:
+        self._start(a.sample_id, a.instance, a.version)
+
+    def migrate(self, a: Migrate) -> None:
+        s = self.samples[a.sample_id]
+        if s.instance != a.src or a.sample_id not in self.engines[a.src].running:
+            raise ContractViolation(f"migrate {a.sample_id} not on {a.src}")
+        self._stop(a.sample_id)
+        if self.rng.random() < self.migration_fail_prob:
+            # the transfer failed: the request was aborted at src, partial output kept
+            self.execute(self.orch.on_migration_failed(a.sample_id))
+        else:
+            self._start(a.sample_id, a.dst, a.version)
+
+    def interrupt(self, a: Interrupt) -> None:
+        s = self.samples[a.sample_id]
+        if s.instance != a.instance:
+            raise ContractViolation(f"interrupt {a.sample_id} not on {a.instance}")
+        self._stop(a.sample_id)
+        self.execute(self.orch.on_sample_progress(a.sample_id, int(s.done)))
+
+    def switch_version(self, a: SwitchVersion) -> None:
+        e = self.engines[a.instance]
+        if e.running:
+            raise ContractViolation(f"switch of {a.instance} with running requests {sorted(e.running)}")
+        if not e.alive:
+            raise ContractViolation(f"switch of dead {a.instance}")
+        if a.version > self.orch.newest:
+            raise ContractViolation("switch to weights that do not exist")
+        e.switching_to = a.version
+        self._at(self.now + self.switch_time * self.rng.random(), "switch_done", a.instance, a.version)
+
+    def release_batch(self, a: ReleaseBatch) -> None:
+        self._release(a)
 
     def _start(self, sid: str, iid: str, version: int) -> None:
         e = self.engines[iid]

@@ -1,0 +1,149 @@
+"""``build_controller(config, endpoints, ...)``: the controller of a run, built from the typed config.
+
+WHY here and not in a launcher: the local launcher, the SLURM node launcher and the load harness
+(tools/controller_scale.py) run the same controller against engines and a trainer they started
+in different ways. Launchers start processes and pass :class:`Endpoints`; what the controller is
+made of (engine and trainer clients, prompts and reward, the orchestrator, restored from a
+checkpoint or new, the journal, the runtime and its options) is decided once, here, from the config
+sections that own each setting.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+from urllib.parse import urlsplit
+
+from dora_megatron.config.schema import DoraConfig
+from dora_megatron.controller.records import RuntimeOptions, StepLog
+from dora_megatron.controller.trainer_client import PushOptions
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Where the processes a launcher started answer: instance name -> engine base URL, and the
+    trainer's URL."""
+
+    engines: dict[str, str]
+    trainer: str
+
+
+def snapshot_dir(run_dir: Path, model_dir: Path, version: int) -> str:
+    """The HF weights of ``version``: the model directory for 0, the per-version snapshot after."""
+    return str(model_dir) if version == 0 else str(run_dir / "weights" / f"v{version:06d}")
+
+
+def checkpoint_dir(run_dir: Path, version: int) -> str:
+    return str(run_dir / "checkpoints" / f"v{version:06d}")
+
+
+def runtime_options(cfg: DoraConfig, run_dir: Path, model_dir: Path, trainer_url: str) -> RuntimeOptions:
+    """What the runtime needs of ``run``, ``rollout``, ``controller``, ``sglang``, ``cluster``,
+    ``observability`` and ``algo``, each read from the section that owns it."""
+    sglang = cfg.rollout.engine == "sglang"
+    ctl = cfg.controller
+    return RuntimeOptions(
+        steps=cfg.run.steps, seed=cfg.run.seed, max_new_tokens=cfg.rollout.max_new_tokens,
+        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+        snapshot_dir=lambda v: snapshot_dir(run_dir, model_dir, v),
+        stats_interval_s=cfg.observability.stats_interval_s,
+        slots_per_instance=min(cfg.rollout.max_running, cfg.orchestrator.cap_before_rebalance),
+        request_timeout_s=cfg.rollout.request_timeout_s,
+        checkpoint_interval=cfg.run.checkpoint_interval,
+        migration=ctl.migration, health_timeout_s=ctl.health_timeout_s, verify_checksums=ctl.verify_checksums,
+        weight_transport=ctl.weight_transport,
+        push=PushOptions(
+            bucket_mb=ctl.bucket_mb, master_addr=urlsplit(trainer_url).hostname,
+            master_port=cfg.cluster.weight_group_port if cfg.launch.backend == "slurm" else None,
+            backend=cfg.sglang.weight_group_backend if sglang else None,
+            engine_ranks=cfg.sglang.tp_size if sglang else 1, pause_mode=cfg.sglang.pause_mode if sglang else None),
+        stop_token_ids=tuple(cfg.rollout.stop_token_ids),
+        weight_sync_timeout_s=ctl.weight_sync_timeout_s,
+        checkpoint_dir=lambda v: checkpoint_dir(run_dir, v),
+        routed_experts=cfg.algo.wants_routed_experts,
+    )
+
+
+def prompt_source(cfg: DoraConfig):
+    """``data``: the prompts, the reward function and the reward's description."""
+    from dora_megatron.data.tasks import make_prompt_source, reward_description
+
+    data = cfg.data
+    if data.task != "jsonl":
+        source, reward_fn = make_prompt_source(data.task, min_len=data.min_len, max_len=data.max_len,
+                                               exponent=data.length_exponent, seed=data.seed,
+                                               partial_credit=data.partial_credit)
+    else:
+        source, reward_fn = make_prompt_source("jsonl", path=data.path, prompt_key=data.prompt_key,
+                                               answer_key=data.answer_key)
+    return source, reward_fn, reward_description(data.task, data.partial_credit)
+
+
+@dataclass
+class Controller:
+    """A built controller: :meth:`Runtime.run <dora_megatron.controller.runtime.Runtime.run>` runs
+    it, :meth:`close` releases its clients and journal."""
+
+    runtime: Any  # controller.runtime.Runtime
+    trainer: Any  # controller.trainer_client.TrainerClient
+    engines: dict[str, Any]
+    reward_name: str
+    state: dict[str, Any] | None = None  # the checkpoint's controller.json it resumed from
+    journal: Any = None
+    restorable_samples: int = 0  # finished samples the journal may restore (resume)
+
+    @property
+    def orch(self):
+        return self.runtime.orch
+
+    def close_journal(self) -> None:
+        if self.journal is not None:
+            self.journal.close()
+
+
+def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, model_dir: Path,
+                     make_engine: Callable[[str], Any], checkpoint: Path | None = None,
+                     on_step: Callable[[StepLog, Any], None] | None = None,
+                     on_checkpoint: Callable[[int], None] | None = None, timeline=None) -> Controller:
+    """Clients for ``endpoints``, prompts, the orchestrator (restored from ``checkpoint`` when
+    given, with its journal), and the runtime that executes its actions.
+
+    ``make_engine(url)``: the launcher's engine-client factory (local runs hand it the processes
+    it may restart). ``on_step(step_log, runtime)`` after each trained step, ``on_checkpoint(version)``
+    after each complete checkpoint (the launcher's outputs and snapshot retention)."""
+    from dora_megatron.controller.runtime import Runtime
+    from dora_megatron.controller.trainer_client import TrainerClient
+    from dora_megatron.data.codec import load_codec
+    from dora_megatron.orchestrator import Orchestrator
+
+    engines = {name: make_engine(url) for name, url in endpoints.engines.items()}
+    trainer = TrainerClient(endpoints.trainer)
+    source, reward_fn, reward_name = prompt_source(cfg)
+    state = json.loads((checkpoint / "controller.json").read_text()) if checkpoint is not None else None
+    orch = (Orchestrator.restore(cfg.orchestrator, state["orchestrator"]) if state
+            else Orchestrator(cfg.orchestrator, list(endpoints.engines)))
+    journal = None
+    if cfg.controller.journal and cfg.run.checkpoint_interval > 0:
+        from dora_megatron.controller.journal import Journal
+
+        journal = Journal(run_dir)
+    options = runtime_options(cfg, run_dir, model_dir, endpoints.trainer)
+    runtime = Runtime(orch, engines, trainer, source, reward_fn, options, timeline=timeline, on_step=on_step,
+                      on_checkpoint=on_checkpoint, codec=load_codec(model_dir), journal=journal)
+    restorable = 0
+    if state is not None:
+        runtime.load_state_dict(state)
+    if journal is not None:
+        if state is not None:  # what the crashed lineage finished after this checkpoint, then start anew
+            from dora_megatron.controller.journal import read_journal
+
+            samples = read_journal(run_dir, int(state["version"]))
+            runtime.load_journal(samples)
+            restorable = len(samples)
+        journal.start(int(state["version"]) if state is not None else None)
+    return Controller(runtime, trainer, engines, reward_name, state, journal, restorable)

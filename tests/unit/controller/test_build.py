@@ -1,0 +1,89 @@
+"""``build_controller``: the controller of a run from the typed config and the endpoints a
+launcher started, fresh or resumed from a checkpoint (orchestrator, runtime state and journal)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+from dora_megatron.config.schema import load_config
+from dora_megatron.controller.build import Endpoints, build_controller
+from dora_megatron.data.tokenizer import save_tokenizer
+
+from .test_runtime import make
+
+ROOT = Path(__file__).resolve().parents[3]
+# the orchestrator of test_runtime.make(): a checkpoint it wrote restores under this config
+ORCH = ["orchestrator.mode=dora", "orchestrator.tbs=4", "orchestrator.rbs=8", "orchestrator.max_staleness=2",
+        "orchestrator.group_size=2", "orchestrator.cap_before_rebalance=6", "orchestrator.cap_after_rebalance=4"]
+
+
+def _dirs(tmp_path):
+    run_dir, model_dir = tmp_path / "run", tmp_path / "model"
+    run_dir.mkdir()
+    model_dir.mkdir()
+    save_tokenizer(model_dir)
+    return run_dir, model_dir
+
+
+def test_a_fresh_controller_reads_each_setting_from_its_config_section(tmp_path):
+    run_dir, model_dir = _dirs(tmp_path)
+    cfg = load_config(ROOT / "configs" / "cpu_tiny.yaml",
+                      ["rollout.max_new_tokens=17", "controller.migration=reprefill", "run.steps=5",
+                       "controller.health_timeout_s=7", "rollout.stop_token_ids=[3]"])
+    urls = {"a": "http://127.0.0.1:1", "b": "http://127.0.0.1:2"}
+    checkpoints = []
+    ctl = build_controller(cfg, Endpoints(urls, "http://127.0.0.1:3"), run_dir=run_dir, model_dir=model_dir,
+                           make_engine=lambda url: f"client:{url}", on_checkpoint=checkpoints.append)
+    rt = ctl.runtime
+    assert rt.engines == {"a": "client:http://127.0.0.1:1", "b": "client:http://127.0.0.1:2"}
+    assert sorted(ctl.orch.instances) == ["a", "b"] and ctl.orch.config == cfg.orchestrator
+    assert ctl.trainer.base_url == "http://127.0.0.1:3"
+    assert (rt.opt.steps, rt.opt.max_new_tokens, rt.opt.migration) == (5, 17, "reprefill")
+    assert rt.opt.health_timeout_s == 7 and rt.opt.stop_token_ids == (3,)
+    assert rt.opt.snapshot_dir(0) == str(model_dir)
+    assert Path(rt.opt.snapshot_dir(3)).parent == run_dir / "weights"
+    assert Path(rt.opt.checkpoint_dir(2)).parent == run_dir / "checkpoints"
+    rt.on_checkpoint(4)  # handed in, not patched onto the runtime from outside
+    assert checkpoints == [4] and ctl.state is None
+
+
+def test_a_resumed_controller_continues_from_the_checkpoint(tmp_path):
+    run_dir, model_dir = _dirs(tmp_path)
+    rt0, _, _ = make(mode="dora", steps=4, tmp_path=tmp_path)
+    asyncio.run(rt0.run())
+    checkpoint = run_dir / "checkpoints" / "v000002"
+    shutil.copytree(tmp_path / "ck2", checkpoint)
+    state = json.loads((checkpoint / "controller.json").read_text())
+    cfg = load_config(ROOT / "configs" / "cpu_tiny.yaml", [*ORCH, "run.steps=6", "run.checkpoint_interval=2"])
+    ctl = build_controller(cfg, Endpoints({"e0": "u0", "e1": "u1", "e2": "u2"}, "http://127.0.0.1:3"),
+                           run_dir=run_dir, model_dir=model_dir, make_engine=lambda url: url, checkpoint=checkpoint)
+    rt = ctl.runtime
+    assert ctl.state == state and ctl.orch.snapshot() == state["orchestrator"]
+    assert len(rt.steps) == 2 and rt.latest_version == 2 and rt.next_prompt == state["next_prompt"]
+    # consumed groups stay out of controller.json (consumed.jsonl lists them): it grows with outstanding work
+    assert "consumed" not in state and rt.consumed == set()
+    assert {g["group_id"] for g in state["groups"]}.isdisjoint(g for b in rt.steps for g in b.group_ids)
+    assert ctl.journal is not None  # cpu_tiny journals; a resume starts a new lineage at v2
+    ctl.close_journal()
+    assert json.loads((run_dir / "journal.jsonl").read_text().splitlines()[0]) == {"t": "checkpoint", "version": 2}
+
+
+def test_a_controller_json_that_lists_consumed_groups_still_loads(tmp_path):
+    """Checkpoints written before consumed ids left controller.json resume as before."""
+    rt0, _, _ = make(mode="dora", steps=2, tmp_path=tmp_path)
+    asyncio.run(rt0.run())
+    state = json.loads((tmp_path / "ck2" / "controller.json").read_text())
+    state["consumed"] = sorted(g for s in rt0.steps for g in s.group_ids)
+    rt, _, trainer = make(mode="dora", steps=4)
+    from dora_megatron.orchestrator import Orchestrator
+
+    rt.orch = Orchestrator.restore(rt.orch.config, state["orchestrator"])
+    rt.load_state_dict(state)
+    trainer.version = 2
+    summary = asyncio.run(rt.run())
+    trained = [s["group_id"] for b in trainer.batches for s in b]
+    assert summary["steps"] == 4 and len(trainer.batches) == 2
+    assert not set(trained) & set(state["consumed"])  # nothing of the old lineage trained again
