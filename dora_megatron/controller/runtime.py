@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import statistics
 import time
 import zlib
 from pathlib import Path
@@ -42,7 +41,8 @@ from dora_megatron.data.codec import CharCodec, TextCodec
 from dora_megatron.data.tasks import PromptSource
 from dora_megatron.orchestrator import (Dispatch, Interrupt, Migrate, Orchestrator, ReleaseBatch, Submit,
                                         SwitchVersion)
-from dora_megatron.observability.summary import RunTotals, StepRecord, build_summary
+from dora_megatron.observability.recorder import MetricsRecorder
+from dora_megatron.observability.summary import RunTotals
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class Runtime:
     def __init__(self, orch: Orchestrator, engines: dict[str, Engine], trainer: Trainer, source: PromptSource,
                  reward_fn: Callable[[str, str], float], options: RuntimeOptions, *, timeline=None,
                  on_step: Callable[[StepLog, "Runtime"], None] | None = None, first_prompt: int = 0,
-                 codec: TextCodec | None = None, journal=None) -> None:
+                 codec: TextCodec | None = None, journal=None, metrics: MetricsRecorder | None = None) -> None:
         self.orch = orch
         self.engines = engines
         self.trainer = trainer
@@ -103,6 +103,9 @@ class Runtime:
         self.next_prompt = first_prompt
         self.codec: TextCodec = codec or CharCodec()
         self.journal = journal  # :class:`~dora_megatron.controller.journal.Journal` or None
+        #: every metric of the run (summary.json, steps.jsonl, TensorBoard) comes from these events
+        self.metrics = metrics or MetricsRecorder(slots_per_instance=options.slots_per_instance,
+                                                  rebalancer=orch.policy.rebalance)
         self._from_journal: dict[str, Any] = {}  # sample id -> JournaledSample, restorable on resume
         self.samples_from_journal = 0
         self.samples: dict[str, SampleRecord] = {}
@@ -120,8 +123,6 @@ class Runtime:
         #: set by a supervisor that restarts failed instances: losing all of them is not fatal then
         #: (the supervisor ends the run when no restart is left)
         self.instances_may_return = False
-        self.switch_s = 0.0
-        self.busy_slot_s = 0.0
         self.migrated_bytes = 0
         self.migrations_done = 0
         self.migrations_fallback = 0
@@ -326,7 +327,7 @@ class Runtime:
     def _absorb(self, rec: SampleRecord, resp, instance: str, start: float) -> None:
         """Apply an engine response: finished -> event; aborted -> keep the partial output."""
         end = self.now()
-        self.busy_slot_s += end - start
+        self.metrics.request_held_slot(start, end)
         if getattr(resp, "migrated", False):
             return  # the import on the destination delivers this sample
         if self.timeline is not None:
@@ -434,6 +435,7 @@ class Runtime:
         if a.instance in self.failed or self.engines.get(a.instance) is not engine:
             return  # failed (or replaced) while this switch waited: the orchestrator no longer expects it
         start = self.now()
+        self.metrics.weight_sync_started(a.instance, start, rebalance=a.rebalance)
         try:
             got = await asyncio.wait_for(self._load_weights(engine, a.version, resume=resume),
                                          timeout=self.opt.weight_sync_timeout_s)
@@ -446,6 +448,8 @@ class Runtime:
         except Exception as err:  # noqa: BLE001 - an instance that cannot load weights is failed
             self._instance_failed(a.instance, f"switch to v{a.version} failed: {err}", engine=engine)
             return
+        finally:
+            self.metrics.weight_sync_finished(a.instance, self.now())
         if got is not None:
             self.checksum_mismatches += 1
             self._instance_failed(a.instance, got, engine=engine)
@@ -455,7 +459,6 @@ class Runtime:
         if self._superseded(a.instance):
             return  # re-targeted while loading: the newest switch order reports (after loading again)
         end = self.now()
-        self.switch_s += end - start
         self._version_of[a.instance] = a.version
         if self.timeline is not None:
             self.timeline.set_version(a.instance, a.version, end)
@@ -507,6 +510,7 @@ class Runtime:
         if name in self.engines and name not in self.failed:
             raise ValueError(f"instance {name} is already in the pool")
         self.engines[name] = engine
+        self.metrics.instance_joined(name, self.now())
         if name in self.failed:
             self.rejoins += 1
             self._rejoined.add(name)
@@ -528,6 +532,9 @@ class Runtime:
         if not live:
             return
         start = self.now()
+        self.metrics.trainer_sync_started(start)
+        for a in live:
+            self.metrics.weight_sync_started(a.instance, start, rebalance=a.rebalance)
         try:
             urls = [getattr(self.engines[a.instance], "base_url") for a in live]
             result = await self.trainer.push_weights(urls, timeout_s=self.opt.weight_sync_timeout_s,
@@ -535,6 +542,8 @@ class Runtime:
         except Exception as err:  # noqa: BLE001 - the snapshot path still works
             log.warning("weight broadcast of v%d failed (%s); loading the snapshot instead", live[0].version, err)
             result = None
+        finally:
+            self.metrics.trainer_sync_finished(self.now())
         pushed = None if result is None else result.get("version")
         if pushed is not None and int(pushed) != live[0].version:
             # the trainer finished another step while this push waited: it sent newer weights than
@@ -549,7 +558,8 @@ class Runtime:
         if result.get("checksum") and live[0].version not in self.expected_checksums:
             self.expected_checksums[live[0].version] = str(result["checksum"])
         end = self.now()
-        self.switch_s += (end - start) * len(live)
+        for a in live:
+            self.metrics.weight_sync_finished(a.instance, end)
         self.pushed_bytes += int(result.get("bytes", 0))
         engines = {a.instance: self.engines[a.instance] for a in live}
         checks = await asyncio.gather(*(self._verify_weights(engines[a.instance], a.version) for a in live),
@@ -583,6 +593,7 @@ class Runtime:
             log.info("ignoring a stale failure of %s (replaced since): %s", instance, why)
             return
         log.warning("instance %s failed: %s", instance, why)
+        self.metrics.instance_left(instance, self.now())
         self.failed.add(instance)
         self.failed_ever.add(instance)
         current = asyncio.current_task()
@@ -621,6 +632,11 @@ class Runtime:
         t_train = time.monotonic()
         result = await self.trainer.train(a.step, samples)
         train_s = time.monotonic() - t_train
+        trained = self.now()
+        # the trainer's own measures when it reports them: /train includes the snapshot export
+        export_s = min(float(result.get("export_s") or 0.0), train_s)
+        self.metrics.trainer_sync(trained - export_s, trained)
+        train_s = float(result.get("train_s", train_s - export_s))
         new_version = int(result["version"])
         self.latest_version = new_version
         if result.get("checksum"):
@@ -631,7 +647,15 @@ class Runtime:
                 rec = self.samples[sid]
                 rec.logprobs, rec.output_ids, rec.prompt_ids = [], [], []
                 rec.routed_experts = None
-        log_ = StepLog(a.step, start, end, wait, train_s, 0.0, dict(result.get("metrics", {})), rewards, lengths,
+        metrics = dict(result.get("metrics", {}))
+        if result.get("padding_fraction") is not None:  # a trainer that packs reports it beside its metrics
+            metrics["padding_fraction"] = result["padding_fraction"]
+        oc = self.orch.counters
+        scalars = self.metrics.step_trained(
+            a.step, end_s=end, wait_s=wait, train_s=train_s, tokens=tokens, staleness=staleness, rewards=rewards,
+            response_lengths=lengths, live_versions=len(self.orch.live_versions()), metrics=metrics,
+            migrations=oc.migrations, migrated_kv_bytes=self.migrated_bytes, reprefill_tokens=oc.reprefill_tokens)
+        log_ = StepLog(a.step, start, end, wait, train_s, scalars["perf/sync_time_s"], metrics, rewards, lengths,
                        staleness, tokens, len(self.orch.live_versions()), list(a.group_ids), list(a.versions))
         self.steps.append(log_)
         if self.timeline is not None:
@@ -722,7 +746,7 @@ class Runtime:
             "samples": samples,
             "consumed": sorted(self.consumed),
             "steps": [dataclasses.asdict(x) for x in self.steps],
-            "busy_slot_s": self.busy_slot_s, "switch_s": self.switch_s, "migrated_bytes": self.migrated_bytes,
+            "metrics": self.metrics.state_dict(), "migrated_bytes": self.migrated_bytes,
             "migrations_done": self.migrations_done, "migrations_fallback": self.migrations_fallback,
             "expected_checksums": {str(k): v for k, v in self.expected_checksums.items()},
             "c1_count": self.c1_count, "duplicated": self.duplicated,
@@ -744,8 +768,7 @@ class Runtime:
             self.samples[rec.sample_id] = rec
         self.consumed = set(state["consumed"])
         self.steps = [StepLog(**x) for x in state["steps"]]
-        self.busy_slot_s = float(state["busy_slot_s"])
-        self.switch_s = float(state["switch_s"])
+        self.metrics.load_state_dict(state["metrics"])
         self.migrated_bytes = int(state["migrated_bytes"])
         self.migrations_done = int(state["migrations_done"])
         self.migrations_fallback = int(state["migrations_fallback"])
@@ -806,6 +829,8 @@ class Runtime:
     async def run(self) -> dict[str, Any]:
         self._t0 = time.monotonic()
         self._trainer_idle_since = self._wall_offset
+        for iid in self.engines:
+            self.metrics.instance_joined(iid, self.now())
         if self.timeline is not None:
             start = self.now()  # a resumed run starts at the checkpoint's wall time, not at 0
             if self._resumed and start > 0:
@@ -857,21 +882,16 @@ class Runtime:
 
     # ------------------------------------------------------------------ summary
     def summary(self, wall: float) -> dict[str, Any]:
+        """The recorder's metrics, then facts of this run only the runtime knows (instances, checksums)."""
         osum = self.orch.summary()
-        records = [StepRecord(s.step, s.end_s, s.wait_s, s.train_s, s.sync_s, s.tokens, s.staleness,
-                              statistics.fmean(s.rewards) if s.rewards else None) for s in self.steps]
-        slots = len(self.engines) * self.opt.slots_per_instance
         totals = RunTotals(
             dispatched_groups=osum["dispatched_groups"], consumed_groups=osum["consumed_groups"],
             lost_groups=osum["lost_groups"], duplicated_groups=osum["duplicated_groups"] + self.duplicated,
             c1_violations=self._c1_violations(), c3_violations=osum["c3_violations"],
             migrations=osum["migrations"], migrated_kv_bytes=self.migrated_bytes,
-            reprefill_tokens=osum["reprefill_tokens"], busy_slot_s=self.busy_slot_s, slot_capacity=slots,
-            rebalance_s=None,
-        )
-        out = build_summary(mode=osum["mode"], max_staleness=osum["max_staleness"], tbs=osum["tbs"], rbs=osum["rbs"],
-                            steps=records, totals=totals, wall_time_s=wall)
-        out["weight_sync_fraction"] = self.switch_s / (wall * max(len(self.engines), 1)) if wall > 0 else None
+            reprefill_tokens=osum["reprefill_tokens"])
+        out = self.metrics.summary(mode=osum["mode"], max_staleness=osum["max_staleness"], tbs=osum["tbs"],
+                                   rbs=osum["rbs"], totals=totals, wall_time_s=wall)
         out["migrations_kv"] = self.migrations_done
         out["migrations_reprefill"] = self.migrations_fallback
         out["checksum_mismatches"] = self.checksum_mismatches
@@ -886,15 +906,6 @@ class Runtime:
         out["samples_from_journal"] = self.samples_from_journal
         out["max_live_versions"] = osum.get("max_live_versions")
         out["outstanding_groups_at_end"] = osum["dispatched_groups"] - osum["consumed_groups"]
-        diffs = [r.metrics["rollout_vs_trainer_logprob_diff"] for r in self.steps
-                 if r.metrics.get("rollout_vs_trainer_logprob_diff") is not None]
-        # measured on on-policy samples only (see algo.losses.policy_loss): engine vs trainer numerics
-        out["rollout_vs_trainer_logprob_diff_mean"] = sum(diffs) / len(diffs) if diffs else None
-        out["rollout_vs_trainer_logprob_diff_max"] = max(diffs) if diffs else None
-        out["rollout_vs_trainer_logprob_diff_steps"] = len(diffs)
-        from dora_megatron.observability.routing import routing_summary
-
-        out.update(routing_summary(r.metrics for r in self.steps))
         return out
 
     def _c1_violations(self) -> int:
