@@ -456,13 +456,14 @@ class Runtime:
             return
         if self.engines.get(a.instance) is not engine:
             return  # the instance was replaced (restarted) meanwhile; its own switch follows
+        end = self.now()
+        if self.timeline is not None:  # the time was spent loading, whether or not this order still stands
+            self.timeline.span(a.instance, f"load v{a.version}", start, end, version=a.version, kind="weight_sync")
         if self._superseded(a.instance):
             return  # re-targeted while loading: the newest switch order reports (after loading again)
-        end = self.now()
         self._version_of[a.instance] = a.version
         if self.timeline is not None:
             self.timeline.set_version(a.instance, a.version, end)
-            self.timeline.span(a.instance, f"load v{a.version}", start, end, version=a.version, kind="weight_sync")
         self.execute(self.orch.on_switch_done(a.instance, a.version))
 
     def _superseded(self, instance: str) -> bool:
@@ -532,7 +533,7 @@ class Runtime:
         if not live:
             return
         start = self.now()
-        self.metrics.trainer_sync_started(start)
+        broadcast = self.metrics.trainer_sync_started(start)
         for a in live:
             self.metrics.weight_sync_started(a.instance, start, rebalance=a.rebalance)
         try:
@@ -543,7 +544,9 @@ class Runtime:
             log.warning("weight broadcast of v%d failed (%s); loading the snapshot instead", live[0].version, err)
             result = None
         finally:
-            self.metrics.trainer_sync_finished(self.now())
+            self.metrics.trainer_sync_finished(broadcast, self.now())
+            if self.timeline is not None:
+                self.timeline.span("trainer", f"broadcast v{live[0].version}", start, self.now(), kind="broadcast")
         pushed = None if result is None else result.get("version")
         if pushed is not None and int(pushed) != live[0].version:
             # the trainer finished another step while this push waited: it sent newer weights than

@@ -75,8 +75,10 @@ METRICS: tuple[Metric, ...] = (
     Metric("perf/wait_time_s", "step", "wait_s: the trainer idle waiting for this step's batch"),
     Metric("perf/train_time_s", "step", "train_s: training compute of the step (the trainer's own measure when "
                                         "it reports one, else the train call)"),
-    Metric("perf/sync_time_s", "step", "sync_s: trainer-seconds inside the step's interval spent making weights "
-                                       "available to rollout (snapshot export, broadcasts to instances)"),
+    Metric("perf/sync_time_s", "step", "sync_s: seconds inside the step's interval the trainer spent making "
+                                       "weights available to rollout: the snapshot export (as the trainer "
+                                       "measures it) plus each broadcast to instances (the call, as the "
+                                       "controller measures it; the simulator: trainer_push_s / the role swaps)"),
     Metric("perf/weight_sync_time_s", "step", "instance-seconds of weight loads inside the step's interval "
                                               "(all instances, not cumulative)"),
     Metric("perf/rebalance_time_s", "step", "the part of perf/weight_sync_time_s a rebalance ordered (null "
@@ -136,6 +138,7 @@ class MetricsRecorder:
         self._open: dict[tuple[str, str], float] = {}  # (kind, key) -> start of its part not yet attributed
         self._tail: dict[str, float] = {}  # seconds after the last step's end: the next step's
         self._so_far: dict[str, float] = {}  # seconds attributed to steps already ended
+        self._syncs = 0  # broadcasts started (their tokens)
 
     # ------------------------------------------------------------------ events
     def instance_joined(self, instance: str, now: float) -> None:
@@ -157,12 +160,17 @@ class MetricsRecorder:
         self._finish(WEIGHT_SYNC, instance, now)
         self._finish(REBALANCE, instance, now)
 
-    def trainer_sync_started(self, now: float) -> None:
-        """The trainer starts sending weights (a broadcast to instances)."""
-        self._begin(TRAINER_SYNC, "trainer", now)
+    def trainer_sync_started(self, now: float) -> str:
+        """The trainer starts sending weights (one broadcast to instances); returns the token that
+        :meth:`trainer_sync_finished` takes. Broadcasts that overlap (the controller may have several
+        calls outstanding) each count their own duration."""
+        self._syncs += 1
+        token = f"trainer-{self._syncs}"
+        self._begin(TRAINER_SYNC, token, now)
+        return token
 
-    def trainer_sync_finished(self, now: float) -> None:
-        self._finish(TRAINER_SYNC, "trainer", now)
+    def trainer_sync_finished(self, token: str, now: float) -> None:
+        self._finish(TRAINER_SYNC, token, now)
 
     def trainer_sync(self, start: float, end: float) -> None:
         """A trainer-side sync measured as a whole (the snapshot export the trainer reports)."""
