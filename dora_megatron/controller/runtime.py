@@ -556,6 +556,7 @@ class Runtime:
             result = None
         if result is None:
             for a in live:
+                self.metrics.weight_sync_finished(a.instance, self.now())  # each snapshot load times itself
                 await self._switch(a, resume=True)
             return
         if result.get("checksum") and live[0].version not in self.expected_checksums:
@@ -771,7 +772,8 @@ class Runtime:
             self.samples[rec.sample_id] = rec
         self.consumed = set(state["consumed"])
         self.steps = [StepLog(**x) for x in state["steps"]]
-        self.metrics.load_state_dict(state["metrics"])
+        if "metrics" in state:  # absent in checkpoints written before the recorder: the summary then starts anew
+            self.metrics.load_state_dict(state["metrics"])
         self.migrated_bytes = int(state["migrated_bytes"])
         self.migrations_done = int(state["migrations_done"])
         self.migrations_fallback = int(state["migrations_fallback"])
