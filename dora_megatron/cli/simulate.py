@@ -2,8 +2,10 @@
 
 WHY a CLI: the simulator is how a user sizes a cluster and picks S/RBS before spending GPU hours,
 and how the project checks that its policy reproduces the paper's numbers. One run writes the
-DESIGN section 11 summary (plus per-step series) to ``--out`` and two PNGs next to it; ``--mode
-all`` runs every mode on the same workload and writes ``{"modes": {...}, "comparison": ...}``.
+DESIGN section 11 summary (plus per-step series) to ``--out``, the per-step metrics next to it
+(``<stem>_steps.jsonl``, one row per step with the keys of ``dora train``'s steps.jsonl) and two
+PNGs; ``--mode all`` runs every mode on the same workload and writes ``{"modes": {...},
+"comparison": ...}`` and ``<stem>_steps_<mode>.jsonl`` per mode.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def run_modes(config: str, modes: list[str], overrides: list[str]) -> dict[str, 
         # --- the deployment's physical bound (sim/bound.py) and how close this mode gets
         d["bound"] = bound_report(cfg, d.get("throughput_tokens_per_s"))
         d["efficiency"] = d["bound"]["efficiency"]
+        d["step_rows"] = res.steps
         out[m] = d
     return out
 
@@ -85,15 +88,19 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     timelines = {m: r.pop("timeline") for m, r in results.items()}
+    steps = {m: r.pop("step_rows") for m, r in results.items()}
     if len(results) == 1:
         payload = next(iter(results.values()))
     else:
         payload = {"modes": results, "comparison": comparison(results)}
     out.write_text(json.dumps(payload, indent=1))
+    stem = out.with_suffix("")
+    for m, rows in steps.items():  # the per-step rows, the same keys as dora train's steps.jsonl
+        path = Path(f"{stem}_steps.jsonl") if len(steps) == 1 else Path(f"{stem}_steps_{m}.jsonl")
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     if not args.no_plots:
         from dora_megatron.sim.plots import plot_steps, plot_timeline
 
-        stem = out.with_suffix("")
         plot_steps(results, f"{stem}_steps.png")
         for m, tl in timelines.items():
             if not tl:  # sim.timeline: false records none: no blank image

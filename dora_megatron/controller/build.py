@@ -14,7 +14,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 from urllib.parse import urlsplit
 
 from dora_megatron.config.schema import DoraConfig
@@ -109,16 +109,19 @@ class Controller:
 def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, model_dir: Path,
                      make_engine: Callable[[str], Any], checkpoint: Path | None = None,
                      on_step: Callable[[StepLog, Any], None] | None = None,
-                     on_checkpoint: Callable[[int], None] | None = None, timeline=None) -> Controller:
+                     on_checkpoint: Callable[[int], None] | None = None, timeline=None,
+                     metric_sinks: Sequence[Any] = ()) -> Controller:
     """Clients for ``endpoints``, prompts, the orchestrator (restored from ``checkpoint`` when
     given, with its journal), and the runtime that executes its actions.
 
     ``make_engine(url)``: the launcher's engine-client factory (local runs hand it the processes
     it may restart). ``on_step(step_log, runtime)`` after each trained step, ``on_checkpoint(version)``
-    after each complete checkpoint (the launcher's outputs and snapshot retention)."""
+    after each complete checkpoint (the launcher's outputs and snapshot retention).
+    ``metric_sinks``: where the metrics recorder writes each step's scalars (TensorBoard, steps.jsonl)."""
     from dora_megatron.controller.runtime import Runtime
     from dora_megatron.controller.trainer_client import TrainerClient
     from dora_megatron.data.codec import load_codec
+    from dora_megatron.observability.recorder import MetricsRecorder
     from dora_megatron.orchestrator import Orchestrator
 
     engines = {name: make_engine(url) for name, url in endpoints.engines.items()}
@@ -133,8 +136,10 @@ def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, mo
 
         journal = Journal(run_dir)
     options = runtime_options(cfg, run_dir, model_dir, endpoints.trainer)
+    metrics = MetricsRecorder(slots_per_instance=options.slots_per_instance, rebalancer=orch.policy.rebalance,
+                              sinks=metric_sinks)
     runtime = Runtime(orch, engines, trainer, source, reward_fn, options, timeline=timeline, on_step=on_step,
-                      on_checkpoint=on_checkpoint, codec=load_codec(model_dir), journal=journal)
+                      on_checkpoint=on_checkpoint, codec=load_codec(model_dir), journal=journal, metrics=metrics)
     restorable = 0
     if state is not None:
         runtime.load_state_dict(state)

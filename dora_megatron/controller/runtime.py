@@ -32,7 +32,6 @@ import asyncio
 import dataclasses
 import logging
 from dataclasses import dataclass
-import statistics
 import time
 import zlib
 from pathlib import Path
@@ -47,7 +46,8 @@ from dora_megatron.data.codec import CharCodec, TextCodec
 from dora_megatron.data.tasks import PromptSource
 from dora_megatron.orchestrator import (Dispatch, Interrupt, Migrate, Orchestrator, ReleaseBatch, Submit,
                                         SwitchVersion, perform)
-from dora_megatron.observability.summary import RunTotals, StepRecord, build_summary
+from dora_megatron.observability.recorder import MetricsRecorder
+from dora_megatron.observability.summary import RunTotals
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class Runtime:
                  reward_fn: Callable[[str, str], float], options: RuntimeOptions, *, timeline=None,
                  on_step: Callable[[StepLog, "Runtime"], None] | None = None,
                  on_checkpoint: Callable[[int], None] | None = None, first_prompt: int = 0,
-                 codec: TextCodec | None = None, journal=None) -> None:
+                 codec: TextCodec | None = None, journal=None, metrics: MetricsRecorder | None = None) -> None:
         self.orch = orch
         self.engines = engines
         self.trainer = trainer
@@ -127,6 +127,9 @@ class Runtime:
         self.next_prompt = first_prompt
         self.codec: TextCodec = codec or CharCodec()
         self.journal = journal  # :class:`~dora_megatron.controller.journal.Journal` or None
+        #: every metric of the run (summary.json, steps.jsonl, TensorBoard) comes from these events
+        self.metrics = metrics or MetricsRecorder(slots_per_instance=options.slots_per_instance,
+                                                  rebalancer=orch.policy.rebalance)
         self._from_journal: dict[str, Any] = {}  # sample id -> JournaledSample, restorable on resume
         self.samples_from_journal = 0
         self.samples: dict[str, SampleRecord] = {}
@@ -144,8 +147,6 @@ class Runtime:
         #: set by a supervisor that restarts failed instances: losing all of them is not fatal then
         #: (the supervisor ends the run when no restart is left)
         self.instances_may_return = False
-        self.switch_s = 0.0
-        self.busy_slot_s = 0.0
         self.migrated_bytes = 0
         self.migrations_done = 0
         self.migrations_fallback = 0
@@ -359,7 +360,7 @@ class Runtime:
         """Loop (:class:`EngineReply`): apply an engine response. Finished: the sample's length (the
         orchestrator hears of it); aborted: the partial output is kept, None."""
         rec, resp, instance, start, end = self.samples[ev.sample_id], ev.resp, ev.instance, ev.start, ev.end
-        self.busy_slot_s += end - start
+        self.metrics.request_held_slot(start, end)
         if getattr(resp, "migrated", False):
             return None  # the import on the destination delivers this sample
         if self.timeline is not None:
@@ -467,6 +468,7 @@ class Runtime:
         if a.instance in self.failed or self.engines.get(a.instance) is not engine:
             return  # failed (or replaced) while this switch waited: the orchestrator no longer expects it
         start = self.now()
+        self.metrics.weight_sync_started(a.instance, start, rebalance=a.rebalance)
         try:
             got = await asyncio.wait_for(self._load_weights(engine, a.version, resume=resume),
                                          timeout=self.opt.weight_sync_timeout_s)
@@ -479,6 +481,8 @@ class Runtime:
         except Exception as err:  # noqa: BLE001 - an instance that cannot load weights is failed
             await self.events.report(InstanceFailed(a.instance, f"switch to v{a.version} failed: {err}", engine))
             return
+        finally:
+            self.metrics.weight_sync_finished(a.instance, self.now())
         if got is not None:
             self.checksum_mismatches += 1
             await self.events.report(InstanceFailed(a.instance, got, engine))
@@ -492,16 +496,15 @@ class Runtime:
         that order reports, after loading again)."""
         if ev.instance in self.failed or self.engines.get(ev.instance) is not ev.engine:
             return False
+        if self.timeline is not None:  # the time was spent loading, whether or not this order still stands
+            self.timeline.span(ev.instance, f"{ev.how} v{ev.version}", ev.start, ev.end, version=ev.version,
+                               kind="weight_sync")
         latest = self._switching.get(ev.instance)
         if origin is not None and latest is not None and latest is not origin:
             return False
-        if ev.how == "load":
-            self.switch_s += ev.end - ev.start
         self._version_of[ev.instance] = ev.version
         if self.timeline is not None:
             self.timeline.set_version(ev.instance, ev.version, ev.end)
-            self.timeline.span(ev.instance, f"{ev.how} v{ev.version}", ev.start, ev.end, version=ev.version,
-                               kind="weight_sync")
         return True
 
     def _superseded(self, instance: str) -> bool:
@@ -556,6 +559,7 @@ class Runtime:
             log.warning("instance %s is already in the pool; ignoring its second join", name)
             return False
         self.engines[name] = ev.engine
+        self.metrics.instance_joined(name, self.now())
         if name in self.failed:
             self.rejoins += 1
             self._rejoined.add(name)
@@ -581,6 +585,9 @@ class Runtime:
         if not live:
             return
         start = self.now()
+        broadcast = self.metrics.trainer_sync_started(start)
+        for a in live:
+            self.metrics.weight_sync_started(a.instance, start, rebalance=a.rebalance)
         try:
             urls = [getattr(self.engines[a.instance], "base_url") for a in live]
             result = await self.trainer.push_weights(urls, timeout_s=self.opt.weight_sync_timeout_s,
@@ -588,6 +595,10 @@ class Runtime:
         except Exception as err:  # noqa: BLE001 - the snapshot path still works
             log.warning("weight broadcast of v%d failed (%s); loading the snapshot instead", live[0].version, err)
             result = None
+        finally:
+            self.metrics.trainer_sync_finished(broadcast, self.now())
+            if self.timeline is not None:
+                self.timeline.span("trainer", f"broadcast v{live[0].version}", start, self.now(), kind="broadcast")
         pushed = None if result is None else result.get("version")
         if pushed is not None and int(pushed) != live[0].version:
             # the trainer finished another step while this push waited: it sent newer weights than
@@ -597,12 +608,14 @@ class Runtime:
             result = None
         if result is None:
             for a in live:
+                self.metrics.weight_sync_finished(a.instance, self.now())  # each snapshot load times itself
                 await self._switch(a, resume=True)
             return
         if result.get("checksum") and live[0].version not in self.expected_checksums:
             self.expected_checksums[live[0].version] = str(result["checksum"])
         end = self.now()
-        self.switch_s += (end - start) * len(live)
+        for a in live:
+            self.metrics.weight_sync_finished(a.instance, end)
         self.pushed_bytes += int(result.get("bytes", 0))
         engines = {a.instance: self.engines[a.instance] for a in live}
         checks = await asyncio.gather(*(self._verify_weights(engines[a.instance], a.version) for a in live),
@@ -638,6 +651,7 @@ class Runtime:
             log.info("ignoring a stale failure of %s (replaced since): %s", instance, why)
             return False
         log.warning("instance %s failed: %s", instance, why)
+        self.metrics.instance_left(instance, self.now())
         self.failed.add(instance)
         self.failed_ever.add(instance)
         for rec in self.samples.values():  # stop waiting on requests that lived there
@@ -687,6 +701,11 @@ class Runtime:
         t_train = time.monotonic()
         result = await self.trainer.train(step, samples)
         train_s = time.monotonic() - t_train
+        trained = self.now()
+        # the trainer's own measures when it reports them: /train includes the snapshot export
+        export_s = min(float(result.get("export_s") or 0.0), train_s)
+        self.metrics.trainer_sync(trained - export_s, trained)
+        train_s = float(result.get("train_s", train_s - export_s))
         await self.events.report(TrainerDone(step, result, start, train_s, batch))
 
     def record_step(self, ev: TrainerDone, live_versions: int) -> tuple[int, bool]:
@@ -703,7 +722,15 @@ class Runtime:
                 rec = self.samples[sid]
                 rec.logprobs, rec.output_ids, rec.prompt_ids = [], [], []
                 rec.routed_experts = None
-        log_ = StepLog(ev.step, ev.start, end, b.wait_s, ev.train_s, 0.0, dict(result.get("metrics", {})), b.rewards,
+        metrics = dict(result.get("metrics", {}))
+        if result.get("padding_fraction") is not None:  # a trainer that packs reports it beside its metrics
+            metrics["padding_fraction"] = result["padding_fraction"]
+        oc = self.orch.counters
+        scalars = self.metrics.step_trained(
+            ev.step, end_s=end, wait_s=b.wait_s, train_s=ev.train_s, tokens=b.tokens, staleness=b.staleness,
+            rewards=b.rewards, response_lengths=b.lengths, live_versions=live_versions, metrics=metrics,
+            migrations=oc.migrations, migrated_kv_bytes=self.migrated_bytes, reprefill_tokens=oc.reprefill_tokens)
+        log_ = StepLog(ev.step, ev.start, end, b.wait_s, ev.train_s, scalars["perf/sync_time_s"], metrics, b.rewards,
                        b.lengths, b.staleness, b.tokens, live_versions, list(b.group_ids), list(b.versions))
         self.steps.append(log_)
         if self.timeline is not None:
@@ -798,7 +825,7 @@ class Runtime:
                         "sample_ids": list(g.sample_ids)} for g in unconsumed],
             "samples": samples,
             "steps": [dataclasses.asdict(x) for x in self.steps],
-            "busy_slot_s": self.busy_slot_s, "switch_s": self.switch_s, "migrated_bytes": self.migrated_bytes,
+            "metrics": self.metrics.state_dict(), "migrated_bytes": self.migrated_bytes,
             "migrations_done": self.migrations_done, "migrations_fallback": self.migrations_fallback,
             "expected_checksums": {str(k): v for k, v in self.expected_checksums.items()},
             "c1_count": self.c1_count, "duplicated": self.duplicated,
@@ -822,8 +849,8 @@ class Runtime:
         # "consumed" is ignored): the restored orchestrator has forgotten them, so none can be
         # released again, and this set guards only against a release twice within this process
         self.steps = [StepLog(**x) for x in state["steps"]]
-        self.busy_slot_s = float(state["busy_slot_s"])
-        self.switch_s = float(state["switch_s"])
+        if "metrics" in state:  # absent in checkpoints written before the recorder: the summary then starts anew
+            self.metrics.load_state_dict(state["metrics"])
         self.migrated_bytes = int(state["migrated_bytes"])
         self.migrations_done = int(state["migrations_done"])
         self.migrations_fallback = int(state["migrations_fallback"])
@@ -886,6 +913,8 @@ class Runtime:
         error); returns the summary."""
         self._t0 = time.monotonic()
         self._trainer_idle_since = self._wall_offset
+        for iid in self.engines:
+            self.metrics.instance_joined(iid, self.now())
         if self.timeline is not None:
             start = self.now()  # a resumed run starts at the checkpoint's wall time, not at 0
             if self._resumed and start > 0:
@@ -944,21 +973,16 @@ class Runtime:
 
     # ------------------------------------------------------------------ summary
     def summary(self, wall: float) -> dict[str, Any]:
+        """The recorder's metrics, then facts of this run only the runtime knows (instances, checksums)."""
         osum = self.orch.summary()
-        records = [StepRecord(s.step, s.end_s, s.wait_s, s.train_s, s.sync_s, s.tokens, s.staleness,
-                              statistics.fmean(s.rewards) if s.rewards else None) for s in self.steps]
-        slots = len(self.engines) * self.opt.slots_per_instance
         totals = RunTotals(
             dispatched_groups=osum["dispatched_groups"], consumed_groups=osum["consumed_groups"],
             lost_groups=osum["lost_groups"], duplicated_groups=osum["duplicated_groups"] + self.duplicated,
             c1_violations=self._c1_violations(), c3_violations=osum["c3_violations"],
             migrations=osum["migrations"], migrated_kv_bytes=self.migrated_bytes,
-            reprefill_tokens=osum["reprefill_tokens"], busy_slot_s=self.busy_slot_s, slot_capacity=slots,
-            rebalance_s=None,
-        )
-        out = build_summary(mode=osum["mode"], max_staleness=osum["max_staleness"], tbs=osum["tbs"], rbs=osum["rbs"],
-                            steps=records, totals=totals, wall_time_s=wall)
-        out["weight_sync_fraction"] = self.switch_s / (wall * max(len(self.engines), 1)) if wall > 0 else None
+            reprefill_tokens=osum["reprefill_tokens"])
+        out = self.metrics.summary(mode=osum["mode"], max_staleness=osum["max_staleness"], tbs=osum["tbs"],
+                                   rbs=osum["rbs"], totals=totals, wall_time_s=wall)
         out["migrations_kv"] = self.migrations_done
         out["migrations_reprefill"] = self.migrations_fallback
         out["checksum_mismatches"] = self.checksum_mismatches
@@ -973,15 +997,6 @@ class Runtime:
         out["samples_from_journal"] = self.samples_from_journal
         out["max_live_versions"] = osum.get("max_live_versions")
         out["outstanding_groups_at_end"] = osum["dispatched_groups"] - osum["consumed_groups"]
-        diffs = [r.metrics["rollout_vs_trainer_logprob_diff"] for r in self.steps
-                 if r.metrics.get("rollout_vs_trainer_logprob_diff") is not None]
-        # measured on on-policy samples only (see algo.losses.policy_loss): engine vs trainer numerics
-        out["rollout_vs_trainer_logprob_diff_mean"] = sum(diffs) / len(diffs) if diffs else None
-        out["rollout_vs_trainer_logprob_diff_max"] = max(diffs) if diffs else None
-        out["rollout_vs_trainer_logprob_diff_steps"] = len(diffs)
-        from dora_megatron.observability.routing import routing_summary
-
-        out.update(routing_summary(r.metrics for r in self.steps))
         return out
 
     def _c1_violations(self) -> int:

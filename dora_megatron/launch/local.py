@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import signal
-import statistics
 import sys
 import threading
 import time
@@ -282,6 +281,7 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
     exists (e.g. to start the elastic join watcher)."""
     from dora_megatron.controller.build import build_controller
     from dora_megatron.controller.trainer_client import TrainerError, TrainerUnreachable
+    from dora_megatron.observability.recorder import StepsJsonl
     from dora_megatron.observability.tensorboard import NullWriter, TensorBoardWriter
     from dora_megatron.observability.timeline import Timeline
 
@@ -316,40 +316,15 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
     consumed_file = open(run_dir / "consumed.jsonl", "a" if resuming else "w")
 
     def on_step(s, rt) -> None:
-        lengths = sorted(s.response_lengths)
-        tokens_total = sum(x.tokens for x in rt.steps)
-        scalars = {
-            "reward/mean": statistics.fmean(s.rewards) if s.rewards else None,
-            "reward/exact_fraction": sum(r == 1.0 for r in s.rewards) / len(s.rewards) if s.rewards else None,
-            "response_length/p50": _pct(lengths, 0.5), "response_length/p99": _pct(lengths, 0.99),
-            "response_length/max": lengths[-1] if lengths else None,
-            "perf/throughput_tokens_per_s": tokens_total / s.end_s if s.end_s > 0 else None,
-            "perf/step_time_s": s.end_s - (rt.steps[-2].end_s if len(rt.steps) > 1 else 0.0),
-            "perf/train_time_s": s.train_s,
-            "perf/rollout_only_fraction": sum(x.wait_s for x in rt.steps) / s.end_s if s.end_s > 0 else None,
-            "perf/rollout_utilization": rt.busy_slot_s / (len(rt.engines) * rt.opt.slots_per_instance * s.end_s) if s.end_s > 0 else None,
-            "perf/weight_sync_time_s": rt.switch_s,
-            "staleness/mean": statistics.fmean(s.staleness) if s.staleness else None,
-            "staleness/max": max(s.staleness) if s.staleness else None,
-            "versions/live": s.live_versions,
-            "migrations/count": rt.orch.counters.migrations,
-            "migrations/kv_bytes": rt.migrated_bytes,
-            "migrations/reprefill_tokens": rt.orch.counters.reprefill_tokens,
-        }
-        for key, value in s.metrics.items():
-            scalars[f"train/{key}"] = value
-        writer.scalars(s.step, scalars)
         retention.prune()
-        steps_file.write(json.dumps({"step": s.step, **{k: v for k, v in scalars.items() if v is not None}}) + "\n")
-        steps_file.flush()
         consumed_file.write(json.dumps({"step": s.step, "groups": s.group_ids, "versions": s.group_versions}) + "\n")
         consumed_file.flush()
-        progress.update(s.step, scalars)
+        progress.update(s.step, rt.metrics.last)
 
     retention = _SnapshotRetention(run_dir, lambda: ctl.orch.live_versions())
     ctl = build_controller(cfg, endpoints, run_dir=run_dir, model_dir=model_dir, make_engine=make_engine,
                            checkpoint=checkpoint, on_step=on_step, on_checkpoint=retention.checkpointed,
-                           timeline=timeline)
+                           timeline=timeline, metric_sinks=[writer, StepsJsonl(steps_file)])
     runtime, trainer, engines, orch = ctl.runtime, ctl.trainer, ctl.engines, ctl.orch
     say(f"reward: {ctl.reward_name}")
     if cfg.run.checkpoint_interval == 0:  # no mid-run checkpoint to resume from: only live versions matter
@@ -461,12 +436,6 @@ class _SnapshotRetention:
                 continue
             if 0 < version < keep_from:
                 shutil.rmtree(path, ignore_errors=True)
-
-
-def _pct(sorted_values: list[int], q: float) -> float | None:
-    if not sorted_values:
-        return None
-    return float(sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))])
 
 
 def _summary_line(s: dict[str, Any]) -> str:

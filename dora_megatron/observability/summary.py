@@ -2,15 +2,12 @@
 
 WHY here and pure: the simulator, ``dora train`` and ``dora bench`` must report the same fields
 with the same definitions (DESIGN section 9), so the arithmetic lives in one function that takes
-plain records and returns a JSON-ready dict. It imports nothing heavy; the real runtime can call
-:func:`build_summary` with records it collects from the live system.
+plain records and returns a JSON-ready dict. It imports nothing heavy.
 
-Definitions (DESIGN section 9):
-
-- ``throughput_tokens_per_s``: prompt+response tokens of consumed groups / wall seconds.
-- ``rollout_only_fraction``: share of wall time the trainer waits for data.
-- ``rollout_utilization``: busy request-slot-seconds / (instances x cap x wall seconds).
-- ``staleness_histogram``: counts of ``t - w`` over consumed groups.
+Every metric's definition is written once, in :data:`dora_megatron.observability.recorder.METRICS`;
+this module is the arithmetic of the run-level ones. The drivers do not call it directly: they
+feed events to :class:`~dora_megatron.observability.recorder.MetricsRecorder`, which measures
+the instance-seconds, weight-load seconds and busy slot-seconds of the window and calls it.
 
 Rate metrics are computed over a *measurement window*: the steps with index >= ``warmup_steps``
 (the paper averages steps after warm-up). The window's wall time runs from the end of the last
@@ -41,7 +38,7 @@ class StepRecord:
     end_s: float  # when the step (training + weight push) finished
     wait_s: float  # trainer idle waiting for the batch of this step (the rollout-only time)
     train_s: float  # training compute of this step
-    weight_sync_s: float  # trainer-side time pushing/loading the new version
+    sync_s: float  # trainer-side weight sync inside the step's interval (snapshot export, broadcasts)
     tokens: int  # prompt+response tokens of the consumed groups
     staleness: Sequence[int] = ()  # t - w of each consumed group
     reward: float | None = None  # mean reward of the batch, when known
@@ -61,8 +58,10 @@ class RunTotals:
     migrated_kv_bytes: float | None = 0
     reprefill_tokens: int | None = 0
     busy_slot_s: float | None = None  # request-slot-seconds busy inside the window
-    slot_capacity: int | None = None  # instances x cap
-    rebalance_s: float | None = None  # time spent rebalancing inside the window
+    slots_per_instance: int | None = None  # request slots of one instance (the cap)
+    instance_s: float | None = None  # instance-seconds in the rollout pool inside the window
+    weight_sync_s: float | None = None  # instance-seconds loading weights inside the window
+    rebalance_s: float | None = None  # the part of weight_sync_s a rebalance ordered (None: no rebalancer)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -112,9 +111,12 @@ def build_summary(
     # warm-up step, or time 0): the window's mean step time is then span / steps, as throughput's
     ends = [t0] + [s.end_s for s in window]
     step_times = [b - a for a, b in zip(ends, ends[1:])]
+    def per_instance_s(x: float | None) -> float | None:
+        return None if x is None or not totals.instance_s else x / totals.instance_s
+
     util = None
-    if totals.busy_slot_s is not None and totals.slot_capacity and span > 0:
-        util = totals.busy_slot_s / (totals.slot_capacity * span)
+    if totals.busy_slot_s is not None and totals.slots_per_instance:
+        util = per_instance_s(totals.busy_slot_s / totals.slots_per_instance)
     reward_first, reward_last = reward_window(steps)
     return {
         "mode": mode,
@@ -134,8 +136,8 @@ def build_summary(
         "mean_step_time_s": _mean(step_times),
         "rollout_only_fraction": frac(sum(s.wait_s for s in window)) if window else None,
         "rollout_utilization": util,
-        "weight_sync_fraction": frac(sum(s.weight_sync_s for s in window)) if window else None,
-        "rebalance_fraction": frac(totals.rebalance_s),
+        "weight_sync_fraction": per_instance_s(totals.weight_sync_s),
+        "rebalance_fraction": per_instance_s(totals.rebalance_s),
         "migrations": totals.migrations,
         "migrated_kv_bytes": totals.migrated_kv_bytes,
         "reprefill_tokens": totals.reprefill_tokens,

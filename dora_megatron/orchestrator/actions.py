@@ -58,10 +58,14 @@ class Interrupt:
 @dataclass(frozen=True, slots=True)
 class SwitchVersion:
     """Load weights ``version`` on ``instance`` (from a peer or the per-version snapshot). The
-    instance holds no request of its old version; it takes none until ``on_switch_done``."""
+    instance holds no request of its old version; it takes none until ``on_switch_done``.
+    ``rebalance``: a rebalance ordered it (the instance moves between live versions to even out the
+    load), as opposed to following the newest version, joining, or restoring a version after a
+    failure; drivers count its load time as rebalancing overhead (``rebalance_fraction``)."""
 
     instance: str
     version: int
+    rebalance: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -527,14 +527,14 @@ class Orchestrator:
             self._free[old_v] -= old_c
             self._room.get(old_v, set()).discard(inst.instance_id)
 
-    def _switch(self, inst: Instance, version: int) -> None:
-        """Emit SwitchVersion; the instance must hold no request."""
+    def _switch(self, inst: Instance, version: int, *, rebalance: bool = False) -> None:
+        """Emit SwitchVersion; the instance must hold no request. ``rebalance``: ordered by a rebalance."""
         assert not inst.samples, "switching an instance that still holds requests"
         self._deactivate(inst)
         inst.target = version
         self._incoming.setdefault(version, set()).add(inst.instance_id)
         self.counters.switches += 1
-        self._out.append(SwitchVersion(inst.instance_id, version))
+        self._out.append(SwitchVersion(inst.instance_id, version, rebalance=rebalance))
 
     def _set_cap_phase(self, after: bool) -> None:
         if self._cap_after == after:
@@ -870,7 +870,7 @@ class Orchestrator:
             freed.extend(chosen)
         deficits = {v: target[v] - cur.get(v, 0) for v in target if target[v] > cur.get(v, 0)}
         for iid, v in plan.assign_freed(freed, deficits).items():
-            self._switch(self.instances[iid], v)
+            self._switch(self.instances[iid], v, rebalance=True)
         log.debug("rebalance(%s): %s -> %s", trigger, cur, target)
 
     def _move_all_off(self, freed: list[str], kept: dict[str, int], version: int) -> None:

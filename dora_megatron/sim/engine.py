@@ -36,8 +36,9 @@ from dora_megatron.config.sim import SimConfig
 from dora_megatron.sim.cost import DecodeCost, kv_transfer_s
 from dora_megatron.sim.events import EventQueue
 from dora_megatron.sim.instance import PAUSED, READY, SWITCHING, SimInstance, SimRequest
-from dora_megatron.observability.summary import RunTotals, StepRecord, build_summary
 from dora_megatron.orchestrator.actions import Dispatch, Interrupt, Migrate, ReleaseBatch, Submit, SwitchVersion, perform
+from dora_megatron.observability.recorder import MetricsRecorder
+from dora_megatron.observability.summary import RunTotals
 from dora_megatron.sim.workload import GroupSpec, Workload
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class SimResult:
     series: dict[str, list[Any]]
     timeline: list[tuple[str, float, float, int | None, str]]
     extra: dict[str, Any]
+    steps: list[dict[str, Any]] = field(default_factory=list)  # the steps.jsonl rows (same keys as dora train)
 
     def to_json(self) -> dict[str, Any]:
         return {**self.summary, "series": self.series, "extra": self.extra}
@@ -129,8 +131,11 @@ class Simulation:
         self._last_progress = 0.0
         self._last_stats = 0.0
         self.window_start: float | None = 0.0 if cfg.sim.warmup_steps == 0 else None
-        # accounting
-        self.step_records: list[StepRecord] = []
+        # accounting: every metric comes from the recorder's events (observability/recorder.py)
+        self.step_rows: list[dict[str, Any]] = []
+        self.metrics = MetricsRecorder(slots_per_instance=self.slot_cap, rebalancer=self.orch.policy.rebalance,
+                                       warmup_steps=cfg.sim.warmup_steps, sinks=[_RowSink(self.step_rows)])
+        self._busy_seen = 0.0  # the instance models' busy slot-seconds already reported
         self.series: dict[str, list[Any]] = {k: [] for k in (
             "step", "end_s", "step_time_s", "wait_s", "train_s", "weight_sync_s", "tokens", "bubble",
             "mean_staleness", "live_versions", "instances_by_version", "mean_response_tokens",
@@ -323,6 +328,7 @@ class Simulation:
         inst.mark(self.q.now, self.record_timeline)
         if self._in_window():
             self.switch_s_total += dt
+        self.metrics.weight_sync_started(a.instance, self.q.now, rebalance=a.rebalance)
         inst.switch_seq += 1
         self.q.push(self.q.now + dt, SWITCH_DONE, (a.instance, a.version, inst.switch_seq))
 
@@ -374,7 +380,7 @@ class Simulation:
         self.trainer.current = {
             "step": a.step, "wait_s": wait, "train_s": train, "sync_s": sync_s, "tokens": tokens,
             "staleness": stal, "bubble": (max_len - mean_len) / max_len if max_len else 0.0,
-            "mean_len": mean_len, "max_len": max_len,
+            "mean_len": mean_len, "max_len": max_len, "lengths": lengths,
         }
         self.q.push(now + train + sync_s, TRAIN_DONE, a.step)
 
@@ -386,6 +392,7 @@ class Simulation:
             inst.state = READY
             inst.version = None
             inst.mark(self.q.now, self.record_timeline)
+            self.metrics.instance_joined(iid, self.q.now)
             self._note("on_instance_joined", iid)
 
     def _elastic_leave(self) -> None:
@@ -396,6 +403,7 @@ class Simulation:
             inst.state = PAUSED
             inst.epoch += 1
             inst.mark(self.q.now, self.record_timeline)
+            self.metrics.instance_left(iid, self.q.now)
             # drained when the note runs: Submits later in the current action list land here too
             self._note("_elastic_fail", iid)
 
@@ -438,6 +446,7 @@ class Simulation:
         inst = self.instances[iid]
         if inst.state != SWITCHING or seq != inst.switch_seq:
             return  # an elastic instance that left (and maybe rejoined) meanwhile
+        self.metrics.weight_sync_finished(iid, self.q.now)
         inst.version = version
         inst.state = PAUSED if (self.colocated and self.trainer.busy) else READY
         inst.t0 = self.q.now
@@ -458,9 +467,15 @@ class Simulation:
     def _on_train_done(self, step: int) -> None:
         now = self.q.now
         cur = self.trainer.current
-        rec = StepRecord(step=step, end_s=now, wait_s=cur["wait_s"], train_s=cur["train_s"],
-                         weight_sync_s=cur["sync_s"], tokens=cur["tokens"], staleness=cur["staleness"])
-        self.step_records.append(rec)
+        # the trainer pushes (or swaps roles) after computing: the step's last sync_s seconds
+        self.metrics.trainer_sync(now - cur["sync_s"], now)
+        busy = sum(inst.occupied_slot_s(now) for inst in self.instances.values())
+        self.metrics.busy_slot_seconds(busy - self._busy_seen)
+        self._busy_seen = busy
+        self.metrics.step_trained(step, end_s=now, wait_s=cur["wait_s"], train_s=cur["train_s"], tokens=cur["tokens"],
+                                  staleness=cur["staleness"], rewards=(), response_lengths=cur["lengths"],
+                                  live_versions=len(self.orch.live_versions()), migrations=self.migrations,
+                                  migrated_kv_bytes=self.migrated_bytes, reprefill_tokens=self.reprefill_tokens)
         s = self.series
         s["step"].append(step)
         s["end_s"].append(now)
@@ -541,6 +556,7 @@ class Simulation:
 
     def _open_window(self, now: float) -> None:
         self.window_start = now
+        self._busy_seen = 0.0  # the instance models count from the window's start on
         self.switch_s_total = 0.0
         self.migration_s = 0.0
         for inst in self.instances.values():
@@ -576,6 +592,8 @@ class Simulation:
         cfg = self.cfg
         for inst in self.instances.values():
             inst.mark(0.0, self.record_timeline)
+        for iid in self.rollout_ids:
+            self.metrics.instance_joined(iid, 0.0)
         self._call("start")
         self._drain()
         self._maybe_elastic_join()
@@ -604,9 +622,9 @@ class Simulation:
     def _result(self, end: float, cpu_s: float) -> SimResult:
         cfg = self.cfg
         oc = self.orch.counters
-        wall = self.step_records[-1].end_s if self.step_records else end
+        rows = self.metrics.rows
+        wall = rows[-1].end_s if rows else end
         window_start = self.window_start if self.window_start is not None else 0.0
-        busy = sum(inst.occupied_slot_s(wall) for inst in self.instances.values())
         n_roll = len(self.rollout_ids)
         span = max(1e-9, wall - window_start)
         totals = RunTotals(
@@ -619,14 +637,10 @@ class Simulation:
             migrations=self.migrations,
             migrated_kv_bytes=self.migrated_bytes,
             reprefill_tokens=self.reprefill_tokens,
-            busy_slot_s=busy,
-            slot_capacity=n_roll * self.slot_cap,
-            rebalance_s=(self.switch_s_total / max(1, n_roll)) if self.mode == "dora" else None,
         )
-        summary = build_summary(mode=self.mode, max_staleness=self.S, tbs=self.ocfg.tbs,
-                                rbs=self.orch.policy.rbs, steps=self.step_records, totals=totals,
-                                wall_time_s=wall, warmup_steps=cfg.sim.warmup_steps)
-        n_steps = max(1, len(self.step_records))
+        summary = self.metrics.summary(mode=self.mode, max_staleness=self.S, tbs=self.ocfg.tbs,
+                                       rbs=self.orch.policy.rbs, totals=totals, wall_time_s=wall)
+        n_steps = max(1, len(rows))
         timeline = []
         if self.record_timeline:
             for iid, inst in list(self.instances.items())[: cfg.sim.timeline_max_instances]:
@@ -653,9 +667,19 @@ class Simulation:
             "migration_fraction": self.migration_s / (max(1, n_roll) * self.slot_cap * span),
             "slot_cap": self.slot_cap,
             "sim_checks": {"c1": self.sim_c1, "c3": self.sim_c3, "duplicated": self.sim_dup, "lost": self.sim_lost},
-            "mean_response_tokens": (sum(self.series["mean_response_tokens"]) / n_steps) if self.step_records else None,
+            "mean_response_tokens": (sum(self.series["mean_response_tokens"]) / n_steps) if rows else None,
         }
-        return SimResult(summary=summary, series=self.series, timeline=timeline, extra=extra)
+        return SimResult(summary=summary, series=self.series, timeline=timeline, extra=extra, steps=self.step_rows)
+
+
+class _RowSink:
+    """Keeps each step's scalars (the simulator's steps.jsonl rows)."""
+
+    def __init__(self, rows: list[dict[str, Any]]) -> None:
+        self.rows = rows
+
+    def scalars(self, step: int, values: dict[str, Any]) -> None:
+        self.rows.append({"step": step, **values})
 
 
 def simulate(cfg: SimConfig) -> SimResult:

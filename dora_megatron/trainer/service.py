@@ -8,7 +8,8 @@ ranks execute) and broadcasts every command to the other ranks over the gloo
 world group; all ranks run it; rank 0 answers. Commands:
 
 ``GET /health``            -> {"ready": true, "version": v, "world_size": n}
-``POST /train``            {"step": t, "samples": [...]} -> metrics, new version, snapshot path, checksum
+``POST /train``            {"step": t, "samples": [...]} -> metrics, new version, snapshot path, checksum,
+                           train_s and export_s (seconds of the update and of the snapshot export)
 ``POST /save_checkpoint``  {"path": dir} -> {"path": dir}
 ``POST /load_checkpoint``  {"path": dir} -> {"version": v}
 ``POST /push_weights``     {"engines": [base urls], "bucket_mb": n, "master_addr"?, "timeout_s"?,
@@ -29,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -140,10 +142,15 @@ class TrainerService:
             step = int(cmd.payload["step"])
             if step != self.worker.version:
                 raise BadRequest(f"step {step} does not match the trainer's weights version {self.worker.version}")
+            t0 = time.monotonic()
             metrics = self.worker.train_step(cmd.payload["samples"])
+            t1 = time.monotonic()
             snapshot_dir = self.run_dir / "weights" / f"v{self.worker.version:06d}"
             checksum = self.worker.export_snapshot(snapshot_dir)
-            return {"version": self.worker.version, "metrics": metrics, "snapshot": str(snapshot_dir), "checksum": checksum}
+            # the two phases, measured here: the controller cannot split one /train call (metrics:
+            # perf/train_time_s, and the snapshot export as trainer-side weight sync, perf/sync_time_s)
+            return {"version": self.worker.version, "metrics": metrics, "snapshot": str(snapshot_dir), "checksum": checksum,
+                    "train_s": t1 - t0, "export_s": time.monotonic() - t1}
         if cmd.op == "save_checkpoint":
             self.worker.save_checkpoint(cmd.payload["path"])
             return {"path": cmd.payload["path"], "version": self.worker.version}

@@ -75,6 +75,7 @@ def test_short_dora_run(tmp_path):
     assert (run_dir / "timeline.png").read_bytes()[:4] == b"\x89PNG"
     trace = json.loads((run_dir / "trace.json").read_text())
     assert any(e.get("name") == "step 0" for e in trace["traceEvents"])
+    check_metrics_against_the_trace(tmp_path, run_dir, summary, trace)
     assert (run_dir / "config.yaml").is_file()
     assert (run_dir / "weights" / "v000004" / "model.safetensors").is_file()
     # the trainer was stopped through its service, not by SIGTERM to torchrun (no traceback left)
@@ -83,6 +84,41 @@ def test_short_dora_run(tmp_path):
     # every child process is gone
     out = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
     assert out.stdout.strip() == "", out.stdout
+
+
+def check_metrics_against_the_trace(tmp_path: Path, run_dir: Path, summary: dict, trace: dict) -> None:
+    """The recorder's metrics (observability/recorder.py) against independent facts: the Chrome trace
+    says when each instance loaded weights and when each step ended; ``dora simulate`` reports the
+    same keys."""
+    rows = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    # sync_s: the trainer exports a snapshot of every new version (the disk transport's trainer side)
+    assert all(r["perf/sync_time_s"] > 0 for r in rows), [r["perf/sync_time_s"] for r in rows]
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    ends = sorted((e["ts"] + e["dur"]) / 1e6 for e in events if e["cat"] == "train")
+    loads = [(e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in events if e["cat"] == "weight_sync"]
+    expected, prev = [], 0.0
+    for end in ends:  # instance-seconds of loads inside each step's interval
+        expected.append(sum(max(0.0, min(b, end) - max(a, prev)) for a, b in loads))
+        prev = end
+    assert sum(1 for x in expected if x > 0) >= 2, expected
+    assert [r["perf/weight_sync_time_s"] for r in rows] == pytest.approx(expected, abs=1e-3)
+    assert 0 < summary["rebalance_fraction"] <= summary["weight_sync_fraction"] < 1
+    out = tmp_path / "sim" / "dora.json"
+    sim = subprocess.run([sys.executable, "-m", "dora_megatron", "simulate", "--config",
+                          str(ROOT / "configs" / "sim" / "tiny.yaml"), "--mode", "dora", "--set", "sim.steps=3",
+                          "--set", "sim.warmup_steps=0", "--no-plots", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert sim.returncode == 0, sim.stderr[-3000:]
+    sim_summary = json.loads(out.read_text())
+    sim_rows = [json.loads(line) for line in (tmp_path / "sim" / "dora_steps.jsonl").read_text().splitlines()]
+    from dora_megatron.observability.recorder import RUN_EXTRA_KEYS
+
+    for key in (*SUMMARY_FIELDS, *RUN_EXTRA_KEYS):
+        assert key in summary and key in sim_summary, key
+    assert sim_summary["weight_sync_fraction"] > 0 and sim_summary["rebalance_fraction"] > 0
+    train_keys = {k for k in rows[0] if not k.startswith("train/")}  # train/*: the trainer's own metrics
+    assert [set(r) for r in sim_rows] == [train_keys] * 3
 
 
 def test_distributed_weight_transport_from_the_torchrun_trainer(tmp_path):

@@ -127,8 +127,9 @@ class FakeEngine:
 
 
 class FakeTrainer:
-    def __init__(self, train_s: float = 0.01, engines: dict | None = None) -> None:
+    def __init__(self, train_s: float = 0.01, engines: dict | None = None, push_s: float = 0.0) -> None:
         self.engines = {e.base_url: e for e in (engines or {}).values()}
+        self.push_s = push_s  # how long one broadcast takes
         self.pushes: list[tuple[int, list[str]]] = []
         self.push_args: list[dict] = []
         self.version = 0
@@ -161,6 +162,7 @@ class FakeTrainer:
                            backend: str | None = None) -> dict:
         self.push_args.append({"bucket_mb": bucket_mb, "master_addr": master_addr, "master_port": master_port,
                                "gpus": gpus, "pause_mode": pause_mode, "backend": backend})
+        await asyncio.sleep(self.push_s)
         for url in engines:
             e = self.engines[url]
             assert not e.reqs, f"{e.name}: push while holding {list(e.reqs)}"

@@ -132,3 +132,33 @@ def test_host_kv_tier_lifts_a_kv_bound_rollout():
     assert fast.summary["rollout_utilization"] > 1.2 * off.summary["rollout_utilization"]
     assert fast.summary["throughput_tokens_per_s"] > 1.2 * off.summary["throughput_tokens_per_s"]
     assert slow.summary["throughput_tokens_per_s"] < off.summary["throughput_tokens_per_s"]
+def _per_step(spans, ends):
+    """Seconds of ``spans`` inside each step's interval (previous step's end, this step's end]."""
+    out, prev = [], 0.0
+    for end in ends:
+        out.append(sum(max(0.0, min(b, end) - max(a, prev)) for a, b in spans))
+        prev = end
+    return out
+
+
+@pytest.mark.parametrize("mode", ["dora", "one_step_off"])
+def test_weight_sync_metrics_agree_with_the_instance_timelines(mode):
+    """The instances' own timelines (switching segments) are the independent record: per step, the
+    instance-seconds spent loading weights; over the window, their share of instance-time. sync_s
+    is the trainer's push (disaggregated placement); rebalancing is measured where a rebalancer runs."""
+    cfg = _cfg(mode, "sim.timeline=true")
+    sim = Simulation(cfg)
+    res = sim.run()
+    ends = res.series["end_s"]
+    loads = [(a, b) for inst in sim.instances.values() for a, b, _, state in inst.intervals if state == "switching"]
+    expected = _per_step(loads, ends)
+    assert sum(1 for x in expected if x > 0) >= 2
+    assert [r["perf/weight_sync_time_s"] for r in res.steps] == pytest.approx(expected)
+    assert [r["perf/sync_time_s"] for r in res.steps] == pytest.approx([cfg.cost.trainer_push_s] * len(ends))
+    # window: the steps after the warm-up one; every rollout instance is in the pool all along
+    instance_s = len(sim.rollout_ids) * (ends[-1] - ends[0])
+    assert res.summary["weight_sync_fraction"] == pytest.approx(sum(expected[1:]) / instance_s)
+    if mode == "dora":
+        assert 0 < res.summary["rebalance_fraction"] <= res.summary["weight_sync_fraction"]
+    else:
+        assert res.summary["rebalance_fraction"] is None

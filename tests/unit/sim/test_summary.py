@@ -19,14 +19,15 @@ def test_every_field_present_in_order():
 
 
 def test_definitions_over_the_whole_run():
-    totals = RunTotals(dispatched_groups=8, consumed_groups=6, busy_slot_s=400.0, slot_capacity=4,
-                       rebalance_s=8.0)
+    # two instances in the pool for the whole 400 s: 800 instance-seconds
+    totals = RunTotals(dispatched_groups=8, consumed_groups=6, busy_slot_s=400.0, slots_per_instance=4,
+                       instance_s=800.0, weight_sync_s=30.0, rebalance_s=8.0)
     s = build_summary(mode="dora", max_staleness=2, tbs=2, rbs=4, steps=_steps(), totals=totals, wall_time_s=400.0)
     assert s["throughput_tokens_per_s"] == pytest.approx(3000 / 400)
     assert s["rollout_only_fraction"] == pytest.approx(70 / 400)
-    assert s["weight_sync_fraction"] == pytest.approx(30 / 400)
-    assert s["rollout_utilization"] == pytest.approx(400 / (4 * 400))
-    assert s["rebalance_fraction"] == pytest.approx(8 / 400)
+    assert s["weight_sync_fraction"] == pytest.approx(30 / 800)
+    assert s["rollout_utilization"] == pytest.approx(400 / (4 * 800))
+    assert s["rebalance_fraction"] == pytest.approx(8 / 800)
     assert s["mean_step_time_s"] == pytest.approx(400 / 3)
     assert s["staleness_histogram"] == {"0": 3, "1": 2, "2": 1}
     assert s["max_consumed_staleness"] == 2

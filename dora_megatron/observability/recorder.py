@@ -1,0 +1,330 @@
+"""One metrics recorder for ``dora train`` and ``dora simulate``: events in; ``summary.json``,
+``steps.jsonl`` rows and TensorBoard scalars out.
+
+WHY one recorder fed by events: each driver (the asyncio runtime, the simulator) only reports what
+happened and when -- an instance joined or left the pool, started or finished loading weights, a
+request held a slot, the trainer exported or broadcast weights, a step was trained -- and every
+metric is computed here from those events. Both drivers therefore report the same keys with the
+same meaning, and :data:`METRICS` below is the only place a metric is defined.
+
+Time attribution: times are seconds since the run started (a resumed run continues the clock of
+its checkpoint). Step ``k``'s *interval* runs from the end of step ``k-1`` (0 for the first step)
+to its own end. Every duration (instance-seconds in the pool, weight-load seconds, busy
+request-slot seconds, trainer sync seconds) is split over the step intervals it overlaps, so the
+per-step values add up to the run's totals, and the run-level fractions sum the steps of the
+measurement window (steps with index >= ``warmup_steps``; see :mod:`.summary`). A span still open
+at a step's end (an instance loading weights while the step ends) counts up to that end in that
+step and continues in the next.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+import statistics
+from dataclasses import dataclass, field
+from typing import IO, Any, Mapping, Sequence
+
+from dora_megatron.observability.routing import routing_summary
+from dora_megatron.observability.summary import SUMMARY_FIELDS, RunTotals, StepRecord, build_summary
+
+#: duration kinds the recorder integrates over step intervals
+INSTANCE, WEIGHT_SYNC, REBALANCE, BUSY_SLOT, TRAINER_SYNC = "instance", "weight_sync", "rebalance", "busy_slot", "trainer_sync"
+
+
+@dataclass(frozen=True)
+class Metric:
+    key: str
+    scope: str  # "run": a summary.json field; "step": one value per step (steps.jsonl and TensorBoard)
+    definition: str
+
+
+#: Every metric the recorder reports, with its one definition. Terms: *instance-seconds* = the sum over
+#: instances of the time each is in the rollout pool (from the run start or its join, to its failure or
+#: leave); a *weight load* runs from the moment the driver starts loading a version on a drained instance
+#: until the instance holds it (or the load failed or was abandoned); *window* = the measurement window.
+METRICS: tuple[Metric, ...] = (
+    Metric("throughput_tokens_per_s", "run", "prompt+response tokens of the window's steps / window wall seconds"),
+    Metric("mean_step_time_s", "run", "window wall seconds / window steps (a step lasts from the previous step's end)"),
+    Metric("rollout_only_fraction", "run", "sum of the window steps' wait_s (trainer idle, waiting for its batch) "
+                                           "/ window wall seconds"),
+    Metric("rollout_utilization", "run", "busy request-slot-seconds / (slots per instance x instance-seconds), window"),
+    Metric("weight_sync_fraction", "run", "instance-seconds spent in weight loads (every version switch) / "
+                                          "instance-seconds, window"),
+    Metric("rebalance_fraction", "run", "instance-seconds spent in weight loads a rebalance ordered (SwitchVersion."
+                                        "rebalance: the instance moved between live versions) / instance-seconds, "
+                                        "window; null in modes without a rebalancer"),
+    Metric("trainer_sync_fraction", "run", "sum of the window steps' sync_s (trainer-side weight sync) / window wall "
+                                           "seconds"),
+    Metric("rollout_vs_trainer_logprob_diff_mean", "run", "mean over the steps that measured it of "
+                                                          "train/rollout_vs_trainer_logprob_diff; null if none did"),
+    Metric("rollout_vs_trainer_logprob_diff_max", "run", "max of the same; null if no step measured it"),
+    Metric("rollout_vs_trainer_logprob_diff_steps", "run", "steps that measured it"),
+    Metric("router_topk_agreement", "run", "mean of train/router_topk_agreement over the steps that measured it"),
+    Metric("router_topk_agreement_min", "run", "its minimum"),
+    Metric("routing_replay_steps", "run", "steps trained with routing replay (train/routing_replay)"),
+    Metric("reward/mean", "step", "mean reward of the step's samples (null without rewards: the simulator)"),
+    Metric("reward/exact_fraction", "step", "share of the step's samples with reward 1.0"),
+    Metric("response_length/p50", "step", "median response tokens of the step's samples"),
+    Metric("response_length/p99", "step", "99th percentile of the same"),
+    Metric("response_length/max", "step", "longest response of the step"),
+    Metric("perf/bubble", "step", "(max L - mean L) / max L over the step's response lengths L"),
+    Metric("perf/throughput_tokens_per_s", "step", "prompt+response tokens of every step so far / this step's end"),
+    Metric("perf/step_time_s", "step", "this step's end - the previous step's end (0 for the first step)"),
+    Metric("perf/wait_time_s", "step", "wait_s: the trainer idle waiting for this step's batch"),
+    Metric("perf/train_time_s", "step", "train_s: training compute of the step (the trainer's own measure when "
+                                        "it reports one, else the train call)"),
+    Metric("perf/sync_time_s", "step", "sync_s: seconds inside the step's interval the trainer spent making "
+                                       "weights available to rollout: the snapshot export (as the trainer "
+                                       "measures it) plus each broadcast to instances (the call, as the "
+                                       "controller measures it; the simulator: trainer_push_s / the role swaps)"),
+    Metric("perf/weight_sync_time_s", "step", "instance-seconds of weight loads inside the step's interval "
+                                              "(all instances, not cumulative)"),
+    Metric("perf/rebalance_time_s", "step", "the part of perf/weight_sync_time_s a rebalance ordered (null "
+                                            "without a rebalancer)"),
+    Metric("perf/rollout_only_fraction", "step", "sum of wait_s of every step so far / this step's end"),
+    Metric("perf/rollout_utilization", "step", "busy request-slot-seconds so far / (slots per instance x "
+                                               "instance-seconds so far)"),
+    Metric("staleness/mean", "step", "mean t - w over the step's groups"),
+    Metric("staleness/max", "step", "max t - w over the step's groups"),
+    Metric("versions/live", "step", "weight versions live (with work) when the step ended"),
+    Metric("migrations/count", "step", "request migrations so far (run total, as the driver counts them)"),
+    Metric("migrations/kv_bytes", "step", "KV bytes migrated so far (run total)"),
+    Metric("migrations/reprefill_tokens", "step", "tokens re-prefilled so far (run total)"),
+)
+STEP_KEYS: tuple[str, ...] = tuple(m.key for m in METRICS if m.scope == "step")
+#: summary.json keys the recorder adds after the DESIGN section 11 fields
+RUN_EXTRA_KEYS: tuple[str, ...] = tuple(m.key for m in METRICS if m.scope == "run" and m.key not in SUMMARY_FIELDS)
+
+
+@dataclass
+class StepRow:
+    """What the recorder keeps of one step (restored on resume)."""
+
+    step: int
+    end_s: float
+    wait_s: float
+    train_s: float
+    tokens: int
+    staleness: list[int]
+    reward: float | None
+    metrics: dict[str, Any]  # the trainer's own metrics (train/* scalars)
+    seconds: dict[str, float] = field(default_factory=dict)  # duration kind -> seconds inside the step's interval
+
+
+def _pct(sorted_values: list[int], q: float) -> float | None:
+    if not sorted_values:
+        return None
+    return float(sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))])
+
+
+class MetricsRecorder:
+    """Fed by the driver's events (in time order); see the module docstring.
+
+    ``slots_per_instance``: request slots of one instance (the utilization denominator);
+    ``rebalancer``: the mode rebalances (else ``rebalance_fraction`` is null); ``sinks``: objects
+    with ``scalars(step, values)`` (TensorBoard, :class:`StepsJsonl`) that receive each step's row."""
+
+    def __init__(self, *, slots_per_instance: int, rebalancer: bool, warmup_steps: int = 0,
+                 sinks: Sequence[Any] = ()) -> None:
+        self.slots_per_instance = slots_per_instance
+        self.rebalancer = rebalancer
+        self.warmup_steps = warmup_steps
+        self.sinks = list(sinks)
+        self.rows: list[StepRow] = []
+        self.last: dict[str, Any] = {}  # the latest step's scalars
+        self._ends: list[float] = []
+        self._open: dict[tuple[str, str], float] = {}  # (kind, key) -> start of its part not yet attributed
+        self._tail: dict[str, float] = {}  # seconds after the last step's end: the next step's
+        self._so_far: dict[str, float] = {}  # seconds attributed to steps already ended
+        self._syncs = 0  # broadcasts started (their tokens)
+
+    # ------------------------------------------------------------------ events
+    def instance_joined(self, instance: str, now: float) -> None:
+        self._begin(INSTANCE, instance, now)
+
+    def instance_left(self, instance: str, now: float) -> None:
+        """Failed, removed or paused out of the pool; a load in progress there ends too."""
+        self._finish(INSTANCE, instance, now)
+        self.weight_sync_finished(instance, now)
+
+    def weight_sync_started(self, instance: str, now: float, *, rebalance: bool = False) -> None:
+        """``instance`` starts loading weights (a load still open there ends: the new one replaces it)."""
+        self.weight_sync_finished(instance, now)
+        self._begin(WEIGHT_SYNC, instance, now)
+        if rebalance:
+            self._begin(REBALANCE, instance, now)
+
+    def weight_sync_finished(self, instance: str, now: float) -> None:
+        self._finish(WEIGHT_SYNC, instance, now)
+        self._finish(REBALANCE, instance, now)
+
+    def trainer_sync_started(self, now: float) -> str:
+        """The trainer starts sending weights (one broadcast to instances); returns the token that
+        :meth:`trainer_sync_finished` takes. Broadcasts that overlap (the controller may have several
+        calls outstanding) each count their own duration."""
+        self._syncs += 1
+        token = f"trainer-{self._syncs}"
+        self._begin(TRAINER_SYNC, token, now)
+        return token
+
+    def trainer_sync_finished(self, token: str, now: float) -> None:
+        self._finish(TRAINER_SYNC, token, now)
+
+    def trainer_sync(self, start: float, end: float) -> None:
+        """A trainer-side sync measured as a whole (the snapshot export the trainer reports)."""
+        self._spread(TRAINER_SYNC, start, end)
+
+    def request_held_slot(self, start: float, end: float) -> None:
+        """One request occupied a slot from ``start`` to ``end`` (the runtime: one ``/generate``)."""
+        self._spread(BUSY_SLOT, start, end)
+
+    def busy_slot_seconds(self, seconds: float) -> None:
+        """Busy slot-seconds of the step now running, for a driver that integrates slot occupancy
+        itself (the simulator's instance model)."""
+        self._tail[BUSY_SLOT] = self._tail.get(BUSY_SLOT, 0.0) + max(0.0, seconds)
+
+    def step_trained(self, step: int, *, end_s: float, wait_s: float, train_s: float, tokens: int,
+                     staleness: Sequence[int], rewards: Sequence[float], response_lengths: Sequence[int],
+                     live_versions: int, metrics: Mapping[str, Any] | None = None, migrations: int = 0,
+                     migrated_kv_bytes: float = 0, reprefill_tokens: int = 0) -> dict[str, Any]:
+        """Step ``step`` ended at ``end_s``: close its interval, hand its scalars to the sinks, return them.
+        ``migrations``/``migrated_kv_bytes``/``reprefill_tokens``: the driver's run totals so far."""
+        end_s = max(end_s, self._ends[-1] if self._ends else 0.0)
+        for (kind, key), start in list(self._open.items()):
+            self._spread(kind, start, end_s)
+            self._open[(kind, key)] = max(start, end_s)
+        row = StepRow(step, end_s, wait_s, train_s, tokens, list(staleness),
+                      statistics.fmean(rewards) if rewards else None, dict(metrics or {}), dict(self._tail))
+        self._close(row)
+        self.last = self._scalars(row, rewards, sorted(response_lengths), live_versions,
+                                  (migrations, migrated_kv_bytes, reprefill_tokens))
+        for sink in self.sinks:
+            sink.scalars(step, self.last)
+        return self.last
+
+    # ------------------------------------------------------------------ outputs
+    def summary(self, *, mode: str, max_staleness: int, tbs: int, rbs: int, totals: RunTotals,
+                wall_time_s: float) -> dict[str, Any]:
+        """summary.json: the DESIGN section 11 fields, then :data:`RUN_EXTRA_KEYS`. ``totals``: the
+        driver's counts (groups, violations, migrations); the measured seconds are the recorder's."""
+        warm = min(self.warmup_steps, max(0, len(self.rows) - 1))
+        window = self.rows[warm:]
+
+        def total(kind: str) -> float:
+            return sum(r.seconds.get(kind, 0.0) for r in window)
+
+        totals = dataclasses.replace(
+            totals, busy_slot_s=total(BUSY_SLOT), slots_per_instance=self.slots_per_instance,
+            instance_s=total(INSTANCE), weight_sync_s=total(WEIGHT_SYNC),
+            rebalance_s=total(REBALANCE) if self.rebalancer else None)
+        steps = [StepRecord(r.step, r.end_s, r.wait_s, r.train_s, r.seconds.get(TRAINER_SYNC, 0.0), r.tokens,
+                            r.staleness, r.reward) for r in self.rows]
+        out = build_summary(mode=mode, max_staleness=max_staleness, tbs=tbs, rbs=rbs, steps=steps, totals=totals,
+                            wall_time_s=wall_time_s, warmup_steps=self.warmup_steps)
+        t0 = self.rows[warm - 1].end_s if warm > 0 else 0.0
+        span = window[-1].end_s - t0 if window else 0.0
+        out["trainer_sync_fraction"] = total(TRAINER_SYNC) / span if span > 0 else None
+        diffs = [r.metrics["rollout_vs_trainer_logprob_diff"] for r in self.rows
+                 if r.metrics.get("rollout_vs_trainer_logprob_diff") is not None]
+        # measured on on-policy samples only (see algo.losses.policy_loss): engine vs trainer numerics
+        out["rollout_vs_trainer_logprob_diff_mean"] = sum(diffs) / len(diffs) if diffs else None
+        out["rollout_vs_trainer_logprob_diff_max"] = max(diffs) if diffs else None
+        out["rollout_vs_trainer_logprob_diff_steps"] = len(diffs)
+        out.update(routing_summary(r.metrics for r in self.rows))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """The steps so far (a resumed run's summary covers the whole run); open spans are not kept:
+        a resumed run starts fresh instances."""
+        return {"rows": [dataclasses.asdict(r) for r in self.rows], "tail": dict(self._tail)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rows, self._ends, self._so_far = [], [], {}
+        for d in state["rows"]:
+            self._close(StepRow(**d))
+        self._tail = dict(state.get("tail", {}))
+
+    # ------------------------------------------------------------------ internals
+    def _begin(self, kind: str, key: str, now: float) -> None:
+        self._finish(kind, key, now)
+        self._open[(kind, key)] = now
+
+    def _finish(self, kind: str, key: str, now: float) -> None:
+        start = self._open.pop((kind, key), None)
+        if start is not None:
+            self._spread(kind, start, now)
+
+    def _spread(self, kind: str, start: float, end: float) -> None:
+        """Add ``[start, end]`` to the step intervals it overlaps; the part after the last step's end
+        goes to the step now running."""
+        if end <= start:
+            return
+        i = bisect.bisect_right(self._ends, start)  # step i's interval is (ends[i-1], ends[i]]
+        lo = start
+        while i < len(self._ends) and lo < end:
+            hi = min(end, self._ends[i])
+            if hi > lo:
+                seconds = self.rows[i].seconds
+                seconds[kind] = seconds.get(kind, 0.0) + hi - lo
+                self._so_far[kind] = self._so_far.get(kind, 0.0) + hi - lo
+            lo, i = max(lo, hi), i + 1
+        if end > lo:
+            self._tail[kind] = self._tail.get(kind, 0.0) + end - lo
+
+    def _close(self, row: StepRow) -> None:
+        self.rows.append(row)
+        self._ends.append(row.end_s)
+        for kind, s in row.seconds.items():
+            self._so_far[kind] = self._so_far.get(kind, 0.0) + s
+        self._so_far["tokens"] = self._so_far.get("tokens", 0.0) + row.tokens
+        self._so_far["wait"] = self._so_far.get("wait", 0.0) + row.wait_s
+        self._tail = {}
+
+    def _scalars(self, row: StepRow, rewards: Sequence[float], lengths: list[int], live_versions: int,
+                 migrations: tuple[int, float, int]) -> dict[str, Any]:
+        prev_end = self.rows[-2].end_s if len(self.rows) > 1 else 0.0
+        end, sec, so_far = row.end_s, row.seconds, self._so_far
+        instance_s = so_far.get(INSTANCE, 0.0)
+        max_len = lengths[-1] if lengths else 0
+        out: dict[str, Any] = {
+            "reward/mean": row.reward,
+            "reward/exact_fraction": sum(r == 1.0 for r in rewards) / len(rewards) if rewards else None,
+            "response_length/p50": _pct(lengths, 0.5), "response_length/p99": _pct(lengths, 0.99),
+            "response_length/max": lengths[-1] if lengths else None,
+            "perf/bubble": (max_len - statistics.fmean(lengths)) / max_len if max_len else None,
+            "perf/throughput_tokens_per_s": so_far["tokens"] / end if end > 0 else None,
+            "perf/step_time_s": end - prev_end,
+            "perf/wait_time_s": row.wait_s,
+            "perf/train_time_s": row.train_s,
+            "perf/sync_time_s": sec.get(TRAINER_SYNC, 0.0),
+            "perf/weight_sync_time_s": sec.get(WEIGHT_SYNC, 0.0),
+            "perf/rebalance_time_s": sec.get(REBALANCE, 0.0) if self.rebalancer else None,
+            "perf/rollout_only_fraction": so_far["wait"] / end if end > 0 else None,
+            "perf/rollout_utilization": (so_far.get(BUSY_SLOT, 0.0) / (self.slots_per_instance * instance_s)
+                                         if instance_s > 0 and self.slots_per_instance else None),
+            "staleness/mean": statistics.fmean(row.staleness) if row.staleness else None,
+            "staleness/max": max(row.staleness) if row.staleness else None,
+            "versions/live": live_versions,
+            "migrations/count": migrations[0], "migrations/kv_bytes": migrations[1],
+            "migrations/reprefill_tokens": migrations[2],
+        }
+        for key, value in row.metrics.items():
+            out[f"train/{key}"] = value
+        return out
+
+
+class StepsJsonl:
+    """``steps.jsonl``: one JSON object per step, ``{"step": k, <every scalar>}``; a metric that does not
+    apply is null, never omitted (as in summary.json)."""
+
+    def __init__(self, file: IO[str]) -> None:
+        self.file = file
+
+    def scalars(self, step: int, values: Mapping[str, Any]) -> None:
+        self.file.write(json.dumps({"step": step, **values}) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()

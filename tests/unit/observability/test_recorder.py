@@ -1,0 +1,85 @@
+"""The metrics recorder on hand-made event sequences: how durations are split over step intervals,
+what closes an open span, the window, and resume."""
+
+import pytest
+
+from dora_megatron.observability.recorder import METRICS, STEP_KEYS, MetricsRecorder
+from dora_megatron.observability.summary import RunTotals
+
+
+def _step(rec, step, end, wait=0.0, **kw):
+    return rec.step_trained(step, end_s=end, wait_s=wait, train_s=1.0, tokens=100, staleness=[0],
+                            rewards=[1.0, 0.0], response_lengths=[10, 30], live_versions=1, **kw)
+
+
+def _summary(rec):
+    return rec.summary(mode="dora", max_staleness=1, tbs=1, rbs=2, wall_time_s=30.0,
+                       totals=RunTotals(dispatched_groups=3, consumed_groups=3))
+
+
+def test_a_load_across_a_step_end_is_split_and_nothing_accumulates():
+    rec = MetricsRecorder(slots_per_instance=2, rebalancer=True)
+    rec.instance_joined("a", 0.0)
+    rec.instance_joined("b", 0.0)
+    rec.weight_sync_started("a", 8.0, rebalance=True)
+    s0 = _step(rec, 0, 10.0)
+    rec.weight_sync_finished("a", 12.0)
+    s1 = _step(rec, 1, 20.0)
+    rec.weight_sync_started("b", 21.0)  # not a rebalance: weight sync only
+    rec.weight_sync_finished("b", 22.0)
+    s2 = _step(rec, 2, 30.0)
+    assert [s["perf/weight_sync_time_s"] for s in (s0, s1, s2)] == [2.0, 2.0, 1.0]
+    assert [s["perf/rebalance_time_s"] for s in (s0, s1, s2)] == [2.0, 2.0, 0.0]
+    assert [s["perf/step_time_s"] for s in (s0, s1, s2)] == [10.0, 10.0, 10.0]
+    out = _summary(rec)
+    assert out["weight_sync_fraction"] == pytest.approx(5.0 / 60.0)  # 2 instances x 30 s
+    assert out["rebalance_fraction"] == pytest.approx(4.0 / 60.0)
+
+
+def test_leaving_the_pool_ends_a_load_and_the_instance_time():
+    rec = MetricsRecorder(slots_per_instance=1, rebalancer=False)
+    rec.instance_joined("a", 0.0)
+    rec.instance_joined("b", 0.0)
+    rec.weight_sync_started("b", 2.0)
+    rec.instance_left("b", 5.0)  # failed while loading
+    s0 = _step(rec, 0, 10.0)
+    assert s0["perf/weight_sync_time_s"] == 3.0 and s0["perf/rebalance_time_s"] is None
+    out = _summary(rec)
+    assert out["weight_sync_fraction"] == pytest.approx(3.0 / 15.0)  # a: 10 s, b: 5 s in the pool
+    assert out["rebalance_fraction"] is None
+
+
+def test_busy_slots_reported_late_land_in_the_steps_they_overlap():
+    rec = MetricsRecorder(slots_per_instance=2, rebalancer=False)
+    rec.instance_joined("a", 0.0)
+    _step(rec, 0, 10.0)
+    rec.request_held_slot(5.0, 15.0)  # a request that ran across the end of step 0
+    s1 = _step(rec, 1, 20.0)
+    assert [r.seconds["busy_slot"] for r in rec.rows] == [5.0, 5.0]
+    assert s1["perf/rollout_utilization"] == pytest.approx(10.0 / (2 * 20.0))
+    rec2 = MetricsRecorder(slots_per_instance=2, rebalancer=False, warmup_steps=1)
+    rec2.load_state_dict(rec.state_dict())
+    assert _summary(rec2)["rollout_utilization"] == pytest.approx(5.0 / (2 * 10.0))  # step 1 only
+
+
+def test_resume_restores_the_steps_and_the_window():
+    rec = MetricsRecorder(slots_per_instance=1, rebalancer=True)
+    rec.instance_joined("a", 0.0)
+    _step(rec, 0, 10.0, wait=4.0)
+    state = rec.state_dict()
+    again = MetricsRecorder(slots_per_instance=1, rebalancer=True)
+    again.load_state_dict(state)
+    again.instance_joined("a", 10.0)  # a fresh instance after the resume
+    s1 = _step(again, 1, 20.0, wait=2.0)
+    assert s1["perf/rollout_only_fraction"] == pytest.approx(6.0 / 20.0)
+    assert s1["perf/throughput_tokens_per_s"] == pytest.approx(200 / 20.0)
+    out = _summary(again)
+    assert out["steps"] == 2 and out["rollout_only_fraction"] == pytest.approx(6.0 / 20.0)
+
+
+def test_every_emitted_key_is_defined_once():
+    keys = [m.key for m in METRICS]
+    assert len(keys) == len(set(keys))
+    rec = MetricsRecorder(slots_per_instance=1, rebalancer=True)
+    row = _step(rec, 0, 1.0, metrics={"loss": 0.5})
+    assert set(row) == set(STEP_KEYS) | {"train/loss"}
