@@ -36,8 +36,8 @@ import zlib
 from pathlib import Path
 from typing import Any, Callable
 
-from dora_megatron.controller.records import (Engine, GroupRecord, RuntimeOptions, SampleRecord, StepLog,
-                                              Trainer)
+from dora_megatron.controller.records import (Engine, GroupRecord, LoadReports, RuntimeOptions, SampleRecord,
+                                              StepLog, Trainer)
 from dora_megatron.data.codec import CharCodec, TextCodec
 from dora_megatron.data.tasks import PromptSource
 from dora_megatron.orchestrator import (Dispatch, Interrupt, Migrate, Orchestrator, ReleaseBatch, Submit,
@@ -91,8 +91,12 @@ class Runtime:
     def __init__(self, orch: Orchestrator, engines: dict[str, Engine], trainer: Trainer, source: PromptSource,
                  reward_fn: Callable[[str, str], float], options: RuntimeOptions, *, timeline=None,
                  on_step: Callable[[StepLog, "Runtime"], None] | None = None, first_prompt: int = 0,
-                 codec: TextCodec | None = None, journal=None) -> None:
+                 codec: TextCodec | None = None, journal=None,
+                 load_reports: LoadReports | None = None) -> None:
+        """``load_reports``: pushed load reports of the engines it covers, taken once per stats
+        sweep instead of polling them (e.g. :class:`~dora_megatron.rollout.sharded.ClientPool`)."""
         self.orch = orch
+        self.load_reports = load_reports
         self.engines = engines
         self.trainer = trainer
         self.source = source
@@ -781,11 +785,29 @@ class Runtime:
                 except Exception as err:  # noqa: BLE001 - unreachable engine = failed engine
                     self._instance_failed(iid, f"server_info failed: {err}", engine=engine)
                     return
+        self._apply_load(iid, engine, info)
+
+    def _apply_load(self, iid: str, engine: Engine, info: dict[str, Any]) -> None:
         if iid in self.failed or self.engines.get(iid) is not engine:
             return  # failed or replaced while we asked
         running = int(info.get("num_running_reqs", info.get("running", 0)) or 0)
         kv = float(info.get("kv_usage", info.get("token_usage", 0.0)) or 0.0)
         self.execute(self.orch.on_instance_stats(iid, running, kv, now=self.now()))
+
+    async def _apply_reports(self, reports: dict[Any, Any], chunk: int = 256) -> None:
+        """Pushed load reports, ``chunk`` per event-loop turn: thousands of instances in one turn
+        would stall every request's completion behind them."""
+        names = {id(e): iid for iid, e in self.engines.items()}
+        for n, (engine, info) in enumerate(reports.items(), 1):
+            iid = names.get(id(engine))
+            if iid is None:
+                continue
+            if isinstance(info, tuple) and info and info[0] == "failed":
+                self._instance_failed(iid, str(info[1]), engine=engine)
+            else:
+                self._apply_load(iid, engine, info)
+            if n % chunk == 0:
+                await asyncio.sleep(0)
 
     async def _stats_loop(self) -> None:
         """Every ``stats_interval_s``, one sweep over every live instance. WHY concurrent (at most
@@ -794,9 +816,14 @@ class Runtime:
         (tools/controller_scale.py measured a 6 s poll interval at 256 instances)."""
         slots = asyncio.Semaphore(max(1, self.opt.stats_concurrency))
         while not self._done.is_set():
+            pushed = self.load_reports
+            if pushed is not None:
+                await self._apply_reports(pushed.take_reports())
             polls = [self._poll_stats(iid, engine, slots) for iid, engine in list(self.engines.items())
-                     if iid not in self.failed]  # instances may join meanwhile
-            await asyncio.gather(*polls)
+                     if iid not in self.failed  # instances may join meanwhile
+                     and (pushed is None or not pushed.covers(engine))]
+            if polls:
+                await asyncio.gather(*polls)
             self.execute(self.orch.on_tick(self.now()))
             try:
                 await asyncio.wait_for(self._done.wait(), timeout=self.opt.stats_interval_s)

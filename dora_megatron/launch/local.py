@@ -287,14 +287,17 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
     urls = engine_urls or {n: f"http://{host}:{p}" for n, p in zip(names, engine_ports)}
     names = list(urls)
 
+    pool = None  # rollout.client_workers > 0: the instances' HTTP clients run in worker processes
+
     def make_engine(url: str):
+        if pool is not None:
+            return pool.engine(url)
         return engine_for(cfg, url, str(model_dir), procs if engine_urls is None else None)
 
-    engines = {n: make_engine(u) for n, u in urls.items()}
     trainer_url = trainer_url or f"http://{host}:{trainer_port}"
     trainer = TrainerClient(trainer_url)
     health_path = cfg.vllm.health_path if cfg.rollout.engine == "vllm" else "/health"
-    say(f"waiting for {len(engines)} engines and the trainer ({cfg.launch.trainer_procs} rank(s)) ...")
+    say(f"waiting for {len(urls)} engines and the trainer ({cfg.launch.trainer_procs} rank(s)) ...")
     await asyncio.gather(
         *(_wait_http(f"{u}{health_path}", procs, cfg.rollout.startup_timeout_s, n) for n, u in urls.items()),
         _wait_http(f"{trainer_url}/health", procs, cfg.launch.trainer_startup_timeout_s, "trainer"),
@@ -388,8 +391,16 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
         from dora_megatron.controller.journal import Journal
 
         journal = Journal(run_dir)
+    if cfg.rollout.client_workers > 0:
+        from dora_megatron.rollout.sharded import ClientPool
+
+        pool = await ClientPool.start(cfg, str(model_dir), cfg.rollout.client_workers, log_dir=run_dir / "logs", poll={
+            "interval_s": obs.stats_interval_s, "health_timeout_s": cfg.controller.health_timeout_s,
+            "concurrency": options.stats_concurrency})
+    engines = {n: make_engine(u) for n, u in urls.items()}
     runtime = Runtime(orch, engines, trainer, source, reward_fn, options, timeline=timeline, on_step=on_step,
-                      codec=load_codec(model_dir), journal=journal)
+                      codec=load_codec(model_dir), journal=journal,
+                      load_reports=pool)
     retention = _SnapshotRetention(run_dir, runtime)
     if cfg.run.checkpoint_interval == 0:  # no mid-run checkpoint to resume from: only live versions matter
         retention.min_live_at_checkpoint = float("inf")
@@ -438,6 +449,8 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
         await trainer.close()
         for e in engines.values():
             await e.close()
+        if pool is not None:
+            await pool.close()
     summary["reward_fn"] = reward_name
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (run_dir / "orchestrator_state.json").write_text(json.dumps(orch.snapshot()))

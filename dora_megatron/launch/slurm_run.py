@@ -313,7 +313,7 @@ async def _controller(cfg: DoraConfig, plan: ClusterPlan, run_dir: Path, model_d
     join_dir.mkdir(parents=True, exist_ok=True)
 
     def make(req):  # a joining instance gets the same client as the planned ones
-        return engine_for(cfg, req.url, str(model_dir))
+        return engine_for(cfg, req.url, str(model_dir))  # in process (polled by the runtime) with client_workers too
 
     def start_watcher(runtime) -> None:
         asyncio.get_running_loop().create_task(watch_joins(join_dir, runtime, make, poll_s=cfg.cluster.join_poll_s))
