@@ -177,10 +177,11 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     counts = [min(per_proc, args.instances - i * per_proc) for i in range(args.procs)]
     counts = [c for c in counts if c > 0]
     py = sys.executable
+    nice = ["nice", "-n", str(args.fleet_nice)] if args.fleet_nice else []  # nice execs: the pid stays the fake's
     with ProcessSet(work / "fleet_logs", grace_s=10.0) as procs:  # stopped by pid on exit
         ready = [work / f"fleet{i}.json" for i in range(len(counts))]
         for i, n in enumerate(counts):
-            procs.start(f"fleet{i}", [py, str(FLEET), "--instances", str(n), "--ready", str(ready[i]),
+            procs.start(f"fleet{i}", [*nice, py, str(FLEET), "--instances", str(n), "--ready", str(ready[i]),
                                       "--per-token-s", str(args.per_token_s), "--min-tokens", str(args.min_tokens),
                                       "--alpha", str(args.alpha), "--load-s", str(args.load_s)])
         trainer_ready = work / "trainer.json"
@@ -284,7 +285,7 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "trainer_groups_seen": len(trainer_stats["groups"]),
         "trainer_repeated_groups": trainer_stats["repeated_groups"],
         "trainer_incomplete_groups": incomplete,
-        "load_average_before": list(load_before), "load_average_after": list(load_after),
+        "fleet_nice": args.fleet_nice, "load_average_before": list(load_before), "load_average_after": list(load_after),
         "cpu_count": os.cpu_count(),
     }
 
@@ -346,6 +347,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=900.0, help="bound on the controller run")
     p.add_argument("--startup-timeout-s", type=float, default=120.0, help="bound on the fleet's start")
     p.add_argument("--set", action="append", default=[], metavar="A.B=C", help="extra config override (repeatable)")
+    p.add_argument("--fleet-nice", type=int, default=0,
+                   help="run the fake engines at this niceness: they stand in for remote machines, so on a small "
+                        "machine they should not take the controller's CPU (0: as the controller)")
     p.add_argument("--client-workers", default="",
                    help="rollout.client_workers; a comma list (e.g. 0,4) measures each in turn into one JSON ('runs')")
     p.add_argument("--kill-worker-after-samples", type=int, default=0,

@@ -794,7 +794,7 @@ class Runtime:
         kv = float(info.get("kv_usage", info.get("token_usage", 0.0)) or 0.0)
         self.execute(self.orch.on_instance_stats(iid, running, kv, now=self.now()))
 
-    async def _apply_reports(self, reports: dict[Any, Any], chunk: int = 256) -> None:
+    async def _apply_reports(self, reports: dict[Any, Any], chunk: int = 128) -> None:
         """Pushed load reports, ``chunk`` per event-loop turn: thousands of instances in one turn
         would stall every request's completion behind them."""
         names = {id(e): iid for iid, e in self.engines.items()}

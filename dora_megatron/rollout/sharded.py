@@ -53,9 +53,13 @@ class _Worker:
     def pid(self) -> int:
         return self.proc.pid
 
-    async def read_loop(self) -> None:
+    async def read_loop(self, chunk: int = 64) -> None:
+        """Resolves ``chunk`` calls per event-loop turn: a frame of hundreds of answers would
+        otherwise run every waiting request's continuation in one turn, and the loop's lag is
+        the length of its longest turn."""
         try:
             while True:
+                resolved = 0
                 for msg in await read_frame(self.reader):
                     kind = msg[0]
                     if kind == "stats":
@@ -68,6 +72,9 @@ class _Worker:
                         fut.set_result(msg[2])
                     else:
                         fut.set_exception(decode_error(msg[2]))
+                    resolved += 1
+                    if resolved % chunk == 0:
+                        await asyncio.sleep(0)  # let the woken requests (and timers) run first
         except (asyncio.IncompleteReadError, ConnectionError, OSError) as err:
             code = await _exit_code(self.proc)
             self._died(f"engine-client worker {self.index} (pid {self.pid}) exited "
