@@ -85,11 +85,15 @@ def engine_for(cfg: DoraConfig, url: str, model_dir: str, procs: ProcessSet | No
     return EngineClient(url, timeout_s=cfg.rollout.request_timeout_s)
 
 
-async def _wait_http(url: str, procs: ProcessSet, timeout_s: float, what: str) -> None:
+async def _wait_http(url: str, procs: ProcessSet, timeout_s: float, what: str, session=None) -> None:
+    """``session``: a shared one (many instances); else one of its own."""
+    import contextlib
+
     import aiohttp
 
     deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+    own = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) if session is None else None
+    async with own if own is not None else contextlib.nullcontext(session) as session:
         while True:
             procs.check_alive()
             try:
@@ -298,10 +302,17 @@ async def _run_controller(cfg: DoraConfig, run_dir: Path, model_dir: Path, host:
     trainer = TrainerClient(trainer_url)
     health_path = cfg.vllm.health_path if cfg.rollout.engine == "vllm" else "/health"
     say(f"waiting for {len(urls)} engines and the trainer ({cfg.launch.trainer_procs} rank(s)) ...")
-    await asyncio.gather(
-        *(_wait_http(f"{u}{health_path}", procs, cfg.rollout.startup_timeout_s, n) for n, u in urls.items()),
-        _wait_http(f"{trainer_url}/health", procs, cfg.launch.trainer_startup_timeout_s, "trainer"),
-    )
+    import aiohttp
+
+    # one session, at most 256 checks on the wire: thousands of sessions polling at once, each with a
+    # 5 s total timeout, made a loaded controller time out its own checks and retry them for minutes
+    # (tools/controller_scale.py at 4,096 instances); the wait for a connection slot is not timed
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256), timeout=aiohttp.ClientTimeout(
+            total=None, sock_connect=5, sock_read=5)) as checks:
+        await asyncio.gather(
+            *(_wait_http(f"{u}{health_path}", procs, cfg.rollout.startup_timeout_s, n, checks) for n, u in urls.items()),
+            _wait_http(f"{trainer_url}/health", procs, cfg.launch.trainer_startup_timeout_s, "trainer"),
+        )
     say(f"all processes healthy after {time.monotonic() - t_start:.1f} s")
     if cfg.rollout.engine == "sglang":
         from dora_megatron.rollout.sglang.server import check_versions
