@@ -870,13 +870,15 @@ class Runtime:
         return self.summary(wall)
 
     async def _cancel_all(self) -> None:
-        """Abort what is still generating (outstanding groups of the next steps) and stop tasks."""
-        for iid, engine in list(self.engines.items()):
-            if iid not in self.failed:
-                try:
-                    await asyncio.wait_for(engine.abort(abort_all=True), timeout=5)
-                except Exception:  # noqa: BLE001 - best effort at shutdown
-                    pass
+        """Abort what is still generating (outstanding groups of the next steps) and stop tasks.
+        Every instance at once: one after the other, 4,096 instances took minutes to stop."""
+        async def abort_all(engine: Engine) -> None:
+            try:
+                await asyncio.wait_for(engine.abort(abort_all=True), timeout=5)
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                pass
+
+        await asyncio.gather(*(abort_all(e) for iid, e in list(self.engines.items()) if iid not in self.failed))
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
