@@ -120,9 +120,28 @@ def build_config(args: argparse.Namespace, run_dir: Path, model_dir: Path):
         f"model.path={model_dir}", "controller.journal=true", "launch.restart_engines=false",
         "observability.tensorboard=false", "observability.timeline=false", "observability.progress=false",
         f"observability.stats_interval_s={args.stats_interval_s}",
+        *([f"rollout.client_workers={args.workers_now}"] if getattr(args, "workers_now", None) is not None else []),
         *args.set,
     ]
     return load_config(None, overrides)
+
+
+def _reset_peak_rss() -> None:
+    """Restart the kernel's peak-RSS count (VmHWM), so that a second run in this process reports its own."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def _peak_rss_mb() -> float | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
 
 
 async def _wait_ready(paths: list[Path], procs, timeout_s: float) -> list[dict]:
@@ -159,10 +178,11 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     counts = [min(per_proc, args.instances - i * per_proc) for i in range(args.procs)]
     counts = [c for c in counts if c > 0]
     py = sys.executable
+    nice = ["nice", "-n", str(args.fleet_nice)] if args.fleet_nice else []  # nice execs: the pid stays the fake's
     with ProcessSet(work / "fleet_logs", grace_s=10.0) as procs:  # stopped by pid on exit
         ready = [work / f"fleet{i}.json" for i in range(len(counts))]
         for i, n in enumerate(counts):
-            procs.start(f"fleet{i}", [py, str(FLEET), "--instances", str(n), "--ready", str(ready[i]),
+            procs.start(f"fleet{i}", [*nice, py, str(FLEET), "--instances", str(n), "--ready", str(ready[i]),
                                       "--per-token-s", str(args.per_token_s), "--min-tokens", str(args.min_tokens),
                                       "--alpha", str(args.alpha), "--load-s", str(args.load_s)])
         trainer_ready = work / "trainer.json"
@@ -174,6 +194,7 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         trainer_url = f"http://127.0.0.1:{fleets[-1]['ports'][0]}"
         holder: dict[str, Any] = {}
         lag = LagMonitor(args.lag_period_s)
+        _reset_peak_rss()
         ru0 = resource.getrusage(resource.RUSAGE_SELF)
         ruc0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.monotonic()
@@ -184,6 +205,8 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             holder["t_run"] = time.monotonic()
             holder["ru_run"] = resource.getrusage(resource.RUSAGE_SELF)  # CPU from here: not the startup
             lag.start(args.stall_s)  # from the runtime's start: startup (health checks of N URLs) is not the steady state
+            if args.kill_worker_after_samples:
+                holder["killer"] = asyncio.get_running_loop().create_task(_kill_a_worker(rt, args, holder))
 
         error = None
         try:
@@ -197,6 +220,8 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         await lag.stop()
         t1 = time.monotonic()
         ru1 = resource.getrusage(resource.RUSAGE_SELF)
+        if "killer" in holder:
+            holder["killer"].cancel()
         load_after = os.getloadavg()
         fleet_stats: dict[str, Any] = {}
         for f in fleets[:-1]:
@@ -207,7 +232,11 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     ruc1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # after ProcessSet stopped and reaped them
     rt = holder.get("runtime")
     finished = sum(1 for r in rt.samples.values() if r.finished) if rt is not None else 0
-    fleet_cpu = (ruc1.ru_utime - ruc0.ru_utime) + (ruc1.ru_stime - ruc0.ru_stime)  # reaped children
+    pool = getattr(next(iter(rt.engines.values()), None), "pool", None) if rt is not None else None
+    worker_cpu = (pool.cpu_s() or 0.0) if pool is not None else 0.0  # measured when the pool closed
+    fleet_cpu = (ruc1.ru_utime - ruc0.ru_utime) + (ruc1.ru_stime - ruc0.ru_stime) - worker_cpu  # reaped children
+    killed = set(holder.get("killed_instances", ()))
+    failed = set(rt.failed_ever) if rt is not None else set(summary.get("failed_instances", []))
     ru0 = holder.get("ru_run", ru0)
     cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
     run_s = summary.get("wall_time_s") or (t1 - holder.get("t_run", t0))  # the runtime's own, without shutdown
@@ -231,9 +260,13 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "loop_lag_p50_ms": pct(lags_ms, 0.5), "loop_lag_p99_ms": pct(lags_ms, 0.99),
         "loop_lag_max_ms": max(lags_ms) if lags_ms else None, "loop_lag_samples": len(lags_ms),
         "loop_stalls": dict(sorted(lag.stalls.items(), key=lambda kv: -kv[1])),
+        "client_workers": cfg.rollout.client_workers,
         "controller_cpu_s": cpu, "fleet_and_trainer_cpu_s": fleet_cpu, "finished_samples": finished,
         "cpu_s_per_1k_samples": cpu / finished * 1000 if finished else None,
-        "controller_max_rss_mb": ru1.ru_maxrss / 1024,
+        # the engine-client workers (rollout.client_workers; a killed one not counted), start-up included:
+        # part of the controller's cost
+        "worker_cpu_s": worker_cpu, "worker_cpu_s_per_1k_samples": worker_cpu / finished * 1000 if finished else None,
+        "controller_max_rss_mb": _peak_rss_mb() or ru1.ru_maxrss / 1024,
         "stats_interval_s": args.stats_interval_s,
         "stats_poll_interval_p50_s": pct(intervals, 0.5), "stats_poll_interval_p99_s": pct(intervals, 0.99),
         "stats_poll_interval_max_s": max(intervals) if intervals else None,
@@ -243,16 +276,33 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "step_end_to_switch_p50_s": pct([x for v in to_switch.values() for x in v], 0.5),
         "step_end_to_all_switched_max_s": max(per_version_max) if per_version_max else None,
         "switched_instance_loads": sum(len(v) for v in to_switch.values()),
-        "false_instance_failures": len(summary.get("failed_instances", [])) if rt is None else len(rt.failed_ever),
+        "false_instance_failures": len(failed - killed),
+        "killed_worker_pid": holder.get("killed_pid"), "killed_worker_instances": len(killed),
+        "killed_worker_instances_failed": len(failed & killed),
+        "killed_at_finished_samples": holder.get("killed_at"),
         "lost_groups": totals.get("lost_groups"), "duplicated_groups": totals.get("duplicated_groups"),
         "c1_violations": totals.get("c1_violations"), "c3_violations": totals.get("c3_violations"),
         "consumed_groups": totals.get("consumed_groups"),
         "trainer_groups_seen": len(trainer_stats["groups"]),
         "trainer_repeated_groups": trainer_stats["repeated_groups"],
         "trainer_incomplete_groups": incomplete,
-        "load_average_before": list(load_before), "load_average_after": list(load_after),
+        "fleet_nice": args.fleet_nice, "load_average_before": list(load_before), "load_average_after": list(load_after),
         "cpu_count": os.cpu_count(),
     }
+
+
+async def _kill_a_worker(rt, args: argparse.Namespace, holder: dict[str, Any]) -> None:
+    """SIGKILL the engine-client worker of ``engine0`` once ``--kill-worker-after-samples`` samples
+    finished: its instances' requests must be re-run elsewhere, none lost or run twice."""
+    import signal
+
+    while sum(1 for r in rt.samples.values() if r.finished) < args.kill_worker_after_samples:
+        await asyncio.sleep(0.02)
+    pid = rt.engines["engine0"].worker_pid
+    holder["killed_instances"] = [iid for iid, e in rt.engines.items() if getattr(e, "worker_pid", None) == pid]
+    holder["killed_pid"] = pid
+    holder["killed_at"] = sum(1 for r in rt.samples.values() if r.finished)
+    os.kill(pid, signal.SIGKILL)
 
 
 def holds(r: dict[str, Any]) -> list[str]:
@@ -266,6 +316,9 @@ def holds(r: dict[str, Any]) -> list[str]:
                 "trainer_repeated_groups", "trainer_incomplete_groups"):
         if r[key] != 0:
             bad.append(f"{key} = {r[key]}")
+    if r.get("killed_worker_instances") and r["killed_worker_instances_failed"] != r["killed_worker_instances"]:
+        bad.append(f"{r['killed_worker_instances_failed']} of the killed worker's {r['killed_worker_instances']} "
+                   "instances were failed")
     if r["consumed_groups"] != r["trainer_groups_seen"]:
         bad.append(f"controller consumed {r['consumed_groups']} groups, the trainer saw {r['trainer_groups_seen']}")
     return bad
@@ -295,15 +348,53 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=900.0, help="bound on the controller run")
     p.add_argument("--startup-timeout-s", type=float, default=120.0, help="bound on the fleet's start")
     p.add_argument("--set", action="append", default=[], metavar="A.B=C", help="extra config override (repeatable)")
+    p.add_argument("--fleet-nice", type=int, default=0,
+                   help="run the fake engines at this niceness: they stand in for remote machines, so on a small "
+                        "machine they should not take the controller's CPU (0: as the controller)")
+    p.add_argument("--client-workers", default="",
+                   help="rollout.client_workers; a comma list (e.g. 0,4) measures each in turn into one JSON ('runs')")
+    p.add_argument("--kill-worker-after-samples", type=int, default=0,
+                   help="SIGKILL the client worker of engine0 once this many samples finished (needs client workers)")
     p.add_argument("--keep", action="store_true", help="keep the run directory (printed)")
     args = p.parse_args(argv)
     for name in ("instances", "steps", "slots", "group_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    try:
+        args.client_workers = [int(x) for x in args.client_workers.split(",")] if args.client_workers else [None]
+    except ValueError:
+        p.error(f"--client-workers must be integers separated by commas, got {args.client_workers!r}")
+    if args.kill_worker_after_samples and not all(args.client_workers):
+        p.error("--kill-worker-after-samples needs --client-workers >= 1")
     args.procs = args.procs or max(1, -(-args.instances // 512))
     if args.procs < 1 or args.procs > args.instances:
         p.error(f"--procs must be in 1..{args.instances}, got {args.procs}")
     return args
+
+
+def _run_one(args: argparse.Namespace, limit: int) -> tuple[int | None, dict[str, Any]]:
+    """One measured run (``args.workers_now`` client workers): (exit code if it could not run, result)."""
+    work = Path(tempfile.mkdtemp(prefix="controller_scale_"))
+    try:
+        from dora_megatron.config.base import ConfigError
+
+        try:
+            result = asyncio.run(measure(args, work))
+        except ConfigError as err:
+            sys.stderr.write(f"config error: {err}\n")
+            return 2, {}
+        except (TimeoutError, OSError, RuntimeError) as err:  # the fake fleet or trainer never came up
+            sys.stderr.write(f"controller_scale: {type(err).__name__}: {err} (written to {args.out})\n")
+            return 1, {"instances": args.instances, "error": f"{type(err).__name__}: {err}",
+                       "invariant_violations": [f"run failed: {err}"]}
+    finally:
+        if args.keep:
+            sys.stderr.write(f"run directory kept: {work}\n")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    result["open_files_limit"] = limit
+    result["invariant_violations"] = holds(result)
+    return None, result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -314,38 +405,28 @@ def main(argv: list[str] | None = None) -> int:
     if limit < need:
         log.warning("open-files limit %d may be too low for %d instances x %d slots (about %d sockets)",
                     limit, args.instances, args.slots, need)
-    work = Path(tempfile.mkdtemp(prefix="controller_scale_"))
-    try:
-        from dora_megatron.config.base import ConfigError
-
-        try:
-            result = asyncio.run(measure(args, work))
-        except ConfigError as err:
-            sys.stderr.write(f"config error: {err}\n")
+    runs = []
+    for workers in args.client_workers:
+        args.workers_now = workers
+        code, result = _run_one(args, limit)
+        if code == 2:
             return 2
-        except (TimeoutError, OSError, RuntimeError) as err:  # the fake fleet or trainer never came up
-            Path(args.out).write_text(json.dumps({"instances": args.instances, "error": f"{type(err).__name__}: {err}"},
-                                                 indent=2) + "\n")
-            sys.stderr.write(f"controller_scale: {type(err).__name__}: {err} (written to {args.out})\n")
-            return 1
-    finally:
-        if args.keep:
-            sys.stderr.write(f"run directory kept: {work}\n")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
-    result["open_files_limit"] = limit
-    result["invariant_violations"] = holds(result)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    keys = ("instances", "wall_s", "loop_lag_p50_ms", "loop_lag_p99_ms", "loop_lag_max_ms", "cpu_s_per_1k_samples",
-            "stats_poll_interval_p50_s", "stats_poll_interval_p99_s", "step_end_to_all_switched_max_s",
-            "controller_max_rss_mb", "false_instance_failures", "lost_groups", "duplicated_groups",
-            "c1_violations", "c3_violations")
-    for k in keys:
-        v = result.get(k)
-        sys.stdout.write(f"{k}: {v:.3f}\n" if isinstance(v, float) else f"{k}: {v}\n")
-    for problem in result["invariant_violations"]:
+        runs.append(result)
+    out: dict[str, Any] = runs[0] if len(runs) == 1 else {
+        "runs": runs, "invariant_violations": [f"client_workers={r.get('client_workers')}: {v}"
+                                               for r in runs for v in r["invariant_violations"]]}
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    keys = ("instances", "client_workers", "wall_s", "loop_lag_p50_ms", "loop_lag_p99_ms", "loop_lag_max_ms",
+            "cpu_s_per_1k_samples", "worker_cpu_s_per_1k_samples", "stats_poll_interval_p50_s",
+            "stats_poll_interval_p99_s", "step_end_to_all_switched_max_s", "controller_max_rss_mb",
+            "false_instance_failures", "lost_groups", "duplicated_groups", "c1_violations", "c3_violations")
+    for result in runs:
+        for k in keys:
+            v = result.get(k)
+            sys.stdout.write(f"{k}: {v:.3f}\n" if isinstance(v, float) else f"{k}: {v}\n")
+    for problem in out["invariant_violations"]:
         sys.stdout.write(f"VIOLATION: {problem}\n")
-    return 1 if result["invariant_violations"] else 0
+    return 1 if out["invariant_violations"] else 0
 
 
 if __name__ == "__main__":

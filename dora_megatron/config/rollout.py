@@ -30,6 +30,10 @@ class RolloutConfig:
     stop_token_ids: list[int] = field_doc(default_factory=list, doc="extra token ids that end a sample (EOS always does)")
     request_timeout_s: float = field_doc(600.0, "HTTP timeout of one generate call", gt=0.0, unit="s")
     startup_timeout_s: float = field_doc(120.0, "how long to wait for an instance to become healthy", gt=0.0, unit="s")
+    client_workers: int = field_doc(0, "processes that run the controller's HTTP calls to the instances (generate, abort, "
+                                    "weight loads, stats polls; each owns the clients of a share of the instances and "
+                                    "pushes batched load reports); 0 = in the controller's own event loop. For "
+                                    "thousands of instances (README, \"The real controller at scale\")", ge=0)
     sglang_args: list[str] = field_doc(default_factory=list, doc="extra command-line flags passed to SGLang (engine=sglang)")
 
     def check(self, path: str) -> None:
@@ -37,5 +41,8 @@ class RolloutConfig:
             raise ConfigError(f"{path}.top_k", "use -1 to disable top-k (0 is not a valid k)")
         if self.engine == "sglang" and self.device != "cuda":
             raise ConfigError(f"{path}.device", "engine sglang needs device cuda")
+        if self.client_workers and self.engine == "vllm":
+            raise ConfigError(f"{path}.client_workers", "engine vllm is driven in process (its restart switch needs the "
+                              "launcher's processes); use client_workers 0 with vllm")
         if self.base_port and self.base_port + self.num_instances - 1 > 65535:
             raise ConfigError(f"{path}.base_port", "base_port + num_instances exceeds 65535")

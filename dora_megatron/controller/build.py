@@ -110,14 +110,16 @@ def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, mo
                      make_engine: Callable[[str], Any], checkpoint: Path | None = None,
                      on_step: Callable[[StepLog, Any], None] | None = None,
                      on_checkpoint: Callable[[int], None] | None = None, timeline=None,
-                     metric_sinks: Sequence[Any] = ()) -> Controller:
+                     metric_sinks: Sequence[Any] = (), load_reports=None) -> Controller:
     """Clients for ``endpoints``, prompts, the orchestrator (restored from ``checkpoint`` when
     given, with its journal), and the runtime that executes its actions.
 
     ``make_engine(url)``: the launcher's engine-client factory (local runs hand it the processes
     it may restart). ``on_step(step_log, runtime)`` after each trained step, ``on_checkpoint(version)``
     after each complete checkpoint (the launcher's outputs and snapshot retention).
-    ``metric_sinks``: where the metrics recorder writes each step's scalars (TensorBoard, steps.jsonl)."""
+    ``metric_sinks``: where the metrics recorder writes each step's scalars (TensorBoard, steps.jsonl).
+    ``load_reports``: pushed load reports replacing the stats polls of the engines they cover
+    (``rollout.client_workers``, :class:`~dora_megatron.rollout.sharded.ClientPool`)."""
     from dora_megatron.controller.runtime import Runtime
     from dora_megatron.controller.trainer_client import TrainerClient
     from dora_megatron.data.codec import load_codec
@@ -139,7 +141,8 @@ def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, mo
     metrics = MetricsRecorder(slots_per_instance=options.slots_per_instance, rebalancer=orch.policy.rebalance,
                               sinks=metric_sinks)
     runtime = Runtime(orch, engines, trainer, source, reward_fn, options, timeline=timeline, on_step=on_step,
-                      on_checkpoint=on_checkpoint, codec=load_codec(model_dir), journal=journal, metrics=metrics)
+                      on_checkpoint=on_checkpoint, codec=load_codec(model_dir), journal=journal, metrics=metrics,
+                      load_reports=load_reports)
     restorable = 0
     if state is not None:
         runtime.load_state_dict(state)

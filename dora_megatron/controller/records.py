@@ -29,6 +29,13 @@ class Engine(Protocol):
     async def weights_checksum(self) -> str: ...
 
 
+class LoadReports(Protocol):
+    """Load reports pushed by whoever runs the engines' clients (instead of one poll per instance)."""
+
+    def covers(self, engine: Any) -> bool: ...  # its reports include this engine's: the runtime does not poll it
+    def take_reports(self) -> dict[Any, Any]: ...  # engine -> server_info dict or ("failed", why), since the last take
+
+
 class Trainer(Protocol):
     """The subset of :class:`~dora_megatron.controller.trainer_client.TrainerClient` the runtime uses
     (``push_weights`` only with ``weight_transport: distributed``)."""

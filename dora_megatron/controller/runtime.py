@@ -40,8 +40,8 @@ from typing import Any, Callable
 from dora_megatron.controller.loop import (CheckpointSaved, ControllerLoop, EngineReply, EventQueue, InstanceFailed,
                                            InstanceJoined, InstanceStats, MigrationDone, MigrationFailed, Replayed,
                                            Resume, Start, Stop, SwitchDone, Tick, TrainerDone)
-from dora_megatron.controller.records import (Engine, GroupRecord, RuntimeOptions, SampleRecord, StepLog,
-                                              Trainer)
+from dora_megatron.controller.records import (Engine, GroupRecord, LoadReports, RuntimeOptions, SampleRecord,
+                                              StepLog, Trainer)
 from dora_megatron.data.codec import CharCodec, TextCodec
 from dora_megatron.data.tasks import PromptSource
 from dora_megatron.orchestrator import (Dispatch, Interrupt, Migrate, Orchestrator, ReleaseBatch, Submit,
@@ -114,8 +114,12 @@ class Runtime:
                  reward_fn: Callable[[str, str], float], options: RuntimeOptions, *, timeline=None,
                  on_step: Callable[[StepLog, "Runtime"], None] | None = None,
                  on_checkpoint: Callable[[int], None] | None = None, first_prompt: int = 0,
-                 codec: TextCodec | None = None, journal=None, metrics: MetricsRecorder | None = None) -> None:
+                 codec: TextCodec | None = None, journal=None, metrics: MetricsRecorder | None = None,
+                 load_reports: LoadReports | None = None) -> None:
+        """``load_reports``: pushed load reports of the engines it covers, taken once per stats
+        sweep instead of polling them (e.g. :class:`~dora_megatron.rollout.sharded.ClientPool`)."""
         self.orch = orch
+        self.load_reports = load_reports
         self.engines = engines
         self.trainer = trainer
         self.source = source
@@ -887,9 +891,29 @@ class Runtime:
                 except Exception as err:  # noqa: BLE001 - unreachable engine = failed engine
                     self.events.post(InstanceFailed(iid, f"server_info failed: {err}", engine))
                     return
+        self._apply_load(iid, engine, info)
+
+    def _apply_load(self, iid: str, engine: Engine, info: dict[str, Any]) -> None:
+        if iid in self.failed or self.engines.get(iid) is not engine:
+            return  # failed or replaced while we asked
         running = int(info.get("num_running_reqs", info.get("running", 0)) or 0)
         kv = float(info.get("kv_usage", info.get("token_usage", 0.0)) or 0.0)
         self.events.post(InstanceStats(iid, running, kv, engine))  # the loop drops it if failed/replaced meanwhile
+
+    async def _apply_reports(self, reports: dict[Any, Any], chunk: int = 128) -> None:
+        """Pushed load reports, ``chunk`` per event-loop turn: thousands of instances in one turn
+        would stall every request's completion behind them."""
+        names = {id(e): iid for iid, e in self.engines.items()}
+        for n, (engine, info) in enumerate(reports.items(), 1):
+            iid = names.get(id(engine))
+            if iid is None:
+                continue
+            if isinstance(info, tuple) and info and info[0] == "failed":
+                self.events.post(InstanceFailed(iid, str(info[1]), engine))
+            else:
+                self._apply_load(iid, engine, info)
+            if n % chunk == 0:
+                await asyncio.sleep(0)
 
     async def _stats_loop(self) -> None:
         """Event source (the one place stats are polled): every ``stats_interval_s``, one sweep over
@@ -899,9 +923,14 @@ class Runtime:
         (tools/controller_scale.py measured a 6 s poll interval at 256 instances)."""
         slots = asyncio.Semaphore(max(1, self.opt.stats_concurrency))
         while not self._done.is_set():
+            pushed = self.load_reports
+            if pushed is not None:
+                await self._apply_reports(pushed.take_reports())
             polls = [self._poll_stats(iid, engine, slots) for iid, engine in list(self.engines.items())
-                     if iid not in self.failed]  # instances may join meanwhile
-            await asyncio.gather(*polls)
+                     if iid not in self.failed  # instances may join meanwhile
+                     and (pushed is None or not pushed.covers(engine))]
+            if polls:
+                await asyncio.gather(*polls)
             self.events.post(Tick())
             try:
                 await asyncio.wait_for(self._done.wait(), timeout=self.opt.stats_interval_s)
@@ -959,13 +988,15 @@ class Runtime:
         self.events.post(Stop())
 
     async def _cancel_all(self) -> None:
-        """Abort what is still generating (outstanding groups of the next steps) and stop tasks."""
-        for iid, engine in list(self.engines.items()):
-            if iid not in self.failed:
-                try:
-                    await asyncio.wait_for(engine.abort(abort_all=True), timeout=5)
-                except Exception:  # noqa: BLE001 - best effort at shutdown
-                    pass
+        """Abort what is still generating (outstanding groups of the next steps) and stop tasks.
+        Every instance at once: one after the other, 4,096 instances took minutes to stop."""
+        async def abort_all(engine: Engine) -> None:
+            try:
+                await asyncio.wait_for(engine.abort(abort_all=True), timeout=5)
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                pass
+
+        await asyncio.gather(*(abort_all(e) for iid, e in list(self.engines.items()) if iid not in self.failed))
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:

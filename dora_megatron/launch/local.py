@@ -86,11 +86,15 @@ def engine_for(cfg: DoraConfig, url: str, model_dir: str, procs: ProcessSet | No
     return EngineClient(url, timeout_s=cfg.rollout.request_timeout_s)
 
 
-async def _wait_http(url: str, procs: ProcessSet, timeout_s: float, what: str) -> None:
+async def _wait_http(url: str, procs: ProcessSet, timeout_s: float, what: str, session=None) -> None:
+    """``session``: a shared one (many instances); else one of its own."""
+    import contextlib
+
     import aiohttp
 
     deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+    own = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) if session is None else None
+    async with own if own is not None else contextlib.nullcontext(session) as session:
         while True:
             procs.check_alive()
             try:
@@ -289,15 +293,26 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
     urls, trainer_url = endpoints.engines, endpoints.trainer
     names = list(urls)
 
+    pool = None  # rollout.client_workers > 0: the instances' HTTP clients run in worker processes
+
     def make_engine(url: str):
+        if pool is not None:
+            return pool.engine(url)
         return engine_for(cfg, url, str(model_dir), procs, run_dir)
 
     health_path = cfg.vllm.health_path if cfg.rollout.engine == "vllm" else "/health"
     say(f"waiting for {len(urls)} engines and the trainer ({cfg.launch.trainer_procs} rank(s)) ...")
-    await asyncio.gather(
-        *(_wait_http(f"{u}{health_path}", procs, cfg.rollout.startup_timeout_s, n) for n, u in urls.items()),
-        _wait_http(f"{trainer_url}/health", procs, cfg.launch.trainer_startup_timeout_s, "trainer"),
-    )
+    import aiohttp
+
+    # one session, at most 256 checks on the wire: thousands of sessions polling at once, each with a
+    # 5 s total timeout, made a loaded controller time out its own checks and retry them for minutes
+    # (tools/controller_scale.py at 4,096 instances); the wait for a connection slot is not timed
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256), timeout=aiohttp.ClientTimeout(
+            total=None, sock_connect=5, sock_read=5)) as checks:
+        await asyncio.gather(
+            *(_wait_http(f"{u}{health_path}", procs, cfg.rollout.startup_timeout_s, n, checks) for n, u in urls.items()),
+            _wait_http(f"{trainer_url}/health", procs, cfg.launch.trainer_startup_timeout_s, "trainer"),
+        )
     say(f"all processes healthy after {time.monotonic() - t_start:.1f} s")
     if cfg.rollout.engine == "sglang":
         from dora_megatron.rollout.sglang.server import check_versions
@@ -321,10 +336,18 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
         consumed_file.flush()
         progress.update(s.step, rt.metrics.last)
 
+    if cfg.rollout.client_workers > 0:
+        from dora_megatron.controller.records import RuntimeOptions
+        from dora_megatron.rollout.sharded import ClientPool
+
+        pool = await ClientPool.start(cfg, str(model_dir), cfg.rollout.client_workers, log_dir=run_dir / "logs", poll={
+            "interval_s": obs.stats_interval_s, "health_timeout_s": cfg.controller.health_timeout_s,
+            "concurrency": RuntimeOptions.stats_concurrency})
     retention = _SnapshotRetention(run_dir, lambda: ctl.orch.live_versions())
     ctl = build_controller(cfg, endpoints, run_dir=run_dir, model_dir=model_dir, make_engine=make_engine,
                            checkpoint=checkpoint, on_step=on_step, on_checkpoint=retention.checkpointed,
-                           timeline=timeline, metric_sinks=[writer, StepsJsonl(steps_file)])
+                           timeline=timeline, metric_sinks=[writer, StepsJsonl(steps_file)],
+                           load_reports=pool)
     runtime, trainer, engines, orch = ctl.runtime, ctl.trainer, ctl.engines, ctl.orch
     say(f"reward: {ctl.reward_name}")
     if cfg.run.checkpoint_interval == 0:  # no mid-run checkpoint to resume from: only live versions matter
@@ -365,6 +388,8 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
         await trainer.close()
         for e in engines.values():
             await e.close()
+        if pool is not None:
+            await pool.close()
     summary["reward_fn"] = ctl.reward_name
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (run_dir / "orchestrator_state.json").write_text(json.dumps(orch.snapshot()))

@@ -23,10 +23,11 @@ ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "controller_scale.py"
 
 
-def run_harness(tmp_path: Path, *extra: str, timeout_s: float = 240.0) -> tuple[int, dict, str]:
+def run_harness(tmp_path: Path, *extra: str, timeout_s: float = 240.0, instances: int = 32,
+                steps: int = 3) -> tuple[int, dict, str]:
     out = tmp_path / "scale.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(TOOL), "--instances", "32", "--steps", "3", "--out", str(out),
+    proc = subprocess.run([sys.executable, str(TOOL), "--instances", str(instances), "--steps", str(steps), "--out", str(out),
                            "--step-s", "0.3", "--timeout-s", "150", *extra],
                           env=env, capture_output=True, text=True, timeout=timeout_s)
     result = json.loads(out.read_text()) if out.exists() else {}
@@ -57,3 +58,33 @@ def test_false_failures_are_reported(tmp_path):
     assert rc == 1, log[-3000:]
     assert r["false_instance_failures"] > 0
     assert any("false_instance_failures" in v for v in r["invariant_violations"])
+
+
+def check_exactly_once(r: dict) -> None:
+    assert r["lost_groups"] == 0 and r["duplicated_groups"] == 0
+    assert r["c1_violations"] == 0 and r["c3_violations"] == 0
+    assert r["trainer_repeated_groups"] == 0 and r["trainer_incomplete_groups"] == 0
+    assert r["trainer_groups_seen"] == r["consumed_groups"] > 0
+
+
+def test_64_instances_on_2_client_workers_exactly_once_no_false_failures(tmp_path):
+    """rollout.client_workers: the instances' HTTP calls and stats polls run in 2 worker processes."""
+    rc, r, log = run_harness(tmp_path, "--client-workers", "2", instances=64, steps=2)
+    assert rc == 0, log[-3000:]
+    assert r["client_workers"] == 2 and r["steps_done"] == 2 and r["invariant_violations"] == []
+    assert r["false_instance_failures"] == 0
+    check_exactly_once(r)
+    # the workers did the HTTP work: every instance generated and was polled, a new version was loaded
+    assert r["worker_cpu_s"] > 0 and r["generate_requests"] >= r["finished_samples"] > 0
+    assert r["stats_polls"] >= 64 and r["switched_instance_loads"] > 0
+
+
+def test_a_killed_client_worker_loses_and_duplicates_nothing(tmp_path):
+    """SIGKILL one of the 2 workers mid-run: its 32 instances fail (their requests run again
+    elsewhere), the other 32 finish the run; every group is consumed once."""
+    rc, r, log = run_harness(tmp_path, "--client-workers", "2", "--kill-worker-after-samples", "60",
+                             instances=64, steps=2)
+    assert rc == 0, log[-3000:]
+    assert r["killed_worker_pid"] and r["killed_worker_instances"] == 32 == r["killed_worker_instances_failed"]
+    assert r["false_instance_failures"] == 0 and r["steps_done"] == 2 and r["invariant_violations"] == []
+    check_exactly_once(r)

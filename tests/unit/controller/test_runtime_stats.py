@@ -117,3 +117,47 @@ def test_an_instance_whose_polls_keep_timing_out_is_failed():
     rt.trainer.hold_step(1, until=lambda: "e0" in rt.failed_ever)
     finish(rt)
     assert rt.failed_ever == {"e0"}
+
+
+class NoPollEngine(FakeEngine):
+    """An engine whose load comes pushed: a poll of it is a bug."""
+
+    async def server_info(self) -> dict[str, Any]:
+        raise AssertionError(f"{self.name} was polled although its load reports are pushed")
+
+
+class PushedReports:
+    """A load-report source covering ``covered``: reports them every take (``e0`` failed from ``fail_at``)."""
+
+    def __init__(self, engines: dict, covered: set[str], fail_at: int | None = None) -> None:
+        self.engines, self.covered, self.fail_at = engines, covered, fail_at
+        self.takes = 0
+
+    def covers(self, engine) -> bool:
+        return any(engine is self.engines[n] for n in self.covered)
+
+    def take_reports(self) -> dict:
+        self.takes += 1
+        out: dict = {self.engines[n]: {"num_running_reqs": 0, "kv_usage": 0.0} for n in sorted(self.covered)}
+        if self.fail_at is not None and self.takes >= self.fail_at:
+            out[self.engines["e0"]] = ("failed", "pushed: e0 does not answer")
+        return out
+
+
+def test_pushed_load_reports_replace_the_polls_of_the_engines_they_cover():
+    polls: list[tuple[str, float]] = []
+    engines = {"e0": NoPollEngine("e0"), "e1": NoPollEngine("e1"), "e2": SlowStatsEngine("e2", polls)}
+    rt = make_runtime(engines)
+    rt.load_reports = source = PushedReports(engines, {"e0", "e1"})
+    finish(rt)
+    assert not rt.failed_ever and source.takes > 0
+    assert {n for n, _ in polls} == {"e2"}  # the uncovered engine is still polled
+
+
+def test_a_pushed_failure_fails_the_instance_and_its_work_moves():
+    engines = {f"e{i}": NoPollEngine(f"e{i}") for i in range(3)}
+    rt = make_runtime(engines)
+    rt.load_reports = PushedReports(engines, set(engines), fail_at=3)
+    rt.trainer.hold_step(1, until=lambda: "e0" in rt.failed_ever)
+    finish(rt)  # nothing lost or duplicated
+    assert rt.failed_ever == {"e0"}
