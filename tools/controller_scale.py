@@ -147,7 +147,7 @@ async def _get_json(url: str) -> Any:
 async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from dora_megatron.data.tokenizer import save_tokenizer
     from dora_megatron.launch.local import _run_controller
-    from dora_megatron.launch.processes import ProcessSet
+    from dora_megatron.processes import ProcessSet
 
     run_dir, model_dir = work / "run", work / "model"
     model_dir.mkdir(parents=True)

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from dora_megatron.launch.processes import ChildFailed, ProcessSet
+from dora_megatron.processes import ChildFailed, ProcessSet
 from dora_megatron.ports import free_ports
 
 log = logging.getLogger(__name__)

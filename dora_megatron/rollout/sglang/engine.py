@@ -9,7 +9,7 @@ abort matches rids by prefix (reference A.5, A.6). This adapter
 * checks C1 after the fact: every ``/generate`` answer echoes ``meta_info.weight_version`` and,
   since 0.5.22, ``meta_info.weight_versions`` (which version produced which output tokens). An
   answer whose first tokens come from another version than the one the request was routed for
-  raises :class:`~dora_megatron.rollout.client.VersionMismatch` (the runtime's C1 guard); one that
+  raises :class:`~dora_megatron.comm.engine_client.VersionMismatch` (the runtime's C1 guard); one that
   started on the routed version and crossed an update (``retract``/``in_place`` pauses) is returned
   with its spans, and the runtime records every version in it;
 * makes rids prefix-free on the wire (``<rid>#``), so aborting ``s1`` never aborts ``s10``;
@@ -28,8 +28,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable, Sequence
 
-from dora_megatron.rollout.client import EngineClient, ExtensionUnsupported, VersionMismatch
-from dora_megatron.rollout.sglang.client import SGLangClient
+from dora_megatron.comm.engine_client import EngineClient, ExtensionUnsupported, VersionMismatch
+from dora_megatron.comm.sglang_client import SGLangClient
 
 RID_END = "#"
 

@@ -8,7 +8,7 @@ version in the controller, switches without a checksum call. What it adds:
 * **The version guard (C1).** vLLM labels every output token with the weight version that sampled
   it (``weight_versions`` spans). An answer whose spans show any other label than the version the
   request was routed for, or that do not cover every output token, raises
-  :class:`~dora_megatron.rollout.client.VersionMismatch`: the runtime then counts none of its
+  :class:`~dora_megatron.comm.engine_client.VersionMismatch`: the runtime then counts none of its
   tokens and runs the sample again (C1 stays exact even if a reload raced a request).
 * **Request ids.** Each submission gets its own wire id ``<rid>@<n>`` (vLLM rejects nothing, but a
   resubmitted sample must never be confused with its aborted predecessor), and abort goes to the
@@ -30,8 +30,8 @@ import itertools
 import logging
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
-from dora_megatron.rollout.client import EngineError, ExtensionUnsupported, VersionMismatch
-from dora_megatron.rollout.protocol import GenerateResponse, SamplingParams
+from dora_megatron.comm.engine_client import EngineError, ExtensionUnsupported, VersionMismatch
+from dora_megatron.comm.protocol import GenerateResponse, SamplingParams
 from dora_megatron.rollout.vllm.client import VLLMClient, server_request_id
 
 log = logging.getLogger(__name__)
