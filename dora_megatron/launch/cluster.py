@@ -82,6 +82,23 @@ def _trainer_argv(cfg: "DoraConfig", model_dir: str, run_dir: str, nnodes: int, 
     )
 
 
+def _trainer_procs(cfg: "DoraConfig", model_dir: str, run_dir: str, trainer_nodes: list[str], nproc: int,
+                   master: str, *, gpus: tuple[int, ...]) -> list[ProcessSpec]:
+    """One torchrun per trainer node (``nproc`` ranks each, contiguous per node); node 0 also binds the
+    rendezvous, the trainer service and the weight-group store. ``gpus``: each node's GPU indices
+    (empty on the CPU route)."""
+    c = cfg.cluster
+    out = []
+    for k, node in enumerate(trainer_nodes):
+        extra = {"torchrun": c.torchrun_port, "trainer_service": c.trainer_service_port,
+                 "weight_group_store": c.weight_group_port} if k == 0 else {}
+        out.append(ProcessSpec(
+            "trainer", f"trainer{k}", node, _trainer_argv(cfg, model_dir, run_dir, len(trainer_nodes), k, nproc, master),
+            threads=cfg.launch.trainer_threads, ranks=tuple(range(k * nproc, (k + 1) * nproc)),
+            env=thread_env(cfg.launch.trainer_threads), gpus=gpus, extra_ports=extra))
+    return out
+
+
 def slurm_plan(cfg: "DoraConfig", env: SlurmEnv, model_dir: str, run_dir: str, *, join: bool = False) -> ClusterPlan:
     """The job's plan; with ``join`` every node of ``env`` is a rollout node of instances that join an
     already running job (names ``j<JOBID>-sgl<i>``; no trainer, controller or groups)."""
@@ -125,14 +142,8 @@ def slurm_plan(cfg: "DoraConfig", env: SlurmEnv, model_dir: str, run_dir: str, *
     master = trainer_nodes[0]
     procs: list[ProcessSpec] = []
     roles = {n: "idle" for n in nodes}
-    for k, node in enumerate(trainer_nodes):
-        roles[node] = "trainer"
-        extra = {"torchrun": c.torchrun_port, "trainer_service": c.trainer_service_port,
-                 "weight_group_store": c.weight_group_port} if k == 0 else {}
-        procs.append(ProcessSpec(
-            "trainer", f"trainer{k}", node, _trainer_argv(cfg, model_dir, run_dir, len(trainer_nodes), k, t_gpus, master),
-            threads=cfg.launch.trainer_threads, ranks=tuple(range(k * t_gpus, (k + 1) * t_gpus)),
-            env=thread_env(cfg.launch.trainer_threads), gpus=tuple(range(t_gpus)), extra_ports=extra))
+    roles.update(dict.fromkeys(trainer_nodes, "trainer"))
+    procs.extend(_trainer_procs(cfg, model_dir, run_dir, trainer_nodes, t_gpus, master, gpus=tuple(range(t_gpus))))
     engine_urls: dict[str, str] = {}
     engine_gpus: dict[str, int] = {}
     inst_index = 0
@@ -246,14 +257,8 @@ def _embedded_plan(cfg: "DoraConfig", env: SlurmEnv, model_dir: str, run_dir: st
         raise PlanError(f"trainer world size {world} ({len(trainer_nodes)} node(s) x {nproc} rank(s)): {err}") from err
     master = trainer_nodes[0]
     roles = {n: "idle" for n in env.nodes}
-    for k, node in enumerate(trainer_nodes):
-        roles[node] = "trainer"
-        extra = {"torchrun": c.torchrun_port, "trainer_service": c.trainer_service_port,
-                 "weight_group_store": c.weight_group_port} if k == 0 else {}
-        procs.append(ProcessSpec(
-            "trainer", f"trainer{k}", node, _trainer_argv(cfg, model_dir, run_dir, len(trainer_nodes), k, nproc, master),
-            threads=cfg.launch.trainer_threads, ranks=tuple(range(k * nproc, (k + 1) * nproc)),
-            env=thread_env(cfg.launch.trainer_threads), extra_ports=extra))
+    roles.update(dict.fromkeys(trainer_nodes, "trainer"))
+    procs.extend(_trainer_procs(cfg, model_dir, run_dir, trainer_nodes, nproc, master, gpus=()))
     for node in rollout_nodes:
         roles[node] = "trainer+rollout" if roles[node] == "trainer" else "rollout"
         for j in range(per_node):

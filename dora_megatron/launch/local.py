@@ -32,6 +32,7 @@ from dora_megatron.launch.inputs import input_problem
 from dora_megatron.launch.plan import local_plan
 from dora_megatron.ports import free_ports
 from dora_megatron.processes import ChildFailed, ProcessSet, ProcessSpec
+from dora_megatron.rollout.health import InstanceNotReady, wait_ready
 
 log = logging.getLogger(__name__)
 
@@ -86,21 +87,15 @@ def engine_for(cfg: DoraConfig, url: str, model_dir: str, procs: ProcessSet | No
 
 
 async def _wait_http(url: str, procs: ProcessSet, timeout_s: float, what: str) -> None:
-    import aiohttp
+    """Wait for ``url`` to answer 200; a child of ``procs`` that dies raises its :class:`ChildFailed`."""
+    def alive() -> bool:
+        procs.check_alive()  # raises for any dead child: the job cannot start without it
+        return True
 
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
-        while True:
-            procs.check_alive()
-            try:
-                async with session.get(url) as resp:
-                    if resp.status == 200:
-                        return
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{what} not healthy after {timeout_s:.0f} s ({url})")
-            await asyncio.sleep(0.25)
+    try:
+        await wait_ready(url, path="", timeout_s=timeout_s, interval_s=0.25, alive=alive)
+    except InstanceNotReady:
+        raise TimeoutError(f"{what} not healthy after {timeout_s:.0f} s ({url})") from None
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
