@@ -28,10 +28,12 @@ setup(
         "transformers>=4.51",  # config.json is read by its config classes (dora_megatron/models/hf_config.py)
     ],
     extras_require={
-        # msgspec: SGLang 0.5.23's request types (tests/sglang_wheel.py) validate the client's bodies
-        "test": ["pytest>=8", "hypothesis>=6.100", "msgspec>=0.18"],
+        # msgspec: SGLang 0.5.23's request types (tests/sglang_wheel.py) validate the client's bodies;
+        # import-linter: the layering contracts of .importlinter (tests/unit/test_layering.py; 2.17 has
+        # the acyclic_siblings contract)
+        "test": ["pytest>=8", "hypothesis>=6.100", "msgspec>=0.18", "import-linter>=2.17"],
         # CUDA clusters only; documented in the README, never needed on CPU. SGLang is pinned to
-        # the release whose protocol dora speaks (rollout/sglang/client.py TESTED_SGLANG_VERSION);
+        # the release whose protocol dora speaks (comm/sglang_client.py TESTED_SGLANG_VERSION);
         # another one gets a warning at launch.
         "gpu": ["transformer-engine[pytorch]", "sglang[all]==0.5.23"],
         "math": ["math-verify"],

@@ -21,7 +21,7 @@ import time
 
 def engine_throughput(model, concurrency: int, prompt_len: int, new_tokens: int) -> dict:
     from dora_megatron.rollout.engine.scheduler import Request, Scheduler, SchedulerLimits
-    from dora_megatron.rollout.protocol import SamplingParams
+    from dora_megatron.comm.protocol import SamplingParams
 
     s = Scheduler(model, SchedulerLimits(max_running=max(concurrency, 1)))
     sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -65,7 +65,7 @@ def migration_cost(model, context: int, repeats: int = 3) -> dict:
 
     from dora_megatron.rollout.engine.kv_cache import RequestKV
     from dora_megatron.rollout.engine.scheduler import Request, Scheduler, SchedulerLimits
-    from dora_megatron.rollout.protocol import SamplingParams
+    from dora_megatron.comm.protocol import SamplingParams
 
     prompt = [(3 + (j * 13) % 90) for j in range(context - 1)]
     sp = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)

@@ -39,7 +39,7 @@ def make_model(kind: str, out: Path, seed: int) -> tuple[Path, str]:
     """Write a random HF model dir; returns (dir, engine dtype)."""
     import torch
 
-    from dora_megatron.models import hf_io
+    from dora_megatron.models import hf_model_dir
     from dora_megatron.models.presets import preset_config
 
     if kind == "tiny":
@@ -51,30 +51,30 @@ def make_model(kind: str, out: Path, seed: int) -> tuple[Path, str]:
                    layer_types=["full_attention"] * 24, max_window_layers=24)
     else:
         raise ValueError(f"unknown model {kind!r}")
-    state = hf_io.random_state_dict(cfg, seed)
+    state = hf_model_dir.random_state_dict(cfg, seed)
     if dtype == "bfloat16":
         state = {k: v.to(torch.bfloat16) for k, v in state.items()}
-    hf_io.save_model_dir(out, cfg, state)
+    hf_model_dir.save_model_dir(out, cfg, state)
     return out, dtype
 
 
 async def _checksum(url: str) -> str:
-    from dora_megatron.rollout.client import EngineClient
+    from dora_megatron.comm.engine_client import EngineClient
 
     async with EngineClient(url) as c:
         return await c.weights_checksum()
 
 
 def bench_model(kind: str, buckets: list[float], repeats: int, root: Path) -> list[dict]:
-    from dora_megatron.models import hf_io
+    from dora_megatron.models import hf_model_dir
     from dora_megatron.rollout.engine.process import start_engine
-    from dora_megatron.weights.checksum import weights_checksum
+    from dora_megatron.comm.checksum import weights_checksum
     from dora_megatron.weights.snapshots import SnapshotStore
     from dora_megatron.weights.transport import push_disk, push_distributed, push_peer
 
     base, dtype = make_model(kind, root / f"{kind}-base", 0)
     new_dir, _ = make_model(kind, root / f"{kind}-new", 1)
-    tensors = hf_io.load_state_dict(new_dir)
+    tensors = hf_model_dir.load_state_dict(new_dir)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     nparams = sum(t.numel() for t in tensors.values())
     expected = weights_checksum(tensors)

@@ -167,7 +167,7 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from dora_megatron.data.tokenizer import save_tokenizer
     from dora_megatron.controller.build import Endpoints
     from dora_megatron.launch.local import run_controller
-    from dora_megatron.launch.processes import ProcessSet
+    from dora_megatron.processes import ProcessSet
 
     run_dir, model_dir = work / "run", work / "model"
     model_dir.mkdir(parents=True)

@@ -3,7 +3,7 @@
 
     python tools/convert_hf_to_megatron.py --hf DIR --out DIR [--tp N] [--pp N] [--ep N]
 
-Same as ``dora convert hf-to-megatron`` (see :mod:`dora_megatron.weights.convert`).
+Same as ``dora convert hf-to-megatron`` (see :mod:`dora_megatron.trainer.checkpoint_convert`).
 """
 
 import os

@@ -3,7 +3,7 @@
 
     python tools/convert_megatron_to_hf.py --ckpt DIR --out DIR [--hf-config DIR] [--dtype D]
 
-Same as ``dora convert megatron-to-hf`` (see :mod:`dora_megatron.weights.convert`).
+Same as ``dora convert megatron-to-hf`` (see :mod:`dora_megatron.trainer.checkpoint_convert`).
 """
 
 import os

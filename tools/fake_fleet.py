@@ -8,7 +8,7 @@ drawn from a long-tailed (Pareto) distribution seeded by the request's ``samplin
 rerun draws the same lengths. One aiohttp application serves every port of the process and
 finds the instance by the local port of the connection, so 1,000 instances cost one process.
 
-The surface is the one :class:`~dora_megatron.rollout.sglang.client.SGLangClient` speaks:
+The surface is the one :class:`~dora_megatron.comm.sglang_client.SGLangClient` speaks:
 ``/health``, ``/v1/loads``, ``/model_info``, ``/generate`` (with ``meta_info.weight_versions``),
 ``/abort_request`` (rid prefix or all, 200 with an empty body), ``/pause_generation``,
 ``/continue_generation``, ``/flush_cache``, ``/update_weights_from_disk``, ``/weights_checker``.

@@ -1,7 +1,7 @@
 """``dora convert``: Hugging Face <-> Megatron-Core ``dist_checkpointing`` checkpoints.
 
 Two forms, the same code as ``tools/convert_hf_to_megatron.py`` and ``tools/convert_megatron_to_hf.py``
-(:mod:`dora_megatron.weights.convert`)::
+(:mod:`dora_megatron.trainer.checkpoint_convert`)::
 
     dora convert hf-to-megatron --hf DIR --out DIR [--tp N] [--pp N] [--ep N]
     dora convert megatron-to-hf --ckpt DIR --out DIR [--hf-config DIR] [--dtype D]
@@ -40,7 +40,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dora_megatron.weights import convert
+    from dora_megatron.trainer import checkpoint_convert
 
     for k in ("tp", "pp", "ep"):
         if getattr(args, k) < 1:
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
 
     # the model's config.json: the HF directory, or the one the conversion reads the checkpoint with
     model_dir = args.hf if args.direction == "hf-to-megatron" else (
-        args.hf_config or str(Path(args.ckpt) / convert.HF_META_DIR))
+        args.hf_config or str(Path(args.ckpt) / checkpoint_convert.HF_META_DIR))
     hf_config = read_hf_config(model_dir)
     problems = layout_problems(hf_config, args.tp, args.pp, args.ep, prefix="--") if hf_config else []
     if problems:  # before any rank starts (Megatron would say it only inside torchrun's failure banner)
@@ -60,10 +60,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         if args.direction == "hf-to-megatron":
-            out = convert.hf_to_megatron(args.hf, args.out, args.tp, args.pp, args.ep)
+            out = checkpoint_convert.hf_to_megatron(args.hf, args.out, args.tp, args.pp, args.ep)
             sys.stdout.write(f"wrote Megatron checkpoint (tp={args.tp} pp={args.pp} ep={args.ep}) to {out}\n")
         else:
-            out = convert.megatron_to_hf(args.ckpt, args.out, args.hf_config, args.tp, args.pp, args.ep, args.dtype)
+            out = checkpoint_convert.megatron_to_hf(args.ckpt, args.out, args.hf_config, args.tp, args.pp, args.ep, args.dtype)
             sys.stdout.write(f"wrote Hugging Face model to {out}\n")
     except (FileNotFoundError, FileExistsError, ValueError, RuntimeError) as exc:
         sys.stderr.write(f"dora convert: {exc}\n")

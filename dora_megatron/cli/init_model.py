@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     out = create_model_dir(args.preset, args.out, args.seed)
     sys.stdout.write(f"wrote {args.preset} model (seed {args.seed}) to {out}\n")
     if args.warm_start:
-        from dora_megatron.data.warm_start import run_warm_start
+        from dora_megatron.models.warm_start import run_warm_start
 
         def say(msg: str) -> None:
             sys.stdout.write(msg + "\n")

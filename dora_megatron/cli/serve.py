@@ -45,7 +45,7 @@ def _listen(host: str, port: int):
 
 
 def run(args: argparse.Namespace) -> int:
-    from dora_megatron.models.hf_io import check_model_dir
+    from dora_megatron.models.hf_model_dir import check_model_dir
 
     problems = check_model_dir(args.model, need_tokenizer=False)  # the engine takes token ids
     if problems:

@@ -5,12 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dora_megatron.config.base import ConfigError, field_doc
-from dora_megatron.data.tasks import DIGIT_TASKS  # pure Python: names of the built-in digit tasks
+
+#: Names of the built-in marked-digit tasks: the keys of ``dora_megatron.data.tasks.DIGIT_TASKS``
+#: (config imports no component, so the names are spelled here; tests/unit/test_layering.py keeps
+#: both equal).
+DIGIT_TASK_NAMES = ("digit_cipher", "running_sum")
 
 
 @dataclass
 class DataConfig:
-    task: str = field_doc("digit_cipher", "Synthetic marked-digit task (`digit_cipher`: each digit through a fixed substitution; `running_sum`: running sum mod 10, much harder for tiny models) or `jsonl` for a prompt dataset file.", choices=(*DIGIT_TASKS, "jsonl"))
+    task: str = field_doc("digit_cipher", "Synthetic marked-digit task (`digit_cipher`: each digit through a fixed substitution; `running_sum`: running sum mod 10, much harder for tiny models) or `jsonl` for a prompt dataset file.", choices=(*DIGIT_TASK_NAMES, "jsonl"))
     path: str = field_doc("", "JSONL file with `prompt` and `answer` fields (DAPO-Math-17k layout); required when task is jsonl.")
     prompt_key: str = field_doc("prompt", "JSONL field holding the prompt text.")
     answer_key: str = field_doc("answer", "JSONL field holding the ground-truth answer.")

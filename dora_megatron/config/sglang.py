@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from dora_megatron.config.base import ConfigError, field_doc
-from dora_megatron.rollout.protocol import PAUSE_MODES
+from dora_megatron.comm.protocol import PAUSE_MODES
 
 
 @dataclass

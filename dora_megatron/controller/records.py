@@ -16,7 +16,7 @@ from dora_megatron.data.tasks import Prompt
 
 
 class Engine(Protocol):
-    """The subset of :class:`~dora_megatron.rollout.client.EngineClient` the runtime uses."""
+    """The subset of :class:`~dora_megatron.comm.engine_client.EngineClient` the runtime uses."""
 
     async def generate(self, input_ids, sampling_params=None, *, rid=None, return_logprob=True, version=None,
                        **kw): ...  # routed_experts=True when routing replay is on (omitted otherwise)

@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 def _is_comm_error(err: BaseException) -> bool:
     """Errors that mean "this engine cannot be reached or refused to work": the instance is failed."""
-    from dora_megatron.rollout.client import EngineError, ExtensionUnsupported
+    from dora_megatron.comm.engine_client import EngineError, ExtensionUnsupported
 
     if isinstance(err, (EngineError, ExtensionUnsupported, OSError, asyncio.TimeoutError, ConnectionError)):
         return True
@@ -330,7 +330,7 @@ class Runtime:
         }
 
     async def _submit(self, a: Submit) -> None:
-        from dora_megatron.rollout.client import VersionMismatch
+        from dora_megatron.comm.engine_client import VersionMismatch
 
         rec = self.samples[a.sample_id]
         if rec.finished:
@@ -389,7 +389,7 @@ class Runtime:
         return len(rec.output_ids)
 
     async def _migrate(self, a: Migrate, prev: asyncio.Task | None) -> None:
-        from dora_megatron.rollout.client import EngineError
+        from dora_megatron.comm.engine_client import EngineError
 
         rec = self.samples[a.sample_id]
         if rec.finished:

@@ -196,7 +196,7 @@ def measure_capacities(cfg, run_dir: Path, model_dir: Path, steps: int, say=log.
     capacities, one after the other (the idle one waits on its socket); every child is stopped on
     return or error. Returns ``rollout_tokens_per_s``, ``training_tokens_per_s`` and their inputs."""
     from dora_megatron.launch.plan import local_plan
-    from dora_megatron.launch.processes import ProcessSet
+    from dora_megatron.processes import ProcessSet
     from dora_megatron.ports import free_ports
 
     from dora_megatron.config.loader import dump_yaml

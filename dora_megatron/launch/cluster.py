@@ -33,8 +33,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from dora_megatron.launch.plan import ProcessSpec, embedded_argv, thread_env
+from dora_megatron.launch.plan import embedded_argv, thread_env
 from dora_megatron.launch.slurm import SlurmEnv
+from dora_megatron.processes import ProcessSpec
 from dora_megatron.rollout.sglang.args import InstanceSpec, server_argv
 
 if TYPE_CHECKING:
@@ -81,6 +82,23 @@ def _trainer_argv(cfg: "DoraConfig", model_dir: str, run_dir: str, nnodes: int, 
     )
 
 
+def _trainer_procs(cfg: "DoraConfig", model_dir: str, run_dir: str, trainer_nodes: list[str], nproc: int,
+                   master: str, *, gpus: tuple[int, ...]) -> list[ProcessSpec]:
+    """One torchrun per trainer node (``nproc`` ranks each, contiguous per node); node 0 also binds the
+    rendezvous, the trainer service and the weight-group store. ``gpus``: each node's GPU indices
+    (empty on the CPU route)."""
+    c = cfg.cluster
+    out = []
+    for k, node in enumerate(trainer_nodes):
+        extra = {"torchrun": c.torchrun_port, "trainer_service": c.trainer_service_port,
+                 "weight_group_store": c.weight_group_port} if k == 0 else {}
+        out.append(ProcessSpec(
+            "trainer", f"trainer{k}", node, _trainer_argv(cfg, model_dir, run_dir, len(trainer_nodes), k, nproc, master),
+            threads=cfg.launch.trainer_threads, ranks=tuple(range(k * nproc, (k + 1) * nproc)),
+            env=thread_env(cfg.launch.trainer_threads), gpus=gpus, extra_ports=extra))
+    return out
+
+
 def slurm_plan(cfg: "DoraConfig", env: SlurmEnv, model_dir: str, run_dir: str, *, join: bool = False) -> ClusterPlan:
     """The job's plan; with ``join`` every node of ``env`` is a rollout node of instances that join an
     already running job (names ``j<JOBID>-sgl<i>``; no trainer, controller or groups)."""
@@ -124,14 +142,8 @@ def slurm_plan(cfg: "DoraConfig", env: SlurmEnv, model_dir: str, run_dir: str, *
     master = trainer_nodes[0]
     procs: list[ProcessSpec] = []
     roles = {n: "idle" for n in nodes}
-    for k, node in enumerate(trainer_nodes):
-        roles[node] = "trainer"
-        extra = {"torchrun": c.torchrun_port, "trainer_service": c.trainer_service_port,
-                 "weight_group_store": c.weight_group_port} if k == 0 else {}
-        procs.append(ProcessSpec(
-            "trainer", f"trainer{k}", node, _trainer_argv(cfg, model_dir, run_dir, len(trainer_nodes), k, t_gpus, master),
-            threads=cfg.launch.trainer_threads, ranks=tuple(range(k * t_gpus, (k + 1) * t_gpus)),
-            env=thread_env(cfg.launch.trainer_threads), gpus=tuple(range(t_gpus)), extra_ports=extra))
+    roles.update(dict.fromkeys(trainer_nodes, "trainer"))
+    procs.extend(_trainer_procs(cfg, model_dir, run_dir, trainer_nodes, t_gpus, master, gpus=tuple(range(t_gpus))))
     engine_urls: dict[str, str] = {}
     engine_gpus: dict[str, int] = {}
     inst_index = 0
@@ -252,14 +264,8 @@ def _embedded_plan(cfg: "DoraConfig", env: SlurmEnv, model_dir: str, run_dir: st
         raise PlanError(f"trainer world size {world} ({len(trainer_nodes)} node(s) x {nproc} rank(s)): {err}") from err
     master = trainer_nodes[0]
     roles = {n: "idle" for n in env.nodes}
-    for k, node in enumerate(trainer_nodes):
-        roles[node] = "trainer"
-        extra = {"torchrun": c.torchrun_port, "trainer_service": c.trainer_service_port,
-                 "weight_group_store": c.weight_group_port} if k == 0 else {}
-        procs.append(ProcessSpec(
-            "trainer", f"trainer{k}", node, _trainer_argv(cfg, model_dir, run_dir, len(trainer_nodes), k, nproc, master),
-            threads=cfg.launch.trainer_threads, ranks=tuple(range(k * nproc, (k + 1) * nproc)),
-            env=thread_env(cfg.launch.trainer_threads), extra_ports=extra))
+    roles.update(dict.fromkeys(trainer_nodes, "trainer"))
+    procs.extend(_trainer_procs(cfg, model_dir, run_dir, trainer_nodes, nproc, master, gpus=()))
     for node in rollout_nodes:
         roles[node] = "trainer+rollout" if roles[node] == "trainer" else "rollout"
         for j in range(per_node):
@@ -292,24 +298,6 @@ def _join_plan(cfg: "DoraConfig", env: SlurmEnv, model_dir: str, gpn: int) -> Cl
             gpus[name] = tp
     return ClusterPlan(tuple(env.nodes), {n: "rollout" for n in env.nodes}, procs, [], urls, gpus, "", "",
                        [f"join: {len(urls)} instance(s) of tp={tp} join the running job"])
-
-
-def local_sglang_engines(cfg: "DoraConfig", model_dir: str, port0: int | None) -> list[ProcessSpec]:
-    """SGLang instances of a single-machine run: the GPUs after the trainer's (if it uses CUDA)."""
-    sg = cfg.sglang
-    gpu0 = cfg.launch.trainer_procs if cfg.trainer.device == "cuda" else 0
-    out = []
-    for i in range(cfg.rollout.num_instances):
-        port = port0 + i * sg.port_stride if port0 else None
-        spec = InstanceSpec(f"engine{i}", model_dir, cfg.rollout.host, port or 0, port + 1 if port else None,
-                            gpu0 + i * sg.tp_size, sg.tp_size, "0", seed=cfg.run.seed + i)
-        argv = list(server_argv(spec, sg, cfg.rollout, cfg.algo.wants_routed_experts))
-        if not port:
-            argv[argv.index("--port") + 1] = "<free-port>"
-        out.append(ProcessSpec("engine", f"engine{i}", cfg.rollout.host, tuple(argv), port=port,
-                               gpus=tuple(range(spec.base_gpu_id, spec.base_gpu_id + sg.tp_size)),
-                               extra_ports={"nccl": port + 1} if port else {}))
-    return out
 
 
 def check_plan(plan: ClusterPlan, gpus_per_node: int) -> list[str]:

@@ -15,7 +15,7 @@ from dora_megatron.config.schema import DoraConfig
 
 def model_path_problem(cfg: DoraConfig) -> str | None:
     """Why ``model.path`` (when set) cannot run a job, or None; checked before anything starts."""
-    from dora_megatron.models.hf_io import check_model_dir
+    from dora_megatron.models.hf_model_dir import check_model_dir
 
     problems = check_model_dir(Path(cfg.model.path).resolve()) if cfg.model.path else []
     return "model.path: " + "; ".join(problems) if problems else None

@@ -28,9 +28,10 @@ from dora_megatron.config.loader import dump_yaml
 from dora_megatron.config.schema import DoraConfig
 from dora_megatron.controller.build import Endpoints
 from dora_megatron.launch.inputs import input_problem
-from dora_megatron.launch.plan import ProcessSpec, local_plan
-from dora_megatron.launch.processes import ChildFailed, ProcessSet
+from dora_megatron.launch.plan import local_plan
 from dora_megatron.ports import free_ports
+from dora_megatron.processes import ChildFailed, ProcessSet, ProcessSpec
+from dora_megatron.rollout.health import InstanceNotReady, wait_ready
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ def prepare_model(cfg: DoraConfig, run_dir: Path, say=print) -> Path:
         return path
     create_model_dir(cfg.model.preset, path, seed=cfg.run.seed)
     if cfg.model.warm_start:
-        from dora_megatron.data.warm_start import run_warm_start
+        from dora_megatron.models.warm_start import run_warm_start
 
         d = cfg.data
         run_warm_start(path, cfg.model.warm_start, cfg.model.warm_start_steps, seed=cfg.run.seed, say=say,
@@ -72,7 +73,7 @@ def engine_for(cfg: DoraConfig, url: str, model_dir: str, procs: ProcessSet | No
     elastic joins alike). ``procs``: the launcher's processes, when it may restart vLLM instances;
     ``run_dir``: the run's (shared) directory, through which other nodes restart theirs."""
     if cfg.rollout.engine == "sglang":  # SGLang protocol only: abort+resubmit migration, echoed-version C1 check
-        from dora_megatron.rollout.sglang.client import SGLangClient
+        from dora_megatron.comm.sglang_client import SGLangClient
         from dora_megatron.rollout.sglang.engine import SGLangEngine
 
         return SGLangEngine(SGLangClient(url, timeout_s=cfg.rollout.request_timeout_s),
@@ -81,7 +82,7 @@ def engine_for(cfg: DoraConfig, url: str, model_dir: str, procs: ProcessSet | No
         from dora_megatron.rollout.vllm.launch import make_vllm_engine
 
         return make_vllm_engine(cfg, url, model_dir, procs, run_dir)
-    from dora_megatron.rollout.client import EngineClient
+    from dora_megatron.comm.engine_client import EngineClient
 
     return EngineClient(url, timeout_s=cfg.rollout.request_timeout_s)
 

@@ -7,33 +7,13 @@ anything. The local launcher executes exactly this plan.
 
 from __future__ import annotations
 
-import shlex
 import sys
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from dora_megatron.processes import ProcessSpec
 
 if TYPE_CHECKING:
     from dora_megatron.config.schema import DoraConfig
-
-
-@dataclass(frozen=True)
-class ProcessSpec:
-    role: str  # "engine", "trainer", "controller"
-    name: str
-    host: str
-    argv: tuple[str, ...]
-    port: int | None = None
-    threads: int = 1
-    ranks: tuple[int, ...] = ()
-    env: dict[str, str] = field(default_factory=dict)
-    cpus: tuple[int, ...] = ()  # CPU affinity (empty = not pinned)
-    gpus: tuple[int, ...] = ()  # GPU indices on ``host`` this process uses (empty: none / CPU)
-    extra_ports: dict[str, int] = field(default_factory=dict)  # other ports it binds on ``host`` (nccl, store ...)
-
-    def command_line(self) -> str:
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
-        cmd = " ".join(shlex.quote(a) for a in self.argv)
-        return f"{env} {cmd}".strip()
 
 
 def thread_env(threads: int) -> dict[str, str]:
@@ -59,7 +39,7 @@ def local_plan(cfg: "DoraConfig", model_dir: str, run_dir: str, base_port: int |
     port0 = cfg.rollout.base_port if base_port is None else base_port
     plan: list[ProcessSpec] = []
     if cfg.rollout.engine == "sglang":
-        from dora_megatron.launch.cluster import local_sglang_engines
+        from dora_megatron.rollout.sglang.launch import local_sglang_engines
 
         plan.extend(local_sglang_engines(cfg, model_dir, port0))
     if cfg.rollout.engine == "vllm":

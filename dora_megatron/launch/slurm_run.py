@@ -36,7 +36,7 @@ from pathlib import Path
 from dora_megatron.config.loader import dump_yaml
 from dora_megatron.config.schema import DoraConfig
 from dora_megatron.launch.cluster import ClusterPlan
-from dora_megatron.launch.processes import ChildFailed, ProcessSet
+from dora_megatron.processes import ChildFailed, ProcessSet
 from dora_megatron.launch.slurm import SlurmEnv, slurm_run_dir
 
 log = logging.getLogger(__name__)

@@ -23,8 +23,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from dora_megatron.launch.processes import ChildFailed, ProcessSet
 from dora_megatron.ports import free_ports
+from dora_megatron.processes import ChildFailed, ProcessSet
+from dora_megatron.rollout.health import InstanceNotReady, wait_ready
 
 log = logging.getLogger(__name__)
 
@@ -150,18 +151,11 @@ class EngineSupervisor:
             self._restarting.pop(name, None)
 
     async def _healthy(self, url: str, child) -> bool:
-        import aiohttp
-
-        deadline = time.monotonic() + self.policy.startup_timeout_s
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
-            while time.monotonic() < deadline:
-                if not child.alive():
-                    return False
-                try:
-                    async with session.get(f"{url}{self.policy.health_path}") as resp:
-                        if resp.status == 200:
-                            return True
-                except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-                    pass
-                await asyncio.sleep(0.25)
-        return False
+        """Whether the restarted ``child`` serves ``health_path`` before ``startup_timeout_s`` (False: it
+        exited or timed out; the caller logs it and retries while attempts remain)."""
+        try:
+            await wait_ready(url, path=self.policy.health_path, timeout_s=self.policy.startup_timeout_s,
+                             interval_s=0.25, alive=child.alive)
+        except InstanceNotReady:
+            return False
+        return True

@@ -79,11 +79,11 @@ def create_model_dir(preset: str, out_dir: str | Path, seed: int = 0) -> Path:
     Linear and embedding weights are N(0, initializer_range) from a ``torch.Generator`` seeded
     with ``seed`` (so the same seed gives the same bytes); norm weights are ones.
     """
-    from dora_megatron.models import hf_io
+    from dora_megatron.models import hf_model_dir
 
     config = preset_config(preset)
-    state = hf_io.random_state_dict(config, seed)
+    state = hf_model_dir.random_state_dict(config, seed)
     out = Path(out_dir)
-    hf_io.save_model_dir(out, config, state)
+    hf_model_dir.save_model_dir(out, config, state)
     tok.save_tokenizer(out)
     return out

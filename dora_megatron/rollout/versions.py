@@ -25,7 +25,7 @@ def span_problem(spans: Sequence[Span], n_tokens: int, expected: str, *, updates
     * ``updates_in_flight=True`` (SGLang with ``sglang.pause_mode`` ``retract``/``in_place``): the
       engine switches weights *under* running requests on purpose, so later spans may show newer
       versions; the answer is kept and the runtime records every version in its spans
-      (:attr:`~dora_megatron.rollout.protocol.GenerateResponse.versions_used`). Only the first
+      (:attr:`~dora_megatron.comm.protocol.GenerateResponse.versions_used`). Only the first
       span is checked, and an answer without spans stands for its echoed version.
     * ``updates_in_flight=False`` (vLLM: the adapter switches only an empty, paused instance):
       every output token must be shown to come from ``expected``, so the spans must cover tokens

@@ -78,7 +78,7 @@ async def read_frame(reader: asyncio.StreamReader) -> list[tuple]:
 
 def encode_error(err: BaseException) -> tuple:
     """``err`` as a picklable tuple (see the module doc)."""
-    from dora_megatron.rollout.client import EngineError, ExtensionUnsupported, VersionMismatch
+    from dora_megatron.comm.engine_client import EngineError, ExtensionUnsupported, VersionMismatch
 
     if isinstance(err, EngineError):
         return ("version" if isinstance(err, VersionMismatch) else "engine", err.url, err.status, err.message)
@@ -92,7 +92,7 @@ def encode_error(err: BaseException) -> tuple:
 
 
 def decode_error(code: tuple) -> BaseException:
-    from dora_megatron.rollout.client import EngineError, ExtensionUnsupported, VersionMismatch
+    from dora_megatron.comm.engine_client import EngineError, ExtensionUnsupported, VersionMismatch
 
     kind = code[0]
     if kind in ("engine", "version"):

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 import torch
 
-from dora_megatron.rollout.routing import decode_routed_experts
+from dora_megatron.comm.routed_experts import decode_routed_experts
 
 
 def sample_routing(routed: Any, num_layers: int, top_k: int, positions: int, where: str) -> torch.Tensor:

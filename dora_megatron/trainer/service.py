@@ -37,7 +37,7 @@ from pathlib import Path
 from queue import Queue
 from typing import Any, Callable, Protocol
 
-from dora_megatron.rollout.protocol import PAUSE_MODES
+from dora_megatron.comm.protocol import PAUSE_MODES
 
 log = logging.getLogger(__name__)
 

@@ -160,7 +160,7 @@ class TrainerWorker:
     """
 
     def __init__(self, trainer_cfg: TrainerConfig, algo_cfg: AlgoConfig, hf_model_dir: str) -> None:
-        from dora_megatron.trainer import cpu_compat, hf_io, model as model_mod, parallel
+        from dora_megatron.trainer import cpu_compat, hf_weights, model as model_mod, parallel
 
         self.cfg = trainer_cfg
         self.algo = algo_cfg
@@ -187,7 +187,7 @@ class TrainerWorker:
                                         pre_process=self.layout.first_stage, post_process=self.layout.last_stage)
         if trainer_cfg.device == "cuda":
             gpt = gpt.cuda()
-        hf_io.load_hf_into_model(gpt, hf_io.read_hf_safetensors(hf_model_dir), self.arch, self.layout)
+        hf_weights.load_hf_into_model(gpt, hf_weights.read_hf_safetensors(hf_model_dir), self.arch, self.layout)
         self.model = self._wrap_ddp(gpt)
         from dora_megatron.trainer.routing_replay import local_routers
 
@@ -485,14 +485,14 @@ class TrainerWorker:
         """Full HF-named tensors (per-expert layout, TP/EP/PP gathered), yielded on global rank 0 only.
 
         Collective: every rank must iterate it to the end (non-zero ranks get an empty iterator)."""
-        from dora_megatron.trainer import hf_io
+        from dora_megatron.trainer import hf_weights
 
-        return hf_io.export_hf(self.model, self.arch, self.layout)
+        return hf_weights.export_hf(self.model, self.arch, self.layout)
 
     # ------------------------------------------------------------------ checkpoints
 
     def _sharded_state_dict(self, is_loading: bool) -> dict:
-        from dora_megatron.trainer.hf_io import unwrap
+        from dora_megatron.trainer.hf_weights import unwrap
 
         model_sd = unwrap(self.model).sharded_state_dict()
         # dp_reshardable: parallel save/load without gathers; resharding only across DP. (fully_reshardable
@@ -550,7 +550,7 @@ class TrainerWorker:
             # name the checkpoint first: the cause is deep inside torch
             raise RuntimeError(f"cannot load the trainer checkpoint {directory} (damaged or incomplete?): "
                                f"{type(err).__name__}: {err}") from err
-        from dora_megatron.trainer.hf_io import unwrap
+        from dora_megatron.trainer.hf_weights import unwrap
 
         unwrap(self.model).load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])

@@ -51,7 +51,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Protocol
 
-from dora_megatron.rollout.protocol import PAUSE_MODES
+from dora_megatron.comm.protocol import PAUSE_MODES
 from dora_megatron.weights.plan import plan_buckets, spec_of
 from dora_megatron.weights.results import PushError, PushResult, failures
 
@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 
 
 class UpdateTarget(Protocol):
-    """The instance calls a push needs (:class:`~dora_megatron.rollout.sglang.client.SGLangClient`)."""
+    """The instance calls a push needs (:class:`~dora_megatron.comm.sglang_client.SGLangClient`)."""
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                         group_name: str = ..., backend: str = ...) -> dict[str, Any]: ...
@@ -135,7 +135,7 @@ class DistributedWeightPusher:
     async def connect(self) -> None:
         """Form the group; raises :class:`PushError` naming the instances (or ``trainer``) that
         could not join. Call :meth:`disconnect` afterwards either way."""
-        from dora_megatron.rollout.engine import weight_sync
+        from dora_megatron.comm import weight_group
 
         t0 = time.perf_counter()
         names = list(self.targets)
@@ -144,7 +144,7 @@ class DistributedWeightPusher:
                                                                    self.layout.world_size, self.group_name, self.backend))
                  for t, off in zip(self.targets.values(), self.layout.rank_offsets)]
         own = asyncio.ensure_future(asyncio.to_thread(
-            weight_sync.init_weight_update_group, self.master_address, self.master_port, 0, self.layout.world_size,
+            weight_group.init_weight_update_group, self.master_address, self.master_port, 0, self.layout.world_size,
             self.group_name, self.backend, self.timeout_s))
         results = await asyncio.gather(own, *calls, return_exceptions=True)
         errors = failures(names, results[1:])
@@ -161,7 +161,7 @@ class DistributedWeightPusher:
 
     async def disconnect(self) -> None:
         """Destroy the group on the instances that joined it and on this side (best effort)."""
-        from dora_megatron.rollout.engine import weight_sync
+        from dora_megatron.comm import weight_group
 
         gone = await asyncio.gather(*(self.targets[n].destroy_weights_update_group(self.group_name)
                                       for n in self.joined), return_exceptions=True)
@@ -171,7 +171,7 @@ class DistributedWeightPusher:
         self.joined = []
         if self.group is not None:
             try:
-                weight_sync.destroy_weight_update_group(self.group)
+                weight_group.destroy_weight_update_group(self.group)
             except Exception:  # noqa: BLE001 - best effort
                 log.warning("could not destroy the trainer side of %s", self.group_name, exc_info=True)
             self.group = None
@@ -186,7 +186,7 @@ class DistributedWeightPusher:
 
     async def push(self, version: int | str, named_tensors: Iterable[tuple[str, Any]]) -> PushResult:
         """Send every ``(hf_name, tensor)`` as weights ``version`` to every instance."""
-        from dora_megatron.rollout.engine import weight_sync
+        from dora_megatron.comm import weight_group
 
         if self.group is None:
             raise RuntimeError("push before connect")
@@ -216,7 +216,7 @@ class DistributedWeightPusher:
                     b.names, b.dtypes, b.shapes, group_name=self.group_name,
                     weight_version=str(version) if last else None, **flags))
                     for t in self.targets.values()]
-                send = asyncio.to_thread(weight_sync.send_tensors, self.group, [by_name[n] for n in b.names])
+                send = asyncio.to_thread(weight_group.send_tensors, self.group, [by_name[n] for n in b.names])
                 results = await asyncio.gather(send, *posts, return_exceptions=True)
                 errors = failures(names, results[1:])
                 if isinstance(results[0], BaseException):

@@ -4,7 +4,7 @@ WHY: the disk transport (``/update_weights_from_disk``) and late-joining instanc
 live version both load a version's weights from a directory ``<root>/vNNNNNN``. A snapshot must
 be complete or absent (engines may read it while the trainer writes the next one), so it is
 written to a temporary sibling directory and renamed. Each snapshot records its version, the
-checksum of its tensors (:func:`dora_megatron.weights.checksum.weights_checksum`, the same number
+checksum of its tensors (:func:`dora_megatron.comm.checksum.weights_checksum`, the same number
 the engines report) and the byte size of every file, so a truncated or corrupted file is found
 with a clear message before an engine loads it. Old versions are pruned once no live instance
 or in-flight group can still need them (the caller decides ``keep_from``).
@@ -46,7 +46,7 @@ def write_snapshot(out_dir: str | Path, tensors: Mapping[str, Any] | Iterable[tu
     is replaced. A crash leaves at most a ``<name>.tmp`` directory, never a partial snapshot."""
     from safetensors.torch import save_file
 
-    from dora_megatron.weights.checksum import weights_checksum
+    from dora_megatron.comm.checksum import weights_checksum
 
     out_dir = Path(out_dir)
     src = Path(config_src_dir)
@@ -96,7 +96,7 @@ def verify_snapshot(snapshot_dir: str | Path) -> str:
     unreadable safetensors, checksum mismatch)."""
     from safetensors.torch import load_file
 
-    from dora_megatron.weights.checksum import weights_checksum
+    from dora_megatron.comm.checksum import weights_checksum
 
     d = Path(snapshot_dir)
     manifest = read_manifest(d)

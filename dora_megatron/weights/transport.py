@@ -67,8 +67,8 @@ async def push_distributed_async(
     Raises :class:`PushError` when any engine failed (every engine's update session is closed and its
     generation continued on every exit path all the same); returns a
     :class:`PushResult` whose ``seconds`` include forming the group."""
-    from dora_megatron.rollout.sglang.client import SGLangClient
-    from dora_megatron.weights.checksum import weights_checksum
+    from dora_megatron.comm.sglang_client import SGLangClient
+    from dora_megatron.comm.checksum import weights_checksum
 
     items = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
     urls = [u.rstrip("/") for u in engine_urls]
@@ -111,7 +111,7 @@ async def _fan_out(engine_urls: Sequence[str], call, what: str, timeout_s: float
     """Run ``call(client)`` on every engine concurrently; raise :class:`PushError` naming the failed ones.
 
     Returns the per-engine results, the seconds the calls took and the versions the engines report."""
-    from dora_megatron.rollout.client import EngineClient
+    from dora_megatron.comm.engine_client import EngineClient
 
     urls = [u.rstrip("/") for u in engine_urls]
     clients = [EngineClient(u, timeout_s=timeout_s) for u in urls]

@@ -67,8 +67,8 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     from dora_megatron.config.schema import load_config
-    from dora_megatron.launch.plan import ProcessSpec
-    from dora_megatron.launch.processes import ProcessSet
+    from dora_megatron.processes import ProcessSpec
+    from dora_megatron.processes import ProcessSet
     from dora_megatron.ports import free_port
     from dora_megatron.rollout.sglang.args import InstanceSpec, server_argv
     from dora_megatron.rollout.sglang.server import start_instance, wait_ready
@@ -94,8 +94,8 @@ def test_loads_version_flush_abort_and_session_rule(server, model_dir):
     import aiohttp
 
     from dora_megatron.controller.runtime import abort_until_returned
-    from dora_megatron.rollout.client import EngineError
-    from dora_megatron.rollout.sglang.client import SGLangClient
+    from dora_megatron.comm.engine_client import EngineError
+    from dora_megatron.comm.sglang_client import SGLangClient
     from dora_megatron.rollout.sglang.engine import SGLangEngine
     from dora_megatron.rollout.sglang.server import check_versions
 
@@ -144,14 +144,14 @@ def test_loads_version_flush_abort_and_session_rule(server, model_dir):
 def test_distributed_choreography_over_nccl(server, model_dir):
     import torch
 
-    from dora_megatron.models import hf_io
+    from dora_megatron.models import hf_model_dir
     from dora_megatron.ports import free_port
-    from dora_megatron.rollout.sglang.client import SGLangClient
+    from dora_megatron.comm.sglang_client import SGLangClient
     from dora_megatron.rollout.sglang.engine import SGLangEngine
     from dora_megatron.weights.distributed import DistributedWeightPusher
     from dora_megatron.weights.results import PushError
 
-    state = hf_io.load_state_dict(model_dir)
+    state = hf_model_dir.load_state_dict(model_dir)
     device = torch.device("cuda", GPUS - 1)
     torch.cuda.set_device(device)  # the trainer's NCCL rank must not share SGLang's GPU 0
     tensors = [(n, t.to(device=device, dtype=torch.bfloat16)) for n, t in sorted(state.items())]

@@ -15,7 +15,7 @@ import signal
 
 import pytest
 
-from dora_megatron.rollout.client import EngineClient
+from dora_megatron.comm.engine_client import EngineClient
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from dora_megatron.rollout.client import EngineClient, EngineError, VersionMismatch
+from dora_megatron.comm.engine_client import EngineClient, EngineError, VersionMismatch
 
 pytestmark = pytest.mark.integration
 
@@ -55,7 +55,7 @@ def test_greedy_matches_in_process_engine_and_logprobs(engine, model_dir):
 
     from dora_megatron.rollout.engine.model import load_model
     from dora_megatron.rollout.engine.scheduler import Request, Scheduler, SchedulerLimits
-    from dora_megatron.rollout.protocol import SamplingParams
+    from dora_megatron.comm.protocol import SamplingParams
 
     torch.set_num_threads(1)
     out = {}

@@ -21,7 +21,7 @@ import resource
 import aiohttp
 import pytest
 
-from dora_megatron.rollout.client import EngineClient
+from dora_megatron.comm.engine_client import EngineClient
 
 pytestmark = pytest.mark.integration
 

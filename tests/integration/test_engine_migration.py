@@ -8,7 +8,7 @@ import pytest
 
 from tests.integration.conftest import make_tiny_moe
 
-from dora_megatron.rollout.client import EngineClient, ExtensionUnsupported
+from dora_megatron.comm.engine_client import EngineClient, ExtensionUnsupported
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,7 @@ import base64
 import numpy as np
 import pytest
 
-from dora_megatron.rollout.client import EngineClient
+from dora_megatron.comm.engine_client import EngineClient
 
 pytestmark = pytest.mark.integration
 

@@ -7,12 +7,12 @@ import asyncio
 import pytest
 import torch
 
-from dora_megatron.models import hf_io
+from dora_megatron.models import hf_model_dir
 from dora_megatron.models.presets import create_model_dir, preset_config
 from dora_megatron.ports import free_port
-from dora_megatron.rollout.client import EngineClient, EngineError
-from dora_megatron.rollout.engine import weight_sync
-from dora_megatron.weights.checksum import weights_checksum
+from dora_megatron.comm.engine_client import EngineClient, EngineError
+from dora_megatron.comm import weight_group
+from dora_megatron.comm.checksum import weights_checksum
 
 pytestmark = pytest.mark.integration
 
@@ -24,7 +24,7 @@ def _model(tmp_path_factory, preset, seed):
     out = tmp_path_factory.mktemp(f"{preset}-{seed}")
     cfg = preset_config(preset)
     cfg["initializer_range"] = 0.1
-    hf_io.save_model_dir(out, cfg, hf_io.random_state_dict(cfg, seed))
+    hf_model_dir.save_model_dir(out, cfg, hf_model_dir.random_state_dict(cfg, seed))
     return str(out)
 
 
@@ -63,17 +63,17 @@ def test_update_from_disk_changes_outputs_version_and_checksum(engine, dirs):
             return before, after, bad.value, missing.value, kept
 
     before, after, bad, missing, kept = asyncio.run(go())
-    assert before[1] == "0" and before[2] == weights_checksum(hf_io.load_state_dict(dirs[0]))
+    assert before[1] == "0" and before[2] == weights_checksum(hf_model_dir.load_state_dict(dirs[0]))
     assert after[0] != before[0]
     assert after[1] == after[3] == "1"
-    assert after[2] == weights_checksum(hf_io.load_state_dict(dirs[1]))
+    assert after[2] == weights_checksum(hf_model_dir.load_state_dict(dirs[1]))
     assert bad.status == 400 and "mlp.gate_proj" in bad.message and "old weights kept" in bad.message
     assert missing.status == 400 and "/nonexistent/dir" in missing.message
     assert kept == after  # failed updates left weights and version intact
 
 
 def test_update_over_distributed_group(engine, dirs):
-    new = hf_io.load_state_dict(dirs[2])
+    new = hf_model_dir.load_state_dict(dirs[2])
     names = sorted(new)
     half = len(names) // 2
     buckets = [names[:half], names[half:]]
@@ -86,7 +86,7 @@ def test_update_over_distributed_group(engine, dirs):
 
             def trainer_join():
                 # 15 s bounds the trainer's broadcast of the rejected bucket below (it may never be received)
-                group_box["g"] = weight_sync.init_weight_update_group("127.0.0.1", port, 0, 2, "wg-test", "gloo", 15)
+                group_box["g"] = weight_group.init_weight_update_group("127.0.0.1", port, 0, 2, "wg-test", "gloo", 15)
 
             await asyncio.gather(
                 c.init_weights_update_group("127.0.0.1", port, 1, 2, group_name="wg-test", backend="gloo"),
@@ -99,7 +99,7 @@ def test_update_over_distributed_group(engine, dirs):
                     c.update_weights_from_distributed(
                         bucket, [t.dtype for t in tensors], [t.shape for t in tensors], group_name="wg-test", weight_version=5
                     ),
-                    asyncio.to_thread(weight_sync.send_tensors, g, tensors),
+                    asyncio.to_thread(weight_group.send_tensors, g, tensors),
                 )
             after = await _state(c)
             # wrong name and wrong shape: rejected before receiving (nothing allocated, old weights
@@ -110,13 +110,13 @@ def test_update_over_distributed_group(engine, dirs):
                 c.update_weights_from_distributed(
                     bad_names, ["float32"] * 3, [list(t.shape) for t in bad_tensors], group_name="wg-test", weight_version=6
                 ),
-                asyncio.to_thread(weight_sync.send_tensors, g, bad_tensors),
+                asyncio.to_thread(weight_group.send_tensors, g, bad_tensors),
                 return_exceptions=True,
             )
             kept = await _state(c)
             still = await c.generate(PROMPT, GREEDY)
             await c.destroy_weights_update_group("wg-test")
-            weight_sync.destroy_weight_update_group(g)
+            weight_group.destroy_weight_update_group(g)
             return before, after, results[0], kept, still
 
     before, after, err, kept, still = asyncio.run(go())

@@ -30,11 +30,11 @@ from dora_megatron.controller.records import RuntimeOptions
 from dora_megatron.controller.runtime import Runtime
 from dora_megatron.data import tokenizer as tok
 from dora_megatron.data.tasks import RunningSumTask, running_sum_reward
-from dora_megatron.models import hf_io
+from dora_megatron.models import hf_model_dir
 from dora_megatron.orchestrator import Orchestrator
 from dora_megatron.ports import free_port, free_ports
-from dora_megatron.rollout.client import VersionMismatch
-from dora_megatron.rollout.sglang.client import SGLangClient
+from dora_megatron.comm.engine_client import VersionMismatch
+from dora_megatron.comm.sglang_client import SGLangClient
 from dora_megatron.rollout.sglang.engine import SGLangEngine
 from dora_megatron.weights.distributed import DistributedWeightPusher
 from dora_megatron.weights.results import PushError
@@ -54,7 +54,7 @@ def model_dir(tmp_path_factory):
     cfg = preset_config("tiny-moe")
     cfg["initializer_range"] = 0.3
     out = tmp_path_factory.mktemp("sgl-moe")
-    hf_io.save_model_dir(out, cfg, hf_io.random_state_dict(cfg, 1))
+    hf_model_dir.save_model_dir(out, cfg, hf_model_dir.random_state_dict(cfg, 1))
     return str(out)
 
 
@@ -150,8 +150,8 @@ def test_distributed_push_choreography_against_sglang_0_5_23(engines, model_dir,
     from dora_megatron.models.presets import preset_config
 
     cfg = preset_config("tiny-moe")
-    new = hf_io.random_state_dict(cfg, 11)
-    newer = hf_io.random_state_dict(cfg, 12)
+    new = hf_model_dir.random_state_dict(cfg, 11)
+    newer = hf_model_dir.random_state_dict(cfg, 12)
     prompt = tok.encode("123:", add_bos=True)
     long = {"temperature": 0.0, "max_new_tokens": 400, "ignore_eos": True}
     greedy = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}

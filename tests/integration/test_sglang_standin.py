@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 
 from dora_megatron.data import tokenizer as tok
-from dora_megatron.rollout.sglang.client import SGLangClient
+from dora_megatron.comm.sglang_client import SGLangClient
 from tests.sglang_standin import start_standin
 
 pytestmark = pytest.mark.integration

@@ -168,7 +168,7 @@ def test_runtime_on_vllm_migrates_by_resubmit_and_continues_the_same_greedy_sequ
     from dora_megatron.controller.runtime import Runtime
     from dora_megatron.data import tokenizer as tok
     from dora_megatron.data.tasks import RunningSumTask, running_sum_reward
-    from dora_megatron.models import hf_io
+    from dora_megatron.models import hf_model_dir
     from dora_megatron.models.presets import preset_config
     from dora_megatron.orchestrator import Orchestrator
     from dora_megatron.rollout.vllm.engine import VLLMEngine
@@ -176,7 +176,7 @@ def test_runtime_on_vllm_migrates_by_resubmit_and_continues_the_same_greedy_sequ
     cfg = preset_config("tiny-dense")
     cfg["initializer_range"] = 0.3  # answers end (EOS) after very different lengths: a long tail
     model_dir = tmp_path / "model"
-    hf_io.save_model_dir(model_dir, cfg, hf_io.random_state_dict(cfg, 1))
+    hf_model_dir.save_model_dir(model_dir, cfg, hf_model_dir.random_state_dict(cfg, 1))
     ports = free_ports(2, "127.0.0.1")
     servers = [Server(model_dir, p, tmp_path) for p in ports]
     names = ["e0", "e1"]

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from dora_megatron.models import hf_io
+from dora_megatron.models import hf_model_dir
 from dora_megatron.models.presets import preset_config
 
 pytestmark = pytest.mark.integration
@@ -25,7 +25,7 @@ def hf_model(tmp_path_factory):
     cfg["num_hidden_layers"] = 2
     cfg["initializer_range"] = 0.1
     out = tmp_path_factory.mktemp("hf") / "moe"
-    hf_io.save_model_dir(out, cfg, hf_io.random_state_dict(cfg, 7))
+    hf_model_dir.save_model_dir(out, cfg, hf_model_dir.random_state_dict(cfg, 7))
     (out / "tokenizer.json").write_text("{}")
     return out
 
@@ -33,7 +33,7 @@ def hf_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def round_trips(hf_model, tmp_path_factory):
     """Write one checkpoint per layout, then read all of them back in one 1-rank process."""
-    from dora_megatron.weights.convert import hf_to_megatron, megatron_to_hf_many
+    from dora_megatron.trainer.checkpoint_convert import hf_to_megatron, megatron_to_hf_many
 
     root = tmp_path_factory.mktemp("ckpt")
     pairs = []
@@ -51,8 +51,8 @@ def round_trips(hf_model, tmp_path_factory):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_round_trip_is_bit_exact(hf_model, round_trips, layout):
     outs, root = round_trips
-    src = hf_io.load_state_dict(hf_model)
-    back = hf_io.load_state_dict(outs[layout])
+    src = hf_model_dir.load_state_dict(hf_model)
+    back = hf_model_dir.load_state_dict(outs[layout])
     assert sorted(back) == sorted(src)
     for name, t in src.items():
         assert back[name].dtype == t.dtype and torch.equal(back[name], t), name

@@ -13,10 +13,10 @@ import time
 import pytest
 import torch
 
-from dora_megatron.models import hf_io
+from dora_megatron.models import hf_model_dir
 from dora_megatron.models.presets import preset_config
-from dora_megatron.rollout.client import EngineClient, EngineError
-from dora_megatron.weights.checksum import weights_checksum
+from dora_megatron.comm.engine_client import EngineClient, EngineError
+from dora_megatron.comm.checksum import weights_checksum
 from dora_megatron.ports import free_port
 from dora_megatron.weights.transport import PushError, push_disk, push_distributed, push_peer
 
@@ -32,7 +32,7 @@ def _model(root, seed: int) -> str:
     cfg["num_hidden_layers"] = 2
     cfg["initializer_range"] = 0.1
     out = root / f"moe-{seed}"
-    hf_io.save_model_dir(out, cfg, hf_io.random_state_dict(cfg, seed))
+    hf_model_dir.save_model_dir(out, cfg, hf_model_dir.random_state_dict(cfg, seed))
     return str(out)
 
 
@@ -78,7 +78,7 @@ def _reference(model_dir: str, output_ids: list[int]) -> tuple[torch.Tensor, lis
 
 
 def test_distributed_push_to_two_engines_in_buckets(engines, dirs):
-    new = hf_io.load_state_dict(dirs[1])
+    new = hf_model_dir.load_state_dict(dirs[1])
     before = state(engines[0])
     result = push_distributed(new, engines, bucket_mb=0.25, version=1, timeout_s=60)
     assert result.num_buckets > 3 and result.num_tensors == len(new)
@@ -101,14 +101,14 @@ def test_push_from_a_torchrun_child_hosts_its_own_rendezvous(engines, dirs, monk
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     port = free_port()  # fixed, as cluster.weight_group_port on SLURM: pushed to twice in a row
     for version in (8, 9):
-        result = push_distributed(hf_io.load_state_dict(dirs[0]), engines[:1], bucket_mb=64, version=version,
+        result = push_distributed(hf_model_dir.load_state_dict(dirs[0]), engines[:1], bucket_mb=64, version=version,
                                   timeout_s=30, master_port=port)
         assert result.versions == {engines[0]: str(version)} and state(engines[0])["checksum"] == result.checksum
 
 
 def test_rejected_bucket_keeps_old_version(engines, dirs):
     good = state(engines[0])
-    bad = dict(hf_io.load_state_dict(dirs[2]))
+    bad = dict(hf_model_dir.load_state_dict(dirs[2]))
     bad["model.norm.weight"] = torch.ones(5)  # wrong shape in the metadata
     t0 = time.monotonic()
     with pytest.raises(PushError) as err:
@@ -117,13 +117,13 @@ def test_rejected_bucket_keeps_old_version(engines, dirs):
     assert "model.norm.weight" in str(err.value) and "old weights kept" in str(err.value)
     assert state(engines[0]) == good
     # the engine is usable for the next push (new group)
-    ok = push_distributed(hf_io.load_state_dict(dirs[2]), engines[:1], bucket_mb=64, version=2, timeout_s=60)
+    ok = push_distributed(hf_model_dir.load_state_dict(dirs[2]), engines[:1], bucket_mb=64, version=2, timeout_s=60)
     assert ok.versions == {engines[0]: "2"} and state(engines[0])["checksum"] == ok.checksum
 
 
 SENDER_DIES = r"""
 import json, sys, threading, urllib.request, os, torch
-from dora_megatron.rollout.engine import weight_sync
+from dora_megatron.comm import weight_group
 url, port = sys.argv[1], int(sys.argv[2])
 def post(path, body):
     req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
@@ -134,13 +134,13 @@ def post(path, body):
 t = threading.Thread(target=post, args=("/init_weights_update_group", {"master_address": "127.0.0.1",
     "master_port": port, "rank_offset": 1, "world_size": 2, "group_name": "dying", "backend": "gloo"}))
 t.start()
-g = weight_sync.init_weight_update_group("127.0.0.1", port, 0, 2, "dying", "gloo", 60)
+g = weight_group.init_weight_update_group("127.0.0.1", port, 0, 2, "dying", "gloo", 60)
 t.join()
 names = ["model.norm.weight", "model.embed_tokens.weight"]
 body = {"names": names, "dtypes": ["float32", "float32"], "shapes": [[128], [%d, 128]], "group_name": "dying",
         "weight_version": "99"}
 threading.Thread(target=post, args=("/update_weights_from_distributed", body), daemon=True).start()
-weight_sync.send_tensors(g, [torch.zeros(128)])  # first tensor only, then die mid-bucket
+weight_group.send_tensors(g, [torch.zeros(128)])  # first tensor only, then die mid-bucket
 print("sent one", flush=True)
 os._exit(0)
 """
@@ -173,7 +173,7 @@ def test_disk_and_peer_copy(engines, dirs, tmp_path):
     from dora_megatron.weights.snapshots import SnapshotStore
 
     store = SnapshotStore(tmp_path / "weights")
-    tensors = hf_io.load_state_dict(dirs[3])
+    tensors = hf_model_dir.load_state_dict(dirs[3])
     checksum = store.write(3, tensors, dirs[3])
     res = asyncio.run(push_disk(str(store.path(3)), engines[:1], 3))
     assert res.versions == {engines[0]: "3"} and res.checksum == checksum
@@ -217,7 +217,7 @@ class _FakeMegatron:
     """Stands in for TrainerWorker: its export yields the weights of an HF directory."""
 
     def __init__(self, model_dir: str) -> None:
-        self.weights = hf_io.load_state_dict(model_dir)
+        self.weights = hf_model_dir.load_state_dict(model_dir)
 
     def export_hf_state_dict(self):
         return iter(self.weights.items())

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dora_megatron.models import hf_config, hf_io
+from dora_megatron.models import hf_config, hf_model_dir
 from dora_megatron.models.hf_config import ModelSpec
 from dora_megatron.rollout.engine.kv_cache import KVShape, RequestKV
 
@@ -251,7 +251,7 @@ def load_model(model_dir: str, device: str = "cpu", dtype: torch.dtype = torch.f
     model = model.to_empty(device=device).to(dtype)
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
     model.inv_freq = inv.to(device)
-    state = hf_io.load_state_dict(model_dir)
+    state = hf_model_dir.load_state_dict(model_dir)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     model.load_weights(state, require_all=True)

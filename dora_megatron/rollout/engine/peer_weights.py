@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dora_megatron.rollout.protocol import ProtocolError, _bool, _float, _obj, _short, _str, _version
+from dora_megatron.comm.protocol import ProtocolError, _bool, _float, _obj, _short, _str, _version
 
 VERSION_HEADER = "X-Dora-Weight-Version"
 CHECKSUM_HEADER = "X-Dora-Weights-Checksum"
@@ -148,7 +148,7 @@ class Fetched:
 
 
 def _decode(buf: bytearray) -> tuple[dict[str, torch.Tensor], str]:
-    from dora_megatron.weights.checksum import weights_checksum
+    from dora_megatron.comm.checksum import weights_checksum
 
     state = parse(buf)
     return state, weights_checksum(state)

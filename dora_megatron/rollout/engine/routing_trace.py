@@ -7,7 +7,7 @@ or one decode token), so each request keeps the rows for the positions its KV ca
 is what makes it survive every path: a migration exports the rows with the KV, a retract
 (re-prefill from position 0) truncates them and the prefill writes them again, and the reply
 encodes positions ``[routed_experts_start_len, seqlen - 1)`` as SGLang 0.5.23 does
-(:mod:`dora_megatron.rollout.routing`).
+(:mod:`dora_megatron.comm.routed_experts`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Sequence
 
 import torch
 
-from dora_megatron.rollout.protocol import ProtocolError
-from dora_megatron.rollout.routing import NO_EXPERT, encode_routed_experts
+from dora_megatron.comm.protocol import ProtocolError
+from dora_megatron.comm.routed_experts import NO_EXPERT, encode_routed_experts
 
 
 class RoutingTrace:

@@ -16,7 +16,7 @@ import secrets
 
 import torch
 
-from dora_megatron.rollout.protocol import SamplingParams
+from dora_megatron.comm.protocol import SamplingParams
 
 
 def make_generator(seed: int | None) -> torch.Generator:

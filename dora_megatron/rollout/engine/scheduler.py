@@ -29,7 +29,7 @@ from dora_megatron.rollout.engine.kv_cache import BlockPool, RequestKV, blocks_f
 from dora_megatron.rollout.engine.model import CausalLM
 from dora_megatron.rollout.engine.routing_trace import RoutingTrace, split_step_routing
 from dora_megatron.rollout.engine.sampler import make_generator, sample_token
-from dora_megatron.rollout.protocol import (
+from dora_megatron.comm.protocol import (
     ProtocolError,
     SamplingParams,
     finish_abort,
@@ -360,7 +360,7 @@ class Scheduler:
                 self._finish(r, finish_abort(msg, 409, "version_changed"))
 
     def weights_checksum(self) -> str:
-        from dora_megatron.weights.checksum import weights_checksum
+        from dora_megatron.comm.checksum import weights_checksum
 
         if self._checksum is None:
             self._checksum = weights_checksum(self.model.hf_state_dict())

@@ -20,7 +20,7 @@ this instance and its pending ``/generate`` answers with an abort whose ``err_ty
 ``"migrated"``. ``POST /dora/import_request`` binary body -> the ``/generate`` answer of the
 request once it finishes here (``output_ids`` include the tokens made before the migration).
 ``GET /dora/weights_checksum`` -> ``{"checksum", "weight_version"}`` (see
-``dora_megatron.weights.checksum``). ``/generate`` accepts ``dora_version``: 409 if this
+``dora_megatron.comm.checksum``). ``/generate`` accepts ``dora_version``: 409 if this
 instance holds another weight version (so does an import of a request of another version).
 Such pinned requests (``dora_version`` or imported) are aborted with ``status_code`` 409 and
 ``err_type`` ``"version_changed"`` if a weight update changes the version while they are still
@@ -47,8 +47,8 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
-from dora_megatron.rollout import protocol as P
-from dora_megatron.rollout.engine import weight_sync
+from dora_megatron.comm import protocol as P
+from dora_megatron.comm import weight_group
 from dora_megatron.rollout.engine.routing_trace import routing_trace_for
 from dora_megatron.rollout.engine.runner import EngineRunner
 from dora_megatron.rollout.engine.scheduler import Request, Scheduler
@@ -194,7 +194,7 @@ class EngineServer:
             self.runner.stop()
         for g in list(self.groups.values()):
             try:
-                weight_sync.destroy_weight_update_group(g)
+                weight_group.destroy_weight_update_group(g)
             except Exception:  # noqa: BLE001 - best effort at shutdown
                 log.warning("could not destroy a weight update group", exc_info=True)
 
@@ -306,10 +306,10 @@ class EngineServer:
     # ---- weights -------------------------------------------------------------------------
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         u = P.UpdateFromDiskRequest.from_json(await _json(request))
-        from dora_megatron.models import hf_io
+        from dora_megatron.models import hf_model_dir
 
         try:
-            state = await asyncio.get_running_loop().run_in_executor(None, hf_io.load_state_dict, u.model_path)
+            state = await asyncio.get_running_loop().run_in_executor(None, hf_model_dir.load_state_dict, u.model_path)
         except Exception as exc:  # noqa: BLE001 - whatever the client pointed at is not a model directory
             raise P.ProtocolError(f"cannot read weights from {u.model_path!r}: {str(exc)[:300]}") from None
         if u.abort_all_requests:
@@ -333,7 +333,7 @@ class EngineServer:
             # would block it for good, so wait on an abandonable thread with a bound of our own
             store = await asyncio.wait_for(
                 _in_daemon_thread(
-                    lambda: weight_sync.connect_store(g.master_address, g.master_port, g.rank_offset, g.world_size, connect_s)
+                    lambda: weight_group.connect_store(g.master_address, g.master_port, g.rank_offset, g.world_size, connect_s)
                 ),
                 3 * connect_s + 5,
             )
@@ -345,7 +345,7 @@ class EngineServer:
         try:
             group = await asyncio.get_running_loop().run_in_executor(
                 None,
-                lambda: weight_sync.group_from_store(
+                lambda: weight_group.group_from_store(
                     store, g.rank_offset, g.world_size, g.group_name, g.backend, opts.group_timeout_s
                 ),
             )
@@ -358,7 +358,7 @@ class EngineServer:
         name = P.DestroyGroupRequest.from_json(await _json(request)).group_name
         if name not in self.groups:
             raise P.ProtocolError(f"unknown weight update group {name!r}", 404)
-        weight_sync.destroy_weight_update_group(self.groups.pop(name))
+        weight_group.destroy_weight_update_group(self.groups.pop(name))
         return web.json_response({"success": True, "message": f"destroyed {name}"})
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
@@ -367,7 +367,7 @@ class EngineServer:
         if group is None:
             raise P.ProtocolError(f"unknown weight update group {u.group_name!r}; call /init_weights_update_group first")
         try:
-            dtypes = [weight_sync.parse_dtype(d) for d in u.dtypes]
+            dtypes = [weight_group.parse_dtype(d) for d in u.dtypes]
         except ValueError as exc:
             raise P.ProtocolError(str(exc)) from None
         # check names and shapes before receiving: a wrong (or huge) shape must not allocate
@@ -381,7 +381,7 @@ class EngineServer:
             await self._runner.call(lambda s: s.abort(abort_all=True))
 
         def receive_and_load(s: Scheduler) -> int:
-            tensors = weight_sync.receive_tensors(group, u.shapes, dtypes, device)
+            tensors = weight_group.receive_tensors(group, u.shapes, dtypes, device)
             s.load_weights(dict(zip(u.names, tensors)), u.weight_version, require_all=False)
             return len(tensors)
 

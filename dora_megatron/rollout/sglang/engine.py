@@ -10,7 +10,7 @@ abort matches rids by prefix (reference A.5, A.6). This adapter
   since 0.5.22, ``meta_info.weight_versions`` (which version produced which output tokens);
   :func:`~dora_megatron.rollout.versions.span_problem` (the rule shared with vLLM, case
   ``updates_in_flight=True``) refuses one whose first tokens come from another version than the
-  routed one (:class:`~dora_megatron.rollout.client.VersionMismatch`, the runtime's C1 guard); one
+  routed one (:class:`~dora_megatron.comm.engine_client.VersionMismatch`, the runtime's C1 guard); one
   that started on the routed version and crossed an update (``retract``/``in_place`` pauses) is
   returned with its spans, and the runtime records every version in it;
 * makes rids prefix-free on the wire (``<rid>#``), so aborting ``s1`` never aborts ``s10``;
@@ -29,8 +29,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable, Sequence
 
-from dora_megatron.rollout.client import EngineClient, ExtensionUnsupported, VersionMismatch
-from dora_megatron.rollout.sglang.client import SGLangClient
+from dora_megatron.comm.engine_client import EngineClient, ExtensionUnsupported, VersionMismatch
+from dora_megatron.comm.sglang_client import SGLangClient
 from dora_megatron.rollout.versions import span_problem
 
 RID_END = "#"

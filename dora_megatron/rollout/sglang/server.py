@@ -2,7 +2,7 @@
 
 WHY here and not in the launcher: the local launcher and every SLURM node start instances the same
 way: the argv from :mod:`.args`, a log file per instance under the run's ``logs/`` (via
-:class:`~dora_megatron.launch.processes.ProcessSet`, so stopping the job stops the server's own
+:class:`~dora_megatron.processes.ProcessSet`, so stopping the job stops the server's own
 children too), then a health poll (:func:`dora_megatron.rollout.health.wait_ready`; SGLang's ``/health_generate`` runs a one-token
 generation in SGLang 0.5.x) that fails fast, with the log tail, when the process exits. Once the
 instances serve, :func:`check_versions` warns about any that is not the tested SGLang release.
@@ -13,8 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from dora_megatron.launch.plan import ProcessSpec
-from dora_megatron.launch.processes import Child, ProcessSet
+from dora_megatron.processes import Child, ProcessSet, ProcessSpec
 from dora_megatron.rollout.health import InstanceNotReady, wait_ready  # noqa: F401 (part of this module's API)
 
 
@@ -31,7 +30,7 @@ def version_warning(url: str, found: str | None) -> str | None:
 
     WHY a warning and not an error: a newer release may well work, but the weight-update protocol
     has changed inside 0.5.x before (sessions since 0.5.22), so the user must know which one was tested."""
-    from dora_megatron.rollout.sglang.client import TESTED_SGLANG_VERSION
+    from dora_megatron.comm.sglang_client import TESTED_SGLANG_VERSION
 
     if found == TESTED_SGLANG_VERSION:
         return None
@@ -43,7 +42,7 @@ def version_warning(url: str, found: str | None) -> str | None:
 async def check_versions(urls: list[str], timeout_s: float = 30.0) -> list[str]:
     """Ask every ready instance its SGLang version (``/v1/loads`` reports it); returns the warnings
     (also logged) for those that are not the tested release."""
-    from dora_megatron.rollout.sglang.client import SGLangClient
+    from dora_megatron.comm.sglang_client import SGLangClient
 
     async def one(url: str) -> str | None:
         client = SGLangClient(url, timeout_s=timeout_s)

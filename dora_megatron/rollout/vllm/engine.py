@@ -8,7 +8,7 @@ version in the controller, switches without a checksum call. What it adds:
 * **The version guard (C1).** vLLM labels every output token with the weight version that sampled
   it (``weight_versions`` spans); :func:`~dora_megatron.rollout.versions.span_problem` (the rule
   shared with SGLang, case ``updates_in_flight=False``) refuses an answer not wholly from the routed
-  version with :class:`~dora_megatron.rollout.client.VersionMismatch`: the runtime then counts none
+  version with :class:`~dora_megatron.comm.engine_client.VersionMismatch`: the runtime then counts none
   of its tokens and runs the sample again (C1 stays exact even if a reload raced a request).
 * **Request ids.** Each submission gets its own wire id ``<rid>@<n>`` (vLLM rejects nothing, but a
   resubmitted sample must never be confused with its aborted predecessor), and abort goes to the
@@ -30,8 +30,8 @@ import itertools
 import logging
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
-from dora_megatron.rollout.client import EngineError, ExtensionUnsupported, VersionMismatch
-from dora_megatron.rollout.protocol import GenerateResponse, SamplingParams
+from dora_megatron.comm.engine_client import EngineError, ExtensionUnsupported, VersionMismatch
+from dora_megatron.comm.protocol import GenerateResponse, SamplingParams
 from dora_megatron.rollout.versions import Span, span_problem
 from dora_megatron.rollout.vllm.client import VLLMClient, server_request_id
 

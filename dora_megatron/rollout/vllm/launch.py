@@ -13,12 +13,12 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dora_megatron.launch.plan import ProcessSpec
+from dora_megatron.processes import ProcessSpec
 from dora_megatron.rollout.vllm.server import server_argv, server_env, vllm_python
 
 if TYPE_CHECKING:
     from dora_megatron.config.schema import DoraConfig
-    from dora_megatron.launch.processes import ProcessSet
+    from dora_megatron.processes import ProcessSet
     from dora_megatron.rollout.vllm.engine import VLLMEngine
 
 

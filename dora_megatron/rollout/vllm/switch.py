@@ -11,7 +11,7 @@ restarting the process on the snapshot (tens of seconds instead of milliseconds)
 fixed upstream. :func:`reload_defects` is the check that shows the defect (a reloaded instance
 against one started on the same snapshot); the vLLM test tier runs it on both presets.
 
-The restart goes through the launcher's :class:`~dora_megatron.launch.processes.ProcessSet`
+The restart goes through the launcher's :class:`~dora_megatron.processes.ProcessSet`
 (``restart`` replaces the child in place, synchronously, so the engine supervisor never sees the
 old process as a dead instance), then waits until the new process answers its health path. In a
 SLURM job an instance on another node is not the controller's child: :class:`FileRestart` asks
@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 
 if TYPE_CHECKING:
     from dora_megatron.config.vllm import VLLMConfig
-    from dora_megatron.launch.processes import ProcessSet
+    from dora_megatron.processes import ProcessSet
     from dora_megatron.rollout.vllm.client import VLLMClient
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from typing import Any
 
 from dora_megatron.data import tokenizer as tok
 from dora_megatron.data.tasks import parse_running_sum_prompt, running_sum_answer
-from dora_megatron.rollout.client import EngineError, VersionMismatch
+from dora_megatron.comm.engine_client import EngineError, VersionMismatch
 
 
 @dataclass

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from dora_megatron.config.schema import load_config
 from dora_megatron.controller.journal import Journal, JournaledSample, read_journal
 from dora_megatron.observability.routing import routing_summary
-from dora_megatron.rollout.routing import decode_routed_experts, encode_routed_experts
+from dora_megatron.comm.routed_experts import decode_routed_experts, encode_routed_experts
 from dora_megatron.rollout.sglang.args import InstanceSpec, server_argv
 
 from .fakes import FakeEngine
@@ -157,7 +157,7 @@ def test_resume_from_the_journal_trains_on_the_journaled_routing(tmp_path):
 
 
 def test_sglang_adapter_forwards_the_routed_experts_request():
-    from dora_megatron.rollout.protocol import GenerateResponse
+    from dora_megatron.comm.protocol import GenerateResponse
     from dora_megatron.rollout.sglang.engine import SGLangEngine
 
     class Client:

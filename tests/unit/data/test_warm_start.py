@@ -6,8 +6,8 @@ import torch
 
 from dora_megatron.data import tokenizer as tok
 from dora_megatron.data.tasks import RunningSumTask
-from dora_megatron.data.warm_start import _batch, encode_example, warm_start
-from dora_megatron.models import hf_io
+from dora_megatron.models.warm_start import _batch, encode_example, warm_start
+from dora_megatron.models import hf_model_dir
 from dora_megatron.models.presets import create_model_dir
 
 
@@ -22,10 +22,10 @@ def test_encode_example_masks_prompt():
 def test_warm_start_lowers_loss_and_rewrites_weights(tmp_path):
     torch.set_num_threads(1)
     d = create_model_dir("tiny-dense", tmp_path / "m", seed=0)
-    before = hf_io.load_state_dict(d)
+    before = hf_model_dir.load_state_dict(d)
     losses = []
     res = warm_start(d, RunningSumTask(1, 6, 1.6, 0), steps=40, batch_size=16, lr=3e-3, progress=lambda s, l: losses.append(l))
-    after = hf_io.load_state_dict(d)
+    after = hf_model_dir.load_state_dict(d)
     assert set(before) == set(after)
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 * 0.6, losses

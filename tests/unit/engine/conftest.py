@@ -12,7 +12,7 @@ def _threads() -> None:
 
 
 def _make(tmp_path_factory, preset: str, seed: int, std: float | None) -> str:
-    from dora_megatron.models import hf_io
+    from dora_megatron.models import hf_model_dir
     from dora_megatron.models.presets import create_model_dir, preset_config
 
     out = tmp_path_factory.mktemp(f"{preset}-{seed}")
@@ -20,7 +20,7 @@ def _make(tmp_path_factory, preset: str, seed: int, std: float | None) -> str:
         return str(create_model_dir(preset, out, seed))
     cfg = preset_config(preset)
     cfg["initializer_range"] = std  # larger weights: the layers matter, so parity is meaningful
-    hf_io.save_model_dir(out, cfg, hf_io.random_state_dict(cfg, seed))
+    hf_model_dir.save_model_dir(out, cfg, hf_model_dir.random_state_dict(cfg, seed))
     return str(out)
 
 

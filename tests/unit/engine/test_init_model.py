@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dora_megatron.cli import init_model
-from dora_megatron.models import hf_io
+from dora_megatron.models import hf_model_dir
 
 transformers = pytest.importorskip("transformers")
 
@@ -23,8 +23,8 @@ def test_init_model_cli_writes_loadable_dir(tmp_path, preset, arch):
     model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert type(model).__name__ == arch
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
-    state = hf_io.load_state_dict(out)
-    assert set(state) == set(hf_io.expected_shapes(cfg))
+    state = hf_model_dir.load_state_dict(out)
+    assert set(state) == set(hf_model_dir.expected_shapes(cfg))
     assert all(t.dtype == torch.float32 for t in state.values())
     if preset == "tiny-moe":
         assert state["model.layers.3.mlp.experts.7.down_proj.weight"].shape == (128, 128)
@@ -35,6 +35,6 @@ def test_seed_determines_weights(tmp_path):
     a, b, c = (init_model.main(["--preset", "tiny-dense", "--out", str(tmp_path / n), "--seed", s]) for n, s in
                (("a", "1"), ("b", "1"), ("c", "2")))
     assert a == b == c == 0
-    sa, sb, sc = (hf_io.load_state_dict(tmp_path / n) for n in "abc")
+    sa, sb, sc = (hf_model_dir.load_state_dict(tmp_path / n) for n in "abc")
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert not torch.equal(sa["lm_head.weight"], sc["lm_head.weight"])

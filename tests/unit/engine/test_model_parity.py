@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dora_megatron.models import hf_io
+from dora_megatron.models import hf_model_dir
 from dora_megatron.rollout.engine.kv_cache import RequestKV
 from dora_megatron.rollout.engine.model import load_model
 
@@ -34,10 +34,10 @@ def test_tied_embeddings_and_attention_bias_match_transformers(tmp_path):
     cfg = preset_config("tiny-dense")
     cfg.update(tie_word_embeddings=True, attention_bias=True, num_hidden_layers=2, initializer_range=0.1)
     cfg["layer_types"] = ["full_attention"] * 2
-    state = hf_io.random_state_dict(cfg, 4)
+    state = hf_model_dir.random_state_dict(cfg, 4)
     for k in [k for k in state if k.endswith(".bias")]:
         state[k] = torch.randn(state[k].shape) * 0.1
-    hf_io.save_model_dir(tmp_path, cfg, state)
+    hf_model_dir.save_model_dir(tmp_path, cfg, state)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     ids = list(range(3, 40))
     with torch.no_grad():
@@ -80,8 +80,8 @@ def test_ragged_batch_equals_separate_sequences(moe_model):
 def test_reads_what_transformers_saves(moe_dir, tmp_path):
     hf = transformers.AutoModelForCausalLM.from_pretrained(moe_dir)
     hf.save_pretrained(tmp_path)
-    ours = hf_io.load_state_dict(tmp_path)
-    orig = hf_io.load_state_dict(moe_dir)
+    ours = hf_model_dir.load_state_dict(tmp_path)
+    orig = hf_model_dir.load_state_dict(moe_dir)
     assert set(ours) == set(orig)
     for k in orig:
         assert torch.equal(ours[k], orig[k]), k
@@ -90,7 +90,7 @@ def test_reads_what_transformers_saves(moe_dir, tmp_path):
 def test_unfuse_experts_splits_packed_layout():
     gate_up = torch.arange(2 * 6 * 3, dtype=torch.float32).reshape(2, 6, 3)
     down = torch.arange(2 * 3 * 3, dtype=torch.float32).reshape(2, 3, 3)
-    out = hf_io.unfuse_experts({"model.layers.0.mlp.experts.gate_up_proj": gate_up, "model.layers.0.mlp.experts.down_proj": down})
+    out = hf_model_dir.unfuse_experts({"model.layers.0.mlp.experts.gate_up_proj": gate_up, "model.layers.0.mlp.experts.down_proj": down})
     assert torch.equal(out["model.layers.0.mlp.experts.1.gate_proj.weight"], gate_up[1, :3])
     assert torch.equal(out["model.layers.0.mlp.experts.1.up_proj.weight"], gate_up[1, 3:])
     assert torch.equal(out["model.layers.0.mlp.experts.0.down_proj.weight"], down[0])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dora_megatron.rollout import protocol as P
+from dora_megatron.comm import protocol as P
 
 
 @pytest.mark.parametrize(

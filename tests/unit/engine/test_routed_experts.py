@@ -11,8 +11,8 @@ import torch
 
 from dora_megatron.rollout.engine.routing_trace import RoutingTrace, routing_trace_for
 from dora_megatron.rollout.engine.scheduler import Request, Scheduler, SchedulerLimits
-from dora_megatron.rollout.protocol import GenerateRequest, ProtocolError, SamplingParams
-from dora_megatron.rollout.routing import decode_routed_experts
+from dora_megatron.comm.protocol import GenerateRequest, ProtocolError, SamplingParams
+from dora_megatron.comm.routed_experts import decode_routed_experts
 
 PROMPT = [5, 17, 30, 41, 9, 12, 77, 3]
 N_NEW = 10

@@ -5,7 +5,7 @@ import base64
 import numpy as np
 import pytest
 
-from dora_megatron.rollout.routing import (
+from dora_megatron.comm.routed_experts import (
     NO_EXPERT,
     decode_routed_experts,
     encode_routed_experts,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from dora_megatron.rollout.engine.sampler import make_generator, sample_token, truncate_probs
-from dora_megatron.rollout.protocol import SamplingParams
+from dora_megatron.comm.protocol import SamplingParams
 
 LOGITS = torch.tensor([0.1, 2.0, -1.0, 1.5, 0.3, 1.9])
 

@@ -7,7 +7,7 @@ import torch
 
 from dora_megatron.rollout.engine.model import load_model
 from dora_megatron.rollout.engine.scheduler import Request, Scheduler, SchedulerLimits
-from dora_megatron.rollout.protocol import ProtocolError, SamplingParams
+from dora_megatron.comm.protocol import ProtocolError, SamplingParams
 
 
 class Collector:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dora_megatron.data import tokenizer as tok
-from dora_megatron.weights.checksum import weights_checksum
+from dora_megatron.comm.checksum import weights_checksum
 
 
 def test_encode_matches_saved_tokenizer(tmp_path):

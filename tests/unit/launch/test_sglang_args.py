@@ -9,7 +9,7 @@ import pytest
 from dora_megatron.config.base import ConfigError
 from dora_megatron.config.schema import load_config
 from dora_megatron.rollout.sglang.args import InstanceSpec, SGLangArgsError, server_argv
-from dora_megatron.rollout.sglang.client import summarize_loads
+from dora_megatron.comm.sglang_client import summarize_loads
 from dora_megatron.rollout.sglang.engine import wire_rid
 from dora_megatron.weights.distributed import bucket_flags, group_layout
 

@@ -16,7 +16,7 @@ import pytest
 from dora_megatron.config.schema import load_config
 from dora_megatron.launch.cluster import slurm_plan
 from dora_megatron.launch.elastic import read_join_requests
-from dora_megatron.launch.processes import ProcessSet
+from dora_megatron.processes import ProcessSet
 from dora_megatron.launch.slurm import read_slurm_env
 from dora_megatron.launch.slurm_run import (DONE, FAILED, NodeEngines, _clear_previous_markers, _EndSignals,
                                             _serve_until_end, _Terminated, read_marker, write_marker)
@@ -132,7 +132,7 @@ def test_instance_without_restarts_left_is_given_up_and_the_node_stays_up(tmp_pa
 def test_a_trainer_rank_node_fails_only_on_a_non_zero_exit(tmp_path):
     """Nodes 2.. of a multi-node trainer: torchrun exits 0 when the controller shuts the trainer down
     at the end (DONE follows); any other exit ends the run."""
-    from dora_megatron.launch.processes import ChildFailed
+    from dora_megatron.processes import ChildFailed
 
     cfg, plan = _node(tmp_path)
     with ProcessSet(tmp_path / "logs", grace_s=5) as procs:

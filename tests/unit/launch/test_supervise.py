@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 
-from dora_megatron.launch.processes import ProcessSet
+from dora_megatron.processes import ProcessSet
 from dora_megatron.launch.supervise import EngineSupervisor, RestartPolicy
 
 # answers GET /health with 200 on the port after --port

@@ -8,7 +8,7 @@ import sys
 import time
 
 from dora_megatron.launch.local import _trainer_failure
-from dora_megatron.launch.processes import ProcessSet
+from dora_megatron.processes import ProcessSet
 
 
 def test_dead_trainer_is_named_with_its_status_and_log(tmp_path):
@@ -37,7 +37,7 @@ def test_remote_trainer_without_a_local_process(tmp_path):
 def test_a_failed_torchrun_child_is_named_by_its_own_error_not_the_launcher_banner(tmp_path):
     """torchrun ends a failed rank's log with its ``ChildFailedError`` banner; the reason is the
     rank's own exception line above it, which must lead the message."""
-    from dora_megatron.launch.processes import ChildFailed
+    from dora_megatron.processes import ChildFailed
 
     script = tmp_path / "rank.py"
     script.write_text("raise ValueError('ep=2 needs an MoE model with experts divisible by ep')\n")

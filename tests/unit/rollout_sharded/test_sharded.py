@@ -19,7 +19,7 @@ from aiohttp import web
 from dora_megatron.config.base import ConfigError
 from dora_megatron.config.schema import load_config
 from dora_megatron.controller.runtime import _is_comm_error
-from dora_megatron.rollout.client import EngineError, VersionMismatch
+from dora_megatron.comm.engine_client import EngineError, VersionMismatch
 from dora_megatron.rollout.sharded import ClientPool
 from dora_megatron.rollout.wire import decode_error, encode_error
 

@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from dora_megatron.rollout.client import ExtensionUnsupported, VersionMismatch
+from dora_megatron.comm.engine_client import ExtensionUnsupported, VersionMismatch
 from dora_megatron.rollout.vllm.engine import VLLMEngine, parse_generate, vllm_sampling_params
 
 

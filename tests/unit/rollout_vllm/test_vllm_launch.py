@@ -14,7 +14,7 @@ from dora_megatron.config.base import ConfigError
 from dora_megatron.config.schema import load_config
 from dora_megatron.launch.inputs import input_problem
 from dora_megatron.launch.plan import local_plan
-from dora_megatron.launch.processes import ProcessSet
+from dora_megatron.processes import ProcessSet
 from dora_megatron.ports import free_port
 from dora_megatron.rollout.vllm.launch import make_vllm_engine, served_version
 from dora_megatron.rollout.vllm.server import VLLMArgsError, server_argv

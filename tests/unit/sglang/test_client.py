@@ -15,9 +15,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from dora_megatron.rollout.client import EngineError, VersionMismatch
-from dora_megatron.rollout.protocol import GenerateResponse
-from dora_megatron.rollout.sglang.client import SGLangClient, summarize_loads
+from dora_megatron.comm.engine_client import EngineError, VersionMismatch
+from dora_megatron.comm.protocol import GenerateResponse
+from dora_megatron.comm.sglang_client import SGLangClient, summarize_loads
 from dora_megatron.rollout.sglang.engine import SGLangEngine
 from tests import sglang_wheel
 

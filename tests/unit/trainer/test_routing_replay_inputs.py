@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dora_megatron.rollout.routing import encode_routed_experts
+from dora_megatron.comm.routed_experts import encode_routed_experts
 from dora_megatron.trainer.routing_replay import micro_batch_routing, sample_routing
 
 

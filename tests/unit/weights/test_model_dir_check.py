@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from dora_megatron.models.hf_io import check_model_dir
+from dora_megatron.models.hf_model_dir import check_model_dir
 from dora_megatron.models.presets import create_model_dir
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from dora_megatron.weights.checksum import weights_checksum
+from dora_megatron.comm.checksum import weights_checksum
 from dora_megatron.weights.snapshots import MANIFEST, WEIGHTS_FILE, SnapshotError, SnapshotStore, write_snapshot
 
 

@@ -73,7 +73,7 @@ def warm_start(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dora_megatron.models import hf_io
+    from dora_megatron.models import hf_model_dir
 
     t0 = time.monotonic()
     torch.manual_seed(seed)
@@ -103,9 +103,9 @@ def warm_start(
             progress(step + 1, loss_value)
     model.eval()
     short, long_ = _exact_rates(model, task, seed)
-    state = hf_io.unfuse_experts({k: v.detach() for k, v in model.state_dict().items()})
-    config = hf_io.load_config(model_dir)
-    hf_io.save_model_dir(model_dir, config, state)
+    state = hf_model_dir.unfuse_experts({k: v.detach() for k, v in model.state_dict().items()})
+    config = hf_model_dir.load_config(model_dir)
+    hf_model_dir.save_model_dir(model_dir, config, state)
     return WarmStartResult(steps, loss_value, short, long_, time.monotonic() - t0)
 
 

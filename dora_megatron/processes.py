@@ -1,4 +1,9 @@
-"""Child processes of a local job: start with logs, wait for health, stop without orphans.
+"""Child processes of a job: what to run (:class:`ProcessSpec`), start with logs, wait for health,
+stop without orphans.
+
+WHY outside ``launch/``: the rollout adapters (SGLang and vLLM servers, a vLLM mode switch) and
+the checkpoint converter start children too; they use these primitives without depending on the
+launchers (``.importlinter``).
 
 Every child runs in its own session (process group) so that stopping it also
 stops what it spawned (torchrun's ranks); stop is SIGTERM, a grace period, then
@@ -11,14 +16,37 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shlex
 import signal
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Sequence
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """One process of a plan: plain data, so a plan can be printed and checked before it runs."""
+
+    role: str  # "engine", "trainer", "controller"
+    name: str
+    host: str
+    argv: tuple[str, ...]
+    port: int | None = None
+    threads: int = 1
+    ranks: tuple[int, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    cpus: tuple[int, ...] = ()  # CPU affinity (empty = not pinned)
+    gpus: tuple[int, ...] = ()  # GPU indices on ``host`` this process uses (empty: none / CPU)
+    extra_ports: dict[str, int] = field(default_factory=dict)  # other ports it binds on ``host`` (nccl, store ...)
+
+    def command_line(self) -> str:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
+        cmd = " ".join(shlex.quote(a) for a in self.argv)
+        return f"{env} {cmd}".strip()
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import aiohttp
 
-from dora_megatron.rollout.protocol import GenerateRequest, GenerateResponse, SamplingParams
+from dora_megatron.comm.protocol import GenerateRequest, GenerateResponse, SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -4,14 +4,14 @@ and ``tools/convert_*.py``).
 WHY: researchers start from HF checkpoints and want Megatron checkpoints in the layout they train
 with (and back, to publish or to serve). The conversion builds the project's own Megatron model
 (:mod:`dora_megatron.trainer.model`, the same one the trainer trains) in the requested TP/PP/EP
-layout, fills it with :func:`dora_megatron.trainer.hf_io.load_hf_into_model` and saves its
+layout, fills it with :func:`dora_megatron.trainer.hf_weights.load_hf_into_model` and saves its
 ``sharded_state_dict`` under the key ``model`` (the key the trainer's checkpoints use too, so
 ``megatron-to-hf`` also reads a trainer checkpoint). ``dist_checkpointing`` reshards on load, so a
 checkpoint of any layout can be read back in any other; the way back gathers with
-:func:`dora_megatron.trainer.hf_io.export_hf`. HF -> Megatron -> HF is bit-exact for fp32 (and,
+:func:`dora_megatron.trainer.hf_weights.export_hf`. HF -> Megatron -> HF is bit-exact for fp32 (and,
 through the fp32 trainer parameters, for bf16/fp16 sources written back in their dtype).
 
-Each direction is a rank program (``python -m dora_megatron.weights.convert hf-to-megatron ...``)
+Each direction is a rank program (``python -m dora_megatron.trainer.checkpoint_convert hf-to-megatron ...``)
 started with ``torch.distributed.run`` (gloo on CPU) when it needs more than one rank;
 :func:`hf_to_megatron` / :func:`megatron_to_hf` launch it and wait.
 """
@@ -43,10 +43,10 @@ _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 def _launch(argv: Sequence[str], nproc: int, timeout_s: float | None) -> None:
     if nproc == 1:
-        cmd = [sys.executable, "-m", "dora_megatron.weights.convert", *argv]
+        cmd = [sys.executable, "-m", "dora_megatron.trainer.checkpoint_convert", *argv]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={free_port()}", "--master_addr=127.0.0.1", "-m", "dora_megatron.weights.convert",
+               f"--master_port={free_port()}", "--master_addr=127.0.0.1", "-m", "dora_megatron.trainer.checkpoint_convert",
                *argv]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -55,7 +55,7 @@ def _launch(argv: Sequence[str], nproc: int, timeout_s: float | None) -> None:
     env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
-        from dora_megatron.launch.processes import last_error_line
+        from dora_megatron.processes import last_error_line
 
         error = last_error_line(proc.stdout + "\n" + proc.stderr)
         raise RuntimeError(f"conversion failed (exit {proc.returncode})" + (f": {error}" if error else "")
@@ -151,11 +151,11 @@ def run_hf_to_megatron(hf: str, out: str, tp: int, pp: int, ep: int) -> None:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from dora_megatron.trainer import hf_io
+    from dora_megatron.trainer import hf_weights
 
     compat, info, arch, spec, gpt = _setup(tp, pp, ep, hf)
     try:
-        hf_io.load_hf_into_model(gpt, hf_io.read_hf_safetensors(hf), arch, info.layout)
+        hf_weights.load_hf_into_model(gpt, hf_weights.read_hf_safetensors(hf), arch, info.layout)
         out_path = Path(out)
         if info.rank == 0:
             out_path.mkdir(parents=True, exist_ok=True)
@@ -186,7 +186,7 @@ def run_megatron_to_hf(ckpts: Sequence[str], outs: Sequence[str], hf_config: str
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from dora_megatron.trainer import hf_io
+    from dora_megatron.trainer import hf_weights
     from dora_megatron.weights.snapshots import write_snapshot
 
     config_dir = Path(hf_config) if hf_config else Path(ckpts[0]) / HF_META_DIR
@@ -198,7 +198,7 @@ def run_megatron_to_hf(ckpts: Sequence[str], outs: Sequence[str], hf_config: str
         for ckpt, out in zip(ckpts, outs):
             state = dist_checkpointing.load({"model": gpt.sharded_state_dict()}, ckpt)
             gpt.load_state_dict(state["model"])
-            tensors = {n: t.to(out_dtype) for n, t in hf_io.export_hf(gpt, arch, info.layout)}
+            tensors = {n: t.to(out_dtype) for n, t in hf_weights.export_hf(gpt, arch, info.layout)}
             if info.rank == 0:
                 write_snapshot(out, tensors, config_dir)
             dist.barrier()
@@ -207,7 +207,7 @@ def run_megatron_to_hf(ckpts: Sequence[str], outs: Sequence[str], hf_config: str
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dora_megatron.weights.convert")
+    parser = argparse.ArgumentParser(prog="python -m dora_megatron.trainer.checkpoint_convert")
     parser.add_argument("direction", choices=("hf-to-megatron", "megatron-to-hf"))
     parser.add_argument("--hf", help="hf-to-megatron: HF model directory")
     parser.add_argument("--ckpt", action="append", help="megatron-to-hf: dist_checkpointing directory (repeatable, "

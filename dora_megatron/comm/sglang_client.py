@@ -1,4 +1,4 @@
-"""SGLang-only calls on top of the shared :class:`~dora_megatron.rollout.client.EngineClient`.
+"""SGLang-only calls on top of the shared :class:`~dora_megatron.comm.engine_client.EngineClient`.
 
 WHY a subclass: the base client covers what SGLang and the embedded engine share; SGLang 0.5.23
 differs from it on points that decide whether a weight update works at all (README, "SGLang
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from dora_megatron.rollout.client import EngineClient, EngineError
+from dora_megatron.comm.engine_client import EngineClient, EngineError
 
 #: the SGLang release whose protocol this client speaks (and the gpu extra pins)
 TESTED_SGLANG_VERSION = "0.5.23"
