@@ -137,7 +137,7 @@ async def _measure(cfg, run_dir: Path, model_dir: Path, procs, host: str, engine
                    trainer_port: int, steps: int, say) -> dict[str, Any]:
     from dora_megatron.controller.trainer_client import TrainerClient
     from dora_megatron.data.codec import load_codec
-    from dora_megatron.launch.local import engine_for
+    from dora_megatron.rollout.factory import engine_for
     from dora_megatron.rollout.health import wait_ready
 
     urls = {f"engine{i}": f"http://{host}:{p}" for i, p in enumerate(engine_ports)}

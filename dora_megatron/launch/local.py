@@ -32,6 +32,7 @@ from dora_megatron.launch.plan import local_plan
 from dora_megatron.ports import free_ports
 from dora_megatron.processes import ChildFailed, ProcessSet, ProcessSpec
 from dora_megatron.rollout.health import InstanceNotReady, wait_ready
+from dora_megatron.rollout.factory import engine_for
 
 log = logging.getLogger(__name__)
 
@@ -65,26 +66,6 @@ def prepare_model(cfg: DoraConfig, run_dir: Path, say=print) -> Path:
         run_warm_start(path, cfg.model.warm_start, cfg.model.warm_start_steps, seed=cfg.run.seed, say=say,
                        task_kwargs={"min_len": d.min_len, "max_len": d.max_len, "exponent": d.length_exponent})
     return path
-
-
-def engine_for(cfg: DoraConfig, url: str, model_dir: str, procs: ProcessSet | None = None,
-               run_dir: Path | None = None):
-    """The runtime's client of the instance at ``url``, by ``rollout.engine`` (local runs, SLURM and
-    elastic joins alike). ``procs``: the launcher's processes, when it may restart vLLM instances;
-    ``run_dir``: the run's (shared) directory, through which other nodes restart theirs."""
-    if cfg.rollout.engine == "sglang":  # SGLang protocol only: abort+resubmit migration, echoed-version C1 check
-        from dora_megatron.comm.sglang_client import SGLangClient
-        from dora_megatron.rollout.sglang.engine import SGLangEngine
-
-        return SGLangEngine(SGLangClient(url, timeout_s=cfg.rollout.request_timeout_s),
-                            checksum=not cfg.sglang.enable_eplb)  # EPLB: per-instance expert layouts
-    if cfg.rollout.engine == "vllm":  # vLLM API: resubmit migration, weight_versions C1 guard, reload/restart switch
-        from dora_megatron.rollout.vllm.launch import make_vllm_engine
-
-        return make_vllm_engine(cfg, url, model_dir, procs, run_dir)
-    from dora_megatron.comm.engine_client import EngineClient
-
-    return EngineClient(url, timeout_s=cfg.rollout.request_timeout_s)
 
 
 async def _wait_http(url: str, procs: ProcessSet, timeout_s: float, what: str, session=None) -> None:

@@ -318,7 +318,8 @@ async def _controller(cfg: DoraConfig, plan: ClusterPlan, run_dir: Path, model_d
                       checkpoint, node: str) -> dict:
     from dora_megatron.launch.elastic import watch_joins
     from dora_megatron.controller.build import Endpoints
-    from dora_megatron.launch.local import engine_for, run_controller
+    from dora_megatron.launch.local import run_controller
+    from dora_megatron.rollout.factory import engine_for
 
     join_dir = _join_dir(cfg, run_dir)
     join_dir.mkdir(parents=True, exist_ok=True)

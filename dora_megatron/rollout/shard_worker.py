@@ -2,7 +2,7 @@
 
 ``python -m dora_megatron.rollout.shard_worker --fd N`` is started by
 :class:`~dora_megatron.rollout.sharded.ClientPool` with one end of a socketpair as fd ``N``. It
-builds each instance's real client (:func:`~dora_megatron.launch.local.engine_for`, so SGLang's
+builds each instance's real client (:func:`~dora_megatron.rollout.factory.engine_for`, so SGLang's
 adapter and its C1 check run here exactly as in process), runs every call the controller sends
 (``/generate``, abort, pause/continue, weight loads, checks) as its own task, and polls its
 instances' load every ``stats_interval_s``, sending one batched report per sweep. Results go back
@@ -62,7 +62,7 @@ class Worker:
             if task is not None:
                 task.cancel()
         elif kind == "add":
-            from dora_megatron.launch.local import engine_for
+            from dora_megatron.rollout.factory import engine_for
 
             _, h, url = msg
             self.engines[h] = engine_for(self.cfg, url, self.model_dir)
