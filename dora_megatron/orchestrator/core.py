@@ -104,12 +104,20 @@ class Orchestrator:
         # serving instances holding more requests than the cap, per version (leveled onto new ones)
         self._over: dict[int, set[str]] = {}
         self._over_v: dict[str, int] = {}
+        # per version, serving instances that hold at least one request (and the version each
+        # instance is counted under), and the number of alive instances: what a rebalance asks
+        # of the whole pool, kept exact on every change so that the rebalance triggered by each
+        # finished sample costs O(versions), not O(instances)
+        self._busy: dict[int, int] = {}
+        self._busy_v: dict[str, int] = {}
+        self._n_alive = 0
         self._out: list[Action] = []
         for iid in instances:
             if iid in self.instances:
                 raise ValueError(f"duplicate instance id {iid!r}")
             inst = Instance(iid, version=0)
             self.instances[iid] = inst
+            self._n_alive += 1
             self._activate(inst, 0)
 
     # ------------------------------------------------------------------ events
@@ -213,6 +221,7 @@ class Orchestrator:
             return []
         self._deactivate(inst)
         inst.alive = False
+        self._n_alive -= 1
         for sid in sorted(inst.samples):
             s = self.samples[sid]
             self._unassign(s)
@@ -229,6 +238,7 @@ class Orchestrator:
             return []
         inst = Instance(instance, version=None)
         self.instances[instance] = inst
+        self._n_alive += 1
         self._switch(inst, self.newest)
         return self._fill()
 
@@ -425,6 +435,7 @@ class Orchestrator:
             self.instances[inst.instance_id] = inst
             if not inst.alive:
                 continue
+            self._n_alive += 1
             if inst.target is not None:
                 self._incoming.setdefault(inst.target, set()).add(inst.instance_id)
             elif inst.version is not None:
@@ -474,6 +485,7 @@ class Orchestrator:
         v = inst.version
         serving = v is not None and inst.alive and inst.target is None
         n = len(inst.samples)
+        self._track_busy(iid, v if serving and n else None)
         c = self._cap_int - n if serving else 0
         if c < 0:
             c = 0
@@ -508,6 +520,18 @@ class Orchestrator:
         self._free[v] = self._free.get(v, 0) + c
         self._contrib[iid] = (v, c)
 
+    def _track_busy(self, iid: str, version: int | None) -> None:
+        """Count ``iid`` as a busy serving instance of ``version`` (None: not counted)."""
+        old = self._busy_v.get(iid)
+        if old == version:
+            return
+        if old is not None:
+            self._dec(self._busy, old)
+            del self._busy_v[iid]
+        if version is not None:
+            self._inc(self._busy, version)
+            self._busy_v[iid] = version
+
     def _activate(self, inst: Instance, version: int) -> None:
         inst.version = version
         inst.target = None
@@ -522,6 +546,7 @@ class Orchestrator:
         ov = self._over_v.pop(inst.instance_id, None)
         if ov is not None:
             self._over[ov].discard(inst.instance_id)
+        self._track_busy(inst.instance_id, None)
         old_v, old_c = self._contrib.pop(inst.instance_id, (None, 0))
         if old_v is not None:
             self._free[old_v] -= old_c
@@ -814,8 +839,7 @@ class Orchestrator:
         if trigger in ("timer", "kv", "idle"):
             # two-phase caps: the first load-balancing of a step ends the high-cap phase
             self._set_cap_phase(after=True)
-        alive = [i for i in self.instances.values() if i.alive]
-        if not alive:
+        if not self._n_alive:
             return
         adm = self._admissible_new()
         demand: dict[int, float] = {v: float(n) for v, n in self._unfinished.items() if n > 0}
@@ -824,17 +848,15 @@ class Orchestrator:
             demand[self.newest] = demand.get(self.newest, 0.0) + adm * self.G
             required.add(self.newest)
         cur = self.instances_by_version()
-        running = sorted(v for v, ids in self._active.items()
-                         if any(self.instances[i].samples for i in ids))
+        running = sorted(v for v, n in self._busy.items() if n > 0)
         # C-cap: a version keeps at least ceil(unfinished / cap) instances when the pool allows,
         # so a shrinking version's requests fit on its kept instances within the cap
         cap = self._cap_int
         floors = ({v: -(-n // cap) for v, n in self._unfinished.items() if n > 0} if cap < _BIG else None)
-        target = part.partition(len(alive), demand, required, priority=running, floors=floors)
+        target = part.partition(self._n_alive, demand, required, priority=running, floors=floors)
         for v in cur:
             target.setdefault(v, 0)
-        idle_versions = {v for v, ids in self._active.items()
-                         if any(not self.instances[i].samples for i in ids)}
+        idle_versions = {v for v, ids in self._active.items() if len(ids) > self._busy.get(v, 0)}
         if not part.should_apply(cur, target, demand, idle_versions, self.config.imbalance_ratio):
             return
         self.counters.rebalances += 1
