@@ -127,7 +127,7 @@ class Runtime:
         self.opt = options
         self.timeline = timeline
         self.on_step = on_step
-        self.on_checkpoint = on_checkpoint  # after each complete checkpoint (the launcher's snapshot retention)
+        self.on_checkpoint = on_checkpoint  # at each checkpoint's cut (the launcher's snapshot retention)
         self.next_prompt = first_prompt
         self.codec: TextCodec = codec or CharCodec()
         self.journal = journal  # :class:`~dora_megatron.controller.journal.Journal` or None
@@ -797,14 +797,15 @@ class Runtime:
         state = self.state_dict(version, orchestrator_snapshot)
         entries, self._trainer_manifest = self._trainer_manifest, {}
 
-        def done() -> None:
-            log.info("checkpoint v%d written to %s", version, path)
-            if self.on_checkpoint is not None:
-                self.on_checkpoint(version)
-
-        writer = write_state(path, state, entries, done)
+        writer = write_state(path, state, entries, lambda: log.info("checkpoint v%d written to %s", version, path))
         if self.journal is not None:
             self.journal.checkpoint(version)
+        if self.on_checkpoint is not None:
+            # in the turn of the cut too: the launcher's snapshot retention records the live
+            # versions the checkpoint holds (later they have moved on, and a snapshot it needs
+            # would be pruned); it keeps the previous checkpoint's as well, the fallback while
+            # this one is being written
+            self.on_checkpoint(version)
         if len(self.steps) >= self.opt.steps:
             for pending in (self._state_writer, writer):
                 for _ in pending or ():

@@ -44,8 +44,13 @@ def test_a_checkpoint_is_cut_in_the_turn_and_written_while_the_loop_runs(tmp_pat
     async def main():
         ck.mkdir()
         snap = rt.orch.snapshot()
+        seen = []
+        rt.on_checkpoint = seen.append
         rt.write_controller_state(2, snap)
         assert not (ck / "controller.json").exists()  # not written in the loop turn of the cut
+        # ... but the launcher's retention hears of it in that turn: it reads the live versions
+        # the checkpoint holds (later the orchestrator has moved on and a needed snapshot would go)
+        assert seen == [2]
         want = json.loads(json.dumps(rt.state_dict(2, snap)))
         await asyncio.wait_for(asyncio.gather(*rt._tasks), timeout=30)
         return want
