@@ -116,7 +116,7 @@ def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, mo
 
     ``make_engine(url)``: the launcher's engine-client factory (local runs hand it the processes
     it may restart). ``on_step(step_log, runtime)`` after each trained step, ``on_checkpoint(version)``
-    after each complete checkpoint (the launcher's outputs and snapshot retention).
+    at each checkpoint's cut, in its loop turn (the launcher's snapshot retention reads the live versions then).
     ``metric_sinks``: where the metrics recorder writes each step's scalars (TensorBoard, steps.jsonl).
     ``load_reports``: pushed load reports replacing the stats polls of the engines they cover
     (``rollout.client_workers``, :class:`~dora_megatron.rollout.sharded.ClientPool`)."""

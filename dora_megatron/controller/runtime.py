@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import time
 import zlib
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from dora_megatron.controller.loop import (CheckpointSaved, ControllerLoop, EngineReply, EventQueue, InstanceFailed,
                                            InstanceJoined, InstanceStats, MigrationDone, MigrationFailed, Replayed,
@@ -127,7 +127,7 @@ class Runtime:
         self.opt = options
         self.timeline = timeline
         self.on_step = on_step
-        self.on_checkpoint = on_checkpoint  # after each complete checkpoint (the launcher's snapshot retention)
+        self.on_checkpoint = on_checkpoint  # at each checkpoint's cut (the launcher's snapshot retention)
         self.next_prompt = first_prompt
         self.codec: TextCodec = codec or CharCodec()
         self.journal = journal  # :class:`~dora_megatron.controller.journal.Journal` or None
@@ -174,6 +174,7 @@ class Runtime:
         self._pending_step_finished: int | None = None
         self._pushes: list[SwitchVersion] = []  # collected by switch_version within one execute
         self._trainer_manifest: dict[str, dict] = {}  # checksums of the trainer part of the checkpoint being written
+        self._state_writer: Iterator[None] | None = None  # the controller.json writer still running (state_file)
         self.c1_count = 0
         self.version_refusals = 0
         self.latest_version = 0  # newest weights the trainer holds (pushed by `distributed`)
@@ -777,31 +778,49 @@ class Runtime:
         await self.events.report(CheckpointSaved(version))
 
     def write_controller_state(self, version: int, orchestrator_snapshot: dict[str, Any]) -> None:
-        """Loop (:class:`CheckpointSaved`): the controller part, written before ``on_step_finished``
+        """Loop (:class:`CheckpointSaved`): the controller part, taken before ``on_step_finished``
         so the orchestrator is at a step boundary.
 
-        Written last and atomically: a checkpoint directory without ``controller.json`` is
-        incomplete and ignored by resume. Just before it, ``manifest.json`` (sizes and SHA-256 of the
-        trainer's files and of ``controller.json``) lets resume detect a corrupt checkpoint."""
-        import hashlib
-        import json
-
-        from dora_megatron.controller.checkpoint_manifest import write_manifest
+        The state is cut in this loop turn (with the journal's marker, which splits exactly
+        there); its encoding and files are written by a task a chunk per loop turn
+        (:mod:`.state_file`: at thousands of instances one ``json.dumps`` of it held the loop for
+        up to a second), chained after any earlier one. The run's last checkpoint is written at
+        once (the run ends right after and stops its tasks), finishing an earlier one first.
+        ``controller.json`` is written last and atomically: a checkpoint directory without it is
+        incomplete and ignored by resume, which then falls back one checkpoint (the journal keeps
+        the records since the one before, :mod:`.journal`). Just before it, ``manifest.json``
+        (sizes and SHA-256 of the trainer's files and of ``controller.json``) lets resume detect a
+        corrupt checkpoint."""
+        from dora_megatron.controller.state_file import write_state
 
         path = Path(self.opt.checkpoint_dir(version))
-        tmp = path / "controller.json.tmp"
-        data = json.dumps(self.state_dict(version, orchestrator_snapshot)).encode()
-        tmp.write_bytes(data)
-        entries = dict(self._trainer_manifest)
-        self._trainer_manifest = {}
-        entries["controller.json"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        write_manifest(path, entries)
-        tmp.rename(path / "controller.json")
-        log.info("checkpoint v%d written to %s", version, path)
-        if self.journal is not None:  # same event-loop turn as state_dict: the marker splits exactly there
+        state = self.state_dict(version, orchestrator_snapshot)
+        entries, self._trainer_manifest = self._trainer_manifest, {}
+
+        writer = write_state(path, state, entries, lambda: log.info("checkpoint v%d written to %s", version, path))
+        if self.journal is not None:
             self.journal.checkpoint(version)
         if self.on_checkpoint is not None:
+            # in the turn of the cut too: the launcher's snapshot retention records the live
+            # versions the checkpoint holds (later they have moved on, and a snapshot it needs
+            # would be pruned); it keeps the previous checkpoint's as well, the fallback while
+            # this one is being written
             self.on_checkpoint(version)
+        if len(self.steps) >= self.opt.steps:
+            for pending in (self._state_writer, writer):
+                for _ in pending or ():
+                    pass
+            self._state_writer = None
+            return
+        prev = self._state_writer
+        self._state_writer = writer
+
+        async def drive() -> None:
+            for w in (prev, writer):
+                for _ in w or ():
+                    await asyncio.sleep(0)
+
+        self._spawn(drive(), f"controller-state-v{version}")
 
     def state_dict(self, version: int, orchestrator_snapshot: dict[str, Any]) -> dict[str, Any]:
         """The controller part of a checkpoint: outstanding groups and their samples (unfinished ones
