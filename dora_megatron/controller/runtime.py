@@ -139,7 +139,6 @@ class Runtime:
         self.samples: dict[str, SampleRecord] = {}
         self.groups: dict[str, GroupRecord] = {}
         self.consumed: set[str] = set()
-        self.duplicated = 0
         self.steps: list[StepLog] = []
         self.failed: set[str] = set()
         self.failed_ever: set[str] = set()  # every instance that failed at least once (rejoined ones too)
@@ -174,7 +173,6 @@ class Runtime:
         self._pending_step_finished: int | None = None
         self._pushes: list[SwitchVersion] = []  # collected by switch_version within one execute
         self._trainer_manifest: dict[str, dict] = {}  # checksums of the trainer part of the checkpoint being written
-        self.c1_count = 0
         self.version_refusals = 0
         self.latest_version = 0  # newest weights the trainer holds (pushed by `distributed`)
         self.pushed_bytes = 0
@@ -371,8 +369,8 @@ class Runtime:
             self.timeline.span(instance, rec.sample_id, start, end, version=rec.version, kind="request")
         rec.output_ids.extend(resp.output_ids)
         rec.logprobs.extend(resp.output_token_logprobs or [0.0] * len(resp.output_ids))
-        # C1 accounting: an answer that crossed a weight update (SGLang's meta_info.weight_versions)
-        # produced its tokens under several versions; each is recorded, not just the routed one
+        # an answer that crossed a weight update (SGLang's meta_info.weight_versions) produced its
+        # tokens under several versions; each is recorded, not just the routed one
         rec.versions.update(int(v) for v in getattr(resp, "versions_used", ()) if str(v).lstrip("-").isdigit())
         reason = (resp.finish_reason or {}).get("type")
         if reason == "abort":
@@ -387,6 +385,11 @@ class Runtime:
         if self.journal is not None:
             self.journal.sample(self._journaled(rec), sorted(rec.versions))
         return len(rec.output_ids)
+
+    def sample_versions(self, sample_id: str) -> set[int]:
+        """Loop: every version the sample was submitted on or an engine said produced its tokens;
+        the orchestrator counts a sample of more than one as a C1 violation (the one C1 count)."""
+        return self.samples[sample_id].versions
 
     async def _migrate(self, a: Migrate, prev: asyncio.Task | None) -> None:
         from dora_megatron.comm.engine_client import EngineError
@@ -680,16 +683,13 @@ class Runtime:
         wait = max(0.0, start - self._trainer_idle_since)
         samples, rewards, lengths, staleness, tokens = [], [], [], [], 0
         for gid, version in zip(a.group_ids, a.versions):
-            if gid in self.consumed:
-                self.duplicated += 1
+            if gid in self.consumed:  # the orchestrator never does (it counts duplicated_groups)
                 raise RuntimeError(f"group {gid} released twice")
             self.consumed.add(gid)
             staleness.append(a.step - version)
             group = self.groups[gid]
             for sid in group.sample_ids:
                 rec = self.samples[sid]
-                if len(rec.versions) > 1:
-                    self.c1_count += 1
                 samples.append({
                     "prompt_ids": rec.prompt_ids, "response_ids": rec.output_ids, "rollout_logprobs": rec.logprobs,
                     "reward": rec.reward, "group_id": gid, "version": rec.version,
@@ -832,7 +832,6 @@ class Runtime:
             "metrics": self.metrics.state_dict(), "migrated_bytes": self.migrated_bytes,
             "migrations_done": self.migrations_done, "migrations_fallback": self.migrations_fallback,
             "expected_checksums": {str(k): v for k, v in self.expected_checksums.items()},
-            "c1_count": self.c1_count, "duplicated": self.duplicated,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -861,8 +860,8 @@ class Runtime:
         self.expected_checksums = {int(k): v for k, v in state["expected_checksums"].items()}
         self._pending_step_finished = state.get("pending_step_finished")
         self.latest_version = int(state["version"])
-        self.c1_count = int(state.get("c1_count", 0))
-        self.duplicated = int(state.get("duplicated", 0))
+        # an older controller.json also holds "c1_count"/"duplicated": ignored, the C1 and
+        # duplicate counts of a run are the orchestrator's (its snapshot carries them)
         self._resumed = True
 
     # ------------------------------------------------------------------ main loop
@@ -1008,8 +1007,8 @@ class Runtime:
         osum = self.orch.summary()
         totals = RunTotals(
             dispatched_groups=osum["dispatched_groups"], consumed_groups=osum["consumed_groups"],
-            lost_groups=osum["lost_groups"], duplicated_groups=osum["duplicated_groups"] + self.duplicated,
-            c1_violations=self._c1_violations(), c3_violations=osum["c3_violations"],
+            lost_groups=osum["lost_groups"], duplicated_groups=osum["duplicated_groups"],
+            c1_violations=osum["c1_violations"], c3_violations=osum["c3_violations"],
             migrations=osum["migrations"], migrated_kv_bytes=self.migrated_bytes,
             reprefill_tokens=osum["reprefill_tokens"])
         out = self.metrics.summary(mode=osum["mode"], max_staleness=osum["max_staleness"], tbs=osum["tbs"],
@@ -1029,7 +1028,3 @@ class Runtime:
         out["max_live_versions"] = osum.get("max_live_versions")
         out["outstanding_groups_at_end"] = osum["dispatched_groups"] - osum["consumed_groups"]
         return out
-
-    def _c1_violations(self) -> int:
-        """Samples of consumed groups whose tokens came from more than one version (counted at release)."""
-        return self.c1_count

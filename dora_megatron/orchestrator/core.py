@@ -137,6 +137,24 @@ class Orchestrator:
             s.tokens = tokens
         return []
 
+    def on_sample_versions(self, sample_id: str, versions: Iterable[int]) -> list[Action]:
+        """The engine says which weight versions produced tokens of ``sample_id`` (an answer that
+        crossed a weight update, or an engine holding other weights than it was routed for).
+
+        WHY here: C1 is counted in one place, at release, from each sample's version span; the
+        driver reports what the engine saw, the orchestrator widens the span. Unknown (consumed,
+        forgotten) samples are ignored."""
+        s = self.samples.get(sample_id)
+        if s is None:
+            self.counters.ignored_events += 1
+            return []
+        for v in versions:
+            if v < s.min_version:
+                s.min_version = v
+            if v > s.max_version:
+                s.max_version = v
+        return []
+
     def on_sample_finished(self, sample_id: str, tokens: int | None = None,
                            now: float | None = None) -> list[Action]:
         """``sample_id`` finished generating (``tokens``: its response length). Unknown or already

@@ -94,6 +94,32 @@ def test_dora_keeps_multiple_versions_and_migrates():
             assert rec.finished or rec.group_id not in rt.consumed
 
 
+class MislabellingEngine(FakeEngine):
+    """Answers its first finished request as if other weights (version + 7) had produced it."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.lied: list[str] = []
+
+    async def _run(self, req):
+        resp = await super()._run(req)
+        if not self.lied and resp.finish_reason["type"] == "stop":
+            resp.weight_version = str(req.version + 7)
+            resp.versions_used = [resp.weight_version]  # as GenerateResponse derives it without spans
+            self.lied.append(req.rid)
+        return resp
+
+
+def test_a_c1_violation_the_engine_reports_is_counted_by_the_orchestrator():
+    rt, engines, trainer = make(mode="sync", n=1, steps=2, tbs=2, rbs=2)
+    liar = rt.engines["e0"] = MislabellingEngine("e0", token_s=0.001)
+    trainer.engines = {liar.base_url: liar}
+    summary = asyncio.run(rt.run())
+    assert len(liar.lied) == 1 and len(trainer.batches) == 2  # sync: every dispatched group is consumed
+    assert summary["c1_violations"] == 1
+    assert rt.orch.summary()["c1_violations"] == 1  # the one count: the summary reads the orchestrator's
+
+
 def test_migration_falls_back_to_resubmit_without_extension():
     rt, engines, trainer = make(mode="dora", n=4, steps=8, token_s=0.002, migration=False)
     summary = asyncio.run(rt.run())
