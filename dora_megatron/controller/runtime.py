@@ -136,9 +136,11 @@ class Runtime:
                                                   rebalancer=orch.policy.rebalance)
         self._from_journal: dict[str, Any] = {}  # sample id -> JournaledSample, restorable on resume
         self.samples_from_journal = 0
+        #: execution data (token ids, logprobs, tasks) of the outstanding groups only: a group's
+        #: records go once the trainer was handed it (the orchestrator owns which groups exist and
+        #: are consumed, consumed.jsonl records them), so memory is O(outstanding work)
         self.samples: dict[str, SampleRecord] = {}
         self.groups: dict[str, GroupRecord] = {}
-        self.consumed: set[str] = set()
         self.steps: list[StepLog] = []
         self.failed: set[str] = set()
         self.failed_ever: set[str] = set()  # every instance that failed at least once (rejoined ones too)
@@ -330,7 +332,9 @@ class Runtime:
     async def _submit(self, a: Submit) -> None:
         from dora_megatron.comm.engine_client import VersionMismatch
 
-        rec = self.samples[a.sample_id]
+        rec = self.samples.get(a.sample_id)
+        if rec is None:  # an earlier operation finished it and its group was consumed meanwhile
+            return
         if rec.finished:
             if rec.replay_pending:
                 await self.events.report(Replayed(a.sample_id))
@@ -360,9 +364,12 @@ class Runtime:
 
     def absorb(self, ev: EngineReply) -> int | None:
         """Loop (:class:`EngineReply`): apply an engine response. Finished: the sample's length (the
-        orchestrator hears of it); aborted: the partial output is kept, None."""
-        rec, resp, instance, start, end = self.samples[ev.sample_id], ev.resp, ev.instance, ev.start, ev.end
+        orchestrator hears of it); aborted: the partial output is kept, None. A late answer about a
+        sample whose group was consumed meanwhile (the source's reply to a KV export) is dropped."""
+        rec, resp, instance, start, end = self.samples.get(ev.sample_id), ev.resp, ev.instance, ev.start, ev.end
         self.metrics.request_held_slot(start, end)
+        if rec is None:
+            return None
         if getattr(resp, "migrated", False):
             return None  # the import on the destination delivers this sample
         if self.timeline is not None:
@@ -394,8 +401,8 @@ class Runtime:
     async def _migrate(self, a: Migrate, prev: asyncio.Task | None) -> None:
         from dora_megatron.comm.engine_client import EngineError
 
-        rec = self.samples[a.sample_id]
-        if rec.finished:
+        rec = self.samples.get(a.sample_id)
+        if rec is None or rec.finished:  # finished (its group maybe consumed) before this move ran
             return
         src, dst = self.engines[a.src], self.engines[a.dst]
         start = self.now()
@@ -683,13 +690,12 @@ class Runtime:
         wait = max(0.0, start - self._trainer_idle_since)
         samples, rewards, lengths, staleness, tokens = [], [], [], [], 0
         for gid, version in zip(a.group_ids, a.versions):
-            if gid in self.consumed:  # the orchestrator never does (it counts duplicated_groups)
-                raise RuntimeError(f"group {gid} released twice")
-            self.consumed.add(gid)
+            group = self.groups.pop(gid, None)  # consumed now: its records go (the trainer gets their data)
+            if group is None:  # the orchestrator never does this (it counts duplicated_groups)
+                raise RuntimeError(f"group {gid} released twice (or never dispatched)")
             staleness.append(a.step - version)
-            group = self.groups[gid]
             for sid in group.sample_ids:
-                rec = self.samples[sid]
+                rec = self.samples.pop(sid)
                 samples.append({
                     "prompt_ids": rec.prompt_ids, "response_ids": rec.output_ids, "rollout_logprobs": rec.logprobs,
                     "reward": rec.reward, "group_id": gid, "version": rec.version,
@@ -721,11 +727,6 @@ class Runtime:
         if result.get("checksum"):
             self.expected_checksums[new_version] = result["checksum"]
         end = self.now()
-        for gid in b.group_ids:  # free the token data of consumed groups
-            for sid in self.groups[gid].sample_ids:
-                rec = self.samples[sid]
-                rec.logprobs, rec.output_ids, rec.prompt_ids = [], [], []
-                rec.routed_experts = None
         metrics = dict(result.get("metrics", {}))
         if result.get("padding_fraction") is not None:  # a trainer that packs reports it beside its metrics
             metrics["padding_fraction"] = result["padding_fraction"]
@@ -806,7 +807,7 @@ class Runtime:
     def state_dict(self, version: int, orchestrator_snapshot: dict[str, Any]) -> dict[str, Any]:
         """The controller part of a checkpoint: outstanding groups and their samples (unfinished ones
         restart from their prompt), counters, the step logs; not the consumed groups' ids."""
-        unconsumed = [g for gid, g in self.groups.items() if gid not in self.consumed]
+        unconsumed = list(self.groups.values())  # consumed ones were forgotten at release
         samples = []
         for g in unconsumed:
             for sid in g.sample_ids:
@@ -850,7 +851,7 @@ class Runtime:
             self.samples[rec.sample_id] = rec
         # consumed groups are not carried (consumed.jsonl lists them; an older controller.json's
         # "consumed" is ignored): the restored orchestrator has forgotten them, so none can be
-        # released again, and this set guards only against a release twice within this process
+        # released again
         self.steps = [StepLog(**x) for x in state["steps"]]
         if "metrics" in state:  # absent in checkpoints written before the recorder: the summary then starts anew
             self.metrics.load_state_dict(state["metrics"])
