@@ -136,6 +136,7 @@ class Runtime:
                                                   rebalancer=orch.policy.rebalance)
         self._from_journal: dict[str, Any] = {}  # sample id -> JournaledSample, restorable on resume
         self.samples_from_journal = 0
+        self.samples_finished = 0  # engine answers that completed a sample (records of consumed groups are gone)
         #: execution data (token ids, logprobs, tasks) of the outstanding groups only: a group's
         #: records go once the trainer was handed it (the orchestrator owns which groups exist and
         #: are consumed, consumed.jsonl records them), so memory is O(outstanding work)
@@ -385,6 +386,7 @@ class Runtime:
         if self.opt.routed_experts:  # covers prompt + every output token (the last submission's input is all of it)
             rec.routed_experts = (resp.raw.get("meta_info") or {}).get("routed_experts")
         rec.finished = True
+        self.samples_finished += 1
         if instance in self._rejoined:
             self.samples_after_rejoin += 1
         group = self.groups[rec.group_id]
