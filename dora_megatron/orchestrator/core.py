@@ -310,6 +310,11 @@ class Orchestrator:
                 "min_version": s.min_version, "max_version": s.max_version, "instance": s.instance,
                 "state": s.state, "finished": s.state == FINISHED, "tokens": s.tokens}
 
+    def is_alive(self, instance: str) -> bool:
+        """``instance`` is in the pool and has not failed (unknown instances are not alive)."""
+        inst = self.instances.get(instance)
+        return inst is not None and inst.alive
+
     def live_versions(self) -> list[int]:
         """Versions with unconsumed groups, plus the newest weights."""
         return sorted({v for v, n in self._unconsumed.items() if n > 0} | {self.newest})

@@ -32,6 +32,9 @@ def record_switches(rt) -> list[tuple[str, int]]:
     done: list[tuple[str, int]] = []
 
     class Orch:
+        def is_alive(self, instance):
+            return True
+
         def on_switch_done(self, instance, version):
             done.append((instance, version))
             return []

@@ -138,6 +138,15 @@ def test_versions_an_engine_reports_count_as_c1_at_release_and_are_ignored_once_
     assert h.batches[-1].group_ids == ("g1",) and h.o.summary()["c1_violations"] == 1
 
 
+def test_is_alive_follows_failures_and_joins():
+    h = Harness(instances=("a", "b"), mode="dora", tbs=1, rbs=2, group_size=1, max_staleness=1)
+    assert h.o.is_alive("a") and not h.o.is_alive("zz")  # an unknown instance is not in the pool
+    h.do(h.o.on_instance_failed("a"))
+    assert not h.o.is_alive("a") and h.o.is_alive("b")
+    h.do(h.o.on_instance_joined("a"))
+    assert h.o.is_alive("a")
+
+
 def test_fig6_long_tail_keeps_running_on_its_own_version():
     """Paper Fig. 6 with our numbering (w1 = version 0): trajectory 4 (g3) is a long-tail v0
     request; steps keep training, the next version starts on the other instance, and g3 finishes
