@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Iterable, Protocol
 
 from dora_megatron.orchestrator import Action, ActionHandler, Dispatch
 
@@ -196,6 +196,7 @@ class Executor(ActionHandler, Protocol):
     def execute(self, actions: list[Action]) -> None: ...
     def prompt_tokens(self, group_id: str) -> int: ...
     def absorb(self, ev: EngineReply) -> int | None: ...
+    def sample_versions(self, sample_id: str) -> Iterable[int]: ...
     def replayed(self, sample_id: str) -> int: ...
     def is_current(self, instance: str, engine: Any) -> bool: ...
     def switch_landed(self, ev: SwitchDone, origin: asyncio.Task | None) -> bool: ...
@@ -257,9 +258,13 @@ class ControllerLoop:
             tokens = ex.absorb(event)
             if tokens is None:  # partial (interrupted, moved) or delivered by the KV import
                 return []
+            # every version that produced its tokens, as the engines said (the orchestrator alone counts C1)
+            orch.on_sample_versions(event.sample_id, ex.sample_versions(event.sample_id))
             return orch.on_sample_finished(event.sample_id, tokens=tokens, now=event.end)
         if isinstance(event, Replayed):
-            return orch.on_sample_finished(event.sample_id, tokens=ex.replayed(event.sample_id), now=ex.now())
+            tokens = ex.replayed(event.sample_id)
+            orch.on_sample_versions(event.sample_id, ex.sample_versions(event.sample_id))
+            return orch.on_sample_finished(event.sample_id, tokens=tokens, now=ex.now())
         if isinstance(event, InstanceStats):
             if not ex.is_current(event.instance, event.engine):
                 return []  # failed or replaced while it was asked

@@ -136,12 +136,13 @@ class Runtime:
                                                   rebalancer=orch.policy.rebalance)
         self._from_journal: dict[str, Any] = {}  # sample id -> JournaledSample, restorable on resume
         self.samples_from_journal = 0
+        self.samples_finished = 0  # engine answers that completed a sample (records of consumed groups are gone)
+        #: execution data (token ids, logprobs, tasks) of the outstanding groups only: a group's
+        #: records go once the trainer was handed it (the orchestrator owns which groups exist and
+        #: are consumed, consumed.jsonl records them), so memory is O(outstanding work)
         self.samples: dict[str, SampleRecord] = {}
         self.groups: dict[str, GroupRecord] = {}
-        self.consumed: set[str] = set()
-        self.duplicated = 0
         self.steps: list[StepLog] = []
-        self.failed: set[str] = set()
         self.failed_ever: set[str] = set()  # every instance that failed at least once (rejoined ones too)
         self.rejoins = 0  # failed instances that came back (``add_instance`` of a failed name)
         self.samples_after_rejoin = 0  # samples finished on an instance after it rejoined
@@ -175,12 +176,20 @@ class Runtime:
         self._pushes: list[SwitchVersion] = []  # collected by switch_version within one execute
         self._trainer_manifest: dict[str, dict] = {}  # checksums of the trainer part of the checkpoint being written
         self._state_writer: Iterator[None] | None = None  # the controller.json writer still running (state_file)
-        self.c1_count = 0
         self.version_refusals = 0
         self.latest_version = 0  # newest weights the trainer holds (pushed by `distributed`)
         self.pushed_bytes = 0
 
     # ------------------------------------------------------------------ helpers
+    def _failed(self, instance: str) -> bool:
+        """Whether ``instance`` is failed: the orchestrator's view (it owns run state), not a copy."""
+        return not self.orch.is_alive(instance)
+
+    @property
+    def failed(self) -> set[str]:
+        """The pool's failed instances (for launchers and tests; O(pool))."""
+        return {iid for iid in self.engines if self._failed(iid)}
+
     def now(self) -> float:
         return time.monotonic() - self._t0 + self._wall_offset
 
@@ -333,7 +342,9 @@ class Runtime:
     async def _submit(self, a: Submit) -> None:
         from dora_megatron.comm.engine_client import VersionMismatch
 
-        rec = self.samples[a.sample_id]
+        rec = self.samples.get(a.sample_id)
+        if rec is None:  # an earlier operation finished it and its group was consumed meanwhile
+            return
         if rec.finished:
             if rec.replay_pending:
                 await self.events.report(Replayed(a.sample_id))
@@ -363,17 +374,20 @@ class Runtime:
 
     def absorb(self, ev: EngineReply) -> int | None:
         """Loop (:class:`EngineReply`): apply an engine response. Finished: the sample's length (the
-        orchestrator hears of it); aborted: the partial output is kept, None."""
-        rec, resp, instance, start, end = self.samples[ev.sample_id], ev.resp, ev.instance, ev.start, ev.end
+        orchestrator hears of it); aborted: the partial output is kept, None. A late answer about a
+        sample whose group was consumed meanwhile (the source's reply to a KV export) is dropped."""
+        rec, resp, instance, start, end = self.samples.get(ev.sample_id), ev.resp, ev.instance, ev.start, ev.end
         self.metrics.request_held_slot(start, end)
+        if rec is None:
+            return None
         if getattr(resp, "migrated", False):
             return None  # the import on the destination delivers this sample
         if self.timeline is not None:
             self.timeline.span(instance, rec.sample_id, start, end, version=rec.version, kind="request")
         rec.output_ids.extend(resp.output_ids)
         rec.logprobs.extend(resp.output_token_logprobs or [0.0] * len(resp.output_ids))
-        # C1 accounting: an answer that crossed a weight update (SGLang's meta_info.weight_versions)
-        # produced its tokens under several versions; each is recorded, not just the routed one
+        # an answer that crossed a weight update (SGLang's meta_info.weight_versions) produced its
+        # tokens under several versions; each is recorded, not just the routed one
         rec.versions.update(int(v) for v in getattr(resp, "versions_used", ()) if str(v).lstrip("-").isdigit())
         reason = (resp.finish_reason or {}).get("type")
         if reason == "abort":
@@ -381,6 +395,7 @@ class Runtime:
         if self.opt.routed_experts:  # covers prompt + every output token (the last submission's input is all of it)
             rec.routed_experts = (resp.raw.get("meta_info") or {}).get("routed_experts")
         rec.finished = True
+        self.samples_finished += 1
         if instance in self._rejoined:
             self.samples_after_rejoin += 1
         group = self.groups[rec.group_id]
@@ -389,11 +404,16 @@ class Runtime:
             self.journal.sample(self._journaled(rec), sorted(rec.versions))
         return len(rec.output_ids)
 
+    def sample_versions(self, sample_id: str) -> set[int]:
+        """Loop: every version the sample was submitted on or an engine said produced its tokens;
+        the orchestrator counts a sample of more than one as a C1 violation (the one C1 count)."""
+        return self.samples[sample_id].versions
+
     async def _migrate(self, a: Migrate, prev: asyncio.Task | None) -> None:
         from dora_megatron.comm.engine_client import EngineError
 
-        rec = self.samples[a.sample_id]
-        if rec.finished:
+        rec = self.samples.get(a.sample_id)
+        if rec is None or rec.finished:  # finished (its group maybe consumed) before this move ran
             return
         src, dst = self.engines[a.src], self.engines[a.dst]
         start = self.now()
@@ -470,7 +490,7 @@ class Runtime:
         if self._superseded(a.instance):
             return
         engine = engine if engine is not None else self.engines[a.instance]
-        if a.instance in self.failed or self.engines.get(a.instance) is not engine:
+        if self._failed(a.instance) or self.engines.get(a.instance) is not engine:
             return  # failed (or replaced) while this switch waited: the orchestrator no longer expects it
         start = self.now()
         self.metrics.weight_sync_started(a.instance, start, rebalance=a.rebalance)
@@ -499,7 +519,7 @@ class Runtime:
         instance failed or was replaced (restarted: its own switch follows) or was re-targeted
         while loading (``origin``, the task that loaded, is no longer its newest switch order:
         that order reports, after loading again)."""
-        if ev.instance in self.failed or self.engines.get(ev.instance) is not ev.engine:
+        if self._failed(ev.instance) or self.engines.get(ev.instance) is not ev.engine:
             return False
         if self.timeline is not None:  # the time was spent loading, whether or not this order still stands
             self.timeline.span(ev.instance, f"{ev.how} v{ev.version}", ev.start, ev.end, version=ev.version,
@@ -560,15 +580,14 @@ class Runtime:
     def register(self, ev: InstanceJoined) -> bool:
         """Loop (:class:`InstanceJoined`): put the client in the pool; whether the orchestrator is to hear of it."""
         name = ev.instance
-        if name in self.engines and name not in self.failed:
+        if name in self.engines and not self._failed(name):
             log.warning("instance %s is already in the pool; ignoring its second join", name)
             return False
         self.engines[name] = ev.engine
         self.metrics.instance_joined(name, self.now())
-        if name in self.failed:
+        if name in self.failed_ever and self._failed(name):  # (a new name is unknown to the orchestrator too)
             self.rejoins += 1
             self._rejoined.add(name)
-            self.failed.discard(name)
             log.info("instance %s rejoined the pool", name)
         else:
             log.info("instance %s joined the pool", name)
@@ -576,7 +595,7 @@ class Runtime:
 
     def is_current(self, instance: str, engine: Engine) -> bool:
         """Loop: ``engine`` is still ``instance``'s client and the instance has not failed."""
-        return instance not in self.failed and self.engines.get(instance) is engine
+        return not self._failed(instance) and self.engines.get(instance) is engine
 
     async def _push_switch(self, actions: list[SwitchVersion], prevs: dict[str, asyncio.Task | None]) -> None:
         """Switch several instances to the newest version with one trainer broadcast (W1 `distributed`).
@@ -586,7 +605,7 @@ class Runtime:
         waits += [t for a in actions for t in self._moves_at.get(a.instance, ()) if not t.done()]
         if waits:
             await asyncio.wait(waits)
-        live = [a for a in actions if a.instance not in self.failed and not self._superseded(a.instance)]
+        live = [a for a in actions if not self._failed(a.instance) and not self._superseded(a.instance)]
         if not live:
             return
         start = self.now()
@@ -650,20 +669,19 @@ class Runtime:
         replaced (the instance was restarted and rejoined) is stale and ignored. The requests in
         flight there are cancelled (not the one that reported, ``origin``)."""
         instance, why = ev.instance, ev.why
-        if instance in self.failed or instance not in self.engines:
+        if self._failed(instance) or instance not in self.engines:
             return False
         if ev.engine is not None and self.engines.get(instance) is not ev.engine:
             log.info("ignoring a stale failure of %s (replaced since): %s", instance, why)
             return False
         log.warning("instance %s failed: %s", instance, why)
         self.metrics.instance_left(instance, self.now())
-        self.failed.add(instance)
-        self.failed_ever.add(instance)
+        self.failed_ever.add(instance)  # (the orchestrator hears of it next: it owns which instances are failed)
         for rec in self.samples.values():  # stop waiting on requests that lived there
             if rec.gen_instance == instance and rec.gen_task is not None and rec.gen_task is not origin \
                     and not rec.gen_task.done() and not rec.finished:
                 rec.gen_task.cancel()
-        if len(self.failed) == len(self.engines) and not self.instances_may_return:
+        if all(i == instance or self._failed(i) for i in self.engines) and not self.instances_may_return:
             self.stop(RuntimeError("every rollout instance failed"))
         return True
 
@@ -681,16 +699,12 @@ class Runtime:
         wait = max(0.0, start - self._trainer_idle_since)
         samples, rewards, lengths, staleness, tokens = [], [], [], [], 0
         for gid, version in zip(a.group_ids, a.versions):
-            if gid in self.consumed:
-                self.duplicated += 1
-                raise RuntimeError(f"group {gid} released twice")
-            self.consumed.add(gid)
+            group = self.groups.pop(gid, None)  # consumed now: its records go (the trainer gets their data)
+            if group is None:  # the orchestrator never does this (it counts duplicated_groups)
+                raise RuntimeError(f"group {gid} released twice (or never dispatched)")
             staleness.append(a.step - version)
-            group = self.groups[gid]
             for sid in group.sample_ids:
-                rec = self.samples[sid]
-                if len(rec.versions) > 1:
-                    self.c1_count += 1
+                rec = self.samples.pop(sid)
                 samples.append({
                     "prompt_ids": rec.prompt_ids, "response_ids": rec.output_ids, "rollout_logprobs": rec.logprobs,
                     "reward": rec.reward, "group_id": gid, "version": rec.version,
@@ -722,11 +736,6 @@ class Runtime:
         if result.get("checksum"):
             self.expected_checksums[new_version] = result["checksum"]
         end = self.now()
-        for gid in b.group_ids:  # free the token data of consumed groups
-            for sid in self.groups[gid].sample_ids:
-                rec = self.samples[sid]
-                rec.logprobs, rec.output_ids, rec.prompt_ids = [], [], []
-                rec.routed_experts = None
         metrics = dict(result.get("metrics", {}))
         if result.get("padding_fraction") is not None:  # a trainer that packs reports it beside its metrics
             metrics["padding_fraction"] = result["padding_fraction"]
@@ -825,7 +834,7 @@ class Runtime:
     def state_dict(self, version: int, orchestrator_snapshot: dict[str, Any]) -> dict[str, Any]:
         """The controller part of a checkpoint: outstanding groups and their samples (unfinished ones
         restart from their prompt), counters, the step logs; not the consumed groups' ids."""
-        unconsumed = [g for gid, g in self.groups.items() if gid not in self.consumed]
+        unconsumed = list(self.groups.values())  # consumed ones were forgotten at release
         samples = []
         for g in unconsumed:
             for sid in g.sample_ids:
@@ -851,7 +860,6 @@ class Runtime:
             "metrics": self.metrics.state_dict(), "migrated_bytes": self.migrated_bytes,
             "migrations_done": self.migrations_done, "migrations_fallback": self.migrations_fallback,
             "expected_checksums": {str(k): v for k, v in self.expected_checksums.items()},
-            "c1_count": self.c1_count, "duplicated": self.duplicated,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -870,7 +878,7 @@ class Runtime:
             self.samples[rec.sample_id] = rec
         # consumed groups are not carried (consumed.jsonl lists them; an older controller.json's
         # "consumed" is ignored): the restored orchestrator has forgotten them, so none can be
-        # released again, and this set guards only against a release twice within this process
+        # released again
         self.steps = [StepLog(**x) for x in state["steps"]]
         if "metrics" in state:  # absent in checkpoints written before the recorder: the summary then starts anew
             self.metrics.load_state_dict(state["metrics"])
@@ -880,8 +888,8 @@ class Runtime:
         self.expected_checksums = {int(k): v for k, v in state["expected_checksums"].items()}
         self._pending_step_finished = state.get("pending_step_finished")
         self.latest_version = int(state["version"])
-        self.c1_count = int(state.get("c1_count", 0))
-        self.duplicated = int(state.get("duplicated", 0))
+        # an older controller.json also holds "c1_count"/"duplicated": ignored, the C1 and
+        # duplicate counts of a run are the orchestrator's (its snapshot carries them)
         self._resumed = True
 
     # ------------------------------------------------------------------ main loop
@@ -895,7 +903,7 @@ class Runtime:
         then fail it. Errors (refused connection, HTTP error) fail it at once."""
         async with slots:
             for attempt in (1, 2):
-                if iid in self.failed or self.engines.get(iid) is not engine:
+                if self._failed(iid) or self.engines.get(iid) is not engine:
                     return
                 try:
                     info = await asyncio.wait_for(engine.server_info(), timeout=self.opt.health_timeout_s)
@@ -913,7 +921,7 @@ class Runtime:
         self._apply_load(iid, engine, info)
 
     def _apply_load(self, iid: str, engine: Engine, info: dict[str, Any]) -> None:
-        if iid in self.failed or self.engines.get(iid) is not engine:
+        if self._failed(iid) or self.engines.get(iid) is not engine:
             return  # failed or replaced while we asked
         running = int(info.get("num_running_reqs", info.get("running", 0)) or 0)
         kv = float(info.get("kv_usage", info.get("token_usage", 0.0)) or 0.0)
@@ -946,7 +954,7 @@ class Runtime:
             if pushed is not None:
                 await self._apply_reports(pushed.take_reports())
             polls = [self._poll_stats(iid, engine, slots) for iid, engine in list(self.engines.items())
-                     if iid not in self.failed  # instances may join meanwhile
+                     if not self._failed(iid)  # instances may join meanwhile
                      and (pushed is None or not pushed.covers(engine))]
             if polls:
                 await asyncio.gather(*polls)
@@ -1015,7 +1023,7 @@ class Runtime:
             except Exception:  # noqa: BLE001 - best effort at shutdown
                 pass
 
-        await asyncio.gather(*(abort_all(e) for iid, e in list(self.engines.items()) if iid not in self.failed))
+        await asyncio.gather(*(abort_all(e) for iid, e in list(self.engines.items()) if not self._failed(iid)))
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
@@ -1027,8 +1035,8 @@ class Runtime:
         osum = self.orch.summary()
         totals = RunTotals(
             dispatched_groups=osum["dispatched_groups"], consumed_groups=osum["consumed_groups"],
-            lost_groups=osum["lost_groups"], duplicated_groups=osum["duplicated_groups"] + self.duplicated,
-            c1_violations=self._c1_violations(), c3_violations=osum["c3_violations"],
+            lost_groups=osum["lost_groups"], duplicated_groups=osum["duplicated_groups"],
+            c1_violations=osum["c1_violations"], c3_violations=osum["c3_violations"],
             migrations=osum["migrations"], migrated_kv_bytes=self.migrated_bytes,
             reprefill_tokens=osum["reprefill_tokens"])
         out = self.metrics.summary(mode=osum["mode"], max_staleness=osum["max_staleness"], tbs=osum["tbs"],
@@ -1048,7 +1056,3 @@ class Runtime:
         out["max_live_versions"] = osum.get("max_live_versions")
         out["outstanding_groups_at_end"] = osum["dispatched_groups"] - osum["consumed_groups"]
         return out
-
-    def _c1_violations(self) -> int:
-        """Samples of consumed groups whose tokens came from more than one version (counted at release)."""
-        return self.c1_count

@@ -19,6 +19,9 @@ active on version 0; the trainer is idle before step 0. Every event method retur
   ``Submit`` is a resume (prompt + partial output, re-prefill counted) only when the sample's
   tokens are > 0; a sample whose progress was never reported is resubmitted as a fresh start.
 * ``on_sample_finished(sample_id, tokens=None, now=None)`` - a sample is complete.
+* ``on_sample_versions(sample_id, versions)`` - the weight versions the engine says produced the
+  sample's tokens (report before ``on_sample_finished``); a sample of more than one version is a
+  C1 violation, counted at release (``counters.c1_violations``, the only C1 count of a run).
 * ``on_instance_stats(instance, running, kv_usage, now=None)`` - engine load; KV over
   ``kv_high_watermark`` levels the instance with its least-loaded peer and triggers a full
   rebalance (dora) at most once per ``kv_rebalance_min_interval_s`` of driver time (``now``, else

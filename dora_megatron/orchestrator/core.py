@@ -156,6 +156,24 @@ class Orchestrator:
             s.tokens = tokens
         return []
 
+    def on_sample_versions(self, sample_id: str, versions: Iterable[int]) -> list[Action]:
+        """The engine says which weight versions produced tokens of ``sample_id`` (an answer that
+        crossed a weight update, or an engine holding other weights than it was routed for).
+
+        WHY here: C1 is counted in one place, at release, from each sample's version span; the
+        driver reports what the engine saw, the orchestrator widens the span. Unknown (consumed,
+        forgotten) samples are ignored."""
+        s = self.samples.get(sample_id)
+        if s is None:
+            self.counters.ignored_events += 1
+            return []
+        for v in versions:
+            if v < s.min_version:
+                s.min_version = v
+            if v > s.max_version:
+                s.max_version = v
+        return []
+
     def on_sample_finished(self, sample_id: str, tokens: int | None = None,
                            now: float | None = None) -> list[Action]:
         """``sample_id`` finished generating (``tokens``: its response length). Unknown or already
@@ -312,6 +330,11 @@ class Orchestrator:
         return {"sample_id": s.sample_id, "group_id": s.group_id, "version": s.version,
                 "min_version": s.min_version, "max_version": s.max_version, "instance": s.instance,
                 "state": s.state, "finished": s.state == FINISHED, "tokens": s.tokens}
+
+    def is_alive(self, instance: str) -> bool:
+        """``instance`` is in the pool and has not failed (unknown instances are not alive)."""
+        inst = self.instances.get(instance)
+        return inst is not None and inst.alive
 
     def live_versions(self) -> list[int]:
         """Versions with unconsumed groups, plus the newest weights."""

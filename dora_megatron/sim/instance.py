@@ -41,7 +41,6 @@ class SimRequest:
     admit_step: int = 0  # instance step count when it joined the batch
     finish_step: int = 0  # instance step count at which it completes
     admit_s: float = 0.0  # when it took its slot (for busy slot-seconds)
-    mixed: bool = False  # tokens from more than one version (partial mode resubmission)
 
     @property
     def context(self) -> int:

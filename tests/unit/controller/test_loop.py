@@ -10,7 +10,8 @@ import sys
 from .fakes import fail_after_first_step
 from .test_runtime import check_run, make
 
-EVENT_METHODS = ("start", "on_tick", "on_sample_progress", "on_sample_finished", "on_instance_stats",
+EVENT_METHODS = ("start", "on_tick", "on_sample_progress", "on_sample_finished", "on_sample_versions",
+                 "on_instance_stats",
                  "on_step_finished", "on_instance_failed", "on_instance_joined", "on_switch_done",
                  "on_migration_done", "on_migration_failed", "set_prompt_tokens", "poll")
 

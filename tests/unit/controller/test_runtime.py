@@ -53,11 +53,25 @@ def check_run(rt, engines, trainer, steps, tbs, G):
             # the fake engine answers correctly: the assembled response must be exactly right
             assert s["reward"] == 1.0, tok.decode(s["response_ids"])
             assert len(s["rollout_logprobs"]) == len(s["response_ids"])
+    # C1 from what the engines saw: every request of a sample (generate, import) ran on one version
+    versions = engine_versions(engines)
+    assert all(len(vs) == 1 for vs in versions.values()), {rid: vs for rid, vs in versions.items() if len(vs) > 1}
+    # the runtime forgot every consumed group's records (the orchestrator owns run state)
+    assert not any(rec.group_id in seen for rec in rt.samples.values()) and not set(rt.groups) & seen
+
+
+def engine_versions(engines) -> dict[str, set[int]]:
+    """Sample id -> the weight versions the engines ran its requests on (their own logs)."""
+    out: dict[str, set[int]] = {}
     for e in engines.values():
         for op, rid, version in e.log:
-            rec = rt.samples.get(rid)
-            if rec is not None and rec.versions:
-                assert rec.versions == {version}, (rid, rec.versions, version)
+            if op in ("generate", "import"):
+                out.setdefault(rid, set()).add(version)
+    return out
+
+
+def trained_groups(trainer) -> set[str]:
+    return {s["group_id"] for batch in trainer.batches for s in batch}
 
 
 @pytest.mark.parametrize("mode", ["sync", "one_step_off", "dora"])
@@ -77,8 +91,10 @@ def test_partial_mode_resubmits_partial_output():
     for batch in trainer.batches:
         for s in batch:
             assert s["reward"] == 1.0  # partial + continuation assembled into the right answer
-    interrupted = [r for r in rt.samples.values() if len(r.versions) > 1]
-    assert summary["c1_violations"] == sum(1 for r in interrupted if r.group_id in rt.consumed)
+    # C1 broken exactly for the trained samples whose requests the engines ran on several versions
+    mixed = [rid for rid, vs in engine_versions(engines).items() if len(vs) > 1]
+    consumed = trained_groups(trainer)
+    assert summary["c1_violations"] == sum(1 for rid in mixed if rid.rsplit(".", 1)[0] in consumed)
 
 
 def test_dora_keeps_multiple_versions_and_migrates():
@@ -90,8 +106,33 @@ def test_dora_keeps_multiple_versions_and_migrates():
     for e in engines.values():  # migrated requests continue where they were (no restart)
         imports = [rid for op, rid, _ in e.log if op == "import"]
         for rid in imports:  # (samples still in flight when the run ends are simply aborted)
-            rec = rt.samples[rid]
-            assert rec.finished or rec.group_id not in rt.consumed
+            assert rid in rt.samples or rid.rsplit(".", 1)[0] in trained_groups(trainer)
+
+
+class MislabellingEngine(FakeEngine):
+    """Answers its first finished request as if other weights (version + 7) had produced it."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.lied: list[str] = []
+
+    async def _run(self, req):
+        resp = await super()._run(req)
+        if not self.lied and resp.finish_reason["type"] == "stop":
+            resp.weight_version = str(req.version + 7)
+            resp.versions_used = [resp.weight_version]  # as GenerateResponse derives it without spans
+            self.lied.append(req.rid)
+        return resp
+
+
+def test_a_c1_violation_the_engine_reports_is_counted_by_the_orchestrator():
+    rt, engines, trainer = make(mode="sync", n=1, steps=2, tbs=2, rbs=2)
+    liar = rt.engines["e0"] = MislabellingEngine("e0", token_s=0.001)
+    trainer.engines = {liar.base_url: liar}
+    summary = asyncio.run(rt.run())
+    assert len(liar.lied) == 1 and len(trainer.batches) == 2  # sync: every dispatched group is consumed
+    assert summary["c1_violations"] == 1
+    assert rt.orch.summary()["c1_violations"] == 1  # the one count: the summary reads the orchestrator's
 
 
 def test_migration_falls_back_to_resubmit_without_extension():
@@ -117,6 +158,7 @@ def test_instance_failure_reruns_on_same_version():
     check_run(rt, engines, trainer, 6, 4, 2)
     assert "e1" in summary["failed_instances"]
     assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
+    assert rt.failed == {"e1"} and not rt.orch.is_alive("e1")  # one owner of "which instances failed"
 
 
 def test_checkpoint_and_resume_consume_every_group_once(tmp_path):

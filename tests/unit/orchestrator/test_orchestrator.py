@@ -121,6 +121,32 @@ def test_partial_interrupts_records_min_max_version_and_counts_reprefill():
     assert h.o.summary()["c1_violations"] == 1
 
 
+def test_versions_an_engine_reports_count_as_c1_at_release_and_are_ignored_once_consumed():
+    """The driver reports what the engine said produced a sample's tokens; the orchestrator's
+    counter is the only C1 count of a run (runtime and simulator summaries read it)."""
+    h = Harness(instances=("a",), mode="dora", tbs=1, rbs=2, group_size=1, max_staleness=1,
+                cap_before_rebalance=4, cap_after_rebalance=4)
+    assert h.o.on_sample_versions("g0.0", [0]) == []  # the routed version only: C1 kept
+    h.finish("g0.0")
+    assert h.batches[-1].group_ids == ("g0",) and h.o.summary()["c1_violations"] == 0
+    h.o.on_sample_versions("g0.0", [0, 3])  # consumed and forgotten: a late report changes nothing
+    h.do(h.o.on_step_finished(1))
+    h.switches_done()
+    h.o.on_sample_versions("g1.0", [0, 1])  # an answer that crossed a weight update
+    assert (h.o.sample_status("g1.0")["min_version"], h.o.sample_status("g1.0")["max_version"]) == (0, 1)
+    h.finish("g1.0")
+    assert h.batches[-1].group_ids == ("g1",) and h.o.summary()["c1_violations"] == 1
+
+
+def test_is_alive_follows_failures_and_joins():
+    h = Harness(instances=("a", "b"), mode="dora", tbs=1, rbs=2, group_size=1, max_staleness=1)
+    assert h.o.is_alive("a") and not h.o.is_alive("zz")  # an unknown instance is not in the pool
+    h.do(h.o.on_instance_failed("a"))
+    assert not h.o.is_alive("a") and h.o.is_alive("b")
+    h.do(h.o.on_instance_joined("a"))
+    assert h.o.is_alive("a")
+
+
 def test_fig6_long_tail_keeps_running_on_its_own_version():
     """Paper Fig. 6 with our numbering (w1 = version 0): trajectory 4 (g3) is a long-tail v0
     request; steps keep training, the next version starts on the other instance, and g3 finishes
