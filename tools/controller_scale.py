@@ -184,10 +184,13 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         for i, n in enumerate(counts):
             procs.start(f"fleet{i}", [*nice, py, str(FLEET), "--instances", str(n), "--ready", str(ready[i]),
                                       "--per-token-s", str(args.per_token_s), "--min-tokens", str(args.min_tokens),
-                                      "--alpha", str(args.alpha), "--load-s", str(args.load_s)])
+                                      "--alpha", str(args.alpha), "--load-s", str(args.load_s)],
+                        cpus=args.others_cpus)
         trainer_ready = work / "trainer.json"
         procs.start("trainer", [py, str(FLEET), "--role", "trainer", "--ready", str(trainer_ready),
-                                "--step-s", str(args.step_s), "--run-dir", str(run_dir)])
+                                "--step-s", str(args.step_s), "--run-dir", str(run_dir)], cpus=args.others_cpus)
+        if args.controller_cpus:  # after the fakes started (they get their own cores), before the controller's
+            _pin_this_process(args.controller_cpus)
         fleets = await _wait_ready([*ready, trainer_ready], procs, args.startup_timeout_s)
         engine_ports = [p for f in fleets[:-1] for p in f["ports"]]
         urls = {f"engine{i}": f"http://127.0.0.1:{p}" for i, p in enumerate(engine_ports)}
@@ -204,6 +207,10 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             holder["runtime"] = rt
             holder["t_run"] = time.monotonic()
             holder["ru_run"] = resource.getrusage(resource.RUSAGE_SELF)  # CPU from here: not the startup
+            if args.others_cpus:  # the client workers were spawned by the controller, on its cores: move them
+                for pid in {getattr(e, "worker_pid", None) for e in rt.engines.values()} - {None}:
+                    os.sched_setaffinity(pid, args.others_cpus)
+                    holder.setdefault("worker_cpus", {})[pid] = sorted(os.sched_getaffinity(pid))
             lag.start(args.stall_s)  # from the runtime's start: startup (health checks of N URLs) is not the steady state
             if args.kill_worker_after_samples:
                 holder["killer"] = asyncio.get_running_loop().create_task(_kill_a_worker(rt, args, holder))
@@ -286,9 +293,21 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "trainer_groups_seen": len(trainer_stats["groups"]),
         "trainer_repeated_groups": trainer_stats["repeated_groups"],
         "trainer_incomplete_groups": incomplete,
-        "fleet_nice": args.fleet_nice, "load_average_before": list(load_before), "load_average_after": list(load_after),
+        "fleet_nice": args.fleet_nice, "controller_cpus": sorted(args.controller_cpus),
+        "others_cpus": sorted(args.others_cpus), "worker_cpus": list(holder.get("worker_cpus", {}).values()),
+        "controller_cpus_seen": sorted(os.sched_getaffinity(0)), "load_average_before": list(load_before), "load_average_after": list(load_after),
         "cpu_count": os.cpu_count(),
     }
+
+
+def _pin_this_process(cpus: set[int]) -> None:
+    """Pin every thread of this process (Linux: one affinity per thread, threads and children made
+    later inherit it) to ``cpus``."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:  # a thread that just ended
+            pass
 
 
 async def _kill_a_worker(rt, args: argparse.Namespace, holder: dict[str, Any]) -> None:
@@ -351,6 +370,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fleet-nice", type=int, default=0,
                    help="run the fake engines at this niceness: they stand in for remote machines, so on a small "
                         "machine they should not take the controller's CPU (0: as the controller)")
+    p.add_argument("--controller-cpus", default="",
+                   help="pin the controller (this process, its event loop and threads) to these cores, e.g. 0: "
+                        "on a cluster its node's cores are its own; on a small machine the fakes and workers "
+                        "would otherwise take its CPU (empty: not pinned)")
+    p.add_argument("--others-cpus", default="",
+                   help="pin the fake fleet, the fake trainer and the client workers to these cores, e.g. 1")
     p.add_argument("--client-workers", default="",
                    help="rollout.client_workers; a comma list (e.g. 0,4) measures each in turn into one JSON ('runs')")
     p.add_argument("--kill-worker-after-samples", type=int, default=0,
@@ -364,6 +389,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.client_workers = [int(x) for x in args.client_workers.split(",")] if args.client_workers else [None]
     except ValueError:
         p.error(f"--client-workers must be integers separated by commas, got {args.client_workers!r}")
+    have = os.sched_getaffinity(0)
+    for name in ("controller_cpus", "others_cpus"):
+        text = getattr(args, name)
+        try:
+            cpus = {int(x) for x in text.split(",")} if text else set()
+        except ValueError:
+            p.error(f"--{name.replace('_', '-')} must be core numbers separated by commas, got {text!r}")
+        if cpus - have:
+            p.error(f"--{name.replace('_', '-')}: cores {sorted(cpus - have)} are not available here "
+                    f"(have {sorted(have)})")
+        setattr(args, name, cpus)
     if args.kill_worker_after_samples and not all(args.client_workers):
         p.error("--kill-worker-after-samples needs --client-workers >= 1")
     args.procs = args.procs or max(1, -(-args.instances // 512))

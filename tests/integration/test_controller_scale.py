@@ -79,6 +79,27 @@ def test_64_instances_on_2_client_workers_exactly_once_no_false_failures(tmp_pat
     assert r["stats_polls"] >= 64 and r["switched_instance_loads"] > 0
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs 2 cores")
+def test_pinned_controller_keeps_its_core_and_the_invariants(tmp_path):
+    """--controller-cpus / --others-cpus (how the 4,096-instance table was measured): the controller
+    keeps its core, the client workers it spawned are moved to the others' core, nothing is lost."""
+    a, b = sorted(os.sched_getaffinity(0))[:2]
+    rc, r, log = run_harness(tmp_path, "--client-workers", "2", "--controller-cpus", str(a), "--others-cpus", str(b),
+                             instances=32, steps=2)
+    assert rc == 0, log[-3000:]
+    assert r["controller_cpus_seen"] == [a] and r["others_cpus"] == [b]
+    assert r["worker_cpus"] == [[b], [b]]
+    assert r["false_instance_failures"] == 0
+    check_exactly_once(r)
+
+
+def test_bad_core_list_is_refused_naming_the_flag(tmp_path):
+    rc, _, log = run_harness(tmp_path, "--controller-cpus", "0,zz")
+    assert rc == 2 and "--controller-cpus" in log and "'0,zz'" in log
+    rc, _, log = run_harness(tmp_path, "--others-cpus", "4096")
+    assert rc == 2 and "--others-cpus" in log and "4096" in log and "not available" in log
+
+
 def test_a_killed_client_worker_loses_and_duplicates_nothing(tmp_path):
     """SIGKILL one of the 2 workers mid-run: its 32 instances fail (their requests run again
     elsewhere), the other 32 finish the run; every group is consumed once."""
