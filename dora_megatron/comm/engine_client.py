@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import aiohttp
 
+from dora_megatron.comm.http_session import HttpSession
 from dora_megatron.comm.protocol import GenerateRequest, GenerateResponse, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -43,9 +44,7 @@ class EngineClient:
 
     def __init__(self, base_url: str, session: aiohttp.ClientSession | None = None, timeout_s: float = 600.0) -> None:
         self.base_url = base_url.rstrip("/")
-        self._session = session
-        self._own_session = session is None
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._http = HttpSession(timeout_s, session=session)
         self._extensions: frozenset[str] | None = None
 
     async def __aenter__(self) -> "EngineClient":
@@ -55,14 +54,8 @@ class EngineClient:
         await self.close()
 
     async def close(self) -> None:
-        if self._own_session and self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    def _sess(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self.timeout)
-        return self._session
+        """Close this client's own session (a shared one given to the constructor stays open)."""
+        await self._http.close()
 
     async def _request(
         self, method: str, path: str, json_body: Any = None, data: bytes | None = None, raw: bool = False,
@@ -70,9 +63,8 @@ class EngineClient:
     ) -> Any:
         """One call, bounded by ``timeout_s`` or else the client's ``timeout_s``: a stalled engine raises TimeoutError."""
         url = self.base_url + path
-        # per call, so that timeout_s also holds on a session shared with other clients
-        timeout = self.timeout if timeout_s is None else aiohttp.ClientTimeout(total=timeout_s)
-        async with self._sess().request(method, url, json=json_body, data=data, timeout=timeout) as resp:
+        timeout = self._http.call_timeout(timeout_s)
+        async with self._http.session().request(method, url, json=json_body, data=data, timeout=timeout) as resp:
             body = await resp.read()
             if resp.status >= 400:
                 try:
@@ -224,7 +216,7 @@ class EngineClient:
         """This engine's current weights as a safetensors blob, with its weight_version and checksum."""
         await self._require("weights")
         url = self.base_url + "/dora/weights"
-        async with self._sess().get(url) as resp:
+        async with self._http.session().get(url) as resp:
             if resp.status >= 400:
                 raise EngineError(url, resp.status, (await resp.text())[:300])
             buf = bytearray()
@@ -238,7 +230,7 @@ class EngineClient:
         """Copy the weights of the engine at ``peer_url``; ``weight_version``/``checksum``, when given,
         must match what the peer holds (else HTTP 400 and the old weights stay)."""
         await self._require("update_weights_from_peer")
-        body: dict[str, Any] = {"url": peer_url.rstrip("/"), "timeout_s": self.timeout.total or 600.0}
+        body: dict[str, Any] = {"url": peer_url.rstrip("/"), "timeout_s": self._http.timeout.total or 600.0}
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
         if checksum is not None:

@@ -181,14 +181,23 @@ class Runtime:
         self.pushed_bytes = 0
 
     # ------------------------------------------------------------------ helpers
-    def _failed(self, instance: str) -> bool:
-        """Whether ``instance`` is failed: the orchestrator's view (it owns run state), not a copy."""
+    def is_failed(self, instance: str) -> bool:
+        """Whether ``instance`` is failed (one the orchestrator does not know is): the orchestrator's
+        view (it owns run state), not a copy. O(1): what a launcher's poller asks per instance."""
         return not self.orch.is_alive(instance)
+
+    def all_failed(self) -> bool:
+        """Whether the pool has instances and none is alive. O(1) while the orchestrator counts none
+        alive, else it stops at the first alive instance: pollers ask it every poll, at 4,096 instances."""
+        if not self.engines:
+            return False
+        return self.orch.alive_count() == 0 or not any(self.orch.is_alive(iid) for iid in self.engines)
 
     @property
     def failed(self) -> set[str]:
-        """The pool's failed instances (for launchers and tests; O(pool))."""
-        return {iid for iid in self.engines if self._failed(iid)}
+        """The pool's failed instances, O(pool): for tests, which compare the whole set; pollers ask
+        :meth:`is_failed` / :meth:`all_failed` instead."""
+        return {iid for iid in self.engines if self.is_failed(iid)}
 
     def now(self) -> float:
         return time.monotonic() - self._t0 + self._wall_offset
@@ -490,7 +499,7 @@ class Runtime:
         if self._superseded(a.instance):
             return
         engine = engine if engine is not None else self.engines[a.instance]
-        if self._failed(a.instance) or self.engines.get(a.instance) is not engine:
+        if self.is_failed(a.instance) or self.engines.get(a.instance) is not engine:
             return  # failed (or replaced) while this switch waited: the orchestrator no longer expects it
         start = self.now()
         self.metrics.weight_sync_started(a.instance, start, rebalance=a.rebalance)
@@ -519,7 +528,7 @@ class Runtime:
         instance failed or was replaced (restarted: its own switch follows) or was re-targeted
         while loading (``origin``, the task that loaded, is no longer its newest switch order:
         that order reports, after loading again)."""
-        if self._failed(ev.instance) or self.engines.get(ev.instance) is not ev.engine:
+        if self.is_failed(ev.instance) or self.engines.get(ev.instance) is not ev.engine:
             return False
         if self.timeline is not None:  # the time was spent loading, whether or not this order still stands
             self.timeline.span(ev.instance, f"{ev.how} v{ev.version}", ev.start, ev.end, version=ev.version,
@@ -580,12 +589,12 @@ class Runtime:
     def register(self, ev: InstanceJoined) -> bool:
         """Loop (:class:`InstanceJoined`): put the client in the pool; whether the orchestrator is to hear of it."""
         name = ev.instance
-        if name in self.engines and not self._failed(name):
+        if name in self.engines and not self.is_failed(name):
             log.warning("instance %s is already in the pool; ignoring its second join", name)
             return False
         self.engines[name] = ev.engine
         self.metrics.instance_joined(name, self.now())
-        if name in self.failed_ever and self._failed(name):  # (a new name is unknown to the orchestrator too)
+        if name in self.failed_ever and self.is_failed(name):  # (a new name is unknown to the orchestrator too)
             self.rejoins += 1
             self._rejoined.add(name)
             log.info("instance %s rejoined the pool", name)
@@ -595,7 +604,7 @@ class Runtime:
 
     def is_current(self, instance: str, engine: Engine) -> bool:
         """Loop: ``engine`` is still ``instance``'s client and the instance has not failed."""
-        return not self._failed(instance) and self.engines.get(instance) is engine
+        return not self.is_failed(instance) and self.engines.get(instance) is engine
 
     async def _push_switch(self, actions: list[SwitchVersion], prevs: dict[str, asyncio.Task | None]) -> None:
         """Switch several instances to the newest version with one trainer broadcast (W1 `distributed`).
@@ -605,7 +614,7 @@ class Runtime:
         waits += [t for a in actions for t in self._moves_at.get(a.instance, ()) if not t.done()]
         if waits:
             await asyncio.wait(waits)
-        live = [a for a in actions if not self._failed(a.instance) and not self._superseded(a.instance)]
+        live = [a for a in actions if not self.is_failed(a.instance) and not self._superseded(a.instance)]
         if not live:
             return
         start = self.now()
@@ -669,7 +678,7 @@ class Runtime:
         replaced (the instance was restarted and rejoined) is stale and ignored. The requests in
         flight there are cancelled (not the one that reported, ``origin``)."""
         instance, why = ev.instance, ev.why
-        if self._failed(instance) or instance not in self.engines:
+        if self.is_failed(instance) or instance not in self.engines:
             return False
         if ev.engine is not None and self.engines.get(instance) is not ev.engine:
             log.info("ignoring a stale failure of %s (replaced since): %s", instance, why)
@@ -681,7 +690,7 @@ class Runtime:
             if rec.gen_instance == instance and rec.gen_task is not None and rec.gen_task is not origin \
                     and not rec.gen_task.done() and not rec.finished:
                 rec.gen_task.cancel()
-        if all(i == instance or self._failed(i) for i in self.engines) and not self.instances_may_return:
+        if all(i == instance or self.is_failed(i) for i in self.engines) and not self.instances_may_return:
             self.stop(RuntimeError("every rollout instance failed"))
         return True
 
@@ -903,7 +912,7 @@ class Runtime:
         then fail it. Errors (refused connection, HTTP error) fail it at once."""
         async with slots:
             for attempt in (1, 2):
-                if self._failed(iid) or self.engines.get(iid) is not engine:
+                if self.is_failed(iid) or self.engines.get(iid) is not engine:
                     return
                 try:
                     info = await asyncio.wait_for(engine.server_info(), timeout=self.opt.health_timeout_s)
@@ -921,7 +930,7 @@ class Runtime:
         self._apply_load(iid, engine, info)
 
     def _apply_load(self, iid: str, engine: Engine, info: dict[str, Any]) -> None:
-        if self._failed(iid) or self.engines.get(iid) is not engine:
+        if self.is_failed(iid) or self.engines.get(iid) is not engine:
             return  # failed or replaced while we asked
         running = int(info.get("num_running_reqs", info.get("running", 0)) or 0)
         kv = float(info.get("kv_usage", info.get("token_usage", 0.0)) or 0.0)
@@ -954,7 +963,7 @@ class Runtime:
             if pushed is not None:
                 await self._apply_reports(pushed.take_reports())
             polls = [self._poll_stats(iid, engine, slots) for iid, engine in list(self.engines.items())
-                     if not self._failed(iid)  # instances may join meanwhile
+                     if not self.is_failed(iid)  # instances may join meanwhile
                      and (pushed is None or not pushed.covers(engine))]
             if polls:
                 await asyncio.gather(*polls)
@@ -1023,7 +1032,7 @@ class Runtime:
             except Exception:  # noqa: BLE001 - best effort at shutdown
                 pass
 
-        await asyncio.gather(*(abort_all(e) for iid, e in list(self.engines.items()) if not self._failed(iid)))
+        await asyncio.gather(*(abort_all(e) for iid, e in list(self.engines.items()) if not self.is_failed(iid)))
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:

@@ -8,6 +8,8 @@ from typing import Any
 
 import aiohttp
 
+from dora_megatron.comm.http_session import HttpSession
+
 
 @dataclass(frozen=True)
 class PushOptions:
@@ -39,22 +41,14 @@ class TrainerUnreachable(TrainerError):
 class TrainerClient:
     def __init__(self, base_url: str, timeout_s: float = 3600.0) -> None:
         self.base_url = base_url.rstrip("/")
-        self._session: aiohttp.ClientSession | None = None
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
-
-    def _sess(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self._timeout)
-        return self._session
+        self._http = HttpSession(timeout_s)
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self._http.close()
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         try:
-            async with self._sess().post(self.base_url + path, json=body) as resp:
+            async with self._http.session().post(self.base_url + path, json=body) as resp:
                 data = await resp.json(content_type=None)
         except aiohttp.ClientError as err:
             raise TrainerUnreachable(f"trainer {path}: no answer from {self.base_url}: {err}") from err
@@ -64,7 +58,7 @@ class TrainerClient:
 
     async def health(self) -> dict[str, Any] | None:
         try:
-            async with self._sess().get(self.base_url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            async with self._http.session().get(self.base_url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
                 return await resp.json() if resp.status == 200 else None
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return None

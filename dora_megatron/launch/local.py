@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from dora_megatron.config.loader import dump_yaml
 from dora_megatron.config.schema import DoraConfig
@@ -31,7 +31,7 @@ from dora_megatron.launch.inputs import input_problem
 from dora_megatron.launch.plan import local_plan
 from dora_megatron.ports import free_ports
 from dora_megatron.processes import ChildFailed, ProcessSet, ProcessSpec
-from dora_megatron.rollout.health import InstanceNotReady, wait_ready
+from dora_megatron.rollout.health import shared_checks, wait_ready
 from dora_megatron.rollout.factory import engine_for
 
 log = logging.getLogger(__name__)
@@ -68,26 +68,13 @@ def prepare_model(cfg: DoraConfig, run_dir: Path, say=print) -> Path:
     return path
 
 
-async def _wait_http(url: str, procs: ProcessSet, timeout_s: float, what: str, session=None) -> None:
-    """``session``: a shared one (many instances); else one of its own."""
-    import contextlib
-
-    import aiohttp
-
-    deadline = time.monotonic() + timeout_s
-    own = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) if session is None else None
-    async with own if own is not None else contextlib.nullcontext(session) as session:
-        while True:
-            procs.check_alive()
-            try:
-                async with session.get(url) as resp:
-                    if resp.status == 200:
-                        return
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{what} not healthy after {timeout_s:.0f} s ({url})")
-            await asyncio.sleep(0.25)
+def _children_alive(procs: ProcessSet) -> Callable[[], bool]:
+    """:func:`wait_ready`'s ``alive`` for a launch: any child that exited (the trainer as well as an
+    engine) ends every wait with the launcher's :class:`ChildFailed`, which names it."""
+    def alive() -> bool:
+        procs.check_alive()
+        return True
+    return alive
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -284,16 +271,13 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
 
     health_path = cfg.vllm.health_path if cfg.rollout.engine == "vllm" else "/health"
     say(f"waiting for {len(urls)} engines and the trainer ({cfg.launch.trainer_procs} rank(s)) ...")
-    import aiohttp
-
-    # one session, at most 256 checks on the wire: thousands of sessions polling at once, each with a
-    # 5 s total timeout, made a loaded controller time out its own checks and retry them for minutes
-    # (tools/controller_scale.py at 4,096 instances); the wait for a connection slot is not timed
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256), timeout=aiohttp.ClientTimeout(
-            total=None, sock_connect=5, sock_read=5)) as checks:
+    alive = _children_alive(procs)
+    async with shared_checks() as checks:  # the engines' checks: at most 256 on the wire (thousands may start)
         await asyncio.gather(
-            *(_wait_http(f"{u}{health_path}", procs, cfg.rollout.startup_timeout_s, n, checks) for n, u in urls.items()),
-            _wait_http(f"{trainer_url}/health", procs, cfg.launch.trainer_startup_timeout_s, "trainer"),
+            *(wait_ready(u, path=health_path, timeout_s=cfg.rollout.startup_timeout_s, interval_s=0.25, alive=alive,
+                         session=checks, what=n) for n, u in urls.items()),
+            wait_ready(trainer_url, timeout_s=cfg.launch.trainer_startup_timeout_s, interval_s=0.25, alive=alive,
+                       what="trainer"),
         )
     say(f"all processes healthy after {time.monotonic() - t_start:.1f} s")
     if cfg.rollout.engine == "sglang":

@@ -95,13 +95,13 @@ class EngineSupervisor:
                     return
                 if name in self.engine_names and name in rt.engines:
                     rt.report_failure(name, f"process exited with status {child.popen.returncode}")
-            if (name in self.engine_names and name in rt.failed and self.policy.enabled
-                    and name not in self._restarting and self.attempts.get(name, 0) < self.policy.max_restarts
-                    and not rt._done.is_set()):
+            if (self.policy.enabled and name in self.engine_names and name not in self._restarting
+                    and self.attempts.get(name, 0) < self.policy.max_restarts and not rt._done.is_set()
+                    and name in rt.engines and rt.is_failed(name)):
                 self._restarting[name] = asyncio.get_running_loop().create_task(self._restart(name),
                                                                                 name=f"restart-{name}")
-        if not (self.policy.enabled and rt.engines and set(rt.engines) <= rt.failed and not self._restarting
-                and not rt._done.is_set()):
+        # per poll, so O(1) questions only (rt.failed is a scan of the whole pool)
+        if not (self.policy.enabled and not self._restarting and not rt._done.is_set() and rt.all_failed()):
             self._all_failed_since = None
             return
         # instances on other nodes (SLURM) are restarted by their own node and may still rejoin: wait

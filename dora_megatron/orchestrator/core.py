@@ -336,6 +336,10 @@ class Orchestrator:
         inst = self.instances.get(instance)
         return inst is not None and inst.alive
 
+    def alive_count(self) -> int:
+        """How many instances are alive (O(1): kept on every failure and join)."""
+        return self._n_alive
+
     def live_versions(self) -> list[int]:
         """Versions with unconsumed groups, plus the newest weights."""
         return sorted({v for v, n in self._unconsumed.items() if n > 0} | {self.newest})

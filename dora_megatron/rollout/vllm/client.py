@@ -21,6 +21,7 @@ from typing import Any, Sequence
 import aiohttp
 
 from dora_megatron.comm.engine_client import EngineError
+from dora_megatron.comm.http_session import HttpSession
 
 #: the id vLLM's token-in/token-out handler gives a request (abort takes this one; a raw
 #: ``request_id`` is ignored while the reply still says ``aborted: 1``)
@@ -37,24 +38,16 @@ class VLLMClient:
 
     def __init__(self, base_url: str, timeout_s: float = 600.0) -> None:
         self.base_url = base_url.rstrip("/")
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self._session: aiohttp.ClientSession | None = None
+        self._http = HttpSession(timeout_s)
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    def _sess(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self.timeout)
-        return self._session
+        await self._http.close()
 
     async def _request(self, method: str, path: str, body: Any = None, *, timeout_s: float | None = None,
                        text: bool = False) -> Any:
         url = self.base_url + path
-        timeout = self.timeout if timeout_s is None else aiohttp.ClientTimeout(total=timeout_s)
-        async with self._sess().request(method, url, json=body, timeout=timeout) as resp:
+        timeout = self._http.call_timeout(timeout_s)
+        async with self._http.session().request(method, url, json=body, timeout=timeout) as resp:
             raw = await resp.read()
             if resp.status >= 400:
                 raise EngineError(url, resp.status, _error_message(raw))

@@ -22,21 +22,34 @@ CRASHES = "import sys; sys.exit(3)"
 
 
 class FakeRuntime:
+    """The part of :class:`~dora_megatron.controller.runtime.Runtime` a supervisor uses. ``failed``
+    (the whole set, O(pool)) raises: a poller asks ``is_failed`` / ``all_failed``; tests read ``down``."""
+
     def __init__(self, names):
         self.engines = {n: f"client-of-{n}" for n in names}
-        self.failed: set[str] = set()
+        self.down: set[str] = set()
         self.added: list[tuple[str, str]] = []
         self.engine_restarts = None
         self.instances_may_return = False
         self._done = asyncio.Event()
         self._error = None
 
+    @property
+    def failed(self):
+        raise AssertionError("a poller built the whole failed set")
+
+    def is_failed(self, name):
+        return name in self.down
+
+    def all_failed(self):
+        return bool(self.engines) and set(self.engines) <= self.down
+
     def report_failure(self, name, why, engine=None):
-        self.failed.add(name)
+        self.down.add(name)
 
     def add_instance(self, name, engine):
         self.engines[name] = engine
-        self.failed.discard(name)
+        self.down.discard(name)
         self.added.append((name, engine))
 
 
@@ -74,7 +87,7 @@ def test_killed_engine_is_restarted_on_a_new_port_and_rejoins(tmp_path):
             return rt, procs.children[0]
 
     rt, child = asyncio.run(main())
-    assert len(rt.added) == 1 and rt.engine_restarts == 1 and not rt.failed
+    assert len(rt.added) == 1 and rt.engine_restarts == 1 and not rt.down
     assert rt._error is None  # losing its only instance for a moment did not end the run
     name, url = rt.added[0]
     assert name == "engine0" and url.startswith("http://127.0.0.1:") and not url.endswith(":0")
@@ -100,7 +113,7 @@ def test_restart_budget_is_respected(tmp_path):
 
     rt, sup = asyncio.run(main())
     assert sup.attempts == {"engine0": 2}
-    assert rt.added == [] and rt.failed == {"engine0"} and rt.engine_restarts == 0
+    assert rt.added == [] and rt.down == {"engine0"} and rt.engine_restarts == 0
     # its only instance is gone for good: the run is ended with a message, not left waiting
     assert rt._done.is_set() and "no restart is left" in str(rt._error)
 
@@ -119,7 +132,7 @@ def test_disabled_policy_only_reports_failures(tmp_path):
             return rt, sup
 
     rt, sup = asyncio.run(main())
-    assert rt.failed == {"engine0"} and sup.attempts == {} and rt.engine_restarts is None
+    assert rt.down == {"engine0"} and sup.attempts == {} and rt.engine_restarts is None
 
 
 def test_all_failed_waits_for_instances_on_other_nodes_then_ends_the_run(tmp_path):
@@ -128,7 +141,7 @@ def test_all_failed_waits_for_instances_on_other_nodes_then_ends_the_run(tmp_pat
     async def main(come_back: bool):
         with ProcessSet(tmp_path / f"logs{come_back}", grace_s=2) as procs:
             rt = FakeRuntime(["remote0"])
-            rt.failed.add("remote0")
+            rt.down.add("remote0")
             sup = EngineSupervisor(procs, rt, RestartPolicy(max_restarts=1, startup_timeout_s=1.0),
                                    make_engine=lambda url: url, engine_names=["remote0"], poll_s=0.05)
             sup.check()

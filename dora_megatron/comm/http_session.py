@@ -1,0 +1,65 @@
+"""One lazily created ``aiohttp.ClientSession`` with its timeout and connection limit, and its close.
+
+WHY one holder: every HTTP client of the controller (SGLang/embedded engines, vLLM servers, the
+trainer) and the start-up health checks need the same three things: a session made only once
+an event loop runs (a client is often built before one exists), one default timeout that a call
+may override, and a close that leaves a session given by the caller open (a session shared by
+thousands of clients is closed by whoever made it, once).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+
+#: aiohttp's own default: the number of connections one session keeps on the wire at most
+DEFAULT_CONNECTION_LIMIT = 100
+
+
+class HttpSession:
+    """Owns (or borrows) one session.
+
+    ``timeout``: the default of a call (seconds as ``total``, or a ``ClientTimeout``): an owned
+    session's own; a client passes it with each call so that it also holds on a borrowed session.
+    ``limit``: connections of an owned session on the wire at most (more requests wait for a slot;
+    with ``total=None`` that wait is not timed). ``session``: a session to borrow instead (its own
+    connection limit applies; :meth:`close` leaves it open)."""
+
+    def __init__(self, timeout: float | aiohttp.ClientTimeout | None = None, *,
+                 limit: int = DEFAULT_CONNECTION_LIMIT, session: aiohttp.ClientSession | None = None) -> None:
+        if limit < 0:
+            raise ValueError(f"limit must be >= 0 (0: no limit), got {limit}")
+        self.timeout = timeout if isinstance(timeout, aiohttp.ClientTimeout) else aiohttp.ClientTimeout(total=timeout)
+        self.limit = limit
+        self._session = session
+        self._owned = session is None
+
+    @property
+    def owned(self) -> bool:
+        """Whether :meth:`close` closes the session (False: it was given by the caller)."""
+        return self._owned
+
+    def session(self) -> aiohttp.ClientSession:
+        """The session, made at the first call (which must run on the event loop that uses it)."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self.timeout,
+                                                  connector=aiohttp.TCPConnector(limit=self.limit))
+        return self._session
+
+    def call_timeout(self, timeout_s: float | None) -> aiohttp.ClientTimeout:
+        """The timeout of one call: ``timeout_s`` as its total, or the default (given per call, it
+        also holds on a borrowed session, whose own default may be another)."""
+        return self.timeout if timeout_s is None else aiohttp.ClientTimeout(total=timeout_s)
+
+    async def close(self) -> None:
+        """Close an owned session (a later :meth:`session` makes a new one); a borrowed one stays open."""
+        if self._owned and self._session is not None:
+            session, self._session = self._session, None
+            await session.close()
+
+    async def __aenter__(self) -> "HttpSession":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
