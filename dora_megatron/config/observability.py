@@ -16,3 +16,4 @@ class ObservabilityConfig:
     stats_interval_s: float = field_doc(0.5, "How often the controller polls engine load (seconds).", gt=0.0)
     heldout_prompts: int = field_doc(0, "Digit tasks: after the run, answer this many held-out prompts with the initial and the final weights (sampled as the rollout samples: its temperature, top-p, top-k and stop tokens) and write `heldout.json` and `summary.json` fields `heldout_exact_initial` / `heldout_exact_final`; 0 = off.", ge=0)
     heldout_greedy: bool = field_doc(False, "Also evaluate the held-out prompts with greedy decoding.")
+    warmup_steps: int = field_doc(0, "Steps excluded from the run's rate metrics in `summary.json` (throughput, step time, rollout-only fraction, utilization, sync fractions): the first step waits for a whole first rollout, which a steady-state comparison (e.g. against `dora bench`'s capacities) should not count; as `sim.warmup_steps` in the simulator. Must be < run.steps.", ge=0)

@@ -139,7 +139,7 @@ def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, mo
         journal = Journal(run_dir)
     options = runtime_options(cfg, run_dir, model_dir, endpoints.trainer)
     metrics = MetricsRecorder(slots_per_instance=options.slots_per_instance, rebalancer=orch.policy.rebalance,
-                              sinks=metric_sinks)
+                              warmup_steps=cfg.observability.warmup_steps, sinks=metric_sinks)
     runtime = Runtime(orch, engines, trainer, source, reward_fn, options, timeline=timeline, on_step=on_step,
                       on_checkpoint=on_checkpoint, codec=load_codec(model_dir), journal=journal, metrics=metrics,
                       load_reports=load_reports)

@@ -8,6 +8,9 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+
+from dora_megatron.config.base import ConfigError
 from dora_megatron.config.schema import load_config
 from dora_megatron.controller.build import Endpoints, build_controller
 from dora_megatron.data.tokenizer import save_tokenizer
@@ -32,7 +35,7 @@ def test_a_fresh_controller_reads_each_setting_from_its_config_section(tmp_path)
     run_dir, model_dir = _dirs(tmp_path)
     cfg = load_config(ROOT / "configs" / "cpu_tiny.yaml",
                       ["rollout.max_new_tokens=17", "controller.migration=reprefill", "run.steps=5",
-                       "controller.health_timeout_s=7", "rollout.stop_token_ids=[3]"])
+                       "controller.health_timeout_s=7", "rollout.stop_token_ids=[3]", "observability.warmup_steps=2"])
     urls = {"a": "http://127.0.0.1:1", "b": "http://127.0.0.1:2"}
     checkpoints = []
     ctl = build_controller(cfg, Endpoints(urls, "http://127.0.0.1:3"), run_dir=run_dir, model_dir=model_dir,
@@ -43,6 +46,7 @@ def test_a_fresh_controller_reads_each_setting_from_its_config_section(tmp_path)
     assert ctl.trainer.base_url == "http://127.0.0.1:3"
     assert (rt.opt.steps, rt.opt.max_new_tokens, rt.opt.migration) == (5, 17, "reprefill")
     assert rt.opt.health_timeout_s == 7 and rt.opt.stop_token_ids == (3,)
+    assert rt.metrics.warmup_steps == 2  # summary.json's rate metrics leave out the first 2 steps
     assert rt.opt.snapshot_dir(0) == str(model_dir)
     assert Path(rt.opt.snapshot_dir(3)).parent == run_dir / "weights"
     assert Path(rt.opt.checkpoint_dir(2)).parent == run_dir / "checkpoints"
@@ -87,3 +91,8 @@ def test_a_controller_json_that_lists_consumed_groups_still_loads(tmp_path):
     trained = [s["group_id"] for b in trainer.batches for s in b]
     assert summary["steps"] == 4 and len(trainer.batches) == 2
     assert not set(trained) & set(state["consumed"])  # nothing of the old lineage trained again
+
+
+def test_warmup_steps_must_leave_a_step_to_measure():
+    with pytest.raises(ConfigError, match=r"observability.warmup_steps.*3 must be < run.steps \(3\)"):
+        load_config(ROOT / "configs" / "cpu_tiny.yaml", ["run.steps=3", "observability.warmup_steps=3"])
