@@ -170,14 +170,32 @@ class EventQueue:
 
     def __init__(self) -> None:
         self._q: asyncio.Queue = asyncio.Queue()
+        self._closed = False
 
     def post(self, event: Event) -> None:
         self._q.put_nowait((event, None, None))
 
     async def report(self, event: Event) -> None:
+        """Queue ``event`` and wait until the loop applied it. After :meth:`close` (the loop has
+        ended) the reporting task is cancelled instead: nobody will ever apply the event."""
+        if self._closed:
+            raise asyncio.CancelledError(f"the controller loop has ended: {type(event).__name__} not applied")
         fut = asyncio.get_running_loop().create_future()
         self._q.put_nowait((event, fut, asyncio.current_task()))
         await fut
+
+    def close(self) -> None:
+        """The loop has ended: cancel every report still waiting, and any later one.
+
+        WHY: at shutdown the runtime cancels its tasks, but on Python 3.11 ``asyncio.wait_for``
+        can swallow a cancellation that arrives as its inner call completes (fixed in 3.12). A
+        request task that lost its cancel that way went on to report its reply and waited forever
+        for a loop that had stopped (a test run hung once in CI)."""
+        self._closed = True
+        while not self._q.empty():
+            _, fut, _ = self._q.get_nowait()
+            if fut is not None and not fut.done():
+                fut.cancel()
 
     async def get(self) -> tuple[Event, asyncio.Future | None, asyncio.Task | None]:
         return await self._q.get()
@@ -218,18 +236,21 @@ class ControllerLoop:
         self.done = done
 
     async def run(self) -> None:
-        while not self.done.is_set():
-            event, fut, origin = await self.events.get()
-            if fut is not None and fut.done():
-                continue  # its task was cancelled before the event was applied: withdrawn
-            try:
-                self.step(event, origin)
-            except BaseException as err:
+        try:
+            while not self.done.is_set():
+                event, fut, origin = await self.events.get()
+                if fut is not None and fut.done():
+                    continue  # its task was cancelled before the event was applied: withdrawn
+                try:
+                    self.step(event, origin)
+                except BaseException as err:
+                    if fut is not None and not fut.done():
+                        fut.cancel()
+                    raise err
                 if fut is not None and not fut.done():
-                    fut.cancel()
-                raise err
-            if fut is not None and not fut.done():
-                fut.set_result(None)
+                    fut.set_result(None)
+        finally:
+            self.events.close()  # what reports from now on is never applied: its task is cancelled
 
     def step(self, event: Event, origin: asyncio.Task | None = None) -> None:
         """One turn: ``event`` -> orchestrator -> actions -> executor."""

@@ -96,3 +96,30 @@ def test_report_returns_after_its_event_was_applied_and_a_cancelled_reporter_wit
 
     assert asyncio.run(go()) == [0.0]
     assert orch.ticks == [0.0]
+
+
+def test_a_report_after_the_loop_ended_is_cancelled_not_left_waiting():
+    """A task that reports once the loop has stopped (on Python 3.11 a shutdown cancel can be lost
+    inside ``asyncio.wait_for``) is cancelled: it used to wait forever and hang the run's end."""
+    from dora_megatron.controller.loop import ControllerLoop, EventQueue, Stop, Tick
+
+    async def main():
+        events, done = EventQueue(), asyncio.Event()
+        waiting = asyncio.get_running_loop().create_task(events.report(Tick()))
+        await asyncio.sleep(0)  # queued, not yet applied
+        done.set()
+        events.post(Stop())
+        await ControllerLoop(None, None, events, done).run()  # done already set: applies nothing
+        try:
+            await asyncio.wait_for(waiting, timeout=5)
+        except asyncio.CancelledError:
+            pass
+        assert waiting.cancelled()
+        late = asyncio.get_running_loop().create_task(events.report(Tick()))
+        try:
+            await asyncio.wait_for(late, timeout=5)
+        except asyncio.CancelledError:
+            pass
+        assert late.cancelled()
+
+    asyncio.run(main())
