@@ -205,8 +205,11 @@ class VLLMEngine:
                 await self.restart(str(model_path))
                 self.restarts += 1
             else:
-                await self.client.pause("wait")
                 try:
+                    # inside the try: a cancel (the run's end) can land after the server paused but
+                    # before its reply was read; the resume must still go out, or the server stays
+                    # paused and every later request on it waits forever
+                    await self.client.pause("wait")
                     await self.client.reload_weights(str(model_path))
                     await self.client.reset_prefix_cache()
                 finally:

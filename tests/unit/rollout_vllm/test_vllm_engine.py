@@ -233,3 +233,34 @@ def test_routed_experts_are_refused_before_anything_is_sent():
 
     run_with(fake, body, initial_version=0)
     assert fake.calls == []
+
+
+def test_a_switch_cancelled_while_the_server_pauses_still_resumes_it():
+    """The run's end cancels a switch whose pause the server already applied but whose reply was
+    not read yet: the resume must still go out (it was skipped, leaving the server paused and the
+    next request on it waiting forever; the vLLM tier hung once in CI)."""
+    calls: list[str] = []
+    paused = asyncio.Event()
+
+    class Client:
+        async def pause(self, mode: str = "wait") -> dict:
+            calls.append("pause")
+            paused.set()
+            await asyncio.sleep(3600)  # the server paused; its reply never comes before the cancel
+            return {}
+
+        async def resume(self) -> dict:
+            calls.append("resume")
+            return {}
+
+    async def main():
+        engine = VLLMEngine("http://127.0.0.1:9", initial_version=0)
+        engine.client = Client()
+        task = asyncio.get_running_loop().create_task(engine.update_weights_from_disk("/snap/v1", 1))
+        await asyncio.wait_for(paused.wait(), timeout=5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert calls == ["pause", "resume"]
