@@ -30,8 +30,9 @@ setup(
     extras_require={
         # msgspec: SGLang 0.5.23's request types (tests/sglang_wheel.py) validate the client's bodies;
         # import-linter: the layering contracts of .importlinter (tests/unit/test_layering.py; 2.17 has
-        # the acyclic_siblings contract)
-        "test": ["pytest>=8", "hypothesis>=6.100", "msgspec>=0.18", "import-linter>=2.17"],
+        # the acyclic_siblings contract); pytest-timeout: a hung test fails alone (pytest.ini) instead
+        # of holding the whole run
+        "test": ["pytest>=8", "hypothesis>=6.100", "msgspec>=0.18", "import-linter>=2.17", "pytest-timeout>=2.3"],
         # CUDA clusters only; documented in the README, never needed on CPU. SGLang is pinned to
         # the release whose protocol dora speaks (comm/sglang_client.py TESTED_SGLANG_VERSION);
         # another one gets a warning at launch.
