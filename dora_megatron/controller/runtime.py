@@ -161,7 +161,9 @@ class Runtime:
         #: version -> SGLang's own checksum of it (``/weights_checker``), as the first instance that
         #: loaded it reported: SGLang's checksum is comparable between instances only
         self.instance_checksums: dict[int, str] = {}
-        self._moves_at: dict[str, set[asyncio.Task]] = {}  # instance -> migrations/interrupts into or out of it
+        # instance -> what a switch of it waits for: migrations into it (until they end), migrations
+        # out of it (until the source let the request go) and interrupts
+        self._moves_at: dict[str, set[asyncio.Future]] = {}
         self._switching: dict[str, asyncio.Task] = {}
         self._tasks: set[asyncio.Task] = set()
         self._error: BaseException | None = None
@@ -235,16 +237,25 @@ class Runtime:
         self._chain(a.sample_id, self._submit(a), f"submit-{a.sample_id}")
 
     def migrate(self, a: Migrate) -> None:
-        task = self._concurrent(a.sample_id, lambda prev: self._migrate(a, prev), f"migrate-{a.sample_id}")
-        # a switch of either end waits for this move (out of src, into dst)
-        for inst in (a.src, a.dst):
-            self._moves_at.setdefault(inst, set()).add(task)
-            task.add_done_callback(lambda t, i=inst: self._moves_at.get(i, set()).discard(t))
+        # A switch of the source waits only until the source has let the request go (exported, or
+        # aborted with its partial output back), not for the move's task: that task lasts until
+        # the request *finishes* at the destination (the import answers with the final response).
+        # Waiting for it kept a freed instance idle through the whole tail of the requests moved
+        # off it, which is the wait DORA's partition exists to remove. A switch of the destination
+        # waits for the whole move.
+        released = asyncio.get_running_loop().create_future()
+        task = self._concurrent(a.sample_id, lambda prev: self._migrate(a, prev, released), f"migrate-{a.sample_id}")
+        task.add_done_callback(lambda t: released.done() or released.set_result(None))
+        self._track_move(a.src, released)
+        self._track_move(a.dst, task)
+
+    def _track_move(self, instance: str, fut: asyncio.Future) -> None:
+        self._moves_at.setdefault(instance, set()).add(fut)
+        fut.add_done_callback(lambda f: self._moves_at.get(instance, set()).discard(f))
 
     def interrupt(self, a: Interrupt) -> None:
         task = self._concurrent(a.sample_id, lambda prev: self._interrupt(a, prev), f"interrupt-{a.sample_id}")
-        self._moves_at.setdefault(a.instance, set()).add(task)
-        task.add_done_callback(lambda t, src=a.instance: self._moves_at.get(src, set()).discard(t))
+        self._track_move(a.instance, task)
 
     def switch_version(self, a: SwitchVersion) -> None:
         if self.opt.weight_transport == "distributed" and a.version == self.latest_version and a.version > 0:
@@ -418,7 +429,9 @@ class Runtime:
         the orchestrator counts a sample of more than one as a C1 violation (the one C1 count)."""
         return self.samples[sample_id].versions
 
-    async def _migrate(self, a: Migrate, prev: asyncio.Task | None) -> None:
+    async def _migrate(self, a: Migrate, prev: asyncio.Task | None, released: asyncio.Future) -> None:
+        """Move one request from ``a.src`` to ``a.dst``; ``released`` is set once the source no
+        longer holds it (a switch of the source may then go ahead)."""
         from dora_megatron.comm.engine_client import EngineError
 
         rec = self.samples.get(a.sample_id)
@@ -448,6 +461,7 @@ class Runtime:
             await self.events.report(MigrationFailed(a.sample_id))
             return
         if blob is not None:
+            released.set_result(None)  # the export removed it from the source
             self.migrated_bytes += len(blob)
             self.migrations_done += 1
             if self.timeline is not None:
@@ -472,6 +486,7 @@ class Runtime:
             return
         if prev is not None and not prev.done():
             await asyncio.wait([prev])  # the aborted generate's partial output is applied (absorb)
+        released.set_result(None)  # aborted at the source, its partial output applied
         if rec.finished:
             return  # it finished before the abort reached it: nothing to move
         self.migrations_fallback += 1

@@ -144,6 +144,73 @@ def test_migration_falls_back_to_resubmit_without_extension():
         assert summary["migrations_reprefill"] > 0 and summary["reprefill_tokens"] > 0
 
 
+class TimedEngine(FakeEngine):
+    """Records when it loads weights, when a request leaves it (export, abort) and when a request
+    ends on it; requests it continues for another instance (import, resubmission) run 10x slower,
+    so a moved request outlives the load of the instance it left by far."""
+
+    def __init__(self, *a, clock: list, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.clock = clock  # shared by all engines: (event, engine, rid or version, time)
+        self.fast_s = self.token_s
+
+    async def update_weights_from_disk(self, model_path, weight_version=None):
+        self.clock.append(("load", self.name, int(weight_version), asyncio.get_running_loop().time()))
+        return await super().update_weights_from_disk(model_path, weight_version)
+
+    async def export_request(self, rid):
+        blob = await super().export_request(rid)
+        self.clock.append(("left", self.name, rid, asyncio.get_running_loop().time()))
+        return blob
+
+    async def abort(self, rid="", abort_all=False):
+        hit = await super().abort(rid, abort_all)
+        if hit and rid:
+            self.clock.append(("left", self.name, rid, asyncio.get_running_loop().time()))
+        return hit
+
+    async def _run(self, req):
+        moved_here = req.produced or any(op == "import" and r == req.rid for op, r, _ in self.log)
+        self.token_s = self.fast_s * 10 if moved_here else self.fast_s
+        resp = await super()._run(req)
+        self.clock.append(("end", self.name, req.rid, asyncio.get_running_loop().time()))
+        return resp
+
+
+def loads_while_moved_requests_ran(clock) -> int:
+    """Loads on an instance that happened after a request left it and before that request ended
+    on the instance it moved to."""
+    left = [(eng, rid, t) for ev, eng, rid, t in clock if ev == "left"]
+    ends = {}
+    for ev, eng, rid, t in clock:
+        if ev == "end":
+            ends.setdefault(rid, []).append((eng, t))
+    n = 0
+    for ev, eng, _, t_load in clock:
+        if ev != "load":
+            continue
+        if any(src == eng and t_left <= t_load and any(e != src and t_end > t_load for e, t_end in ends.get(rid, []))
+               for src, rid, t_left in left):
+            n += 1
+    return n
+
+
+@pytest.mark.parametrize("migration", [True, False], ids=["kv", "resubmit"])
+def test_an_instance_freed_by_a_rebalance_loads_its_new_version_while_its_moved_requests_run_on(migration):
+    """The freed instance's switch waits until the source let each request go, not until the
+    moved requests finished at their destination (that kept it idle through the whole tail)."""
+    clock: list = []
+    rt, engines, trainer = make(mode="dora", n=2, steps=8, token_s=0.002, migration=migration)
+    for name in list(engines):
+        engines[name] = rt.engines[name] = TimedEngine(name, token_s=0.002, migration=migration, clock=clock)
+    trainer.engines = {e.base_url: e for e in engines.values()}
+    summary = asyncio.run(asyncio.wait_for(rt.run(), timeout=60))
+    check_run(rt, engines, trainer, 8, 4, 2)
+    assert summary["migrations"] > 0
+    assert loads_while_moved_requests_ran(clock) > 0
+    assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
+
+
 def test_instance_failure_reruns_on_same_version():
     rt, engines, trainer = make(mode="dora", n=3, steps=6, token_s=0.003)
 
