@@ -80,9 +80,13 @@ class FakeEngine:
         self.log.append(("generate", rid, self.version))
         return await self._run(req)
 
+    def _token_time(self, req: _Req) -> float:
+        """Seconds per generated token of ``req`` (subclasses slow some requests down)."""
+        return self.token_s
+
     async def _run(self, req: _Req):
         while len(req.produced) < len(req.target) and not req.aborted and not req.migrated:
-            await asyncio.sleep(self.token_s)
+            await asyncio.sleep(self._token_time(req))
             if self.dead:
                 raise EngineError(self.name, 503, "dead")
             if req.aborted or req.migrated:

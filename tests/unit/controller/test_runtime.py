@@ -152,7 +152,6 @@ class TimedEngine(FakeEngine):
     def __init__(self, *a, clock: list, **kw) -> None:
         super().__init__(*a, **kw)
         self.clock = clock  # shared by all engines: (event, engine, rid or version, time)
-        self.fast_s = self.token_s
 
     async def update_weights_from_disk(self, model_path, weight_version=None):
         self.clock.append(("load", self.name, int(weight_version), asyncio.get_running_loop().time()))
@@ -169,9 +168,11 @@ class TimedEngine(FakeEngine):
             self.clock.append(("left", self.name, rid, asyncio.get_running_loop().time()))
         return hit
 
+    def _token_time(self, req):
+        moved_here = any(ev == "left" and rid == req.rid and eng != self.name for ev, eng, rid, _ in self.clock)
+        return self.token_s * 10 if moved_here else self.token_s
+
     async def _run(self, req):
-        moved_here = req.produced or any(op == "import" and r == req.rid for op, r, _ in self.log)
-        self.token_s = self.fast_s * 10 if moved_here else self.fast_s
         resp = await super()._run(req)
         self.clock.append(("end", self.name, req.rid, asyncio.get_running_loop().time()))
         return resp
