@@ -21,7 +21,8 @@ def test_split_cores_disjoint_and_complete():
 
 
 def test_variant_configs_share_model_and_prompts(tmp_path):
-    base = load_config(ROOT / "configs" / "bench" / "cpu_longtail.yaml")
+    # two cap phases in the base, so that the one-cap ablation has something to change
+    base = load_config(ROOT / "configs" / "bench" / "cpu_longtail.yaml", ["orchestrator.cap_after_rebalance=12"])
     cfgs = {name: variant_config(base, name, 0, tmp_path / name, tmp_path / "model", 2)
             for name in ("sync_colocated", "sync", "one_step_off", "partial", "dora_s1", "dora_s3",
                          "dora_reprefill", "dora_legacy_fill", "dora_one_cap")}
@@ -37,7 +38,7 @@ def test_variant_configs_share_model_and_prompts(tmp_path):
     assert cfgs["sync"].launch.engine_cpus == [0] and cfgs["sync"].launch.trainer_cpus == [1]
     assert cfgs["dora_s3"].orchestrator.max_staleness == 3 and cfgs["dora_s1"].orchestrator.max_staleness == 1
     assert cfgs["dora_reprefill"].controller.migration == "reprefill"
-    assert cfgs["dora_one_cap"].orchestrator.cap_after_rebalance == base.orchestrator.cap_before_rebalance
+    assert cfgs["dora_one_cap"].orchestrator.cap_after_rebalance == base.orchestrator.cap_before_rebalance != 12
     assert cfgs["partial"].orchestrator.mode == "partial" and cfgs["dora_legacy_fill"].orchestrator.legacy_fill
 
 
