@@ -1,20 +1,17 @@
-"""Regenerate the config reference block of README.md from the config dataclasses."""
+"""Regenerate the config reference in docs/configuration.md from the config dataclasses."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from dora_megatron.config.docs import render_reference, replace_block
+from dora_megatron.config.docs import REFERENCE_FILE, write_reference
 
 
 def main() -> int:
-    readme = Path(__file__).resolve().parent.parent / "README.md"
-    text = readme.read_text()
-    new = replace_block(text, render_reference())
-    if new != text:
-        readme.write_text(new)
-        sys.stderr.write("README.md config reference updated\n")
+    path = Path(__file__).resolve().parent.parent / REFERENCE_FILE
+    if write_reference(path):
+        sys.stderr.write(f"{REFERENCE_FILE}: config reference updated\n")
     return 0
 
 

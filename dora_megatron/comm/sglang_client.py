@@ -1,7 +1,7 @@
 """SGLang-only calls on top of the shared :class:`~dora_megatron.comm.engine_client.EngineClient`.
 
 WHY a subclass: the base client covers what SGLang and the embedded engine share; SGLang 0.5.23
-differs from it on points that decide whether a weight update works at all (README, "SGLang
+differs from it on points that decide whether a weight update works at all (docs/sglang.md, "SGLang
 0.5.23 conformance"; the file of SGLang 0.5.23 each point is read from is named):
 
 * ``/update_weights_from_distributed`` answers 400 unless a weight-update session is open:

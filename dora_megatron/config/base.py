@@ -2,7 +2,7 @@
 
 Every config section is a plain ``@dataclass`` whose fields are declared with
 :func:`field_doc`. The field metadata carries the human documentation (used to
-generate the README config reference) and simple declarative range rules
+generate the config reference, docs/configuration.md) and simple declarative range rules
 (``ge``, ``gt``, ``le``, ``choices``) that the loader checks generically, so each
 section only writes code for genuinely cross-field rules in an optional
 ``check(self, path: str) -> None`` method that raises :class:`ConfigError`.

@@ -1,17 +1,20 @@
-"""Generate the README's config reference from the dataclass field docs.
+"""Generate the config reference (``docs/configuration.md``) from the dataclass field docs.
 
-The README section between ``<!-- config-reference:start -->`` and
+The part of ``docs/configuration.md`` between ``<!-- config-reference:start -->`` and
 ``<!-- config-reference:end -->`` is produced by :func:`render_reference`; a
 test fails when it is stale, so the documentation cannot drift from the code.
-Regenerate with ``python tools/gen_config_docs.py``.
+Regenerate with ``python tools/gen_config_docs.py`` (:func:`write_reference`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import typing
+from pathlib import Path
 from typing import Any
 
+#: the file that holds the reference, relative to the repository root
+REFERENCE_FILE = "docs/configuration.md"
 START = "<!-- config-reference:start -->"
 END = "<!-- config-reference:end -->"
 
@@ -71,7 +74,19 @@ def render_reference(root: type | None = None) -> str:
 
 def replace_block(text: str, block: str) -> str:
     if START not in text or END not in text:
-        raise ValueError("README lacks the config-reference markers")
+        raise ValueError(f"no config-reference markers ({START} ... {END}) in the text")
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
     return f"{head}{START}\n{block}\n{END}{tail}"
+
+
+def write_reference(path: str | Path, root: type | None = None) -> bool:
+    """Rewrite the reference between the markers of ``path`` from the config classes; returns
+    whether the file changed (False: it was current)."""
+    path = Path(path)
+    text = path.read_text()
+    new = replace_block(text, render_reference(root))
+    if new == text:
+        return False
+    path.write_text(new)
+    return True

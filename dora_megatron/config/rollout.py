@@ -33,7 +33,7 @@ class RolloutConfig:
     client_workers: int = field_doc(0, "processes that run the controller's HTTP calls to the instances (generate, abort, "
                                     "weight loads, stats polls; each owns the clients of a share of the instances and "
                                     "pushes batched load reports); 0 = in the controller's own event loop. For "
-                                    "thousands of instances (README, \"The real controller at scale\")", ge=0)
+                                    "thousands of instances (docs/results/controller_scale.md)", ge=0)
     sglang_args: list[str] = field_doc(default_factory=list, doc="extra command-line flags passed to SGLang (engine=sglang)")
 
     def check(self, path: str) -> None:

@@ -2,7 +2,7 @@
 
 WHY: the per-step values go to TensorBoard / steps.jsonl as ``train/router_topk_agreement`` and
 ``train/routing_replay``; a run's summary needs their aggregate to compare runs with and without
-replay (README, M1) next to ``rollout_vs_trainer_logprob_diff_mean``.
+replay (docs/results/routing_replay.md) next to ``rollout_vs_trainer_logprob_diff_mean``.
 """
 
 from __future__ import annotations

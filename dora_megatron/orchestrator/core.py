@@ -873,7 +873,7 @@ class Orchestrator:
     # ------------------------------------------------------------------ dora rebalancer
 
     def _rebalance(self, trigger: str) -> None:
-        """Partition the pool across live versions and move instances/requests (DESIGN 4.2-4.3)."""
+        """Partition the pool across live versions and move instances/requests (DESIGN sections 4.2-4.3)."""
         self._last_rebalance = self.now
         if trigger in ("timer", "kv", "idle"):
             # two-phase caps: the first load-balancing of a step ends the high-cap phase

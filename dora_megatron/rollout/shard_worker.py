@@ -10,7 +10,7 @@ batched per loop turn (:mod:`.wire`).
 
 WHY here and not in the controller: at thousands of instances the HTTP round trips (and the JSON
 of every answer) are what the controller's one event loop cannot keep up with
-(``tools/controller_scale.py``, README "The real controller at scale"); a worker spends that CPU
+(``tools/controller_scale.py``, docs/results/controller_scale.md); a worker spends that CPU
 in its own process. The worker decides nothing: it holds no orchestrator state, so its crash
 loses only in-flight calls, which the controller sees as failures of those instances.
 

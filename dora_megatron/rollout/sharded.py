@@ -2,7 +2,7 @@
 
 WHY: at thousands of instances one asyncio loop cannot run every HTTP round trip itself: stats
 polling alone is 2 requests per instance per second, and every ``/generate`` answer is parsed
-JSON (README, "The real controller at scale": p99 loop lag 856 ms at 4,096 fake instances). Here
+JSON (docs/results/controller_scale.md: p99 loop lag 856 ms at 4,096 fake instances). Here
 each instance's real client lives in one of ``client_workers`` processes
 (:mod:`.shard_worker`); the controller holds a :class:`ProxyEngine` per instance, which speaks the
 runtime's ``Engine`` protocol unchanged, and one socket per worker that carries every call and

@@ -85,7 +85,7 @@ def fixed_plan(lengths: Sequence[int], *, dp: int, dp_rank: int, micro_batch_siz
 #: What one more micro-batch costs, in padded-token equivalents, when the budget plan weighs fewer
 #: micro-batches against less padding (per-micro-batch work that does not scale with tokens:
 #: kernel launches, the MoE dispatcher's collectives, Python). Measured on the CPU workload with
-#: tools/trainer_packing_bench.py (README "Trainer packing").
+#: tools/trainer_packing_bench.py (docs/results/trainer_cpu.md).
 MICRO_BATCH_OVERHEAD_TOKENS = 64
 
 

@@ -1,4 +1,4 @@
-"""Every shipped config loads; the schema's cross-section rules; the README reference is current."""
+"""Every shipped config loads; the schema's cross-section rules; the configuration reference is current."""
 
 from __future__ import annotations
 
@@ -73,12 +73,29 @@ def test_overrides_apply_and_resolve(tmp_path):
     assert load_config(again) == cfg
 
 
-def test_readme_config_reference_is_current():
-    from dora_megatron.config.docs import END, START, render_reference
+def test_configuration_reference_is_current():
+    from dora_megatron.config.docs import END, REFERENCE_FILE, START, render_reference
 
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / REFERENCE_FILE).read_text()
     block = text.split(START, 1)[1].split(END, 1)[0].strip()
-    assert block == render_reference().strip(), "README config reference is stale: run python tools/gen_config_docs.py"
+    assert block == render_reference().strip(), f"{REFERENCE_FILE} is stale: run python tools/gen_config_docs.py"
+
+
+def test_write_reference_rewrites_only_the_block_between_the_markers(tmp_path):
+    """``write_reference`` (what tools/gen_config_docs.py runs) replaces a stale block, keeps the text
+    around it, and reports no change when the block is current."""
+    from dora_megatron.config.docs import END, START, render_reference, write_reference
+
+    doc = tmp_path / "configuration.md"
+    doc.write_text(f"# intro\n\n{START}\nstale table\n{END}\n\ntail text\n")
+    assert write_reference(doc) is True
+    text = doc.read_text()
+    assert text.startswith("# intro\n\n") and text.endswith("\n\ntail text\n") and "stale table" not in text
+    assert text.split(START, 1)[1].split(END, 1)[0].strip() == render_reference().strip()
+    assert write_reference(doc) is False
+    (tmp_path / "plain.md").write_text("no markers here\n")
+    with pytest.raises(ValueError, match="config-reference markers"):
+        write_reference(tmp_path / "plain.md")
 
 
 @pytest.mark.parametrize("override,where,says", [
