@@ -254,6 +254,7 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
     exists (e.g. to start the elastic join watcher)."""
     from dora_megatron.controller.build import build_controller
     from dora_megatron.controller.trainer_client import TrainerError, TrainerUnreachable
+    from dora_megatron.data.sources import skipped_rows
     from dora_megatron.observability.recorder import StepsJsonl
     from dora_megatron.observability.tensorboard import NullWriter, TensorBoardWriter
     from dora_megatron.observability.timeline import Timeline
@@ -345,6 +346,7 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
         monitor.cancel()
         await asyncio.gather(monitor, return_exceptions=True)
         ctl.close_journal()
+        ctl.close_reward()
         progress.close()
         steps_file.close()
         consumed_file.close()
@@ -357,6 +359,7 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
         if pool is not None:
             await pool.close()
     summary["reward_fn"] = ctl.reward_name
+    summary["data_skipped_rows"] = skipped_rows(ctl.source)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (run_dir / "orchestrator_state.json").write_text(json.dumps(orch.snapshot()))
     if timeline is not None:
