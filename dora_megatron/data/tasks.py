@@ -189,7 +189,7 @@ def reward_description(task: str, partial_credit: bool = False) -> str:
         return f"{task}: exact answer" + (" with partial credit" if partial_credit else "")
     if math_verify_available():
         return "math: math-verify"
-    return ("math: builtin final-answer match (math-verify not installed: pip install -e '.[math]' for "
+    return ("math: builtin final-answer match (math-verify cannot be imported: pip install math-verify for "
             "symbolic equivalence)")
 
 
