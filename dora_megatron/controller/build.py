@@ -73,7 +73,7 @@ def prompt_source(cfg: DoraConfig, codec):
     """``data``: the prompts (rendered by ``codec`` when a dataset is checked at load), the reward
     scorer (:class:`~dora_megatron.data.reward_api.RewardScorer`; its worker processes start here)
     and the reward in words."""
-    from dora_megatron.data.rewards import make_scorer
+    from dora_megatron.data.sources import make_scorer
     from dora_megatron.data.sources import prompt_source as data_prompt_source
 
     source = data_prompt_source(cfg, codec)

@@ -207,6 +207,16 @@ class DatasetPromptSource:
         """Prompts the stream holds (None: endless)."""
         return len(self.rows) * self.epochs if self.epochs else None
 
+    def identity(self) -> dict[str, Any]:
+        """What prompt ``n`` depends on besides ``n``: the usable rows and the order's settings. A
+        checkpoint that stores it can tell, on resume, whether ``next_prompt`` still means the same
+        prompts (the same file, rows and seed)."""
+        import hashlib
+
+        digest = hashlib.sha256(",".join(map(str, self.rows)).encode()).hexdigest()[:16]
+        return {"path": self.name, "rows": len(self.rows), "row_ids": digest, "seed": self.seed,
+                "shuffle": self.shuffle, "epochs": self.epochs}
+
     def position(self, index: int) -> tuple[int, int]:
         """``(epoch, row)``: where prompt ``index`` comes from (the row numbers the dataset's)."""
         if index < 0:

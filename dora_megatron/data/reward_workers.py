@@ -22,7 +22,6 @@ import queue
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from dora_megatron.data.reward_api import RewardInput, RewardResult
 

@@ -14,25 +14,20 @@
 * ``digit_cipher`` / ``running_sum``: the exact-answer check of the digit tasks, on a thread (pure
   and fast).
 
-Empty: the task's own reward (``math`` for a prompt dataset).
+Empty: the task's own reward (``math`` for a prompt dataset). :func:`dora_megatron.data.sources.make_scorer`
+builds the scorer of a config.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
 import inspect
-import logging
 import math
 import numbers
 import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping
-
-from dora_megatron.data.reward_api import RewardScorer, ThreadScorer
-
-log = logging.getLogger(__name__)
 
 #: The keywords verl passes to ``compute_score``.
 VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
@@ -107,30 +102,3 @@ def _number(value: Any) -> float:
             raise ValueError(f"returned a non-finite score {out}")
         return out
     raise TypeError(f"returned a {type(value).__name__} ({value!r:.80}), not a number or a dict with 'score'")
-
-
-def reward_name(data: Any) -> str:
-    """What ``data.reward_fn`` resolves to: the spec, or the task's own built-in when it is empty."""
-    from dora_megatron.data.tasks import DIGIT_TASKS
-
-    return data.reward_fn or (data.task if data.task in DIGIT_TASKS else "math")
-
-
-def make_scorer(data: Any) -> tuple[RewardScorer, str]:
-    """The scorer of ``data`` (a ``DataConfig``) and the reward in words (``summary.json`` ``reward_fn``).
-    Worker processes start here, and a function that cannot be loaded raises :class:`RewardLoadError`."""
-    from dora_megatron.data.reward_workers import ProcessScorer
-    from dora_megatron.data.tasks import DIGIT_TASKS, math_verify_available, reward_description, running_sum_reward
-
-    name = reward_name(data)
-    if name in DIGIT_TASKS:
-        return (ThreadScorer(functools.partial(running_sum_reward, partial_credit=data.partial_credit)),
-                reward_description(name, data.partial_credit))
-    if name == "math":
-        if not math_verify_available():
-            log.warning("reward math: math-verify cannot be imported; the built-in final-answer match is used "
-                        "(pip install math-verify for symbolic equivalence)")
-        return ProcessScorer(MATH_SPEC, data.reward_workers, data.reward_timeout_s), reward_description("math")
-    scorer = ProcessScorer(name, data.reward_workers, data.reward_timeout_s)
-    return scorer, (f"{name} (verl compute_score, {data.reward_workers} worker process(es), "
-                    f"{data.reward_timeout_s:g} s limit)")

@@ -128,7 +128,7 @@ async def _rollout_pass(cfg, engines: dict[str, Any], codec, samples: list[_Samp
 async def _measure(cfg, run_dir: Path, model_dir: Path, procs, host: str, engine_ports: list[int],
                    trainer_port: int, steps: int, say) -> dict[str, Any]:
     from dora_megatron.controller.trainer_client import TrainerClient
-    from dora_megatron.data.rewards import make_scorer
+    from dora_megatron.data.sources import make_scorer
     from dora_megatron.data.sources import job_codec, prompt_source
     from dora_megatron.rollout.factory import engine_for
     from dora_megatron.rollout.health import wait_ready

@@ -11,7 +11,7 @@ and the tests:
   ``PreTrainedTokenizerFast`` (so ``AutoTokenizer`` loads it) with ``<|im_start|>`` / ``<|im_end|>``
   and a Qwen-style chat template (``enable_thinking`` like Qwen3's), and ``generation_config.json``
   (EOS ``<|im_end|>`` and ``<|endoftext|>``). Its vocabulary is padded past the tokenizer's, as
-  real checkpoints' are.
+  real checkpoints' are; its head size (32) is one vLLM's CPU attention supports.
 * ``train.parquet``: DAPO-shaped rows written with pyarrow: a chat-list ``prompt`` (system + user),
   ``reward_model.ground_truth``, ``data_source``, ``ability`` and ``extra_info``.
 
@@ -107,7 +107,7 @@ def write_example(out: str | Path, *, rows: int = 64, seed: int = 0, dtype: str 
     vocab = -(-len(tokenizer) // 64) * 64 + 64  # padded past the tokenizer, like real checkpoints
     config = Qwen3MoeConfig(
         vocab_size=vocab, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
         norm_topk_prob=True, tie_word_embeddings=False, initializer_range=0.05, max_position_embeddings=4096,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, bos_token_id=None, eos_token_id=end,
         pad_token_id=pad)

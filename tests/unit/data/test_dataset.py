@@ -87,6 +87,7 @@ def test_prompt_n_depends_on_n_alone_so_a_resume_continues_the_epoch(own_model, 
     resumed = DatasetPromptSource.load(str(own_model.data), codec, seed=3)
     after = [resumed.get(i) for i in range(100, 128)]
     assert after == [served.get(i) for i in range(100, 128)]
+    assert resumed.identity() == served.identity()  # what a checkpoint may store to check the resume
     n = len(served)
     seen = Counter(p.extra_info["index"] for p in before[n:] + after)  # epoch 1: prompts 64..127
     assert sorted(seen) == list(range(n)) and set(seen.values()) == {1}

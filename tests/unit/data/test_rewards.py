@@ -14,7 +14,8 @@ import pytest
 from dora_megatron.config.schema import load_config
 from dora_megatron.data.reward_api import RewardInput, ThreadScorer, reward_input
 from dora_megatron.data.reward_workers import ProcessScorer
-from dora_megatron.data.rewards import RewardLoadError, make_scorer, normalise_result
+from dora_megatron.data.rewards import RewardLoadError, normalise_result
+from dora_megatron.data.sources import make_scorer
 from dora_megatron.data.tasks import Prompt
 
 REWARD_FILE = '''
