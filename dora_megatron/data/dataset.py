@@ -242,7 +242,7 @@ class DatasetPromptSource:
         dataset, spans = read_dataset(path)
         good: list[tuple[int, Row]] = []
         bad: list[tuple[int, str]] = []  # (row of the dataset, why)
-        for i, record in enumerate(dataset):
+        for i, record in enumerate(_records(dataset)):
             try:
                 good.append((i, parse_row(record, fields)))
             except BadRow as err:
@@ -266,6 +266,15 @@ class DatasetPromptSource:
         if named:
             log.warning("data.path: skipped %d of %d rows of %s (data.skip_bad_rows)", len(named), len(dataset), path)
         return cls(dataset, kept, fields, name=path, seed=seed, shuffle=shuffle, epochs=epochs, skipped=named)
+
+
+def _records(dataset: Any, batch: int = 1024):
+    """The rows of ``dataset`` as dicts, read a batch at a time (datasets formats a batch of columns
+    several times faster than as many single rows)."""
+    for columns in dataset.iter(batch_size=batch):
+        names = list(columns)
+        for values in zip(*(columns[n] for n in names)):
+            yield dict(zip(names, values))
 
 
 def _render_problems(codec: Any, rows: Sequence[Row], max_tokens: int | None) -> list[str | None]:
