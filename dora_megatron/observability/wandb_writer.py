@@ -52,7 +52,12 @@ class WandbWriter:
         self._run.log({k: float(v) for k, v in values.items() if v is not None}, step=step)
 
     def close(self) -> None:
+        import wandb
+
         self._run.finish()
+        # finish() returns before W&B's service has written everything (offline: the run's log file);
+        # teardown waits for it. The run is the launcher's only one and this is the run's end.
+        wandb.teardown()
 
 
 def _run_id(name: str) -> str:
