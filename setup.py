@@ -26,6 +26,10 @@ setup(
         "matplotlib>=3.7",
         "psutil>=5.9",  # megatron dist_checkpointing save
         "transformers>=4.51",  # config.json is read by its config classes (dora_megatron/models/hf_config.py)
+        # prompt datasets (Parquet, JSON lines, save_to_disk directories; dora_megatron/data/dataset.py)
+        "datasets>=3.0",
+        "pyarrow>=15",
+        "math-verify>=0.7",  # the built-in `math` reward (symbolic equivalence of final answers)
     ],
     extras_require={
         # msgspec: SGLang 0.5.23's request types (tests/sglang_wheel.py) validate the client's bodies;
@@ -37,7 +41,8 @@ setup(
         # the release whose protocol dora speaks (comm/sglang_client.py TESTED_SGLANG_VERSION);
         # another one gets a warning at launch.
         "gpu": ["transformer-engine[pytorch]", "sglang[all]==0.5.23"],
-        "math": ["math-verify"],
+        "math": ["math-verify"],  # in install_requires now; kept so older install commands still work
+        "wandb": ["wandb>=0.17"],  # observability.wandb
     },
     entry_points={"console_scripts": ["dora=dora_megatron.cli.main:entrypoint"]},
 )

@@ -50,7 +50,7 @@ def workload(cfg, steps: int, seed: int) -> list[list[dict]]:
         batch = []
         for g in range(tbs):
             prompt = source.get(step * tbs + g)
-            prompt_ids = codec.encode_prompt(prompt.text)
+            prompt_ids = codec.encode_prompt(prompt)
             response = tok.encode(source.target(prompt), add_bos=False) + [tok.EOS_ID]
             for _ in range(group):
                 batch.append({"prompt_ids": prompt_ids, "response_ids": response, "group_id": g,

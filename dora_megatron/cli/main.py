@@ -24,6 +24,7 @@ SUBCOMMANDS: dict[str, str] = {
     "simulate": "Run the orchestrator against simulated instances on a virtual clock.",
     "bench": "Run every rollout mode on the same workload and compare them.",
     "convert": "Convert checkpoints between Hugging Face and Megatron formats.",
+    "export": "Write a version of a run as a Hugging Face model directory with its tokenizer.",
 }
 
 NOT_AVAILABLE_EXIT = 3

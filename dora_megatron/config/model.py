@@ -17,4 +17,6 @@ class ModelConfig:
 
     def check(self, path: str) -> None:
         if self.warm_start and self.path:
-            raise ConfigError(f"{path}.warm_start", "only applies when the model is created from `preset` (model.path must be empty)")
+            raise ConfigError(f"{path}.warm_start", "only applies when the model is created from `preset` (model.path must "
+                              "be empty); for a model directory of your own start from configs/cpu_own_model.yaml, "
+                              "or add --set model.warm_start=")

@@ -11,6 +11,8 @@ from dora_megatron.config.base import field_doc
 class ObservabilityConfig:
     log_level: str = field_doc("INFO", "Python logging level.", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     tensorboard: bool = field_doc(True, "Write TensorBoard scalars to `<run_dir>/tb`.")
+    wandb: bool = field_doc(False, "Also log the step scalars to Weights & Biases (`pip install -e '.[wandb]'`), in `<run_dir>/wandb`: online when `WANDB_MODE` says so or this machine has W&B credentials, else offline (`wandb sync` later).")
+    wandb_project: str = field_doc("dora", "W&B project of `observability.wandb`.")
     timeline: bool = field_doc(True, "Write `timeline.png` and `trace.json` (Chrome trace, opens in Perfetto).")
     progress: bool = field_doc(True, "Show a progress bar on stderr.")
     stats_interval_s: float = field_doc(0.5, "How often the controller polls engine load (seconds).", gt=0.0)

@@ -46,12 +46,15 @@ class DoraConfig:
     bench: BenchConfig = field(default_factory=BenchConfig)
 
     def check(self, path: str) -> None:
-        if self.data.task == "jsonl" and self.model.warm_start and not self.model.path:
+        if self.data.is_dataset and self.model.warm_start and not self.model.path:
             # the warm start teaches the digit task: silently applied, it would train a model for
             # the wrong task before a prompt of the file is seen
             raise ConfigError("model.warm_start", f"{self.model.warm_start!r} is a supervised warm start on that digit "
-                              "task, not on data.task jsonl: set model.warm_start= (empty: random init) or "
+                              f"task, not on data.task {self.data.task}: set model.warm_start= (empty: random init) or "
                               "model.path=DIR (a model for your prompts)")
+        if self.data.is_dataset and self.trainer.max_seq_len <= self.rollout.max_new_tokens:
+            raise ConfigError("trainer.max_seq_len", f"{self.trainer.max_seq_len} leaves no room for a prompt: a "
+                              f"sample is a prompt plus up to rollout.max_new_tokens={self.rollout.max_new_tokens} tokens")
         if self.algo.wants_routed_experts and self.rollout.engine == "vllm":
             # the vLLM adapter has no routed-experts reply to pass on: replay would silently train unreplayed
             raise ConfigError("algo.routing_replay", "needs routed experts from the engine, which the vllm adapter "

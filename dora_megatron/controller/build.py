@@ -69,19 +69,37 @@ def runtime_options(cfg: DoraConfig, run_dir: Path, model_dir: Path, trainer_url
     )
 
 
-def prompt_source(cfg: DoraConfig):
-    """``data``: the prompts, the reward function and the reward's description."""
-    from dora_megatron.data.tasks import make_prompt_source, reward_description
+def prompt_source(cfg: DoraConfig, codec):
+    """``data``: the prompts (rendered by ``codec`` when a dataset is checked at load), the reward
+    scorer (:class:`~dora_megatron.data.reward_api.RewardScorer`; its worker processes start here)
+    and the reward in words."""
+    from dora_megatron.data.sources import make_scorer
+    from dora_megatron.data.sources import prompt_source as data_prompt_source
 
-    data = cfg.data
-    if data.task != "jsonl":
-        source, reward_fn = make_prompt_source(data.task, min_len=data.min_len, max_len=data.max_len,
-                                               exponent=data.length_exponent, seed=data.seed,
-                                               partial_credit=data.partial_credit)
-    else:
-        source, reward_fn = make_prompt_source("jsonl", path=data.path, prompt_key=data.prompt_key,
-                                               answer_key=data.answer_key)
-    return source, reward_fn, reward_description(data.task, data.partial_credit)
+    source = data_prompt_source(cfg, codec)
+    scorer, name = make_scorer(cfg.data)
+    return source, scorer, name
+
+
+def blocking_reward_fn(scorer) -> Callable[[str, str], float]:
+    """``scorer`` as the runtime's ``reward_fn(response, answer)``, until the controller awaits
+    ``scorer.score(reward_input(prompt, response))`` off its loop itself: this one blocks the loop
+    thread for each sample (as the plain reward functions did) and hands the reward no
+    ``data_source`` / ``extra_info``. A failure is reward 0; the first one's traceback is logged."""
+    from dora_megatron.data.reward_api import RewardInput
+
+    failures = [0]
+
+    def reward_fn(response: str, answer: str) -> float:
+        result = scorer.score_sync(RewardInput("", response, answer))
+        if result.error:
+            failures[0] += 1
+            if failures[0] == 1:
+                log.warning("reward error (reward 0; later ones are counted, not logged): %s\n%s", result.error,
+                            result.traceback or "")
+        return result.score
+
+    return reward_fn
 
 
 @dataclass
@@ -93,6 +111,8 @@ class Controller:
     trainer: Any  # controller.trainer_client.TrainerClient
     engines: dict[str, Any]
     reward_name: str
+    scorer: Any = None  # data.reward_api.RewardScorer (its worker processes end with close_reward)
+    source: Any = None  # the prompt source (data_skipped_rows)
     state: dict[str, Any] | None = None  # the checkpoint's controller.json it resumed from
     journal: Any = None
     restorable_samples: int = 0  # finished samples the journal may restore (resume)
@@ -104,6 +124,11 @@ class Controller:
     def close_journal(self) -> None:
         if self.journal is not None:
             self.journal.close()
+
+    def close_reward(self) -> None:
+        close = getattr(self.scorer, "close", None)
+        if close is not None:
+            close()
 
 
 def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, model_dir: Path,
@@ -122,13 +147,14 @@ def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, mo
     (``rollout.client_workers``, :class:`~dora_megatron.rollout.sharded.ClientPool`)."""
     from dora_megatron.controller.runtime import Runtime
     from dora_megatron.controller.trainer_client import TrainerClient
-    from dora_megatron.data.codec import load_codec
+    from dora_megatron.data.sources import job_codec
     from dora_megatron.observability.recorder import MetricsRecorder
     from dora_megatron.orchestrator import Orchestrator
 
     engines = {name: make_engine(url) for name, url in endpoints.engines.items()}
     trainer = TrainerClient(endpoints.trainer)
-    source, reward_fn, reward_name = prompt_source(cfg)
+    codec = job_codec(cfg, model_dir)
+    source, scorer, reward_name = prompt_source(cfg, codec)
     state = json.loads((checkpoint / "controller.json").read_text()) if checkpoint is not None else None
     orch = (Orchestrator.restore(cfg.orchestrator, state["orchestrator"]) if state
             else Orchestrator(cfg.orchestrator, list(endpoints.engines)))
@@ -140,8 +166,8 @@ def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, mo
     options = runtime_options(cfg, run_dir, model_dir, endpoints.trainer)
     metrics = MetricsRecorder(slots_per_instance=options.slots_per_instance, rebalancer=orch.policy.rebalance,
                               warmup_steps=cfg.observability.warmup_steps, sinks=metric_sinks)
-    runtime = Runtime(orch, engines, trainer, source, reward_fn, options, timeline=timeline, on_step=on_step,
-                      on_checkpoint=on_checkpoint, codec=load_codec(model_dir), journal=journal, metrics=metrics,
+    runtime = Runtime(orch, engines, trainer, source, blocking_reward_fn(scorer), options, timeline=timeline,
+                      on_step=on_step, on_checkpoint=on_checkpoint, codec=codec, journal=journal, metrics=metrics,
                       load_reports=load_reports)
     restorable = 0
     if state is not None:
@@ -154,4 +180,4 @@ def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, mo
             runtime.load_journal(samples)
             restorable = len(samples)
         journal.start(int(state["version"]) if state is not None else None)
-    return Controller(runtime, trainer, engines, reward_name, state, journal, restorable)
+    return Controller(runtime, trainer, engines, reward_name, scorer, source, state, journal, restorable)

@@ -294,7 +294,7 @@ class Runtime:
     def dispatch(self, a: Dispatch) -> None:
         prompt = self.source.get(self.next_prompt)
         self.next_prompt += 1
-        prompt_ids = self.codec.encode_prompt(prompt.text)
+        prompt_ids = self.codec.encode_prompt(prompt)
         self.groups[a.group_id] = GroupRecord(a.group_id, a.version, prompt, tuple(a.sample_ids), self.now())
         for i, sid in enumerate(a.sample_ids):
             self.samples[sid] = SampleRecord(sid, a.group_id, i, a.version, list(prompt_ids))

@@ -33,6 +33,7 @@ class RewardResult:
     score: float
     extras: Mapping[str, float] = field(default_factory=dict)
     error: str | None = None
+    traceback: str | None = None  # the failure's traceback, for the one log line the controller writes
 
 
 class RewardScorer(Protocol):
@@ -43,6 +44,14 @@ class RewardScorer(Protocol):
     async def aclose(self) -> None: ...
 
 
+def reward_input(prompt: Any, solution_str: str) -> RewardInput:
+    """What a reward sees of a finished sample of ``prompt`` (a :class:`~dora_megatron.data.tasks.Prompt`):
+    the response decoded with special tokens skipped, and the row's ground truth, ``data_source``
+    and ``extra_info``."""
+    return RewardInput(getattr(prompt, "data_source", ""), solution_str, prompt.answer,
+                       getattr(prompt, "extra_info", None) or {})
+
+
 class ThreadScorer:
     """A plain ``fn(solution_str, ground_truth) -> float`` run on a worker thread (the built-in
     tasks' rewards): the loop awaits it like any other scorer. An exception is a 0 reward with the
@@ -51,11 +60,17 @@ class ThreadScorer:
     def __init__(self, fn: Callable[[str, Any], float]) -> None:
         self.fn = fn
 
-    async def score(self, item: RewardInput) -> RewardResult:
+    def score_sync(self, item: RewardInput) -> RewardResult:
+        """:meth:`score` on the calling thread (a caller that is not on an event loop)."""
         try:
-            return RewardResult(float(await asyncio.to_thread(self.fn, item.solution_str, item.ground_truth)))
+            return RewardResult(float(self.fn(item.solution_str, item.ground_truth)))
         except Exception as err:  # noqa: BLE001 - a reward's failure is the sample's, not the run's
-            return RewardResult(0.0, error=f"{type(err).__name__}: {err}")
+            import traceback
+
+            return RewardResult(0.0, error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc())
+
+    async def score(self, item: RewardInput) -> RewardResult:
+        return await asyncio.to_thread(self.score_sync, item)
 
     async def aclose(self) -> None:
         return None

@@ -28,13 +28,11 @@ tests share it.
 from __future__ import annotations
 
 import functools
-import json
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
-from pathlib import Path
-from typing import Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator, Mapping, Protocol
 
 PROMPT_SEP = ":"
 ANSWER_END = "."
@@ -44,11 +42,18 @@ MARKERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 @dataclass(frozen=True)
 class Prompt:
-    """One RL prompt: an index in the stream, its text and the ground truth."""
+    """One RL prompt: an index in the stream, its text and the ground truth.
+
+    A dataset row's prompt may be a chat (``messages``: system, user, earlier turns); ``text`` is
+    then empty, and :meth:`~dora_megatron.data.codec.TextCodec.encode_prompt` renders the messages.
+    ``data_source`` and ``extra_info`` are the row's (verl layout), handed to the reward."""
 
     index: int
     text: str
     answer: str
+    data_source: str = ""
+    extra_info: Mapping = field(default_factory=dict)
+    messages: tuple[Mapping[str, Any], ...] = ()
 
 
 class PromptSource(Protocol):
@@ -157,51 +162,6 @@ def running_sum_reward(response: str, answer: str, partial_credit: bool = False)
     return 0.5 * prefix / max(len(answer), 1)
 
 
-class JsonlPromptSource:
-    """Prompts from a JSONL file (``{"prompt": ..., "answer": ...}`` per line), cycled.
-
-    The DAPO-Math-17k layout; errors name the line and the missing field.
-    """
-
-    def __init__(self, path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer") -> None:
-        self.items: list[tuple[str, str]] = []
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"data.path: no such file {path}")
-        for lineno, line in enumerate(path.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({err.msg})") from err
-            prompt = _get_text(row, prompt_key)
-            answer = _get_text(row, answer_key)
-            if prompt is None:
-                raise ValueError(f"{path}:{lineno}: missing field '{prompt_key}'")
-            if answer is None:
-                raise ValueError(f"{path}:{lineno}: missing field '{answer_key}'")
-            self.items.append((prompt, answer))
-        if not self.items:
-            raise ValueError(f"{path}: no prompts")
-
-    def get(self, index: int) -> Prompt:
-        prompt, answer = self.items[index % len(self.items)]
-        return Prompt(index, prompt, answer)
-
-
-def _get_text(row: dict, key: str) -> str | None:
-    """Field lookup that also accepts DAPO's nested layouts (chat list / reward_model.ground_truth)."""
-    if key in row:
-        value = row[key]
-        if isinstance(value, list) and value and isinstance(value[-1], dict) and "content" in value[-1]:
-            return str(value[-1]["content"])
-        return None if value is None else str(value)
-    if key == "answer" and isinstance(row.get("reward_model"), dict) and "ground_truth" in row["reward_model"]:
-        return str(row["reward_model"]["ground_truth"])
-    return None
-
-
 def math_verify_available() -> bool:
     try:
         import math_verify  # type: ignore # noqa: F401
@@ -229,7 +189,7 @@ def reward_description(task: str, partial_credit: bool = False) -> str:
         return f"{task}: exact answer" + (" with partial credit" if partial_credit else "")
     if math_verify_available():
         return "math: math-verify"
-    return ("math: builtin final-answer match (math-verify not installed: pip install -e '.[math]' for "
+    return ("math: builtin final-answer match (math-verify cannot be imported: pip install math-verify for "
             "symbolic equivalence)")
 
 
@@ -279,12 +239,11 @@ def _last_answer(response: str) -> str:
 
 
 def make_prompt_source(task: str, partial_credit: bool = False, **kwargs) -> tuple[PromptSource, Callable[[str, str], float]]:
-    """Build the prompt source and reward function named by ``data.task``."""
+    """Build the prompt source and reward function of the digit task ``task``."""
     if task in DIGIT_TASKS:
         return RunningSumTask(kind=task, **kwargs), functools.partial(running_sum_reward, partial_credit=partial_credit)
-    if task == "jsonl":
-        return JsonlPromptSource(**kwargs), math_reward
-    raise ValueError(f"data.task: unknown task {task!r} (valid: {', '.join(DIGIT_TASKS)}, jsonl)")
+    raise ValueError(f"data.task: unknown task {task!r} (digit tasks: {', '.join(DIGIT_TASKS)}; a prompt dataset is "
+                     "read by dora_megatron.data.dataset)")
 
 
 def iter_prompts(source: PromptSource, start: int = 0) -> Iterator[Prompt]:

@@ -88,26 +88,18 @@ def rollout_requests(tbs: int, group_size: int, steps: int, concurrency: int) ->
 class _Sample:
     group: int
     index: int
+    prompt: Any  # data.tasks.Prompt
     prompt_ids: list[int]
-    answer: str
     output_ids: list[int] | None = None
     logprobs: list[float] | None = None
     reward: float = 0.0
 
 
-def _prompt_source(cfg):
-    from dora_megatron.data.tasks import make_prompt_source
-
-    d = cfg.data
-    if d.task == "jsonl":
-        return make_prompt_source("jsonl", path=d.path, prompt_key=d.prompt_key, answer_key=d.answer_key)
-    return make_prompt_source(d.task, min_len=d.min_len, max_len=d.max_len, exponent=d.length_exponent,
-                              seed=d.seed, partial_credit=d.partial_credit)
-
-
 async def _rollout_pass(cfg, engines: dict[str, Any], codec, samples: list[_Sample], slots: int,
-                        reward_fn) -> list[tuple[float, int]]:
+                        scorer) -> list[tuple[float, int]]:
     """Every sample through the engines, ``slots`` in flight per engine; ``(end_s, tokens)`` each."""
+    from dora_megatron.data.reward_api import reward_input
+
     r = cfg.rollout
     stops = list(dict.fromkeys([*codec.eos_ids, *r.stop_token_ids]))
     queue: asyncio.Queue[_Sample] = asyncio.Queue()
@@ -126,8 +118,8 @@ async def _rollout_pass(cfg, engines: dict[str, Any], codec, samples: list[_Samp
                 return_logprob=True, version=0)
             s.output_ids = list(resp.output_ids)
             s.logprobs = list(resp.output_token_logprobs or [0.0] * len(s.output_ids))
-            s.reward = float(reward_fn(codec.decode(s.output_ids), s.answer))
             done.append((time.monotonic() - t0, len(s.prompt_ids) + len(s.output_ids)))
+            s.reward = (await scorer.score(reward_input(s.prompt, codec.decode(s.output_ids)))).score
 
     await asyncio.gather(*(slot(e) for e in engines.values() for _ in range(slots)))
     return done
@@ -136,7 +128,8 @@ async def _rollout_pass(cfg, engines: dict[str, Any], codec, samples: list[_Samp
 async def _measure(cfg, run_dir: Path, model_dir: Path, procs, host: str, engine_ports: list[int],
                    trainer_port: int, steps: int, say) -> dict[str, Any]:
     from dora_megatron.controller.trainer_client import TrainerClient
-    from dora_megatron.data.codec import load_codec
+    from dora_megatron.data.sources import make_scorer
+    from dora_megatron.data.sources import job_codec, prompt_source
     from dora_megatron.rollout.factory import engine_for
     from dora_megatron.rollout.health import wait_ready
 
@@ -150,9 +143,11 @@ async def _measure(cfg, run_dir: Path, model_dir: Path, procs, host: str, engine
                    alive=lambda: all(c.alive() for c in procs.children)))
     engines = {n: engine_for(cfg, u, str(model_dir)) for n, u in urls.items()}
     trainer = TrainerClient(trainer_url)
+    scorer = None
     try:
-        codec = load_codec(model_dir)
-        source, reward_fn = _prompt_source(cfg)
+        codec = job_codec(cfg, model_dir)
+        source = prompt_source(cfg, codec)
+        scorer, _ = make_scorer(cfg.data)
         o = cfg.orchestrator
         slots = max(1, min(cfg.rollout.max_running, o.cap_before_rebalance))
         concurrency = slots * len(engines)
@@ -160,11 +155,11 @@ async def _measure(cfg, run_dir: Path, model_dir: Path, procs, host: str, engine
         samples = []
         for g in range(n // o.group_size):
             prompt = source.get(g)
-            ids = codec.encode_prompt(prompt.text)
-            samples += [_Sample(g, i, list(ids), prompt.answer) for i in range(o.group_size)]
+            ids = codec.encode_prompt(prompt)
+            samples += [_Sample(g, i, prompt, list(ids)) for i in range(o.group_size)]
         say(f"bench limits: rollout alone, {len(samples)} samples, {concurrency} in flight ({slots} per engine)")
         t = time.monotonic()
-        completions = await _rollout_pass(cfg, engines, codec, samples, slots, reward_fn)
+        completions = await _rollout_pass(cfg, engines, codec, samples, slots, scorer)
         rollout_s = time.monotonic() - t
         groups: dict[int, list[dict[str, Any]]] = {}
         for s in samples:
@@ -180,6 +175,8 @@ async def _measure(cfg, run_dir: Path, model_dir: Path, procs, host: str, engine
             train_steps.append((sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in batch), time.monotonic() - t))
         await trainer.shutdown()
     finally:
+        if scorer is not None:
+            await scorer.aclose()
         await trainer.close()
         for e in engines.values():
             await e.close()

@@ -22,9 +22,11 @@ def model_path_problem(cfg: DoraConfig) -> str | None:
 
 
 def input_problem(cfg: DoraConfig) -> str | None:
-    """Why the job's inputs cannot run it, or None: ``model.path`` and, for ``data.task: jsonl``, the
-    prompt file read whole and every prompt encoded with the model's tokenizer (a bad line would
-    otherwise stop the run when its turn comes, engines and trainer already up)."""
+    """Why the job's inputs cannot run it, or None: ``model.path``, the rendering options against
+    the model's tokenizer, a prompt dataset read whole (every row parsed and rendered within
+    ``trainer.max_seq_len - rollout.max_new_tokens``: a bad row would otherwise stop the run when its
+    turn comes, engines and trainer already up) and a ``data.reward_fn`` of the user's (loaded by a
+    worker process, as the run will)."""
     from dora_megatron.launch.layout import trainer_layout_problem
 
     problem = model_path_problem(cfg) or trainer_layout_problem(cfg)
@@ -32,20 +34,32 @@ def input_problem(cfg: DoraConfig) -> str | None:
         from dora_megatron.rollout.vllm.launch import vllm_problem
 
         problem = vllm_problem(cfg)
-    if problem or cfg.data.task != "jsonl":
+    if problem:
         return problem
-    from dora_megatron.data.codec import CharCodec, load_codec
-    from dora_megatron.data.tasks import JsonlPromptSource
+    from dora_megatron.data.sources import job_codec, prompt_source
 
-    d = cfg.data
     try:
-        source = JsonlPromptSource(d.path, prompt_key=d.prompt_key, answer_key=d.answer_key)
+        codec = job_codec(cfg, cfg.model.path or None)  # presets use the char vocabulary
+        if cfg.data.is_dataset:
+            prompt_source(cfg, codec)
     except (OSError, ValueError) as err:
-        return str(err) if str(err).startswith("data.path") else f"data.path: {err}"
-    codec = load_codec(cfg.model.path) if cfg.model.path else CharCodec()  # presets use the char vocabulary
-    for i, (prompt, _) in enumerate(source.items):
-        try:
-            codec.encode_prompt(prompt)
-        except ValueError as err:
-            return f"data.path: {d.path}: prompt {i + 1}: the model's tokenizer cannot encode it: {err}"
+        return str(err) if str(err).startswith("data.") else f"data.path: {err}"
+    return reward_problem(cfg)
+
+
+def reward_problem(cfg: DoraConfig) -> str | None:
+    """Why ``data.reward_fn`` (a function of the user's) cannot be loaded, or None: one worker
+    process loads it as the run's workers will."""
+    from dora_megatron.config.data import BUILTIN_REWARDS
+
+    spec = cfg.data.reward_fn
+    if not spec or spec in BUILTIN_REWARDS:
+        return None
+    from dora_megatron.data.reward_workers import ProcessScorer
+    from dora_megatron.data.rewards import RewardLoadError
+
+    try:
+        ProcessScorer(spec, workers=1).close()
+    except RewardLoadError as err:
+        return str(err)
     return None

@@ -254,9 +254,11 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
     exists (e.g. to start the elastic join watcher)."""
     from dora_megatron.controller.build import build_controller
     from dora_megatron.controller.trainer_client import TrainerError, TrainerUnreachable
+    from dora_megatron.data.sources import skipped_rows
     from dora_megatron.observability.recorder import StepsJsonl
     from dora_megatron.observability.tensorboard import NullWriter, TensorBoardWriter
     from dora_megatron.observability.timeline import Timeline
+    from dora_megatron.weights.export import export_final
 
     t_start = time.monotonic()
     urls, trainer_url = endpoints.engines, endpoints.trainer
@@ -310,9 +312,15 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
             "interval_s": obs.stats_interval_s, "health_timeout_s": cfg.controller.health_timeout_s,
             "concurrency": RuntimeOptions.stats_concurrency})
     retention = _SnapshotRetention(run_dir, lambda: ctl.orch.live_versions())
+    sinks = [writer, StepsJsonl(steps_file)]
+    if obs.wandb:
+        from dora_megatron.config.loader import to_dict
+        from dora_megatron.observability.wandb_writer import WandbWriter
+
+        sinks.append(WandbWriter(run_dir, obs.wandb_project, config=to_dict(cfg)))
     ctl = build_controller(cfg, endpoints, run_dir=run_dir, model_dir=model_dir, make_engine=make_engine,
                            checkpoint=checkpoint, on_step=on_step, on_checkpoint=retention.checkpointed,
-                           timeline=timeline, metric_sinks=[writer, StepsJsonl(steps_file)],
+                           timeline=timeline, metric_sinks=sinks,
                            load_reports=pool)
     runtime, trainer, engines, orch = ctl.runtime, ctl.trainer, ctl.engines, ctl.orch
     say(f"reward: {ctl.reward_name}")
@@ -345,10 +353,13 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
         monitor.cancel()
         await asyncio.gather(monitor, return_exceptions=True)
         ctl.close_journal()
+        ctl.close_reward()
         progress.close()
         steps_file.close()
         consumed_file.close()
         writer.close()
+        for sink in sinks[2:]:  # observability.wandb
+            sink.close()
         if await trainer.shutdown():  # let torchrun end by itself: SIGTERM would leave a SignalException traceback
             await _wait_exit(procs, "trainer", cfg.launch.shutdown_timeout_s)
         await trainer.close()
@@ -357,6 +368,10 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
         if pool is not None:
             await pool.close()
     summary["reward_fn"] = ctl.reward_name
+    summary["data_skipped_rows"] = skipped_rows(ctl.source)
+    final_version, final_dir = export_final(run_dir, model_dir)  # the trained policy for evaluation harnesses
+    summary.update(hf_final=str(final_dir), hf_final_version=final_version)
+    say(f"trained policy (version {final_version}) as a Hugging Face directory: {final_dir}")
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (run_dir / "orchestrator_state.json").write_text(json.dumps(orch.snapshot()))
     if timeline is not None:

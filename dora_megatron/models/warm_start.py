@@ -41,7 +41,9 @@ class WarmStartResult:
 
 def encode_example(prompt: str, response: str) -> tuple[list[int], int]:
     """Token ids of ``<bos> prompt response <eos>`` and the index where the response starts."""
-    p = tok.encode(prompt, add_bos=True)
+    from dora_megatron.data.codec import CharCodec
+
+    p = CharCodec().encode_prompt(prompt)  # the controller's rendering of the prompt
     r = tok.encode(response) + [tok.EOS_ID]
     return p + r, len(p)
 

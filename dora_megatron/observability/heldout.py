@@ -63,17 +63,21 @@ def _load(model_dir: str | Path):
 
 def generate_responses(model: Any, prompts: Sequence[Any], decode: str = "sample", *, temperature: float = 1.0,
                        top_p: float = 1.0, top_k: int = -1, stop_token_ids: Sequence[int] = (),
-                       batch: int = 100, max_new_tokens: int = 96, seed: int = 0) -> list[list[int]]:
+                       batch: int = 100, max_new_tokens: int = 96, seed: int = 0, codec: Any = None) -> list[list[int]]:
     """Response token ids of ``model`` (a loaded HF causal LM) for ``prompts``, each ending at its
-    first EOS or ``stop_token_ids`` token (kept, as the engines keep it). Sampling follows the
-    rollout's parameters (``top_k`` -1 = off); the caller's torch RNG stream is left untouched."""
+    first EOS or ``stop_token_ids`` token (kept, as the engines keep it). Prompts are rendered by
+    ``codec`` (:class:`~dora_megatron.data.codec.TextCodec`, the controller's renderer; default the
+    character vocabulary). Sampling follows the rollout's parameters (``top_k`` -1 = off); the
+    caller's torch RNG stream is left untouched."""
     import torch
 
-    from dora_megatron.data import tokenizer as tok
+    from dora_megatron.data.codec import CharCodec
 
     if decode not in ("sample", "greedy"):
         raise ValueError(f"decode must be 'sample' or 'greedy', got {decode!r}")
-    stops = list(dict.fromkeys([tok.EOS_ID, *map(int, stop_token_ids)]))
+    codec = codec or CharCodec()
+    stops = list(dict.fromkeys([*codec.eos_ids, *map(int, stop_token_ids)]))
+    pad = codec.pad_id
     sampling = ({"do_sample": True, "temperature": temperature, "top_k": max(0, top_k), "top_p": top_p}
                 if decode == "sample" else {"do_sample": False})
     generator_state = torch.random.get_rng_state()
@@ -82,13 +86,13 @@ def generate_responses(model: Any, prompts: Sequence[Any], decode: str = "sample
     try:
         for start in range(0, len(prompts), batch):
             chunk = prompts[start: start + batch]
-            ids = [tok.encode(p.text, add_bos=True) for p in chunk]
+            ids = [codec.encode_prompt(p) for p in chunk]
             width = max(map(len, ids))
-            inp = torch.tensor([[tok.PAD_ID] * (width - len(x)) + x for x in ids])  # left padding
+            inp = torch.tensor([[pad] * (width - len(x)) + x for x in ids])  # left padding
+            mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
             with torch.no_grad():
-                out = model.generate(input_ids=inp, attention_mask=(inp != tok.PAD_ID).long(),
-                                     max_new_tokens=max_new_tokens, eos_token_id=stops, pad_token_id=tok.PAD_ID,
-                                     **sampling)
+                out = model.generate(input_ids=inp, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                     eos_token_id=stops, pad_token_id=pad, **sampling)
             for row in out[:, width:].tolist():
                 end = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
                 out_ids.append(row[:end])
@@ -102,7 +106,7 @@ def evaluate_model(model_dir: str | Path, prompts: Sequence[Any], decode: str = 
                    batch: int = 100, max_new_tokens: int = 96, seed: int = 0) -> EvalResult:
     """Exact-answer rate of ``model_dir`` on ``prompts`` (``decode``: ``sample`` or ``greedy``),
     decoded as the rollout decodes (its sampling parameters and stop tokens)."""
-    from dora_megatron.data import tokenizer as tok
+    from dora_megatron.data.codec import CharCodec
     from dora_megatron.data.tasks import running_sum_reward
 
     if decode not in ("sample", "greedy"):
@@ -114,7 +118,7 @@ def evaluate_model(model_dir: str | Path, prompts: Sequence[Any], decode: str = 
                                    max_new_tokens=max_new_tokens, seed=seed)
     per_bucket: dict[int, list[float]] = {}
     for p, row in zip(prompts, responses):
-        per_bucket.setdefault(bucket_of(len(p.answer) // 2), []).append(running_sum_reward(tok.decode(row), p.answer))
+        per_bucket.setdefault(bucket_of(len(p.answer) // 2), []).append(running_sum_reward(CharCodec().decode(row), p.answer))
     rewards = [r for rs in per_bucket.values() for r in rs]
     buckets = {f"n<={b}": {"exact": statistics.fmean(per_bucket[b]), "prompts": len(per_bucket[b])}
                for b in sorted(per_bucket)}

@@ -15,7 +15,9 @@ before replay, log-probs with replay (``--replay``) or without, the routers' cho
 and one train step. ``grouping``: the gradients and metrics of one long-tailed batch (:func:`long_tail_batch`)
 under each ``--budgets`` value of ``trainer.max_tokens_per_micro_batch`` (0 = ``--micro-batch-size``
 rows) and each ``--length-norms`` value, without optimizer steps. Rank 0 writes a ``torch.save`` dict
-to ``--out``.
+to ``--out``. ``logits``: the parity logits of each checkpoint in ``--ckpt`` (comma-separated; a
+run's ``checkpoints/vN/trainer``), the trainer's own function of that version, on
+:func:`~dora_megatron.trainer.parity.fixed_inputs` (``result["logits"]``: one tensor per checkpoint).
 """
 
 from __future__ import annotations
@@ -107,7 +109,7 @@ def _replay(worker, vocab: int, routing: list, noise: float) -> dict:
 
 def run(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dora_megatron.trainer.scenarios")
-    parser.add_argument("scenario", choices=("step", "resume-save", "resume-load", "replay", "grouping"))
+    parser.add_argument("scenario", choices=("step", "resume-save", "resume-load", "replay", "grouping", "logits"))
     parser.add_argument("--budgets", default="0", help="grouping: comma-separated max_tokens_per_micro_batch values")
     parser.add_argument("--length-norms", default="token_mean", help="grouping: comma-separated algo.length_norm values")
     parser.add_argument("--routing", default="")
@@ -153,6 +155,12 @@ def run(argv: list[str] | None = None) -> int:
         result["metrics"] = worker.train_step(batch)
         result["step_seconds"] = time.perf_counter() - t0
         result["tokens"] = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in batch)
+    elif args.scenario == "logits":
+        ids = fixed_inputs(vocab)
+        result["logits"] = []
+        for ckpt in [c for c in args.ckpt.split(",") if c]:
+            worker.load_checkpoint(ckpt)
+            result["logits"].append(megatron_logits(worker, ids))
     elif args.scenario == "grouping":
         result["grouping"] = _grouping(worker, vocab, [int(b) for b in args.budgets.split(",")],
                                        args.length_norms.split(","), args.noise)

@@ -160,9 +160,10 @@ def test_jsonl_prompt_dataset_runs_end_to_end(tmp_path):
     assert summary["reward_fn"].startswith("math: ") and f"reward: {summary['reward_fn']}" in proc.stdout + proc.stderr
     assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
     with data.open("a") as f:
-        f.write("\n" + json.dumps({"prompt": "caf\u00e9?", "answer": "1"}))
+        f.write("\n" + json.dumps({"prompt": "caf\u00e9?", "reward_model": {"ground_truth": "1"}}))
     bad = tmp_path / "bad"
     bad.mkdir()
     proc, run_dir = run_train(bad, *common)
-    assert proc.returncode == 2 and "prompt 21: the model's tokenizer cannot encode it" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 2 and f"{data} row 20: the prompt cannot be rendered for the model" in proc.stderr, \
+        proc.stderr[-2000:]
     assert not run_dir.exists()

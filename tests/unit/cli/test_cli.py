@@ -14,7 +14,7 @@ HEAVY = ("megatron", "sglang", "transformer_engine", "transformers")
 
 
 def test_subcommands_match_design():
-    assert list(cli.SUBCOMMANDS) == ["train", "serve", "init-model", "simulate", "bench", "convert"]
+    assert list(cli.SUBCOMMANDS) == ["train", "serve", "init-model", "simulate", "bench", "convert", "export"]
 
 
 def test_help_lists_every_subcommand(capsys):

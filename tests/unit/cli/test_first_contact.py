@@ -160,7 +160,7 @@ def test_jsonl_task_does_not_silently_warm_start_on_the_digit_task(tmp_path):
     import json
 
     data = tmp_path / "math.jsonl"
-    data.write_text(json.dumps({"prompt": "Compute:\n\t1 + 1 \u2026 = ?", "answer": "2"}) + "\n")
+    data.write_text(json.dumps({"prompt": "Compute:\n\t1 + 1 \u2026 = ?", "reward_model": {"ground_truth": "2"}}) + "\n")
     common = ["train", "--config", str(CPU_TINY), "--set", "data.task=jsonl", "--set", f"data.path={data}", "--dry-run"]
     proc = dora(*common, timeout=60)  # cpu_tiny.yaml warm-starts on digit_cipher
     assert proc.returncode == 2, proc.stdout + proc.stderr

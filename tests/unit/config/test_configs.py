@@ -139,5 +139,6 @@ def test_resolved_config_written_by_an_earlier_release_still_loads():
     here): ``dora train --resume`` of such a run must load it, whichever keys were removed since.
     Keys added since keep their default there (token-budget micro-batches came after it)."""
     old = Path(__file__).parent / "data" / "cpu_tiny_resolved_cd25a72.yaml"
+    # data.answer_key's default became verl's reward_model.ground_truth after it (the old file spells "answer")
     assert load_config(old) == load_config(ROOT / "configs" / "cpu_tiny.yaml",
-                                            ["trainer.max_tokens_per_micro_batch=0"])
+                                            ["trainer.max_tokens_per_micro_batch=0", "data.answer_key=answer"])

@@ -1,14 +1,13 @@
-"""The running-sum task, its heavy tail, rewards, and the JSONL loader."""
+"""The running-sum task, its heavy tail and the rule-based rewards."""
 
 from __future__ import annotations
 
-import json
 import statistics
 
 import pytest
 
 from dora_megatron.data.tasks import (
-    CIPHER, JsonlPromptSource, RunningSumTask, digit_cipher_answer, heavy_tail_lengths, make_prompt_source, math_reward, parse_running_sum_prompt, running_sum_answer,
+    CIPHER, RunningSumTask, digit_cipher_answer, heavy_tail_lengths, make_prompt_source, math_reward, parse_running_sum_prompt, running_sum_answer,
     running_sum_prompt, running_sum_reward,
 )
 
@@ -86,22 +85,6 @@ def test_running_sum_reward():
     assert running_sum_reward("3478.", "347") < 1.0
 
 
-def test_jsonl_loader_and_errors(tmp_path):
-    good = tmp_path / "d.jsonl"
-    good.write_text(json.dumps({"prompt": "1+1?", "answer": "2"}) + "\n\n" +
-                    json.dumps({"prompt": [{"role": "user", "content": "2+2?"}], "reward_model": {"ground_truth": "4"}}) + "\n")
-    src = JsonlPromptSource(good)
-    assert src.get(0).text == "1+1?" and src.get(1).answer == "4" and src.get(2).text == "1+1?"
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"prompt": "x"}) + "\n")
-    with pytest.raises(ValueError, match=r"bad.jsonl:1: missing field 'answer'"):
-        JsonlPromptSource(bad)
-    broken = tmp_path / "broken.jsonl"
-    broken.write_text("{nope\n")
-    with pytest.raises(ValueError, match=r"broken.jsonl:1: invalid JSON"):
-        JsonlPromptSource(broken)
-
-
 def test_math_reward_fallback_or_verify():
     assert math_reward("so the answer is \\boxed{42}", "42") == 1.0
     assert math_reward("so the answer is \\boxed{41}", "42") == 0.0
@@ -121,5 +104,5 @@ def test_the_active_reward_is_named():
     from dora_megatron.data.tasks import math_verify_available, reward_description
 
     assert reward_description("digit_cipher") == "digit_cipher: exact answer"
-    name = reward_description("jsonl")
-    assert name == "math: math-verify" if math_verify_available() else "math-verify not installed" in name
+    name = reward_description("math")
+    assert name == "math: math-verify" if math_verify_available() else "math-verify cannot be imported" in name

@@ -8,6 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from dora_megatron.data.reward_api import ThreadScorer
+from dora_megatron.data.tasks import Prompt
 from dora_megatron.launch.capacity import (_rollout_pass, _Sample, bound, record_batches, rollout_requests,
                                            steady_rate, training_rate)
 
@@ -70,8 +72,9 @@ def test_rollout_pass_keeps_every_engine_at_its_cap_and_finishes_every_sample():
         max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=-1, stop_token_ids=[]))
     codec = SimpleNamespace(eos_ids=[0], decode=lambda ids: "x" * len(ids))
     engines = {"a": _FakeEngine(), "b": _FakeEngine()}
-    samples = [_Sample(g, i, [1] * (g + 1), "xx") for g in range(10) for i in range(4)]
-    done = asyncio.run(_rollout_pass(cfg, engines, codec, samples, 3, lambda text, answer: float(text == answer)))
+    samples = [_Sample(g, i, Prompt(g, "p", "xx"), [1] * (g + 1)) for g in range(10) for i in range(4)]
+    scorer = ThreadScorer(lambda text, answer: float(text == answer))
+    done = asyncio.run(_rollout_pass(cfg, engines, codec, samples, 3, scorer))
     assert len(done) == 40 and all(s.output_ids for s in samples)
     assert [e.peak for e in engines.values()] == [3, 3]  # full concurrency, never above the cap
     assert sum(e.served for e in engines.values()) == 40

