@@ -27,8 +27,10 @@ def megatron_logits(worker, input_ids: torch.Tensor) -> torch.Tensor | None:
 
     samples = [{"prompt_ids": row.tolist()[:1], "response_ids": row.tolist()[1:]} for row in input_ids]
     seq_len = worker._seq_len(samples)
+    # the interleaved schedule runs micro-batches in groups of pp: filler micro-batches after the real one
+    count = worker.cfg.pp if len(worker.chunks) > 1 else 1
     mbs = build_micro_batches(samples, indices=list(range(len(samples))), micro_batch_size=len(samples),
-                              num_micro_batches=1, seq_len=seq_len)
+                              num_micro_batches=count, seq_len=seq_len)
     store: list[torch.Tensor] = []
 
     def loss_fn(mb, logits):

@@ -159,7 +159,10 @@ class TrainerWorker:
     active until :meth:`close`.
     """
 
-    def __init__(self, trainer_cfg: TrainerConfig, algo_cfg: AlgoConfig, hf_model_dir: str) -> None:
+    def __init__(self, trainer_cfg: TrainerConfig, algo_cfg: AlgoConfig, hf_model_dir: str,
+                 total_steps: int = 0) -> None:
+        """``total_steps``: optimizer steps of the run (``run.steps``), where the LR decay ends unless
+        ``trainer.lr_decay_steps`` says otherwise."""
         from dora_megatron.trainer import cpu_compat, hf_weights, model as model_mod, parallel
 
         self.cfg = trainer_cfg
@@ -172,10 +175,7 @@ class TrainerWorker:
         self.layout = self.info.layout
         self.arch = model_mod.load_arch(hf_model_dir)
         self.spec = model_mod.choose_spec(trainer_cfg.spec, trainer_cfg.device)
-        self.config = model_mod.build_transformer_config(
-            self.arch, tp=trainer_cfg.tp, pp=trainer_cfg.pp, ep=trainer_cfg.ep, device=trainer_cfg.device,
-            moe_aux_loss_coef=trainer_cfg.moe_aux_loss_coef, spec=self.spec,
-            variable_seq_lengths=trainer_cfg.max_tokens_per_micro_batch > 0)
+        self.config = model_mod.build_transformer_config(self.arch, trainer_cfg, self.spec)
         self.config.calculate_per_token_loss = True
         if algo_cfg.routing_replay and not self.arch.is_moe:
             raise ValueError("algo.routing_replay needs a MoE model; the trainer's model is dense")
@@ -183,49 +183,91 @@ class TrainerWorker:
         # unless a batch carries the engine's routed_experts (agreement metric, replay).
         self.config.moe_enable_routing_replay = self.arch.is_moe
         torch.manual_seed(trainer_cfg.seed)
-        gpt = model_mod.build_gpt_model(self.arch, self.config, self.spec, tp=trainer_cfg.tp,
-                                        pre_process=self.layout.first_stage, post_process=self.layout.last_stage)
-        if trainer_cfg.device == "cuda":
-            gpt = gpt.cuda()
-        hf_weights.load_hf_into_model(gpt, hf_weights.read_hf_safetensors(hf_model_dir), self.arch, self.layout)
-        self.model = self._wrap_ddp(gpt)
+        hf_sd = hf_weights.read_hf_safetensors(hf_model_dir)
         from dora_megatron.trainer.routing_replay import local_routers
 
-        self._routers = local_routers(gpt)
+        gpts = []
+        self._routers = []
+        for v in range(trainer_cfg.vpp):  # one chunk per virtual pipeline stage (one without interleaving)
+            chunk_layout = self.layout.chunk(v)
+            gpt = model_mod.build_gpt_model(self.arch, self.config, self.spec, tp=trainer_cfg.tp,
+                                            pre_process=chunk_layout.first_stage, post_process=chunk_layout.last_stage,
+                                            vp_stage=v if trainer_cfg.vpp > 1 else None)
+            if trainer_cfg.device == "cuda":
+                gpt = gpt.cuda()
+            hf_weights.load_hf_into_model(gpt, hf_sd, self.arch, chunk_layout)
+            self._routers += local_routers(gpt)
+            gpts.append(gpt)
+        del hf_sd
+        #: this rank's model chunks, each wrapped in Megatron DDP (one chunk unless trainer.vpp > 1)
+        self.chunks = self._wrap_ddp(gpts)
         self.optimizer = self._build_optimizer()
+        self.scheduler = self._build_scheduler(total_steps)
+        if trainer_cfg.precision == "fp16":  # Megatron's schedule multiplies the loss by the loss scale
+            self.config.grad_scale_func = self.optimizer.scale_loss
         self.step = 0
         #: Rollout sampling temperature: engines report log_softmax(logits / T); set by the runtime.
         self.logit_temperature = 1.0
-        logger.info("trainer rank %d: layout %s dp=%d spec=%s", self.info.rank, self.layout, self.info.dp, self.spec)
+        logger.info("trainer rank %d: layout %s dp=%d spec=%s precision=%s recompute=%s", self.info.rank, self.layout,
+                    self.info.dp, self.spec, trainer_cfg.precision, trainer_cfg.recompute)
 
     # ------------------------------------------------------------------ setup
 
-    def _wrap_ddp(self, gpt: torch.nn.Module) -> torch.nn.Module:
+    def _wrap_ddp(self, gpts: list[torch.nn.Module]) -> list[torch.nn.Module]:
+        """Megatron's wrapping, as Megatron-LM's ``get_model`` does it: ``Float16Module`` (bf16/fp16:
+        casts the first stage's inputs and the last stage's outputs), then DDP per chunk (bucketing on
+        the first only) with fp32 gradient buffers."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.transformer.module import Float16Module
 
-        ddp_cfg = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, overlap_param_gather=False,
-            use_distributed_optimizer=self.cfg.use_distributed_optimizer, average_in_collective=False)
-        model = DistributedDataParallel(config=self.config, ddp_config=ddp_cfg, module=gpt)
+        from dora_megatron.trainer.megatron_args import ddp_kwargs
+
+        ddp_cfg = DistributedDataParallelConfig(**ddp_kwargs(self.cfg))
+        chunks = []
+        for k, gpt in enumerate(gpts):
+            module = Float16Module(self.config, gpt) if self.cfg.precision != "fp32" else gpt
+            chunks.append(DistributedDataParallel(config=self.config, ddp_config=ddp_cfg, module=module,
+                                                  disable_bucketing=k > 0))
         self.config.finalize_model_grads_func = finalize_model_grads
-        self.config.no_sync_func = model.no_sync
-        return model
+        no_sync = [c.no_sync for c in chunks]
+        self.config.no_sync_func = no_sync if len(chunks) > 1 else no_sync[0]
+        if ddp_cfg.overlap_grad_reduce:  # Megatron-LM's align_grad_reduce: the schedule starts each reduction
+            self.config.grad_sync_func = [c.start_grad_sync for c in chunks]
+        return chunks
 
     def _build_optimizer(self):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        ocfg = OptimizerConfig(
-            optimizer="adam", lr=self.cfg.lr, min_lr=self.cfg.lr, weight_decay=self.cfg.weight_decay,
-            adam_beta1=self.cfg.adam_beta1, adam_beta2=self.cfg.adam_beta2, adam_eps=self.cfg.adam_eps,
-            clip_grad=self.cfg.grad_clip, use_distributed_optimizer=self.cfg.use_distributed_optimizer,
-            params_dtype=torch.float32, bf16=False, fp16=False)
-        return get_megatron_optimizer(ocfg, [self.model])
+        from dora_megatron.trainer.megatron_args import optimizer_kwargs
 
-    def close(self) -> None:
-        """Destroy process groups and deactivate the CPU layer (the worker is unusable afterwards)."""
+        # Megatron's param groups: weight decay skips 1-D parameters (norms) and biases (wd_mult 0)
+        return get_megatron_optimizer(OptimizerConfig(**optimizer_kwargs(self.cfg)), self.chunks)
+
+    def _build_scheduler(self, total_steps: int):
+        """Megatron's ``OptimizerParamScheduler`` over the optimizer's param groups (warmup, decay)."""
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        from dora_megatron.trainer.megatron_args import scheduler_kwargs
+
+        if self.cfg.lr_decay != "constant" and not (self.cfg.lr_decay_steps or total_steps):
+            raise ValueError("trainer.lr_decay needs the run's steps (total_steps) or trainer.lr_decay_steps")
+        return OptimizerParamScheduler(self.optimizer, **scheduler_kwargs(self.cfg, total_steps))
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next optimizer step uses (the scheduler's value for that step)."""
+        from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
+
+        return float(get_canonical_lr_for_logging(self.optimizer.param_groups))
+
+    def close(self, keep_world: bool = False) -> None:
+        """Destroy process groups and deactivate the CPU layer (the worker is unusable afterwards).
+
+        ``keep_world``: destroy only Megatron's model-parallel groups, so another worker (another
+        layout) can be built in the same torch.distributed world."""
         from dora_megatron.trainer import parallel
 
-        parallel.destroy_distributed()
+        parallel.destroy_distributed(keep_world=keep_world)
         self._compat.deactivate()
 
     # ------------------------------------------------------------------ batching
@@ -242,8 +284,14 @@ class TrainerWorker:
         return plan_step(lengths, dp=self.info.dp, dp_rank=self.info.dp_rank,
                          micro_batch_size=self.cfg.micro_batch_size,
                          max_tokens=self.cfg.max_tokens_per_micro_batch if max_tokens is None else max_tokens,
-                         seq_multiple=self.cfg.tp if self.config.sequence_parallel else 1,
-                         max_seq_len=self.cfg.max_seq_len)
+                         seq_multiple=self._seq_multiple, max_seq_len=self.cfg.max_seq_len,
+                         micro_batch_multiple=self.cfg.pp if len(self.chunks) > 1 else 1)
+
+    @property
+    def _seq_multiple(self) -> int:
+        """What every padded length must divide into: TP ranks under sequence parallelism, 2*cp chunks
+        under context parallelism (both: their product)."""
+        return (self.cfg.tp if self.config.sequence_parallel else 1) * (2 * self.cfg.cp if self.cfg.cp > 1 else 1)
 
     @staticmethod
     def _micro_batches(batch: Sequence[Any], plan: StepPlan, **fields: Any) -> list[MicroBatch]:
@@ -292,8 +340,10 @@ class TrainerWorker:
         if dev == "cuda":
             micro_batches = [_to_device(mb, "cuda") for mb in micro_batches]
         fwd_bwd = get_forward_backward_func()
+        # interleaved schedule: one iterator per chunk, each chunk reads every micro-batch once
+        data = [iter(micro_batches) for _ in self.chunks] if len(self.chunks) > 1 else iter(micro_batches)
         try:
-            return fwd_bwd(forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[self.model],
+            return fwd_bwd(forward_step_func=forward_step, data_iterator=data, model=self.chunks,
                            num_microbatches=len(micro_batches), seq_length=seq_len,
                            micro_batch_size=rows, forward_only=forward_only)
         finally:
@@ -332,7 +382,7 @@ class TrainerWorker:
         self._run(mbs, loss_fn, forward_only=True, routing="replay" if shape else None)
         from megatron.core import parallel_state as ps
 
-        mine = results if (self.layout.last_stage and ps.get_tensor_model_parallel_rank() == 0) else {}
+        mine = results if (self.layout.last_rank and ps.get_tensor_model_parallel_rank() == 0) else {}
         gathered: list = [None] * self.info.world_size
         dist.all_gather_object(gathered, mine)
         merged: dict[int, torch.Tensor] = {}
@@ -393,13 +443,49 @@ class TrainerWorker:
         ``routing_replay`` (1.0 when the step's forward passes replayed the engine's experts) and
         ``padding_fraction`` (of the token positions the step's training forward computed, the
         share that held no sample: see :mod:`dora_megatron.trainer.packing`)."""
+        from dora_megatron.trainer import perf
+
+        perf.reset_peak_memory(self.cfg.device)
+        t0 = perf.clock(self.cfg.device)
         metrics = self.accumulate_gradients(batch, current_version)
+        self.scheduler.step(1)  # update k (1-based) uses the schedule's value at step k
+        lr = self.lr
         ok, grad_norm, _ = self.optimizer.step()
+        seconds = perf.clock(self.cfg.device) - t0
         self.step += 1
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["update_successful"] = float(bool(ok))
         metrics["step"] = float(self.step)
+        metrics["lr"] = lr
+        if self.cfg.precision == "fp16":
+            metrics["loss_scale"] = float(self.optimizer.get_loss_scale())
+        metrics.update(self._perf_metrics(batch, seconds))
         return metrics
+
+    def _perf_metrics(self, batch: Sequence[Any], seconds: float) -> dict[str, float]:
+        """``perf/trainer_*`` of a step (the recorder logs ``perf/*`` keys under their own name):
+        peak memory (max over ranks), tokens/s and, on cuda with a known peak, the MFU."""
+        from dora_megatron.trainer import perf
+
+        lengths = [len(_field(s, "prompt_ids")) + len(_field(s, "response_ids")) for s in batch]
+        peak = torch.tensor([float(perf.peak_memory_bytes(self.cfg.device))], dtype=torch.float64)
+        dev = torch.device("cuda", torch.cuda.current_device()) if self.cfg.device == "cuda" else torch.device("cpu")
+        peak = peak.to(dev)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        out = {"perf/trainer_peak_memory_bytes": float(peak.item()),
+               "perf/trainer_tokens_per_s": sum(lengths) / seconds if seconds > 0 else float("nan")}
+        forwards = 3.0 + float(self.algo_needs_logprob_pass)  # fwd+bwd of training, plus the log-prob forward
+        flops = forwards * sum(perf.forward_flops(self.arch, n) for n in lengths)
+        peak_flops = perf.peak_flops_per_gpu(self.cfg)
+        if peak_flops and seconds > 0:
+            out["perf/trainer_mfu"] = flops / (seconds * self.info.world_size * peak_flops)
+        return out
+
+    @property
+    def algo_needs_logprob_pass(self) -> bool:
+        from dora_megatron.algo.losses import settings_from_config
+
+        return settings_from_config(self.algo).needs_trainer_logprobs
 
     def accumulate_gradients(self, batch: Sequence[Any], current_version: int | None = None) -> dict[str, float]:
         """Zero the gradients, then forward and backward over ``batch`` without an optimizer step.
@@ -441,7 +527,8 @@ class TrainerWorker:
             report["num_samples"] = torch.tensor(float(sum(1 for i in mb.index if i >= 0)))
             return out.loss_sum, torch.tensor(out.denominator, dtype=torch.int), report
 
-        self.model.zero_grad_buffer()
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         reports = self._run(mbs, loss_fn, forward_only=False, routing="replay" if shape else None)
         metrics = self._reduce_reports(reports)
@@ -457,7 +544,7 @@ class TrainerWorker:
         keys = ("loss_sum", "denominator", "num_tokens", "num_samples", "on_policy_tokens") + METRIC_KEYS
         present = torch.zeros(len(keys))
         totals = torch.zeros(len(keys), dtype=torch.float64)
-        if self.layout.last_stage and ps.get_tensor_model_parallel_rank() == 0:
+        if self.layout.last_rank and ps.get_tensor_model_parallel_rank() == 0:
             for rep in reports:
                 for k, name in enumerate(keys):
                     if name in rep:
@@ -487,19 +574,26 @@ class TrainerWorker:
         Collective: every rank must iterate it to the end (non-zero ranks get an empty iterator)."""
         from dora_megatron.trainer import hf_weights
 
-        return hf_weights.export_hf(self.model, self.arch, self.layout)
+        return hf_weights.export_hf(self.chunks, self.arch, self.layout)
 
     # ------------------------------------------------------------------ checkpoints
 
     def _sharded_state_dict(self, is_loading: bool) -> dict:
         from dora_megatron.trainer.hf_weights import unwrap
 
-        model_sd = unwrap(self.model).sharded_state_dict()
+        # Megatron-LM's keys: "model", or "model0", "model1", ... with an interleaved pipeline (the sharded
+        # tensors inside carry global layer numbers, so a checkpoint loads into another layout)
+        if len(self.chunks) == 1:
+            model_sd = {"model": unwrap(self.chunks[0]).sharded_state_dict()}
+        else:
+            model_sd = {f"model{v}": unwrap(c).sharded_state_dict() for v, c in enumerate(self.chunks)}
         # dp_reshardable: parallel save/load without gathers; resharding only across DP. (fully_reshardable
         # breaks with the torch Adam fallback: it copies a per-param "step" the saved state lacks.)
         meta = {"distrib_optim_sharding_type": "dp_reshardable"}
-        return {"model": model_sd,
+        return {**model_sd,
                 "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=meta),
+                # common (rank 0) state: the LR schedule continues exactly where it stopped
+                "lr_scheduler": self.scheduler.state_dict(),
                 "step": self.step}
 
     def _unshare_adam_steps(self) -> None:
@@ -516,7 +610,8 @@ class TrainerWorker:
     def _init_optimizer_state(self) -> None:
         """Materialise Adam state with a zero-gradient step (torch Adam creates state lazily and
         Megatron's state_dict needs it before a load). Parameters are overwritten by the load."""
-        self.model.zero_grad_buffer()
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         self.optimizer.step()
 
@@ -552,11 +647,30 @@ class TrainerWorker:
                                f"{type(err).__name__}: {err}") from err
         from dora_megatron.trainer.hf_weights import unwrap
 
-        unwrap(self.model).load_state_dict(state["model"])
+        if len(self.chunks) == 1:
+            unwrap(self.chunks[0]).load_state_dict(state["model"])
+        else:
+            for v, chunk in enumerate(self.chunks):
+                unwrap(chunk).load_state_dict(state[f"model{v}"])
         self.optimizer.load_state_dict(state["optimizer"])
         self._unshare_adam_steps()
         self.step = int(state["step"])
+        self._load_schedule(state.get("lr_scheduler"), directory)
         dist.barrier()
+
+    def _load_schedule(self, saved: dict | None, directory: str) -> None:
+        """Continue the LR schedule of the checkpoint (Megatron's ``load_state_dict``: the schedule's
+        settings must equal the checkpoint's). A checkpoint written before the schedule was saved
+        resumes at its step count."""
+        self.scheduler.num_steps = 0  # Megatron's load_state_dict and step() add to it
+        if saved is None:
+            self.scheduler.step(self.step)
+            return
+        try:
+            self.scheduler.load_state_dict(saved)
+        except AssertionError as err:
+            raise ValueError(f"the trainer checkpoint {directory} was written with another LR schedule (trainer.lr, "
+                             f"min_lr, lr_warmup_steps, lr_decay, lr_decay_steps, weight_decay): {err}") from None
 
 
 def _to_device(mb: MicroBatch, device: str) -> MicroBatch:
