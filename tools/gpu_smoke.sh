@@ -26,5 +26,5 @@ fi
 "$SGL" -c "import sglang, sys; v = sglang.__version__; sys.exit(0) if v == '0.5.23' else print(f'[gpu_smoke] warning: sglang {v}; dora is tested with 0.5.23')"
 "$PY" -m dora_megatron train --config configs/gpu_ci_small.yaml --dry-run > /dev/null
 "$PY" -m dora_megatron train --config configs/gpu_ci_small.yaml --dry-run --set launch.backend=slurm \
-  --set cluster.share_node=true --slurm-env SLURM_JOB_NODELIST=localhost --slurm-env SLURM_GPUS_ON_NODE=3 | tail -1
+  --set cluster.share_node=true --slurm-env SLURM_JOB_NODELIST=localhost --slurm-env SLURM_GPUS_ON_NODE=4 | tail -1
 "$PY" -m pytest tests/gpu -m gpu -v -rs "$@"

@@ -32,9 +32,13 @@ _FUSIONS = ("bias_activation_fusion", "masked_softmax_fusion", "persist_layer_no
 
 def megatron_classes() -> dict[str, type]:
     """The Megatron config dataclasses ``trainer.megatron`` may address (imports Megatron)."""
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig
-    from megatron.core.transformer import TransformerConfig
+    import warnings
+
+    with warnings.catch_warnings():  # "Transformer Engine and Apex are not installed": expected off GPU
+        warnings.simplefilter("ignore", UserWarning)
+        from megatron.core.distributed import DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig
+        from megatron.core.transformer import TransformerConfig
 
     return {"TransformerConfig": TransformerConfig, "OptimizerConfig": OptimizerConfig,
             "DistributedDataParallelConfig": DistributedDataParallelConfig}
