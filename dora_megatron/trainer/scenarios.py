@@ -8,8 +8,8 @@ share one implementation. Run as::
         step --hf DIR --tp 2 --out result.pt
 
 ``step``: parity logits, then one train step on :func:`fixed_batch`, then the exported HF weights.
-``resume-save``: step on batch 0, save a checkpoint, steps on batches 1 and 2. ``resume-load``: load
-the checkpoint, steps on batches 1 and 2 (``--warmup``/``--lr-decay``/``--min-lr``/``--total-steps``: the
+``resume-save``: step on batch 0, save a checkpoint, steps on batches 1, 2, 3. ``resume-load``: load
+the checkpoint, steps on batches 1, 2, 3 (``--warmup``/``--lr-decay``/``--min-lr``/``--total-steps``: the
 LR schedule, so each step's ``lr`` differs). ``replay``: batch 0 with the ``routed_experts`` from ``--routing`` (a
 ``torch.save`` list, one ``[positions, layers, top_k]`` tensor per sample): ``router_topk_agreement``
 before replay, log-probs with replay (``--replay``) or without, the routers' chosen experts (1 rank)
@@ -25,6 +25,7 @@ steps and the exported weights. Rank 0 writes a ``torch.save`` dict to ``--out``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 import time
@@ -88,6 +89,26 @@ def _local_grads(worker) -> dict[str, torch.Tensor]:
             for chunk in worker.chunks for name, p in chunk.named_parameters()}
 
 
+@contextlib.contextmanager
+def _forward_counts(worker):
+    """Counts forward calls of every transformer layer and core attention module of the worker."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    counts = {"layer": 0, "core_attention": 0}
+    hooks = []
+    for chunk in worker.chunks:
+        for name, module in chunk.named_modules():
+            kind = "layer" if isinstance(module, TransformerLayer) else (
+                "core_attention" if name.endswith("self_attention.core_attention") else None)
+            if kind:
+                hooks.append(module.register_forward_hook(lambda *_, kind=kind: counts.__setitem__(kind, counts[kind] + 1)))
+    try:
+        yield counts
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def parse_item(item: str) -> tuple[str, dict, dict]:
     """``"MODEL:key=value,..."`` -> (model name, TrainerConfig overrides, scenario options).
 
@@ -125,7 +146,9 @@ def _matrix_item(cfg, algo, hf_dir: str, options: dict, noise: float) -> dict:
     out["logprobs"] = worker.compute_logprobs(batch)
     batch = _with_rollout_logprobs(worker, batch, noise, seed=0)
     if worker.info.world_size == 1:
-        out["grad_metrics"] = worker.accumulate_gradients(batch)
+        with _forward_counts(worker) as counts:  # how often layers / core attention ran: recompute shows here
+            out["grad_metrics"] = worker.accumulate_gradients(batch)
+        out["forward_counts"] = dict(counts)
         out["grads"] = _local_grads(worker)
     out["steps"] = [worker.train_step(batch) for _ in range(options["train_steps"])]
     out["metrics"] = out["steps"][0]
@@ -244,12 +267,12 @@ def run(argv: list[str] | None = None) -> int:
         result["metrics0"] = worker.train_step(_with_rollout_logprobs(worker, fixed_batch(vocab, 0), args.noise, 0))
         worker.save_checkpoint(args.ckpt)
         result["after"] = [worker.train_step(_with_rollout_logprobs(worker, fixed_batch(vocab, b), args.noise, b))
-                           for b in (1, 2)]
+                           for b in (1, 2, 3)]
         result["metrics"] = result["after"][0]
     else:
         worker.load_checkpoint(args.ckpt)
         result["after"] = [worker.train_step(_with_rollout_logprobs(worker, fixed_batch(vocab, b), args.noise, b))
-                           for b in (1, 2)]
+                           for b in (1, 2, 3)]
         result["metrics"] = result["after"][0]
     weights = dict(worker.export_hf_state_dict())
     if worker.info.rank == 0:
