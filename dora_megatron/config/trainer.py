@@ -131,10 +131,10 @@ class TrainerConfig:
                                           choices=("auto", "allgather", "alltoall", "flex"))
     moe_grouped_gemm: bool = field_doc(False, "run a rank's local experts as one grouped GEMM (Transformer Engine "
                                               "spec: TEGroupedMLP; cuda only)")
-    fusions: str = field_doc("auto", "Megatron's fused kernels (bias-activation, bias-dropout, RoPE, masked softmax, "
-                                     "persistent layer norm, gradient-accumulation, MoE permute): auto = on with the "
-                                     "Transformer Engine spec, off otherwise; on needs the TE spec",
-                             choices=("auto", "on", "off"))
+    fusions: bool | None = field_doc(None, "Megatron's fused kernels (bias-activation, bias-dropout, RoPE, masked "
+                                           "softmax, persistent layer norm, gradient-accumulation, MoE permute): "
+                                           "null = on with the Transformer Engine spec, off otherwise; true needs the "
+                                           "TE spec")
     lr: float = field_doc(1e-6, "peak Adam learning rate (after warmup)", gt=0)
     lr_warmup_steps: int = field_doc(0, "optimizer steps of linear warmup from 0 to lr (Megatron's "
                                         "OptimizerParamScheduler); update k of the run uses lr * k / warmup", ge=0)
@@ -207,9 +207,9 @@ class TrainerConfig:
         if self.moe_grouped_gemm and cpu:
             raise ConfigError(f"{path}.moe_grouped_gemm", "grouped GEMM runs in Transformer Engine's (or the "
                                                           "grouped_gemm package's) CUDA kernels: set false on cpu")
-        if self.fusions == "on" and (cpu or self.spec == "local"):
+        if self.fusions and (cpu or self.spec == "local"):
             raise ConfigError(f"{path}.fusions", "the fused kernels need the Transformer Engine spec (device cuda, "
-                                                 "spec auto or te): use auto or off")
+                                                 "spec auto or te): set null or false")
 
     def _check_recompute(self, path: str) -> None:
         if self.recompute != "full":

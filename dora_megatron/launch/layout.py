@@ -95,7 +95,7 @@ def megatron_value_problems(hf_config: dict[str, Any], trainer) -> list[str]:
     classes = ma.megatron_classes()
     spec = choose_spec(trainer.spec, trainer.device)
     # the fused kernels' own checks need Transformer Engine, which the machine of a dry run may lack
-    here = trainer if spec == "te" else dataclasses.replace(trainer, fusions="off")
+    here = trainer if spec == "te" else dataclasses.replace(trainer, fusions=False)
     builds = (("TransformerConfig", lambda: ma.transformer_kwargs(arch, here, spec)),
               ("OptimizerConfig", lambda: ma.optimizer_kwargs(trainer)),
               ("DistributedDataParallelConfig", lambda: ma.ddp_kwargs(trainer)))

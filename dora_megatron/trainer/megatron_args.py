@@ -78,8 +78,8 @@ def dispatcher(cfg: TrainerConfig) -> str:
 
 
 def fusions_on(cfg: TrainerConfig, spec: str) -> bool:
-    """``trainer.fusions`` resolved: ``auto`` = on with the Transformer Engine spec."""
-    return cfg.fusions == "on" or (cfg.fusions == "auto" and spec == "te")
+    """``trainer.fusions`` resolved: null = on with the Transformer Engine spec."""
+    return cfg.fusions if cfg.fusions is not None else spec == "te"
 
 
 def uses_sequence_parallel(cfg: TrainerConfig, arch: ModelSpec) -> bool:
