@@ -208,7 +208,7 @@ def test_weight_decay_skips_norms(models, one_rank_matrix):
 
 def test_knob_layouts_on_two_ranks_match_one_rank(models, moe4, baselines, one_rank_matrix, tmp_path):
     items = ["dense:tp=2,sequence_parallel=true", "moe:tp=2,etp=1,ep=2,moe_token_dispatcher=alltoall",
-             "moe4:pp=2,vpp=2", "moe:ep=2,precision=bf16"]
+             "moe4:pp=2,vpp=2", "moe:ep=2,precision=bf16,overlap_grad_reduce=true"]
     refs = {"dense": baselines["dense"], "moe": baselines["moe"], "moe4": one_rank_matrix["moe4:"]}
     results = run_matrix(items, 2, {**models, "moe4": moe4}, str(tmp_path / "m2.pt"))
     for res in results:
