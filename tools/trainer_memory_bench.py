@@ -13,8 +13,8 @@ step (Adam state, allocator caches), then a measured step on ``--samples`` sampl
 (``perf/trainer_peak_memory_bytes`` of that step, the trainer's own measure) and the step's growth over
 the resident set at its start: on CPU the parameters, gradients and optimizer state are resident before
 the step, so the growth is what the step's activations and logits take, which recompute changes and
-which the estimate's ``activations + logits`` predicts. The model state estimate (parameters +
-gradients + optimizer) is compared with the resident set the worker added before the first step.
+which the estimate's ``activations + backward workspace + logits`` predicts (the rows also keep the
+resident set the worker added before its first step and the estimate's model state, for ``--json``).
 """
 
 from __future__ import annotations
@@ -50,6 +50,11 @@ def child(args: argparse.Namespace) -> int:
     from dora_megatron.trainer.worker import TrainerWorker
 
     torch.set_num_threads(1)
+    import megatron.core.distributed  # noqa: F401  (the imports' memory is not the worker's)
+    import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+    import megatron.core.pipeline_parallel  # noqa: F401
+
     cfg = TrainerConfig(tp=args.tp, device="cpu", precision=args.precision, recompute=args.child_recompute,
                         micro_batch_size=1, max_seq_len=args.seq, lr=1e-4, use_distributed_optimizer=False,
                         sequence_parallel=args.tp > 1)
@@ -74,7 +79,7 @@ def child(args: argparse.Namespace) -> int:
     row = {"recompute": args.child_recompute, "rank": dist.get_rank(), "peak_bytes": peak,
            "step_growth_bytes": peak - start, "worker_bytes": built - before,
            "trainer_peak_memory_bytes": metrics["perf/trainer_peak_memory_bytes"],
-           "estimate_activations_logits_bytes": est.activations + est.logits,
+           "estimate_activations_logits_bytes": est.activations + est.workspace + est.logits,
            "estimate_state_bytes": est.params + est.grads + est.optimizer, "tokens_per_s": metrics["perf/trainer_tokens_per_s"]}
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, row)
@@ -86,8 +91,10 @@ def child(args: argparse.Namespace) -> int:
 
 
 def run_setting(args: argparse.Namespace, recompute: str) -> list[dict]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # glibc: every block >= 64 KiB its own mapping, returned on free, so the resident set follows the
+    # live tensors (otherwise freed pages of the warm-up step stay resident and hide the step's growth)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MALLOC_MMAP_THRESHOLD_="65536",
+               MALLOC_TRIM_THRESHOLD_="0", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     me = [os.path.abspath(__file__), "--child-recompute", recompute, "--hf", args.hf, "--seq", str(args.seq),
           "--samples", str(args.samples), "--tp", str(args.tp), "--precision", args.precision]
     if args.nproc > 1:
@@ -108,16 +115,15 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
     base = {r["rank"]: r for r in rows if r["recompute"] == "none"}
     lines = [f"trainer memory per rank: tiny MoE, {args.samples} x {args.seq} tokens, micro_batch_size 1, "
              f"tp={args.tp}, {args.nproc} rank(s), {args.precision}, cpu",
-             "| recompute | rank | peak RSS (MiB) | step growth (MiB) | vs none | estimate act+logits (MiB) | "
-             "growth / estimate | worker RSS (MiB) | estimate state (MiB) | tokens/s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| recompute | rank | peak RSS (MiB) | step growth (MiB) | vs none | estimate act+workspace+logits (MiB) | "
+             "growth / estimate | tokens/s |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ref = base.get(r["rank"])
         ratio = f"{r['step_growth_bytes'] / ref['step_growth_bytes']:.2f}x" if ref else "-"
         lines.append(f"| {r['recompute']} | {r['rank']} | {r['peak_bytes'] / MIB:.0f} | {r['step_growth_bytes'] / MIB:.0f} "
                      f"| {ratio} | {r['estimate_activations_logits_bytes'] / MIB:.0f} | "
-                     f"{r['step_growth_bytes'] / r['estimate_activations_logits_bytes']:.2f} | "
-                     f"{r['worker_bytes'] / MIB:.0f} | {r['estimate_state_bytes'] / MIB:.1f} | {r['tokens_per_s']:.0f} |")
+                     f"{r['step_growth_bytes'] / r['estimate_activations_logits_bytes']:.2f} | {r['tokens_per_s']:.0f} |")
     return "\n".join(lines)
 
 

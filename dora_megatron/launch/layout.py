@@ -150,7 +150,7 @@ def memory_problem(cfg, hf_config: dict[str, Any] | None = None) -> str | None:
         return None
     return (f"cluster.gpu_memory_gb={limit:g}: the trainer needs an estimated {est.total / GIB:.1f} GiB per rank "
             f"(parameters {est.params / GIB:.1f}, gradients {est.grads / GIB:.1f}, optimizer {est.optimizer / GIB:.1f}, "
-            f"activations {est.activations / GIB:.1f}, logits {est.logits / GIB:.1f}): use trainer.precision bf16, "
+            f"activations {(est.activations + est.workspace) / GIB:.1f}, logits {est.logits / GIB:.1f}): use trainer.precision bf16, "
             "trainer.recompute, more tp/ep/pp, or a smaller micro-batch (dora train --dry-run prints the table)")
 
 

@@ -22,6 +22,9 @@ micro-batches in flight) and, with ``pp == 1``, also the last (the logits). Term
   and the micro-batches in flight (``pp`` under 1F1B, ``pp * (1 + (pp - 1) / (pp * vpp))`` with
   interleaving); under ``recompute: full`` a layer keeps only its input and one recomputed chunk is
   live at a time; under ``selective`` the attention scores are recomputed;
+* **backward workspace**: ``2 x`` one layer's activations (while a layer runs backward, the gradients
+  of its saved tensors sit next to them, and a recomputed layer's temporaries), plus under
+  ``selective`` two copies of one layer's attention scores (the recomputed pre- and post-softmax);
 * **logits** (last stage): ``T x vocab / tp`` in fp32, four copies live while the log-probs and the
   entropy are computed;
 * **overhead**: a fixed 2.5 GiB per GPU (CUDA context, NCCL buffers, allocator fragmentation), 0 on CPU.
@@ -35,6 +38,10 @@ GIB = 1024 ** 3
 CUDA_OVERHEAD_BYTES = int(2.5 * GIB)
 #: fp32 copies of the [T, vocab/tp] logits alive while log-probs and entropy are computed
 LOGIT_COPIES = 4
+#: one layer's activations, in layers, that the backward pass of a layer holds besides the saved ones
+#: (the gradients of its saved tensors, and the softmax's second copy); calibrated on CPU, see
+#: docs/results/trainer_memory.md
+WORKSPACE_LAYERS = 2
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,7 @@ class MemoryEstimate:
     grads: float
     optimizer: float
     activations: float
+    workspace: float
     logits: float
     overhead: float
     param_count: float  # parameters held by this rank
@@ -52,11 +60,13 @@ class MemoryEstimate:
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.logits + self.overhead
+        return (self.params + self.grads + self.optimizer + self.activations + self.workspace + self.logits
+                + self.overhead)
 
     def rows(self) -> list[tuple[str, float]]:
         return [("parameters", self.params), ("gradients", self.grads), ("optimizer state", self.optimizer),
-                ("activations", self.activations), ("logits", self.logits), ("overhead", self.overhead),
+                ("activations", self.activations), ("backward workspace", self.workspace), ("logits", self.logits),
+                ("overhead", self.overhead),
                 ("total", self.total)]
 
 
@@ -159,17 +169,20 @@ def estimate(arch, cfg, world_size: int, spec: str | None = None) -> MemoryEstim
         activations = in_flight * stage_layers * per_layer
     vocab = -(-arch.vocab_size // cfg.tp) * cfg.tp
     logits = LOGIT_COPIES * 4 * tokens * vocab / cfg.tp if cfg.pp == 1 else 0.0
+    workspace = WORKSPACE_LAYERS * layer
+    if cfg.recompute == "selective":  # the recomputed attention rebuilds its scores (pre- and post-softmax)
+        workspace += 2 * scores
     overhead = CUDA_OVERHEAD_BYTES if cfg.device == "cuda" else 0.0
-    return MemoryEstimate(params, grads, optimizer, activations, logits, overhead, count, tokens)
+    return MemoryEstimate(params, grads, optimizer, activations, workspace, logits, overhead, count, tokens)
 
 
 def format_estimate(est: MemoryEstimate, gpu_memory_gb: float = 0.0) -> str:
     """The dry run's table: one line per term, GiB, and the fit against ``gpu_memory_gb``."""
-    lines = [f"trainer memory estimate per rank ({est.param_count / 1e9:.3f} B parameters, {est.tokens} tokens "
-             "per micro-batch):"]
+    count = f"{est.param_count / 1e9:.2f} B" if est.param_count >= 1e9 else f"{est.param_count / 1e6:.1f} M"
+    lines = [f"trainer memory estimate per rank ({count} parameters, {est.tokens} tokens per micro-batch):"]
     for name, value in est.rows():
-        lines.append(f"  {name:16s} {value / GIB:9.2f} GiB" if value >= GIB / 10 else
-                     f"  {name:16s} {value / 1024 ** 2:9.2f} MiB")
+        lines.append(f"  {name:20s} {value / GIB:9.2f} GiB" if value >= GIB / 10 else
+                     f"  {name:20s} {value / 1024 ** 2:9.2f} MiB")
     if gpu_memory_gb:
         verdict = "fits" if est.total <= gpu_memory_gb * GIB else "DOES NOT FIT"
         lines.append(f"  cluster.gpu_memory_gb {gpu_memory_gb:g} GiB: {verdict}")
