@@ -70,6 +70,13 @@ class DoraConfig:
             raise ConfigError("observability.warmup_steps", f"{self.observability.warmup_steps} must be < run.steps "
                               f"({self.run.steps}): no step would be left to measure")
         t = self.trainer
+        recomputes_router = t.recompute == "full" or "moe" in (t.megatron.get("recompute_modules") or ())
+        if self.algo.routing_replay and recomputes_router and t.pp > 1:
+            # the recompute of a micro-batch's router runs in its backward, after the pipeline already set
+            # the routers to a later micro-batch's engine experts: it would replay the wrong tokens' routing
+            raise ConfigError("algo.routing_replay", f"cannot replay through trainer.recompute {t.recompute} (the "
+                              f"routers run again in the backward) with trainer.pp={t.pp} (micro-batches in flight): "
+                              "use recompute selective (core attention), pp 1, or no replay")
         decay_end = t.lr_decay_steps or self.run.steps
         if t.lr_warmup_steps and t.lr_warmup_steps >= decay_end:
             raise ConfigError("trainer.lr_warmup_steps", f"{t.lr_warmup_steps} must be below the end of the decay "

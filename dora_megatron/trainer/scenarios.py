@@ -193,6 +193,7 @@ def run(argv: list[str] | None = None) -> int:
     parser.add_argument("scenario", choices=("step", "resume-save", "resume-load", "replay", "grouping", "matrix"))
     parser.add_argument("--items", nargs="*", default=[], help="matrix: MODEL:key=value,... (see parse_item)")
     parser.add_argument("--models", nargs="*", default=[], help="matrix: NAME=HF_DIR for the items' MODEL")
+    parser.add_argument("--trainer", default="", help="more TrainerConfig fields, key=value,... (as a matrix item)")
     parser.add_argument("--warmup", type=int, default=0, help="trainer.lr_warmup_steps")
     parser.add_argument("--lr-decay", default="constant", help="trainer.lr_decay")
     parser.add_argument("--min-lr", type=float, default=0.0, help="trainer.min_lr")
@@ -231,6 +232,10 @@ def run(argv: list[str] | None = None) -> int:
                         max_tokens_per_micro_batch=max(int(b) for b in args.budgets.split(",")),
                         use_distributed_optimizer=not args.no_distributed_optimizer,
                         lr_warmup_steps=args.warmup, lr_decay=args.lr_decay, min_lr=args.min_lr)
+    if args.trainer:
+        from dataclasses import replace
+
+        cfg = replace(cfg, **parse_item(":" + args.trainer)[1])
     algo = AlgoConfig(loss=args.loss, tis_cap=args.tis_cap, routing_replay=args.replay)
     if args.scenario == "matrix":
         from dataclasses import replace

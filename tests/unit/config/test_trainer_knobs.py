@@ -34,6 +34,8 @@ CUDA = ["trainer.device=cuda", "rollout.device=cuda"]
      "trainer.lr_warmup_steps", "lr_decay_steps=5"),
     # ETP x EP must tile the ranks of a pipeline stage
     (["trainer.tp=2", "trainer.ep=2", "launch.trainer_procs=2"], "launch.trainer_procs", "ep*etp=4"),
+    (["algo.routing_replay=true", "trainer.recompute=full", "trainer.pp=2", "launch.trainer_procs=2"],
+     "algo.routing_replay", "routers run again in the backward"),
     (["trainer.megatron.bf16=true"], "trainer.megatron.bf16", "trainer.precision"),
     (["trainer.megatron.recompute_granularity=full"], "trainer.megatron.recompute_granularity", "trainer.recompute"),
     (["trainer.megatron.num_layers=8"], "trainer.megatron.num_layers", "config.json"),
