@@ -77,6 +77,14 @@ class DoraConfig:
             raise ConfigError("algo.routing_replay", f"cannot replay through trainer.recompute {t.recompute} (the "
                               f"routers run again in the backward) with trainer.pp={t.pp} (micro-batches in flight): "
                               "use recompute selective (core attention), pp 1, or no replay")
+        if t.cp > 1 and self.algo.length_norm != "token_mean":
+            # a context-parallel rank holds chunks of every sample: per-sample means need whole samples
+            raise ConfigError("algo.length_norm", f"{self.algo.length_norm} normalises per sample, but with "
+                              f"trainer.cp={t.cp} each rank holds only chunks of a sample: use token_mean")
+        if t.cp > 1 and self.algo.wants_routed_experts:
+            raise ConfigError("algo.routing_replay", f"routing replay and router agreement are not wired through "
+                              f"context parallelism (trainer.cp={t.cp}): set algo.routing_replay=false "
+                              "algo.router_agreement=false")
         decay_end = t.lr_decay_steps or self.run.steps
         if t.lr_warmup_steps and t.lr_warmup_steps >= decay_end:
             raise ConfigError("trainer.lr_warmup_steps", f"{t.lr_warmup_steps} must be below the end of the decay "

@@ -95,7 +95,8 @@ class TrainerConfig:
     ep: int = field_doc(1, "expert-parallel size (MoE models only; experts split evenly)", ge=1)
     dp: int = field_doc(0, "data-parallel size; 0 = derived as world_size / (tp * pp * cp)", ge=0)
     cp: int = field_doc(1, "context-parallel size: each sequence is split into 2*cp chunks over cp ranks (needs the "
-                           "Transformer Engine spec, i.e. cuda; max_seq_len must be divisible by 2*cp)", ge=1)
+                           "Transformer Engine spec, i.e. cuda; max_seq_len must be divisible by 2*cp; "
+                           "algo.length_norm token_mean, no routing replay)", ge=1)
     etp: int = field_doc(0, "expert tensor-parallel size (MoE experts are split over etp ranks instead of tp); "
                             "0 = tp (Megatron's default). etp * ep must divide world_size / pp", ge=0)
     vpp: int = field_doc(1, "virtual pipeline stages per pipeline rank (interleaved 1F1B schedule); needs pp > 1 and "
