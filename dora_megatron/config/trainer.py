@@ -33,7 +33,7 @@ TYPED_MEGATRON_FIELDS: dict[str, str] = {
     **dict.fromkeys(("recompute_granularity",), "recompute"),
     **dict.fromkeys(("recompute_method",), "recompute_method"),
     **dict.fromkeys(("recompute_num_layers",), "recompute_num_layers"),
-    **dict.fromkeys(("moe_token_dispatcher_type", "moe_flex_dispatcher_backend"), "moe_token_dispatcher"),
+    **dict.fromkeys(("moe_token_dispatcher_type",), "moe_token_dispatcher"),
     **dict.fromkeys(("moe_grouped_gemm",), "moe_grouped_gemm"),
     **dict.fromkeys(("bias_activation_fusion", "masked_softmax_fusion", "persist_layer_norm", "bias_dropout_fusion",
                      "apply_rope_fusion", "gradient_accumulation_fusion", "moe_permute_fusion"), "fusions"),
@@ -127,8 +127,9 @@ class TrainerConfig:
                                                  "are recomputed)", choices=("uniform", "block"))
     recompute_num_layers: int = field_doc(1, "full recompute only: layers per recomputed chunk (uniform) or "
                                              "recomputed layers per stage (block)", ge=1)
-    moe_token_dispatcher: str = field_doc("auto", "MoE token dispatcher: allgather, alltoall, flex (DeepEP/HybridEP "
-                                                  "kernels, cuda only); auto = allgather on cpu, alltoall on cuda",
+    moe_token_dispatcher: str = field_doc("auto", "MoE token dispatcher: allgather, alltoall, flex (DeepEP kernels, or "
+                                                  "HybridEP with megatron.moe_flex_dispatcher_backend: hybridep; cuda "
+                                                  "only); auto = allgather on cpu, alltoall on cuda",
                                           choices=("auto", "allgather", "alltoall", "flex"))
     moe_grouped_gemm: bool = field_doc(False, "run a rank's local experts as one grouped GEMM (Transformer Engine "
                                               "spec: TEGroupedMLP; cuda only)")
