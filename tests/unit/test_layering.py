@@ -32,6 +32,7 @@ VIOLATIONS = {
     "trainer-rollout-weights": ("weights/plan.py", "import dora_megatron.trainer.norm"),
     "rollout-weights": ("rollout/health.py", "import dora_megatron.weights.naming"),
     "no-cycles": ("launch/plan.py", "import dora_megatron.launch.cluster"),
+    "trainer-memory-pure": ("trainer/memory.py", "import torch"),
 }
 
 # Runs in the child: for each contract, plant its violation (if any), lint that contract alone, restore.
