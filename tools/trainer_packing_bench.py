@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(tcfg.num_threads)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = cfg.model.path or str(create_model_dir(cfg.model.preset, os.path.join(tmp, "model"), seed=args.seed))
-        worker = TrainerWorker(tcfg, cfg.algo, model_dir)
+        worker = TrainerWorker(tcfg, cfg.algo, model_dir, total_steps=cfg.run.steps)
         batches = workload(cfg, args.steps + 1, args.seed)
         times: dict[int, list[float]] = {p: [] for p in plans}
         pads: dict[int, list[float]] = {p: [] for p in plans}

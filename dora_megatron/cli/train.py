@@ -65,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(dump_yaml(cfg))
         model_dir = cfg.model.path or "<run_dir>/model"
         sys.stdout.write(format_plan(local_plan(cfg, model_dir, "<run_dir>")) + "\n")
+        sys.stdout.write(_memory_table(cfg) + "\n")
         return 0
     try:
         from dora_megatron.launch.local import run_local_job
@@ -95,9 +96,15 @@ def _run_slurm(cfg, args: argparse.Namespace) -> int:
         return 2
     problems = check_plan(plan, cfg.cluster.gpus_per_node or env.gpus_per_node or 0)
     if args.dry_run:
+        from dora_megatron.launch.layout import trainer_layout_problem
+
+        trainer_problem = trainer_layout_problem(cfg)  # the run itself checks it with the model's inputs
+        if trainer_problem:
+            problems.append(trainer_problem)
         sys.stdout.write("# resolved config\n")
         sys.stdout.write(dump_yaml(cfg))
         sys.stdout.write(format_cluster_plan(plan, args.plan_nodes or None) + "\n")
+        sys.stdout.write(_memory_table(cfg) + "\n")
         for p in problems:
             sys.stdout.write(f"PLAN PROBLEM: {p}\n")
         sys.stdout.write(f"plan check: {'OK' if not problems else f'{len(problems)} problem(s)'}\n")
@@ -110,3 +117,15 @@ def _run_slurm(cfg, args: argparse.Namespace) -> int:
     if args.join:
         return run_join_node(cfg, env, plan)
     return run_slurm_node(cfg, env, plan, resume=args.resume)
+
+
+def _memory_table(cfg) -> str:
+    """The trainer's per-rank memory estimate (:mod:`dora_megatron.trainer.memory`) for the dry run."""
+    from dora_megatron.launch.layout import memory_estimate
+    from dora_megatron.trainer.memory import format_estimate
+
+    est = memory_estimate(cfg)
+    if est is None:
+        return (f"trainer memory estimate: no config.json at model.path {cfg.model.path} (the dry run reads only "
+                "that file; e.g. --set model.path=configs/models/Qwen3-30B-A3B)")
+    return format_estimate(est, cfg.cluster.gpu_memory_gb if cfg.trainer.device == "cuda" else 0.0)

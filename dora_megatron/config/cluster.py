@@ -19,6 +19,7 @@ class ClusterConfig:
 
     trainer_nodes: int = field_doc(1, "Nodes running the torchrun trainer (the first nodes of the allocation).", ge=1)
     rollout_nodes: int = field_doc(0, "Nodes running rollout instances, after the trainer nodes; 0 = every remaining node.", ge=0)
+    gpu_memory_gb: float = field_doc(0.0, "Memory of one trainer GPU; `dora train` (and its --dry-run, which prints the trainer's per-rank memory estimate) refuses a trainer layout whose estimate exceeds it; 0 = unknown, no check.", ge=0.0, unit="GiB")
     gpus_per_node: int = field_doc(0, "GPUs per node; 0 = from SLURM (SLURM_GPUS_ON_NODE / SLURM_GPUS_PER_NODE / SLURM_JOB_GPUS).", ge=0)
     share_node: bool = field_doc(False, "Single-node jobs only: trainer and rollout instances share the node's GPUs (trainer first).")
     trainer_gpus: int = field_doc(0, "With share_node: GPUs given to the trainer (the rest go to rollout); 0 = half.", ge=0)

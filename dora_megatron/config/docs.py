@@ -54,7 +54,8 @@ def render_section(name: str, cls: type) -> str:
             text += f" [{meta['unit']}]"
         if rules:
             text += f" ({rules})"
-        lines.append(f"| `{name}.{f.name}` | {_type_str(hints[f.name])} | `{default!r}` | {text} |")
+        type_text = _type_str(hints[f.name]).replace("|", "\\|")  # `bool | None` must not split the row
+        lines.append(f"| `{name}.{f.name}` | {type_text} | `{default!r}` | {text} |")
     removed = getattr(cls, "REMOVED_KEYS", {})
     if removed:  # refused at load unless at their old, inert default (see loader.from_dict)
         lines.append("")

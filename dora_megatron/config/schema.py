@@ -60,9 +60,12 @@ class DoraConfig:
             raise ConfigError("algo.routing_replay", "needs routed experts from the engine, which the vllm adapter "
                               "does not return: use rollout.engine embedded or sglang, or set "
                               "algo.routing_replay=false algo.router_agreement=false")
-        if self.rollout.dtype != "float32" and self.controller.verify_checksums:
-            raise ConfigError("controller.verify_checksums", f"must be false with rollout.dtype {self.rollout.dtype}: "
-                              "the engine hashes its cast copy, which never equals the trainer's fp32 weights")
+        exported = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[self.trainer.precision]
+        if self.rollout.engine == "embedded" and self.rollout.dtype != exported and self.controller.verify_checksums:
+            raise ConfigError("controller.verify_checksums", f"must be false with rollout.dtype {self.rollout.dtype} and "
+                              f"trainer.precision {self.trainer.precision}: the engine hashes its {self.rollout.dtype} "
+                              f"copy, which never equals the trainer's {exported} weights (or set rollout.dtype "
+                              f"{exported})")
         if self.rollout.dtype != "float32" and self.rollout.engine != "embedded":
             raise ConfigError("rollout.dtype", "applies to the embedded engine only (SGLang: pass --dtype in "
                               "rollout.sglang_args)")
@@ -70,13 +73,33 @@ class DoraConfig:
             raise ConfigError("observability.warmup_steps", f"{self.observability.warmup_steps} must be < run.steps "
                               f"({self.run.steps}): no step would be left to measure")
         t = self.trainer
+        recomputes_router = t.recompute == "full" or "moe" in (t.megatron.get("recompute_modules") or ())
+        if self.algo.routing_replay and recomputes_router and t.pp > 1:
+            # the recompute of a micro-batch's router runs in its backward, after the pipeline already set
+            # the routers to a later micro-batch's engine experts: it would replay the wrong tokens' routing
+            raise ConfigError("algo.routing_replay", f"cannot replay through trainer.recompute {t.recompute} (the "
+                              f"routers run again in the backward) with trainer.pp={t.pp} (micro-batches in flight): "
+                              "use recompute selective (core attention), pp 1, or no replay")
+        if t.cp > 1 and self.algo.length_norm != "token_mean":
+            # a context-parallel rank holds chunks of every sample: per-sample means need whole samples
+            raise ConfigError("algo.length_norm", f"{self.algo.length_norm} normalises per sample, but with "
+                              f"trainer.cp={t.cp} each rank holds only chunks of a sample: use token_mean")
+        if t.cp > 1 and self.algo.wants_routed_experts:
+            raise ConfigError("algo.routing_replay", f"routing replay and router agreement are not wired through "
+                              f"context parallelism (trainer.cp={t.cp}): set algo.routing_replay=false "
+                              "algo.router_agreement=false")
+        decay_end = t.lr_decay_steps or self.run.steps
+        if t.lr_warmup_steps and t.lr_warmup_steps >= decay_end:
+            raise ConfigError("trainer.lr_warmup_steps", f"{t.lr_warmup_steps} must be below the end of the decay "
+                              f"({'trainer.lr_decay_steps' if t.lr_decay_steps else 'run.steps'}={decay_end})")
         procs = self.launch.trainer_procs
         try:
             t.data_parallel_size(procs)
         except ConfigError as err:
             raise ConfigError(
                 "launch.trainer_procs",
-                f"{procs} trainer processes do not fit trainer tp={t.tp} pp={t.pp} ep={t.ep} dp={t.dp}: {err}",
+                f"{procs} trainer processes do not fit trainer tp={t.tp} pp={t.pp} cp={t.cp} ep={t.ep} etp={t.etp} "
+                f"dp={t.dp}: {err}",
             ) from err
 
 

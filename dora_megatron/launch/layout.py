@@ -1,14 +1,19 @@
-"""Trainer layouts (TP/PP/EP) checked against the model's Hugging Face config, before anything starts.
+"""Trainer layouts (TP/PP/EP/VPP/ETP, recompute chunks) checked against the model's Hugging Face
+config, before anything starts; the per-rank memory estimate against ``cluster.gpu_memory_gb``.
 
 Why: Megatron refuses an impossible layout only once every rank has built its process groups, i.e.
 after the warm start and the engines have started, and torchrun then buries the reason under its
-``ChildFailedError`` banner. The same rules, read from ``config.json`` alone (no torch), let ``dora train`` (also ``--dry-run``) and ``dora convert`` refuse such a layout at once
-with the reason. They mirror what :func:`dora_megatron.trainer.model.build_transformer_config`
-enforces on the ranks.
+``ChildFailedError`` banner. The same rules, read from ``config.json`` alone (no torch), let
+``dora train`` (also ``--dry-run``) and ``dora convert`` refuse such a layout at once with the reason.
+They mirror what :func:`dora_megatron.trainer.model.build_transformer_config` enforces on the ranks.
+``trainer.megatron`` is the exception that imports Megatron (only when set): its names are checked
+against Megatron's own dataclasses and the resulting configs are built once, so Megatron's own
+``__post_init__`` rules refuse a bad value here rather than on every rank.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -41,6 +46,68 @@ def layout_problems(hf_config: dict[str, Any], tp: int, pp: int, ep: int, prefix
     return problems
 
 
+def trainer_section_problems(hf_config: dict[str, Any], trainer) -> list[str]:
+    """:func:`layout_problems` plus the rules of the other trainer knobs that need the model's shape:
+    interleaved stages (``vpp``), expert tensor parallelism (``etp``) and the recompute chunks."""
+    from dora_megatron.models.hf_config import spec_from_dict
+
+    problems = layout_problems(hf_config, trainer.tp, trainer.pp, trainer.ep)
+    try:
+        spec = spec_from_dict(hf_config)
+    except (ValueError, KeyError, TypeError):
+        return problems
+    chunks = trainer.pp * trainer.vpp
+    if trainer.vpp > 1 and spec.num_layers % chunks:
+        problems.append(f"trainer.vpp={trainer.vpp}: the model's {spec.num_layers} layers cannot be split into "
+                        f"pp*vpp={chunks} equal virtual stages")
+    if trainer.etp and not spec.num_experts:
+        problems.append(f"trainer.etp={trainer.etp} applies to MoE experts; the model ({spec.model_type}) is dense: "
+                        "set etp=0")
+    elif spec.num_experts and spec.moe_intermediate_size % (trainer.etp or trainer.tp):
+        key = "trainer.etp" if trainer.etp else "trainer.tp"
+        problems.append(f"{key}={trainer.etp or trainer.tp}: the experts' moe_intermediate_size "
+                        f"{spec.moe_intermediate_size} is not divisible by the expert tensor-parallel size")
+    if not spec.num_experts and spec.intermediate_size % trainer.tp:
+        problems.append(f"trainer.tp={trainer.tp}: the model's intermediate_size {spec.intermediate_size} is not "
+                        "divisible by tp")
+    per_chunk = spec.num_layers // chunks if spec.num_layers % chunks == 0 else 0
+    if trainer.recompute == "full" and per_chunk:
+        n = trainer.recompute_num_layers
+        if trainer.recompute_method == "uniform" and per_chunk % n:
+            problems.append(f"trainer.recompute_num_layers={n}: recompute_method uniform splits the {per_chunk} "
+                            "layers of each stage into equal chunks, which this does not divide")
+        if trainer.recompute_method == "block" and n > per_chunk:
+            problems.append(f"trainer.recompute_num_layers={n}: recompute_method block recomputes at most the "
+                            f"{per_chunk} layers of a stage")
+    return problems
+
+
+def megatron_value_problems(hf_config: dict[str, Any], trainer) -> list[str]:
+    """Megatron's own refusal of the configs ``trainer.megatron`` leads to (they are built once here)."""
+    from dora_megatron.models.hf_config import spec_from_dict
+    from dora_megatron.trainer import megatron_args as ma
+    from dora_megatron.trainer.model import choose_spec
+
+    try:
+        arch = spec_from_dict(hf_config)
+    except (ValueError, KeyError, TypeError):
+        return []
+    classes = ma.megatron_classes()
+    spec = choose_spec(trainer.spec, trainer.device)
+    # the fused kernels' own checks need Transformer Engine, which the machine of a dry run may lack
+    here = trainer if spec == "te" else dataclasses.replace(trainer, fusions=False)
+    builds = (("TransformerConfig", lambda: ma.transformer_kwargs(arch, here, spec)),
+              ("OptimizerConfig", lambda: ma.optimizer_kwargs(trainer)),
+              ("DistributedDataParallelConfig", lambda: ma.ddp_kwargs(trainer)))
+    problems = []
+    for name, kwargs in builds:
+        try:
+            classes[name](**kwargs())
+        except (AssertionError, ValueError, TypeError) as err:
+            problems.append(f"trainer.megatron: Megatron's {name} refuses the result: {err}")
+    return problems
+
+
 def read_hf_config(model_dir: str | Path) -> dict[str, Any] | None:
     """``config.json`` of ``model_dir``, or None when it is missing or unreadable (reported elsewhere)."""
     try:
@@ -49,15 +116,63 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any] | None:
         return None
 
 
-def trainer_layout_problem(cfg) -> str | None:
-    """Why ``trainer.tp/pp/ep`` cannot hold the job's model (``model.path`` or the preset), or None."""
+def job_hf_config(cfg) -> dict[str, Any] | None:
+    """The job model's ``config.json`` (``model.path`` or the preset); None when it cannot be read."""
     from dora_megatron.models.presets import preset_config
 
-    trainer = cfg.trainer
-    hf_config = read_hf_config(cfg.model.path) if cfg.model.path else preset_config(cfg.model.preset)
+    return read_hf_config(cfg.model.path) if cfg.model.path else preset_config(cfg.model.preset)
+
+
+def memory_estimate(cfg, hf_config: dict[str, Any] | None = None):
+    """:func:`dora_megatron.trainer.memory.estimate` for the job (None without a readable config.json)."""
+    from dora_megatron.models.hf_config import spec_from_dict
+    from dora_megatron.trainer.memory import estimate
+
+    hf_config = hf_config if hf_config is not None else job_hf_config(cfg)
     if hf_config is None:
         return None
-    problems = layout_problems(hf_config, trainer.tp, trainer.pp, trainer.ep)
+    try:
+        arch = spec_from_dict(hf_config)
+    except (ValueError, KeyError, TypeError):
+        return None
+    return estimate(arch, cfg.trainer, cfg.launch.trainer_procs)
+
+
+def memory_problem(cfg, hf_config: dict[str, Any] | None = None) -> str | None:
+    """Why the trainer's per-rank estimate exceeds ``cluster.gpu_memory_gb`` (cuda only), or None."""
+    from dora_megatron.trainer.memory import GIB
+
+    limit = cfg.cluster.gpu_memory_gb
+    if not limit or cfg.trainer.device != "cuda":
+        return None
+    est = memory_estimate(cfg, hf_config)
+    if est is None or est.total <= limit * GIB:
+        return None
+    return (f"cluster.gpu_memory_gb={limit:g}: the trainer needs an estimated {est.total / GIB:.1f} GiB per rank "
+            f"(parameters {est.params / GIB:.1f}, gradients {est.grads / GIB:.1f}, optimizer {est.optimizer / GIB:.1f}, "
+            f"activations {(est.activations + est.workspace) / GIB:.1f}, logits {est.logits / GIB:.1f}): use trainer.precision bf16, "
+            "trainer.recompute, more tp/ep/pp, or a smaller micro-batch (dora train --dry-run prints the table)")
+
+
+def trainer_layout_problem(cfg) -> str | None:
+    """Why the trainer section cannot hold the job's model (``model.path`` or the preset), or None:
+    layout, the knobs that need the model's shape, ``trainer.megatron``'s names, the memory fit."""
+    trainer = cfg.trainer
+    problems = []
+    if trainer.megatron:  # names checked against Megatron's own dataclasses (imports Megatron: only when used)
+        from dora_megatron.trainer.megatron_args import megatron_field_problems
+
+        problems += megatron_field_problems(trainer.megatron)
+    hf_config = job_hf_config(cfg)
+    if hf_config is None:
+        return "; ".join(problems) or None
+    problems += trainer_section_problems(hf_config, trainer)
+    if trainer.megatron and not problems:
+        problems += megatron_value_problems(hf_config, trainer)
+    if not problems:
+        fit = memory_problem(cfg, hf_config)
+        if fit:
+            problems.append(fit)
     if cfg.algo.wants_routed_experts:
         from dora_megatron.models.hf_config import spec_from_dict
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any, Mapping, Sequence
 
 from dora_megatron.observability.routing import routing_summary
+from dora_megatron.observability.trainer_perf import TRAINER_PERF_KEYS, trainer_perf_summary
 from dora_megatron.observability.summary import SUMMARY_FIELDS, RunTotals, StepRecord, build_summary
 
 #: duration kinds the recorder integrates over step intervals
@@ -64,6 +65,10 @@ METRICS: tuple[Metric, ...] = (
     Metric("router_topk_agreement", "run", "mean of train/router_topk_agreement over the steps that measured it"),
     Metric("router_topk_agreement_min", "run", "its minimum"),
     Metric("routing_replay_steps", "run", "steps trained with routing replay (train/routing_replay)"),
+    Metric("trainer_peak_memory_bytes", "run", "max over the steps of perf/trainer_peak_memory_bytes; null if the "
+                                               "trainer reported none"),
+    Metric("trainer_tokens_per_s", "run", "mean of perf/trainer_tokens_per_s over the window's steps"),
+    Metric("trainer_mfu", "run", "mean of perf/trainer_mfu over the window's steps (null off GPU)"),
     Metric("reward/mean", "step", "mean reward of the step's samples (null without rewards: the simulator)"),
     Metric("reward/exact_fraction", "step", "share of the step's samples with reward 1.0"),
     Metric("response_length/p50", "step", "median response tokens of the step's samples"),
@@ -86,6 +91,14 @@ METRICS: tuple[Metric, ...] = (
     Metric("perf/rollout_only_fraction", "step", "sum of wait_s of every step so far / this step's end"),
     Metric("perf/rollout_utilization", "step", "busy request-slot-seconds so far / (slots per instance x "
                                                "instance-seconds so far)"),
+    Metric("perf/trainer_peak_memory_bytes", "step", "the trainer's peak memory during the step, max over its ranks: "
+                                                     "CUDA max_memory_allocated on GPU, peak resident set on CPU "
+                                                     "(null when the trainer does not report it: the simulator)"),
+    Metric("perf/trainer_tokens_per_s", "step", "prompt+response tokens of the step / the trainer's own step seconds "
+                                                "(log-prob pass, forward, backward, optimizer)"),
+    Metric("perf/trainer_mfu", "step", "model FLOPs of the step (3 forwards of the real tokens, plus the log-prob "
+                                       "forward when the loss needs it) / (step seconds x ranks x GPU peak); null "
+                                       "off GPU or when the peak is unknown (trainer.peak_tflops)"),
     Metric("staleness/mean", "step", "mean t - w over the step's groups"),
     Metric("staleness/max", "step", "max t - w over the step's groups"),
     Metric("versions/live", "step", "weight versions live (with work) when the step ended"),
@@ -233,6 +246,7 @@ class MetricsRecorder:
         out["rollout_vs_trainer_logprob_diff_max"] = max(diffs) if diffs else None
         out["rollout_vs_trainer_logprob_diff_steps"] = len(diffs)
         out.update(routing_summary(r.metrics for r in self.rows))
+        out.update(trainer_perf_summary((r.metrics for r in self.rows), (r.metrics for r in window)))
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -310,8 +324,11 @@ class MetricsRecorder:
             "migrations/count": migrations[0], "migrations/kv_bytes": migrations[1],
             "migrations/reprefill_tokens": migrations[2],
         }
+        for key in TRAINER_PERF_KEYS:  # the trainer's measures of its own step, under their own names
+            out[key] = row.metrics.get(key)
         for key, value in row.metrics.items():
-            out[f"train/{key}"] = value
+            if key not in TRAINER_PERF_KEYS:
+                out[f"train/{key}"] = value
         return out
 
 

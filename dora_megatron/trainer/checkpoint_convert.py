@@ -127,7 +127,7 @@ def _setup(tp: int, pp: int, ep: int, hf_config_dir: str):
     info = parallel.init_distributed(cfg)
     arch = model_mod.load_arch(hf_config_dir)
     spec = model_mod.choose_spec("auto", "cpu")
-    config = model_mod.build_transformer_config(arch, tp=tp, pp=pp, ep=ep, device="cpu", spec=spec)
+    config = model_mod.build_transformer_config(arch, cfg, spec)
     gpt = model_mod.build_gpt_model(arch, config, spec, tp=tp, pre_process=info.layout.first_stage,
                                     post_process=info.layout.last_stage)
     return compat, info, arch, spec, gpt

@@ -15,13 +15,17 @@ with a small, reversible set of redirections (DESIGN section 7):
 * Megatron's RNG tracker helpers ``_get_cuda_rng_state``/``_set_cuda_rng_state`` redirected to the
   CPU generator;
 * ``te_general_gemm = None`` in ``megatron.core.transformer.moe.moe_utils`` (it is referenced but
-  undefined when Transformer Engine is absent).
+  undefined when Transformer Engine is absent);
+* the alltoall MoE dispatcher's ``maybe_move_tensor_to_cpu`` (its name in
+  ``megatron.core.transformer.moe.token_dispatcher``) also turns a CPU tensor into the numpy array
+  it asks for: on CUDA the split sizes of ``all_to_all`` arrive as numpy arrays from the device-to-host
+  copy, on CPU there is no copy and torch's ``all_to_all_single`` refuses a tensor of sizes.
 
 It is active only while a handle returned by :func:`activate` is open (or inside
 :func:`cpu_compat`), only for device ``cpu``, and :meth:`CompatHandle.deactivate` restores every
-patched attribute. Nothing else in the project patches Megatron. The other CPU requirements
-(allgather MoE dispatcher, a sequence-parallel-capable norm for TP+MoE) are model-build choices
-made in :mod:`dora_megatron.trainer.model`, not patches.
+patched attribute. Nothing else in the project patches Megatron. The other CPU requirement (a
+sequence-parallel-capable norm) is a model-build choice made in :mod:`dora_megatron.trainer.model`,
+not a patch.
 """
 
 from __future__ import annotations
@@ -140,6 +144,13 @@ def _null_stream_ctx(stream: Any = None) -> Iterator[None]:
     yield
 
 
+def _cpu_maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """``moe_utils.maybe_move_tensor_to_cpu`` for tensors already on CPU (see the module docstring)."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
 def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
     state = torch.get_rng_state()
     return state.clone() if clone else state
@@ -194,6 +205,7 @@ def activate(device: str = "cpu") -> CompatHandle:
         return CompatHandle(_mode=None, active=False)
     import megatron.core.tensor_parallel.random as mrandom
     import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
 
     saved: list = []
     cuda = torch.cuda
@@ -212,6 +224,9 @@ def activate(device: str = "cpu") -> CompatHandle:
     _patch(saved, mrandom, "_set_cuda_rng_state", _cpu_set_rng_state)
     if not hasattr(moe_utils, "te_general_gemm"):
         _patch(saved, moe_utils, "te_general_gemm", None)
+    _patch(saved, token_dispatcher, "maybe_move_tensor_to_cpu", _cpu_maybe_move_tensor_to_cpu)
+    # the dispatcher caches its device-to-host stream on the class: it gets a null stream here, dropped again
+    _patch(saved, token_dispatcher.MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", None)
     mode = _CudaToCpuMode()
     mode.__enter__()
     logger.debug("Megatron CPU compatibility layer active")

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(run_dir / "config.yaml")
     logging.basicConfig(level=getattr(logging, cfg.observability.log_level), format="%(asctime)s %(levelname)s trainer: %(message)s")
     torch.set_num_threads(cfg.launch.trainer_threads)
-    megatron_worker = TrainerWorker(cfg.trainer, cfg.algo, args.model)
+    megatron_worker = TrainerWorker(cfg.trainer, cfg.algo, args.model, total_steps=cfg.run.steps)
     if cfg.rollout.temperature > 0:  # greedy rollouts report plain log_softmax
         megatron_worker.logit_temperature = cfg.rollout.temperature
     worker = VersionedWorker(megatron_worker, args.model, rank=dist.get_rank())

@@ -77,7 +77,7 @@ def gather_megatron_global(model: torch.nn.Module, arch, layout: naming.Layout) 
             continue
         expert = naming.is_expert_param(cname)
         data = param.detach()
-        if layout.tp > 1 and naming.tp_kind(cname) != "replicated":
+        if (layout.expert_tp if expert else layout.tp) > 1 and naming.tp_kind(cname) != "replicated":
             group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
             size = dist.get_world_size(group)
             shards = [torch.empty_like(data) for _ in range(size)]
@@ -92,10 +92,15 @@ def gather_megatron_global(model: torch.nn.Module, arch, layout: naming.Layout) 
     return out
 
 
-def export_hf(model: torch.nn.Module, arch, layout: naming.Layout) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf(model: torch.nn.Module | list[torch.nn.Module], arch, layout: naming.Layout
+              ) -> Iterator[tuple[str, torch.Tensor]]:
     """HF (name, tensor) pairs of the whole model, yielded on global rank 0 only (in ``hf_names``
-    order); other ranks yield nothing. Collective: every rank must exhaust the iterator."""
-    local = gather_megatron_global(model, arch, layout)
+    order); other ranks yield nothing. ``model``: this rank's chunk, or its list of chunks (interleaved
+    pipeline; chunk ``v`` has ``layout.chunk(v)``). Collective: every rank must exhaust the iterator."""
+    chunks = model if isinstance(model, list) else [model]
+    local: dict[str, torch.Tensor] = {}
+    for v, chunk in enumerate(chunks):
+        local.update(gather_megatron_global(chunk, arch, layout.chunk(v) if len(chunks) > 1 else layout))
     if dist.is_initialized() and dist.get_world_size() > 1:
         parts: list = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(local, parts, dst=0)

@@ -52,18 +52,36 @@ def round_up(n: int, multiple: int) -> int:
 
 
 def plan_step(lengths: Sequence[int], *, dp: int, dp_rank: int, micro_batch_size: int, max_tokens: int,
-              seq_multiple: int = 1, max_seq_len: int | None = None) -> StepPlan:
+              seq_multiple: int = 1, max_seq_len: int | None = None, micro_batch_multiple: int = 1) -> StepPlan:
     """The fixed plan (``max_tokens == 0``) or the token-budget plan for samples of ``lengths``.
 
-    Raises ValueError for an empty batch or a sample longer than ``max_seq_len``."""
+    ``micro_batch_multiple``: the number of micro-batches is rounded up to a multiple of it with
+    micro-batches of filler rows (Megatron's interleaved schedule runs micro-batches in groups of
+    ``pp``). Raises ValueError for an empty batch or a sample longer than ``max_seq_len``."""
     if not lengths:
         raise ValueError("the trainer got an empty batch")
     longest = max(lengths)
     if max_seq_len is not None and longest > max_seq_len:
         raise ValueError(f"sample of {longest} tokens exceeds trainer.max_seq_len={max_seq_len}")
     if max_tokens:
-        return token_budget_plan(lengths, dp=dp, dp_rank=dp_rank, max_tokens=max_tokens, seq_multiple=seq_multiple)
-    return fixed_plan(lengths, dp=dp, dp_rank=dp_rank, micro_batch_size=micro_batch_size, seq_multiple=seq_multiple)
+        plan = token_budget_plan(lengths, dp=dp, dp_rank=dp_rank, max_tokens=max_tokens, seq_multiple=seq_multiple)
+    else:
+        plan = fixed_plan(lengths, dp=dp, dp_rank=dp_rank, micro_batch_size=micro_batch_size,
+                          seq_multiple=seq_multiple)
+    return pad_micro_batch_count(plan, lengths, dp, micro_batch_multiple)
+
+
+def pad_micro_batch_count(plan: StepPlan, lengths: Sequence[int], dp: int, multiple: int) -> StepPlan:
+    """``plan`` with filler micro-batches (the shape of its last one) up to a multiple of ``multiple``."""
+    mbs = plan.micro_batches
+    extra = -len(mbs) % multiple
+    if not extra:
+        return plan
+    last = mbs[-1]
+    filler = MicroBatchSlot((-1,) * len(last.rows), last.seq_len)
+    mbs = mbs + (filler,) * extra
+    computed = dp * sum(len(m.rows) * m.seq_len for m in mbs)
+    return StepPlan(mbs, 1.0 - sum(lengths) / computed)
 
 
 def fixed_plan(lengths: Sequence[int], *, dp: int, dp_rank: int, micro_batch_size: int,

@@ -1,6 +1,6 @@
 """Process groups for the trainer: torch.distributed + Megatron ``parallel_state``.
 
-WHY: one place decides the (TP, PP, EP, DP) layout of a torchrun job from ``TrainerConfig`` and
+WHY: one place decides the (TP, PP, EP, DP, CP, ETP, VPP) layout of a torchrun job from ``TrainerConfig`` and
 returns it as a plain :class:`~dora_megatron.weights.naming.Layout` the rest of the code passes
 around explicitly. Megatron keeps its groups in module globals; we initialise and destroy them here
 and nowhere else.
@@ -55,6 +55,9 @@ def init_distributed(cfg: TrainerConfig) -> ParallelInfo:
             tensor_model_parallel_size=cfg.tp,
             pipeline_model_parallel_size=cfg.pp,
             expert_model_parallel_size=cfg.ep,
+            context_parallel_size=cfg.cp,
+            expert_tensor_parallel_size=cfg.expert_tp,
+            virtual_pipeline_model_parallel_size=cfg.vpp if cfg.vpp > 1 else None,
             create_gloo_process_groups=True,
         )
     if cfg.device == "cuda":
@@ -67,17 +70,19 @@ def init_distributed(cfg: TrainerConfig) -> ParallelInfo:
         tp=cfg.tp, tp_rank=ps.get_tensor_model_parallel_rank(),
         pp=cfg.pp, pp_rank=ps.get_pipeline_model_parallel_rank(),
         ep=cfg.ep, ep_rank=ps.get_expert_model_parallel_rank(),
+        etp=cfg.etp, etp_rank=ps.get_expert_tensor_parallel_rank() if cfg.etp else 0, vpp=cfg.vpp,
     )
     return ParallelInfo(rank=dist.get_rank(), world_size=world, dp=dp,
                         dp_rank=ps.get_data_parallel_rank(), layout=layout)
 
 
-def destroy_distributed() -> None:
+def destroy_distributed(keep_world: bool = False) -> None:
+    """Destroy Megatron's groups and (unless ``keep_world``) the torch.distributed world."""
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    if dist.is_initialized():
+    if dist.is_initialized() and not keep_world:
         dist.destroy_process_group()
 
 

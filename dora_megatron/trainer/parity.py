@@ -27,8 +27,10 @@ def megatron_logits(worker, input_ids: torch.Tensor) -> torch.Tensor | None:
 
     samples = [{"prompt_ids": row.tolist()[:1], "response_ids": row.tolist()[1:]} for row in input_ids]
     seq_len = worker._seq_len(samples)
+    # the interleaved schedule runs micro-batches in groups of pp: filler micro-batches after the real one
+    count = worker.cfg.pp if len(worker.chunks) > 1 else 1
     mbs = build_micro_batches(samples, indices=list(range(len(samples))), micro_batch_size=len(samples),
-                              num_micro_batches=1, seq_len=seq_len)
+                              num_micro_batches=count, seq_len=seq_len)
     store: list[torch.Tensor] = []
 
     def loss_fn(mb, logits):
@@ -37,11 +39,16 @@ def megatron_logits(worker, input_ids: torch.Tensor) -> torch.Tensor | None:
             parts = [torch.empty_like(logits) for _ in range(worker.layout.tp)]
             dist.all_gather(parts, logits.contiguous(), group=group)
             logits = torch.cat(parts, dim=-1)
+        if mb.positions is not None:  # context parallel: the whole sequences from the group's parts
+            from dora_megatron.trainer.worker import gather_context_parallel
+
+            logits = gather_context_parallel(logits.contiguous(), mb, worker._cp_seq_len(mb))
         store.append(logits[:, : input_ids.shape[1], : worker.arch.vocab_size].float().cpu())
         return logits.sum() * 0, torch.tensor(1, dtype=torch.int), {}
 
     worker._run(mbs, loss_fn, forward_only=True)
-    mine = store[0] if (store and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0) else None
+    mine = store[0] if (store and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+                        and ps.get_context_parallel_rank() == 0) else None
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if dist.get_rank() != 0:

@@ -8,21 +8,27 @@ share one implementation. Run as::
         step --hf DIR --tp 2 --out result.pt
 
 ``step``: parity logits, then one train step on :func:`fixed_batch`, then the exported HF weights.
-``resume-save``: step on batch 0, save a checkpoint, step on batch 1. ``resume-load``: load the
-checkpoint, step on batch 1. ``replay``: batch 0 with the ``routed_experts`` from ``--routing`` (a
+``resume-save``: step on batch 0, save a checkpoint, steps on batches 1, 2, 3. ``resume-load``: load
+the checkpoint, steps on batches 1, 2, 3 (``--warmup``/``--lr-decay``/``--min-lr``/``--total-steps``: the
+LR schedule, so each step's ``lr`` differs). ``replay``: batch 0 with the ``routed_experts`` from ``--routing`` (a
 ``torch.save`` list, one ``[positions, layers, top_k]`` tensor per sample): ``router_topk_agreement``
 before replay, log-probs with replay (``--replay``) or without, the routers' chosen experts (1 rank)
 and one train step. ``grouping``: the gradients and metrics of one long-tailed batch (:func:`long_tail_batch`)
 under each ``--budgets`` value of ``trainer.max_tokens_per_micro_batch`` (0 = ``--micro-batch-size``
-rows) and each ``--length-norms`` value, without optimizer steps. Rank 0 writes a ``torch.save`` dict
-to ``--out``. ``logits``: the parity logits of each checkpoint in ``--ckpt`` (comma-separated; a
-run's ``checkpoints/vN/trainer``), the trainer's own function of that version, on
+rows) and each ``--length-norms`` value, without optimizer steps. ``matrix``: for each ``--items``
+entry ``MODEL:key=value,...`` (a model of ``--models`` and ``TrainerConfig`` overrides, see
+:func:`parse_item`), built one after another in the same torch.distributed world: parity logits,
+log-probs of batch 0, on 1 rank the gradients of one accumulation, then ``train_steps`` optimizer
+steps and the exported weights. ``logits``: the parity logits of each checkpoint in ``--ckpt``
+(comma-separated; a run's ``checkpoints/vN/trainer``), the trainer's own function of that version, on
 :func:`~dora_megatron.trainer.parity.fixed_inputs` (``result["logits"]``: one tensor per checkpoint).
+Rank 0 writes a ``torch.save`` dict to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 import time
@@ -72,9 +78,87 @@ def _grouping(worker, vocab: int, budgets: list[int], norms: list[str], noise: f
         for budget in budgets:
             worker.cfg.max_tokens_per_micro_batch = budget
             metrics = worker.accumulate_gradients(batch)
-            grads = {name: p.main_grad.detach().clone() for name, p in worker.model.module.named_parameters()}
+            grads = _local_grads(worker)
             out[(norm, budget)] = {"metrics": metrics, "grads": grads,
                                    "micro_batches": len(worker._plan(batch).micro_batches)}
+    return out
+
+
+def _local_grads(worker) -> dict[str, torch.Tensor]:
+    """Every local parameter's reduced ``main_grad`` under its canonical (chunk-local) name."""
+    from dora_megatron.weights.naming import canonical_name
+
+    return {canonical_name(name): p.main_grad.detach().float().clone()
+            for chunk in worker.chunks for name, p in chunk.named_parameters()}
+
+
+@contextlib.contextmanager
+def _forward_counts(worker):
+    """Counts forward calls of every transformer layer and core attention module of the worker."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    counts = {"layer": 0, "core_attention": 0}
+    hooks = []
+    for chunk in worker.chunks:
+        for name, module in chunk.named_modules():
+            kind = "layer" if isinstance(module, TransformerLayer) else (
+                "core_attention" if name.endswith("self_attention.core_attention") else None)
+            if kind:
+                hooks.append(module.register_forward_hook(lambda *_, kind=kind: counts.__setitem__(kind, counts[kind] + 1)))
+    try:
+        yield counts
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def parse_item(item: str) -> tuple[str, dict, dict]:
+    """``"MODEL:key=value,..."`` -> (model name, TrainerConfig overrides, scenario options).
+
+    Values are YAML (``true``, ``2``, ``bf16``); the options ``train_steps`` (optimizer steps on batch 0,
+    default 1) and ``batch`` (``fixed`` or ``zero_advantage``: one group of equal rewards, so every
+    gradient is 0) are the scenario's, ``megatron.FIELD`` goes to ``trainer.megatron``, every other key is a
+    ``TrainerConfig`` field."""
+    import yaml
+
+    model, _, rest = item.partition(":")
+    overrides: dict = {}
+    options = {"train_steps": 1, "batch": "fixed"}
+    for pair in filter(None, rest.split(",")):
+        key, _, raw = pair.partition("=")
+        value = yaml.safe_load(raw)
+        if key.startswith("megatron."):
+            overrides.setdefault("megatron", {})[key[len("megatron."):]] = value
+        else:
+            (options if key in options else overrides)[key] = value
+    return model, overrides, options
+
+
+def _matrix_item(cfg, algo, hf_dir: str, options: dict, noise: float) -> dict:
+    """One configuration of the ``matrix`` scenario (see :func:`run`)."""
+    from dora_megatron.trainer.parity import fixed_inputs, megatron_logits
+    from dora_megatron.trainer.worker import TrainerWorker
+
+    worker = TrainerWorker(cfg, algo, hf_dir, total_steps=max(2, options["train_steps"]))
+    vocab = worker.arch.vocab_size
+    out: dict = {"logits": megatron_logits(worker, fixed_inputs(vocab))}
+    if options["batch"] == "zero_advantage":
+        batch = [dict(s, reward=1.0, group_id=0) for s in fixed_batch(vocab, seed=0)]
+    else:
+        batch = fixed_batch(vocab, seed=0)
+    out["logprobs"] = worker.compute_logprobs(batch)
+    batch = _with_rollout_logprobs(worker, batch, noise, seed=0)
+    if worker.info.world_size == 1:
+        with _forward_counts(worker) as counts:  # how often layers / core attention ran: recompute shows here
+            out["grad_metrics"] = worker.accumulate_gradients(batch)
+        out["forward_counts"] = dict(counts)
+        out["grads"] = _local_grads(worker)
+    out["steps"] = [worker.train_step(batch) for _ in range(options["train_steps"])]
+    out["metrics"] = out["steps"][0]
+    weights = dict(worker.export_hf_state_dict())
+    if worker.info.rank == 0:
+        out["weights"] = {k: v.float() for k, v in weights.items()}
+    worker.close(keep_world=True)
     return out
 
 
@@ -109,12 +193,19 @@ def _replay(worker, vocab: int, routing: list, noise: float) -> dict:
 
 def run(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dora_megatron.trainer.scenarios")
-    parser.add_argument("scenario", choices=("step", "resume-save", "resume-load", "replay", "grouping", "logits"))
+    parser.add_argument("scenario", choices=("step", "resume-save", "resume-load", "replay", "grouping", "matrix", "logits"))
+    parser.add_argument("--items", nargs="*", default=[], help="matrix: MODEL:key=value,... (see parse_item)")
+    parser.add_argument("--models", nargs="*", default=[], help="matrix: NAME=HF_DIR for the items' MODEL")
+    parser.add_argument("--trainer", default="", help="more TrainerConfig fields, key=value,... (as a matrix item)")
+    parser.add_argument("--warmup", type=int, default=0, help="trainer.lr_warmup_steps")
+    parser.add_argument("--lr-decay", default="constant", help="trainer.lr_decay")
+    parser.add_argument("--min-lr", type=float, default=0.0, help="trainer.min_lr")
+    parser.add_argument("--total-steps", type=int, default=0, help="the run's steps (end of the LR decay)")
     parser.add_argument("--budgets", default="0", help="grouping: comma-separated max_tokens_per_micro_batch values")
     parser.add_argument("--length-norms", default="token_mean", help="grouping: comma-separated algo.length_norm values")
     parser.add_argument("--routing", default="")
     parser.add_argument("--replay", action="store_true")
-    parser.add_argument("--hf", required=True)
+    parser.add_argument("--hf", default="")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
@@ -142,9 +233,29 @@ def run(argv: list[str] | None = None) -> int:
                         micro_batch_size=args.micro_batch_size,
                         # the largest budget at build time: with pp > 1 it turns on variable p2p shapes
                         max_tokens_per_micro_batch=max(int(b) for b in args.budgets.split(",")),
-                        use_distributed_optimizer=not args.no_distributed_optimizer)
+                        use_distributed_optimizer=not args.no_distributed_optimizer,
+                        lr_warmup_steps=args.warmup, lr_decay=args.lr_decay, min_lr=args.min_lr)
+    if args.trainer:
+        from dataclasses import replace
+
+        cfg = replace(cfg, **parse_item(":" + args.trainer)[1])
     algo = AlgoConfig(loss=args.loss, tis_cap=args.tis_cap, routing_replay=args.replay)
-    worker = TrainerWorker(cfg, algo, args.hf)
+    if args.scenario == "matrix":
+        from dataclasses import replace
+
+        import torch.distributed as dist
+
+        models = dict(m.split("=", 1) for m in args.models)
+        results = []
+        for item in args.items:
+            model, overrides, options = parse_item(item)
+            results.append({"item": item, **_matrix_item(replace(cfg, **overrides), algo, models[model], options,
+                                                         args.noise)})
+        if dist.get_rank() == 0:
+            torch.save({"items": results}, args.out)
+        dist.destroy_process_group()
+        return 0
+    worker = TrainerWorker(cfg, algo, args.hf, total_steps=args.total_steps)
     vocab = worker.arch.vocab_size
     result: dict = {"layout": (args.tp, args.pp, args.ep)}
     if args.scenario == "step":
@@ -169,10 +280,14 @@ def run(argv: list[str] | None = None) -> int:
     elif args.scenario == "resume-save":
         result["metrics0"] = worker.train_step(_with_rollout_logprobs(worker, fixed_batch(vocab, 0), args.noise, 0))
         worker.save_checkpoint(args.ckpt)
-        result["metrics"] = worker.train_step(_with_rollout_logprobs(worker, fixed_batch(vocab, 1), args.noise, 1))
+        result["after"] = [worker.train_step(_with_rollout_logprobs(worker, fixed_batch(vocab, b), args.noise, b))
+                           for b in (1, 2, 3)]
+        result["metrics"] = result["after"][0]
     else:
         worker.load_checkpoint(args.ckpt)
-        result["metrics"] = worker.train_step(_with_rollout_logprobs(worker, fixed_batch(vocab, 1), args.noise, 1))
+        result["after"] = [worker.train_step(_with_rollout_logprobs(worker, fixed_batch(vocab, b), args.noise, b))
+                           for b in (1, 2, 3)]
+        result["metrics"] = result["after"][0]
     weights = dict(worker.export_hf_state_dict())
     if worker.info.rank == 0:
         result["weights"] = weights

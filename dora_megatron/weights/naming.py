@@ -30,7 +30,12 @@ import torch
 
 @dataclass(frozen=True)
 class Layout:
-    """One rank's place in the model-parallel layout (expert TP is assumed equal to TP)."""
+    """One rank's place in the model-parallel layout, for one model chunk.
+
+    ``etp`` is the expert tensor-parallel size (0 = ``tp``, Megatron's default) and ``etp_rank`` this
+    rank's place in it (ignored when ``etp`` is 0: the TP rank). With an interleaved pipeline
+    (``vpp > 1``) a rank holds ``vpp`` chunks; ``vp_stage`` names the chunk: chunk ``v`` of pipeline
+    rank ``r`` holds the layers from ``v * L / vpp + r * L / (pp * vpp)`` on (Megatron's layer offset)."""
 
     tp: int = 1
     tp_rank: int = 0
@@ -38,14 +43,28 @@ class Layout:
     pp_rank: int = 0
     ep: int = 1
     ep_rank: int = 0
+    etp: int = 0
+    etp_rank: int = 0
+    vpp: int = 1
+    vp_stage: int = 0
+
+    @property
+    def expert_tp(self) -> int:
+        return self.etp or self.tp
+
+    @property
+    def expert_tp_rank(self) -> int:
+        return self.etp_rank if self.etp else self.tp_rank
 
     def layers_per_stage(self, num_layers: int) -> int:
-        if num_layers % self.pp:
-            raise ValueError(f"num_layers={num_layers} not divisible by pp={self.pp}")
-        return num_layers // self.pp
+        """Layers of one model chunk (one pipeline stage without interleaving)."""
+        if num_layers % (self.pp * self.vpp):
+            raise ValueError(f"num_layers={num_layers} not divisible by pp*vpp={self.pp * self.vpp}")
+        return num_layers // (self.pp * self.vpp)
 
     def layer_offset(self, num_layers: int) -> int:
-        return self.pp_rank * self.layers_per_stage(num_layers)
+        per = self.layers_per_stage(num_layers)
+        return self.vp_stage * per * self.pp + self.pp_rank * per
 
     def experts_per_rank(self, num_experts: int) -> int:
         if num_experts % self.ep:
@@ -57,11 +76,24 @@ class Layout:
 
     @property
     def first_stage(self) -> bool:
-        return self.pp_rank == 0
+        """This chunk embeds the tokens (the first chunk of the first pipeline rank)."""
+        return self.pp_rank == 0 and self.vp_stage == 0
 
     @property
     def last_stage(self) -> bool:
+        """This chunk computes the logits (the last chunk of the last pipeline rank)."""
+        return self.pp_rank == self.pp - 1 and self.vp_stage == self.vpp - 1
+
+    @property
+    def last_rank(self) -> bool:
+        """This rank holds the loss (the last pipeline rank, whichever chunk)."""
         return self.pp_rank == self.pp - 1
+
+    def chunk(self, vp_stage: int) -> "Layout":
+        """The layout of this rank's chunk ``vp_stage``."""
+        from dataclasses import replace
+
+        return replace(self, vp_stage=vp_stage)
 
 
 @dataclass(frozen=True)
@@ -337,7 +369,10 @@ def hf_state_dict_to_megatron(hf_sd: Mapping[str, torch.Tensor], arch, layout: L
             continue
         if lname == "output_layer.weight" and arch.tie_word_embeddings and layout.pp == 1:
             continue  # shares the embedding parameter
-        out[lname] = shard_tp(lname, full, layout.tp, layout.tp_rank).contiguous()
+        if is_expert_param(lname):
+            out[lname] = shard_tp(lname, full, layout.expert_tp, layout.expert_tp_rank).contiguous()
+        else:
+            out[lname] = shard_tp(lname, full, layout.tp, layout.tp_rank).contiguous()
     return out
 
 

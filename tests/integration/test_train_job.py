@@ -53,7 +53,8 @@ def test_short_dora_run(tmp_path):
     for tag in ("reward/mean", "response_length/p50", "response_length/p99", "perf/throughput_tokens_per_s",
                 "perf/step_time_s", "perf/rollout_only_fraction", "perf/rollout_utilization", "staleness/mean",
                 "versions/live", "migrations/count", "perf/weight_sync_time_s", "train/loss", "train/clip_fraction",
-                "train/rollout_vs_trainer_logprob_diff"):
+                "train/rollout_vs_trainer_logprob_diff", "train/lr", "perf/trainer_peak_memory_bytes",
+                "perf/trainer_tokens_per_s"):
         assert tag in tags, (tag, sorted(tags))
         if tag != "train/rollout_vs_trainer_logprob_diff":
             assert len(tags[tag]) == 4
@@ -92,6 +93,11 @@ def check_metrics_against_the_trace(tmp_path: Path, run_dir: Path, summary: dict
     same keys."""
     rows = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    # the trainer's own measures: its peak resident set (a Megatron rank holds far more than 100 MB)
+    peaks = [r["perf/trainer_peak_memory_bytes"] for r in rows]
+    assert min(peaks) > 100e6 and summary["trainer_peak_memory_bytes"] == max(peaks)
+    assert all(r["perf/trainer_tokens_per_s"] > 0 for r in rows) and summary["trainer_mfu"] is None  # no GPU
+    assert {r["train/lr"] for r in rows} == {1e-4}  # cpu_tiny: constant lr
     # sync_s: the trainer exports a snapshot of every new version (the disk transport's trainer side)
     assert all(r["perf/sync_time_s"] > 0 for r in rows), [r["perf/sync_time_s"] for r in rows]
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]

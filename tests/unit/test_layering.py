@@ -33,6 +33,7 @@ VIOLATIONS = {
     "rollout-weights": ("rollout/health.py", "import dora_megatron.weights.naming"),
     "no-cycles": ("launch/plan.py", "import dora_megatron.launch.cluster"),
     "data-leaf": ("data/codec.py", "import dora_megatron.launch.inputs"),
+    "trainer-memory-pure": ("trainer/memory.py", "import torch"),
 }
 
 # Runs in the child: for each contract, plant its violation (if any), lint that contract alone, restore.

@@ -92,12 +92,12 @@ def test_plans_are_consistent(nodes, gpn, trainer_nodes, tp, ep, want_instances)
 
 def test_single_node_shared_gpus():
     cfg = load_config(ROOT / "configs" / "gpu_ci_small.yaml",
-                      ["launch.backend=slurm", "cluster.share_node=true", "cluster.trainer_gpus=1"])
-    env = read_slurm_env({"SLURM_JOB_NODELIST": "box1", "SLURM_GPUS_ON_NODE": "4"})
+                      ["launch.backend=slurm", "cluster.share_node=true", "cluster.trainer_gpus=2"])
+    env = read_slurm_env({"SLURM_JOB_NODELIST": "box1", "SLURM_GPUS_ON_NODE": "5"})
     plan = slurm_plan(cfg, env, "/m", "/r")
     assert plan.roles == {"box1": "trainer+rollout"}
-    assert len(plan.engine_urls) == 3  # GPUs 1, 2, 3
-    _independent_checks(plan, 4, 1)
+    assert len(plan.engine_urls) == 3  # GPUs 2, 3, 4 (the trainer's tp=2 takes 0 and 1)
+    _independent_checks(plan, 5, 1)
 
 
 @pytest.mark.parametrize("overrides,env,match", [
@@ -157,7 +157,7 @@ def test_local_plan_places_sglang_after_trainer_gpus():
     plan = local_plan(cfg, "/m", "/r")
     engines = [p for p in plan if p.role == "engine"]
     assert len(engines) == 2 and all("sglang.launch_server" in p.argv for p in engines)
-    assert [p.gpus for p in engines] == [(1,), (2,)]  # GPU 0 is the trainer's
+    assert [p.gpus for p in engines] == [(2,), (3,)]  # GPUs 0 and 1 are the trainer's (tp=2)
     assert len({p.port for p in engines} | {v for p in engines for v in p.extra_ports.values()}) == 4
 
 

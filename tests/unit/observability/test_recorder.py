@@ -83,3 +83,17 @@ def test_every_emitted_key_is_defined_once():
     rec = MetricsRecorder(slots_per_instance=1, rebalancer=True)
     row = _step(rec, 0, 1.0, metrics={"loss": 0.5})
     assert set(row) == set(STEP_KEYS) | {"train/loss"}
+
+
+def test_trainer_perf_is_logged_under_its_own_names_and_summarised():
+    rec = MetricsRecorder(slots_per_instance=1, rebalancer=True, warmup_steps=1)
+    rows = [_step(rec, k, float(k + 1), metrics={"loss": 0.5, "lr": 1e-3 * (k + 1),
+                                                 "perf/trainer_peak_memory_bytes": peak,
+                                                 "perf/trainer_tokens_per_s": tps})
+            for k, (peak, tps) in enumerate([(5e9, 100.0), (7e9, 300.0), (6e9, 500.0)])]
+    assert rows[1]["perf/trainer_peak_memory_bytes"] == 7e9 and rows[1]["train/lr"] == 2e-3
+    assert "train/perf/trainer_tokens_per_s" not in rows[1] and rows[1]["perf/trainer_mfu"] is None
+    out = _summary(rec)
+    assert out["trainer_peak_memory_bytes"] == 7e9  # the whole run
+    assert out["trainer_tokens_per_s"] == 400.0  # the window: steps 1 and 2
+    assert out["trainer_mfu"] is None

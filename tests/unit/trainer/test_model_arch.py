@@ -50,13 +50,16 @@ def test_config_cross_field_checks():
     AlgoConfig(length_norm="constant", length_norm_constant=64).check("algo")
 
 
-def test_variable_lengths_are_set_only_for_pipelines_and_refused_by_the_cpu_moe_dispatcher():
+def test_variable_lengths_are_set_only_for_pipelines_and_refused_by_the_allgather_moe_dispatcher():
     from dora_megatron.trainer.model import build_transformer_config
 
     dense = arch_from_hf_config({**{k: v for k, v in MOE.items() if k != "num_experts"}, "model_type": "qwen3"})
     moe = arch_from_hf_config(MOE)
-    kw = dict(tp=1, ep=1, device="cpu", variable_seq_lengths=True)
-    assert build_transformer_config(dense, pp=2, **kw).variable_seq_lengths
-    assert not build_transformer_config(moe, pp=1, **kw).variable_seq_lengths  # no p2p: shapes need not travel
+    budget = TrainerConfig(max_tokens_per_micro_batch=4096)
+    assert build_transformer_config(dense, TrainerConfig(pp=2, max_tokens_per_micro_batch=4096)).variable_seq_lengths
+    assert not build_transformer_config(moe, budget).variable_seq_lengths  # no p2p: shapes need not travel
     with pytest.raises(ValueError, match="trainer.max_tokens_per_micro_batch"):
-        build_transformer_config(moe, pp=2, **kw)
+        build_transformer_config(moe, TrainerConfig(pp=2, max_tokens_per_micro_batch=4096))
+    # the alltoall dispatcher sends each micro-batch's shape: allowed (and it runs on cpu)
+    a2a = TrainerConfig(pp=2, max_tokens_per_micro_batch=4096, moe_token_dispatcher="alltoall")
+    assert build_transformer_config(moe, a2a).variable_seq_lengths

@@ -80,3 +80,16 @@ def test_budget_below_max_seq_len_is_a_config_error_naming_the_key():
         load_config(None, ["trainer.max_seq_len=192", "trainer.max_tokens_per_micro_batch=100"])
     assert load_config(None, ["trainer.max_seq_len=192",
                               "trainer.max_tokens_per_micro_batch=192"]).trainer.max_tokens_per_micro_batch == 192
+
+
+@pytest.mark.parametrize("budget", [0, 64])
+def test_interleaved_pipelines_get_a_multiple_of_pp_micro_batches(budget):
+    """Megatron's interleaved schedule runs micro-batches in groups of pp: fillers (no sample) make up
+    the count, with the last real micro-batch's shape, and count as padding."""
+    lengths = [30, 7, 12, 5, 19]
+    plain = plan_step(lengths, dp=1, dp_rank=0, micro_batch_size=2, max_tokens=budget)
+    plan = plan_step(lengths, dp=1, dp_rank=0, micro_batch_size=2, max_tokens=budget, micro_batch_multiple=4)
+    assert len(plan.micro_batches) % 4 == 0 and plan.micro_batches[:len(plain.micro_batches)] == plain.micro_batches
+    fillers = plan.micro_batches[len(plain.micro_batches):]
+    assert fillers and all(set(m.rows) == {-1} and m.seq_len == plain.micro_batches[-1].seq_len for m in fillers)
+    assert plan.padding_fraction > plain.padding_fraction
