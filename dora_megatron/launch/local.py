@@ -369,9 +369,14 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
             await pool.close()
     summary["reward_fn"] = ctl.reward_name
     summary["data_skipped_rows"] = skipped_rows(ctl.source)
-    final_version, final_dir = export_final(run_dir, model_dir)  # the trained policy for evaluation harnesses
-    summary.update(hf_final=str(final_dir), hf_final_version=final_version)
-    say(f"trained policy (version {final_version}) as a Hugging Face directory: {final_dir}")
+    try:  # the trained policy for evaluation harnesses; the run's own outputs are written whatever happens here
+        final_version, final_dir = export_final(run_dir, model_dir)
+    except OSError as err:  # no weights to export (a model-less harness), a full disk, ...
+        summary.update(hf_final=None, hf_final_version=None, hf_final_error=f"{type(err).__name__}: {err}")
+        say(f"no Hugging Face export of the trained policy: {err} (`dora export` writes one from the snapshots)")
+    else:
+        summary.update(hf_final=str(final_dir), hf_final_version=final_version)
+        say(f"trained policy (version {final_version}) as a Hugging Face directory: {final_dir}")
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (run_dir / "orchestrator_state.json").write_text(json.dumps(orch.snapshot()))
     if timeline is not None:

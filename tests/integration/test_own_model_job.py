@@ -19,6 +19,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from dora_megatron.config.schema import load_config
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,7 +110,10 @@ def test_exports_load_with_transformers_and_equal_the_trainers_logits(job, own_m
     ckpts = ",".join(str(run_dir / "checkpoints" / f"v{v:06d}" / "trainer") for v in (2, 3))
     out = tmp / "logits.pt"
     proc = subprocess.run([sys.executable, "-m", "dora_megatron.trainer.scenarios", "logits", "--hf",
-                           str(own_model.model_dir), "--ckpt", ckpts, "--out", str(out), "--no-distributed-optimizer"],
+                           str(own_model.model_dir), "--ckpt", ckpts, "--out", str(out), "--no-distributed-optimizer",
+                           # the run's LR schedule (a checkpoint loads only under the schedule that wrote it)
+                           "--lr", str(load_config(ROOT / "configs/cpu_own_model.yaml").trainer.lr),
+                           "--total-steps", "3"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     trainer_v2, trainer_v3 = torch.load(out)["logits"]
