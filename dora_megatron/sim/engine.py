@@ -19,8 +19,9 @@ back to the orchestrator and are resubmitted to same-version instances; the simu
 KV instead of re-prefilling) and rejoin (``on_instance_joined``) when the trainer next waits.
 
 The driver also *checks* the orchestrator independently: every released batch must hold TBS
-complete groups never consumed before (C2) within the staleness bound (C3), and every consumed
-sample's tokens must come from one version (C1; partial mode breaks it by design).
+complete groups never consumed before (C2) within the staleness bound (C3), every consumed
+sample's tokens must come from one version (C1; partial mode breaks it by design), and no batch may
+be released after the run's last step (exactly TBS groups consumed per trained step).
 """
 
 from __future__ import annotations
@@ -336,6 +337,9 @@ class Simulation:
         now = self.q.now
         if self.trainer.busy:
             raise SimProtocolError(f"batch {a.step} released while the trainer is busy")
+        if a.step >= self.cfg.sim.steps:
+            raise SimProtocolError(f"batch {a.step} released after the last step ({self.cfg.sim.steps} steps): "
+                                   "its groups would be consumed and never trained")
         if len(a.group_ids) != self.ocfg.tbs:
             raise SimProtocolError(f"batch {a.step} has {len(a.group_ids)} groups, TBS={self.ocfg.tbs}")
         tokens = 0
@@ -500,6 +504,10 @@ class Simulation:
                     inst.resume(now)
                     inst.epoch += 1
                     self._touch(inst)
+        if self.trainer.steps_done >= self.cfg.sim.steps:
+            # the run's last step: like the runtime (ControllerLoop._step_finished), the
+            # orchestrator does not hear of it, so it cannot release a batch nobody will train
+            return
         if self.mode == "partial":
             self._report_progress(self._running_requests())
         self._note("on_step_finished", step + 1)
