@@ -15,12 +15,16 @@ import sys
 
 HELP = "Run the orchestrator against simulated instances on a virtual clock (writes summary JSON + PNGs)."
 MODES = ("sync", "one_step_off", "partial", "dora")
+#: what ``--mode`` takes: the orchestrator's modes, dora with elastic colocation, and every one of them
+CHOICES = MODES + ("dora_elastic", "all")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="sim YAML (see configs/sim/)")
-    parser.add_argument("--mode", default=None,
-                        help="sync | one_step_off | partial | dora | dora_elastic | all (default: orchestrator.mode)")
+    # choices: a wrong --mode is refused by its flag name with every valid value (not later, as the
+    # config's orchestrator.mode, which knows neither dora_elastic nor all)
+    parser.add_argument("--mode", default=None, choices=CHOICES,
+                        help=f"{' | '.join(CHOICES)} (default: orchestrator.mode)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=C",
                         help="override a config value (repeatable), e.g. --set orchestrator.max_staleness=2")
     parser.add_argument("--out", required=True, help="result JSON path (PNG plots are written next to it)")

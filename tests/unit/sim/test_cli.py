@@ -44,3 +44,16 @@ def test_every_mode_reports_its_bound_and_efficiency(tmp_path):
         assert b["binding"] in ("rollout", "training", "time-shared", "tail"), name
         assert r["efficiency"] == pytest.approx(r["throughput_tokens_per_s"] / b["bound_tokens_per_s"])
     assert modes["dora_elastic"]["bound"]["elastic_instances"] > 0
+
+
+def test_an_unknown_mode_is_refused_by_its_flag_with_every_valid_mode(tmp_path, capsys):
+    from dora_megatron.config.orchestrator import MODES
+
+    with pytest.raises(SystemExit) as exc:
+        main(["simulate", "--config", str(TINY), "--mode", "fast", "--out", str(tmp_path / "x.json"), "--no-plots"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --mode: invalid choice: 'fast'" in err and "orchestrator.mode" not in err
+    for mode in (*MODES, "dora_elastic", "all"):
+        assert f"'{mode}'" in err, (mode, err)
+    assert not (tmp_path / "x.json").exists()
