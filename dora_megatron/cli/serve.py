@@ -8,22 +8,51 @@ import sys
 HELP = "serve a Hugging Face Qwen3 / Qwen3-MoE directory with the embedded engine (SGLang HTTP protocol)"
 
 
+def _at_least(lo: int, hi: int | None = None):
+    """An ``int`` argument type with bounds: argparse then refuses a bad value by the flag's name
+    (``argument --max-running: must be >= 1, got 0``), before the model loads, instead of the
+    engine failing later with an internal name (``total_blocks must be > 0``)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < lo or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"must be >= {lo}" + (f" and <= {hi}" if hi is not None else "")
+                                             + f", got {value}")
+        return value
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="HF model directory (config.json + safetensors)")
-    parser.add_argument("--port", type=int, required=True, help="TCP port (0 picks a free one and prints it)")
+    parser.add_argument("--port", type=_at_least(0, 65535), required=True,
+                        help="TCP port (0 picks a free one and prints it)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--max-running", type=int, default=32, help="cap on concurrently running requests")
+    parser.add_argument("--max-running", type=_at_least(1), default=32, help="cap on concurrently running requests")
     parser.add_argument("--weight-version", default="0", help="version label of the loaded weights")
-    parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (CPU)")
-    parser.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
-    parser.add_argument("--kv-blocks", type=int, default=None, help="KV budget in blocks (default: max-running full contexts)")
-    parser.add_argument("--context-length", type=int, default=None, help="max tokens per request (default: model's)")
+    parser.add_argument("--num-threads", type=_at_least(1), default=None, help="torch intra-op threads (CPU)")
+    parser.add_argument("--block-size", type=_at_least(1), default=16, help="KV cache block size in tokens")
+    parser.add_argument("--kv-blocks", type=_at_least(1), default=None,
+                        help="KV budget in blocks (default: max-running full contexts)")
+    parser.add_argument("--context-length", type=_at_least(1), default=None,
+                        help="max tokens per request (default: model's)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                         help="dtype of weights and KV cache (checkpoints are cast on load)")
-    parser.add_argument("--max-waiting", type=int, default=4096,
+    parser.add_argument("--max-waiting", type=_at_least(0), default=4096,
                         help="cap on queued (not yet running) requests; /generate answers 429 beyond it")
-    parser.add_argument("--group-connect-timeout", type=float, default=30.0,
+    parser.add_argument("--group-connect-timeout", type=_positive_float, default=30.0,
                         help="seconds to reach the trainer's store in /init_weights_update_group before a 400")
     parser.add_argument("--log-level", default="INFO")
 

@@ -102,3 +102,22 @@ def test_simulate_config_error_goes_to_stderr(tmp_path, capsys):
     assert cli.main(["simulate", "--config", str(tmp_path / "nope.yaml"), "--out", str(tmp_path / "o")]) == 2
     captured = capsys.readouterr()
     assert "config error:" in captured.err and "config file not found" in captured.err and captured.out == ""
+
+
+@pytest.mark.parametrize("flag,value,why", [
+    ("--max-running", "0", "must be >= 1, got 0"),
+    ("--block-size", "-4", "must be >= 1, got -4"),
+    ("--kv-blocks", "0", "must be >= 1, got 0"),
+    ("--context-length", "0", "must be >= 1, got 0"),
+    ("--num-threads", "0", "must be >= 1, got 0"),
+    ("--max-waiting", "-1", "must be >= 0, got -1"),
+    ("--port", "70000", "must be >= 0 and <= 65535, got 70000"),
+    ("--group-connect-timeout", "0", "must be > 0, got 0"),
+    ("--max-running", "many", "must be an integer, got 'many'"),
+])
+def test_serve_refuses_a_bad_number_by_its_flag_before_loading_the_model(tmp_path, capsys, flag, value, why):
+    args = ["serve", "--model", str(tmp_path), "--port", "0", flag, value]
+    with pytest.raises(SystemExit) as exc:
+        cli.main(args)
+    assert exc.value.code == 2
+    assert f"argument {flag}: {why}" in capsys.readouterr().err
