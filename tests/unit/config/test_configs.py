@@ -142,3 +142,36 @@ def test_resolved_config_written_by_an_earlier_release_still_loads():
     # data.answer_key's default became verl's reward_model.ground_truth after it (the old file spells "answer")
     assert load_config(old) == load_config(ROOT / "configs" / "cpu_tiny.yaml",
                                             ["trainer.max_tokens_per_micro_batch=0", "data.answer_key=answer"])
+
+
+def test_gen_config_docs_help_prints_help_and_check_writes_nothing(tmp_path):
+    """tools/gen_config_docs.py in a copy of the tree whose reference is stale: ``--help`` prints
+    the usage and ``--check`` exits 1, neither touches the file; a plain run rewrites it, after
+    which ``--check`` exits 0."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from dora_megatron.config.docs import END, REFERENCE_FILE, START
+
+    (tmp_path / "tools").mkdir()
+    tool = tmp_path / "tools" / "gen_config_docs.py"
+    shutil.copy(ROOT / "tools" / "gen_config_docs.py", tool)
+    doc = tmp_path / REFERENCE_FILE
+    doc.parent.mkdir(parents=True)
+    stale = f"# intro\n\n{START}\nstale table\n{END}\n"
+    doc.write_text(stale)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def run(*args):
+        return subprocess.run([sys.executable, str(tool), *args], capture_output=True, text=True, env=env, timeout=120)
+
+    helped = run("--help")
+    assert helped.returncode == 0 and "usage: tools/gen_config_docs.py" in helped.stdout and "--check" in helped.stdout
+    assert doc.read_text() == stale
+    checked = run("--check")
+    assert checked.returncode == 1 and "stale" in checked.stderr and doc.read_text() == stale
+    assert run("--no-such-flag").returncode == 2 and doc.read_text() == stale
+    assert run().returncode == 0 and "stale table" not in doc.read_text()
+    assert run("--check").returncode == 0
