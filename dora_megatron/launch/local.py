@@ -42,7 +42,7 @@ def make_run_dir(cfg: DoraConfig) -> Path:
         run_dir = Path(cfg.run.run_dir)
     else:
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        run_dir = Path(cfg.run.output_dir) / f"{cfg.run.name}-{cfg.orchestrator.mode}-{stamp}"
+        run_dir = Path(cfg.run.output_dir) / cfg.run.dir_name(cfg.orchestrator.mode, stamp)
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir.resolve()
 

@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping
 
+#: the job id of a plan made outside a SLURM job (no SLURM_JOB_ID: ``--dry-run --slurm-env ...``)
+DRY_RUN_JOB_ID = "dry-run"
+
 
 class SlurmEnvError(ValueError):
     pass
@@ -126,16 +129,18 @@ def read_slurm_env(env: Mapping[str, str]) -> SlurmEnv:
     if nn and nn.isdigit() and int(nn) != len(nodes):
         raise SlurmEnvError(f"SLURM_JOB_NUM_NODES={nn} but the nodelist has {len(nodes)} nodes")
     ntasks = env.get("SLURM_NTASKS")
-    return SlurmEnv(env.get("SLURM_JOB_ID", "dry-run"), nodes, index, _gpu_count(env),
+    return SlurmEnv(env.get("SLURM_JOB_ID", DRY_RUN_JOB_ID), nodes, index, _gpu_count(env),
                     int(ntasks) if ntasks and ntasks.isdigit() else None)
 
 
 def slurm_run_dir(cfg, env: SlurmEnv) -> str:
     """The run directory every node agrees on: ``run.run_dir``, else ``<output_dir>/<name>-<mode>-job<JOBID>``
-    (a start-time stamp would differ between nodes). It must be on a filesystem all nodes share."""
+    (a start-time stamp would differ between nodes; ``...-dry-run`` for a plan outside a job). It must
+    be on a filesystem all nodes share."""
     if cfg.run.run_dir:
         return cfg.run.run_dir
-    return f"{cfg.run.output_dir}/{cfg.run.name}-{cfg.orchestrator.mode}-job{env.job_id}"
+    suffix = DRY_RUN_JOB_ID if env.job_id == DRY_RUN_JOB_ID else f"job{env.job_id}"
+    return f"{cfg.run.output_dir}/{cfg.run.dir_name(cfg.orchestrator.mode, suffix)}"
 
 
 def parse_env_overrides(items: Iterable[str]) -> dict[str, str]:

@@ -226,3 +226,30 @@ def test_sbatch_templates_fix_no_gpu_or_cpu_count():
         directives = [ln for ln in s.read_text().splitlines() if ln.startswith("#SBATCH")]
         assert directives, s.name
         assert not [d for d in directives if re.search(r"gpus|gres|cpus-per-task|exclusive", d)], (s.name, directives)
+
+
+def test_a_run_directory_name_says_its_mode_once():
+    """``<name>-<mode>-<suffix>``, the mode left out when the name ends with it; a plan made outside
+    a job (no SLURM_JOB_ID) names its directory ``...-dry-run``, not ``...-jobdry-run``."""
+    from dora_megatron.launch.slurm import slurm_run_dir
+
+    rc, out = _dry_run(["--config", str(MULTI), "--dry-run", "--slurm-env", "SLURM_JOB_NODELIST=gpu[0001-0008]",
+                        "--slurm-env", "SLURM_GPUS_ON_NODE=8"])
+    assert rc == 0 and "/runs/qwen3-30b-a3b-dora-dry-run " in out, out[-2000:]
+    assert "dora-dora" not in out and "jobdry-run" not in out
+    env = read_slurm_env({"SLURM_JOB_NODELIST": "n[1-5]", "SLURM_JOB_ID": "77"})
+    assert slurm_run_dir(load_config(MULTI), env).endswith("/runs/qwen3-30b-a3b-dora-job77")
+    assert slurm_run_dir(load_config(MULTI, ["orchestrator.mode=sync"]), env).endswith("/runs/qwen3-30b-a3b-dora-sync-job77")
+    assert slurm_run_dir(load_config(ROOT / "configs" / "cpu_slurm.yaml"), env) == "runs/cpu_slurm-dora-job77"
+    run = load_config(None).run  # the default name is "dora"
+    assert run.dir_name("dora", "t") == "dora-t" and run.dir_name("partial", "t") == "dora-partial-t"
+    run.name = "exp_dora"
+    assert run.dir_name("dora", "t") == "exp_dora-t"
+
+
+def test_a_local_run_directory_says_its_mode_once(tmp_path):
+    from dora_megatron.launch.local import make_run_dir
+
+    cfg = load_config(None, [f"run.output_dir={tmp_path}"])
+    made = make_run_dir(cfg)
+    assert made.parent == tmp_path and re.fullmatch(r"dora-\d{8}-\d{6}", made.name), made.name
