@@ -34,6 +34,9 @@ def run(args: argparse.Namespace) -> int:
     from dora_megatron.config.schema import load_config
 
     config_path = args.config
+    if not config_path and not args.resume and not args.dry_run:
+        sys.stderr.write(_no_config_message())
+        return 2
     if args.resume and not config_path:
         from pathlib import Path
 
@@ -75,6 +78,45 @@ def run(args: argparse.Namespace) -> int:
             return 3
         raise
     return run_local_job(cfg, resume=args.resume)
+
+
+def _configs_dir():
+    """The job configs a user can start from: ``./configs`` (a checkout's root), else the one next to
+    the installed package (an editable install); None when neither exists (a wheel)."""
+    from pathlib import Path
+
+    for d in (Path.cwd() / "configs", Path(__file__).resolve().parents[2] / "configs"):
+        if d.is_dir() and any(d.glob("*.yaml")):
+            return d
+    return None
+
+
+def _no_config_message() -> str:
+    """WHY refuse a bare ``dora train``: without ``--config`` the built-in defaults would start a
+    20-step job nobody chose; the message lists the job configs (each with its first comment line)
+    so the next command is one copy away, and says how to see what the defaults would run."""
+    import os
+
+    d = _configs_dir()
+    lines = []
+    if d is None:
+        lines.append("dora train: no --config given; choose a job config (YAML; docs/configuration.md lists every "
+                     "key; no configs/ folder here: the examples are in a dora_megatron checkout's configs/)")
+    else:
+        rel = os.path.relpath(d)
+        shown = d if rel.startswith("..") else rel
+        paths = sorted(d.glob("*.yaml"))
+        example = next((p for p in paths if p.name == "cpu_tiny.yaml"), paths[0])
+        lines.append(f"dora train: no --config given; choose a job config, e.g. dora train --config "
+                     f"{os.path.join(shown, example.name)}")
+        lines.append(f"job configs in {shown}/ (the simulator's, for dora simulate, are in {os.path.join(shown, 'sim')}/):")
+        width = max(len(os.path.join(shown, p.name)) for p in paths)
+        for path in paths:
+            first = next((ln.lstrip("#").strip() for ln in path.read_text().splitlines() if ln.startswith("#")), "")
+            lines.append(f"  {os.path.join(shown, path.name):<{width}}  {first}".rstrip())
+    lines.append("dora train --dry-run (without --config) prints what the built-in defaults would run; "
+                 "--resume RUN_DIR continues a run with its own config")
+    return "\n".join(lines) + "\n"
 
 
 def _run_slurm(cfg, args: argparse.Namespace) -> int:

@@ -121,3 +121,20 @@ def test_serve_refuses_a_bad_number_by_its_flag_before_loading_the_model(tmp_pat
         cli.main(args)
     assert exc.value.code == 2
     assert f"argument {flag}: {why}" in capsys.readouterr().err
+
+
+def test_bare_train_refuses_and_lists_the_job_configs(tmp_path, monkeypatch, capsys):
+    """``dora train`` without --config (nor --resume / --dry-run) starts nothing: it names the
+    missing flag and lists every job config, from a checkout's root and from elsewhere."""
+    root = Path(__file__).resolve().parents[3]
+    configs = sorted(p.name for p in (root / "configs").glob("*.yaml"))
+    assert "cpu_tiny.yaml" in configs
+    for cwd, shown in ((root, "configs"), (tmp_path, str(root / "configs"))):
+        monkeypatch.chdir(cwd)
+        assert cli.main(["train", "--set", f"run.output_dir={tmp_path / 'runs'}"]) == 2
+        err = capsys.readouterr().err
+        assert f"dora train: no --config given; choose a job config, e.g. dora train --config {shown}/cpu_tiny.yaml" in err
+        for name in configs:
+            assert f"  {shown}/{name} " in err, (name, err)
+        assert "--dry-run (without --config) prints what the built-in defaults would run" in err
+        assert not (tmp_path / "runs").exists()
