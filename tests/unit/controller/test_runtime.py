@@ -307,3 +307,17 @@ def test_extra_stop_token_ids_reach_every_request():
     asyncio.run(rt.run())
     rec = next(iter(rt.samples.values()))
     assert rt._sampling(rec)["stop_token_ids"] == [*eos, 7, 9]  # EOS first, no duplicates
+
+
+@pytest.mark.parametrize("mode", ["one_step_off", "dora"])
+def test_no_batch_is_released_after_the_last_step(mode):
+    """A trainer slow enough that the next batch is complete when the last step ends: the runtime
+    ends the run at that boundary without telling the orchestrator (ControllerLoop._step_finished),
+    so no batch beyond run.steps is consumed, untrained and unsaved (the simulator does the same)."""
+    rt, engines, trainer = make(mode=mode, steps=3)
+    trainer.train_s = 0.3
+    summary = asyncio.run(rt.run())
+    check_run(rt, engines, trainer, 3, 4, 2)
+    assert summary["consumed_groups"] == 3 * 4 and rt.orch.counters.consumed_groups == 3 * 4
+    waiting = sum(len(groups) for groups in rt.orch._finished_groups.values())
+    assert waiting >= 4, waiting  # a whole batch was ready at the end: the case this guards
