@@ -166,9 +166,14 @@ def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, mo
     options = runtime_options(cfg, run_dir, model_dir, endpoints.trainer)
     metrics = MetricsRecorder(slots_per_instance=options.slots_per_instance, rebalancer=orch.policy.rebalance,
                               warmup_steps=cfg.observability.warmup_steps, sinks=metric_sinks)
+    rollout_dump = None
+    if cfg.observability.dump_rollouts > 0:
+        from dora_megatron.observability.rollout_dump import RolloutDumper
+
+        rollout_dump = RolloutDumper(run_dir, cfg.observability.dump_rollouts, codec)
     runtime = Runtime(orch, engines, trainer, source, blocking_reward_fn(scorer), options, timeline=timeline,
                       on_step=on_step, on_checkpoint=on_checkpoint, codec=codec, journal=journal, metrics=metrics,
-                      load_reports=load_reports)
+                      load_reports=load_reports, rollout_dump=rollout_dump)
     restorable = 0
     if state is not None:
         runtime.load_state_dict(state)

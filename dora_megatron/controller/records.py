@@ -66,6 +66,7 @@ class SampleRecord:
     gen_instance: str | None = None
     replay_pending: bool = False  # restored from the journal; reported finished at its next Submit
     routed_experts: str | None = None  # engine's meta_info.routed_experts for prompt + output (routing replay)
+    finish_reason: str | None = None  # the engine's finish_reason type of the answer that finished it ("stop", "length")
 
 
 @dataclass

@@ -47,6 +47,7 @@ from dora_megatron.data.tasks import PromptSource
 from dora_megatron.orchestrator import (Dispatch, Interrupt, Migrate, Orchestrator, ReleaseBatch, Submit,
                                         SwitchVersion, perform)
 from dora_megatron.observability.recorder import MetricsRecorder
+from dora_megatron.observability.rollout_dump import RolloutDumper
 from dora_megatron.observability.summary import RunTotals
 
 log = logging.getLogger(__name__)
@@ -115,9 +116,12 @@ class Runtime:
                  on_step: Callable[[StepLog, "Runtime"], None] | None = None,
                  on_checkpoint: Callable[[int], None] | None = None, first_prompt: int = 0,
                  codec: TextCodec | None = None, journal=None, metrics: MetricsRecorder | None = None,
-                 load_reports: LoadReports | None = None) -> None:
+                 load_reports: LoadReports | None = None, rollout_dump: RolloutDumper | None = None) -> None:
         """``load_reports``: pushed load reports of the engines it covers, taken once per stats
-        sweep instead of polling them (e.g. :class:`~dora_megatron.rollout.sharded.ClientPool`)."""
+        sweep instead of polling them (e.g. :class:`~dora_megatron.rollout.sharded.ClientPool`).
+        ``rollout_dump``: writes some of each step's samples as the trainer is handed them
+        (``observability.dump_rollouts``)."""
+        self.rollout_dump = rollout_dump
         self.orch = orch
         self.load_reports = load_reports
         self.engines = engines
@@ -326,7 +330,7 @@ class Runtime:
                 continue
             rec.output_ids, rec.logprobs = list(j.output_ids), list(j.logprobs)
             rec.reward, rec.versions = j.reward, {j.version}
-            rec.routed_experts = j.routed_experts
+            rec.routed_experts, rec.finish_reason = j.routed_experts, j.finish_reason
             rec.finished = rec.replay_pending = True
 
     def replayed(self, sample_id: str) -> int | None:
@@ -348,7 +352,8 @@ class Runtime:
         from dora_megatron.controller.journal import JournaledSample
 
         return JournaledSample(rec.sample_id, rec.group_id, rec.version, self.groups[rec.group_id].prompt.index,
-                               tuple(rec.output_ids), tuple(rec.logprobs), float(rec.reward), rec.routed_experts)
+                               tuple(rec.output_ids), tuple(rec.logprobs), float(rec.reward), rec.routed_experts,
+                               rec.finish_reason)
 
     def _sampling(self, rec: SampleRecord) -> dict[str, Any]:
         seed = zlib.crc32(f"{self.opt.seed}/{rec.sample_id}/{rec.submissions}".encode()) & 0x7FFFFFFF
@@ -415,6 +420,7 @@ class Runtime:
         if self.opt.routed_experts:  # covers prompt + every output token (the last submission's input is all of it)
             rec.routed_experts = (resp.raw.get("meta_info") or {}).get("routed_experts")
         rec.finished = True
+        rec.finish_reason = reason
         self.samples_finished += 1
         if instance in self._rejoined:
             self.samples_after_rejoin += 1
@@ -722,6 +728,7 @@ class Runtime:
         start = self.now()
         wait = max(0.0, start - self._trainer_idle_since)
         samples, rewards, lengths, staleness, tokens = [], [], [], [], 0
+        dumped: list[dict] = []  # what the rollout dump needs of each sample (not sent to the trainer)
         for gid, version in zip(a.group_ids, a.versions):
             group = self.groups.pop(gid, None)  # consumed now: its records go (the trainer gets their data)
             if group is None:  # the orchestrator never does this (it counts duplicated_groups)
@@ -734,9 +741,13 @@ class Runtime:
                     "reward": rec.reward, "group_id": gid, "version": rec.version,
                     **({"routed_experts": rec.routed_experts} if rec.routed_experts is not None else {}),
                 })
+                if self.rollout_dump is not None:
+                    dumped.append({**samples[-1], "sample_id": sid, "finish_reason": rec.finish_reason})
                 rewards.append(rec.reward)
                 lengths.append(len(rec.output_ids))
                 tokens += len(rec.prompt_ids) + len(rec.output_ids)
+        if self.rollout_dump is not None:
+            self.rollout_dump.dump(a.step, dumped)
         batch = _Batch(wait, rewards, lengths, staleness, tokens, tuple(a.group_ids), tuple(a.versions))
         self._spawn(self._train(a.step, samples, start, batch), f"train-{a.step}")
 
@@ -872,6 +883,7 @@ class Runtime:
                     "logprobs": r.logprobs if done else [],
                     "versions": sorted(r.versions) if done else [],
                     **({"routed_experts": r.routed_experts} if done and r.routed_experts is not None else {}),
+                    **({"finish_reason": r.finish_reason} if done and r.finish_reason is not None else {}),
                 })
         return {
             "format": 1, "version": version, "pending_step_finished": version,
@@ -898,7 +910,7 @@ class Runtime:
             rec = SampleRecord(d["sample_id"], d["group_id"], int(d["index"]), int(d["version"]), list(d["prompt_ids"]),
                                output_ids=list(d["output_ids"]), logprobs=list(d["logprobs"]),
                                versions=set(d["versions"]), reward=d["reward"], finished=bool(d["finished"]),
-                               routed_experts=d.get("routed_experts"))
+                               routed_experts=d.get("routed_experts"), finish_reason=d.get("finish_reason"))
             self.samples[rec.sample_id] = rec
         # consumed groups are not carried (consumed.jsonl lists them; an older controller.json's
         # "consumed" is ignored): the restored orchestrator has forgotten them, so none can be

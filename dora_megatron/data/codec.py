@@ -41,6 +41,10 @@ class TextCodec(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
+    def decode_rendered(self, ids: Sequence[int]) -> str:
+        """Prompt ids as the model sees them: decoded with the special tokens kept (rollout dumps)."""
+        ...
+
 
 @dataclass(frozen=True)
 class RenderOptions:
@@ -114,7 +118,10 @@ class CharCodec:
         return tok.encode(text, add_bos=True)
 
     def render_text(self, prompt: Any) -> str:
-        return tok.decode(self.encode_prompt(prompt), skip_special=False)
+        return self.decode_rendered(self.encode_prompt(prompt))
+
+    def decode_rendered(self, ids: Sequence[int]) -> str:
+        return tok.decode(ids, skip_special=False)
 
     def decode(self, ids: Sequence[int]) -> str:
         return tok.decode(ids)
@@ -172,7 +179,11 @@ class HFTokenizerCodec:
 
     def render_text(self, prompt: Any) -> str:
         """The prompt as the model sees it (its ids decoded with the special tokens kept)."""
-        return self.tokenizer.decode(self.encode_prompt(prompt), skip_special_tokens=False)
+        return self.decode_rendered(self.encode_prompt(prompt))
+
+    def decode_rendered(self, ids: Sequence[int]) -> str:
+        """``ids`` decoded with the special tokens kept (the chat template's markers stay visible)."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)

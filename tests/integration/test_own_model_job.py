@@ -33,7 +33,8 @@ def _dora(*args: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedProc
 
 @pytest.fixture(scope="module")
 def job(own_model, tmp_path_factory):
-    """The run, with one unusable row appended to the data (skipped and counted) and W&B offline."""
+    """The run, with one unusable row appended to the data (skipped and counted), W&B offline and two
+    samples of each step dumped."""
     tmp = tmp_path_factory.mktemp("own_job")
     rows = pq.read_table(own_model.data).to_pylist()
     bad = {**rows[0], "reward_model": {"style": "rule", "ground_truth": None}}
@@ -42,7 +43,8 @@ def job(own_model, tmp_path_factory):
     run_dir = tmp / "run"
     overrides = [f"model.path={own_model.model_dir}", f"data.path={data}", f"data.reward_fn={own_model.reward_fn}",
                  "data.skip_bad_rows=true", f"run.run_dir={run_dir}", "run.steps=3", "run.checkpoint_interval=1",
-                 "observability.progress=false", "observability.timeline=false", "observability.wandb=true"]
+                 "observability.progress=false", "observability.timeline=false", "observability.wandb=true",
+                 "observability.dump_rollouts=2"]
     proc = _dora("train", "--config", str(ROOT / "configs" / "cpu_own_model.yaml"),
                  *[x for o in overrides for x in ("--set", o)], cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -85,6 +87,46 @@ def test_the_own_model_trains_with_the_users_reward_and_chat_prompts(job, own_mo
     # W&B, offline (no login here): the step scalars are in its run log
     logs = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(logs) == 1 and b"reward/mean" in logs[0].read_bytes()
+
+
+def test_rollout_dumps_show_what_the_model_was_sent_and_answered(job, own_model):
+    """``observability.dump_rollouts=2``: per step, two samples of two different prompts; the ids are
+    the chat template's rendering of a dataset row, the texts their decodings, the reward the user's
+    function of that response."""
+    from transformers import GenerationConfig
+
+    from dora_megatron.data.rewards import load_reward_function, normalise_result
+
+    run_dir, _, _ = job
+    hf = own_model.tokenizer()
+    config = load_config(ROOT / "configs" / "cpu_own_model.yaml")
+    rendered = {}  # the ids of every dataset row through the chat template -> that row
+    for row in pq.read_table(own_model.data).to_pylist():
+        ids = hf.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)
+        rendered[tuple(ids)] = row
+    eos = set(GenerationConfig.from_pretrained(str(own_model.model_dir)).eos_token_id)
+    compute_score = load_reward_function(own_model.reward_fn)
+    steps = [json.loads(line)["step"] for line in (run_dir / "steps.jsonl").read_text().splitlines()]
+    files = sorted((run_dir / "rollouts").iterdir())
+    assert [p.name for p in files] == [f"step_{k:06d}.jsonl" for k in steps] and len(files) == 3
+    for step, path in zip(steps, files):
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        assert len(rows) == 2 and rows[0]["group_id"] != rows[1]["group_id"]
+        for r in rows:
+            assert r["step"] == step and 0 <= step - r["version"] <= config.orchestrator.max_staleness
+            row = rendered[tuple(r["prompt_ids"])]  # exactly what apply_chat_template gives for a row
+            assert r["prompt_text"] == hf.decode(r["prompt_ids"], skip_special_tokens=False)
+            assert r["prompt_text"].startswith("<|im_start|>system\n") and r["prompt_text"].endswith(
+                "<|im_start|>assistant\n")
+            assert r["response_text"] == hf.decode(r["response_ids"], skip_special_tokens=True)
+            assert r["finish_reason"] in ("stop", "length"), r["finish_reason"]
+            if r["finish_reason"] == "stop":
+                assert r["response_ids"][-1] in eos
+            else:
+                assert len(r["response_ids"]) == config.rollout.max_new_tokens
+            score = compute_score(data_source=row["data_source"], solution_str=r["response_text"],
+                                  ground_truth=row["reward_model"]["ground_truth"], extra_info=row["extra_info"])
+            assert r["reward"] == pytest.approx(normalise_result(score)[0])
 
 
 def test_exports_load_with_transformers_and_equal_the_trainers_logits(job, own_model):
