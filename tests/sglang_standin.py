@@ -37,6 +37,8 @@ file of SGLang 0.5.23 it models (paths under ``sglang/srt/``); no SGLang code is
 * ``/weights_checker`` with ``action=checksum``: ``per_engine_checksum``, a sha256 over per-GPU
   checksums (``managers/tokenizer_control_mixin.py`` ``check_weights``), so it never equals a
   trainer-side checksum, only another instance's;
+* ``SGLANG_STANDIN_WITHOUT`` (comma-separated paths) leaves those routes out (404), as a build or
+  launch mode without an optional endpoint;
 * ``meta_info.weight_versions`` spans on every ``/generate`` answer (``utils/weight_versions.py``),
   from the embedded engine, which records them the same way.
 
@@ -306,6 +308,18 @@ class StandIn:
         return app
 
 
+def without_routes(app: web.Application, paths: set[str]) -> web.Application:
+    """``app`` less the routes at ``paths`` (they answer 404): an SGLang build or launch mode
+    without an optional endpoint (``SGLANG_STANDIN_WITHOUT``, comma-separated paths)."""
+    if not paths:
+        return app
+    kept = web.Application(client_max_size=app._client_max_size)
+    for route in app.router.routes():
+        if route.resource is not None and route.resource.canonical not in paths:
+            kept.router.add_route(route.method, route.resource.canonical, route.handler)
+    return kept
+
+
 @dataclass
 class StandInProcess:
     """A stand-in started by a test (:func:`start_standin`); :meth:`stop` ends it by pid."""
@@ -330,8 +344,10 @@ class StandInProcess:
 
 
 def start_standin(model_dir: str, log_dir: Path, *, name: str = "sgl", weight_version: str = "0",
-                  load_format: str = "auto", max_running: int = 8, timeout_s: float = 180.0) -> StandInProcess:
-    """Start one stand-in on a free loopback port and wait (bounded) until ``/health`` answers 200."""
+                  load_format: str = "auto", max_running: int = 8, timeout_s: float = 180.0,
+                  without: tuple[str, ...] = ()) -> StandInProcess:
+    """Start one stand-in on a free loopback port and wait (bounded) until ``/health`` answers 200.
+    ``without``: routes it does not offer (404), as an SGLang build or launch mode without them."""
     import subprocess
     import time
     import urllib.request
@@ -344,7 +360,8 @@ def start_standin(model_dir: str, log_dir: Path, *, name: str = "sgl", weight_ve
            "--port", str(port), "--weight-version", str(weight_version), "--load-format", load_format,
            "--max-running-requests", str(max_running)]
     with open(log_path, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        env = {**os.environ, "SGLANG_STANDIN_WITHOUT": ",".join(without)} if without else None
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     inst = StandInProcess(f"http://127.0.0.1:{port}", proc, log_path)
     deadline = time.monotonic() + timeout_s
     while True:
@@ -397,7 +414,8 @@ async def serve(args: argparse.Namespace) -> None:
         schemas = None
     async with ClientSession(timeout=ClientTimeout(total=None)) as http:
         standin = StandIn(f"http://127.0.0.1:{inner_port}", args.load_format, http, schemas=schemas)
-        outer = web.AppRunner(standin.app())
+        missing = {p for p in os.environ.get("SGLANG_STANDIN_WITHOUT", "").split(",") if p}
+        outer = web.AppRunner(without_routes(standin.app(), missing))
         await outer.setup()
         await web.TCPSite(outer, host, args.port).start()
         print(f"sglang stand-in (0.5.23 protocol) listening on http://{host}:{args.port}; "

@@ -35,6 +35,32 @@ class VersionMismatch(EngineError):
     """The engine holds another weight version than the request demands (HTTP 409)."""
 
 
+class ProbeUnavailable(EngineError):
+    """An optional probe (a weights checksum, ``/model_info``, a load or version report) that this
+    server does not offer: a build or launch mode without it. WHY its own type: a check that cannot
+    run says nothing about the instance, so callers switch the probe off instead of failing the
+    instance; only a probe that runs and answers wrong is the instance's fault."""
+
+
+#: HTTP statuses meaning "this server has no such route or action", not "this instance is broken"
+UNAVAILABLE_STATUSES = frozenset({404, 405, 501})
+#: words of a 400/422 answer that refuse the action itself (SGLang: ``success: false`` with a message)
+_UNAVAILABLE_WORDS = ("unsupported", "not supported", "unknown action", "not implemented", "not enabled",
+                      "no such action", "invalid action")
+
+
+def probe_unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the probe cannot run on this server (404, 405, 501, or a 400/422 whose
+    message refuses the action), as opposed to a probe that ran and failed."""
+    if isinstance(exc, ProbeUnavailable):
+        return True
+    if not isinstance(exc, EngineError) or isinstance(exc, VersionMismatch):
+        return False
+    if exc.status in UNAVAILABLE_STATUSES:
+        return True
+    return exc.status in (400, 422) and any(w in str(exc.message).lower() for w in _UNAVAILABLE_WORDS)
+
+
 class ExtensionUnsupported(RuntimeError):
     """The engine lacks a dora extension (an SGLang server, or an older engine)."""
 

@@ -24,19 +24,35 @@ differs from it on points that decide whether a weight update works at all (docs
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Sequence
 
-from dora_megatron.comm.engine_client import EngineClient, EngineError
+from dora_megatron.comm.engine_client import EngineClient, EngineError, ProbeUnavailable, probe_unavailable
 
 #: the SGLang release whose protocol this client speaks (and the gpu extra pins)
 TESTED_SGLANG_VERSION = "0.5.23"
 
+log = logging.getLogger(__name__)
+
 
 class SGLangClient(EngineClient):
+    #: the one warning about a missing /v1/loads was logged (see :meth:`server_info`)
+    _loads_warned = False
+
     def _check(self, path: str, out: Any) -> Any:
         if isinstance(out, dict) and out.get("success") is False:
             raise EngineError(self.base_url + path, 400, str(out.get("message")))
         return out
+
+    async def _probe(self, method: str, path: str, body: Any = None) -> Any:
+        """An optional probe: a reply saying the server has no such route or action (a build or
+        launch mode without it) raises :class:`ProbeUnavailable`; any other failure is raised as is."""
+        try:
+            return self._check(path, await self._request(method, path, body))
+        except EngineError as exc:
+            if probe_unavailable(exc) and not isinstance(exc, ProbeUnavailable):
+                raise ProbeUnavailable(exc.url, exc.status, exc.message) from exc
+            raise
 
     async def extensions(self) -> frozenset[str]:
         """SGLang offers no dora extension; asking the scheduler-bound ``/get_server_info`` would
@@ -80,7 +96,8 @@ class SGLangClient(EngineClient):
         return self._check("/update_weights_from_disk", await self._request("POST", "/update_weights_from_disk", body))
 
     async def model_info(self) -> dict[str, Any]:
-        return await self._request("GET", "/model_info")
+        """Raises :class:`ProbeUnavailable` on a server without ``/model_info``."""
+        return await self._probe("GET", "/model_info")
 
     async def weight_version(self) -> str:
         return str((await self.model_info()).get("weight_version"))
@@ -88,29 +105,42 @@ class SGLangClient(EngineClient):
     async def loads(self) -> dict[str, float] | None:
         """Running/waiting requests and KV usage over every DP rank (``/v1/loads``); None if absent."""
         try:
-            body = await self._request("GET", "/v1/loads?include=core")
-        except EngineError as exc:
-            if exc.status in (404, 405):
-                return None
-            raise
+            body = await self._probe("GET", "/v1/loads?include=core")
+        except ProbeUnavailable:
+            return None
         return summarize_loads(body)
 
     async def server_version(self) -> str | None:
-        """The SGLang release serving (``/v1/loads`` carries ``version``), None if not reported."""
-        body = await self._request("GET", "/v1/loads?include=core")
+        """The SGLang release serving (``/v1/loads`` carries ``version``), None if not reported
+        (also when the server has no ``/v1/loads``)."""
+        try:
+            body = await self._probe("GET", "/v1/loads?include=core")
+        except ProbeUnavailable:
+            return None
         return str(body["version"]) if isinstance(body, dict) and body.get("version") else None
 
     async def server_info(self) -> dict[str, Any]:
-        """What the runtime polls: ``/v1/loads`` (not the scheduler-bound ``/get_server_info``)."""
+        """What the runtime polls: ``/v1/loads`` (not the scheduler-bound ``/get_server_info``).
+
+        A server without ``/v1/loads`` (or without load entries in it) is not failed for it: its
+        liveness is asked of ``/health`` instead (raises if that fails too) and the answer says
+        ``loads_unavailable``, so the caller keeps its own count of the instance's requests. One
+        warning per client."""
         loads = await self.loads()
-        if loads is None:
-            raise EngineError(self.base_url + "/v1/loads", 404, "no /v1/loads: not an SGLang 0.5.x server")
-        return loads
+        if loads is not None:
+            return loads
+        await self._request("GET", "/health")
+        if not self._loads_warned:
+            self._loads_warned = True
+            log.warning("%s: no load report at /v1/loads; its running requests are not polled (liveness "
+                        "from /health)", self.base_url)
+        return {"loads_unavailable": True}
 
     async def instance_checksum(self) -> str:
         """SGLang's checksum of the weights it serves (``/weights_checker``, ``action=checksum``):
-        equal on two instances holding the same weights with the same layout."""
-        out = self._check("/weights_checker", await self._request("POST", "/weights_checker", {"action": "checksum"}))
+        equal on two instances holding the same weights with the same layout. Raises
+        :class:`ProbeUnavailable` where the server has no ``/weights_checker`` or no checksum action."""
+        out = await self._probe("POST", "/weights_checker", {"action": "checksum"})
         checksum = out.get("per_engine_checksum") if isinstance(out, dict) else None
         if not checksum:
             raise EngineError(self.base_url + "/weights_checker", 200, f"no per_engine_checksum in {str(out)[:200]}")

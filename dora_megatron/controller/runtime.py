@@ -160,6 +160,11 @@ class Runtime:
         self.migrations_done = 0
         self.migrations_fallback = 0
         self.checksum_mismatches = 0
+        #: instances whose weights check cannot run (no ``/weights_checker``, no checksum action):
+        #: the check is off for them, after one warning each; only a checksum that differs fails one
+        self.checksum_off: set[str] = set()
+        #: instances whose answers carry no routed_experts although asked for (same rule)
+        self.routed_experts_off: set[str] = set()
         self.weight_sync_timeouts = 0
         self.expected_checksums: dict[int, str] = {}
         #: version -> SGLang's own checksum of it (``/weights_checker``), as the first instance that
@@ -419,6 +424,13 @@ class Runtime:
             return None  # interrupted (partial mode) or failed over: a later Submit(resume) continues it
         if self.opt.routed_experts:  # covers prompt + every output token (the last submission's input is all of it)
             rec.routed_experts = (resp.raw.get("meta_info") or {}).get("routed_experts")
+            if rec.routed_experts is None and instance not in self.routed_experts_off:
+                # an optional probe that cannot run there (SGLang without --enable-return-routed-experts
+                # answers without them): the instance is not failed for it, one warning, counted
+                self.routed_experts_off.add(instance)
+                log.warning("%s answers without routed_experts (launched without "
+                            "--enable-return-routed-experts?); its samples carry none (counted as "
+                            "routed_experts_unavailable)", instance)
         rec.finished = True
         rec.finish_reason = reason
         self.samples_finished += 1
@@ -525,7 +537,7 @@ class Runtime:
         start = self.now()
         self.metrics.weight_sync_started(a.instance, start, rebalance=a.rebalance)
         try:
-            got = await asyncio.wait_for(self._load_weights(engine, a.version, resume=resume),
+            got = await asyncio.wait_for(self._load_weights(engine, a.version, resume=resume, instance=a.instance),
                                          timeout=self.opt.weight_sync_timeout_s)
         except asyncio.TimeoutError:
             self.weight_sync_timeouts += 1
@@ -572,20 +584,39 @@ class Runtime:
         latest = self._switching.get(instance)
         return latest is not None and latest is not asyncio.current_task()
 
-    async def _load_weights(self, engine: Engine, version: int, *, resume: bool = False) -> str | None:
+    async def _load_weights(self, engine: Engine, version: int, *, resume: bool = False,
+                            instance: str = "") -> str | None:
         """Load snapshot ``version``; returns why the loaded weights are wrong (checksum), or None."""
         await engine.update_weights_from_disk(self.opt.snapshot_dir(version), weight_version=version)
         if resume and hasattr(engine, "continue_generation"):
             await engine.continue_generation()
-        return await self._verify_weights(engine, version)
+        return await self._verify_weights(engine, version, instance)
 
-    async def _verify_weights(self, engine: Engine, version: int) -> str | None:
+    async def _verify_weights(self, engine: Engine, version: int, instance: str = "") -> str | None:
         """``controller.verify_checksums`` after every load, whatever moved the weights: the
         embedded engine's checksum equals the trainer's export checksum of ``version``; SGLang's
         own (``/weights_checker``) is compared with the one the first instance on ``version``
-        reported. Returns the mismatch, or None."""
-        if not self.opt.verify_checksums:
+        reported. Returns the mismatch, or None.
+
+        A check that cannot run on ``instance`` (:class:`ProbeUnavailable`: 404, 405, 501, an
+        unsupported-action reply) says nothing about its weights: it is switched off for that
+        instance with one warning (``checksum_unavailable`` in the summary), never a failure."""
+        from dora_megatron.comm.engine_client import ProbeUnavailable
+
+        if not self.opt.verify_checksums or (instance and instance in self.checksum_off):
             return None
+        try:
+            return await self._compare_checksum(engine, version)
+        except ProbeUnavailable as exc:
+            key = instance or getattr(engine, "base_url", repr(engine))
+            if key not in self.checksum_off:
+                self.checksum_off.add(key)
+                log.warning("%s: the weights check cannot run there (%s); it is off for this instance "
+                            "(counted as checksum_unavailable)", key, exc)
+            return None
+
+    async def _compare_checksum(self, engine: Engine, version: int) -> str | None:
+        """The comparison itself (:meth:`_verify_weights`); raises :class:`ProbeUnavailable`."""
         if await engine.supports("weights_checksum"):
             if version not in self.expected_checksums:
                 return None
@@ -672,7 +703,8 @@ class Runtime:
             self.metrics.weight_sync_finished(a.instance, end)
         self.pushed_bytes += int(result.get("bytes", 0))
         engines = {a.instance: self.engines[a.instance] for a in live}
-        checks = await asyncio.gather(*(self._verify_weights(engines[a.instance], a.version) for a in live),
+        checks = await asyncio.gather(*(self._verify_weights(engines[a.instance], a.version, a.instance)
+                                        for a in live),
                                       return_exceptions=True)  # concurrently: a checksum can take seconds
         for a, wrong in zip(live, checks):
             engine = engines[a.instance]
@@ -959,6 +991,8 @@ class Runtime:
     def _apply_load(self, iid: str, engine: Engine, info: dict[str, Any]) -> None:
         if self.is_failed(iid) or self.engines.get(iid) is not engine:
             return  # failed or replaced while we asked
+        if info.get("loads_unavailable"):
+            return  # alive, but it reports no loads (no /v1/loads): the orchestrator's own count stands
         running = int(info.get("num_running_reqs", info.get("running", 0)) or 0)
         kv = float(info.get("kv_usage", info.get("token_usage", 0.0)) or 0.0)
         self.events.post(InstanceStats(iid, running, kv, engine))  # the loop drops it if failed/replaced meanwhile
@@ -1080,6 +1114,8 @@ class Runtime:
         out["migrations_kv"] = self.migrations_done
         out["migrations_reprefill"] = self.migrations_fallback
         out["checksum_mismatches"] = self.checksum_mismatches
+        out["checksum_unavailable"] = len(self.checksum_off)
+        out["routed_experts_unavailable"] = len(self.routed_experts_off)
         out["version_refusals"] = self.version_refusals
         out["weight_push_bytes"] = self.pushed_bytes
         out["instances"] = sorted(self.engines)  # every instance that was in the pool (joined ones too)

@@ -10,7 +10,7 @@ controller itself over a private socketpair, so pickle is safe here (never on a 
 Exceptions do not pickle reliably (:class:`~.client.EngineError` takes three constructor
 arguments, aiohttp's errors reference live objects), so a worker sends each failure as a small
 tuple and the controller rebuilds the exception class the runtime decides on: engine errors and
-version refusals as themselves, unreachable engines as :class:`ConnectionError`, timeouts as
+version refusals and unavailable probes as themselves, unreachable engines as :class:`ConnectionError`, timeouts as
 :class:`asyncio.TimeoutError`; anything else becomes a :class:`RuntimeError` (which the runtime
 does not take for an engine failure, as in process).
 """
@@ -78,10 +78,11 @@ async def read_frame(reader: asyncio.StreamReader) -> list[tuple]:
 
 def encode_error(err: BaseException) -> tuple:
     """``err`` as a picklable tuple (see the module doc)."""
-    from dora_megatron.comm.engine_client import EngineError, ExtensionUnsupported, VersionMismatch
+    from dora_megatron.comm.engine_client import EngineError, ExtensionUnsupported, ProbeUnavailable, VersionMismatch
 
     if isinstance(err, EngineError):
-        return ("version" if isinstance(err, VersionMismatch) else "engine", err.url, err.status, err.message)
+        kind = "version" if isinstance(err, VersionMismatch) else "probe" if isinstance(err, ProbeUnavailable) else "engine"
+        return (kind, err.url, err.status, err.message)
     if isinstance(err, ExtensionUnsupported):
         return ("extension", str(err))
     if isinstance(err, (asyncio.TimeoutError, TimeoutError)):
@@ -92,11 +93,12 @@ def encode_error(err: BaseException) -> tuple:
 
 
 def decode_error(code: tuple) -> BaseException:
-    from dora_megatron.comm.engine_client import EngineError, ExtensionUnsupported, VersionMismatch
+    from dora_megatron.comm.engine_client import EngineError, ExtensionUnsupported, ProbeUnavailable, VersionMismatch
 
     kind = code[0]
-    if kind in ("engine", "version"):
-        return (VersionMismatch if kind == "version" else EngineError)(code[1], int(code[2]), str(code[3]))
+    if kind in ("engine", "version", "probe"):
+        cls = {"version": VersionMismatch, "probe": ProbeUnavailable}.get(kind, EngineError)
+        return cls(code[1], int(code[2]), str(code[3]))
     if kind == "extension":
         return ExtensionUnsupported(code[1])
     if kind == "timeout":

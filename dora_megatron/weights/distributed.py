@@ -51,6 +51,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Protocol
 
+from dora_megatron.comm.engine_client import probe_unavailable
 from dora_megatron.comm.protocol import PAUSE_MODES
 from dora_megatron.weights.plan import plan_buckets, spec_of
 from dora_megatron.weights.results import PushError, PushResult, failures
@@ -101,6 +102,31 @@ def bucket_flags(pause_mode: str | None, last: bool) -> dict[str, bool]:
     if pause_mode is not None and pause_mode not in PAUSE_MODES:
         raise ValueError(f"unknown pause mode {pause_mode!r} (expected one of {', '.join(PAUSE_MODES)} or none)")
     return {"flush_cache": pause_mode in (None, "abort", "retract") and last, "abort_all_requests": False}
+
+
+#: targets already warned about a missing version report: one warning per instance, not per push
+_UNVERIFIED_WARNED: set[str] = set()
+
+
+def pushed_versions(names: list[str], got: list[Any], version: int | str) -> tuple[dict[str, str], dict[str, str]]:
+    """``(versions, wrong)`` from each target's ``weight_version()`` after a push (``gather`` with
+    ``return_exceptions``). A target without a version report (:func:`probe_unavailable`: no
+    ``/model_info``) cannot confirm the push, which says nothing against it: it is ``"unverified"``
+    (one warning), not wrong; any other error, or another version, is wrong."""
+    versions: dict[str, str] = {}
+    wrong: dict[str, str] = {}
+    for n, v in zip(names, got):
+        if probe_unavailable(v):
+            first = n not in _UNVERIFIED_WARNED
+            _UNVERIFIED_WARNED.add(n)
+            log.log(logging.WARNING if first else logging.DEBUG,
+                    "%s: cannot read its weight_version (%s); pushes are not version-verified there", n, v)
+            versions[n] = "unverified"
+            continue
+        versions[n] = f"error: {v}" if isinstance(v, BaseException) else str(v)
+        if versions[n] != str(version):
+            wrong[n] = f"reports weight_version {versions[n]!r} after pushing {version}"
+    return versions, wrong
 
 
 class DistributedWeightPusher:
@@ -227,9 +253,7 @@ class DistributedWeightPusher:
             if ended:
                 raise PushError("end_weight_update failed", ended)
             got = await asyncio.gather(*(t.weight_version() for t in self.targets.values()), return_exceptions=True)
-            versions = {n: (f"error: {v}" if isinstance(v, BaseException) else str(v)) for n, v in zip(names, got)}
-            wrong = {n: f"reports weight_version {v!r} after pushing {version}" for n, v in versions.items()
-                     if v != str(version)}
+            versions, wrong = pushed_versions(names, got, version)
             if wrong:
                 raise PushError("weights not taken", wrong)
         finally:  # every exit path: close the sessions opened, resume what was paused

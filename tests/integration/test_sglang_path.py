@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -347,3 +348,37 @@ def test_slurm_instance_that_never_gets_healthy_fails_the_job_with_a_message(tmp
     assert "dora train failed on localhost" in out and "sgl" in out.split("dora train failed on localhost", 1)[1]
     assert "Traceback" not in out, out[-4000:]
     assert (run_dir / "FAILED").is_file() and not (run_dir / "DONE").exists()
+
+
+def test_an_instance_without_weights_checker_survives_every_weight_switch(engines, model_dir, tmp_path, caplog):
+    """An SGLang build without ``/weights_checker`` (404) next to one with it: after every weight
+    switch the check is attempted once on it, then switched off with one warning
+    (``checksum_unavailable``); neither instance is failed and the run completes."""
+    caplog.set_level(logging.WARNING, logger="dora_megatron.controller.runtime")
+    bare = start_standin(model_dir, tmp_path, name="sgl-nochecker", weight_version="0", without=("/weights_checker",))
+    try:
+        names = ["e0", "e1"]
+        cfg = OrchestratorConfig(mode="dora", tbs=2, rbs=4, max_staleness=1, group_size=2, rebalance_interval_s=0.05,
+                                 cap_before_rebalance=6, cap_after_rebalance=4)
+        opts = RuntimeOptions(steps=4, seed=0, max_new_tokens=16, temperature=0.0, top_p=1.0, top_k=-1,
+                              snapshot_dir=lambda v: model_dir, stats_interval_s=0.05)
+        trainer = StaticTrainer()
+
+        async def go():
+            adapters = {"e0": SGLangEngine(SGLangClient(engines[0].url)), "e1": SGLangEngine(SGLangClient(bare.url))}
+            rt = Runtime(Orchestrator(cfg, names), adapters, trainer, RunningSumTask(1, 30, 1.2, seed=1),
+                         running_sum_reward, opts)
+            try:
+                return await rt.run(), rt
+            finally:
+                for a in adapters.values():
+                    await a.close()
+
+        summary, rt = asyncio.run(go())
+    finally:
+        bare.stop()
+    assert summary["failed_instances"] == [] and summary["lost_groups"] == 0 and len(trainer.batches) == 4
+    assert summary["checksum_unavailable"] == 1 and rt.checksum_off == {"e1"}
+    assert summary["checksum_mismatches"] == 0 and rt.instance_checksums, "e0 was still checked"
+    warned = [r for r in caplog.records if "checksum_unavailable" in r.getMessage()]
+    assert len(warned) == 1 and "e1" in warned[0].getMessage()

@@ -19,7 +19,7 @@ from aiohttp import web
 from dora_megatron.config.base import ConfigError
 from dora_megatron.config.schema import load_config
 from dora_megatron.controller.runtime import _is_comm_error
-from dora_megatron.comm.engine_client import EngineError, VersionMismatch
+from dora_megatron.comm.engine_client import EngineError, ProbeUnavailable, VersionMismatch
 from dora_megatron.rollout.sharded import ClientPool
 from dora_megatron.rollout.wire import decode_error, encode_error
 
@@ -95,7 +95,8 @@ def test_generate_runs_in_the_worker_with_sglang_semantics():
 
 
 def test_errors_keep_the_class_the_runtime_decides_on():
-    for err in (EngineError("u", 503, "down"), VersionMismatch("u", 409, "version 2"), asyncio.TimeoutError(),
+    for err in (EngineError("u", 503, "down"), VersionMismatch("u", 409, "version 2"),
+                ProbeUnavailable("u", 404, "Not Found"), asyncio.TimeoutError(),
                 aiohttp.ClientConnectionError("refused"), ConnectionResetError("reset")):
         back = decode_error(encode_error(err))
         assert _is_comm_error(back), (err, back)
