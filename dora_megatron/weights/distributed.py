@@ -104,21 +104,20 @@ def bucket_flags(pause_mode: str | None, last: bool) -> dict[str, bool]:
     return {"flush_cache": pause_mode in (None, "abort", "retract") and last, "abort_all_requests": False}
 
 
-#: targets already warned about a missing version report: one warning per instance, not per push
-_UNVERIFIED_WARNED: set[str] = set()
-
-
-def pushed_versions(names: list[str], got: list[Any], version: int | str) -> tuple[dict[str, str], dict[str, str]]:
+def pushed_versions(names: list[str], got: list[Any], version: int | str,
+                    warned: set[str] | None = None) -> tuple[dict[str, str], dict[str, str]]:
     """``(versions, wrong)`` from each target's ``weight_version()`` after a push (``gather`` with
     ``return_exceptions``). A target without a version report (:func:`probe_unavailable`: no
     ``/model_info``) cannot confirm the push, which says nothing against it: it is ``"unverified"``
-    (one warning), not wrong; any other error, or another version, is wrong."""
+    (one warning per target: ``warned``, the caller's set of targets already warned about, is
+    updated), not wrong; any other error, or another version, is wrong."""
+    warned = set() if warned is None else warned
     versions: dict[str, str] = {}
     wrong: dict[str, str] = {}
     for n, v in zip(names, got):
         if probe_unavailable(v):
-            first = n not in _UNVERIFIED_WARNED
-            _UNVERIFIED_WARNED.add(n)
+            first = n not in warned
+            warned.add(n)
             log.log(logging.WARNING if first else logging.DEBUG,
                     "%s: cannot read its weight_version (%s); pushes are not version-verified there", n, v)
             versions[n] = "unverified"
@@ -154,6 +153,7 @@ class DistributedWeightPusher:
         self.pause_mode = pause_mode
         self.bucket_mb = bucket_mb
         self.timeout_s = timeout_s
+        self._unverified_warned: set[str] = set()  # targets told about once: no version report
         self.group: Any = None
         self.joined: list[str] = []
         self.connect_seconds = 0.0
@@ -253,7 +253,7 @@ class DistributedWeightPusher:
             if ended:
                 raise PushError("end_weight_update failed", ended)
             got = await asyncio.gather(*(t.weight_version() for t in self.targets.values()), return_exceptions=True)
-            versions, wrong = pushed_versions(names, got, version)
+            versions, wrong = pushed_versions(names, got, version, self._unverified_warned)
             if wrong:
                 raise PushError("weights not taken", wrong)
         finally:  # every exit path: close the sessions opened, resume what was paused
