@@ -232,6 +232,11 @@ def _heldout_eval(cfg: DoraConfig, run_dir: Path, model_dir: Path, summary: dict
                     summary[f"heldout_exact_{which}"] = res.exact
         summary["heldout_prompts"] = len(prompts)
         (run_dir / "heldout.json").write_text(json.dumps(results, indent=2) + "\n")
+        if obs.tensorboard and summary["heldout_exact_final"] is not None:
+            from dora_megatron.observability.tensorboard import write_heldout
+
+            write_heldout(run_dir / "tb", summary["heldout_exact_initial"], summary["heldout_exact_final"],
+                          int(final.name[1:]))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
