@@ -3,8 +3,8 @@
 WHY a CLI: the simulator is how a user sizes a cluster and picks S/RBS before spending GPU hours,
 and how the project checks that its policy reproduces the paper's numbers. One run writes the
 DESIGN section 11 summary (plus per-step series) to ``--out``, the per-step metrics next to it
-(``<stem>_steps.jsonl``, one row per step with the keys of ``dora train``'s steps.jsonl) and two
-PNGs; ``--mode all`` runs every mode on the same workload and writes ``{"modes": {...},
+(``<stem>_steps.jsonl``, one row per step with the keys of ``dora train``'s steps.jsonl) and
+PNGs (steps, timeline, and ``<stem>_overview.png``, the run overview ``dora train`` draws); ``--mode all`` runs every mode on the same workload and writes ``{"modes": {...},
 "comparison": ...}`` and ``<stem>_steps_<mode>.jsonl`` per mode.
 """
 
@@ -105,7 +105,13 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_plots:
         from dora_megatron.sim.plots import plot_steps, plot_timeline
 
+        from dora_megatron.observability.overview import write_overview
+
         plot_steps(results, f"{stem}_steps.png")
+        for m, rows in steps.items():  # the overview dora train writes, from the same rows
+            if rows:
+                write_overview(Path(f"{stem}_overview.png") if len(steps) == 1 else Path(f"{stem}_overview_{m}.png"),
+                               rows, results[m], title=f"{m} (simulated): run overview")
         for m, tl in timelines.items():
             if not tl:  # sim.timeline: false records none: no blank image
                 continue

@@ -14,6 +14,7 @@ class ObservabilityConfig:
     wandb: bool = field_doc(False, "Also log the step scalars to Weights & Biases (`pip install -e '.[wandb]'`), in `<run_dir>/wandb`: online when `WANDB_MODE` says so or this machine has W&B credentials, else offline (`wandb sync` later).")
     wandb_project: str = field_doc("dora", "W&B project of `observability.wandb`.")
     timeline: bool = field_doc(True, "Write `timeline.png` and `trace.json` (Chrome trace, opens in Perfetto).")
+    overview: bool = field_doc(True, "Write `overview.png` at the end of the run: reward and held-out exact rate, tokens/s, trainer wait and rollout utilisation, staleness and live versions, weight sync and rebalance, drawn from `steps.jsonl` and `summary.json` (`dora simulate` writes the same figure next to its output).")
     progress: bool = field_doc(True, "Show a progress bar on stderr.")
     stats_interval_s: float = field_doc(0.5, "How often the controller polls engine load (seconds).", gt=0.0)
     heldout_prompts: int = field_doc(0, "Digit tasks: after the run, answer this many held-out prompts with the initial and the final weights (sampled as the rollout samples: its temperature, top-p, top-k and stop tokens) and write `heldout.json` and `summary.json` fields `heldout_exact_initial` / `heldout_exact_final`; 0 = off.", ge=0)

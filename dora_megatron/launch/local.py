@@ -191,9 +191,25 @@ def run_local_job(cfg: DoraConfig, resume: str | None = None) -> int:
         if previous_term is not None:
             signal.signal(signal.SIGTERM, previous_term)
     _heldout_eval(cfg, run_dir, model_dir, summary, say)
+    if cfg.observability.overview:  # after the held-out rates: the figure shows them
+        _write_overview(run_dir, cfg.orchestrator.mode, say)
     say(_summary_line(summary))
     say(f"outputs in {run_dir}")
     return 0
+
+
+def _write_overview(run_dir: Path, mode: str, say) -> None:
+    """``overview.png`` from the run's ``steps.jsonl`` and ``summary.json``. A figure that cannot be
+    drawn is reported and the run still succeeds: every number it would show is already written."""
+    from dora_megatron.observability.overview import write_run_overview
+
+    try:
+        path = write_run_overview(run_dir, title=f"{mode}: run overview ({run_dir.name})")
+    except (OSError, ValueError, ImportError) as err:
+        say(f"no overview.png: {type(err).__name__}: {err}")
+        return
+    if path is not None:
+        say(f"run overview: {path}")
 
 
 def _heldout_eval(cfg: DoraConfig, run_dir: Path, model_dir: Path, summary: dict[str, Any], say) -> None:
@@ -232,6 +248,11 @@ def _heldout_eval(cfg: DoraConfig, run_dir: Path, model_dir: Path, summary: dict
                     summary[f"heldout_exact_{which}"] = res.exact
         summary["heldout_prompts"] = len(prompts)
         (run_dir / "heldout.json").write_text(json.dumps(results, indent=2) + "\n")
+        if obs.tensorboard and summary["heldout_exact_final"] is not None:
+            from dora_megatron.observability.tensorboard import write_heldout
+
+            write_heldout(run_dir / "tb", summary["heldout_exact_initial"], summary["heldout_exact_final"],
+                          int(final.name[1:]))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 

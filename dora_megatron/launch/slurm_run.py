@@ -299,6 +299,10 @@ def run_slurm_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan, resume: st
                     write_marker(run_dir, FAILED, f"controller failed: {type(err).__name__}: "
                                  f"{str(err).splitlines()[0] if str(err) else ''}", env.job_id)
                     raise
+                if cfg.observability.overview:
+                    from dora_megatron.launch.local import _write_overview
+
+                    _write_overview(run_dir, cfg.orchestrator.mode, _say)
                 write_marker(run_dir, DONE, "ok", env.job_id)
                 return 0
     except ChildFailed as err:

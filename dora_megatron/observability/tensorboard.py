@@ -3,12 +3,62 @@
 Uses the ``tensorboard`` package's own event writer through torch's
 ``SummaryWriter`` (imported lazily); ``NullWriter`` keeps call sites branch-free
 when TensorBoard is off.
+
+Every event directory also gets :data:`DORA_LAYOUT`, a layout of TensorBoard's own
+``custom_scalar`` plugin (the CUSTOM SCALARS tab): the run's tags grouped as the story of an
+asynchronous RL run -- is it learning, how fast, does the trainer wait, how stale are the
+samples, what weight sync costs -- rather than in the alphabetical groups of the SCALARS tab.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Mapping, Protocol
+import re
+from typing import Mapping, Protocol, Sequence
+
+
+#: the held-out exact-answer rate (sampled decoding), written after the run by :func:`write_heldout`
+HELDOUT_TAG = "heldout/exact"
+
+#: The CUSTOM SCALARS layout: category -> chart -> the exact step tags it plots (see
+#: ``observability.recorder.METRICS`` for what each tag means). Each chart draws its tags as lines
+#: on shared axes, so a chart only groups tags of one unit. Tags a mode does not write (no
+#: rebalancer: ``perf/rebalance_time_s``) leave their line empty.
+DORA_LAYOUT: dict[str, dict[str, tuple[str, ...]]] = {
+    "1 reward and held-out": {
+        "reward: mean and exact-answer share of the step's samples": ("reward/mean", "reward/exact_fraction"),
+        "held-out exact rate: initial weights (step 0), final weights (last version)": (HELDOUT_TAG,),
+    },
+    "2 throughput": {
+        "tokens/s: the run so far (prompt+response tokens / wall seconds)": ("perf/throughput_tokens_per_s",),
+        "tokens/s: the trainer's own step": ("perf/trainer_tokens_per_s",),
+    },
+    "3 trainer wait and rollout utilisation": {
+        "shares so far: trainer waiting for its batch, busy rollout slots": (
+            "perf/rollout_only_fraction", "perf/rollout_utilization"),
+        "seconds per step: step, wait, train, trainer-side sync": (
+            "perf/step_time_s", "perf/wait_time_s", "perf/train_time_s", "perf/sync_time_s"),
+    },
+    "4 staleness and live versions": {
+        "staleness t - w of the step's groups (mean, max)": ("staleness/mean", "staleness/max"),
+        "weight versions live when the step ended": ("versions/live",),
+    },
+    "5 weight sync, rebalance and migrations": {
+        "instance-seconds of weight loads in the step (all, by rebalance)": (
+            "perf/weight_sync_time_s", "perf/rebalance_time_s"),
+        "request migrations so far": ("migrations/count",),
+        "migrated KV bytes so far": ("migrations/kv_bytes",),
+        "re-prefilled tokens so far": ("migrations/reprefill_tokens",),
+    },
+}
+
+
+def custom_scalars_layout(layout: Mapping[str, Mapping[str, Sequence[str]]] = DORA_LAYOUT) -> dict:
+    """``layout`` in the form ``SummaryWriter.add_custom_scalars`` takes: multiline charts whose
+    tags are anchored regular expressions, so each chart plots exactly its tags (the plugin
+    matches tags by regex: ``staleness/max`` alone would also match a longer tag)."""
+    return {category: {chart: ["Multiline", [f"^{re.escape(t)}$" for t in tags]] for chart, tags in charts.items()}
+            for category, charts in layout.items()}
 
 
 class ScalarWriter(Protocol):
@@ -33,6 +83,8 @@ class TensorBoardWriter:
         from torch.utils.tensorboard import SummaryWriter
 
         self._writer = SummaryWriter(log_dir=str(logdir), purge_step=purge_step)
+        # once per event file (the plugin reads it from any file of the run; a resumed run writes it again)
+        self._writer.add_custom_scalars(custom_scalars_layout())
 
     def scalars(self, step: int, values: Mapping[str, float | int | None]) -> None:
         for tag, value in values.items():
@@ -45,6 +97,17 @@ class TensorBoardWriter:
         self._writer.close()
 
 
+def write_heldout(logdir: str | Path, initial: float, final: float, final_version: int) -> None:
+    """The held-out rates as two points of :data:`HELDOUT_TAG`: the initial weights at step 0 and
+    the final ones at the step of their version, so they sit on the reward charts' step axis."""
+    writer = TensorBoardWriter(logdir)
+    try:
+        writer.scalars(0, {HELDOUT_TAG: initial})
+        writer.scalars(final_version, {HELDOUT_TAG: final})
+    finally:
+        writer.close()
+
+
 def read_scalar_tags(logdir: str | Path) -> dict[str, list[tuple[int, float]]]:
     """All scalars in ``logdir`` (for tests and reports): tag -> [(step, value)]."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -52,3 +115,18 @@ def read_scalar_tags(logdir: str | Path) -> dict[str, list[tuple[int, float]]]:
     acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags().get("scalars", [])}
+
+
+def read_layout(logdir: str | Path) -> dict[str, dict[str, list[str]]]:
+    """The custom-scalars layout stored in ``logdir`` as the plugin reads it: category title ->
+    chart title -> tag regexes (empty if none was written)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.custom_scalar import layout_pb2, metadata
+
+    acc = EventAccumulator(str(logdir), size_guidance={"tensors": 0})
+    acc.Reload()
+    if metadata.CONFIG_SUMMARY_TAG not in acc.Tags().get("tensors", []):
+        return {}
+    layout = layout_pb2.Layout()
+    layout.ParseFromString(acc.Tensors(metadata.CONFIG_SUMMARY_TAG)[-1].tensor_proto.string_val[0])
+    return {c.title: {chart.title: list(chart.multiline.tag) for chart in c.chart} for c in layout.category}

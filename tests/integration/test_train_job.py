@@ -74,6 +74,12 @@ def test_short_dora_run(tmp_path):
     assert summary["heldout_prompts"] == 6
     assert summary["heldout_exact_initial"] == heldout[0]["exact"] and summary["heldout_exact_final"] == heldout[1]["exact"]
     assert (run_dir / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+    assert (run_dir / "overview.png").read_bytes()[:4] == b"\x89PNG"
+    # the held-out rates on the reward charts' step axis, and the CUSTOM SCALARS layout that shows them
+    from dora_megatron.observability.tensorboard import DORA_LAYOUT, HELDOUT_TAG, read_layout
+
+    assert [s for s, _ in tags[HELDOUT_TAG]] == [0, 4]
+    assert list(read_layout(run_dir / "tb")) == list(DORA_LAYOUT)
     trace = json.loads((run_dir / "trace.json").read_text())
     assert any(e.get("name") == "step 0" for e in trace["traceEvents"])
     check_metrics_against_the_trace(tmp_path, run_dir, summary, trace)
@@ -159,8 +165,9 @@ def test_jsonl_prompt_dataset_runs_end_to_end(tmp_path):
     common = ("data.task=jsonl", f"data.path={data}", "model.warm_start=", "orchestrator.tbs=2",
               "orchestrator.rbs=4", "orchestrator.group_size=2", "rollout.max_new_tokens=16",
               "observability.timeline=false", "observability.tensorboard=false")
-    proc, run_dir = run_train(tmp_path, "run.steps=3", *common)
+    proc, run_dir = run_train(tmp_path, "run.steps=3", "observability.overview=false", *common)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert not (run_dir / "overview.png").exists()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["consumed_groups"] == 6
     assert summary["reward_fn"].startswith("math: ") and f"reward: {summary['reward_fn']}" in proc.stdout + proc.stderr

@@ -23,6 +23,7 @@ def test_single_mode_writes_summary_and_plots(tmp_path):
     assert len(data["series"]["step_time_s"]) == 3
     assert (tmp_path / "r_steps.png").stat().st_size > 0
     assert (tmp_path / "r_timeline_dora.png").stat().st_size > 0
+    assert (tmp_path / "r_overview.png").read_bytes()[:4] == b"\x89PNG"  # the overview dora train draws
 
 
 def test_bad_override_is_a_config_error(tmp_path, capsys):
