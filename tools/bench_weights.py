@@ -128,8 +128,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--buckets", default="16,64,256", help="bucket sizes in MB for the distributed transport")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
-    parser.add_argument("--workdir", default=None, help="where model dirs and snapshots go (default: a temp dir)")
+    parser.add_argument("--workdir", default=None,
+                        help="folder under which the model dirs and snapshots go, in a temp dir removed at the end "
+                             "(created if missing; default: the system temp folder)")
     args = parser.parse_args(argv)
+    if args.workdir:
+        # a folder named for the bench's scratch space is expected to be made, as --out's file is
+        workdir = Path(args.workdir)
+        if workdir.exists() and not workdir.is_dir():
+            parser.error(f"--workdir {args.workdir}: exists and is not a folder")
+        try:
+            workdir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            parser.error(f"--workdir {args.workdir}: cannot create it ({err.strerror or err})")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     import torch
 

@@ -5,6 +5,9 @@ for any model directories: the initial model, any ``RUN_DIR/weights/vNNNNNN`` sn
 
     python tools/eval_digits.py RUN_DIR/model RUN_DIR/weights/v000200 --task digit_cipher \\
         --length-exponent 1.2 --prompts 400 --decode sample greedy
+
+The results (one line per model and decode) go to stdout, so that they can be piped or
+redirected; logging and the libraries' progress bars stay on stderr.
 """
 
 from __future__ import annotations
@@ -50,11 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for decode in args.decode:
         for model_dir in args.models:
+            log.info("evaluating %s (%s, %d prompts)", model_dir, decode, len(prompts))
             res = evaluate_model(model_dir, prompts, decode, temperature=args.temperature, top_p=args.top_p,
                                  top_k=args.top_k, stop_token_ids=args.stop_token_ids,
                                  max_new_tokens=args.max_new_tokens, seed=args.seed)
             results.append(res.to_json())
-            log.info("%s  %s", res.line(), model_dir)
+            # a result, not a log line: stdout, apart from the progress output on stderr
+            print(f"{res.line()}  {model_dir}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
