@@ -15,7 +15,7 @@ from dora_megatron.config.schema import load_config
 from dora_megatron.controller.build import Endpoints, build_controller
 from dora_megatron.data.tokenizer import save_tokenizer
 
-from .test_runtime import make
+from tests.helpers.runtime import make
 
 ROOT = Path(__file__).resolve().parents[3]
 # the orchestrator of test_runtime.make(): a checkpoint it wrote restores under this config
