@@ -253,3 +253,20 @@ def test_extra_stop_token_ids_reach_every_request():
     asyncio.run(rt.run())
     rec = next(iter(rt.samples.values()))
     assert rt._sampling(rec)["stop_token_ids"] == [*eos, 7, 9]  # EOS first, no duplicates
+
+
+def test_checkpoint_state_does_not_carry_the_step_logs_or_duplicate_groups(tmp_path):
+    """controller.json grows with outstanding work, not with the step count: the step logs are
+    steps.jsonl's, a group's version and sample ids are the orchestrator snapshot's. (The metrics
+    recorder's rows, ``metrics``, are still per step: the summary of a resumed run needs them.)"""
+    rt, engines, trainer = make(steps=20, tmp_path=tmp_path)
+    asyncio.run(rt.run())
+    sizes = {}
+    for v in (2, 20):
+        state = json.loads((tmp_path / f"ck{v}" / "controller.json").read_text())
+        assert "steps" not in state and state["steps_done"] == v
+        for g in state["groups"]:
+            assert "version" not in g and "sample_ids" not in g
+        assert all("prompt_ids" not in s and "group_id" not in s for s in state["samples"])
+        sizes[v] = len(json.dumps({k: x for k, x in state.items() if k != "metrics"}))
+    assert sizes[20] <= 1.5 * sizes[2], sizes
