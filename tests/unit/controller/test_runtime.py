@@ -270,3 +270,30 @@ def test_checkpoint_state_does_not_carry_the_step_logs_or_duplicate_groups(tmp_p
         assert all("prompt_ids" not in s and "group_id" not in s for s in state["samples"])
         sizes[v] = len(json.dumps({k: x for k, x in state.items() if k != "metrics"}))
     assert sizes[20] <= 1.5 * sizes[2], sizes
+
+
+def test_an_older_controller_json_with_step_logs_and_duplicated_groups_still_loads(tmp_path):
+    """Checkpoints written before the step logs left controller.json load into the same records."""
+    rt, _, _ = make(steps=4, tmp_path=tmp_path)
+    asyncio.run(rt.run())
+    state = json.loads((tmp_path / "ck2" / "controller.json").read_text())
+    orch = {g["group_id"]: g for g in state["orchestrator"]["groups"]}
+    old = json.loads(json.dumps(state))
+    del old["steps_done"]
+    old["steps"] = [{"step": 0}, {"step": 1}]  # only their count is read
+    prompt_of = {}
+    for g in old["groups"]:
+        g["version"], g["sample_ids"] = orch[g["group_id"]]["version"], orch[g["group_id"]]["sample_ids"]
+        for i, sid in enumerate(g["sample_ids"]):
+            prompt_of[sid] = (g["group_id"], i, g["prompt_ids"])
+        del g["prompt_ids"]
+    for s in old["samples"]:
+        s["group_id"], s["index"], s["prompt_ids"] = prompt_of[s["sample_id"]]
+    new_rt, _, _ = make(steps=4)
+    new_rt.load_state_dict(state)
+    old_rt, _, _ = make(steps=4)
+    old_rt.load_state_dict(old)
+    assert old_rt.steps_done == new_rt.steps_done == 2
+    assert old_rt.samples == new_rt.samples and old_rt.samples
+    assert {k: (g.version, g.sample_ids, g.prompt.index) for k, g in old_rt.groups.items()} == \
+        {k: (g.version, g.sample_ids, g.prompt.index) for k, g in new_rt.groups.items()}
