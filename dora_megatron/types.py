@@ -86,13 +86,3 @@ class Batch:
     step: int
     group_ids: tuple[str, ...]
     versions: tuple[int, ...]
-
-
-@dataclass(slots=True)
-class VersionRecord:
-    """Per-version bookkeeping (counts of groups and of unfinished samples)."""
-
-    version: int
-    dispatched_groups: int = 0
-    consumed_groups: int = 0
-    unfinished_samples: int = 0

@@ -70,13 +70,8 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(format_plan(local_plan(cfg, model_dir, "<run_dir>")) + "\n")
         sys.stdout.write(_memory_table(cfg) + "\n")
         return 0
-    try:
-        from dora_megatron.launch.local import run_local_job
-    except ModuleNotFoundError as err:
-        if err.name == "dora_megatron.launch.local":
-            sys.stderr.write("dora train: launching is not available yet in this build (use --dry-run)\n")
-            return 3
-        raise
+    from dora_megatron.launch.local import run_local_job
+
     return run_local_job(cfg, resume=args.resume)
 
 

@@ -82,7 +82,7 @@ class WorkloadConfig:
 
 
 @dataclass
-class ClusterConfig:
+class SimClusterConfig:
     """Accelerators and how modes place trainer and rollout on them."""
 
     total_gpus: int = field_doc(64, "accelerators in the job (trainer + rollout)", ge=1)
@@ -205,7 +205,7 @@ class SimConfig:
     """Top-level simulator config (``dora simulate --config``)."""
 
     sim: SimRunConfig = field(default_factory=SimRunConfig)
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    cluster: SimClusterConfig = field(default_factory=SimClusterConfig)
     cost: CostModelConfig = field(default_factory=CostModelConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     orchestrator: dict[str, Any] = field_doc(

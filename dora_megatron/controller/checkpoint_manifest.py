@@ -96,7 +96,10 @@ def missing_snapshots(root: Path, snapshot_dir: Callable[[int], Path]) -> list[s
     (pruned): the versions of its unconsumed groups and its own version."""
     try:
         state = json.loads((root / COMPLETE).read_text())
-        versions = {int(g["version"]) for g in state.get("groups", [])} | {int(state["version"])}
+        # a group's version is the orchestrator snapshot's (an older controller.json has it in its own entry)
+        orch = {g["group_id"]: g for g in state.get("orchestrator", {}).get("groups", [])}
+        versions = {int((g if "version" in g else orch[g["group_id"]])["version"]) for g in state.get("groups", [])}
+        versions.add(int(state["version"]))
     except (OSError, ValueError, KeyError, TypeError) as err:
         return [f"{root / COMPLETE}: unreadable ({err})"]
     # version 0 is the initial model (``model.path`` or a preset the launcher re-creates)

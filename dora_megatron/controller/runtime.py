@@ -29,7 +29,6 @@ instance switch first awaits every move away from it.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from dataclasses import dataclass
 import time
@@ -146,7 +145,10 @@ class Runtime:
         #: are consumed, consumed.jsonl records them), so memory is O(outstanding work)
         self.samples: dict[str, SampleRecord] = {}
         self.groups: dict[str, GroupRecord] = {}
+        #: the step logs of this process only (the run's are steps.jsonl's rows; a checkpoint keeps
+        #: their count, not them, so its size does not grow with the step count)
         self.steps: list[StepLog] = []
+        self.steps_done = 0  # steps of the run so far, resumed ones included
         self.failed_ever: set[str] = set()  # every instance that failed at least once (rejoined ones too)
         self.rejoins = 0  # failed instances that came back (``add_instance`` of a failed name)
         self.samples_after_rejoin = 0  # samples finished on an instance after it rejoined
@@ -814,12 +816,13 @@ class Runtime:
         log_ = StepLog(ev.step, ev.start, end, b.wait_s, ev.train_s, scalars["perf/sync_time_s"], metrics, b.rewards,
                        b.lengths, b.staleness, b.tokens, live_versions, list(b.group_ids), list(b.versions))
         self.steps.append(log_)
+        self.steps_done += 1
         if self.timeline is not None:
             self.timeline.span("trainer", f"step {ev.step}", ev.start, end, version=ev.step, kind="train")
         if self.on_step is not None:
             self.on_step(log_, self)
         self._trainer_idle_since = end
-        last = len(self.steps) >= self.opt.steps
+        last = self.steps_done >= self.opt.steps
         due = self.opt.checkpoint_dir is not None and (
             last or bool(self.opt.checkpoint_interval and new_version % self.opt.checkpoint_interval == 0))
         if due:
@@ -831,7 +834,7 @@ class Runtime:
 
     def step_boundary(self) -> bool:
         """Loop: after a step (and its checkpoint): True when it was the last one (the run ends)."""
-        if len(self.steps) >= self.opt.steps:
+        if self.steps_done >= self.opt.steps:
             self.stop()
             return True
         return False
@@ -882,7 +885,7 @@ class Runtime:
             # would be pruned); it keeps the previous checkpoint's as well, the fallback while
             # this one is being written
             self.on_checkpoint(version)
-        if len(self.steps) >= self.opt.steps:
+        if self.steps_done >= self.opt.steps:
             for pending in (self._state_writer, writer):
                 for _ in pending or ():
                     pass
@@ -900,16 +903,22 @@ class Runtime:
 
     def state_dict(self, version: int, orchestrator_snapshot: dict[str, Any]) -> dict[str, Any]:
         """The controller part of a checkpoint: outstanding groups and their samples (unfinished ones
-        restart from their prompt), counters, the step logs; not the consumed groups' ids."""
+        restart from their prompt), counters, the number of steps done; not the step logs (steps.jsonl
+        has them) nor the consumed groups' ids."""
         unconsumed = list(self.groups.values())  # consumed ones were forgotten at release
         samples = []
+        groups = []
         for g in unconsumed:
+            # a group's version and sample ids are the orchestrator snapshot's (stored once, there);
+            # its prompt ids once per group (every sample of it has the same prompt)
+            groups.append({"group_id": g.group_id, "prompt_index": g.prompt.index,
+                           "prompt_ids": self.samples[g.sample_ids[0]].prompt_ids})
             for sid in g.sample_ids:
                 r = self.samples[sid]
                 done = r.finished and not r.replay_pending  # a pending replay is unfinished for the orchestrator
                 samples.append({
-                    "sample_id": r.sample_id, "group_id": r.group_id, "index": r.index, "version": r.version,
-                    "prompt_ids": r.prompt_ids, "finished": done, "reward": r.reward if done else None,
+                    "sample_id": r.sample_id, "version": r.version, "finished": done,
+                    "reward": r.reward if done else None,
                     # unfinished samples restart from their prompt on their own version (C1)
                     "output_ids": r.output_ids if done else [],
                     "logprobs": r.logprobs if done else [],
@@ -921,10 +930,8 @@ class Runtime:
             "format": 1, "version": version, "pending_step_finished": version,
             "next_prompt": self.next_prompt, "wall_s": self.now(),
             "orchestrator": orchestrator_snapshot,
-            "groups": [{"group_id": g.group_id, "version": g.version, "prompt_index": g.prompt.index,
-                        "sample_ids": list(g.sample_ids)} for g in unconsumed],
-            "samples": samples,
-            "steps": [dataclasses.asdict(x) for x in self.steps],
+            "groups": groups, "samples": samples,
+            "steps_done": self.steps_done,
             "metrics": self.metrics.state_dict(), "migrated_bytes": self.migrated_bytes,
             "migrations_done": self.migrations_done, "migrations_fallback": self.migrations_fallback,
             "expected_checksums": {str(k): v for k, v in self.expected_checksums.items()},
@@ -935,11 +942,22 @@ class Runtime:
         their own version; every instance is fresh and is switched to the version it is given."""
         self.next_prompt = int(state["next_prompt"])
         self._wall_offset = float(state["wall_s"])
+        # version and sample ids of a group from the orchestrator's snapshot (an older controller.json
+        # also has them in its own group entries, and the prompt ids in every sample entry)
+        orch_groups = {g["group_id"]: g for g in state["orchestrator"]["groups"]}
+        placed: dict[str, tuple[str, int, list[int]]] = {}  # sample id -> (group id, index, prompt ids)
         for g in state["groups"]:
+            og = orch_groups.get(g["group_id"], g)
             prompt = self.source.get(int(g["prompt_index"]))
-            self.groups[g["group_id"]] = GroupRecord(g["group_id"], int(g["version"]), prompt, tuple(g["sample_ids"]), 0.0)
+            sample_ids = tuple(g.get("sample_ids", og["sample_ids"]))
+            self.groups[g["group_id"]] = GroupRecord(g["group_id"], int(g.get("version", og["version"])), prompt,
+                                                     sample_ids, 0.0)
+            for i, sid in enumerate(sample_ids):
+                placed[sid] = (g["group_id"], i, g.get("prompt_ids"))
         for d in state["samples"]:
-            rec = SampleRecord(d["sample_id"], d["group_id"], int(d["index"]), int(d["version"]), list(d["prompt_ids"]),
+            group_id, index, prompt_ids = placed[d["sample_id"]]
+            rec = SampleRecord(d["sample_id"], d.get("group_id", group_id), int(d.get("index", index)), int(d["version"]),
+                               list(d["prompt_ids"] if "prompt_ids" in d else prompt_ids),
                                output_ids=list(d["output_ids"]), logprobs=list(d["logprobs"]),
                                versions=set(d["versions"]), reward=d["reward"], finished=bool(d["finished"]),
                                routed_experts=d.get("routed_experts"), finish_reason=d.get("finish_reason"))
@@ -947,7 +965,8 @@ class Runtime:
         # consumed groups are not carried (consumed.jsonl lists them; an older controller.json's
         # "consumed" is ignored): the restored orchestrator has forgotten them, so none can be
         # released again
-        self.steps = [StepLog(**x) for x in state["steps"]]
+        # the step logs themselves are steps.jsonl's (an older controller.json's "steps" list: its length)
+        self.steps_done = int(state["steps_done"]) if "steps_done" in state else len(state["steps"])
         if "metrics" in state:  # absent in checkpoints written before the recorder: the summary then starts anew
             self.metrics.load_state_dict(state["metrics"])
         self.migrated_bytes = int(state["migrated_bytes"])
@@ -1047,13 +1066,13 @@ class Runtime:
                 self.timeline.span("trainer", "before the resume (previous run)", 0.0, start, kind="resumed")
             for iid, v in self._version_of.items():
                 self.timeline.set_version(iid, v, start)
-        if self._resumed and len(self.steps) >= self.opt.steps:
+        if self._resumed and self.steps_done >= self.opt.steps:
             # every step was done before the checkpoint: nothing to dispatch, and no
             # on_step_finished will ever come to end the run
             self._done.set()
         elif self._resumed:
             self._trainer_idle_since = self.now()
-            pending = self._pending_step_finished if len(self.steps) < self.opt.steps else None
+            pending = self._pending_step_finished if self.steps_done < self.opt.steps else None
             self.events.post(Resume(tuple(self.engines), pending))
         else:
             self.events.post(Start())

@@ -32,7 +32,7 @@ import random
 import re
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any, Callable, Iterator, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 PROMPT_SEP = ":"
 ANSWER_END = "."
@@ -244,10 +244,3 @@ def make_prompt_source(task: str, partial_credit: bool = False, **kwargs) -> tup
         return RunningSumTask(kind=task, **kwargs), functools.partial(running_sum_reward, partial_credit=partial_credit)
     raise ValueError(f"data.task: unknown task {task!r} (digit tasks: {', '.join(DIGIT_TASKS)}; a prompt dataset is "
                      "read by dora_megatron.data.dataset)")
-
-
-def iter_prompts(source: PromptSource, start: int = 0) -> Iterator[Prompt]:
-    index = start
-    while True:
-        yield source.get(index)
-        index += 1

@@ -77,14 +77,6 @@ def _children_alive(procs: ProcessSet) -> Callable[[], bool]:
     return alive
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint (one with ``controller.json``) of a run, if any (unverified)."""
-    from dora_megatron.controller.checkpoint_manifest import complete_checkpoints
-
-    done = complete_checkpoints(run_dir)
-    return done[-1] if done else None
-
-
 def resume_checkpoint(run_dir: Path, say, quarantine: bool = True) -> tuple[Path | None, str]:
     """The checkpoint ``--resume`` continues from: the newest one that matches its checksum
     manifest and whose weight snapshots still exist, falling back to older ones (each rejected

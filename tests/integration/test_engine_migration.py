@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from tests.integration.conftest import make_tiny_moe
+from tests.helpers.models import make_tiny_moe
 
 from dora_megatron.comm.engine_client import EngineClient, ExtensionUnsupported
 

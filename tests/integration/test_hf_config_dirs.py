@@ -22,7 +22,7 @@ import torch
 
 from dora_megatron.rollout.engine.process import start_engine
 from tests import hf_dirs
-from tests.integration.test_trainer_parallel import run_scenario
+from tests.helpers.trainer_scenarios import run_scenario
 
 pytestmark = pytest.mark.integration
 transformers = pytest.importorskip("transformers")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.integration.test_trainer_parallel import make_hf_model, run_scenario
+from tests.helpers.trainer_scenarios import make_hf_model, run_scenario
 
 pytestmark = pytest.mark.integration
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.integration.test_train_job import run_train
+from tests.helpers.train_job import run_train
 
 pytestmark = pytest.mark.integration
 

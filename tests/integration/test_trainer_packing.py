@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.integration.test_trainer_parallel import run_scenario
+from tests.helpers.trainer_scenarios import run_scenario
 
 pytestmark = pytest.mark.integration
 

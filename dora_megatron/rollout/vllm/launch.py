@@ -22,10 +22,6 @@ if TYPE_CHECKING:
     from dora_megatron.rollout.vllm.engine import VLLMEngine
 
 
-class VLLMNotInstalled(RuntimeError):
-    """``vllm.python`` does not exist (run tools/setup_vllm.sh)."""
-
-
 def vllm_problem(cfg: "DoraConfig") -> str | None:
     """Why vLLM instances cannot start (None: they can), found before anything starts."""
     python = vllm_python(cfg.vllm)

@@ -27,7 +27,7 @@ def _finished_run(run_dir: Path, steps: int) -> None:
     (the runtime driven by fake engines and a fake trainer) and the resolved config."""
     from dora_megatron.config.loader import dump_yaml
     from dora_megatron.config.schema import load_config
-    from tests.unit.controller.test_runtime import make
+    from tests.helpers.runtime import make
 
     rt, _, _ = make(mode="dora", steps=steps, tmp_path=run_dir)
     rt.opt.checkpoint_dir = lambda v: str(run_dir / "checkpoints" / f"v{v:06d}")

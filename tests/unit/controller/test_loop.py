@@ -8,7 +8,7 @@ import asyncio
 import sys
 
 from .fakes import fail_after_first_step
-from .test_runtime import check_run, make
+from tests.helpers.runtime import check_run, make
 
 EVENT_METHODS = ("start", "on_tick", "on_sample_progress", "on_sample_finished", "on_sample_versions",
                  "on_instance_stats",

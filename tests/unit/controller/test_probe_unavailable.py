@@ -20,8 +20,9 @@ from aiohttp.test_utils import TestServer
 
 from dora_megatron.comm.sglang_client import SGLangClient
 
+from tests.helpers.runtime import make
+
 from .fakes import FakeEngine, FakeTrainer
-from .test_runtime import make
 
 #: how each unavailable check answers (status, JSON body), as servers without the route or action do
 UNAVAILABLE = {

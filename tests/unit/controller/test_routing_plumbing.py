@@ -14,7 +14,7 @@ from dora_megatron.comm.routed_experts import decode_routed_experts, encode_rout
 from dora_megatron.rollout.sglang.args import InstanceSpec, server_argv
 
 from .fakes import FakeEngine
-from .test_runtime import check_run, make
+from tests.helpers.runtime import check_run, make
 
 
 def _routing_of(ids: list[int]) -> str:

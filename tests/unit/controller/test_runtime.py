@@ -13,65 +13,11 @@ import json
 
 import pytest
 
-from dora_megatron.config.orchestrator import OrchestratorConfig
-from dora_megatron.controller.records import RuntimeOptions
-from dora_megatron.controller.runtime import Runtime
 from dora_megatron.controller.trainer_client import PushOptions
-from dora_megatron.data import tokenizer as tok
-from dora_megatron.data.tasks import RunningSumTask, running_sum_reward
 from dora_megatron.orchestrator import Orchestrator
+from tests.helpers.runtime import check_run, engine_versions, make, trained_groups
 
-from .fakes import FakeEngine, FakeTrainer
-
-
-def make(mode="dora", n=3, steps=6, tbs=4, rbs=8, S=2, G=2, migration=True, token_s=0.001, tmp_path=None,
-         transport="disk", **orch):
-    cfg = OrchestratorConfig(mode=mode, tbs=tbs, rbs=rbs, max_staleness=S, group_size=G, rebalance_interval_s=0.05,
-                             cap_before_rebalance=6, cap_after_rebalance=4, **orch)
-    names = [f"e{i}" for i in range(n)]
-    engines = {name: FakeEngine(name, token_s=token_s, migration=migration) for name in names}
-    trainer = FakeTrainer(engines=engines)
-    opts = RuntimeOptions(steps=steps, seed=0, weight_transport=transport, max_new_tokens=64, temperature=1.0, top_p=1.0, top_k=-1,
-                          snapshot_dir=lambda v: f"/snap/v{v}", stats_interval_s=0.01,
-                          checkpoint_interval=2 if tmp_path else 0,
-                          checkpoint_dir=(lambda v: str(tmp_path / f"ck{v}")) if tmp_path else None)
-    task = RunningSumTask(1, 30, 1.2, seed=1)
-    rt = Runtime(Orchestrator(cfg, names), engines, trainer, task, running_sum_reward, opts)
-    return rt, engines, trainer
-
-
-def check_run(rt, engines, trainer, steps, tbs, G):
-    assert len(trainer.batches) == steps
-    seen = set()
-    for step, batch in enumerate(trainer.batches):
-        groups = {s["group_id"] for s in batch}
-        assert len(groups) == tbs and len(batch) == tbs * G
-        assert not (groups & seen), "a group was trained twice"
-        seen |= groups
-        for s in batch:
-            assert step - s["version"] <= rt.orch.S
-            # the fake engine answers correctly: the assembled response must be exactly right
-            assert s["reward"] == 1.0, tok.decode(s["response_ids"])
-            assert len(s["rollout_logprobs"]) == len(s["response_ids"])
-    # C1 from what the engines saw: every request of a sample (generate, import) ran on one version
-    versions = engine_versions(engines)
-    assert all(len(vs) == 1 for vs in versions.values()), {rid: vs for rid, vs in versions.items() if len(vs) > 1}
-    # the runtime forgot every consumed group's records (the orchestrator owns run state)
-    assert not any(rec.group_id in seen for rec in rt.samples.values()) and not set(rt.groups) & seen
-
-
-def engine_versions(engines) -> dict[str, set[int]]:
-    """Sample id -> the weight versions the engines ran its requests on (their own logs)."""
-    out: dict[str, set[int]] = {}
-    for e in engines.values():
-        for op, rid, version in e.log:
-            if op in ("generate", "import"):
-                out.setdefault(rid, set()).add(version)
-    return out
-
-
-def trained_groups(trainer) -> set[str]:
-    return {s["group_id"] for batch in trainer.batches for s in batch}
+from .fakes import FakeEngine
 
 
 @pytest.mark.parametrize("mode", ["sync", "one_step_off", "dora"])
@@ -321,3 +267,47 @@ def test_no_batch_is_released_after_the_last_step(mode):
     assert summary["consumed_groups"] == 3 * 4 and rt.orch.counters.consumed_groups == 3 * 4
     waiting = sum(len(groups) for groups in rt.orch._finished_groups.values())
     assert waiting >= 4, waiting  # a whole batch was ready at the end: the case this guards
+
+
+def test_checkpoint_state_does_not_carry_the_step_logs_or_duplicate_groups(tmp_path):
+    """controller.json grows with outstanding work, not with the step count: the step logs are
+    steps.jsonl's, a group's version and sample ids are the orchestrator snapshot's. (The metrics
+    recorder's rows, ``metrics``, are still per step: the summary of a resumed run needs them.)"""
+    rt, engines, trainer = make(steps=20, tmp_path=tmp_path)
+    asyncio.run(rt.run())
+    sizes = {}
+    for v in (2, 20):
+        state = json.loads((tmp_path / f"ck{v}" / "controller.json").read_text())
+        assert "steps" not in state and state["steps_done"] == v
+        for g in state["groups"]:
+            assert "version" not in g and "sample_ids" not in g
+        assert all("prompt_ids" not in s and "group_id" not in s for s in state["samples"])
+        sizes[v] = len(json.dumps({k: x for k, x in state.items() if k != "metrics"}))
+    assert sizes[20] <= 1.5 * sizes[2], sizes
+
+
+def test_an_older_controller_json_with_step_logs_and_duplicated_groups_still_loads(tmp_path):
+    """Checkpoints written before the step logs left controller.json load into the same records."""
+    rt, _, _ = make(steps=4, tmp_path=tmp_path)
+    asyncio.run(rt.run())
+    state = json.loads((tmp_path / "ck2" / "controller.json").read_text())
+    orch = {g["group_id"]: g for g in state["orchestrator"]["groups"]}
+    old = json.loads(json.dumps(state))
+    del old["steps_done"]
+    old["steps"] = [{"step": 0}, {"step": 1}]  # only their count is read
+    prompt_of = {}
+    for g in old["groups"]:
+        g["version"], g["sample_ids"] = orch[g["group_id"]]["version"], orch[g["group_id"]]["sample_ids"]
+        for i, sid in enumerate(g["sample_ids"]):
+            prompt_of[sid] = (g["group_id"], i, g["prompt_ids"])
+        del g["prompt_ids"]
+    for s in old["samples"]:
+        s["group_id"], s["index"], s["prompt_ids"] = prompt_of[s["sample_id"]]
+    new_rt, _, _ = make(steps=4)
+    new_rt.load_state_dict(state)
+    old_rt, _, _ = make(steps=4)
+    old_rt.load_state_dict(old)
+    assert old_rt.steps_done == new_rt.steps_done == 2
+    assert old_rt.samples == new_rt.samples and old_rt.samples
+    assert {k: (g.version, g.sample_ids, g.prompt.index) for k, g in old_rt.groups.items()} == \
+        {k: (g.version, g.sample_ids, g.prompt.index) for k, g in new_rt.groups.items()}

@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 
 from .fakes import FakeEngine, fail_after_first_step
-from .test_runtime import check_run, make
+from tests.helpers.runtime import check_run, make
 
 
 async def execute_with_loop(rt, actions) -> None:

@@ -16,7 +16,7 @@ from dora_megatron.data.tasks import running_sum_prompt
 from dora_megatron.orchestrator.actions import Interrupt
 
 from .fakes import FakeEngine, FakeTrainer
-from .test_runtime import make
+from tests.helpers.runtime import make
 
 
 class LateRegisteringEngine(FakeEngine):

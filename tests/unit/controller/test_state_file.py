@@ -11,7 +11,7 @@ import json
 from dora_megatron.controller.checkpoint_manifest import verify
 from dora_megatron.controller.state_file import json_chunks, write_state
 
-from .test_runtime import make
+from tests.helpers.runtime import make
 
 
 def test_chunks_are_the_text_of_json_dumps():

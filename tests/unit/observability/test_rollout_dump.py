@@ -19,7 +19,7 @@ from dora_megatron.data.codec import CharCodec
 from dora_megatron.data.tasks import parse_running_sum_prompt, running_sum_answer
 from dora_megatron.observability.rollout_dump import RolloutDumper, dump_path, select_samples
 
-from ..controller.test_runtime import make
+from tests.helpers.runtime import make
 
 ROOT = Path(__file__).resolve().parents[3]
 

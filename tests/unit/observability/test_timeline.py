@@ -66,7 +66,7 @@ def test_resumed_run_does_not_draw_the_time_before_the_crash_as_idle_instances(t
     import asyncio
 
     from dora_megatron.orchestrator import Orchestrator
-    from tests.unit.controller.test_runtime import make
+    from tests.helpers.runtime import make
 
     rt, _, _ = make(mode="dora", steps=2, tmp_path=tmp_path)
     asyncio.run(rt.run())

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from dora_megatron.orchestrator import Orchestrator
 
 from .sim_driver import Driver
-from .test_properties import scenarios
+from tests.helpers.orchestrator_scenarios import scenarios
 
 
 class Traced(Orchestrator):

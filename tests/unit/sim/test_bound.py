@@ -7,7 +7,7 @@ from dora_megatron.config.sim import load_sim_config
 from dora_megatron.sim.bound import deployment_bound, instance_capacity, length_moments
 from dora_megatron.sim.engine import simulate
 
-from tests.unit.sim.test_engine import FAST, TINY
+from tests.helpers.sim import FAST, TINY
 
 
 def _cfg(mode, *extra):

@@ -2,17 +2,13 @@
 the qualitative result the project is built on (sync pays the long-tail bubble, dora removes most
 of the trainer's wait)."""
 
-from pathlib import Path
-
 import pytest
 
 from dora_megatron.config.base import ConfigError
 from dora_megatron.config.sim import load_sim_config
 from dora_megatron.sim.engine import Simulation, simulate
 from dora_megatron.observability.summary import SUMMARY_FIELDS
-
-TINY = Path(__file__).resolve().parents[3] / "configs" / "sim" / "tiny.yaml"
-FAST = ["sim.steps=6", "sim.warmup_steps=1"]
+from tests.helpers.sim import FAST, TINY
 
 
 def _cfg(mode, *extra):
