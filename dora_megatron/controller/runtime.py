@@ -605,12 +605,12 @@ class Runtime:
         instance with one warning (``checksum_unavailable`` in the summary), never a failure."""
         from dora_megatron.comm.engine_client import ProbeUnavailable
 
-        if not self.opt.verify_checksums or (instance and instance in self.checksum_off):
+        key = instance or getattr(engine, "base_url", repr(engine))  # one key for the check and the switch
+        if not self.opt.verify_checksums or key in self.checksum_off:
             return None
         try:
             return await self._compare_checksum(engine, version)
         except ProbeUnavailable as exc:
-            key = instance or getattr(engine, "base_url", repr(engine))
             if key not in self.checksum_off:
                 self.checksum_off.add(key)
                 log.warning("%s: the weights check cannot run there (%s); it is off for this instance "
