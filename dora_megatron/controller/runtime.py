@@ -51,6 +51,10 @@ from dora_megatron.observability.summary import RunTotals
 
 log = logging.getLogger(__name__)
 
+#: refusals in a row of requests routed for an instance's own version (no switch under way) after
+#: which the instance is failed as out of step with the controller (:meth:`Runtime._out_of_step`)
+OUT_OF_STEP_REFUSALS = 3
+
 
 def _is_comm_error(err: BaseException) -> bool:
     """Errors that mean "this engine cannot be reached or refused to work": the instance is failed."""
@@ -190,6 +194,7 @@ class Runtime:
         self._trainer_manifest: dict[str, dict] = {}  # checksums of the trainer part of the checkpoint being written
         self._state_writer: Iterator[None] | None = None  # the controller.json writer still running (state_file)
         self.version_refusals = 0
+        self._refusal_streak: dict[str, int] = {}  # instance -> refusals in a row of its own version
         self.latest_version = 0  # newest weights the trainer holds (pushed by `distributed`)
         self.pushed_bytes = 0
 
@@ -395,14 +400,34 @@ class Runtime:
             # the engine's C1 guard refused it (it holds another version): nothing ran, re-queue it
             log.warning("C1 guard: %s refused %s for version %d: %s", a.instance, a.sample_id, a.version, err.message)
             self.version_refusals += 1
-            await self.events.report(MigrationFailed(a.sample_id))
+            if self._out_of_step(a.instance, a.version):
+                await self.events.report(InstanceFailed(
+                    a.instance, f"serves another weight version than the {a.version} it was switched to "
+                    f"({OUT_OF_STEP_REFUSALS} requests in a row refused: {err.message})", engine))
+            else:
+                await self.events.report(MigrationFailed(a.sample_id))
             return
         except Exception as err:  # noqa: BLE001
             if not _is_comm_error(err):
                 raise
             await self.events.report(InstanceFailed(a.instance, f"generate failed: {err}", engine))
             return
+        self._refusal_streak.pop(a.instance, None)
         await self.events.report(EngineReply(a.sample_id, a.instance, resp, start, self.now()))
+
+    def _out_of_step(self, instance: str, version: int) -> bool:
+        """Whether ``instance`` has now refused :data:`OUT_OF_STEP_REFUSALS` requests in a row routed
+        for the version the controller last switched it to, with no switch of it under way. A refusal
+        racing a switch is normal; refusals of the instance's own version are not: it serves other
+        weights than the controller believes (started on another checkpoint, a reload that did not
+        take), and re-queueing its samples onto it would go on for ever. Failing it hands it to the
+        supervisor's restart, which loads the version the controller expects."""
+        switch = self._switching.get(instance)
+        if self._version_of.get(instance) != version or (switch is not None and not switch.done()):
+            self._refusal_streak.pop(instance, None)
+            return False
+        self._refusal_streak[instance] = self._refusal_streak.get(instance, 0) + 1
+        return self._refusal_streak[instance] >= OUT_OF_STEP_REFUSALS
 
     def absorb(self, ev: EngineReply) -> int | None:
         """Loop (:class:`EngineReply`): apply an engine response. Finished: the sample's length (the

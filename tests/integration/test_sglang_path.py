@@ -366,6 +366,8 @@ def test_an_instance_without_weights_checker_survives_every_weight_switch(engine
 
         async def go():
             adapters = {"e0": SGLangEngine(SGLangClient(engines[0].url)), "e1": SGLangEngine(SGLangClient(bare.url))}
+            # engines[0] holds what the tests before this one left on it: start it at version 0
+            await adapters["e0"].update_weights_from_disk(model_dir, weight_version=0)
             rt = Runtime(Orchestrator(cfg, names), adapters, trainer, RunningSumTask(1, 30, 1.2, seed=1),
                          running_sum_reward, opts)
             try:

@@ -103,6 +103,31 @@ def test_weight_sync_timeout_fails_the_instance_and_training_continues():
     assert all(version == 0 for _, _, version in engines[slow[0]].log)
 
 
+class OutOfStepEngine(FakeEngine):
+    """Serves version 9 whatever it is told to load (started on another checkpoint, a reload that
+    does not take): every request routed for the version the controller believes it holds is refused."""
+
+    def __init__(self, name: str, **kw) -> None:
+        super().__init__(name, **kw)
+        self.version = 9
+
+    async def update_weights_from_disk(self, model_path: str, weight_version=None):
+        out = await super().update_weights_from_disk(model_path, weight_version)
+        self.version = 9
+        return out
+
+
+def test_an_instance_out_of_step_with_the_controller_is_failed_instead_of_refusing_for_ever():
+    # no KV migration (SGLang's path): a migration to it is a resubmit, which it refuses too
+    rt, engines, trainer = make(mode="dora", n=3, steps=4, token_s=0.002, migration=False)
+    engines["e1"] = rt.engines["e1"] = OutOfStepEngine("e1", token_s=0.002, migration=False)
+    summary = asyncio.run(asyncio.wait_for(rt.run(), timeout=60))
+    check_run(rt, engines, trainer, 4, 4, 2)
+    assert summary["failed_instances"] == ["e1"]
+    assert summary["version_refusals"] >= 3 and summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0
+    assert not any(op == "generate" for op, _, _ in engines["e1"].log), "it never ran a request"
+
+
 def test_only_the_newest_switch_order_of_an_instance_is_carried_out():
     """Re-targeted before its switch ran (v2, v0, v2): one load of v2, reported once; an earlier
     completion reported as ``v2`` would let v2 requests in before the queued v0 load."""
