@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dora_megatron.observability.timeline_plot import UNVERSIONED_COLOR, concurrency  # noqa: F401 - re-exported
+
 
 @dataclass
 class Interval:
@@ -99,22 +101,7 @@ class Timeline:
 #: version colours: matplotlib's tab10 without its grey, which is kept for spans of no version
 #: (checkpoints), so that no version looks like a checkpoint bar
 VERSION_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf")
-UNVERSIONED_COLOR = "0.3"
 
 
 def version_color(version: int) -> str:
     return VERSION_COLORS[version % len(VERSION_COLORS)]
-
-
-def concurrency(intervals: list[Interval]) -> list[tuple[float, int]]:
-    """Step curve of how many intervals are open: [(time, count)] at every change."""
-    events = sorted([(iv.start, 1) for iv in intervals] + [(iv.end, -1) for iv in intervals])
-    out, n = [], 0
-    for t, d in events:
-        n += d
-        out.append((t, n))
-    return out or [(0.0, 0)]
-
-
-def _track_key(track: str) -> tuple[int, str]:
-    return (0 if track.startswith("trainer") else 1, track)

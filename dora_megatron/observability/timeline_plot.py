@@ -38,6 +38,19 @@ WINDOW_PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564
                   "#17becf", "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2",
                   "#dbdb8d", "#9edae5")
 
+#: spans of no version (checkpoints): a grey no version colour has
+UNVERSIONED_COLOR = "0.3"
+
+
+def concurrency(intervals: Sequence) -> list[tuple[float, int]]:
+    """Step curve of how many intervals are open: [(time, count)] at every change."""
+    events = sorted([(iv.start, 1) for iv in intervals] + [(iv.end, -1) for iv in intervals])
+    out, n = [], 0
+    for t, d in events:
+        n += d
+        out.append((t, n))
+    return out or [(0.0, 0)]
+
 
 @dataclass(frozen=True)
 class StepSpan:
@@ -155,8 +168,6 @@ def draw_timeline(intervals: Sequence, path: str | Path, *, window_steps: int = 
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    from dora_megatron.observability.timeline import UNVERSIONED_COLOR, concurrency
-
     path = Path(path)
     steps = trainer_steps(intervals)
     t_end = max((iv.end for iv in intervals), default=1.0) or 1.0
@@ -182,10 +193,14 @@ def draw_timeline(intervals: Sequence, path: str | Path, *, window_steps: int = 
     span_w = w1 - w0
     label_fs = "small" if n_rows <= 12 else "x-small"
 
-    def label(x: float, w: float, y: float, text: str, fs=label_fs) -> None:
-        longest = max(len(line) for line in text.splitlines())
-        if w >= span_w * 0.0075 * max(2, longest):  # the text fits in the bar
-            ax.text(x + w / 2, y, text, ha="center", va="center", fontsize=fs, clip_on=True)
+    def label(x: float, w: float, y: float, *texts: str, fs=label_fs) -> None:
+        """The first of ``texts`` that fits in the bar (none when none does), on a light box so a
+        requests line crossing it does not hide it."""
+        for text in texts:
+            if w >= span_w * 0.0075 * max(2, max(len(line) for line in text.splitlines())):
+                ax.text(x + w / 2, y, text, ha="center", va="center", fontsize=fs, clip_on=True,
+                        bbox={"facecolor": "white", "alpha": 0.6, "linewidth": 0, "pad": 1})
+                return
 
     for iv in in_window:
         kind = iv.args.get("kind")
@@ -196,7 +211,7 @@ def draw_timeline(intervals: Sequence, path: str | Path, *, window_steps: int = 
         if kind == "version":
             ax.broken_barh([seg], (y - 0.4, 0.8), facecolors=colour.get(iv.version, "0.8"), alpha=0.55,
                            edgecolor="white", linewidth=0.8)
-            label(*seg, y + 0.22, f"v{iv.version}")
+            label(*seg, y + 0.22, f"v{iv.version}", f"{iv.version}")
         elif kind == "weight_sync":
             ax.broken_barh([seg], (y - 0.4, 0.8), facecolors="none", edgecolor="0.15", hatch="////", linewidth=0)
         elif kind == "migration":
@@ -205,7 +220,7 @@ def draw_timeline(intervals: Sequence, path: str | Path, *, window_steps: int = 
             produced = int(iv.args.get("produced", (iv.version or 0) + 1))
             ax.broken_barh([seg], (y - 0.35, 0.7), facecolors=colour.get(produced, "0.6"), edgecolor="black",
                            linewidth=0.6)
-            label(*seg, y, f"step {iv.version}\n\u2192 v{produced}", fs="x-small")
+            label(*seg, y, f"step {iv.version}\n\u2192 v{produced}", f"{iv.version}", fs="x-small")
         elif kind == "broadcast":
             ax.broken_barh([seg], (y - 0.45, 0.15), facecolors="black", linewidth=0)
         elif kind == "checkpoint":
@@ -234,12 +249,15 @@ def draw_timeline(intervals: Sequence, path: str | Path, *, window_steps: int = 
     what = (f"steps {steps[lo].step}-{steps[hi - 1].step} of {len(steps)}" if hi > lo else "no trained step")
     ax.set_title(f"{title + ': ' if title else ''}detail, {what} (each version its own colour)", fontsize="medium")
     handles = [Patch(facecolor=colour[v], alpha=0.7, label=f"v{v}") for v in shown]
-    handles += [Patch(facecolor="none", edgecolor="0.15", hatch="////", label="loading weights"),
-                Line2D([], [], marker="v", color="black", linestyle="none", label="migration in"),
-                Line2D([], [], color="black", linewidth=0.7, label=f"running requests (row = {peak})"),
-                Patch(facecolor="black", label="trainer broadcast"),
-                Patch(facecolor=UNVERSIONED_COLOR, label="checkpoint"),
-                Line2D([], [], color="0.4", linestyle=":", label="a step ends: new version")]
+    kinds = {iv.args.get("kind") for iv in in_window}
+    marks = {"weight_sync": Patch(facecolor="none", edgecolor="0.15", hatch="////", label="loading weights"),
+             "migration": Line2D([], [], marker="v", color="black", linestyle="none", label="migration in"),
+             "request": Line2D([], [], color="black", linewidth=0.7, label=f"running requests (row = {peak})"),
+             "broadcast": Patch(facecolor="black", label="trainer broadcast"),
+             "checkpoint": Patch(facecolor=UNVERSIONED_COLOR, label="checkpoint")}
+    handles += [h for kind, h in marks.items() if kind in kinds]  # only what the window shows
+    if hi > lo:
+        handles.append(Line2D([], [], color="0.4", linestyle=":", label="a step ends: new version"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize="x-small",
               ncol=1 if len(handles) <= 16 else 2, frameon=False)
 

@@ -94,3 +94,17 @@ def test_a_long_run_draws_in_seconds(tmp_path):
     tl.close(6000.0)
     tl.write_png(tmp_path / "timeline.png")
     assert (tmp_path / "timeline.png").read_bytes()[:8] == PNG
+
+
+def test_the_simulators_segments_become_the_intervals_dora_train_records():
+    from dora_megatron.sim.plots import timeline_intervals
+
+    segments = [("r0", 0.0, 1.0, 0, "busy"), ("r0", 1.0, 1.5, 0, "idle"), ("r0", 1.5, 2.0, 0, "switching"),
+                ("r0", 2.0, 4.0, 1, "busy"), ("r1", 0.0, 4.0, 0, "busy")]
+    rows = [{"step": 0, "perf/step_time_s": 1.5, "perf/train_time_s": 0.5},
+            {"step": 1, "perf/step_time_s": 2.0, "perf/train_time_s": 1.0}]
+    ivs = timeline_intervals(segments, rows)
+    versions = sorted((iv.track, iv.start, iv.end, iv.version) for iv in ivs if iv.args["kind"] == "version")
+    assert versions == [("r0", 0.0, 2.0, 0), ("r0", 2.0, 4.0, 1), ("r1", 0.0, 4.0, 0)]  # busy + idle: one span
+    assert [(iv.start, iv.end) for iv in ivs if iv.args["kind"] == "weight_sync"] == [(1.5, 2.0)]
+    assert [(s.step, s.start, s.end, s.version) for s in trainer_steps(ivs)] == [(0, 1.0, 1.5, 1), (1, 2.5, 3.5, 2)]
