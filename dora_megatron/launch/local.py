@@ -404,7 +404,6 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
         await asyncio.gather(monitor, return_exceptions=True)
         ctl.close_journal()
         ctl.close_reward()
-        await asyncio.to_thread(background.close)  # every queued dump and picture written
         progress.close()
         steps_file.close()
         consumed_file.close()
@@ -418,6 +417,9 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
             await e.close()
         if pool is not None:
             await pool.close()
+        # last: every queued dump and checkpoint overview written (the run's work is over, the
+        # loop may wait for it now; an interrupted run's cleanup above has already run)
+        background.close()
     summary["reward_fn"] = ctl.reward_name
     summary["data_skipped_rows"] = skipped_rows(ctl.source)
     try:  # the trained policy for evaluation harnesses; the run's own outputs are written whatever happens here

@@ -10,7 +10,7 @@ small number (0 .. the staleness bound) however long the run is.
 * **detail** (top): the steps :func:`select_window` picks (``observability.timeline_window_steps``,
   by default the steady-state steps around the middle of the run). Rows: the trainer (its steps,
   labelled ``step N -> vN+1`` in the colour of the version they produce, broadcasts hatched,
-  checkpoints grey), then one row per instance: the version it holds (its own colour, labelled
+  checkpoints grey), then one row per instance (the first :data:`DETAIL_MAX_INSTANCES`): the version it holds (its own colour, labelled
   on the bar and in the legend), weight loads hatched, migrations in as black triangles and the
   number of running requests as a black line.
 * **whole run** (bottom): instances x time, each pixel the version age of the instance (trainer
@@ -33,6 +33,8 @@ from typing import Sequence
 
 #: pixels (time bins) of the whole-run panel
 WHOLE_RUN_BINS = 1200
+#: instances drawn as rows of the detail panel (the first ones by name); the whole-run panel has all
+DETAIL_MAX_INSTANCES = 16
 #: versions in the detail window get these colours in order (tab20 without its greys, dark then light)
 WINDOW_PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22",
                   "#17becf", "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2",
@@ -179,7 +181,8 @@ def draw_timeline(intervals: Sequence, path: str | Path, *, window_steps: int = 
     version_spans = [iv for iv in intervals if iv.args.get("kind") == "version"]
     resumed = [iv for iv in intervals if iv.args.get("kind") == "resumed"]
 
-    n_rows = len(instances) + 1
+    detail = instances[:DETAIL_MAX_INSTANCES]
+    n_rows = len(detail) + 1
     whole_h = min(4.0, max(1.2, 0.22 * len(instances) + 0.8))
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(14, 0.55 * n_rows + 2.2 + whole_h + 1.4),
                                   gridspec_kw={"height_ratios": [0.55 * n_rows + 1.2, whole_h]})
@@ -187,9 +190,9 @@ def draw_timeline(intervals: Sequence, path: str | Path, *, window_steps: int = 
     # ---- detail: the window's versions, each its own colour --------------------------------
     in_window = [iv for iv in intervals if iv.end > w0 and iv.start < w1]
     shown = sorted({iv.version for iv in in_window if iv.args.get("kind") in ("version", "weight_sync")
-                    and iv.version is not None} | {s.version for s in steps[lo:hi]})
+                    and iv.version is not None and iv.track in detail} | {s.version for s in steps[lo:hi]})
     colour = {v: WINDOW_PALETTE[i % len(WINDOW_PALETTE)] for i, v in enumerate(shown)}
-    row = {"trainer": 0, **{t: i + 1 for i, t in enumerate(instances)}}
+    row = {"trainer": 0, **{t: i + 1 for i, t in enumerate(detail)}}
     span_w = w1 - w0
     label_fs = "small" if n_rows <= 12 else "x-small"
 
@@ -244,9 +247,11 @@ def draw_timeline(intervals: Sequence, path: str | Path, *, window_steps: int = 
     ax.set_xlim(w0, w1)
     ax.set_ylim(n_rows - 0.5, -0.6)
     ax.set_yticks(range(n_rows))
-    ax.set_yticklabels(["trainer"] + instances, fontsize="small" if n_rows <= 24 else "xx-small")
+    ax.set_yticklabels(["trainer"] + detail, fontsize="small")
     ax.set_xlabel("seconds since the start of the run")
     what = (f"steps {steps[lo].step}-{steps[hi - 1].step} of {len(steps)}" if hi > lo else "no trained step")
+    if len(detail) < len(instances):
+        what += f", {len(detail)} of {len(instances)} instances"
     ax.set_title(f"{title + ': ' if title else ''}detail, {what} (each version its own colour)", fontsize="medium")
     handles = [Patch(facecolor=colour[v], alpha=0.7, label=f"v{v}") for v in shown]
     kinds = {iv.args.get("kind") for iv in in_window}

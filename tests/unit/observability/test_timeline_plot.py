@@ -66,7 +66,7 @@ def test_age_is_the_trainer_version_minus_the_held_one_the_oldest_in_each_pixel(
     assert all(math.isnan(x) for x in img[2])  # e2 held nothing
 
 
-def _recorded(tmp_path, steps=4):
+def _recorded(tmp_path, steps=3):
     rt, _, _ = make(mode="dora", steps=steps)
     rt.timeline = Timeline()
     asyncio.run(rt.run())
@@ -77,7 +77,7 @@ def test_a_recorded_trace_reads_back_and_draws_both_panels(tmp_path):
     trace = _recorded(tmp_path)
     tl = Timeline.read_chrome_trace(trace)
     steps = trainer_steps(tl.intervals)
-    assert [(s.step, s.version) for s in steps] == [(k, k + 1) for k in range(4)]  # the produced version
+    assert [(s.step, s.version) for s in steps] == [(k, k + 1) for k in range(3)]  # the produced version
     kinds = {iv.args.get("kind") for iv in tl.intervals}
     assert {"version", "request", "train", "weight_sync"} <= kinds
     png = tl.write_png(tmp_path / "timeline.png", title="dora", window_steps=2)
