@@ -105,3 +105,19 @@ def test_checkpoint_overviews_draw_the_rows_so_far_off_the_caller(tmp_path):
     assert (tmp_path / "overview.png").read_bytes()[:8] == PNG
     assert not list(tmp_path.glob(".*tmp"))  # written through a temporary renamed over it
     assert w.done == 1 and ov.histogram == {0: 4, 1: 5, 2: 4}
+
+
+def test_a_resumed_run_seeds_its_checkpoint_overviews_with_the_steps_before_the_checkpoint(tmp_path):
+    from dora_megatron.launch.local import _earlier_steps
+
+    (tmp_path / "steps.jsonl").write_text("".join(json.dumps({"step": k, **_scalars(k)}) + "\n" for k in range(2)))
+    (tmp_path / "consumed.jsonl").write_text(
+        json.dumps({"step": 0, "groups": ["a", "b"], "versions": [0, 0]}) + "\n"
+        + json.dumps({"step": 1, "groups": ["c", "d"], "versions": [0, 1]}) + "\n"
+        + json.dumps({"step": 2, "groups": ["e"], "versions": [1]}) + "\n"  # re-done after the resume: not counted
+        + '{"step": 3, "gro')  # torn by the crash
+    seed = _earlier_steps(tmp_path)
+    assert [r["step"] for r in seed["rows"]] == [0, 1] and seed["staleness"] == {0: 3, 1: 1}
+    ov = CheckpointOverviews(tmp_path / "overview.png", None, **seed)
+    ov.step(2, _scalars(2), staleness=[1])
+    assert [r["step"] for r in ov.rows] == [0, 1, 2] and ov.histogram == {0: 3, 1: 2}
