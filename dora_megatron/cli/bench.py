@@ -11,7 +11,7 @@ HELP = ("Run every rollout mode (sync, one_step_off, partial, dora) on the same 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="YAML config (e.g. configs/bench/cpu_longtail.yaml).")
-    parser.add_argument("--out", required=True, help="Output directory: bench.json, bench.md, reward.png, runs/.")
+    parser.add_argument("--out", required=True, help="Output directory: bench.json, bench.md, reward.png, overview.png, runs/.")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=C",
                         help="Override one config key (repeatable), e.g. --set bench.seeds=3.")
 

@@ -103,7 +103,9 @@ def run(args: argparse.Namespace) -> int:
         path = Path(f"{stem}_steps.jsonl") if len(steps) == 1 else Path(f"{stem}_steps_{m}.jsonl")
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     if not args.no_plots:
-        from dora_megatron.sim.plots import plot_steps, plot_timeline
+        from dora_megatron.sim.plots import plot_steps, timeline_intervals
+
+        from dora_megatron.observability.timeline_plot import draw_timeline
 
         from dora_megatron.observability.overview import write_overview
 
@@ -115,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         for m, tl in timelines.items():
             if not tl:  # sim.timeline: false records none: no blank image
                 continue
-            plot_timeline(tl, f"{stem}_timeline_{m}.png", title=f"{m}: rollout instances by version")
+            draw_timeline(timeline_intervals(tl, steps[m]), f"{stem}_timeline_{m}.png", title=f"{m} (simulated)")
     for m, r in results.items():
         thr = r["throughput_tokens_per_s"]
         step = r["mean_step_time_s"]

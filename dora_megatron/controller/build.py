@@ -135,7 +135,7 @@ def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, mo
                      make_engine: Callable[[str], Any], checkpoint: Path | None = None,
                      on_step: Callable[[StepLog, Any], None] | None = None,
                      on_checkpoint: Callable[[int], None] | None = None, timeline=None,
-                     metric_sinks: Sequence[Any] = (), load_reports=None) -> Controller:
+                     metric_sinks: Sequence[Any] = (), load_reports=None, background=None) -> Controller:
     """Clients for ``endpoints``, prompts, the orchestrator (restored from ``checkpoint`` when
     given, with its journal), and the runtime that executes its actions.
 
@@ -144,7 +144,9 @@ def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, mo
     at each checkpoint's cut, in its loop turn (the launcher's snapshot retention reads the live versions then).
     ``metric_sinks``: where the metrics recorder writes each step's scalars (TensorBoard, steps.jsonl).
     ``load_reports``: pushed load reports replacing the stats polls of the engines they cover
-    (``rollout.client_workers``, :class:`~dora_megatron.rollout.sharded.ClientPool`)."""
+    (``rollout.client_workers``, :class:`~dora_megatron.rollout.sharded.ClientPool`).
+    ``background``: the launcher's :class:`~dora_megatron.observability.background.BackgroundWriter`;
+    the rollout dumps are written on it, off the event loop (the launcher closes it)."""
     from dora_megatron.controller.runtime import Runtime
     from dora_megatron.controller.trainer_client import TrainerClient
     from dora_megatron.data.sources import job_codec
@@ -170,7 +172,7 @@ def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, mo
     if cfg.observability.dump_rollouts > 0:
         from dora_megatron.observability.rollout_dump import RolloutDumper
 
-        rollout_dump = RolloutDumper(run_dir, cfg.observability.dump_rollouts, codec)
+        rollout_dump = RolloutDumper(run_dir, cfg.observability.dump_rollouts, codec, writer=background)
     runtime = Runtime(orch, engines, trainer, source, blocking_reward_fn(scorer), options, timeline=timeline,
                       on_step=on_step, on_checkpoint=on_checkpoint, codec=codec, journal=journal, metrics=metrics,
                       load_reports=load_reports, rollout_dump=rollout_dump)

@@ -843,7 +843,8 @@ class Runtime:
         self.steps.append(log_)
         self.steps_done += 1
         if self.timeline is not None:
-            self.timeline.span("trainer", f"step {ev.step}", ev.start, end, version=ev.step, kind="train")
+            self.timeline.span("trainer", f"step {ev.step}", ev.start, end, version=ev.step, kind="train",
+                               produced=new_version)
         if self.on_step is not None:
             self.on_step(log_, self)
         self._trainer_idle_since = end

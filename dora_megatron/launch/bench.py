@@ -16,7 +16,7 @@ min(the two) of its round is its ``efficiency``.
 Outputs in ``DIR``: ``bench.json`` (each run's summary; per variant the means, the median and
 min-max of throughput and efficiency; ``limits``; ratios dora/sync, dora/one_step_off,
 dora/partial of median throughput and step time), ``bench.md`` (the table), ``reward.png``
-(reward per step and per wall second).
+(reward per step and per wall second), ``overview.png`` (each variant's run overview, side by side).
 """
 
 from __future__ import annotations
@@ -255,6 +255,46 @@ def plot_rewards(run_dirs: dict[str, list[Path]], out: Path, window: int = 5) ->
     return out
 
 
+def plot_overviews(run_dirs: dict[str, list[Path]], out: Path, columns: int = 2) -> Path | None:
+    """``overview.png`` of DIR: each variant's run overview (its first seed's ``RUN_DIR/overview.png``,
+    drawn from its ``steps.jsonl`` when the run wrote none) side by side, ``columns`` to a row, so
+    the modes' learning, throughput, trainer wait, staleness and weight-sync cost can be compared
+    on one screen. None when no run has a step to draw."""
+    import math
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.image as mpimg
+    import matplotlib.pyplot as plt
+
+    from dora_megatron.observability.overview import write_run_overview
+
+    images: dict[str, Path] = {}
+    for variant, dirs in run_dirs.items():
+        if not dirs:
+            continue
+        path = dirs[0] / "overview.png"
+        if not path.is_file():
+            path = write_run_overview(dirs[0], title=f"{variant}: run overview ({dirs[0].name})")
+        if path is not None:
+            images[variant] = path
+    if not images:
+        return None
+    columns = max(1, min(columns, len(images)))
+    n_rows = math.ceil(len(images) / columns)
+    fig, axes = plt.subplots(n_rows, columns, figsize=(9 * columns, 4.6 * n_rows), squeeze=False)
+    for ax in axes.ravel():
+        ax.axis("off")
+    for ax, (variant, path) in zip(axes.ravel(), images.items()):
+        ax.imshow(mpimg.imread(path), interpolation="antialiased")
+        ax.set_title(variant, fontsize="large", fontweight="bold")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def run_bench(cfg: DoraConfig, out_dir: str | Path, say=log.info) -> dict[str, Any]:
     from dora_megatron.launch.local import prepare_model, run_local_job
 
@@ -298,5 +338,6 @@ def run_bench(cfg: DoraConfig, out_dir: str | Path, say=log.info) -> dict[str, A
     (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "bench.md").write_text(markdown_table(agg))
     plot_rewards(run_dirs, out / "reward.png")
+    plot_overviews(run_dirs, out / "overview.png")
     say("\n" + markdown_table(agg))
     return result

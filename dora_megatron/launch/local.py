@@ -204,6 +204,26 @@ def _write_overview(run_dir: Path, mode: str, say) -> None:
         say(f"run overview: {path}")
 
 
+def _earlier_steps(run_dir: Path) -> dict[str, Any]:
+    """A resumed run's step rows and staleness histogram before the checkpoint (``steps.jsonl``
+    already cut at it, ``consumed.jsonl``), to seed :class:`CheckpointOverviews`."""
+    from dora_megatron.observability.overview import read_steps
+
+    rows = read_steps(run_dir / "steps.jsonl") if (run_dir / "steps.jsonl").is_file() else []
+    done = {int(r["step"]) for r in rows}
+    hist: dict[int, int] = {}
+    path = run_dir / "consumed.jsonl"
+    for line in path.read_text().splitlines() if path.is_file() else ():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:  # a line torn by the crash
+            continue
+        if int(entry.get("step", -1)) in done:
+            for v in entry.get("versions", ()):
+                hist[int(entry["step"]) - int(v)] = hist.get(int(entry["step"]) - int(v), 0) + 1
+    return {"rows": rows, "staleness": hist}
+
+
 def _heldout_eval(cfg: DoraConfig, run_dir: Path, model_dir: Path, summary: dict[str, Any], say) -> None:
     """Held-out exact-answer rates of the initial and the final weights (after every process stopped).
 
@@ -268,6 +288,7 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
     from dora_megatron.controller.build import build_controller
     from dora_megatron.controller.trainer_client import TrainerError, TrainerUnreachable
     from dora_megatron.data.sources import skipped_rows
+    from dora_megatron.observability.background import BackgroundWriter
     from dora_megatron.observability.recorder import StepsJsonl
     from dora_megatron.observability.tensorboard import NullWriter, TensorBoardWriter
     from dora_megatron.observability.timeline import Timeline
@@ -304,10 +325,19 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
     resuming = checkpoint is not None
     resumed_at = _steps_done(checkpoint) if resuming else None  # steps >= it are re-done: keep only the new ones
     writer = TensorBoardWriter(run_dir / "tb", purge_step=resumed_at) if obs.tensorboard else NullWriter()
+    # the slow writes of the run (rollout dumps, checkpoint overviews) run here, off the event loop
+    background = BackgroundWriter()
     timeline = Timeline() if obs.timeline else None
     progress = _Progress(cfg.run.steps, enabled=obs.progress)
     if resumed_at is not None:
         drop_steps_from(run_dir / "steps.jsonl", resumed_at)
+    overviews = None  # overview.png at each checkpoint, drawn on the background writer
+    if obs.overview and cfg.run.checkpoint_interval > 0:
+        from dora_megatron.observability.overview import CheckpointOverviews
+
+        overviews = CheckpointOverviews(run_dir / "overview.png", background, max_staleness=cfg.orchestrator.max_staleness,
+                                        title=f"{cfg.orchestrator.mode}: run overview ({run_dir.name})",
+                                        **(_earlier_steps(run_dir) if resuming else {}))
     steps_file = open(run_dir / "steps.jsonl", "a" if resuming else "w")
     consumed_file = open(run_dir / "consumed.jsonl", "a" if resuming else "w")
 
@@ -316,6 +346,13 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
         consumed_file.write(json.dumps({"step": s.step, "groups": s.group_ids, "versions": s.group_versions}) + "\n")
         consumed_file.flush()
         progress.update(s.step, rt.metrics.last)
+        if overviews is not None:
+            overviews.step(s.step, rt.metrics.last, s.staleness)
+
+    def on_checkpoint(version: int) -> None:
+        retention.checkpointed(version)
+        if overviews is not None:
+            overviews.checkpoint(version)
 
     if cfg.rollout.client_workers > 0:
         from dora_megatron.controller.records import RuntimeOptions
@@ -332,9 +369,9 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
 
         sinks.append(WandbWriter(run_dir, obs.wandb_project, config=to_dict(cfg)))
     ctl = build_controller(cfg, endpoints, run_dir=run_dir, model_dir=model_dir, make_engine=make_engine,
-                           checkpoint=checkpoint, on_step=on_step, on_checkpoint=retention.checkpointed,
+                           checkpoint=checkpoint, on_step=on_step, on_checkpoint=on_checkpoint,
                            timeline=timeline, metric_sinks=sinks,
-                           load_reports=pool)
+                           load_reports=pool, background=background)
     runtime, trainer, engines, orch = ctl.runtime, ctl.trainer, ctl.engines, ctl.orch
     say(f"reward: {ctl.reward_name}")
     if cfg.run.checkpoint_interval == 0:  # no mid-run checkpoint to resume from: only live versions matter
@@ -380,6 +417,9 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
             await e.close()
         if pool is not None:
             await pool.close()
+        # last: every queued dump and checkpoint overview written (the run's work is over, the
+        # loop may wait for it now; an interrupted run's cleanup above has already run)
+        background.close()
     summary["reward_fn"] = ctl.reward_name
     summary["data_skipped_rows"] = skipped_rows(ctl.source)
     try:  # the trained policy for evaluation harnesses; the run's own outputs are written whatever happens here
@@ -394,7 +434,11 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
     (run_dir / "orchestrator_state.json").write_text(json.dumps(orch.snapshot()))
     if timeline is not None:
         timeline.write_chrome_trace(run_dir / "trace.json")
-        timeline.write_png(run_dir / "timeline.png", title=f"{cfg.orchestrator.mode}: instances x time, coloured by version (line: running requests)")
+        try:  # a picture that cannot be drawn is reported; the trace above has every interval
+            timeline.write_png(run_dir / "timeline.png", title=cfg.orchestrator.mode,
+                               window_steps=obs.timeline_window_steps, warmup_steps=obs.warmup_steps)
+        except (OSError, ValueError) as err:
+            say(f"no timeline.png: {type(err).__name__}: {err}")
     return summary
 
 

@@ -184,14 +184,55 @@ def overview_figure(rows: Sequence[Mapping[str, Any]], summary: Mapping[str, Any
 
 def write_overview(path: str | Path, rows: Sequence[Mapping[str, Any]], summary: Mapping[str, Any] | None = None,
                    title: str = "") -> Path:
-    """Draw :func:`overview_figure` to ``path`` (PNG)."""
+    """Draw :func:`overview_figure` to ``path`` (PNG), through a temporary file renamed over it: a
+    viewer open on a run's ``overview.png`` while a checkpoint redraws it never reads half a file."""
+    import os
+
     import matplotlib.pyplot as plt
 
     fig = overview_figure(rows, summary, title)
     path = Path(path)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        fig.savefig(tmp, dpi=100, format="png")
+    finally:
+        plt.close(fig)
+    os.replace(tmp, path)
     return path
+
+
+class CheckpointOverviews:
+    """``overview.png`` redrawn at each checkpoint of a running job, on a
+    :class:`~dora_megatron.observability.background.BackgroundWriter` (a figure takes a second or
+    more: never in the controller's loop turn).
+
+    The loop calls :meth:`step` after each trained step (a copy of the step's scalars and the
+    staleness of its groups: cheap) and :meth:`checkpoint` at each checkpoint's cut, which queues
+    the drawing of the rows so far. The run has no ``summary.json`` yet: the staleness panel shows
+    the histogram of every group consumed so far, as the final figure does."""
+
+    def __init__(self, path: str | Path, writer: Any, *, max_staleness: int | None = None, title: str = "",
+                 rows: Sequence[Mapping[str, Any]] = (), staleness: Mapping[int, int] | None = None) -> None:
+        self.path = Path(path)
+        self.writer = writer
+        self.max_staleness = max_staleness
+        self.title = title
+        self.rows: list[dict[str, Any]] = [dict(r) for r in rows]  # a resumed run's earlier steps
+        self.histogram: dict[int, int] = dict(staleness or {})
+
+    def step(self, step: int, scalars: Mapping[str, Any], staleness: Sequence[int] = ()) -> None:
+        self.rows.append({"step": int(step), **scalars})
+        for s in staleness:
+            self.histogram[int(s)] = self.histogram.get(int(s), 0) + 1
+
+    def checkpoint(self, version: int) -> bool:
+        """Queue the drawing of the rows so far; False when there is none yet or it was not queued."""
+        if not self.rows:
+            return False
+        summary = {"staleness_histogram": dict(self.histogram), "max_staleness": self.max_staleness}
+        title = f"{self.title} (checkpoint v{version})" if self.title else f"checkpoint v{version}"
+        return self.writer.submit(f"overview at checkpoint v{version}", write_overview, self.path, list(self.rows),
+                                  summary, title)
 
 
 def write_run_overview(run_dir: str | Path, title: str = "") -> Path | None:

@@ -88,27 +88,41 @@ def write_atomic_jsonl(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
 
 class RolloutDumper:
     """Writes ``n`` samples of each step under ``run_dir/rollouts`` (``n >= 1``; the controller builds
-    none when ``observability.dump_rollouts`` is 0)."""
+    none when ``observability.dump_rollouts`` is 0).
 
-    def __init__(self, run_dir: str | Path, n: int, codec: Any) -> None:
+    ``writer`` (a :class:`~dora_megatron.observability.background.BackgroundWriter`): the decoding
+    and the fsynced write run on its thread, off the controller's event loop; the launcher closes
+    it at the end of the run, which writes every step still queued. Without one, :meth:`dump`
+    writes at once (tools, tests)."""
+
+    def __init__(self, run_dir: str | Path, n: int, codec: Any, writer: Any = None) -> None:
         if int(n) < 1:
             raise ValueError(f"observability.dump_rollouts: {n} samples per step; a dumper needs at least 1")
         self.run_dir = Path(run_dir)
         self.n = int(n)
         self.codec = codec
+        self.writer = writer
         self.files = 0  # step files written
         self.failures = 0  # step files that could not be written
 
     def dump(self, step: int, samples: Sequence[Mapping[str, Any]]) -> Path | None:
-        """Write step ``step``'s file from the batch ``samples``; returns its path. A file that cannot
-        be written (disk full) is logged and skipped: a dump is for reading, the run goes on."""
-        rows = [dump_row(step, s, self.codec) for s in select_samples(samples, self.n)]
+        """Write step ``step``'s file from the batch ``samples`` (on the writer's thread when there is
+        one: the samples must not change afterwards, the controller's consumed records do not);
+        returns its path, or None when it could not be written or queued. A file that cannot be
+        written (disk full) is logged and skipped: a dump is for reading, the run goes on."""
+        chosen = select_samples(samples, self.n)
         path = dump_path(self.run_dir, step)
+        if self.writer is not None:
+            return path if self.writer.submit(f"rollout dump {path.name}", self._write, step, chosen, path) else None
+        return path if self._write(step, chosen, path) else None
+
+    def _write(self, step: int, chosen: Sequence[Mapping[str, Any]], path: Path) -> bool:
+        rows = [dump_row(step, s, self.codec) for s in chosen]
         try:
             write_atomic_jsonl(path, rows)
         except OSError as err:
             self.failures += 1
             log.warning("observability.dump_rollouts: could not write %s (%s); the run goes on", path, err)
-            return None
+            return False
         self.files += 1
-        return path
+        return True

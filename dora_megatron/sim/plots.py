@@ -1,4 +1,5 @@
-"""PNG plots of a simulation: per-step series and the instance x time timeline coloured by version.
+"""PNG plots of a simulation: per-step series, and its timeline as the intervals ``dora train``
+records (drawn by :mod:`dora_megatron.observability.timeline_plot`).
 
 WHY separate: matplotlib is slow to import and only the CLI needs pictures; the engine and the
 tests stay free of it. Uses the Agg backend (no display on clusters or CI).
@@ -8,9 +9,6 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Sequence
-
-STATE_HATCH = {"switching": "////", "paused": "..", "idle": None, "busy": None}
-
 
 def _plt():
     import matplotlib
@@ -42,39 +40,37 @@ def plot_steps(results: dict[str, dict[str, Any]], path: str | Path) -> Path:
     return path
 
 
-def plot_timeline(timeline: Sequence[tuple[str, float, float, int | None, str]], path: str | Path,
-                  title: str = "") -> Path:
-    """Instance x time bars coloured by the version each instance holds (grey: idle, hatched:
-    loading weights, dotted: paused for training)."""
-    plt = _plt()
-    from matplotlib import colormaps
-    from matplotlib.patches import Patch
+def timeline_intervals(timeline: Sequence[tuple[str, float, float, int | None, str]],
+                       step_rows: Sequence[dict[str, Any]]) -> list:
+    """The simulator's instance segments ``(instance, t0, t1, version, state)`` and step rows as the
+    :class:`~dora_megatron.observability.timeline.Interval` list ``dora train`` records, so both
+    draw the same ``timeline.png`` (:func:`~dora_megatron.observability.timeline_plot.draw_timeline`):
+    one version span per stretch an instance held a version (busy or idle), a weight load per
+    ``switching`` segment, and the trainer's steps (``perf/train_time_s`` before each step's end,
+    the running sum of ``perf/step_time_s``; step k produces version k + 1)."""
+    from dora_megatron.observability.timeline import Interval
 
-    ids = sorted({row[0] for row in timeline}, key=lambda s: (s[0], int(s[1:]) if s[1:].isdigit() else 0))
-    ypos = {iid: i for i, iid in enumerate(ids)}
-    cmap = colormaps["tab10"]
-    fig, ax = plt.subplots(figsize=(14, max(3, 0.12 * len(ids) + 1.5)))
-    by_color: dict[tuple[Any, ...], list[tuple[float, float]]] = {}
-    rows: dict[tuple[Any, ...], list[int]] = {}
+    out: list = []
+    by_instance: dict[str, list[tuple[float, float, int | None, str]]] = {}
     for iid, t0, t1, version, state in timeline:
-        key = (version, state)
-        by_color.setdefault(key, []).append((t0, t1 - t0))
-        rows.setdefault(key, []).append(ypos[iid])
-    versions = sorted({v for v, _ in by_color if v is not None})
-    for (version, state), spans in by_color.items():
-        color = "lightgrey" if state == "idle" or version is None else cmap(version % 10)
-        for (x, w), y in zip(spans, rows[(version, state)]):
-            ax.broken_barh([(x, w)], (y - 0.4, 0.8), facecolors=color, hatch=STATE_HATCH.get(state),
-                           edgecolor="none" if STATE_HATCH.get(state) is None else "black", linewidth=0)
-    handles = [Patch(color=cmap(v % 10), label=f"v{v}") for v in versions[-10:]]
-    handles.append(Patch(color="lightgrey", label="idle"))
-    ax.legend(handles=handles, loc="upper right", fontsize=7, ncol=min(6, len(handles)))
-    ax.set_yticks(range(len(ids)))
-    ax.set_yticklabels(ids, fontsize=6)
-    ax.set_xlabel("virtual time (s)")
-    ax.set_title(title or "rollout instances by version")
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+        by_instance.setdefault(iid, []).append((t0, t1, version, state))
+    for iid, segments in by_instance.items():
+        held: list[float | int] | None = None  # [start, end, version] of the open version span
+        for t0, t1, version, state in sorted(segments, key=lambda seg: seg[0]):
+            if state == "switching":
+                out.append(Interval(iid, "load weights", t0, t1, version, {"kind": "weight_sync"}))
+            if held is not None and (held[2] != version or t0 > held[1] + 1e-9):
+                out.append(Interval(iid, f"v{held[2]}", held[0], held[1], int(held[2]), {"kind": "version"}))
+                held = None
+            if version is None:
+                continue
+            held = [held[0] if held is not None else t0, t1, version]
+        if held is not None:
+            out.append(Interval(iid, f"v{held[2]}", held[0], held[1], int(held[2]), {"kind": "version"}))
+    end = 0.0
+    for row in step_rows:
+        end += float(row.get("perf/step_time_s") or 0.0)
+        train = float(row.get("perf/train_time_s") or 0.0)
+        step = int(row["step"])
+        out.append(Interval("trainer", f"step {step}", end - train, end, step, {"kind": "train", "produced": step + 1}))
+    return out

@@ -129,3 +129,24 @@ def test_limit_steps_must_leave_a_measured_step(tmp_path):
 
     with pytest.raises(ConfigError, match="bench.limit_steps"):
         load_config(ROOT / "configs" / "bench" / "cpu_longtail.yaml", ["bench.limit_steps=1"])
+
+
+def test_the_bench_overview_puts_each_variants_run_overview_side_by_side(tmp_path):
+    import json
+
+    import matplotlib.image as mpimg
+    import numpy as np
+
+    from dora_megatron.launch.bench import plot_overviews
+
+    drawn, given, empty = tmp_path / "dora-seed0", tmp_path / "sync-seed0", tmp_path / "partial-seed0"
+    for d in (drawn, given, empty):
+        d.mkdir()
+    drawn.joinpath("steps.jsonl").write_text("".join(  # no overview.png: drawn from its steps
+        json.dumps({"step": i, "reward/mean": 0.1 * i, "perf/step_time_s": 1.0}) + "\n" for i in range(3)))
+    mpimg.imsave(given / "overview.png", np.zeros((75, 150, 3)))  # the run's own, used as it is
+    out = plot_overviews({"sync": [given], "dora": [drawn], "partial": [empty]}, tmp_path / "overview.png")
+    assert out == tmp_path / "overview.png" and (drawn / "overview.png").is_file()
+    h, w = mpimg.imread(out).shape[:2]
+    assert w > 1.5 * h  # two overviews side by side (the empty run has none)
+    assert plot_overviews({"partial": [empty]}, tmp_path / "none.png") is None
