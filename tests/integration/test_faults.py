@@ -285,8 +285,9 @@ def test_engine_sigkill_during_startup_is_restarted_and_the_job_completes(tmp_pa
     for the instances): the job does not end; the engine is restarted under the restart budget and
     serves, and every group is consumed exactly once."""
     run_dir = tmp_path / "run"
-    n = 3
-    proc = start_train(run_dir, f"run.steps={n}", "run.checkpoint_interval=0")
+    n = 2
+    proc = start_train(run_dir, f"run.steps={n}", "run.checkpoint_interval=0", "rollout.max_new_tokens=24",
+                       "observability.tensorboard=false", "observability.overview=false")
     try:
         wait_for(lambda: (run_dir / "processes.json").is_file(), 300, "the engines to start", proc)
         pids = json.loads((run_dir / "processes.json").read_text())
