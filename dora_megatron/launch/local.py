@@ -32,7 +32,7 @@ from dora_megatron.launch.plan import local_plan
 from dora_megatron.launch.startup import StartupRefused
 from dora_megatron.ports import free_ports
 from dora_megatron.processes import ChildFailed, ProcessSet, ProcessSpec
-from dora_megatron.rollout.health import shared_checks, wait_ready
+from dora_megatron.rollout.health import wait_ready
 from dora_megatron.rollout.factory import engine_for
 
 log = logging.getLogger(__name__)

@@ -135,8 +135,10 @@ async def wait_for_instances(urls: Mapping[str, str], procs: ProcessSet, *, min_
     own error line and, while ``restart`` is given and ``max_restarts`` allows, restarted at once
     (``restart(name) -> (child, url)``, blocking, run in a thread). An instance that is not a child
     here (another SLURM node's) is judged by ``/health`` only."""
-    from dora_megatron.comm.http_session import HttpSession
     import aiohttp
+
+    from dora_megatron.comm.http_session import HttpSession
+    from dora_megatron.rollout.health import shared_checks
 
     urls = dict(urls)
     t0 = time.monotonic()
@@ -169,7 +171,7 @@ async def wait_for_instances(urls: Mapping[str, str], procs: ProcessSet, *, min_
             log.exception("restarting %s failed", name)
             failed[name] = f"{failed[name]}; its restart failed: {err}"
 
-    http = HttpSession(aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=5), limit=256)
+    http = shared_checks()  # at most 256 checks on the wire (thousands of instances may start)
     try:
         while True:
             pending = [n for n in urls if n not in ready and n not in given_up and n not in restarting]
