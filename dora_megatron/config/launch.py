@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dora_megatron.config.base import field_doc
+from dora_megatron.config.base import ConfigError, field_doc
 
 
 @dataclass
@@ -30,4 +30,22 @@ class LaunchConfig:
                                       "instances on the same port; one on another node than the controller's asks "
                                       "to rejoin through the join folder (see slurm/README.md).")
     max_engine_restarts: int = field_doc(3, "Restarts allowed per engine (each start attempt counts); after that the "
-                                         "engine stays failed and the run continues on the others.", ge=0)
+                                         "engine stays failed and the run continues on the others. Restarts "
+                                         "while the job starts count too.", ge=0)
+    min_ready_instances: int | float | None = field_doc(
+        None, "Rollout instances that must be ready before the first step. Empty (the default): every "
+        "instance that did not fail -- the start waits until each one is ready or has failed (its process "
+        "exited, or it is not healthy within `rollout.startup_timeout_s`) and needs at least one ready. "
+        "An integer is a count (1 .. the job's instances), a number with a decimal point a fraction of "
+        "them, rounded up (`1.0`: all, `0.9`: 90%); the start then comes as soon as that many are "
+        "ready. Instances not ready at the start join the pool once they serve; failed ones are "
+        "restarted under `max_engine_restarts`. The job refuses to start, naming each instance not "
+        "ready and its last error line, when fewer than the minimum are ready within "
+        "`rollout.startup_timeout_s` or can still become so.")
+
+    def check(self, path: str) -> None:
+        m = self.min_ready_instances
+        if isinstance(m, int) and m < 1:
+            raise ConfigError(f"{path}.min_ready_instances", f"a count must be >= 1, got {m}")
+        if isinstance(m, float) and not 0.0 < m <= 1.0:
+            raise ConfigError(f"{path}.min_ready_instances", f"a fraction must be in (0, 1], got {m}")

@@ -162,6 +162,9 @@ class Runtime:
         #: set by a supervisor that restarts failed instances: losing all of them is not fatal then
         #: (the supervisor ends the run when no restart is left)
         self.instances_may_return = False
+        #: instances not ready when the job started (name -> why): out of the pool until they join
+        self.absent_at_start: dict[str, str] = {}
+        self._late_starters: set[str] = set()  # of those, the ones that never failed (only slow to load)
         self.migrated_bytes = 0
         self.migrations_done = 0
         self.migrations_fallback = 0
@@ -672,6 +675,7 @@ class Runtime:
             log.warning("instance %s is already in the pool; ignoring its second join", name)
             return False
         self.engines[name] = ev.engine
+        self._late_starters.discard(name)
         self.metrics.instance_joined(name, self.now())
         if name in self.failed_ever and self.is_failed(name):  # (a new name is unknown to the orchestrator too)
             self.rejoins += 1
@@ -680,6 +684,13 @@ class Runtime:
         else:
             log.info("instance %s joined the pool", name)
         return True
+
+    def start_without(self, absent: dict[str, str], loading: set[str] = frozenset()) -> None:
+        """Call before :meth:`run`: the run starts without ``absent`` (name -> why they are not ready;
+        the launcher adds each once it serves, :meth:`add_instance`). ``loading``: those of them that
+        did not fail, only were not ready yet (they are not counted as failed instances)."""
+        self.absent_at_start = dict(absent)
+        self._late_starters = set(loading) & set(absent)
 
     def is_current(self, instance: str, engine: Engine) -> bool:
         """Loop: ``engine`` is still ``instance``'s client and the instance has not failed."""
@@ -765,7 +776,8 @@ class Runtime:
             return False
         log.warning("instance %s failed: %s", instance, why)
         self.metrics.instance_left(instance, self.now())
-        self.failed_ever.add(instance)  # (the orchestrator hears of it next: it owns which instances are failed)
+        if instance not in self._late_starters:
+            self.failed_ever.add(instance)  # (the orchestrator hears of it next: it owns which instances are failed)
         for rec in self.samples.values():  # stop waiting on requests that lived there
             if rec.gen_instance == instance and rec.gen_task is not None and rec.gen_task is not origin \
                     and not rec.gen_task.done() and not rec.finished:
@@ -1086,6 +1098,8 @@ class Runtime:
         self._trainer_idle_since = self._wall_offset
         for iid in self.engines:
             self.metrics.instance_joined(iid, self.now())
+        for iid, why in self.absent_at_start.items():  # before Start / Resume: never given work
+            self.events.post(InstanceFailed(iid, f"not ready when the job started: {why}"))
         if self.timeline is not None:
             start = self.now()  # a resumed run starts at the checkpoint's wall time, not at 0
             if self._resumed and start > 0:
@@ -1099,7 +1113,7 @@ class Runtime:
         elif self._resumed:
             self._trainer_idle_since = self.now()
             pending = self._pending_step_finished if self.steps_done < self.opt.steps else None
-            self.events.post(Resume(tuple(self.engines), pending))
+            self.events.post(Resume(tuple(i for i in self.engines if i not in self.absent_at_start), pending))
         else:
             self.events.post(Start())
         loop = ControllerLoop(self.orch, self, self.events, self._done)
@@ -1168,6 +1182,7 @@ class Runtime:
         out["instances_rejoined"] = self.rejoins
         out["samples_after_rejoin"] = self.samples_after_rejoin
         out["engine_restarts"] = self.engine_restarts
+        out["instances_absent_at_start"] = dict(sorted(self.absent_at_start.items()))
         out["weight_sync_timeouts"] = self.weight_sync_timeouts
         out["samples_from_journal"] = self.samples_from_journal
         out["max_live_versions"] = osum.get("max_live_versions")

@@ -29,9 +29,10 @@ from dora_megatron.config.schema import DoraConfig
 from dora_megatron.controller.build import Endpoints
 from dora_megatron.launch.inputs import input_problem
 from dora_megatron.launch.plan import local_plan
+from dora_megatron.launch.startup import StartupRefused
 from dora_megatron.ports import free_ports
 from dora_megatron.processes import ChildFailed, ProcessSet, ProcessSpec
-from dora_megatron.rollout.health import shared_checks, wait_ready
+from dora_megatron.rollout.health import wait_ready
 from dora_megatron.rollout.factory import engine_for
 
 log = logging.getLogger(__name__)
@@ -68,11 +69,13 @@ def prepare_model(cfg: DoraConfig, run_dir: Path, say=print) -> Path:
     return path
 
 
-def _children_alive(procs: ProcessSet) -> Callable[[], bool]:
-    """:func:`wait_ready`'s ``alive`` for a launch: any child that exited (the trainer as well as an
-    engine) ends every wait with the launcher's :class:`ChildFailed`, which names it."""
+def _trainer_alive(procs: ProcessSet) -> Callable[[], bool]:
+    """:func:`wait_ready`'s ``alive`` for the trainer: a trainer child that exited ends the start with
+    :class:`ChildFailed`, naming it (an engine that exits is the start-up wait's: it is restarted)."""
     def alive() -> bool:
-        procs.check_alive()
+        for c in procs.children:
+            if c.name == "trainer" and not c.alive():
+                raise ChildFailed(c.failure())
         return True
     return alive
 
@@ -170,7 +173,7 @@ def run_local_job(cfg: DoraConfig, resume: str | None = None) -> int:
             endpoints = Endpoints({f"engine{i}": f"http://{host}:{p}" for i, p in enumerate(engine_ports)},
                                   f"http://{host}:{trainer_port}")
             summary = asyncio.run(run_controller(cfg, endpoints, run_dir, model_dir, procs, say, checkpoint, host=host))
-    except (ChildFailed, TimeoutError, ValueError) as err:
+    except (ChildFailed, TimeoutError, ValueError, StartupRefused) as err:
         say(f"dora train failed: {err}")
         return 1
     except _Terminated:
@@ -306,20 +309,37 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
         return engine_for(cfg, url, str(model_dir), procs, run_dir)
 
     health_path = cfg.vllm.health_path if cfg.rollout.engine == "vllm" else "/health"
+    from dora_megatron.launch.supervise import EngineSupervisor, RestartPolicy, restart_engine
+    from dora_megatron.launch.startup import wait_for_instances
+
+    # SLURM jobs (fixed_ports): instances on this node come back on their planned port and host
+    policy = RestartPolicy(enabled=cfg.launch.restart_engines,
+                           max_restarts=cfg.launch.max_engine_restarts,
+                           startup_timeout_s=cfg.rollout.startup_timeout_s,
+                           fixed_port=bool(cfg.rollout.base_port) or fixed_ports, host=host,
+                           health_path=health_path)
     say(f"waiting for {len(urls)} engines and the trainer ({cfg.launch.trainer_procs} rank(s)) ...")
-    alive = _children_alive(procs)
-    async with shared_checks() as checks:  # the engines' checks: at most 256 on the wire (thousands may start)
-        await asyncio.gather(
-            *(wait_ready(u, path=health_path, timeout_s=cfg.rollout.startup_timeout_s, interval_s=0.25, alive=alive,
-                         session=checks, what=n) for n, u in urls.items()),
-            wait_ready(trainer_url, timeout_s=cfg.launch.trainer_startup_timeout_s, interval_s=0.25, alive=alive,
-                       what="trainer"),
-        )
-    say(f"all processes healthy after {time.monotonic() - t_start:.1f} s")
+    instances = await _first_error(
+        wait_for_instances(urls, procs, min_ready=cfg.launch.min_ready_instances,
+                           timeout_s=cfg.rollout.startup_timeout_s, health_path=health_path,
+                           restart=(lambda n: restart_engine(procs, n, policy)) if policy.enabled else None,
+                           max_restarts=cfg.launch.max_engine_restarts,
+                           on_restarted=lambda: _write_processes(run_dir, procs)),
+        wait_ready(trainer_url, timeout_s=cfg.launch.trainer_startup_timeout_s, interval_s=0.25,
+                   alive=_trainer_alive(procs), what="trainer"),
+    )
+    urls = instances.urls
+    endpoints = Endpoints(dict(urls), trainer_url)
+    if instances.absent:
+        say(f"starting with {len(instances.ready)} of {len(urls)} rollout instance(s) after "
+            f"{time.monotonic() - t_start:.1f} s; the others join once ready: "
+            + "; ".join(f"{n}: {why}" for n, why in sorted(instances.absent.items())))
+    else:
+        say(f"all processes healthy after {time.monotonic() - t_start:.1f} s")
     if cfg.rollout.engine == "sglang":
         from dora_megatron.rollout.sglang.server import check_versions
 
-        for warning in await check_versions(list(urls.values())):
+        for warning in await check_versions([urls[n] for n in sorted(instances.ready)]):
             say(f"warning: {warning}")
     obs = cfg.observability
     resuming = checkpoint is not None
@@ -382,16 +402,14 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
             say(f"journal: {ctl.restorable_samples} finished sample(s) after {checkpoint.name} may be restored")
     if on_runtime is not None:
         on_runtime(runtime)
-    from dora_megatron.launch.supervise import EngineSupervisor, RestartPolicy
-
-    # SLURM jobs (fixed_ports): instances on this node come back on their planned port and host
-    policy = RestartPolicy(enabled=cfg.launch.restart_engines,
-                           max_restarts=cfg.launch.max_engine_restarts,
-                           startup_timeout_s=cfg.rollout.startup_timeout_s,
-                           fixed_port=bool(cfg.rollout.base_port) or fixed_ports, host=host,
-                           health_path=health_path)
+    runtime.start_without(instances.absent, instances.loading)
     supervisor = EngineSupervisor(procs, runtime, policy, make_engine, names,
                                   on_restarted=lambda: _write_processes(run_dir, procs))
+    supervisor.attempts.update(instances.attempts)  # one budget per instance, start-up restarts included
+    if policy.enabled and instances.attempts:
+        runtime.engine_restarts = sum(instances.attempts.values())
+    for name, why in sorted(instances.absent.items()):
+        supervisor.expect(name, urls[name], why)
     monitor = asyncio.get_running_loop().create_task(supervisor.run())
     try:
         summary = await runtime.run()
@@ -440,6 +458,22 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
         except (OSError, ValueError) as err:
             say(f"no timeline.png: {type(err).__name__}: {err}")
     return summary
+
+
+async def _first_error(instances, trainer):
+    """Await both waits; the first that fails ends the other (a dead trainer does not wait for the
+    instances' timeout). Returns the instances' result."""
+    tasks = [asyncio.ensure_future(instances), asyncio.ensure_future(trainer)]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in done:
+            if t.exception() is not None:
+                raise t.exception()
+        return await tasks[0]
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _wait_exit(procs: ProcessSet, name: str, timeout_s: float) -> None:

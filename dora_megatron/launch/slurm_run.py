@@ -38,6 +38,7 @@ from dora_megatron.config.schema import DoraConfig
 from dora_megatron.launch.cluster import ClusterPlan
 from dora_megatron.processes import ChildFailed, ProcessSet
 from dora_megatron.launch.slurm import SlurmEnv, slurm_run_dir
+from dora_megatron.launch.startup import StartupRefused
 
 log = logging.getLogger(__name__)
 
@@ -309,7 +310,7 @@ def run_slurm_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan, resume: st
         write_marker(run_dir, FAILED, f"a process on {node} failed: {str(err).splitlines()[0]}", env.job_id)
         _say(f"a process on {node} failed: {err}")
         return 1
-    except (TimeoutError, ValueError) as err:  # e.g. an instance never became healthy, no model from node 0
+    except (TimeoutError, ValueError, StartupRefused) as err:  # too few instances became ready, no model from node 0
         write_marker(run_dir, FAILED, f"dora train failed on {node}: {str(err).splitlines()[0]}", env.job_id)
         _say(f"dora train failed on {node}: {err}")
         return 1

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from dora_megatron.ports import free_ports
-from dora_megatron.processes import ChildFailed, ProcessSet
+from dora_megatron.processes import Child, ChildFailed, ProcessSet
 from dora_megatron.rollout.health import InstanceNotReady, wait_ready
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,19 @@ def with_port(argv: list[str] | tuple[str, ...], port: int) -> list[str]:
     out = list(argv)
     out[out.index("--port") + 1] = str(port)
     return out
+
+
+def restart_engine(procs: ProcessSet, name: str, policy: RestartPolicy) -> tuple[Child, str]:
+    """Replace engine ``name`` by a new process (blocking: the old one is killed and reaped first):
+    on its port when ``policy.fixed_port``, else on a fresh free one. Returns the child and its URL.
+    Used mid-run (:class:`EngineSupervisor`) and while the job starts (:mod:`.startup`)."""
+    old = next(c for c in procs.children if c.name == name)
+    port = int(old.argv[old.argv.index("--port") + 1])
+    if not policy.fixed_port:
+        port = free_ports(1, policy.host)[0]
+    log.warning("restarting %s on port %d", name, port)
+    child = procs.restart(name, with_port(old.argv, port))
+    return child, f"http://{policy.host}:{port}"
 
 
 class EngineSupervisor:
@@ -120,42 +133,67 @@ class EngineSupervisor:
                                             if remote else "") + ")")
         rt._done.set()
 
+    def expect(self, name: str, url: str, why: str) -> None:
+        """``name`` was not ready when the job started (``why``): add it to the pool once ``url``
+        serves. A child of this launcher that exits, or does not serve within
+        ``rollout.startup_timeout_s``, is left failed, and :meth:`check` restarts it while the
+        budget allows; an instance of another node is waited for as long, then left to its node."""
+        log.info("%s joins once it is ready (%s)", name, why)
+        self._restarting[name] = asyncio.get_running_loop().create_task(self._join_late(name, url),
+                                                                        name=f"join-{name}")
+
+    async def _join_late(self, name: str, url: str) -> None:
+        try:
+            child = next((c for c in self.procs.children if c.name == name), None)
+            if child is not None and not child.alive():
+                return  # failed at the start: check() restarts it
+            if not await self._healthy(url, child):
+                log.warning("%s did not become healthy after the start (%s)", name, url)
+                if child is not None:  # hung while loading: check() replaces it while restarts remain
+                    self.runtime.report_failure(name, f"not healthy {self.policy.startup_timeout_s:.0f} s "
+                                                      f"after the start")
+                return
+            await self._joined(name, url, restarted=False)
+        except Exception:  # noqa: BLE001 - it stays out of the pool; the run goes on
+            log.exception("waiting for %s to join failed", name)
+        finally:
+            self._restarting.pop(name, None)
+
     async def _restart(self, name: str) -> None:
         try:
             self.attempts[name] = self.attempts.get(name, 0) + 1
-            old = next(c for c in self.procs.children if c.name == name)
-            port = int(old.argv[old.argv.index("--port") + 1])
-            if not self.policy.fixed_port:
-                port = free_ports(1, self.policy.host)[0]
-            log.warning("restarting %s (attempt %d of %d) on port %d", name, self.attempts[name],
-                        self.policy.max_restarts, port)
-            child = await asyncio.to_thread(self.procs.restart, name, with_port(old.argv, port))
+            log.warning("restarting %s (attempt %d of %d)", name, self.attempts[name], self.policy.max_restarts)
+            child, url = await asyncio.to_thread(restart_engine, self.procs, name, self.policy)
             self._reported.discard(child.popen.pid)
-            url = f"http://{self.policy.host}:{port}"
             if not await self._healthy(url, child):
                 log.warning("restarted %s did not become healthy (log %s)", name, child.log_path)
                 return  # still failed: the next check() tries again while attempts remain
-            old_engine = self.runtime.engines.get(name)
-            self.runtime.add_instance(name, self.make_engine(url))
-            self.runtime.engine_restarts = (self.runtime.engine_restarts or 0) + 1
-            if old_engine is not None and hasattr(old_engine, "close"):
-                try:
-                    await old_engine.close()
-                except Exception:  # noqa: BLE001 - best effort: it pointed at a dead process
-                    pass
-            if self.on_restarted is not None:
-                self.on_restarted()
+            await self._joined(name, url, restarted=True)
         except Exception:  # noqa: BLE001 - a failed restart leaves the instance failed; the run goes on
             log.exception("restarting %s failed", name)
         finally:
             self._restarting.pop(name, None)
 
+    async def _joined(self, name: str, url: str, *, restarted: bool) -> None:
+        """``name`` serves at ``url``: it (re)joins the pool under a new client."""
+        old_engine = self.runtime.engines.get(name)
+        self.runtime.add_instance(name, self.make_engine(url))
+        if restarted:
+            self.runtime.engine_restarts = (self.runtime.engine_restarts or 0) + 1
+        if old_engine is not None and hasattr(old_engine, "close"):
+            try:
+                await old_engine.close()
+            except Exception:  # noqa: BLE001 - best effort: it pointed at a dead process
+                pass
+        if restarted and self.on_restarted is not None:
+            self.on_restarted()
+
     async def _healthy(self, url: str, child) -> bool:
-        """Whether the restarted ``child`` serves ``health_path`` before ``startup_timeout_s`` (False: it
+        """Whether ``child`` (None: an instance of another node) serves ``health_path`` before ``startup_timeout_s`` (False: it
         exited or timed out; the caller logs it and retries while attempts remain)."""
         try:
             await wait_ready(url, path=self.policy.health_path, timeout_s=self.policy.startup_timeout_s,
-                             interval_s=0.25, alive=child.alive)
+                             interval_s=0.25, alive=child.alive if child is not None else None)
         except InstanceNotReady:
             return False
         return True

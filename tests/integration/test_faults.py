@@ -278,3 +278,34 @@ def test_ctrl_c_or_sigterm_stops_every_process_and_frees_the_ports(tmp_path, sig
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("127.0.0.1", port))
+
+
+def test_engine_sigkill_during_startup_is_restarted_and_the_job_completes(tmp_path):
+    """An engine SIGKILLed after it started but before the first step (during the launcher's wait
+    for the instances): the job does not end; the engine is restarted under the restart budget and
+    serves, and every group is consumed exactly once."""
+    run_dir = tmp_path / "run"
+    n = 2
+    proc = start_train(run_dir, f"run.steps={n}", "run.checkpoint_interval=0", "rollout.max_new_tokens=24",
+                       "observability.tensorboard=false", "observability.overview=false")
+    try:
+        wait_for(lambda: (run_dir / "processes.json").is_file(), 300, "the engines to start", proc)
+        pids = json.loads((run_dir / "processes.json").read_text())
+        killed_before_first_step = not (run_dir / "steps.jsonl").exists()  # opened once the wait is over
+        os.kill(pids["engine0"], signal.SIGKILL)
+        out = finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert killed_before_first_step
+    assert "engine0 failed while the job starts (exited with status -9" in out, out[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == n and summary["consumed_groups"] == n * 4
+    assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
+    groups = [g for line in (run_dir / "consumed.jsonl").read_text().splitlines() for g in json.loads(line)["groups"]]
+    assert len(groups) == len(set(groups)) == n * 4
+    assert summary["engine_restarts"] >= 1
+    assert "restarted by the launcher" in (run_dir / "logs" / "engine0.log").read_text()
+    # the restarted engine is in the pool: from the start, or it joined once ready
+    assert "engine0" in summary["instances"]
+    assert "engine0" not in summary["instances_absent_at_start"] or summary["instances_rejoined"] == 1

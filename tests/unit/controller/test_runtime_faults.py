@@ -237,3 +237,47 @@ def test_a_push_of_newer_weights_than_assigned_falls_back_to_the_snapshot():
     assert trainer.pushes == [(3, ["fake://e1"])]
     assert engines["e1"].version == 2 and engines["e1"].loads == ["/snap/v2"]
     assert done == [("e1", 2)]
+
+
+def test_a_run_started_without_an_instance_never_uses_it_until_it_joins():
+    """The launcher starts without ``e2`` (failed at the start): nothing is dispatched to it; once it
+    joins (its restarted process serves) it is switched to a version and serves; groups exactly once."""
+    rt, engines, trainer = make(mode="dora", n=3, steps=8, token_s=0.003)
+    replacement = FakeEngine("e2-restarted", token_s=0.003)
+    dead = engines["e2"]  # the client of the process that died (``engines`` is the pool: replaced on join)
+    rt.start_without({"e2": "exited with status -9"})
+    trainer.hold_step(7, lambda: rt.samples_after_rejoin > 0)
+
+    async def main():
+        async def join_later():
+            while len(trainer.batches) < 2:
+                await asyncio.sleep(0.005)
+            assert not dead.log, "work went to an instance that was not ready at the start"
+            rt.add_instance("e2", replacement)
+        asyncio.get_running_loop().create_task(join_later())
+        return await rt.run()
+
+    summary = asyncio.run(main())
+    check_run(rt, {**engines, "e2-dead": dead}, trainer, 8, 4, 2)
+    assert not dead.log and any(op == "generate" for op, _, _ in replacement.log)
+    assert summary["instances_absent_at_start"] == {"e2": "exited with status -9"}
+    assert summary["failed_instances"] == ["e2"] and summary["instances_rejoined"] == 1
+    assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
+
+
+def test_an_instance_only_late_at_the_start_is_not_counted_as_failed():
+    rt, engines, trainer = make(mode="dora", n=2, steps=4, token_s=0.002)
+    rt.start_without({"e1": "not healthy after 5 s (still loading)"}, loading={"e1"})
+
+    async def main():
+        async def join_later():
+            while not trainer.batches:
+                await asyncio.sleep(0.005)
+            rt.add_instance("e1", engines["e1"])
+        asyncio.get_running_loop().create_task(join_later())
+        return await rt.run()
+
+    summary = asyncio.run(main())
+    check_run(rt, engines, trainer, 4, 4, 2)
+    assert summary["failed_instances"] == [] and summary["instances_rejoined"] == 0
+    assert "e1" in summary["instances_absent_at_start"]
