@@ -147,14 +147,14 @@ def connection_plan(cfg: DoraConfig, instances: int, say=None):
 
 def run_local_job(cfg: DoraConfig, resume: str | None = None) -> int:
     say = _Say()
-    problem = input_problem(cfg)
-    if problem:
-        say(f"dora train: {problem}")
-        return 2
     try:  # before any process starts: a concurrency that cannot run is refused at once
         connection_plan(cfg, cfg.rollout.num_instances)
     except ValueError as err:
         say(f"dora train: {err}")
+        return 2
+    problem = input_problem(cfg)
+    if problem:
+        say(f"dora train: {problem}")
         return 2
     checkpoint = None
     if resume:
