@@ -144,3 +144,43 @@ def test_generates_beyond_the_plan_wait_and_are_counted_not_failed():
 
     n, peak, waited, info = asyncio.run(go())
     assert n == 6 and peak == 2 and waited == 4 and info == {"ok": True}
+
+
+def test_a_call_that_times_out_waiting_for_a_pooled_connection_is_the_controllers():
+    """A pool of one connection held by a long generate: a call that times out while queued for
+    it raises ControllerResourceError (the pool's limit), not a timeout blamed on the instance."""
+    async def generate(_req):
+        await asyncio.sleep(0.5)
+        return web.json_response({"text": "", "output_ids": [1], "meta_info": {"finish_reason": {"type": "stop"}}})
+
+    async def info(_req):
+        return web.json_response({})
+
+    async def go():
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        app.router.add_get("/get_server_info", info)
+        async with TestServer(app, host="127.0.0.1") as server:
+            waits = ConnectionWaits()
+            plan = plan_connections(1, 8, DESCRIPTOR_RESERVE + 1, control=0)
+            async with EngineClient(str(server.make_url("")), plan=plan, waits=waits) as client:
+                gen = asyncio.ensure_future(client.generate([1], {"max_new_tokens": 1}))
+                await asyncio.sleep(0.05)
+                with pytest.raises(ControllerResourceError) as info_err:
+                    await client._request("GET", "/get_server_info", timeout_s=0.1)
+                await gen
+            return waits.count, info_err.value
+
+    count, err = asyncio.run(go())
+    assert count == 1 and local_resource_error(err) and "no pooled connection" in str(err)
+
+
+def test_a_workers_local_error_crosses_the_wire_as_the_controllers():
+    from dora_megatron.rollout.wire import decode_error, encode_error
+
+    key = type("Key", (), {"ssl": False, "host": "127.0.0.1", "port": 1})()
+    emfile = aiohttp.ClientConnectorError(key, OSError(errno.EMFILE, "Too many open files"))
+    back = decode_error(encode_error(emfile))
+    assert isinstance(back, ControllerResourceError) and "Too many open files" in str(back)
+    refused = decode_error(encode_error(aiohttp.ClientConnectorError(key, OSError(errno.ECONNREFUSED, "refused"))))
+    assert not local_resource_error(refused)
