@@ -164,6 +164,7 @@ async def _get_json(url: str) -> Any:
 
 
 async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    from dora_megatron.config.base import ConfigError
     from dora_megatron.data.tokenizer import save_tokenizer
     from dora_megatron.controller.build import Endpoints
     from dora_megatron.launch.local import run_controller
@@ -192,6 +193,8 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         if args.controller_cpus:  # after the fakes started (they get their own cores), before the controller's
             _pin_this_process(args.controller_cpus)
         fleets = await _wait_ready([*ready, trainer_ready], procs, args.startup_timeout_s)
+        if args.controller_open_files:  # the fakes keep theirs: they stand in for other machines
+            resource.setrlimit(resource.RLIMIT_NOFILE, (args.controller_open_files, args.controller_open_files))
         engine_ports = [p for f in fleets[:-1] for p in f["ports"]]
         urls = {f"engine{i}": f"http://127.0.0.1:{p}" for i, p in enumerate(engine_ports)}
         trainer_url = f"http://127.0.0.1:{fleets[-1]['ports'][0]}"
@@ -207,6 +210,7 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             holder["runtime"] = rt
             holder["t_run"] = time.monotonic()
             holder["ru_run"] = resource.getrusage(resource.RUSAGE_SELF)  # CPU from here: not the startup
+            holder["fds_at_start"] = _open_fds()  # what the connection budget's reserve must cover
             if args.others_cpus:  # the client workers were spawned by the controller, on its cores: move them
                 for pid in {getattr(e, "worker_pid", None) for e in rt.engines.values()} - {None}:
                     os.sched_setaffinity(pid, args.others_cpus)
@@ -221,6 +225,8 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 run_controller(cfg, Endpoints(urls, trainer_url), run_dir, model_dir, procs, log.info, None,
                                fixed_ports=True, on_runtime=on_runtime),
                 timeout=args.timeout_s)
+        except ConfigError:
+            raise  # refused at start (e.g. a concurrency the open-files limit cannot hold): exit 2
         except Exception as err:  # noqa: BLE001 - reported in the JSON, exit 1
             log.exception("controller run failed")
             error, summary = f"{type(err).__name__}: {err}", {}
@@ -284,6 +290,9 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "step_end_to_all_switched_max_s": max(per_version_max) if per_version_max else None,
         "switched_instance_loads": sum(len(v) for v in to_switch.values()),
         "false_instance_failures": len(failed - killed),
+        "open_files_limit": resource.getrlimit(resource.RLIMIT_NOFILE)[0],  # the controller's, during the run
+        "controller_fds_at_start": holder.get("fds_at_start"),
+        "connection_waits": totals.get("connection_waits"), "local_resource_errors": totals.get("local_resource_errors"),
         "killed_worker_pid": holder.get("killed_pid"), "killed_worker_instances": len(killed),
         "killed_worker_instances_failed": len(failed & killed),
         "killed_at_finished_samples": holder.get("killed_at"),
@@ -298,6 +307,14 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "controller_cpus_seen": sorted(os.sched_getaffinity(0)), "load_average_before": list(load_before), "load_average_after": list(load_after),
         "cpu_count": os.cpu_count(),
     }
+
+
+def _open_fds() -> int | None:
+    """Descriptors this process holds now (Linux ``/proc``; None elsewhere)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return None
 
 
 def _pin_this_process(cpus: set[int]) -> None:
@@ -380,6 +397,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="rollout.client_workers; a comma list (e.g. 0,4) measures each in turn into one JSON ('runs')")
     p.add_argument("--kill-worker-after-samples", type=int, default=0,
                    help="SIGKILL the client worker of engine0 once this many samples finished (needs client workers)")
+    p.add_argument("--controller-open-files", type=int, default=0,
+                   help="lower the controller's open-files limit (soft and hard) to this once the fakes run, "
+                        "to test the connection budget (0: leave it)")
     p.add_argument("--keep", action="store_true", help="keep the run directory (printed)")
     args = p.parse_args(argv)
     for name in ("instances", "steps", "slots", "group_size"):
@@ -403,6 +423,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.kill_worker_after_samples and not all(args.client_workers):
         p.error("--kill-worker-after-samples needs --client-workers >= 1")
     args.procs = args.procs or max(1, -(-args.instances // 512))
+    if args.controller_open_files < 0:
+        p.error(f"--controller-open-files must be >= 0, got {args.controller_open_files}")
     if args.procs < 1 or args.procs > args.instances:
         p.error(f"--procs must be in 1..{args.instances}, got {args.procs}")
     return args
@@ -428,7 +450,7 @@ def _run_one(args: argparse.Namespace, limit: int) -> tuple[int | None, dict[str
             sys.stderr.write(f"run directory kept: {work}\n")
         else:
             shutil.rmtree(work, ignore_errors=True)
-    result["open_files_limit"] = limit
+    result.setdefault("open_files_limit", limit)
     result["invariant_violations"] = holds(result)
     return None, result
 
@@ -438,9 +460,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     limit = raise_fd_limit()
     need = args.instances * (args.slots + 2) + 256
-    if limit < need:
-        log.warning("open-files limit %d may be too low for %d instances x %d slots (about %d sockets)",
-                    limit, args.instances, args.slots, need)
+    if limit < need:  # the controller sizes its pools from the limit: requests wait (connection_waits)
+        log.warning("open-files limit %d is below one socket per request for %d instances x %d slots (about "
+                    "%d): requests will wait for connections", limit, args.instances, args.slots, need)
     runs = []
     for workers in args.client_workers:
         args.workers_now = workers
@@ -455,7 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     keys = ("instances", "client_workers", "wall_s", "loop_lag_p50_ms", "loop_lag_p99_ms", "loop_lag_max_ms",
             "cpu_s_per_1k_samples", "worker_cpu_s_per_1k_samples", "stats_poll_interval_p50_s",
             "stats_poll_interval_p99_s", "step_end_to_all_switched_max_s", "controller_max_rss_mb",
-            "false_instance_failures", "lost_groups", "duplicated_groups", "c1_violations", "c3_violations")
+            "false_instance_failures", "connection_waits", "local_resource_errors", "lost_groups",
+            "duplicated_groups", "c1_violations", "c3_violations")
     for result in runs:
         for k in keys:
             v = result.get(k)

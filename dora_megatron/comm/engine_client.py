@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import aiohttp
 
 from dora_megatron.comm.http_session import HttpSession
+from dora_megatron.comm.limits import ConnectionPlan, ConnectionWaits, ControllerResourceError
 from dora_megatron.comm.protocol import GenerateRequest, GenerateResponse, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,25 @@ def probe_unavailable(exc: BaseException) -> bool:
     return exc.status in (400, 422) and any(w in str(exc.message).lower() for w in _UNAVAILABLE_WORDS)
 
 
+def _queued_trace(waits: ConnectionWaits) -> aiohttp.TraceConfig:
+    """aiohttp tracing that counts calls waiting for a pooled connection (``limit`` reached) and
+    marks the call's ``trace_request_ctx`` while it waits (a timeout then is the pool's)."""
+    tc = aiohttp.TraceConfig()
+
+    async def queued(_session: Any, ctx: Any, _params: Any) -> None:
+        waits.add()
+        if isinstance(ctx.trace_request_ctx, dict):
+            ctx.trace_request_ctx["queued"] = True
+
+    async def dequeued(_session: Any, ctx: Any, _params: Any) -> None:
+        if isinstance(ctx.trace_request_ctx, dict):
+            ctx.trace_request_ctx["queued"] = False
+
+    tc.on_connection_queued_start.append(queued)
+    tc.on_connection_queued_end.append(dequeued)
+    return tc
+
+
 class ExtensionUnsupported(RuntimeError):
     """The engine lacks a dora extension (an SGLang server, or an older engine)."""
 
@@ -68,9 +88,23 @@ class ExtensionUnsupported(RuntimeError):
 class EngineClient:
     """Talks to one engine at ``base_url`` (e.g. ``http://127.0.0.1:30000``)."""
 
-    def __init__(self, base_url: str, session: aiohttp.ClientSession | None = None, timeout_s: float = 600.0) -> None:
+    def __init__(self, base_url: str, session: aiohttp.ClientSession | None = None, timeout_s: float = 600.0, *,
+                 plan: ConnectionPlan | None = None, waits: ConnectionWaits | None = None) -> None:
+        """``plan``: this process's connection budget (:func:`~dora_megatron.comm.limits.plan_connections`):
+        at most ``plan.generate`` generates on the wire, more wait for one to end (the wait is not
+        part of the call's timeout), and ``plan.generate + plan.control`` sockets in all. ``waits``:
+        counts every call that waited for a connection (back-pressure). Without a plan: aiohttp's
+        default pool of 100 and no gate."""
         self.base_url = base_url.rstrip("/")
-        self._http = HttpSession(timeout_s, session=session)
+        self.waits = waits
+        tracing = [_queued_trace(waits)] if waits is not None else None
+        if plan is not None:
+            self._http = HttpSession(timeout_s, session=session, limit=plan.generate + plan.control,
+                                     trace_configs=tracing)
+            self._generates: asyncio.Semaphore | None = asyncio.Semaphore(plan.generate)
+        else:
+            self._http = HttpSession(timeout_s, session=session, trace_configs=tracing)
+            self._generates = None
         self._extensions: frozenset[str] | None = None
 
     async def __aenter__(self) -> "EngineClient":
@@ -90,24 +124,31 @@ class EngineClient:
         """One call, bounded by ``timeout_s`` or else the client's ``timeout_s``: a stalled engine raises TimeoutError."""
         url = self.base_url + path
         timeout = self._http.call_timeout(timeout_s)
-        async with self._http.session().request(method, url, json=json_body, data=data, timeout=timeout) as resp:
-            body = await resp.read()
-            if resp.status >= 400:
-                try:
-                    import json
+        queued = {"queued": False}  # set by the tracing while the call waits for a pooled connection
+        try:
+            async with self._http.session().request(method, url, json=json_body, data=data, timeout=timeout,
+                                                    trace_request_ctx=queued) as resp:
+                body = await resp.read()
+        except asyncio.TimeoutError as exc:
+            if queued["queued"]:  # timed out before any connection was free: the pool's limit, not the engine
+                raise ControllerResourceError(url, "no pooled connection became free within the call's timeout") from exc
+            raise
+        if resp.status >= 400:
+            try:
+                import json
 
-                    msg = json.loads(body).get("message") or body.decode(errors="replace")
-                except Exception:  # noqa: BLE001 - any non-JSON error body
-                    msg = body.decode(errors="replace")
-                cls = VersionMismatch if resp.status == 409 and "version" in msg else EngineError
-                raise cls(url, resp.status, msg)
-            if raw:
-                return body
-            if not body:
-                return {}
-            import json
+                msg = json.loads(body).get("message") or body.decode(errors="replace")
+            except Exception:  # noqa: BLE001 - any non-JSON error body
+                msg = body.decode(errors="replace")
+            cls = VersionMismatch if resp.status == 409 and "version" in msg else EngineError
+            raise cls(url, resp.status, msg)
+        if raw:
+            return body
+        if not body:
+            return {}
+        import json
 
-            return json.loads(body)
+        return json.loads(body)
 
     # ---- SGLang protocol -----------------------------------------------------------------
     async def generate(
@@ -127,7 +168,12 @@ class EngineClient:
         body = req.to_json()
         if version is not None and await self.supports("dora_version"):
             body["dora_version"] = str(version)
-        return GenerateResponse.from_json(await self._request("POST", "/generate", body))
+        if self._generates is None:
+            return GenerateResponse.from_json(await self._request("POST", "/generate", body))
+        if self._generates.locked() and self.waits is not None:
+            self.waits.add()  # back-pressure: every generate connection of this instance is in use
+        async with self._generates:  # the timeout starts once a connection is ours
+            return GenerateResponse.from_json(await self._request("POST", "/generate", body))
 
     async def abort(self, rid: str = "", abort_all: bool = False) -> bool:
         """Abort by rid prefix (or all); False if nothing matched (already finished)."""

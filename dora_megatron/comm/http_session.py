@@ -23,17 +23,21 @@ class HttpSession:
     ``timeout``: the default of a call (seconds as ``total``, or a ``ClientTimeout``): an owned
     session's own; a client passes it with each call so that it also holds on a borrowed session.
     ``limit``: connections of an owned session on the wire at most (more requests wait for a slot;
-    with ``total=None`` that wait is not timed). ``session``: a session to borrow instead (its own
-    connection limit applies; :meth:`close` leaves it open)."""
+    with ``total=None`` that wait is not timed). aiohttp counts only connections in use against it
+    and reuses an idle kept-alive one first, so a session that talks to one host never holds more
+    than ``limit`` sockets. ``trace_configs``: aiohttp tracing of an owned session. ``session``: a
+    session to borrow instead (its own connection limit applies; :meth:`close` leaves it open)."""
 
     def __init__(self, timeout: float | aiohttp.ClientTimeout | None = None, *,
-                 limit: int = DEFAULT_CONNECTION_LIMIT, session: aiohttp.ClientSession | None = None) -> None:
+                 limit: int = DEFAULT_CONNECTION_LIMIT, session: aiohttp.ClientSession | None = None,
+                 trace_configs: list[aiohttp.TraceConfig] | None = None) -> None:
         if limit < 0:
             raise ValueError(f"limit must be >= 0 (0: no limit), got {limit}")
         self.timeout = timeout if isinstance(timeout, aiohttp.ClientTimeout) else aiohttp.ClientTimeout(total=timeout)
         self.limit = limit
         self._session = session
         self._owned = session is None
+        self.trace_configs = trace_configs  # of an owned session (e.g. counting waits for a pooled connection)
 
     @property
     def owned(self) -> bool:
@@ -43,7 +47,7 @@ class HttpSession:
     def session(self) -> aiohttp.ClientSession:
         """The session, made at the first call (which must run on the event loop that uses it)."""
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self.timeout,
+            self._session = aiohttp.ClientSession(timeout=self.timeout, trace_configs=self.trace_configs,
                                                   connector=aiohttp.TCPConnector(limit=self.limit))
         return self._session
 

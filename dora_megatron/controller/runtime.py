@@ -56,6 +56,18 @@ log = logging.getLogger(__name__)
 OUT_OF_STEP_REFUSALS = 3
 
 
+#: back-off between tries of a call that failed for want of a local resource (seconds, doubling)
+LOCAL_RETRY_S = (0.05, 1.0)
+
+
+def _is_local(err: BaseException) -> bool:
+    """A shortage of the controller's own process (no descriptor, no buffer, no pooled connection
+    in time: :func:`~dora_megatron.comm.limits.local_resource_error`): never an instance's fault."""
+    from dora_megatron.comm.limits import local_resource_error
+
+    return local_resource_error(err)
+
+
 def _is_comm_error(err: BaseException) -> bool:
     """Errors that mean "this engine cannot be reached or refused to work": the instance is failed."""
     from dora_megatron.comm.engine_client import EngineError, ExtensionUnsupported
@@ -74,14 +86,25 @@ async def abort_until_returned(engine: Engine, sample_id: str, prev: asyncio.Tas
     its way; the embedded engine answers 404 then. Only the return of the generate says the abort
     took effect (or the request finished first). The wait between tries doubles from 20 ms to 1 s,
     so a long generation is not flooded with aborts."""
-    await engine.abort(sample_id)
+    await _abort_once(engine, sample_id)
     delay = 0.02
     while prev is not None and not prev.done():
         done, _ = await asyncio.wait([prev], timeout=delay)
         if done:
             break
-        await engine.abort(sample_id)
+        await _abort_once(engine, sample_id)
         delay = min(1.0, delay * 2)
+
+
+async def _abort_once(engine: Engine, sample_id: str) -> None:
+    """One abort; one that could not be sent for a local shortage (:func:`_is_local`) is simply
+    tried again by the caller's next round (the instance is not at fault)."""
+    try:
+        await engine.abort(sample_id)
+    except Exception as err:  # noqa: BLE001
+        if not _is_local(err):
+            raise
+        log.debug("abort of %s not sent (local shortage): %s", sample_id, err)
 
 
 def _clear_stale_checkpoint(path: Path) -> None:
@@ -175,6 +198,12 @@ class Runtime:
         #: instances whose answers carry no routed_experts although asked for (same rule)
         self.routed_experts_off: set[str] = set()
         self.weight_sync_timeouts = 0
+        #: calls that failed for a shortage of the controller's own process (EMFILE, ENOBUFS, a
+        #: full pool): retried or re-queued, never counted against the instance
+        self.local_resource_errors = 0
+        #: this process's back-pressure count (calls that waited for a pooled connection), set by
+        #: the launcher that sized the pools (:class:`~dora_megatron.comm.limits.ConnectionWaits`)
+        self.connection_waits = None
         self.expected_checksums: dict[int, str] = {}
         #: version -> SGLang's own checksum of it (``/weights_checker``), as the first instance that
         #: loaded it reported: SGLang's checksum is comparable between instances only
@@ -370,6 +399,13 @@ class Runtime:
                                tuple(rec.output_ids), tuple(rec.logprobs), float(rec.reward), rec.routed_experts,
                                rec.finish_reason)
 
+    def _local_shortage(self, what: str, err: BaseException) -> None:
+        """Count a call that failed for the controller's own shortage; the first and every 1,000th are logged."""
+        self.local_resource_errors += 1
+        if self.local_resource_errors == 1 or self.local_resource_errors % 1000 == 0:
+            log.warning("%s: a local resource shortage of the controller, not the instance's fault (retried; "
+                        "%d so far, counted as local_resource_errors): %s", what, self.local_resource_errors, err)
+
     def _sampling(self, rec: SampleRecord) -> dict[str, Any]:
         seed = zlib.crc32(f"{self.opt.seed}/{rec.sample_id}/{rec.submissions}".encode()) & 0x7FFFFFFF
         return {
@@ -393,28 +429,44 @@ class Runtime:
         rec.versions.add(a.version)
         rec.version = a.version
         engine = self.engines[a.instance]
-        start = self.now()
         rec.gen_task, rec.gen_instance = asyncio.current_task(), a.instance
-        try:
-            resp = await engine.generate(rec.prompt_ids + rec.output_ids, self._sampling(rec), rid=a.sample_id,
-                                         return_logprob=True, version=a.version,
-                                         **({"routed_experts": True} if self.opt.routed_experts else {}))
-        except VersionMismatch as err:
-            # the engine's C1 guard refused it (it holds another version): nothing ran, re-queue it
-            log.warning("C1 guard: %s refused %s for version %d: %s", a.instance, a.sample_id, a.version, err.message)
-            self.version_refusals += 1
-            if self._out_of_step(a.instance, a.version):
-                await self.events.report(InstanceFailed(
-                    a.instance, f"serves another weight version than the {a.version} it was switched to "
-                    f"({OUT_OF_STEP_REFUSALS} requests in a row refused: {err.message})", engine))
-            else:
-                await self.events.report(MigrationFailed(a.sample_id))
-            return
-        except Exception as err:  # noqa: BLE001
-            if not _is_comm_error(err):
-                raise
-            await self.events.report(InstanceFailed(a.instance, f"generate failed: {err}", engine))
-            return
+        delay, deadline = LOCAL_RETRY_S[0], time.monotonic() + self.opt.request_timeout_s
+        while True:
+            start = self.now()
+            try:
+                resp = await engine.generate(rec.prompt_ids + rec.output_ids, self._sampling(rec), rid=a.sample_id,
+                                             return_logprob=True, version=a.version,
+                                             **({"routed_experts": True} if self.opt.routed_experts else {}))
+                break
+            except VersionMismatch as err:
+                # the engine's C1 guard refused it (it holds another version): nothing ran, re-queue it
+                log.warning("C1 guard: %s refused %s for version %d: %s", a.instance, a.sample_id, a.version,
+                            err.message)
+                self.version_refusals += 1
+                if self._out_of_step(a.instance, a.version):
+                    await self.events.report(InstanceFailed(
+                        a.instance, f"serves another weight version than the {a.version} it was switched to "
+                        f"({OUT_OF_STEP_REFUSALS} requests in a row refused: {err.message})", engine))
+                else:
+                    await self.events.report(MigrationFailed(a.sample_id))
+                return
+            except Exception as err:  # noqa: BLE001
+                if _is_local(err):
+                    # the controller's own shortage (no descriptor, no pooled connection): the instance
+                    # is not at fault; the same call is tried again after a back-off
+                    self._local_shortage(f"generate of {a.sample_id} on {a.instance}", err)
+                    if not self.is_current(a.instance, engine):
+                        return  # failed or replaced meanwhile: its requests are re-queued already
+                    if time.monotonic() + delay > deadline:  # short for a whole request timeout: run it later
+                        await self.events.report(MigrationFailed(a.sample_id))
+                        return
+                    await asyncio.sleep(delay)
+                    delay = min(LOCAL_RETRY_S[1], delay * 2)
+                    continue
+                if not _is_comm_error(err):
+                    raise
+                await self.events.report(InstanceFailed(a.instance, f"generate failed: {err}", engine))
+                return
         self._refusal_streak.pop(a.instance, None)
         await self.events.report(EngineReply(a.sample_id, a.instance, resp, start, self.now()))
 
@@ -503,11 +555,15 @@ class Runtime:
                             return
                         await asyncio.sleep(0.02)
         except Exception as err:  # noqa: BLE001 - the source is unreachable: re-run the sample elsewhere
-            if not _is_comm_error(err):
+            if _is_local(err):  # the controller's shortage: move it the other way (abort + resubmit)
+                self._local_shortage(f"export of {a.sample_id} from {a.src}", err)
+                blob = None
+            elif not _is_comm_error(err):
                 raise
-            await self.events.report(InstanceFailed(a.src, f"export failed: {err}", src))
-            await self.events.report(MigrationFailed(a.sample_id))
-            return
+            else:
+                await self.events.report(InstanceFailed(a.src, f"export failed: {err}", src))
+                await self.events.report(MigrationFailed(a.sample_id))
+                return
         if blob is not None:
             released.set_result(None)  # the export removed it from the source
             self.migrated_bytes += len(blob)
@@ -517,6 +573,10 @@ class Runtime:
             try:
                 resp = await dst.import_request(blob)
             except Exception as err:  # noqa: BLE001 - the destination failed: its requests are re-queued
+                if _is_local(err):  # the controller's shortage: the sample runs again from what it holds
+                    self._local_shortage(f"import of {a.sample_id} into {a.dst}", err)
+                    await self.events.report(MigrationFailed(a.sample_id))
+                    return
                 if not _is_comm_error(err):
                     raise
                 await self.events.report(InstanceFailed(a.dst, f"import failed: {err}", dst))
@@ -567,7 +627,7 @@ class Runtime:
         start = self.now()
         self.metrics.weight_sync_started(a.instance, start, rebalance=a.rebalance)
         try:
-            got = await asyncio.wait_for(self._load_weights(engine, a.version, resume=resume, instance=a.instance),
+            got = await asyncio.wait_for(self._load_weights_retrying(engine, a, resume=resume),
                                          timeout=self.opt.weight_sync_timeout_s)
         except asyncio.TimeoutError:
             self.weight_sync_timeouts += 1
@@ -613,6 +673,20 @@ class Runtime:
         queued v0 load would then replace its weights under those requests."""
         latest = self._switching.get(instance)
         return latest is not None and latest is not asyncio.current_task()
+
+    async def _load_weights_retrying(self, engine: Engine, a: SwitchVersion, *, resume: bool) -> str | None:
+        """:meth:`_load_weights`, tried again after a back-off while it fails for a local shortage
+        of the controller (bounded by the caller's ``weight_sync_timeout_s``): a load is idempotent."""
+        delay = LOCAL_RETRY_S[0]
+        while True:
+            try:
+                return await self._load_weights(engine, a.version, resume=resume, instance=a.instance)
+            except Exception as err:  # noqa: BLE001
+                if not _is_local(err):
+                    raise
+                self._local_shortage(f"switch of {a.instance} to v{a.version}", err)
+                await asyncio.sleep(delay)
+                delay = min(LOCAL_RETRY_S[1], delay * 2)
 
     async def _load_weights(self, engine: Engine, version: int, *, resume: bool = False,
                             instance: str = "") -> str | None:
@@ -1041,6 +1115,9 @@ class Runtime:
                         return
                     log.info("stats poll of %s timed out; asking again before failing it", iid)
                 except Exception as err:  # noqa: BLE001 - unreachable engine = failed engine
+                    if _is_local(err):  # the controller's shortage: this sweep goes without its report
+                        self._local_shortage(f"stats poll of {iid}", err)
+                        return
                     self.events.post(InstanceFailed(iid, f"server_info failed: {err}", engine))
                     return
         self._apply_load(iid, engine, info)
@@ -1184,6 +1261,9 @@ class Runtime:
         out["engine_restarts"] = self.engine_restarts
         out["instances_absent_at_start"] = dict(sorted(self.absent_at_start.items()))
         out["weight_sync_timeouts"] = self.weight_sync_timeouts
+        out["local_resource_errors"] = self.local_resource_errors
+        waits = self.connection_waits
+        out["connection_waits"] = waits() if callable(waits) else (waits.count if waits is not None else 0)
         out["samples_from_journal"] = self.samples_from_journal
         out["max_live_versions"] = osum.get("max_live_versions")
         out["outstanding_groups_at_end"] = osum["dispatched_groups"] - osum["consumed_groups"]

@@ -124,8 +124,37 @@ def _terminated(signum, frame) -> None:
     raise _Terminated()
 
 
+def connection_plan(cfg: DoraConfig, instances: int, say=None):
+    """This process's connection budget for ``instances`` (:mod:`dora_megatron.comm.limits`): the
+    soft open-files limit raised to the hard one (logged old -> new), each instance's pool sized
+    from it. Refuses (:class:`~dora_megatron.config.base.ConfigError` naming
+    ``rollout.client_workers`` and the numbers) when not one generate connection per instance
+    fits; ``say``: where the warning goes when not every slot gets its own connection (requests
+    then wait for one, counted as ``connection_waits``)."""
+    from dora_megatron.comm.limits import ConnectionBudgetError, plan_connections, raise_open_files_limit
+    from dora_megatron.config.base import ConfigError
+
+    old, new = raise_open_files_limit()
+    if say is not None and new != old:
+        say(f"open-files limit raised from {old} to {new} (the hard limit)")
+    try:
+        plan = plan_connections(instances, cfg.orchestrator.cap_before_rebalance, new,
+                                client_workers=cfg.rollout.client_workers)
+    except ConnectionBudgetError as err:
+        raise ConfigError("rollout.client_workers", str(err)) from err
+    if say is not None and not plan.fits:
+        say(f"warning: {plan.describe()} of {plan.slots} slots; requests beyond them wait for a connection "
+            f"(connection_waits in summary.json): raise the hard open-files limit or set rollout.client_workers")
+    return plan
+
+
 def run_local_job(cfg: DoraConfig, resume: str | None = None) -> int:
     say = _Say()
+    try:  # before any process starts: a concurrency that cannot run is refused at once
+        connection_plan(cfg, cfg.rollout.num_instances)
+    except ValueError as err:
+        say(f"dora train: {err}")
+        return 2
     problem = input_problem(cfg)
     if problem:
         say(f"dora train: {problem}")
@@ -302,11 +331,15 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
     names = list(urls)
 
     pool = None  # rollout.client_workers > 0: the instances' HTTP clients run in worker processes
+    from dora_megatron.comm.limits import ConnectionWaits
+
+    conn_plan = connection_plan(cfg, len(urls), say)  # refuses before waiting on thousands of instances
+    waits = ConnectionWaits()
 
     def make_engine(url: str):
         if pool is not None:
             return pool.engine(url)
-        return engine_for(cfg, url, str(model_dir), procs, run_dir)
+        return engine_for(cfg, url, str(model_dir), procs, run_dir, plan=conn_plan, waits=waits)
 
     health_path = cfg.vllm.health_path if cfg.rollout.engine == "vllm" else "/health"
     from dora_megatron.launch.supervise import EngineSupervisor, RestartPolicy, restart_engine
@@ -380,7 +413,7 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
 
         pool = await ClientPool.start(cfg, str(model_dir), cfg.rollout.client_workers, log_dir=run_dir / "logs", poll={
             "interval_s": obs.stats_interval_s, "health_timeout_s": cfg.controller.health_timeout_s,
-            "concurrency": RuntimeOptions.stats_concurrency})
+            "concurrency": RuntimeOptions.stats_concurrency}, plan=conn_plan)
     retention = _SnapshotRetention(run_dir, lambda: ctl.orch.live_versions())
     sinks = [writer, StepsJsonl(steps_file)]
     if obs.wandb:
@@ -393,6 +426,7 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
                            timeline=timeline, metric_sinks=sinks,
                            load_reports=pool, background=background)
     runtime, trainer, engines, orch = ctl.runtime, ctl.trainer, ctl.engines, ctl.orch
+    runtime.connection_waits = pool.connection_waits if pool is not None else waits
     say(f"reward: {ctl.reward_name}")
     if cfg.run.checkpoint_interval == 0:  # no mid-run checkpoint to resume from: only live versions matter
         retention.min_live_at_checkpoint = float("inf")

@@ -47,6 +47,11 @@ class Worker:
         self.cfg = None
         self.model_dir = ""
         self.poll: dict[str, float] | None = None
+        self.plan = None  # the connection budget of this process (comm.limits.ConnectionPlan), from ``init``
+        from dora_megatron.comm.limits import ConnectionWaits
+
+        self.waits = ConnectionWaits()  # sent to the controller after each poll sweep (``waits``)
+        self._waits_sent = 0
         self._poller: asyncio.Task | None = None
 
     def handle(self, msg: tuple) -> bool:
@@ -65,7 +70,7 @@ class Worker:
             from dora_megatron.rollout.factory import engine_for
 
             _, h, url = msg
-            self.engines[h] = engine_for(self.cfg, url, self.model_dir)
+            self.engines[h] = engine_for(self.cfg, url, self.model_dir, plan=self.plan, waits=self.waits)
             if self.poll is not None:
                 self.polled.add(h)
                 if self._poller is None:
@@ -76,7 +81,8 @@ class Worker:
             if engine is not None:
                 asyncio.get_running_loop().create_task(engine.close())
         elif kind == "init":
-            _, self.cfg, self.model_dir, self.poll = msg
+            self.cfg, self.model_dir, self.poll = msg[1:4]
+            self.plan = msg[4] if len(msg) > 4 else None
         elif kind == "stop":
             return False
         else:
@@ -118,6 +124,10 @@ class Worker:
                         return h, ("failed", f"server_info did not answer within {timeout:g} s "
                                              "(controller.health_timeout_s), twice in a row")
                 except Exception as err:  # noqa: BLE001 - an unreachable engine is a failed one
+                    from dora_megatron.comm.limits import local_resource_error
+
+                    if local_resource_error(err):  # this process's shortage: no report this sweep
+                        return None
                     self.polled.discard(h)
                     return h, ("failed", f"server_info failed: {err}")
         return None
@@ -130,6 +140,9 @@ class Worker:
             reports = dict(x for x in got if x is not None)
             if reports:
                 self.out.send(("stats", reports))
+            if self.waits.count != self._waits_sent:
+                self._waits_sent = self.waits.count
+                self.out.send(("waits", self.waits.count))
             await asyncio.sleep(self.poll["interval_s"])
 
     async def close(self) -> None:
@@ -166,11 +179,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fd", type=int, required=True, help="the socket to the controller")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    import resource
+    from dora_megatron.comm.limits import raise_open_files_limit
 
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # a socket per connection to an instance
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    raise_open_files_limit()  # a socket per connection to an instance
     asyncio.run(serve(args.fd))
 
 

@@ -47,6 +47,7 @@ class _Worker:
         self.handles: set[int] = set()
         self.dead: str | None = None  # why, once the worker is gone
         self.reports: dict[int, Any] = {}  # handle -> newest load report not yet taken
+        self.waits = 0  # calls of this worker that waited for a pooled connection (its last count)
         self.reader_task: asyncio.Task | None = None
 
     @property
@@ -64,6 +65,9 @@ class _Worker:
                     kind = msg[0]
                     if kind == "stats":
                         self.reports.update(msg[1])
+                        continue
+                    if kind == "waits":
+                        self.waits = int(msg[1])
                         continue
                     fut = self.pending.pop(msg[1], None)
                     if fut is None or fut.done():
@@ -185,10 +189,11 @@ class ClientPool:
     ``concurrency``): the workers poll their instances and push the reports
     (:meth:`take_reports`); None: they do not (the runtime polls through the proxies)."""
 
-    def __init__(self, cfg: Any, model_dir: str, poll: dict[str, float] | None) -> None:
+    def __init__(self, cfg: Any, model_dir: str, poll: dict[str, float] | None, plan: Any = None) -> None:
         self.cfg = cfg
         self.model_dir = model_dir
         self.poll = poll
+        self.plan = plan  # each worker's connection budget (comm.limits.ConnectionPlan), None: aiohttp's default
         self.workers: list[_Worker] = []
         self._ids = itertools.count(1)
         self._handles = itertools.count(1)
@@ -198,10 +203,11 @@ class ClientPool:
 
     @classmethod
     async def start(cls, cfg: Any, model_dir: str, workers: int, *, poll: dict[str, float] | None = None,
-                    log_dir: Path | None = None) -> "ClientPool":
+                    log_dir: Path | None = None, plan: Any = None) -> "ClientPool":
+        """``plan``: the connection budget of each worker (its share of the instances)."""
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
-        pool = cls(cfg, model_dir, poll)
+        pool = cls(cfg, model_dir, poll, plan)
         try:
             for i in range(workers):
                 pool.workers.append(await pool._spawn(i, log_dir))
@@ -225,7 +231,7 @@ class ClientPool:
                 stderr.close()
         reader, writer = await asyncio.open_unix_connection(sock=ours, limit=1 << 24)
         w = _Worker(index, proc, reader, FrameWriter(writer))
-        w.out.send(("init", self.cfg, self.model_dir, self.poll))
+        w.out.send(("init", self.cfg, self.model_dir, self.poll, self.plan))
         w.reader_task = asyncio.get_running_loop().create_task(w.read_loop())
         return w
 
@@ -271,6 +277,10 @@ class ClientPool:
         w.reports.pop(proxy.handle, None)
         if w.dead is None and not w.out.closed:
             w.out.send(("drop", proxy.handle))
+
+    def connection_waits(self) -> int:
+        """Calls the workers made wait for a pooled connection (back-pressure), as they last reported."""
+        return sum(w.waits for w in self.workers)
 
     def covers(self, engine: Any) -> bool:
         """True for this pool's proxies: their load comes pushed, the runtime does not poll them."""

@@ -85,6 +85,10 @@ def encode_error(err: BaseException) -> tuple:
         return (kind, err.url, err.status, err.message)
     if isinstance(err, ExtensionUnsupported):
         return ("extension", str(err))
+    from dora_megatron.comm.limits import local_resource_error
+
+    if local_resource_error(err):  # the worker's own shortage: kept apart, so no instance is failed for it
+        return ("local", getattr(err, "url", ""), f"{type(err).__name__}: {err}")
     if isinstance(err, (asyncio.TimeoutError, TimeoutError)):
         return ("timeout", str(err) or type(err).__name__)
     if isinstance(err, (OSError, ConnectionError)) or type(err).__module__.split(".")[0] == "aiohttp":
@@ -101,6 +105,10 @@ def decode_error(code: tuple) -> BaseException:
         return cls(code[1], int(code[2]), str(code[3]))
     if kind == "extension":
         return ExtensionUnsupported(code[1])
+    if kind == "local":
+        from dora_megatron.comm.limits import ControllerResourceError
+
+        return ControllerResourceError(code[1], code[2])
     if kind == "timeout":
         return asyncio.TimeoutError(code[1])
     if kind == "connection":

@@ -109,3 +109,24 @@ def test_a_killed_client_worker_loses_and_duplicates_nothing(tmp_path):
     assert r["killed_worker_pid"] and r["killed_worker_instances"] == 32 == r["killed_worker_instances_failed"]
     assert r["false_instance_failures"] == 0 and r["steps_done"] == 2 and r["invariant_violations"] == []
     check_exactly_once(r)
+
+
+def test_a_low_open_files_limit_makes_requests_wait_not_instances_fail(tmp_path):
+    """The controller's open-files limit lowered to 300 once the fakes run: 48 instances x 8 slots
+    cannot hold one socket per request (384 + polls + the reserve). Before, every generate failed
+    with 'Too many open files' and all 48 instances were failed; now the pools are sized from the
+    limit (1 generate + 2 control connections each), excess requests wait (counted), none fails."""
+    rc, r, log = run_harness(tmp_path, "--controller-open-files", "300", instances=48, steps=2)
+    assert rc == 0, log[-3000:]
+    assert r["open_files_limit"] == 300 and r["steps_done"] == 2 and r["invariant_violations"] == []
+    assert r["false_instance_failures"] == 0
+    assert r["connection_waits"] > 0
+    check_exactly_once(r)
+
+
+def test_an_open_files_limit_too_low_to_run_is_refused_with_the_numbers(tmp_path):
+    """Not one generate connection per instance fits in 150 descriptors (reserve 128): refused at
+    start, naming the numbers and rollout.client_workers, before any request."""
+    rc, _, log = run_harness(tmp_path, "--controller-open-files", "150", instances=48, steps=2)
+    assert rc == 2, log[-3000:]
+    assert "rollout.client_workers" in log and "150" in log and "48 instance(s) x 8 slot(s)" in log

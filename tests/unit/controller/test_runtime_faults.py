@@ -281,3 +281,45 @@ def test_an_instance_only_late_at_the_start_is_not_counted_as_failed():
     check_run(rt, engines, trainer, 4, 4, 2)
     assert summary["failed_instances"] == [] and summary["instances_rejoined"] == 0
     assert "e1" in summary["instances_absent_at_start"]
+
+
+class _Short:
+    """Wraps a fake engine: its next ``n`` calls of ``methods`` fail as a controller out of
+    descriptors fails them (aiohttp's connector error around EMFILE), before reaching the engine."""
+
+    def __init__(self, engine, n: int, methods: tuple[str, ...]) -> None:
+        self._engine, self.left, self.methods, self.raised = engine, n, methods, 0
+
+    def __getattr__(self, name):
+        attr = getattr(self._engine, name)
+        if name not in self.methods:
+            return attr
+
+        async def call(*args, **kwargs):
+            if self.left > 0:
+                import errno
+
+                import aiohttp
+
+                self.left -= 1
+                self.raised += 1
+                key = type("Key", (), {"ssl": False, "host": "127.0.0.1", "port": 1})()
+                raise aiohttp.ClientConnectorError(key, OSError(errno.EMFILE, "Too many open files"))
+            return await attr(*args, **kwargs)
+        return call
+
+
+def test_the_controllers_own_shortage_fails_no_instance():
+    """EMFILE on generates, stats polls, aborts and weight loads of every instance: they are tried
+    again (counted as local_resource_errors), no instance is failed, every step trains exactly once.
+    Before, each of these failed its instance and the run ended with 'every rollout instance failed'."""
+    rt, engines, trainer = make(mode="dora", n=3, steps=4, token_s=0.002)
+    short = {iid: _Short(e, 3, ("generate", "server_info", "abort", "update_weights_from_disk"))
+             for iid, e in engines.items()}
+    rt.engines.update(short)
+    summary = asyncio.run(rt.run())
+    assert rt.failed_ever == set() and summary["failed_instances"] == []
+    raised = sum(s.raised for s in short.values())
+    assert raised >= 3 * 3 and summary["local_resource_errors"] == raised
+    check_run(rt, engines, trainer, 4, 4, 2)
+    assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0
