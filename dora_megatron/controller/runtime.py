@@ -121,6 +121,8 @@ class Runtime:
         ``rollout_dump``: writes some of each step's samples as the trainer is handed them
         (``observability.dump_rollouts``)."""
         self.rollout_dump = rollout_dump
+        #: the eval set's rounds (:class:`~dora_megatron.controller.evaluation.Evaluator`, ``data.eval_path``)
+        self.evaluator = None
         self.orch = orch
         self.load_reports = load_reports
         self.engines = engines
@@ -823,6 +825,8 @@ class Runtime:
             self.on_step(log_, self)
         self._trainer_idle_since = end
         last = self.steps_done >= self.opt.steps
+        if self.evaluator is not None:  # a round of these weights, beside the rollout (or the final one)
+            self.evaluator.after_step(ev.step, new_version, last)
         due = self.opt.checkpoint_dir is not None and (
             last or bool(self.opt.checkpoint_interval and new_version % self.opt.checkpoint_interval == 0))
         if due:
@@ -1090,12 +1094,16 @@ class Runtime:
             watch.cancel()
             await asyncio.gather(stats, watch, return_exceptions=True)
         if self._error is not None:
+            if self.evaluator is not None:
+                self.evaluator.cancel()
             await self._cancel_all()
             raise self._error
         wall = self.now()
         await self._cancel_all()
         if self.timeline is not None:
             self.timeline.close(wall)
+        if self.evaluator is not None:  # the final weights, once the rollout stopped (not in the run's wall time)
+            await self.evaluator.finish(self.steps_done, self.latest_version or max(self._version_of.values(), default=0))
         return self.summary(wall)
 
     async def _wake_on_done(self) -> None:
@@ -1146,4 +1154,6 @@ class Runtime:
         out["samples_from_journal"] = self.samples_from_journal
         out["max_live_versions"] = osum.get("max_live_versions")
         out["outstanding_groups_at_end"] = osum["dispatched_groups"] - osum["consumed_groups"]
+        if self.evaluator is not None:
+            out.update(self.evaluator.summary())
         return out
