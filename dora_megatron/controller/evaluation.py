@@ -8,8 +8,12 @@ they share the engines' slots with the rollout (at most ``slots`` of them per en
 and neither the trainer nor a weight switch waits for them. The trainer therefore never stalls
 for an eval; the rollout only loses the engine time the eval borrows.
 
-Why each sample is tagged with one version and retried: an engine may switch weights under a
-request the orchestrator does not know about. Every eval request carries the version the engine
+Why a switch first sends the eval's requests away: a weight load waits for the requests an engine
+runs (the embedded engine loads when idle, SGLang behind its model-update lock), so before an
+instance switches the runtime calls :meth:`Evaluator.vacate`: no eval request goes there until the
+switch landed, and those on it are aborted and asked again elsewhere (or there, on the new
+weights, when the round's step allows). Why each sample is tagged with one version and retried:
+an engine may still switch weights under a request the orchestrator does not know about. Every eval request carries the version the engine
 holds (its C1 guard refuses it after a switch); an answer that was aborted (a pause, the shutdown
 of the rollout's requests) or that says more than one version produced its tokens is asked
 again, so every sample of a round comes from one version. A round of step ``s`` uses engines
@@ -35,6 +39,8 @@ log = logging.getLogger(__name__)
 
 #: attempts of one eval sample (aborted, version-refused, unreachable engine) before the round fails
 MAX_ATTEMPTS = 200
+#: tries of the final round's weight load of one engine
+LOAD_ATTEMPTS = 4
 
 
 class EvalRoundFailed(RuntimeError):
@@ -66,12 +72,17 @@ class Evaluator:
         self.rounds: list[dict[str, Any]] = []
         self.reward_errors = 0
         self._in_flight: dict[str, int] = {}  # instance -> eval requests on it now
+        self._requests: dict[str, dict[str, asyncio.Task]] = {}  # instance -> rid -> its /generate
+        self._closed: dict[str, int] = {}  # instance -> switches of it under way: no eval request goes there
         self._pending: list[asyncio.Task] = []
+        self._ending = False
 
     # ------------------------------------------------------------------ when
     def after_step(self, step: int, version: int, last: bool) -> None:
-        """The runtime finished ``step`` (weights ``version``): start its round when one is due. The
-        last step's round is :meth:`finish`'s."""
+        """``step`` steps are done (their weights: ``version``): start a round when one is due. The
+        last step's round is :meth:`finish`'s. Rounds are numbered by the steps done, which is the
+        TensorBoard step they are written at (as the held-out rates are: the final weights of an
+        N-step run at N)."""
         if self.interval and step % self.interval == 0 and not last:
             task = asyncio.get_running_loop().create_task(self._round(step, version, final=False),
                                                           name=f"eval-{step}")
@@ -81,9 +92,31 @@ class Evaluator:
         """After the last step (the rollout has stopped): switch every live engine to ``version``,
         let the rounds still running end, then evaluate the final weights."""
         await self._switch_all(version)
+        self._ending = True  # no switch will come: a round no engine can serve ends instead of waiting
         if self._pending:
             await asyncio.gather(*self._pending, return_exceptions=True)
         await self._round(step, version, final=True)
+
+    async def vacate(self, instances: Sequence[str]) -> None:
+        """``instances`` are about to load weights: send them no eval request until :meth:`reopen`,
+        and abort the eval requests on them until each has returned (they are asked again)."""
+        from dora_megatron.controller.runtime import abort_until_returned
+
+        for iid in instances:
+            self._closed[iid] = self._closed.get(iid, 0) + 1
+        rt = self.runtime
+        waits = [abort_until_returned(rt.engines[iid], rid, task) for iid in instances if iid in rt.engines
+                 for rid, task in list(self._requests.get(iid, {}).items())]
+        if waits:
+            await asyncio.gather(*waits, return_exceptions=True)
+
+    def reopen(self, instance: str) -> None:
+        """The switch of ``instance`` ended (landed or failed): eval requests may go there again."""
+        left = self._closed.get(instance, 0) - 1
+        if left > 0:
+            self._closed[instance] = left
+        else:
+            self._closed.pop(instance, None)
 
     def cancel(self) -> None:
         """The run failed: drop the rounds still running."""
@@ -97,6 +130,9 @@ class Evaluator:
             results = await asyncio.gather(*(self._prompt(step, version, i) for i in range(len(self.prompts))))
         except EvalRoundFailed as err:
             log.warning("eval round of step %d not done: %s", step, err)
+            return None
+        except Exception:  # noqa: BLE001 - an eval is not worth failing the run (or its end)
+            log.exception("eval round of step %d failed", step)
             return None
         rewards = [[r for r, _ in per] for per in results]
         versions = sorted({v for per in results for _, v in per})
@@ -141,10 +177,13 @@ class Evaluator:
         for attempt in range(MAX_ATTEMPTS):
             iid, version = await self._engine(min_version)
             engine = rt.engines[iid]
+            rid = f"eval/{step}/{i}/{j}/{attempt}/"  # no rid is a prefix of another (aborts match prefixes)
             self._in_flight[iid] = self._in_flight.get(iid, 0) + 1
+            task = asyncio.get_running_loop().create_task(engine.generate(
+                self.prompt_ids[i], sampling, rid=rid, return_logprob=False, version=version))
+            self._requests.setdefault(iid, {})[rid] = task  # what vacate() aborts and waits for
             try:
-                resp = await engine.generate(self.prompt_ids[i], sampling, rid=f"eval-{step}-{i}-{j}-{attempt}",
-                                             return_logprob=False, version=version)
+                resp = await task
             except VersionMismatch as err:  # it switched since it was picked; its SwitchDone follows
                 last_problem = f"{iid}: {err}"
                 await asyncio.sleep(0.05)
@@ -157,7 +196,8 @@ class Evaluator:
                 continue
             finally:
                 self._in_flight[iid] -= 1
-            used = {str(v) for v in resp.versions_used if str(v)}
+                self._requests[iid].pop(rid, None)
+            used = {str(v) for v in getattr(resp, "versions_used", ()) if str(v)}
             if (resp.finish_reason or {}).get("type") == "abort" or len(used) > 1:
                 last_problem = f"{iid}: the answer was aborted or crossed a weight switch"
                 continue
@@ -170,11 +210,14 @@ class Evaluator:
         rt = self.runtime
         while True:
             ready = [(self._in_flight.get(iid, 0), iid) for iid in list(rt.engines)
-                     if not rt.is_failed(iid) and rt._version_of.get(iid, -1) >= min_version
-                     and self._in_flight.get(iid, 0) < self.slots]
+                     if iid not in self._closed and not rt.is_failed(iid)
+                     and rt._version_of.get(iid, -1) >= min_version and self._in_flight.get(iid, 0) < self.slots]
             if ready:
                 iid = min(ready)[1]
                 return iid, rt._version_of[iid]
+            if self._ending and not any(not rt.is_failed(iid) and rt._version_of.get(iid, -1) >= min_version
+                                        for iid in list(rt.engines)):
+                raise EvalRoundFailed(f"no live engine holds v{min_version} or newer")
             await asyncio.sleep(0.05)
 
     async def _switch_all(self, version: int) -> None:
@@ -185,11 +228,19 @@ class Evaluator:
         async def one(iid: str) -> None:
             if rt._version_of.get(iid) == version:
                 return
+            await self.vacate([iid])  # rounds of older steps still running there (a load waits for them)
             try:
-                bad = await rt._load_weights(rt.engines[iid], version, instance=iid)
-            except Exception as err:  # noqa: BLE001 - the eval is not worth failing a finished run
-                log.warning("eval: %s could not load v%d for the final round: %s", iid, version, err)
-                return
+                for attempt in range(LOAD_ATTEMPTS):  # the rollout's aborted requests may take a moment to leave
+                    try:
+                        bad = await rt._load_weights(rt.engines[iid], version, instance=iid)
+                        break
+                    except Exception as err:  # noqa: BLE001 - the eval is not worth failing a finished run
+                        if attempt == LOAD_ATTEMPTS - 1:
+                            log.warning("eval: %s could not load v%d for the final round: %s", iid, version, err)
+                            return
+                        await asyncio.sleep(0.2 * (attempt + 1))
+            finally:
+                self.reopen(iid)
             if bad is not None:
                 log.warning("eval: %s loaded v%d wrongly (%s); it takes no part in the final round", iid, version, bad)
                 return

@@ -533,11 +533,20 @@ class Runtime:
         moves = [t for t in self._moves_at.get(a.instance, ()) if not t.done()]
         if moves:
             await asyncio.wait(moves)
-        if self._superseded(a.instance):
-            return
-        engine = engine if engine is not None else self.engines[a.instance]
-        if self.is_failed(a.instance) or self.engines.get(a.instance) is not engine:
-            return  # failed (or replaced) while this switch waited: the orchestrator no longer expects it
+        if self.evaluator is not None:  # a load waits for running requests: the eval's go elsewhere
+            await self.evaluator.vacate([a.instance])
+        try:
+            if self._superseded(a.instance):
+                return
+            engine = engine if engine is not None else self.engines[a.instance]
+            if self.is_failed(a.instance) or self.engines.get(a.instance) is not engine:
+                return  # failed (or replaced) while this switch waited: the orchestrator no longer expects it
+            await self._switch_now(a, engine, resume)
+        finally:
+            if self.evaluator is not None:
+                self.evaluator.reopen(a.instance)
+
+    async def _switch_now(self, a: SwitchVersion, engine: Engine, resume: bool) -> None:
         start = self.now()
         self.metrics.weight_sync_started(a.instance, start, rebalance=a.rebalance)
         try:
@@ -673,6 +682,16 @@ class Runtime:
         live = [a for a in actions if not self.is_failed(a.instance) and not self._superseded(a.instance)]
         if not live:
             return
+        if self.evaluator is not None:  # a broadcast waits for running requests too
+            await self.evaluator.vacate([a.instance for a in live])
+        try:
+            await self._push_now(live)
+        finally:
+            if self.evaluator is not None:
+                for a in live:
+                    self.evaluator.reopen(a.instance)
+
+    async def _push_now(self, live: list[SwitchVersion]) -> None:
         start = self.now()
         broadcast = self.metrics.trainer_sync_started(start)
         for a in live:
@@ -826,7 +845,7 @@ class Runtime:
         self._trainer_idle_since = end
         last = self.steps_done >= self.opt.steps
         if self.evaluator is not None:  # a round of these weights, beside the rollout (or the final one)
-            self.evaluator.after_step(ev.step, new_version, last)
+            self.evaluator.after_step(self.steps_done, new_version, last)
         due = self.opt.checkpoint_dir is not None and (
             last or bool(self.opt.checkpoint_interval and new_version % self.opt.checkpoint_interval == 0))
         if due:
