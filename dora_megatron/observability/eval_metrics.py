@@ -32,7 +32,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def round_metrics(rewards: Sequence[Sequence[float]], k: int, threshold: float) -> dict[str, Any]:
     """The round's figures from each prompt's sample rewards (``rewards[p]``: prompt p's samples, all
     of the same count ``n >= k``): ``mean_reward`` over every sample, ``pass@1`` and ``pass@k`` (the
-    mean over prompts of :func:`pass_at_k`), a sample passing when its reward is ``>= threshold``."""
+    mean over prompts of :func:`pass_at_k`), a sample passing when its reward is ``>= threshold``;
+    ``passes``: each prompt's count of passing samples."""
     if not rewards:
         raise ValueError("an evaluation round needs at least one prompt")
     passes = [[r >= threshold for r in rs] for rs in rewards]
@@ -43,6 +44,7 @@ def round_metrics(rewards: Sequence[Sequence[float]], k: int, threshold: float) 
         "k": k,
         "prompts": len(rewards),
         "samples": sum(len(rs) for rs in rewards),
+        "passes": [sum(p) for p in passes],  # per prompt, in the eval set's order
     }
 
 

@@ -44,7 +44,7 @@ def test_round_metrics_average_over_prompts_with_the_threshold():
     assert m["mean_reward"] == pytest.approx(3.5 / 6)
     assert m["pass@1"] == pytest.approx((0.5 + 0 + 1) / 3)
     assert m["pass@k"] == pytest.approx((1 + 0 + 1) / 3)
-    assert (m["k"], m["prompts"], m["samples"]) == (2, 3, 6)
+    assert (m["k"], m["prompts"], m["samples"], m["passes"]) == (2, 3, 6, [1, 0, 2])
     assert round_metrics([[0.5, 0.0]], k=1, threshold=0.5)["pass@1"] == pytest.approx(0.5)
     assert eval_scalars(m) == {"eval/mean_reward": m["mean_reward"], "eval/pass@1": m["pass@1"],
                                "eval/pass@k": m["pass@k"]}
