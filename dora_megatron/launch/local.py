@@ -333,7 +333,8 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
         sinks.append(WandbWriter(run_dir, obs.wandb_project, config=to_dict(cfg)))
     ctl = build_controller(cfg, endpoints, run_dir=run_dir, model_dir=model_dir, make_engine=make_engine,
                            checkpoint=checkpoint, on_step=on_step, on_checkpoint=retention.checkpointed,
-                           timeline=timeline, metric_sinks=sinks, eval_sinks=[writer, *sinks[2:]],
+                           timeline=timeline, metric_sinks=sinks,
+                           eval_sinks=[writer],  # not W&B: a round ends after later steps, W&B drops older steps
                            load_reports=pool)
     runtime, trainer, engines, orch = ctl.runtime, ctl.trainer, ctl.engines, ctl.orch
     say(f"reward: {ctl.reward_name}")
