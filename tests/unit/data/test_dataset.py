@@ -176,7 +176,7 @@ def test_a_saved_dataset_dict_must_name_its_split(tmp_path, rows, codec):
     assert len(DatasetPromptSource.load(str(tmp_path / "dd" / "test"), codec)) == 4
 
 
-def test_the_eval_set_is_every_usable_row_once_named_by_its_own_key(tmp_path, rows, codec):
+def test_the_eval_set_is_every_usable_row_once_named_by_its_own_key(tmp_path, rows, codec, own_model):
     """``data.eval_path``: the training loader on another file, every row once in file order (no
     shuffle, no epochs); its errors name ``data.eval_path``, and ``data.skip_bad_rows`` applies."""
     from dora_megatron.data.sources import eval_prompts
@@ -195,3 +195,8 @@ def test_the_eval_set_is_every_usable_row_once_named_by_its_own_key(tmp_path, ro
     assert [p.answer for p in kept] == ["2", "2", "2"]  # rows 0, 4 (the default limit takes it) and 6
     with pytest.raises(FileNotFoundError, match="data.eval_path: no such file"):
         eval_prompts(load_config(None, [*base, f"data.eval_path={tmp_path / 'none.parquet'}"]), codec)
+    # refused before any process starts, as a bad data.path row is
+    from dora_megatron.launch.inputs import input_problem
+
+    cfg = load_config(None, [*base, f"model.path={own_model.model_dir}", f"data.eval_path={bad}"])
+    assert input_problem(cfg).startswith(f"data.eval_path: {bad} row 1: missing field 'prompt'")
