@@ -38,6 +38,7 @@ def test_rounds_at_the_interval_and_the_end_on_one_version_each(mode, tmp_path):
                              slots=2, sinks=[sink], out=tmp_path / "eval.jsonl", path="eval.parquet")
     summary = asyncio.run(rt.run())
     check_run(rt, engines, trainer, 6, 4, 2)  # C1 of every request the engines ran, the eval's included
+    assert summary["failed_instances"] == []  # no switch found an eval request on its engine (the fake refuses)
     rounds = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
     assert sorted(r["step"] for r in rounds) == [2, 4, 6] and [r["final"] for r in rounds][-1]
     for r in rounds:
