@@ -135,7 +135,8 @@ def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, mo
                      make_engine: Callable[[str], Any], checkpoint: Path | None = None,
                      on_step: Callable[[StepLog, Any], None] | None = None,
                      on_checkpoint: Callable[[int], None] | None = None, timeline=None,
-                     metric_sinks: Sequence[Any] = (), load_reports=None, background=None) -> Controller:
+                     metric_sinks: Sequence[Any] = (), load_reports=None, background=None,
+                     eval_sinks: Sequence[Any] | None = None) -> Controller:
     """Clients for ``endpoints``, prompts, the orchestrator (restored from ``checkpoint`` when
     given, with its journal), and the runtime that executes its actions.
 
@@ -146,7 +147,9 @@ def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, mo
     ``load_reports``: pushed load reports replacing the stats polls of the engines they cover
     (``rollout.client_workers``, :class:`~dora_megatron.rollout.sharded.ClientPool`).
     ``background``: the launcher's :class:`~dora_megatron.observability.background.BackgroundWriter`;
-    the rollout dumps are written on it, off the event loop (the launcher closes it)."""
+    the rollout dumps are written on it, off the event loop (the launcher closes it).
+    ``eval_sinks``: where the eval set's rounds write ``eval/...`` (default ``metric_sinks``; a
+    launcher leaves out the per-step file)."""
     from dora_megatron.controller.runtime import Runtime
     from dora_megatron.controller.trainer_client import TrainerClient
     from dora_megatron.data.sources import job_codec
@@ -157,6 +160,9 @@ def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, mo
     trainer = TrainerClient(endpoints.trainer)
     codec = job_codec(cfg, model_dir)
     source, scorer, reward_name = prompt_source(cfg, codec)
+    from dora_megatron.data.sources import eval_prompts
+
+    evals = eval_prompts(cfg, codec)  # checked whole at load, like the training prompts
     state = json.loads((checkpoint / "controller.json").read_text()) if checkpoint is not None else None
     orch = (Orchestrator.restore(cfg.orchestrator, state["orchestrator"]) if state
             else Orchestrator(cfg.orchestrator, list(endpoints.engines)))
@@ -176,6 +182,14 @@ def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, mo
     runtime = Runtime(orch, engines, trainer, source, blocking_reward_fn(scorer), options, timeline=timeline,
                       on_step=on_step, on_checkpoint=on_checkpoint, codec=codec, journal=journal, metrics=metrics,
                       load_reports=load_reports, rollout_dump=rollout_dump)
+    if evals is not None:
+        from dora_megatron.controller.evaluation import Evaluator
+
+        obs = cfg.observability
+        runtime.evaluator = Evaluator(runtime, evals, scorer, samples=obs.eval_samples, interval=obs.eval_interval,
+                                      threshold=obs.eval_pass_threshold, slots=options.slots_per_instance,
+                                      sinks=metric_sinks if eval_sinks is None else eval_sinks,
+                                      out=run_dir / "eval.jsonl", path=cfg.data.eval_path)
     restorable = 0
     if state is not None:
         runtime.load_state_dict(state)

@@ -148,6 +148,8 @@ class Runtime:
         ``rollout_dump``: writes some of each step's samples as the trainer is handed them
         (``observability.dump_rollouts``)."""
         self.rollout_dump = rollout_dump
+        #: the eval set's rounds (:class:`~dora_megatron.controller.evaluation.Evaluator`, ``data.eval_path``)
+        self.evaluator = None
         self.orch = orch
         self.load_reports = load_reports
         self.engines = engines
@@ -619,11 +621,20 @@ class Runtime:
         moves = [t for t in self._moves_at.get(a.instance, ()) if not t.done()]
         if moves:
             await asyncio.wait(moves)
-        if self._superseded(a.instance):
-            return
-        engine = engine if engine is not None else self.engines[a.instance]
-        if self.is_failed(a.instance) or self.engines.get(a.instance) is not engine:
-            return  # failed (or replaced) while this switch waited: the orchestrator no longer expects it
+        if self.evaluator is not None:  # a load waits for running requests: the eval's go elsewhere
+            await self.evaluator.vacate([a.instance])
+        try:
+            if self._superseded(a.instance):
+                return
+            engine = engine if engine is not None else self.engines[a.instance]
+            if self.is_failed(a.instance) or self.engines.get(a.instance) is not engine:
+                return  # failed (or replaced) while this switch waited: the orchestrator no longer expects it
+            await self._switch_now(a, engine, resume)
+        finally:
+            if self.evaluator is not None:
+                self.evaluator.reopen(a.instance)
+
+    async def _switch_now(self, a: SwitchVersion, engine: Engine, resume: bool) -> None:
         start = self.now()
         self.metrics.weight_sync_started(a.instance, start, rebalance=a.rebalance)
         try:
@@ -781,6 +792,16 @@ class Runtime:
         live = [a for a in actions if not self.is_failed(a.instance) and not self._superseded(a.instance)]
         if not live:
             return
+        if self.evaluator is not None:  # a broadcast waits for running requests too
+            await self.evaluator.vacate([a.instance for a in live])
+        try:
+            await self._push_now(live)
+        finally:
+            if self.evaluator is not None:
+                for a in live:
+                    self.evaluator.reopen(a.instance)
+
+    async def _push_now(self, live: list[SwitchVersion]) -> None:
         start = self.now()
         broadcast = self.metrics.trainer_sync_started(start)
         for a in live:
@@ -935,6 +956,8 @@ class Runtime:
             self.on_step(log_, self)
         self._trainer_idle_since = end
         last = self.steps_done >= self.opt.steps
+        if self.evaluator is not None:  # a round of these weights, beside the rollout (or the final one)
+            self.evaluator.after_step(self.steps_done, new_version, last)
         due = self.opt.checkpoint_dir is not None and (
             last or bool(self.opt.checkpoint_interval and new_version % self.opt.checkpoint_interval == 0))
         if due:
@@ -1207,12 +1230,16 @@ class Runtime:
             watch.cancel()
             await asyncio.gather(stats, watch, return_exceptions=True)
         if self._error is not None:
+            if self.evaluator is not None:
+                self.evaluator.cancel()
             await self._cancel_all()
             raise self._error
         wall = self.now()
         await self._cancel_all()
         if self.timeline is not None:
             self.timeline.close(wall)
+        if self.evaluator is not None:  # the final weights, once the rollout stopped (not in the run's wall time)
+            await self.evaluator.finish(self.steps_done, self.latest_version or max(self._version_of.values(), default=0))
         return self.summary(wall)
 
     async def _wake_on_done(self) -> None:
@@ -1267,4 +1294,6 @@ class Runtime:
         out["samples_from_journal"] = self.samples_from_journal
         out["max_live_versions"] = osum.get("max_live_versions")
         out["outstanding_groups_at_end"] = osum["dispatched_groups"] - osum["consumed_groups"]
+        if self.evaluator is not None:
+            out.update(self.evaluator.summary())
         return out

@@ -112,42 +112,42 @@ def parse_row(record: Mapping[str, Any], fields: RowFields) -> Row:
     return Row(content, str(answer), source, dict(extra))
 
 
-def dataset_files(path: str) -> list[Path]:
-    """The files ``data.path`` names (one file, or the sorted matches of a glob); a directory is
-    returned as itself (``save_to_disk``). Raises FileNotFoundError / ValueError naming ``data.path``."""
+def dataset_files(path: str, key: str = "data.path") -> list[Path]:
+    """The files ``data.path`` (or ``key``) names (one file, or the sorted matches of a glob); a directory is
+    returned as itself (``save_to_disk``). Raises FileNotFoundError / ValueError naming ``key``."""
     p = Path(path)
     if p.is_dir():
         return [p]
     files = [Path(f) for f in sorted(glob.glob(path))] if glob.has_magic(path) else [p]
     if not files:
-        raise FileNotFoundError(f"data.path: no file matches {path}")
+        raise FileNotFoundError(f"{key}: no file matches {path}")
     for f in files:
         if not f.is_file():
-            raise FileNotFoundError(f"data.path: no such file {f}")
+            raise FileNotFoundError(f"{key}: no such file {f}")
         if f.suffix not in FILE_FORMATS:
-            raise ValueError(f"data.path: {f}: unknown format {f.suffix or '(no suffix)'} (valid: "
+            raise ValueError(f"{key}: {f}: unknown format {f.suffix or '(no suffix)'} (valid: "
                              f"{', '.join(FILE_FORMATS)} files, a glob of them, or a datasets.save_to_disk directory)")
     kinds = {FILE_FORMATS[f.suffix] for f in files}
     if len(kinds) > 1:
-        raise ValueError(f"data.path: {path} mixes {' and '.join(sorted(kinds))} files")
+        raise ValueError(f"{key}: {path} mixes {' and '.join(sorted(kinds))} files")
     return files
 
 
-def read_dataset(path: str) -> tuple[Any, list[tuple[str, int]]]:
+def read_dataset(path: str, key: str = "data.path") -> tuple[Any, list[tuple[str, int]]]:
     """The ``datasets.Dataset`` of ``data.path`` and, for naming rows, each file with its row count
     (in the dataset's order)."""
     import datasets
 
-    files = dataset_files(path)
+    files = dataset_files(path, key)
     if files[0].is_dir():
         try:
             ds = datasets.load_from_disk(str(files[0]))
         except (FileNotFoundError, ValueError) as err:
-            raise ValueError(f"data.path: {files[0]} is not a directory written by datasets' save_to_disk ({err})") from err
+            raise ValueError(f"{key}: {files[0]} is not a directory written by datasets' save_to_disk ({err})") from err
         if isinstance(ds, datasets.DatasetDict):
             splits = list(ds)
             if len(splits) != 1:
-                raise ValueError(f"data.path: {files[0]} holds the splits {', '.join(splits)}: point data.path at "
+                raise ValueError(f"{key}: {files[0]} holds the splits {', '.join(splits)}: point {key} at "
                                  "one split's directory")
             ds = ds[splits[0]]
         return ds, [(str(files[0]), len(ds))]
@@ -156,7 +156,7 @@ def read_dataset(path: str) -> tuple[Any, list[tuple[str, int]]]:
         ds = datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train")
     except Exception as err:  # noqa: BLE001 - datasets wraps the reader's error; its cause names the row
         cause = err.__cause__ or err
-        raise ValueError(f"data.path: {path}: not readable as {kind} ({type(cause).__name__}: {cause})") from err
+        raise ValueError(f"{key}: {path}: not readable as {kind} ({type(cause).__name__}: {cause})") from err
     if len(files) == 1:
         return ds, [(str(files[0]), len(ds))]
     import pyarrow.parquet as pq
@@ -186,9 +186,10 @@ class DatasetPromptSource:
     ``skipped``: ``(where, why)`` of each row refused at load with ``data.skip_bad_rows``."""
 
     def __init__(self, dataset: Any, rows: Sequence[int], fields: RowFields, *, name: str, seed: int = 0,
-                 shuffle: bool = True, epochs: int = 0, skipped: Sequence[tuple[str, str]] = ()) -> None:
+                 shuffle: bool = True, epochs: int = 0, skipped: Sequence[tuple[str, str]] = (),
+                 key: str = "data.path") -> None:
         if not rows:
-            raise ValueError(f"data.path: {name}: no usable rows")
+            raise ValueError(f"{key}: {name}: no usable rows")
         self.dataset = dataset
         self.rows = list(rows)
         self.fields = fields
@@ -235,11 +236,13 @@ class DatasetPromptSource:
 
     @classmethod
     def load(cls, path: str, codec: Any, *, fields: RowFields = RowFields(), max_prompt_tokens: int | None = None,
-             skip_bad_rows: bool = False, seed: int = 0, shuffle: bool = True, epochs: int = 0) -> "DatasetPromptSource":
+             skip_bad_rows: bool = False, seed: int = 0, shuffle: bool = True, epochs: int = 0,
+             key: str = "data.path") -> "DatasetPromptSource":
         """Read ``path`` and check every row: its fields (:func:`parse_row`) and its prompt rendered by
         ``codec`` (the one renderer) within ``max_prompt_tokens``. A bad row raises ValueError naming
-        the file, the row and the field, unless ``skip_bad_rows`` (then it is counted in ``skipped``)."""
-        dataset, spans = read_dataset(path)
+        the file, the row and the field, unless ``skip_bad_rows`` (then it is counted in ``skipped``).
+        ``key``: the config key that named ``path``, in every message (``data.path``, ``data.eval_path``)."""
+        dataset, spans = read_dataset(path, key)
         good: list[tuple[int, Row]] = []
         bad: list[tuple[int, str]] = []  # (row of the dataset, why)
         for i, record in enumerate(_records(dataset)):
@@ -259,13 +262,13 @@ class DatasetPromptSource:
         named = [(_where(spans, i), why) for i, why in bad]
         if named and not skip_bad_rows:
             more = f" (and {len(named) - 1} more)" if len(named) > 1 else ""
-            raise ValueError(f"data.path: {named[0][0]}: {named[0][1]}{more}; fix the rows or set "
+            raise ValueError(f"{key}: {named[0][0]}: {named[0][1]}{more}; fix the rows or set "
                              "data.skip_bad_rows: true to skip them")
         for where, why in named[:5]:
-            log.warning("data.path: skipped %s: %s", where, why)
+            log.warning("%s: skipped %s: %s", key, where, why)
         if named:
-            log.warning("data.path: skipped %d of %d rows of %s (data.skip_bad_rows)", len(named), len(dataset), path)
-        return cls(dataset, kept, fields, name=path, seed=seed, shuffle=shuffle, epochs=epochs, skipped=named)
+            log.warning("%s: skipped %d of %d rows of %s (data.skip_bad_rows)", key, len(named), len(dataset), path)
+        return cls(dataset, kept, fields, name=path, seed=seed, shuffle=shuffle, epochs=epochs, skipped=named, key=key)
 
 
 def _records(dataset: Any, batch: int = 1024):

@@ -54,6 +54,21 @@ def prompt_source(cfg: Any, codec: TextCodec):
     return source
 
 
+def eval_prompts(cfg: Any, codec: TextCodec) -> list | None:
+    """The eval set of ``data.eval_path`` (None when empty): every usable row once, in file order,
+    read, checked and rendered as the training prompts are (the same loader, fields, renderer and
+    length limit; ``data.skip_bad_rows`` applies). Errors name ``data.eval_path`` and the row."""
+    d = cfg.data
+    if not d.eval_path:
+        return None
+    from dora_megatron.data.dataset import DatasetPromptSource, RowFields
+
+    source = DatasetPromptSource.load(d.eval_path, codec, fields=RowFields(d.prompt_key, d.answer_key),
+                                      max_prompt_tokens=max_prompt_tokens(cfg), skip_bad_rows=d.skip_bad_rows,
+                                      shuffle=False, epochs=1, key="data.eval_path")
+    return [source.get(i) for i in range(len(source))]
+
+
 def skipped_rows(source: Any) -> int:
     """Rows ``data.skip_bad_rows`` left out (0 for the digit tasks): ``summary.json`` ``data_skipped_rows``."""
     return len(getattr(source, "skipped", ()))

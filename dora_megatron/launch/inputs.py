@@ -25,7 +25,8 @@ def input_problem(cfg: DoraConfig) -> str | None:
     """Why the job's inputs cannot run it, or None: ``model.path``, the rendering options against
     the model's tokenizer, a prompt dataset read whole (every row parsed and rendered within
     ``trainer.max_seq_len - rollout.max_new_tokens``: a bad row would otherwise stop the run when its
-    turn comes, engines and trainer already up) and a ``data.reward_fn`` of the user's (loaded by a
+    turn comes, engines and trainer already up), the eval set (``data.eval_path``, the same checks)
+    and a ``data.reward_fn`` of the user's (loaded by a
     worker process, as the run will)."""
     from dora_megatron.launch.layout import trainer_layout_problem
 
@@ -36,12 +37,13 @@ def input_problem(cfg: DoraConfig) -> str | None:
         problem = vllm_problem(cfg)
     if problem:
         return problem
-    from dora_megatron.data.sources import job_codec, prompt_source
+    from dora_megatron.data.sources import eval_prompts, job_codec, prompt_source
 
     try:
         codec = job_codec(cfg, cfg.model.path or None)  # presets use the char vocabulary
         if cfg.data.is_dataset:
             prompt_source(cfg, codec)
+        eval_prompts(cfg, codec)  # data.eval_path, the same checks
     except (OSError, ValueError) as err:
         return str(err) if str(err).startswith("data.") else f"data.path: {err}"
     return reward_problem(cfg)

@@ -424,6 +424,7 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
     ctl = build_controller(cfg, endpoints, run_dir=run_dir, model_dir=model_dir, make_engine=make_engine,
                            checkpoint=checkpoint, on_step=on_step, on_checkpoint=on_checkpoint,
                            timeline=timeline, metric_sinks=sinks,
+                           eval_sinks=[writer],  # not W&B: a round ends after later steps, W&B drops older steps
                            load_reports=pool, background=background)
     runtime, trainer, engines, orch = ctl.runtime, ctl.trainer, ctl.engines, ctl.orch
     runtime.connection_waits = pool.connection_waits if pool is not None else waits

@@ -16,6 +16,8 @@ from pathlib import Path
 import re
 from typing import Mapping, Protocol, Sequence
 
+from dora_megatron.observability.eval_metrics import EVAL_TAGS
+
 
 #: the held-out exact-answer rate (sampled decoding), written after the run by :func:`write_heldout`
 HELDOUT_TAG = "heldout/exact"
@@ -28,6 +30,7 @@ DORA_LAYOUT: dict[str, dict[str, tuple[str, ...]]] = {
     "1 reward and held-out": {
         "reward: mean and exact-answer share of the step's samples": ("reward/mean", "reward/exact_fraction"),
         "held-out exact rate: initial weights (step 0), final weights (last version)": (HELDOUT_TAG,),
+        "eval set (data.eval_path): mean reward, pass@1, pass@k of the weights of the step": tuple(EVAL_TAGS.values()),
     },
     "2 throughput": {
         "tokens/s: the run so far (prompt+response tokens / wall seconds)": ("perf/throughput_tokens_per_s",),

@@ -171,7 +171,8 @@ def test_job_sigkill_then_resume_consumes_every_group_once(tmp_path):
     and the samples the journal recorded as finished after that one are restored, not regenerated."""
     run_dir = tmp_path / "run"
     n = 12
-    args = ("run.checkpoint_interval=2", f"run.steps={n}")
+    # one sample of each of a step's tbs=4 groups is dumped: the prompt each trained group was sent
+    args = ("run.checkpoint_interval=2", f"run.steps={n}", "observability.dump_rollouts=4")
     proc = start_train(run_dir, *args)
     try:
         wait_for(lambda: (run_dir / "checkpoints" / "v000004" / "controller.json").is_file() and steps_done(run_dir) >= 5,
@@ -216,6 +217,27 @@ def test_job_sigkill_then_resume_consumes_every_group_once(tmp_path):
     for sid, j in finished_after.items():
         if final_version.get(j.group_id) == j.version:
             assert sid in replayed, f"{sid} was finished in the journal but generated again"
+    check_prompt_stream(run_dir, lineage, n)
+
+
+def check_prompt_stream(run_dir: Path, lineage: dict[int, list[str]], n: int) -> None:
+    """The data position survived the kill: group ``gK`` (the K-th dispatched, counted across the
+    crash from the checkpoint) was sent prompt K of the stream, so the resumed run continued with
+    the next prompt and no prompt of the final lineage was skipped or served twice."""
+    from dora_megatron.config.schema import load_config
+    from dora_megatron.data.sources import job_codec, prompt_source
+
+    cfg = load_config(run_dir / "config.yaml")
+    source, codec = prompt_source(cfg, job_codec(cfg, None)), job_codec(cfg, None)
+    sent: dict[str, list[int]] = {}
+    for step in range(n):  # the final lineage's files: a step re-done after the resume replaced its own
+        for row in map(json.loads, (run_dir / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()):
+            sent[row["group_id"]] = row["prompt_ids"]
+    trained = [g for s in range(n) for g in lineage[s]]
+    assert sorted(sent) == sorted(trained)
+    for gid in trained:
+        k = int(gid[1:])
+        assert sent[gid] == codec.encode_prompt(source.get(k)), f"{gid} was not sent prompt {k}"
 
 
 def test_trainer_rank_sigkill_stops_the_job_and_resume_consumes_every_group_once(tmp_path):

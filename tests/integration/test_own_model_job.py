@@ -24,6 +24,7 @@ from dora_megatron.config.schema import load_config
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
+EVAL_ROWS, EVAL_SAMPLES = 6, 2
 
 
 def _dora(*args: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
@@ -33,18 +34,20 @@ def _dora(*args: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedProc
 
 @pytest.fixture(scope="module")
 def job(own_model, tmp_path_factory):
-    """The run, with one unusable row appended to the data (skipped and counted), W&B offline and two
-    samples of each step dumped."""
+    """The run, with one unusable row appended to the data (skipped and counted), W&B offline, two
+    samples of each step dumped, and an eval set of six rows answered after step 2 and at the end."""
     tmp = tmp_path_factory.mktemp("own_job")
     rows = pq.read_table(own_model.data).to_pylist()
     bad = {**rows[0], "reward_model": {"style": "rule", "ground_truth": None}}
     data = tmp / "train.parquet"
     pq.write_table(pa.Table.from_pylist([*rows, bad]), str(data))
+    pq.write_table(pa.Table.from_pylist(rows[:EVAL_ROWS]), str(tmp / "eval.parquet"))
     run_dir = tmp / "run"
     overrides = [f"model.path={own_model.model_dir}", f"data.path={data}", f"data.reward_fn={own_model.reward_fn}",
                  "data.skip_bad_rows=true", f"run.run_dir={run_dir}", "run.steps=3", "run.checkpoint_interval=1",
                  "observability.progress=false", "observability.timeline=false", "observability.wandb=true",
-                 "observability.dump_rollouts=2"]
+                 "observability.dump_rollouts=2", f"data.eval_path={tmp / 'eval.parquet'}",
+                 "observability.eval_interval=2", f"observability.eval_samples={EVAL_SAMPLES}"]
     proc = _dora("train", "--config", str(ROOT / "configs" / "cpu_own_model.yaml"),
                  *[x for o in overrides for x in ("--set", o)], cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -87,6 +90,34 @@ def test_the_own_model_trains_with_the_users_reward_and_chat_prompts(job, own_mo
     # W&B, offline (no login here): the step scalars are in its run log
     logs = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(logs) == 1 and b"reward/mean" in logs[0].read_bytes()
+
+
+def test_the_eval_set_is_answered_after_the_interval_and_at_the_end(job):
+    """``data.eval_path`` with ``eval_interval=2`` over 3 steps: a round of the weights of step 2
+    (or newer) while the run trains, and one of the final weights; in ``eval.jsonl``,
+    ``summary.json`` and TensorBoard at those steps."""
+    from dora_megatron.observability.eval_metrics import pass_at_k
+    from dora_megatron.observability.tensorboard import read_scalar_tags
+
+    run_dir, out, _ = job
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rounds = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["final"]) for r in rounds] == [(2, False), (3, True)]
+    assert min(rounds[0]["versions"]) >= 2 and rounds[1]["versions"] == [3]
+    for r in rounds:
+        assert (r["prompts"], r["samples"], r["k"]) == (EVAL_ROWS, EVAL_ROWS * EVAL_SAMPLES, EVAL_SAMPLES)
+        assert -1.0 <= r["mean_reward"] <= 1.0 and 0.0 <= r["pass@1"] <= r["pass@k"] <= 1.0
+        assert len(r["passes"]) == EVAL_ROWS  # each prompt's passing samples: the figures follow from them
+        assert r["pass@1"] == pytest.approx(sum(pass_at_k(EVAL_SAMPLES, c, 1) for c in r["passes"]) / EVAL_ROWS)
+        assert r["pass@k"] == pytest.approx(sum(c > 0 for c in r["passes"]) / EVAL_ROWS)
+    assert summary["eval_rounds"] == rounds
+    assert (summary["eval_prompts"], summary["eval_samples"]) == (EVAL_ROWS, EVAL_SAMPLES)
+    assert (summary["eval_mean_reward"], summary["eval_pass@1"], summary["eval_pass@k"]) == (
+        rounds[1]["mean_reward"], rounds[1]["pass@1"], rounds[1]["pass@k"])
+    tags = read_scalar_tags(run_dir / "tb")
+    for key, tag in (("mean_reward", "eval/mean_reward"), ("pass@1", "eval/pass@1"), ("pass@k", "eval/pass@k")):
+        assert [s for s, _ in tags[tag]] == [2, 3]
+        assert [v for _, v in tags[tag]] == pytest.approx([r[key] for r in rounds])
 
 
 def test_rollout_dumps_show_what_the_model_was_sent_and_answered(job, own_model):

@@ -85,14 +85,17 @@ class FakeEngine:
         return self.token_s
 
     async def _run(self, req: _Req):
-        while len(req.produced) < len(req.target) and not req.aborted and not req.migrated:
-            await asyncio.sleep(self._token_time(req))
-            if self.dead:
-                raise EngineError(self.name, 503, "dead")
-            if req.aborted or req.migrated:
-                break
-            req.produced.append(req.target[len(req.produced)])
-        self.reqs.pop(req.rid, None)
+        try:  # a request whose client went away (its task cancelled) leaves the engine, as on a server
+            while len(req.produced) < len(req.target) and not req.aborted and not req.migrated:
+                await asyncio.sleep(self._token_time(req))
+                if self.dead:
+                    raise EngineError(self.name, 503, "dead")
+                if req.aborted or req.migrated:
+                    break
+                req.produced.append(req.target[len(req.produced)])
+        finally:
+            if self.reqs.get(req.rid) is req:
+                self.reqs.pop(req.rid)
         reason = "abort" if req.aborted else "stop"
         return SimpleNamespace(output_ids=list(req.produced), output_token_logprobs=[-0.5] * len(req.produced),
                                finish_reason={"type": reason}, migrated=req.migrated, weight_version=str(req.version))

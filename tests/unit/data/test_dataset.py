@@ -174,3 +174,29 @@ def test_a_saved_dataset_dict_must_name_its_split(tmp_path, rows, codec):
     with pytest.raises(ValueError, match="holds the splits train, test: point data.path at one split's directory"):
         DatasetPromptSource.load(str(tmp_path / "dd"), codec)
     assert len(DatasetPromptSource.load(str(tmp_path / "dd" / "test"), codec)) == 4
+
+
+def test_the_eval_set_is_every_usable_row_once_named_by_its_own_key(tmp_path, rows, codec, own_model):
+    """``data.eval_path``: the training loader on another file, every row once in file order (no
+    shuffle, no epochs); its errors name ``data.eval_path``, and ``data.skip_bad_rows`` applies."""
+    from dora_megatron.data.sources import eval_prompts
+
+    ev = tmp_path / "eval.parquet"
+    pq.write_table(pa.Table.from_pylist(rows[:5]), str(ev))
+    base = ["data.task=dataset", f"data.path={tmp_path / 'eval.parquet'}", "model.warm_start="]
+    assert eval_prompts(load_config(None, base), codec) is None
+    prompts = eval_prompts(load_config(None, [*base, f"data.eval_path={ev}"]), codec)
+    assert [p.extra_info["index"] for p in prompts] == [r["extra_info"]["index"] for r in rows[:5]]
+    assert [p.messages for p in prompts] == [tuple(r["prompt"]) for r in rows[:5]]
+    bad = _bad_rows(tmp_path)
+    with pytest.raises(ValueError, match=rf"^data.eval_path: {bad} row 1: missing field 'prompt'"):
+        eval_prompts(load_config(None, [*base, f"data.eval_path={bad}"]), codec)
+    kept = eval_prompts(load_config(None, [*base, f"data.eval_path={bad}", "data.skip_bad_rows=true"]), codec)
+    assert [p.answer for p in kept] == ["2", "2", "2"]  # rows 0, 4 (the default limit takes it) and 6
+    with pytest.raises(FileNotFoundError, match="data.eval_path: no such file"):
+        eval_prompts(load_config(None, [*base, f"data.eval_path={tmp_path / 'none.parquet'}"]), codec)
+    # refused before any process starts, as a bad data.path row is
+    from dora_megatron.launch.inputs import input_problem
+
+    cfg = load_config(None, [*base, f"model.path={own_model.model_dir}", f"data.eval_path={bad}"])
+    assert input_problem(cfg).startswith(f"data.eval_path: {bad} row 1: missing field 'prompt'")

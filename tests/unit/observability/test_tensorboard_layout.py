@@ -1,10 +1,12 @@
 """The CUSTOM SCALARS layout: written with the events, read back as TensorBoard's plugin reads it,
-and every chart names tags the run really writes (the recorder's rows, the held-out points)."""
+and every chart names tags the run really writes (the recorder's rows, the held-out points, the
+eval set's rounds)."""
 
 import re
 
 import pytest
 
+from dora_megatron.observability.eval_metrics import EVAL_TAGS, eval_scalars, round_metrics
 from dora_megatron.observability.recorder import STEP_KEYS, MetricsRecorder
 from dora_megatron.observability.tensorboard import (
     DORA_LAYOUT, HELDOUT_TAG, TensorBoardWriter, read_layout, read_scalar_tags, write_heldout)
@@ -21,6 +23,7 @@ def _run(logdir, steps=3):
         rec.step_trained(k, end_s=10.0 * (k + 1), wait_s=1.0, train_s=2.0, tokens=100, staleness=[0, 1],
                          rewards=[1.0, 0.0], response_lengths=[5, 9], live_versions=2,
                          metrics={"perf/trainer_tokens_per_s": 50.0, "loss": 0.1}, migrations=k)
+    writer.scalars(steps - 1, eval_scalars(round_metrics([[1.0, 0.0]], 2, 1.0)))  # as an eval round writes them
     writer.close()
     write_heldout(logdir, 0.2, 0.6, steps)
 
@@ -38,7 +41,7 @@ def test_the_layout_is_in_the_event_file_and_plots_only_written_tags(tmp_path):
             for pattern, tag in zip(patterns, tags):
                 # each regex selects exactly its own tag among everything the run wrote
                 assert [t for t in written if re.search(pattern, t)] == [tag], (chart, pattern)
-                assert tag in STEP_KEYS or tag == HELDOUT_TAG
+                assert tag in STEP_KEYS or tag == HELDOUT_TAG or tag in EVAL_TAGS.values()
     assert [s for s, _ in written[HELDOUT_TAG]] == [0, 3]
     assert [v for _, v in written[HELDOUT_TAG]] == pytest.approx([0.2, 0.6])
 
@@ -49,7 +52,8 @@ def test_the_layout_covers_the_dora_story():
                 "perf/rollout_utilization", "staleness/mean", "versions/live", "perf/weight_sync_time_s",
                 "perf/rebalance_time_s", "migrations/count", HELDOUT_TAG):
         assert tag in plotted
-    assert not plotted - set(STEP_KEYS) - {HELDOUT_TAG}
+    assert not plotted - set(STEP_KEYS) - {HELDOUT_TAG} - set(EVAL_TAGS.values())
+    assert set(EVAL_TAGS.values()) <= plotted
 
 
 def test_a_resumed_writer_keeps_one_layout(tmp_path):
