@@ -35,9 +35,11 @@ setup(
         # msgspec: SGLang 0.5.23's request types (tests/sglang_wheel.py) validate the client's bodies;
         # import-linter: the layering contracts of .importlinter (tests/unit/test_layering.py; 2.17 has
         # the acyclic_siblings contract); pytest-timeout: a hung test fails alone (pytest.ini) instead
-        # of holding the whole run
+        # of holding the whole run; pytest-xdist: CI runs the suite on two workers (`-n 2 --dist
+        # loadfile`: a module's fixtures stay on one worker), the integration tests wait on their
+        # servers about half of the time
         "test": ["pytest>=8", "hypothesis>=6.100", "msgspec>=0.18", "import-linter>=2.17", "pytest-timeout>=2.3",
-                 "wandb>=0.17"],  # wandb: the offline W&B log of tests/integration/test_own_model_job.py
+                 "pytest-xdist>=3.5", "wandb>=0.17"],  # wandb: the offline W&B log of tests/integration/test_own_model_job.py
         # CUDA clusters only; documented in the README, never needed on CPU. SGLang is pinned to
         # the release whose protocol dora speaks (comm/sglang_client.py TESTED_SGLANG_VERSION);
         # another one gets a warning at launch.
