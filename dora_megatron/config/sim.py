@@ -21,6 +21,9 @@ PLACEMENTS = ("colocated", "disaggregated")
 log = logging.getLogger(__name__)
 
 DIST_KINDS = ("lognormal", "empirical", "point", "mixture")
+#: ``rollout.speculative``: no speculation, n-gram drafts from the request's own prompt and output,
+#: or n-gram drafts that also match the finished sibling responses of the request's group
+SPEC_MODES = ("off", "ngram", "group")
 
 
 @dataclass
@@ -125,6 +128,42 @@ class SimClusterConfig:
 
 
 @dataclass
+class SpecAcceptanceConfig:
+    """Per-token draft acceptance probability (alpha) of each drafter, the simulator's model of speculation.
+
+    WHY per drafter: drafts from a group's finished siblings answer the same prompt with the same
+    weights and are accepted more often than drafts from the request's own text; the two are
+    calibrated separately. Calibration points (``configs/sim/README.md``, "Speculative decoding"):
+    DeepSeek-V3's MTP module reports 85-90% acceptance of its one draft token; the embedded
+    engine's measured rate on the main job's task is not measured yet. The defaults are that
+    published MTP figure's lower end, an assumption for n-gram drafters until a measured rate
+    replaces it.
+    """
+
+    ngram: float = field_doc(0.85, "rollout.speculative=ngram: probability that each draft token (from the "
+                             "request's own prompt and output) is accepted, independently, until the first rejection",
+                             ge=0, le=1)
+    group: float = field_doc(0.85, "rollout.speculative=group: the same for drafts that also match the group's "
+                             "finished sibling responses", ge=0, le=1)
+
+
+@dataclass
+class SimRolloutConfig:
+    """The engine's speculative-decoding keys, under the same names as the job config's ``rollout:``.
+
+    The decision to speculate is the engine's (:func:`dora_megatron.rollout.speculation.should_speculate`);
+    the simulator applies it to each instance's running batch between composition changes.
+    """
+
+    speculative: str = field_doc("off", "speculative decoding: off | ngram (drafts from the request's own prompt and "
+                                 "output) | group (also from its group's finished siblings)", choices=SPEC_MODES)
+    spec_tokens: int = field_doc(4, "draft length k: tokens proposed per request and verified in one forward pass "
+                                 "over k+1 positions", ge=1)
+    spec_max_batch: int = field_doc(8, "speculate only while the instance's running batch is at most this (a verify "
+                                    "step costs about one decode step only while decode is memory-bound)", ge=1)
+
+
+@dataclass
 class CostModelConfig:
     """Time and memory costs of one rollout instance and of the trainer (all per instance unless stated)."""
 
@@ -137,6 +176,12 @@ class CostModelConfig:
                                                 "(2 x params / (GPUs x peak FLOP/s)); the compute knee is where batch x "
                                                 "this exceeds the memory time", ge=0, unit="s")
     decode_step_overhead_s: float = field_doc(0.004, "fixed per decode step (scheduler, launches, TP all-reduce latency)", ge=0, unit="s")
+    # --- speculative decoding (rollout.speculative != off) ---
+    spec_acceptance: SpecAcceptanceConfig = field(default_factory=SpecAcceptanceConfig)
+    spec_verify_overhead_s: float = field_doc(0.0005, "per verify step, on top of the decode step of k+1 tokens per "
+                                              "request: drafting (n-gram lookup) and the rejection sampling "
+                                              "(assumed, not measured); it is what speculation costs when no "
+                                              "draft is accepted", ge=0, unit="s")
     # --- prefill ---
     prefill_s_per_token: float = field_doc(2.0e-5, "prefill time per prompt token (compute-bound)", ge=0, unit="s/token")
     prefill_s_per_token2: float = field_doc(0.0, "quadratic (attention) prefill term per request: s x tokens^2", ge=0, unit="s/token^2")
@@ -207,6 +252,7 @@ class SimConfig:
     sim: SimRunConfig = field(default_factory=SimRunConfig)
     cluster: SimClusterConfig = field(default_factory=SimClusterConfig)
     cost: CostModelConfig = field(default_factory=CostModelConfig)
+    rollout: SimRolloutConfig = field(default_factory=SimRolloutConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     orchestrator: dict[str, Any] = field_doc(
         default_factory=dict,

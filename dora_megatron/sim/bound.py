@@ -33,6 +33,10 @@ Definitions (all tokens are prompt + response of consumed samples, like ``throug
   deployment whose *bound* (``min(capacity bound, tail bound)``) is the tail is made faster by a
   larger ``S`` or a faster single-request decode, not by more accelerators.
 
+With speculative decoding on (``rollout.speculative``), both the instance capacity and the tail
+use the decode cost the engine's policy gives their batch (verify steps at batch 1 and at every
+concurrency up to ``rollout.spec_max_batch``), so the bound moves with speculation.
+
 Weight switches of rollout instances and re-prefill (partial mode) are left out, so the bound
 stays an upper bound of what the cost model allows for the workload's mean batch (a short run on
 few groups per batch can consume heavier batches than the mean); length drift is evaluated at
@@ -46,7 +50,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dora_megatron.config.sim import CostModelConfig, SimConfig
-from dora_megatron.sim.cost import DecodeCost, kv_admit_tokens, prefill_s
+from dora_megatron.sim.cost import DecodeModel, kv_admit_tokens, prefill_s
 from dora_megatron.sim.workload import Workload
 
 #: groups drawn to estimate the length moments (the same deterministic stream the simulation uses)
@@ -103,7 +107,7 @@ def length_moments(cfg: SimConfig, groups: int = MOMENT_GROUPS) -> LengthMoments
     """Means over the first ``max(groups, TBS)`` groups of the workload stream (version 0)."""
     ocfg = cfg.orchestrator_config()
     wl = Workload(cfg.workload, ocfg.group_size)
-    decode = DecodeCost.from_config(cfg.cost)
+    decode = DecodeModel.from_config(cfg.cost, cfg.rollout).for_batch(1)  # alone: speculating where the policy does
     n = sp = sl = sres = spf = 0.0
     batch_tails: list[float] = []
     groups = max(groups, ocfg.tbs)
@@ -123,13 +127,14 @@ def length_moments(cfg: SimConfig, groups: int = MOMENT_GROUPS) -> LengthMoments
     return LengthMoments(sp / n, sl / n, sres / sl, spf / n, min(batch_tails))
 
 
-def instance_capacity(cost: CostModelConfig, m: LengthMoments) -> InstanceCapacity:
-    """Best steady-state rate of one instance over the physically admissible concurrencies."""
-    decode = DecodeCost.from_config(cost)
+def instance_capacity(cost: CostModelConfig, m: LengthMoments, model: DecodeModel | None = None) -> InstanceCapacity:
+    """Best steady-state rate of one instance over the physically admissible concurrencies (each
+    at the decode cost the speculation policy gives that batch)."""
+    model = model or DecodeModel.from_config(cost)
     fit = max(1, math.floor(kv_admit_tokens(cost) / max(1.0, m.resident_context)))
     best = InstanceCapacity(1, 0.0, 0.0)
     for n in range(1, min(cost.max_concurrent, fit) + 1):
-        step = decode.step_s(n, n * m.resident_context)
+        step = model.for_batch(n).step_s(n, n * m.resident_context)
         rate = m.sample_tokens / (m.response_tokens * step / n + m.prefill_s)
         if rate > best.tokens_per_s:
             best = InstanceCapacity(n, step, rate)
@@ -141,7 +146,7 @@ def deployment_bound(cfg: SimConfig, moments: LengthMoments | None = None) -> De
     m = moments or length_moments(cfg)
     ocfg = cfg.orchestrator_config()
     mode, cost, cl, S = ocfg.mode, cfg.cost, cfg.cluster, ocfg.effective_staleness
-    inst = instance_capacity(cost, m)
+    inst = instance_capacity(cost, m, DecodeModel.from_config(cost, cfg.rollout))
     tokens = ocfg.tbs * ocfg.group_size * m.sample_tokens
     n_roll = cl.rollout_instances(mode)
     n_el = cl.elastic_instances(mode)

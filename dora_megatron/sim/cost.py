@@ -21,6 +21,18 @@ over the host link, layer by layer and overlapped with the HBM reads, so a step 
 Spilling is free while the host stream hides under the HBM time and slows every step beyond
 that point, which is why the tier pays only where the link is fast compared to the KV per token
 (:func:`host_kv_hidden_tokens`).
+
+Speculative decoding (``rollout.speculative != off``, :class:`DecodeModel`): while the engine's
+policy (:func:`~dora_megatron.rollout.speculation.should_speculate`) says so for the instance's
+running batch, each step is a *verify* step: every running request feeds k+1 tokens, so the step
+costs the per-step model with the batch's tokens multiplied by k+1 (the compute term ``b*(k+1)*c``;
+the weights and the resident KV are read once, as in a decode step) plus
+``cost.spec_verify_overhead_s``, and yields ``E = expected_tokens_per_verify(k, alpha)`` tokens per
+request. The simulator keeps counting one token per request per "step" and charges each token
+``verify_s / E``, i.e. a :class:`DecodeCost` whose coefficients are divided by ``E``: the closed
+forms above hold unchanged. This is a fluid model: a request's accepted count is taken at its mean
+(over the thousands of verify steps of a long request the sum concentrates on it), so the
+variance of single requests is not simulated.
 """
 
 from __future__ import annotations
@@ -28,7 +40,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from dora_megatron.config.sim import CostModelConfig
+from dora_megatron.config.sim import CostModelConfig, SimRolloutConfig
+from dora_megatron.rollout.speculation import expected_tokens_per_verify, should_speculate
 
 
 @dataclass(frozen=True)
@@ -126,6 +139,44 @@ class DecodeCost:
             else:
                 hi = mid
         return lo
+
+
+    def verify(self, spec_tokens: int, acceptance: float, verify_overhead_s: float) -> "DecodeCost":
+        """Cost per generated token of verify steps (draft length ``spec_tokens``, per-token
+        acceptance ``acceptance``) as a :class:`DecodeCost` in the same units as this one: one
+        "step" advances every running request by one token and costs a verify step over ``E``."""
+        e = expected_tokens_per_verify(spec_tokens, acceptance)
+        return DecodeCost((self.overhead_s + verify_overhead_s) / e, self.weight_s / e, self.kv_s_per_token / e,
+                          self.compute_s_per_seq * (spec_tokens + 1) / e, device_kv_tokens=self.device_kv_tokens,
+                          host_s_per_token=self.host_s_per_token / e)
+
+
+@dataclass(frozen=True)
+class DecodeModel:
+    """The decode cost an instance pays at a given running batch: plain decode steps, or verify
+    steps where the engine's speculation policy applies."""
+
+    plain: DecodeCost
+    spec: DecodeCost | None = None  # per-token cost of verify steps; None when speculation is off
+    mode: str = "off"
+    spec_max_batch: int = 0
+    tokens_per_verify: float = 1.0  # E: expected tokens a request gains per verify step
+
+    @classmethod
+    def from_config(cls, cost: CostModelConfig, rollout: SimRolloutConfig | None = None) -> "DecodeModel":
+        plain = DecodeCost.from_config(cost)
+        if rollout is None or rollout.speculative == "off":
+            return cls(plain)
+        alpha = getattr(cost.spec_acceptance, rollout.speculative)
+        return cls(plain, plain.verify(rollout.spec_tokens, alpha, cost.spec_verify_overhead_s), rollout.speculative,
+                   rollout.spec_max_batch, expected_tokens_per_verify(rollout.spec_tokens, alpha))
+
+    def speculates(self, batch: int) -> bool:
+        return self.spec is not None and should_speculate(self.mode, batch, self.spec_max_batch)
+
+    def for_batch(self, batch: int) -> DecodeCost:
+        """The per-token cost model in force while ``batch`` requests run."""
+        return self.spec if self.speculates(batch) else self.plain  # type: ignore[return-value]
 
 
 def prefill_s(cfg: CostModelConfig, tokens: int) -> float:

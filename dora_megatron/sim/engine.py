@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from dora_megatron.config.sim import SimConfig
-from dora_megatron.sim.cost import DecodeCost, kv_transfer_s
+from dora_megatron.sim.cost import DecodeModel, kv_transfer_s
 from dora_megatron.sim.events import EventQueue
 from dora_megatron.sim.instance import PAUSED, READY, SWITCHING, SimInstance, SimRequest
 from dora_megatron.orchestrator.actions import Dispatch, Interrupt, Migrate, ReleaseBatch, Submit, SwitchVersion, perform
@@ -101,7 +101,8 @@ class Simulation:
         self.slot_cap = min(cfg.cost.max_concurrent, self.ocfg.cap_before_rebalance)
         self.placement = cfg.cluster.placement(self.mode)
         self.colocated = self.placement == "colocated"
-        decode = DecodeCost.from_config(cfg.cost)
+        decode = DecodeModel.from_config(cfg.cost, cfg.rollout)
+        self.decode_model = decode
         n = cfg.cluster.rollout_instances(self.mode)
         n_el = cfg.cluster.elastic_instances(self.mode)
         self.instances: dict[str, SimInstance] = {}
@@ -672,8 +673,25 @@ class Simulation:
             "slot_cap": self.slot_cap,
             "sim_checks": {"c3": self.sim_c3, "lost": self.sim_lost},
             "mean_response_tokens": (sum(self.series["mean_response_tokens"]) / n_steps) if rows else None,
+            "speculation": _speculation_report_of(self.decode_model, cfg, self.instances.values()),
         }
         return SimResult(summary=summary, series=self.series, timeline=timeline, extra=extra, steps=self.step_rows)
+
+
+def _speculation_report_of(model: DecodeModel, cfg: SimConfig, instances) -> dict[str, Any]:
+    """What speculation did in a run: the model's tokens per verify step and the share of decoded
+    tokens that came from verify steps (the rest were decoded at batches above spec_max_batch)."""
+    decoded = sum(i.decoded_tokens for i in instances)
+    spec = sum(i.spec_tokens for i in instances)
+    out: dict[str, Any] = {"mode": cfg.rollout.speculative, "spec_tokens": cfg.rollout.spec_tokens,
+                           "spec_max_batch": cfg.rollout.spec_max_batch,
+                           "decoded_tokens": decoded, "speculative_tokens": spec,
+                           "speculative_token_share": spec / decoded if decoded else 0.0}
+    if model.spec is not None:
+        out["acceptance"] = getattr(cfg.cost.spec_acceptance, cfg.rollout.speculative)
+        out["tokens_per_verify_step"] = model.tokens_per_verify
+        out["verify_steps_per_request_token"] = 1.0 / model.tokens_per_verify
+    return out
 
 
 class _RowSink:

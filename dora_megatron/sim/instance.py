@@ -12,6 +12,11 @@ of the instance (``finish_step``), and total context is ``ctx_base + batch * ste
 A composition change takes effect at the last whole-step boundary (so at most a fraction of one
 decode step is attributed early); admitting requests that need a prefill restarts decoding after
 the prefill, at ``now + prefill``.
+
+Speculative decoding changes only the cost of a step: the instance asks its
+:class:`~dora_megatron.sim.cost.DecodeModel` for the cost in force at its current batch (verify
+steps while the engine's policy speculates at that batch), which is fixed between composition
+changes, so the jumps stay exact.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from dora_megatron.config.sim import CostModelConfig
-from dora_megatron.sim.cost import DecodeCost, kv_admit_tokens, prefill_s
+from dora_megatron.sim.cost import DecodeCost, DecodeModel, kv_admit_tokens, prefill_s
 
 READY = "ready"
 SWITCHING = "switching"
@@ -54,11 +59,13 @@ class SimRequest:
 class SimInstance:
     """Continuous-batching instance with a physical concurrency cap and a local wait queue."""
 
-    def __init__(self, iid: str, version: int | None, cost: CostModelConfig, decode: DecodeCost) -> None:
+    def __init__(self, iid: str, version: int | None, cost: CostModelConfig, decode: DecodeCost | DecodeModel) -> None:
         self.iid = iid
         self.version = version
         self.cost = cost
-        self.decode = decode
+        self.model = decode if isinstance(decode, DecodeModel) else DecodeModel(decode)
+        self.spec_tokens = 0  # tokens generated in verify steps (speculation on at the batch of the time)
+        self.decoded_tokens = 0  # tokens generated in all decode steps
         self.state = READY
         self.running: dict[str, SimRequest] = {}
         self.queue: deque[tuple[SimRequest, int]] = deque()  # (request, prefill tokens)
@@ -109,6 +116,11 @@ class SimInstance:
         self._seg_key = None
 
     # ---------------------------------------------------------------- advance
+    @property
+    def decode(self) -> DecodeCost:
+        """The per-token decode cost at the current batch (verify steps where speculation applies)."""
+        return self.model.for_batch(self.batch)
+
     def _steps_to_next_finish(self) -> int:
         return self._finish[0][0] - self.steps_done if self._finish else 0
 
@@ -127,8 +139,12 @@ class SimInstance:
         else:
             n = self.decode.steps_within(self.batch, self.context, now - self.t0 + 1e-9, k)
         if n > 0:
-            self.t0 += self.decode.span_s(self.batch, self.context, n)
+            decode = self.decode
+            self.t0 += decode.span_s(self.batch, self.context, n)
             self.steps_done += n
+            self.decoded_tokens += n * self.batch
+            if decode is not self.model.plain:
+                self.spec_tokens += n * self.batch
         done: list[SimRequest] = []
         while self._finish and self._finish[0][0] <= self.steps_done:
             _, sid = heapq.heappop(self._finish)

@@ -8,7 +8,7 @@ from dora_megatron.config.base import ConfigError
 from dora_megatron.config.sim import load_sim_config
 from dora_megatron.sim.engine import Simulation, simulate
 from dora_megatron.observability.summary import SUMMARY_FIELDS
-from tests.helpers.sim import FAST, TINY
+from tests.helpers.sim import FAST, TINY, assert_run_invariants
 
 
 def _cfg(mode, *extra):
@@ -30,21 +30,9 @@ def test_conservation_and_invariants(mode):
     res = sim.run()
     s = res.summary
     assert tuple(k for k in SUMMARY_FIELDS if k in s) == SUMMARY_FIELDS
-    assert s["steps"] == 6 and s["consumed_groups"] == 6 * s["tbs"]
-    assert s["lost_groups"] == 0 and s["duplicated_groups"] == 0
-    # every consumed group was dispatched and consumed exactly once
-    consumed = [g for g in sim.groups.values() if g.consumed]
-    assert len(consumed) == s["consumed_groups"]
-    assert all(g.consumed == 1 and g.finished == len(g.sample_ids) for g in consumed)
-    outstanding = s["dispatched_groups"] - s["consumed_groups"]
-    assert 0 <= outstanding <= s["rbs"]
-    assert sum(s["staleness_histogram"].values()) == s["consumed_groups"]
-    assert s["c3_violations"] == 0 and s["max_consumed_staleness"] <= s["max_staleness"]
+    assert_run_invariants(sim, res, steps=6)
     if mode == "partial":
         assert s["reprefill_tokens"] > 0  # interrupted requests are re-prefilled
-    else:
-        assert s["c1_violations"] == 0
-    assert not res.extra["deadlock"]
 
 
 # every mode at every staleness bound it takes (sync is on-policy, one_step_off one step behind)
