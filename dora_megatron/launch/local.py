@@ -87,8 +87,9 @@ def resume_checkpoint(run_dir: Path, say, quarantine: bool = True) -> tuple[Path
 
 
 def drop_steps_from(path: Path, first: int) -> int:
-    """Remove the lines of steps >= ``first`` from ``steps.jsonl`` (atomically): the crashed
-    lineage's steps after the checkpoint, which the resumed run does again. Returns how many."""
+    """Remove the lines of steps >= ``first`` from a step record (``steps.jsonl``, ``consumed.jsonl``;
+    atomically): the crashed lineage's steps after the checkpoint, which the resumed run does
+    again. Returns how many."""
     if not path.is_file():
         return 0
     kept, dropped = [], 0
@@ -105,6 +106,19 @@ def drop_steps_from(path: Path, first: int) -> int:
     tmp.write_text("".join(x + "\n" for x in kept))
     os.replace(tmp, path)
     return dropped
+
+
+def open_run_records(run_dir: Path, resumed_at: int | None):
+    """``steps.jsonl`` and ``consumed.jsonl`` opened for this run's steps: new files, or on a resume
+    from the checkpoint of version ``resumed_at`` the existing ones without the crashed lineage's
+    records of steps >= it (those steps are trained again from the checkpoint, on the groups it
+    kept: left in, they would list those groups twice). Each step of the final lineage is then
+    recorded once, which :func:`duplicated_in_record` checks."""
+    if resumed_at is None:
+        return open(run_dir / "steps.jsonl", "w"), open(run_dir / "consumed.jsonl", "w")
+    drop_steps_from(run_dir / "steps.jsonl", resumed_at)
+    drop_steps_from(run_dir / "consumed.jsonl", resumed_at)
+    return open(run_dir / "steps.jsonl", "a"), open(run_dir / "consumed.jsonl", "a")
 
 
 def duplicated_in_record(path: Path) -> int:
@@ -330,13 +344,7 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
     writer = TensorBoardWriter(run_dir / "tb", purge_step=resumed_at) if obs.tensorboard else NullWriter()
     timeline = Timeline() if obs.timeline else None
     progress = _Progress(cfg.run.steps, enabled=obs.progress)
-    if resumed_at is not None:
-        # the crashed lineage's steps after the checkpoint are trained again: their records go,
-        # so that steps.jsonl and consumed.jsonl hold each step of the final lineage once
-        drop_steps_from(run_dir / "steps.jsonl", resumed_at)
-        drop_steps_from(run_dir / "consumed.jsonl", resumed_at)
-    steps_file = open(run_dir / "steps.jsonl", "a" if resuming else "w")
-    consumed_file = open(run_dir / "consumed.jsonl", "a" if resuming else "w")
+    steps_file, consumed_file = open_run_records(run_dir, resumed_at)
 
     def on_step(s, rt) -> None:
         retention.prune()
