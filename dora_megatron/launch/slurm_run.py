@@ -62,6 +62,9 @@ class Marker:
     kind: str  # DONE | FAILED
     reason: str
     job_id: str
+    #: provisional: the controller's node is stopping the run at its next step boundary (a stop
+    #: signal came); the final marker replaces it. The other nodes keep their processes up meanwhile
+    stopping: bool = False
 
 
 def read_marker(run_dir: Path) -> Marker | None:
@@ -71,19 +74,21 @@ def read_marker(run_dir: Path) -> Marker | None:
         except OSError:
             continue
         job = next((x[4:] for x in lines if x.startswith("job ")), "")
-        return Marker(kind, lines[0] if lines else "", job)
+        return Marker(kind, lines[0] if lines else "", job, "stopping" in lines[1:])
     return None
 
 
-def write_marker(run_dir: Path, kind: str, reason: str, job_id: str) -> bool:
-    """Write DONE or FAILED unless this job already ended (the first reason is kept). Returns whether
-    it was written."""
+def write_marker(run_dir: Path, kind: str, reason: str, job_id: str, *, stopping: bool = False) -> bool:
+    """Write DONE or FAILED unless this job already ended (the first reason is kept; a provisional
+    ``stopping`` FAILED of this job is replaced by the final one). Returns whether it was written."""
     current = read_marker(run_dir)
-    if current is not None and current.job_id == job_id:
+    if current is not None and current.job_id == job_id and not (current.stopping and not stopping):
         return False
     tmp = run_dir / f".{kind}.{os.getpid()}.tmp"
-    tmp.write_text(f"{reason}\njob {job_id}\n")
+    tmp.write_text(f"{reason}\njob {job_id}\n" + ("stopping\n" if stopping else ""))
     try:
+        if current is not None and current.job_id == job_id:  # the provisional marker: replaced whole
+            (run_dir / current.kind).unlink(missing_ok=True)
         os.link(tmp, run_dir / kind)  # fails if another node wrote it first
         return True
     except FileExistsError:
@@ -118,12 +123,27 @@ class _EndSignals(StopSignals):
         super().__init__(on_immediate=self._mark)
         self.run_dir, self.job_id, self.node, self.mark = run_dir, job_id, node, mark
         if hold:
-            self.arm(lambda name: True)
+            super().arm(lambda name: True)
+
+    def arm(self, target) -> None:
+        """The controller's node: a stop request also writes a provisional FAILED at once (if SLURM's
+        SIGKILL comes before the checkpoint, the job still ends with a marker); the other nodes go on
+        serving while it says ``stopping``."""
+        def marked(name: str) -> bool:
+            taken = target(name)
+            if taken and self.mark:
+                write_marker(self.run_dir, FAILED, f"{self.reason(name)}: stopping at the next step boundary "
+                             f"with a checkpoint", self.job_id, stopping=True)
+            return taken
+        super().arm(marked)
+
+    def reason(self, name: str) -> str:
+        why = {"SIGTERM": "scancel or time limit", "SIGUSR1": "time limit soon"}.get(name, "interrupted")
+        return f"terminated by {name} on {self.node} ({why})"
 
     def _mark(self, name: str) -> None:
-        why = {"SIGTERM": "scancel or time limit", "SIGUSR1": "time limit soon"}.get(name, "interrupted")
         if self.mark:
-            write_marker(self.run_dir, FAILED, f"terminated by {name} on {self.node} ({why})", self.job_id)
+            write_marker(self.run_dir, FAILED, self.reason(name), self.job_id)
 
 
 def _join_dir(cfg: DoraConfig, run_dir: Path) -> Path:
@@ -200,15 +220,24 @@ class NodeEngines:
 
 
 def _serve_until_end(run_dir: Path, engines: NodeEngines, job_id: str | None, poll_s: float = 1.0,
-                     alive_bound_s: float | None = None) -> int:
+                     alive_bound_s: float | None = None, stopping_bound_s: float | None = None) -> int:
     """Keep this node's processes up until the run ends.
 
     ``job_id``: markers of that job end the wait (None: any marker, for joining nodes).
-    ``alive_bound_s``: joining nodes also stop when the controller's heartbeat is older than this."""
+    ``alive_bound_s``: joining nodes also stop when the controller's heartbeat is older than this.
+    ``stopping_bound_s``: a provisional ``stopping`` marker (the controller checkpoints before it
+    ends the run: it needs this node's trainer and instances) is waited out at most this long."""
     from dora_megatron.launch.elastic import heartbeat_age
 
+    stopping_since = None
     while True:
         m = read_marker(run_dir)
+        if m is not None and m.stopping and stopping_bound_s is not None and m.job_id == job_id:
+            stopping_since = stopping_since or time.monotonic()
+            if time.monotonic() - stopping_since < stopping_bound_s:
+                engines.check()
+                time.sleep(poll_s)
+                continue
         if m is not None and (job_id is None or m.job_id == job_id):
             _say(f"run ended: {m.kind} ({m.reason})")
             return 0 if m.kind == DONE else 1
@@ -285,7 +314,9 @@ def run_slurm_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan, resume: st
                         start_instance(procs, spec)
                 if not is_controller:  # a ChildFailed (its trainer died) writes FAILED below
                     return _serve_until_end(run_dir, NodeEngines(cfg, procs, plan, node, join_dir, announce_first=False,
-                                                                 run_dir=run_dir), env.job_id)
+                                                                 run_dir=run_dir), env.job_id,
+                                            stopping_bound_s=cfg.controller.stop_checkpoint_timeout_s
+                                            + 2 * cfg.launch.shutdown_timeout_s)
                 try:
                     summary = asyncio.run(_controller(cfg, plan, run_dir, model_dir, procs, checkpoint, node, signals))
                 except Stopped:
@@ -302,7 +333,7 @@ def run_slurm_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan, resume: st
                     from dora_megatron.launch.local import stopped_line
 
                     line = stopped_line(summary, run_dir)
-                    write_marker(run_dir, FAILED, f"{line} (on {node})", env.job_id)
+                    write_marker(run_dir, FAILED, f"{signals.reason(summary['stopped_by'])}: {line}", env.job_id)
                     _say(f"dora train on {node}: {line}")
                     return exit_status(summary["stopped_by"])
                 write_marker(run_dir, DONE, "ok", env.job_id)

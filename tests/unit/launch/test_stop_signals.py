@@ -60,3 +60,33 @@ def test_slurm_nodes_write_failed_only_when_they_end_at_once(tmp_path):
         with pytest.raises(Stopped):
             _send(signal.SIGUSR1)
     assert read_marker(tmp_path / "x") is None
+
+
+def test_the_controllers_node_marks_a_stop_at_once_and_the_final_marker_replaces_it(tmp_path):
+    """SLURM's SIGKILL may come before the stop's checkpoint: the first signal already leaves a
+    (provisional) FAILED; the other nodes keep serving while it says stopping (bounded), and the
+    final FAILED, naming the checkpoint, replaces it."""
+    import time
+
+    from dora_megatron.launch.slurm_run import FAILED, _EndSignals, _serve_until_end, read_marker, write_marker
+
+    asked = []
+    with _EndSignals(tmp_path, "7", "n1") as stops:
+        stops.arm(lambda name: asked.append(name) or True)
+        _send(signal.SIGTERM)
+    m = read_marker(tmp_path)
+    assert asked == ["SIGTERM"] and m.kind == FAILED and m.stopping and "terminated by SIGTERM on n1" in m.reason
+
+    class Engines:
+        checks = 0
+
+        def check(self):
+            Engines.checks += 1
+
+    t0 = time.monotonic()
+    assert _serve_until_end(tmp_path, Engines(), "7", poll_s=0.01, stopping_bound_s=0.3) == 1
+    assert time.monotonic() - t0 >= 0.3 and Engines.checks > 3  # served on while the controller checkpointed
+    assert write_marker(tmp_path, FAILED, "terminated by SIGTERM on n1: checkpoint v000004 written", "7")
+    m = read_marker(tmp_path)
+    assert not m.stopping and "v000004" in m.reason
+    assert not write_marker(tmp_path, FAILED, "later", "7")  # a final marker is kept
