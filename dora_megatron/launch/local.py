@@ -6,7 +6,8 @@ processes (each the same ``dora serve`` command a user runs) and the trainer
 (torchrun, gloo), waits for all of them to be healthy, runs the controller
 (:mod:`dora_megatron.controller.runtime`) in this process, writes the outputs
 (``summary.json``, TensorBoard, ``timeline.png``, ``trace.json``, ``steps.jsonl``)
-and stops every child on success, error or Ctrl-C. While it runs, an engine process that dies
+and stops every child on success, error or Ctrl-C (the first Ctrl-C or SIGTERM after a checkpoint
+at the next step boundary, :mod:`.stop`). While it runs, an engine process that dies
 is restarted and rejoins the pool (:mod:`.supervise`); ``--resume`` picks the newest checkpoint
 that passes its checksum manifest and restores finished samples from the controller's journal.
 """

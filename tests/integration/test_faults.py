@@ -1,5 +1,6 @@
 """Faults on real processes: an engine SIGKILLed mid-run (restarted, it rejoins), the whole job
-SIGKILLed and resumed (from the previous checkpoint, the newest one being garbled).
+SIGKILLed and resumed (from the previous checkpoint, the newest one being garbled), Ctrl-C /
+SIGTERM / SIGUSR1 (a checkpoint at the next step boundary, then a resume; a second signal at once).
 
 Each scenario checks the run summary (zero lost, zero duplicated groups, zero C1
 violations) and, for the resume, the consumed-group log across the crash: every
