@@ -39,3 +39,10 @@ class ControllerConfig:
                               "checkpoint, flushed per line; `--resume` restores the finished samples it may "
                               "(generated in one piece by a version <= the checkpoint's) instead of regenerating "
                               "them, listed in `RUN_DIR/replayed.jsonl`.")
+    stop_checkpoint_timeout_s: float = field_doc(300.0, "On the first SIGINT, SIGTERM or SIGUSR1 (Ctrl-C, `kill`, "
+                                                 "`scancel`, SLURM's early warning) the job writes a checkpoint at "
+                                                 "the next step boundary and exits, whatever `run.checkpoint_interval` "
+                                                 "says; if that boundary does not come within this time, the step is "
+                                                 "abandoned and the job exits keeping the last complete checkpoint "
+                                                 "(`--resume` redoes the steps after it). A second signal exits at once.",
+                                                 gt=0.0, unit="s")

@@ -65,6 +65,7 @@ def runtime_options(cfg: DoraConfig, run_dir: Path, model_dir: Path, trainer_url
         stop_token_ids=tuple(cfg.rollout.stop_token_ids),
         weight_sync_timeout_s=ctl.weight_sync_timeout_s,
         checkpoint_dir=lambda v: checkpoint_dir(run_dir, v),
+        stop_checkpoint_timeout_s=ctl.stop_checkpoint_timeout_s,
         routed_experts=cfg.algo.wants_routed_experts,
     )
 

@@ -100,6 +100,7 @@ class RuntimeOptions:
     weight_sync_timeout_s: float = 600.0  # one instance's weight update; slower = the instance failed
     checkpoint_interval: int = 0  # steps; 0 = only at the end
     checkpoint_dir: Callable[[int], str] | None = None  # version -> checkpoint directory (None: no checkpoints)
+    stop_checkpoint_timeout_s: float = 300.0  # a stop request waits this long for the next step boundary
     routed_experts: bool = False  # ask engines for routed experts and hand them to the trainer (algo.routing_replay)
 
 

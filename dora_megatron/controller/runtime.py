@@ -229,6 +229,11 @@ class Runtime:
         self._state_writer: Iterator[None] | None = None  # the controller.json writer still running (state_file)
         self.version_refusals = 0
         self._refusal_streak: dict[str, int] = {}  # instance -> refusals in a row of its own version
+        #: a stop asked from outside (the launcher's first SIGINT/SIGTERM/SIGUSR1): its reason, and the
+        #: version of the checkpoint written for it (None: none yet, or the step was abandoned)
+        self.stop_reason: str | None = None
+        self.stop_checkpoint: int | None = None
+        self._stop_at_boundary = False
         self.latest_version = 0  # newest weights the trainer holds (pushed by `distributed`)
         self.pushed_bytes = 0
 
@@ -955,11 +960,14 @@ class Runtime:
         if self.on_step is not None:
             self.on_step(log_, self)
         self._trainer_idle_since = end
-        last = self.steps_done >= self.opt.steps
+        finished = self.steps_done >= self.opt.steps
+        last = finished or self.stop_reason is not None  # a stop ends the run here
         if self.evaluator is not None:  # a round of these weights, beside the rollout (or the final one)
-            self.evaluator.after_step(self.steps_done, new_version, last)
+            self.evaluator.after_step(self.steps_done, new_version, finished)
         due = self.opt.checkpoint_dir is not None and (
             last or bool(self.opt.checkpoint_interval and new_version % self.opt.checkpoint_interval == 0))
+        if due and self.stop_reason is not None:
+            self._stop_at_boundary = True  # the step ended in time: its checkpoint is not abandoned
         if due:
             # Trainer first, then the controller state, both at the same boundary: weights
             # ``new_version`` exist and the orchestrator has not yet reacted to them (resume
@@ -968,11 +976,36 @@ class Runtime:
         return new_version, due
 
     def step_boundary(self) -> bool:
-        """Loop: after a step (and its checkpoint): True when it was the last one (the run ends)."""
-        if self.steps_done >= self.opt.steps:
+        """Loop: after a step (and its checkpoint): True when it was the last one, or a stop was
+        asked (the run ends; its checkpoint was written in this turn)."""
+        if self.steps_done >= self.opt.steps or self.stop_reason is not None:
             self.stop()
             return True
         return False
+
+    def request_stop(self, reason: str) -> None:
+        """End the run at the next step boundary with a checkpoint there (``reason``: e.g. ``SIGINT``),
+        whatever ``checkpoint_interval`` says, so that ``--resume`` loses nothing.
+
+        WHY at a boundary: a checkpoint is a cut where weights ``v`` exist and the orchestrator has
+        not reacted to them; mid-step there is no such cut. Bounded: when no step ends within
+        ``stop_checkpoint_timeout_s`` the step is abandoned (the run stops without a new
+        checkpoint; the last complete one stays, ``--resume`` redoes what came after it). Only the
+        first request counts (a second signal is the launcher's: it exits at once)."""
+        if self.stop_reason is not None or self._done.is_set():
+            return
+        self.stop_reason = reason
+        timeout = self.opt.stop_checkpoint_timeout_s
+        log.warning("stop asked (%s): checkpoint at the end of the current step (at most %.0f s, "
+                    "controller.stop_checkpoint_timeout_s), then exit", reason, timeout)
+        self._spawn(self._abandon_after(timeout), "stop-timeout")
+
+    async def _abandon_after(self, timeout_s: float) -> None:
+        await asyncio.sleep(timeout_s)
+        if not self._stop_at_boundary and not self._done.is_set():
+            log.warning("stop (%s): no step boundary within %.0f s (controller.stop_checkpoint_timeout_s): the "
+                        "step is abandoned; the last complete checkpoint stays", self.stop_reason, timeout_s)
+            self.stop()
 
     # ------------------------------------------------------------------ checkpoints
     async def _checkpoint(self, version: int) -> None:
@@ -1020,7 +1053,9 @@ class Runtime:
             # would be pruned); it keeps the previous checkpoint's as well, the fallback while
             # this one is being written
             self.on_checkpoint(version)
-        if self.steps_done >= self.opt.steps:
+        if self.stop_reason is not None:
+            self.stop_checkpoint = version  # written at once below: the run ends in this turn
+        if self.steps_done >= self.opt.steps or self.stop_reason is not None:
             for pending in (self._state_writer, writer):
                 for _ in pending or ():
                     pass
@@ -1238,7 +1273,7 @@ class Runtime:
         await self._cancel_all()
         if self.timeline is not None:
             self.timeline.close(wall)
-        if self.evaluator is not None:  # the final weights, once the rollout stopped (not in the run's wall time)
+        if self.evaluator is not None and self.stop_reason is None:  # the final weights, once the rollout stopped (not in the run's wall time; not on a stop)
             await self.evaluator.finish(self.steps_done, self.latest_version or max(self._version_of.values(), default=0))
         return self.summary(wall)
 
@@ -1296,4 +1331,11 @@ class Runtime:
         out["outstanding_groups_at_end"] = osum["dispatched_groups"] - osum["consumed_groups"]
         if self.evaluator is not None:
             out.update(self.evaluator.summary())
+        # "completed"; "stopped" (a stop request: checkpoint ``stop_checkpoint`` written, ``--resume``
+        # goes on from it); "stopped_without_checkpoint" (the step was abandoned: the last complete
+        # checkpoint stays)
+        out["status"] = ("completed" if self.stop_reason is None or self.steps_done >= self.opt.steps else
+                         "stopped" if self.stop_checkpoint is not None else "stopped_without_checkpoint")
+        out["stopped_by"] = self.stop_reason
+        out["stop_checkpoint"] = self.stop_checkpoint
         return out

@@ -6,7 +6,8 @@ processes (each the same ``dora serve`` command a user runs) and the trainer
 (torchrun, gloo), waits for all of them to be healthy, runs the controller
 (:mod:`dora_megatron.controller.runtime`) in this process, writes the outputs
 (``summary.json``, TensorBoard, ``timeline.png``, ``trace.json``, ``steps.jsonl``)
-and stops every child on success, error or Ctrl-C. While it runs, an engine process that dies
+and stops every child on success, error or Ctrl-C (the first Ctrl-C or SIGTERM after a checkpoint
+at the next step boundary, :mod:`.stop`). While it runs, an engine process that dies
 is restarted and rejoins the pool (:mod:`.supervise`); ``--resume`` picks the newest checkpoint
 that passes its checksum manifest and restores finished samples from the controller's journal.
 """
@@ -17,9 +18,7 @@ import asyncio
 import json
 import logging
 import os
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -30,6 +29,7 @@ from dora_megatron.controller.build import Endpoints
 from dora_megatron.launch.inputs import input_problem
 from dora_megatron.launch.plan import local_plan
 from dora_megatron.launch.startup import StartupRefused
+from dora_megatron.launch.stop import Stopped, StopSignals, exit_status
 from dora_megatron.ports import free_ports
 from dora_megatron.processes import ChildFailed, ProcessSet, ProcessSpec
 from dora_megatron.rollout.health import wait_ready
@@ -91,8 +91,9 @@ def resume_checkpoint(run_dir: Path, say, quarantine: bool = True) -> tuple[Path
 
 
 def drop_steps_from(path: Path, first: int) -> int:
-    """Remove the lines of steps >= ``first`` from ``steps.jsonl`` (atomically): the crashed
-    lineage's steps after the checkpoint, which the resumed run does again. Returns how many."""
+    """Remove the lines of steps >= ``first`` from a step record (``steps.jsonl``, ``consumed.jsonl``;
+    atomically): the crashed lineage's steps after the checkpoint, which the resumed run does
+    again. Returns how many."""
     if not path.is_file():
         return 0
     kept, dropped = [], 0
@@ -111,17 +112,51 @@ def drop_steps_from(path: Path, first: int) -> int:
     return dropped
 
 
+def open_run_records(run_dir: Path, resumed_at: int | None):
+    """``steps.jsonl`` and ``consumed.jsonl`` opened for this run's steps: new files, or on a resume
+    from the checkpoint of version ``resumed_at`` the existing ones without the crashed lineage's
+    records of steps >= it (those steps are trained again from the checkpoint, on the groups it
+    kept: left in, they would list those groups twice). Each step of the final lineage is then
+    recorded once, which :func:`duplicated_in_record` checks."""
+    if resumed_at is None:
+        return open(run_dir / "steps.jsonl", "w"), open(run_dir / "consumed.jsonl", "w")
+    drop_steps_from(run_dir / "steps.jsonl", resumed_at)
+    drop_steps_from(run_dir / "consumed.jsonl", resumed_at)
+    return open(run_dir / "steps.jsonl", "a"), open(run_dir / "consumed.jsonl", "a")
+
+
+def duplicated_in_record(path: Path) -> int:
+    """Groups ``consumed.jsonl`` lists more than once (each one beyond its first listing): the
+    exactly-once check of the run's own record, the one ``--resume`` continues."""
+    if not path.is_file():
+        return 0
+    seen: set[str] = set()
+    dup = 0
+    for line in path.read_text().splitlines():
+        try:
+            groups = json.loads(line)["groups"]
+        except (ValueError, KeyError, TypeError):  # a line torn by a crash: dropped by the next resume
+            continue
+        for g in groups:
+            dup += g in seen
+            seen.add(g)
+    return dup
+
+
+def stopped_line(summary: dict[str, Any], run_dir: Path) -> str:
+    """What a job stopped by a signal says: where it stopped and how to go on."""
+    why = summary["stopped_by"]
+    if summary["status"] == "stopped":
+        return (f"stopped by {why} after {summary['steps']} step(s): checkpoint v{summary['stop_checkpoint']:06d} "
+                f"written; every process was stopped; `dora train --resume {run_dir}` continues the run")
+    return (f"stopped by {why} after {summary['steps']} step(s) without a new checkpoint (the step in progress did "
+            f"not end within controller.stop_checkpoint_timeout_s); every process was stopped; "
+            f"`dora train --resume {run_dir}` continues from the last complete checkpoint, if any")
+
+
 def _steps_done(checkpoint: Path) -> int:
     """Training steps finished at ``checkpoint``: its version (step ``t`` produces version ``t + 1``)."""
     return int(json.loads((checkpoint / "controller.json").read_text())["version"])
-
-
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where the launcher is, so that it unwinds as on Ctrl-C (children stopped)."""
-
-
-def _terminated(signum, frame) -> None:
-    raise _Terminated()
 
 
 def connection_plan(cfg: DoraConfig, instances: int, say=None):
@@ -185,11 +220,10 @@ def run_local_job(cfg: DoraConfig, resume: str | None = None) -> int:
     plan = local_plan(cfg, str(model_dir), str(run_dir), base_port=engine_ports[0])
     # free ports need not be consecutive: patch each engine's --port to its own
     plan = [_with_port(p, engine_ports[i]) if p.role == "engine" else p for i, p in enumerate(plan)]
-    # kill / scancel: unwind as on Ctrl-C (only the main thread may set handlers)
-    previous_term = (signal.signal(signal.SIGTERM, _terminated)
-                     if threading.current_thread() is threading.main_thread() else None)
+    # Ctrl-C, kill, scancel: the first one checkpoints at the next step boundary, the second unwinds at once
+    signals = StopSignals()
     try:
-        with ProcessSet(run_dir / "logs", grace_s=cfg.launch.shutdown_timeout_s) as procs:
+        with signals, ProcessSet(run_dir / "logs", grace_s=cfg.launch.shutdown_timeout_s) as procs:
             for spec in plan:
                 if spec.role == "engine":
                     procs.start(spec.name, spec.argv, spec.env, cpus=spec.cpus)
@@ -201,19 +235,21 @@ def run_local_job(cfg: DoraConfig, resume: str | None = None) -> int:
             _write_processes(run_dir, procs)
             endpoints = Endpoints({f"engine{i}": f"http://{host}:{p}" for i, p in enumerate(engine_ports)},
                                   f"http://{host}:{trainer_port}")
-            summary = asyncio.run(run_controller(cfg, endpoints, run_dir, model_dir, procs, say, checkpoint, host=host))
+            summary = asyncio.run(run_controller(cfg, endpoints, run_dir, model_dir, procs, say, checkpoint, host=host,
+                                                 stop_signals=signals))
     except (ChildFailed, TimeoutError, ValueError, StartupRefused) as err:
         say(f"dora train failed: {err}")
         return 1
-    except _Terminated:
-        say("terminated (SIGTERM); every process was stopped")
-        return 143
-    except KeyboardInterrupt:
+    except Stopped as err:
+        say("interrupted; every process was stopped" if err.signame == "SIGINT" else
+            f"terminated ({err.signame}); every process was stopped")
+        return exit_status(err.signame)
+    except KeyboardInterrupt:  # SIGINT outside the handler's reach (a non-main thread started the job)
         say("interrupted; every process was stopped")
         return 130
-    finally:
-        if previous_term is not None:
-            signal.signal(signal.SIGTERM, previous_term)
+    if summary["status"] != "completed":
+        say(stopped_line(summary, run_dir))
+        return exit_status(summary["stopped_by"])
     _heldout_eval(cfg, run_dir, model_dir, summary, say)
     if cfg.observability.overview:  # after the held-out rates: the figure shows them
         _write_overview(run_dir, cfg.orchestrator.mode, say)
@@ -310,13 +346,16 @@ def _with_port(spec: ProcessSpec, port: int) -> ProcessSpec:
 
 async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: Path, procs: ProcessSet, say,
                          checkpoint: Path | None = None, *, host: str = "127.0.0.1", fixed_ports: bool = False,
-                         on_runtime=None) -> dict[str, Any]:
+                         on_runtime=None, stop_signals=None) -> dict[str, Any]:
     """Run the controller of a job whose processes are started: wait until ``endpoints``
     (:class:`~dora_megatron.controller.build.Endpoints`) answer, build the controller
     (:func:`~dora_megatron.controller.build.build_controller`), supervise the engines this launcher
     started (``procs``; restarted ones come back on ``host``, on their planned port when
     ``fixed_ports``), run it and write the outputs. ``on_runtime(runtime)`` runs once the runtime
-    exists (e.g. to start the elastic join watcher)."""
+    exists (e.g. to start the elastic join watcher). ``stop_signals``
+    (:class:`~dora_megatron.launch.stop.StopSignals`): while the runtime runs, the first signal
+    asks it to stop at the next step boundary with a checkpoint (the summary's ``status`` then
+    says ``stopped``; the Hugging Face export is skipped)."""
     from dora_megatron.controller.build import build_controller
     from dora_megatron.controller.trainer_client import TrainerError, TrainerUnreachable
     from dora_megatron.data.sources import skipped_rows
@@ -382,8 +421,7 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
     background = BackgroundWriter()
     timeline = Timeline() if obs.timeline else None
     progress = _Progress(cfg.run.steps, enabled=obs.progress)
-    if resumed_at is not None:
-        drop_steps_from(run_dir / "steps.jsonl", resumed_at)
+    steps_file, consumed_file = open_run_records(run_dir, resumed_at)
     overviews = None  # overview.png at each checkpoint, drawn on the background writer
     if obs.overview and cfg.run.checkpoint_interval > 0:
         from dora_megatron.observability.overview import CheckpointOverviews
@@ -391,8 +429,6 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
         overviews = CheckpointOverviews(run_dir / "overview.png", background, max_staleness=cfg.orchestrator.max_staleness,
                                         title=f"{cfg.orchestrator.mode}: run overview ({run_dir.name})",
                                         **(_earlier_steps(run_dir) if resuming else {}))
-    steps_file = open(run_dir / "steps.jsonl", "a" if resuming else "w")
-    consumed_file = open(run_dir / "consumed.jsonl", "a" if resuming else "w")
 
     def on_step(s, rt) -> None:
         retention.prune()
@@ -446,6 +482,8 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
     for name, why in sorted(instances.absent.items()):
         supervisor.expect(name, urls[name], why)
     monitor = asyncio.get_running_loop().create_task(supervisor.run())
+    if stop_signals is not None:
+        stop_signals.arm_runtime(runtime)
     try:
         summary = await runtime.run()
     except TrainerUnreachable as err:
@@ -453,6 +491,8 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
     except TrainerError as err:  # the trainer answered with an error (its log has the traceback)
         raise ChildFailed(f"{err} (see {run_dir / 'logs' / 'trainer.log'})") from err
     finally:
+        if stop_signals is not None:
+            stop_signals.disarm()  # from here a signal unwinds at once
         monitor.cancel()
         await asyncio.gather(monitor, return_exceptions=True)
         ctl.close_journal()
@@ -475,6 +515,12 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
         background.close()
     summary["reward_fn"] = ctl.reward_name
     summary["data_skipped_rows"] = skipped_rows(ctl.source)
+    # duplicates as the run's record counts them: the one a resume reads (each step of the final lineage once)
+    summary["duplicated_groups"] = duplicated_in_record(run_dir / "consumed.jsonl")
+    if summary["status"] != "completed":  # stopped by a signal: the checkpoint is what matters, quickly
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (run_dir / "orchestrator_state.json").write_text(json.dumps(orch.snapshot()))
+        return summary
     try:  # the trained policy for evaluation harnesses; the run's own outputs are written whatever happens here
         final_version, final_dir = export_final(run_dir, model_dir)
     except OSError as err:  # no weights to export (a model-less harness), a full disk, ...

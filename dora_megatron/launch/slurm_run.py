@@ -11,8 +11,10 @@ Faults: a rollout instance that dies is restarted by its own node's launcher on 
 (``launch.restart_engines``, at most ``launch.max_engine_restarts`` times); on a node other than the
 controller's it then asks to rejoin through the join folder. A node exits non-zero only when the run
 fails (FAILED, or its trainer died), so ``srun --kill-on-bad-exit`` ends the job for run failures
-only. Every way a job ends leaves a marker: SIGTERM (``scancel``, the time limit) and SIGINT write
-FAILED with the reason before the processes stop. Markers name the job that wrote them, so the
+only. Every way a job ends leaves a marker: the first SIGTERM (``scancel``, the time limit),
+SIGINT or SIGUSR1 (the templates' early warning before the time limit) stops the run at its next
+step boundary with a checkpoint (:mod:`.stop`) and writes FAILED saying so; a second one writes
+FAILED with the reason at once, before the processes stop. Markers name the job that wrote them, so the
 nodes of a resumed job are not stopped by the FAILED of the job they resume.
 
 ``--join`` (elastic pools): the allocation's nodes start rollout instances only and, once each is
@@ -25,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -39,6 +40,7 @@ from dora_megatron.launch.cluster import ClusterPlan
 from dora_megatron.processes import ChildFailed, ProcessSet
 from dora_megatron.launch.slurm import SlurmEnv, slurm_run_dir
 from dora_megatron.launch.startup import StartupRefused
+from dora_megatron.launch.stop import StopSignals, Stopped, exit_status
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,9 @@ class Marker:
     kind: str  # DONE | FAILED
     reason: str
     job_id: str
+    #: provisional: the controller's node is stopping the run at its next step boundary (a stop
+    #: signal came); the final marker replaces it. The other nodes keep their processes up meanwhile
+    stopping: bool = False
 
 
 def read_marker(run_dir: Path) -> Marker | None:
@@ -70,19 +75,21 @@ def read_marker(run_dir: Path) -> Marker | None:
         except OSError:
             continue
         job = next((x[4:] for x in lines if x.startswith("job ")), "")
-        return Marker(kind, lines[0] if lines else "", job)
+        return Marker(kind, lines[0] if lines else "", job, "stopping" in lines[1:])
     return None
 
 
-def write_marker(run_dir: Path, kind: str, reason: str, job_id: str) -> bool:
-    """Write DONE or FAILED unless this job already ended (the first reason is kept). Returns whether
-    it was written."""
+def write_marker(run_dir: Path, kind: str, reason: str, job_id: str, *, stopping: bool = False) -> bool:
+    """Write DONE or FAILED unless this job already ended (the first reason is kept; a provisional
+    ``stopping`` FAILED of this job is replaced by the final one). Returns whether it was written."""
     current = read_marker(run_dir)
-    if current is not None and current.job_id == job_id:
+    if current is not None and current.job_id == job_id and not (current.stopping and not stopping):
         return False
     tmp = run_dir / f".{kind}.{os.getpid()}.tmp"
-    tmp.write_text(f"{reason}\njob {job_id}\n")
+    tmp.write_text(f"{reason}\njob {job_id}\n" + ("stopping\n" if stopping else ""))
     try:
+        if current is not None and current.job_id == job_id:  # the provisional marker: replaced whole
+            (run_dir / current.kind).unlink(missing_ok=True)
         os.link(tmp, run_dir / kind)  # fails if another node wrote it first
         return True
     except FileExistsError:
@@ -99,37 +106,45 @@ def _clear_previous_markers(run_dir: Path, job_id: str) -> None:
         os.replace(run_dir / m.kind, run_dir / f"{m.kind}.job{m.job_id or 'unknown'}")
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM/SIGINT, raised where the launcher is, so that it unwinds and stops its children."""
+class _EndSignals(StopSignals):
+    """While active, SIGINT, SIGTERM and SIGUSR1 (SLURM's early warning) end the job.
 
-
-class _EndSignals:
-    """While active, SIGTERM and SIGINT write FAILED (with the signal and node) and then unwind;
-    ``mark=False`` (joining nodes: their end is not the run's) only unwinds.
+    On the controller's node the first one, once the runtime runs, asks it for a checkpoint at the
+    next step boundary (:mod:`.stop`); the run then ends with FAILED naming the signal and the
+    checkpoint. On the other nodes the first one is noted and the node keeps its processes up
+    (``hold``) until the controller's marker ends the job: the trainer and the instances are what
+    that checkpoint needs (``scancel`` and SLURM's time limit signal every node at once). A second
+    signal, or a first one before the runtime runs, writes FAILED (with the signal and node) and
+    unwinds at once; ``mark=False`` (joining nodes: their end is not the run's) only unwinds.
 
     WHY write in the handler: ``scancel`` and the time limit give the job only ``KillWait`` seconds
     before SIGKILL; the marker must be on disk before anything else is attempted."""
 
-    def __init__(self, run_dir: Path, job_id: str, node: str, *, mark: bool = True) -> None:
+    def __init__(self, run_dir: Path, job_id: str, node: str, *, mark: bool = True, hold: bool = False) -> None:
+        super().__init__(on_immediate=self._mark)
         self.run_dir, self.job_id, self.node, self.mark = run_dir, job_id, node, mark
-        self.previous: dict[int, object] = {}
+        if hold:
+            super().arm(lambda name: True)
 
-    def _handler(self, signum, frame) -> None:
-        name = signal.Signals(signum).name
-        why = "scancel or time limit" if signum == signal.SIGTERM else "interrupted"
+    def arm(self, target) -> None:
+        """The controller's node: a stop request also writes a provisional FAILED at once (if SLURM's
+        SIGKILL comes before the checkpoint, the job still ends with a marker); the other nodes go on
+        serving while it says ``stopping``."""
+        def marked(name: str) -> bool:
+            taken = target(name)
+            if taken and self.mark:
+                write_marker(self.run_dir, FAILED, f"{self.reason(name)}: stopping at the next step boundary "
+                             f"with a checkpoint", self.job_id, stopping=True)
+            return taken
+        super().arm(marked)
+
+    def reason(self, name: str) -> str:
+        why = {"SIGTERM": "scancel or time limit", "SIGUSR1": "time limit soon"}.get(name, "interrupted")
+        return f"terminated by {name} on {self.node} ({why})"
+
+    def _mark(self, name: str) -> None:
         if self.mark:
-            write_marker(self.run_dir, FAILED, f"terminated by {name} on {self.node} ({why})", self.job_id)
-        raise _Terminated(name)
-
-    def __enter__(self) -> "_EndSignals":
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self.previous[sig] = signal.signal(sig, self._handler)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
+            write_marker(self.run_dir, FAILED, self.reason(name), self.job_id)
 
 
 def _join_dir(cfg: DoraConfig, run_dir: Path) -> Path:
@@ -206,15 +221,24 @@ class NodeEngines:
 
 
 def _serve_until_end(run_dir: Path, engines: NodeEngines, job_id: str | None, poll_s: float = 1.0,
-                     alive_bound_s: float | None = None) -> int:
+                     alive_bound_s: float | None = None, stopping_bound_s: float | None = None) -> int:
     """Keep this node's processes up until the run ends.
 
     ``job_id``: markers of that job end the wait (None: any marker, for joining nodes).
-    ``alive_bound_s``: joining nodes also stop when the controller's heartbeat is older than this."""
+    ``alive_bound_s``: joining nodes also stop when the controller's heartbeat is older than this.
+    ``stopping_bound_s``: a provisional ``stopping`` marker (the controller checkpoints before it
+    ends the run: it needs this node's trainer and instances) is waited out at most this long."""
     from dora_megatron.launch.elastic import heartbeat_age
 
+    stopping_since = None
     while True:
         m = read_marker(run_dir)
+        if m is not None and m.stopping and stopping_bound_s is not None and m.job_id == job_id:
+            stopping_since = stopping_since or time.monotonic()
+            if time.monotonic() - stopping_since < stopping_bound_s:
+                engines.check()
+                time.sleep(poll_s)
+                continue
         if m is not None and (job_id is None or m.job_id == job_id):
             _say(f"run ended: {m.kind} ({m.reason})")
             return 0 if m.kind == DONE else 1
@@ -271,7 +295,7 @@ def run_slurm_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan, resume: st
     _write_atomic(run_dir / "config.yaml", dump_yaml(cfg))  # same text on every node
     join_dir = _join_dir(cfg, run_dir)
     try:
-        with _EndSignals(run_dir, env.job_id, node):
+        with _EndSignals(run_dir, env.job_id, node, hold=not is_controller) as signals:
             model_dir = _shared_model(cfg, plan, run_dir, node)
             checkpoint = None
             if resume:  # every node verifies the same files and picks the same one; none moves anything
@@ -291,10 +315,12 @@ def run_slurm_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan, resume: st
                         start_instance(procs, spec)
                 if not is_controller:  # a ChildFailed (its trainer died) writes FAILED below
                     return _serve_until_end(run_dir, NodeEngines(cfg, procs, plan, node, join_dir, announce_first=False,
-                                                                 run_dir=run_dir), env.job_id)
+                                                                 run_dir=run_dir), env.job_id,
+                                            stopping_bound_s=cfg.controller.stop_checkpoint_timeout_s
+                                            + 2 * cfg.launch.shutdown_timeout_s)
                 try:
-                    asyncio.run(_controller(cfg, plan, run_dir, model_dir, procs, checkpoint, node))
-                except _Terminated:
+                    summary = asyncio.run(_controller(cfg, plan, run_dir, model_dir, procs, checkpoint, node, signals))
+                except Stopped:
                     raise
                 except BaseException as err:
                     write_marker(run_dir, FAILED, f"controller failed: {type(err).__name__}: "
@@ -304,6 +330,13 @@ def run_slurm_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan, resume: st
                     from dora_megatron.launch.local import _write_overview
 
                     _write_overview(run_dir, cfg.orchestrator.mode, _say)
+                if summary["status"] != "completed":
+                    from dora_megatron.launch.local import stopped_line
+
+                    line = stopped_line(summary, run_dir)
+                    write_marker(run_dir, FAILED, f"{signals.reason(summary['stopped_by'])}: {line}", env.job_id)
+                    _say(f"dora train on {node}: {line}")
+                    return exit_status(summary["stopped_by"])
                 write_marker(run_dir, DONE, "ok", env.job_id)
                 return 0
     except ChildFailed as err:
@@ -314,13 +347,13 @@ def run_slurm_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan, resume: st
         write_marker(run_dir, FAILED, f"dora train failed on {node}: {str(err).splitlines()[0]}", env.job_id)
         _say(f"dora train failed on {node}: {err}")
         return 1
-    except _Terminated as sig:
-        _say(f"dora train on {node}: terminated by {sig}; FAILED written, every process was stopped")
-        return 143 if str(sig) == "SIGTERM" else 130
+    except Stopped as sig:
+        _say(f"dora train on {node}: terminated by {sig.signame}; FAILED written, every process was stopped")
+        return exit_status(sig.signame)
 
 
 async def _controller(cfg: DoraConfig, plan: ClusterPlan, run_dir: Path, model_dir: Path, procs: ProcessSet,
-                      checkpoint, node: str) -> dict:
+                      checkpoint, node: str, signals: StopSignals | None = None) -> dict:
     from dora_megatron.launch.elastic import watch_joins
     from dora_megatron.controller.build import Endpoints
     from dora_megatron.launch.local import run_controller
@@ -337,7 +370,8 @@ async def _controller(cfg: DoraConfig, plan: ClusterPlan, run_dir: Path, model_d
 
     # ``node``: instances on this node are restarted by the controller's own supervisor at their URL
     return await run_controller(cfg, Endpoints(dict(plan.engine_urls), plan.trainer_url), run_dir, model_dir, procs,
-                                _say, checkpoint, host=node, fixed_ports=True, on_runtime=start_watcher)
+                                _say, checkpoint, host=node, fixed_ports=True, on_runtime=start_watcher,
+                                stop_signals=signals)
 
 
 def run_join_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan) -> int:
@@ -381,6 +415,6 @@ def run_join_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan) -> int:
     except ChildFailed as err:
         _say(f"joining instance on {node} failed: {err}")
         return 1
-    except _Terminated as sig:
-        _say(f"dora train --join on {node}: terminated by {sig}; every process was stopped")
-        return 143 if str(sig) == "SIGTERM" else 130
+    except Stopped as sig:
+        _say(f"dora train --join on {node}: terminated by {sig.signame}; every process was stopped")
+        return exit_status(sig.signame)

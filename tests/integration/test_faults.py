@@ -1,5 +1,6 @@
 """Faults on real processes: an engine SIGKILLed mid-run (restarted, it rejoins), the whole job
-SIGKILLed and resumed (from the previous checkpoint, the newest one being garbled).
+SIGKILLed and resumed (from the previous checkpoint, the newest one being garbled), Ctrl-C /
+SIGTERM / SIGUSR1 (a checkpoint at the next step boundary, then a resume; a second signal at once).
 
 Each scenario checks the run summary (zero lost, zero duplicated groups, zero C1
 violations) and, for the resume, the consumed-group log across the crash: every
@@ -107,6 +108,9 @@ def check_resumed_run(run_dir: Path, n: int) -> tuple[dict, list[dict], dict[int
     assert summary["steps"] == n and summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0
     assert summary["c1_violations"] == 0
     records = [json.loads(line) for line in (run_dir / "consumed.jsonl").read_text().splitlines()]
+    # the record a resume continues holds each step of the final lineage once (the crashed
+    # lineage's records after the checkpoint were dropped), and the summary counts from it
+    assert [r["step"] for r in records] == list(range(n))
     lineage: dict[int, list[str]] = {}
     final_versions: dict[int, list[int]] = {}
     for rec in records:
@@ -200,8 +204,8 @@ def test_job_sigkill_then_resume_consumes_every_group_once(tmp_path):
     assert f"falling back to the previous good checkpoint {previous}" in out
     assert f"resuming {run_dir} from {previous.name}" in out
     assert (run_dir / "checkpoints" / f"bad-{newest.name}").is_dir()
+    assert crashed_steps > resumed_from  # the crashed lineage recorded steps after the checkpoint it resumes from
     summary, records, lineage, final_versions = check_resumed_run(run_dir, n)
-    assert len(records) >= n + (crashed_steps - resumed_from) - 1
     # the steps before the checkpoint it resumed from were not re-run
     before = [r for r in records if r["step"] < resumed_from]
     assert len(before) == resumed_from
@@ -267,16 +271,46 @@ def test_trainer_rank_sigkill_stops_the_job_and_resume_consumes_every_group_once
     out = finish(start_train(run_dir, *args, resume=True))
     assert "resuming" in out
     print(f"crashed after {crashed_steps} steps;", out[out.index("resuming"):].splitlines()[0])
-    _, records, _, _ = check_resumed_run(run_dir, n)
-    assert len(records) >= n + crashed_steps - 4
+    assert crashed_steps > 2  # steps after the checkpoint it resumes from were recorded, then re-done
+    check_resumed_run(run_dir, n)
 
 
-@pytest.mark.parametrize("sig, status, said", [(signal.SIGINT, 130, "interrupted; every process was stopped"),
-                                               (signal.SIGTERM, 143, "terminated (SIGTERM); every process was stopped")])
-def test_ctrl_c_or_sigterm_stops_every_process_and_frees_the_ports(tmp_path, sig, status, said):
-    """Ctrl-C (SIGINT to the launcher only: the children run in their own process groups) or a
-    SIGTERM (kill, scancel) ends the job with status 130 / 143; every child, torchrun's ranks
-    included, is gone and the ports are free."""
+def test_ctrl_c_checkpoints_at_the_next_step_and_resume_trains_each_group_once(tmp_path):
+    """The main job's checkpoint_interval 0: one Ctrl-C while steps run writes a checkpoint at the
+    next step boundary and exits 130 (summary.json status "stopped"); ``--resume`` continues from
+    it to the end with each group consumed exactly once and nothing trained twice."""
+    run_dir = tmp_path / "run"
+    n = 5
+    proc = start_train(run_dir, f"run.steps={n}", "model.warm_start=")
+    try:
+        wait_for(lambda: steps_done(run_dir) >= 1, 400, "one step", proc)
+        os.kill(proc.pid, signal.SIGINT)
+        at_signal = steps_done(run_dir)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    k = summary["stop_checkpoint"]
+    assert summary["status"] == "stopped" and summary["stopped_by"] == "SIGINT"
+    assert 0 < at_signal <= k < n and summary["steps"] == k == steps_done(run_dir)  # it landed mid-run
+    assert f"stopped by SIGINT after {k} step(s): checkpoint v{k:06d} written" in out
+    assert (run_dir / "checkpoints" / f"v{k:06d}" / "controller.json").is_file()
+    assert "Unclosed" not in out, out[-3000:]  # every HTTP client session was closed on the way out
+    out = finish(start_train(run_dir, f"run.steps={n}", "model.warm_start=", resume=True))
+    assert f"resuming {run_dir} from v{k:06d}" in out
+    check_resumed_run(run_dir, n)
+
+
+@pytest.mark.parametrize("sigs, status, said", [
+    ((signal.SIGTERM, signal.SIGTERM), 143, "terminated (SIGTERM); every process was stopped"),
+    ((signal.SIGUSR1,), 138, "stopped by SIGUSR1 after")])
+def test_signals_stop_every_process_and_free_the_ports(tmp_path, sigs, status, said):
+    """Two SIGTERM (kill, scancel; to the launcher only: the children run in their own process
+    groups) end the job at once with status 143; one SIGUSR1 (SLURM's early warning) stops it at
+    the next step boundary with a checkpoint (138). Every child, torchrun's ranks included, is
+    gone and the ports are free."""
     import socket
 
     run_dir = tmp_path / "run"
@@ -287,13 +321,20 @@ def test_ctrl_c_or_sigterm_stops_every_process_and_frees_the_ports(tmp_path, sig
         tree = [p for k, v in pids.items() if k != "controller" for p in process_tree(v)]
         ports = [int(m) for log in (run_dir / "logs").glob("*.log")
                  for m in re.findall(r"listening on http://[0-9.]+:(\d+)", log.read_text(errors="replace"))]
-        os.kill(proc.pid, sig)
+        for sig in sigs:
+            os.kill(proc.pid, sig)
+            time.sleep(0.5)
         out, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == status, out[-3000:]
     assert said in out
+    assert "Unclosed" not in out, out[-3000:]  # the HTTP client sessions were closed on the way out
+    if len(sigs) == 1:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["status"] == "stopped" and summary["steps"] < 50
+        assert (run_dir / "checkpoints" / f"v{summary['stop_checkpoint']:06d}" / "controller.json").is_file()
     assert not any(alive(p) for p in tree), [p for p in tree if alive(p)]
     assert len(ports) >= 2, ports  # both engines (and the trainer, if it logs its address)
     for port in ports:  # free again: a new server can bind it

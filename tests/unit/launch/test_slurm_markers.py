@@ -19,7 +19,8 @@ from dora_megatron.launch.elastic import read_join_requests
 from dora_megatron.processes import ProcessSet
 from dora_megatron.launch.slurm import read_slurm_env
 from dora_megatron.launch.slurm_run import (DONE, FAILED, NodeEngines, _clear_previous_markers, _EndSignals,
-                                            _serve_until_end, _Terminated, read_marker, write_marker)
+                                            _serve_until_end, read_marker, write_marker)
+from dora_megatron.launch.stop import Stopped
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -43,10 +44,11 @@ def test_a_finished_run_extended_by_a_new_job_gets_that_jobs_marker(tmp_path):
     assert write_marker(tmp_path, DONE, "ok", "42") and read_marker(tmp_path).job_id == "42"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1])
 def test_sigterm_and_sigint_write_failed_before_unwinding(tmp_path, sig):
+    """Before the controller's runtime runs (nothing to checkpoint) a signal ends the node at once."""
     before = signal.getsignal(sig)
-    with pytest.raises(_Terminated):
+    with pytest.raises(Stopped):
         with _EndSignals(tmp_path, "7", "n1"):
             os.kill(os.getpid(), sig)
             time.sleep(5)  # the handler interrupts this
@@ -56,7 +58,7 @@ def test_sigterm_and_sigint_write_failed_before_unwinding(tmp_path, sig):
 
 
 def test_a_joining_node_ending_does_not_mark_the_run(tmp_path):
-    with pytest.raises(_Terminated):
+    with pytest.raises(Stopped):
         with _EndSignals(tmp_path, "8", "n2", mark=False):
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(5)

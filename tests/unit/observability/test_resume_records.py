@@ -28,3 +28,33 @@ def test_tensorboard_shows_each_re_done_step_once(tmp_path):
         resumed.scalars(step, {"reward/mean": 1.0})
     resumed.close()
     assert read_scalar_tags(tmp_path / "tb")["reward/mean"] == [(s, 0.0) for s in range(4)] + [(s, 1.0) for s in range(4, 8)]
+
+
+def test_a_resume_at_a_checkpoint_boundary_records_each_step_once(tmp_path):
+    """The crashed lineage recorded step 4 (the first after checkpoint v4) before it died; the
+    resume trains step 4 again on the groups the checkpoint kept. The record must list it once,
+    and the summary's duplicate count, read from that record, must see any group listed twice."""
+    from dora_megatron.launch.local import duplicated_in_record, open_run_records
+
+    def rec(step):
+        return json.dumps({"step": step, "groups": [f"g{2 * step}", f"g{2 * step + 1}"], "versions": [step, step]})
+
+    (tmp_path / "consumed.jsonl").write_text("".join(rec(s) + "\n" for s in range(5)))
+    (tmp_path / "steps.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(5)))
+    steps, consumed = open_run_records(tmp_path, 4)
+    for s in (4, 5):  # the resumed lineage: step 4 again, on the same groups and versions, then 5
+        consumed.write(rec(s) + "\n")
+        steps.write(json.dumps({"step": s}) + "\n")
+    steps.close()
+    consumed.close()
+    records = [json.loads(x) for x in (tmp_path / "consumed.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(6))
+    assert [json.loads(x)["step"] for x in (tmp_path / "steps.jsonl").read_text().splitlines()] == list(range(6))
+    assert duplicated_in_record(tmp_path / "consumed.jsonl") == 0
+    with open(tmp_path / "consumed.jsonl", "a") as f:  # a group listed twice is counted from the record
+        f.write(rec(5) + "\n")
+    assert duplicated_in_record(tmp_path / "consumed.jsonl") == 2
+    new_steps, new_consumed = open_run_records(tmp_path, None)  # a fresh run starts both records empty
+    new_steps.close()
+    new_consumed.close()
+    assert (tmp_path / "consumed.jsonl").read_text() == ""
