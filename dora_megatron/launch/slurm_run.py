@@ -322,6 +322,20 @@ def run_slurm_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan, resume: st
                     summary = asyncio.run(_controller(cfg, plan, run_dir, model_dir, procs, checkpoint, node, signals))
                 except Stopped:
                     raise
+                except ChildFailed as err:
+                    if signals.received is None:
+                        write_marker(run_dir, FAILED, f"controller failed: {type(err).__name__}: "
+                                     f"{str(err).splitlines()[0] if str(err) else ''}", env.job_id)
+                        raise
+                    # scancel and the time limit signal every process of the step, the trainer too: when
+                    # it dies of that signal before the step boundary, no checkpoint can be written; the
+                    # job ended because of the signal, and a resume goes on from the last complete one
+                    line = (f"a process ended by the same signal before the step boundary "
+                            f"({str(err).splitlines()[0] if str(err) else 'child failed'}); no new checkpoint; "
+                            f"`dora train --resume {run_dir}` continues from the last complete checkpoint")
+                    write_marker(run_dir, FAILED, f"{signals.reason(signals.received)}: {line}", env.job_id)
+                    _say(f"dora train on {node}: {signals.reason(signals.received)}: {line}")
+                    return exit_status(signals.received)
                 except BaseException as err:
                     write_marker(run_dir, FAILED, f"controller failed: {type(err).__name__}: "
                                  f"{str(err).splitlines()[0] if str(err) else ''}", env.job_id)

@@ -179,8 +179,10 @@ def test_job_sigkill_then_resume_consumes_every_group_once(tmp_path):
     args = ("run.checkpoint_interval=2", f"run.steps={n}", "observability.dump_rollouts=4")
     proc = start_train(run_dir, *args)
     try:
-        wait_for(lambda: (run_dir / "checkpoints" / "v000004" / "controller.json").is_file() and steps_done(run_dir) >= 5,
-                 400, "checkpoint v4 and five steps", proc)
+        # overview.png is drawn at each checkpoint (off the loop): there before the run ends
+        wait_for(lambda: (run_dir / "checkpoints" / "v000004" / "controller.json").is_file() and steps_done(run_dir) >= 5
+                 and (run_dir / "overview.png").is_file(), 400, "checkpoint v4, five steps and a checkpoint overview", proc)
+        assert (run_dir / "overview.png").read_bytes()[:4] == b"\x89PNG"
         pids = json.loads((run_dir / "processes.json").read_text())
         os.kill(pids["controller"], signal.SIGKILL)  # the whole job loses its controller
         proc.wait(timeout=30)
