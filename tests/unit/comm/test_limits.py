@@ -128,10 +128,7 @@ def test_generates_beyond_the_plan_wait_and_are_counted_not_failed():
         return web.json_response({"ok": True})
 
     async def go():
-        app = web.Application()
-        app.router.add_post("/generate", generate)
-        app.router.add_get("/get_server_info", loads)
-        async with TestServer(app, host="127.0.0.1") as server:
+        async with _engine_server(generate, loads) as server:
             waits = ConnectionWaits()
             plan = plan_connections(1, 8, DESCRIPTOR_RESERVE + 2 + CONTROL_CONNECTIONS)
             assert plan.generate == 2
@@ -146,6 +143,14 @@ def test_generates_beyond_the_plan_wait_and_are_counted_not_failed():
     assert n == 6 and peak == 2 and waited == 4 and info == {"ok": True}
 
 
+def _engine_server(generate, info) -> TestServer:
+    """A loopback HTTP server answering ``/generate`` and ``/get_server_info`` with the handlers given."""
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    app.router.add_get("/get_server_info", info)
+    return TestServer(app, host="127.0.0.1")
+
+
 def test_a_call_that_times_out_waiting_for_a_pooled_connection_is_the_controllers():
     """A pool of one connection held by a long generate: a call that times out while queued for
     it raises ControllerResourceError (the pool's limit), not a timeout blamed on the instance."""
@@ -157,10 +162,7 @@ def test_a_call_that_times_out_waiting_for_a_pooled_connection_is_the_controller
         return web.json_response({})
 
     async def go():
-        app = web.Application()
-        app.router.add_post("/generate", generate)
-        app.router.add_get("/get_server_info", info)
-        async with TestServer(app, host="127.0.0.1") as server:
+        async with _engine_server(generate, info) as server:
             waits = ConnectionWaits()
             plan = plan_connections(1, 8, DESCRIPTOR_RESERVE + 1, control=0)
             async with EngineClient(str(server.make_url("")), plan=plan, waits=waits) as client:
