@@ -11,10 +11,13 @@ order from the checkpoint, so they coincide when the versions do), and generated
 ``<= V`` in one piece (C1). Versions ``> V`` of the crashed lineage are other weights than the
 re-trained ones, so their samples are never restored.
 
-Size: at each checkpoint the file is rotated (``journal.jsonl`` -> ``journal.prev.jsonl``), so the
-journal holds the records since the previous checkpoint, enough for a resume that falls back one
-checkpoint (see :mod:`.checkpoint_manifest`). Each restored sample is also listed in
-``RUN_DIR/replayed.jsonl`` (audit trail; never rotated).
+Size: at each checkpoint's cut the file is closed as a segment (``journal.jsonl`` ->
+``journal.vNNNNNN.jsonl``, named by the marker it starts with) and a new one begins. A segment is
+deleted only when a checkpoint completes (its ``controller.json`` is written, later than the
+cut): the journal keeps every record since the complete checkpoint before the newest complete
+one, enough for a resume that falls back one checkpoint (see :mod:`.checkpoint_manifest`) even
+when a crash lands while a newer checkpoint is still being written. Each restored sample is also
+listed in ``RUN_DIR/replayed.jsonl`` (audit trail; never rotated).
 
 Record kinds::
 
@@ -36,7 +39,7 @@ from typing import IO, Any
 log = logging.getLogger(__name__)
 
 JOURNAL = "journal.jsonl"
-PREVIOUS = "journal.prev.jsonl"
+SEGMENT = "journal.v{:06d}.jsonl"  # a closed part of the journal, by the checkpoint marker it starts with
 REPLAYED = "replayed.jsonl"
 
 
@@ -61,26 +64,45 @@ class Journal:
         self._fh: IO[str] | None = None
         self._replayed: IO[str] | None = None
         self._marked = False  # records before the first checkpoint marker serve no resume: not written
+        self._current: int | None = None  # the marker journal.jsonl starts with
+        self._complete: list[int] = []  # this lineage's complete checkpoints, oldest first
 
     # ---- writing ------------------------------------------------------------------------
     def start(self, version: int | None) -> None:
         """A new lineage: an empty journal (with marker ``version`` when it continues a checkpoint)."""
         self.close()
-        (self.run_dir / PREVIOUS).unlink(missing_ok=True)
+        for old in segments(self.run_dir):
+            old.unlink(missing_ok=True)
         self._fh = open(self.run_dir / JOURNAL, "w")
         self._marked = version is not None
+        self._current = None if version is None else int(version)
+        self._complete = [] if version is None else [int(version)]
         if version is not None:
             self._write({"t": "checkpoint", "version": int(version)})
 
     def checkpoint(self, version: int) -> None:
-        """Checkpoint ``version`` is complete: rotate, and mark where its lineage continues."""
+        """Checkpoint ``version`` is cut: close the journal so far as a segment and mark where the
+        lineage continues. Nothing is deleted here: the checkpoint is not complete yet."""
         if self._fh is None:
             return
         self._fh.close()
-        os.replace(self.run_dir / JOURNAL, self.run_dir / PREVIOUS)
+        if self._current is not None:
+            os.replace(self.run_dir / JOURNAL, self.run_dir / SEGMENT.format(self._current))
         self._fh = open(self.run_dir / JOURNAL, "w")
         self._marked = True
+        self._current = int(version)
         self._write({"t": "checkpoint", "version": int(version)})
+
+    def completed(self, version: int) -> None:
+        """Checkpoint ``version``'s ``controller.json`` is written: the segments before the complete
+        checkpoint preceding it (the fallback of a resume from ``version``) serve no resume."""
+        self._complete.append(int(version))
+        if len(self._complete) < 2:
+            return
+        fallback = self._complete[-2]
+        for seg in segments(self.run_dir):
+            if segment_version(seg) < fallback:
+                seg.unlink(missing_ok=True)
 
     def dispatch(self, group_id: str, version: int, prompt_index: int, sample_ids: list[str]) -> None:
         self._write({"t": "dispatch", "group_id": group_id, "version": int(version), "prompt_index": int(prompt_index),
@@ -120,9 +142,9 @@ def read_journal(run_dir: str | Path, version: int) -> dict[str, JournaledSample
     from that checkpoint (one version ``<= version``, whole), by sample id. A torn last line (crash
     mid-write) and anything before the marker are ignored; no marker: nothing."""
     lines: list[str] = []
-    for name in (PREVIOUS, JOURNAL):
+    for path in [*segments(Path(run_dir)), Path(run_dir) / JOURNAL]:
         try:
-            lines += (Path(run_dir) / name).read_text().splitlines()
+            lines += path.read_text().splitlines()
         except OSError:
             continue
     out: dict[str, JournaledSample] = {}
@@ -145,3 +167,13 @@ def read_journal(run_dir: str | Path, version: int) -> dict[str, JournaledSample
                                                 tuple(rec["output_ids"]), tuple(rec["logprobs"]), float(rec["reward"]),
                                                 rec.get("routed_experts"), rec.get("finish_reason"))
     return out
+
+
+def segments(run_dir: Path) -> list[Path]:
+    """The journal's closed segments under ``run_dir``, oldest first."""
+    return sorted(run_dir.glob("journal.v*.jsonl"), key=segment_version)
+
+
+def segment_version(path: Path) -> int:
+    """The checkpoint marker a segment starts with, from its name (``journal.v000004.jsonl`` -> 4)."""
+    return int(path.name.split(".")[1][1:])

@@ -1044,7 +1044,12 @@ class Runtime:
         state = self.state_dict(version, orchestrator_snapshot)
         entries, self._trainer_manifest = self._trainer_manifest, {}
 
-        writer = write_state(path, state, entries, lambda: log.info("checkpoint v%d written to %s", version, path))
+        def complete() -> None:
+            log.info("checkpoint v%d written to %s", version, path)
+            if self.journal is not None:
+                self.journal.completed(version)
+
+        writer = write_state(path, state, entries, complete)
         if self.journal is not None:
             self.journal.checkpoint(version)
         if self.on_checkpoint is not None:
