@@ -86,43 +86,45 @@ def _run(coro):
     return asyncio.run(coro)
 
 
+def _one_healthy_one_crashing(procs: ProcessSet) -> tuple[int, int, dict[str, str]]:
+    """Start e0 (serves /health) and e1 (exits at once with an error line); their ports and urls."""
+    p0, p1 = free_ports(2)
+    procs.start("e0", [sys.executable, "-c", HEALTHY, "--port", str(p0)])
+    procs.start("e1", [sys.executable, "-c", CRASH_WITH_ERROR, "--port", str(p1)])
+    return p0, p1, {"e0": f"http://127.0.0.1:{p0}", "e1": f"http://127.0.0.1:{p1}"}
+
+
 def test_a_crashed_instance_is_restarted_and_the_start_waits_for_a_count(tmp_path):
     """min 2 of 2: the crashed one is restarted (with a healthy command) and the start waits for it."""
-    p0, p1 = free_ports(2)
     with ProcessSet(tmp_path / "logs", grace_s=2) as procs:
-        procs.start("e0", [sys.executable, "-c", HEALTHY, "--port", str(p0)])
-        procs.start("e1", [sys.executable, "-c", CRASH_WITH_ERROR, "--port", str(p1)])
+        p0, p1, urls = _one_healthy_one_crashing(procs)
         policy = RestartPolicy(fixed_port=False)
 
         def restart(name):  # the second start of e1 serves (a transient failure)
             procs.children[1].argv = (sys.executable, "-c", HEALTHY, "--port", str(p1))
             return restart_engine(procs, name, policy)
 
-        res = _run(wait_for_instances({"e0": f"http://127.0.0.1:{p0}", "e1": f"http://127.0.0.1:{p1}"}, procs,
+        res = _run(wait_for_instances(urls, procs,
                                       min_ready=2, timeout_s=20, restart=restart, max_restarts=3, interval_s=0.1))
         assert res.ready == {"e0", "e1"} and res.absent == {} and res.attempts == {"e1": 1}
         assert res.urls["e1"] != f"http://127.0.0.1:{p1}"  # a fresh port (not fixed)
 
 
 def test_default_starts_without_a_crashed_instance_naming_its_error_line(tmp_path):
-    p0, p1 = free_ports(2)
     with ProcessSet(tmp_path / "logs", grace_s=2) as procs:
-        procs.start("e0", [sys.executable, "-c", HEALTHY, "--port", str(p0)])
-        procs.start("e1", [sys.executable, "-c", CRASH_WITH_ERROR, "--port", str(p1)])
-        res = _run(wait_for_instances({"e0": f"http://127.0.0.1:{p0}", "e1": f"http://127.0.0.1:{p1}"}, procs,
+        p0, p1, urls = _one_healthy_one_crashing(procs)
+        res = _run(wait_for_instances(urls, procs,
                                       min_ready=None, timeout_s=20, restart=None, interval_s=0.1))
     assert res.ready == {"e0"} and set(res.absent) == {"e1"} and res.loading == set()
     assert "ValueError: shard 3 of the weights is missing" in res.absent["e1"]
 
 
 def test_the_start_is_refused_when_no_restart_can_reach_the_minimum(tmp_path):
-    p0, p1 = free_ports(2)
     with ProcessSet(tmp_path / "logs", grace_s=2) as procs:
-        procs.start("e0", [sys.executable, "-c", HEALTHY, "--port", str(p0)])
-        procs.start("e1", [sys.executable, "-c", CRASH_WITH_ERROR, "--port", str(p1)])
+        p0, p1, urls = _one_healthy_one_crashing(procs)
         policy = RestartPolicy(fixed_port=True)
         with pytest.raises(StartupRefused) as err:  # every restart crashes the same way: 2 restarts, then out
-            _run(wait_for_instances({"e0": f"http://127.0.0.1:{p0}", "e1": f"http://127.0.0.1:{p1}"}, procs,
+            _run(wait_for_instances(urls, procs,
                                     min_ready=2, timeout_s=30, restart=lambda n: restart_engine(procs, n, policy),
                                     max_restarts=2, interval_s=0.1))
         assert procs.children[1].log_path.read_text().count("restarted by the launcher") == 2
