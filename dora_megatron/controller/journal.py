@@ -65,7 +65,7 @@ class Journal:
         self._replayed: IO[str] | None = None
         self._marked = False  # records before the first checkpoint marker serve no resume: not written
         self._current: int | None = None  # the marker journal.jsonl starts with
-        self._complete: list[int] = []  # this lineage's complete checkpoints, oldest first
+        self._last_complete: int | None = None  # this lineage's newest complete checkpoint
 
     # ---- writing ------------------------------------------------------------------------
     def start(self, version: int | None) -> None:
@@ -76,7 +76,7 @@ class Journal:
         self._fh = open(self.run_dir / JOURNAL, "w")
         self._marked = version is not None
         self._current = None if version is None else int(version)
-        self._complete = [] if version is None else [int(version)]
+        self._last_complete = self._current
         if version is not None:
             self._write({"t": "checkpoint", "version": int(version)})
 
@@ -96,10 +96,9 @@ class Journal:
     def completed(self, version: int) -> None:
         """Checkpoint ``version``'s ``controller.json`` is written: the segments before the complete
         checkpoint preceding it (the fallback of a resume from ``version``) serve no resume."""
-        self._complete.append(int(version))
-        if len(self._complete) < 2:
+        fallback, self._last_complete = self._last_complete, int(version)
+        if fallback is None:
             return
-        fallback = self._complete[-2]
         for seg in segments(self.run_dir):
             if segment_version(seg) < fallback:
                 seg.unlink(missing_ok=True)
