@@ -43,6 +43,9 @@ class VLLMConfig:
             raise ConfigError(f"{path}.python", "must name the interpreter of the vllm venv (tools/setup_vllm.sh)")
         if not self.health_path.startswith("/"):
             raise ConfigError(f"{path}.health_path", f"must start with '/', got {self.health_path!r}")
+        if any(a.split("=", 1)[0] in ("--speculative-config", "-sc") for a in self.extra_args):
+            raise ConfigError(f"{path}.extra_args", "sets --speculative-config: use vllm.speculative_* (only the "
+                                                    "ngram method, which has no draft model to keep in step)")
         self._check_speculative(path)
 
     def _check_speculative(self, path: str) -> None:

@@ -135,5 +135,9 @@ def server_argv(inst: InstanceSpec, sg: "SGLangConfig", rollout: "RolloutConfig"
     if clash:
         raise SGLangArgsError(f"rollout.sglang_args repeats flags dora sets from the config: {', '.join(clash)} "
                               "(set them through the sglang: section instead)")
+    spec = sorted(f for f in _flag_names(user) if f.startswith("--speculative"))
+    if spec:  # the draft rules (which algorithms dora's weight updates keep intact) need them in the config
+        raise SGLangArgsError(f"rollout.sglang_args sets {', '.join(spec)}: set speculative decoding through "
+                              "sglang.speculative_* instead")
     python = sg.python or sys.executable
     return (python, "-m", "sglang.launch_server", *ours, *user)

@@ -11,7 +11,7 @@ import pytest
 from dora_megatron.config.base import ConfigError
 from dora_megatron.config.schema import load_config
 from dora_megatron.config.sglang import SPECULATIVE_ALGORITHMS
-from dora_megatron.rollout.sglang.args import InstanceSpec, server_argv
+from dora_megatron.rollout.sglang.args import InstanceSpec, SGLangArgsError, server_argv
 from dora_megatron.rollout.vllm.server import server_argv as vllm_argv
 from tests import sglang_wheel
 
@@ -76,6 +76,11 @@ def test_our_choices_are_sglang_0_5_23_s(wheel):
         "auto" in flags["--speculative-draft-load-format"].choices
 
 
+def test_speculative_flags_cannot_bypass_the_section():
+    with pytest.raises(SGLangArgsError, match="sglang.speculative_"):
+        _argv(["rollout.sglang_args=[--speculative-algorithm=EAGLE3]"])
+
+
 def test_a_separate_draft_is_loaded_from_its_checkpoint_when_the_target_starts_dummy():
     f = _argv(EMITTING["eagle"])
     assert f[f.index("--speculative-draft-load-format") + 1] == "auto"
@@ -132,6 +137,7 @@ def test_vllm_speculative_config_is_json_with_vllm_s_key_names():
     (["vllm.speculative_method=ngram", "vllm.speculative_prompt_lookup_min=4", "vllm.speculative_prompt_lookup_max=2"],
      "vllm.speculative_prompt_lookup_min"),
     (["vllm.speculative_method=eagle"], "vllm.speculative_method"),
+    (['vllm.extra_args=["--speculative-config", "{}"]'], "vllm.extra_args"),
 ])
 def test_bad_vllm_speculative_settings_name_the_key(override, where):
     with pytest.raises(ConfigError) as err:
