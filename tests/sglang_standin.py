@@ -1,7 +1,7 @@
 """A stand-in for an SGLang 0.5.23 server, for the SGLang-path tests on CPU.
 
 ``python tests/sglang_standin.py <SGLang flags>`` (``--model-path --host --port --weight-version
---max-running-requests --load-format``; other flags are accepted and ignored) runs dora's embedded
+--max-running-requests --load-format --speculative-algorithm --speculative-draft-model-path``; other flags are accepted and ignored) runs dora's embedded
 engine in this process on a private loopback port, for the arithmetic, and serves in front of it
 the HTTP surface of SGLang 0.5.23 as its source says it behaves. Each behaviour below cites the
 file of SGLang 0.5.23 it models (paths under ``sglang/srt/``); no SGLang code is used or copied.
