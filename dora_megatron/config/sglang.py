@@ -64,8 +64,8 @@ class SGLangConfig:
     pause_mode: str = field_doc("abort", "`/pause_generation` mode of the `distributed` weight transport before its first bucket (abort returns partial outputs; retract keeps requests queued and flushes the cache, so they recompute their KV on the new weights; in_place keeps them running on the old KV, no flush). The bucket size is `controller.bucket_mb`.", choices=PAUSE_MODES)
     speculative_algorithm: str = field_doc("none", "`--speculative-algorithm`: none, NGRAM (drafts from the request's own tokens, no draft model), EAGLE (a separate EAGLE draft model, kept as loaded: dora's weight updates never reach it), EAGLE3 (refused: dora's version switches would overwrite its draft, see docs/sglang.md), NEXTN (the MTP layers of the target's checkpoint; they share its embedding and LM head, which follow every update).", choices=SPECULATIVE_ALGORITHMS)
     speculative_draft_model_path: str = field_doc("", "`--speculative-draft-model-path`: the draft model's directory (required by EAGLE; NEXTN: empty = the target's checkpoint, as SGLang sets it for the architectures that carry MTP layers).")
-    speculative_num_steps: int | None = field_doc(None, "`--speculative-num-steps`: draft steps per verify (EAGLE/NEXTN); null = SGLang's choice for the model (then eagle_topk and num_draft_tokens stay null too).", ge=1)
-    speculative_eagle_topk: int | None = field_doc(None, "`--speculative-eagle-topk`: draft tokens branched per step (EAGLE/NEXTN; NGRAM takes it from speculative_ngram_max_bfs_breadth); needs speculative_num_steps.", ge=1)
+    speculative_num_steps: int | None = field_doc(None, "`--speculative-num-steps`: draft steps per verify (EAGLE/NEXTN); set with eagle_topk and num_draft_tokens, or all three null = SGLang's choice for the model.", ge=1)
+    speculative_eagle_topk: int | None = field_doc(None, "`--speculative-eagle-topk`: draft tokens branched per step (EAGLE/NEXTN, set with num_steps; NGRAM takes it from speculative_ngram_max_bfs_breadth).", ge=1)
     speculative_num_draft_tokens: int | None = field_doc(None, "`--speculative-num-draft-tokens`: tokens verified per step; null = SGLang's choice (12 for NGRAM); with eagle_topk 1 it must be num_steps + 1.", ge=2)
     speculative_ngram_min_bfs_breadth: int = field_doc(1, "`--speculative-ngram-min-bfs-breadth` (NGRAM only).", ge=1)
     speculative_ngram_max_bfs_breadth: int = field_doc(10, "`--speculative-ngram-max-bfs-breadth` (NGRAM only; also its eagle topk).", ge=1)
@@ -128,12 +128,13 @@ class SGLangConfig:
             return
         if algo == "EAGLE" and not self.speculative_draft_model_path:
             raise ConfigError(f"{path}.speculative_draft_model_path", "EAGLE needs the draft model's directory")
-        if self.speculative_num_steps is None:
-            for key in ("speculative_eagle_topk", "speculative_num_draft_tokens"):
-                if getattr(self, key) is not None:
-                    raise ConfigError(f"{path}.{key}", "needs speculative_num_steps (SGLang chooses all three "
-                                                       "together when num_steps is null)")
-            return
+        shape = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
+        unset = [key for key in shape if getattr(self, key) is None]
+        if len(unset) == len(shape):
+            return  # SGLang chooses all three for the model
+        if unset:  # SGLang asserts topk and draft tokens unset with num_steps, and compares topk given num_steps
+            raise ConfigError(f"{path}.{unset[0]}", f"set {', '.join(shape)} together or leave all three null "
+                                                    "(SGLang then chooses them for the model)")
         topk = self.speculative_eagle_topk
         draft = self.speculative_num_draft_tokens
         if topk == 1 and draft is not None and draft != self.speculative_num_steps + 1:
