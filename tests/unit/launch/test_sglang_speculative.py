@@ -145,3 +145,19 @@ def test_bad_vllm_speculative_settings_name_the_key(override, where):
     with pytest.raises(ConfigError) as err:
         load_config(None, ["rollout.engine=vllm", *override])
     assert err.value.path == where
+
+
+def test_an_eagle_draft_that_would_take_the_targets_tensors_is_refused_before_start(tmp_path):
+    from dora_megatron.rollout.sglang.launch import local_sglang_engines
+
+    def engines(arch: str):
+        draft = tmp_path / arch
+        draft.mkdir()
+        (draft / "config.json").write_text(json.dumps({"architectures": [arch]}))
+        cfg = load_config(None, SGL + ["sglang.speculative_algorithm=EAGLE", f"sglang.speculative_draft_model_path={draft}"])
+        return local_sglang_engines(cfg, "/m", 30000)
+
+    argv = engines("LlamaForCausalLMEagle")[0].argv
+    assert "--speculative-algorithm" in argv
+    with pytest.raises(SGLangArgsError, match="LlamaForCausalLMEagle3"):
+        engines("LlamaForCausalLMEagle3")
