@@ -12,7 +12,7 @@ from dora_megatron.data import tokenizer as tok
 from dora_megatron.data.tasks import RunningSumTask, running_sum_reward
 from dora_megatron.observability.recorder import MetricsRecorder, StepsJsonl, read_step_rows
 from dora_megatron.orchestrator import Orchestrator
-from tests.unit.controller.fakes import FakeEngine, FakeTrainer
+from tests.helpers.fakes import FakeEngine, FakeTrainer
 
 
 def make(mode="dora", n=3, steps=6, tbs=4, rbs=8, S=2, G=2, migration=True, token_s=0.001, tmp_path=None,

@@ -13,7 +13,7 @@ from dora_megatron.observability.routing import routing_summary
 from dora_megatron.comm.routed_experts import decode_routed_experts, encode_routed_experts
 from dora_megatron.rollout.sglang.args import InstanceSpec, server_argv
 
-from .fakes import FakeEngine
+from tests.helpers.fakes import FakeEngine
 from tests.helpers.runtime import check_run, make
 
 

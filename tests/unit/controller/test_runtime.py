@@ -17,7 +17,7 @@ from dora_megatron.controller.trainer_client import PushOptions
 from dora_megatron.orchestrator import Orchestrator
 from tests.helpers.runtime import check_run, engine_versions, make, resume, trained_groups
 
-from .fakes import FakeEngine
+from tests.helpers.fakes import FakeEngine
 
 
 @pytest.mark.parametrize("mode", ["sync", "one_step_off", "dora"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from .fakes import FakeEngine, fail_after_first_step
+from tests.helpers.fakes import FakeEngine, fail_after_first_step
 from tests.helpers.runtime import check_run, make
 
 
