@@ -30,6 +30,7 @@ def make(mode="dora", n=3, steps=6, tbs=4, rbs=8, S=2, G=2, migration=True, toke
     orchestrator = Orchestrator(cfg, names)
     metrics = None
     if tmp_path is not None:  # a checkpointing run keeps its step record, as the launcher's does
+        tmp_path.mkdir(parents=True, exist_ok=True)
         sink = StepsJsonl(open(tmp_path / "steps.jsonl", "a"))
         metrics = MetricsRecorder(slots_per_instance=opts.slots_per_instance, rebalancer=orchestrator.policy.rebalance,
                                   sinks=[sink])

@@ -14,7 +14,6 @@ import json
 import pytest
 
 from dora_megatron.controller.trainer_client import PushOptions
-from dora_megatron.orchestrator import Orchestrator
 from tests.helpers.runtime import check_run, engine_versions, make, resume, trained_groups
 
 from tests.helpers.fakes import FakeEngine
