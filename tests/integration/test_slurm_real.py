@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.slurm_cluster import FINISHED
+from tests.helpers.slurm_cluster import FINISHED
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -4,9 +4,6 @@ assigns and takes work; a failed instance can come back under its name; nothing 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
-from pathlib import Path
 
 from dora_megatron.config.orchestrator import OrchestratorConfig
 from dora_megatron.controller.records import RuntimeOptions
@@ -14,11 +11,8 @@ from dora_megatron.controller.runtime import Runtime
 from dora_megatron.data.tasks import RunningSumTask, running_sum_reward
 from dora_megatron.launch.elastic import JoinRequest, read_join_requests, watch_joins, write_join_request
 from dora_megatron.orchestrator import Orchestrator
+from tests.helpers import fakes
 
-_spec = importlib.util.spec_from_file_location("runtime_fakes", Path(__file__).parents[1] / "controller" / "fakes.py")
-fakes = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("runtime_fakes", fakes)  # dataclasses look their module up
-_spec.loader.exec_module(fakes)
 
 
 def _runtime(names, steps=8):
