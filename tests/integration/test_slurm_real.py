@@ -287,7 +287,7 @@ def test_time_limit_warning_checkpoints_and_a_resumed_job_consumes_every_group_o
     unit is the minute and slurmctld tests limits every 30 s (the warning may come up to 60 s
     early), so a limit given at submission cannot place the warning after a start-up whose length
     depends on the machine's load. The signals still come from slurmctld on its own schedule."""
-    steps = 1000  # far more than fit: the time limit ends the job
+    steps = 10000  # far more than fit: the time limit ends the job
     args = ["--time=10", "--signal=B:USR1@60", SINGLE, CONFIG, "--set", f"run.steps={steps}",
             "--set", "run.checkpoint_interval=0"]
     job = slurm_cluster.sbatch(args, cwd=tmp_path, env=_job_env())
