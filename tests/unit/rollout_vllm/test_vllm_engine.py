@@ -255,17 +255,19 @@ def test_a_switch_cancelled_while_the_server_pauses_still_resumes_it():
             calls.append("resume")
             return {}
 
-    async def main():
-        engine = VLLMEngine("http://127.0.0.1:9", initial_version=0, pause_reply_wait_s=0.2)
-        engine.client = Client()
-        task = asyncio.get_running_loop().create_task(engine.update_weights_from_disk("/snap/v1", 1))
-        await asyncio.wait_for(paused.wait(), timeout=5)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-    asyncio.run(main())
+    asyncio.run(_cancel_switch(Client(), paused, pause_reply_wait_s=0.2))
     assert calls == ["pause", "resume"]
+
+
+async def _cancel_switch(client, sent: asyncio.Event, **engine_kw) -> None:
+    """Start a reload switch on ``client``, cancel it once ``sent`` is set (as the run's end does)."""
+    engine = VLLMEngine("http://127.0.0.1:9", initial_version=0, **engine_kw)
+    engine.client = client
+    task = asyncio.get_running_loop().create_task(engine.update_weights_from_disk("/snap/v1", 1))
+    await asyncio.wait_for(sent.wait(), timeout=5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
 
 
 def test_a_switch_cancelled_while_its_pause_is_on_the_wire_resumes_only_after_the_server_applied_it():
@@ -294,13 +296,7 @@ def test_a_switch_cancelled_while_its_pause_is_on_the_wire_resumes_only_after_th
             return {}
 
     async def main():
-        engine = VLLMEngine("http://127.0.0.1:9", initial_version=0)
-        engine.client = Client()
-        task = asyncio.get_running_loop().create_task(engine.update_weights_from_disk("/snap/v1", 1))
-        await asyncio.wait_for(sent.wait(), timeout=5)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await _cancel_switch(Client(), sent)
         await asyncio.sleep(0.1)  # anything still on its way lands
 
     asyncio.run(main())
