@@ -214,6 +214,8 @@ def test_multi_node_job_starts_although_an_instance_on_another_node_dies_during_
     started = max(out.find("all processes healthy"), out.find("starting with"))
     assert 0 <= restarted < started, out[-4000:]  # the kill and the restart came before the start
     assert sorted(summary["instances"]) == ["engine0", "engine1"], summary
+    # the run started with the restarted process: its node's join request fails no one
+    assert summary["failed_instances"] == [] and "instance engine1 failed" not in out, (summary, out[-4000:])
 
 
 def test_single_node_job_restarts_a_killed_instance_on_the_controllers_node(slurm_cluster, tmp_path):
@@ -287,10 +289,12 @@ def test_time_limit_warning_checkpoints_and_a_resumed_job_consumes_every_group_o
     unit is the minute and slurmctld tests limits every 30 s (the warning may come up to 60 s
     early), so a limit given at submission cannot place the warning after a start-up whose length
     depends on the machine's load. The signals still come from slurmctld on its own schedule."""
-    steps = 10000  # far more than fit: the time limit ends the job
-    args = ["--time=10", "--signal=B:USR1@60", SINGLE, CONFIG, "--set", f"run.steps={steps}",
-            "--set", "run.checkpoint_interval=0"]
-    job = slurm_cluster.sbatch(args, cwd=tmp_path, env=_job_env())
+    # far more steps than fit (the time limit ends the job); the LR schedule does not depend on
+    # run.steps, so the resumed job may ask for fewer (a schedule ending at run.steps is refused on resume)
+    sets = ["--set", "run.checkpoint_interval=0", "--set", "trainer.lr_decay=linear",
+            "--set", "trainer.lr_decay_steps=20000"]
+    job = slurm_cluster.sbatch(["--time=10", "--signal=B:USR1@60", SINGLE, CONFIG, "--set", "run.steps=10000", *sets],
+                               cwd=tmp_path, env=_job_env())
     run_dir = _run_dir(tmp_path, job)
     steps_file = run_dir / "steps.jsonl"
     _wait(lambda: steps_file.exists() and steps_file.read_text().count("\n") >= 1, JOB_TIMEOUT_S,
@@ -309,8 +313,8 @@ def test_time_limit_warning_checkpoints_and_a_resumed_job_consumes_every_group_o
     _wait(lambda: not _procs_under(run_dir), 60, "exit of every process of the time-limited job")
 
     steps = version + 2
-    resumed = slurm_cluster.sbatch([SINGLE, CONFIG, "--set", f"run.steps={steps}", "--set", "run.checkpoint_interval=0",
-                                    "--resume", str(run_dir)], cwd=tmp_path, env=_job_env())
+    resumed = slurm_cluster.sbatch([SINGLE, CONFIG, "--set", f"run.steps={steps}", *sets, "--resume", str(run_dir)],
+                                   cwd=tmp_path, env=_job_env())
     _finish(slurm_cluster, resumed, tmp_path)
     assert (run_dir / "DONE").is_file() and (run_dir / f"FAILED.job{job}").is_file()
     summary = json.loads((run_dir / "summary.json").read_text())
