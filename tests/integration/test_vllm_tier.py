@@ -65,7 +65,7 @@ class Server:
             self.proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=env, start_new_session=True)
 
-    def wait_ready(self, timeout_s: float = 600.0) -> None:
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
         from dora_megatron.rollout.vllm.server import wait_healthy as wait_ready
 
         asyncio.run(wait_ready(self.url, path="/health", timeout_s=timeout_s, alive=lambda: self.proc.poll() is None,
@@ -187,6 +187,11 @@ def test_ngram_speculation_on_cpu_gives_the_non_speculative_greedy_tokens(tmp_pa
            "acceptance_rate": counters["num_accepted_tokens_total"] / counters["num_draft_tokens_total"], **counters})
 
 
+#: bounds of the runtime test: one request (64 tokens), and the 5-step run (about a minute here)
+REQUEST_BOUND_S = 120.0
+RUN_BOUND_S = 360.0
+
+
 class StaticTrainer:
     """A new version label per step, weights unchanged (every snapshot is the same directory);
     step ``hold[0]`` starts only once ``hold[1]()`` holds (at most 120 s), so the event under test
@@ -245,11 +250,18 @@ def test_runtime_on_vllm_migrates_by_resubmit_and_continues_the_same_greedy_sequ
             s.wait_ready()
 
         async def go():
-            adapters = {n: VLLMEngine(s.url, initial_version=0) for n, s in zip(names, servers)}
+            # a request or a run that hangs fails within minutes, naming what hung (not pytest's 10-minute timeout)
+            adapters = {n: VLLMEngine(s.url, initial_version=0, timeout_s=REQUEST_BOUND_S) for n, s in zip(names, servers)}
             rt = Runtime(Orchestrator(ocfg, names), adapters, trainer, RunningSumTask(1, 30, 1.2, seed=1),
                          running_sum_reward, opts)
             runtime.append(rt)
-            summary = await rt.run()
+            try:
+                summary = await asyncio.wait_for(rt.run(), timeout=RUN_BOUND_S)
+            except asyncio.TimeoutError:
+                pytest.fail(f"the runtime did not finish 5 steps within {RUN_BOUND_S} s (steps done: "
+                            f"{len(trainer.batches)}, migrations: {rt.migrations_fallback})")
+            for n, a in adapters.items():  # a switch cut short by the run's end must not leave a server paused
+                assert not await a.client.is_paused(), f"{n} is left paused after the run"
             ref = adapters["e0"]
             refs = []
             for batch in trainer.batches:
