@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from dora_megatron.config.sim import SPEC_MODES
+from dora_megatron.config.rollout import SPEC_MODES
 
 
 def expected_tokens_per_verify(spec_tokens: int, acceptance: float) -> float:
