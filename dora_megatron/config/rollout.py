@@ -68,5 +68,8 @@ class RolloutConfig:
         if self.client_workers and self.engine == "vllm":
             raise ConfigError(f"{path}.client_workers", "engine vllm is driven in process (its restart switch needs the "
                               "launcher's processes); use client_workers 0 with vllm")
+        if self.speculative != "off" and self.engine != "embedded":
+            raise ConfigError(f"{path}.speculative", f"acts on the embedded engine only (engine is {self.engine}); "
+                              "use off, or the engine's own speculative-decoding options")
         if self.base_port and self.base_port + self.num_instances - 1 > 65535:
             raise ConfigError(f"{path}.base_port", "base_port + num_instances exceeds 65535")
