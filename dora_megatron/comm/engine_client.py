@@ -275,6 +275,13 @@ class EngineClient:
         if not await self.supports(name):
             raise ExtensionUnsupported(f"{self.base_url} does not offer {name}")
 
+    async def add_draft_sources(self, rid: str, sources: Sequence[Sequence[int]]) -> bool:
+        """Give running request ``rid`` more speculative drafts (a sibling's finished token ids);
+        False when it has already left the engine."""
+        await self._require("draft_sources")
+        resp = await self._request("POST", "/dora/draft_sources", {"rid": rid, "sources": [list(s) for s in sources]})
+        return bool(resp.get("added"))
+
     async def export_request(self, rid: str) -> bytes:
         """Take request ``rid`` out of this engine; returns its serialised state (KV included)."""
         await self._require("export_request")

@@ -199,10 +199,7 @@ class GenerateRequest:
         if body.get("stream"):
             raise ProtocolError("stream=true is not supported by the embedded engine")
         version = _version(body, "dora_version")
-        sources = body.get("dora_draft_sources") or []
-        if not isinstance(sources, list):
-            raise ProtocolError("dora_draft_sources must be a list of lists of integers")
-        sources = [_int_list(src, f"dora_draft_sources[{i}]") for i, src in enumerate(sources)]
+        sources = _draft_sources(body, "dora_draft_sources")
         return cls(
             input_ids=ids,
             sampling_params=SamplingParams.from_json(body.get("sampling_params")),
@@ -423,6 +420,29 @@ class UpdateFromDistributedRequest:
             weight_version=_version(body, "weight_version"),
             abort_all_requests=_bool(body, "abort_all_requests", False),
         )
+
+
+@dataclass
+class DraftSourcesRequest:
+    """``POST /dora/draft_sources``: token id lists that a running request may draft from."""
+
+    rid: str
+    sources: list[list[int]]
+
+    @classmethod
+    def from_json(cls, body: Any) -> "DraftSourcesRequest":
+        body = _obj(body, "/dora/draft_sources")
+        rid = _str(body, "rid", None)
+        if not rid:
+            raise ProtocolError("missing field rid")
+        return cls(rid, _draft_sources(body, "sources"))
+
+
+def _draft_sources(body: Mapping[str, Any], key: str) -> list[list[int]]:
+    sources = body.get(key) or []
+    if not isinstance(sources, list):
+        raise ProtocolError(f"{key} must be a list of lists of integers")
+    return [_int_list(src, f"{key}[{i}]") for i, src in enumerate(sources)]
 
 
 @dataclass

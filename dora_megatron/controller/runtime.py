@@ -48,6 +48,7 @@ from dora_megatron.orchestrator import (Dispatch, Interrupt, Migrate, Orchestrat
 from dora_megatron.observability.recorder import MetricsRecorder
 from dora_megatron.observability.rollout_dump import RolloutDumper
 from dora_megatron.observability.summary import RunTotals
+from dora_megatron.controller.siblings import finished_sources, push_source, running_targets
 from dora_megatron.rollout.speculation import speculation_summary
 
 log = logging.getLogger(__name__)
@@ -446,7 +447,8 @@ class Runtime:
                 resp = await engine.generate(rec.prompt_ids + rec.output_ids, self._sampling(rec), rid=a.sample_id,
                                              return_logprob=True, version=a.version,
                                              **({"routed_experts": True} if self.opt.routed_experts else {}),
-                                             **({"draft_sources": self._siblings(rec)} if self.opt.draft_siblings else {}))
+                                             **({"draft_sources": finished_sources(rec, self._siblings(rec))}
+                                                if self.opt.draft_siblings else {}))
                 break
             except VersionMismatch as err:
                 # the engine's C1 guard refused it (it holds another version): nothing ran, re-queue it
@@ -480,10 +482,8 @@ class Runtime:
         self._refusal_streak.pop(a.instance, None)
         await self.events.report(EngineReply(a.sample_id, a.instance, resp, start, self.now()))
 
-    def _siblings(self, rec: SampleRecord) -> list[list[int]]:
-        """Prompt + output of ``rec``'s finished group siblings: drafts for rollout.speculative=group."""
-        sibs = (self.samples.get(s) for s in self.groups[rec.group_id].sample_ids if s != rec.sample_id)
-        return [rec.prompt_ids + s.output_ids for s in sibs if s is not None and s.finished]
+    def _siblings(self, rec: SampleRecord) -> list[SampleRecord | None]:
+        return [self.samples.get(s) for s in self.groups[rec.group_id].sample_ids]
 
     def _out_of_step(self, instance: str, version: int) -> bool:
         """Whether ``instance`` has now refused :data:`OUT_OF_STEP_REFUSALS` requests in a row routed
@@ -530,6 +530,9 @@ class Runtime:
                             "routed_experts_unavailable)", instance)
         rec.finished = True
         rec.finish_reason = reason
+        if self.opt.draft_siblings:
+            targets = running_targets(rec, self._siblings(rec))
+            self._spawn(push_source(self.engines, targets, rec.prompt_ids + rec.output_ids), f"drafts-{rec.sample_id}")
         self.samples_finished += 1
         if instance in self._rejoined:
             self.samples_after_rejoin += 1

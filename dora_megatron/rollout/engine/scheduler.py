@@ -51,6 +51,9 @@ from dora_megatron.comm.protocol import (
 log = logging.getLogger(__name__)
 
 EXPORT_FORMAT = "dora-request-v1"
+#: sibling sequences a request keeps for drafting (the newest); a group is rarely larger, and each
+#: source costs a scan per verify step
+MAX_DRAFT_SOURCES = 16
 DoneCallback = Callable[[dict[str, Any]], None]
 
 
@@ -170,6 +173,10 @@ class Scheduler:
         bad = [t for t in req.prompt_ids if t < 0 or t >= vocab]
         if bad:
             raise ProtocolError(f"input_ids contain ids outside [0, {vocab}): {bad[:5]}")
+        bad = [t for src in req.draft_sources for t in src if t < 0 or t >= vocab]
+        if bad:  # drafts are fed to the model: an id outside the vocabulary would fail the batch
+            raise ProtocolError(f"dora_draft_sources contain ids outside [0, {vocab}): {bad[:5]}")
+        del req.draft_sources[:-MAX_DRAFT_SOURCES]
         if self._blocks_needed(req) > self.pool.total:
             raise ProtocolError(f"request needs more KV blocks than this instance has ({self.pool.total})")
         queued = len(self.waiting) + len(self.held)
@@ -190,6 +197,20 @@ class Scheduler:
             self._finish(req, finish_length(0))
             return
         (self.held if self.hold_admission else self.waiting).append(req)
+
+    def add_draft_sources(self, rid: str, sources: list[list[int]]) -> bool:
+        """Let request ``rid`` draft from more token sequences (its group's siblings that finished
+        after it was submitted); False when it is not here (finished, aborted, migrated)."""
+        r = self.by_rid.get(rid)
+        if r is None:
+            return False
+        vocab = self.model.config.vocab_size
+        bad = [t for src in sources for t in src if not 0 <= t < vocab]
+        if bad:  # drafts are fed to the model: an id outside the vocabulary would fail the batch
+            raise ProtocolError(f"sources contain ids outside [0, {vocab}): {bad[:5]}")
+        r.draft_sources.extend(list(src) for src in sources)
+        del r.draft_sources[:-MAX_DRAFT_SOURCES]
+        return True
 
     def _blocks_needed(self, req: Request) -> int:
         remaining = req.params.max_new_tokens - len(req.output_ids)

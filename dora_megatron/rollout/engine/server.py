@@ -20,7 +20,9 @@ this instance and its pending ``/generate`` answers with an abort whose ``err_ty
 ``"migrated"``. ``POST /dora/import_request`` binary body -> the ``/generate`` answer of the
 request once it finishes here (``output_ids`` include the tokens made before the migration).
 ``/generate`` accepts ``dora_draft_sources`` (lists of token ids: the finished siblings of the
-request's group, drafts for ``--speculative group``; kept through export/import).
+request's group, drafts for ``--speculative group``; kept through export/import);
+``POST /dora/draft_sources`` JSON ``{"rid", "sources"}`` adds more to a running request (a sibling
+that finished after it started) and answers ``{"added": bool}`` (false: the request has left).
 ``GET /dora/weights_checksum`` -> ``{"checksum", "weight_version"}`` (see
 ``dora_megatron.comm.checksum``). ``/generate`` accepts ``dora_version``: 409 if this
 instance holds another weight version (so does an import of a request of another version).
@@ -178,6 +180,7 @@ class EngineServer:
         r.add_post("/begin_weight_update", self.weight_update_session)
         r.add_post("/end_weight_update", self.weight_update_session)
         r.add_get("/v1/loads", self.loads)
+        r.add_post("/dora/draft_sources", self.draft_sources)
         r.add_post("/dora/export_request", self.export_request)
         r.add_post("/dora/import_request", self.import_request)
         r.add_get("/dora/weights_checksum", self.weights_checksum)
@@ -421,6 +424,11 @@ class EngineServer:
         return web.json_response({"success": True, "message": f"copied {len(fetched.state)} tensors from {req.url}, "
                                   f"weight_version {v}", "weight_version": v, "checksum": fetched.checksum,
                                   "bytes": fetched.nbytes})
+
+    async def draft_sources(self, request: web.Request) -> web.Response:
+        d = P.DraftSourcesRequest.from_json(await _json(request))
+        added = await self._runner.call(lambda s: s.add_draft_sources(d.rid, d.sources))
+        return web.json_response({"success": True, "added": added})
 
     # ---- migration -----------------------------------------------------------------------
     async def export_request(self, request: web.Request) -> web.Response:
