@@ -330,3 +330,24 @@ def test_speculation_summary_sums_instances():
     assert out["spec_verify_steps"] == 4 and out["accepted_tokens_per_step"] == 1.5
     assert out["tokens_per_verify_step"] == 2.5
     assert speculation_summary([])["tokens_per_verify_step"] == 0.0
+
+
+def test_job_keys_reach_dora_serve():
+    import argparse
+    from pathlib import Path
+
+    from dora_megatron.cli import serve
+    from dora_megatron.config.base import ConfigError
+    from dora_megatron.config.schema import load_config
+    from dora_megatron.launch.plan import local_plan
+
+    root = Path(__file__).resolve().parents[3]
+    keys = ["rollout.speculative=group", "rollout.spec_tokens=6", "rollout.spec_max_batch=3"]
+    cfg = load_config(root / "configs" / "cpu_tiny.yaml", keys)
+    argv = list(next(p.argv for p in local_plan(cfg, "/m", "/r") if p.role == "engine"))
+    parser = argparse.ArgumentParser()
+    serve.configure(parser)
+    args = parser.parse_args(["0" if a == "<free-port>" else a for a in argv[argv.index("serve") + 1 :]])
+    assert (args.speculative, args.spec_tokens, args.spec_max_batch) == ("group", 6, 3)
+    with pytest.raises(ConfigError, match="rollout.speculative"):
+        load_config(root / "configs" / "cpu_tiny.yaml", ["rollout.engine=vllm", "rollout.speculative=ngram"])
