@@ -351,3 +351,34 @@ def test_job_keys_reach_dora_serve():
     assert (args.speculative, args.spec_tokens, args.spec_max_batch) == ("group", 6, 3)
     with pytest.raises(ConfigError, match="rollout.speculative"):
         load_config(root / "configs" / "cpu_tiny.yaml", ["rollout.engine=vllm", "rollout.speculative=ngram"])
+
+
+def test_sources_pushed_to_a_running_request_are_drafted_from(moe_model):
+    ref = _run(_sched(moe_model), [_req("a", PROMPTS[1], None, temperature=0.0)])["a"]["output_ids"]
+    s = _sched(moe_model, "group")
+    sink = Collector()
+    s.submit(_req("a", PROMPTS[1], sink, temperature=0.0))
+    for _ in range(3):
+        s.step()
+    before = s.spec.accepted_tokens
+    assert not s.add_draft_sources("nobody", [[1, 2]])
+    with pytest.raises(ProtocolError, match="outside"):
+        s.add_draft_sources("a", [[1, 10**6]])
+    assert s.add_draft_sources("a", [PROMPTS[1] + ref])
+    while s.can_step():
+        s.step()
+    assert sink["a"]["output_ids"] == ref
+    assert s.spec.accepted_tokens - before >= 25  # nearly every later token came from the pushed sibling
+
+
+def test_routed_experts_unchanged_by_speculation(moe_model):
+    from dora_megatron.rollout.engine.routing_trace import routing_trace_for
+
+    answers = {}
+    for mode in ("off", "ngram"):
+        r = _req("a", PROMPTS[0], None, temperature=0.0)
+        r.routing = routing_trace_for(moe_model.config, 0)
+        s = _sched(moe_model, mode)
+        answers[mode] = _run(s, [r])["a"]["meta_info"]["routed_experts"]
+        assert mode == "off" or s.spec.verify_steps > 0
+    assert answers["ngram"] == answers["off"]
