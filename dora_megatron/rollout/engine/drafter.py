@@ -8,10 +8,11 @@ follows now. A wrong guess costs only the verify positions it took: the verify r
 whatever the draft.
 
 The search: for n from ``max_ngram`` down to ``min_ngram``, the last n tokens of the context are
-looked up in the sources (the group's finished siblings, each as prompt + output) and then in
-the context itself (excluding its own end); the most recent occurrence with a continuation wins,
-and up to ``k`` tokens that followed it are the draft. Longer matches predict better, hence the
-descending n.
+looked up in the sources (the group's finished siblings' outputs, see :func:`sibling_source`);
+failing that, in the context itself (excluding its own end). The most recent occurrence with a
+continuation wins, and up to ``k`` tokens that followed it are the draft. Longer matches predict
+better, hence the descending n; a sibling's output answers the same prompt at the same point, so
+any match there beats a longer one in the prompt (whose continuation is prompt text, not answer).
 """
 
 from __future__ import annotations
@@ -43,13 +44,22 @@ def propose_draft(
     """A draft of at most ``k`` tokens to follow ``context`` (empty when nothing matches)."""
     if k <= 0 or not context:
         return []
-    for n in range(min(max_ngram, len(context)), min_ngram - 1, -1):
-        pattern = context[-n:]
+    ngrams = range(min(max_ngram, len(context)), min_ngram - 1, -1)
+    for n in ngrams:
         for src in sources:
-            draft = _continuation(src, pattern, k)
+            draft = _continuation(src, context[-n:], k)
             if draft:
                 return draft
-        draft = _continuation(context, pattern, k)
+    for n in ngrams:
+        draft = _continuation(context, context[-n:], k)
         if draft:
             return draft
     return []
+
+
+def sibling_source(prompt: Sequence[int], sequence: Sequence[int], max_ngram: int = MAX_NGRAM) -> list[int]:
+    """What to keep of a sibling's ``sequence`` (prompt + output): its output and the last
+    ``max_ngram - 1`` tokens of the shared prompt before it, so matches may straddle the start of
+    the answer, while the prompt itself (the request's own context already) is not searched twice."""
+    cut = len(prompt) if list(sequence[: len(prompt)]) == list(prompt) else 0
+    return list(sequence[max(0, cut - (max_ngram - 1)) :])

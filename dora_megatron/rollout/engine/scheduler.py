@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import torch
 
-from dora_megatron.rollout.engine.drafter import propose_draft
+from dora_megatron.rollout.engine.drafter import propose_draft, sibling_source
 from dora_megatron.rollout.engine.kv_cache import BlockPool, RequestKV, blocks_for
 from dora_megatron.rollout.engine.model import CausalLM
 from dora_megatron.rollout.engine.routing_trace import RoutingTrace, split_step_routing
@@ -176,7 +176,7 @@ class Scheduler:
         bad = [t for src in req.draft_sources for t in src if t < 0 or t >= vocab]
         if bad:  # drafts are fed to the model: an id outside the vocabulary would fail the batch
             raise ProtocolError(f"dora_draft_sources contain ids outside [0, {vocab}): {bad[:5]}")
-        del req.draft_sources[:-MAX_DRAFT_SOURCES]
+        req.draft_sources = [sibling_source(req.prompt_ids, src) for src in req.draft_sources[-MAX_DRAFT_SOURCES:]]
         if self._blocks_needed(req) > self.pool.total:
             raise ProtocolError(f"request needs more KV blocks than this instance has ({self.pool.total})")
         queued = len(self.waiting) + len(self.held)
@@ -208,7 +208,7 @@ class Scheduler:
         bad = [t for src in sources for t in src if not 0 <= t < vocab]
         if bad:  # drafts are fed to the model: an id outside the vocabulary would fail the batch
             raise ProtocolError(f"sources contain ids outside [0, {vocab}): {bad[:5]}")
-        r.draft_sources.extend(list(src) for src in sources)
+        r.draft_sources.extend(sibling_source(r.prompt_ids, src) for src in sources)
         del r.draft_sources[:-MAX_DRAFT_SOURCES]
         return True
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dora_megatron.comm.protocol import GenerateRequest, ProtocolError, SamplingParams
-from dora_megatron.rollout.engine.drafter import propose_draft
+from dora_megatron.rollout.engine.drafter import propose_draft, sibling_source
 from dora_megatron.rollout.engine.kv_cache import RequestKV
 from dora_megatron.rollout.engine.sampler import accept_or_resample, make_generator, verify_draft
 from dora_megatron.rollout.engine.scheduler import Request, Scheduler, SchedulerLimits
@@ -130,7 +130,10 @@ def test_propose_draft_prefers_long_matches_and_siblings():
     assert propose_draft([1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]
     assert propose_draft([7, 1, 2, 9, 5, 1, 2], 2) == [9, 5]  # the most recent occurrence with a continuation
     assert propose_draft([1, 2, 3, 4, 1, 2], 3, sources=[[8, 1, 2, 6, 6]]) == [6, 6]
-    assert propose_draft([4, 2, 9, 1, 2], 2, sources=[[1, 1, 7]]) == [9, 1]  # a 2-gram match beats a 1-gram one
+    assert propose_draft([4, 1, 2, 9, 1, 2], 2) == [9, 1]  # a 2-gram match beats a 1-gram one
+    assert propose_draft([4, 1, 2, 9, 1, 2], 2, sources=[[2, 7, 7]]) == [7, 7]  # any sibling match beats both
+    assert sibling_source([5, 6, 7, 8, 9], [5, 6, 7, 8, 9, 1, 2]) == [7, 8, 9, 1, 2]  # the answer + 3 prompt tokens
+    assert sibling_source([5, 6], [4, 4, 1]) == [4, 4, 1]  # another prompt: kept whole
     assert propose_draft([5, 6], 3) == []
     assert propose_draft([5, 5], 0) == []
 
@@ -216,7 +219,7 @@ def test_stop_token_inside_an_accepted_run_ends_the_request_there(moe_model):
     while s.can_step():
         before = list(s.by_rid["a"].tokens)
         s.step()
-    draft = propose_draft(before, 4, sources)  # the last step's draft: the stop and tokens past it
+    draft = propose_draft(before, 4, [sibling_source(PROMPTS[0], x) for x in sources])  # the last step's draft
     made = len(before) - len(PROMPTS[0])
     assert draft[cut - made] == stop and len(draft) > cut - made + 1
     assert sink["a"]["output_ids"] == full[: cut + 1]
@@ -271,7 +274,7 @@ def test_migration_mid_speculation_continues_exactly(moe_model, temperature):
     dst = _sched(moe_model, "group")
     moved = Collector()
     req = dst.import_request(blob, moved)
-    assert req.draft_sources == sources
+    assert req.draft_sources == [sibling_source(PROMPTS[0], s) for s in sources]
     while dst.can_step():
         dst.step()
         _check_kv(dst)
