@@ -2,7 +2,7 @@
 
 Side by side in one run, on the same weights, in process (the scheduler, no HTTP), temperature 1:
 
-1. Lone long-tail requests: each prompt of the task's longest lists is decoded alone with
+1. Lone long-tail requests (``--temperature``, default 1): each prompt of the task's longest lists is decoded alone with
    ``speculative`` off, ``ngram`` and ``group`` (the group's siblings, sampled beforehand, are its
    drafts), interleaved prompt by prompt so that load drift hits every mode alike. Reported: tokens
    per second of each mode, ``lone_request_speedup`` (each mode against off) and the tokens a
@@ -75,27 +75,29 @@ def decode(model, reqs, mode: str, spec_tokens: int, spec_max_batch: int) -> tup
     return out, s.info(), time.perf_counter() - t0
 
 
-def request(rid: str, prompt: list[int], seed: int, max_new: int, sources=()):
+def request(rid: str, prompt: list[int], seed: int, max_new: int, sources=(), temperature: float = 1.0):
     from dora_megatron.comm.protocol import SamplingParams
     from dora_megatron.rollout.engine.scheduler import Request
 
-    return Request(rid=rid, prompt_ids=list(prompt), params=SamplingParams(max_new_tokens=max_new, temperature=1.0,
+    return Request(rid=rid, prompt_ids=list(prompt), params=SamplingParams(max_new_tokens=max_new, temperature=temperature,
                                                                            sampling_seed=seed),
                    draft_sources=[list(s) for s in sources])
 
 
-def lone_requests(model, prompts, group_size: int, max_new: int, spec_tokens: int, repeats: int) -> dict:
+def lone_requests(model, prompts, group_size: int, max_new: int, spec_tokens: int, repeats: int,
+                  temperature: float) -> dict:
     tokens = {m: 0 for m in MODES}
     seconds = {m: 0.0 for m in MODES}
     stats = {m: {"verify_steps": 0, "accepted": 0, "verify_tokens": 0} for m in MODES if m != "off"}
     for p_i, prompt in enumerate(prompts):
-        sibs, _, _ = decode(model, [request(f"s{j}", prompt, 10_000 + 97 * p_i + j, max_new)
+        sibs, _, _ = decode(model, [request(f"s{j}", prompt, 10_000 + 97 * p_i + j, max_new, (), temperature)
                                     for j in range(group_size - 1)], "off", spec_tokens, 1)
         sources = [prompt + r["output_ids"] for r in sibs.values()]
         for rep in range(repeats):
             for mode in MODES:
                 seed = 7 * p_i + rep
-                resp, info, wall = decode(model, [request("tail", prompt, seed, max_new, sources)], mode, spec_tokens, 1)
+                resp, info, wall = decode(model, [request("tail", prompt, seed, max_new, sources, temperature)], mode,
+                                          spec_tokens, 1)
                 tokens[mode] += len(resp["tail"]["output_ids"])
                 seconds[mode] += wall
                 if mode != "off":
@@ -190,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec-tokens", type=int, default=4)
     ap.add_argument("--test-samples", type=int, default=2000, help="samples per arm of the distribution test")
     ap.add_argument("--test-positions", type=int, default=8)
+    ap.add_argument("--temperature", type=float, default=1.0,
+                    help="of the lone requests (the distribution test is always at 1)")
     ap.add_argument("--out", default=None, help="write the results here (JSON)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -204,13 +208,14 @@ def main(argv: list[str] | None = None) -> int:
                                                                      args.seed, args.warm_start_steps)
         model = load_model(str(model_dir))
         prompts = tail_prompts(args.prompts, args.seed, args.min_digits)
-        lone = lone_requests(model, prompts, args.group_size, args.max_new_tokens, args.spec_tokens, args.repeats)
+        lone = lone_requests(model, prompts, args.group_size, args.max_new_tokens, args.spec_tokens, args.repeats,
+                             args.temperature)
         dist = distribution_test(model, prompts[0], args.test_samples, args.test_positions, args.spec_tokens, 64)
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "model": str(args.model or f"tiny-moe seed {args.seed}, digit_cipher warm start {args.warm_start_steps} steps"),
         "threads": args.threads, "spec_tokens": args.spec_tokens, "max_new_tokens": args.max_new_tokens,
-        "temperature": 1.0, "prompts": args.prompts, "min_digits": args.min_digits, "repeats": args.repeats,
+        "temperature": args.temperature, "prompts": args.prompts, "min_digits": args.min_digits, "repeats": args.repeats,
         "lone": lone,
         "lone_request_speedup": {m: lone[m]["speedup"] for m in MODES if m != "off"},
         "accepted_tokens_per_step": {m: lone[m]["accepted_tokens_per_step"] for m in MODES if m != "off"},
