@@ -1,5 +1,6 @@
 """rollout.speculative=group: the runtime hands each request its group's finished siblings, at
-submission (``draft_sources``) and when a sibling finishes later (``add_draft_sources``)."""
+submission (``draft_sources``) and when a sibling finishes later (``add_draft_sources``); the
+instances' speculation counters reach the summary."""
 
 from __future__ import annotations
 
@@ -31,6 +32,11 @@ class DraftEngine(FakeEngine):
         self.pushed.append((rid, [list(s) for s in sources]))
         return rid in self.reqs
 
+    async def server_info(self):
+        info = await super().server_info()
+        return {**info, "spec_verify_steps": 10, "spec_draft_tokens": 40, "spec_accepted_tokens": 15,
+                "spec_verify_tokens": 25}
+
     def _token_time(self, req) -> float:
         return self.token_s * (5 if req.rid.endswith(".1") else 1)
 
@@ -41,13 +47,15 @@ def _run(draft_siblings: bool):
     rt.engines.clear()
     rt.engines.update(fakes)
     rt.opt.draft_siblings = draft_siblings
-    asyncio.run(rt.run())
-    return rt, fakes, trainer
+    summary = asyncio.run(rt.run())
+    return rt, fakes, trainer, summary
 
 
 def test_running_siblings_get_the_finished_ones_output():
-    rt, engines, trainer = _run(True)
+    rt, engines, trainer, summary = _run(True)
     check_run(rt, engines, trainer, 3, 4, 2)
+    spec = summary["speculation"]  # each instance's latest counters, summed
+    assert spec["spec_verify_steps"] == 30 and spec["tokens_per_verify_step"] == 2.5
     pushed = [p for e in engines.values() for p in e.pushed]
     assert pushed, "no finished sibling was pushed to a running one"
     submitted = {rid: ids for e in engines.values() for rid, (ids, _) in e.submitted.items()}
@@ -59,6 +67,6 @@ def test_running_siblings_get_the_finished_ones_output():
 
 
 def test_off_nothing_is_sent():
-    _, engines, _ = _run(False)
+    _, engines, _, _ = _run(False)
     assert not any(e.pushed for e in engines.values())
     assert not any(src for e in engines.values() for _, src in e.submitted.values())
