@@ -67,6 +67,7 @@ def runtime_options(cfg: DoraConfig, run_dir: Path, model_dir: Path, trainer_url
         checkpoint_dir=lambda v: checkpoint_dir(run_dir, v),
         stop_checkpoint_timeout_s=ctl.stop_checkpoint_timeout_s,
         routed_experts=cfg.algo.wants_routed_experts,
+        draft_siblings=cfg.rollout.speculative == "group",
     )
 
 

@@ -48,6 +48,8 @@ from dora_megatron.orchestrator import (Dispatch, Interrupt, Migrate, Orchestrat
 from dora_megatron.observability.recorder import MetricsRecorder
 from dora_megatron.observability.rollout_dump import RolloutDumper
 from dora_megatron.observability.summary import RunTotals
+from dora_megatron.controller.siblings import finished_sources, push_source, running_targets
+from dora_megatron.rollout.speculation import speculation_summary
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +201,7 @@ class Runtime:
         self.checksum_off: set[str] = set()
         #: instances whose answers carry no routed_experts although asked for (same rule)
         self.routed_experts_off: set[str] = set()
+        self.spec_stats: dict[str, dict[str, Any]] = {}  # each embedded instance's latest speculation counters
         self.weight_sync_timeouts = 0
         #: calls that failed for a shortage of the controller's own process (EMFILE, ENOBUFS, a
         #: full pool): retried or re-queued, never counted against the instance
@@ -443,7 +446,9 @@ class Runtime:
             try:
                 resp = await engine.generate(rec.prompt_ids + rec.output_ids, self._sampling(rec), rid=a.sample_id,
                                              return_logprob=True, version=a.version,
-                                             **({"routed_experts": True} if self.opt.routed_experts else {}))
+                                             **({"routed_experts": True} if self.opt.routed_experts else {}),
+                                             **({"draft_sources": finished_sources(rec, self._siblings(rec))}
+                                                if self.opt.draft_siblings else {}))
                 break
             except VersionMismatch as err:
                 # the engine's C1 guard refused it (it holds another version): nothing ran, re-queue it
@@ -476,6 +481,9 @@ class Runtime:
                 return
         self._refusal_streak.pop(a.instance, None)
         await self.events.report(EngineReply(a.sample_id, a.instance, resp, start, self.now()))
+
+    def _siblings(self, rec: SampleRecord) -> list[SampleRecord | None]:
+        return [self.samples.get(s) for s in self.groups[rec.group_id].sample_ids]
 
     def _out_of_step(self, instance: str, version: int) -> bool:
         """Whether ``instance`` has now refused :data:`OUT_OF_STEP_REFUSALS` requests in a row routed
@@ -522,6 +530,9 @@ class Runtime:
                             "routed_experts_unavailable)", instance)
         rec.finished = True
         rec.finish_reason = reason
+        if self.opt.draft_siblings:
+            targets = running_targets(rec, self._siblings(rec))
+            self._spawn(push_source(self.engines, targets, rec.prompt_ids + rec.output_ids), f"drafts-{rec.sample_id}")
         self.samples_finished += 1
         if instance in self._rejoined:
             self.samples_after_rejoin += 1
@@ -1202,6 +1213,8 @@ class Runtime:
             return  # alive, but it reports no loads (no /v1/loads): the orchestrator's own count stands
         running = int(info.get("num_running_reqs", info.get("running", 0)) or 0)
         kv = float(info.get("kv_usage", info.get("token_usage", 0.0)) or 0.0)
+        if "spec_verify_steps" in info:
+            self.spec_stats[iid] = info
         self.events.post(InstanceStats(iid, running, kv, engine))  # the loop drops it if failed/replaced meanwhile
 
     async def _apply_reports(self, reports: dict[Any, Any], chunk: int = 128) -> None:
@@ -1329,6 +1342,7 @@ class Runtime:
         out["checksum_mismatches"] = self.checksum_mismatches
         out["checksum_unavailable"] = len(self.checksum_off)
         out["routed_experts_unavailable"] = len(self.routed_experts_off)
+        out["speculation"] = speculation_summary(self.spec_stats.values())
         out["version_refusals"] = self.version_refusals
         out["weight_push_bytes"] = self.pushed_bytes
         out["instances"] = sorted(self.engines)  # every instance that was in the pool (joined ones too)
