@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from .fakes import FakeEngine
+from tests.helpers.fakes import FakeEngine
 from tests.helpers.runtime import check_run, make
 
 
