@@ -48,6 +48,7 @@ from dora_megatron.orchestrator import (Dispatch, Interrupt, Migrate, Orchestrat
 from dora_megatron.observability.recorder import MetricsRecorder
 from dora_megatron.observability.rollout_dump import RolloutDumper
 from dora_megatron.observability.summary import RunTotals
+from dora_megatron.workflow.runner import WorkflowFailed
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +151,9 @@ class Runtime:
         self.rollout_dump = rollout_dump
         #: the eval set's rounds (:class:`~dora_megatron.controller.evaluation.Evaluator`, ``data.eval_path``)
         self.evaluator = None
+        #: ``rollout.workflow`` (:class:`~dora_megatron.workflow.runner.WorkflowRunner`); None: one
+        #: ``/generate`` per submission (the default single turn)
+        self.workflow = None
         self.orch = orch
         self.load_reports = load_reports
         self.engines = engines
@@ -372,6 +376,8 @@ class Runtime:
             self._restore_from_journal(gid)
 
     def _restore_from_journal(self, group_id: str) -> None:
+        if self.workflow is not None:  # the journal keeps no loss mask: a workflow's samples run again
+            return
         group = self.groups[group_id]
         for sid in group.sample_ids:
             j = self._from_journal.pop(sid, None)
@@ -441,9 +447,7 @@ class Runtime:
         while True:
             start = self.now()
             try:
-                resp = await engine.generate(rec.prompt_ids + rec.output_ids, self._sampling(rec), rid=a.sample_id,
-                                             return_logprob=True, version=a.version,
-                                             **({"routed_experts": True} if self.opt.routed_experts else {}))
+                resp = await self._generate(engine, rec, a)
                 break
             except VersionMismatch as err:
                 # the engine's C1 guard refused it (it holds another version): nothing ran, re-queue it
@@ -456,6 +460,11 @@ class Runtime:
                         f"({OUT_OF_STEP_REFUSALS} requests in a row refused: {err.message})", engine))
                 else:
                     await self.events.report(MigrationFailed(a.sample_id))
+                return
+            except WorkflowFailed as err:
+                if err.final:
+                    raise
+                await self.events.report(MigrationFailed(a.sample_id))  # its environment crashed: run it again
                 return
             except Exception as err:  # noqa: BLE001
                 if _is_local(err):
@@ -476,6 +485,17 @@ class Runtime:
                 return
         self._refusal_streak.pop(a.instance, None)
         await self.events.report(EngineReply(a.sample_id, a.instance, resp, start, self.now()))
+
+    async def _generate(self, engine: Engine, rec: SampleRecord, a: Submit):
+        """One submission's answer: the engine's, or with ``rollout.workflow`` the whole trajectory
+        its workflow generated on this instance with this version (every turn pinned to it)."""
+        if self.workflow is None:
+            return await engine.generate(rec.prompt_ids + rec.output_ids, self._sampling(rec), rid=a.sample_id,
+                                         return_logprob=True, version=a.version,
+                                         **({"routed_experts": True} if self.opt.routed_experts else {}))
+        return await self.workflow.run(engine, self.groups[rec.group_id].prompt, rec.prompt_ids,
+                                       sample_id=a.sample_id, version=a.version, sampling=self._sampling(rec),
+                                       routed_experts=self.opt.routed_experts)
 
     def _out_of_step(self, instance: str, version: int) -> bool:
         """Whether ``instance`` has now refused :data:`OUT_OF_STEP_REFUSALS` requests in a row routed
@@ -526,7 +546,13 @@ class Runtime:
         if instance in self._rejoined:
             self.samples_after_rejoin += 1
         group = self.groups[rec.group_id]
-        rec.reward = float(self.reward_fn(self.codec.decode(rec.output_ids), group.prompt.answer))
+        if getattr(resp, "loss_mask", None) is not None:  # a workflow's trajectory (rollout.workflow)
+            rec.prompt_ids, rec.loss_mask = list(resp.prompt_ids), list(resp.loss_mask)
+        if getattr(resp, "reward", None) is not None:
+            rec.reward = float(resp.reward)
+        else:  # the reward sees the model's tokens only, not the tools' results
+            model = rec.output_ids if rec.loss_mask is None else [t for t, m in zip(rec.output_ids, rec.loss_mask) if m]
+            rec.reward = float(self.reward_fn(self.codec.decode(model), group.prompt.answer))
         if self.journal is not None:
             self.journal.sample(self._journaled(rec), sorted(rec.versions))
         return len(rec.output_ids)
@@ -548,7 +574,8 @@ class Runtime:
         start = self.now()
         blob = None
         try:
-            use_kv = (self.opt.migration == "kv" and await src.supports("export_request")
+            # a workflow's trajectory moves between turns only: abort + resubmit runs it again on dst
+            use_kv = (self.workflow is None and self.opt.migration == "kv" and await src.supports("export_request")
                       and await dst.supports("import_request"))
             if use_kv:
                 for _ in range(50):  # the generate may not have reached the engine yet
@@ -911,6 +938,7 @@ class Runtime:
                     "prompt_ids": rec.prompt_ids, "response_ids": rec.output_ids, "rollout_logprobs": rec.logprobs,
                     "reward": rec.reward, "group_id": gid, "version": rec.version,
                     **({"routed_experts": rec.routed_experts} if rec.routed_experts is not None else {}),
+                    **({"loss_mask": rec.loss_mask} if rec.loss_mask is not None else {}),
                 })
                 if self.rollout_dump is not None:
                     dumped.append({**samples[-1], "sample_id": sid, "finish_reason": rec.finish_reason})
@@ -1086,8 +1114,10 @@ class Runtime:
         for g in unconsumed:
             # a group's version and sample ids are the orchestrator snapshot's (stored once, there);
             # its prompt ids once per group (every sample of it has the same prompt)
+            # (a finished workflow sample holds its workflow's own rendering and keeps it in its entry)
+            recs = [self.samples[sid] for sid in g.sample_ids]
             groups.append({"group_id": g.group_id, "prompt_index": g.prompt.index,
-                           "prompt_ids": self.samples[g.sample_ids[0]].prompt_ids})
+                           "prompt_ids": next((r.prompt_ids for r in recs if r.loss_mask is None), recs[0].prompt_ids)})
             for sid in g.sample_ids:
                 r = self.samples[sid]
                 done = r.finished and not r.replay_pending  # a pending replay is unfinished for the orchestrator
@@ -1100,6 +1130,8 @@ class Runtime:
                     "versions": sorted(r.versions) if done else [],
                     **({"routed_experts": r.routed_experts} if done and r.routed_experts is not None else {}),
                     **({"finish_reason": r.finish_reason} if done and r.finish_reason is not None else {}),
+                    # a workflow's trajectory: its own prompt rendering and which tokens are the model's
+                    **({"prompt_ids": r.prompt_ids, "loss_mask": r.loss_mask} if done and r.loss_mask is not None else {}),
                 })
         return {
             "format": 1, "version": version, "pending_step_finished": version,
@@ -1135,7 +1167,8 @@ class Runtime:
                                list(d["prompt_ids"] if "prompt_ids" in d else prompt_ids),
                                output_ids=list(d["output_ids"]), logprobs=list(d["logprobs"]),
                                versions=set(d["versions"]), reward=d["reward"], finished=bool(d["finished"]),
-                               routed_experts=d.get("routed_experts"), finish_reason=d.get("finish_reason"))
+                               routed_experts=d.get("routed_experts"), finish_reason=d.get("finish_reason"),
+                               loss_mask=d.get("loss_mask"))
             self.samples[rec.sample_id] = rec
         # consumed groups are not carried (consumed.jsonl lists them; an older controller.json's
         # "consumed" is ignored): the restored orchestrator has forgotten them, so none can be
@@ -1336,6 +1369,8 @@ class Runtime:
         out["outstanding_groups_at_end"] = osum["dispatched_groups"] - osum["consumed_groups"]
         if self.evaluator is not None:
             out.update(self.evaluator.summary())
+        if self.workflow is not None:
+            out.update(self.workflow.counts)
         # "completed"; "stopped" (a stop request: checkpoint ``stop_checkpoint`` written, ``--resume``
         # goes on from it); "stopped_without_checkpoint" (the step was abandoned: the last complete
         # checkpoint stays)
