@@ -439,6 +439,8 @@ class Runtime:
                 await self.events.report(Replayed(a.sample_id))
             return
         rec.submissions += 1
+        if self.workflow is not None:  # a workflow's trajectory runs whole again: nothing of an earlier version is kept
+            rec.versions.clear()
         rec.versions.add(a.version)
         rec.version = a.version
         engine = self.engines[a.instance]

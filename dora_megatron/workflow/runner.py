@@ -123,7 +123,7 @@ class PinnedEngineClient:
         except Exception as err:
             self.engine_error = err  # the engine's fault, whatever the workflow makes of it
             raise
-        self.versions_used += [str(v) for v in resp.versions_used]
+        self.versions_used += [str(v) for v in getattr(resp, "versions_used", ())]
         reason = (resp.finish_reason or {}).get("type")
         if reason == "abort":
             self.aborted = True
@@ -131,7 +131,7 @@ class PinnedEngineClient:
         out = list(resp.output_ids)
         lps = list(resp.output_token_logprobs or [0.0] * len(out))
         self.calls.append(_Call(ids, out, lps))
-        self.last_raw = resp.raw
+        self.last_raw = getattr(resp, "raw", None) or {}
         return Generation(out, lps, reason)
 
 
