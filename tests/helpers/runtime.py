@@ -3,6 +3,8 @@ and checks a finished run's batches; shared by the controller, observability and
 
 from __future__ import annotations
 
+import asyncio
+
 from dora_megatron.config.orchestrator import OrchestratorConfig
 from dora_megatron.controller.records import RuntimeOptions
 from dora_megatron.controller.runtime import Runtime
@@ -26,6 +28,18 @@ def make(mode="dora", n=3, steps=6, tbs=4, rbs=8, S=2, G=2, migration=True, toke
     task = RunningSumTask(1, 30, 1.2, seed=1)
     rt = Runtime(Orchestrator(cfg, names), engines, trainer, task, running_sum_reward, opts)
     return rt, engines, trainer
+
+
+def run_killing(rt, engine, after_s: float = 0.05) -> dict:
+    """Run ``rt`` to its end, making the fake ``engine`` unreachable ``after_s`` seconds in."""
+    async def main():
+        async def kill():
+            await asyncio.sleep(after_s)
+            engine.dead = True
+        asyncio.get_running_loop().create_task(kill())
+        return await rt.run()
+
+    return asyncio.run(asyncio.wait_for(main(), timeout=120))
 
 
 def check_run(rt, engines, trainer, steps, tbs, G):

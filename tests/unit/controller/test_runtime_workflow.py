@@ -13,7 +13,7 @@ from dora_megatron.data.tasks import running_sum_reward
 from dora_megatron.orchestrator import Orchestrator
 from dora_megatron.workflow.api import Trajectory, WorkflowContext
 from dora_megatron.workflow.runner import WorkflowRunner
-from tests.helpers.runtime import check_run, engine_versions, make, trained_groups
+from tests.helpers.runtime import check_run, engine_versions, make, run_killing, trained_groups
 
 ENV = tok.encode("|")  # what the test environment answers after the model's first turn
 
@@ -95,15 +95,7 @@ def test_a_failed_instance_or_a_crashed_environment_reruns_the_trajectory():
         return traj
 
     seen = with_workflow(rt, crashes_once)
-
-    async def main():
-        async def kill():
-            await asyncio.sleep(0.05)
-            engines["e1"].dead = True
-        asyncio.get_running_loop().create_task(kill())
-        return await rt.run()
-
-    summary = asyncio.run(asyncio.wait_for(main(), timeout=120))
+    summary = run_killing(rt, engines["e1"])
     check_run(rt, engines, trainer, 6, 4, 2)
     check_trajectories(trainer, seen)
     assert "e1" in summary["failed_instances"] and summary["env/workflow_failures"] >= 1
