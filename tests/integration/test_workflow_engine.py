@@ -23,7 +23,7 @@ from dora_megatron.workflow.api import Trajectory, WorkflowContext
 from dora_megatron.workflow.runner import PinnedEngineClient, WorkflowRunner
 from dora_megatron.workflow.tool_calling import env_tokens
 from dora_megatron.workflow.tools import Calculator, call_tool
-from tests.unit.controller.fakes import FakeTrainer
+from tests.helpers.fakes import FakeTrainer
 
 pytestmark = pytest.mark.integration
 

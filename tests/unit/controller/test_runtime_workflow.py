@@ -6,14 +6,12 @@ duplicate nothing."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 from dora_megatron.data import tokenizer as tok
 from dora_megatron.data.tasks import running_sum_reward
-from dora_megatron.orchestrator import Orchestrator
 from dora_megatron.workflow.api import Trajectory, WorkflowContext
 from dora_megatron.workflow.runner import WorkflowRunner
-from tests.helpers.runtime import check_run, engine_versions, make, run_killing, trained_groups
+from tests.helpers.runtime import check_run, engine_versions, make, resume, run_killing, trained_groups
 
 ENV = tok.encode("|")  # what the test environment answers after the model's first turn
 
@@ -106,14 +104,11 @@ def test_a_resume_keeps_the_finished_trajectories_masks(tmp_path):
     rt, engines, trainer = make(mode="dora", steps=4, tmp_path=tmp_path)
     with_workflow(rt)
     asyncio.run(asyncio.wait_for(rt.run(), timeout=120))
-    state = json.loads((tmp_path / "ck2" / "controller.json").read_text())
-    finished = [s for s in state["samples"] if s["finished"]]
-    assert all(s["loss_mask"][-len(ENV):] == [0] * len(ENV) for s in finished)
     rt2, engines2, trainer2 = make(mode="dora", steps=6, tmp_path=tmp_path)
     seen = with_workflow(rt2)
-    rt2.orch = Orchestrator.restore(rt2.orch.config, state["orchestrator"])
-    rt2.load_state_dict(state)
-    trainer2.version = 2
+    state = resume(rt2, trainer2, tmp_path, 2)
+    finished = state["samples"]  # the finished samples of the outstanding groups
+    assert all(s["loss_mask"][-len(ENV):] == [0] * len(ENV) for s in finished)
     summary = asyncio.run(asyncio.wait_for(rt2.run(), timeout=120))
     trained = [g for b in trainer.batches[:2] + trainer2.batches for g in {s["group_id"] for s in b}]
     assert len(trained) == len(set(trained)) == 6 * 4 and summary["lost_groups"] == 0
