@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from dora_megatron.config.base import ConfigError, field_doc
 
@@ -55,12 +56,26 @@ class RolloutConfig:
                                     "weight loads, stats polls; each owns the clients of a share of the instances and "
                                     "pushes batched load reports); 0 = in the controller's own event loop. For "
                                     "thousands of instances (docs/results/controller_scale.md)", ge=0)
+    workflow: str = field_doc("", "how one trajectory is generated (docs/workflows.md): empty = one generation from the "
+                              "prompt; `tool_calling` (Qwen3 `<tool_call>` turns with a calculator and a Python "
+                              "executor), `single_turn`, or a user's `package.module:function` / `path/to/file.py:function` "
+                              "(an async function of prompt, prompt ids, a client pinned to the sample's weight version "
+                              "and a context, returning a Trajectory). With a workflow, max_new_tokens bounds the whole "
+                              "response (every model turn and tool result)")
+    workflow_kwargs: dict[str, Any] = field_doc(default_factory=dict, doc="options handed to the workflow (`ctx.options`); "
+                                                "tool_calling: tools, max_turns, tool_timeout_s, python_timeout_s, "
+                                                "python_memory_mb, max_tool_chars")
     speculative: str = speculative_field()
     spec_tokens: int = spec_tokens_field()
     spec_max_batch: int = spec_max_batch_field()
     sglang_args: list[str] = field_doc(default_factory=list, doc="extra command-line flags passed to SGLang (engine=sglang)")
 
     def check(self, path: str) -> None:
+        if self.workflow and self.workflow not in ("single_turn", "tool_calling") and ":" not in self.workflow:
+            raise ConfigError(f"{path}.workflow", f"{self.workflow!r} is not single_turn, tool_calling, "
+                              "'package.module:function' nor 'path/to/file.py:function'")
+        if self.workflow_kwargs and not self.workflow:
+            raise ConfigError(f"{path}.workflow_kwargs", "are options of a workflow, and rollout.workflow is empty")
         if self.top_k == 0:
             raise ConfigError(f"{path}.top_k", "use -1 to disable top-k (0 is not a valid k)")
         if self.engine == "sglang" and self.device != "cuda":

@@ -184,6 +184,11 @@ def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, mo
     runtime = Runtime(orch, engines, trainer, source, blocking_reward_fn(scorer), options, timeline=timeline,
                       on_step=on_step, on_checkpoint=on_checkpoint, codec=codec, journal=journal, metrics=metrics,
                       load_reports=load_reports, rollout_dump=rollout_dump)
+    if cfg.rollout.workflow:
+        from dora_megatron.workflow.runner import workflow_runner
+
+        runtime.workflow = workflow_runner(cfg.rollout.workflow, cfg.rollout.workflow_kwargs, codec,
+                                           cfg.data.chat_template_kwargs)
     if evals is not None:
         from dora_megatron.controller.evaluation import Evaluator
 

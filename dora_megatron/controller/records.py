@@ -69,6 +69,7 @@ class SampleRecord:
     replay_pending: bool = False  # restored from the journal; reported finished at its next Submit
     routed_experts: str | None = None  # engine's meta_info.routed_experts for prompt + output (routing replay)
     finish_reason: str | None = None  # the engine's finish_reason type of the answer that finished it ("stop", "length")
+    loss_mask: list[int] | None = None  # a workflow's trajectory: 1 on model tokens of output_ids, 0 on the tools'
 
 
 @dataclass

@@ -48,6 +48,7 @@ from dora_megatron.orchestrator import (Dispatch, Interrupt, Migrate, Orchestrat
 from dora_megatron.observability.recorder import MetricsRecorder
 from dora_megatron.observability.rollout_dump import RolloutDumper
 from dora_megatron.observability.summary import RunTotals
+from dora_megatron.workflow.runner import WorkflowFailed
 from dora_megatron.controller.siblings import finished_sources, push_source, running_targets
 from dora_megatron.rollout.speculation import speculation_summary
 
@@ -152,6 +153,9 @@ class Runtime:
         self.rollout_dump = rollout_dump
         #: the eval set's rounds (:class:`~dora_megatron.controller.evaluation.Evaluator`, ``data.eval_path``)
         self.evaluator = None
+        #: ``rollout.workflow`` (:class:`~dora_megatron.workflow.runner.WorkflowRunner`); None: one
+        #: ``/generate`` per submission (the default single turn)
+        self.workflow = None
         self.orch = orch
         self.load_reports = load_reports
         self.engines = engines
@@ -375,6 +379,8 @@ class Runtime:
             self._restore_from_journal(gid)
 
     def _restore_from_journal(self, group_id: str) -> None:
+        if self.workflow is not None:  # the journal keeps no loss mask: a workflow's samples run again
+            return
         group = self.groups[group_id]
         for sid in group.sample_ids:
             j = self._from_journal.pop(sid, None)
@@ -436,6 +442,8 @@ class Runtime:
                 await self.events.report(Replayed(a.sample_id))
             return
         rec.submissions += 1
+        if self.workflow is not None:  # a workflow's trajectory runs whole again: nothing of an earlier version is kept
+            rec.versions.clear()
         rec.versions.add(a.version)
         rec.version = a.version
         engine = self.engines[a.instance]
@@ -444,11 +452,7 @@ class Runtime:
         while True:
             start = self.now()
             try:
-                resp = await engine.generate(rec.prompt_ids + rec.output_ids, self._sampling(rec), rid=a.sample_id,
-                                             return_logprob=True, version=a.version,
-                                             **({"routed_experts": True} if self.opt.routed_experts else {}),
-                                             **({"draft_sources": finished_sources(rec, self._siblings(rec))}
-                                                if self.opt.draft_siblings else {}))
+                resp = await self._generate(engine, rec, a)
                 break
             except VersionMismatch as err:
                 # the engine's C1 guard refused it (it holds another version): nothing ran, re-queue it
@@ -461,6 +465,11 @@ class Runtime:
                         f"({OUT_OF_STEP_REFUSALS} requests in a row refused: {err.message})", engine))
                 else:
                     await self.events.report(MigrationFailed(a.sample_id))
+                return
+            except WorkflowFailed as err:
+                if err.final:
+                    raise
+                await self.events.report(MigrationFailed(a.sample_id))  # its environment crashed: run it again
                 return
             except Exception as err:  # noqa: BLE001
                 if _is_local(err):
@@ -481,6 +490,19 @@ class Runtime:
                 return
         self._refusal_streak.pop(a.instance, None)
         await self.events.report(EngineReply(a.sample_id, a.instance, resp, start, self.now()))
+
+    async def _generate(self, engine: Engine, rec: SampleRecord, a: Submit):
+        """One submission's answer: the engine's, or with ``rollout.workflow`` the whole trajectory
+        its workflow generated on this instance with this version (every turn pinned to it)."""
+        if self.workflow is None:
+            return await engine.generate(rec.prompt_ids + rec.output_ids, self._sampling(rec), rid=a.sample_id,
+                                         return_logprob=True, version=a.version,
+                                         **({"routed_experts": True} if self.opt.routed_experts else {}),
+                                         **({"draft_sources": finished_sources(rec, self._siblings(rec))}
+                                            if self.opt.draft_siblings else {}))
+        return await self.workflow.run(engine, self.groups[rec.group_id].prompt, rec.prompt_ids,
+                                       sample_id=a.sample_id, version=a.version, sampling=self._sampling(rec),
+                                       routed_experts=self.opt.routed_experts)
 
     def _siblings(self, rec: SampleRecord) -> list[SampleRecord | None]:
         return [self.samples.get(s) for s in self.groups[rec.group_id].sample_ids]
@@ -537,7 +559,13 @@ class Runtime:
         if instance in self._rejoined:
             self.samples_after_rejoin += 1
         group = self.groups[rec.group_id]
-        rec.reward = float(self.reward_fn(self.codec.decode(rec.output_ids), group.prompt.answer))
+        if getattr(resp, "loss_mask", None) is not None:  # a workflow's trajectory (rollout.workflow)
+            rec.prompt_ids, rec.loss_mask = list(resp.prompt_ids), list(resp.loss_mask)
+        if getattr(resp, "reward", None) is not None:
+            rec.reward = float(resp.reward)
+        else:  # the reward sees the model's tokens only, not the tools' results
+            model = rec.output_ids if rec.loss_mask is None else [t for t, m in zip(rec.output_ids, rec.loss_mask) if m]
+            rec.reward = float(self.reward_fn(self.codec.decode(model), group.prompt.answer))
         if self.journal is not None:
             self.journal.sample(self._journaled(rec), sorted(rec.versions))
         return len(rec.output_ids)
@@ -559,7 +587,8 @@ class Runtime:
         start = self.now()
         blob = None
         try:
-            use_kv = (self.opt.migration == "kv" and await src.supports("export_request")
+            # a workflow's trajectory moves between turns only: abort + resubmit runs it again on dst
+            use_kv = (self.workflow is None and self.opt.migration == "kv" and await src.supports("export_request")
                       and await dst.supports("import_request"))
             if use_kv:
                 for _ in range(50):  # the generate may not have reached the engine yet
@@ -922,6 +951,7 @@ class Runtime:
                     "prompt_ids": rec.prompt_ids, "response_ids": rec.output_ids, "rollout_logprobs": rec.logprobs,
                     "reward": rec.reward, "group_id": gid, "version": rec.version,
                     **({"routed_experts": rec.routed_experts} if rec.routed_experts is not None else {}),
+                    **({"loss_mask": rec.loss_mask} if rec.loss_mask is not None else {}),
                 })
                 if self.rollout_dump is not None:
                     dumped.append({**samples[-1], "sample_id": sid, "finish_reason": rec.finish_reason})
@@ -1100,8 +1130,10 @@ class Runtime:
         samples = []
         for g in self.groups.values():  # consumed ones were forgotten at release
             # its prompt ids once per group (every sample of it has the same prompt)
+            # (a finished workflow sample holds its workflow's own rendering and keeps it in its entry)
+            recs = [self.samples[sid] for sid in g.sample_ids]
             groups.append({"group_id": g.group_id, "prompt_index": g.prompt.index,
-                           "prompt_ids": self.samples[g.sample_ids[0]].prompt_ids})
+                           "prompt_ids": next((r.prompt_ids for r in recs if r.loss_mask is None), recs[0].prompt_ids)})
             for sid in g.sample_ids:
                 r = self.samples[sid]
                 if not r.finished or r.replay_pending:  # a pending replay is unfinished for the orchestrator
@@ -1111,6 +1143,8 @@ class Runtime:
                     "logprobs": r.logprobs, "versions": sorted(r.versions),
                     **({"routed_experts": r.routed_experts} if r.routed_experts is not None else {}),
                     **({"finish_reason": r.finish_reason} if r.finish_reason is not None else {}),
+                    # a workflow's trajectory: its own prompt rendering and which tokens are the model's
+                    **({"prompt_ids": r.prompt_ids, "loss_mask": r.loss_mask} if r.loss_mask is not None else {}),
                 })
         # the checksums an instance may still load after a resume: the versions of outstanding work
         # and the newest (older ones are never switched to again)
@@ -1158,6 +1192,7 @@ class Runtime:
             rec.output_ids, rec.logprobs = list(d["output_ids"]), list(d["logprobs"])
             rec.versions, rec.reward, rec.finished = set(d["versions"]), d["reward"], True
             rec.routed_experts, rec.finish_reason = d.get("routed_experts"), d.get("finish_reason")
+            rec.loss_mask = d.get("loss_mask")
         # consumed groups are not carried (consumed.jsonl lists them; an older controller.json's
         # "consumed" is ignored): the restored orchestrator has forgotten them, so none can be
         # released again
@@ -1360,6 +1395,8 @@ class Runtime:
         out["outstanding_groups_at_end"] = osum["dispatched_groups"] - osum["consumed_groups"]
         if self.evaluator is not None:
             out.update(self.evaluator.summary())
+        if self.workflow is not None:
+            out.update(self.workflow.counts)
         # "completed"; "stopped" (a stop request: checkpoint ``stop_checkpoint`` written, ``--resume``
         # goes on from it); "stopped_without_checkpoint" (the step was abandoned: the last complete
         # checkpoint stays)

@@ -20,14 +20,12 @@ builds the scorer of a config.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import math
 import numbers
-import sys
-from pathlib import Path
 from typing import Any, Callable, Mapping
+
+from dora_megatron.data.named import load_named_function
 
 #: The keywords verl passes to ``compute_score``.
 VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
@@ -48,30 +46,8 @@ def math_compute_score(data_source: str, solution_str: str, ground_truth: Any, e
 def load_reward_function(spec: str) -> Callable[..., Any]:
     """The function ``spec`` names (``module:function`` or ``file.py:function``), checked to accept
     verl's four keywords. Raises :class:`RewardLoadError` saying what is wrong."""
+    fn = load_named_function(spec, "data.reward_fn", RewardLoadError)
     target, _, name = spec.rpartition(":")
-    if target.endswith(".py"):
-        path = Path(target).resolve()
-        if not path.is_file():
-            raise RewardLoadError(f"data.reward_fn: no such file {target}")
-        module_name = f"dora_reward_{abs(hash(str(path)))}"
-        loader = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(loader)
-        sys.modules[module_name] = module  # dataclasses and pickling inside the file look their module up
-        try:
-            loader.loader.exec_module(module)
-        except Exception as err:
-            raise RewardLoadError(f"data.reward_fn: importing {target} failed: {type(err).__name__}: {err}") from err
-    else:
-        try:
-            module = importlib.import_module(target)
-        except Exception as err:
-            raise RewardLoadError(f"data.reward_fn: cannot import module {target!r}: {type(err).__name__}: {err}") from err
-    fn = getattr(module, name, None)
-    if fn is None:
-        found = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        raise RewardLoadError(f"data.reward_fn: {target} has no function {name!r} (it has: {', '.join(found) or 'none'})")
-    if not callable(fn):
-        raise RewardLoadError(f"data.reward_fn: {target}:{name} is a {type(fn).__name__}, not a function")
     try:
         inspect.signature(fn).bind(**{k: None for k in VERL_ARGS})
     except TypeError as err:

@@ -90,6 +90,15 @@ def validate_samples(samples: Any) -> list[dict[str, Any]]:
             raise BadRequest(f"samples[{i}]: rollout_logprobs and response_ids differ in length")
         if not s["response_ids"]:
             raise BadRequest(f"samples[{i}].response_ids is empty")
+        mask = s.get("loss_mask")
+        if mask is not None:
+            if not isinstance(mask, list) or len(mask) != len(s["response_ids"]):
+                raise BadRequest(f"samples[{i}].loss_mask must be a list of one 0/1 per response token")
+            bad = next((m for m in mask if m not in (0, 1) or isinstance(m, float)), None)
+            if bad is not None:
+                raise BadRequest(f"samples[{i}].loss_mask holds {bad!r}; only 0 (environment) and 1 (model)")
+            if not any(mask):
+                raise BadRequest(f"samples[{i}].loss_mask is all 0 (no model token to train on)")
     return samples
 
 

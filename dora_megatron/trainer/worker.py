@@ -13,7 +13,8 @@ batch whatever the micro-batch split.
 
 Batch format: a list of samples, each a mapping or an object with ``prompt_ids`` (list[int]),
 ``response_ids`` (list[int]), ``rollout_logprobs`` (list[float], one per response token; optional
-for ``compute_logprobs``), and either ``advantage`` (float) or ``reward`` (float) with ``group_id``
+for ``compute_logprobs``), ``loss_mask`` (optional, one 0/1 per response token: 0 on the tool and
+environment tokens of a multi-turn trajectory, left out of the loss and every per-token metric), and either ``advantage`` (float) or ``reward`` (float) with ``group_id``
 (hashable); ``version`` is optional and only logged; ``routed_experts`` (the engine's ``meta_info.routed_experts``
 for positions ``[0, len(prompt + response) - 1)``, base64 or ``[positions, layers, top_k]``) gives
 ``router_topk_agreement`` and, with ``algo.routing_replay``, is replayed by every MoE router
@@ -123,7 +124,9 @@ def pad_micro_batch(samples: Sequence[Any], rows: Sequence[int], seq_len: int, *
     without a version counts as on-policy); without it every real row is on-policy.
 
     Position ``t`` predicts token ``t+1``: ``targets[t] = ids[t+1]`` and ``loss_mask[t] = 1`` iff
-    ``t+1`` is a response token; per-response-token tensors are aligned the same way.
+    ``t+1`` is a response token the model generated (a sample's ``loss_mask``, one 0/1 per response
+    token, marks the tokens a tool or environment wrote: they are context, never trained on nor
+    compared with the engine's log-probs); per-response-token tensors are aligned the same way.
 
     With ``routing_shape`` ``(num_layers, top_k)``, every sample's ``routed_experts`` becomes the
     micro-batch's ``routing`` (see :func:`dora_megatron.trainer.routing_replay.micro_batch_routing`)."""
@@ -157,7 +160,8 @@ def pad_micro_batch(samples: Sequence[Any], rows: Sequence[int], seq_len: int, *
         n, p = len(ids), len(prompt)
         tokens[r, :n] = torch.tensor(ids)
         targets[r, : n - 1] = torch.tensor(ids[1:])
-        lmask[r, p - 1: n - 1] = 1.0
+        model_tokens = _field(s, "loss_mask")  # a workflow's trajectory: 0 on the tools' tokens
+        lmask[r, p - 1: n - 1] = 1.0 if model_tokens is None else torch.as_tensor(model_tokens, dtype=torch.float32)
         lp = _field(s, "rollout_logprobs")
         if lp is not None and len(lp):
             rlp[r, p - 1: n - 1] = torch.as_tensor(lp, dtype=torch.float32)

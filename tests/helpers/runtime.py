@@ -3,6 +3,7 @@ and checks a finished run's batches; shared by the controller, observability and
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from dora_megatron.config.orchestrator import OrchestratorConfig
@@ -36,6 +37,18 @@ def make(mode="dora", n=3, steps=6, tbs=4, rbs=8, S=2, G=2, migration=True, toke
                                   sinks=[sink])
     rt = Runtime(orchestrator, engines, trainer, task, running_sum_reward, opts, metrics=metrics)
     return rt, engines, trainer
+
+
+def run_killing(rt, engine, after_s: float = 0.05) -> dict:
+    """Run ``rt`` to its end, making the fake ``engine`` unreachable ``after_s`` seconds in."""
+    async def main():
+        async def kill():
+            await asyncio.sleep(after_s)
+            engine.dead = True
+        asyncio.get_running_loop().create_task(kill())
+        return await rt.run()
+
+    return asyncio.run(asyncio.wait_for(main(), timeout=120))
 
 
 def resume(rt, trainer, tmp_path, version: int) -> dict:

@@ -34,6 +34,7 @@ VIOLATIONS = {
     "no-cycles": ("launch/plan.py", "import dora_megatron.launch.cluster"),
     "data-leaf": ("data/codec.py", "import dora_megatron.launch.inputs"),
     "trainer-memory-pure": ("trainer/memory.py", "import torch"),
+    "workflow-leaf": ("workflow/tools.py", "import dora_megatron.controller.records"),
 }
 
 # Runs in the child: for each contract, plant its violation (if any), lint that contract alone, restore.

@@ -97,3 +97,31 @@ def test_a_controller_json_that_lists_consumed_groups_still_loads(tmp_path):
 def test_warmup_steps_must_leave_a_step_to_measure():
     with pytest.raises(ConfigError, match=r"observability.warmup_steps.*3 must be < run.steps \(3\)"):
         load_config(ROOT / "configs" / "cpu_tiny.yaml", ["run.steps=3", "observability.warmup_steps=3"])
+
+
+def test_rollout_workflow_and_its_options_reach_the_runtime(tmp_path):
+    run_dir, model_dir = _dirs(tmp_path)
+    urls = {"a": "http://127.0.0.1:1"}
+    plain = build_controller(load_config(ROOT / "configs" / "cpu_tiny.yaml"), Endpoints(urls, "http://127.0.0.1:3"),
+                             run_dir=run_dir, model_dir=model_dir, make_engine=str)
+    assert plain.runtime.workflow is None  # the default single turn: one /generate per submission
+    cfg = load_config(ROOT / "configs" / "cpu_tiny.yaml",
+                      ["rollout.workflow=tests.unit.workflow.test_runner:two_turns",
+                       "rollout.workflow_kwargs={max_turns: 2}"])
+    shutil.rmtree(run_dir)
+    run_dir.mkdir()
+    rt = build_controller(cfg, Endpoints(urls, "http://127.0.0.1:3"), run_dir=run_dir, model_dir=model_dir,
+                          make_engine=str).runtime
+    from tests.unit.workflow.test_runner import two_turns
+
+    assert rt.workflow.workflow is two_turns and dict(rt.workflow.ctx.options) == {"max_turns": 2}
+    assert rt.workflow.ctx.tokenizer is None and rt.workflow.ctx.eos_ids == (2,)  # the preset char vocabulary
+
+
+@pytest.mark.parametrize("sets, key", [
+    (["rollout.workflow=agent"], "rollout.workflow"),
+    (["rollout.workflow_kwargs={max_turns: 2}"], "rollout.workflow_kwargs"),
+])
+def test_a_workflow_setting_that_cannot_act_is_refused_naming_the_key(sets, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(ROOT / "configs" / "cpu_tiny.yaml", sets)

@@ -14,7 +14,7 @@ import json
 import pytest
 
 from dora_megatron.controller.trainer_client import PushOptions
-from tests.helpers.runtime import check_run, engine_versions, make, resume, trained_groups
+from tests.helpers.runtime import check_run, engine_versions, make, resume, run_killing, trained_groups
 
 from tests.helpers.fakes import FakeEngine
 
@@ -159,15 +159,7 @@ def test_an_instance_freed_by_a_rebalance_loads_its_new_version_while_its_moved_
 
 def test_instance_failure_reruns_on_same_version():
     rt, engines, trainer = make(mode="dora", n=3, steps=6, token_s=0.003)
-
-    async def main():
-        async def kill():
-            await asyncio.sleep(0.05)
-            engines["e1"].dead = True
-        asyncio.get_running_loop().create_task(kill())
-        return await rt.run()
-
-    summary = asyncio.run(main())
+    summary = run_killing(rt, engines["e1"])
     check_run(rt, engines, trainer, 6, 4, 2)
     assert "e1" in summary["failed_instances"]
     assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0

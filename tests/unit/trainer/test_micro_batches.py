@@ -56,3 +56,45 @@ def test_on_policy_rows_follow_the_current_version():
     assert mb.on_policy.tolist() == [True, False, True, False]  # last row is filler
     (mb,) = build_micro_batches(samples, indices=[0, 1, 2], micro_batch_size=3, num_micro_batches=1, seq_len=4)
     assert mb.on_policy.tolist() == [True, True, True]
+
+
+def test_a_trajectorys_environment_tokens_are_context_not_loss_nor_parity():
+    """A multi-turn sample's ``loss_mask`` (0 on tool tokens) reaches the micro-batch: the tool
+    tokens are inputs, but neither the loss nor the engine/trainer log-prob metric sees them, however
+    wrong the log-probs recorded there are."""
+    from dora_megatron.algo.losses import LossSettings, policy_loss
+
+    def sample(env_logprob):
+        return {"prompt_ids": [5, 6], "response_ids": [7, 8, 40, 41, 9], "loss_mask": [1, 1, 0, 0, 1],
+                "rollout_logprobs": [-0.1, -0.2, env_logprob, env_logprob, -0.3]}
+
+    mb = build_micro_batches([sample(0.0)], indices=[0], micro_batch_size=1, num_micro_batches=1, seq_len=7)[0]
+    assert mb.tokens[0].tolist() == [5, 6, 7, 8, 40, 41, 9]  # tool tokens stay in the context
+    assert mb.loss_mask[0].tolist() == [0, 1, 1, 0, 0, 1, 0]  # position t predicts token t+1
+    logprobs = torch.full((1, 7), -0.5, requires_grad=True)
+    outs = []
+    for env_lp in (0.0, -30.0):
+        mb = build_micro_batches([sample(env_lp)], indices=[0], micro_batch_size=1, num_micro_batches=1,
+                                 seq_len=7, advantages=torch.tensor([1.0]))[0]
+        outs.append(policy_loss(logprobs, mb.rollout_logprobs, mb.advantages, mb.loss_mask, LossSettings(),
+                                rollout_logprobs=mb.rollout_logprobs))
+    a, b = outs
+    assert a.num_tokens == b.num_tokens == 3
+    assert a.loss_sum.item() == b.loss_sum.item()
+    assert a.metric_sums["rollout_vs_trainer_logprob_diff"].item() == pytest.approx(0.4 + 0.3 + 0.2)
+    assert b.metric_sums["rollout_vs_trainer_logprob_diff"].item() == pytest.approx(0.4 + 0.3 + 0.2)
+    # no gradient flows into the positions that predict tool tokens
+    a.loss_sum.backward()
+    assert logprobs.grad[0].tolist()[3:5] == [0.0, 0.0] and logprobs.grad[0, 1].item() != 0.0
+
+
+def test_the_trainer_service_refuses_a_malformed_loss_mask_naming_the_sample():
+    from dora_megatron.trainer.service import BadRequest, validate_samples
+
+    good = {"prompt_ids": [1], "response_ids": [2, 3], "rollout_logprobs": [0.0, 0.0], "version": 0, "reward": 1.0,
+            "group_id": "g"}
+    assert validate_samples([{**good, "loss_mask": [1, 0]}])
+    for mask, match in (([1], "one 0/1 per response token"), ([1, 2], "holds 2"), ([0, 0], "all 0"),
+                        ([1.0, 0], "holds 1.0")):
+        with pytest.raises(BadRequest, match=rf"samples\[1\]\.loss_mask .*{match}"):
+            validate_samples([good, {**good, "loss_mask": mask}])

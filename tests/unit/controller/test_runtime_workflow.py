@@ -1,0 +1,118 @@
+"""The runtime with a rollout workflow (``rollout.workflow``) on fake engines: each trajectory's
+turns run on one instance with one version, the trainer gets the loss mask, the reward sees the
+model's tokens only, and interrupts, failed instances, crashed environments and a resume lose and
+duplicate nothing."""
+
+from __future__ import annotations
+
+import asyncio
+
+from dora_megatron.data import tokenizer as tok
+from dora_megatron.data.tasks import running_sum_reward
+from dora_megatron.workflow.api import Trajectory, WorkflowContext
+from dora_megatron.workflow.runner import WorkflowRunner
+from tests.helpers.runtime import check_run, engine_versions, make, resume, run_killing, trained_groups
+
+ENV = tok.encode("|")  # what the test environment answers after the model's first turn
+
+
+async def answer_then_env(prompt, prompt_ids, client, ctx):
+    """The model answers, the environment writes ENV, the model is asked to go on (the fake
+    engine's answer is complete: it adds nothing)."""
+    first = await client.generate(prompt_ids)
+    second = await client.generate(prompt_ids + first.output_ids + ENV)
+    ids = first.output_ids + ENV + second.output_ids
+    mask = [1] * len(first.output_ids) + [0] * len(ENV) + [1] * len(second.output_ids)
+    return Trajectory(prompt_ids, ids, mask, first.logprobs + [0.0] * len(ENV) + second.logprobs, turns=2)
+
+
+def with_workflow(rt, fn=answer_then_env):
+    seen: list[str] = []
+
+    def reward(response: str, answer: str) -> float:
+        seen.append(response)
+        return running_sum_reward(response, answer)
+
+    rt.reward_fn = reward
+    rt.workflow = WorkflowRunner(fn, WorkflowContext(None, (tok.EOS_ID,)))
+    return seen
+
+
+def check_trajectories(trainer, seen):
+    for batch in trainer.batches:
+        for s in batch:
+            n = len(s["response_ids"]) - len(ENV)
+            assert s["response_ids"][n:] == ENV and s["loss_mask"] == [1] * n + [0] * len(ENV)
+            assert s["rollout_logprobs"][n:] == [0.0] * len(ENV)
+    assert seen and not any("|" in text for text in seen)  # the reward never saw the environment's tokens
+
+
+def test_dora_runs_each_trajectory_on_one_version_and_hands_the_trainer_its_mask():
+    rt, engines, trainer = make(mode="dora", n=3, steps=6, token_s=0.002)
+    seen = with_workflow(rt)
+    summary = asyncio.run(asyncio.wait_for(rt.run(), timeout=120))
+    check_run(rt, engines, trainer, 6, 4, 2)  # C1 from the engines' own logs: every turn of a rid on one version
+    check_trajectories(trainer, seen)
+    turns = [rid for e in engines.values() for op, rid, _ in e.log if op == "generate"]
+    assert len(turns) >= 2 * 6 * 4 * 2  # two engine calls per trained trajectory (and more for re-runs)
+    assert not any(op in ("export", "import") for e in engines.values() for op, _, _ in e.log)  # moved by re-run only
+    assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
+    assert summary["env/trajectories"] >= 48 and summary["env/turns"] == 2 * summary["env/trajectories"]
+
+
+def test_partial_mode_reruns_an_interrupted_trajectory_whole_on_the_new_version():
+    """Partial rollout resumes a single-turn sample on the new weights (a C1 violation by design);
+    an interrupted trajectory is run again from its prompt instead, so C1 holds."""
+    rt, engines, trainer = make(mode="partial", token_s=0.003)
+    seen = with_workflow(rt)
+    summary = asyncio.run(asyncio.wait_for(rt.run(), timeout=120))
+    check_trajectories(trainer, seen)
+    assert summary["env/trajectories_aborted"] > 0  # interrupts happened, mid-trajectory
+    trained = [s for b in trainer.batches for s in b]
+    assert len(trained) == 6 * 4 * 2 and len({s["group_id"] for s in trained}) == 6 * 4
+    assert all(s["reward"] == 1.0 for s in trained)
+    # the engines ran some samples on several versions (the dropped attempts), but every trained
+    # trajectory is from one: both its turns were generated on the version it is trained as
+    calls = [(rid, v) for e in engines.values() for op, rid, v in e.log if op == "generate"]
+    rerun = {rid for rid, v in calls if any(r == rid and w != v for r, w in calls)}
+    assert {s["group_id"] for s in trained} & {rid.rsplit(".", 1)[0] for rid in rerun}
+    for s in trained:  # two turns of each of the group's two samples on the group's version
+        assert sum(1 for r, v in calls if r.rsplit(".", 1)[0] == s["group_id"] and v == s["version"]) >= 4
+    assert summary["c1_violations"] == 0 and summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0
+
+
+def test_a_failed_instance_or_a_crashed_environment_reruns_the_trajectory():
+    rt, engines, trainer = make(mode="dora", n=3, steps=6, token_s=0.003)
+    crashed: set[str] = set()
+
+    async def crashes_once(prompt, prompt_ids, client, ctx):
+        traj = await answer_then_env(prompt, prompt_ids, client, ctx)
+        if prompt.index % 3 == 0 and prompt.index not in crashed:
+            crashed.add(prompt.index)
+            raise RuntimeError("the sandbox crashed")
+        return traj
+
+    seen = with_workflow(rt, crashes_once)
+    summary = run_killing(rt, engines["e1"])
+    check_run(rt, engines, trainer, 6, 4, 2)
+    check_trajectories(trainer, seen)
+    assert "e1" in summary["failed_instances"] and summary["env/workflow_failures"] >= 1
+    assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
+
+
+def test_a_resume_keeps_the_finished_trajectories_masks(tmp_path):
+    rt, engines, trainer = make(mode="dora", steps=4, tmp_path=tmp_path)
+    with_workflow(rt)
+    asyncio.run(asyncio.wait_for(rt.run(), timeout=120))
+    rt2, engines2, trainer2 = make(mode="dora", steps=6, tmp_path=tmp_path)
+    seen = with_workflow(rt2)
+    state = resume(rt2, trainer2, tmp_path, 2)
+    finished = state["samples"]  # the finished samples of the outstanding groups
+    assert all(s["loss_mask"][-len(ENV):] == [0] * len(ENV) for s in finished)
+    summary = asyncio.run(asyncio.wait_for(rt2.run(), timeout=120))
+    trained = [g for b in trainer.batches[:2] + trainer2.batches for g in {s["group_id"] for s in b}]
+    assert len(trained) == len(set(trained)) == 6 * 4 and summary["lost_groups"] == 0
+    check_trajectories(trainer2, seen)
+    restored = {s["sample_id"].rsplit(".", 1)[0] for s in finished} & trained_groups(trainer2)
+    assert finished and restored  # some trained trajectories came from the checkpoint, mask included
+    assert engine_versions(engines2)  # and the rest were generated after the resume
