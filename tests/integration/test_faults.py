@@ -281,28 +281,28 @@ def test_trainer_rank_sigkill_without_restarts_left_stops_the_job_and_resume_con
     check_resumed_run(run_dir, n)
 
 
+def children(pid: int) -> list[int]:
+    """The direct children of ``pid`` (torchrun's ranks)."""
+    return [p for p in process_tree(pid) if p != pid and _stat(p)[1:2] == [str(pid)]]
+
+
+def _stat(pid: int) -> list[str]:
+    """``/proc/<pid>/stat`` after the command name: state, ppid, pgrp, session, ... (empty: gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
 def sessions(pids: list[int]) -> set[int]:
     """The session ids of ``pids`` (torchrun starts each rank in a session of its own)."""
-    out = set()
-    for p in pids:
-        try:
-            out.add(int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[3]))
-        except (OSError, IndexError, ValueError):
-            pass
-    return out
+    return {int(f[3]) for f in map(_stat, pids) if len(f) > 3}
 
 
 def in_sessions(sids: set[int]) -> list[int]:
     """Live processes of any of the sessions ``sids``."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) in sids and fields[0] != "Z":
-            found.append(int(stat.parent.name))
-    return found
+    return [int(d.name) for d in Path("/proc").glob("[0-9]*")
+            if len(f := _stat(int(d.name))) > 3 and int(f[3]) in sids and f[0] != "Z"]
 
 
 def test_trainer_sigkill_during_the_first_checkpoint_and_mid_step_is_restarted_in_the_job(tmp_path):
@@ -320,7 +320,7 @@ def test_trainer_sigkill_during_the_first_checkpoint_and_mid_step_is_restarted_i
         first = run_dir / "checkpoints" / "v000002"
         wait_for(first.is_dir, 400, "the first checkpoint write", proc)  # made before the trainer is asked to save
         pids = json.loads((run_dir / "processes.json").read_text())
-        ranks = [p for p in process_tree(pids["trainer"]) if p != pids["trainer"]]
+        ranks = children(pids["trainer"])  # the ranks only: what they started must end with them
         signal_tree(ranks, signal.SIGSTOP)  # frozen mid-write: the checkpoint cannot complete
         seen |= sessions(process_tree(proc.pid))
         time.sleep(0.5)
@@ -332,8 +332,8 @@ def test_trainer_sigkill_during_the_first_checkpoint_and_mid_step_is_restarted_i
                  "checkpoint v2 of the restarted lineage and a step after it", proc)
         after = json.loads((run_dir / "processes.json").read_text())
         assert [after[f"engine{i}"] for i in range(2)] == [pids[f"engine{i}"] for i in range(2)]  # kept
-        ranks = [p for p in process_tree(after["trainer"]) if p != after["trainer"]]
-        seen |= sessions(process_tree(proc.pid))
+        ranks = children(after["trainer"])
+        seen |= sessions(process_tree(proc.pid))  # the ranks' spawn child and resource tracker among them
         signal_tree(ranks, signal.SIGKILL)
         out = finish(proc)
     finally:
