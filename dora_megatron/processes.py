@@ -115,7 +115,12 @@ def _die_with_parent(sig: int = signal.SIGTERM) -> bool:
     return setter is not None and setter(sig)
 
 
-def end_with_parent(sig: int = signal.SIGKILL) -> None:
+#: the pid a process tied by :func:`end_with_parent` leaves to the interpreters it spawns: whom they
+#: must end with (a spawned child cannot tell a parent that already died from a live one otherwise)
+PARENT_PID_ENV = "DORA_PARENT_PID"
+
+
+def end_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> None:
     """Tie this process and every process it forks later to its parent: each gets ``sig`` when its
     own parent dies, whatever killed that parent.
 
@@ -126,16 +131,24 @@ def end_with_parent(sig: int = signal.SIGKILL) -> None:
     job ended. With a parent-death signal at every level, killing torchrun ends its ranks and
     killing a rank ends its children; a ``multiprocessing`` resource tracker ends by itself once
     the last process holding its pipe is gone. Forked children get it through
-    :func:`os.register_at_fork`; spawned ``multiprocessing`` children call this when they import
-    the main module (``dora_megatron.trainer.entry``). A parent that died before the signal was
-    set is caught by the ``getppid`` check: the process ends at once."""
+    :func:`os.register_at_fork`; spawned ``multiprocessing`` children call this with
+    ``parent=`` the pid in :data:`PARENT_PID_ENV` when they import the main module
+    (``dora_megatron.trainer.entry``). ``parent``: the pid this process must outlive not (default:
+    its parent now); when it is already gone the signal could never come, so the process ends at once."""
     setter = _pdeathsig_setter()
     if setter is None:
         return
-    parent = os.getppid()
-    if setter(sig) and (parent == 1 or os.getppid() != parent):  # the parent died before the prctl took effect
+    tie_to(setter, sig, os.getppid() if parent is None else parent)
+    me = os.getpid()
+    os.environ[PARENT_PID_ENV] = str(me)
+    os.register_at_fork(after_in_child=lambda: tie_to(setter, sig, me))
+
+
+def tie_to(setter, sig: int, parent: int) -> None:
+    """Set the parent-death signal, then end at once if ``parent`` died before it took effect (this
+    process was re-parented: its parent-death signal would never come)."""
+    if setter(sig) and os.getppid() != parent:
         os.kill(os.getpid(), sig)
-    os.register_at_fork(after_in_child=lambda: setter(sig))
 
 
 class ChildFailed(RuntimeError):

@@ -128,6 +128,8 @@ if __name__ == "__main__":
 elif __name__ == "__mp_main__":
     # a ``multiprocessing`` spawn child of a rank (Megatron's checkpoint writers) imports this module
     # under that name before it runs its target: tie it to the rank that started it
-    from dora_megatron.processes import end_with_parent
+    import os
 
-    end_with_parent()
+    from dora_megatron.processes import PARENT_PID_ENV, end_with_parent
+
+    end_with_parent(parent=int(os.environ[PARENT_PID_ENV]) if PARENT_PID_ENV in os.environ else None)

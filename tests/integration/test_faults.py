@@ -340,7 +340,8 @@ def test_trainer_sigkill_during_the_first_checkpoint_and_mid_step_is_restarted_i
         if proc.poll() is None:
             proc.kill()
     assert "restarting it from the initial weights (no complete checkpoint)" in out, out[-4000:]
-    assert "restarting it from checkpoint v000002" in out, out[-4000:]
+    assert re.search(r"restarting it from checkpoint v00000[24]", out), out[-4000:]  # v4 if step 3 ended first
+    print("\n".join(line for line in out.splitlines() if "trainer lost" in line))
     summary, _, _, _ = check_resumed_run(run_dir, n)
     assert summary["trainer_restarts"] == 2
     final = json.loads((run_dir / "processes.json").read_text())

@@ -146,3 +146,65 @@ def test_the_supervisor_reports_a_dead_trainer_process_as_lost(tmp_path):
         EngineSupervisor(procs, rt, RestartPolicy(enabled=False), lambda url: url, []).check()
     assert isinstance(rt._error, TrainerLost) and rt._done.is_set()
     assert str(rt._error).startswith("trainer exited with status 9")
+
+
+# A rank in miniature: ties itself to its parent, starts a ``multiprocessing`` spawn child (which
+# ties itself too when it imports the main module, as ``dora_megatron.trainer.entry`` does) and a
+# fork child, prints their pids and the resource tracker's, then waits to be killed. The kill comes
+# at once, mostly before the spawn child has tied itself: it must then notice its parent is gone.
+RANK = '''
+import multiprocessing as mp, os, sys, time
+from dora_megatron.processes import PARENT_PID_ENV, end_with_parent
+
+def wait():
+    time.sleep(120)
+
+if __name__ == "__mp_main__":
+    end_with_parent(parent=int(os.environ[PARENT_PID_ENV]))
+if __name__ == "__main__":
+    end_with_parent()
+    spawned = mp.get_context("spawn").Process(target=wait)
+    spawned.start()
+    forked = mp.get_context("fork").Process(target=wait)
+    forked.start()
+    from multiprocessing import resource_tracker
+    print(spawned.pid, forked.pid, resource_tracker._resource_tracker._pid, flush=True)
+    time.sleep(120)
+'''
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signals are Linux's")
+def test_what_a_killed_rank_started_ends_with_it(tmp_path):
+    """SIGKILL of the rank (nothing else is signalled): its spawn child and fork child get their
+    parent-death signal and the resource tracker exits once no process holds it. Without
+    ``end_with_parent`` all three are left under init."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    rank = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        spawned, forked, tracker = (int(x) for x in rank.stdout.readline().split())
+        assert all(_alive(p) for p in (spawned, forked, tracker))
+        os.kill(rank.pid, signal.SIGKILL)
+        rank.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while any(_alive(p) for p in (spawned, forked, tracker)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [p for p in (spawned, forked, tracker) if _alive(p)] == []
+    finally:
+        try:
+            os.killpg(rank.pid, signal.SIGKILL)  # the test's own cleanup if it failed
+        except ProcessLookupError:
+            pass
