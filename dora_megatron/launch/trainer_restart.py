@@ -1,6 +1,6 @@
 """A lost trainer is restarted inside the job, from the last complete checkpoint.
 
-The rule (local jobs, and SLURM jobs whose trainer runs on the controller's node): the controller
+The rule (local jobs; under SLURM a lost trainer still ends the job with FAILED): the controller
 counts the trainer as lost when its process exits, when a call to it is dropped, or when its
 ``/health`` stays silent for ``controller.trainer_timeout_s`` (:func:`watch_trainer`; the trainer
 answers it during a step). The rollout instances keep running. The launcher then restarts the
