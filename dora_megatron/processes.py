@@ -138,13 +138,13 @@ def end_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> Non
     setter = _pdeathsig_setter()
     if setter is None:
         return
-    tie_to(setter, sig, os.getppid() if parent is None else parent)
+    _tie_to(setter, sig, os.getppid() if parent is None else parent)
     me = os.getpid()
     os.environ[PARENT_PID_ENV] = str(me)
-    os.register_at_fork(after_in_child=lambda: tie_to(setter, sig, me))
+    os.register_at_fork(after_in_child=lambda: _tie_to(setter, sig, me))
 
 
-def tie_to(setter, sig: int, parent: int) -> None:
+def _tie_to(setter, sig: int, parent: int) -> None:
     """Set the parent-death signal, then end at once if ``parent`` died before it took effect (this
     process was re-parented: its parent-death signal would never come)."""
     if setter(sig) and os.getppid() != parent:
