@@ -151,6 +151,17 @@ def _tie_to(setter, sig: int, parent: int) -> None:
         os.kill(os.getpid(), sig)
 
 
+def _ignore_the_jobs_warning() -> None:
+    """The child (and what it starts: torchrun's ranks) ignores SIGUSR1, the job's early warning.
+
+    WHY: the warning is the launcher's (:mod:`dora_megatron.launch.stop`: checkpoint at the next
+    step boundary, then exit), but SLURM delivers a signal that ``srun`` passes on to every process
+    of the job step, the launcher's children too, and SIGUSR1's default action ends a process: the
+    trainer died of the warning that asked it for a checkpoint. An ignored disposition survives
+    ``exec`` and is inherited, so the whole tree ignores it unless a program installs a handler."""
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
 class ChildFailed(RuntimeError):
     pass
 
@@ -183,6 +194,7 @@ class ProcessSet:
 
         def preexec() -> None:  # runs in the child before exec
             _die_with_parent()
+            _ignore_the_jobs_warning()
             if pinned:
                 os.sched_setaffinity(0, pinned)
 

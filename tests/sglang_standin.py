@@ -1,7 +1,7 @@
 """A stand-in for an SGLang 0.5.23 server, for the SGLang-path tests on CPU.
 
 ``python tests/sglang_standin.py <SGLang flags>`` (``--model-path --host --port --weight-version
---max-running-requests --load-format``; other flags are accepted and ignored) runs dora's embedded
+--max-running-requests --load-format --speculative-algorithm --speculative-draft-model-path``; other flags are accepted and ignored) runs dora's embedded
 engine in this process on a private loopback port, for the arithmetic, and serves in front of it
 the HTTP surface of SGLang 0.5.23 as its source says it behaves. Each behaviour below cites the
 file of SGLang 0.5.23 it models (paths under ``sglang/srt/``); no SGLang code is used or copied.
@@ -37,6 +37,17 @@ file of SGLang 0.5.23 it models (paths under ``sglang/srt/``); no SGLang code is
 * ``/weights_checker`` with ``action=checksum``: ``per_engine_checksum``, a sha256 over per-GPU
   checksums (``managers/tokenizer_control_mixin.py`` ``check_weights``), so it never equals a
   trainer-side checksum, only another instance's;
+* a draft model (``--speculative-algorithm EAGLE`` or ``NEXTN``; NGRAM has none) is a runner of
+  its own: ``/begin_weight_update`` and ``/update_weights_from_distributed`` load the runners their
+  ``selector`` names (``target``, ``draft`` or ``all``, the default), each handed the same received
+  tensors (``weight_updater.py`` ``_select_runners``, ``update_weights_from_distributed``;
+  ``speculative/base_spec_worker.py`` ``weight_update_runners``: none without a draft worker);
+  tensors handed to the draft change it here (an EAGLE3 draft takes the target's
+  ``model.layers.0.*`` as its own layer, ``models/llama_eagle3.py`` ``load_weights``);
+  ``/weights_checker`` lists the draft's checksum under ``draft.``-prefixed keys and hashes it into
+  ``per_gpu_checksum`` (``weight_updater.py`` ``_merge_checksum_payloads``). Disk updates, which
+  reload every runner, leave this draft as it is: the drafts dora accepts keep nothing of a dora
+  snapshot (docs/sglang.md, "Speculative decoding");
 * ``SGLANG_STANDIN_WITHOUT`` (comma-separated paths) leaves those routes out (404), as a build or
   launch mode without an optional endpoint;
 * ``meta_info.weight_versions`` spans on every ``/generate`` answer (``utils/weight_versions.py``),
@@ -87,6 +98,7 @@ class StandIn:
     session: dict[str, Any] | None = None
     rid_to_state: dict[str, _ReqState] = field(default_factory=dict)
     schemas: Any = None
+    draft: str | None = None  # checksum of the draft runner's weights; None: no draft runner
     pause_changed: asyncio.Condition = field(default_factory=asyncio.Condition)
     updating: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -225,6 +237,8 @@ class StandIn:
             ok, message = status < 400, str(out.get("message"))
             if ok:
                 self.session["loaded_weights"] = True
+                if self.draft is not None and body.get("selector", "all") in ("all", "draft"):
+                    self.draft = hashlib.sha256((self.draft + ",".join(body["names"])).encode()).hexdigest()
             ok, message = await self.flush_after_update(body, ok, message)
         return self._result(ok, message)
 
@@ -251,9 +265,11 @@ class StandIn:
         if body.get("action", "checksum") != "checksum":
             return self._result(False, f"unsupported action {body.get('action')!r} in this stand-in")
         _, out = await self.engine("GET", "/dora/weights_checksum")
-        per_gpu = hashlib.sha256(f"tp0:{out['checksum']}".encode()).hexdigest()
+        checksums = {} if self.draft is None else {"draft.model": self.draft}
+        per_gpu = hashlib.sha256(f"tp0:{out['checksum']}:{checksums}".encode()).hexdigest()
         return web.json_response({"success": True, "message": "Success.",
-                                  "ranks": [{"checksums": {}, "per_gpu_checksum": per_gpu, "parallelism_info": []}],
+                                  "ranks": [{"checksums": checksums, "per_gpu_checksum": per_gpu,
+                                             "parallelism_info": []}],
                                   "per_engine_checksum": hashlib.sha256(per_gpu.encode()).hexdigest()})
 
     # ---- info ----------------------------------------------------------------------------
@@ -345,9 +361,10 @@ class StandInProcess:
 
 def start_standin(model_dir: str, log_dir: Path, *, name: str = "sgl", weight_version: str = "0",
                   load_format: str = "auto", max_running: int = 8, timeout_s: float = 180.0,
-                  without: tuple[str, ...] = ()) -> StandInProcess:
+                  without: tuple[str, ...] = (), extra_args: tuple[str, ...] = ()) -> StandInProcess:
     """Start one stand-in on a free loopback port and wait (bounded) until ``/health`` answers 200.
-    ``without``: routes it does not offer (404), as an SGLang build or launch mode without them."""
+    ``without``: routes it does not offer (404), as an SGLang build or launch mode without them;
+    ``extra_args``: more SGLang flags (``--speculative-algorithm`` ...)."""
     import subprocess
     import time
     import urllib.request
@@ -358,7 +375,7 @@ def start_standin(model_dir: str, log_dir: Path, *, name: str = "sgl", weight_ve
     log_path = Path(log_dir) / f"{name}.log"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--model-path", str(model_dir), "--host", "127.0.0.1",
            "--port", str(port), "--weight-version", str(weight_version), "--load-format", load_format,
-           "--max-running-requests", str(max_running)]
+           "--max-running-requests", str(max_running), *extra_args]
     with open(log_path, "wb") as out:
         env = {**os.environ, "SGLANG_STANDIN_WITHOUT": ",".join(without)} if without else None
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -387,6 +404,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--weight-version", default="default")
     p.add_argument("--max-running-requests", type=int, default=8)
     p.add_argument("--load-format", default="auto")
+    p.add_argument("--speculative-algorithm", default=None)
+    p.add_argument("--speculative-draft-model-path", "--speculative-draft-model", default=None)
     args, _ = p.parse_known_args(argv)
     return args
 
@@ -413,7 +432,10 @@ async def serve(args: argparse.Namespace) -> None:
         log.warning("SGLang wheel schemas unavailable; request bodies are not validated", exc_info=True)
         schemas = None
     async with ClientSession(timeout=ClientTimeout(total=None)) as http:
-        standin = StandIn(f"http://127.0.0.1:{inner_port}", args.load_format, http, schemas=schemas)
+        algo = (args.speculative_algorithm or "").upper()
+        draft_path = args.speculative_draft_model_path or args.model_path
+        draft = hashlib.sha256(draft_path.encode()).hexdigest() if algo in ("EAGLE", "EAGLE3", "NEXTN") else None
+        standin = StandIn(f"http://127.0.0.1:{inner_port}", args.load_format, http, schemas=schemas, draft=draft)
         missing = {p for p in os.environ.get("SGLANG_STANDIN_WITHOUT", "").split(",") if p}
         outer = web.AppRunner(without_routes(standin.app(), missing))
         await outer.setup()

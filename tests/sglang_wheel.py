@@ -15,6 +15,11 @@ typing names and the markers they use. Nothing is copied into this repository: t
 the wheel that ``tools/setup_env.sh`` unpacks (``pip install --no-deps --target <venv>/sglang-wheel``,
 deliberately *not* importable as ``sglang``, so no check mistakes it for a usable SGLang).
 
+The server's command-line flags are read the same way, from source text only
+(:func:`server_flags`: the ``A[type, "help" | Arg(...)]`` fields of
+``sglang/srt/arg_groups/fields/*.py``, which ``arg_utils.add_cli_args_from_dataclass`` turns into
+``--field-name`` flags), so ``dora_flags`` can be checked against 0.5.23's argument definitions.
+
 Where the wheel is: ``$DORA_SGLANG_SRC`` (a directory holding ``sglang/``), else
 ``<sys.prefix>/sglang-wheel``.
 """
@@ -153,3 +158,96 @@ def load() -> WheelSchemas | None:
     if root is None or importlib.util.find_spec("msgspec") is None:
         return None
     return WheelSchemas(root)
+
+
+@dataclass(frozen=True)
+class WheelFlag:
+    """One ``launch_server`` flag as 0.5.23 defines it: its field, its choices (None: any value),
+    whether it is a switch that takes no value."""
+
+    field: str
+    choices: tuple[Any, ...] | None
+    switch: bool
+
+
+def _module_constants(path: Path) -> dict[str, Any]:
+    """Top-level ``NAME = <literal>`` assignments of a source file (the ``*_CHOICES`` lists)."""
+    out: dict[str, Any] = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            try:
+                out[node.targets[0].id] = ast.literal_eval(node.value)
+            except ValueError:
+                pass
+    return out
+
+
+def _literal_values(node: ast.AST) -> tuple[Any, ...] | None:
+    """The values of ``Literal[...]`` (also inside ``Optional[...]``), else None."""
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name):
+        if node.value.id == "Literal":
+            elts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+            return tuple(ast.literal_eval(e) for e in elts)
+        if node.value.id == "Optional":
+            return _literal_values(node.slice)
+    return None
+
+
+def _choices(node: ast.AST, constants: dict[str, Any]) -> tuple[Any, ...] | None:
+    """``choices=`` as written: a literal list, a ``choices.py`` constant, or their sums; None
+    (any value accepted by this check) for anything computed otherwise."""
+    if isinstance(node, ast.Name):
+        return tuple(constants[node.id]) if node.id in constants else None
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _choices(node.left, constants), _choices(node.right, constants)
+        return None if left is None or right is None else left + right
+    try:
+        return tuple(ast.literal_eval(node))
+    except ValueError:
+        return None
+
+
+def server_flags(root: Path) -> dict[str, WheelFlag]:
+    """Every CLI flag (and alias) of the ``arg_groups/fields`` records, with its choices."""
+    base = root / "sglang" / "srt" / "arg_groups"
+    constants = _module_constants(base / "choices.py")
+    flags: dict[str, WheelFlag] = {}
+    for path in sorted((base / "fields").glob("*.py")):
+        for cls in (n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef)):
+            for node in cls.body:
+                ann = node.annotation if isinstance(node, ast.AnnAssign) else None
+                if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                        and isinstance(ann, ast.Subscript) and isinstance(ann.value, ast.Name) and ann.value.id == "A"
+                        and isinstance(ann.slice, ast.Tuple)):
+                    continue
+                inner, meta = ann.slice.elts[0], ann.slice.elts[1]
+                kw = {k.arg: k.value for k in meta.keywords} if isinstance(meta, ast.Call) else {}
+                if "no_cli" in kw and ast.literal_eval(kw["no_cli"]):
+                    continue
+                choices = _literal_values(inner)
+                if "choices" in kw:
+                    choices = _choices(kw["choices"], constants)
+                switch = isinstance(inner, ast.Name) and inner.id == "bool" and "action" not in kw
+                name = node.target.id
+                cli = ast.literal_eval(kw["cli_name"]) if "cli_name" in kw else "--" + name.replace("_", "-")
+                aliases = ast.literal_eval(kw["aliases"]) if "aliases" in kw else []
+                for flag in (cli, *aliases):
+                    flags[flag] = WheelFlag(name, choices, switch)
+    return flags
+
+
+def speculative_algorithms(root: Path) -> frozenset[str]:
+    """What ``SpeculativeAlgorithm.from_string`` accepts without plugins: the members of the enum
+    (``srt/speculative/spec_info.py``) and the reserved aliases (``spec_registry.py``)."""
+    spec = root / "sglang" / "srt" / "speculative"
+    names: set[str] = set()
+    for node in ast.parse((spec / "spec_info.py").read_text()).body:
+        if isinstance(node, ast.ClassDef) and node.name == "SpeculativeAlgorithm":
+            names |= {t.id for a in node.body if isinstance(a, ast.Assign) for t in a.targets if isinstance(t, ast.Name)}
+    aliases = _module_constants(spec / "spec_registry.py").get("_RESERVED_ALIASES")
+    if aliases is None:  # frozenset({...}) is a call, not a literal
+        for node in ast.parse((spec / "spec_registry.py").read_text()).body:
+            if (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+                    and node.targets[0].id == "_RESERVED_ALIASES" and isinstance(node.value, ast.Call)):
+                aliases = ast.literal_eval(node.value.args[0])
+    return frozenset(names - {"NONE"}) | frozenset(aliases or ())

@@ -3,8 +3,7 @@
 Each subcommand is a module ``dora_megatron.cli.<name>`` exposing ``HELP``,
 ``configure(parser)`` and ``run(args) -> int``, whose top level imports only the
 standard library; torch and megatron load inside ``run``. That keeps
-``dora --help`` fast and lets a subcommand that is not built yet say so
-clearly instead of failing with an import error.
+``dora --help`` fast.
 """
 
 from __future__ import annotations
@@ -27,17 +26,9 @@ SUBCOMMANDS: dict[str, str] = {
     "export": "Write a version of a run as a Hugging Face model directory with its tokenizer.",
 }
 
-NOT_AVAILABLE_EXIT = 3
 
-
-def _module_for(name: str) -> ModuleType | None:
-    modname = f"dora_megatron.cli.{name.replace('-', '_')}"
-    try:
-        return importlib.import_module(modname)
-    except ModuleNotFoundError as err:
-        if err.name == modname:
-            return None
-        raise
+def _module_for(name: str) -> ModuleType:
+    return importlib.import_module(f"dora_megatron.cli.{name.replace('-', '_')}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,22 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, summary in SUBCOMMANDS.items():
         module = _module_for(name)
-        if module is None:
-            p = sub.add_parser(name, help=f"{summary} [not available yet]", description=f"{summary} Not available yet in this build.")
-            p.set_defaults(_run=_not_available(name))
-            continue
         p = sub.add_parser(name, help=getattr(module, "HELP", summary), description=getattr(module, "HELP", summary))
         module.configure(p)
         p.set_defaults(_run=module.run)
     return parser
-
-
-def _not_available(name: str):
-    def run(_args: argparse.Namespace) -> int:
-        sys.stderr.write(f"dora {name}: not available yet in this build of dora_megatron\n")
-        return NOT_AVAILABLE_EXIT
-
-    return run
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dora_megatron.config.rollout import SPEC_MODES
+
 HELP = "serve a Hugging Face Qwen3 / Qwen3-MoE directory with the embedded engine (SGLang HTTP protocol)"
 
 
@@ -54,6 +56,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="cap on queued (not yet running) requests; /generate answers 429 beyond it")
     parser.add_argument("--group-connect-timeout", type=_positive_float, default=30.0,
                         help="seconds to reach the trainer's store in /init_weights_update_group before a 400")
+    parser.add_argument("--speculative", choices=SPEC_MODES, default="off",
+                        help="speculative decoding: off, ngram (drafts from the request's own text) or group (also "
+                             "from the finished siblings the controller sends)")
+    parser.add_argument("--spec-tokens", type=_at_least(1), default=4, help="draft length k per verify step")
+    parser.add_argument("--spec-max-batch", type=_at_least(1), default=8,
+                        help="speculate only while at most this many requests run")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -118,6 +126,9 @@ def _serve(args: argparse.Namespace, sock) -> int:
             dtype=getattr(torch, args.dtype),
             max_waiting=args.max_waiting,
             group_connect_timeout_s=args.group_connect_timeout,
+            speculative=args.speculative,
+            spec_tokens=args.spec_tokens,
+            spec_max_batch=args.spec_max_batch,
         )
     except (OSError, ValueError, KeyError) as err:  # unreadable or inconsistent weights/config
         sys.stderr.write(f"dora serve: --model {args.model}: cannot load the model: {err}\n")

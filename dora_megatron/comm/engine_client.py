@@ -160,14 +160,19 @@ class EngineClient:
         return_logprob: bool = True,
         version: int | str | None = None,
         routed_experts: bool = False,
+        draft_sources: Sequence[Sequence[int]] = (),
     ) -> GenerateResponse:
         """POST /generate. ``version`` is sent as ``dora_version`` only if the engine supports it;
-        ``routed_experts`` asks for ``meta_info.routed_experts`` over the whole sequence (start 0)."""
+        ``routed_experts`` asks for ``meta_info.routed_experts`` over the whole sequence (start 0);
+        ``draft_sources`` (token ids of finished group siblings) go as ``dora_draft_sources`` only
+        to an engine that offers ``draft_sources``."""
         sp = sampling_params if isinstance(sampling_params, SamplingParams) else SamplingParams.from_json(sampling_params)
         req = GenerateRequest(list(input_ids), sp, rid, return_logprob, return_routed_experts=routed_experts)
         body = req.to_json()
         if version is not None and await self.supports("dora_version"):
             body["dora_version"] = str(version)
+        if draft_sources and await self.supports("draft_sources"):
+            body["dora_draft_sources"] = [list(src) for src in draft_sources]
         if self._generates is None:
             return GenerateResponse.from_json(await self._request("POST", "/generate", body))
         if self._generates.locked() and self.waits is not None:
@@ -269,6 +274,13 @@ class EngineClient:
     async def _require(self, name: str) -> None:
         if not await self.supports(name):
             raise ExtensionUnsupported(f"{self.base_url} does not offer {name}")
+
+    async def add_draft_sources(self, rid: str, sources: Sequence[Sequence[int]]) -> bool:
+        """Give running request ``rid`` more speculative drafts (a sibling's finished token ids);
+        False when it has already left the engine."""
+        await self._require("draft_sources")
+        resp = await self._request("POST", "/dora/draft_sources", {"rid": rid, "sources": [list(s) for s in sources]})
+        return bool(resp.get("added"))
 
     async def export_request(self, rid: str) -> bytes:
         """Take request ``rid`` out of this engine; returns its serialised state (KV included)."""

@@ -8,7 +8,9 @@ Only the standard library is imported.
 SGLang fields implemented (see reference A.3-A.4): ``/generate`` ``input_ids``, ``rid``,
 ``sampling_params`` {``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop_token_ids``,
 ``ignore_eos``, ``sampling_seed``}, ``return_logprob``; response ``output_ids`` and ``meta_info``.
-Our extension: ``dora_version`` (the weight version the request must run on; 409 otherwise).
+Our extensions: ``dora_version`` (the weight version the request must run on; 409 otherwise) and
+``dora_draft_sources`` (token id lists, prompt + output, of the request's finished group siblings:
+the embedded engine drafts speculative tokens from them under ``rollout.speculative: group``).
 """
 
 from __future__ import annotations
@@ -181,6 +183,7 @@ class GenerateRequest:
     #: routing replay (SGLang 0.5.23 names): reply meta_info.routed_experts for positions [start_len, seqlen-1)
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    dora_draft_sources: list[list[int]] = field(default_factory=list)
 
     @classmethod
     def from_json(cls, body: Any) -> "GenerateRequest":
@@ -196,6 +199,7 @@ class GenerateRequest:
         if body.get("stream"):
             raise ProtocolError("stream=true is not supported by the embedded engine")
         version = _version(body, "dora_version")
+        sources = _draft_sources(body, "dora_draft_sources")
         return cls(
             input_ids=ids,
             sampling_params=SamplingParams.from_json(body.get("sampling_params")),
@@ -204,6 +208,7 @@ class GenerateRequest:
             dora_version=version,
             return_routed_experts=_bool(body, "return_routed_experts", False),
             routed_experts_start_len=_int(body, "routed_experts_start_len", 0, ge=0),
+            dora_draft_sources=sources,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -219,6 +224,8 @@ class GenerateRequest:
         if self.return_routed_experts:
             d["return_routed_experts"] = True
             d["routed_experts_start_len"] = self.routed_experts_start_len
+        if self.dora_draft_sources:
+            d["dora_draft_sources"] = [list(src) for src in self.dora_draft_sources]
         return d
 
 
@@ -413,6 +420,29 @@ class UpdateFromDistributedRequest:
             weight_version=_version(body, "weight_version"),
             abort_all_requests=_bool(body, "abort_all_requests", False),
         )
+
+
+@dataclass
+class DraftSourcesRequest:
+    """``POST /dora/draft_sources``: token id lists that a running request may draft from."""
+
+    rid: str
+    sources: list[list[int]]
+
+    @classmethod
+    def from_json(cls, body: Any) -> "DraftSourcesRequest":
+        body = _obj(body, "/dora/draft_sources")
+        rid = _str(body, "rid", None)
+        if not rid:
+            raise ProtocolError("missing field rid")
+        return cls(rid, _draft_sources(body, "sources"))
+
+
+def _draft_sources(body: Mapping[str, Any], key: str) -> list[list[int]]:
+    sources = body.get(key) or []
+    if not isinstance(sources, list):
+        raise ProtocolError(f"{key} must be a list of lists of integers")
+    return [_int_list(src, f"{key}[{i}]") for i, src in enumerate(sources)]
 
 
 @dataclass

@@ -17,6 +17,13 @@ differs from it on points that decide whether a weight update works at all (docs
   not the pool size (``srt/managers/scheduler_components/load_inquirer.py``);
 * ``/abort_request`` always answers 200 with an empty body, matched or not, and ``/flush_cache``
   answers plain text (``srt/entrypoints/http_server.py``);
+* weight updates name the runners they load (``selector``): always ``target``. dora pushes the
+  policy's weights, which are the target's; a draft runner (EAGLE, NEXTN) would be handed the same
+  tensors under ``all`` (``weight_updater.py`` ``update_weights_from_distributed``: every runner of
+  the selector loads the one receive) and an EAGLE3 draft maps ``model.layers.0.*`` onto its own
+  layer (``models/llama_eagle3.py`` ``load_weights``). Without a draft, ``target`` and ``all`` are
+  the same runners (``_select_runners``). ``/update_weights_from_disk`` has no selector in 0.5.23
+  (docs/sglang.md, "Speculative decoding");
 * SGLang has no dora extension; its weight checksum (``/weights_checker`` with ``action=checksum``)
   hashes SGLang's own per-GPU checksums, so it compares instances with each other, never with the
   trainer's checksum.
@@ -38,6 +45,8 @@ log = logging.getLogger(__name__)
 class SGLangClient(EngineClient):
     #: the one warning about a missing /v1/loads was logged (see :meth:`server_info`)
     _loads_warned = False
+    #: the runners every weight update loads (module doc): the target's, never a draft's
+    weight_selector = "target"
 
     def _check(self, path: str, out: Any) -> Any:
         if isinstance(out, dict) and out.get("success") is False:
@@ -59,10 +68,11 @@ class SGLangClient(EngineClient):
         only risk a stall while weights load."""
         return frozenset()
 
-    async def begin_weight_update(self, selector: str = "all") -> dict[str, Any]:
-        """Open the weight-update session every ``update_weights_from_distributed`` needs."""
+    async def begin_weight_update(self) -> dict[str, Any]:
+        """Open the weight-update session every ``update_weights_from_distributed`` needs, on the
+        runners of :attr:`weight_selector`."""
         return self._check("/begin_weight_update",
-                           await self._request("POST", "/begin_weight_update", {"selector": selector}))
+                           await self._request("POST", "/begin_weight_update", {"selector": self.weight_selector}))
 
     async def end_weight_update(self) -> dict[str, Any]:
         """Close the session (also after a failed update: the next push cannot open one otherwise)."""
@@ -79,6 +89,7 @@ class SGLangClient(EngineClient):
             "names": list(names), "dtypes": [str(d).replace("torch.", "") for d in dtypes],
             "shapes": [list(s) for s in shapes], "group_name": group_name,
             "flush_cache": bool(flush_cache), "abort_all_requests": bool(abort_all_requests),
+            "selector": self.weight_selector,
         }
         if weight_version is not None:
             body["weight_version"] = str(weight_version)

@@ -6,6 +6,27 @@ from dataclasses import dataclass
 
 from dora_megatron.config.base import ConfigError, field_doc
 
+#: ``rollout.speculative``: no speculation, n-gram drafts from the request's own prompt and output,
+#: or n-gram drafts that also match the finished sibling responses of the request's group
+SPEC_MODES = ("off", "ngram", "group")
+
+
+# WHY factories: the job config (:class:`RolloutConfig`) and the simulator's ``rollout:`` section
+# declare these keys under the same names; one declaration keeps their docs and rules identical.
+def speculative_field():
+    return field_doc("off", "speculative decoding (embedded engine): off | ngram (drafts from the request's own "
+                     "prompt and output) | group (also from its group's finished siblings)", choices=SPEC_MODES)
+
+
+def spec_tokens_field():
+    return field_doc(4, "draft length k: tokens proposed per request and verified in one forward pass over k+1 "
+                     "positions", ge=1)
+
+
+def spec_max_batch_field():
+    return field_doc(8, "speculate only while the instance's running batch is at most this (a verify step costs "
+                     "about one decode step only while decode is memory-bound)", ge=1)
+
 
 @dataclass
 class RolloutConfig:
@@ -34,6 +55,9 @@ class RolloutConfig:
                                     "weight loads, stats polls; each owns the clients of a share of the instances and "
                                     "pushes batched load reports); 0 = in the controller's own event loop. For "
                                     "thousands of instances (docs/results/controller_scale.md)", ge=0)
+    speculative: str = speculative_field()
+    spec_tokens: int = spec_tokens_field()
+    spec_max_batch: int = spec_max_batch_field()
     sglang_args: list[str] = field_doc(default_factory=list, doc="extra command-line flags passed to SGLang (engine=sglang)")
 
     def check(self, path: str) -> None:
@@ -44,5 +68,8 @@ class RolloutConfig:
         if self.client_workers and self.engine == "vllm":
             raise ConfigError(f"{path}.client_workers", "engine vllm is driven in process (its restart switch needs the "
                               "launcher's processes); use client_workers 0 with vllm")
+        if self.speculative != "off" and self.engine != "embedded":
+            raise ConfigError(f"{path}.speculative", f"acts on the embedded engine only (engine is {self.engine}); "
+                              "use off, or the engine's own speculative-decoding options")
         if self.base_port and self.base_port + self.num_instances - 1 > 65535:
             raise ConfigError(f"{path}.base_port", "base_port + num_instances exceeds 65535")

@@ -5,6 +5,13 @@ choreography (pause mode, flush, bucket size) are production concerns that the e
 ignores; keeping them together lets the launcher, the SLURM planner and the weight pusher agree.
 Flag names follow SGLang 0.5.x ``ServerArgs`` (reference A.2); anything not covered here goes
 through ``rollout.sglang_args`` verbatim.
+
+Speculative decoding (``speculative_*``) is SGLang's own (``--speculative-algorithm`` and its
+companion flags, ``srt/arg_groups/fields/spec.py`` of 0.5.23); the checks below are the ones
+SGLang 0.5.23 applies at start-up (``srt/arg_groups/speculative_hook.py``), made here so a bad
+value names its key before any GPU is taken, plus the one rule that comes from dora's weight
+updates: a draft model that dora's version switches would overwrite is refused (EAGLE3, see
+docs/sglang.md "Speculative decoding").
 """
 
 from __future__ import annotations
@@ -14,6 +21,16 @@ from typing import Any, ClassVar
 
 from dora_megatron.config.base import ConfigError, field_doc
 from dora_megatron.comm.protocol import PAUSE_MODES
+
+#: ``--speculative-algorithm`` values dora passes on (names of SGLang 0.5.23's
+#: ``SpeculativeAlgorithm`` enum, ``srt/speculative/spec_info.py``, or its alias ``NEXTN``)
+SPECULATIVE_ALGORITHMS = ("none", "NGRAM", "EAGLE", "EAGLE3", "NEXTN")
+#: algorithms with a draft model in its own runner (SGLang's ``draft_worker.draft_runners``)
+DRAFT_MODEL_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")
+#: the NGRAM keys and SGLang 0.5.23's defaults for them (``fields/spec.py``): they act only with NGRAM
+NGRAM_DEFAULTS = {"speculative_ngram_min_bfs_breadth": 1, "speculative_ngram_max_bfs_breadth": 10,
+                  "speculative_ngram_match_type": "BFS", "speculative_ngram_max_trie_depth": 18,
+                  "speculative_ngram_capacity": 10_000_000}
 
 
 @dataclass
@@ -45,6 +62,16 @@ class SGLangConfig:
     port_stride: int = field_doc(10, "Ports of instance j on a node: http = rollout.base_port + j*stride, nccl = +1, dist-init = +2.", ge=3)
     health_path: str = field_doc("/health_generate", "Endpoint polled until 200 before an instance is used.", choices=("/health", "/health_generate"))
     pause_mode: str = field_doc("abort", "`/pause_generation` mode of the `distributed` weight transport before its first bucket (abort returns partial outputs; retract keeps requests queued and flushes the cache, so they recompute their KV on the new weights; in_place keeps them running on the old KV, no flush). The bucket size is `controller.bucket_mb`.", choices=PAUSE_MODES)
+    speculative_algorithm: str = field_doc("none", "`--speculative-algorithm`: none, NGRAM (drafts from the request's own tokens, no draft model), EAGLE (a separate EAGLE draft model, kept as loaded: dora's weight updates never reach it), EAGLE3 (refused: dora's version switches would overwrite its draft, see docs/sglang.md), NEXTN (the MTP layers of the target's checkpoint; they share its embedding and LM head, which follow every update).", choices=SPECULATIVE_ALGORITHMS)
+    speculative_draft_model_path: str = field_doc("", "`--speculative-draft-model-path`: the draft model's directory (required by EAGLE; NEXTN: empty = the target's checkpoint, as SGLang sets it for the architectures that carry MTP layers).")
+    speculative_num_steps: int | None = field_doc(None, "`--speculative-num-steps`: draft steps per verify (EAGLE/NEXTN); set with eagle_topk and num_draft_tokens, or all three null = SGLang's choice for the model.", ge=1)
+    speculative_eagle_topk: int | None = field_doc(None, "`--speculative-eagle-topk`: draft tokens branched per step (EAGLE/NEXTN, set with num_steps; NGRAM takes it from speculative_ngram_max_bfs_breadth).", ge=1)
+    speculative_num_draft_tokens: int | None = field_doc(None, "`--speculative-num-draft-tokens`: tokens verified per step; null = SGLang's choice (12 for NGRAM); with eagle_topk 1 it must be num_steps + 1.", ge=2)
+    speculative_ngram_min_bfs_breadth: int = field_doc(1, "`--speculative-ngram-min-bfs-breadth` (NGRAM only).", ge=1)
+    speculative_ngram_max_bfs_breadth: int = field_doc(10, "`--speculative-ngram-max-bfs-breadth` (NGRAM only; also its eagle topk).", ge=1)
+    speculative_ngram_match_type: str = field_doc("BFS", "`--speculative-ngram-match-type` (NGRAM only).", choices=("BFS", "PROB"))
+    speculative_ngram_max_trie_depth: int = field_doc(18, "`--speculative-ngram-max-trie-depth` (NGRAM only).", ge=1)
+    speculative_ngram_capacity: int = field_doc(10_000_000, "`--speculative-ngram-capacity`: n-gram cache entries (NGRAM only).", ge=1)
     weight_group_backend: str = field_doc("nccl", "torch.distributed backend of the trainer -> instances weight-update group (`controller.weight_transport: distributed`); nccl needs the trainer on CUDA.", choices=("nccl", "gloo"))
 
     def check(self, path: str) -> None:
@@ -59,3 +86,58 @@ class SGLangConfig:
             raise ConfigError(f"{path}.enable_eplb", "needs ep_size > 1 (SGLang asserts it)")
         if self.ep_num_redundant_experts and not self.enable_eplb:
             raise ConfigError(f"{path}.ep_num_redundant_experts", "redundant experts need enable_eplb")
+        self._check_speculative(path)
+
+    @property
+    def has_draft_model(self) -> bool:
+        """A draft model runs beside the target (EAGLE, NEXTN): it is loaded from its own checkpoint
+        and never receives dora's weight updates."""
+        return self.speculative_algorithm in DRAFT_MODEL_ALGORITHMS
+
+    def _check_speculative(self, path: str) -> None:
+        """SGLang 0.5.23's start-up rules (``arg_groups/speculative_hook.py``), each naming its key."""
+        algo = self.speculative_algorithm
+        if algo == "none":
+            for key in ("speculative_draft_model_path", "speculative_num_steps", "speculative_eagle_topk",
+                        "speculative_num_draft_tokens", *NGRAM_DEFAULTS):
+                if getattr(self, key) not in (None, "", NGRAM_DEFAULTS.get(key)):
+                    raise ConfigError(f"{path}.{key}", "acts only with a speculative_algorithm; it is none")
+            return
+        if algo == "EAGLE3":
+            raise ConfigError(f"{path}.speculative_algorithm",
+                              "EAGLE3 is refused: SGLang 0.5.23 reloads every runner, the draft's included, on "
+                              "/update_weights_from_disk (no selector), which is how dora switches an instance's "
+                              "version, and an EAGLE3 draft takes the target's model.layers.0.* tensors as its own "
+                              "(models/llama_eagle3.py load_weights); use EAGLE, NEXTN or NGRAM")
+        if algo != "NGRAM":
+            for key in NGRAM_DEFAULTS:
+                if getattr(self, key) != NGRAM_DEFAULTS[key]:
+                    raise ConfigError(f"{path}.{key}", f"acts only with speculative_algorithm NGRAM, not {algo}")
+        if algo == "NGRAM":
+            for key in ("speculative_draft_model_path", "speculative_num_steps", "speculative_eagle_topk"):
+                if getattr(self, key) not in (None, ""):
+                    raise ConfigError(f"{path}.{key}", "NGRAM has no draft model: SGLang derives num_steps and "
+                                                       "eagle_topk from speculative_ngram_max_bfs_breadth")
+            if self.speculative_ngram_min_bfs_breadth > self.speculative_ngram_max_bfs_breadth:
+                raise ConfigError(f"{path}.speculative_ngram_min_bfs_breadth",
+                                  f"{self.speculative_ngram_min_bfs_breadth} exceeds speculative_ngram_max_bfs_breadth "
+                                  f"({self.speculative_ngram_max_bfs_breadth})")
+            if self.attn_dp_size > 1:
+                raise ConfigError(f"{path}.attn_dp_size", "SGLang 0.5.23 refuses NGRAM speculative decoding with "
+                                                          "attention DP (attn_dp_size > 1)")
+            return
+        if algo == "EAGLE" and not self.speculative_draft_model_path:
+            raise ConfigError(f"{path}.speculative_draft_model_path", "EAGLE needs the draft model's directory")
+        shape = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
+        unset = [key for key in shape if getattr(self, key) is None]
+        if len(unset) == len(shape):
+            return  # SGLang chooses all three for the model
+        if unset:  # SGLang asserts topk and draft tokens unset with num_steps, and compares topk given num_steps
+            raise ConfigError(f"{path}.{unset[0]}", f"set {', '.join(shape)} together or leave all three null "
+                                                    "(SGLang then chooses them for the model)")
+        topk = self.speculative_eagle_topk
+        draft = self.speculative_num_draft_tokens
+        if topk == 1 and draft is not None and draft != self.speculative_num_steps + 1:
+            raise ConfigError(f"{path}.speculative_num_draft_tokens",
+                              f"with speculative_eagle_topk 1 SGLang sets it to speculative_num_steps + 1 "
+                              f"({self.speculative_num_steps + 1}), not {draft}")

@@ -16,14 +16,12 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from dora_megatron.config.base import ConfigError, field_doc
+from dora_megatron.config.rollout import spec_max_batch_field, spec_tokens_field, speculative_field
 
 PLACEMENTS = ("colocated", "disaggregated")
 log = logging.getLogger(__name__)
 
 DIST_KINDS = ("lognormal", "empirical", "point", "mixture")
-#: ``rollout.speculative``: no speculation, n-gram drafts from the request's own prompt and output,
-#: or n-gram drafts that also match the finished sibling responses of the request's group
-SPEC_MODES = ("off", "ngram", "group")
 
 
 @dataclass
@@ -155,12 +153,9 @@ class SimRolloutConfig:
     the simulator applies it to each instance's running batch between composition changes.
     """
 
-    speculative: str = field_doc("off", "speculative decoding: off | ngram (drafts from the request's own prompt and "
-                                 "output) | group (also from its group's finished siblings)", choices=SPEC_MODES)
-    spec_tokens: int = field_doc(4, "draft length k: tokens proposed per request and verified in one forward pass "
-                                 "over k+1 positions", ge=1)
-    spec_max_batch: int = field_doc(8, "speculate only while the instance's running batch is at most this (a verify "
-                                    "step costs about one decode step only while decode is memory-bound)", ge=1)
+    speculative: str = speculative_field()
+    spec_tokens: int = spec_tokens_field()
+    spec_max_batch: int = spec_max_batch_field()
 
 
 @dataclass

@@ -67,6 +67,7 @@ def runtime_options(cfg: DoraConfig, run_dir: Path, model_dir: Path, trainer_url
         checkpoint_dir=lambda v: checkpoint_dir(run_dir, v),
         stop_checkpoint_timeout_s=ctl.stop_checkpoint_timeout_s,
         routed_experts=cfg.algo.wants_routed_experts,
+        draft_siblings=cfg.rollout.speculative == "group",
     )
 
 
@@ -193,7 +194,11 @@ def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, mo
                                       out=run_dir / "eval.jsonl", path=cfg.data.eval_path)
     restorable = 0
     if state is not None:
-        runtime.load_state_dict(state)
+        from dora_megatron.observability.recorder import read_step_rows
+
+        # the recorder's rows of the steps done are steps.jsonl's (the launcher has cut the crashed
+        # lineage's lines after the checkpoint); controller.json keeps only their count
+        runtime.load_state_dict(state, read_step_rows(run_dir / "steps.jsonl", int(state.get("steps_done", 0))))
     if journal is not None:
         if state is not None:  # what the crashed lineage finished after this checkpoint, then start anew
             from dora_megatron.controller.journal import read_journal

@@ -69,6 +69,16 @@ class EngineReply:
 
 
 @dataclass(frozen=True)
+class SampleProgress:
+    """A running request of ``sample_id`` has generated ``tokens`` so far. The simulator's instance
+    model knows it (and reports it before it moves or re-tags requests, for the re-prefill count and
+    the choice of cheap requests to move); the runtime's engines do not report it."""
+
+    sample_id: str
+    tokens: int
+
+
+@dataclass(frozen=True)
 class Replayed:
     """A sample the journal restored was submitted: it is finished already."""
 
@@ -159,7 +169,7 @@ class Stop:
     """Wakes the loop when the run ends (every step done, or an error)."""
 
 
-Event = (Start | Resume | EngineReply | Replayed | InstanceStats | Tick | SwitchDone | MigrationDone | MigrationFailed
+Event = (Start | Resume | EngineReply | SampleProgress | Replayed | InstanceStats | Tick | SwitchDone | MigrationDone | MigrationFailed
          | InstanceFailed | InstanceJoined | TrainerDone | CheckpointSaved | Stop)
 
 
@@ -225,43 +235,31 @@ class Executor(ActionHandler, Protocol):
     def step_boundary(self) -> bool: ...
 
 
-# ---------------------------------------------------------------------------------------- the loop
-class ControllerLoop:
-    """Reads ``events`` until ``done`` is set; the only caller of the orchestrator's event methods."""
+# ---------------------------------------------------------------------------------------- the mapping
+class EventMapping:
+    """The one mapping from events to orchestrator calls, without a queue: what the controller loop
+    does in a turn, and what the simulator (``sim/engine.py``) does with each event of its virtual
+    clock. WHY one mapping: the simulator is to predict what ``dora train`` does, so it must feed
+    the orchestrator exactly as the runtime does (the same bookkeeping hooks, the same calls, the
+    end of the run decided at the same point)."""
 
-    def __init__(self, orch: Any, executor: Executor, events: EventQueue, done: asyncio.Event) -> None:
+    def __init__(self, orch: Any, executor: Executor) -> None:
         self.orch = orch
         self.executor = executor
-        self.events = events
-        self.done = done
-
-    async def run(self) -> None:
-        try:
-            while not self.done.is_set():
-                event, fut, origin = await self.events.get()
-                if fut is not None and fut.done():
-                    continue  # its task was cancelled before the event was applied: withdrawn
-                try:
-                    self.step(event, origin)
-                except BaseException as err:
-                    if fut is not None and not fut.done():
-                        fut.cancel()
-                    raise err
-                if fut is not None and not fut.done():
-                    fut.set_result(None)
-        finally:
-            self.events.close()  # what reports from now on is never applied: its task is cancelled
 
     def step(self, event: Event, origin: asyncio.Task | None = None) -> None:
         """One turn: ``event`` -> orchestrator -> actions -> executor."""
-        actions = self.feed(event, origin)
+        self.act(self.feed(event, origin))
+
+    def act(self, actions: list[Action]) -> None:
+        """Hand ``actions`` (what :meth:`feed` returned) to the executor."""
         if actions:
             self.executor.execute(actions)
             for a in actions:  # the orchestrator accounts re-prefill against the prompt's length
                 if isinstance(a, Dispatch):
                     self.orch.set_prompt_tokens(a.group_id, self.executor.prompt_tokens(a.group_id))
 
-    def feed(self, event: Event, origin: asyncio.Task | None) -> list[Action]:
+    def feed(self, event: Event, origin: asyncio.Task | None = None) -> list[Action]:
         """The event's bookkeeping in the executor, then the orchestrator call it maps to."""
         ex, orch = self.executor, self.orch
         if isinstance(event, Start):
@@ -282,6 +280,8 @@ class ControllerLoop:
             # every version that produced its tokens, as the engines said (the orchestrator alone counts C1)
             orch.on_sample_versions(event.sample_id, ex.sample_versions(event.sample_id))
             return orch.on_sample_finished(event.sample_id, tokens=tokens, now=event.end)
+        if isinstance(event, SampleProgress):
+            return orch.on_sample_progress(event.sample_id, event.tokens)
         if isinstance(event, Replayed):
             tokens = ex.replayed(event.sample_id)
             orch.on_sample_versions(event.sample_id, ex.sample_versions(event.sample_id))
@@ -326,3 +326,31 @@ class ControllerLoop:
         if self.executor.step_boundary():
             return []  # the last step: the run ends
         return self.orch.on_step_finished(version)
+
+
+# ---------------------------------------------------------------------------------------- the loop
+class ControllerLoop(EventMapping):
+    """Reads ``events`` until ``done`` is set; the only caller of the orchestrator's event methods
+    in a run (:class:`EventMapping` is the mapping)."""
+
+    def __init__(self, orch: Any, executor: Executor, events: EventQueue, done: asyncio.Event) -> None:
+        super().__init__(orch, executor)
+        self.events = events
+        self.done = done
+
+    async def run(self) -> None:
+        try:
+            while not self.done.is_set():
+                event, fut, origin = await self.events.get()
+                if fut is not None and fut.done():
+                    continue  # its task was cancelled before the event was applied: withdrawn
+                try:
+                    self.step(event, origin)
+                except BaseException as err:
+                    if fut is not None and not fut.done():
+                        fut.cancel()
+                    raise err
+                if fut is not None and not fut.done():
+                    fut.set_result(None)
+        finally:
+            self.events.close()  # what reports from now on is never applied: its task is cancelled

@@ -19,7 +19,8 @@ class Engine(Protocol):
     """The subset of :class:`~dora_megatron.comm.engine_client.EngineClient` the runtime uses."""
 
     async def generate(self, input_ids, sampling_params=None, *, rid=None, return_logprob=True, version=None,
-                       **kw): ...  # routed_experts=True when routing replay is on (omitted otherwise)
+                       **kw): ...  # routed_experts=True when routing replay is on, draft_sources with
+    # rollout.speculative=group (each omitted otherwise)
     async def abort(self, rid: str = "", abort_all: bool = False) -> bool: ...
     async def server_info(self) -> dict[str, Any]: ...
     async def update_weights_from_disk(self, model_path: str, weight_version=None) -> dict[str, Any]: ...
@@ -27,6 +28,7 @@ class Engine(Protocol):
     async def export_request(self, rid: str) -> bytes: ...
     async def import_request(self, blob: bytes): ...
     async def weights_checksum(self) -> str: ...
+    async def add_draft_sources(self, rid: str, sources: list[list[int]]) -> bool: ...  # speculative=group only
 
 
 class LoadReports(Protocol):
@@ -102,6 +104,7 @@ class RuntimeOptions:
     checkpoint_dir: Callable[[int], str] | None = None  # version -> checkpoint directory (None: no checkpoints)
     stop_checkpoint_timeout_s: float = 300.0  # a stop request waits this long for the next step boundary
     routed_experts: bool = False  # ask engines for routed experts and hand them to the trainer (algo.routing_replay)
+    draft_siblings: bool = False  # send each request its group's finished siblings (rollout.speculative=group)
 
 
 @dataclass

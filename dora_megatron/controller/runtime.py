@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import time
 import zlib
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from dora_megatron.controller.loop import (CheckpointSaved, ControllerLoop, EngineReply, EventQueue, InstanceFailed,
                                            InstanceJoined, InstanceStats, MigrationDone, MigrationFailed, Replayed,
@@ -48,6 +48,8 @@ from dora_megatron.orchestrator import (Dispatch, Interrupt, Migrate, Orchestrat
 from dora_megatron.observability.recorder import MetricsRecorder
 from dora_megatron.observability.rollout_dump import RolloutDumper
 from dora_megatron.observability.summary import RunTotals
+from dora_megatron.controller.siblings import finished_sources, push_source, running_targets
+from dora_megatron.rollout.speculation import speculation_summary
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +201,7 @@ class Runtime:
         self.checksum_off: set[str] = set()
         #: instances whose answers carry no routed_experts although asked for (same rule)
         self.routed_experts_off: set[str] = set()
+        self.spec_stats: dict[str, dict[str, Any]] = {}  # each embedded instance's latest speculation counters
         self.weight_sync_timeouts = 0
         #: calls that failed for a shortage of the controller's own process (EMFILE, ENOBUFS, a
         #: full pool): retried or re-queued, never counted against the instance
@@ -443,7 +446,9 @@ class Runtime:
             try:
                 resp = await engine.generate(rec.prompt_ids + rec.output_ids, self._sampling(rec), rid=a.sample_id,
                                              return_logprob=True, version=a.version,
-                                             **({"routed_experts": True} if self.opt.routed_experts else {}))
+                                             **({"routed_experts": True} if self.opt.routed_experts else {}),
+                                             **({"draft_sources": finished_sources(rec, self._siblings(rec))}
+                                                if self.opt.draft_siblings else {}))
                 break
             except VersionMismatch as err:
                 # the engine's C1 guard refused it (it holds another version): nothing ran, re-queue it
@@ -476,6 +481,9 @@ class Runtime:
                 return
         self._refusal_streak.pop(a.instance, None)
         await self.events.report(EngineReply(a.sample_id, a.instance, resp, start, self.now()))
+
+    def _siblings(self, rec: SampleRecord) -> list[SampleRecord | None]:
+        return [self.samples.get(s) for s in self.groups[rec.group_id].sample_ids]
 
     def _out_of_step(self, instance: str, version: int) -> bool:
         """Whether ``instance`` has now refused :data:`OUT_OF_STEP_REFUSALS` requests in a row routed
@@ -522,6 +530,9 @@ class Runtime:
                             "routed_experts_unavailable)", instance)
         rec.finished = True
         rec.finish_reason = reason
+        if self.opt.draft_siblings:
+            targets = running_targets(rec, self._siblings(rec))
+            self._spawn(push_source(self.engines, targets, rec.prompt_ids + rec.output_ids), f"drafts-{rec.sample_id}")
         self.samples_finished += 1
         if instance in self._rejoined:
             self.samples_after_rejoin += 1
@@ -1077,73 +1088,83 @@ class Runtime:
         self._spawn(drive(), f"controller-state-v{version}")
 
     def state_dict(self, version: int, orchestrator_snapshot: dict[str, Any]) -> dict[str, Any]:
-        """The controller part of a checkpoint: outstanding groups and their samples (unfinished ones
-        restart from their prompt), counters, the number of steps done; not the step logs (steps.jsonl
-        has them) nor the consumed groups' ids."""
-        unconsumed = list(self.groups.values())  # consumed ones were forgotten at release
-        samples = []
+        """The controller part of a checkpoint, sized by outstanding work (DESIGN section 5.5): the
+        outstanding groups' prompts, the finished samples' outputs, counters, the number of steps done.
+
+        WHY nothing per step: the step logs and the metrics recorder's per-step rows are
+        ``steps.jsonl``'s (:meth:`load_state_dict` takes them back from it), and the orchestrator
+        snapshot already lists every outstanding group and sample with its version and ids; what is
+        kept here is only what it does not hold (prompt and output tokens, rewards). Unfinished
+        samples restart from their prompt on their own version (C1), so they need no entry."""
         groups = []
-        for g in unconsumed:
-            # a group's version and sample ids are the orchestrator snapshot's (stored once, there);
+        samples = []
+        for g in self.groups.values():  # consumed ones were forgotten at release
             # its prompt ids once per group (every sample of it has the same prompt)
             groups.append({"group_id": g.group_id, "prompt_index": g.prompt.index,
                            "prompt_ids": self.samples[g.sample_ids[0]].prompt_ids})
             for sid in g.sample_ids:
                 r = self.samples[sid]
-                done = r.finished and not r.replay_pending  # a pending replay is unfinished for the orchestrator
+                if not r.finished or r.replay_pending:  # a pending replay is unfinished for the orchestrator
+                    continue
                 samples.append({
-                    "sample_id": r.sample_id, "version": r.version, "finished": done,
-                    "reward": r.reward if done else None,
-                    # unfinished samples restart from their prompt on their own version (C1)
-                    "output_ids": r.output_ids if done else [],
-                    "logprobs": r.logprobs if done else [],
-                    "versions": sorted(r.versions) if done else [],
-                    **({"routed_experts": r.routed_experts} if done and r.routed_experts is not None else {}),
-                    **({"finish_reason": r.finish_reason} if done and r.finish_reason is not None else {}),
+                    "sample_id": r.sample_id, "reward": r.reward, "output_ids": r.output_ids,
+                    "logprobs": r.logprobs, "versions": sorted(r.versions),
+                    **({"routed_experts": r.routed_experts} if r.routed_experts is not None else {}),
+                    **({"finish_reason": r.finish_reason} if r.finish_reason is not None else {}),
                 })
+        # the checksums an instance may still load after a resume: the versions of outstanding work
+        # and the newest (older ones are never switched to again)
+        oldest = min((int(g["version"]) for g in orchestrator_snapshot["groups"]), default=version)
         return {
-            "format": 1, "version": version, "pending_step_finished": version,
+            "format": 2, "version": version, "pending_step_finished": version,
             "next_prompt": self.next_prompt, "wall_s": self.now(),
             "orchestrator": orchestrator_snapshot,
             "groups": groups, "samples": samples,
             "steps_done": self.steps_done,
             "metrics": self.metrics.state_dict(), "migrated_bytes": self.migrated_bytes,
             "migrations_done": self.migrations_done, "migrations_fallback": self.migrations_fallback,
-            "expected_checksums": {str(k): v for k, v in self.expected_checksums.items()},
+            "expected_checksums": {str(k): v for k, v in self.expected_checksums.items() if k >= min(oldest, version)},
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], step_rows: Sequence[dict[str, Any]] = ()) -> None:
         """Continue from :meth:`state_dict`: unfinished samples of unconsumed groups are re-run on
-        their own version; every instance is fresh and is switched to the version it is given."""
+        their own version; every instance is fresh and is switched to the version it is given.
+        ``step_rows``: the metrics recorder's rows of the steps done, as ``steps.jsonl`` has them
+        (:func:`~dora_megatron.observability.recorder.read_step_rows`; the summary of the resumed
+        run covers the whole run)."""
         self.next_prompt = int(state["next_prompt"])
         self._wall_offset = float(state["wall_s"])
-        # version and sample ids of a group from the orchestrator's snapshot (an older controller.json
-        # also has them in its own group entries, and the prompt ids in every sample entry)
+        # a group's version and sample ids, a sample's version: the orchestrator snapshot's (an older
+        # controller.json also has them in its own entries, and the prompt ids in every sample entry)
         orch_groups = {g["group_id"]: g for g in state["orchestrator"]["groups"]}
-        placed: dict[str, tuple[str, int, list[int]]] = {}  # sample id -> (group id, index, prompt ids)
+        orch_samples = {s["sample_id"]: s for s in state["orchestrator"]["samples"]}
         for g in state["groups"]:
             og = orch_groups.get(g["group_id"], g)
             prompt = self.source.get(int(g["prompt_index"]))
             sample_ids = tuple(g.get("sample_ids", og["sample_ids"]))
-            self.groups[g["group_id"]] = GroupRecord(g["group_id"], int(g.get("version", og["version"])), prompt,
-                                                     sample_ids, 0.0)
+            version = int(g.get("version", og["version"]))
+            self.groups[g["group_id"]] = GroupRecord(g["group_id"], version, prompt, sample_ids, 0.0)
             for i, sid in enumerate(sample_ids):
-                placed[sid] = (g["group_id"], i, g.get("prompt_ids"))
+                self.samples[sid] = SampleRecord(sid, g["group_id"], i, int(orch_samples.get(sid, og).get("version", version)),
+                                                 list(g.get("prompt_ids") or ()))
         for d in state["samples"]:
-            group_id, index, prompt_ids = placed[d["sample_id"]]
-            rec = SampleRecord(d["sample_id"], d.get("group_id", group_id), int(d.get("index", index)), int(d["version"]),
-                               list(d["prompt_ids"] if "prompt_ids" in d else prompt_ids),
-                               output_ids=list(d["output_ids"]), logprobs=list(d["logprobs"]),
-                               versions=set(d["versions"]), reward=d["reward"], finished=bool(d["finished"]),
-                               routed_experts=d.get("routed_experts"), finish_reason=d.get("finish_reason"))
-            self.samples[rec.sample_id] = rec
+            rec = self.samples[d["sample_id"]]
+            if "prompt_ids" in d:  # an older controller.json: the prompt ids in every sample entry
+                rec.prompt_ids = list(d["prompt_ids"])
+            if "version" in d:  # an older controller.json: every sample, with its version
+                rec.version = int(d["version"])
+            if not d.get("finished", True):
+                continue
+            rec.output_ids, rec.logprobs = list(d["output_ids"]), list(d["logprobs"])
+            rec.versions, rec.reward, rec.finished = set(d["versions"]), d["reward"], True
+            rec.routed_experts, rec.finish_reason = d.get("routed_experts"), d.get("finish_reason")
         # consumed groups are not carried (consumed.jsonl lists them; an older controller.json's
         # "consumed" is ignored): the restored orchestrator has forgotten them, so none can be
         # released again
         # the step logs themselves are steps.jsonl's (an older controller.json's "steps" list: its length)
         self.steps_done = int(state["steps_done"]) if "steps_done" in state else len(state["steps"])
         if "metrics" in state:  # absent in checkpoints written before the recorder: the summary then starts anew
-            self.metrics.load_state_dict(state["metrics"])
+            self.metrics.load_state_dict(state["metrics"], rows=step_rows)
         self.migrated_bytes = int(state["migrated_bytes"])
         self.migrations_done = int(state["migrations_done"])
         self.migrations_fallback = int(state["migrations_fallback"])
@@ -1192,6 +1213,8 @@ class Runtime:
             return  # alive, but it reports no loads (no /v1/loads): the orchestrator's own count stands
         running = int(info.get("num_running_reqs", info.get("running", 0)) or 0)
         kv = float(info.get("kv_usage", info.get("token_usage", 0.0)) or 0.0)
+        if "spec_verify_steps" in info:
+            self.spec_stats[iid] = info
         self.events.post(InstanceStats(iid, running, kv, engine))  # the loop drops it if failed/replaced meanwhile
 
     async def _apply_reports(self, reports: dict[Any, Any], chunk: int = 128) -> None:
@@ -1319,6 +1342,7 @@ class Runtime:
         out["checksum_mismatches"] = self.checksum_mismatches
         out["checksum_unavailable"] = len(self.checksum_off)
         out["routed_experts_unavailable"] = len(self.routed_experts_off)
+        out["speculation"] = speculation_summary(self.spec_stats.values())
         out["version_refusals"] = self.version_refusals
         out["weight_push_bytes"] = self.pushed_bytes
         out["instances"] = sorted(self.engines)  # every instance that was in the pool (joined ones too)

@@ -9,7 +9,8 @@ the version it assigns (``Orchestrator.on_instance_joined``). Failed instances n
 the runtime's stats loop fails an instance whose ``/get_server_info`` errors or times out, and the
 orchestrator re-runs its requests on their own version. An instance that its node's launcher
 restarted (same name, same URL) asks again with a higher ``attempt``: the controller then treats
-the old process as failed (if it had not noticed yet) and adds the new one.
+the old process as failed (if it had not noticed yet) and adds the new one; a restart made before
+the run started (the request carries its time) replaced nothing the run used, and fails no one.
 
 The controller also touches ``<join_dir>/controller.alive`` at every poll: a joining node that sees
 no fresh heartbeat gives up after ``cluster.join_timeout_s`` instead of holding its node forever.
@@ -34,6 +35,8 @@ class JoinRequest:
     url: str
     gpus: int = 1
     attempt: int = 0  # restarts of this instance by its node's launcher
+    #: wall time (``time.time()``) of the node's restart behind ``attempt`` (None: a first announcement)
+    restarted_at: float | None = None
 
 
 HEARTBEAT = "controller.alive"
@@ -61,7 +64,10 @@ def write_join_request(join_dir: str | Path, req: JoinRequest) -> Path:
     if "#" in req.name or "/" in req.name:
         raise ValueError(f"instance name {req.name!r} may not contain '#' or '/'")
     tmp = d / f".{req.name}.json.tmp"
-    tmp.write_text(json.dumps({"name": req.name, "url": req.url, "gpus": req.gpus, "attempt": req.attempt}))
+    body = {"name": req.name, "url": req.url, "gpus": req.gpus, "attempt": req.attempt}
+    if req.restarted_at is not None:
+        body["restarted_at"] = req.restarted_at
+    tmp.write_text(json.dumps(body))
     os.replace(tmp, d / f"{req.name}.json")
     return d / f"{req.name}.json"
 
@@ -71,18 +77,25 @@ def read_join_requests(join_dir: str | Path) -> list[JoinRequest]:
     for p in sorted(Path(join_dir).glob("*.json")):
         try:
             d = json.loads(p.read_text())
-            out.append(JoinRequest(str(d["name"]), str(d["url"]), int(d.get("gpus", 1)), int(d.get("attempt", 0))))
-        except (OSError, ValueError, KeyError) as err:
+            at = d.get("restarted_at")
+            out.append(JoinRequest(str(d["name"]), str(d["url"]), int(d.get("gpus", 1)), int(d.get("attempt", 0)),
+                                   None if at is None else float(at)))
+        except (OSError, ValueError, KeyError, TypeError) as err:
             log.warning("ignoring malformed join request %s: %s", p, err)
     return out
 
 
 async def watch_joins(join_dir: str | Path, runtime: Any, make_engine: Callable[[JoinRequest], Any], *,
-                      poll_s: float = 5.0, probe: Callable[[Any], Awaitable[bool]] | None = None) -> None:
+                      poll_s: float = 5.0, probe: Callable[[Any], Awaitable[bool]] | None = None,
+                      started_at: float | None = None) -> None:
     """Forever (until cancelled): add every new join request's instance to ``runtime``.
 
     ``probe(engine)`` (default: ``server_info()`` answers) must succeed before the instance is added;
-    one that does not answer is retried at the next poll."""
+    one that does not answer is retried at the next poll. ``started_at``: the wall time from which
+    the controller sends work to the instances (its start-up wait is over). A restart its node made
+    before then (an instance that died while the job started) left nothing to lose: the process the
+    run started with at that URL is the restarted one, so a live instance is not failed for it; the
+    request stays pending and brings the instance back if it fails later."""
     seen: set[tuple[str, int]] = set()
     while True:
         touch_heartbeat(join_dir)
@@ -91,6 +104,8 @@ async def watch_joins(join_dir: str | Path, runtime: Any, make_engine: Callable[
             live = req.name in runtime.engines and not runtime.is_failed(req.name)  # O(1) per request
             if key in seen or (live and req.attempt == 0):
                 seen.add(key)
+                continue
+            if live and None not in (started_at, req.restarted_at) and req.restarted_at < started_at:
                 continue
             engine = make_engine(req)
             try:

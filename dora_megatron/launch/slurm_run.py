@@ -178,6 +178,7 @@ class NodeEngines:
 
             self.switches = RestartRequests(procs, restart_dir(run_dir), pin_root_of(procs))
         self.attempts = {n: 0 for n in self.names}
+        self.restarted_at: dict[str, float] = {}  # wall time of each instance's last restart (join requests carry it)
         self.pending = {n: time.monotonic() + cfg.rollout.startup_timeout_s for n in self.names} if announce_first else {}
         self.given_up: set[str] = set()
 
@@ -201,7 +202,8 @@ class NodeEngines:
                 if name in self.pending and _healthy(self.plan.engine_urls[name] + self.health):
                     del self.pending[name]
                     write_join_request(self.join_dir, JoinRequest(name, self.plan.engine_urls[name],
-                                                                  self.plan.engine_gpus[name], self.attempts[name]))
+                                                                  self.plan.engine_gpus[name], self.attempts[name],
+                                                                  self.restarted_at.get(name)))
                     _say(f"{name} on {self.node} ready at {self.plan.engine_urls[name]}: join requested "
                          f"(attempt {self.attempts[name]})")
                 continue
@@ -217,6 +219,7 @@ class NodeEngines:
             _say(f"{name} on {self.node} {why}: restarting it (attempt {self.attempts[name]} of "
                  f"{self.cfg.launch.max_engine_restarts}), log {child.log_path}")
             self.procs.restart(name)
+            self.restarted_at[name] = time.time()
             self.pending[name] = time.monotonic() + self.cfg.rollout.startup_timeout_s
 
 
@@ -379,8 +382,9 @@ async def _controller(cfg: DoraConfig, plan: ClusterPlan, run_dir: Path, model_d
     def make(req):  # a joining instance gets the same client as the planned ones
         return engine_for(cfg, req.url, str(model_dir), run_dir=run_dir)
 
-    def start_watcher(runtime) -> None:
-        asyncio.get_running_loop().create_task(watch_joins(join_dir, runtime, make, poll_s=cfg.cluster.join_poll_s))
+    def start_watcher(runtime) -> None:  # before the runtime runs: no instance has been given work yet
+        asyncio.get_running_loop().create_task(watch_joins(join_dir, runtime, make, poll_s=cfg.cluster.join_poll_s,
+                                                           started_at=time.time()))
 
     # ``node``: instances on this node are restarted by the controller's own supervisor at their URL
     return await run_controller(cfg, Endpoints(dict(plan.engine_urls), plan.trainer_url), run_dir, model_dir, procs,

@@ -22,13 +22,17 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import json
+import logging
 import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO, Any, Mapping, Sequence
 
 from dora_megatron.observability.routing import routing_summary
 from dora_megatron.observability.trainer_perf import TRAINER_PERF_KEYS, trainer_perf_summary
 from dora_megatron.observability.summary import SUMMARY_FIELDS, RunTotals, StepRecord, build_summary
+
+log = logging.getLogger(__name__)
 
 #: duration kinds the recorder integrates over step intervals
 INSTANCE, WEIGHT_SYNC, REBALANCE, BUSY_SLOT, TRAINER_SYNC = "instance", "weight_sync", "rebalance", "busy_slot", "trainer_sync"
@@ -214,7 +218,10 @@ class MetricsRecorder:
         self.last = self._scalars(row, rewards, sorted(response_lengths), live_versions,
                                   (migrations, migrated_kv_bytes, reprefill_tokens))
         for sink in self.sinks:
-            sink.scalars(step, self.last)
+            if isinstance(sink, StepsJsonl):  # the run's step record: the row goes with its scalars
+                sink.step(step, self.last, dataclasses.asdict(row))
+            else:
+                sink.scalars(step, self.last)
         return self.last
 
     # ------------------------------------------------------------------ outputs
@@ -250,13 +257,17 @@ class MetricsRecorder:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        """The steps so far (a resumed run's summary covers the whole run); open spans are not kept:
-        a resumed run starts fresh instances."""
-        return {"rows": [dataclasses.asdict(r) for r in self.rows], "tail": dict(self._tail)}
+        """What a checkpoint keeps of the recorder: the seconds after the last step's end. Not the
+        per-step rows (they grow with the run): :class:`StepsJsonl` writes each with its step's line,
+        and a resumed run takes them back from there (:func:`read_step_rows`). Open spans are not
+        kept: a resumed run starts fresh instances."""
+        return {"tail": dict(self._tail)}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], rows: Sequence[Mapping[str, Any]] = ()) -> None:
+        """Continue from :meth:`state_dict` and the rows of the steps done (``rows``; an older
+        checkpoint carries them in ``state["rows"]``)."""
         self.rows, self._ends, self._so_far = [], [], {}
-        for d in state["rows"]:
+        for d in state.get("rows", rows):
             self._close(StepRow(**d))
         self._tail = dict(state.get("tail", {}))
 
@@ -334,7 +345,9 @@ class MetricsRecorder:
 
 class StepsJsonl:
     """``steps.jsonl``: one JSON object per step, ``{"step": k, <every scalar>}``; a metric that does not
-    apply is null, never omitted (as in summary.json)."""
+    apply is null, never omitted (as in summary.json). Written by the recorder, a line also holds
+    the recorder's row of the step under :data:`ROW_KEY` (what a resumed run's summary needs of the
+    steps before its checkpoint; see :func:`read_step_rows`)."""
 
     def __init__(self, file: IO[str]) -> None:
         self.file = file
@@ -343,5 +356,35 @@ class StepsJsonl:
         self.file.write(json.dumps({"step": step, **values}) + "\n")
         self.file.flush()
 
+    def step(self, step: int, values: Mapping[str, Any], row: Mapping[str, Any]) -> None:
+        self.file.write(json.dumps({"step": step, **values, ROW_KEY: row}) + "\n")
+        self.file.flush()
+
     def close(self) -> None:
         self.file.close()
+
+
+#: the key of a ``steps.jsonl`` line that holds the recorder's row of its step
+ROW_KEY = "recorder_row"
+
+
+def read_step_rows(path: Path, steps: int) -> list[dict[str, Any]]:
+    """The recorder's rows of steps ``0 .. steps-1`` from a ``steps.jsonl`` (the newest line of a
+    step wins: a crashed lineage's lines of steps after the checkpoint are dropped before a resume,
+    but a file cut by hand may still hold them). A line torn by a crash, or one written without a
+    row, is skipped; a missing step is logged (the resumed run's summary then lacks it)."""
+    found: dict[int, dict[str, Any]] = {}
+    text = path.read_text() if path.is_file() else ""
+    for line in text.splitlines():
+        try:
+            entry = json.loads(line)
+            step = int(entry["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        if 0 <= step < steps and isinstance(entry.get(ROW_KEY), dict):
+            found[step] = entry[ROW_KEY]
+    missing = [k for k in range(steps) if k not in found]
+    if missing:
+        log.warning("%s: no recorder row for %d of the %d steps done (first: step %d): the summary of the "
+                    "resumed run leaves them out", path, len(missing), steps, missing[0])
+    return [found[k] for k in sorted(found)]

@@ -35,7 +35,7 @@ log = logging.getLogger("dora_megatron.shard_worker")
 #: what the controller may call on an engine (the runtime's Engine protocol and the SGLang extras)
 METHODS = frozenset({"generate", "abort", "server_info", "update_weights_from_disk", "supports", "export_request",
                      "import_request", "weights_checksum", "continue_generation", "instance_checksum",
-                     "weight_version", "pause", "flush_cache"})
+                     "weight_version", "pause", "flush_cache", "add_draft_sources"})
 
 
 class Worker:

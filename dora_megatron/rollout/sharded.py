@@ -169,6 +169,9 @@ class ProxyEngine:
     async def weights_checksum(self) -> str:
         return await self._call("weights_checksum")
 
+    async def add_draft_sources(self, rid: str, sources: list[list[int]]) -> bool:
+        return await self._call("add_draft_sources", rid, sources)
+
     async def instance_checksum(self) -> str | None:
         return await self._call("instance_checksum")
 

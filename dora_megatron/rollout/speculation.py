@@ -14,8 +14,9 @@ k+1 tokens cost about k+1 steps, and the rejected drafts are lost work; hence th
 from __future__ import annotations
 
 import math
+from typing import Any, Iterable, Mapping
 
-from dora_megatron.config.sim import SPEC_MODES
+from dora_megatron.config.rollout import SPEC_MODES
 
 
 def expected_tokens_per_verify(spec_tokens: int, acceptance: float) -> float:
@@ -44,3 +45,22 @@ def should_speculate(mode: str, running_batch: int, spec_max_batch: int) -> bool
     if mode not in SPEC_MODES:
         raise ValueError(f"rollout.speculative must be one of {', '.join(SPEC_MODES)}, got {mode!r}")
     return mode != "off" and 0 < running_batch <= spec_max_batch
+
+
+#: The embedded engine's cumulative speculation counters (``/get_server_info``, ``/v1/loads``).
+SPEC_COUNTERS = ("spec_verify_steps", "spec_draft_tokens", "spec_accepted_tokens", "spec_verify_tokens")
+
+
+def speculation_summary(stats: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """The job summary's ``speculation``: the counters summed over instances (each instance's
+    latest report), the draft tokens kept per verify step and the tokens a verify step yielded
+    (the simulator's :func:`expected_tokens_per_verify`, measured). A verify step counts once
+    per request that speculated in a forward pass."""
+    out: dict[str, Any] = {k: 0 for k in SPEC_COUNTERS}
+    for s in stats:
+        for k in SPEC_COUNTERS:
+            out[k] += int(s.get(k, 0) or 0)
+    steps = out["spec_verify_steps"]
+    out["accepted_tokens_per_step"] = out["spec_accepted_tokens"] / steps if steps else 0.0
+    out["tokens_per_verify_step"] = out["spec_verify_tokens"] / steps if steps else 0.0
+    return out

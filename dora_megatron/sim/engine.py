@@ -5,9 +5,11 @@ state machine; the real runtime turns its actions into HTTP calls and feeds back
 the trainer report. Here the *same object* is driven by a virtual clock: every action becomes a
 timed effect on a :class:`~dora_megatron.sim.instance.SimInstance` or on the simulated trainer,
 and every effect the runtime would report (sample finished, switch done, step finished, instance
-stats, clock ticks) is fed back through the orchestrator's public event methods. Orchestrator
-calls are deferred until the current action list is fully applied, so the driver honours the
-"execute in order" contract exactly like the runtime.
+stats, clock ticks) becomes the runtime's own event dataclass (``controller/loop.py``), fed to the
+orchestrator through the runtime's mapping (:class:`~dora_megatron.controller.loop.EventMapping`):
+the simulator is that mapping's executor on a virtual clock. Events are deferred until the current
+action list is fully applied, so the driver honours the "execute in order" contract exactly like
+the runtime.
 
 Placement (DESIGN section 3; paper section 5.0): *colocated* modes alternate every accelerator
 between rollout and training (instances pause while the trainer runs, and the role swap costs
@@ -31,9 +33,12 @@ import logging
 import time as _time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from dora_megatron.config.sim import SimConfig
+from dora_megatron.controller.loop import (EngineReply, Event, EventMapping, InstanceFailed, InstanceJoined,
+                                           InstanceStats, MigrationDone, SampleProgress, Start, SwitchDone, Tick,
+                                           TrainerDone)
 from dora_megatron.sim.cost import DecodeModel, kv_transfer_s
 from dora_megatron.sim.events import EventQueue
 from dora_megatron.sim.instance import PAUSED, READY, SWITCHING, SimInstance, SimRequest
@@ -120,6 +125,7 @@ class Simulation:
         factory = orchestrator_factory or Orchestrator
         # elastic instances are not in the pool until the trainer first waits
         self.orch = factory(self.ocfg, list(self.rollout_ids))
+        self.mapping = EventMapping(self.orch, self)  # the runtime's: events -> orchestrator calls
         self.elastic_in_pool = False
         # sample / group bookkeeping
         self.groups: dict[str, _GroupState] = {}
@@ -129,7 +135,11 @@ class Simulation:
         self.transit: dict[str, tuple[SimRequest, str]] = {}  # sid -> (req, dst)
         self.finished_ids: set[str] = set()
         self.trainer = _Trainer()
-        self._notes: deque[tuple[str, tuple[Any, ...]]] = deque()
+        #: sample id -> the versions that produced its tokens, once it crossed one (partial mode)
+        self.spans: dict[str, set[int]] = {}
+        #: what happened, in order, for after the action list being applied: events for the
+        #: orchestrator, or the simulator's own deferred steps (callables)
+        self._notes: deque[Event | Callable[[], None]] = deque()
         self._last_progress = 0.0
         self._last_stats = 0.0
         self.window_start: float | None = 0.0 if cfg.sim.warmup_steps == 0 else None
@@ -160,11 +170,12 @@ class Simulation:
         self._last_step_end = 0.0
 
     # ================================================================== orchestrator calls
-    def _call(self, name: str, *args: Any, **kw: Any) -> None:
-        fn = getattr(self.orch, name)
+    def _feed(self, event: Event) -> None:
+        """``event`` through the runtime's mapping, timed (the orchestrator's share of the run), then
+        its actions applied."""
         before = self.orch.counters.rebalances
         t = _time.perf_counter()
-        actions = fn(*args, **kw)
+        actions = self.mapping.feed(event)
         dt = _time.perf_counter() - t
         self.orch_calls += 1
         self.orch_wall_s += dt
@@ -176,15 +187,56 @@ class Simulation:
         # transfers it ordered start only after it
         self._rebalance_overhead_s = rebalances * self.cost.rebalance_overhead_s
         try:
-            self._apply(actions or [])
+            self.mapping.act(actions)
         finally:
             self._rebalance_overhead_s = 0.0
 
-    def _note(self, name: str, *args: Any) -> None:
-        self._notes.append((name, args))
+    def _note(self, item: Event | Callable[[], None]) -> None:
+        self._notes.append(item)
+
+    # ================================================================== the mapping's bookkeeping hooks
+    # (controller/loop.py::Executor): the simulator has no stale reports (it drops a stale switch or
+    # wake itself, and reports only instances in the pool), no journal and no checkpoints
+
+    def now(self) -> float:
+        return self.q.now
+
+    def prompt_tokens(self, group_id: str) -> int:
+        return self.groups[group_id].spec.prompt_tokens
+
+    def absorb(self, ev: EngineReply) -> int:
+        return int(ev.resp)  # the simulated answer is its length
+
+    def sample_versions(self, sample_id: str) -> Iterable[int]:
+        return self.spans.get(sample_id) or (self.reqs[sample_id].version,)
+
+    def replayed(self, sample_id: str) -> int:
+        raise SimProtocolError(f"replay of {sample_id}: the simulator keeps no journal")
+
+    def is_current(self, instance: str, engine: Any) -> bool:
+        return True
+
+    def switch_landed(self, ev: SwitchDone, origin: Any) -> bool:
+        return True
+
+    def mark_failed(self, ev: InstanceFailed, origin: Any) -> bool:
+        return True
+
+    def register(self, ev: InstanceJoined) -> bool:
+        return True
+
+    def record_step(self, ev: TrainerDone, live_versions: int) -> tuple[int, bool]:
+        return int(ev.result["version"]), False  # the step's metrics were recorded as it ended
+
+    def write_controller_state(self, version: int, orchestrator_snapshot: dict) -> None:
+        raise SimProtocolError(f"checkpoint v{version}: the simulator writes none")
+
+    def step_boundary(self) -> bool:
+        """The run's last step ended (the mapping then does not tell the orchestrator)."""
+        return self.trainer.steps_done >= self.cfg.sim.steps
 
     # ================================================================== actions
-    def _apply(self, actions: list[Any]) -> None:
+    def execute(self, actions: list[Any]) -> None:
         """The simulator is an :class:`~dora_megatron.orchestrator.ActionHandler`: one method per action."""
         try:
             perform(self, actions)
@@ -202,7 +254,6 @@ class Simulation:
         self.groups[a.group_id] = _GroupState(spec, a.version, tuple(a.sample_ids), dispatch_s=now)
         for sid, target in zip(a.sample_ids, spec.response_tokens):
             self.reqs[sid] = SimRequest(sid, a.group_id, a.version, spec.prompt_tokens, target)
-        self.orch.set_prompt_tokens(a.group_id, spec.prompt_tokens)
 
     def _inst(self, iid: str) -> SimInstance:
         inst = self.instances.get(iid)
@@ -244,8 +295,8 @@ class Simulation:
         if a.version != req.version:
             if req.generated > 0:
                 # partial mode: tokens from more than one version (C1 broken); the orchestrator
-                # hears it as the runtime's engines say it, and alone counts it
-                self._note("on_sample_versions", a.sample_id, (req.version, a.version))
+                # hears it with the answer, as the runtime's engines say it, and alone counts it
+                self.spans.setdefault(a.sample_id, set()).update((req.version, a.version))
             req.version = a.version
         self._sync(inst)
         if kv_kept and req.generated > 0 and inst.version == req.version:
@@ -296,7 +347,7 @@ class Simulation:
             prefill = req.prompt_tokens + req.generated
             if req.generated > 0:
                 self.reprefill_tokens += prefill
-                self._note("on_migration_done", a.sample_id, prefill)
+                self._note(MigrationDone(a.sample_id, prefill))
             if self._in_window():
                 self.migrations += 1
             self._sync(dst)
@@ -332,7 +383,7 @@ class Simulation:
             self.switch_s_total += dt
         self.metrics.weight_sync_started(a.instance, self.q.now, rebalance=a.rebalance)
         inst.switch_seq += 1
-        self.q.push(self.q.now + dt, SWITCH_DONE, (a.instance, a.version, inst.switch_seq))
+        self.q.push(self.q.now + dt, SWITCH_DONE, (a.instance, a.version, inst.switch_seq, self.q.now))
 
     def release_batch(self, a: ReleaseBatch) -> None:
         now = self.q.now
@@ -394,7 +445,7 @@ class Simulation:
             inst.version = None
             inst.mark(self.q.now, self.record_timeline)
             self.metrics.instance_joined(iid, self.q.now)
-            self._note("on_instance_joined", iid)
+            self._note(InstanceJoined(iid, engine=None))
 
     def _elastic_leave(self) -> None:
         self.elastic_in_pool = False
@@ -406,7 +457,7 @@ class Simulation:
             inst.mark(self.q.now, self.record_timeline)
             self.metrics.instance_left(iid, self.q.now)
             # drained when the note runs: Submits later in the current action list land here too
-            self._note("_elastic_fail", iid)
+            self._note(lambda iid=iid: self._elastic_fail(iid))
 
     def _elastic_fail(self, iid: str) -> None:
         inst = self.instances[iid]
@@ -420,7 +471,7 @@ class Simulation:
             self.where.pop(req.sample_id, None)
             self.held[req.sample_id] = (req, True)
         self._report_progress(moved)
-        self._call("on_instance_failed", iid)
+        self._feed(InstanceFailed(iid, "elastic instance left: the trainer needs its accelerators"))
 
     # ================================================================== events
     def _complete(self, req: SimRequest, inst: SimInstance) -> None:
@@ -432,7 +483,7 @@ class Simulation:
         if g.finished == len(g.sample_ids):
             g.complete_s = self.q.now
         self._last_progress = self.q.now
-        self._note("finished", sid, req.generated)
+        self._note(EngineReply(sid, inst.iid, req.generated, start=g.dispatch_s, end=self.q.now))
 
     def _on_wake(self, payload: tuple[str, int]) -> None:
         iid, epoch = payload
@@ -442,8 +493,8 @@ class Simulation:
         self._sync(inst, wake=True)
         self._touch(inst)
 
-    def _on_switch_done(self, payload: tuple[str, int, int]) -> None:
-        iid, version, seq = payload
+    def _on_switch_done(self, payload: tuple[str, int, int, float]) -> None:
+        iid, version, seq, start = payload
         inst = self.instances[iid]
         if inst.state != SWITCHING or seq != inst.switch_seq:
             return  # an elastic instance that left (and maybe rejoined) meanwhile
@@ -453,7 +504,7 @@ class Simulation:
         inst.t0 = self.q.now
         inst.epoch += 1
         inst.mark(self.q.now, self.record_timeline)
-        self._note("on_switch_done", iid, version)
+        self._note(SwitchDone(iid, version, engine=None, start=start, end=self.q.now))
 
     def _on_arrive(self, sid: str) -> None:
         entry = self.transit.pop(sid, None)
@@ -505,14 +556,13 @@ class Simulation:
                     inst.resume(now)
                     inst.epoch += 1
                     self._touch(inst)
-        if self.trainer.steps_done >= self.cfg.sim.steps:
-            # the run's last step: like the runtime (ControllerLoop._step_finished), the
-            # orchestrator does not hear of it, so it cannot release a batch nobody will train
-            return
-        if self.mode == "partial":
+        if self.mode == "partial" and not self.step_boundary():
             self._report_progress(self._running_requests())
-        self._note("on_step_finished", step + 1)
-        self._note("_maybe_elastic_join")
+        # the run's last step ends the run in the mapping (step_boundary): the orchestrator does
+        # not hear of it, so it cannot release a batch nobody will train
+        self._note(TrainerDone(step, {"version": step + 1}, start=now - cur["train_s"] - cur["sync_s"],
+                               train_s=cur["train_s"], batch=None))
+        self._note(self._maybe_elastic_join)
 
     def _maybe_elastic_join(self) -> None:
         if self.elastic_ids and not self.trainer.busy and not self.elastic_in_pool and self.trainer.steps_done < self.cfg.sim.steps:
@@ -533,8 +583,8 @@ class Simulation:
                 if kv >= wm:
                     # periodic engine report while over the watermark (what the runtime polls)
                     self._report_progress(inst.running.values())
-                    self._note("on_instance_stats", iid, inst.load, kv)
-        self._note("on_tick", now)
+                    self._note(InstanceStats(iid, inst.load, kv, engine=None))
+        self._note(Tick())
         self.q.push(now + self.cfg.sim.poll_interval_s, POLL)
 
     # ================================================================== helpers
@@ -554,7 +604,7 @@ class Simulation:
             if inst is not None and req.sample_id in inst.running:
                 gen = req.generated + (inst.steps_done - req.admit_step)
             if gen > 0:
-                self.orch.on_sample_progress(req.sample_id, gen)
+                self.mapping.step(SampleProgress(req.sample_id, gen))
 
     def _in_window(self) -> bool:
         return self.window_start is not None
@@ -582,14 +632,11 @@ class Simulation:
 
     def _drain(self) -> None:
         while self._notes:
-            name, args = self._notes.popleft()
-            if name == "finished":
-                sid, tokens = args
-                self._call("on_sample_finished", sid, tokens, now=self.q.now)
-            elif name.startswith("_"):
-                getattr(self, name)(*args)
+            item = self._notes.popleft()
+            if callable(item):
+                item()
             else:
-                self._call(name, *args)
+                self._feed(item)
 
     # ================================================================== run
     def run(self) -> SimResult:
@@ -599,7 +646,7 @@ class Simulation:
             inst.mark(0.0, self.record_timeline)
         for iid in self.rollout_ids:
             self.metrics.instance_joined(iid, 0.0)
-        self._call("start")
+        self._feed(Start())
         self._drain()
         self._maybe_elastic_join()
         self._drain()

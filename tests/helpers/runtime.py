@@ -3,13 +3,16 @@ and checks a finished run's batches; shared by the controller, observability and
 
 from __future__ import annotations
 
+import json
+
 from dora_megatron.config.orchestrator import OrchestratorConfig
 from dora_megatron.controller.records import RuntimeOptions
 from dora_megatron.controller.runtime import Runtime
 from dora_megatron.data import tokenizer as tok
 from dora_megatron.data.tasks import RunningSumTask, running_sum_reward
+from dora_megatron.observability.recorder import MetricsRecorder, StepsJsonl, read_step_rows
 from dora_megatron.orchestrator import Orchestrator
-from tests.unit.controller.fakes import FakeEngine, FakeTrainer
+from tests.helpers.fakes import FakeEngine, FakeTrainer
 
 
 def make(mode="dora", n=3, steps=6, tbs=4, rbs=8, S=2, G=2, migration=True, token_s=0.001, tmp_path=None,
@@ -24,8 +27,26 @@ def make(mode="dora", n=3, steps=6, tbs=4, rbs=8, S=2, G=2, migration=True, toke
                           checkpoint_interval=2 if tmp_path else 0,
                           checkpoint_dir=(lambda v: str(tmp_path / f"ck{v}")) if tmp_path else None)
     task = RunningSumTask(1, 30, 1.2, seed=1)
-    rt = Runtime(Orchestrator(cfg, names), engines, trainer, task, running_sum_reward, opts)
+    orchestrator = Orchestrator(cfg, names)
+    metrics = None
+    if tmp_path is not None:  # a checkpointing run keeps its step record, as the launcher's does
+        tmp_path.mkdir(parents=True, exist_ok=True)
+        sink = StepsJsonl(open(tmp_path / "steps.jsonl", "a"))
+        metrics = MetricsRecorder(slots_per_instance=opts.slots_per_instance, rebalancer=orchestrator.policy.rebalance,
+                                  sinks=[sink])
+    rt = Runtime(orchestrator, engines, trainer, task, running_sum_reward, opts, metrics=metrics)
     return rt, engines, trainer
+
+
+def resume(rt, trainer, tmp_path, version: int) -> dict:
+    """Load checkpoint ``ck<version>`` of a run made by :func:`make` into the fresh ``rt``, as
+    ``build_controller`` does on ``--resume`` (orchestrator, runtime records, the recorder's rows
+    from steps.jsonl), with the trainer at that version; returns the checkpoint's state."""
+    state = json.loads((tmp_path / f"ck{version}" / "controller.json").read_text())
+    rt.orch = Orchestrator.restore(rt.orch.config, state["orchestrator"])
+    rt.load_state_dict(state, read_step_rows(tmp_path / "steps.jsonl", int(state["steps_done"])))
+    trainer.version = version
+    return state
 
 
 def check_run(rt, engines, trainer, steps, tbs, G):

@@ -21,7 +21,7 @@ def slurm_cluster(tmp_path_factory):
     under ``CI=true``, where that is a failure: CI installs them (``tools/install_slurm.sh``)."""
     import os
 
-    from tests.integration.slurm_cluster import SlurmCluster, ensure_hosts, missing_binaries
+    from tests.helpers.slurm_cluster import SlurmCluster, ensure_hosts, missing_binaries
 
     def unavailable(why: str):
         if os.environ.get("CI") == "true":

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from dora_megatron.rollout.engine.process import start_engine
-from tests import hf_dirs
+from tests.helpers import hf_dirs
 from tests.helpers.trainer_scenarios import run_scenario
 
 pytestmark = pytest.mark.integration

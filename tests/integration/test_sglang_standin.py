@@ -62,3 +62,49 @@ def test_standin_speaks_sglang_0_5_23(dummy_server, model_dir):
     assert status == 400 and body["success"] is False and "dummy" in body["message"]
     assert out["held"], "a paused server served a generate after a disk update"
     assert out["after"].weight_version == "3" and len(out["after"].output_ids) == 4
+
+
+def test_a_push_loads_the_target_and_leaves_the_eagle_draft_as_loaded(model_dir, tmp_path):
+    """dora's pushes name the target runner (``selector: target``): the draft of an EAGLE instance
+    keeps its weights, while a push under SGLang's default ``all`` hands it the target's tensors."""
+    from dora_megatron.models import hf_model_dir
+    from dora_megatron.models.presets import preset_config
+    from dora_megatron.ports import free_port
+    from dora_megatron.weights.distributed import DistributedWeightPusher
+
+    class AllRunners(SGLangClient):
+        weight_selector = "all"  # SGLang's default, which dora does not send
+
+    tensors = sorted(hf_model_dir.random_state_dict(preset_config("tiny-moe"), 5).items())
+    inst = start_standin(model_dir, tmp_path, name="eagle", extra_args=(
+        "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(tmp_path / "draft")))
+
+    async def draft_after_push(client: SGLangClient, version: int) -> tuple[str, str]:
+        pusher = DistributedWeightPusher({"e": client}, master_address="127.0.0.1", master_port=free_port(),
+                                         group_name=f"spec-{version}", backend="gloo", pause_mode="abort",
+                                         bucket_mb=64, timeout_s=20)
+        await pusher.connect()
+        try:
+            await pusher.push(version, tensors)
+        finally:
+            await pusher.disconnect()
+        async with aiohttp.ClientSession() as http:
+            async with http.post(inst.url + "/weights_checker", json={"action": "checksum"}) as r:
+                checksums = (await r.json())["ranks"][0]["checksums"]
+        version_now = await client.weight_version()
+        await client.close()
+        return checksums["draft.model"], version_now
+
+    async def go():
+        async with aiohttp.ClientSession() as http:
+            async with http.post(inst.url + "/weights_checker", json={"action": "checksum"}) as r:
+                start = (await r.json())["ranks"][0]["checksums"]["draft.model"]
+        return start, await draft_after_push(SGLangClient(inst.url), 1), await draft_after_push(AllRunners(inst.url), 2)
+
+    try:
+        start, (ours, v1), (all_runners, v2) = asyncio.run(go())
+    finally:
+        inst.stop()
+    assert (v1, v2) == ("1", "2")  # both pushes reached the target
+    assert ours == start  # selector target: the draft runner was not handed the target's tensors
+    assert all_runners != start  # the control: under "all" the stand-in's draft does receive them

@@ -14,13 +14,14 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.integration.slurm_cluster import FINISHED
+from tests.helpers.slurm_cluster import FINISHED
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -172,6 +173,51 @@ def test_multi_node_template_survives_a_killed_rollout_instance_on_another_node(
     assert (run_dir / "logs" / "n2" / "engine0.log").is_file()
 
 
+def _task_pid(job: str, node_id: int) -> int:
+    """The pid of ``dora train`` on node ``node_id`` of ``job`` (the srun task, not srun or the batch shell)."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+            env = dict(x.split(b"=", 1) for x in (d / "environ").read_bytes().split(b"\0") if b"=" in x)
+        except OSError:
+            continue
+        if (b"train" in argv and not argv[0].endswith(b"srun") and env.get(b"SLURM_JOB_ID") == job.encode()
+                and env.get(b"SLURM_NODEID") == str(node_id).encode()):
+            return int(d.name)
+    return 0
+
+
+def test_multi_node_job_starts_although_an_instance_on_another_node_dies_during_the_startup_wait(slurm_cluster, tmp_path):
+    """An instance that dies while the job starts does not end it, on a node other than the
+    controller's: the engine on n3 is SIGKILLed while the controller (n1) is frozen inside its
+    start-up wait (SIGSTOP, so the kill cannot land after the wait ended); n3 restarts it under
+    ``launch.max_engine_restarts``, the controller starts once it serves, every step once."""
+    job = slurm_cluster.sbatch(["--nodes=3", MULTI, CONFIG], cwd=tmp_path, env=_job_env())
+    run_dir = _run_dir(tmp_path, job)
+    engine = _wait(lambda: "waiting for 2 engines" in _output(tmp_path, job) and _pids_of(run_dir, b"serve", host="n3"),
+                   JOB_TIMEOUT_S, f"the start-up wait of job {job} and its engine on n3:\n{_output(tmp_path, job)[-3000:]}")
+    controller = _task_pid(job, 0)
+    assert controller, _output(tmp_path, job)[-3000:]
+    os.kill(controller, signal.SIGSTOP)
+    try:
+        before = _output(tmp_path, job)
+        assert "all processes healthy" not in before and "starting with" not in before, before[-3000:]
+        os.kill(engine[0], signal.SIGKILL)
+    finally:
+        os.kill(controller, signal.SIGCONT)
+    _finish(slurm_cluster, job, tmp_path)
+    summary = _check_run(run_dir)
+    out = _output(tmp_path, job)
+    restarted = out.find("engine1 on n3 exited with status -9: restarting it")
+    started = max(out.find("all processes healthy"), out.find("starting with"))
+    assert 0 <= restarted < started, out[-4000:]  # the kill and the restart came before the start
+    assert sorted(summary["instances"]) == ["engine0", "engine1"], summary
+    # the run started with the restarted process: its node's join request fails no one
+    assert summary["failed_instances"] == [] and "instance engine1 failed" not in out, (summary, out[-4000:])
+
+
 def test_single_node_job_restarts_a_killed_instance_on_the_controllers_node(slurm_cluster, tmp_path):
     """The controller's own node: its supervisor restarts the engine on its planned host and port
     (before: SLURM jobs had no restart, so the only engine failing ended the run FAILED)."""
@@ -231,6 +277,63 @@ def test_scancel_writes_failed_and_a_resumed_job_consumes_every_group_once(slurm
     groups = [g for s in range(steps) for g in lineage[s]]
     assert len(groups) == len(set(groups))
     _wait(lambda: not _procs_under(run_dir), 30, "exit of every process of the resumed job")
+
+
+def test_time_limit_warning_checkpoints_and_a_resumed_job_consumes_every_group_once(slurm_cluster, tmp_path):
+    """SLURM's time limit, not scancel: the template's ``--signal=B:USR1@N`` early warning makes the
+    job checkpoint at its next step boundary and exit (no interval checkpoints here: the only
+    checkpoint is the one the warning asked for); ``--resume`` as a new job completes, every step
+    recorded once, no ``Unclosed connector`` in any log.
+
+    WHY the limit is shortened once a step is trained (``scontrol update TimeLimit``): SLURM's time
+    unit is the minute and slurmctld tests limits every 30 s (the warning may come up to 60 s
+    early), so a limit given at submission cannot place the warning after a start-up whose length
+    depends on the machine's load. The signals still come from slurmctld on its own schedule."""
+    # far more steps than fit (the time limit ends the job); the LR schedule does not depend on
+    # run.steps, so the resumed job may ask for fewer (a schedule ending at run.steps is refused on resume)
+    sets = ["--set", "run.checkpoint_interval=0", "--set", "trainer.lr_decay=linear",
+            "--set", "trainer.lr_decay_steps=20000"]
+    job = slurm_cluster.sbatch(["--time=10", "--signal=B:USR1@60", SINGLE, CONFIG, "--set", "run.steps=10000", *sets],
+                               cwd=tmp_path, env=_job_env())
+    run_dir = _run_dir(tmp_path, job)
+    steps_file = run_dir / "steps.jsonl"
+    _wait(lambda: steps_file.exists() and steps_file.read_text().count("\n") >= 1, JOB_TIMEOUT_S,
+          f"first step of job {job}:\n{_output(tmp_path, job)[-3000:]}")
+    # the limit now ends 60-120 s from here: slurmctld sends the warning (60 s, +30 s for its test
+    # period) at its next test, and the time limit's SIGTERM would come a minute later
+    minutes = _field(slurm_cluster, job, "RunTime").split("-")[-1].split(":")
+    subprocess.run(["scontrol", "update", f"JobId={job}", f"TimeLimit={int(minutes[-3]) * 60 + int(minutes[-2]) + 2}"],
+                   check=True, env=slurm_cluster.env, timeout=30)
+    state = slurm_cluster.wait_state(job, FINISHED, 240)
+    first = _output(tmp_path, job)
+    failed = (run_dir / "FAILED").read_text()
+    assert "SIGUSR1" in failed and "time limit soon" in failed and "written" in failed, (state, failed, first[-3000:])
+    assert state in ("FAILED", "TIMEOUT"), state  # exited after the warning's checkpoint (status 138), or at the limit
+    version = max(int(p.parent.name.lstrip("v")) for p in run_dir.glob("checkpoints/*/controller.json"))
+    _wait(lambda: not _procs_under(run_dir), 60, "exit of every process of the time-limited job")
+
+    steps = version + 2
+    resumed = slurm_cluster.sbatch([SINGLE, CONFIG, "--set", f"run.steps={steps}", *sets, "--resume", str(run_dir)],
+                                   cwd=tmp_path, env=_job_env())
+    _finish(slurm_cluster, resumed, tmp_path)
+    assert (run_dir / "DONE").is_file() and (run_dir / f"FAILED.job{job}").is_file()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
+    records = [json.loads(x) for x in (run_dir / "consumed.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(steps))  # each step once, across both jobs
+    groups = [g for r in records for g in r["groups"]]
+    assert len(groups) == len(set(groups))
+    logs = {f"dora-{job}.out": first, f"dora-{resumed}.out": _output(tmp_path, resumed),
+            **{str(p): p.read_text(errors="replace") for p in (run_dir / "logs").rglob("*.log")}}
+    assert [name for name, text in logs.items() if "Unclosed connector" in text] == []
+    _wait(lambda: not _procs_under(run_dir), 30, "exit of every process of the resumed job")
+
+
+def _field(cluster, job: str, name: str) -> str:
+    """One ``Name=value`` field of ``scontrol show job``."""
+    out = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True, env=cluster.env,
+                         timeout=30).stdout
+    return next(x.split("=", 1)[1] for x in out.split() if x.startswith(name + "="))
 
 
 def test_joiner_pointed_at_a_dead_run_exits_with_a_message_within_its_bound(slurm_cluster, tmp_path):

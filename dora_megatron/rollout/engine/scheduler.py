@@ -12,6 +12,15 @@ KV blocks and their ``on_done`` callback receives the SGLang-shaped response dic
 
 A request's KV holds every token except the last sampled one; the next step feeds that token.
 This invariant is what export/import carry, so a migrated request continues without re-prefill.
+
+Speculative decoding (``SchedulerLimits.speculative``): while
+:func:`~dora_megatron.rollout.speculation.should_speculate` allows it for the running batch, a
+decoding request feeds its last token plus a draft of up to ``spec_tokens`` tokens
+(:mod:`~dora_megatron.rollout.engine.drafter`) in the same ragged forward; the draft is verified
+by :func:`~dora_megatron.rollout.engine.sampler.verify_draft`, and the KV positions of rejected
+draft tokens are dropped again, so the invariant above holds after every step and the blocks a
+request reserved at admission still bound its cache (a draft never reaches past the request's
+remaining token budget).
 """
 
 from __future__ import annotations
@@ -25,10 +34,12 @@ from typing import Any, Callable
 
 import torch
 
+from dora_megatron.rollout.engine.drafter import propose_draft, sibling_source
 from dora_megatron.rollout.engine.kv_cache import BlockPool, RequestKV, blocks_for
 from dora_megatron.rollout.engine.model import CausalLM
 from dora_megatron.rollout.engine.routing_trace import RoutingTrace, split_step_routing
-from dora_megatron.rollout.engine.sampler import make_generator, sample_token
+from dora_megatron.rollout.engine.sampler import make_generator, sample_token, verify_draft
+from dora_megatron.rollout.speculation import should_speculate
 from dora_megatron.comm.protocol import (
     ProtocolError,
     SamplingParams,
@@ -40,6 +51,9 @@ from dora_megatron.comm.protocol import (
 log = logging.getLogger(__name__)
 
 EXPORT_FORMAT = "dora-request-v1"
+#: sibling sequences a request keeps for drafting (the newest); a group is rarely larger, and each
+#: source costs a scan per verify step
+MAX_DRAFT_SOURCES = 16
 DoneCallback = Callable[[dict[str, Any]], None]
 
 
@@ -62,6 +76,8 @@ class Request:
     #: (old version, output tokens made so far) at each weight change the request lived through
     version_changes: list[tuple[str, int]] = field(default_factory=list)
     routing: RoutingTrace | None = None  # set when the request asks for return_routed_experts
+    #: token ids (prompt + output) of the group's finished siblings: drafts for speculative=group
+    draft_sources: list[list[int]] = field(default_factory=list)
 
     @property
     def tokens(self) -> list[int]:
@@ -91,6 +107,26 @@ class SchedulerLimits:
     kv_blocks: int | None = None  # None: enough for max_running full-context requests
     max_context: int | None = None  # None: the model's max_position_embeddings
     max_waiting: int | None = 4096  # queued (not yet running) requests; more get 429. None: unbounded
+    speculative: str = "off"  # rollout.speculative: off | ngram | group
+    spec_tokens: int = 4  # rollout.spec_tokens: draft length k
+    spec_max_batch: int = 8  # rollout.spec_max_batch: speculate only at running batches up to this
+
+
+@dataclass
+class SpecStats:
+    """What speculation did on this instance (cumulative): verify steps count per request."""
+
+    verify_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0  # draft tokens kept
+    verify_tokens: int = 0  # tokens the verify steps yielded (kept drafts + the verify pass's own)
+
+    def info(self) -> dict[str, Any]:
+        v = self.verify_steps
+        return {"spec_verify_steps": v, "spec_draft_tokens": self.draft_tokens,
+                "spec_accepted_tokens": self.accepted_tokens, "spec_verify_tokens": self.verify_tokens,
+                "spec_accepted_per_step": self.accepted_tokens / v if v else 0.0,
+                "spec_accept_length": self.verify_tokens / v if v else 0.0}
 
 
 class Scheduler:
@@ -112,6 +148,8 @@ class Scheduler:
         self.hold_admission = False
         self.steps = 0
         self.tokens_generated = 0
+        self.spec = SpecStats()
+        should_speculate(limits.speculative, 0, limits.spec_max_batch)  # refuses an unknown mode now
         self._checksum: str | None = None
 
     # ---- submission ----------------------------------------------------------------------
@@ -135,6 +173,10 @@ class Scheduler:
         bad = [t for t in req.prompt_ids if t < 0 or t >= vocab]
         if bad:
             raise ProtocolError(f"input_ids contain ids outside [0, {vocab}): {bad[:5]}")
+        bad = [t for src in req.draft_sources for t in src if t < 0 or t >= vocab]
+        if bad:  # drafts are fed to the model: an id outside the vocabulary would fail the batch
+            raise ProtocolError(f"dora_draft_sources contain ids outside [0, {vocab}): {bad[:5]}")
+        req.draft_sources = [sibling_source(req.prompt_ids, src) for src in req.draft_sources[-MAX_DRAFT_SOURCES:]]
         if self._blocks_needed(req) > self.pool.total:
             raise ProtocolError(f"request needs more KV blocks than this instance has ({self.pool.total})")
         queued = len(self.waiting) + len(self.held)
@@ -155,6 +197,20 @@ class Scheduler:
             self._finish(req, finish_length(0))
             return
         (self.held if self.hold_admission else self.waiting).append(req)
+
+    def add_draft_sources(self, rid: str, sources: list[list[int]]) -> bool:
+        """Let request ``rid`` draft from more token sequences (its group's siblings that finished
+        after it was submitted); False when it is not here (finished, aborted, migrated)."""
+        r = self.by_rid.get(rid)
+        if r is None:
+            return False
+        vocab = self.model.config.vocab_size
+        bad = [t for src in sources for t in src if not 0 <= t < vocab]
+        if bad:  # drafts are fed to the model: an id outside the vocabulary would fail the batch
+            raise ProtocolError(f"sources contain ids outside [0, {vocab}): {bad[:5]}")
+        r.draft_sources.extend(sibling_source(r.prompt_ids, src) for src in sources)
+        del r.draft_sources[:-MAX_DRAFT_SOURCES]
+        return True
 
     def _blocks_needed(self, req: Request) -> int:
         remaining = req.params.max_new_tokens - len(req.output_ids)
@@ -189,16 +245,22 @@ class Scheduler:
         if not self.running:
             return 0
         batch = list(self.running)
+        lim = self.limits
+        speculate = should_speculate(lim.speculative, len(batch), lim.spec_max_batch)
         ids: list[int] = []
         pos: list[int] = []
         segs = []
+        drafts: list[list[int]] = []
         for r in batch:
             toks = r.tokens
             start = r.kv.length
-            r.kv.ensure_capacity(len(toks))
-            ids.extend(toks[start:])
-            pos.extend(range(start, len(toks)))
-            segs.append((r.kv, len(toks) - start))
+            draft = self._draft(r) if speculate and len(toks) - start == 1 else []
+            new = toks[start:] + draft
+            r.kv.ensure_capacity(start + len(new))
+            ids.extend(new)
+            pos.extend(range(start, start + len(new)))
+            segs.append((r.kv, len(new)))
+            drafts.append(draft)
             if r.routing is not None:
                 r.routing.truncate(start)  # a retracted request re-prefills: its rows are recomputed
         dev = self.kv_shape.device
@@ -212,23 +274,65 @@ class Scheduler:
             for r, rows in zip(batch, split_step_routing(routing_out, [m for _, m in segs], c.num_layers, c.top_k)):
                 if r.routing is not None:
                     r.routing.append(rows)
-        last = torch.cumsum(torch.tensor([m for _, m in segs], device=dev), 0) - 1
-        logits = self.model.logits(hidden[last]).float().cpu()
-        for r, row in zip(batch, logits):
+        # the rows that predict: each request's last position, plus its draft positions when it has one
+        rows_of: list[int] = []
+        end = 0
+        for (_, m), draft in zip(segs, drafts):
+            end += m
+            rows_of.extend(range(end - 1 - len(draft), end))
+        logits = self.model.logits(hidden[torch.tensor(rows_of, device=dev)]).float().cpu()
+        produced, row = 0, 0
+        for r, draft in zip(batch, drafts):
+            own = logits[row : row + len(draft) + 1]
+            row += len(draft) + 1
             try:
-                tok, lp = sample_token(row, r.params, r.generator)
+                if draft:
+                    toks, lps = verify_draft(own, draft, r.params, r.generator)
+                else:
+                    tok, lp = sample_token(own[0], r.params, r.generator)
+                    toks, lps = [tok], [lp]
             except Exception as exc:  # noqa: BLE001 - one request's bad sample must not fail the batch
                 log.exception("sampling failed for request %s", r.rid)
                 self._finish(r, finish_abort(f"sampling failed: {exc!r}", 500, "internal_error"))
                 continue
+            produced += self._take(r, toks, lps, draft)
+        self.steps += 1
+        self.tokens_generated += produced
+        return produced
+
+    def _draft(self, r: Request) -> list[int]:
+        """The draft of a decoding request: at most ``spec_tokens``, and short enough that the
+        verify pass's tokens fit the request's remaining budget and the context."""
+        k = min(self.limits.spec_tokens, r.params.max_new_tokens - len(r.output_ids) - 1,
+                self.max_context - len(r.tokens) - 1)
+        if k <= 0:
+            return []
+        sources = r.draft_sources if self.limits.speculative == "group" else ()
+        return propose_draft(r.tokens, k, sources)
+
+    def _take(self, r: Request, toks: list[int], lps: list[float], draft: list[int]) -> int:
+        """Append a step's tokens to ``r`` up to the first that ends it; with a draft, drop the KV
+        of the rejected draft positions. Returns the tokens kept."""
+        kept = 0
+        for tok, lp in zip(toks, lps):
             r.output_ids.append(tok)
             r.output_logprobs.append(lp)
+            kept += 1
             reason = self._finish_reason(r, tok)
             if reason is not None:
                 self._finish(r, reason)
-        self.steps += 1
-        self.tokens_generated += len(batch)
-        return len(batch)
+                break
+        if draft:
+            accepted = sum(1 for t, d in zip(toks[:kept], draft) if t == d)
+            self.spec.verify_steps += 1
+            self.spec.draft_tokens += len(draft)
+            self.spec.accepted_tokens += accepted
+            self.spec.verify_tokens += kept
+            if r.kv is not None:  # still running: its KV must end before its last token again
+                r.kv.truncate(len(r.tokens) - 1)
+                if r.routing is not None:
+                    r.routing.truncate(r.kv.length)
+        return kept
 
     def _finish_reason(self, r: Request, tok: int) -> dict[str, Any] | None:
         if tok in r.params.stop_token_ids or (tok in self.eos_ids and not r.params.ignore_eos):
@@ -391,6 +495,7 @@ class Scheduler:
             "kv": r.kv.export_tensor() if r.kv is not None and r.kv.length else None,
             "model": [c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size],
             "routing": r.routing.export() if r.routing is not None else None,
+            "draft_sources": [list(x) for x in r.draft_sources],
         }
         buf = io.BytesIO()
         torch.save(blob, buf)
@@ -484,7 +589,20 @@ class Scheduler:
             output_logprobs=logprobs,
             generator=gen,
             migrations=migrations,
+            draft_sources=self._draft_sources_of(blob.get("draft_sources")),
         )
+
+    def _draft_sources_of(self, raw: Any) -> list[list[int]]:
+        """An export's ``draft_sources`` (absent in exports of engines without speculation)."""
+        if raw is None:
+            return []
+        vocab = self.model.config.vocab_size
+        if not isinstance(raw, list) or not all(
+            isinstance(src, list) and all(not isinstance(t, bool) and isinstance(t, int) and 0 <= t < vocab for t in src)
+            for src in raw
+        ):
+            raise ProtocolError(f"draft_sources must be a list of lists of token ids in [0, {vocab})")
+        return [list(src) for src in raw]
 
     # ---- reporting -----------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
@@ -503,4 +621,6 @@ class Scheduler:
             "weight_update_pending": self.hold_admission,
             "steps": self.steps,
             "tokens_generated": self.tokens_generated,
+            "speculative": self.limits.speculative,
+            **self.spec.info(),
         }

@@ -19,6 +19,10 @@ KV tensor ``[layers, 2, kv_heads, tokens, head_dim]`` and sampler RNG state); th
 this instance and its pending ``/generate`` answers with an abort whose ``err_type`` is
 ``"migrated"``. ``POST /dora/import_request`` binary body -> the ``/generate`` answer of the
 request once it finishes here (``output_ids`` include the tokens made before the migration).
+``/generate`` accepts ``dora_draft_sources`` (lists of token ids: the finished siblings of the
+request's group, drafts for ``--speculative group``; kept through export/import);
+``POST /dora/draft_sources`` JSON ``{"rid", "sources"}`` adds more to a running request (a sibling
+that finished after it started) and answers ``{"added": bool}`` (false: the request has left).
 ``GET /dora/weights_checksum`` -> ``{"checksum", "weight_version"}`` (see
 ``dora_megatron.comm.checksum``). ``/generate`` accepts ``dora_version``: 409 if this
 instance holds another weight version (so does an import of a request of another version).
@@ -56,7 +60,7 @@ from dora_megatron.rollout.engine.scheduler import Request, Scheduler
 log = logging.getLogger(__name__)
 
 DORA_EXTENSIONS = ("export_request", "import_request", "weights_checksum", "dora_version", "weights",
-                   "update_weights_from_peer")
+                   "update_weights_from_peer", "draft_sources")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -176,6 +180,7 @@ class EngineServer:
         r.add_post("/begin_weight_update", self.weight_update_session)
         r.add_post("/end_weight_update", self.weight_update_session)
         r.add_get("/v1/loads", self.loads)
+        r.add_post("/dora/draft_sources", self.draft_sources)
         r.add_post("/dora/export_request", self.export_request)
         r.add_post("/dora/import_request", self.import_request)
         r.add_get("/dora/weights_checksum", self.weights_checksum)
@@ -223,7 +228,8 @@ class EngineServer:
         rid = g.rid or uuid.uuid4().hex
         fut, on_done = self._done_future()
         req = Request(
-            rid=rid, prompt_ids=g.input_ids, params=g.sampling_params, return_logprob=g.return_logprob, on_done=on_done
+            rid=rid, prompt_ids=g.input_ids, params=g.sampling_params, return_logprob=g.return_logprob, on_done=on_done,
+            draft_sources=g.dora_draft_sources,
         )
         if g.return_routed_experts:
             req.routing = routing_trace_for(self._runner.scheduler.model.config, g.routed_experts_start_len)
@@ -288,7 +294,8 @@ class EngineServer:
         load = {"dp_rank": 0, "num_running_reqs": snap.get("num_running_reqs", 0),
                 "num_waiting_reqs": snap.get("num_waiting_reqs", 0), "num_used_tokens": used,
                 "max_total_num_tokens": total, "token_usage": round(used / total, 4) if total else 0.0,
-                "max_running_requests": snap.get("max_running_requests", 0)}
+                "max_running_requests": snap.get("max_running_requests", 0),
+                **{k: v for k, v in snap.items() if k.startswith("spec_")}}
         return web.json_response({"loads": [load]})
 
     async def weight_update_session(self, request: web.Request) -> web.Response:
@@ -418,6 +425,11 @@ class EngineServer:
                                   f"weight_version {v}", "weight_version": v, "checksum": fetched.checksum,
                                   "bytes": fetched.nbytes})
 
+    async def draft_sources(self, request: web.Request) -> web.Response:
+        d = P.DraftSourcesRequest.from_json(await _json(request))
+        added = await self._runner.call(lambda s: s.add_draft_sources(d.rid, d.sources))
+        return web.json_response({"success": True, "added": added})
+
     # ---- migration -----------------------------------------------------------------------
     async def export_request(self, request: web.Request) -> web.Response:
         e = P.ExportRequest.from_json(await _json(request))
@@ -445,6 +457,9 @@ def build_app(
     dtype: Any = None,
     max_waiting: int | None = 4096,
     group_connect_timeout_s: float = 30.0,
+    speculative: str = "off",
+    spec_tokens: int = 4,
+    spec_max_batch: int = 8,
 ) -> web.Application:
     """Load the model and return the aiohttp application (the engine thread starts with it)."""
     from dora_megatron.rollout.engine.model import load_model
@@ -454,7 +469,8 @@ def build_app(
 
     model = load_model(model_path, device=device, dtype=dtype or torch.float32)
     limits = SchedulerLimits(
-        max_running=max_running, block_size=block_size, kv_blocks=kv_blocks, max_context=max_context, max_waiting=max_waiting
+        max_running=max_running, block_size=block_size, kv_blocks=kv_blocks, max_context=max_context, max_waiting=max_waiting,
+        speculative=speculative, spec_tokens=spec_tokens, spec_max_batch=spec_max_batch,
     )
     sched = Scheduler(model, limits, weight_version=weight_version)
     options = ServerOptions(model_path=model_path, device=device, group_connect_timeout_s=group_connect_timeout_s)

@@ -14,6 +14,8 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from dora_megatron.config.sglang import NGRAM_DEFAULTS
+
 if TYPE_CHECKING:
     from dora_megatron.config.rollout import RolloutConfig
     from dora_megatron.config.sglang import SGLangConfig
@@ -89,8 +91,34 @@ def dora_flags(inst: InstanceSpec, sg: "SGLangConfig", rollout: "RolloutConfig",
         a += ["--disable-radix-cache"]
     if routed_experts:
         a += ["--enable-return-routed-experts"]
+    a += speculative_flags(sg)
     if inst.nnodes > 1:
         a += ["--nnodes", str(inst.nnodes), "--node-rank", str(inst.node_rank), "--dist-init-addr", str(inst.dist_init_addr)]
+    return a
+
+
+def speculative_flags(sg: "SGLangConfig") -> list[str]:
+    """``--speculative-*`` flags of ``sglang.speculative_*`` (none when the algorithm is none).
+
+    Unset numbers are left out so SGLang picks them for the model (``speculative_hook.py``
+    ``_auto_choose_speculative_params``, NGRAM's defaults). A draft model is loaded from its
+    checkpoint (``--speculative-draft-load-format auto``) when the target starts with
+    ``--load-format dummy``: SGLang would give the draft the target's format, and no update of
+    dora ever fills the draft's weights (docs/sglang.md, "Speculative decoding")."""
+    algo = sg.speculative_algorithm
+    if algo == "none":
+        return []
+    a = ["--speculative-algorithm", algo]
+    if sg.speculative_draft_model_path:
+        a += ["--speculative-draft-model-path", sg.speculative_draft_model_path]
+    if sg.has_draft_model and sg.load_format == "dummy":
+        a += ["--speculative-draft-load-format", "auto"]
+    for key in ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"):
+        if getattr(sg, key) is not None:
+            a += ["--" + key.replace("_", "-"), str(getattr(sg, key))]
+    if algo == "NGRAM":
+        for key in NGRAM_DEFAULTS:
+            a += ["--" + key.replace("_", "-"), str(getattr(sg, key))]
     return a
 
 
@@ -107,5 +135,9 @@ def server_argv(inst: InstanceSpec, sg: "SGLangConfig", rollout: "RolloutConfig"
     if clash:
         raise SGLangArgsError(f"rollout.sglang_args repeats flags dora sets from the config: {', '.join(clash)} "
                               "(set them through the sglang: section instead)")
+    spec = sorted(f for f in _flag_names(user) if f.startswith("--speculative"))
+    if spec:  # the draft rules (which algorithms dora's weight updates keep intact) need them in the config
+        raise SGLangArgsError(f"rollout.sglang_args sets {', '.join(spec)}: set speculative decoding through "
+                              "sglang.speculative_* instead")
     python = sg.python or sys.executable
     return (python, "-m", "sglang.launch_server", *ours, *user)

@@ -8,18 +8,43 @@ planner (``launch/cluster.py``) do not depend on each other.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dora_megatron.processes import ProcessSpec
-from dora_megatron.rollout.sglang.args import InstanceSpec, server_argv
+from dora_megatron.rollout.sglang.args import InstanceSpec, SGLangArgsError, server_argv
 
 if TYPE_CHECKING:
     from dora_megatron.config.schema import DoraConfig
 
 
+#: EAGLE draft architectures whose ``load_weights`` keeps nothing of a dora snapshot: they prefix
+#: ``model.`` to every name, so the target's names match none of their parameters (SGLang 0.5.23
+#: ``models/llama_eagle.py``, ``models/qwen2_eagle.py``); docs/sglang.md, "Speculative decoding"
+KEPT_EAGLE_DRAFTS = ("LlamaForCausalLMEagle", "Qwen2ForCausalLMEagle")
+
+
+def eagle_draft_problem(draft_dir: str) -> str | None:
+    """Why the EAGLE draft at ``draft_dir`` would not survive dora's version switches (every disk
+    update reloads it from the target's snapshot), or None. A directory this machine cannot read
+    (the draft of another node) is not judged."""
+    try:
+        archs = json.loads((Path(draft_dir) / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return None
+    if archs and not set(archs) <= set(KEPT_EAGLE_DRAFTS):
+        return (f"sglang.speculative_draft_model_path: {draft_dir} is a {', '.join(archs)} draft; only "
+                f"{', '.join(KEPT_EAGLE_DRAFTS)} keep their weights when SGLang 0.5.23 reloads every runner "
+                "from a dora snapshot (docs/sglang.md, \"Speculative decoding\")")
+    return None
+
+
 def local_sglang_engines(cfg: "DoraConfig", model_dir: str, port0: int | None) -> list[ProcessSpec]:
     """SGLang instances of a single-machine run: the GPUs after the trainer's (if it uses CUDA)."""
     sg = cfg.sglang
+    if sg.speculative_algorithm == "EAGLE" and (problem := eagle_draft_problem(sg.speculative_draft_model_path)):
+        raise SGLangArgsError(problem)
     gpu0 = cfg.launch.trainer_procs if cfg.trainer.device == "cuda" else 0
     out = []
     for i in range(cfg.rollout.num_instances):

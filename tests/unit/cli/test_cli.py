@@ -53,13 +53,6 @@ def test_import_and_help_do_not_import_heavy_frameworks():
     assert "TORCH False" in out, out
 
 
-def test_unavailable_subcommand_exits_nonzero(monkeypatch, capsys):
-    monkeypatch.setitem(cli.SUBCOMMANDS, "teleport", "not a real command")
-    rc = cli.main(["teleport"])
-    assert rc == cli.NOT_AVAILABLE_EXIT
-    assert "not available yet" in capsys.readouterr().err
-
-
 def test_no_subcommand_prints_help(capsys):
     assert cli.main([]) == 2
     assert "usage: dora" in capsys.readouterr().out

@@ -82,10 +82,11 @@ def test_a_controller_json_that_lists_consumed_groups_still_loads(tmp_path):
     state = json.loads((tmp_path / "ck2" / "controller.json").read_text())
     state["consumed"] = sorted(g for s in rt0.steps for g in s.group_ids)
     rt, _, trainer = make(mode="dora", steps=4)
+    from dora_megatron.observability.recorder import read_step_rows
     from dora_megatron.orchestrator import Orchestrator
 
     rt.orch = Orchestrator.restore(rt.orch.config, state["orchestrator"])
-    rt.load_state_dict(state)
+    rt.load_state_dict(state, read_step_rows(tmp_path / "steps.jsonl", 2))
     trainer.version = 2
     summary = asyncio.run(rt.run())
     trained = [s["group_id"] for b in trainer.batches for s in b]

@@ -22,7 +22,7 @@ from dora_megatron.comm.sglang_client import SGLangClient
 
 from tests.helpers.runtime import make
 
-from .fakes import FakeEngine, FakeTrainer
+from tests.helpers.fakes import FakeEngine, FakeTrainer
 
 #: how each unavailable check answers (status, JSON body), as servers without the route or action do
 UNAVAILABLE = {

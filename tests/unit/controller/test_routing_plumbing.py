@@ -13,8 +13,8 @@ from dora_megatron.observability.routing import routing_summary
 from dora_megatron.comm.routed_experts import decode_routed_experts, encode_routed_experts
 from dora_megatron.rollout.sglang.args import InstanceSpec, server_argv
 
-from .fakes import FakeEngine
-from tests.helpers.runtime import check_run, make
+from tests.helpers.fakes import FakeEngine
+from tests.helpers.runtime import check_run, make, resume
 
 
 def _routing_of(ids: list[int]) -> str:
@@ -117,10 +117,6 @@ def _routed_make(steps, tmp_path):
 
 
 def test_resume_from_the_journal_trains_on_the_journaled_routing(tmp_path):
-    import json
-
-    from dora_megatron.orchestrator import Orchestrator
-
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     rt, _, _ = _routed_make(4, tmp_path)
@@ -128,17 +124,14 @@ def test_resume_from_the_journal_trains_on_the_journaled_routing(tmp_path):
     rt.journal.start(None)
     asyncio.run(rt.run())
     rt.journal.close()
-    state = json.loads((tmp_path / "ck2" / "controller.json").read_text())
     journaled = read_journal(run_dir, 2)
     assert journaled and all(j.routed_experts for j in journaled.values())
 
     rt2, engines2, trainer2 = _routed_make(6, tmp_path)
-    rt2.orch = Orchestrator.restore(rt2.orch.config, state["orchestrator"])
-    rt2.load_state_dict(state)
+    resume(rt2, trainer2, tmp_path, 2)
     rt2.journal = Journal(run_dir)
     rt2.load_journal(journaled)
     rt2.journal.start(2)
-    trainer2.version = 2
     asyncio.run(rt2.run())
     rt2.journal.close()
     generated = {rid for e in engines2.values() for op, rid, _ in e.log if op == "generate"}

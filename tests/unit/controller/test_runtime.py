@@ -14,10 +14,9 @@ import json
 import pytest
 
 from dora_megatron.controller.trainer_client import PushOptions
-from dora_megatron.orchestrator import Orchestrator
-from tests.helpers.runtime import check_run, engine_versions, make, trained_groups
+from tests.helpers.runtime import check_run, engine_versions, make, resume, trained_groups
 
-from .fakes import FakeEngine
+from tests.helpers.fakes import FakeEngine
 
 
 @pytest.mark.parametrize("mode", ["sync", "one_step_off", "dora"])
@@ -178,14 +177,11 @@ def test_instance_failure_reruns_on_same_version():
 def test_checkpoint_and_resume_consume_every_group_once(tmp_path):
     rt, engines, trainer = make(mode="dora", steps=4, tmp_path=tmp_path)
     asyncio.run(rt.run())
-    state = json.loads((tmp_path / "ck2" / "controller.json").read_text())
     assert trainer.checkpoints == [str(tmp_path / "ck2" / "trainer"), str(tmp_path / "ck4" / "trainer")]
     first_two = [{s["group_id"] for s in b} for b in trainer.batches[:2]]
     # resume from the step-2 checkpoint with fresh engines and a trainer restored at version 2
     rt2, engines2, trainer2 = make(mode="dora", steps=6, tmp_path=tmp_path)
-    rt2.orch = Orchestrator.restore(rt2.orch.config, state["orchestrator"])
-    rt2.load_state_dict(state)
-    trainer2.version = 2
+    resume(rt2, trainer2, tmp_path, 2)
     summary = asyncio.run(rt2.run())
     assert len(trainer2.batches) == 4  # steps 2..5
     resumed = [{s["group_id"] for s in b} for b in trainer2.batches]
@@ -202,11 +198,8 @@ def test_resuming_a_finished_run_returns_at_once(tmp_path):
     busy: the restored runtime must finish at once instead of waiting for a step that never comes."""
     rt, engines, trainer = make(mode="dora", steps=2, tmp_path=tmp_path)
     asyncio.run(rt.run())
-    state = json.loads((tmp_path / "ck2" / "controller.json").read_text())
     rt2, _, trainer2 = make(mode="dora", steps=2, tmp_path=tmp_path)
-    rt2.orch = Orchestrator.restore(rt2.orch.config, state["orchestrator"])
-    rt2.load_state_dict(state)
-    trainer2.version = 2
+    resume(rt2, trainer2, tmp_path, 2)
 
     async def bounded():
         return await asyncio.wait_for(rt2.run(), timeout=20)
@@ -269,45 +262,63 @@ def test_no_batch_is_released_after_the_last_step(mode):
     assert waiting >= 4, waiting  # a whole batch was ready at the end: the case this guards
 
 
-def test_checkpoint_state_does_not_carry_the_step_logs_or_duplicate_groups(tmp_path):
-    """controller.json grows with outstanding work, not with the step count: the step logs are
-    steps.jsonl's, a group's version and sample ids are the orchestrator snapshot's. (The metrics
-    recorder's rows, ``metrics``, are still per step: the summary of a resumed run needs them.)"""
+def test_the_checkpoint_state_does_not_grow_with_the_step_count(tmp_path):
+    """controller.json is sized by outstanding work: the step logs and the recorder's per-step rows
+    are steps.jsonl's, a group's version and sample ids and a sample's version the orchestrator
+    snapshot's, and only finished samples have an entry of their own."""
     rt, engines, trainer = make(steps=20, tmp_path=tmp_path)
     asyncio.run(rt.run())
     sizes = {}
     for v in (2, 20):
-        state = json.loads((tmp_path / f"ck{v}" / "controller.json").read_text())
-        assert "steps" not in state and state["steps_done"] == v
+        text = (tmp_path / f"ck{v}" / "controller.json").read_text()
+        state = json.loads(text)
+        assert "steps" not in state and state["steps_done"] == v and "rows" not in state["metrics"]
         for g in state["groups"]:
             assert "version" not in g and "sample_ids" not in g
-        assert all("prompt_ids" not in s and "group_id" not in s for s in state["samples"])
-        sizes[v] = len(json.dumps({k: x for k, x in state.items() if k != "metrics"}))
+        assert state["samples"] and all(set(s) >= {"output_ids", "reward"} and "version" not in s
+                                        for s in state["samples"])
+        assert len(state["expected_checksums"]) <= rt.orch.S + 1
+        sizes[v] = len(text)
     assert sizes[20] <= 1.5 * sizes[2], sizes
+    # the resumed recorder has every step back, from steps.jsonl
+    rt2, _, trainer2 = make(steps=20, tmp_path=tmp_path)
+    resume(rt2, trainer2, tmp_path, 20)
+    assert [r.step for r in rt2.metrics.rows] == list(range(20))
+    assert [r.end_s for r in rt2.metrics.rows] == [r.end_s for r in rt.metrics.rows]
 
 
 def test_an_older_controller_json_with_step_logs_and_duplicated_groups_still_loads(tmp_path):
-    """Checkpoints written before the step logs left controller.json load into the same records."""
+    """Checkpoints written before the step logs, the recorder's rows and the unfinished samples
+    left controller.json load into the same records."""
+    from dora_megatron.observability.recorder import read_step_rows
+
     rt, _, _ = make(steps=4, tmp_path=tmp_path)
     asyncio.run(rt.run())
     state = json.loads((tmp_path / "ck2" / "controller.json").read_text())
+    rows = read_step_rows(tmp_path / "steps.jsonl", 2)
     orch = {g["group_id"]: g for g in state["orchestrator"]["groups"]}
+    version_of = {s["sample_id"]: s["version"] for s in state["orchestrator"]["samples"]}
     old = json.loads(json.dumps(state))
     del old["steps_done"]
     old["steps"] = [{"step": 0}, {"step": 1}]  # only their count is read
-    prompt_of = {}
+    old["metrics"]["rows"] = rows
+    finished = {s["sample_id"]: s for s in old["samples"]}
+    old["samples"] = []
     for g in old["groups"]:
         g["version"], g["sample_ids"] = orch[g["group_id"]]["version"], orch[g["group_id"]]["sample_ids"]
         for i, sid in enumerate(g["sample_ids"]):
-            prompt_of[sid] = (g["group_id"], i, g["prompt_ids"])
+            entry = finished.get(sid) or {"sample_id": sid, "reward": None, "output_ids": [], "logprobs": [],
+                                          "versions": []}
+            old["samples"].append({**entry, "version": version_of[sid], "finished": sid in finished,
+                                   "group_id": g["group_id"], "index": i, "prompt_ids": g["prompt_ids"]})
         del g["prompt_ids"]
-    for s in old["samples"]:
-        s["group_id"], s["index"], s["prompt_ids"] = prompt_of[s["sample_id"]]
+    assert any(not s["finished"] for s in old["samples"]) and any(s["finished"] for s in old["samples"])
     new_rt, _, _ = make(steps=4)
-    new_rt.load_state_dict(state)
+    new_rt.load_state_dict(state, rows)
     old_rt, _, _ = make(steps=4)
     old_rt.load_state_dict(old)
     assert old_rt.steps_done == new_rt.steps_done == 2
     assert old_rt.samples == new_rt.samples and old_rt.samples
     assert {k: (g.version, g.sample_ids, g.prompt.index) for k, g in old_rt.groups.items()} == \
         {k: (g.version, g.sample_ids, g.prompt.index) for k, g in new_rt.groups.items()}
+    assert old_rt.metrics.rows == new_rt.metrics.rows and len(new_rt.metrics.rows) == 2

@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from .fakes import FakeEngine, fail_after_first_step
-from tests.helpers.runtime import check_run, make
+from tests.helpers.fakes import FakeEngine, fail_after_first_step
+from tests.helpers.runtime import check_run, make, resume
 
 
 async def execute_with_loop(rt, actions) -> None:
@@ -167,7 +167,6 @@ def test_resume_restores_finished_samples_from_the_journal(tmp_path):
     import json
 
     from dora_megatron.controller.journal import JOURNAL, Journal, read_journal
-    from dora_megatron.orchestrator import Orchestrator
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -176,19 +175,16 @@ def test_resume_restores_finished_samples_from_the_journal(tmp_path):
     rt.journal.start(None)
     asyncio.run(rt.run())
     rt.journal.close()
-    state = json.loads((tmp_path / "ck2" / "controller.json").read_text())
     journaled = read_journal(run_dir, 2)
     assert journaled and all(j.version <= 2 for j in journaled.values())
     assert read_journal(run_dir, 1) == {}  # no marker for a version without a checkpoint
     first_two = [{s["group_id"] for s in b} for b in trainer.batches[:2]]
 
     rt2, engines2, trainer2 = make(mode="dora", steps=6, tmp_path=tmp_path)
-    rt2.orch = Orchestrator.restore(rt2.orch.config, state["orchestrator"])
-    rt2.load_state_dict(state)
+    resume(rt2, trainer2, tmp_path, 2)
     rt2.journal = Journal(run_dir)
     rt2.load_journal(journaled)
     rt2.journal.start(2)
-    trainer2.version = 2
     summary = asyncio.run(rt2.run())
     rt2.journal.close()
     replayed = [json.loads(x) for x in (run_dir / "replayed.jsonl").read_text().splitlines()]

@@ -16,7 +16,7 @@ from dora_megatron.observability.summary import SUMMARY_FIELDS
 from dora_megatron.observability.timeline import Timeline
 from dora_megatron.sim.engine import simulate
 
-from .fakes import FakeTrainer
+from tests.helpers.fakes import FakeTrainer
 from tests.helpers.runtime import make
 
 TINY_SIM = Path(__file__).resolve().parents[3] / "configs" / "sim" / "tiny.yaml"

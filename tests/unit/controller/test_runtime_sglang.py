@@ -15,7 +15,7 @@ from dora_megatron.data import tokenizer as tok
 from dora_megatron.data.tasks import running_sum_prompt
 from dora_megatron.orchestrator.actions import Interrupt
 
-from .fakes import FakeEngine, FakeTrainer
+from tests.helpers.fakes import FakeEngine, FakeTrainer
 from tests.helpers.runtime import make
 
 

@@ -17,7 +17,7 @@ from dora_megatron.controller.runtime import Runtime
 from dora_megatron.data.tasks import RunningSumTask, running_sum_reward
 from dora_megatron.orchestrator import Orchestrator
 
-from .fakes import FakeEngine, FakeTrainer
+from tests.helpers.fakes import FakeEngine, FakeTrainer
 
 POLL_S = 0.2  # one stats round trip of a slow instance
 

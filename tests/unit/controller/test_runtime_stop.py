@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 
-from dora_megatron.orchestrator import Orchestrator
-from tests.helpers.runtime import make
+from tests.helpers.runtime import make, resume
 
 
 def _no_interval(rt, **opts) -> None:
@@ -41,13 +39,10 @@ def test_a_stop_checkpoints_at_the_next_boundary_and_the_resume_trains_each_grou
     assert 2 <= k < n and rt.steps_done == k == len(trainer.batches)
     written = sorted(p.name for p in tmp_path.glob("ck*") if (p / "controller.json").is_file())
     assert written == [f"ck{k}"]  # the stop's checkpoint only (interval 0)
-    state = json.loads((tmp_path / f"ck{k}" / "controller.json").read_text())
 
     rt2, engines2, trainer2 = make(mode="dora", steps=n, tmp_path=tmp_path)
     _no_interval(rt2)
-    rt2.orch = Orchestrator.restore(rt2.orch.config, state["orchestrator"])
-    rt2.load_state_dict(state)
-    trainer2.version = k
+    resume(rt2, trainer2, tmp_path, k)
     summary2 = asyncio.run(rt2.run())
     assert summary2["status"] == "completed" and summary2["stopped_by"] is None
     assert len(trainer2.batches) == n - k

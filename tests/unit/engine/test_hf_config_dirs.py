@@ -18,7 +18,7 @@ import torch
 from dora_megatron.models import hf_config
 from dora_megatron.models.hf_model_dir import check_model_dir
 from dora_megatron.rollout.engine.model import load_model
-from tests import hf_dirs
+from tests.helpers import hf_dirs
 
 transformers = pytest.importorskip("transformers")
 

@@ -4,9 +4,6 @@ assigns and takes work; a failed instance can come back under its name; nothing 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
-from pathlib import Path
 
 from dora_megatron.config.orchestrator import OrchestratorConfig
 from dora_megatron.controller.records import RuntimeOptions
@@ -14,11 +11,8 @@ from dora_megatron.controller.runtime import Runtime
 from dora_megatron.data.tasks import RunningSumTask, running_sum_reward
 from dora_megatron.launch.elastic import JoinRequest, read_join_requests, watch_joins, write_join_request
 from dora_megatron.orchestrator import Orchestrator
+from tests.helpers import fakes
 
-_spec = importlib.util.spec_from_file_location("runtime_fakes", Path(__file__).parents[1] / "controller" / "fakes.py")
-fakes = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("runtime_fakes", fakes)  # dataclasses look their module up
-_spec.loader.exec_module(fakes)
 
 
 def _runtime(names, steps=8):
@@ -42,10 +36,22 @@ def _check(rt, trainer, steps):
         assert all(s["reward"] == 1.0 and step - s["version"] <= 2 for s in batch)
 
 
+async def _run_watched(rt, join_dir, make, event, **watch):
+    """Run ``rt`` with a join watcher on ``join_dir`` and the coroutine ``event()`` beside it."""
+    watcher = asyncio.get_running_loop().create_task(watch_joins(join_dir, rt, make, poll_s=0.01, **watch))
+    asyncio.get_running_loop().create_task(event())
+    try:
+        return await rt.run()
+    finally:
+        watcher.cancel()
+
+
 def test_join_request_files_roundtrip(tmp_path):
     write_join_request(tmp_path, JoinRequest("x1", "http://h:1", 4))
+    write_join_request(tmp_path, JoinRequest("x2", "http://h:2", 1, attempt=2, restarted_at=12.5))
     (tmp_path / "broken.json").write_text("{")
-    assert read_join_requests(tmp_path) == [JoinRequest("x1", "http://h:1", 4)]
+    assert read_join_requests(tmp_path) == [JoinRequest("x1", "http://h:1", 4),
+                                            JoinRequest("x2", "http://h:2", 1, 2, 12.5)]
 
 
 def test_joined_instance_gets_the_assigned_version_and_serves(tmp_path):
@@ -57,20 +63,12 @@ def test_joined_instance_gets_the_assigned_version_and_serves(tmp_path):
         joined[req.name] = fakes.FakeEngine(req.name, token_s=0.002, migration=False)
         return joined[req.name]
 
-    async def main():
-        watcher = asyncio.get_running_loop().create_task(watch_joins(tmp_path, rt, make, poll_s=0.01))
+    async def join_later():
+        while len(trainer.batches) < 2:
+            await asyncio.sleep(0.005)
+        write_join_request(tmp_path, JoinRequest("new0", "http://unused"))
 
-        async def join_later():
-            while len(trainer.batches) < 2:
-                await asyncio.sleep(0.005)
-            write_join_request(tmp_path, JoinRequest("new0", "http://unused"))
-        asyncio.get_running_loop().create_task(join_later())
-        try:
-            return await rt.run()
-        finally:
-            watcher.cancel()
-
-    summary = asyncio.run(main())
+    summary = asyncio.run(_run_watched(rt, tmp_path, make, join_later))
     _check(rt, trainer, 8)
     new = joined["new0"]
     assert new.loads and new.loads[0].startswith("/snap/v") and int(new.loads[0][7:]) >= 2  # a current version
@@ -94,6 +92,34 @@ def test_failed_instance_is_removed_and_can_rejoin():
     _check(rt, trainer, 8)
     assert "e1" not in rt.failed and back.loads and any(op == "generate" for op, _, _ in back.log)
     assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
+
+
+def test_a_restart_made_while_the_job_started_fails_no_one_and_still_brings_the_instance_back(tmp_path):
+    """A node restarted e1 before the controller's start-up wait ended (``restarted_at`` before
+    ``started_at``): the run started with that very process, so its join request must not fail the
+    live e1 (it was failed at once, cancelling its first requests). The request stays pending: when
+    e1 fails later, it brings e1 back."""
+    rt, engines, trainer = _runtime(["e0", "e1"])
+    made, before = [], []
+    trainer.hold_step(7, lambda: bool(made))
+
+    def make(req: JoinRequest):
+        made.append(fakes.FakeEngine(req.name, token_s=0.002, migration=False))
+        return made[-1]
+
+    async def fail_later():
+        while len(trainer.batches) < 4:
+            await asyncio.sleep(0.005)
+        before.append((rt.engines["e1"] is engines["e1"], rt.is_failed("e1"), len(made)))
+        rt.report_failure("e1", "its process died")
+
+    write_join_request(tmp_path, JoinRequest("e1", "http://e1", attempt=1, restarted_at=999.0))
+    summary = asyncio.run(_run_watched(rt, tmp_path, make, fail_later, started_at=1000.0))
+    _check(rt, trainer, 8)
+    assert before == [(True, False, 0)]  # 4 steps with the request there: e1 neither failed nor replaced
+    assert [e.name for e in made] == ["e1"] and rt.engines["e1"] is made[0]
+    assert summary["failed_instances"] == ["e1"] and summary["instances_rejoined"] == 1
+    assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0
 
 
 def test_instance_restarted_by_its_node_rejoins_even_before_the_controller_noticed(tmp_path):

@@ -6,9 +6,6 @@ join request) is what they must not do. A real Runtime over an orchestrator that
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 from dora_megatron.config.orchestrator import OrchestratorConfig
@@ -18,11 +15,8 @@ from dora_megatron.data.tasks import RunningSumTask, running_sum_reward
 from dora_megatron.launch.elastic import JoinRequest, watch_joins, write_join_request
 from dora_megatron.launch.supervise import EngineSupervisor, RestartPolicy
 from dora_megatron.orchestrator import Orchestrator
+from tests.helpers import fakes
 
-_spec = importlib.util.spec_from_file_location("runtime_fakes", Path(__file__).parents[1] / "controller" / "fakes.py")
-fakes = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("runtime_fakes", fakes)  # dataclasses look their module up
-_spec.loader.exec_module(fakes)
 
 POOL = 4096
 

@@ -14,7 +14,7 @@ from dora_megatron.launch.supervise import RestartPolicy, restart_engine
 from dora_megatron.ports import free_ports
 from dora_megatron.processes import ProcessSet
 
-from tests.unit.launch.test_supervise import HEALTHY
+from tests.helpers.servers import HEALTHY
 
 
 def view(total=4, ready=(), loading=(), failed=None, retrying=(), elapsed=1.0, timeout=10.0) -> StartupView:

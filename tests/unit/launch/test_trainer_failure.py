@@ -65,3 +65,30 @@ def test_a_trainer_that_answered_an_error_and_lives_on_is_not_lost(tmp_path):
         procs.start("trainer", [sys.executable, "-c", "import time; time.sleep(60)"])
         err = asyncio.run(_trainer_failure(procs, RuntimeError("HTTP 500"), wait_s=0.3, answered="trainer /train: HTTP 500"))
     assert str(err) == "trainer /train: HTTP 500" and not isinstance(err, TrainerLost)
+
+
+def test_children_and_their_own_children_ignore_the_jobs_early_warning(tmp_path):
+    """SLURM passes the time limit's warning (SIGUSR1) to every process of the job step: a trainer
+    that died of it (default action) could not write the checkpoint the warning asks for."""
+    import os
+    import signal
+    import subprocess
+
+    import pytest
+
+    script = ("import subprocess, sys, time\n"
+              "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+              "print(g.pid, flush=True); time.sleep(60)")
+    with ProcessSet(tmp_path) as procs:
+        child = procs.start("trainer", [sys.executable, "-c", script])
+        deadline = time.monotonic() + 30
+        while not child.log_path.read_text().strip() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = [child.popen.pid, int(child.log_path.read_text().split()[0])]
+        ignored = [int(next(x for x in open(f"/proc/{pid}/status") if x.startswith("SigIgn:")).split()[1], 16)
+                   & (1 << (signal.SIGUSR1 - 1)) for pid in pids]
+        os.kill(pids[0], signal.SIGUSR1)
+        with pytest.raises(subprocess.TimeoutExpired):
+            child.popen.wait(timeout=1)  # still running after the warning
+        os.kill(pids[1], signal.SIGKILL)
+    assert all(ignored), ignored

@@ -9,11 +9,11 @@ import logging
 import threading
 import time
 
+from dora_megatron.data.codec import CharCodec
 from dora_megatron.observability.background import BackgroundWriter
 from dora_megatron.observability.overview import CheckpointOverviews
 from dora_megatron.observability.rollout_dump import RolloutDumper
 from tests.helpers.runtime import make
-from tests.unit.observability.test_rollout_dump import CharCodec
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -3,7 +3,7 @@ what closes an open span, the window, and resume."""
 
 import pytest
 
-from dora_megatron.observability.recorder import METRICS, STEP_KEYS, MetricsRecorder
+from dora_megatron.observability.recorder import METRICS, STEP_KEYS, MetricsRecorder, StepsJsonl, read_step_rows
 from dora_megatron.observability.summary import RunTotals
 
 
@@ -49,26 +49,37 @@ def test_leaving_the_pool_ends_a_load_and_the_instance_time():
     assert out["rebalance_fraction"] is None
 
 
-def test_busy_slots_reported_late_land_in_the_steps_they_overlap():
-    rec = MetricsRecorder(slots_per_instance=2, rebalancer=False)
+def _recording(tmp_path, **kw):
+    """A recorder that writes steps.jsonl, as a run's does (its rows are what a resume reads back)."""
+    return MetricsRecorder(sinks=[StepsJsonl(open(tmp_path / "steps.jsonl", "w"))], **kw)
+
+
+def _resumed(rec, tmp_path, **kw):
+    """A fresh recorder continued from ``rec``'s checkpoint state and the rows of steps.jsonl."""
+    rec.sinks[0].close()
+    again = MetricsRecorder(**kw)
+    again.load_state_dict(rec.state_dict(), rows=read_step_rows(tmp_path / "steps.jsonl", len(rec.rows)))
+    return again
+
+
+def test_busy_slots_reported_late_land_in_the_steps_they_overlap(tmp_path):
+    rec = _recording(tmp_path, slots_per_instance=2, rebalancer=False)
     rec.instance_joined("a", 0.0)
     _step(rec, 0, 10.0)
     rec.request_held_slot(5.0, 15.0)  # a request that ran across the end of step 0
     s1 = _step(rec, 1, 20.0)
     assert [r.seconds["busy_slot"] for r in rec.rows] == [5.0, 5.0]
     assert s1["perf/rollout_utilization"] == pytest.approx(10.0 / (2 * 20.0))
-    rec2 = MetricsRecorder(slots_per_instance=2, rebalancer=False, warmup_steps=1)
-    rec2.load_state_dict(rec.state_dict())
+    rec2 = _resumed(rec, tmp_path, slots_per_instance=2, rebalancer=False, warmup_steps=1)
     assert _summary(rec2)["rollout_utilization"] == pytest.approx(5.0 / (2 * 10.0))  # step 1 only
 
 
-def test_resume_restores_the_steps_and_the_window():
-    rec = MetricsRecorder(slots_per_instance=1, rebalancer=True)
+def test_resume_restores_the_steps_and_the_window(tmp_path):
+    rec = _recording(tmp_path, slots_per_instance=1, rebalancer=True)
     rec.instance_joined("a", 0.0)
     _step(rec, 0, 10.0, wait=4.0)
-    state = rec.state_dict()
-    again = MetricsRecorder(slots_per_instance=1, rebalancer=True)
-    again.load_state_dict(state)
+    assert "rows" not in rec.state_dict()  # the checkpoint does not grow with the steps: steps.jsonl has them
+    again = _resumed(rec, tmp_path, slots_per_instance=1, rebalancer=True)
     again.instance_joined("a", 10.0)  # a fresh instance after the resume
     s1 = _step(again, 1, 20.0, wait=2.0)
     assert s1["perf/rollout_only_fraction"] == pytest.approx(6.0 / 20.0)

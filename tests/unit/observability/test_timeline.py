@@ -65,16 +65,12 @@ def test_no_version_is_drawn_in_the_grey_of_checkpoint_bars():
 def test_resumed_run_does_not_draw_the_time_before_the_crash_as_idle_instances(tmp_path):
     import asyncio
 
-    from dora_megatron.orchestrator import Orchestrator
-    from tests.helpers.runtime import make
+    from tests.helpers.runtime import make, resume
 
     rt, _, _ = make(mode="dora", steps=2, tmp_path=tmp_path)
     asyncio.run(rt.run())
-    state = json.loads((tmp_path / "ck2" / "controller.json").read_text())
     rt2, _, trainer2 = make(mode="dora", steps=4, tmp_path=tmp_path)
-    rt2.orch = Orchestrator.restore(rt2.orch.config, state["orchestrator"])
-    rt2.load_state_dict(state)
-    trainer2.version = 2
+    state = resume(rt2, trainer2, tmp_path, 2)
     rt2.timeline = Timeline()
     asyncio.run(rt2.run())
     offset = float(state["wall_s"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +15,8 @@ from dora_megatron.observability.timeline_plot import (
     StepSpan, TrainerVersion, age_image, select_window, trainer_steps, window_times,
 )
 from tests.helpers.runtime import make
-from tests.unit.test_docs import ROOT
+
+ROOT = Path(__file__).resolve().parents[3]
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -243,24 +243,61 @@ def test_a_switch_cancelled_while_the_server_pauses_still_resumes_it():
     paused = asyncio.Event()
 
     class Client:
+        base_url = "http://127.0.0.1:9"
+
         async def pause(self, mode: str = "wait") -> dict:
             calls.append("pause")
             paused.set()
-            await asyncio.sleep(3600)  # the server paused; its reply never comes before the cancel
+            await asyncio.sleep(3600)  # the server paused; its reply never comes (the resume waits 0.2 s for it)
             return {}
 
         async def resume(self) -> dict:
             calls.append("resume")
             return {}
 
+    asyncio.run(_cancel_switch(Client(), paused, pause_reply_wait_s=0.2))
+    assert calls == ["pause", "resume"]
+
+
+async def _cancel_switch(client, sent: asyncio.Event, **engine_kw) -> None:
+    """Start a reload switch on ``client``, cancel it once ``sent`` is set (as the run's end does)."""
+    engine = VLLMEngine("http://127.0.0.1:9", initial_version=0, **engine_kw)
+    engine.client = client
+    task = asyncio.get_running_loop().create_task(engine.update_weights_from_disk("/snap/v1", 1))
+    await asyncio.wait_for(sent.wait(), timeout=5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+def test_a_switch_cancelled_while_its_pause_is_on_the_wire_resumes_only_after_the_server_applied_it():
+    """The pause and the resume travel on different connections: a resume sent at once on a cancel
+    can reach the server before the pause, and the pause applied after it leaves the server paused
+    (every later request waits until its timeout: the vLLM tier hung in CI so). The server here
+    applies the pause 50 ms after it was sent, whether or not the client still waits for its reply."""
+    server: dict = {"paused": False, "log": []}
+    sent = asyncio.Event()
+
+    class Client:
+        async def pause(self, mode: str = "wait") -> dict:
+            async def on_server():
+                await asyncio.sleep(0.05)
+                server["paused"] = True
+                server["log"].append("pause applied")
+
+            handled = asyncio.get_running_loop().create_task(on_server())  # the request left: a cancel cannot recall it
+            sent.set()
+            await handled
+            return {"status": "paused"}
+
+        async def resume(self) -> dict:
+            server["paused"] = False
+            server["log"].append("resume applied")
+            return {}
+
     async def main():
-        engine = VLLMEngine("http://127.0.0.1:9", initial_version=0)
-        engine.client = Client()
-        task = asyncio.get_running_loop().create_task(engine.update_weights_from_disk("/snap/v1", 1))
-        await asyncio.wait_for(paused.wait(), timeout=5)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await _cancel_switch(Client(), sent)
+        await asyncio.sleep(0.1)  # anything still on its way lands
 
     asyncio.run(main())
-    assert calls == ["pause", "resume"]
+    assert server == {"paused": False, "log": ["pause applied", "resume applied"]}

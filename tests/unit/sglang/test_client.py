@@ -271,3 +271,16 @@ def test_an_untested_sglang_release_gets_a_warning_naming_the_tested_one():
     assert tested == []
     (warning,) = older
     assert "SGLang 0.5.21" in warning and "tested with SGLang 0.5.23" in warning
+
+
+def test_weight_updates_load_only_the_target_runner():
+    """A draft runner (EAGLE, NEXTN) must not be handed the policy's tensors: SGLang's default
+    selector ``all`` would give them to it (docs/sglang.md, "Speculative decoding")."""
+    async def push(c: SGLangClient) -> None:
+        await c.begin_weight_update()
+        await c.update_weights_from_distributed(["a.weight"], ["float32"], [[2]], group_name="g", weight_version=1)
+        await c.end_weight_update()
+
+    bodies = {path: body for _, path, body in _with_server(push)}
+    assert bodies["/begin_weight_update"] == {"selector": "target"}
+    assert bodies["/update_weights_from_distributed"]["selector"] == "target"

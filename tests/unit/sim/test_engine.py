@@ -170,3 +170,24 @@ def test_weight_sync_metrics_agree_with_the_instance_timelines(mode):
         assert 0 < res.summary["rebalance_fraction"] <= res.summary["weight_sync_fraction"]
     else:
         assert res.summary["rebalance_fraction"] is None
+
+
+@pytest.mark.parametrize("mode,extra", [("partial", []), ("dora", ["cluster.elastic_colocation=true"])])
+def test_the_simulator_reaches_the_orchestrator_only_through_the_runtimes_event_mapping(mode, extra):
+    """The simulator feeds the runtime's event dataclasses through the runtime's own mapping
+    (controller/loop.py::EventMapping): no orchestrator event method is called from anywhere else,
+    across re-tagged partial requests, elastic leaves and joins, stats and migrations."""
+    from dora_megatron.orchestrator import Orchestrator
+    from tests.helpers.orchestrator_spy import CallerCheckingOrchestrator
+
+    sim = Simulation(_cfg(mode, *extra), orchestrator_factory=lambda c, ids: CallerCheckingOrchestrator(Orchestrator(c, ids)))
+    res = sim.run()
+    assert_run_invariants(sim, res, steps=6)
+    callers = sim.orch.callers
+    assert {"start", "on_sample_finished", "on_sample_versions", "on_tick", "on_switch_done",
+            "on_step_finished", "set_prompt_tokens"} <= set(callers)
+    if mode == "partial":
+        assert "on_sample_progress" in callers and res.summary["c1_violations"] > 0  # re-tagged requests seen
+    else:
+        assert {"on_instance_failed", "on_instance_joined"} <= set(callers)  # the elastic instances came and went
+    assert {c.split(".")[0] for cs in callers.values() for c in cs} == {"EventMapping"}, callers

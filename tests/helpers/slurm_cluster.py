@@ -66,7 +66,7 @@ def slurm_conf(d: Path, ctld_port: int, node_ports: dict[str, int], cpus: int) -
     host = socket.gethostname().split(".")[0]
     nodes = "\n".join(f"NodeName={n} NodeAddr={a} NodeHostname={host} Port={node_ports[n]} CPUs={cpus} "
                       f"RealMemory=2000 State=UNKNOWN" for n, a in NODES.items())
-    return f"""# one host, three emulated nodes (multiple-slurmd); written by tests/integration/slurm_cluster.py
+    return f"""# one host, three emulated nodes (multiple-slurmd); written by tests/helpers/slurm_cluster.py
 ClusterName=dora-test
 SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={ctld_port}

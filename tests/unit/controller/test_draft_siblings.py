@@ -1,0 +1,72 @@
+"""rollout.speculative=group: the runtime hands each request its group's finished siblings, at
+submission (``draft_sources``) and when a sibling finishes later (``add_draft_sources``); the
+instances' speculation counters reach the summary."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tests.helpers.fakes import FakeEngine
+from tests.helpers.runtime import check_run, make
+
+
+class DraftEngine(FakeEngine):
+    """FakeEngine that offers draft_sources and records what it is given; sample ``.1`` of each
+    group decodes 5x slower, so its sibling finishes first."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.submitted: dict[str, tuple[list[int], list[list[int]]]] = {}
+        self.pushed: list[tuple[str, list[list[int]]]] = []
+
+    async def supports(self, name: str) -> bool:
+        return name == "draft_sources" or await super().supports(name)
+
+    async def generate(self, input_ids, sampling_params=None, *, rid=None, return_logprob=True, version=None,
+                       draft_sources=()):
+        self.submitted[rid] = (list(input_ids), [list(s) for s in draft_sources])
+        return await super().generate(input_ids, sampling_params, rid=rid, return_logprob=return_logprob,
+                                      version=version)
+
+    async def add_draft_sources(self, rid, sources):
+        self.pushed.append((rid, [list(s) for s in sources]))
+        return rid in self.reqs
+
+    async def server_info(self):
+        info = await super().server_info()
+        return {**info, "spec_verify_steps": 10, "spec_draft_tokens": 40, "spec_accepted_tokens": 15,
+                "spec_verify_tokens": 25}
+
+    def _token_time(self, req) -> float:
+        return self.token_s * (5 if req.rid.endswith(".1") else 1)
+
+
+def _run(draft_siblings: bool):
+    rt, engines, trainer = make(mode="dora", n=3, steps=3)
+    fakes = {name: DraftEngine(name, token_s=0.001) for name in engines}
+    rt.engines.clear()
+    rt.engines.update(fakes)
+    rt.opt.draft_siblings = draft_siblings
+    summary = asyncio.run(rt.run())
+    return rt, fakes, trainer, summary
+
+
+def test_running_siblings_get_the_finished_ones_output():
+    rt, engines, trainer, summary = _run(True)
+    check_run(rt, engines, trainer, 3, 4, 2)
+    spec = summary["speculation"]  # each instance's latest counters, summed
+    assert spec["spec_verify_steps"] == 30 and spec["tokens_per_verify_step"] == 2.5
+    pushed = [p for e in engines.values() for p in e.pushed]
+    assert pushed, "no finished sibling was pushed to a running one"
+    submitted = {rid: ids for e in engines.values() for rid, (ids, _) in e.submitted.items()}
+    for rid, sources in pushed:
+        assert rid.endswith(".1")  # the slow sibling receives; the fast one finished first
+        prompt = submitted[rid]
+        assert len(sources) == 1 and sources[0][: len(prompt)] == prompt  # same prompt: same group
+        assert sources[0] == prompt + FakeEngine._answer(prompt)  # the sibling's whole output
+
+
+def test_off_nothing_is_sent():
+    _, engines, _, _ = _run(False)
+    assert not any(e.pushed for e in engines.values())
+    assert not any(src for e in engines.values() for _, src in e.submitted.values())

@@ -1,0 +1,387 @@
+"""Speculative decoding in the embedded engine: the verify rule is exact, the scheduler's KV and
+block accounting survive rejections, and migration and aborts work mid-speculation.
+
+The statistical tests use fixed seeds (deterministic) and a chi-square statistic whose p-value
+is :func:`chi2_sf`; each states its power against a named alternative.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+
+import pytest
+import torch
+
+from dora_megatron.comm.protocol import GenerateRequest, ProtocolError, SamplingParams
+from dora_megatron.rollout.engine.drafter import propose_draft, sibling_source
+from dora_megatron.rollout.engine.kv_cache import RequestKV
+from dora_megatron.rollout.engine.sampler import accept_or_resample, make_generator, verify_draft
+from dora_megatron.rollout.engine.scheduler import Request, Scheduler, SchedulerLimits
+from dora_megatron.rollout.speculation import speculation_summary
+
+
+def chi2_sf(stat: float, df: int) -> float:
+    """Survival function of the chi-square distribution (the regularised upper incomplete gamma)."""
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def gof_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson goodness of fit of ``counts`` to ``probs`` over the cells with mass."""
+    keep = probs > 0
+    n = counts.sum()
+    expected = n * probs[keep]
+    stat = float(((counts[keep] - expected) ** 2 / expected).sum())
+    assert int(counts[~keep].sum()) == 0, "a token without mass was drawn"
+    return chi2_sf(stat, int(keep.sum()) - 1)
+
+
+# ---- the acceptance rule as a pure function --------------------------------------------------
+PROBS = torch.tensor([0.30, 0.25, 0.20, 0.15, 0.10, 0.0])
+N_DRAWS = 20_000
+
+
+def _draws(rule, draft: int) -> torch.Tensor:
+    g = make_generator(1234)
+    counts = torch.zeros(len(PROBS))
+    for _ in range(N_DRAWS):
+        counts[rule(PROBS, draft, g)] += 1
+    return counts
+
+
+@pytest.mark.parametrize("draft", [0, 4, 5])  # the likeliest token, an unlikely one, one with no mass
+def test_accept_or_resample_draws_the_target_distribution(draft):
+    """Power: with 20,000 draws over 5 cells, a rule that moves 0.02 of probability between two
+    tokens (noncentrality 107) is rejected at alpha = 0.001 with probability > 0.999."""
+    assert gof_pvalue(_draws(accept_or_resample, draft), PROBS) > 1e-3
+
+
+def test_the_goodness_of_fit_test_rejects_a_wrong_rule():
+    def resample_from_p(probs, draft, g):  # the classic bug: on rejection, draw from p itself
+        if float(torch.rand((), generator=g)) < float(probs[draft]):
+            return draft
+        return int(torch.multinomial(probs, 1, generator=g))
+
+    assert gof_pvalue(_draws(resample_from_p, 0), PROBS) < 1e-6
+
+
+# ---- verify_draft over a fake model: the joint law of whole continuations ---------------------
+VOCAB, LENGTH = 4, 3
+BIGRAM = torch.log(torch.tensor([[0.6, 0.2, 0.1, 0.1], [0.1, 0.5, 0.3, 0.1], [0.25, 0.25, 0.25, 0.25],
+                                 [0.05, 0.05, 0.1, 0.8]]))
+
+
+def _exact_law() -> torch.Tensor:
+    """P(x1 x2 x3 | x0 = 0) of the Markov chain: the product of its transition probabilities."""
+    p = BIGRAM.exp()
+    law = torch.zeros(VOCAB**LENGTH)
+    for i, seq in enumerate(itertools.product(range(VOCAB), repeat=LENGTH)):
+        prev, prob = 0, 1.0
+        for t in seq:
+            prob, prev = prob * float(p[prev, t]), t
+        law[i] = prob
+    return law
+
+
+def _speculative_sequences(n: int, drafter) -> torch.Tensor:
+    """Continuations of token 0 made only by verify passes over drafts from ``drafter``."""
+    params = SamplingParams(temperature=1.0)
+    g = make_generator(7)
+    counts = torch.zeros(VOCAB**LENGTH)
+    for _ in range(n):
+        seq = [0]
+        while len(seq) < LENGTH + 1:
+            draft = drafter(seq)[: LENGTH - len(seq)]
+            logits = BIGRAM[torch.tensor([seq[-1], *draft])]
+            toks, _ = verify_draft(logits, draft, params, g)
+            seq.extend(toks)
+        idx = 0
+        for t in seq[1 : LENGTH + 1]:
+            idx = idx * VOCAB + t
+        counts[idx] += 1
+    return counts
+
+
+@pytest.mark.parametrize("drafter", [lambda seq: [0, 0, 0], lambda seq: [3, 3], lambda seq: [(seq[-1] + 1) % 4] * 2],
+                         ids=["likely", "unlikely", "rotating"])
+def test_speculative_continuations_follow_the_model(drafter):
+    """Power: 10,000 continuations over 64 cells; a shift of 0.02 of probability between two
+    sequences of probability ~0.05 (noncentrality ~160) is rejected at alpha = 0.001 with
+    probability > 0.999."""
+    assert gof_pvalue(_speculative_sequences(10_000, drafter), _exact_law()) > 1e-3
+
+
+def test_verify_draft_greedy_and_logprobs():
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0], [0.0, 0.0, 5.0]])
+    greedy = SamplingParams(temperature=0.0)
+    assert verify_draft(logits, [1, 0], greedy, make_generator(0))[0] == [1, 0, 2]  # all kept + bonus
+    toks, lps = verify_draft(logits, [1, 2], greedy, make_generator(0))
+    assert toks == [1, 0]  # the argmax replaces the first wrong draft token and ends the run
+    assert lps == pytest.approx([float(torch.log_softmax(logits[0], -1)[1]), float(torch.log_softmax(logits[1], -1)[0])])
+    hot = SamplingParams(temperature=0.5)
+    toks, lps = verify_draft(logits, [1, 0], hot, make_generator(3))
+    assert lps == pytest.approx([float(torch.log_softmax(logits[i] / 0.5, -1)[t]) for i, t in enumerate(toks)])
+    with pytest.raises(ValueError, match="needs 3 logits rows"):
+        verify_draft(logits[:2], [1, 0], greedy, make_generator(0))
+
+
+def test_propose_draft_prefers_long_matches_and_siblings():
+    assert propose_draft([1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]
+    assert propose_draft([7, 1, 2, 9, 5, 1, 2], 2) == [9, 5]  # the most recent occurrence with a continuation
+    assert propose_draft([1, 2, 3, 4, 1, 2], 3, sources=[[8, 1, 2, 6, 6]]) == [6, 6]
+    assert propose_draft([4, 1, 2, 9, 1, 2], 2) == [9, 1]  # a 2-gram match beats a 1-gram one
+    assert propose_draft([4, 1, 2, 9, 1, 2], 2, sources=[[2, 7, 7]]) == [7, 7]  # any sibling match beats both
+    assert sibling_source([5, 6, 7, 8, 9], [5, 6, 7, 8, 9, 1, 2]) == [7, 8, 9, 1, 2]  # the answer + 3 prompt tokens
+    assert sibling_source([5, 6], [4, 4, 1]) == [4, 4, 1]  # another prompt: kept whole
+    assert propose_draft([5, 6], 3) == []
+    assert propose_draft([5, 5], 0) == []
+
+
+# ---- the scheduler -----------------------------------------------------------------------------
+PROMPTS = [[5 + i, 20 + 2 * i, 30] * (3 + i) for i in range(3)]
+
+
+class Collector(dict):
+    def __call__(self, resp: dict) -> None:
+        self[resp["meta_info"]["id"]] = resp
+
+
+def _req(rid, prompt, sink, n=40, sources=(), **sp):
+    sp.setdefault("ignore_eos", True)
+    return Request(rid=rid, prompt_ids=list(prompt), params=SamplingParams(max_new_tokens=n, **sp),
+                   return_logprob=True, on_done=sink, draft_sources=[list(s) for s in sources])
+
+
+def _sched(model, mode="off", **kw) -> Scheduler:
+    return Scheduler(model, SchedulerLimits(max_running=4, speculative=mode, spec_tokens=4, **kw))
+
+
+def _check_kv(s: Scheduler) -> None:
+    """The invariant after every step: KV holds all tokens but the last; blocks add up."""
+    for r in s.running:
+        assert r.kv.length == len(r.tokens) - 1 or r.kv.length == 0
+    assert s.pool.used == sum(r.reserved_blocks for r in s.running)
+
+
+def _run(s: Scheduler, reqs, limit=1000) -> Collector:
+    sink = Collector()
+    for r in reqs:
+        r.on_done = sink
+        s.submit(r)
+    for _ in range(limit):
+        if not s.can_step():
+            break
+        s.step()
+        _check_kv(s)
+    assert s.pool.used == 0 and not s.by_rid
+    return sink
+
+
+def _lps(resp):
+    return [x[0] for x in resp["meta_info"]["output_token_logprobs"]]
+
+
+def test_greedy_outputs_and_logprobs_identical_with_speculation(moe_model):
+    plain = _run(_sched(moe_model), [_req(f"r{i}", p, None, temperature=0.0) for i, p in enumerate(PROMPTS)])
+    sibling = plain["r0"]["output_ids"]
+    for mode in ("ngram", "group"):
+        s = _sched(moe_model, mode)
+        spec = _run(s, [_req(f"r{i}", p, None, temperature=0.0, sources=[PROMPTS[0] + sibling])
+                        for i, p in enumerate(PROMPTS)])
+        assert s.spec.verify_steps > 0 and s.spec.accepted_tokens > 0
+        assert s.spec.accepted_tokens < s.spec.draft_tokens  # some drafts were rejected
+        for rid, resp in plain.items():
+            assert spec[rid]["output_ids"] == resp["output_ids"]
+            assert _lps(spec[rid]) == pytest.approx(_lps(resp), abs=1e-4)
+        assert s.steps < 40  # fewer forward passes than tokens
+
+
+def test_group_drafts_come_from_the_siblings(moe_model):
+    ref = _run(_sched(moe_model), [_req("a", PROMPTS[1], None, temperature=0.0)])["a"]["output_ids"]
+    accepted = {}
+    for mode in ("ngram", "group"):
+        s = _sched(moe_model, mode)
+        _run(s, [_req("a", PROMPTS[1], None, temperature=0.0, sources=[PROMPTS[1] + ref])])
+        accepted[mode] = s.spec.accepted_tokens
+    assert accepted["group"] > accepted["ngram"]
+    assert accepted["group"] >= 30  # a sibling that answered the same: nearly every draft is kept
+
+
+def test_stop_token_inside_an_accepted_run_ends_the_request_there(moe_model):
+    full = _run(_sched(moe_model), [_req("a", PROMPTS[0], None, temperature=0.0)])["a"]["output_ids"]
+    cut = next(j for j in range(8, len(full)) if full[j] not in full[:j])  # a token's first appearance
+    stop = full[cut]
+    s = _sched(moe_model, "group")
+    sources = [PROMPTS[0] + full]
+    sink = Collector()
+    s.submit(_req("a", PROMPTS[0], sink, temperature=0.0, sources=sources, stop_token_ids=[stop]))
+    while s.can_step():
+        before = list(s.by_rid["a"].tokens)
+        s.step()
+    draft = propose_draft(before, 4, [sibling_source(PROMPTS[0], x) for x in sources])  # the last step's draft
+    made = len(before) - len(PROMPTS[0])
+    assert draft[cut - made] == stop and len(draft) > cut - made + 1
+    assert sink["a"]["output_ids"] == full[: cut + 1]
+    assert sink["a"]["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert s.pool.used == 0
+
+
+def test_max_new_tokens_is_exact_under_speculation(moe_model):
+    s = _sched(moe_model, "ngram")
+    out = _run(s, [_req(f"r{i}", p, None, n=21 + i, temperature=0.0) for i, p in enumerate(PROMPTS)])
+    assert [len(out[f"r{i}"]["output_ids"]) for i in range(3)] == [21, 22, 23]
+    assert s.spec.verify_steps > 0
+
+
+def test_kv_after_rejections_equals_a_fresh_prefill(moe_model):
+    s = _sched(moe_model, "ngram")
+    sink = Collector()
+    s.submit(_req("a", PROMPTS[2], sink, n=60, temperature=1.0, sampling_seed=3))
+    while s.spec.accepted_tokens == s.spec.draft_tokens or s.spec.accepted_tokens == 0:
+        s.step()  # until a draft was partly kept and partly rejected
+        _check_kv(s)
+    r = s.by_rid["a"]
+    fresh = RequestKV(s.kv_shape)
+    kept = r.tokens[:-1]
+    fresh.ensure_capacity(len(kept))
+    moe_model.forward_segments(torch.tensor(kept), torch.arange(len(kept)), [(fresh, len(kept))])
+    assert r.kv.length == fresh.length
+    torch.testing.assert_close(r.kv.export_tensor(), fresh.export_tensor(), atol=1e-5, rtol=1e-4)
+
+
+def test_policy_speculates_only_up_to_spec_max_batch(moe_model):
+    verify_steps = {}
+    for cap in (2, 3):  # three requests that run together from the first step to the last
+        s = _sched(moe_model, "ngram", spec_max_batch=cap)
+        _run(s, [_req(f"r{i}", p, None, n=10, temperature=0.0) for i, p in enumerate(PROMPTS)])
+        verify_steps[cap] = s.spec.verify_steps
+    assert verify_steps[2] == 0 and verify_steps[3] > 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_migration_mid_speculation_continues_exactly(moe_model, temperature):
+    sources = [PROMPTS[0] + [9, 9, 9]]
+    ref = _run(_sched(moe_model, "group"), [_req("a", PROMPTS[0], None, temperature=temperature, sampling_seed=5,
+                                                 sources=sources)])["a"]
+    src = _sched(moe_model, "group")
+    sink = Collector()
+    src.submit(_req("a", PROMPTS[0], sink, temperature=temperature, sampling_seed=5, sources=sources))
+    while src.spec.verify_steps < 3:
+        src.step()
+    blob = src.export_request("a")
+    assert src.pool.used == 0 and sink["a"]["meta_info"]["dora_migrated"]
+    dst = _sched(moe_model, "group")
+    moved = Collector()
+    req = dst.import_request(blob, moved)
+    assert req.draft_sources == [sibling_source(PROMPTS[0], s) for s in sources]
+    while dst.can_step():
+        dst.step()
+        _check_kv(dst)
+    assert moved["a"]["output_ids"] == ref["output_ids"]
+    assert _lps(moved["a"]) == pytest.approx(_lps(ref), abs=1e-4)
+    assert dst.pool.used == 0
+
+
+def test_abort_mid_speculation_frees_exactly_its_blocks(moe_model):
+    ref = _run(_sched(moe_model), [_req("b", PROMPTS[1], None, temperature=0.0)])["b"]["output_ids"]
+    s = _sched(moe_model, "ngram")
+    sink = Collector()
+    s.submit(_req("a", PROMPTS[0], sink, temperature=0.0))
+    s.submit(_req("b", PROMPTS[1], sink, temperature=0.0))
+    while s.spec.verify_steps < 4:
+        s.step()
+    partial = list(s.by_rid["a"].output_ids)
+    assert s.abort("a") == 1
+    assert sink["a"]["output_ids"] == partial and sink["a"]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert s.pool.used == s.by_rid["b"].reserved_blocks
+    while s.can_step():
+        s.step()
+        _check_kv(s)
+    assert sink["b"]["output_ids"] == ref and s.pool.used == 0
+
+
+def test_bad_draft_sources_in_an_import_are_refused(moe_model):
+    src = _sched(moe_model, "group")
+    src.submit(_req("a", PROMPTS[0], Collector(), sources=[[1, 2]]))
+    src.step()
+    blob = torch.load(io.BytesIO(src.export_request("a")), weights_only=True)
+    blob["draft_sources"] = [[1, 10**9]]
+    buf = io.BytesIO()
+    torch.save(blob, buf)
+    with pytest.raises(ProtocolError, match="draft_sources"):
+        _sched(moe_model, "group").import_request(buf.getvalue(), None)
+
+
+def test_unknown_mode_is_refused_at_construction(moe_model):
+    with pytest.raises(ValueError, match="rollout.speculative must be one of"):
+        _sched(moe_model, "medusa")
+
+
+def test_generate_request_carries_draft_sources():
+    g = GenerateRequest.from_json({"input_ids": [1, 2], "dora_draft_sources": [[1, 2, 3], [1, 2]]})
+    assert g.dora_draft_sources == [[1, 2, 3], [1, 2]]
+    assert GenerateRequest.from_json(g.to_json()).dora_draft_sources == g.dora_draft_sources
+    assert "dora_draft_sources" not in GenerateRequest([1]).to_json()
+    with pytest.raises(ProtocolError, match=r"dora_draft_sources\[1\]"):
+        GenerateRequest.from_json({"input_ids": [1], "dora_draft_sources": [[1], ["x"]]})
+
+
+def test_speculation_summary_sums_instances():
+    out = speculation_summary([{"spec_verify_steps": 4, "spec_draft_tokens": 16, "spec_accepted_tokens": 6,
+                                "spec_verify_tokens": 10}, {"spec_verify_steps": 0}])
+    assert out["spec_verify_steps"] == 4 and out["accepted_tokens_per_step"] == 1.5
+    assert out["tokens_per_verify_step"] == 2.5
+    assert speculation_summary([])["tokens_per_verify_step"] == 0.0
+
+
+def test_job_keys_reach_dora_serve():
+    import argparse
+    from pathlib import Path
+
+    from dora_megatron.cli import serve
+    from dora_megatron.config.base import ConfigError
+    from dora_megatron.config.schema import load_config
+    from dora_megatron.launch.plan import local_plan
+
+    root = Path(__file__).resolve().parents[3]
+    keys = ["rollout.speculative=group", "rollout.spec_tokens=6", "rollout.spec_max_batch=3"]
+    cfg = load_config(root / "configs" / "cpu_tiny.yaml", keys)
+    argv = list(next(p.argv for p in local_plan(cfg, "/m", "/r") if p.role == "engine"))
+    parser = argparse.ArgumentParser()
+    serve.configure(parser)
+    args = parser.parse_args(["0" if a == "<free-port>" else a for a in argv[argv.index("serve") + 1 :]])
+    assert (args.speculative, args.spec_tokens, args.spec_max_batch) == ("group", 6, 3)
+    with pytest.raises(ConfigError, match="rollout.speculative"):
+        load_config(root / "configs" / "cpu_tiny.yaml", ["rollout.engine=vllm", "rollout.speculative=ngram"])
+
+
+def test_sources_pushed_to_a_running_request_are_drafted_from(moe_model):
+    ref = _run(_sched(moe_model), [_req("a", PROMPTS[1], None, temperature=0.0)])["a"]["output_ids"]
+    s = _sched(moe_model, "group")
+    sink = Collector()
+    s.submit(_req("a", PROMPTS[1], sink, temperature=0.0))
+    for _ in range(3):
+        s.step()
+    before = s.spec.accepted_tokens
+    assert not s.add_draft_sources("nobody", [[1, 2]])
+    with pytest.raises(ProtocolError, match="outside"):
+        s.add_draft_sources("a", [[1, 10**6]])
+    assert s.add_draft_sources("a", [PROMPTS[1] + ref])
+    while s.can_step():
+        s.step()
+    assert sink["a"]["output_ids"] == ref
+    assert s.spec.accepted_tokens - before >= 25  # nearly every later token came from the pushed sibling
+
+
+def test_routed_experts_unchanged_by_speculation(moe_model):
+    from dora_megatron.rollout.engine.routing_trace import routing_trace_for
+
+    answers = {}
+    for mode in ("off", "ngram"):
+        r = _req("a", PROMPTS[0], None, temperature=0.0)
+        r.routing = routing_trace_for(moe_model.config, 0)
+        s = _sched(moe_model, mode)
+        answers[mode] = _run(s, [r])["a"]["meta_info"]["routed_experts"]
+        assert mode == "off" or s.spec.verify_steps > 0
+    assert answers["ngram"] == answers["off"]

@@ -1,0 +1,233 @@
+"""Benchmark speculative decoding of the embedded engine on the main job's warm-started model (CPU).
+
+Side by side in one run, on the same weights, in process (the scheduler, no HTTP), temperature 1:
+
+1. Lone long-tail requests (``--temperature``, default 1): each prompt of the task's longest lists is decoded alone with
+   ``speculative`` off, ``ngram`` and ``group`` (the group's siblings, sampled beforehand, are its
+   drafts), interleaved prompt by prompt so that load drift hits every mode alike. Reported: tokens
+   per second of each mode, ``lone_request_speedup`` (each mode against off) and the tokens a
+   verify step kept.
+2. The distribution test: many samples of one prompt with and without speculation; for each of
+   the first ``--test-positions`` output positions a two-sample chi-square test of the token there
+   (cells with fewer than 10 pooled samples merged); ``distribution_p_value`` is the smallest
+   p-value times the number of positions (Bonferroni), a valid p-value for "all those marginals are
+   equal". Speculation is exact, so it should be unremarkable (above 0.01 in 99% of seeds).
+
+Usage: ``python tools/bench_speculative.py [--model DIR] [--out FILE.json]``. Without ``--model``
+the main job's model is built as ``configs/cpu_tiny.yaml`` builds it: ``tiny-moe`` (seed 1234),
+warm-started on ``digit_cipher`` for 150 steps (a few minutes on one core); ``--model-cache DIR``
+keeps it for later runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+log = logging.getLogger("bench_speculative")
+
+MODES = ("off", "ngram", "group")
+
+
+def build_model(out: Path, seed: int, steps: int) -> Path:
+    from dora_megatron.models.presets import create_model_dir
+    from dora_megatron.models.warm_start import run_warm_start
+
+    if (out / "config.json").exists():
+        log.info("using the model in %s", out)
+        return out
+    create_model_dir("tiny-moe", out, seed)
+    run_warm_start(out, "digit_cipher", steps, seed=seed, task_kwargs={"min_len": 1, "max_len": 40})
+    return out
+
+
+def tail_prompts(n: int, seed: int, min_digits: int) -> list[list[int]]:
+    """Token ids of the first ``n`` prompts of the job's stream with at least ``min_digits`` digits."""
+    from dora_megatron.data import tokenizer as tok
+    from dora_megatron.data.tasks import RunningSumTask
+
+    task = RunningSumTask(min_len=1, max_len=40, exponent=1.2, seed=seed, kind="digit_cipher")
+    out, i = [], 0
+    while len(out) < n:
+        if len(task.digits(i)) >= min_digits:
+            out.append(tok.encode(task.get(i).text, add_bos=True))
+        i += 1
+    return out
+
+
+def decode(model, reqs, mode: str, spec_tokens: int, spec_max_batch: int) -> tuple[dict, dict, float]:
+    """Run ``reqs`` (Request objects) to completion on a fresh scheduler; (responses, stats, seconds)."""
+    from dora_megatron.rollout.engine.scheduler import Scheduler, SchedulerLimits
+
+    s = Scheduler(model, SchedulerLimits(max_running=max(len(reqs), 1), speculative=mode, spec_tokens=spec_tokens,
+                                         spec_max_batch=spec_max_batch))
+    out: dict = {}
+    for r in reqs:
+        r.on_done = lambda resp: out.__setitem__(resp["meta_info"]["id"], resp)
+        s.submit(r)
+    t0 = time.perf_counter()
+    while s.can_step():
+        s.step()
+    return out, s.info(), time.perf_counter() - t0
+
+
+def request(rid: str, prompt: list[int], seed: int, max_new: int, sources=(), temperature: float = 1.0):
+    from dora_megatron.comm.protocol import SamplingParams
+    from dora_megatron.rollout.engine.scheduler import Request
+
+    return Request(rid=rid, prompt_ids=list(prompt), params=SamplingParams(max_new_tokens=max_new, temperature=temperature,
+                                                                           sampling_seed=seed),
+                   draft_sources=[list(s) for s in sources])
+
+
+def lone_requests(model, prompts, group_size: int, max_new: int, spec_tokens: int, repeats: int,
+                  temperature: float) -> dict:
+    tokens = {m: 0 for m in MODES}
+    seconds = {m: 0.0 for m in MODES}
+    stats = {m: {"verify_steps": 0, "accepted": 0, "verify_tokens": 0} for m in MODES if m != "off"}
+    for p_i, prompt in enumerate(prompts):
+        sibs, _, _ = decode(model, [request(f"s{j}", prompt, 10_000 + 97 * p_i + j, max_new, (), temperature)
+                                    for j in range(group_size - 1)], "off", spec_tokens, 1)
+        sources = [prompt + r["output_ids"] for r in sibs.values()]
+        for rep in range(repeats):
+            for mode in MODES:
+                seed = 7 * p_i + rep
+                resp, info, wall = decode(model, [request("tail", prompt, seed, max_new, sources, temperature)], mode,
+                                          spec_tokens, 1)
+                tokens[mode] += len(resp["tail"]["output_ids"])
+                seconds[mode] += wall
+                if mode != "off":
+                    stats[mode]["verify_steps"] += info["spec_verify_steps"]
+                    stats[mode]["accepted"] += info["spec_accepted_tokens"]
+                    stats[mode]["verify_tokens"] += info["spec_verify_tokens"]
+    rate = {m: tokens[m] / seconds[m] for m in MODES}
+    per_mode = {}
+    for m in MODES:
+        row = {"tokens": tokens[m], "seconds": round(seconds[m], 3), "tokens_per_s": round(rate[m], 1),
+               "speedup": round(rate[m] / rate["off"], 3)}
+        if m in stats:
+            v = stats[m]["verify_steps"]
+            row["accepted_tokens_per_step"] = round(stats[m]["accepted"] / v, 3) if v else 0.0
+            row["tokens_per_verify_step"] = round(stats[m]["verify_tokens"] / v, 3) if v else 0.0
+        per_mode[m] = row
+    return per_mode
+
+
+def chi2_sf(stat: float, df: int) -> float:
+    import torch
+
+    if df <= 0:
+        return 1.0
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def two_sample_pvalue(a: list[int], b: list[int], min_count: int = 10) -> float:
+    """Chi-square test that samples ``a`` and ``b`` come from one distribution (rare cells merged)."""
+    from collections import Counter
+
+    ca, cb = Counter(a), Counter(b)
+    cells, other = [], [0, 0]
+    for t in set(ca) | set(cb):
+        if ca[t] + cb[t] >= min_count:
+            cells.append([ca[t], cb[t]])
+        else:
+            other[0] += ca[t]
+            other[1] += cb[t]
+    if sum(other) > 0:
+        cells.append(other)
+    na, nb = len(a), len(b)
+    stat = 0.0
+    for x, y in cells:
+        tot = x + y
+        for obs, n in ((x, na), (y, nb)):
+            exp = tot * n / (na + nb)
+            stat += (obs - exp) ** 2 / exp
+    return chi2_sf(stat, len(cells) - 1)
+
+
+def distribution_test(model, prompt, samples: int, positions: int, spec_tokens: int, batch: int) -> dict:
+    """Token at each of the first ``positions`` output positions, sampled with and without speculation."""
+    outputs: dict[str, list[list[int]]] = {}
+    verify = {}
+    for mode in ("off", "ngram"):
+        outs: list[list[int]] = []
+        stats = {"spec_verify_steps": 0, "spec_accepted_tokens": 0}
+        for start in range(0, samples, batch):
+            n = min(batch, samples - start)
+            reqs = [request(f"d{start + i}", prompt, (1 << 40) + (start + i) * 2 + (mode == "ngram"), positions)
+                    for i in range(n)]
+            resp, info, _ = decode(model, reqs, mode, spec_tokens, batch)
+            outs.extend(r["output_ids"] for r in resp.values())
+            for k in stats:
+                stats[k] += info[k]
+        outputs[mode] = outs
+        verify[mode] = stats
+    pvals = []
+    for pos in range(positions):
+        a = [o[pos] for o in outputs["off"] if len(o) > pos]
+        b = [o[pos] for o in outputs["ngram"] if len(o) > pos]
+        pvals.append(two_sample_pvalue(a, b))
+    return {"samples_per_arm": samples, "positions": positions, "per_position_p": [round(p, 4) for p in pvals],
+            "p_value": min(1.0, positions * min(pvals)), "spec_verify_steps": verify["ngram"]["spec_verify_steps"],
+            "spec_accepted_tokens": verify["ngram"]["spec_accepted_tokens"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="HF model directory (default: build the main job's model)")
+    ap.add_argument("--model-cache", default=None, help="where to build (and later reuse) the default model")
+    ap.add_argument("--seed", type=int, default=1234, help="model seed and prompt stream seed (cpu_tiny's run.seed)")
+    ap.add_argument("--warm-start-steps", type=int, default=150)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--prompts", type=int, default=6, help="long-tail prompts decoded alone")
+    ap.add_argument("--min-digits", type=int, default=30, help="a long-tail prompt has at least this many digits")
+    ap.add_argument("--repeats", type=int, default=2, help="decodes of each prompt per mode")
+    ap.add_argument("--group-size", type=int, default=8, help="the group: group-size - 1 finished siblings")
+    ap.add_argument("--max-new-tokens", type=int, default=96, help="cpu_tiny's rollout.max_new_tokens")
+    ap.add_argument("--spec-tokens", type=int, default=4)
+    ap.add_argument("--test-samples", type=int, default=2000, help="samples per arm of the distribution test")
+    ap.add_argument("--test-positions", type=int, default=8)
+    ap.add_argument("--temperature", type=float, default=1.0,
+                    help="of the lone requests (the distribution test is always at 1)")
+    ap.add_argument("--out", default=None, help="write the results here (JSON)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from dora_megatron.rollout.engine.model import load_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(args.model) if args.model else build_model(Path(args.model_cache or tmp) / "model",
+                                                                     args.seed, args.warm_start_steps)
+        model = load_model(str(model_dir))
+        prompts = tail_prompts(args.prompts, args.seed, args.min_digits)
+        lone = lone_requests(model, prompts, args.group_size, args.max_new_tokens, args.spec_tokens, args.repeats,
+                             args.temperature)
+        dist = distribution_test(model, prompts[0], args.test_samples, args.test_positions, args.spec_tokens, 64)
+    result = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "model": str(args.model or f"tiny-moe seed {args.seed}, digit_cipher warm start {args.warm_start_steps} steps"),
+        "threads": args.threads, "spec_tokens": args.spec_tokens, "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature, "prompts": args.prompts, "min_digits": args.min_digits, "repeats": args.repeats,
+        "lone": lone,
+        "lone_request_speedup": {m: lone[m]["speedup"] for m in MODES if m != "off"},
+        "accepted_tokens_per_step": {m: lone[m]["accepted_tokens_per_step"] for m in MODES if m != "off"},
+        "distribution_test": dist,
+        "distribution_p_value": dist["p_value"],
+    }
+    text = json.dumps(result, indent=2)
+    log.info("result:\n%s", text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
