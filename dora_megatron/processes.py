@@ -95,16 +95,60 @@ def last_error_line(log_text: str) -> str | None:
     return None
 
 
-def _die_with_parent() -> None:
-    """Linux: deliver SIGTERM to this child when the launcher dies, even by SIGKILL (no orphans)."""
+def _pdeathsig_setter():
+    """``set(sig) -> bool``: PR_SET_PDEATHSIG for the calling process (Linux, glibc), or None where
+    there is none. Loaded before any fork: a forked child only calls it (no library load there)."""
     try:
         import ctypes
 
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except OSError:  # not Linux / no glibc: the context-manager cleanup still applies
-        pass
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    PR_SET_PDEATHSIG = 1
+    return lambda sig: prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+
+
+def _die_with_parent(sig: int = signal.SIGTERM) -> bool:
+    """Linux: deliver ``sig`` to this process when its parent dies, even by SIGKILL (no orphans).
+    False where it cannot be set (not Linux / no glibc: the context-manager cleanup still applies)."""
+    setter = _pdeathsig_setter()
+    return setter is not None and setter(sig)
+
+
+#: the pid a process tied by :func:`end_with_parent` leaves to the interpreters it spawns: whom they
+#: must end with (a spawned child cannot tell a parent that already died from a live one otherwise)
+PARENT_PID_ENV = "DORA_PARENT_PID"
+
+
+def end_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> None:
+    """Tie this process and every process it forks later to its parent: each gets ``sig`` when its
+    own parent dies, whatever killed that parent.
+
+    WHY the trainer's ranks call it: torchrun starts each rank in a session of its own, so the
+    launcher's kill of torchrun's process group never reaches a rank, nor what a rank started
+    (Megatron's checkpoint writers, ``multiprocessing`` children); a rank SIGKILLed (OOM, a lost
+    node) left those orphaned under init, holding memory (on a GPU node, device memory) after the
+    job ended. With a parent-death signal at every level, killing torchrun ends its ranks and
+    killing a rank ends its children; a ``multiprocessing`` resource tracker ends by itself once
+    the last process holding its pipe is gone. Forked children get it through
+    :func:`os.register_at_fork`; spawned ``multiprocessing`` children call this with
+    ``parent=`` the pid in :data:`PARENT_PID_ENV` when they import the main module
+    (``dora_megatron.trainer.entry``). ``parent``: the pid this process must outlive not (default:
+    its parent now); when it is already gone the signal could never come, so the process ends at once."""
+    setter = _pdeathsig_setter()
+    if setter is None:
+        return
+    _tie_to(setter, sig, os.getppid() if parent is None else parent)
+    me = os.getpid()
+    os.environ[PARENT_PID_ENV] = str(me)
+    os.register_at_fork(after_in_child=lambda: _tie_to(setter, sig, me))
+
+
+def _tie_to(setter, sig: int, parent: int) -> None:
+    """Set the parent-death signal, then end at once if ``parent`` died before it took effect (this
+    process was re-parented: its parent-death signal would never come)."""
+    if setter(sig) and os.getppid() != parent:
+        os.kill(os.getpid(), sig)
 
 
 def _ignore_the_jobs_warning() -> None:

@@ -30,6 +30,8 @@ from dora_megatron.launch.inputs import input_problem
 from dora_megatron.launch.plan import local_plan
 from dora_megatron.launch.startup import StartupRefused
 from dora_megatron.launch.stop import Stopped, StopSignals, exit_status
+from dora_megatron.launch.trainer_restart import (TrainerLost, TrainerRestarts, restart_point, reset_engines,
+                                                  run_restarting, trainer_argv, watch_trainer)
 from dora_megatron.ports import free_ports
 from dora_megatron.processes import ChildFailed, ProcessSet, ProcessSpec
 from dora_megatron.rollout.health import wait_ready
@@ -67,6 +69,35 @@ def prepare_model(cfg: DoraConfig, run_dir: Path, say=print) -> Path:
         run_warm_start(path, cfg.model.warm_start, cfg.model.warm_start_steps, seed=cfg.run.seed, say=say,
                        task_kwargs={"min_len": d.min_len, "max_len": d.max_len, "exponent": d.length_exponent})
     return path
+
+
+def restart_trainer(cfg: DoraConfig, procs: ProcessSet, endpoints: Endpoints, run_dir: Path, model_dir: Path,
+                    err: TrainerLost, budget: TrainerRestarts, say) -> Path | None:
+    """Bring back the trainer this launcher started after it was lost (``err``): the newest complete
+    checkpoint is chosen, torchrun restarts from it (its whole process group killed first), and
+    without one every kept instance reloads the initial weights. Returns the checkpoint the
+    controller restarts from (:mod:`.trainer_restart`)."""
+    checkpoint = restart_point(run_dir, say)
+    where = f"checkpoint {checkpoint.name}" if checkpoint is not None else "the initial weights (no complete checkpoint)"
+    say(f"trainer lost: {str(err).splitlines()[0]}; restarting it from {where} "
+        f"(restart {budget.used} of launch.max_trainer_restarts={budget.max_restarts}); the rollout instances keep running")
+    old = next(c for c in procs.children if c.name == "trainer")
+    procs.restart("trainer", trainer_argv(old.argv, checkpoint))
+    _write_processes(run_dir, procs)
+    if checkpoint is None:
+        clients = {n: engine_for(cfg, url, str(model_dir), procs, run_dir) for n, url in endpoints.engines.items()}
+
+        async def reset() -> list[str]:
+            try:
+                return await reset_engines(clients, model_dir)
+            finally:
+                for c in clients.values():
+                    await c.close()
+
+        failed = asyncio.run(reset())
+        if failed:
+            say(f"could not reload the initial weights on {', '.join(failed)}: they are failed at their first request")
+    return checkpoint
 
 
 def _trainer_alive(procs: ProcessSet) -> Callable[[], bool]:
@@ -235,8 +266,12 @@ def run_local_job(cfg: DoraConfig, resume: str | None = None) -> int:
             _write_processes(run_dir, procs)
             endpoints = Endpoints({f"engine{i}": f"http://{host}:{p}" for i, p in enumerate(engine_ports)},
                                   f"http://{host}:{trainer_port}")
-            summary = asyncio.run(run_controller(cfg, endpoints, run_dir, model_dir, procs, say, checkpoint, host=host,
-                                                 stop_signals=signals))
+            budget = TrainerRestarts(cfg.launch.max_trainer_restarts)
+            summary = run_restarting(
+                lambda ck: asyncio.run(run_controller(cfg, endpoints, run_dir, model_dir, procs, say, ck, host=host,
+                                                      stop_signals=signals, trainer_restarts=budget.used)),
+                lambda err: restart_trainer(cfg, procs, endpoints, run_dir, model_dir, err, budget, say),
+                checkpoint, budget)
     except (ChildFailed, TimeoutError, ValueError, StartupRefused) as err:
         say(f"dora train failed: {err}")
         return 1
@@ -346,7 +381,7 @@ def _with_port(spec: ProcessSpec, port: int) -> ProcessSpec:
 
 async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: Path, procs: ProcessSet, say,
                          checkpoint: Path | None = None, *, host: str = "127.0.0.1", fixed_ports: bool = False,
-                         on_runtime=None, stop_signals=None) -> dict[str, Any]:
+                         on_runtime=None, stop_signals=None, trainer_restarts: int = 0) -> dict[str, Any]:
     """Run the controller of a job whose processes are started: wait until ``endpoints``
     (:class:`~dora_megatron.controller.build.Endpoints`) answer, build the controller
     (:func:`~dora_megatron.controller.build.build_controller`), supervise the engines this launcher
@@ -355,7 +390,9 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
     exists (e.g. to start the elastic join watcher). ``stop_signals``
     (:class:`~dora_megatron.launch.stop.StopSignals`): while the runtime runs, the first signal
     asks it to stop at the next step boundary with a checkpoint (the summary's ``status`` then
-    says ``stopped``; the Hugging Face export is skipped)."""
+    says ``stopped``; the Hugging Face export is skipped). A trainer that dies or stays silent for
+    ``controller.trainer_timeout_s`` ends it with :class:`TrainerLost` (the caller may restart
+    it); ``trainer_restarts``: how many times it was restarted before (``summary.json``)."""
     from dora_megatron.controller.build import build_controller
     from dora_megatron.controller.trainer_client import TrainerError, TrainerUnreachable
     from dora_megatron.data.sources import skipped_rows
@@ -416,7 +453,9 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
     obs = cfg.observability
     resuming = checkpoint is not None
     resumed_at = _steps_done(checkpoint) if resuming else None  # steps >= it are re-done: keep only the new ones
-    writer = TensorBoardWriter(run_dir / "tb", purge_step=resumed_at) if obs.tensorboard else NullWriter()
+    # a trainer restarted without a checkpoint re-does every step: hide the lost lineage's scalars from step 0
+    purge = resumed_at if resuming else (0 if trainer_restarts else None)
+    writer = TensorBoardWriter(run_dir / "tb", purge_step=purge) if obs.tensorboard else NullWriter()
     # the slow writes of the run (rollout dumps, checkpoint overviews) run here, off the event loop
     background = BackgroundWriter()
     timeline = Timeline() if obs.timeline else None
@@ -482,6 +521,8 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
     for name, why in sorted(instances.absent.items()):
         supervisor.expect(name, urls[name], why)
     monitor = asyncio.get_running_loop().create_task(supervisor.run())
+    watchdog = asyncio.get_running_loop().create_task(
+        watch_trainer(trainer.health, cfg.controller.trainer_timeout_s, runtime.stop))
     if stop_signals is not None:
         stop_signals.arm_runtime(runtime)
     try:
@@ -489,12 +530,13 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
     except TrainerUnreachable as err:
         raise await _trainer_failure(procs, err) from err
     except TrainerError as err:  # the trainer answered with an error (its log has the traceback)
-        raise ChildFailed(f"{err} (see {run_dir / 'logs' / 'trainer.log'})") from err
+        raise await _trainer_failure(procs, err, wait_s=5.0, answered=f"{err} (see {run_dir / 'logs' / 'trainer.log'})")
     finally:
         if stop_signals is not None:
             stop_signals.disarm()  # from here a signal unwinds at once
         monitor.cancel()
-        await asyncio.gather(monitor, return_exceptions=True)
+        watchdog.cancel()
+        await asyncio.gather(monitor, watchdog, return_exceptions=True)
         ctl.close_journal()
         ctl.close_reward()
         progress.close()
@@ -503,7 +545,11 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
         writer.close()
         for sink in sinks[2:]:  # observability.wandb
             sink.close()
-        if await trainer.shutdown():  # let torchrun end by itself: SIGTERM would leave a SignalException traceback
+        try:  # bounded: a lost trainer may be hung
+            acked = await asyncio.wait_for(trainer.shutdown(), timeout=cfg.launch.shutdown_timeout_s)
+        except asyncio.TimeoutError:
+            acked = False
+        if acked:  # let torchrun end by itself: SIGTERM would leave a SignalException traceback
             await _wait_exit(procs, "trainer", cfg.launch.shutdown_timeout_s)
         await trainer.close()
         for e in engines.values():
@@ -514,6 +560,7 @@ async def run_controller(cfg: DoraConfig, endpoints, run_dir: Path, model_dir: P
         # loop may wait for it now; an interrupted run's cleanup above has already run)
         background.close()
     summary["reward_fn"] = ctl.reward_name
+    summary["trainer_restarts"] = trainer_restarts
     summary["data_skipped_rows"] = skipped_rows(ctl.source)
     # duplicates as the run's record counts them: the one a resume reads (each step of the final lineage once)
     summary["duplicated_groups"] = duplicated_in_record(run_dir / "consumed.jsonl")
@@ -565,17 +612,22 @@ async def _wait_exit(procs: ProcessSet, name: str, timeout_s: float) -> None:
         await asyncio.sleep(0.1)
 
 
-async def _trainer_failure(procs: ProcessSet, err: Exception, wait_s: float = 30.0) -> ChildFailed:
-    """The trainer stopped answering: name the cause. A local trainer process that died (a rank
-    killed, out of memory) takes torchrun down within seconds; its exit status and log tail say
-    why, which the connection error alone does not."""
+async def _trainer_failure(procs: ProcessSet, err: Exception, wait_s: float = 30.0,
+                           answered: str | None = None) -> ChildFailed:
+    """The trainer stopped answering (or ``answered`` with an error): name the cause. A local
+    trainer process that died (a rank killed, out of memory) takes torchrun down within seconds;
+    its exit status and log tail say why, which the connection error alone does not. A dead or
+    silent trainer is :class:`TrainerLost` (restartable); one that answered an error and lives on
+    is a plain :class:`ChildFailed` (a restart would repeat it)."""
     child = next((c for c in procs.children if c.name == "trainer"), None)
     deadline = time.monotonic() + wait_s
     while child is not None and child.alive() and time.monotonic() < deadline:
         await asyncio.sleep(0.2)
     if child is not None and not child.alive():
-        return ChildFailed(child.failure())
-    return ChildFailed(f"the trainer stopped answering ({err})")
+        return TrainerLost(child.failure())
+    if answered is not None:
+        return ChildFailed(answered)
+    return TrainerLost(f"the trainer stopped answering ({err})")
 
 
 def _write_processes(run_dir: Path, procs: ProcessSet) -> None:

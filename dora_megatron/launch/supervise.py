@@ -9,7 +9,10 @@ then switches it to the version it assigns (``on_instance_joined``: the newest) 
 joining instance. Requests that ran on the old process never come back from it: its client is
 replaced, and the runtime ignores failures reported through the old client.
 
-A dead trainer stops the run (its state lives in the trainer; resume from a checkpoint).
+A dead trainer ends this run of the controller with
+:class:`~dora_megatron.launch.trainer_restart.TrainerLost`: the launcher restarts it from the last
+complete checkpoint and runs the controller again from there, keeping these engine processes
+(:mod:`.trainer_restart`).
 In a SLURM job only the controller's node's instances are children here; the others are restarted
 by their own node's launcher and rejoin through the join folder (``launch/slurm_run.py``), so when
 every instance has failed the run waits ``rollout.startup_timeout_s`` for those before it ends.
@@ -24,7 +27,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from dora_megatron.ports import free_ports
-from dora_megatron.processes import Child, ChildFailed, ProcessSet
+from dora_megatron.launch.trainer_restart import TrainerLost
+from dora_megatron.processes import Child, ProcessSet
 from dora_megatron.rollout.health import InstanceNotReady, wait_ready
 
 log = logging.getLogger(__name__)
@@ -102,8 +106,8 @@ class EngineSupervisor:
             name = child.name
             if not child.alive() and child.popen.pid not in self._reported:
                 self._reported.add(child.popen.pid)
-                if name == "trainer":
-                    rt._error = ChildFailed(child.failure())
+                if name == "trainer":  # the launcher may restart it (launch/trainer_restart.py)
+                    rt._error = TrainerLost(child.failure())
                     rt._done.set()
                     return
                 if name in self.engine_names and name in rt.engines:

@@ -76,6 +76,9 @@ class VersionedWorker:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dora_megatron.processes import end_with_parent
+
+    end_with_parent()  # torchrun put this rank in a session of its own: it ends with torchrun, its children with it
     parser = argparse.ArgumentParser(description="dora trainer rank (started by torchrun)")
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--model", required=True, help="HF model directory with the initial weights (version 0)")
@@ -122,3 +125,11 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+elif __name__ == "__mp_main__":
+    # a ``multiprocessing`` spawn child of a rank (Megatron's checkpoint writers) imports this module
+    # under that name before it runs its target: tie it to the rank that started it
+    import os
+
+    from dora_megatron.processes import PARENT_PID_ENV, end_with_parent
+
+    end_with_parent(parent=int(os.environ[PARENT_PID_ENV]) if PARENT_PID_ENV in os.environ else None)

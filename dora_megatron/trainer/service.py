@@ -3,9 +3,11 @@
 Why this shape: the controller is an asyncio process that must never block on
 training, and the trainer is a torchrun job whose ranks must execute the same
 collective calls in the same order. Rank 0 therefore serves a tiny HTTP API on
-loopback (stdlib ``http.server``, one request at a time, which is the order the
-ranks execute) and broadcasts every command to the other ranks over the gloo
-world group; all ranks run it; rank 0 answers. Commands:
+loopback (stdlib ``http.server``) and queues every command for its main thread, which
+executes them one at a time (the order the ranks execute) and broadcasts each to the other
+ranks over the gloo world group; all ranks run it; rank 0 answers. Each request has a thread
+of its own, so ``GET /health`` answers during a long step: the controller's watchdog
+(``controller.trainer_timeout_s``) tells a busy trainer from a lost one by it. Commands:
 
 ``GET /health``            -> {"ready": true, "version": v, "world_size": n}
 ``POST /train``            {"step": t, "samples": [...]} -> metrics, new version, snapshot path, checksum,
@@ -32,7 +34,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from queue import Queue
 from typing import Any, Callable, Protocol
@@ -190,7 +192,7 @@ class TrainerService:
 
     def leader_loop(self, host: str, port: int, ready_file: Path | None = None) -> None:
         """Rank 0: serve HTTP in a thread, execute queued commands here (main thread)."""
-        server = HTTPServer((host, port), _make_handler(self))
+        server = ThreadingHTTPServer((host, port), _make_handler(self))
         thread = threading.Thread(target=server.serve_forever, name="trainer-http", daemon=True)
         thread.start()
         bound = server.server_address[1]

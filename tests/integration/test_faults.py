@@ -1,5 +1,7 @@
-"""Faults on real processes: an engine SIGKILLed mid-run (restarted, it rejoins), the whole job
-SIGKILLed and resumed (from the previous checkpoint, the newest one being garbled), Ctrl-C /
+"""Faults on real processes: an engine SIGKILLed mid-run (restarted, it rejoins), the trainer
+SIGKILLed during its first checkpoint write and mid-step (restarted inside the job, no process
+left behind), the whole job SIGKILLed and resumed (from the previous checkpoint, the newest one
+being garbled), Ctrl-C /
 SIGTERM / SIGUSR1 (a checkpoint at the next step boundary, then a resume; a second signal at once).
 
 Each scenario checks the run summary (zero lost, zero duplicated groups, zero C1
@@ -246,13 +248,14 @@ def check_prompt_stream(run_dir: Path, lineage: dict[int, list[str]], n: int) ->
         assert sent[gid] == codec.encode_prompt(source.get(k)), f"{gid} was not sent prompt {k}"
 
 
-def test_trainer_rank_sigkill_stops_the_job_and_resume_consumes_every_group_once(tmp_path):
-    """The trainer rank (torchrun's child, where the step runs) is SIGKILLed: the job stops with an
-    error naming the trainer, takes every process with it, and ``--resume`` finishes the run from
-    the last checkpoint with each group of the final lineage consumed exactly once."""
+def test_trainer_rank_sigkill_without_restarts_left_stops_the_job_and_resume_consumes_every_group_once(tmp_path):
+    """The trainer rank (torchrun's child, where the step runs) is SIGKILLed with no trainer restart
+    allowed (``launch.max_trainer_restarts=0``, as when the budget is spent): the job stops with an
+    error naming the trainer and the budget, takes every process with it, and ``--resume`` finishes
+    the run from the last checkpoint with each group of the final lineage consumed exactly once."""
     run_dir = tmp_path / "run"
     n = 6
-    args = ("run.checkpoint_interval=2", f"run.steps={n}")
+    args = ("run.checkpoint_interval=2", f"run.steps={n}", "launch.max_trainer_restarts=0")
     proc = start_train(run_dir, *args)
     try:
         wait_for(lambda: (run_dir / "checkpoints" / "v000002" / "controller.json").is_file() and steps_done(run_dir) >= 3,
@@ -264,6 +267,7 @@ def test_trainer_rank_sigkill_stops_the_job_and_resume_consumes_every_group_once
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 1, out[-4000:]
         assert "dora train failed" in out and "trainer" in out.split("dora train failed", 1)[1][:400], out[-4000:]
+        assert "no trainer restart left (launch.max_trainer_restarts=0, 0 used)" in out, out[-4000:]
         print(out[out.index("dora train failed"):][:400])
         wait_for(lambda: not any(alive(p) for k, p in pids.items() if k != "controller"), 60, "children to exit")
     finally:
@@ -275,6 +279,75 @@ def test_trainer_rank_sigkill_stops_the_job_and_resume_consumes_every_group_once
     print(f"crashed after {crashed_steps} steps;", out[out.index("resuming"):].splitlines()[0])
     assert crashed_steps > 2  # steps after the checkpoint it resumes from were recorded, then re-done
     check_resumed_run(run_dir, n)
+
+
+def children(pid: int) -> list[int]:
+    """The direct children of ``pid`` (torchrun's ranks)."""
+    return [p for p in process_tree(pid) if p != pid and _stat(p)[1:2] == [str(pid)]]
+
+
+def _stat(pid: int) -> list[str]:
+    """``/proc/<pid>/stat`` after the command name: state, ppid, pgrp, session, ... (empty: gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def sessions(pids: list[int]) -> set[int]:
+    """The session ids of ``pids`` (torchrun starts each rank in a session of its own)."""
+    return {int(f[3]) for f in map(_stat, pids) if len(f) > 3}
+
+
+def in_sessions(sids: set[int]) -> list[int]:
+    """Live processes of any of the sessions ``sids``."""
+    return [int(d.name) for d in Path("/proc").glob("[0-9]*")
+            if len(f := _stat(int(d.name))) > 3 and int(f[3]) in sids and f[0] != "Z"]
+
+
+def test_trainer_sigkill_during_the_first_checkpoint_and_mid_step_is_restarted_in_the_job(tmp_path):
+    """The trainer's rank is SIGKILLed twice in one job: while the first checkpoint is being written
+    (nothing complete to go back to: the trainer restarts from the initial weights) and mid-step
+    after checkpoint v2 (it restarts from v2). Each time the rollout instances keep running (same
+    processes), the job completes with each step in ``consumed.jsonl`` exactly once, and after the
+    job no process of any session it started (torchrun's ranks and what they spawned) is left."""
+    run_dir = tmp_path / "run"
+    n = 5
+    proc = start_train(run_dir, "run.checkpoint_interval=2", f"run.steps={n}", "launch.max_trainer_restarts=2",
+                       "observability.overview=false")
+    seen: set[int] = set()
+    try:
+        first = run_dir / "checkpoints" / "v000002"
+        wait_for(first.is_dir, 400, "the first checkpoint write", proc)  # made before the trainer is asked to save
+        pids = json.loads((run_dir / "processes.json").read_text())
+        ranks = children(pids["trainer"])  # the ranks only: what they started must end with them
+        signal_tree(ranks, signal.SIGSTOP)  # frozen mid-write: the checkpoint cannot complete
+        seen |= sessions(process_tree(proc.pid))
+        time.sleep(0.5)
+        assert not (first / "controller.json").is_file(), "the checkpoint completed before the kill"
+        signal_tree(ranks, signal.SIGKILL)
+        wait_for(lambda: json.loads((run_dir / "processes.json").read_text())["trainer"] != pids["trainer"], 120,
+                 "the trainer restart", proc)
+        wait_for(lambda: (first / "controller.json").is_file() and steps_done(run_dir) >= 3, 400,
+                 "checkpoint v2 of the restarted lineage and a step after it", proc)
+        after = json.loads((run_dir / "processes.json").read_text())
+        assert [after[f"engine{i}"] for i in range(2)] == [pids[f"engine{i}"] for i in range(2)]  # kept
+        ranks = children(after["trainer"])
+        seen |= sessions(process_tree(proc.pid))  # the ranks' spawn child and resource tracker among them
+        signal_tree(ranks, signal.SIGKILL)
+        out = finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "restarting it from the initial weights (no complete checkpoint)" in out, out[-4000:]
+    assert re.search(r"restarting it from checkpoint v00000[24]", out), out[-4000:]  # v4 if step 3 ended first
+    print("\n".join(line for line in out.splitlines() if "trainer lost" in line))
+    summary, _, _, _ = check_resumed_run(run_dir, n)
+    assert summary["trainer_restarts"] == 2
+    final = json.loads((run_dir / "processes.json").read_text())
+    assert [final[f"engine{i}"] for i in range(2)] == [pids[f"engine{i}"] for i in range(2)]
+    seen.discard(os.getsid(0))
+    wait_for(lambda: not in_sessions(seen), 30, "every process of the job's sessions to end")
 
 
 def test_ctrl_c_checkpoints_at_the_next_step_and_resume_trains_each_group_once(tmp_path):

@@ -8,6 +8,7 @@ import sys
 import time
 
 from dora_megatron.launch.local import _trainer_failure
+from dora_megatron.launch.trainer_restart import TrainerLost
 from dora_megatron.processes import ProcessSet
 
 
@@ -17,6 +18,7 @@ def test_dead_trainer_is_named_with_its_status_and_log(tmp_path):
         procs.start("trainer", [sys.executable, "-c", script])
         err = asyncio.run(_trainer_failure(procs, ConnectionError("refused"), wait_s=30))
     assert "trainer exited with status 7" in str(err) and "rank 0 lost" in str(err)
+    assert isinstance(err, TrainerLost)  # dead: the job may restart it
 
 
 def test_live_but_silent_trainer_reports_the_connection_error_after_the_wait(tmp_path):
@@ -25,7 +27,7 @@ def test_live_but_silent_trainer_reports_the_connection_error_after_the_wait(tmp
         t0 = time.monotonic()
         err = asyncio.run(_trainer_failure(procs, ConnectionError("refused"), wait_s=0.5))
         assert 0.4 < time.monotonic() - t0 < 10
-    assert str(err) == "the trainer stopped answering (refused)"
+    assert str(err) == "the trainer stopped answering (refused)" and isinstance(err, TrainerLost)
 
 
 def test_remote_trainer_without_a_local_process(tmp_path):
@@ -54,6 +56,15 @@ def test_a_failed_torchrun_child_is_named_by_its_own_error_not_the_launcher_bann
     assert "ChildFailedError" in child.tail(60)  # the banner is there, and is not what we report first
     assert message.splitlines()[0] == ("trainer exited with status 1: "
                                        "ValueError: ep=2 needs an MoE model with experts divisible by ep"), message
+
+
+def test_a_trainer_that_answered_an_error_and_lives_on_is_not_lost(tmp_path):
+    """An error answer (HTTP 500) from a live trainer ends the job as before: a restart would
+    only repeat it."""
+    with ProcessSet(tmp_path) as procs:
+        procs.start("trainer", [sys.executable, "-c", "import time; time.sleep(60)"])
+        err = asyncio.run(_trainer_failure(procs, RuntimeError("HTTP 500"), wait_s=0.3, answered="trainer /train: HTTP 500"))
+    assert str(err) == "trainer /train: HTTP 500" and not isinstance(err, TrainerLost)
 
 
 def test_children_and_their_own_children_ignore_the_jobs_early_warning(tmp_path):

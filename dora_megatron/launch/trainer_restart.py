@@ -1,0 +1,139 @@
+"""A lost trainer is restarted inside the job, from the last complete checkpoint.
+
+The rule (local jobs; under SLURM a lost trainer still ends the job with FAILED): the controller
+counts the trainer as lost when its process exits, when a call to it is dropped, or when its
+``/health`` stays silent for ``controller.trainer_timeout_s`` (:func:`watch_trainer`; the trainer
+answers it during a step). The rollout instances keep running. The launcher then restarts the
+trainer from the newest complete checkpoint (:func:`restart_point`; the initial weights when there
+is none) and runs the controller again from the same checkpoint, up to
+``launch.max_trainer_restarts`` times (:func:`run_restarting`); when none is left the job fails
+naming the cause, and ``--resume`` continues it.
+
+WHY the resume path and not a second mechanism: a checkpoint is a cut where weights ``v`` exist
+and the orchestrator has not reacted to them, and ``--resume`` from it is already exactly-once
+(the crashed lineage's steps after the cut are dropped from ``consumed.jsonl`` and trained again;
+finished samples of the cut's groups come back from the journal). A restart inside the job is the
+same resume with the engine processes kept: no process reloads a model. C1 holds because the
+restored orchestrator knows only the cut's groups, all of versions <= the cut: samples of newer
+versions (which the re-trained lineage will produce differently) belong to groups it never saw,
+are aborted with everything in flight, and are never restored; every instance is switched to a
+version the cut assigns (the Resume event), or, without a checkpoint, reloads the initial weights
+(:func:`reset_engines`) before the fresh start that assumes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Sequence
+
+from dora_megatron.processes import ChildFailed
+
+log = logging.getLogger(__name__)
+
+
+class TrainerLost(ChildFailed):
+    """The trainer died or stopped answering (not: it answered with an error, which a restart
+    would only repeat). The job may restart it (:func:`run_restarting`)."""
+
+
+async def watch_trainer(health: Callable[[], Awaitable[Any]], timeout_s: float,
+                        on_lost: Callable[[TrainerLost], None], poll_s: float | None = None,
+                        clock: Callable[[], float] = time.monotonic) -> None:
+    """Poll ``health()`` (None: no answer) every ``poll_s`` (default: a quarter of ``timeout_s``, at
+    most 5 s); once it has not answered for ``timeout_s``, call ``on_lost`` once and return.
+
+    WHY a watchdog beside the process watch: a trainer on another node, or one hung in a collective,
+    neither exits nor drops a connection; a call to it would wait for its HTTP timeout (an hour)."""
+    poll_s = poll_s if poll_s is not None else min(5.0, timeout_s / 4)
+    last_answer = clock()
+    while True:
+        await asyncio.sleep(poll_s)
+        if await health() is not None:
+            last_answer = clock()
+        elif clock() - last_answer >= timeout_s:
+            on_lost(TrainerLost(f"the trainer did not answer /health for {clock() - last_answer:.0f} s "
+                                f"(controller.trainer_timeout_s={timeout_s:g})"))
+            return
+
+
+@dataclass
+class TrainerRestarts:
+    """The job's budget of trainer restarts (``launch.max_trainer_restarts``) and why each was used."""
+
+    max_restarts: int
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def used(self) -> int:
+        return len(self.reasons)
+
+    def take(self, err: BaseException) -> bool:
+        """Use one restart for ``err``; False when none is left."""
+        if self.used >= self.max_restarts:
+            return False
+        self.reasons.append(str(err).splitlines()[0] if str(err) else type(err).__name__)
+        return True
+
+    def spent(self, err: BaseException) -> TrainerLost:
+        """The error that ends the job: the cause first, then the budget."""
+        head, _, rest = str(err).partition("\n")
+        return TrainerLost(f"{head}; no trainer restart left (launch.max_trainer_restarts={self.max_restarts}, "
+                           f"{self.used} used)" + (f"\n{rest}" if rest else ""))
+
+
+def run_restarting(run_once: Callable[[Path | None], dict[str, Any]],
+                   restart: Callable[[TrainerLost], Path | None], checkpoint: Path | None,
+                   budget: TrainerRestarts) -> dict[str, Any]:
+    """``run_once(checkpoint)`` until it returns; each :class:`TrainerLost` it raises takes one
+    restart from ``budget``: ``restart(err)`` brings the trainer back and returns the checkpoint
+    the next run starts from (None: the initial weights). Raises :meth:`TrainerRestarts.spent`
+    once the budget is used up; any other error passes through."""
+    while True:
+        try:
+            return run_once(checkpoint)
+        except TrainerLost as err:
+            if not budget.take(err):
+                raise budget.spent(err) from err
+            log.warning("trainer lost (%s): restart %d of %d", budget.reasons[-1], budget.used, budget.max_restarts)
+            checkpoint = restart(err)
+
+
+def restart_point(run_dir: Path, say: Callable[[str], None], quarantine: bool = True) -> Path | None:
+    """The checkpoint a restarted trainer loads: the newest complete one that passes its manifest
+    (one being written when the trainer died has no ``controller.json`` and is skipped), None when
+    there is none (the restart starts from the initial weights)."""
+    from dora_megatron.controller.checkpoint_manifest import choose_checkpoint
+
+    return choose_checkpoint(run_dir, lambda v: run_dir / "weights" / f"v{v:06d}", say=say,
+                             quarantine=quarantine).checkpoint
+
+
+def trainer_argv(argv: Sequence[str], checkpoint: Path | None) -> list[str]:
+    """The trainer's command line to start from ``checkpoint`` (its ``trainer`` part) instead of
+    what ``argv`` loaded (a ``--resume`` in it is replaced; None: the initial weights)."""
+    out = list(argv)
+    if "--resume" in out:
+        i = out.index("--resume")
+        del out[i:i + 2]
+    return out + (["--resume", str(checkpoint / "trainer")] if checkpoint is not None else [])
+
+
+async def reset_engines(engines: dict[str, Any], model_dir: Path) -> list[str]:
+    """Load the initial weights (version 0) on every instance of ``engines`` (name -> client):
+    a start without a checkpoint assumes them there, and the instances kept from the lost lineage
+    hold newer ones. Returns the names that could not be reset (they stay in the pool, and the
+    run fails them at their first request, as any unreachable instance)."""
+    async def one(name: str, engine: Any) -> str | None:
+        try:
+            await engine.update_weights_from_disk(str(model_dir), weight_version=0)
+        except Exception as err:  # noqa: BLE001 - named to the caller; the run's own checks fail it
+            log.warning("%s: loading the initial weights after the trainer restart failed: %s", name, err)
+            return name
+        return None
+
+    failed = await asyncio.gather(*(one(n, e) for n, e in engines.items()))
+    return sorted(n for n in failed if n is not None)
