@@ -144,6 +144,14 @@ class TrainerConfig:
                                           "linear, cosine", choices=("constant", "linear", "cosine"))
     lr_decay_steps: int = field_doc(0, "optimizer step at which the decay reaches min_lr; 0 = run.steps", ge=0)
     min_lr: float = field_doc(0.0, "learning rate at the end of the decay (linear / cosine only)", ge=0)
+    override_opt_param_scheduler: bool = field_doc(
+        False, "on resume, continue with this run's LR schedule (lr, min_lr, lr_warmup_steps, lr_decay, "
+               "lr_decay_steps or run.steps, weight_decay) from the checkpoint's step, where a checkpoint written "
+               "with other settings is otherwise refused (Megatron's override_opt_param_scheduler; e.g. a "
+               "decaying schedule extended by a larger run.steps)")
+    use_checkpoint_opt_param_scheduler: bool = field_doc(
+        False, "on resume, continue with the checkpoint's LR schedule whatever this run's schedule keys say "
+               "(Megatron's use_checkpoint_opt_param_scheduler); excludes override_opt_param_scheduler")
     weight_decay: float = field_doc(0.0, "decoupled weight decay; norms and biases are skipped (Megatron's rule: "
                                          "1-D parameters and *.bias)", ge=0)
     grad_clip: float = field_doc(1.0, "max global grad norm; 0 disables clipping", ge=0)
@@ -230,6 +238,10 @@ class TrainerConfig:
             raise ConfigError(f"{path}.min_lr", "has no effect with lr_decay: constant (set linear or cosine, or 0)")
         if self.lr_decay == "constant" and self.lr_decay_steps:
             raise ConfigError(f"{path}.lr_decay_steps", "has no effect with lr_decay: constant")
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            raise ConfigError(f"{path}.override_opt_param_scheduler", "excludes use_checkpoint_opt_param_scheduler "
+                                                                      "(a resume takes either this run's schedule "
+                                                                      "or the checkpoint's): set one of them")
         if self.lr_decay_steps and self.lr_warmup_steps >= self.lr_decay_steps:
             raise ConfigError(f"{path}.lr_warmup_steps", f"{self.lr_warmup_steps} must be below lr_decay_steps="
                                                          f"{self.lr_decay_steps}")

@@ -210,5 +210,25 @@ def scheduler_kwargs(cfg: TrainerConfig, total_steps: int) -> dict[str, Any]:
                 min_lr=cfg.min_lr,
                 lr_warmup_steps=cfg.lr_warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=cfg.lr_decay,
                 start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=decay_steps,
-                wd_incr_style="constant", use_checkpoint_opt_param_scheduler=False,
-                override_opt_param_scheduler=False)
+                wd_incr_style="constant",
+                use_checkpoint_opt_param_scheduler=cfg.use_checkpoint_opt_param_scheduler,
+                override_opt_param_scheduler=cfg.override_opt_param_scheduler)
+
+
+def schedule_differences(cfg: TrainerConfig, current: dict[str, Any], saved: dict[str, Any]) -> list[str]:
+    """The settings in which ``current`` (this run's ``OptimizerParamScheduler.state_dict()``) and
+    ``saved`` (a checkpoint's) differ, one line each, named by this section's keys with both values.
+
+    WHY: Megatron's ``load_state_dict`` stops at the first difference and names it by its own words
+    ("total number of iterations"); a user needs the keys to change and every one at once. The
+    decay length is named with ``run.steps`` when ``lr_decay_steps`` is 0 (it follows the run's steps)."""
+    decay = ("trainer.lr_decay_steps" if cfg.lr_decay_steps
+             else "the decay length (trainer.lr_decay_steps 0: run.steps)")
+    names = {"max_lr": "trainer.lr", "min_lr": "trainer.min_lr", "lr_warmup_steps": "trainer.lr_warmup_steps",
+             "lr_decay_style": "trainer.lr_decay", "lr_decay_steps": decay, "start_wd": "trainer.weight_decay",
+             "end_wd": "trainer.weight_decay", "wd_incr_steps": decay, "wd_incr_style": "the weight-decay schedule"}
+    lines: dict[str, str] = {}  # one line per key (weight decay and the decay length are two fields each)
+    for field, name in names.items():
+        if field in saved and saved[field] != current.get(field) and name not in lines:
+            lines[name] = f"{name}: {current.get(field)!r} in this run, {saved[field]!r} in the checkpoint"
+    return list(lines.values())

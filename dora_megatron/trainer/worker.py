@@ -706,18 +706,38 @@ class TrainerWorker:
         dist.barrier()
 
     def _load_schedule(self, saved: dict | None, directory: str) -> None:
-        """Continue the LR schedule of the checkpoint (Megatron's ``load_state_dict``: the schedule's
-        settings must equal the checkpoint's). A checkpoint written before the schedule was saved
-        resumes at its step count."""
+        """Continue the LR schedule of the checkpoint (:func:`restore_schedule`). A checkpoint written
+        before the schedule was saved resumes at its step count."""
         self.scheduler.num_steps = 0  # Megatron's load_state_dict and step() add to it
         if saved is None:
             self.scheduler.step(self.step)
             return
-        try:
-            self.scheduler.load_state_dict(saved)
-        except AssertionError as err:
-            raise ValueError(f"the trainer checkpoint {directory} was written with another LR schedule (trainer.lr, "
-                             f"min_lr, lr_warmup_steps, lr_decay, lr_decay_steps, weight_decay): {err}") from None
+        restore_schedule(self.scheduler, saved, self.cfg, directory)
+
+
+def restore_schedule(scheduler: Any, saved: dict, cfg: TrainerConfig, directory: str) -> None:
+    """Load a checkpoint's schedule state into this run's Megatron ``OptimizerParamScheduler``
+    (built from ``cfg``, ``num_steps`` 0): its step count always continues from the checkpoint.
+
+    Megatron's ``load_state_dict`` decides the settings: equal to the checkpoint's, or this run's
+    (``trainer.override_opt_param_scheduler``), or the checkpoint's
+    (``trainer.use_checkpoint_opt_param_scheduler``). WHY the decay length is taken as equal when
+    both schedules are constant: a constant LR never reads it, yet with ``lr_decay_steps`` 0 it is
+    derived from ``run.steps``, and continuing a run with a new ``run.steps`` must not be refused for
+    a number that changes nothing. A refusal names every differing key with both values."""
+    from dora_megatron.trainer.megatron_args import schedule_differences
+
+    if saved.get("lr_decay_style") == scheduler.lr_decay_style == "constant":
+        saved = {**saved, "lr_decay_steps": scheduler.lr_decay_steps, "wd_incr_steps": scheduler.wd_incr_steps}
+    current = scheduler.state_dict()
+    try:
+        scheduler.load_state_dict(saved)
+    except AssertionError as err:
+        differences = "; ".join(schedule_differences(cfg, current, saved)) or str(err)
+        raise ValueError(f"the trainer checkpoint {directory} was written with another LR schedule: {differences}. "
+                         "Set trainer.override_opt_param_scheduler: true to continue with this run's schedule "
+                         "from the checkpoint's step, or trainer.use_checkpoint_opt_param_scheduler: true to keep "
+                         "the checkpoint's") from None
 
 
 def _to_device(mb: MicroBatch, device: str) -> MicroBatch:

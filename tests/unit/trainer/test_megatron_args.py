@@ -91,3 +91,67 @@ def test_schedule_is_megatrons_scheduler_with_update_k_at_step_k():
     sched = OptimizerParamScheduler(constant, **ma.scheduler_kwargs(TrainerConfig(lr=1e-3), total_steps=3))
     sched.step(1)
     assert constant.param_groups[0]["lr"] == 1e-3
+
+
+def _checkpointed_schedule(cfg: TrainerConfig, run_steps: int, steps: int) -> dict:
+    """The schedule state a checkpoint of a ``run_steps`` run holds after ``steps`` updates."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    sched = OptimizerParamScheduler(_Groups(), **ma.scheduler_kwargs(cfg, total_steps=run_steps))
+    sched.step(steps)
+    return sched.state_dict()
+
+
+def _resumed_lrs(cfg: TrainerConfig, run_steps: int, saved: dict, updates: int) -> list[float]:
+    """Resume ``saved`` into the scheduler the worker builds for a ``run_steps`` run; the LRs of the
+    next ``updates`` updates (the worker steps the schedule once before each update)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from dora_megatron.trainer.worker import restore_schedule
+
+    opt = _Groups()
+    sched = OptimizerParamScheduler(opt, **ma.scheduler_kwargs(cfg, total_steps=run_steps))
+    restore_schedule(sched, saved, cfg, "ckpt/v000006")
+    lrs = []
+    for _ in range(updates):
+        sched.step(1)
+        lrs.append(opt.param_groups[0]["lr"])
+    return lrs
+
+
+def test_a_constant_schedule_resumes_with_another_run_length():
+    cfg = TrainerConfig(lr=1e-3, lr_warmup_steps=8)
+    saved = _checkpointed_schedule(cfg, run_steps=10, steps=6)
+    assert saved["lr_decay_steps"] == 10  # derived from run.steps, which Megatron alone would compare
+    # still warming up: updates 7, 8 use lr * k / 8, then the constant lr
+    assert _resumed_lrs(cfg, 20, saved, 3) == pytest.approx([7 / 8 * 1e-3, 1e-3, 1e-3])
+
+
+def test_a_decaying_schedule_following_run_steps_needs_the_override_to_change_length():
+    cfg = TrainerConfig(lr=1e-3, min_lr=1e-4, lr_warmup_steps=2, lr_decay="linear")
+    saved = _checkpointed_schedule(cfg, run_steps=10, steps=6)
+    with pytest.raises(ValueError) as refused:
+        _resumed_lrs(replace(cfg, lr=2e-3), 20, saved, 1)
+    msg = str(refused.value)
+    assert "ckpt/v000006" in msg and "trainer.override_opt_param_scheduler" in msg
+    assert "trainer.lr: 0.002 in this run, 0.001 in the checkpoint" in msg
+    assert "the decay length (trainer.lr_decay_steps 0: run.steps): 20 in this run, 10 in the checkpoint" in msg
+    # linear from 1e-3 after 2 warmup updates to 1e-4 at 20: update k uses 1e-4 + 0.9e-3 * (1 - (k - 2) / 18)
+    override = replace(cfg, override_opt_param_scheduler=True)
+    assert _resumed_lrs(override, 20, saved, 2) == pytest.approx([7.5e-4, 7e-4])
+    # the checkpoint's schedule (decay ends at 10): 1e-4 + 0.9e-3 * (1 - (k - 2) / 8)
+    keep = replace(cfg, use_checkpoint_opt_param_scheduler=True)
+    assert _resumed_lrs(keep, 20, saved, 2) == pytest.approx([4.375e-4, 3.25e-4])
+
+
+def test_an_explicit_decay_length_resumes_with_another_run_length():
+    cfg = TrainerConfig(lr=1e-3, min_lr=1e-4, lr_warmup_steps=2, lr_decay="linear", lr_decay_steps=20)
+    saved = _checkpointed_schedule(cfg, run_steps=10, steps=6)
+    assert _resumed_lrs(cfg, 30, saved, 2) == pytest.approx([7.5e-4, 7e-4])  # as above: decay ends at 20
+
+
+def test_override_and_use_checkpoint_schedule_exclude_each_other():
+    from dora_megatron.config.base import ConfigError
+
+    with pytest.raises(ConfigError, match="trainer.override_opt_param_scheduler.*use_checkpoint_opt_param_scheduler"):
+        TrainerConfig(override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=True).check("trainer")
