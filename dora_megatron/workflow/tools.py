@@ -18,6 +18,8 @@ import asyncio
 import json
 import math
 import operator
+import os
+import signal
 import sys
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol, Sequence
@@ -122,11 +124,22 @@ class Calculator:
         return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
 
 
+#: the child's first statements: cap the address space, then run the program (argv[2]) as ``__main__``
+_LIMITED = ("import resource, sys\n"
+            "_n = int(sys.argv[1]); resource.setrlimit(resource.RLIMIT_AS, (_n, _n))\n"
+            "_code = sys.argv[2]; del sys.argv[1:], _n\n"
+            "exec(compile(_code, '<tool>', 'exec'), {'__name__': '__main__'})\n")
+
+
 class PythonExecutor:
     """``python(code)``: run ``code`` in a fresh isolated interpreter; its stdout (and stderr when it
-    fails) is the result. ``timeout_s`` kills it (the process group's leader) after that long;
-    ``memory_mb`` caps its address space (``RLIMIT_AS``), so an allocation beyond it raises
-    ``MemoryError`` in the child instead of swapping the machine."""
+    fails) is the result. ``timeout_s`` kills its whole process group after that long (what the
+    program started itself dies with it); ``memory_mb`` caps its address space (``RLIMIT_AS``), so
+    an allocation beyond it raises ``MemoryError`` in the child instead of swapping the machine.
+
+    WHY the limit is set by the child's first statement, not a ``preexec_fn``: the controller has
+    threads (the background writer, the HTTP client's), and code run between fork and exec in a
+    threaded process can deadlock (Python's subprocess documentation says so)."""
 
     name = "python"
     schema = {"type": "function", "function": {
@@ -137,23 +150,21 @@ class PythonExecutor:
         self.timeout_s = timeout_s
         self.memory_mb = memory_mb
 
-    def _limit(self) -> None:  # runs in the child between fork and exec
-        import resource
-
-        size = self.memory_mb * 1024 * 1024
-        resource.setrlimit(resource.RLIMIT_AS, (size, size))
-
     async def __call__(self, arguments: Mapping[str, Any]) -> str:
         code = arguments.get("code")
         if not isinstance(code, str):
             raise ToolError("python needs a string 'code'")
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-I", "-c", code, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, preexec_fn=self._limit, start_new_session=True)
+            sys.executable, "-I", "-c", _LIMITED, str(self.memory_mb * 1024 * 1024), code,
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            start_new_session=True)
         try:
             out, err = await asyncio.wait_for(proc.communicate(), timeout=self.timeout_s)
         except (asyncio.TimeoutError, asyncio.CancelledError):
-            proc.kill()
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # its own session: the group is the program and its children
+            except ProcessLookupError:
+                pass
             await proc.wait()
             raise
         if proc.returncode != 0:

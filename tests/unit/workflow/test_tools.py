@@ -4,6 +4,10 @@ message the model reads, flagged so the workflow counts it."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
+from pathlib import Path
 
 import pytest
 
@@ -114,3 +118,31 @@ def test_make_tools_names_an_unknown_tool():
     assert sorted(make_tools(["calculator", "python"], {})) == ["calculator", "python"]
     with pytest.raises(ValueError, match="no tool 'search'"):
         make_tools(["search"], {})
+
+
+def test_python_executor_at_its_time_limit_kills_what_the_program_started(tmp_path):
+    """The program's own child (a second interpreter it starts) dies with it at the time limit."""
+    pid_file = tmp_path / "child.pid"
+    code = ("import subprocess, sys, time\n"
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'],\n"
+            "                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+            f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+            "time.sleep(60)\n")
+    res = run(call_tool({"python": PythonExecutor(timeout_s=30)}, "python", {"code": code}, timeout_s=3))
+    assert res.timed_out
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.05)
+    alive = _alive(pid)
+    if alive:  # the fault this test is about: clean it up before failing
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, "the program's child outlived the time limit"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie is dead (only not yet reaped by its parent)
