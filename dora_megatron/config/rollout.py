@@ -83,6 +83,11 @@ class RolloutConfig:
         if self.client_workers and self.engine == "vllm":
             raise ConfigError(f"{path}.client_workers", "engine vllm is driven in process (its restart switch needs the "
                               "launcher's processes); use client_workers 0 with vllm")
+        if self.workflow and self.speculative == "group":
+            # a workflow renders its own prompt and interleaves tool tokens: its siblings' token ids are
+            # not drafts of its turns, and the controller sends siblings for the single turn only
+            raise ConfigError(f"{path}.speculative", "group drafts from a group's finished single-turn answers; "
+                              f"with rollout.workflow {self.workflow!r} use ngram or off")
         if self.speculative != "off" and self.engine != "embedded":
             raise ConfigError(f"{path}.speculative", f"acts on the embedded engine only (engine is {self.engine}); "
                               "use off, or the engine's own speculative-decoding options")

@@ -60,6 +60,12 @@ class DoraConfig:
             raise ConfigError("algo.routing_replay", "needs routed experts from the engine, which the vllm adapter "
                               "does not return: use rollout.engine embedded or sglang, or set "
                               "algo.routing_replay=false algo.router_agreement=false")
+        if self.algo.wants_routed_experts and self.rollout.workflow:
+            # the engine routes only the tokens it was given or generated; a trajectory ending with a tool
+            # result has positions no engine call routed, so replay would meet a short routing trace
+            raise ConfigError("algo.routing_replay", f"routing replay and router agreement are not wired through "
+                              f"rollout.workflow {self.rollout.workflow!r} (tool tokens are never routed by the "
+                              "engine): set algo.routing_replay=false algo.router_agreement=false, or no workflow")
         exported = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[self.trainer.precision]
         if self.rollout.engine == "embedded" and self.rollout.dtype != exported and self.controller.verify_checksums:
             raise ConfigError("controller.verify_checksums", f"must be false with rollout.dtype {self.rollout.dtype} and "

@@ -188,7 +188,7 @@ def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, mo
         from dora_megatron.workflow.runner import workflow_runner
 
         runtime.workflow = workflow_runner(cfg.rollout.workflow, cfg.rollout.workflow_kwargs, codec,
-                                           cfg.data.chat_template_kwargs)
+                                           cfg.data.chat_template_kwargs, cfg.trainer.max_seq_len)
     if evals is not None:
         from dora_megatron.controller.evaluation import Evaluator
 

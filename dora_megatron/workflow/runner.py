@@ -89,7 +89,7 @@ class PinnedEngineClient:
     generate at most what is left, and a call with nothing left answers no tokens, ``length``."""
 
     def __init__(self, engine: Any, sample_id: str, version: int, sampling: Mapping[str, Any], *,
-                 routed_experts: bool = False) -> None:
+                 routed_experts: bool = False, max_seq_len: int | None = None) -> None:
         self.engine = engine
         self.sample_id = sample_id
         self.version = version
@@ -101,6 +101,7 @@ class PinnedEngineClient:
         self.engine_error: BaseException | None = None
         self.aborted = False
         self.budget = int(self.sampling.get("max_new_tokens", 1 << 30))
+        self.max_seq_len = max_seq_len  # trainer.max_seq_len: the prompt plus the whole response fit in it
         self.base: int | None = None  # the first call's input length (the trajectory's prompt)
 
     async def generate(self, token_ids: Sequence[int], sampling: Mapping[str, Any] | None = None) -> Generation:
@@ -110,6 +111,13 @@ class PinnedEngineClient:
         ids = [int(t) for t in token_ids]
         if self.base is None:
             self.base = len(ids)
+            if self.max_seq_len is not None:
+                # a workflow may render a longer prompt than the one the data filter checked (a tool
+                # schema): the response shrinks so the trajectory still fits the trainer's sequence
+                if self.base >= self.max_seq_len:
+                    raise ValueError(f"the trajectory's prompt is {self.base} tokens, which leaves no room in "
+                                     f"trainer.max_seq_len={self.max_seq_len}")
+                self.budget = min(self.budget, self.max_seq_len - self.base)
         left = self.budget - (len(ids) - self.base)
         if left <= 0:
             return Generation([], [], "length")
@@ -198,9 +206,10 @@ class WorkflowReply:
 class WorkflowRunner:
     """Runs ``workflow`` for samples; counts what the trajectories report (``env/...``)."""
 
-    def __init__(self, workflow: Callable[..., Any], ctx: WorkflowContext) -> None:
+    def __init__(self, workflow: Callable[..., Any], ctx: WorkflowContext, max_seq_len: int | None = None) -> None:
         self.workflow = workflow
         self.ctx = ctx
+        self.max_seq_len = max_seq_len
         self.failures: dict[str, int] = {}  # sample id -> failures in a row (gone once it succeeds)
         self.counts: dict[str, float] = {"env/trajectories": 0.0, "env/turns": 0.0, "env/workflow_failures": 0.0,
                                          "env/trajectories_aborted": 0.0}
@@ -215,7 +224,8 @@ class WorkflowRunner:
 
     async def run(self, engine: Any, prompt: Any, prompt_ids: list[int], *, sample_id: str, version: int,
                   sampling: Mapping[str, Any], routed_experts: bool = False) -> WorkflowReply:
-        client = PinnedEngineClient(engine, sample_id, version, sampling, routed_experts=routed_experts)
+        client = PinnedEngineClient(engine, sample_id, version, sampling, routed_experts=routed_experts,
+                                    max_seq_len=self.max_seq_len)
         try:
             traj = await self.workflow(prompt, list(prompt_ids), client, self.ctx)
         except TrajectoryAborted:
@@ -247,12 +257,25 @@ class WorkflowRunner:
 
 
 def workflow_runner(spec: str, options: Mapping[str, Any], codec: Any,
-                    chat_template_kwargs: Mapping[str, Any] | None = None) -> WorkflowRunner | None:
+                    chat_template_kwargs: Mapping[str, Any] | None = None,
+                    max_seq_len: int | None = None) -> WorkflowRunner | None:
     """The runner of ``rollout.workflow`` = ``spec`` (None for the default single turn, which the
     runtime runs itself) with ``rollout.workflow_kwargs`` = ``options``; ``codec``: the job's
-    prompt renderer (its transformers tokenizer and EOS ids are the workflow's)."""
+    prompt renderer (its transformers tokenizer and EOS ids are the workflow's); ``max_seq_len``:
+    the trainer's, which every trajectory must fit.
+
+    A workflow may carry a ``check_options(options, ctx)`` attribute that raises ValueError for
+    options it cannot run with: it is called here, so a typo in ``rollout.workflow_kwargs`` stops
+    the job before any process starts instead of failing every trajectory."""
     if spec == SINGLE_TURN:
         return None
     ctx = WorkflowContext(getattr(codec, "tokenizer", None), tuple(codec.eos_ids), dict(options),
                           dict(chat_template_kwargs or {}))
-    return WorkflowRunner(load_workflow(spec), ctx)
+    fn = load_workflow(spec)
+    check = getattr(fn, "check_options", None)
+    if check is not None:
+        try:
+            check(ctx.options, ctx)
+        except ValueError as err:
+            raise WorkflowLoadError(str(err)) from None
+    return WorkflowRunner(fn, ctx, max_seq_len)

@@ -81,11 +81,7 @@ def env_tokens(tokenizer: Any, tool_messages: Sequence[Mapping[str, Any]], eos_i
 async def tool_calling(prompt: Any, prompt_ids: list[int], client: PinnedClient, ctx: WorkflowContext) -> Trajectory:
     """Up to ``max_turns`` model turns; a turn that ends with its EOS and calls tools is followed by
     their results, any other turn ends the trajectory. The reward is left to ``data.reward_fn``."""
-    if ctx.tokenizer is None:
-        raise ValueError("rollout.workflow: the tool-calling workflow needs a model directory with a chat "
-                         "template (model.path), not the preset character vocabulary")
-    opts = ToolOptions.from_options(ctx.options)
-    tools: dict[str, Tool] = make_tools(opts.tools, ctx.options)
+    opts, tools = _setup(ctx.options, ctx)
     kwargs = dict(ctx.chat_template_kwargs)
     messages = list(prompt.messages) or [{"role": "user", "content": prompt.text}]
     # the prompt is rendered again with the tools' schemas (the codec's rendering has none)
@@ -122,3 +118,20 @@ async def tool_calling(prompt: Any, prompt_ids: list[int], client: PinnedClient,
         mask += [0] * len(env)
         logprobs += [0.0] * len(env)
     return Trajectory(start, response, mask, logprobs, finish_reason=finish, turns=turns, metrics=metrics)
+
+
+def _setup(options: Mapping[str, Any], ctx: WorkflowContext) -> tuple[ToolOptions, dict[str, Tool]]:
+    """The options and tools of a run, or ValueError naming what cannot act."""
+    if ctx.tokenizer is None:
+        raise ValueError("rollout.workflow: the tool-calling workflow needs a model directory with a chat "
+                         "template (model.path), not the preset character vocabulary")
+    opts = ToolOptions.from_options(options)
+    return opts, make_tools(opts.tools, options)
+
+
+def check_options(options: Mapping[str, Any], ctx: WorkflowContext) -> None:
+    """Called when the job is built (:func:`~dora_megatron.workflow.runner.workflow_runner`)."""
+    _setup(options, ctx)
+
+
+tool_calling.check_options = check_options  # type: ignore[attr-defined]

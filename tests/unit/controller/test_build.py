@@ -106,13 +106,13 @@ def test_rollout_workflow_and_its_options_reach_the_runtime(tmp_path):
                              run_dir=run_dir, model_dir=model_dir, make_engine=str)
     assert plain.runtime.workflow is None  # the default single turn: one /generate per submission
     cfg = load_config(ROOT / "configs" / "cpu_tiny.yaml",
-                      ["rollout.workflow=tests.unit.workflow.test_runner:two_turns",
+                      ["rollout.workflow=tests.helpers.workflows:two_turns",
                        "rollout.workflow_kwargs={max_turns: 2}"])
     shutil.rmtree(run_dir)
     run_dir.mkdir()
     rt = build_controller(cfg, Endpoints(urls, "http://127.0.0.1:3"), run_dir=run_dir, model_dir=model_dir,
                           make_engine=str).runtime
-    from tests.unit.workflow.test_runner import two_turns
+    from tests.helpers.workflows import two_turns
 
     assert rt.workflow.workflow is two_turns and dict(rt.workflow.ctx.options) == {"max_turns": 2}
     assert rt.workflow.ctx.tokenizer is None and rt.workflow.ctx.eos_ids == (2,)  # the preset char vocabulary
@@ -121,6 +121,8 @@ def test_rollout_workflow_and_its_options_reach_the_runtime(tmp_path):
 @pytest.mark.parametrize("sets, key", [
     (["rollout.workflow=agent"], "rollout.workflow"),
     (["rollout.workflow_kwargs={max_turns: 2}"], "rollout.workflow_kwargs"),
+    (["rollout.workflow=tool_calling", "rollout.speculative=group"], "rollout.speculative"),
+    (["rollout.workflow=tool_calling", "algo.routing_replay=true"], "algo.routing_replay"),
 ])
 def test_a_workflow_setting_that_cannot_act_is_refused_naming_the_key(sets, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

@@ -15,18 +15,11 @@ from dora_megatron.workflow.api import Trajectory, WorkflowContext
 from dora_megatron.workflow.runner import (MAX_FAILURES, WorkflowFailed, WorkflowLoadError, WorkflowRunner,
                                            load_workflow, workflow_runner)
 
+from tests.helpers.workflows import ENV, two_turns
+
 from .conftest import ScriptedEngine
 
 PROMPT = Prompt(0, "q", "a")
-ENV = [90, 91]  # tokens the test environment writes between turns
-
-
-async def two_turns(prompt, prompt_ids, client, ctx):
-    first = await client.generate(prompt_ids)
-    second = await client.generate(prompt_ids + first.output_ids + ENV)
-    ids = first.output_ids + ENV + second.output_ids
-    mask = [1] * len(first.output_ids) + [0] * len(ENV) + [1] * len(second.output_ids)
-    return Trajectory(prompt_ids, ids, mask, first.logprobs + [0.0, 0.0] + second.logprobs, turns=2)
 
 
 def run(runner, engine, version=3):
@@ -146,3 +139,17 @@ def test_the_single_turn_workflow_is_one_generation():
     reply = run(workflow_runner("single_turn", {}, SimpleNamespace(eos_ids=[2])), engine)
     assert reply.output_ids == [7, 8, 2] and reply.loss_mask == [1, 1, 1] and len(engine.calls) == 1
     assert engine.calls[0]["input_ids"] == [1, 5, 6]
+
+
+def test_a_trajectory_fits_the_trainer_sequence_even_when_the_workflow_renders_a_longer_prompt():
+    """max_new_tokens 64 would allow 64 response tokens; trainer.max_seq_len 8 after a 3-token prompt
+    leaves 5, so every call is cut to what is left of those 5."""
+    engine = ScriptedEngine([[7, 8, 2], [9, 9, 9, 9, 2]], version=3)
+    reply = asyncio.run(WorkflowRunner(two_turns, WorkflowContext(None, (2,)), max_seq_len=8).run(
+        engine, PROMPT, [1, 5, 6], sample_id="g1.0", version=3, sampling={"max_new_tokens": 64}))
+    assert engine.calls[0]["sampling"]["max_new_tokens"] == 5
+    assert len(reply.prompt_ids) + len(reply.output_ids) <= 8
+    with pytest.raises(WorkflowFailed, match=r"trainer\.max_seq_len=3"):
+        asyncio.run(WorkflowRunner(two_turns, WorkflowContext(None, (2,)), max_seq_len=3).run(
+            ScriptedEngine([[7, 2]]), PROMPT, [1, 5, 6], sample_id="g1.1", version=3, sampling={}))
+

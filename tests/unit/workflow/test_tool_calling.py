@@ -9,7 +9,7 @@ import pytest
 
 from dora_megatron.data.tasks import Prompt
 from dora_megatron.workflow.api import Trajectory, WorkflowContext
-from dora_megatron.workflow.runner import WorkflowFailed, WorkflowRunner, workflow_runner
+from dora_megatron.workflow.runner import WorkflowFailed, WorkflowLoadError, WorkflowRunner, workflow_runner
 from dora_megatron.workflow.tool_calling import tool_calling
 
 from .conftest import ScriptedEngine
@@ -109,15 +109,17 @@ def test_turns_end_at_max_turns_and_the_response_at_max_new_tokens(tool_codec):
     assert sum(reply.loss_mask) == len(always)  # the environment tokens past the budget were cut
 
 
-def test_a_preset_vocabulary_without_a_template_is_refused_naming_the_key():
+def test_a_preset_vocabulary_without_a_template_is_refused_naming_the_key_when_the_job_is_built():
     from dora_megatron.data.codec import CharCodec
 
-    runner = workflow_runner("tool_calling", {}, CharCodec())
-    with pytest.raises(WorkflowFailed, match="model.path"):
-        run(runner, ScriptedEngine([[5, 2]]))
+    with pytest.raises(WorkflowLoadError, match="model.path"):
+        workflow_runner("tool_calling", {}, CharCodec())
 
 
-def test_unknown_options_are_refused_naming_them(tool_codec):
-    runner = workflow_runner("tool_calling", {"max_turn": 2}, tool_codec)
-    with pytest.raises(WorkflowFailed, match="unknown key.*max_turn"):
-        run(runner, ScriptedEngine([[5, 2]]))
+def test_options_it_cannot_run_with_are_refused_naming_them_when_the_job_is_built(tool_codec):
+    """Before any process starts, not once per trajectory (every sample would fail first)."""
+    with pytest.raises(WorkflowLoadError, match="unknown key.*max_turn"):
+        workflow_runner("tool_calling", {"max_turn": 2}, tool_codec)
+    with pytest.raises(WorkflowLoadError, match="web_search"):
+        workflow_runner("tool_calling", {"tools": ["web_search"]}, tool_codec)
+    assert workflow_runner("tool_calling", {"max_turns": 2}, tool_codec) is not None
