@@ -238,15 +238,19 @@ class VLLMEngine:
         paused: every later request on it then waits until its timeout (the vLLM tier's
         reference requests hung so). The pause's reply proves it was applied (``wait`` answers
         once the instance is drained; a cancelled run has aborted its requests by then)."""
-        if not pause.done():
-            try:
-                await asyncio.wait_for(asyncio.shield(pause), timeout=self.pause_reply_wait_s)
-            except Exception:  # noqa: BLE001 - no reply (error, timeout): resume all the same
-                log.warning("%s: no answer to the pause within %g s; resuming anyway", self.base_url,
-                            self.pause_reply_wait_s)
-        elif not pause.cancelled():
-            pause.exception()  # retrieved (it was raised to the caller already, or is None)
-        await self.client.resume()
+        try:
+            if not pause.done():
+                try:
+                    await asyncio.wait_for(asyncio.shield(pause), timeout=self.pause_reply_wait_s)
+                except asyncio.TimeoutError:
+                    log.warning("%s: no answer to the pause within %g s; resuming anyway", self.base_url,
+                                self.pause_reply_wait_s)
+                except Exception as err:  # noqa: BLE001 - the pause failed: resume all the same
+                    log.warning("%s: the pause failed (%s); resuming anyway", self.base_url, err)
+            elif not pause.cancelled():
+                pause.exception()  # retrieved (it was raised to the caller already, or is None)
+        finally:  # a second cancel while waiting must not skip the resume either
+            await self.client.resume()
 
     async def export_request(self, rid: str) -> bytes:
         raise ExtensionUnsupported(f"{self.base_url}: vLLM has no request export")
