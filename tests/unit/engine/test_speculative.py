@@ -154,6 +154,9 @@ def _req(rid, prompt, sink, n=40, sources=(), **sp):
 
 
 def _sched(model, mode="off", **kw) -> Scheduler:
+    # a draft token costs nothing by default here: every request then drafts at every step (the
+    # estimate never reaches 0), which the tests of the mechanism below need
+    kw.setdefault("spec_token_cost", 0.0)
     return Scheduler(model, SchedulerLimits(max_running=4, speculative=mode, spec_tokens=4, **kw))
 
 
@@ -261,20 +264,24 @@ def test_policy_speculates_only_up_to_spec_max_batch(moe_model):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_migration_mid_speculation_continues_exactly(moe_model, temperature):
+    # the per-request policy on (a draft token costs a fifth of a step): the draft lengths, hence the
+    # random numbers drawn, follow the request's acceptance estimate, which must travel with it
     sources = [PROMPTS[0] + [9, 9, 9]]
-    ref = _run(_sched(moe_model, "group"), [_req("a", PROMPTS[0], None, temperature=temperature, sampling_seed=5,
-                                                 sources=sources)])["a"]
-    src = _sched(moe_model, "group")
+    ref = _run(_sched(moe_model, "group", spec_token_cost=0.2),
+               [_req("a", PROMPTS[0], None, temperature=temperature, sampling_seed=5, sources=sources)])["a"]
+    src = _sched(moe_model, "group", spec_token_cost=0.2)
     sink = Collector()
     src.submit(_req("a", PROMPTS[0], sink, temperature=temperature, sampling_seed=5, sources=sources))
     while src.spec.verify_steps < 3:
         src.step()
+    acceptance = src.by_rid["a"].spec_acceptance
     blob = src.export_request("a")
     assert src.pool.used == 0 and sink["a"]["meta_info"]["dora_migrated"]
-    dst = _sched(moe_model, "group")
+    dst = _sched(moe_model, "group", spec_token_cost=0.2)
     moved = Collector()
     req = dst.import_request(blob, moved)
     assert req.draft_sources == [sibling_source(PROMPTS[0], s) for s in sources]
+    assert req.spec_acceptance == acceptance and acceptance.trials > 0
     while dst.can_step():
         dst.step()
         _check_kv(dst)
