@@ -72,7 +72,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spec-token-cost", type=_non_negative_float, default=0.25,
                         help="a draft token's cost in a verify step, relative to a decode step (the per-request "
                              "draft-length decision)")
-    parser.add_argument("--spec-probe-interval", type=_at_least(1), default=32,
+    parser.add_argument("--spec-probe-interval", type=_at_least(1), default=64,
                         help="decode steps after which a request whose drafts do not pay drafts once more")
     parser.add_argument("--log-level", default="INFO")
 

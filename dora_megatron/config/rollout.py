@@ -37,7 +37,7 @@ def spec_token_cost_field():
 
 
 def spec_probe_interval_field():
-    return field_doc(32, "a request whose drafts do not pay drafts again after this many decode steps without "
+    return field_doc(64, "a request whose drafts do not pay drafts again after this many decode steps without "
                      "one, so its acceptance estimate sees text that turned repetitive (at most one verify step in "
                      "spec_probe_interval + 1 is a probe)", ge=1, unit="steps")
 

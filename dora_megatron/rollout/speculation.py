@@ -59,11 +59,13 @@ def should_speculate(mode: str, running_batch: int, spec_max_batch: int) -> bool
     return mode != "off" and 0 < running_batch <= spec_max_batch
 
 
-#: The acceptance estimate's prior, as pseudo-observations: one accepted draft token in two. WHY
-#: optimistic and light: a new request must try drafting for the evidence to exist at all, and two
-#: pseudo-trials are outweighed by the first verify step's up to ``k`` real ones.
-PRIOR_ACCEPTED = 1.0
-PRIOR_TRIALS = 2.0
+#: The acceptance estimate's prior, as pseudo-observations: half a draft token kept in one tried.
+#: WHY optimistic and light: a new request must try drafting for the evidence to exist at all (at
+#: alpha 1/2 a one-token draft pays at ``spec_token_cost`` up to 0.5), and one pseudo-trial lets
+#: the first verify step decide: a draft rejected at its first token stops drafting (each needless
+#: verify step is a loss where drafts are poor), one kept whole raises the draft length at once.
+PRIOR_ACCEPTED = 0.5
+PRIOR_TRIALS = 1.0
 #: Weight of the past per verify step (exponential forgetting): evidence about 10 verify steps old
 #: counts ~1/3. WHY forget: a request's text changes character (a restated sub-result, a fresh
 #: derivation), and the estimate must follow within a few probes.

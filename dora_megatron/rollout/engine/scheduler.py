@@ -119,7 +119,7 @@ class SchedulerLimits:
     spec_tokens: int = 4  # rollout.spec_tokens: draft length k
     spec_max_batch: int = 8  # rollout.spec_max_batch: speculate only at running batches up to this
     spec_token_cost: float = 0.25  # rollout.spec_token_cost: a draft token's cost relative to a decode step
-    spec_probe_interval: int = 32  # rollout.spec_probe_interval: decode steps between probes of a non-drafter
+    spec_probe_interval: int = 64  # rollout.spec_probe_interval: decode steps between probes of a non-drafter
 
 
 @dataclass

@@ -461,7 +461,7 @@ def build_app(
     spec_tokens: int = 4,
     spec_max_batch: int = 8,
     spec_token_cost: float = 0.25,
-    spec_probe_interval: int = 32,
+    spec_probe_interval: int = 64,
 ) -> web.Application:
     """Load the model and return the aiohttp application (the engine thread starts with it)."""
     from dora_megatron.rollout.engine.model import load_model
