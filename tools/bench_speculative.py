@@ -59,12 +59,13 @@ def tail_prompts(n: int, seed: int, min_digits: int) -> list[list[int]]:
     return out
 
 
-def decode(model, reqs, mode: str, spec_tokens: int, spec_max_batch: int) -> tuple[dict, dict, float]:
-    """Run ``reqs`` (Request objects) to completion on a fresh scheduler; (responses, stats, seconds)."""
+def decode(model, reqs, mode: str, spec: dict, spec_max_batch: int) -> tuple[dict, dict, float]:
+    """Run ``reqs`` (Request objects) to completion on a fresh scheduler; (responses, stats, seconds).
+    ``spec``: the ``SchedulerLimits`` speculation keys (``spec_tokens`` and the per-request policy's)."""
     from dora_megatron.rollout.engine.scheduler import Scheduler, SchedulerLimits
 
-    s = Scheduler(model, SchedulerLimits(max_running=max(len(reqs), 1), speculative=mode, spec_tokens=spec_tokens,
-                                         spec_max_batch=spec_max_batch))
+    s = Scheduler(model, SchedulerLimits(max_running=max(len(reqs), 1), speculative=mode,
+                                         spec_max_batch=spec_max_batch, **spec))
     out: dict = {}
     for r in reqs:
         r.on_done = lambda resp: out.__setitem__(resp["meta_info"]["id"], resp)
@@ -84,26 +85,27 @@ def request(rid: str, prompt: list[int], seed: int, max_new: int, sources=(), te
                    draft_sources=[list(s) for s in sources])
 
 
-def lone_requests(model, prompts, group_size: int, max_new: int, spec_tokens: int, repeats: int,
+def lone_requests(model, prompts, group_size: int, max_new: int, spec: dict, repeats: int,
                   temperature: float) -> dict:
     tokens = {m: 0 for m in MODES}
     seconds = {m: 0.0 for m in MODES}
-    stats = {m: {"verify_steps": 0, "accepted": 0, "verify_tokens": 0} for m in MODES if m != "off"}
+    stats = {m: {"verify_steps": 0, "accepted": 0, "verify_tokens": 0, "declined": 0} for m in MODES if m != "off"}
     for p_i, prompt in enumerate(prompts):
         sibs, _, _ = decode(model, [request(f"s{j}", prompt, 10_000 + 97 * p_i + j, max_new, (), temperature)
-                                    for j in range(group_size - 1)], "off", spec_tokens, 1)
+                                    for j in range(group_size - 1)], "off", spec, 1)
         sources = [prompt + r["output_ids"] for r in sibs.values()]
         for rep in range(repeats):
             for mode in MODES:
                 seed = 7 * p_i + rep
                 resp, info, wall = decode(model, [request("tail", prompt, seed, max_new, sources, temperature)], mode,
-                                          spec_tokens, 1)
+                                          spec, 1)
                 tokens[mode] += len(resp["tail"]["output_ids"])
                 seconds[mode] += wall
                 if mode != "off":
                     stats[mode]["verify_steps"] += info["spec_verify_steps"]
                     stats[mode]["accepted"] += info["spec_accepted_tokens"]
                     stats[mode]["verify_tokens"] += info["spec_verify_tokens"]
+                    stats[mode]["declined"] += info["spec_declined_steps"]
     rate = {m: tokens[m] / seconds[m] for m in MODES}
     per_mode = {}
     for m in MODES:
@@ -113,6 +115,8 @@ def lone_requests(model, prompts, group_size: int, max_new: int, spec_tokens: in
             v = stats[m]["verify_steps"]
             row["accepted_tokens_per_step"] = round(stats[m]["accepted"] / v, 3) if v else 0.0
             row["tokens_per_verify_step"] = round(stats[m]["verify_tokens"] / v, 3) if v else 0.0
+            row["verify_steps"] = v
+            row["declined_steps"] = stats[m]["declined"]  # decode steps the policy chose not to draft
         per_mode[m] = row
     return per_mode
 
@@ -150,7 +154,7 @@ def two_sample_pvalue(a: list[int], b: list[int], min_count: int = 10) -> float:
     return chi2_sf(stat, len(cells) - 1)
 
 
-def distribution_test(model, prompt, samples: int, positions: int, spec_tokens: int, batch: int) -> dict:
+def distribution_test(model, prompt, samples: int, positions: int, spec: dict, batch: int) -> dict:
     """Token at each of the first ``positions`` output positions, sampled with and without speculation."""
     outputs: dict[str, list[list[int]]] = {}
     verify = {}
@@ -161,7 +165,7 @@ def distribution_test(model, prompt, samples: int, positions: int, spec_tokens: 
             n = min(batch, samples - start)
             reqs = [request(f"d{start + i}", prompt, (1 << 40) + (start + i) * 2 + (mode == "ngram"), positions)
                     for i in range(n)]
-            resp, info, _ = decode(model, reqs, mode, spec_tokens, batch)
+            resp, info, _ = decode(model, reqs, mode, spec, batch)
             outs.extend(r["output_ids"] for r in resp.values())
             for k in stats:
                 stats[k] += info[k]
@@ -190,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group-size", type=int, default=8, help="the group: group-size - 1 finished siblings")
     ap.add_argument("--max-new-tokens", type=int, default=96, help="cpu_tiny's rollout.max_new_tokens")
     ap.add_argument("--spec-tokens", type=int, default=4)
+    ap.add_argument("--spec-token-cost", type=float, default=0.25,
+                    help="rollout.spec_token_cost of the per-request policy (0: always draft, the policy off)")
+    ap.add_argument("--spec-probe-interval", type=int, default=64, help="rollout.spec_probe_interval")
     ap.add_argument("--test-samples", type=int, default=2000, help="samples per arm of the distribution test")
     ap.add_argument("--test-positions", type=int, default=8)
     ap.add_argument("--temperature", type=float, default=1.0,
@@ -208,13 +215,16 @@ def main(argv: list[str] | None = None) -> int:
                                                                      args.seed, args.warm_start_steps)
         model = load_model(str(model_dir))
         prompts = tail_prompts(args.prompts, args.seed, args.min_digits)
-        lone = lone_requests(model, prompts, args.group_size, args.max_new_tokens, args.spec_tokens, args.repeats,
-                             args.temperature)
-        dist = distribution_test(model, prompts[0], args.test_samples, args.test_positions, args.spec_tokens, 64)
+        spec = {"spec_tokens": args.spec_tokens, "spec_token_cost": args.spec_token_cost,
+                "spec_probe_interval": args.spec_probe_interval}
+        lone = lone_requests(model, prompts, args.group_size, args.max_new_tokens, spec, args.repeats, args.temperature)
+        # the distribution test drafts at every step (a free draft token): the most verify steps, the most power
+        dist = distribution_test(model, prompts[0], args.test_samples, args.test_positions,
+                                 {**spec, "spec_token_cost": 0.0}, 64)
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "model": str(args.model or f"tiny-moe seed {args.seed}, digit_cipher warm start {args.warm_start_steps} steps"),
-        "threads": args.threads, "spec_tokens": args.spec_tokens, "max_new_tokens": args.max_new_tokens,
+        "threads": args.threads, **spec, "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature, "prompts": args.prompts, "min_digits": args.min_digits, "repeats": args.repeats,
         "lone": lone,
         "lone_request_speedup": {m: lone[m]["speedup"] for m in MODES if m != "off"},

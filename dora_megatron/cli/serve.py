@@ -26,14 +26,21 @@ def _at_least(lo: int, hi: int | None = None):
     return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
+def _float_above(lo: float, inclusive: bool):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if not (value >= lo if inclusive else value > lo):
+            raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {lo}, got {text}")
+        return value
+
+    return parse
+
+
+_positive_float = _float_above(0.0, inclusive=False)
+_non_negative_float = _float_above(0.0, inclusive=True)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +69,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spec-tokens", type=_at_least(1), default=4, help="draft length k per verify step")
     parser.add_argument("--spec-max-batch", type=_at_least(1), default=8,
                         help="speculate only while at most this many requests run")
+    parser.add_argument("--spec-token-cost", type=_non_negative_float, default=0.25,
+                        help="a draft token's cost in a verify step, relative to a decode step (the per-request "
+                             "draft-length decision)")
+    parser.add_argument("--spec-probe-interval", type=_at_least(1), default=64,
+                        help="decode steps after which a request whose drafts do not pay drafts once more")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -129,6 +141,8 @@ def _serve(args: argparse.Namespace, sock) -> int:
             speculative=args.speculative,
             spec_tokens=args.spec_tokens,
             spec_max_batch=args.spec_max_batch,
+            spec_token_cost=args.spec_token_cost,
+            spec_probe_interval=args.spec_probe_interval,
         )
     except (OSError, ValueError, KeyError) as err:  # unreadable or inconsistent weights/config
         sys.stderr.write(f"dora serve: --model {args.model}: cannot load the model: {err}\n")

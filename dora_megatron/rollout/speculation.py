@@ -9,11 +9,23 @@ Speculation pays where a decode step is memory-bound: verifying k+1 tokens of a 
 the weights and the KV once, like a plain decode step, so at small batch a verify step costs about
 one decode step and yields more than one token. At large batch the step is compute-bound, the
 k+1 tokens cost about k+1 steps, and the rejected drafts are lost work; hence the batch threshold.
+
+Below the threshold the decision is per request (:func:`plan_draft`): a verify step pays only when
+the tokens it is expected to yield exceed what it costs, and both depend on the request. Each
+request keeps a running estimate of its per-token acceptance (:class:`DraftAcceptance`, updated by
+:func:`observe_verify`), and drafts the length ``k`` that maximises expected tokens per unit of
+step cost, ``E(k, alpha) / (1 + c*k)`` with ``c = rollout.spec_token_cost`` (what one draft token
+adds to a step, relative to a plain decode step); no draft when no ``k`` beats a plain step's 1.
+A request that stopped drafting probes again every ``rollout.spec_probe_interval`` decode steps,
+because its text may turn repetitive later and an estimate without new evidence never moves. The
+policy decides only whether and how long to draft, never what is kept: exactness is the verify
+rule's.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping
 
 from dora_megatron.config.rollout import SPEC_MODES
@@ -45,6 +57,94 @@ def should_speculate(mode: str, running_batch: int, spec_max_batch: int) -> bool
     if mode not in SPEC_MODES:
         raise ValueError(f"rollout.speculative must be one of {', '.join(SPEC_MODES)}, got {mode!r}")
     return mode != "off" and 0 < running_batch <= spec_max_batch
+
+
+#: The acceptance estimate's prior, as pseudo-observations: half a draft token kept in one tried.
+#: WHY optimistic and light: a new request must try drafting for the evidence to exist at all (at
+#: alpha 1/2 a one-token draft pays at ``spec_token_cost`` up to 0.5), and one pseudo-trial lets
+#: the first verify step decide: a draft rejected at its first token stops drafting (each needless
+#: verify step is a loss where drafts are poor), one kept whole raises the draft length at once.
+PRIOR_ACCEPTED = 0.5
+PRIOR_TRIALS = 1.0
+#: Weight of the past per verify step (exponential forgetting): evidence about 10 verify steps old
+#: counts ~1/3. WHY forget: a request's text changes character (a restated sub-result, a fresh
+#: derivation), and the estimate must follow within a few probes.
+ACCEPTANCE_DECAY = 0.9
+
+
+@dataclass(frozen=True)
+class DraftAcceptance:
+    """One request's running evidence about its drafts: the (decayed) draft tokens accepted and
+    the (decayed) draft tokens tried, a token being tried until the first rejection, plus the
+    decode steps since its last verify step (which time its next probe)."""
+
+    accepted: float = 0.0
+    trials: float = 0.0
+    steps_since_verify: int = 0
+
+    @property
+    def alpha(self) -> float:
+        """The per-token acceptance estimate: the prior and the decayed evidence pooled."""
+        return (self.accepted + PRIOR_ACCEPTED) / (self.trials + PRIOR_TRIALS)
+
+    def to_json(self) -> list[float]:
+        return [self.accepted, self.trials, float(self.steps_since_verify)]
+
+    @classmethod
+    def from_json(cls, raw: Any) -> "DraftAcceptance":
+        """The inverse of :meth:`to_json` for a migrated request; ``ValueError`` names the fault."""
+        if (not isinstance(raw, list) or len(raw) != 3
+                or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not x >= 0 for x in raw)
+                or raw[0] > raw[1] or math.isinf(raw[1])):
+            raise ValueError(f"spec_acceptance must be [accepted, trials, steps] with 0 <= accepted <= trials, got {str(raw)[:80]}")
+        return cls(float(raw[0]), float(raw[1]), int(raw[2]))
+
+
+def best_draft_length(acceptance: float, max_tokens: int, token_cost: float) -> int:
+    """The draft length in ``0..max_tokens`` that maximises expected tokens per unit of step cost,
+    ``expected_tokens_per_verify(k, acceptance) / (1 + token_cost * k)``; 0 (a plain decode step,
+    1 token per unit) unless some ``k`` does strictly better. Ties go to the shorter draft."""
+    if token_cost < 0 or math.isnan(token_cost):
+        raise ValueError(f"spec_token_cost must be >= 0, got {token_cost}")
+    best, best_rate = 0, 1.0
+    for k in range(1, max_tokens + 1):
+        rate = expected_tokens_per_verify(k, acceptance) / (1.0 + token_cost * k)
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
+
+
+def plan_draft(state: DraftAcceptance, max_tokens: int, token_cost: float, probe_interval: int) -> int:
+    """How many draft tokens a decoding request gets this step (0: a plain decode step).
+
+    ``max_tokens`` is the longest draft allowed now (``spec_tokens``, capped by the request's
+    remaining budget). Where the estimate says drafting does not pay, the request still drafts
+    ``max_tokens`` once it has gone ``probe_interval`` decode steps without a verify step: a
+    bounded probe (at most one verify step in ``probe_interval + 1``) that lets the estimate see
+    text that turned repetitive.
+    """
+    if max_tokens <= 0:
+        return 0
+    k = best_draft_length(state.alpha, max_tokens, token_cost)
+    if k == 0 and state.steps_since_verify >= probe_interval:
+        return max_tokens
+    return k
+
+
+def observe_verify(state: DraftAcceptance, drafted: int, accepted: int, rejected: bool) -> DraftAcceptance:
+    """The estimate after a verify step that drafted ``drafted`` tokens, kept the first
+    ``accepted`` and (``rejected``) saw the next one refused. The tries are the accepted tokens
+    plus the rejection, if one was seen: tokens after it were never tried (the per-token model of
+    :func:`expected_tokens_per_verify`), and a request that ended inside an accepted run saw none."""
+    if not 0 <= accepted <= drafted or (rejected and accepted == drafted):
+        raise ValueError(f"a verify step of {drafted} draft tokens cannot accept {accepted} (rejected={rejected})")
+    tries = accepted + (1 if rejected else 0)
+    return DraftAcceptance(ACCEPTANCE_DECAY * state.accepted + accepted, ACCEPTANCE_DECAY * state.trials + tries, 0)
+
+
+def observe_decode(state: DraftAcceptance) -> DraftAcceptance:
+    """The state after a decode step in which the request could have drafted and did not."""
+    return replace(state, steps_since_verify=state.steps_since_verify + 1)
 
 
 #: The embedded engine's cumulative speculation counters (``/get_server_info``, ``/v1/loads``).

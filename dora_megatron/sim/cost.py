@@ -33,6 +33,12 @@ request. The simulator keeps counting one token per request per "step" and charg
 forms above hold unchanged. This is a fluid model: a request's accepted count is taken at its mean
 (over the thousands of verify steps of a long request the sum concentrates on it), so the
 variance of single requests is not simulated.
+
+The draft length is the engine's per-request decision (:func:`~dora_megatron.rollout.speculation.best_draft_length`
+on ``rollout.spec_token_cost``) taken at the drafter's true acceptance, the value the engine's
+running estimate converges to: where no draft pays the simulated instance decodes plainly, as the
+engine does once its requests stop drafting (the engine's probes, one verify step in
+``spec_probe_interval + 1``, are not charged).
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ import math
 from dataclasses import dataclass
 
 from dora_megatron.config.sim import CostModelConfig, SimRolloutConfig
-from dora_megatron.rollout.speculation import expected_tokens_per_verify, should_speculate
+from dora_megatron.rollout.speculation import best_draft_length, expected_tokens_per_verify, should_speculate
 
 
 @dataclass(frozen=True)
@@ -161,6 +167,7 @@ class DecodeModel:
     mode: str = "off"
     spec_max_batch: int = 0
     tokens_per_verify: float = 1.0  # E: expected tokens a request gains per verify step
+    draft_tokens: int = 0  # k: the draft length the engine's policy settles on (0: it does not draft)
 
     @classmethod
     def from_config(cls, cost: CostModelConfig, rollout: SimRolloutConfig | None = None) -> "DecodeModel":
@@ -168,8 +175,11 @@ class DecodeModel:
         if rollout is None or rollout.speculative == "off":
             return cls(plain)
         alpha = getattr(cost.spec_acceptance, rollout.speculative)
-        return cls(plain, plain.verify(rollout.spec_tokens, alpha, cost.spec_verify_overhead_s), rollout.speculative,
-                   rollout.spec_max_batch, expected_tokens_per_verify(rollout.spec_tokens, alpha))
+        k = best_draft_length(alpha, rollout.spec_tokens, rollout.spec_token_cost)
+        if k == 0:  # the engine's requests stop drafting: plain decode steps
+            return cls(plain, mode=rollout.speculative, spec_max_batch=rollout.spec_max_batch)
+        return cls(plain, plain.verify(k, alpha, cost.spec_verify_overhead_s), rollout.speculative,
+                   rollout.spec_max_batch, expected_tokens_per_verify(k, alpha), k)
 
     def speculates(self, batch: int) -> bool:
         return self.spec is not None and should_speculate(self.mode, batch, self.spec_max_batch)

@@ -736,6 +736,7 @@ def _speculation_report_of(model: DecodeModel, cfg: SimConfig, instances) -> dic
                            "speculative_token_share": spec / decoded if decoded else 0.0}
     if model.spec is not None:
         out["acceptance"] = getattr(cfg.cost.spec_acceptance, cfg.rollout.speculative)
+        out["draft_tokens"] = model.draft_tokens  # the engine policy's draft length at this acceptance
         out["tokens_per_verify_step"] = model.tokens_per_verify
         out["verify_steps_per_request_token"] = 1.0 / model.tokens_per_verify
     return out

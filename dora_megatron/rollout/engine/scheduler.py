@@ -30,7 +30,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -39,7 +39,13 @@ from dora_megatron.rollout.engine.kv_cache import BlockPool, RequestKV, blocks_f
 from dora_megatron.rollout.engine.model import CausalLM
 from dora_megatron.rollout.engine.routing_trace import RoutingTrace, split_step_routing
 from dora_megatron.rollout.engine.sampler import make_generator, sample_token, verify_draft
-from dora_megatron.rollout.speculation import should_speculate
+from dora_megatron.rollout.speculation import (
+    DraftAcceptance,
+    observe_decode,
+    observe_verify,
+    plan_draft,
+    should_speculate,
+)
 from dora_megatron.comm.protocol import (
     ProtocolError,
     SamplingParams,
@@ -78,6 +84,8 @@ class Request:
     routing: RoutingTrace | None = None  # set when the request asks for return_routed_experts
     #: token ids (prompt + output) of the group's finished siblings: drafts for speculative=group
     draft_sources: list[list[int]] = field(default_factory=list)
+    #: the request's draft acceptance evidence: the speculation policy's per-request input
+    spec_acceptance: DraftAcceptance = field(default_factory=DraftAcceptance)
 
     @property
     def tokens(self) -> list[int]:
@@ -110,6 +118,8 @@ class SchedulerLimits:
     speculative: str = "off"  # rollout.speculative: off | ngram | group
     spec_tokens: int = 4  # rollout.spec_tokens: draft length k
     spec_max_batch: int = 8  # rollout.spec_max_batch: speculate only at running batches up to this
+    spec_token_cost: float = 0.25  # rollout.spec_token_cost: a draft token's cost relative to a decode step
+    spec_probe_interval: int = 64  # rollout.spec_probe_interval: decode steps between probes of a non-drafter
 
 
 @dataclass
@@ -120,18 +130,28 @@ class SpecStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0  # draft tokens kept
     verify_tokens: int = 0  # tokens the verify steps yielded (kept drafts + the verify pass's own)
+    declined_steps: int = 0  # decode steps of requests the policy let speculate but whose drafts do not pay
 
     def info(self) -> dict[str, Any]:
         v = self.verify_steps
         return {"spec_verify_steps": v, "spec_draft_tokens": self.draft_tokens,
                 "spec_accepted_tokens": self.accepted_tokens, "spec_verify_tokens": self.verify_tokens,
+                "spec_declined_steps": self.declined_steps,
                 "spec_accepted_per_step": self.accepted_tokens / v if v else 0.0,
                 "spec_accept_length": self.verify_tokens / v if v else 0.0}
 
 
+class Drafter(Protocol):
+    """Proposes up to ``k`` draft tokens to follow ``context`` (see :func:`propose_draft`)."""
+
+    def __call__(self, context: Sequence[int], k: int, sources: Sequence[Sequence[int]]) -> list[int]: ...
+
+
 class Scheduler:
-    def __init__(self, model: CausalLM, limits: SchedulerLimits, weight_version: str = "0") -> None:
+    def __init__(self, model: CausalLM, limits: SchedulerLimits, weight_version: str = "0",
+                 drafter: Drafter = propose_draft) -> None:
         self.model = model
+        self.drafter = drafter
         self.limits = limits
         self.max_context = int(limits.max_context or model.config.max_position_embeddings)
         self.block_size = int(limits.block_size)
@@ -301,14 +321,18 @@ class Scheduler:
         return produced
 
     def _draft(self, r: Request) -> list[int]:
-        """The draft of a decoding request: at most ``spec_tokens``, and short enough that the
-        verify pass's tokens fit the request's remaining budget and the context."""
-        k = min(self.limits.spec_tokens, r.params.max_new_tokens - len(r.output_ids) - 1,
-                self.max_context - len(r.tokens) - 1)
-        if k <= 0:
-            return []
-        sources = r.draft_sources if self.limits.speculative == "group" else ()
-        return propose_draft(r.tokens, k, sources)
+        """The draft of a decoding request: at most ``spec_tokens``, short enough that the verify
+        pass's tokens fit the request's remaining budget and the context, and as long as the
+        request's acceptance estimate says pays (:func:`~dora_megatron.rollout.speculation.plan_draft`)."""
+        lim = self.limits
+        room = min(lim.spec_tokens, r.params.max_new_tokens - len(r.output_ids) - 1, self.max_context - len(r.tokens) - 1)
+        k = plan_draft(r.spec_acceptance, room, lim.spec_token_cost, lim.spec_probe_interval)
+        if room > 0 and k == 0:
+            self.spec.declined_steps += 1
+        draft = self.drafter(r.tokens, k, r.draft_sources if lim.speculative == "group" else ()) if k > 0 else []
+        if not draft:  # a plain decode step: it times the request's next probe
+            r.spec_acceptance = observe_decode(r.spec_acceptance)
+        return draft
 
     def _take(self, r: Request, toks: list[int], lps: list[float], draft: list[int]) -> int:
         """Append a step's tokens to ``r`` up to the first that ends it; with a draft, drop the KV
@@ -323,7 +347,8 @@ class Scheduler:
                 self._finish(r, reason)
                 break
         if draft:
-            accepted = sum(1 for t, d in zip(toks[:kept], draft) if t == d)
+            accepted = next((i for i, (t, d) in enumerate(zip(toks[:kept], draft)) if t != d), min(kept, len(draft)))
+            r.spec_acceptance = observe_verify(r.spec_acceptance, len(draft), accepted, rejected=accepted < min(kept, len(draft)))
             self.spec.verify_steps += 1
             self.spec.draft_tokens += len(draft)
             self.spec.accepted_tokens += accepted
@@ -496,6 +521,7 @@ class Scheduler:
             "model": [c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size],
             "routing": r.routing.export() if r.routing is not None else None,
             "draft_sources": [list(x) for x in r.draft_sources],
+            "spec_acceptance": r.spec_acceptance.to_json(),
         }
         buf = io.BytesIO()
         torch.save(blob, buf)
@@ -590,7 +616,19 @@ class Scheduler:
             generator=gen,
             migrations=migrations,
             draft_sources=self._draft_sources_of(blob.get("draft_sources")),
+            spec_acceptance=self._spec_acceptance_of(blob.get("spec_acceptance")),
         )
+
+    @staticmethod
+    def _spec_acceptance_of(raw: Any) -> DraftAcceptance:
+        """An export's ``spec_acceptance`` (absent in exports of engines without the per-request
+        policy: the request starts from the prior)."""
+        if raw is None:
+            return DraftAcceptance()
+        try:
+            return DraftAcceptance.from_json(raw)
+        except ValueError as exc:
+            raise ProtocolError(str(exc)) from None
 
     def _draft_sources_of(self, raw: Any) -> list[list[int]]:
         """An export's ``draft_sources`` (absent in exports of engines without speculation)."""

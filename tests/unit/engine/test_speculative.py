@@ -154,6 +154,9 @@ def _req(rid, prompt, sink, n=40, sources=(), **sp):
 
 
 def _sched(model, mode="off", **kw) -> Scheduler:
+    # a draft token costs nothing by default here: every request then drafts at every step (the
+    # estimate never reaches 0), which the tests of the mechanism below need
+    kw.setdefault("spec_token_cost", 0.0)
     return Scheduler(model, SchedulerLimits(max_running=4, speculative=mode, spec_tokens=4, **kw))
 
 
@@ -261,20 +264,24 @@ def test_policy_speculates_only_up_to_spec_max_batch(moe_model):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_migration_mid_speculation_continues_exactly(moe_model, temperature):
+    # the per-request policy on (a draft token costs a fifth of a step): the draft lengths, hence the
+    # random numbers drawn, follow the request's acceptance estimate, which must travel with it
     sources = [PROMPTS[0] + [9, 9, 9]]
-    ref = _run(_sched(moe_model, "group"), [_req("a", PROMPTS[0], None, temperature=temperature, sampling_seed=5,
-                                                 sources=sources)])["a"]
-    src = _sched(moe_model, "group")
+    ref = _run(_sched(moe_model, "group", spec_token_cost=0.2),
+               [_req("a", PROMPTS[0], None, temperature=temperature, sampling_seed=5, sources=sources)])["a"]
+    src = _sched(moe_model, "group", spec_token_cost=0.2)
     sink = Collector()
     src.submit(_req("a", PROMPTS[0], sink, temperature=temperature, sampling_seed=5, sources=sources))
-    while src.spec.verify_steps < 3:
+    while src.spec.verify_steps < 1 or len(src.by_rid["a"].output_ids) < 12:  # mid-request, after drafting
         src.step()
+    acceptance = src.by_rid["a"].spec_acceptance
     blob = src.export_request("a")
     assert src.pool.used == 0 and sink["a"]["meta_info"]["dora_migrated"]
-    dst = _sched(moe_model, "group")
+    dst = _sched(moe_model, "group", spec_token_cost=0.2)
     moved = Collector()
     req = dst.import_request(blob, moved)
     assert req.draft_sources == [sibling_source(PROMPTS[0], s) for s in sources]
+    assert req.spec_acceptance == acceptance and acceptance.trials > 0
     while dst.can_step():
         dst.step()
         _check_kv(dst)
@@ -385,3 +392,43 @@ def test_routed_experts_unchanged_by_speculation(moe_model):
         answers[mode] = _run(s, [r])["a"]["meta_info"]["routed_experts"]
         assert mode == "off" or s.spec.verify_steps > 0
     assert answers["ngram"] == answers["off"]
+
+
+def _oracle_drafter(prompt, reference, wrong: bool, vocab: int):
+    """A drafter that knows the greedy continuation: it drafts it (every draft kept) or each of its
+    tokens shifted by one (every draft rejected at its first token)."""
+    shift = 1 if wrong else 0
+
+    def draft(context, k, sources):
+        at = len(context) - len(prompt)
+        return [(t + shift) % vocab for t in reference[at : at + k]]
+
+    return draft
+
+
+@pytest.mark.parametrize("wrong", [True, False])
+def test_engine_stops_drafting_what_is_rejected_and_probes_at_a_bounded_rate(moe_model, wrong):
+    prompt, n, probe = PROMPTS[1], 40, 6
+    ref = _run(_sched(moe_model), [_req("a", prompt, None, n=n, temperature=0.0)])["a"]
+    s = Scheduler(moe_model, SchedulerLimits(max_running=4, speculative="ngram", spec_tokens=4, spec_token_cost=0.25,
+                                             spec_probe_interval=probe),
+                  drafter=_oracle_drafter(prompt, ref["output_ids"], wrong, moe_model.config.vocab_size))
+    sink = Collector()
+    s.submit(_req("a", prompt, sink, n=n, temperature=0.0))
+    verified = []  # per forward pass: was it a verify step?
+    while s.can_step():
+        before = s.spec.verify_steps
+        s.step()
+        verified.append(s.spec.verify_steps > before)
+    assert sink["a"]["output_ids"] == ref["output_ids"]  # the policy never changes what is generated
+    assert _lps(sink["a"]) == pytest.approx(_lps(ref), abs=1e-4)
+    if not wrong:  # kept drafts: every decode step verifies, and the request needs few of them
+        assert s.spec.declined_steps == 0 and s.spec.accepted_tokens > 0 and len(verified) < n // 2
+        return
+    assert s.spec.accepted_tokens == 0 and s.spec.declined_steps > 0
+    steps = [i for i, v in enumerate(verified) if v]
+    first_stop = next(i for i, v in enumerate(verified[1:], 1) if not v)  # step 0 is the prefill
+    assert first_stop <= 6, f"kept drafting rejected drafts for {first_stop - 1} verify steps"
+    probes = [i for i in steps if i > first_stop]
+    assert len(probes) >= 2  # it did probe again ...
+    assert all(b - a == probe + 1 for a, b in zip(probes, probes[1:]))  # ... once every probe + 1 steps

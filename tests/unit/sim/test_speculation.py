@@ -109,16 +109,15 @@ def _lone_request_s(rollout: SimRolloutConfig, alpha: float, tokens: int = 20_00
     return t
 
 
-def test_lone_long_request_finishes_sooner_with_speculation_and_alpha_zero_costs_time():
+def test_lone_long_request_finishes_sooner_with_speculation_and_poor_drafts_cost_nothing():
     spec = SimRolloutConfig(speculative="ngram", spec_tokens=4, spec_max_batch=8)
     plain = _lone_request_s(SimRolloutConfig(), 0.9)
     fast = _lone_request_s(spec, 0.9)
-    useless = _lone_request_s(spec, 0.0)
     e = expected_tokens_per_verify(4, 0.9)
     assert fast < plain / 2  # E = 4.1 tokens per verify step at about the price of a decode step
-    # the decode part is a plain step plus the verify overhead per verify step, over E
+    # drafts rarely kept: the engine's policy stops drafting, so the simulated request loses nothing
+    assert _lone_request_s(spec, 0.0) == plain and _lone_request_s(spec, 0.15) == plain
     cost = CostModelConfig()
-    assert useless > plain and (useless - plain) == pytest.approx(20_000 * cost.spec_verify_overhead_s, rel=1e-6)
     assert fast == pytest.approx((plain - 500 * cost.prefill_s_per_token) / e
                                  + 500 * cost.prefill_s_per_token + 20_000 * cost.spec_verify_overhead_s / e, rel=1e-6)
 
