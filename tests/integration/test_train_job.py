@@ -115,12 +115,13 @@ def check_metrics_against_the_trace(tmp_path: Path, run_dir: Path, summary: dict
     assert sim.returncode == 0, sim.stderr[-3000:]
     sim_summary = json.loads(out.read_text())
     sim_rows = [json.loads(line) for line in (tmp_path / "sim" / "dora_steps.jsonl").read_text().splitlines()]
-    from dora_megatron.observability.recorder import RUN_EXTRA_KEYS
+    from dora_megatron.observability.recorder import ROW_KEY, RUN_EXTRA_KEYS
 
     for key in (*SUMMARY_FIELDS, *RUN_EXTRA_KEYS):
         assert key in summary and key in sim_summary, key
     assert sim_summary["weight_sync_fraction"] > 0 and sim_summary["rebalance_fraction"] > 0
-    train_keys = {k for k in rows[0] if not k.startswith("train/")}  # train/*: the trainer's own metrics
+    # train/*: the trainer's own metrics; ROW_KEY: the recorder's state that a resume reads back
+    train_keys = {k for k in rows[0] if not k.startswith("train/") and k != ROW_KEY}
     assert [set(r) for r in sim_rows] == [train_keys] * 3
 
 

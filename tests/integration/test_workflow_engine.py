@@ -96,7 +96,7 @@ def test_tool_turns_run_on_one_version_per_trajectory_across_weight_switches(too
     assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
     samples = [s for b in trainer.batches for s in b]
     assert len(trainer.batches) == 3 and len(samples) == 3 * 2 * 2
-    assert {s["version"] for s in samples} >= {0, 1}  # trajectories of several versions were trained
+    assert len({s["version"] for s in samples}) >= 2  # trajectories of several versions were trained
     tk = codec.tokenizer
     for s in samples:
         mask, ids, lps = s["loss_mask"], s["response_ids"], s["rollout_logprobs"]
