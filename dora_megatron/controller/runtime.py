@@ -379,8 +379,6 @@ class Runtime:
             self._restore_from_journal(gid)
 
     def _restore_from_journal(self, group_id: str) -> None:
-        if self.workflow is not None:  # the journal keeps no loss mask: a workflow's samples run again
-            return
         group = self.groups[group_id]
         for sid in group.sample_ids:
             j = self._from_journal.pop(sid, None)
@@ -566,7 +564,9 @@ class Runtime:
         else:  # the reward sees the model's tokens only, not the tools' results
             model = rec.output_ids if rec.loss_mask is None else [t for t, m in zip(rec.output_ids, rec.loss_mask) if m]
             rec.reward = float(self.reward_fn(self.codec.decode(model), group.prompt.answer))
-        if self.journal is not None:
+        if self.journal is not None and self.workflow is None:
+            # a workflow's trajectory is not journaled (the journal keeps no prompt of its own nor loss
+            # mask): after a crash it runs again from its prompt, on its own version
             self.journal.sample(self._journaled(rec), sorted(rec.versions))
         return len(rec.output_ids)
 

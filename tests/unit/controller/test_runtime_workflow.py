@@ -116,3 +116,23 @@ def test_a_resume_keeps_the_finished_trajectories_masks(tmp_path):
     restored = {s["sample_id"].rsplit(".", 1)[0] for s in finished} & trained_groups(trainer2)
     assert finished and restored  # some trained trajectories came from the checkpoint, mask included
     assert engine_versions(engines2)  # and the rest were generated after the resume
+
+
+class _RecordingJournal:
+    """Records which journal calls the runtime makes (every method accepts anything)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: self.calls.append(name)
+
+
+def test_a_trajectory_is_not_journaled_so_that_after_a_crash_it_runs_again_whole():
+    """The journal keeps no loss mask nor the workflow's own prompt: restoring a trajectory from it
+    would train tool tokens; its groups' dispatches are still journaled (exactly-once)."""
+    rt, engines, trainer = make(mode="dora", n=3, steps=2, token_s=0.002)
+    with_workflow(rt)
+    rt.journal = journal = _RecordingJournal()
+    asyncio.run(asyncio.wait_for(rt.run(), timeout=120))
+    assert "dispatch" in journal.calls and "sample" not in journal.calls
