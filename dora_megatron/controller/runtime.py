@@ -50,7 +50,7 @@ from dora_megatron.observability.rollout_dump import RolloutDumper
 from dora_megatron.observability.summary import RunTotals
 from dora_megatron.workflow.runner import WorkflowFailed
 from dora_megatron.controller.siblings import finished_sources, push_source, running_targets
-from dora_megatron.rollout.speculation import speculation_summary
+from dora_megatron.rollout.speculation import counter_growth, speculation_summary
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +205,8 @@ class Runtime:
         self.checksum_off: set[str] = set()
         #: instances whose answers carry no routed_experts although asked for (same rule)
         self.routed_experts_off: set[str] = set()
-        self.spec_stats: dict[str, dict[str, Any]] = {}  # each embedded instance's latest speculation counters
+        self.spec_last: dict[str, dict[str, Any]] = {}  # each embedded instance's latest speculation counters
+        self.spec_totals: dict[str, int] = {}  # their growth summed over the run (restarts included)
         self.weight_sync_timeouts = 0
         #: calls that failed for a shortage of the controller's own process (EMFILE, ENOBUFS, a
         #: full pool): retried or re-queued, never counted against the instance
@@ -1249,7 +1250,9 @@ class Runtime:
         running = int(info.get("num_running_reqs", info.get("running", 0)) or 0)
         kv = float(info.get("kv_usage", info.get("token_usage", 0.0)) or 0.0)
         if "spec_verify_steps" in info:
-            self.spec_stats[iid] = info
+            for k, n in counter_growth(self.spec_last.get(iid, {}), info).items():
+                self.spec_totals[k] = self.spec_totals.get(k, 0) + n
+            self.spec_last[iid] = info
         self.events.post(InstanceStats(iid, running, kv, engine))  # the loop drops it if failed/replaced meanwhile
 
     async def _apply_reports(self, reports: dict[Any, Any], chunk: int = 128) -> None:
@@ -1377,7 +1380,7 @@ class Runtime:
         out["checksum_mismatches"] = self.checksum_mismatches
         out["checksum_unavailable"] = len(self.checksum_off)
         out["routed_experts_unavailable"] = len(self.routed_experts_off)
-        out["speculation"] = speculation_summary(self.spec_stats.values())
+        out["speculation"] = speculation_summary([self.spec_totals])
         out["version_refusals"] = self.version_refusals
         out["weight_push_bytes"] = self.pushed_bytes
         out["instances"] = sorted(self.engines)  # every instance that was in the pool (joined ones too)

@@ -151,9 +151,21 @@ def observe_decode(state: DraftAcceptance) -> DraftAcceptance:
 SPEC_COUNTERS = ("spec_verify_steps", "spec_draft_tokens", "spec_accepted_tokens", "spec_verify_tokens")
 
 
+def counter_growth(last: Mapping[str, Any], now: Mapping[str, Any]) -> dict[str, int]:
+    """How much each speculation counter of one instance grew between two of its reports. A counter
+    below its last value means the instance was restarted (its counters start again at 0): then all
+    of ``now`` is new. WHY: the job's totals are the sum of these growths, so a restart loses nothing
+    that was reported before it."""
+    out: dict[str, int] = {}
+    for k in SPEC_COUNTERS:
+        n, p = int(now.get(k, 0) or 0), int(last.get(k, 0) or 0)
+        out[k] = n - p if n >= p else n
+    return out
+
+
 def speculation_summary(stats: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    """The job summary's ``speculation``: the counters summed over instances (each instance's
-    latest report), the draft tokens kept per verify step and the tokens a verify step yielded
+    """The job summary's ``speculation``: the counters summed over ``stats`` (the runtime passes its
+    run totals, :func:`counter_growth` summed over every instance's reports), the draft tokens kept per verify step and the tokens a verify step yielded
     (the simulator's :func:`expected_tokens_per_verify`, measured). A verify step counts once
     per request that speculated in a forward pass."""
     out: dict[str, Any] = {k: 0 for k in SPEC_COUNTERS}

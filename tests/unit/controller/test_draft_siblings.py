@@ -54,7 +54,7 @@ def _run(draft_siblings: bool):
 def test_running_siblings_get_the_finished_ones_output():
     rt, engines, trainer, summary = _run(True)
     check_run(rt, engines, trainer, 3, 4, 2)
-    spec = summary["speculation"]  # each instance's latest counters, summed
+    spec = summary["speculation"]  # every instance's counters, summed over the run
     assert spec["spec_verify_steps"] == 30 and spec["tokens_per_verify_step"] == 2.5
     pushed = [p for e in engines.values() for p in e.pushed]
     assert pushed, "no finished sibling was pushed to a running one"
@@ -70,3 +70,14 @@ def test_off_nothing_is_sent():
     _, engines, _, _ = _run(False)
     assert not any(e.pushed for e in engines.values())
     assert not any(src for e in engines.values() for _, src in e.submitted.values())
+
+
+def test_the_summary_keeps_what_an_instance_reported_before_it_was_restarted():
+    """Reports 10 then 25 verify steps, then (restarted, counting from 0) 4: 29 in all, not 4."""
+    rt, engines, _ = make(mode="dora", n=2, steps=1)
+    iid = next(iter(rt.engines))
+    for steps in (10, 25, 4):
+        rt._apply_load(iid, rt.engines[iid], {"num_running_reqs": 1, "kv_usage": 0.1, "spec_verify_steps": steps,
+                                              "spec_verify_tokens": 2 * steps})
+    spec = rt.summary(1.0)["speculation"]
+    assert spec["spec_verify_steps"] == 29 and spec["spec_verify_tokens"] == 58
