@@ -926,6 +926,15 @@ class Runtime:
             self.stop(RuntimeError("every rollout instance failed"))
         return True
 
+    def is_done(self) -> bool:
+        """Whether the run was ended (:meth:`stop`): a supervisor stops acting on it then."""
+        return self._done.is_set()
+
+    @property
+    def error(self) -> BaseException | None:
+        """What ended the run, the first error given to :meth:`stop` (None: none so far)."""
+        return self._error
+
     def stop(self, error: BaseException | None = None) -> None:
         """End the run (with ``error``, the first one wins): the loop stops after its current event."""
         if error is not None and self._error is None:
