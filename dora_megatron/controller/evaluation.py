@@ -100,7 +100,7 @@ class Evaluator:
     async def vacate(self, instances: Sequence[str]) -> None:
         """``instances`` are about to load weights: send them no eval request until :meth:`reopen`,
         and abort the eval requests on them until each has returned (they are asked again)."""
-        from dora_megatron.controller.runtime import abort_until_returned
+        from dora_megatron.controller.migration import abort_until_returned
 
         for iid in instances:
             self._closed[iid] = self._closed.get(iid, 0) + 1
@@ -166,7 +166,7 @@ class Evaluator:
 
     async def _generate(self, step: int, min_version: int, i: int, j: int) -> tuple[list[int], str, int]:
         from dora_megatron.comm.engine_client import VersionMismatch
-        from dora_megatron.controller.runtime import _is_comm_error
+        from dora_megatron.controller.errors import is_comm_error
 
         rt, opt = self.runtime, self.runtime.opt
         seed = zlib.crc32(f"{opt.seed}/eval/{step}/{i}/{j}".encode()) & 0x7FFFFFFF
@@ -189,7 +189,7 @@ class Evaluator:
                 await asyncio.sleep(0.05)
                 continue
             except Exception as err:  # noqa: BLE001
-                if not _is_comm_error(err):
+                if not is_comm_error(err):
                     raise
                 last_problem = f"{iid}: {err}"
                 await asyncio.sleep(0.2)  # the runtime's health checks fail or restart it meanwhile
@@ -211,11 +211,11 @@ class Evaluator:
         while True:
             ready = [(self._in_flight.get(iid, 0), iid) for iid in list(rt.engines)
                      if iid not in self._closed and not rt.is_failed(iid)
-                     and rt._version_of.get(iid, -1) >= min_version and self._in_flight.get(iid, 0) < self.slots]
+                     and rt.weights.version_of.get(iid, -1) >= min_version and self._in_flight.get(iid, 0) < self.slots]
             if ready:
                 iid = min(ready)[1]
-                return iid, rt._version_of[iid]
-            if self._ending and not any(not rt.is_failed(iid) and rt._version_of.get(iid, -1) >= min_version
+                return iid, rt.weights.version_of[iid]
+            if self._ending and not any(not rt.is_failed(iid) and rt.weights.version_of.get(iid, -1) >= min_version
                                         for iid in list(rt.engines)):
                 raise EvalRoundFailed(f"no live engine holds v{min_version} or newer")
             await asyncio.sleep(0.05)
@@ -226,13 +226,13 @@ class Evaluator:
         rt = self.runtime
 
         async def one(iid: str) -> None:
-            if rt._version_of.get(iid) == version:
+            if rt.weights.version_of.get(iid) == version:
                 return
             await self.vacate([iid])  # rounds of older steps still running there (a load waits for them)
             try:
                 for attempt in range(LOAD_ATTEMPTS):  # the rollout's aborted requests may take a moment to leave
                     try:
-                        bad = await rt._load_weights(rt.engines[iid], version, instance=iid)
+                        bad = await rt.weights.load_weights(rt.engines[iid], version, instance=iid)
                         break
                     except Exception as err:  # noqa: BLE001 - the eval is not worth failing a finished run
                         if attempt == LOAD_ATTEMPTS - 1:
@@ -244,7 +244,7 @@ class Evaluator:
             if bad is not None:
                 log.warning("eval: %s loaded v%d wrongly (%s); it takes no part in the final round", iid, version, bad)
                 return
-            rt._version_of[iid] = version
+            rt.weights.version_of[iid] = version
 
         await asyncio.gather(*(one(iid) for iid in list(rt.engines) if not rt.is_failed(iid)))
 

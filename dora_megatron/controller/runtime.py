@@ -34,11 +34,13 @@ from dataclasses import dataclass
 import time
 import zlib
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
-from dora_megatron.controller.loop import (CheckpointSaved, ControllerLoop, EngineReply, EventQueue, InstanceFailed,
-                                           InstanceJoined, InstanceStats, MigrationDone, MigrationFailed, Replayed,
-                                           Resume, Start, Stop, SwitchDone, Tick, TrainerDone)
+from dora_megatron.controller.checkpointing import CheckpointWriter
+from dora_megatron.controller.errors import LOCAL_RETRY_S, is_comm_error as _is_comm_error, is_local as _is_local
+from dora_megatron.controller.loop import (ControllerLoop, EngineReply, EventQueue, InstanceFailed,
+                                           InstanceJoined, MigrationFailed, Replayed,
+                                           Resume, Start, Stop, SwitchDone, TrainerDone)
 from dora_megatron.controller.records import (Engine, GroupRecord, LoadReports, RuntimeOptions, SampleRecord,
                                               StepLog, Trainer)
 from dora_megatron.data.codec import CharCodec, TextCodec
@@ -50,74 +52,17 @@ from dora_megatron.observability.rollout_dump import RolloutDumper
 from dora_megatron.observability.summary import RunTotals
 from dora_megatron.workflow.runner import WorkflowFailed
 from dora_megatron.controller.siblings import finished_sources, push_source, running_targets
-from dora_megatron.rollout.speculation import counter_growth, speculation_summary
+from dora_megatron.controller.migration import Migrations
+from dora_megatron.controller.replay import JournalReplay
+from dora_megatron.controller.stats import StatsPoller
+from dora_megatron.controller.weight_sync import WeightSync
+from dora_megatron.rollout.speculation import speculation_summary
 
 log = logging.getLogger(__name__)
 
 #: refusals in a row of requests routed for an instance's own version (no switch under way) after
 #: which the instance is failed as out of step with the controller (:meth:`Runtime._out_of_step`)
 OUT_OF_STEP_REFUSALS = 3
-
-
-#: back-off between tries of a call that failed for want of a local resource (seconds, doubling)
-LOCAL_RETRY_S = (0.05, 1.0)
-
-
-def _is_local(err: BaseException) -> bool:
-    """A shortage of the controller's own process (no descriptor, no buffer, no pooled connection
-    in time: :func:`~dora_megatron.comm.limits.local_resource_error`): never an instance's fault."""
-    from dora_megatron.comm.limits import local_resource_error
-
-    return local_resource_error(err)
-
-
-def _is_comm_error(err: BaseException) -> bool:
-    """Errors that mean "this engine cannot be reached or refused to work": the instance is failed."""
-    from dora_megatron.comm.engine_client import EngineError, ExtensionUnsupported
-
-    if isinstance(err, (EngineError, ExtensionUnsupported, OSError, asyncio.TimeoutError, ConnectionError)):
-        return True
-    return type(err).__module__.split(".")[0] == "aiohttp"
-
-
-async def abort_until_returned(engine: Engine, sample_id: str, prev: asyncio.Task | None) -> None:
-    """Abort ``sample_id`` until its in-flight ``/generate`` (``prev``) has returned.
-
-    WHY repeat: an abort's answer proves nothing. SGLang answers 200 with an empty body whether or
-    not anything matched, and drops the abort of a rid its tokenizer has not seen yet
-    (tokenizer_manager.py ``abort_request``), which is the case while the ``/generate`` is still on
-    its way; the embedded engine answers 404 then. Only the return of the generate says the abort
-    took effect (or the request finished first). The wait between tries doubles from 20 ms to 1 s,
-    so a long generation is not flooded with aborts."""
-    await _abort_once(engine, sample_id)
-    delay = 0.02
-    while prev is not None and not prev.done():
-        done, _ = await asyncio.wait([prev], timeout=delay)
-        if done:
-            break
-        await _abort_once(engine, sample_id)
-        delay = min(1.0, delay * 2)
-
-
-async def _abort_once(engine: Engine, sample_id: str) -> None:
-    """One abort; one that could not be sent for a local shortage (:func:`_is_local`) is simply
-    tried again by the caller's next round (the instance is not at fault)."""
-    try:
-        await engine.abort(sample_id)
-    except Exception as err:  # noqa: BLE001
-        if not _is_local(err):
-            raise
-        log.debug("abort of %s not sent (local shortage): %s", sample_id, err)
-
-
-def _clear_stale_checkpoint(path: Path) -> None:
-    """Remove an old checkpoint directory about to be rewritten: the completion marker first, so a
-    crash part-way leaves an incomplete (ignored) directory, never a mix of two lineages."""
-    import shutil
-
-    (path / "controller.json").unlink(missing_ok=True)
-    log.info("replacing the stale checkpoint %s", path)
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @dataclass(frozen=True)
@@ -138,7 +83,10 @@ class Runtime:
 
     The executor of :class:`~dora_megatron.controller.loop.ControllerLoop`: it implements
     :class:`~dora_megatron.orchestrator.ActionHandler` (one method per action, each starting
-    asyncio tasks) and the per-event bookkeeping the loop asks of it."""
+    asyncio tasks) and the per-event bookkeeping the loop asks of it. Jobs of their own are its
+    components: :attr:`weights` (:mod:`.weight_sync`), :attr:`moves` (:mod:`.migration`),
+    :attr:`stats` (:mod:`.stats`), :attr:`checkpoints` (:mod:`.checkpointing`) and :attr:`replay`
+    (:mod:`.replay`); it keeps the samples, the trainer step and the checkpoint state."""
 
     def __init__(self, orch: Orchestrator, engines: dict[str, Engine], trainer: Trainer, source: PromptSource,
                  reward_fn: Callable[[str, str], float], options: RuntimeOptions, *, timeline=None,
@@ -157,7 +105,6 @@ class Runtime:
         #: ``/generate`` per submission (the default single turn)
         self.workflow = None
         self.orch = orch
-        self.load_reports = load_reports
         self.engines = engines
         self.trainer = trainer
         self.source = source
@@ -172,8 +119,6 @@ class Runtime:
         #: every metric of the run (summary.json, steps.jsonl, TensorBoard) comes from these events
         self.metrics = metrics or MetricsRecorder(slots_per_instance=options.slots_per_instance,
                                                   rebalancer=orch.policy.rebalance)
-        self._from_journal: dict[str, Any] = {}  # sample id -> JournaledSample, restorable on resume
-        self.samples_from_journal = 0
         self.samples_finished = 0  # engine answers that completed a sample (records of consumed groups are gone)
         #: execution data (token ids, logprobs, tasks) of the outstanding groups only: a group's
         #: records go once the trainer was handed it (the orchestrator owns which groups exist and
@@ -196,45 +141,33 @@ class Runtime:
         #: instances not ready when the job started (name -> why): out of the pool until they join
         self.absent_at_start: dict[str, str] = {}
         self._late_starters: set[str] = set()  # of those, the ones that never failed (only slow to load)
-        self.migrated_bytes = 0
-        self.migrations_done = 0
-        self.migrations_fallback = 0
-        self.checksum_mismatches = 0
-        #: instances whose weights check cannot run (no ``/weights_checker``, no checksum action):
-        #: the check is off for them, after one warning each; only a checksum that differs fails one
-        self.checksum_off: set[str] = set()
         #: instances whose answers carry no routed_experts although asked for (same rule)
         self.routed_experts_off: set[str] = set()
-        self.spec_last: dict[str, dict[str, Any]] = {}  # each embedded instance's latest speculation counters
-        self.spec_totals: dict[str, int] = {}  # their growth summed over the run (restarts included)
-        self.weight_sync_timeouts = 0
         #: calls that failed for a shortage of the controller's own process (EMFILE, ENOBUFS, a
         #: full pool): retried or re-queued, never counted against the instance
         self.local_resource_errors = 0
         #: this process's back-pressure count (calls that waited for a pooled connection), set by
         #: the launcher that sized the pools (:class:`~dora_megatron.comm.limits.ConnectionWaits`)
         self.connection_waits = None
-        self.expected_checksums: dict[int, str] = {}
-        #: version -> SGLang's own checksum of it (``/weights_checker``), as the first instance that
-        #: loaded it reported: SGLang's checksum is comparable between instances only
-        self.instance_checksums: dict[int, str] = {}
-        # instance -> what a switch of it waits for: migrations into it (until they end), migrations
-        # out of it (until the source let the request go) and interrupts
-        self._moves_at: dict[str, set[asyncio.Future]] = {}
-        self._switching: dict[str, asyncio.Task] = {}
         self._tasks: set[asyncio.Task] = set()
         self._error: BaseException | None = None
         self._done = asyncio.Event()
         self.events = EventQueue()  # read by the ControllerLoop of :meth:`run`
+        #: the event source of load reports and ticks (:mod:`.stats`)
+        self.stats = StatsPoller(orch, engines, self.events, options, self.local_shortage, load_reports)
+        #: switches, their checks and the ``distributed`` push (:mod:`.weight_sync`)
+        self.weights = WeightSync(self)
+        #: migrations and interrupts of in-flight requests (:mod:`.migration`)
+        self.moves = Migrations(self)
+        #: the checkpoint files: the trainer's part, then controller.json (:mod:`.checkpointing`)
+        self.checkpoints = CheckpointWriter(self)
+        #: finished samples the journal recorded after the checkpoint resumed from (:mod:`.replay`)
+        self.replay = JournalReplay(self)
         self._t0 = 0.0
         self._trainer_idle_since = 0.0
-        self._version_of: dict[str, int] = {iid: 0 for iid in engines}
         self._wall_offset = 0.0
         self._resumed = False
         self._pending_step_finished: int | None = None
-        self._pushes: list[SwitchVersion] = []  # collected by switch_version within one execute
-        self._trainer_manifest: dict[str, dict] = {}  # checksums of the trainer part of the checkpoint being written
-        self._state_writer: Iterator[None] | None = None  # the controller.json writer still running (state_file)
         self.version_refusals = 0
         self._refusal_streak: dict[str, int] = {}  # instance -> refusals in a row of its own version
         #: a stop asked from outside (the launcher's first SIGINT/SIGTERM/SIGUSR1): its reason, and the
@@ -242,8 +175,40 @@ class Runtime:
         self.stop_reason: str | None = None
         self.stop_checkpoint: int | None = None
         self._stop_at_boundary = False
-        self.latest_version = 0  # newest weights the trainer holds (pushed by `distributed`)
-        self.pushed_bytes = 0
+
+    @property
+    def load_reports(self) -> LoadReports | None:
+        """The stats poller's pushed load reports (:attr:`StatsPoller.load_reports`)."""
+        return self.stats.load_reports
+
+    @load_reports.setter
+    def load_reports(self, reports: LoadReports | None) -> None:
+        self.stats.load_reports = reports
+
+    @property
+    def latest_version(self) -> int:
+        """The newest weights the trainer holds (:attr:`WeightSync.latest_version`)."""
+        return self.weights.latest_version
+
+    @latest_version.setter
+    def latest_version(self, version: int) -> None:
+        self.weights.latest_version = version
+
+    @property
+    def migrations_fallback(self) -> int:
+        return self.moves.migrations_fallback
+
+    @property
+    def weight_sync_timeouts(self) -> int:
+        return self.weights.weight_sync_timeouts
+
+    @property
+    def instance_checksums(self) -> dict[int, str]:
+        return self.weights.instance_checksums
+
+    @property
+    def checksum_off(self) -> set[str]:
+        return self.weights.checksum_off
 
     # ------------------------------------------------------------------ helpers
     def is_failed(self, instance: str) -> bool:
@@ -267,7 +232,7 @@ class Runtime:
     def now(self) -> float:
         return time.monotonic() - self._t0 + self._wall_offset
 
-    def _spawn(self, coro, name: str) -> asyncio.Task:
+    def spawn(self, coro, name: str) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(self._guard(coro), name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -286,47 +251,29 @@ class Runtime:
         """Carry out one orchestrator answer (called by the loop only). Switches to the weights the
         trainer still holds (``distributed`` transport) are collected over the whole list and done
         with one broadcast."""
-        self._pushes: list[SwitchVersion] = []
         perform(self, actions)
-        pushes, self._pushes = self._pushes, []
-        if pushes:
-            prevs = {a.instance: self._switching.get(a.instance) for a in pushes}
-            task = self._spawn(self._push_switch(pushes, prevs), f"push-v{pushes[0].version}")
-            for a in pushes:
-                self._switching[a.instance] = task
+        self.weights.flush()
 
     # ------------------------------------------------------------------ ActionHandler
     def submit(self, a: Submit) -> None:
         self._chain(a.sample_id, self._submit(a), f"submit-{a.sample_id}")
 
     def migrate(self, a: Migrate) -> None:
-        # A switch of the source waits only until the source has let the request go (exported, or
-        # aborted with its partial output back), not for the move's task: that task lasts until
-        # the request *finishes* at the destination (the import answers with the final response).
-        # Waiting for it kept a freed instance idle through the whole tail of the requests moved
-        # off it, which is the wait DORA's partition exists to remove. A switch of the destination
-        # waits for the whole move.
-        released = asyncio.get_running_loop().create_future()
-        task = self._concurrent(a.sample_id, lambda prev: self._migrate(a, prev, released), f"migrate-{a.sample_id}")
-        task.add_done_callback(lambda t: released.done() or released.set_result(None))
-        self._track_move(a.src, released)
-        self._track_move(a.dst, task)
-
-    def _track_move(self, instance: str, fut: asyncio.Future) -> None:
-        self._moves_at.setdefault(instance, set()).add(fut)
-        fut.add_done_callback(lambda f: self._moves_at.get(instance, set()).discard(f))
+        self.moves.migrate(a)
 
     def interrupt(self, a: Interrupt) -> None:
-        task = self._concurrent(a.sample_id, lambda prev: self._interrupt(a, prev), f"interrupt-{a.sample_id}")
-        self._track_move(a.instance, task)
+        self.moves.interrupt(a)
+
+    def pending_moves(self, instance: str) -> list[asyncio.Future]:
+        """:meth:`Migrations.pending`: what a switch of ``instance`` waits for."""
+        return self.moves.pending(instance)
 
     def switch_version(self, a: SwitchVersion) -> None:
-        if self.opt.weight_transport == "distributed" and a.version == self.latest_version and a.version > 0:
-            self._pushes.append(a)  # the trainer still holds these weights: broadcast them once (execute)
-            return
-        prev = self._switching.get(a.instance)  # loads on one instance run in order
-        self._switching[a.instance] = self._spawn(self._switch(a, prev, self.engines[a.instance]),
-                                                  f"switch-{a.instance}")
+        self.weights.order(a)
+
+    def switch_landed(self, ev: SwitchDone, origin: asyncio.Task | None) -> bool:
+        """Loop (:class:`SwitchDone`): :meth:`WeightSync.landed`."""
+        return self.weights.landed(ev, origin)
 
     def _chain(self, sample_id: str, coro, name: str) -> asyncio.Task:
         """Run ``coro`` after the sample's previous operation finished (per-sample ordering)."""
@@ -338,20 +285,20 @@ class Runtime:
                 await asyncio.wait([prev])
             await coro
 
-        rec.task = self._spawn(run(), name)
+        rec.task = self.spawn(run(), name)
         return rec.task
 
-    def _concurrent(self, sample_id: str, make_coro, name: str) -> asyncio.Task:
+    def concurrent(self, sample_id: str, make_coro, name: str) -> asyncio.Task:
         """Run an operation that acts on the sample's in-flight request (it does not wait for it);
         later operations on the sample wait for both."""
         rec = self.samples[sample_id]
         prev = rec.task
-        task = self._spawn(make_coro(prev), name)
+        task = self.spawn(make_coro(prev), name)
 
         async def both():
             await asyncio.wait([t for t in (prev, task) if t is not None])
 
-        rec.task = self._spawn(both(), f"{name}-join")
+        rec.task = self.spawn(both(), f"{name}-join")
         return task
 
     def dispatch(self, a: Dispatch) -> None:
@@ -363,8 +310,7 @@ class Runtime:
             self.samples[sid] = SampleRecord(sid, a.group_id, i, a.version, list(prompt_ids))
         if self.journal is not None:
             self.journal.dispatch(a.group_id, a.version, prompt.index, list(a.sample_ids))
-        if self._from_journal:
-            self._restore_from_journal(a.group_id)
+        self.replay.restore(a.group_id)
 
     def prompt_tokens(self, group_id: str) -> int:
         """Loop: the prompt length of a dispatched group (the orchestrator's re-prefill accounting)."""
@@ -372,49 +318,18 @@ class Runtime:
 
     # ------------------------------------------------------------------ journal (resume)
     def load_journal(self, samples: dict[str, Any]) -> None:
-        """After :meth:`load_state_dict`: finished samples the journal recorded after the checkpoint
-        (:func:`~dora_megatron.controller.journal.read_journal`). Those of restored groups are filled
-        in now, those of groups dispatched again later when they are (same id, version, prompt)."""
-        self._from_journal = dict(samples)
-        for gid in list(self.groups):
-            self._restore_from_journal(gid)
-
-    def _restore_from_journal(self, group_id: str) -> None:
-        group = self.groups[group_id]
-        for sid in group.sample_ids:
-            j = self._from_journal.pop(sid, None)
-            rec = self.samples[sid]
-            if (j is None or rec.finished or j.group_id != group_id or j.version != group.version
-                    or j.prompt_index != group.prompt.index or rec.version != j.version):
-                continue
-            rec.output_ids, rec.logprobs = list(j.output_ids), list(j.logprobs)
-            rec.reward, rec.versions = j.reward, {j.version}
-            rec.routed_experts, rec.finish_reason = j.routed_experts, j.finish_reason
-            rec.finished = rec.replay_pending = True
+        """After :meth:`load_state_dict`: :meth:`JournalReplay.load`."""
+        self.replay.load(samples)
 
     def replayed(self, sample_id: str) -> int | None:
-        """Loop (:class:`Replayed`): the orchestrator asked to run a sample the journal restored: it
-        is finished already. Returns its length, None when it was reported before."""
-        rec = self.samples[sample_id]
-        if not rec.replay_pending:
-            return None
-        rec.replay_pending = False
-        self.samples_from_journal += 1
-        if self.journal is not None:  # still finished after this lineage's checkpoint
-            js = self._journaled(rec)
-            self.journal.sample(js, sorted(rec.versions), replayed=True)
-            self.journal.replayed(js)
-        return len(rec.output_ids)
+        """Loop (:class:`Replayed`): :meth:`JournalReplay.replayed`."""
+        return self.replay.replayed(sample_id)
 
-    def _journaled(self, rec: SampleRecord):
-        """``rec`` as the journal records it (:class:`~dora_megatron.controller.journal.JournaledSample`)."""
-        from dora_megatron.controller.journal import JournaledSample
+    @property
+    def samples_from_journal(self) -> int:
+        return self.replay.samples_from_journal
 
-        return JournaledSample(rec.sample_id, rec.group_id, rec.version, self.groups[rec.group_id].prompt.index,
-                               tuple(rec.output_ids), tuple(rec.logprobs), float(rec.reward), rec.routed_experts,
-                               rec.finish_reason)
-
-    def _local_shortage(self, what: str, err: BaseException) -> None:
+    def local_shortage(self, what: str, err: BaseException) -> None:
         """Count a call that failed for the controller's own shortage; the first and every 1,000th are logged."""
         self.local_resource_errors += 1
         if self.local_resource_errors == 1 or self.local_resource_errors % 1000 == 0:
@@ -429,6 +344,11 @@ class Runtime:
             "stop_token_ids": list(dict.fromkeys([*self.codec.eos_ids, *self.opt.stop_token_ids])),
             "sampling_seed": seed,
         }
+
+    async def resubmit(self, a: Submit) -> None:
+        """Run ``a`` in the calling task (a migration's fallback: the sample is resubmitted on its
+        destination once its partial output is back)."""
+        await self._submit(a)
 
     async def _submit(self, a: Submit) -> None:
         from dora_megatron.comm.engine_client import VersionMismatch
@@ -474,7 +394,7 @@ class Runtime:
                 if _is_local(err):
                     # the controller's own shortage (no descriptor, no pooled connection): the instance
                     # is not at fault; the same call is tried again after a back-off
-                    self._local_shortage(f"generate of {a.sample_id} on {a.instance}", err)
+                    self.local_shortage(f"generate of {a.sample_id} on {a.instance}", err)
                     if not self.is_current(a.instance, engine):
                         return  # failed or replaced meanwhile: its requests are re-queued already
                     if time.monotonic() + delay > deadline:  # short for a whole request timeout: run it later
@@ -513,8 +433,7 @@ class Runtime:
         weights than the controller believes (started on another checkpoint, a reload that did not
         take), and re-queueing its samples onto it would go on for ever. Failing it hands it to the
         supervisor's restart, which loads the version the controller expects."""
-        switch = self._switching.get(instance)
-        if self._version_of.get(instance) != version or (switch is not None and not switch.done()):
+        if self.weights.version_of.get(instance) != version or self.weights.under_way(instance):
             self._refusal_streak.pop(instance, None)
             return False
         self._refusal_streak[instance] = self._refusal_streak.get(instance, 0) + 1
@@ -553,7 +472,7 @@ class Runtime:
         rec.finish_reason = reason
         if self.opt.draft_siblings:
             targets = running_targets(rec, self._siblings(rec))
-            self._spawn(push_source(self.engines, targets, rec.prompt_ids + rec.output_ids), f"drafts-{rec.sample_id}")
+            self.spawn(push_source(self.engines, targets, rec.prompt_ids + rec.output_ids), f"drafts-{rec.sample_id}")
         self.samples_finished += 1
         if instance in self._rejoined:
             self.samples_after_rejoin += 1
@@ -568,230 +487,13 @@ class Runtime:
         if self.journal is not None and self.workflow is None:
             # a workflow's trajectory is not journaled (the journal keeps no prompt of its own nor loss
             # mask): after a crash it runs again from its prompt, on its own version
-            self.journal.sample(self._journaled(rec), sorted(rec.versions))
+            self.journal.sample(self.replay.journaled(rec), sorted(rec.versions))
         return len(rec.output_ids)
 
     def sample_versions(self, sample_id: str) -> set[int]:
         """Loop: every version the sample was submitted on or an engine said produced its tokens;
         the orchestrator counts a sample of more than one as a C1 violation (the one C1 count)."""
         return self.samples[sample_id].versions
-
-    async def _migrate(self, a: Migrate, prev: asyncio.Task | None, released: asyncio.Future) -> None:
-        """Move one request from ``a.src`` to ``a.dst``; ``released`` is set once the source no
-        longer holds it (a switch of the source may then go ahead)."""
-        from dora_megatron.comm.engine_client import EngineError
-
-        rec = self.samples.get(a.sample_id)
-        if rec is None or rec.finished:  # finished (its group maybe consumed) before this move ran
-            return
-        src, dst = self.engines[a.src], self.engines[a.dst]
-        start = self.now()
-        blob = None
-        try:
-            # a workflow's trajectory moves between turns only: abort + resubmit runs it again on dst
-            use_kv = (self.workflow is None and self.opt.migration == "kv" and await src.supports("export_request")
-                      and await dst.supports("import_request"))
-            if use_kv:
-                for _ in range(50):  # the generate may not have reached the engine yet
-                    try:
-                        blob = await src.export_request(a.sample_id)
-                        break
-                    except EngineError as err:
-                        if err.status != 404:
-                            raise
-                        if rec.finished:
-                            return
-                        await asyncio.sleep(0.02)
-        except Exception as err:  # noqa: BLE001 - the source is unreachable: re-run the sample elsewhere
-            if _is_local(err):  # the controller's shortage: move it the other way (abort + resubmit)
-                self._local_shortage(f"export of {a.sample_id} from {a.src}", err)
-                blob = None
-            elif not _is_comm_error(err):
-                raise
-            else:
-                await self.events.report(InstanceFailed(a.src, f"export failed: {err}", src))
-                await self.events.report(MigrationFailed(a.sample_id))
-                return
-        if blob is not None:
-            released.set_result(None)  # the export removed it from the source
-            self.migrated_bytes += len(blob)
-            self.migrations_done += 1
-            if self.timeline is not None:
-                self.timeline.span(a.dst, f"migrate-in {a.sample_id}", start, self.now(), version=a.version, kind="migration")
-            try:
-                resp = await dst.import_request(blob)
-            except Exception as err:  # noqa: BLE001 - the destination failed: its requests are re-queued
-                if _is_local(err):  # the controller's shortage: the sample runs again from what it holds
-                    self._local_shortage(f"import of {a.sample_id} into {a.dst}", err)
-                    await self.events.report(MigrationFailed(a.sample_id))
-                    return
-                if not _is_comm_error(err):
-                    raise
-                await self.events.report(InstanceFailed(a.dst, f"import failed: {err}", dst))
-                return
-            await self.events.report(EngineReply(a.sample_id, a.dst, resp, start, self.now()))
-            return
-        # Fallback (SGLang): abort at src, resubmit prompt + partial output at dst (re-prefill).
-        try:
-            await abort_until_returned(src, a.sample_id, prev)
-        except Exception as err:  # noqa: BLE001
-            if not _is_comm_error(err):
-                raise
-            await self.events.report(InstanceFailed(a.src, f"abort failed: {err}", src))
-            await self.events.report(MigrationFailed(a.sample_id))
-            return
-        if prev is not None and not prev.done():
-            await asyncio.wait([prev])  # the aborted generate's partial output is applied (absorb)
-        released.set_result(None)  # aborted at the source, its partial output applied
-        if rec.finished:
-            return  # it finished before the abort reached it: nothing to move
-        self.migrations_fallback += 1
-        reprefill = len(rec.prompt_ids) + len(rec.output_ids)
-        await self.events.report(MigrationDone(a.sample_id, reprefill))
-        await self._submit(Submit(a.sample_id, a.dst, a.version, resume=True))
-
-    async def _interrupt(self, a: Interrupt, prev: asyncio.Task | None) -> None:
-        """Abort the request and wait until its partial output is back (before the instance switches)."""
-        await abort_until_returned(self.engines[a.instance], a.sample_id, prev)
-        if prev is not None and not prev.done():
-            await asyncio.wait([prev])
-
-    async def _switch(self, a: SwitchVersion, prev: asyncio.Task | None = None, engine: Engine | None = None,
-                      *, resume: bool = False) -> None:
-        """``engine``: the instance's client when the switch was ordered (a switch ordered before the
-        instance was restarted does not touch its new process). ``resume``: the load follows a
-        failed push, which may have left the instance paused; a disk update does not clear
-        SGLang's pause (every later ``/generate`` would wait), so generation is continued after it."""
-        if prev is not None and not prev.done():
-            await asyncio.wait([prev])
-        moves = [t for t in self._moves_at.get(a.instance, ()) if not t.done()]
-        if moves:
-            await asyncio.wait(moves)
-        if self.evaluator is not None:  # a load waits for running requests: the eval's go elsewhere
-            await self.evaluator.vacate([a.instance])
-        try:
-            if self._superseded(a.instance):
-                return
-            engine = engine if engine is not None else self.engines[a.instance]
-            if self.is_failed(a.instance) or self.engines.get(a.instance) is not engine:
-                return  # failed (or replaced) while this switch waited: the orchestrator no longer expects it
-            await self._switch_now(a, engine, resume)
-        finally:
-            if self.evaluator is not None:
-                self.evaluator.reopen(a.instance)
-
-    async def _switch_now(self, a: SwitchVersion, engine: Engine, resume: bool) -> None:
-        start = self.now()
-        self.metrics.weight_sync_started(a.instance, start, rebalance=a.rebalance)
-        try:
-            got = await asyncio.wait_for(self._load_weights_retrying(engine, a, resume=resume),
-                                         timeout=self.opt.weight_sync_timeout_s)
-        except asyncio.TimeoutError:
-            self.weight_sync_timeouts += 1
-            await self.events.report(InstanceFailed(
-                a.instance, f"switch to v{a.version} did not finish within {self.opt.weight_sync_timeout_s:g} s "
-                            "(controller.weight_sync_timeout_s)", engine))
-            return
-        except Exception as err:  # noqa: BLE001 - an instance that cannot load weights is failed
-            await self.events.report(InstanceFailed(a.instance, f"switch to v{a.version} failed: {err}", engine))
-            return
-        finally:
-            self.metrics.weight_sync_finished(a.instance, self.now())
-        if got is not None:
-            self.checksum_mismatches += 1
-            await self.events.report(InstanceFailed(a.instance, got, engine))
-            return
-        await self.events.report(SwitchDone(a.instance, a.version, engine, start, self.now()))
-
-    def switch_landed(self, ev: SwitchDone, origin: asyncio.Task | None) -> bool:
-        """Loop (:class:`SwitchDone`): whether the orchestrator is to hear of it. Not when the
-        instance failed or was replaced (restarted: its own switch follows) or was re-targeted
-        while loading (``origin``, the task that loaded, is no longer its newest switch order:
-        that order reports, after loading again)."""
-        if self.is_failed(ev.instance) or self.engines.get(ev.instance) is not ev.engine:
-            return False
-        if self.timeline is not None:  # the time was spent loading, whether or not this order still stands
-            self.timeline.span(ev.instance, f"{ev.how} v{ev.version}", ev.start, ev.end, version=ev.version,
-                               kind="weight_sync")
-        latest = self._switching.get(ev.instance)
-        if origin is not None and latest is not None and latest is not origin:
-            return False
-        self._version_of[ev.instance] = ev.version
-        if self.timeline is not None:
-            self.timeline.set_version(ev.instance, ev.version, ev.end)
-        return True
-
-    def _superseded(self, instance: str) -> bool:
-        """True when a newer switch of ``instance`` was ordered after the one running in this task.
-
-        The orchestrator may re-target an instance before its switch ran (v2, then v0, then v2 again);
-        only the newest order is carried out. Otherwise the first v2 load would report
-        ``on_switch_done(v2)``, the orchestrator would route v2 requests to the instance, and the
-        queued v0 load would then replace its weights under those requests."""
-        latest = self._switching.get(instance)
-        return latest is not None and latest is not asyncio.current_task()
-
-    async def _load_weights_retrying(self, engine: Engine, a: SwitchVersion, *, resume: bool) -> str | None:
-        """:meth:`_load_weights`, tried again after a back-off while it fails for a local shortage
-        of the controller (bounded by the caller's ``weight_sync_timeout_s``): a load is idempotent."""
-        delay = LOCAL_RETRY_S[0]
-        while True:
-            try:
-                return await self._load_weights(engine, a.version, resume=resume, instance=a.instance)
-            except Exception as err:  # noqa: BLE001
-                if not _is_local(err):
-                    raise
-                self._local_shortage(f"switch of {a.instance} to v{a.version}", err)
-                await asyncio.sleep(delay)
-                delay = min(LOCAL_RETRY_S[1], delay * 2)
-
-    async def _load_weights(self, engine: Engine, version: int, *, resume: bool = False,
-                            instance: str = "") -> str | None:
-        """Load snapshot ``version``; returns why the loaded weights are wrong (checksum), or None."""
-        await engine.update_weights_from_disk(self.opt.snapshot_dir(version), weight_version=version)
-        if resume and hasattr(engine, "continue_generation"):
-            await engine.continue_generation()
-        return await self._verify_weights(engine, version, instance)
-
-    async def _verify_weights(self, engine: Engine, version: int, instance: str = "") -> str | None:
-        """``controller.verify_checksums`` after every load, whatever moved the weights: the
-        embedded engine's checksum equals the trainer's export checksum of ``version``; SGLang's
-        own (``/weights_checker``) is compared with the one the first instance on ``version``
-        reported. Returns the mismatch, or None.
-
-        A check that cannot run on ``instance`` (:class:`ProbeUnavailable`: 404, 405, 501, an
-        unsupported-action reply) says nothing about its weights: it is switched off for that
-        instance with one warning (``checksum_unavailable`` in the summary), never a failure."""
-        from dora_megatron.comm.engine_client import ProbeUnavailable
-
-        key = instance or getattr(engine, "base_url", repr(engine))  # one key for the check and the switch
-        if not self.opt.verify_checksums or key in self.checksum_off:
-            return None
-        try:
-            return await self._compare_checksum(engine, version)
-        except ProbeUnavailable as exc:
-            if key not in self.checksum_off:
-                self.checksum_off.add(key)
-                log.warning("%s: the weights check cannot run there (%s); it is off for this instance "
-                            "(counted as checksum_unavailable)", key, exc)
-            return None
-
-    async def _compare_checksum(self, engine: Engine, version: int) -> str | None:
-        """The comparison itself (:meth:`_verify_weights`); raises :class:`ProbeUnavailable`."""
-        if await engine.supports("weights_checksum"):
-            if version not in self.expected_checksums:
-                return None
-            got = await engine.weights_checksum()
-            want = self.expected_checksums[version]
-            return None if got == want else (f"weights checksum mismatch for version {version}: engine {got[:16]}, "
-                                             f"trainer {want[:16]}")
-        instance_checksum = getattr(engine, "instance_checksum", None)
-        got = await instance_checksum() if instance_checksum is not None else None
-        if got is None:
-            return None
-        want = self.instance_checksums.setdefault(version, got)
-        return None if got == want else (f"weights checksum mismatch for version {version}: /weights_checker "
-                                         f"{got[:16]}, other instances on it {want[:16]}")
 
     def add_instance(self, name: str, engine: Engine) -> None:
         """Elastic pools: ``engine`` joins the running job as ``name`` (new, or a failed name coming
@@ -827,78 +529,6 @@ class Runtime:
         """Loop: ``engine`` is still ``instance``'s client and the instance has not failed."""
         return not self.is_failed(instance) and self.engines.get(instance) is engine
 
-    async def _push_switch(self, actions: list[SwitchVersion], prevs: dict[str, asyncio.Task | None]) -> None:
-        """Switch several instances to the newest version with one trainer broadcast (W1 `distributed`).
-
-        Falls back to the per-version snapshot (disk) for every instance if the broadcast fails."""
-        waits = [t for t in prevs.values() if t is not None and not t.done()]
-        waits += [t for a in actions for t in self._moves_at.get(a.instance, ()) if not t.done()]
-        if waits:
-            await asyncio.wait(waits)
-        live = [a for a in actions if not self.is_failed(a.instance) and not self._superseded(a.instance)]
-        if not live:
-            return
-        if self.evaluator is not None:  # a broadcast waits for running requests too
-            await self.evaluator.vacate([a.instance for a in live])
-        try:
-            await self._push_now(live)
-        finally:
-            if self.evaluator is not None:
-                for a in live:
-                    self.evaluator.reopen(a.instance)
-
-    async def _push_now(self, live: list[SwitchVersion]) -> None:
-        start = self.now()
-        broadcast = self.metrics.trainer_sync_started(start)
-        for a in live:
-            self.metrics.weight_sync_started(a.instance, start, rebalance=a.rebalance)
-        try:
-            urls = [getattr(self.engines[a.instance], "base_url") for a in live]
-            result = await self.trainer.push_weights(urls, timeout_s=self.opt.weight_sync_timeout_s,
-                                                     **self.opt.push.request(urls))
-        except Exception as err:  # noqa: BLE001 - the snapshot path still works
-            log.warning("weight broadcast of v%d failed (%s); loading the snapshot instead", live[0].version, err)
-            result = None
-        finally:
-            self.metrics.trainer_sync_finished(broadcast, self.now())
-            if self.timeline is not None:
-                self.timeline.span("trainer", f"broadcast v{live[0].version}", start, self.now(), kind="broadcast")
-        pushed = None if result is None else result.get("version")
-        if pushed is not None and int(pushed) != live[0].version:
-            # the trainer finished another step while this push waited: it sent newer weights than
-            # the orchestrator assigned (C1) -- load the assigned version's snapshot instead
-            log.info("the trainer sent v%s instead of v%d (it trained on meanwhile); loading the snapshot",
-                     pushed, live[0].version)
-            result = None
-        if result is None:
-            for a in live:
-                self.metrics.weight_sync_finished(a.instance, self.now())  # each snapshot load times itself
-                await self._switch(a, resume=True)
-            return
-        if result.get("checksum") and live[0].version not in self.expected_checksums:
-            self.expected_checksums[live[0].version] = str(result["checksum"])
-        end = self.now()
-        for a in live:
-            self.metrics.weight_sync_finished(a.instance, end)
-        self.pushed_bytes += int(result.get("bytes", 0))
-        engines = {a.instance: self.engines[a.instance] for a in live}
-        checks = await asyncio.gather(*(self._verify_weights(engines[a.instance], a.version, a.instance)
-                                        for a in live),
-                                      return_exceptions=True)  # concurrently: a checksum can take seconds
-        for a, wrong in zip(live, checks):
-            engine = engines[a.instance]
-            if isinstance(wrong, BaseException):
-                if not _is_comm_error(wrong):
-                    raise wrong
-                await self.events.report(InstanceFailed(
-                    a.instance, f"weights check after the push of v{a.version} failed: {wrong}", engine))
-                continue
-            if wrong is not None:
-                self.checksum_mismatches += 1
-                await self.events.report(InstanceFailed(a.instance, wrong, engine))
-                continue
-            await self.events.report(SwitchDone(a.instance, a.version, engine, start, end, how="push"))
-
     def report_failure(self, instance: str, why: str, engine: Engine | None = None) -> None:
         """For launchers (a supervisor saw the process exit, a node restarted it): ``instance``
         failed. Goes through the loop like every other event."""
@@ -926,6 +556,15 @@ class Runtime:
         if all(i == instance or self.is_failed(i) for i in self.engines) and not self.instances_may_return:
             self.stop(RuntimeError("every rollout instance failed"))
         return True
+
+    def is_done(self) -> bool:
+        """Whether the run was ended (:meth:`stop`): a supervisor stops acting on it then."""
+        return self._done.is_set()
+
+    @property
+    def error(self) -> BaseException | None:
+        """What ended the run, the first error given to :meth:`stop` (None: none so far)."""
+        return self._error
 
     def stop(self, error: BaseException | None = None) -> None:
         """End the run (with ``error``, the first one wins): the loop stops after its current event."""
@@ -962,7 +601,7 @@ class Runtime:
         if self.rollout_dump is not None:
             self.rollout_dump.dump(a.step, dumped)
         batch = _Batch(wait, rewards, lengths, staleness, tokens, tuple(a.group_ids), tuple(a.versions))
-        self._spawn(self._train(a.step, samples, start, batch), f"train-{a.step}")
+        self.spawn(self._train(a.step, samples, start, batch), f"train-{a.step}")
 
     async def _train(self, step: int, samples: list[dict], start: float, batch: _Batch) -> None:
         t_train = time.monotonic()
@@ -982,7 +621,7 @@ class Runtime:
         new_version = int(result["version"])
         self.latest_version = new_version
         if result.get("checksum"):
-            self.expected_checksums[new_version] = result["checksum"]
+            self.weights.expected_checksums[new_version] = result["checksum"]
         end = self.now()
         metrics = dict(result.get("metrics", {}))
         if result.get("padding_fraction") is not None:  # a trainer that packs reports it beside its metrics
@@ -991,7 +630,7 @@ class Runtime:
         scalars = self.metrics.step_trained(
             ev.step, end_s=end, wait_s=b.wait_s, train_s=ev.train_s, tokens=b.tokens, staleness=b.staleness,
             rewards=b.rewards, response_lengths=b.lengths, live_versions=live_versions, metrics=metrics,
-            migrations=oc.migrations, migrated_kv_bytes=self.migrated_bytes, reprefill_tokens=oc.reprefill_tokens)
+            migrations=oc.migrations, migrated_kv_bytes=self.moves.migrated_bytes, reprefill_tokens=oc.reprefill_tokens)
         log_ = StepLog(ev.step, ev.start, end, b.wait_s, ev.train_s, scalars["perf/sync_time_s"], metrics, b.rewards,
                        b.lengths, b.staleness, b.tokens, live_versions, list(b.group_ids), list(b.versions))
         self.steps.append(log_)
@@ -1014,7 +653,7 @@ class Runtime:
             # Trainer first, then the controller state, both at the same boundary: weights
             # ``new_version`` exist and the orchestrator has not yet reacted to them (resume
             # replays ``on_step_finished(new_version)``).
-            self._spawn(self._checkpoint(new_version), f"checkpoint-v{new_version}")
+            self.spawn(self.checkpoints.save_trainer(new_version), f"checkpoint-v{new_version}")
         return new_version, due
 
     def step_boundary(self) -> bool:
@@ -1040,7 +679,7 @@ class Runtime:
         timeout = self.opt.stop_checkpoint_timeout_s
         log.warning("stop asked (%s): checkpoint at the end of the current step (at most %.0f s, "
                     "controller.stop_checkpoint_timeout_s), then exit", reason, timeout)
-        self._spawn(self._abandon_after(timeout), "stop-timeout")
+        self.spawn(self._abandon_after(timeout), "stop-timeout")
 
     async def _abandon_after(self, timeout_s: float) -> None:
         await asyncio.sleep(timeout_s)
@@ -1050,22 +689,6 @@ class Runtime:
             self.stop()
 
     # ------------------------------------------------------------------ checkpoints
-    async def _checkpoint(self, version: int) -> None:
-        """Trainer part of checkpoint ``version`` (model + optimizer via dist_checkpointing)."""
-        path = Path(self.opt.checkpoint_dir(version))
-        if path.exists():  # left by a crashed lineage after the checkpoint this run resumed from
-            await asyncio.to_thread(_clear_stale_checkpoint, path)
-        path.mkdir(parents=True, exist_ok=True)
-        start = self.now()
-        await self.trainer.save_checkpoint(str(path / "trainer"))
-        from dora_megatron.controller.checkpoint_manifest import describe_tree
-
-        # checksums of what the trainer wrote (off the event loop: real checkpoints are large)
-        self._trainer_manifest = await asyncio.to_thread(describe_tree, path, "trainer")
-        if self.timeline is not None:
-            self.timeline.span("trainer", f"checkpoint v{version}", start, self.now(), kind="checkpoint")
-        await self.events.report(CheckpointSaved(version))
-
     def write_controller_state(self, version: int, orchestrator_snapshot: dict[str, Any]) -> None:
         """Loop (:class:`CheckpointSaved`): the controller part, taken before ``on_step_finished``
         so the orchestrator is at a step boundary.
@@ -1080,18 +703,15 @@ class Runtime:
         the records since the one before, :mod:`.journal`). Just before it, ``manifest.json``
         (sizes and SHA-256 of the trainer's files and of ``controller.json``) lets resume detect a
         corrupt checkpoint."""
-        from dora_megatron.controller.state_file import write_state
-
         path = Path(self.opt.checkpoint_dir(version))
         state = self.state_dict(version, orchestrator_snapshot)
-        entries, self._trainer_manifest = self._trainer_manifest, {}
 
         def complete() -> None:
             log.info("checkpoint v%d written to %s", version, path)
             if self.journal is not None:
                 self.journal.completed(version)
 
-        writer = write_state(path, state, entries, complete)
+        writer = self.checkpoints.start_state(version, state, complete)
         if self.journal is not None:
             self.journal.checkpoint(version)
         if self.on_checkpoint is not None:
@@ -1102,21 +722,8 @@ class Runtime:
             self.on_checkpoint(version)
         if self.stop_reason is not None:
             self.stop_checkpoint = version  # written at once below: the run ends in this turn
-        if self.steps_done >= self.opt.steps or self.stop_reason is not None:
-            for pending in (self._state_writer, writer):
-                for _ in pending or ():
-                    pass
-            self._state_writer = None
-            return
-        prev = self._state_writer
-        self._state_writer = writer
-
-        async def drive() -> None:
-            for w in (prev, writer):
-                for _ in w or ():
-                    await asyncio.sleep(0)
-
-        self._spawn(drive(), f"controller-state-v{version}")
+        self.checkpoints.finish(version, writer,
+                                at_once=self.steps_done >= self.opt.steps or self.stop_reason is not None)
 
     def state_dict(self, version: int, orchestrator_snapshot: dict[str, Any]) -> dict[str, Any]:
         """The controller part of a checkpoint, sized by outstanding work (DESIGN section 5.5): the
@@ -1156,9 +763,9 @@ class Runtime:
             "orchestrator": orchestrator_snapshot,
             "groups": groups, "samples": samples,
             "steps_done": self.steps_done,
-            "metrics": self.metrics.state_dict(), "migrated_bytes": self.migrated_bytes,
-            "migrations_done": self.migrations_done, "migrations_fallback": self.migrations_fallback,
-            "expected_checksums": {str(k): v for k, v in self.expected_checksums.items() if k >= min(oldest, version)},
+            "metrics": self.metrics.state_dict(), "migrated_bytes": self.moves.migrated_bytes,
+            "migrations_done": self.moves.migrations_done, "migrations_fallback": self.moves.migrations_fallback,
+            "expected_checksums": {str(k): v for k, v in self.weights.expected_checksums.items() if k >= min(oldest, version)},
         }
 
     def load_state_dict(self, state: dict[str, Any], step_rows: Sequence[dict[str, Any]] = ()) -> None:
@@ -1201,10 +808,10 @@ class Runtime:
         self.steps_done = int(state["steps_done"]) if "steps_done" in state else len(state["steps"])
         if "metrics" in state:  # absent in checkpoints written before the recorder: the summary then starts anew
             self.metrics.load_state_dict(state["metrics"], rows=step_rows)
-        self.migrated_bytes = int(state["migrated_bytes"])
-        self.migrations_done = int(state["migrations_done"])
-        self.migrations_fallback = int(state["migrations_fallback"])
-        self.expected_checksums = {int(k): v for k, v in state["expected_checksums"].items()}
+        self.moves.migrated_bytes = int(state["migrated_bytes"])
+        self.moves.migrations_done = int(state["migrations_done"])
+        self.moves.migrations_fallback = int(state["migrations_fallback"])
+        self.weights.expected_checksums = {int(k): v for k, v in state["expected_checksums"].items()}
         self._pending_step_finished = state.get("pending_step_finished")
         self.latest_version = int(state["version"])
         # an older controller.json also holds "c1_count"/"duplicated": ignored, the C1 and
@@ -1212,86 +819,6 @@ class Runtime:
         self._resumed = True
 
     # ------------------------------------------------------------------ main loop
-    async def _poll_stats(self, iid: str, engine: Engine, slots: asyncio.Semaphore) -> None:
-        """One instance's load report, applied as soon as it arrives. ``health_timeout_s`` bounds
-        the call itself, not the wait for a polling slot: a long sweep must not fail healthy instances.
-
-        A timeout is confirmed by a second poll before the instance is failed: the answer of a
-        healthy instance can sit unread while the controller's own loop lags (seconds at 1,024
-        fake instances on a loaded machine, tools/controller_scale.py), and one late timer would
-        then fail it. Errors (refused connection, HTTP error) fail it at once."""
-        async with slots:
-            for attempt in (1, 2):
-                if self.is_failed(iid) or self.engines.get(iid) is not engine:
-                    return
-                try:
-                    info = await asyncio.wait_for(engine.server_info(), timeout=self.opt.health_timeout_s)
-                    break
-                except asyncio.TimeoutError:
-                    if attempt == 2:
-                        self.events.post(InstanceFailed(
-                            iid, f"server_info did not answer within {self.opt.health_timeout_s:g} s "
-                                 "(controller.health_timeout_s), twice in a row", engine))
-                        return
-                    log.info("stats poll of %s timed out; asking again before failing it", iid)
-                except Exception as err:  # noqa: BLE001 - unreachable engine = failed engine
-                    if _is_local(err):  # the controller's shortage: this sweep goes without its report
-                        self._local_shortage(f"stats poll of {iid}", err)
-                        return
-                    self.events.post(InstanceFailed(iid, f"server_info failed: {err}", engine))
-                    return
-        self._apply_load(iid, engine, info)
-
-    def _apply_load(self, iid: str, engine: Engine, info: dict[str, Any]) -> None:
-        if self.is_failed(iid) or self.engines.get(iid) is not engine:
-            return  # failed or replaced while we asked
-        if info.get("loads_unavailable"):
-            return  # alive, but it reports no loads (no /v1/loads): the orchestrator's own count stands
-        running = int(info.get("num_running_reqs", info.get("running", 0)) or 0)
-        kv = float(info.get("kv_usage", info.get("token_usage", 0.0)) or 0.0)
-        if "spec_verify_steps" in info:
-            for k, n in counter_growth(self.spec_last.get(iid, {}), info).items():
-                self.spec_totals[k] = self.spec_totals.get(k, 0) + n
-            self.spec_last[iid] = info
-        self.events.post(InstanceStats(iid, running, kv, engine))  # the loop drops it if failed/replaced meanwhile
-
-    async def _apply_reports(self, reports: dict[Any, Any], chunk: int = 128) -> None:
-        """Pushed load reports, ``chunk`` per event-loop turn: thousands of instances in one turn
-        would stall every request's completion behind them."""
-        names = {id(e): iid for iid, e in self.engines.items()}
-        for n, (engine, info) in enumerate(reports.items(), 1):
-            iid = names.get(id(engine))
-            if iid is None:
-                continue
-            if isinstance(info, tuple) and info and info[0] == "failed":
-                self.events.post(InstanceFailed(iid, str(info[1]), engine))
-            else:
-                self._apply_load(iid, engine, info)
-            if n % chunk == 0:
-                await asyncio.sleep(0)
-
-    async def _stats_loop(self) -> None:
-        """Event source (the one place stats are polled): every ``stats_interval_s``, one sweep over
-        every live instance, then a :class:`Tick`. WHY concurrent (at most
-        ``stats_concurrency`` calls in flight): asked one after the other, a sweep takes N round
-        trips, so at a few hundred instances the load the orchestrator decides on is seconds old
-        (tools/controller_scale.py measured a 6 s poll interval at 256 instances)."""
-        slots = asyncio.Semaphore(max(1, self.opt.stats_concurrency))
-        while not self._done.is_set():
-            pushed = self.load_reports
-            if pushed is not None:
-                await self._apply_reports(pushed.take_reports())
-            polls = [self._poll_stats(iid, engine, slots) for iid, engine in list(self.engines.items())
-                     if not self.is_failed(iid)  # instances may join meanwhile
-                     and (pushed is None or not pushed.covers(engine))]
-            if polls:
-                await asyncio.gather(*polls)
-            self.events.post(Tick())
-            try:
-                await asyncio.wait_for(self._done.wait(), timeout=self.opt.stats_interval_s)
-            except asyncio.TimeoutError:
-                pass
-
     async def run(self) -> dict[str, Any]:
         """Run the :class:`~dora_megatron.controller.loop.ControllerLoop` until the last step (or an
         error); returns the summary."""
@@ -1305,7 +832,7 @@ class Runtime:
             start = self.now()  # a resumed run starts at the checkpoint's wall time, not at 0
             if self._resumed and start > 0:
                 self.timeline.span("trainer", "before the resume (previous run)", 0.0, start, kind="resumed")
-            for iid, v in self._version_of.items():
+            for iid, v in self.weights.version_of.items():
                 self.timeline.set_version(iid, v, start)
         if self._resumed and self.steps_done >= self.opt.steps:
             # every step was done before the checkpoint: nothing to dispatch, and no
@@ -1318,7 +845,7 @@ class Runtime:
         else:
             self.events.post(Start())
         loop = ControllerLoop(self.orch, self, self.events, self._done)
-        stats = asyncio.get_running_loop().create_task(self._stats_loop())
+        stats = asyncio.get_running_loop().create_task(self.stats.run(self._done))
         watch = asyncio.get_running_loop().create_task(self._wake_on_done())
         try:
             await loop.run()
@@ -1340,7 +867,7 @@ class Runtime:
         if self.timeline is not None:
             self.timeline.close(wall)
         if self.evaluator is not None and self.stop_reason is None:  # the final weights, once the rollout stopped (not in the run's wall time; not on a stop)
-            await self.evaluator.finish(self.steps_done, self.latest_version or max(self._version_of.values(), default=0))
+            await self.evaluator.finish(self.steps_done, self.latest_version or max(self.weights.version_of.values(), default=0))
         return self.summary(wall)
 
     async def _wake_on_done(self) -> None:
@@ -1371,25 +898,25 @@ class Runtime:
             dispatched_groups=osum["dispatched_groups"], consumed_groups=osum["consumed_groups"],
             lost_groups=osum["lost_groups"], duplicated_groups=osum["duplicated_groups"],
             c1_violations=osum["c1_violations"], c3_violations=osum["c3_violations"],
-            migrations=osum["migrations"], migrated_kv_bytes=self.migrated_bytes,
+            migrations=osum["migrations"], migrated_kv_bytes=self.moves.migrated_bytes,
             reprefill_tokens=osum["reprefill_tokens"])
         out = self.metrics.summary(mode=osum["mode"], max_staleness=osum["max_staleness"], tbs=osum["tbs"],
                                    rbs=osum["rbs"], totals=totals, wall_time_s=wall)
-        out["migrations_kv"] = self.migrations_done
-        out["migrations_reprefill"] = self.migrations_fallback
-        out["checksum_mismatches"] = self.checksum_mismatches
-        out["checksum_unavailable"] = len(self.checksum_off)
+        out["migrations_kv"] = self.moves.migrations_done
+        out["migrations_reprefill"] = self.moves.migrations_fallback
+        out["checksum_mismatches"] = self.weights.checksum_mismatches
+        out["checksum_unavailable"] = len(self.weights.checksum_off)
         out["routed_experts_unavailable"] = len(self.routed_experts_off)
-        out["speculation"] = speculation_summary([self.spec_totals])
+        out["speculation"] = speculation_summary([self.stats.spec_totals])
         out["version_refusals"] = self.version_refusals
-        out["weight_push_bytes"] = self.pushed_bytes
+        out["weight_push_bytes"] = self.weights.pushed_bytes
         out["instances"] = sorted(self.engines)  # every instance that was in the pool (joined ones too)
         out["failed_instances"] = sorted(self.failed_ever)
         out["instances_rejoined"] = self.rejoins
         out["samples_after_rejoin"] = self.samples_after_rejoin
         out["engine_restarts"] = self.engine_restarts
         out["instances_absent_at_start"] = dict(sorted(self.absent_at_start.items()))
-        out["weight_sync_timeouts"] = self.weight_sync_timeouts
+        out["weight_sync_timeouts"] = self.weights.weight_sync_timeouts
         out["local_resource_errors"] = self.local_resource_errors
         waits = self.connection_waits
         out["connection_waits"] = waits() if callable(waits) else (waits.count if waits is not None else 0)

@@ -93,7 +93,7 @@ LONG = {"temperature": 0.0, "max_new_tokens": 2000, "ignore_eos": True}
 def test_loads_version_flush_abort_and_session_rule(server, model_dir):
     import aiohttp
 
-    from dora_megatron.controller.runtime import abort_until_returned
+    from dora_megatron.controller.migration import abort_until_returned
     from dora_megatron.comm.engine_client import EngineError
     from dora_megatron.comm.sglang_client import SGLangClient
     from dora_megatron.rollout.sglang.engine import SGLangEngine

@@ -35,6 +35,8 @@ VIOLATIONS = {
     "data-leaf": ("data/codec.py", "import dora_megatron.launch.inputs"),
     "trainer-memory-pure": ("trainer/memory.py", "import torch"),
     "workflow-leaf": ("workflow/tools.py", "import dora_megatron.controller.records"),
+    "controller-components": ("controller/stats.py", "import dora_megatron.controller.runtime"),
+    "controller-components-independent": ("controller/migration.py", "import dora_megatron.controller.weight_sync"),
 }
 
 # Runs in the child: for each contract, plant its violation (if any), lint that contract alone, restore.

@@ -90,7 +90,7 @@ def _run(checkers: dict[str, str], steps: int = 5):
     engines = {n: CheckerEngine(n, checkers[n], token_s=0.001) for n in names}
     trainer = PushTrainer(engines=engines)
     rt.engines, rt.trainer = engines, trainer
-    rt._version_of = {n: 0 for n in engines}
+    rt.weights.version_of = {n: 0 for n in engines}
 
     async def go():
         for e in engines.values():

@@ -48,7 +48,7 @@ def test_interrupt_retries_an_abort_that_raced_the_dispatch():
     async def go():
         prev = asyncio.create_task(engine.generate(prompt, rid="s1"))
         await asyncio.sleep(0)  # the generate is dispatched, not yet registered
-        await asyncio.wait_for(rt._interrupt(Interrupt("s1", "e0"), prev), timeout=30)
+        await asyncio.wait_for(rt.moves.abort(Interrupt("s1", "e0"), prev), timeout=30)
         return prev.result()
 
     resp = asyncio.run(go())
@@ -117,7 +117,7 @@ def _run_with(engine_cls):
     engines = {n: engine_cls(n, bad_after_push=(n == "e2"), token_s=0.001) for n in engines}
     trainer = ChecksumTrainer(engines=engines)
     rt.engines, rt.trainer = engines, trainer
-    rt._version_of = {n: 0 for n in engines}
+    rt.weights.version_of = {n: 0 for n in engines}
     summary = asyncio.run(rt.run())
     return rt, trainer, summary
 

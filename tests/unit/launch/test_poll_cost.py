@@ -66,7 +66,7 @@ def test_a_supervision_poll_asks_about_its_children_not_the_pool():
 
     restarting = asyncio.run(main())
     assert list(restarting) == ["engine9"]  # the failed instance is restarted, the live one is not
-    assert not rt._done.is_set()
+    assert not rt.is_done()
     assert rt.orch.asked <= 4, f"one poll asked is_alive {rt.orch.asked} times for {POOL} instances"
 
 

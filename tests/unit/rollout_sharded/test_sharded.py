@@ -18,7 +18,7 @@ from aiohttp import web
 
 from dora_megatron.config.base import ConfigError
 from dora_megatron.config.schema import load_config
-from dora_megatron.controller.runtime import _is_comm_error
+from dora_megatron.controller.errors import is_comm_error
 from dora_megatron.comm.engine_client import EngineError, ProbeUnavailable, VersionMismatch
 from dora_megatron.rollout.sharded import ClientPool
 from dora_megatron.rollout.wire import decode_error, encode_error
@@ -99,11 +99,11 @@ def test_errors_keep_the_class_the_runtime_decides_on():
                 ProbeUnavailable("u", 404, "Not Found"), asyncio.TimeoutError(),
                 aiohttp.ClientConnectionError("refused"), ConnectionResetError("reset")):
         back = decode_error(encode_error(err))
-        assert _is_comm_error(back), (err, back)
+        assert is_comm_error(back), (err, back)
         if isinstance(err, EngineError):
             assert type(back) is type(err) and back.status == err.status and back.message == err.message
     bug = decode_error(encode_error(KeyError("x")))
-    assert isinstance(bug, RuntimeError) and not _is_comm_error(bug)  # a bug is no engine failure
+    assert isinstance(bug, RuntimeError) and not is_comm_error(bug)  # a bug is no engine failure
 
 
 def test_a_cancelled_call_is_cancelled_in_the_worker():

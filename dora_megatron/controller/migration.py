@@ -1,0 +1,190 @@
+"""Migrations and interrupts: moving an in-flight request between instances, or stopping it with
+its partial output kept.
+
+WHY a component of its own: a move is a small protocol of its own (KV export/import where both
+engines support it, else abort at the source and resubmit prompt + partial output at the
+destination, DESIGN section 4.6) and it owns what a switch must wait for: the moves onto and off
+each instance (:meth:`Migrations.pending`). It reports what happened on the event queue
+(:class:`~dora_megatron.controller.loop.EngineReply`, :class:`MigrationDone`,
+:class:`MigrationFailed`, :class:`InstanceFailed`); the samples stay the executor's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Callable, Protocol
+
+from dora_megatron.controller.errors import is_comm_error as _is_comm_error, is_local as _is_local
+from dora_megatron.controller.loop import EngineReply, EventQueue, InstanceFailed, MigrationDone, MigrationFailed
+from dora_megatron.controller.records import Engine, RuntimeOptions, SampleRecord
+from dora_megatron.orchestrator import Interrupt, Migrate, Submit
+
+log = logging.getLogger(__name__)
+
+
+async def abort_until_returned(engine: Engine, sample_id: str, prev: asyncio.Task | None) -> None:
+    """Abort ``sample_id`` until its in-flight ``/generate`` (``prev``) has returned.
+
+    WHY repeat: an abort's answer proves nothing. SGLang answers 200 with an empty body whether or
+    not anything matched, and drops the abort of a rid its tokenizer has not seen yet
+    (tokenizer_manager.py ``abort_request``), which is the case while the ``/generate`` is still on
+    its way; the embedded engine answers 404 then. Only the return of the generate says the abort
+    took effect (or the request finished first). The wait between tries doubles from 20 ms to 1 s,
+    so a long generation is not flooded with aborts."""
+    await _abort_once(engine, sample_id)
+    delay = 0.02
+    while prev is not None and not prev.done():
+        done, _ = await asyncio.wait([prev], timeout=delay)
+        if done:
+            break
+        await _abort_once(engine, sample_id)
+        delay = min(1.0, delay * 2)
+
+
+async def _abort_once(engine: Engine, sample_id: str) -> None:
+    """One abort; one that could not be sent for a local shortage (:func:`_is_local`) is simply
+    tried again by the caller's next round (the instance is not at fault)."""
+    try:
+        await engine.abort(sample_id)
+    except Exception as err:  # noqa: BLE001
+        if not _is_local(err):
+            raise
+        log.debug("abort of %s not sent (local shortage): %s", sample_id, err)
+
+
+class MoveHost(Protocol):
+    """What the moves use of the executor that owns them (the pool, the samples, the queue, the clock)."""
+
+    engines: dict[str, Engine]
+    samples: dict[str, SampleRecord]
+    events: EventQueue
+    opt: RuntimeOptions
+    timeline: Any
+    workflow: Any
+
+    def now(self) -> float: ...
+
+    def concurrent(self, sample_id: str, make_coro: Callable, name: str) -> asyncio.Task: ...
+
+    async def resubmit(self, a: Submit) -> None: ...
+
+    def local_shortage(self, what: str, err: BaseException) -> None: ...
+
+
+class Migrations:
+    """Carries out :class:`Migrate` and :class:`Interrupt` actions; ``host``: the executor."""
+
+    def __init__(self, host: MoveHost) -> None:
+        self.rt = host
+        # instance -> what a switch of it waits for: migrations into it (until they end), migrations
+        # out of it (until the source let the request go) and interrupts
+        self._moves_at: dict[str, set[asyncio.Future]] = {}
+        self.migrated_bytes = 0
+        self.migrations_done = 0
+        self.migrations_fallback = 0
+
+    def migrate(self, a: Migrate) -> None:
+        # A switch of the source waits only until the source has let the request go (exported, or
+        # aborted with its partial output back), not for the move's task: that task lasts until
+        # the request *finishes* at the destination (the import answers with the final response).
+        # Waiting for it kept a freed instance idle through the whole tail of the requests moved
+        # off it, which is the wait DORA's partition exists to remove. A switch of the destination
+        # waits for the whole move.
+        released = asyncio.get_running_loop().create_future()
+        task = self.rt.concurrent(a.sample_id, lambda prev: self.move(a, prev, released), f"migrate-{a.sample_id}")
+        task.add_done_callback(lambda t: released.done() or released.set_result(None))
+        self._track_move(a.src, released)
+        self._track_move(a.dst, task)
+
+    def pending(self, instance: str) -> list[asyncio.Future]:
+        """The moves onto and off ``instance`` (and its interrupts) not ended yet: a switch of it waits for them."""
+        return [t for t in self._moves_at.get(instance, ()) if not t.done()]
+
+    def _track_move(self, instance: str, fut: asyncio.Future) -> None:
+        self._moves_at.setdefault(instance, set()).add(fut)
+        fut.add_done_callback(lambda f: self._moves_at.get(instance, set()).discard(f))
+
+    def interrupt(self, a: Interrupt) -> None:
+        task = self.rt.concurrent(a.sample_id, lambda prev: self.abort(a, prev), f"interrupt-{a.sample_id}")
+        self._track_move(a.instance, task)
+
+    async def move(self, a: Migrate, prev: asyncio.Task | None, released: asyncio.Future) -> None:
+        """Move one request from ``a.src`` to ``a.dst``; ``released`` is set once the source no
+        longer holds it (a switch of the source may then go ahead)."""
+        from dora_megatron.comm.engine_client import EngineError
+
+        rec = self.rt.samples.get(a.sample_id)
+        if rec is None or rec.finished:  # finished (its group maybe consumed) before this move ran
+            return
+        src, dst = self.rt.engines[a.src], self.rt.engines[a.dst]
+        start = self.rt.now()
+        blob = None
+        try:
+            # a workflow's trajectory moves between turns only: abort + resubmit runs it again on dst
+            use_kv = (self.rt.workflow is None and self.rt.opt.migration == "kv" and await src.supports("export_request")
+                      and await dst.supports("import_request"))
+            if use_kv:
+                for _ in range(50):  # the generate may not have reached the engine yet
+                    try:
+                        blob = await src.export_request(a.sample_id)
+                        break
+                    except EngineError as err:
+                        if err.status != 404:
+                            raise
+                        if rec.finished:
+                            return
+                        await asyncio.sleep(0.02)
+        except Exception as err:  # noqa: BLE001 - the source is unreachable: re-run the sample elsewhere
+            if _is_local(err):  # the controller's shortage: move it the other way (abort + resubmit)
+                self.rt.local_shortage(f"export of {a.sample_id} from {a.src}", err)
+                blob = None
+            elif not _is_comm_error(err):
+                raise
+            else:
+                await self.rt.events.report(InstanceFailed(a.src, f"export failed: {err}", src))
+                await self.rt.events.report(MigrationFailed(a.sample_id))
+                return
+        if blob is not None:
+            released.set_result(None)  # the export removed it from the source
+            self.migrated_bytes += len(blob)
+            self.migrations_done += 1
+            if self.rt.timeline is not None:
+                self.rt.timeline.span(a.dst, f"migrate-in {a.sample_id}", start, self.rt.now(), version=a.version, kind="migration")
+            try:
+                resp = await dst.import_request(blob)
+            except Exception as err:  # noqa: BLE001 - the destination failed: its requests are re-queued
+                if _is_local(err):  # the controller's shortage: the sample runs again from what it holds
+                    self.rt.local_shortage(f"import of {a.sample_id} into {a.dst}", err)
+                    await self.rt.events.report(MigrationFailed(a.sample_id))
+                    return
+                if not _is_comm_error(err):
+                    raise
+                await self.rt.events.report(InstanceFailed(a.dst, f"import failed: {err}", dst))
+                return
+            await self.rt.events.report(EngineReply(a.sample_id, a.dst, resp, start, self.rt.now()))
+            return
+        # Fallback (SGLang): abort at src, resubmit prompt + partial output at dst (re-prefill).
+        try:
+            await abort_until_returned(src, a.sample_id, prev)
+        except Exception as err:  # noqa: BLE001
+            if not _is_comm_error(err):
+                raise
+            await self.rt.events.report(InstanceFailed(a.src, f"abort failed: {err}", src))
+            await self.rt.events.report(MigrationFailed(a.sample_id))
+            return
+        if prev is not None and not prev.done():
+            await asyncio.wait([prev])  # the aborted generate's partial output is applied (absorb)
+        released.set_result(None)  # aborted at the source, its partial output applied
+        if rec.finished:
+            return  # it finished before the abort reached it: nothing to move
+        self.migrations_fallback += 1
+        reprefill = len(rec.prompt_ids) + len(rec.output_ids)
+        await self.rt.events.report(MigrationDone(a.sample_id, reprefill))
+        await self.rt.resubmit(Submit(a.sample_id, a.dst, a.version, resume=True))
+
+    async def abort(self, a: Interrupt, prev: asyncio.Task | None) -> None:
+        """Abort the request and wait until its partial output is back (before the instance switches)."""
+        await abort_until_returned(self.rt.engines[a.instance], a.sample_id, prev)
+        if prev is not None and not prev.done():
+            await asyncio.wait([prev])

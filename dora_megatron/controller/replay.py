@@ -1,0 +1,78 @@
+"""Journal replay on resume: finished samples the journal recorded after the checkpoint are filled
+back into their records instead of being generated again.
+
+WHY a component of its own: it holds the journal's samples not yet matched to a dispatched group
+and decides, per sample, whether a journal entry may stand for it (same group, version and prompt:
+C1 holds for a replayed sample as for a generated one), DESIGN section 5.5. The records stay the
+executor's (:class:`~dora_megatron.controller.runtime.Runtime`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from dora_megatron.controller.records import GroupRecord, SampleRecord
+
+
+class ReplayHost(Protocol):
+    """What the replay uses of the executor: its records and the journal (a workflow's trajectories
+    are never journaled, so there is nothing of them to replay)."""
+
+    samples: dict[str, SampleRecord]
+    groups: dict[str, GroupRecord]
+    journal: Any
+
+
+class JournalReplay:
+    """Samples of ``read_journal`` restorable on resume; ``host``: the executor."""
+
+    def __init__(self, host: ReplayHost) -> None:
+        self.rt = host
+        self._pending: dict[str, Any] = {}  # sample id -> JournaledSample, restorable on resume
+        self.samples_from_journal = 0
+
+    def load(self, samples: dict[str, Any]) -> None:
+        """After the executor's ``load_state_dict``: finished samples the journal recorded after the checkpoint
+        (:func:`~dora_megatron.controller.journal.read_journal`). Those of restored groups are filled
+        in now, those of groups dispatched again later when they are (same id, version, prompt)."""
+        self._pending = dict(samples)
+        for gid in list(self.rt.groups):
+            self.restore(gid)
+
+    def restore(self, group_id: str) -> None:
+        """Fill in the samples of ``group_id`` (restored, or dispatched again) the journal holds."""
+        if not self._pending:
+            return
+        group = self.rt.groups[group_id]
+        for sid in group.sample_ids:
+            j = self._pending.pop(sid, None)
+            rec = self.rt.samples[sid]
+            if (j is None or rec.finished or j.group_id != group_id or j.version != group.version
+                    or j.prompt_index != group.prompt.index or rec.version != j.version):
+                continue
+            rec.output_ids, rec.logprobs = list(j.output_ids), list(j.logprobs)
+            rec.reward, rec.versions = j.reward, {j.version}
+            rec.routed_experts, rec.finish_reason = j.routed_experts, j.finish_reason
+            rec.finished = rec.replay_pending = True
+
+    def replayed(self, sample_id: str) -> int | None:
+        """Loop (:class:`Replayed`): the orchestrator asked to run a sample the journal restored: it
+        is finished already. Returns its length, None when it was reported before."""
+        rec = self.rt.samples[sample_id]
+        if not rec.replay_pending:
+            return None
+        rec.replay_pending = False
+        self.samples_from_journal += 1
+        if self.rt.journal is not None:  # still finished after this lineage's checkpoint
+            js = self.journaled(rec)
+            self.rt.journal.sample(js, sorted(rec.versions), replayed=True)
+            self.rt.journal.replayed(js)
+        return len(rec.output_ids)
+
+    def journaled(self, rec: SampleRecord):
+        """``rec`` as the journal records it (:class:`~dora_megatron.controller.journal.JournaledSample`)."""
+        from dora_megatron.controller.journal import JournaledSample
+
+        return JournaledSample(rec.sample_id, rec.group_id, rec.version, self.rt.groups[rec.group_id].prompt.index,
+                               tuple(rec.output_ids), tuple(rec.logprobs), float(rec.reward), rec.routed_experts,
+                               rec.finish_reason)
