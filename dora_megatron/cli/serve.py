@@ -27,13 +27,14 @@ def _at_least(lo: int, hi: int | None = None):
 
 
 def _float_above(lo: float, inclusive: bool):
+    """A ``float`` argument type bounded below (``must be > 0, got 0``), refused by the flag's name."""
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
         if not (value >= lo if inclusive else value > lo):
-            raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {lo}, got {text}")
+            raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {lo:g}, got {text}")
         return value
 
     return parse
