@@ -167,11 +167,22 @@ class ChildFailed(RuntimeError):
 
 
 class ProcessSet:
+    """The children a launcher starts, stopped together.
+
+    WHY every child is forked by one thread of the set's own: Linux sends a child's parent-death
+    signal when the *thread* that forked it ends, not the process. A restart run from a worker
+    thread (``asyncio.to_thread`` in the start-up wait, whose event loop and executor end when the
+    start-up does) gave the new engine a SIGTERM as soon as that thread went away; the set's
+    spawner thread lives as long as the set."""
+
     def __init__(self, log_dir: Path, grace_s: float = 20.0) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.grace_s = grace_s
         self.children: list[Child] = []
+        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dora-spawner")
 
     def __enter__(self) -> "ProcessSet":
         return self
@@ -198,8 +209,9 @@ class ProcessSet:
             if pinned:
                 os.sched_setaffinity(0, pinned)
 
-        popen = subprocess.Popen(list(argv), stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 env=full_env, start_new_session=True, preexec_fn=preexec)
+        popen = self._spawner.submit(subprocess.Popen, list(argv), stdout=fh, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=full_env, start_new_session=True,
+                                     preexec_fn=preexec).result()
         child = Child(name, popen, log_path, fh, tuple(argv), dict(env or {}), tuple(cpus))
         self.children.append(child)
         log.info("started %s (pid %d), log %s", name, popen.pid, log_path)
@@ -254,3 +266,4 @@ class ProcessSet:
             # kill the whole group in any case: children of the child (torchrun ranks) may linger
             self._kill(c, wait_s=5.0)
             c.log_file.close()
+        self._spawner.shutdown(wait=False)

@@ -214,17 +214,20 @@ def test_job_sigkill_then_resume_consumes_every_group_once(tmp_path):
     before = [r for r in records if r["step"] < resumed_from]
     assert len(before) == resumed_from
     # write-ahead journal: samples finished after that checkpoint (by versions <= it) were restored, not
-    # regenerated, whenever their group came back with the same version
-    replayed = {r["sample_id"]: r for r in map(json.loads, (run_dir / "replayed.jsonl").read_text().splitlines())}
-    assert replayed and summary["samples_from_journal"] == len(replayed)
+    # regenerated, exactly when their group came back with the same version (which groups do is the
+    # resumed run's scheduling: in a rare run none does, and then nothing may be replayed)
+    replayed_file = run_dir / "replayed.jsonl"
+    replayed = ({r["sample_id"]: r for r in map(json.loads, replayed_file.read_text().splitlines())}
+                if replayed_file.is_file() else {})
+    assert finished_after, "the crashed lineage journaled no finished sample after the checkpoint"
+    assert summary["samples_from_journal"] == len(replayed)
     for sid, r in replayed.items():
         j = finished_after[sid]
         assert (r["group_id"], r["version"], r["prompt_index"], r["tokens"]) == (
             j.group_id, j.version, j.prompt_index, len(j.output_ids))
     final_version = {g: v for s in range(n) for g, v in zip(lineage[s], final_versions[s])}
-    for sid, j in finished_after.items():
-        if final_version.get(j.group_id) == j.version:
-            assert sid in replayed, f"{sid} was finished in the journal but generated again"
+    came_back = {sid for sid, j in finished_after.items() if final_version.get(j.group_id) == j.version}
+    assert set(replayed) == came_back, "journaled samples whose group came back on their version were generated again"
     check_prompt_stream(run_dir, lineage, n)
 
 
