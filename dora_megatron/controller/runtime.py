@@ -393,7 +393,9 @@ class Runtime:
                 await self.events.report(InstanceFailed(a.instance, f"generate failed: {err}", engine))
                 return
         self._refusal_streak.pop(a.instance, None)
-        await self.events.report(EngineReply(a.sample_id, a.instance, resp, start, self.now()))
+        end = self.now()
+        reward = await self.store.reward_off_loop(rec, resp)  # off the loop thread, before the report
+        await self.events.report(EngineReply(a.sample_id, a.instance, resp, start, end, reward))
 
     async def _generate(self, engine: Engine, rec: SampleRecord, a: Submit):
         """One submission's answer: the engine's, or with ``rollout.workflow`` the whole trajectory
@@ -451,7 +453,7 @@ class Runtime:
             self.spawn(push_source(self.engines, targets, rec.prompt_ids + rec.output_ids), f"drafts-{rec.sample_id}")
         if instance in self._rejoined:
             self.samples_after_rejoin += 1
-        self.store.score(rec, resp, reason)
+        self.store.score(rec, resp, reason, ev.reward)
         if self.journal is not None and self.workflow is None:
             # a workflow's trajectory is not journaled (the journal keeps no prompt of its own nor loss
             # mask): after a crash it runs again from its prompt, on its own version

@@ -12,6 +12,7 @@ executor (:class:`~dora_megatron.controller.runtime.Runtime`) maps actions and e
 
 from __future__ import annotations
 
+import asyncio
 import zlib
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -92,9 +93,25 @@ class SampleStore:
         rec.versions.update(int(v) for v in getattr(resp, "versions_used", ()) if str(v).lstrip("-").isdigit())
         return (resp.finish_reason or {}).get("type")
 
-    def score(self, rec: SampleRecord, resp: Any, reason: str | None) -> None:
-        """``rec`` finished with answer ``resp``: mark it and set its reward (a workflow's own, or
-        the reward function's on the model's tokens only, not the tools' results)."""
+    async def reward_off_loop(self, rec: SampleRecord, resp: Any) -> float | None:
+        """The reward of the sample ``resp`` finishes, computed in a worker thread by the task that
+        got the answer, before it reports it: a slow reward function (a checker, a sandbox) then
+        never holds the loop. None: ``resp`` does not finish the sample, or carries its own reward
+        (a workflow's), or the sample is gone. Scores exactly what :meth:`score` would: the model's
+        tokens of the whole output once ``resp`` is appended."""
+        if (rec.sample_id not in self.samples or getattr(resp, "migrated", False)
+                or (resp.finish_reason or {}).get("type") == "abort" or getattr(resp, "reward", None) is not None):
+            return None
+        output = rec.output_ids + list(resp.output_ids)
+        mask = list(resp.loss_mask) if getattr(resp, "loss_mask", None) is not None else rec.loss_mask
+        model = output if mask is None else [t for t, m in zip(output, mask) if m]
+        answer = self.groups[rec.group_id].prompt.answer
+        return float(await asyncio.to_thread(lambda: self.reward_fn(self.codec.decode(model), answer)))
+
+    def score(self, rec: SampleRecord, resp: Any, reason: str | None, reward: float | None = None) -> None:
+        """``rec`` finished with answer ``resp``: mark it and set its reward (a workflow's own, the
+        one :meth:`reward_off_loop` computed, or else the reward function's, here), on the model's
+        tokens only, not the tools' results."""
         rec.finished = True
         rec.finish_reason = reason
         self.samples_finished += 1
@@ -102,6 +119,8 @@ class SampleStore:
             rec.prompt_ids, rec.loss_mask = list(resp.prompt_ids), list(resp.loss_mask)
         if getattr(resp, "reward", None) is not None:
             rec.reward = float(resp.reward)
+        elif reward is not None:
+            rec.reward = reward
         else:
             model = rec.output_ids if rec.loss_mask is None else [t for t, m in zip(rec.output_ids, rec.loss_mask) if m]
             rec.reward = float(self.reward_fn(self.codec.decode(model), self.groups[rec.group_id].prompt.answer))

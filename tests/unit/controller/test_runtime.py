@@ -315,3 +315,23 @@ def test_an_older_controller_json_with_step_logs_and_duplicated_groups_still_loa
     assert {k: (g.sample_ids, g.prompt.index) for k, g in old_rt.groups.items()} == \
         {k: (g.sample_ids, g.prompt.index) for k, g in new_rt.groups.items()}
     assert old_rt.metrics.rows == new_rt.metrics.rows and len(new_rt.metrics.rows) == 2
+
+
+def test_the_reward_runs_off_the_loop_thread():
+    """A slow reward function (a checker, a sandbox) must not hold the event loop: every sample the
+    trainer gets was scored on another thread than the loop's, and scored right."""
+    import threading
+
+    from dora_megatron.data.tasks import running_sum_reward
+
+    rt, engines, trainer = make(mode="dora", n=2, steps=2)
+    threads = []
+
+    def reward(response, answer):
+        threads.append(threading.get_ident())
+        return running_sum_reward(response, answer)
+
+    rt.store.reward_fn = reward
+    asyncio.run(rt.run())
+    check_run(rt, engines, trainer, 2, 4, 2)  # every trained sample has reward 1.0 (the fake answers right)
+    assert threads and threading.get_ident() not in threads
