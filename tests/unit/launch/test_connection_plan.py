@@ -1,6 +1,7 @@
 """The controller's connection budget (controller.clients.connection_plan, which the local launcher
-also checks): the open-files limit raised to the hard one and logged, the pools sized for the job's instances, and a job that cannot run
-refused with the numbers and the key that fixes it, before any process starts."""
+also checks): the open-files limit raised to the hard one and logged, the pools sized for the job's
+instances, and a job that cannot run refused with the numbers and the key that fixes it, before any
+process starts."""
 
 from __future__ import annotations
 
