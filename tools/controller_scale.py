@@ -6,7 +6,7 @@ WHY: the simulator prices the orchestrator's decisions on a virtual clock; this 
 asyncio controller itself (SGLang HTTP clients, stats polling every
 ``observability.stats_interval_s``, one task per request, journal writes, JSON parsing) at
 cluster scale. The controller is built by the launcher's own wiring
-(:func:`dora_megatron.launch.local.run_controller`, the path SLURM jobs take with engine URLs),
+(:func:`dora_megatron.controller.main.run_controller`, the path SLURM jobs take with engine URLs),
 so what runs is exactly the production runtime with ``rollout.engine: sglang``; only the engines
 (``tools/fake_fleet.py``, many per process on 127.0.0.1) and the trainer are fakes.
 
@@ -166,8 +166,8 @@ async def _get_json(url: str) -> Any:
 async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from dora_megatron.config.base import ConfigError
     from dora_megatron.data.tokenizer import save_tokenizer
-    from dora_megatron.controller.build import Endpoints
-    from dora_megatron.launch.local import run_controller
+    from dora_megatron.controller.main import Endpoints, run_controller
+    from dora_megatron.launch.process_launcher import ProcessLauncher
     from dora_megatron.processes import ProcessSet
 
     run_dir, model_dir = work / "run", work / "model"
@@ -222,8 +222,9 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         error = None
         try:
             summary = await asyncio.wait_for(
-                run_controller(cfg, Endpoints(urls, trainer_url), run_dir, model_dir, procs, log.info, None,
-                               fixed_ports=True, on_runtime=on_runtime),
+                run_controller(cfg, Endpoints(urls, trainer_url), run_dir, model_dir,
+                               ProcessLauncher(cfg, procs, run_dir, fixed_ports=True), log.info, None,
+                               on_runtime=on_runtime),
                 timeout=args.timeout_s)
         except ConfigError:
             raise  # refused at start (e.g. a concurrency the open-files limit cannot hold): exit 2

@@ -84,10 +84,9 @@ def prompt_source(cfg: DoraConfig, codec):
 
 
 def blocking_reward_fn(scorer) -> Callable[[str, str], float]:
-    """``scorer`` as the runtime's ``reward_fn(response, answer)``, until the controller awaits
-    ``scorer.score(reward_input(prompt, response))`` off its loop itself: this one blocks the loop
-    thread for each sample (as the plain reward functions did) and hands the reward no
-    ``data_source`` / ``extra_info``. A failure is reward 0; the first one's traceback is logged."""
+    """``scorer`` as the runtime's ``reward_fn(response, answer)``, called in a worker thread by the
+    task that got the answer (:meth:`~dora_megatron.controller.samples.SampleStore.reward_off_loop`).
+    It hands the reward no ``data_source`` / ``extra_info``. A failure is reward 0; the first one's traceback is logged."""
     from dora_megatron.data.reward_api import RewardInput
 
     failures = [0]

@@ -76,6 +76,9 @@ class Evaluator:
         self._closed: dict[str, int] = {}  # instance -> switches of it under way: no eval request goes there
         self._pending: list[asyncio.Task] = []
         self._ending = False
+        #: instance -> the version the final round loaded there (the rollout has stopped: the
+        #: orchestrator no longer follows what the instances hold)
+        self._final_loads: dict[str, int] = {}
 
     # ------------------------------------------------------------------ when
     def after_step(self, step: int, version: int, last: bool) -> None:
@@ -204,6 +207,13 @@ class Evaluator:
             return list(resp.output_ids), rt.codec.decode(resp.output_ids), version
         raise EvalRoundFailed(f"prompt {i} sample {j}: {MAX_ATTEMPTS} attempts ({last_problem})")
 
+    def _version(self, iid: str) -> int:
+        """The weights ``iid`` holds: the orchestrator's view (-1: none yet), or the final round's load."""
+        if iid in self._final_loads:
+            return self._final_loads[iid]
+        v = self.runtime.instance_version(iid)
+        return -1 if v is None else v
+
     async def _engine(self, min_version: int) -> tuple[str, int]:
         """A live engine holding ``min_version`` or newer with an eval slot free (the one with the
         fewest eval requests), and its version; waits until there is one."""
@@ -211,11 +221,11 @@ class Evaluator:
         while True:
             ready = [(self._in_flight.get(iid, 0), iid) for iid in list(rt.engines)
                      if iid not in self._closed and not rt.is_failed(iid)
-                     and rt.weights.version_of.get(iid, -1) >= min_version and self._in_flight.get(iid, 0) < self.slots]
+                     and self._version(iid) >= min_version and self._in_flight.get(iid, 0) < self.slots]
             if ready:
                 iid = min(ready)[1]
-                return iid, rt.weights.version_of[iid]
-            if self._ending and not any(not rt.is_failed(iid) and rt.weights.version_of.get(iid, -1) >= min_version
+                return iid, self._version(iid)
+            if self._ending and not any(not rt.is_failed(iid) and self._version(iid) >= min_version
                                         for iid in list(rt.engines)):
                 raise EvalRoundFailed(f"no live engine holds v{min_version} or newer")
             await asyncio.sleep(0.05)
@@ -226,7 +236,7 @@ class Evaluator:
         rt = self.runtime
 
         async def one(iid: str) -> None:
-            if rt.weights.version_of.get(iid) == version:
+            if self._version(iid) == version:
                 return
             await self.vacate([iid])  # rounds of older steps still running there (a load waits for them)
             try:
@@ -244,7 +254,7 @@ class Evaluator:
             if bad is not None:
                 log.warning("eval: %s loaded v%d wrongly (%s); it takes no part in the final round", iid, version, bad)
                 return
-            rt.weights.version_of[iid] = version
+            self._final_loads[iid] = version
 
         await asyncio.gather(*(one(iid) for iid in list(rt.engines) if not rt.is_failed(iid)))
 

@@ -59,13 +59,16 @@ class Resume:
 
 @dataclass(frozen=True)
 class EngineReply:
-    """A ``/generate`` (or KV import) answered for ``sample_id``; ``resp`` is the engine's answer."""
+    """A ``/generate`` (or KV import) answered for ``sample_id``; ``resp`` is the engine's answer.
+    ``reward``: the finished sample's reward, scored off the loop by the task that got the answer
+    (None: scored when the reply is applied)."""
 
     sample_id: str
     instance: str
     resp: Any
     start: float
     end: float
+    reward: float | None = None
 
 
 @dataclass(frozen=True)

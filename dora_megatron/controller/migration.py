@@ -58,6 +58,7 @@ class MoveHost(Protocol):
 
     engines: dict[str, Engine]
     samples: dict[str, SampleRecord]
+    store: Any  # the sample store: a finishing answer's reward is scored off the loop (:mod:`.samples`)
     events: EventQueue
     opt: RuntimeOptions
     timeline: Any
@@ -162,7 +163,9 @@ class Migrations:
                     raise
                 await self.rt.events.report(InstanceFailed(a.dst, f"import failed: {err}", dst))
                 return
-            await self.rt.events.report(EngineReply(a.sample_id, a.dst, resp, start, self.rt.now()))
+            end = self.rt.now()
+            reward = await self.rt.store.reward_off_loop(rec, resp)  # off the loop thread, before the report
+            await self.rt.events.report(EngineReply(a.sample_id, a.dst, resp, start, end, reward))
             return
         # Fallback (SGLang): abort at src, resubmit prompt + partial output at dst (re-prefill).
         try:

@@ -74,11 +74,13 @@ class SampleRecord:
 
 @dataclass
 class GroupRecord:
+    """What the executor needs of a dispatched group to run and train it: its prompt and sample
+    ids (still needed after the orchestrator forgot the group at release). Its version and
+    progress are the orchestrator's (``Orchestrator.groups``)."""
+
     group_id: str
-    version: int
     prompt: Prompt
     sample_ids: tuple[str, ...]
-    dispatched_at: float
 
 
 @dataclass

@@ -21,6 +21,7 @@ class ReplayHost(Protocol):
     samples: dict[str, SampleRecord]
     groups: dict[str, GroupRecord]
     journal: Any
+    orch: Any  # a group's version is the orchestrator's
 
 
 class JournalReplay:
@@ -44,10 +45,11 @@ class JournalReplay:
         if not self._pending:
             return
         group = self.rt.groups[group_id]
+        version = self.rt.orch.groups[group_id].version
         for sid in group.sample_ids:
             j = self._pending.pop(sid, None)
             rec = self.rt.samples[sid]
-            if (j is None or rec.finished or j.group_id != group_id or j.version != group.version
+            if (j is None or rec.finished or j.group_id != group_id or j.version != version
                     or j.prompt_index != group.prompt.index or rec.version != j.version):
                 continue
             rec.output_ids, rec.logprobs = list(j.output_ids), list(j.logprobs)

@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
 import time
-import zlib
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -43,6 +41,7 @@ from dora_megatron.controller.loop import (ControllerLoop, EngineReply, EventQue
                                            Resume, Start, Stop, SwitchDone, TrainerDone)
 from dora_megatron.controller.records import (Engine, GroupRecord, LoadReports, RuntimeOptions, SampleRecord,
                                               StepLog, Trainer)
+from dora_megatron.controller.samples import ReleasedBatch, SampleStore
 from dora_megatron.data.codec import CharCodec, TextCodec
 from dora_megatron.data.tasks import PromptSource
 from dora_megatron.orchestrator import (Dispatch, Interrupt, Migrate, Orchestrator, ReleaseBatch, Submit,
@@ -63,19 +62,6 @@ log = logging.getLogger(__name__)
 #: refusals in a row of requests routed for an instance's own version (no switch under way) after
 #: which the instance is failed as out of step with the controller (:meth:`Runtime._out_of_step`)
 OUT_OF_STEP_REFUSALS = 3
-
-
-@dataclass(frozen=True)
-class _Batch:
-    """What the trainer was handed for one step, kept for its step log."""
-
-    wait_s: float
-    rewards: list
-    lengths: list
-    staleness: list
-    tokens: int
-    group_ids: tuple
-    versions: tuple
 
 
 class Runtime:
@@ -107,24 +93,17 @@ class Runtime:
         self.orch = orch
         self.engines = engines
         self.trainer = trainer
-        self.source = source
-        self.reward_fn = reward_fn
         self.opt = options
         self.timeline = timeline
         self.on_step = on_step
         self.on_checkpoint = on_checkpoint  # at each checkpoint's cut (the launcher's snapshot retention)
-        self.next_prompt = first_prompt
         self.codec: TextCodec = codec or CharCodec()
+        #: the outstanding groups' prompts, tokens and rewards, and the batch hand-off (:mod:`.samples`)
+        self.store = SampleStore(source, self.codec, reward_fn, options, first_prompt)
         self.journal = journal  # :class:`~dora_megatron.controller.journal.Journal` or None
         #: every metric of the run (summary.json, steps.jsonl, TensorBoard) comes from these events
         self.metrics = metrics or MetricsRecorder(slots_per_instance=options.slots_per_instance,
                                                   rebalancer=orch.policy.rebalance)
-        self.samples_finished = 0  # engine answers that completed a sample (records of consumed groups are gone)
-        #: execution data (token ids, logprobs, tasks) of the outstanding groups only: a group's
-        #: records go once the trainer was handed it (the orchestrator owns which groups exist and
-        #: are consumed, consumed.jsonl records them), so memory is O(outstanding work)
-        self.samples: dict[str, SampleRecord] = {}
-        self.groups: dict[str, GroupRecord] = {}
         #: the step logs of this process only (the run's are steps.jsonl's rows; a checkpoint keeps
         #: their count, not them, so its size does not grow with the step count)
         self.steps: list[StepLog] = []
@@ -177,6 +156,20 @@ class Runtime:
         self._stop_at_boundary = False
 
     @property
+    def samples(self) -> dict[str, SampleRecord]:
+        """The outstanding samples' records (:attr:`SampleStore.samples`)."""
+        return self.store.samples
+
+    @property
+    def groups(self) -> dict[str, GroupRecord]:
+        """The outstanding groups' records (:attr:`SampleStore.groups`)."""
+        return self.store.groups
+
+    @property
+    def samples_finished(self) -> int:
+        return self.store.samples_finished
+
+    @property
     def load_reports(self) -> LoadReports | None:
         """The stats poller's pushed load reports (:attr:`StatsPoller.load_reports`)."""
         return self.stats.load_reports
@@ -222,6 +215,12 @@ class Runtime:
         if not self.engines:
             return False
         return self.orch.alive_count() == 0 or not any(self.orch.is_alive(iid) for iid in self.engines)
+
+    def instance_version(self, instance: str) -> int | None:
+        """The weights ``instance`` serves, as the orchestrator knows them (None: unknown to it, or
+        joined and not switched yet); the executor keeps no copy."""
+        inst = self.orch.instances.get(instance)
+        return None if inst is None else inst.version
 
     @property
     def failed(self) -> set[str]:
@@ -302,19 +301,14 @@ class Runtime:
         return task
 
     def dispatch(self, a: Dispatch) -> None:
-        prompt = self.source.get(self.next_prompt)
-        self.next_prompt += 1
-        prompt_ids = self.codec.encode_prompt(prompt)
-        self.groups[a.group_id] = GroupRecord(a.group_id, a.version, prompt, tuple(a.sample_ids), self.now())
-        for i, sid in enumerate(a.sample_ids):
-            self.samples[sid] = SampleRecord(sid, a.group_id, i, a.version, list(prompt_ids))
+        group = self.store.dispatch(a)
         if self.journal is not None:
-            self.journal.dispatch(a.group_id, a.version, prompt.index, list(a.sample_ids))
+            self.journal.dispatch(a.group_id, a.version, group.prompt.index, list(a.sample_ids))
         self.replay.restore(a.group_id)
 
     def prompt_tokens(self, group_id: str) -> int:
         """Loop: the prompt length of a dispatched group (the orchestrator's re-prefill accounting)."""
-        return len(self.samples[self.groups[group_id].sample_ids[0]].prompt_ids)
+        return self.store.prompt_tokens(group_id)
 
     # ------------------------------------------------------------------ journal (resume)
     def load_journal(self, samples: dict[str, Any]) -> None:
@@ -335,15 +329,6 @@ class Runtime:
         if self.local_resource_errors == 1 or self.local_resource_errors % 1000 == 0:
             log.warning("%s: a local resource shortage of the controller, not the instance's fault (retried; "
                         "%d so far, counted as local_resource_errors): %s", what, self.local_resource_errors, err)
-
-    def _sampling(self, rec: SampleRecord) -> dict[str, Any]:
-        seed = zlib.crc32(f"{self.opt.seed}/{rec.sample_id}/{rec.submissions}".encode()) & 0x7FFFFFFF
-        return {
-            "max_new_tokens": max(1, self.opt.max_new_tokens - len(rec.output_ids)),
-            "temperature": self.opt.temperature, "top_p": self.opt.top_p, "top_k": self.opt.top_k,
-            "stop_token_ids": list(dict.fromkeys([*self.codec.eos_ids, *self.opt.stop_token_ids])),
-            "sampling_seed": seed,
-        }
 
     async def resubmit(self, a: Submit) -> None:
         """Run ``a`` in the calling task (a migration's fallback: the sample is resubmitted on its
@@ -408,23 +393,22 @@ class Runtime:
                 await self.events.report(InstanceFailed(a.instance, f"generate failed: {err}", engine))
                 return
         self._refusal_streak.pop(a.instance, None)
-        await self.events.report(EngineReply(a.sample_id, a.instance, resp, start, self.now()))
+        end = self.now()
+        reward = await self.store.reward_off_loop(rec, resp)  # off the loop thread, before the report
+        await self.events.report(EngineReply(a.sample_id, a.instance, resp, start, end, reward))
 
     async def _generate(self, engine: Engine, rec: SampleRecord, a: Submit):
         """One submission's answer: the engine's, or with ``rollout.workflow`` the whole trajectory
         its workflow generated on this instance with this version (every turn pinned to it)."""
         if self.workflow is None:
-            return await engine.generate(rec.prompt_ids + rec.output_ids, self._sampling(rec), rid=a.sample_id,
+            return await engine.generate(rec.prompt_ids + rec.output_ids, self.store.sampling(rec), rid=a.sample_id,
                                          return_logprob=True, version=a.version,
                                          **({"routed_experts": True} if self.opt.routed_experts else {}),
-                                         **({"draft_sources": finished_sources(rec, self._siblings(rec))}
+                                         **({"draft_sources": finished_sources(rec, self.store.siblings(rec))}
                                             if self.opt.draft_siblings else {}))
         return await self.workflow.run(engine, self.groups[rec.group_id].prompt, rec.prompt_ids,
-                                       sample_id=a.sample_id, version=a.version, sampling=self._sampling(rec),
+                                       sample_id=a.sample_id, version=a.version, sampling=self.store.sampling(rec),
                                        routed_experts=self.opt.routed_experts)
-
-    def _siblings(self, rec: SampleRecord) -> list[SampleRecord | None]:
-        return [self.samples.get(s) for s in self.groups[rec.group_id].sample_ids]
 
     def _out_of_step(self, instance: str, version: int) -> bool:
         """Whether ``instance`` has now refused :data:`OUT_OF_STEP_REFUSALS` requests in a row routed
@@ -433,7 +417,8 @@ class Runtime:
         weights than the controller believes (started on another checkpoint, a reload that did not
         take), and re-queueing its samples onto it would go on for ever. Failing it hands it to the
         supervisor's restart, which loads the version the controller expects."""
-        if self.weights.version_of.get(instance) != version or self.weights.under_way(instance):
+        inst = self.orch.instances.get(instance)  # the orchestrator's view of what it serves
+        if inst is None or inst.version != version or inst.switching:
             self._refusal_streak.pop(instance, None)
             return False
         self._refusal_streak[instance] = self._refusal_streak.get(instance, 0) + 1
@@ -451,12 +436,7 @@ class Runtime:
             return None  # the import on the destination delivers this sample
         if self.timeline is not None:
             self.timeline.span(instance, rec.sample_id, start, end, version=rec.version, kind="request")
-        rec.output_ids.extend(resp.output_ids)
-        rec.logprobs.extend(resp.output_token_logprobs or [0.0] * len(resp.output_ids))
-        # an answer that crossed a weight update (SGLang's meta_info.weight_versions) produced its
-        # tokens under several versions; each is recorded, not just the routed one
-        rec.versions.update(int(v) for v in getattr(resp, "versions_used", ()) if str(v).lstrip("-").isdigit())
-        reason = (resp.finish_reason or {}).get("type")
+        reason = self.store.apply(rec, resp)
         if reason == "abort":
             return None  # interrupted (partial mode) or failed over: a later Submit(resume) continues it
         if self.opt.routed_experts:  # covers prompt + every output token (the last submission's input is all of it)
@@ -468,22 +448,12 @@ class Runtime:
                 log.warning("%s answers without routed_experts (launched without "
                             "--enable-return-routed-experts?); its samples carry none (counted as "
                             "routed_experts_unavailable)", instance)
-        rec.finished = True
-        rec.finish_reason = reason
         if self.opt.draft_siblings:
-            targets = running_targets(rec, self._siblings(rec))
+            targets = running_targets(rec, self.store.siblings(rec))
             self.spawn(push_source(self.engines, targets, rec.prompt_ids + rec.output_ids), f"drafts-{rec.sample_id}")
-        self.samples_finished += 1
         if instance in self._rejoined:
             self.samples_after_rejoin += 1
-        group = self.groups[rec.group_id]
-        if getattr(resp, "loss_mask", None) is not None:  # a workflow's trajectory (rollout.workflow)
-            rec.prompt_ids, rec.loss_mask = list(resp.prompt_ids), list(resp.loss_mask)
-        if getattr(resp, "reward", None) is not None:
-            rec.reward = float(resp.reward)
-        else:  # the reward sees the model's tokens only, not the tools' results
-            model = rec.output_ids if rec.loss_mask is None else [t for t, m in zip(rec.output_ids, rec.loss_mask) if m]
-            rec.reward = float(self.reward_fn(self.codec.decode(model), group.prompt.answer))
+        self.store.score(rec, resp, reason, ev.reward)
         if self.journal is not None and self.workflow is None:
             # a workflow's trajectory is not journaled (the journal keeps no prompt of its own nor loss
             # mask): after a crash it runs again from its prompt, on its own version
@@ -557,6 +527,16 @@ class Runtime:
             self.stop(RuntimeError("every rollout instance failed"))
         return True
 
+    @property
+    def ended(self) -> asyncio.Event:
+        """Set once the run ends (:meth:`stop`): a :class:`ControllerLoop` runs until it is."""
+        return self._done
+
+    @property
+    def tasks(self) -> tuple[asyncio.Task, ...]:
+        """The asyncio tasks this executor started that have not ended yet."""
+        return tuple(self._tasks)
+
     def is_done(self) -> bool:
         """Whether the run was ended (:meth:`stop`): a supervisor stops acting on it then."""
         return self._done.is_set()
@@ -578,32 +558,12 @@ class Runtime:
         in a task that reports :class:`TrainerDone`."""
         start = self.now()
         wait = max(0.0, start - self._trainer_idle_since)
-        samples, rewards, lengths, staleness, tokens = [], [], [], [], 0
-        dumped: list[dict] = []  # what the rollout dump needs of each sample (not sent to the trainer)
-        for gid, version in zip(a.group_ids, a.versions):
-            group = self.groups.pop(gid, None)  # consumed now: its records go (the trainer gets their data)
-            if group is None:  # the orchestrator never does this (it counts duplicated_groups)
-                raise RuntimeError(f"group {gid} released twice (or never dispatched)")
-            staleness.append(a.step - version)
-            for sid in group.sample_ids:
-                rec = self.samples.pop(sid)
-                samples.append({
-                    "prompt_ids": rec.prompt_ids, "response_ids": rec.output_ids, "rollout_logprobs": rec.logprobs,
-                    "reward": rec.reward, "group_id": gid, "version": rec.version,
-                    **({"routed_experts": rec.routed_experts} if rec.routed_experts is not None else {}),
-                    **({"loss_mask": rec.loss_mask} if rec.loss_mask is not None else {}),
-                })
-                if self.rollout_dump is not None:
-                    dumped.append({**samples[-1], "sample_id": sid, "finish_reason": rec.finish_reason})
-                rewards.append(rec.reward)
-                lengths.append(len(rec.output_ids))
-                tokens += len(rec.prompt_ids) + len(rec.output_ids)
+        samples, batch, dumped = self.store.take_batch(a, wait, dump=self.rollout_dump is not None)
         if self.rollout_dump is not None:
             self.rollout_dump.dump(a.step, dumped)
-        batch = _Batch(wait, rewards, lengths, staleness, tokens, tuple(a.group_ids), tuple(a.versions))
         self.spawn(self._train(a.step, samples, start, batch), f"train-{a.step}")
 
-    async def _train(self, step: int, samples: list[dict], start: float, batch: _Batch) -> None:
+    async def _train(self, step: int, samples: list[dict], start: float, batch: ReleasedBatch) -> None:
         t_train = time.monotonic()
         result = await self.trainer.train(step, samples)
         train_s = time.monotonic() - t_train
@@ -634,7 +594,9 @@ class Runtime:
         log_ = StepLog(ev.step, ev.start, end, b.wait_s, ev.train_s, scalars["perf/sync_time_s"], metrics, b.rewards,
                        b.lengths, b.staleness, b.tokens, live_versions, list(b.group_ids), list(b.versions))
         self.steps.append(log_)
-        self.steps_done += 1
+        # the orchestrator numbers steps from 0 (its step counter, restored with it on resume):
+        # trained step ``ev.step`` makes ``ev.step + 1`` steps done
+        self.steps_done = ev.step + 1
         if self.timeline is not None:
             self.timeline.span("trainer", f"step {ev.step}", ev.start, end, version=ev.step, kind="train",
                                produced=new_version)
@@ -734,32 +696,13 @@ class Runtime:
         snapshot already lists every outstanding group and sample with its version and ids; what is
         kept here is only what it does not hold (prompt and output tokens, rewards). Unfinished
         samples restart from their prompt on their own version (C1), so they need no entry."""
-        groups = []
-        samples = []
-        for g in self.groups.values():  # consumed ones were forgotten at release
-            # its prompt ids once per group (every sample of it has the same prompt)
-            # (a finished workflow sample holds its workflow's own rendering and keeps it in its entry)
-            recs = [self.samples[sid] for sid in g.sample_ids]
-            groups.append({"group_id": g.group_id, "prompt_index": g.prompt.index,
-                           "prompt_ids": next((r.prompt_ids for r in recs if r.loss_mask is None), recs[0].prompt_ids)})
-            for sid in g.sample_ids:
-                r = self.samples[sid]
-                if not r.finished or r.replay_pending:  # a pending replay is unfinished for the orchestrator
-                    continue
-                samples.append({
-                    "sample_id": r.sample_id, "reward": r.reward, "output_ids": r.output_ids,
-                    "logprobs": r.logprobs, "versions": sorted(r.versions),
-                    **({"routed_experts": r.routed_experts} if r.routed_experts is not None else {}),
-                    **({"finish_reason": r.finish_reason} if r.finish_reason is not None else {}),
-                    # a workflow's trajectory: its own prompt rendering and which tokens are the model's
-                    **({"prompt_ids": r.prompt_ids, "loss_mask": r.loss_mask} if r.loss_mask is not None else {}),
-                })
+        groups, samples = self.store.state_entries()
         # the checksums an instance may still load after a resume: the versions of outstanding work
         # and the newest (older ones are never switched to again)
         oldest = min((int(g["version"]) for g in orchestrator_snapshot["groups"]), default=version)
         return {
             "format": 2, "version": version, "pending_step_finished": version,
-            "next_prompt": self.next_prompt, "wall_s": self.now(),
+            "next_prompt": self.store.next_prompt, "wall_s": self.now(),
             "orchestrator": orchestrator_snapshot,
             "groups": groups, "samples": samples,
             "steps_done": self.steps_done,
@@ -774,33 +717,8 @@ class Runtime:
         ``step_rows``: the metrics recorder's rows of the steps done, as ``steps.jsonl`` has them
         (:func:`~dora_megatron.observability.recorder.read_step_rows`; the summary of the resumed
         run covers the whole run)."""
-        self.next_prompt = int(state["next_prompt"])
+        self.store.load_entries(state)
         self._wall_offset = float(state["wall_s"])
-        # a group's version and sample ids, a sample's version: the orchestrator snapshot's (an older
-        # controller.json also has them in its own entries, and the prompt ids in every sample entry)
-        orch_groups = {g["group_id"]: g for g in state["orchestrator"]["groups"]}
-        orch_samples = {s["sample_id"]: s for s in state["orchestrator"]["samples"]}
-        for g in state["groups"]:
-            og = orch_groups.get(g["group_id"], g)
-            prompt = self.source.get(int(g["prompt_index"]))
-            sample_ids = tuple(g.get("sample_ids", og["sample_ids"]))
-            version = int(g.get("version", og["version"]))
-            self.groups[g["group_id"]] = GroupRecord(g["group_id"], version, prompt, sample_ids, 0.0)
-            for i, sid in enumerate(sample_ids):
-                self.samples[sid] = SampleRecord(sid, g["group_id"], i, int(orch_samples.get(sid, og).get("version", version)),
-                                                 list(g.get("prompt_ids") or ()))
-        for d in state["samples"]:
-            rec = self.samples[d["sample_id"]]
-            if "prompt_ids" in d:  # an older controller.json: the prompt ids in every sample entry
-                rec.prompt_ids = list(d["prompt_ids"])
-            if "version" in d:  # an older controller.json: every sample, with its version
-                rec.version = int(d["version"])
-            if not d.get("finished", True):
-                continue
-            rec.output_ids, rec.logprobs = list(d["output_ids"]), list(d["logprobs"])
-            rec.versions, rec.reward, rec.finished = set(d["versions"]), d["reward"], True
-            rec.routed_experts, rec.finish_reason = d.get("routed_experts"), d.get("finish_reason")
-            rec.loss_mask = d.get("loss_mask")
         # consumed groups are not carried (consumed.jsonl lists them; an older controller.json's
         # "consumed" is ignored): the restored orchestrator has forgotten them, so none can be
         # released again
@@ -832,8 +750,10 @@ class Runtime:
             start = self.now()  # a resumed run starts at the checkpoint's wall time, not at 0
             if self._resumed and start > 0:
                 self.timeline.span("trainer", "before the resume (previous run)", 0.0, start, kind="resumed")
-            for iid, v in self.weights.version_of.items():
-                self.timeline.set_version(iid, v, start)
+            for iid in self.engines:
+                v = self.instance_version(iid)
+                if v is not None:
+                    self.timeline.set_version(iid, v, start)
         if self._resumed and self.steps_done >= self.opt.steps:
             # every step was done before the checkpoint: nothing to dispatch, and no
             # on_step_finished will ever come to end the run
@@ -867,7 +787,8 @@ class Runtime:
         if self.timeline is not None:
             self.timeline.close(wall)
         if self.evaluator is not None and self.stop_reason is None:  # the final weights, once the rollout stopped (not in the run's wall time; not on a stop)
-            await self.evaluator.finish(self.steps_done, self.latest_version or max(self.weights.version_of.values(), default=0))
+            await self.evaluator.finish(self.steps_done, self.latest_version or max(
+                (v for v in map(self.instance_version, self.engines) if v is not None), default=0))
         return self.summary(wall)
 
     async def _wake_on_done(self) -> None:

@@ -74,9 +74,11 @@ class StatsPoller:
                         return
                     self.events.post(InstanceFailed(iid, f"server_info failed: {err}", engine))
                     return
-        self._apply_load(iid, engine, info)
+        self.apply_load(iid, engine, info)
 
-    def _apply_load(self, iid: str, engine: Engine, info: dict[str, Any]) -> None:
+    def apply_load(self, iid: str, engine: Engine, info: dict[str, Any]) -> None:
+        """One instance's report (polled or pushed): its load goes on the queue, its speculation
+        counters' growth is summed (a restarted instance counts from 0 again)."""
         if self._is_failed(iid) or self.engines.get(iid) is not engine:
             return  # failed or replaced while we asked
         if info.get("loads_unavailable"):
@@ -100,7 +102,7 @@ class StatsPoller:
             if isinstance(info, tuple) and info and info[0] == "failed":
                 self.events.post(InstanceFailed(iid, str(info[1]), engine))
             else:
-                self._apply_load(iid, engine, info)
+                self.apply_load(iid, engine, info)
             if n % chunk == 0:
                 await asyncio.sleep(0)
 

@@ -61,12 +61,17 @@ class WeightSync:
         #: version -> SGLang's own checksum of it (``/weights_checker``), as the first instance that
         #: loaded it reported: SGLang's checksum is comparable between instances only
         self.instance_checksums: dict[int, str] = {}
-        #: instance -> the task of its newest switch order (loads on one instance run in order)
-        self.switching: dict[str, asyncio.Task] = {}
-        #: instance -> the version it serves, as its last landed switch said
-        self.version_of: dict[str, int] = {iid: 0 for iid in host.engines}
+        #: instance -> the task of its newest switch order (loads on one instance run in order; an
+        #: older order sees it is superseded). The version an instance serves or is switching to is
+        #: the orchestrator's (``Instance.version`` / ``Instance.target``), not kept here.
+        self._orders: dict[str, asyncio.Task] = {}
         self._pushes: list[SwitchVersion] = []  # collected by order within one execute
-        self.latest_version = 0  # newest weights the trainer holds (pushed by `distributed`)
+        #: the weights the trainer holds now (what a ``distributed`` push sends). Not the
+        #: orchestrator's ``newest``: from the trainer's answer until ``on_step_finished`` (a
+        #: checkpoint's trainer part is written in between) the trainer already holds the next
+        #: version while the orchestrator may still order switches to the one before, which must
+        #: then load from disk, not from a broadcast of the newer weights.
+        self.latest_version = 0
         self.pushed_bytes = 0
 
     def order(self, a: SwitchVersion) -> None:
@@ -75,23 +80,18 @@ class WeightSync:
         if self.rt.opt.weight_transport == "distributed" and a.version == self.latest_version and a.version > 0:
             self._pushes.append(a)  # the trainer still holds these weights: broadcast them once (flush)
             return
-        prev = self.switching.get(a.instance)  # loads on one instance run in order
-        self.switching[a.instance] = self.rt.spawn(self.switch(a, prev, self.rt.engines[a.instance]),
+        prev = self._orders.get(a.instance)  # loads on one instance run in order
+        self._orders[a.instance] = self.rt.spawn(self.switch(a, prev, self.rt.engines[a.instance]),
                                                    f"switch-{a.instance}")
 
     def flush(self) -> None:
         """After one orchestrator answer: the collected pushes, as one broadcast."""
         pushes, self._pushes = self._pushes, []
         if pushes:
-            prevs = {a.instance: self.switching.get(a.instance) for a in pushes}
+            prevs = {a.instance: self._orders.get(a.instance) for a in pushes}
             task = self.rt.spawn(self._push_switch(pushes, prevs), f"push-v{pushes[0].version}")
             for a in pushes:
-                self.switching[a.instance] = task
-
-    def under_way(self, instance: str) -> bool:
-        """Whether a switch of ``instance`` is still running."""
-        switch = self.switching.get(instance)
-        return switch is not None and not switch.done()
+                self._orders[a.instance] = task
 
     async def switch(self, a: SwitchVersion, prev: asyncio.Task | None = None, engine: Engine | None = None,
                       *, resume: bool = False) -> None:
@@ -150,10 +150,9 @@ class WeightSync:
         if self.rt.timeline is not None:  # the time was spent loading, whether or not this order still stands
             self.rt.timeline.span(ev.instance, f"{ev.how} v{ev.version}", ev.start, ev.end, version=ev.version,
                                   kind="weight_sync")
-        latest = self.switching.get(ev.instance)
+        latest = self._orders.get(ev.instance)
         if origin is not None and latest is not None and latest is not origin:
             return False
-        self.version_of[ev.instance] = ev.version
         if self.rt.timeline is not None:
             self.rt.timeline.set_version(ev.instance, ev.version, ev.end)
         return True
@@ -165,7 +164,7 @@ class WeightSync:
         only the newest order is carried out. Otherwise the first v2 load would report
         ``on_switch_done(v2)``, the orchestrator would route v2 requests to the instance, and the
         queued v0 load would then replace its weights under those requests."""
-        latest = self.switching.get(instance)
+        latest = self._orders.get(instance)
         return latest is not None and latest is not asyncio.current_task()
 
     async def _load_weights_retrying(self, engine: Engine, a: SwitchVersion, *, resume: bool) -> str | None:

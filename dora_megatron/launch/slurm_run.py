@@ -372,8 +372,8 @@ def run_slurm_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan, resume: st
 async def _controller(cfg: DoraConfig, plan: ClusterPlan, run_dir: Path, model_dir: Path, procs: ProcessSet,
                       checkpoint, node: str, signals: StopSignals | None = None) -> dict:
     from dora_megatron.launch.elastic import watch_joins
-    from dora_megatron.controller.build import Endpoints
-    from dora_megatron.launch.local import run_controller
+    from dora_megatron.controller.main import Endpoints, run_controller
+    from dora_megatron.launch.process_launcher import ProcessLauncher
     from dora_megatron.rollout.factory import engine_for
 
     join_dir = _join_dir(cfg, run_dir)
@@ -387,9 +387,9 @@ async def _controller(cfg: DoraConfig, plan: ClusterPlan, run_dir: Path, model_d
                                                            started_at=time.time()))
 
     # ``node``: instances on this node are restarted by the controller's own supervisor at their URL
-    return await run_controller(cfg, Endpoints(dict(plan.engine_urls), plan.trainer_url), run_dir, model_dir, procs,
-                                _say, checkpoint, host=node, fixed_ports=True, on_runtime=start_watcher,
-                                stop_signals=signals)
+    return await run_controller(cfg, Endpoints(dict(plan.engine_urls), plan.trainer_url), run_dir, model_dir,
+                                ProcessLauncher(cfg, procs, run_dir, host=node, fixed_ports=True), _say, checkpoint,
+                                on_runtime=start_watcher, stop_signals=signals)
 
 
 def run_join_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan) -> int:

@@ -12,7 +12,7 @@ restarted mid-run takes. The job refuses to start only when fewer than the minim
 ready and why (its own last error line).
 
 The decision is a pure function of what is known, so the local launcher and the controller's node
-of a SLURM job (the same :func:`~dora_megatron.launch.local.run_controller`) decide alike; under
+of a SLURM job (the same :func:`~dora_megatron.controller.main.run_controller`) decide alike; under
 SLURM the controller sees the instances of other nodes only through ``/health`` (their own node
 restarts them on the same port), so such an instance counts as loading until it answers or the
 timeout passes.

@@ -37,6 +37,8 @@ VIOLATIONS = {
     "workflow-leaf": ("workflow/tools.py", "import dora_megatron.controller.records"),
     "controller-components": ("controller/stats.py", "import dora_megatron.controller.runtime"),
     "controller-components-independent": ("controller/migration.py", "import dora_megatron.controller.weight_sync"),
+    "controller-not-launch": ("controller/clients.py", "import dora_megatron.launch.startup"),
+    "launch-through-main": ("launch/elastic.py", "import dora_megatron.controller.runtime"),
 }
 
 # Runs in the child: for each contract, plant its violation (if any), lint that contract alone, restore.

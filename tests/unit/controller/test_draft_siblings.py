@@ -77,7 +77,7 @@ def test_the_summary_keeps_what_an_instance_reported_before_it_was_restarted():
     rt, engines, _ = make(mode="dora", n=2, steps=1)
     iid = next(iter(rt.engines))
     for steps in (10, 25, 4):
-        rt.stats._apply_load(iid, rt.engines[iid], {"num_running_reqs": 1, "kv_usage": 0.1, "spec_verify_steps": steps,
+        rt.stats.apply_load(iid, rt.engines[iid], {"num_running_reqs": 1, "kv_usage": 0.1, "spec_verify_steps": steps,
                                               "spec_verify_tokens": 2 * steps})
     spec = rt.summary(1.0)["speculation"]
     assert spec["spec_verify_steps"] == 29 and spec["spec_verify_tokens"] == 58

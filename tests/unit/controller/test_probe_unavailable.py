@@ -90,7 +90,6 @@ def _run(checkers: dict[str, str], steps: int = 5):
     engines = {n: CheckerEngine(n, checkers[n], token_s=0.001) for n in names}
     trainer = PushTrainer(engines=engines)
     rt.engines, rt.trainer = engines, trainer
-    rt.weights.version_of = {n: 0 for n in engines}
 
     async def go():
         for e in engines.values():

@@ -234,10 +234,10 @@ def test_extra_stop_token_ids_reach_every_request():
 
     rt, engines, trainer = make(mode="dora", n=2, steps=1)
     eos = list(rt.codec.eos_ids)
-    rt.opt = dataclasses.replace(rt.opt, stop_token_ids=(7, eos[0], 9))
+    rt.opt = rt.store.opt = dataclasses.replace(rt.opt, stop_token_ids=(7, eos[0], 9))
     asyncio.run(rt.run())
     rec = next(iter(rt.samples.values()))
-    assert rt._sampling(rec)["stop_token_ids"] == [*eos, 7, 9]  # EOS first, no duplicates
+    assert rt.store.sampling(rec)["stop_token_ids"] == [*eos, 7, 9]  # EOS first, no duplicates
 
 
 @pytest.mark.parametrize("mode", ["one_step_off", "dora"])
@@ -250,7 +250,7 @@ def test_no_batch_is_released_after_the_last_step(mode):
     summary = asyncio.run(rt.run())
     check_run(rt, engines, trainer, 3, 4, 2)
     assert summary["consumed_groups"] == 3 * 4 and rt.orch.counters.consumed_groups == 3 * 4
-    waiting = sum(len(groups) for groups in rt.orch._finished_groups.values())
+    waiting = sum(1 for g in rt.orch.groups.values() if g.complete and g.consumed_step is None)
     assert waiting >= 4, waiting  # a whole batch was ready at the end: the case this guards
 
 
@@ -311,6 +311,27 @@ def test_an_older_controller_json_with_step_logs_and_duplicated_groups_still_loa
     old_rt.load_state_dict(old)
     assert old_rt.steps_done == new_rt.steps_done == 2
     assert old_rt.samples == new_rt.samples and old_rt.samples
-    assert {k: (g.version, g.sample_ids, g.prompt.index) for k, g in old_rt.groups.items()} == \
-        {k: (g.version, g.sample_ids, g.prompt.index) for k, g in new_rt.groups.items()}
+    # (a group's version is the orchestrator's, restored from the snapshot, not the executor's)
+    assert {k: (g.sample_ids, g.prompt.index) for k, g in old_rt.groups.items()} == \
+        {k: (g.sample_ids, g.prompt.index) for k, g in new_rt.groups.items()}
     assert old_rt.metrics.rows == new_rt.metrics.rows and len(new_rt.metrics.rows) == 2
+
+
+def test_the_reward_runs_off_the_loop_thread():
+    """A slow reward function (a checker, a sandbox) must not hold the event loop: every sample the
+    trainer gets was scored on another thread than the loop's, and scored right."""
+    import threading
+
+    from dora_megatron.data.tasks import running_sum_reward
+
+    rt, engines, trainer = make(mode="dora", n=2, steps=2)
+    threads = []
+
+    def reward(response, answer):
+        threads.append(threading.get_ident())
+        return running_sum_reward(response, answer)
+
+    rt.store.reward_fn = reward
+    asyncio.run(rt.run())
+    check_run(rt, engines, trainer, 2, 4, 2)  # every trained sample has reward 1.0 (the fake answers right)
+    assert threads and threading.get_ident() not in threads

@@ -20,9 +20,9 @@ async def execute_with_loop(rt, actions) -> None:
     every task ended (the tasks wait for their events to be applied)."""
     from dora_megatron.controller.loop import ControllerLoop
 
-    loop = asyncio.get_running_loop().create_task(ControllerLoop(rt.orch, rt, rt.events, rt._done).run())
+    loop = asyncio.get_running_loop().create_task(ControllerLoop(rt.orch, rt, rt.events, rt.ended).run())
     rt.execute(actions)
-    await asyncio.gather(*list(rt._tasks))
+    await asyncio.gather(*rt.tasks)
     rt.stop()
     await loop
 

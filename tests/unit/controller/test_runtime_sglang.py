@@ -117,7 +117,6 @@ def _run_with(engine_cls):
     engines = {n: engine_cls(n, bad_after_push=(n == "e2"), token_s=0.001) for n in engines}
     trainer = ChecksumTrainer(engines=engines)
     rt.engines, rt.trainer = engines, trainer
-    rt.weights.version_of = {n: 0 for n in engines}
     summary = asyncio.run(rt.run())
     return rt, trainer, summary
 

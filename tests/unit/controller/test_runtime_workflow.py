@@ -33,7 +33,7 @@ def with_workflow(rt, fn=answer_then_env):
         seen.append(response)
         return running_sum_reward(response, answer)
 
-    rt.reward_fn = reward
+    rt.store.reward_fn = reward
     rt.workflow = WorkflowRunner(fn, WorkflowContext(None, (tok.EOS_ID,)))
     return seen
 

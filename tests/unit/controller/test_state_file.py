@@ -52,7 +52,7 @@ def test_a_checkpoint_is_cut_in_the_turn_and_written_while_the_loop_runs(tmp_pat
         # the checkpoint holds (later the orchestrator has moved on and a needed snapshot would go)
         assert seen == [2]
         want = json.loads(json.dumps(rt.state_dict(2, snap)))
-        await asyncio.wait_for(asyncio.gather(*rt._tasks), timeout=30)
+        await asyncio.wait_for(asyncio.gather(*rt.tasks), timeout=30)
         return want
 
     want = asyncio.run(main())

@@ -1,6 +1,7 @@
-"""The launcher's connection budget (launch.local.connection_plan): the open-files limit raised to
-the hard one and logged, the pools sized for the job's instances, and a job that cannot run
-refused with the numbers and the key that fixes it, before any process starts."""
+"""The controller's connection budget (controller.clients.connection_plan, which the local launcher
+also checks): the open-files limit raised to the hard one and logged, the pools sized for the job's
+instances, and a job that cannot run refused with the numbers and the key that fixes it, before any
+process starts."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 
 from dora_megatron.config.base import ConfigError
 from dora_megatron.config.schema import load_config
-from dora_megatron.launch.local import connection_plan, run_local_job
+from dora_megatron.controller.clients import connection_plan
+from dora_megatron.launch.local import run_local_job
 
 
 @pytest.fixture

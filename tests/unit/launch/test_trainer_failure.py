@@ -7,7 +7,7 @@ import asyncio
 import sys
 import time
 
-from dora_megatron.launch.local import _trainer_failure
+from dora_megatron.launch.process_launcher import trainer_failure
 from dora_megatron.launch.trainer_restart import TrainerLost
 from dora_megatron.processes import ProcessSet
 
@@ -16,7 +16,7 @@ def test_dead_trainer_is_named_with_its_status_and_log(tmp_path):
     script = "import sys, time; print('rank 0 lost', flush=True); time.sleep(0.5); sys.exit(7)"
     with ProcessSet(tmp_path) as procs:
         procs.start("trainer", [sys.executable, "-c", script])
-        err = asyncio.run(_trainer_failure(procs, ConnectionError("refused"), wait_s=30))
+        err = asyncio.run(trainer_failure(procs, ConnectionError("refused"), wait_s=30))
     assert "trainer exited with status 7" in str(err) and "rank 0 lost" in str(err)
     assert isinstance(err, TrainerLost)  # dead: the job may restart it
 
@@ -25,14 +25,14 @@ def test_live_but_silent_trainer_reports_the_connection_error_after_the_wait(tmp
     with ProcessSet(tmp_path) as procs:
         procs.start("trainer", [sys.executable, "-c", "import time; time.sleep(60)"])
         t0 = time.monotonic()
-        err = asyncio.run(_trainer_failure(procs, ConnectionError("refused"), wait_s=0.5))
+        err = asyncio.run(trainer_failure(procs, ConnectionError("refused"), wait_s=0.5))
         assert 0.4 < time.monotonic() - t0 < 10
     assert str(err) == "the trainer stopped answering (refused)" and isinstance(err, TrainerLost)
 
 
 def test_remote_trainer_without_a_local_process(tmp_path):
     with ProcessSet(tmp_path) as procs:
-        err = asyncio.run(_trainer_failure(procs, ConnectionError("reset"), wait_s=5))
+        err = asyncio.run(trainer_failure(procs, ConnectionError("reset"), wait_s=5))
     assert str(err) == "the trainer stopped answering (reset)"
 
 
@@ -63,7 +63,7 @@ def test_a_trainer_that_answered_an_error_and_lives_on_is_not_lost(tmp_path):
     only repeat it."""
     with ProcessSet(tmp_path) as procs:
         procs.start("trainer", [sys.executable, "-c", "import time; time.sleep(60)"])
-        err = asyncio.run(_trainer_failure(procs, RuntimeError("HTTP 500"), wait_s=0.3, answered="trainer /train: HTTP 500"))
+        err = asyncio.run(trainer_failure(procs, RuntimeError("HTTP 500"), wait_s=0.3, answered="trainer /train: HTTP 500"))
     assert str(err) == "trainer /train: HTTP 500" and not isinstance(err, TrainerLost)
 
 

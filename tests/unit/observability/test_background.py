@@ -108,7 +108,7 @@ def test_checkpoint_overviews_draw_the_rows_so_far_off_the_caller(tmp_path):
 
 
 def test_a_resumed_run_seeds_its_checkpoint_overviews_with_the_steps_before_the_checkpoint(tmp_path):
-    from dora_megatron.launch.local import _earlier_steps
+    from dora_megatron.controller.outputs import earlier_steps
 
     (tmp_path / "steps.jsonl").write_text("".join(json.dumps({"step": k, **_scalars(k)}) + "\n" for k in range(2)))
     (tmp_path / "consumed.jsonl").write_text(
@@ -116,7 +116,7 @@ def test_a_resumed_run_seeds_its_checkpoint_overviews_with_the_steps_before_the_
         + json.dumps({"step": 1, "groups": ["c", "d"], "versions": [0, 1]}) + "\n"
         + json.dumps({"step": 2, "groups": ["e"], "versions": [1]}) + "\n"  # re-done after the resume: not counted
         + '{"step": 3, "gro')  # torn by the crash
-    seed = _earlier_steps(tmp_path)
+    seed = earlier_steps(tmp_path)
     assert [r["step"] for r in seed["rows"]] == [0, 1] and seed["staleness"] == {0: 3, 1: 1}
     ov = CheckpointOverviews(tmp_path / "overview.png", None, **seed)
     ov.step(2, _scalars(2), staleness=[1])

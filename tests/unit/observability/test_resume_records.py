@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from dora_megatron.launch.local import drop_steps_from
+from dora_megatron.controller.outputs import drop_steps_from
 from dora_megatron.observability.tensorboard import TensorBoardWriter, read_scalar_tags
 
 
@@ -34,7 +34,7 @@ def test_a_resume_at_a_checkpoint_boundary_records_each_step_once(tmp_path):
     """The crashed lineage recorded step 4 (the first after checkpoint v4) before it died; the
     resume trains step 4 again on the groups the checkpoint kept. The record must list it once,
     and the summary's duplicate count, read from that record, must see any group listed twice."""
-    from dora_megatron.launch.local import duplicated_in_record, open_run_records
+    from dora_megatron.controller.outputs import duplicated_in_record, open_run_records
 
     def rec(step):
         return json.dumps({"step": step, "groups": [f"g{2 * step}", f"g{2 * step + 1}"], "versions": [step, step]})

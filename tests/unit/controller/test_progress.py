@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import logging
 
-from dora_megatron.launch.local import _clock, _Progress
+from dora_megatron.controller.outputs import Progress, clock
 
 
 def test_clock_format():
-    assert _clock(0) == "0:00"
-    assert _clock(754.2) == "12:34"
-    assert _clock(3725) == "1:02:05"
+    assert clock(0) == "0:00"
+    assert clock(754.2) == "12:34"
+    assert clock(3725) == "1:02:05"
 
 
 def test_progress_line_has_eta(caplog):
-    progress = _Progress(total=4, enabled=False)
-    with caplog.at_level(logging.INFO, logger="dora_megatron.launch.local"):
+    progress = Progress(total=4, enabled=False)
+    with caplog.at_level(logging.INFO, logger="dora_megatron.controller.outputs"):
         progress.update(0, {"reward/mean": 0.5, "versions/live": 2, "perf/throughput_tokens_per_s": 100.0})
         progress.update(3, {"reward/mean": 0.75, "versions/live": 1, "perf/throughput_tokens_per_s": 90.0})
     first, last = caplog.messages

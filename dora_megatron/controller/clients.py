@@ -1,0 +1,82 @@
+"""This process's clients of the rollout instances: its connection budget, one client per
+instance (or the client worker processes of ``rollout.client_workers``), and their closing.
+
+WHY apart from :mod:`.main`: the budget is checked twice, by a launcher before it starts any
+process (a concurrency that cannot run is refused at once) and by the controller before it waits
+on the instances; both must refuse alike.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dora_megatron.config.schema import DoraConfig
+
+
+def connection_plan(cfg: DoraConfig, instances: int, say=None):
+    """This process's connection budget for ``instances`` (:mod:`dora_megatron.comm.limits`): the
+    soft open-files limit raised to the hard one (logged old -> new), each instance's pool sized
+    from it. Refuses (:class:`~dora_megatron.config.base.ConfigError` naming
+    ``rollout.client_workers`` and the numbers) when not one generate connection per instance
+    fits; ``say``: where the warning goes when not every slot gets its own connection (requests
+    then wait for one, counted as ``connection_waits``)."""
+    from dora_megatron.comm.limits import ConnectionBudgetError, plan_connections, raise_open_files_limit
+    from dora_megatron.config.base import ConfigError
+
+    old, new = raise_open_files_limit()
+    if say is not None and new != old:
+        say(f"open-files limit raised from {old} to {new} (the hard limit)")
+    try:
+        plan = plan_connections(instances, cfg.orchestrator.cap_before_rebalance, new,
+                                client_workers=cfg.rollout.client_workers)
+    except ConnectionBudgetError as err:
+        raise ConfigError("rollout.client_workers", str(err)) from err
+    if say is not None and not plan.fits:
+        say(f"warning: {plan.describe()} of {plan.slots} slots; requests beyond them wait for a connection "
+            f"(connection_waits in summary.json): raise the hard open-files limit or set rollout.client_workers")
+    return plan
+
+
+class EngineClients:
+    """The clients the controller makes for the instances (planned ones, restarted and joining ones
+    alike). ``procs``: the launcher's processes, for clients that restart vLLM instances."""
+
+    def __init__(self, cfg: DoraConfig, model_dir: Path, run_dir: Path, procs: Any, instances: int, say) -> None:
+        from dora_megatron.comm.limits import ConnectionWaits
+
+        self.cfg, self.model_dir, self.run_dir, self.procs = cfg, model_dir, run_dir, procs
+        self.plan = connection_plan(cfg, instances, say)  # refuses before waiting on thousands of instances
+        self.waits = ConnectionWaits()
+        self.pool = None  # rollout.client_workers > 0: the instances' HTTP clients run in worker processes
+
+    async def start_pool(self) -> None:
+        """The client worker processes (``rollout.client_workers``), if any; they push load reports."""
+        cfg = self.cfg
+        if cfg.rollout.client_workers > 0:
+            from dora_megatron.controller.records import RuntimeOptions
+            from dora_megatron.rollout.sharded import ClientPool
+
+            self.pool = await ClientPool.start(cfg, str(self.model_dir), cfg.rollout.client_workers,
+                                               log_dir=self.run_dir / "logs", poll={
+                "interval_s": cfg.observability.stats_interval_s, "health_timeout_s": cfg.controller.health_timeout_s,
+                "concurrency": RuntimeOptions.stats_concurrency}, plan=self.plan)
+
+    def make(self, url: str):
+        """The client of the instance at ``url``."""
+        from dora_megatron.rollout.factory import engine_for
+
+        if self.pool is not None:
+            return self.pool.engine(url)
+        return engine_for(self.cfg, url, str(self.model_dir), self.procs, self.run_dir, plan=self.plan, waits=self.waits)
+
+    @property
+    def connection_waits(self):
+        """This process's back-pressure count (calls that waited for a pooled connection)."""
+        return self.pool.connection_waits if self.pool is not None else self.waits
+
+    async def close(self, engines: dict[str, Any]) -> None:
+        for e in engines.values():
+            await e.close()
+        if self.pool is not None:
+            await self.pool.close()

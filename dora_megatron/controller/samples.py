@@ -1,0 +1,207 @@
+"""The sample store: the execution data of the outstanding groups (prompts, tokens, logprobs,
+rewards) and the hand-off of a released batch to the trainer step.
+
+WHY a component of its own: the orchestrator owns which groups and samples exist, their version
+and state (:class:`~dora_megatron.types.Sample`, :class:`~dora_megatron.types.Group`), but it
+holds no tokens; the executor needs them to submit, resume, migrate, checkpoint and train. This
+store keeps exactly that data and nothing the orchestrator already knows, for the outstanding
+groups only: a group's records go once the trainer was handed it (the orchestrator owns which
+groups are consumed, ``consumed.jsonl`` records them), so memory is O(outstanding work). The
+executor (:class:`~dora_megatron.controller.runtime.Runtime`) maps actions and events onto it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from dora_megatron.controller.records import GroupRecord, RuntimeOptions, SampleRecord
+from dora_megatron.data.codec import TextCodec
+from dora_megatron.data.tasks import PromptSource
+from dora_megatron.orchestrator import Dispatch, ReleaseBatch
+
+
+@dataclass(frozen=True)
+class ReleasedBatch:
+    """What the trainer was handed for one step, kept for its step log."""
+
+    wait_s: float
+    rewards: list
+    lengths: list
+    staleness: list
+    tokens: int
+    group_ids: tuple
+    versions: tuple
+
+
+class SampleStore:
+    """The outstanding groups' records: dispatched (:meth:`dispatch`), filled by engine answers
+    (:meth:`apply`, :meth:`score`), handed to the trainer (:meth:`take_batch`), checkpointed
+    (:meth:`state_entries`, :meth:`load_entries`)."""
+
+    def __init__(self, source: PromptSource, codec: TextCodec, reward_fn: Callable[[str, str], float],
+                 options: RuntimeOptions, first_prompt: int = 0) -> None:
+        self.source = source
+        self.codec = codec
+        self.reward_fn = reward_fn
+        self.opt = options
+        self.next_prompt = first_prompt
+        self.samples: dict[str, SampleRecord] = {}
+        self.groups: dict[str, GroupRecord] = {}
+        self.samples_finished = 0  # engine answers that completed a sample (records of consumed groups are gone)
+
+    def dispatch(self, a: Dispatch) -> GroupRecord:
+        """The records of a new group: the next prompt, rendered once for all its samples."""
+        prompt = self.source.get(self.next_prompt)
+        self.next_prompt += 1
+        prompt_ids = self.codec.encode_prompt(prompt)
+        group = self.groups[a.group_id] = GroupRecord(a.group_id, prompt, tuple(a.sample_ids))
+        for i, sid in enumerate(a.sample_ids):
+            self.samples[sid] = SampleRecord(sid, a.group_id, i, a.version, list(prompt_ids))
+        return group
+
+    def prompt_tokens(self, group_id: str) -> int:
+        """The prompt length of a dispatched group (the orchestrator's re-prefill accounting)."""
+        return len(self.samples[self.groups[group_id].sample_ids[0]].prompt_ids)
+
+    def siblings(self, rec: SampleRecord) -> list[SampleRecord | None]:
+        """The records of ``rec``'s group (None: consumed meanwhile)."""
+        return [self.samples.get(s) for s in self.groups[rec.group_id].sample_ids]
+
+    def sampling(self, rec: SampleRecord) -> dict[str, Any]:
+        """Sampling parameters of ``rec``'s next submission: the tokens it has left, and a seed of
+        the run, the sample and its submission count (a resubmission draws anew)."""
+        seed = zlib.crc32(f"{self.opt.seed}/{rec.sample_id}/{rec.submissions}".encode()) & 0x7FFFFFFF
+        return {
+            "max_new_tokens": max(1, self.opt.max_new_tokens - len(rec.output_ids)),
+            "temperature": self.opt.temperature, "top_p": self.opt.top_p, "top_k": self.opt.top_k,
+            "stop_token_ids": list(dict.fromkeys([*self.codec.eos_ids, *self.opt.stop_token_ids])),
+            "sampling_seed": seed,
+        }
+
+    @staticmethod
+    def apply(rec: SampleRecord, resp: Any) -> str | None:
+        """Append an engine answer's tokens to ``rec``; returns its finish reason's type ("abort":
+        interrupted or failed over, the partial output is kept for a later resubmission).
+
+        An answer that crossed a weight update (SGLang's ``meta_info.weight_versions``) produced
+        its tokens under several versions: each is recorded, not just the routed one."""
+        rec.output_ids.extend(resp.output_ids)
+        rec.logprobs.extend(resp.output_token_logprobs or [0.0] * len(resp.output_ids))
+        rec.versions.update(int(v) for v in getattr(resp, "versions_used", ()) if str(v).lstrip("-").isdigit())
+        return (resp.finish_reason or {}).get("type")
+
+    async def reward_off_loop(self, rec: SampleRecord, resp: Any) -> float | None:
+        """The reward of the sample ``resp`` finishes, computed in a worker thread by the task that
+        got the answer, before it reports it: a slow reward function (a checker, a sandbox) then
+        never holds the loop. None: ``resp`` does not finish the sample, or carries its own reward
+        (a workflow's), or the sample is gone. Scores exactly what :meth:`score` would: the model's
+        tokens of the whole output once ``resp`` is appended."""
+        if (rec.sample_id not in self.samples or getattr(resp, "migrated", False)
+                or (resp.finish_reason or {}).get("type") == "abort" or getattr(resp, "reward", None) is not None):
+            return None
+        output = rec.output_ids + list(resp.output_ids)
+        mask = list(resp.loss_mask) if getattr(resp, "loss_mask", None) is not None else rec.loss_mask
+        model = output if mask is None else [t for t, m in zip(output, mask) if m]
+        answer = self.groups[rec.group_id].prompt.answer
+        return float(await asyncio.to_thread(lambda: self.reward_fn(self.codec.decode(model), answer)))
+
+    def score(self, rec: SampleRecord, resp: Any, reason: str | None, reward: float | None = None) -> None:
+        """``rec`` finished with answer ``resp``: mark it and set its reward (a workflow's own, the
+        one :meth:`reward_off_loop` computed, or else the reward function's, here), on the model's
+        tokens only, not the tools' results."""
+        rec.finished = True
+        rec.finish_reason = reason
+        self.samples_finished += 1
+        if getattr(resp, "loss_mask", None) is not None:  # a workflow's trajectory (rollout.workflow)
+            rec.prompt_ids, rec.loss_mask = list(resp.prompt_ids), list(resp.loss_mask)
+        if getattr(resp, "reward", None) is not None:
+            rec.reward = float(resp.reward)
+        elif reward is not None:
+            rec.reward = reward
+        else:
+            model = rec.output_ids if rec.loss_mask is None else [t for t, m in zip(rec.output_ids, rec.loss_mask) if m]
+            rec.reward = float(self.reward_fn(self.codec.decode(model), self.groups[rec.group_id].prompt.answer))
+
+    def take_batch(self, a: ReleaseBatch, wait_s: float,
+                   dump: bool) -> tuple[list[dict[str, Any]], ReleasedBatch, list[dict[str, Any]]]:
+        """The released groups' samples as the trainer takes them; their records go (consumed now,
+        exactly once). Returns the samples, what the step log needs of them, and (``dump``) what the
+        rollout dump writes of each."""
+        samples, rewards, lengths, staleness, tokens = [], [], [], [], 0
+        dumped: list[dict] = []  # what the rollout dump needs of each sample (not sent to the trainer)
+        for gid, version in zip(a.group_ids, a.versions):
+            group = self.groups.pop(gid, None)
+            if group is None:  # the orchestrator never does this (it counts duplicated_groups)
+                raise RuntimeError(f"group {gid} released twice (or never dispatched)")
+            staleness.append(a.step - version)
+            for sid in group.sample_ids:
+                rec = self.samples.pop(sid)
+                samples.append({
+                    "prompt_ids": rec.prompt_ids, "response_ids": rec.output_ids, "rollout_logprobs": rec.logprobs,
+                    "reward": rec.reward, "group_id": gid, "version": rec.version,
+                    **({"routed_experts": rec.routed_experts} if rec.routed_experts is not None else {}),
+                    **({"loss_mask": rec.loss_mask} if rec.loss_mask is not None else {}),
+                })
+                if dump:
+                    dumped.append({**samples[-1], "sample_id": sid, "finish_reason": rec.finish_reason})
+                rewards.append(rec.reward)
+                lengths.append(len(rec.output_ids))
+                tokens += len(rec.prompt_ids) + len(rec.output_ids)
+        batch = ReleasedBatch(wait_s, rewards, lengths, staleness, tokens, tuple(a.group_ids), tuple(a.versions))
+        return samples, batch, dumped
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_entries(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The ``groups`` and ``samples`` entries of ``controller.json``: what the orchestrator
+        snapshot does not hold (prompt and output tokens, rewards). A group's prompt ids once (every
+        sample of it has the same prompt; a finished workflow sample keeps its workflow's own
+        rendering in its entry). Unfinished samples restart from their prompt on their own version
+        (C1), so they need no entry; a pending replay is unfinished for the orchestrator."""
+        groups, samples = [], []
+        for g in self.groups.values():  # consumed ones were forgotten at release
+            recs = [self.samples[sid] for sid in g.sample_ids]
+            groups.append({"group_id": g.group_id, "prompt_index": g.prompt.index,
+                           "prompt_ids": next((r.prompt_ids for r in recs if r.loss_mask is None), recs[0].prompt_ids)})
+            for r in recs:
+                if not r.finished or r.replay_pending:
+                    continue
+                samples.append({
+                    "sample_id": r.sample_id, "reward": r.reward, "output_ids": r.output_ids,
+                    "logprobs": r.logprobs, "versions": sorted(r.versions),
+                    **({"routed_experts": r.routed_experts} if r.routed_experts is not None else {}),
+                    **({"finish_reason": r.finish_reason} if r.finish_reason is not None else {}),
+                    **({"prompt_ids": r.prompt_ids, "loss_mask": r.loss_mask} if r.loss_mask is not None else {}),
+                })
+        return groups, samples
+
+    def load_entries(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_entries`. A group's version and sample ids, a sample's version:
+        the orchestrator snapshot's (an older ``controller.json`` also has them in its own entries,
+        and the prompt ids in every sample entry)."""
+        self.next_prompt = int(state["next_prompt"])
+        orch_groups = {g["group_id"]: g for g in state["orchestrator"]["groups"]}
+        orch_samples = {s["sample_id"]: s for s in state["orchestrator"]["samples"]}
+        for g in state["groups"]:
+            og = orch_groups.get(g["group_id"], g)
+            prompt = self.source.get(int(g["prompt_index"]))
+            sample_ids = tuple(g.get("sample_ids", og["sample_ids"]))
+            version = int(g.get("version", og["version"]))
+            self.groups[g["group_id"]] = GroupRecord(g["group_id"], prompt, sample_ids)
+            for i, sid in enumerate(sample_ids):
+                self.samples[sid] = SampleRecord(sid, g["group_id"], i, int(orch_samples.get(sid, og).get("version", version)),
+                                                 list(g.get("prompt_ids") or ()))
+        for d in state["samples"]:
+            rec = self.samples[d["sample_id"]]
+            if "prompt_ids" in d:  # an older controller.json: the prompt ids in every sample entry
+                rec.prompt_ids = list(d["prompt_ids"])
+            if "version" in d:  # an older controller.json: every sample, with its version
+                rec.version = int(d["version"])
+            if not d.get("finished", True):
+                continue
+            rec.output_ids, rec.logprobs = list(d["output_ids"]), list(d["logprobs"])
+            rec.versions, rec.reward, rec.finished = set(d["versions"]), d["reward"], True
+            rec.routed_experts, rec.finish_reason = d.get("routed_experts"), d.get("finish_reason")
+            rec.loss_mask = d.get("loss_mask")
