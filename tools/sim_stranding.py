@@ -12,10 +12,12 @@ the production orchestrator in the simulator with a probe on its decision loop a
   admissible groups but no instance serving or loading it;
 - ``by_pool``: that time split by the pool's state, each instance as the age (newest - version)
   of the version it holds: ``[1, 2]`` means one instance on the previous version and one two
-  versions back (no migration can free either), ``[1, 1]`` one version on both (consolidation can).
+  versions back (no migration can free either), ``[1, 1]`` one version on both (consolidation can);
+- ``idle_slots_stranded``: the request slots (``cap_before_rebalance`` per instance) left empty
+  while the newest was stranded, as a share of all slot-time: the most any remedy that gives the
+  newest version room during those stretches could put to work; ``idle_slots``: the same at any time.
 
-    python tools/sim_stranding.py --config configs/sim/tiny.yaml --set cluster.total_gpus=12 \
-        --set orchestrator.max_staleness=3 --set sim.steps=40 --set cost.train_fixed_s=20
+    python tools/sim_stranding.py --config configs/sim/two_instances.yaml [--set cluster.total_gpus=14]
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class _Probe(Orchestrator):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.trace: list[tuple[float, tuple[int, ...] | None]] = []
+        self.trace: list[tuple[float, tuple[int, ...] | None, float]] = []
 
     def _fill(self):  # noqa: ANN202 - same contract as the parent
         out = super()._fill()
@@ -42,32 +44,37 @@ class _Probe(Orchestrator):
         if not served and self._admissible_new() > 0:
             pool = tuple(sorted(self.newest - (i.version if i.version is not None else i.target)
                                 for i in self.instances.values() if i.alive))
-        self.trace.append((self.now, pool))
+        cap = self.config.cap_before_rebalance
+        alive = [i for i in self.instances.values() if i.alive]
+        idle = sum(max(0, cap - len(i.samples)) for i in alive) / (cap * len(alive)) if alive else 0.0
+        self.trace.append((self.now, pool, idle))
         return out
 
 
-def stranding(trace: list[tuple[float, tuple[int, ...] | None]]) -> dict[str, Any]:
-    """Stranded share of the traced span and its split by pool state (from the probe's trace)."""
+def stranding(trace: list[tuple[float, tuple[int, ...] | None, float]]) -> dict[str, Any]:
+    """Stranded share of the traced span, its split by pool state, and the empty slot-time (share
+    of the pool's slots, time-weighted) while stranded and overall, from the probe's trace."""
     trace = sorted(trace, key=lambda r: r[0])
     span = trace[-1][0] - trace[0][0] if len(trace) > 1 else 0.0
     by: dict[str, float] = {}
-    for (t0, pool), (t1, _) in zip(trace, trace[1:]):
+    idle = idle_stranded = 0.0
+    for (t0, pool, empty), (t1, _, _) in zip(trace, trace[1:]):
+        idle += empty * (t1 - t0)
         if pool is not None:
             by[str(list(pool))] = by.get(str(list(pool)), 0.0) + t1 - t0
+            idle_stranded += empty * (t1 - t0)
     total = sum(by.values())
     return {"stranded_fraction": total / span if span else None,
-            "by_pool": {k: v / total for k, v in sorted(by.items(), key=lambda kv: -kv[1])} if total else {}}
+            "by_pool": {k: v / total for k, v in sorted(by.items(), key=lambda kv: -kv[1])} if total else {},
+            "idle_slots": idle / span if span else None, "idle_slots_stranded": idle_stranded / span if span else None}
 
 
-def main() -> None:
+def measure(config: str, overrides: list[str]) -> dict[str, Any]:
+    """One simulated DORA run of ``config``: :func:`stranding` of its orchestrator and the run's rates."""
     from dora_megatron.config.sim import load_sim_config
     from dora_megatron.sim.engine import Simulation
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--set", dest="overrides", action="append", default=[])
-    args = ap.parse_args()
-    cfg = load_sim_config(args.config, args.overrides, mode="dora")
+    cfg = load_sim_config(config, overrides, mode="dora")
     probes: list[_Probe] = []
 
     def factory(*a: Any, **k: Any) -> _Probe:
@@ -76,12 +83,20 @@ def main() -> None:
 
     res = Simulation(cfg, orchestrator_factory=factory).run()
     s = res.summary
-    out = {"instances": cfg.cluster.rollout_instances("dora"), "max_staleness": cfg.orchestrator_config().max_staleness,
-           **stranding(probes[0].trace),
-           **{k: s.get(k) for k in ("throughput_tokens_per_s", "mean_step_time_s", "rollout_only_fraction",
-                                    "rollout_utilization", "migrations")}}
-    print(json.dumps(out, indent=2))
+    return {"instances": cfg.cluster.rollout_instances("dora"), "max_staleness": cfg.orchestrator_config().max_staleness,
+            **stranding(probes[0].trace),
+            **{k: s.get(k) for k in ("throughput_tokens_per_s", "mean_step_time_s", "rollout_only_fraction",
+                                     "rollout_utilization", "migrations")}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    args = ap.parse_args(argv)
+    print(json.dumps(measure(args.config, args.overrides), indent=2))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
