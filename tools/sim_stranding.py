@@ -18,6 +18,11 @@ the production orchestrator in the simulator with a probe on its decision loop a
   newest version room during those stretches could put to work; ``idle_slots``: the same at any time.
 
     python tools/sim_stranding.py --config configs/sim/two_instances.yaml [--set cluster.total_gpus=14]
+
+``--run-dir RUN_DIR`` measures the same on a finished real run (``dora train``, a ``dora bench``
+run) from its ``trace.json``: the newest version at a time is the last one the trainer produced;
+it is stranded while no engine holds or loads it (the trace does not say whether admission
+wanted groups of it then, so this counts every such moment from the first to the last step's end).
 """
 
 from __future__ import annotations
@@ -89,12 +94,58 @@ def measure(config: str, overrides: list[str]) -> dict[str, Any]:
                                      "rollout_utilization", "migrations")}}
 
 
+def trace_stranding(events: list[dict[str, Any]], cap: int) -> dict[str, Any]:
+    """:func:`stranding` of a real run from its Chrome-trace ``events`` (``trace.json``): engine
+    tracks carry ``version`` spans (weights held), ``weight_sync`` spans (a load under way) and
+    ``request`` spans; the trainer's ``train`` spans say which version each step ``produced``.
+    ``cap``: request slots per engine. The pool state is the ages of the versions the engines hold."""
+    names = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M"}
+    spans = [e for e in events if e.get("ph") == "X"]
+    produced = sorted((e["ts"] + e["dur"], e["args"]["produced"]) for e in spans if e.get("cat") == "train")
+    if len(produced) < 2:
+        return {"stranded_fraction": None, "by_pool": {}, "idle_slots": None, "idle_slots_stranded": None}
+    engines = sorted({e["tid"] for e in spans if e.get("cat") == "version" and names.get(e["tid"]) != "trainer"})
+    held = {t: [(e["ts"], e["ts"] + e["dur"], e["args"]["version"]) for e in spans
+                if e["tid"] == t and e.get("cat") in ("version", "weight_sync")] for t in engines}
+    requests = {t: [(e["ts"], e["ts"] + e["dur"]) for e in spans if e["tid"] == t and e.get("cat") == "request"]
+                for t in engines}
+    start, end = produced[0][0], produced[-1][0]
+    cuts = sorted({start, end, *(x for t in engines for a, b, _ in held[t] for x in (a, b)),
+                   *(x for t in engines for a, b in requests[t] for x in (a, b)), *(p for p, _ in produced)})
+    cuts = [c for c in cuts if start <= c <= end]
+    trace: list[tuple[float, tuple[int, ...] | None, float]] = []
+    for t0, t1 in zip(cuts, cuts[1:]):
+        mid = (t0 + t1) / 2
+        newest = max(v for p, v in produced if p <= mid)
+        pool = {t: {v for a, b, v in held[t] if a <= mid < b} for t in engines}
+        running = [sum(1 for a, b in requests[t] if a <= mid < b) for t in engines]
+        idle = sum(max(0, cap - r) for r in running) / (cap * len(engines))
+        stranded = not any(newest in vs for vs in pool.values())
+        ages = tuple(sorted(newest - max(vs) for vs in pool.values() if vs)) if stranded else None
+        trace.append((t0 / 1e6, ages, idle))
+    trace.append((end / 1e6, None, 0.0))
+    return stranding(trace)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", required=True)
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--config", help="simulator config: run DORA on it")
+    src.add_argument("--run-dir", help="a finished run's directory: read its trace.json")
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     args = ap.parse_args(argv)
-    print(json.dumps(measure(args.config, args.overrides), indent=2))
+    if args.config:
+        out = measure(args.config, args.overrides)
+    else:
+        from pathlib import Path
+
+        import yaml
+
+        run = Path(args.run_dir)
+        trace = json.loads((run / "trace.json").read_text())
+        cap = yaml.safe_load((run / "config.yaml").read_text())["orchestrator"]["cap_before_rebalance"]
+        out = trace_stranding(trace["traceEvents"] if isinstance(trace, dict) else trace, int(cap))
+    print(json.dumps(out, indent=2))
     return 0
 
 
