@@ -2,18 +2,16 @@
 two *different* older versions (so no same-version migration can free an instance); four
 instances host every live version of S = 3."""
 
-import importlib.util
 from pathlib import Path
+
+from tests.helpers.tools import load_tool
 
 ROOT = Path(__file__).resolve().parents[3]
 TWO = ROOT / "configs" / "sim" / "two_instances.yaml"
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("sim_stranding", ROOT / "tools" / "sim_stranding.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("sim_stranding")
 
 
 def test_two_instances_strand_the_newest_only_behind_two_distinct_older_versions():
