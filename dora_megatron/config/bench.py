@@ -29,6 +29,14 @@ class BenchConfig:
     limit_steps: int = field_doc(5, "Recorded training batches the trainer-alone measurement times (the first is "
                                     "warm-up, not counted); the rollout pass generates at least their groups.", ge=2)
     baseline: str = field_doc("auto", "Sync baseline of the ratios: `auto` = the faster of sync and sync_colocated.")
+    ci_level: float = field_doc(0.95, "Confidence level of each ratio's interval (DORA / sync, / one_step_off, "
+                                      "/ partial): a Student t interval over the rounds' log throughput ratios, "
+                                      "paired by round (needs `seeds` >= 2).", gt=0.0, lt=1.0)
+    reward_level: float = field_doc(0.5, "Time-to-reward: the wall time (sum of step times) at which a run's "
+                                         "trailing `reward_window`-step mean reward of its trained samples first "
+                                         "reaches this level; per variant the seeds' times and how many got there.")
+    reward_window: int = field_doc(5, "Steps of the trailing mean of time-to-reward (one step's few groups are "
+                                      "too noisy to compare).", ge=1)
 
     def check(self, path: str) -> None:
         for i, name in enumerate(self.variants):

@@ -15,8 +15,12 @@ min(the two) of its round is its ``efficiency``.
 
 Outputs in ``DIR``: ``bench.json`` (each run's summary; per variant the means, the median and
 min-max of throughput and efficiency; ``limits``; ratios dora/sync, dora/one_step_off,
-dora/partial of median throughput and step time), ``bench.md`` (the table), ``reward.png``
-(reward per step and per wall second), ``overview.png`` (each variant's run overview, side by side).
+dora/partial of median throughput and step time, and in ``ratio_ci`` each DORA ratio paired by
+round with its confidence interval; ``bound_exceeded``: runs above their round's bound;
+``learning``: per variant and seed the reward curve and the time-to-reward, :mod:`.bench_stats`),
+``bench.md`` (the tables), ``reward.png`` (reward per step and per wall second, seed means),
+``reward_curves.png`` (every seed's reward against wall seconds, the reward level drawn),
+``overview.png`` (each variant's run overview, side by side).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Any
 
 from dora_megatron.config.loader import apply_overrides, from_dict, to_dict, validate
 from dora_megatron.config.schema import DoraConfig
+from dora_megatron.launch.bench_stats import paired_ratio_ci, reward_curve, time_to_reward, trailing_mean
 from dora_megatron.launch.capacity import bound, median_spread
 
 log = logging.getLogger(__name__)
@@ -130,10 +135,12 @@ def summarize_limits(limits: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def aggregate(runs: dict[str, list[dict[str, Any]]], baseline: str = "auto",
-              limits: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+              limits: list[dict[str, Any]] | None = None, ci_level: float = 0.95) -> dict[str, Any]:
     """Per variant: means, median and min-max of throughput, efficiency (median over the rounds of
     throughput / that round's bound) when ``limits`` (one entry per seed round) are known; the
-    headline ratios, of median throughput and median step time."""
+    headline ratios, of median throughput and median step time, and each DORA ratio's confidence
+    interval (``ratio_ci``: paired by round, :func:`~.bench_stats.paired_ratio_ci`; ``runs[v][k]``
+    is round k)."""
     keys = ("throughput_tokens_per_s", "mean_step_time_s", "rollout_only_fraction", "rollout_utilization",
             "reward_first", "reward_last", "wall_time_s", "max_consumed_staleness", "migrations", "reprefill_tokens")
     means: dict[str, dict[str, Any]] = {}
@@ -152,18 +159,48 @@ def aggregate(runs: dict[str, list[dict[str, Any]]], baseline: str = "auto",
     else:
         base = baseline if baseline in means else None
     ratios: dict[str, Any] = {"sync_baseline": base}
+    cis: dict[str, Any] = {}
     for dora in [v for v in means if v.startswith("dora")]:
         for other, label in ((base, "sync"), ("one_step_off", "one_step_off"), ("partial", "partial")):
             if other is None or other not in means:
                 continue
+            ci = paired_ratio_ci([r.get("throughput_tokens_per_s") for r in runs[dora]],
+                                 [r.get("throughput_tokens_per_s") for r in runs[other]], ci_level)
+            if ci is not None:
+                cis[f"{dora}/{label}_throughput"] = ci.to_json()
             a, b = means[dora], means[other]
             if a["throughput_median"] and b["throughput_median"]:
                 ratios[f"{dora}/{label}_throughput"] = a["throughput_median"] / b["throughput_median"]
             if a["step_time_median"] and b["step_time_median"]:
                 ratios[f"{dora}/{label}_step_time_speedup"] = b["step_time_median"] / a["step_time_median"]
-    out: dict[str, Any] = {"means": means, "ratios": ratios}
+    out: dict[str, Any] = {"means": means, "ratios": ratios, "ratio_ci": cis}
     if limits:
         out["limits"] = summarize_limits(limits)
+        out["bound_exceeded"] = [f"{v}-seed{k}" for v, rs in runs.items()
+                                 for k, e in enumerate(_efficiencies(rs, limits)) if e is not None and e > 1.0]
+    return out
+
+
+def learning(run_dirs: dict[str, list[Path]], level: float, window: int) -> dict[str, Any]:
+    """Per variant and seed (``run_dirs[v][k]``: round k): the reward curve (wall seconds, reward of
+    the step's trained samples) read from ``steps.jsonl``, the time-to-reward at ``level`` over a
+    trailing ``window`` of steps (:func:`~.bench_stats.time_to_reward`; None: not reached) and the
+    last trailing mean; per variant the seeds that got there and the median time of those that did."""
+    out: dict[str, Any] = {"level": level, "window": window, "variants": {}}
+    for v, dirs in run_dirs.items():
+        seeds = []
+        for d in dirs:
+            path = d / "steps.jsonl"
+            rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+            walls, rewards = reward_curve(rows)
+            smooth = [m for m in trailing_mean(rewards, window) if m is not None] if rewards else []
+            seeds.append({"run": d.name, "wall_s": walls, "reward": rewards,
+                          "time_to_reward_s": time_to_reward(walls, rewards, level, window),
+                          "final_reward": smooth[-1] if smooth else None})
+        times = [s["time_to_reward_s"] for s in seeds if s["time_to_reward_s"] is not None]
+        out["variants"][v] = {"seeds": seeds, "reached": len(times), "runs": len(seeds),
+                              "time_to_reward_median_s": statistics.median(times) if times else None,
+                              "final_reward_mean": _mean([s["final_reward"] for s in seeds])}
     return out
 
 
@@ -193,7 +230,30 @@ def markdown_table(agg: dict[str, Any]) -> str:
                        f"training alone {f(lim['training_tokens_per_s'], '{:.0f}')} ({f(lim['training_min'], '{:.0f}')}-{f(lim['training_max'], '{:.0f}')}), "
                        f"bound min(the two) {f(lim['bound_tokens_per_s'], '{:.0f}')} ({lim['bound_by']}-bound)."]
     ratio_lines = [f"- `{k}`: {v:.2f}x" for k, v in agg["ratios"].items() if isinstance(v, float)]
-    return "\n".join(lines + limit_lines + ["", f"Sync baseline: `{base}`.", ""] + ratio_lines) + "\n"
+    ci_lines = []
+    if agg.get("ratio_ci"):
+        level = next(iter(agg["ratio_ci"].values()))["level"]
+        ci_lines = ["", f"Ratios paired by round (geometric mean of the rounds' throughput ratios, {level:.0%} t interval):"]
+        ci_lines += [f"- `{k}`: {c['ratio']:.2f}x ({f(c['lo'])}-{f(c['hi'])}, {c['pairs']} rounds)"
+                     f"{' above 1' if c['above_one'] else ''}" for k, c in agg["ratio_ci"].items()]
+    if agg.get("bound_exceeded"):
+        ci_lines += ["", "Runs above their round's bound: " + ", ".join(agg["bound_exceeded"]) + "."]
+    return "\n".join(lines + limit_lines + ["", f"Sync baseline: `{base}`.", ""] + ratio_lines + ci_lines) + "\n"
+
+
+def learning_table(learn: dict[str, Any]) -> str:
+    """Time-to-reward per variant: the seeds' times (wall seconds; '-': not reached) and final rewards."""
+    def f(x, fmt="{:.1f}"):
+        return "-" if x is None else fmt.format(x)
+
+    lines = [f"Time to a trailing {learn['window']}-step mean reward of {learn['level']:.3f} (wall seconds of the "
+             "steps; '-': not reached in the run):", "",
+             "| variant | reached | median (s) | per seed (s) | final trailing reward, per seed |", "|---|---|---|---|---|"]
+    for v, m in learn["variants"].items():
+        lines.append(f"| {v} | {m['reached']}/{m['runs']} | {f(m['time_to_reward_median_s'])} | "
+                     f"{' / '.join(f(s['time_to_reward_s']) for s in m['seeds'])} | "
+                     f"{' / '.join(f(s['final_reward'], '{:.3f}') for s in m['seeds'])} |")
+    return "\n".join(lines) + "\n"
 
 
 def _smooth(values: list[float], window: int) -> list[float]:
@@ -249,6 +309,32 @@ def plot_rewards(run_dirs: dict[str, list[Path]], out: Path, window: int = 5) ->
     ax1.legend(fontsize="small")
     ax1.set_title("reward per step")
     ax2.set_title("reward per wall second")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def plot_reward_curves(learn: dict[str, Any], out: Path) -> Path:
+    """Reward of the trained samples against wall seconds, one panel per variant, one line per seed
+    (its trailing mean, the raw steps faint), the level of time-to-reward as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = learn["variants"]
+    fig, axes = plt.subplots(1, max(1, len(variants)), figsize=(4.2 * max(1, len(variants)), 3.8),
+                             sharey=True, squeeze=False)
+    for ax, (v, m) in zip(axes[0], variants.items()):
+        for s in m["seeds"]:
+            line, = ax.plot(s["wall_s"], trailing_mean(s["reward"], learn["window"]), label=s["run"])
+            ax.plot(s["wall_s"], s["reward"], color=line.get_color(), alpha=0.2, linewidth=0.8)
+        ax.axhline(learn["level"], color="black", linestyle="--", linewidth=0.8)
+        ax.set_title(f"{v}: {m['reached']}/{m['runs']} reach {learn['level']:.2f}", fontsize="medium")
+        ax.set_xlabel("wall seconds (steps)")
+        ax.legend(fontsize="x-small")
+    axes[0][0].set_ylabel(f"reward ({learn['window']}-step trailing mean)")
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
@@ -332,12 +418,23 @@ def run_bench(cfg: DoraConfig, out_dir: str | Path, say=log.info) -> dict[str, A
         run_dirs.setdefault(name, []).append(run_dir)
         say(f"bench: {name} seed {k}: {summary['throughput_tokens_per_s']:.0f} tok/s, "
             f"step {summary['mean_step_time_s']:.2f} s, rollout-only {summary['rollout_only_fraction']:.2f}")
-    agg = aggregate(runs, cfg.bench.baseline, limits or None)
-    result = {"runs": runs, **agg, "cores": n_cores, "order": [f"{n}-seed{k}" for k, n in
-                                                              run_order(cfg.bench.variants, cfg.bench.seeds, cfg.bench.limits)]}
+    return write_results(cfg, out, runs, run_dirs, limits, n_cores, say)
+
+
+def write_results(cfg: DoraConfig, out: Path, runs: dict[str, list[dict[str, Any]]], run_dirs: dict[str, list[Path]],
+                  limits: list[dict[str, Any]], n_cores: int, say=log.info) -> dict[str, Any]:
+    """``bench.json``, ``bench.md`` and the figures of DIR from the runs' summaries and directories
+    (also usable on a finished bench directory to aggregate it again)."""
+    b = cfg.bench
+    agg = aggregate(runs, b.baseline, limits or None, b.ci_level)
+    learn = learning(run_dirs, b.reward_level, b.reward_window)
+    result = {"runs": runs, **agg, "learning": learn, "cores": n_cores,
+              "order": [f"{n}-seed{k}" for k, n in run_order(b.variants, b.seeds, b.limits)]}
+    table = markdown_table(agg) + "\n" + learning_table(learn)
     (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "bench.md").write_text(markdown_table(agg))
+    (out / "bench.md").write_text(table)
     plot_rewards(run_dirs, out / "reward.png")
+    plot_reward_curves(learn, out / "reward_curves.png")
     plot_overviews(run_dirs, out / "overview.png")
-    say("\n" + markdown_table(agg))
+    say("\n" + table)
     return result

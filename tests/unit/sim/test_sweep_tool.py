@@ -1,20 +1,18 @@
 """tools/sim_sweep.py: variants x modes against the bound, and bad input is a usage error."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.tools import load_tool
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY = ROOT / "configs" / "sim" / "tiny.yaml"
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("sim_sweep", ROOT / "tools" / "sim_sweep.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("sim_sweep")
 
 
 def test_sweep_reports_bound_and_ratios_per_variant(tmp_path, capsys):

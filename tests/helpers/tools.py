@@ -1,0 +1,17 @@
+"""Import a script of ``tools/`` (not a package) as a module, for tests of its functions."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_tool(name: str) -> ModuleType:
+    """``tools/<name>.py`` as a fresh module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
