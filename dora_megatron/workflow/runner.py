@@ -1,4 +1,4 @@
-"""Runs a sample's workflow against one instance, pinned to the sample's weight version.
+"""Runs a sample's workflow, pinned to the sample's weight version (its turns where the orchestrator puts them).
 
 WHY the runtime sees a workflow as one engine answer: the orchestrator's unit of work is a sample
 submitted on an instance for a version. A whole trajectory (every turn, every tool call) is one
@@ -269,7 +269,7 @@ class WorkflowRunner:
             except TrajectoryAborted:
                 traj = None
             except Exception as err:
-                if client.engine_error is not None:  # the instance's (or the controller's) fault: the runtime handles it
+                if client.engine_error is not None:  # the instance's (or the controller's) fault: the runtime's
                     raise client.engine_error from None
                 raise self._failed(sample_id, f"{type(err).__name__}: {err}") from err
             if client.retag is None:

@@ -33,8 +33,9 @@ def test_job_sigkill_between_turns_then_resume_trains_every_group_once(tmp_path)
             f'rollout.workflow_kwargs={{tool_s: 0.2, log: "{log}"}}')
     proc = start_train(run_dir, *args)
     try:
-        wait_for(lambda: (run_dir / "checkpoints" / "v000002" / "controller.json").is_file() and steps_done(run_dir) >= 3
-                 and _between_turns(_notes(log)), 400, "checkpoint v2, three steps and a trajectory between turns", proc)
+        checkpoint = run_dir / "checkpoints" / "v000002" / "controller.json"
+        wait_for(lambda: checkpoint.is_file() and steps_done(run_dir) >= 3 and _between_turns(_notes(log)), 400,
+                 "checkpoint v2, three steps and a trajectory between turns", proc)
         pids = json.loads((run_dir / "processes.json").read_text())
         os.kill(pids["controller"], signal.SIGKILL)
         proc.wait(timeout=30)
