@@ -4,13 +4,9 @@ exactly once, and the trajectories the kill cut ran again from their prompts."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-
 import pytest
 
-from tests.integration.test_faults import (ROOT, alive, check_resumed_run, finish, start_train, steps_done,
+from tests.integration.test_faults import (ROOT, check_resumed_run, finish, kill_controller, start_train, steps_done,
                                            wait_for)
 
 pytestmark = pytest.mark.integration
@@ -36,10 +32,7 @@ def test_job_sigkill_between_turns_then_resume_trains_every_group_once(tmp_path)
         checkpoint = run_dir / "checkpoints" / "v000002" / "controller.json"
         wait_for(lambda: checkpoint.is_file() and steps_done(run_dir) >= 3 and _between_turns(_notes(log)), 400,
                  "checkpoint v2, three steps and a trajectory between turns", proc)
-        pids = json.loads((run_dir / "processes.json").read_text())
-        os.kill(pids["controller"], signal.SIGKILL)
-        proc.wait(timeout=30)
-        wait_for(lambda: not any(alive(p) for k, p in pids.items() if k != "controller"), 60, "children to exit")
+        kill_controller(run_dir, proc)  # the whole job, while trajectories are between turns
     finally:
         if proc.poll() is None:
             proc.kill()
