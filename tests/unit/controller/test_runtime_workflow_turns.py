@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from dora_megatron.workflow.api import Trajectory
-from tests.helpers.runtime import check_run, engine_versions, make, run_killing
+from tests.helpers.runtime import check_run, engine_versions, make
 from tests.unit.controller.test_runtime_workflow import ENV, check_trajectories, with_workflow
 
 WAIT_S = 2.0  # bound of a tool's wait for another sample's turn (reached only when no slot is free)
