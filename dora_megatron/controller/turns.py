@@ -61,6 +61,8 @@ class TurnGate:
         await self.host.events.report(TurnReady(self.rec.sample_id, self))
         a: Submit = await self.waiting
         self.waiting = None
+        if self.dropped:  # moved or interrupted as soon as it was placed: the new submission runs it
+            raise TrajectoryAborted(self.rec.sample_id)
         rec = self.rec
         self.instance, self.engine = a.instance, self.host.engines[a.instance]
         rec.gen_instance = a.instance
