@@ -470,7 +470,8 @@ class Runtime:
         orchestrator hears of it); aborted: the partial output is kept, None. A late answer about a
         sample whose group was consumed meanwhile (the source's reply to a KV export) is dropped."""
         rec, resp, instance, start, end = self.samples.get(ev.sample_id), ev.resp, ev.instance, ev.start, ev.end
-        self.metrics.request_held_slot(start, end)
+        if self.workflow is None:  # a trajectory's turns count their own slot time (:class:`TurnGate`), not its tools'
+            self.metrics.request_held_slot(start, end)
         if rec is None:
             return None
         if getattr(resp, "migrated", False):

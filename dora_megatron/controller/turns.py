@@ -33,6 +33,9 @@ class TurnsHost(Protocol):
     engines: dict[str, Engine]
     samples: dict[str, SampleRecord]
     events: EventQueue
+    metrics: Any  # :class:`~dora_megatron.observability.recorder.MetricsRecorder`: the slot time of each turn
+
+    def now(self) -> float: ...
 
 
 class TurnGate:
@@ -47,8 +50,10 @@ class TurnGate:
         self.dropped = False
         self.closed = False
         self.waiting: asyncio.Future | None = None  # the next turn's placement, once asked for
+        self.turn_start = host.now()
 
     async def ended(self) -> None:
+        self.host.metrics.request_held_slot(self.turn_start, self.host.now())  # (rollout_utilization)
         self.rec.gen_instance = None  # off the engine: a failure of that instance no longer concerns it
         await self.host.events.report(TurnEnded(self.rec.sample_id, self))
         if self.dropped:
@@ -66,6 +71,7 @@ class TurnGate:
         rec = self.rec
         self.instance, self.engine = a.instance, self.host.engines[a.instance]
         rec.gen_instance = a.instance
+        self.turn_start = self.host.now()
         if a.version != rec.version:  # partial mode placed it on newer weights: it runs again on them
             rec.versions.clear()
             rec.versions.add(a.version)
