@@ -123,3 +123,33 @@ def test_an_engine_killed_between_turns_or_inside_one_loses_and_duplicates_nothi
     for sid in killed["inside"]:  # in flight there when it died: run again whole elsewhere
         assert killed["inside_at"] not in wf.turn_engines[sid]
     assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
+
+
+def test_partial_mode_runs_a_trajectory_again_on_the_newer_weights_its_next_turn_is_placed_on():
+    """In partial mode a turn waiting for a slot is placed on the newest weights; a trajectory whose
+    tool outlived a weight update therefore runs again from its prompt on them, never mixing versions."""
+    rt, engines, trainer = make(mode="partial", n=2, steps=4, token_s=0.001)
+    outlived: list[str] = []
+
+    async def tool_outlives_an_update(prompt, prompt_ids, client, ctx):
+        first = await client.generate(prompt_ids)
+        for _ in range(20):  # the tool lasts until the trainer produced newer weights (bounded)
+            if rt.orch.newest > client.version:
+                outlived.append(client.sample_id)
+                break
+            await asyncio.sleep(0.01)
+        second = await client.generate(prompt_ids + first.output_ids + ENV)
+        ids = first.output_ids + ENV + second.output_ids
+        mask = [1] * len(first.output_ids) + [0] * len(ENV) + [1] * len(second.output_ids)
+        return Trajectory(prompt_ids, ids, mask, first.logprobs + [0.0] * len(ENV) + second.logprobs, turns=2)
+
+    seen = with_workflow(rt, tool_outlives_an_update)
+    summary = asyncio.run(asyncio.wait_for(rt.run(), timeout=120))
+    check_trajectories(trainer, seen)
+    assert outlived and summary["env/trajectories_aborted"] > 0
+    calls = [(rid, v) for e in engines.values() for op, rid, v in e.log if op == "generate"]
+    trained = [s for b in trainer.batches for s in b]
+    assert len({s["group_id"] for s in trained}) == 4 * 4 and all(s["reward"] == 1.0 for s in trained)
+    again = {rid for rid, v in calls if rid in outlived and any(r == rid and w > v for r, w in calls)}
+    assert again  # an outlived trajectory ran again on the newer version
+    assert summary["c1_violations"] == 0 and summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0
