@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 PENDING = "pending"    # tagged with a version, waiting for an instance of that version
 RUNNING = "running"    # placed on an instance (generating, or queued inside the engine)
 FINISHED = "finished"  # all tokens generated; waits for its group to complete
+WAITING = "waiting"    # a workflow's trajectory between turns: off every engine while its tool runs
 
 
 @dataclass(slots=True)
@@ -39,6 +40,7 @@ class Sample:
     tokens: int = 0
     submissions: int = 0
     reprefill_tokens: int = 0
+    turn_from: str | None = None  # between turns: the instance of the turn that just ended
 
 
 @dataclass(slots=True)

@@ -72,6 +72,23 @@ class EngineReply:
 
 
 @dataclass(frozen=True)
+class TurnEnded:
+    """A turn of ``sample_id``'s workflow returned: the trajectory is off its engine while its tool
+    runs (``turn``: the run it belongs to, :class:`~dora_megatron.controller.turns.TurnGate`)."""
+
+    sample_id: str
+    turn: Any
+
+
+@dataclass(frozen=True)
+class TurnReady:
+    """``sample_id``'s workflow asks for its next turn (the orchestrator places it)."""
+
+    sample_id: str
+    turn: Any
+
+
+@dataclass(frozen=True)
 class SampleProgress:
     """A running request of ``sample_id`` has generated ``tokens`` so far. The simulator's instance
     model knows it (and reports it before it moves or re-tags requests, for the re-prefill count and
@@ -172,7 +189,7 @@ class Stop:
     """Wakes the loop when the run ends (every step done, or an error)."""
 
 
-Event = (Start | Resume | EngineReply | SampleProgress | Replayed | InstanceStats | Tick | SwitchDone | MigrationDone | MigrationFailed
+Event = (Start | Resume | EngineReply | TurnEnded | TurnReady | SampleProgress | Replayed | InstanceStats | Tick | SwitchDone | MigrationDone | MigrationFailed
          | InstanceFailed | InstanceJoined | TrainerDone | CheckpointSaved | Stop)
 
 
@@ -229,6 +246,7 @@ class Executor(ActionHandler, Protocol):
     def absorb(self, ev: EngineReply) -> int | None: ...
     def sample_versions(self, sample_id: str) -> Iterable[int]: ...
     def replayed(self, sample_id: str) -> int: ...
+    def turn_current(self, sample_id: str, turn: Any) -> bool: ...
     def is_current(self, instance: str, engine: Any) -> bool: ...
     def switch_landed(self, ev: SwitchDone, origin: asyncio.Task | None) -> bool: ...
     def mark_failed(self, ev: InstanceFailed, origin: asyncio.Task | None) -> bool: ...
@@ -283,6 +301,12 @@ class EventMapping:
             # every version that produced its tokens, as the engines said (the orchestrator alone counts C1)
             orch.on_sample_versions(event.sample_id, ex.sample_versions(event.sample_id))
             return orch.on_sample_finished(event.sample_id, tokens=tokens, now=event.end)
+        if isinstance(event, (TurnEnded, TurnReady)):
+            if not ex.turn_current(event.sample_id, event.turn):
+                return []  # a dropped run's (moved, interrupted, re-queued): the orchestrator placed it anew
+            if isinstance(event, TurnEnded):
+                return orch.on_turn_ended(event.sample_id)
+            return orch.on_turn_ready(event.sample_id)
         if isinstance(event, SampleProgress):
             return orch.on_sample_progress(event.sample_id, event.tokens)
         if isinstance(event, Replayed):

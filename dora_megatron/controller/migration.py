@@ -63,6 +63,7 @@ class MoveHost(Protocol):
     opt: RuntimeOptions
     timeline: Any
     workflow: Any
+    turns: Any  # a workflow's runs (controller.turns.Turns): one moved or interrupted mid-turn is dropped
 
     def now(self) -> float: ...
 
@@ -93,6 +94,7 @@ class Migrations:
         # off it, which is the wait DORA's partition exists to remove. A switch of the destination
         # waits for the whole move.
         released = asyncio.get_running_loop().create_future()
+        self.rt.turns.drop(a.sample_id)  # a trajectory moved during a turn runs again at the destination
         task = self.rt.concurrent(a.sample_id, lambda prev: self.move(a, prev, released), f"migrate-{a.sample_id}")
         task.add_done_callback(lambda t: released.done() or released.set_result(None))
         self._track_move(a.src, released)
@@ -107,6 +109,7 @@ class Migrations:
         fut.add_done_callback(lambda f: self._moves_at.get(instance, set()).discard(f))
 
     def interrupt(self, a: Interrupt) -> None:
+        self.rt.turns.drop(a.sample_id)  # an interrupted trajectory runs again from its prompt
         task = self.rt.concurrent(a.sample_id, lambda prev: self.abort(a, prev), f"interrupt-{a.sample_id}")
         self._track_move(a.instance, task)
 

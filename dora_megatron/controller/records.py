@@ -70,6 +70,7 @@ class SampleRecord:
     routed_experts: str | None = None  # engine's meta_info.routed_experts for prompt + output (routing replay)
     finish_reason: str | None = None  # the engine's finish_reason type of the answer that finished it ("stop", "length")
     loss_mask: list[int] | None = None  # a workflow's trajectory: 1 on model tokens of output_ids, 0 on the tools'
+    turn: Any = None  # a workflow's run (controller.turns.TurnGate): where its turns run, whether it was dropped
 
 
 @dataclass

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -54,6 +55,7 @@ from dora_megatron.controller.siblings import finished_sources, push_source, run
 from dora_megatron.controller.migration import Migrations
 from dora_megatron.controller.replay import JournalReplay
 from dora_megatron.controller.stats import StatsPoller
+from dora_megatron.controller.turns import Turns
 from dora_megatron.controller.weight_sync import WeightSync
 from dora_megatron.rollout.speculation import speculation_summary
 
@@ -138,6 +140,8 @@ class Runtime:
         self.weights = WeightSync(self)
         #: migrations and interrupts of in-flight requests (:mod:`.migration`)
         self.moves = Migrations(self)
+        #: a workflow's trajectories between their turns (:mod:`.turns`)
+        self.turns = Turns(self)
         #: the checkpoint files: the trainer's part, then controller.json (:mod:`.checkpointing`)
         self.checkpoints = CheckpointWriter(self)
         #: finished samples the journal recorded after the checkpoint resumed from (:mod:`.replay`)
@@ -255,6 +259,8 @@ class Runtime:
 
     # ------------------------------------------------------------------ ActionHandler
     def submit(self, a: Submit) -> None:
+        if self.turns.hand_over(a):  # the next turn of a trajectory in flight
+            return
         self._chain(a.sample_id, self._submit(a), f"submit-{a.sample_id}")
 
     def migrate(self, a: Migrate) -> None:
@@ -356,7 +362,11 @@ class Runtime:
         while True:
             start = self.now()
             try:
-                resp = await self._generate(engine, rec, a)
+                try:
+                    resp = await self._generate(engine, rec, a)
+                except Exception:
+                    a, engine = self._last_turn(rec, a, engine)  # a workflow's later turn may have run elsewhere
+                    raise
                 break
             except VersionMismatch as err:
                 # the engine's C1 guard refused it (it holds another version): nothing ran, re-queue it
@@ -382,7 +392,9 @@ class Runtime:
                     self.local_shortage(f"generate of {a.sample_id} on {a.instance}", err)
                     if not self.is_current(a.instance, engine):
                         return  # failed or replaced meanwhile: its requests are re-queued already
-                    if time.monotonic() + delay > deadline:  # short for a whole request timeout: run it later
+                    if self.workflow is not None or time.monotonic() + delay > deadline:
+                        # short for a whole request timeout, or a trajectory (its turns are placed by the
+                        # orchestrator, not retried here): run it later
                         await self.events.report(MigrationFailed(a.sample_id))
                         return
                     await asyncio.sleep(delay)
@@ -392,10 +404,17 @@ class Runtime:
                     raise
                 await self.events.report(InstanceFailed(a.instance, f"generate failed: {err}", engine))
                 return
+        a, engine = self._last_turn(rec, a, engine)
         self._refusal_streak.pop(a.instance, None)
         end = self.now()
         reward = await self.store.reward_off_loop(rec, resp)  # off the loop thread, before the report
         await self.events.report(EngineReply(a.sample_id, a.instance, resp, start, end, reward))
+
+    def _last_turn(self, rec: SampleRecord, a: Submit, engine: Engine) -> tuple[Submit, Engine]:
+        """``a`` naming the instance (and the engine) of the last turn of the sample's trajectory,
+        where its answer or its failure came from (without a workflow: ``a``'s own)."""
+        at, engine = self.turns.where(rec, a.instance, engine)
+        return (a if at == a.instance else replace(a, instance=at)), engine
 
     async def _generate(self, engine: Engine, rec: SampleRecord, a: Submit):
         """One submission's answer: the engine's, or with ``rollout.workflow`` the whole trajectory
@@ -406,9 +425,17 @@ class Runtime:
                                          **({"routed_experts": True} if self.opt.routed_experts else {}),
                                          **({"draft_sources": finished_sources(rec, self.store.siblings(rec))}
                                             if self.opt.draft_siblings else {}))
-        return await self.workflow.run(engine, self.groups[rec.group_id].prompt, rec.prompt_ids,
-                                       sample_id=a.sample_id, version=a.version, sampling=self.store.sampling(rec),
-                                       routed_experts=self.opt.routed_experts)
+        turn = self.turns.open(rec, a.instance, engine)
+        try:
+            return await self.workflow.run(engine, self.groups[rec.group_id].prompt, rec.prompt_ids,
+                                           sample_id=a.sample_id, version=a.version, sampling=self.store.sampling(rec),
+                                           routed_experts=self.opt.routed_experts, turns=turn)
+        finally:
+            self.turns.close(turn)
+
+    def turn_current(self, sample_id: str, turn: Any) -> bool:
+        """Loop (:class:`TurnEnded`, :class:`TurnReady`): :meth:`Turns.current`."""
+        return self.turns.current(sample_id, turn)
 
     def _out_of_step(self, instance: str, version: int) -> bool:
         """Whether ``instance`` has now refused :data:`OUT_OF_STEP_REFUSALS` requests in a row routed
@@ -429,7 +456,8 @@ class Runtime:
         orchestrator hears of it); aborted: the partial output is kept, None. A late answer about a
         sample whose group was consumed meanwhile (the source's reply to a KV export) is dropped."""
         rec, resp, instance, start, end = self.samples.get(ev.sample_id), ev.resp, ev.instance, ev.start, ev.end
-        self.metrics.request_held_slot(start, end)
+        if self.workflow is None:  # a trajectory's turns count their own slot time (:class:`TurnGate`), not its tools'
+            self.metrics.request_held_slot(start, end)
         if rec is None:
             return None
         if getattr(resp, "migrated", False):
@@ -848,6 +876,7 @@ class Runtime:
             out.update(self.evaluator.summary())
         if self.workflow is not None:
             out.update(self.workflow.counts)
+            out["workflow_turn_moves"] = osum["workflow_turn_moves"]
         # "completed"; "stopped" (a stop request: checkpoint ``stop_checkpoint`` written, ``--resume``
         # goes on from it); "stopped_without_checkpoint" (the step was abandoned: the last complete
         # checkpoint stays)

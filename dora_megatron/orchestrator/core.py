@@ -32,7 +32,7 @@ from dora_megatron.orchestrator.actions import (Action, Dispatch, Interrupt, Mig
                                                 SwitchVersion)
 from dora_megatron.orchestrator.policy import ModePolicy
 from dora_megatron.orchestrator.rules import admits, legacy_admits, select_batch
-from dora_megatron.types import FINISHED, PENDING, RUNNING, Group, Instance, Sample
+from dora_megatron.types import FINISHED, PENDING, RUNNING, WAITING, Group, Instance, Sample
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,7 @@ class Counters:
     rebalances: int = 0
     max_live_versions: int = 0
     ignored_events: int = 0
+    workflow_turn_moves: int = 0
 
 
 class Orchestrator:
@@ -189,9 +190,9 @@ class Orchestrator:
         inst = self.instances.get(s.instance) if s.instance is not None else None
         if s.state == PENDING:
             self._pending[s.version].pop(sample_id, None)
-        else:
+        elif s.state == RUNNING:
             self._unassign(s)
-        s.state = FINISHED
+        s.state, s.turn_from = FINISHED, None
         self._dec(self._unfinished, s.version)
         g = self.groups[s.group_id]
         g.n_finished += 1
@@ -200,6 +201,39 @@ class Orchestrator:
             self._release_dirty = True
         if self.policy.rebalance and inst is not None and inst.load == 0 and inst.alive:
             self._rebalance("idle")
+        return self._fill()
+
+    def on_turn_ended(self, sample_id: str) -> list[Action]:
+        """A turn of a workflow's trajectory returned: the trajectory is off its instance while its
+        tool (or environment) runs, so its slot is free for other work until :meth:`on_turn_ready`.
+
+        WHY: a tool call can last longer than a turn; holding the slot through it leaves the
+        instance idle with work queued. The sample keeps its version (C1 is per trajectory) and
+        still counts as unfinished work of that version (demand for the rebalance)."""
+        s = self.samples.get(sample_id)
+        if s is None or s.state != RUNNING:
+            self.counters.ignored_events += 1  # moved, interrupted or failed over meanwhile
+            return []
+        s.turn_from = s.instance
+        self._unassign(s)
+        s.state = WAITING
+        return self._fill()
+
+    def on_turn_ready(self, sample_id: str) -> list[Action]:
+        """The trajectory of ``sample_id`` wants its next turn: it is placed like a queued sample of
+        its version (the instance of its last turn first when it has room and no sample of the
+        version waits, for its prefix cache); another instance of the version is a move between
+        turns (``workflow_turn_moves``), its prefix is computed again there."""
+        s = self.samples.get(sample_id)
+        if s is None or s.state != WAITING:
+            self.counters.ignored_events += 1
+            return []
+        last = self.instances.get(s.turn_from or "")
+        if (last is not None and not self.policy.interrupt and not self._pending.get(s.version)
+                and last.instance_id in self._room.get(s.version, ())):
+            self._submit(s, last, s.version)
+        else:
+            self._make_pending(s)
         return self._fill()
 
     def on_instance_stats(self, instance: str, running: int, kv_usage: float,
@@ -297,10 +331,12 @@ class Orchestrator:
         request is queued again for its version and resubmitted (prompt + whatever partial output
         the driver holds) by a ``Submit(resume=...)``. Nothing is dropped."""
         s = self.samples.get(sample_id)
-        if s is None or s.state != RUNNING:
+        if s is None or s.state not in (RUNNING, WAITING):
             self.counters.ignored_events += 1
             return []
-        self._unassign(s)
+        if s.state == RUNNING:
+            self._unassign(s)
+        s.turn_from = None  # (a trajectory that failed between turns runs again from its prompt)
         self._make_pending(s)
         return self._fill()
 
@@ -377,7 +413,7 @@ class Orchestrator:
             elif s.state == PENDING:
                 ok = s.sample_id in self._pending.get(s.version, {})
             else:
-                ok = s.state == FINISHED
+                ok = s.state in (FINISHED, WAITING)
             if not ok:
                 lost.add(s.group_id)
         return len(lost)
@@ -395,6 +431,7 @@ class Orchestrator:
             "migrations": c.migrations, "reprefill_tokens": c.reprefill_tokens,
             "interrupts": c.interrupts, "switches": c.switches, "rebalances": c.rebalances,
             "live_versions": len(self.live_versions()), "max_live_versions": c.max_live_versions,
+            "workflow_turn_moves": c.workflow_turn_moves,
         }
 
     # ------------------------------------------------------------------ snapshot
@@ -469,6 +506,10 @@ class Orchestrator:
             self._finished_groups[int(v)] = dict.fromkeys(i for i in ids if i not in forgotten)
         for v, ids in snap["pending_order"].items():
             self._pending[int(v)] = dict.fromkeys(ids)
+        for s in self.samples.values():
+            if s.state == WAITING:  # its trajectory lived in the process that wrote the snapshot: run it again
+                s.turn_from = None
+                self._make_pending(s)
         for idd in snap["instances"]:
             inst = Instance(**{**idd, "samples": set(idd["samples"])})
             self.instances[inst.instance_id] = inst
@@ -748,6 +789,10 @@ class Orchestrator:
 
     def _submit(self, s: Sample, inst: Instance, version: int) -> None:
         resume = s.tokens > 0
+        if s.turn_from is not None:  # the next turn of a trajectory (not a re-tagged one: that one runs again)
+            if s.turn_from != inst.instance_id and version == s.version:
+                self.counters.workflow_turn_moves += 1
+            s.turn_from = None
         if version != s.version:  # partial mode only: re-tag to the weights it continues on
             self._dec(self._unfinished, s.version)
             self._inc(self._unfinished, version)

@@ -1,10 +1,16 @@
-"""Runs a sample's workflow against one instance, pinned to the sample's weight version.
+"""Runs a sample's workflow, pinned to the sample's weight version (its turns where the orchestrator puts them).
 
 WHY the runtime sees a workflow as one engine answer: the orchestrator's unit of work is a sample
-submitted on an instance for a version. A whole trajectory (every turn, every tool call) runs
-inside that one submission, on that instance, and every engine call carries the sample's version
-(the engine's C1 guard refuses any other), so C1 holds per trajectory by construction. The runner
-hands the runtime a :class:`WorkflowReply` shaped like the engine's answer.
+submitted on an instance for a version. A whole trajectory (every turn, every tool call) is one
+sample, and every engine call carries the sample's version (the engine's C1 guard refuses any
+other), so C1 holds per trajectory by construction. The runner hands the runtime a
+:class:`WorkflowReply` shaped like the engine's answer.
+
+Between turns the trajectory is off the engine (:class:`TurnHost`): when a turn's ``generate``
+returns, the runtime is told (the orchestrator frees the slot while the tool runs), and the next
+turn waits until the orchestrator places it again, on an instance of the same version (the one of
+the last turn, or another: the prefix is computed again there). In ``partial`` mode a trajectory
+placed on newer weights runs again from its prompt on them (it never mixes versions).
 
 What happens to a trajectory that cannot finish:
 
@@ -23,7 +29,7 @@ from __future__ import annotations
 import logging
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from dora_megatron.workflow.api import Generation, Trajectory, WorkflowContext
 
@@ -51,6 +57,18 @@ class WorkflowFailed(RuntimeError):
 
 #: failures in a row of one sample's workflow after which the run stops with the last one's cause
 MAX_FAILURES = 3
+
+
+class TurnHost(Protocol):
+    """Where a trajectory's turns run (the runtime): the first turn on the engine the sample was
+    submitted to; later ones wherever the orchestrator places them."""
+
+    async def ended(self) -> None:
+        """A turn's ``generate`` returned: the trajectory leaves its engine while the workflow works.
+        Raises :class:`TrajectoryAborted` if the trajectory was moved or interrupted meanwhile."""
+
+    async def next(self) -> tuple[Any, int]:
+        """Wait until the next turn is placed: the engine it runs on and the version it runs with."""
 
 
 class TrajectoryAborted(Exception):
@@ -89,8 +107,12 @@ class PinnedEngineClient:
     generate at most what is left, and a call with nothing left answers no tokens, ``length``."""
 
     def __init__(self, engine: Any, sample_id: str, version: int, sampling: Mapping[str, Any], *,
-                 routed_experts: bool = False, max_seq_len: int | None = None) -> None:
+                 routed_experts: bool = False, max_seq_len: int | None = None,
+                 turns: TurnHost | None = None) -> None:
         self.engine = engine
+        self.turns = turns
+        self.on_engine = True  # the sample was submitted: its first turn has its slot
+        self.retag: int | None = None  # placed on another version between turns: run again with it
         self.sample_id = sample_id
         self.version = version
         self.sampling = dict(sampling)
@@ -124,6 +146,12 @@ class PinnedEngineClient:
         params["max_new_tokens"] = min(int(params.get("max_new_tokens", left)), left)
         seed = int(self.sampling.get("sampling_seed", 0))
         params["sampling_seed"] = zlib.crc32(f"{seed}/{len(self.calls)}".encode()) & 0x7FFFFFFF
+        if not self.on_engine:  # a later turn: the orchestrator places it (maybe on another instance)
+            self.engine, version = await self.turns.next()  # type: ignore[union-attr]
+            self.on_engine = True
+            if version != self.version:  # partial mode re-tagged it: the whole trajectory runs again
+                self.aborted, self.retag = True, version
+                raise TrajectoryAborted(self.sample_id)
         try:
             resp = await self.engine.generate(ids, params, rid=self.sample_id, return_logprob=True,
                                               version=self.version,
@@ -140,6 +168,13 @@ class PinnedEngineClient:
         lps = list(resp.output_token_logprobs or [0.0] * len(out))
         self.calls.append(_Call(ids, out, lps))
         self.last_raw = getattr(resp, "raw", None) or {}
+        if self.turns is not None:
+            self.on_engine = False
+            try:
+                await self.turns.ended()
+            except TrajectoryAborted:
+                self.aborted = True
+                raise
         return Generation(out, lps, reason)
 
 
@@ -223,17 +258,24 @@ class WorkflowRunner:
                               final=n >= MAX_FAILURES)
 
     async def run(self, engine: Any, prompt: Any, prompt_ids: list[int], *, sample_id: str, version: int,
-                  sampling: Mapping[str, Any], routed_experts: bool = False) -> WorkflowReply:
-        client = PinnedEngineClient(engine, sample_id, version, sampling, routed_experts=routed_experts,
-                                    max_seq_len=self.max_seq_len)
-        try:
-            traj = await self.workflow(prompt, list(prompt_ids), client, self.ctx)
-        except TrajectoryAborted:
-            traj = None
-        except Exception as err:
-            if client.engine_error is not None:  # the instance's (or the controller's) fault: the runtime handles it
-                raise client.engine_error from None
-            raise self._failed(sample_id, f"{type(err).__name__}: {err}") from err
+                  sampling: Mapping[str, Any], routed_experts: bool = False,
+                  turns: TurnHost | None = None) -> WorkflowReply:
+        """Run the trajectory; ``turns``: where its later turns run (None: all on ``engine``)."""
+        while True:
+            client = PinnedEngineClient(engine, sample_id, version, sampling, routed_experts=routed_experts,
+                                        max_seq_len=self.max_seq_len, turns=turns)
+            try:
+                traj = await self.workflow(prompt, list(prompt_ids), client, self.ctx)
+            except TrajectoryAborted:
+                traj = None
+            except Exception as err:
+                if client.engine_error is not None:  # the instance's (or the controller's) fault: the runtime's
+                    raise client.engine_error from None
+                raise self._failed(sample_id, f"{type(err).__name__}: {err}") from err
+            if client.retag is None:
+                break
+            self.counts["env/trajectories_aborted"] += 1  # placed on newer weights: run again on them
+            engine, version = client.engine, client.retag
         if client.aborted:
             self.counts["env/trajectories_aborted"] += 1
             return WorkflowReply([], [], {"type": "abort"}, client.versions_used)

@@ -18,8 +18,9 @@ from tests.helpers.fakes import FakeEngine, FakeTrainer
 
 def make(mode="dora", n=3, steps=6, tbs=4, rbs=8, S=2, G=2, migration=True, token_s=0.001, tmp_path=None,
          transport="disk", **orch):
+    orch = {"cap_before_rebalance": 6, "cap_after_rebalance": 4, **orch}
     cfg = OrchestratorConfig(mode=mode, tbs=tbs, rbs=rbs, max_staleness=S, group_size=G, rebalance_interval_s=0.05,
-                             cap_before_rebalance=6, cap_after_rebalance=4, **orch)
+                             **orch)
     names = [f"e{i}" for i in range(n)]
     engines = {name: FakeEngine(name, token_s=token_s, migration=migration) for name in names}
     trainer = FakeTrainer(engines=engines)

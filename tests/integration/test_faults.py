@@ -130,6 +130,14 @@ def check_resumed_run(run_dir: Path, n: int) -> tuple[dict, list[dict], dict[int
     return summary, records, lineage, final_versions
 
 
+def kill_controller(run_dir: Path, proc: subprocess.Popen) -> None:
+    """SIGKILL the job's controller; every child follows its parent (no orphans holding ports)."""
+    pids = json.loads((run_dir / "processes.json").read_text())
+    os.kill(pids["controller"], signal.SIGKILL)  # the whole job loses its controller
+    proc.wait(timeout=30)
+    wait_for(lambda: not any(alive(p) for k, p in pids.items() if k != "controller"), 60, "children to exit")
+
+
 def finish(proc: subprocess.Popen, timeout: float = 600) -> str:
     out, _ = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, out[-4000:]
@@ -185,11 +193,7 @@ def test_job_sigkill_then_resume_consumes_every_group_once(tmp_path):
         wait_for(lambda: (run_dir / "checkpoints" / "v000004" / "controller.json").is_file() and steps_done(run_dir) >= 5
                  and (run_dir / "overview.png").is_file(), 400, "checkpoint v4, five steps and a checkpoint overview", proc)
         assert (run_dir / "overview.png").read_bytes()[:4] == b"\x89PNG"
-        pids = json.loads((run_dir / "processes.json").read_text())
-        os.kill(pids["controller"], signal.SIGKILL)  # the whole job loses its controller
-        proc.wait(timeout=30)
-        # every child follows its parent (no orphans holding ports)
-        wait_for(lambda: not any(alive(p) for k, p in pids.items() if k != "controller"), 60, "children to exit")
+        kill_controller(run_dir, proc)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -1,0 +1,155 @@
+"""A workflow's trajectory between its turns, on fake engines: while its tool runs it holds no slot
+(another sample runs a turn in it), its next turn may run on another instance of its version
+(counted), and an engine killed between turns or inside one loses and duplicates nothing."""
+
+from __future__ import annotations
+
+import asyncio
+
+from dora_megatron.workflow.api import Trajectory
+from tests.helpers.runtime import check_run, engine_versions, make
+from tests.unit.controller.test_runtime_workflow import ENV, check_trajectories, with_workflow
+
+WAIT_S = 2.0  # bound of a tool's wait for another sample's turn (reached only when no slot is free)
+
+
+class ToolThatWaitsForAnotherTurn:
+    """A two-turn workflow whose tool (between the turns) lasts until another sample's turn returned
+    (at most :data:`WAIT_S`): with the instance's one slot held through the tool, none can, and the
+    tool runs out its bound instead. ``hook(client)`` runs as the tool starts (a test's fault)."""
+
+    def __init__(self, rt, hook=None) -> None:
+        self.rt = rt
+        self.hook = hook
+        self.waiting: dict[str, asyncio.Event] = {}
+        self.overlapped: list[bool] = []  # per tool call: another sample's turn returned during it
+        self.states: list[str] = []  # the orchestrator's state of the sample during its tool call
+        self.turn_engines: dict[str, list[str]] = {}  # sample id -> the engines of its turns (finished ones)
+
+    def _turn_returned(self, sample_id: str) -> None:
+        for sid, ev in self.waiting.items():
+            if sid != sample_id:
+                ev.set()
+
+    async def __call__(self, prompt, prompt_ids, client, ctx):
+        sid = client.sample_id
+        first = await client.generate(prompt_ids)
+        engines = [client.engine.name]
+        self._turn_returned(sid)
+        self.states.append(self.rt.orch.sample_status(sid)["state"])
+        if self.hook is not None:
+            self.hook(client)
+        self.waiting[sid] = ev = asyncio.Event()
+        try:
+            await asyncio.wait_for(ev.wait(), WAIT_S)
+            self.overlapped.append(True)
+        except TimeoutError:
+            self.overlapped.append(False)
+        finally:
+            del self.waiting[sid]
+        second = await client.generate(prompt_ids + first.output_ids + ENV)
+        engines.append(client.engine.name)
+        self._turn_returned(sid)
+        self.turn_engines[sid] = engines
+        ids = first.output_ids + ENV + second.output_ids
+        mask = [1] * len(first.output_ids) + [0] * len(ENV) + [1] * len(second.output_ids)
+        return Trajectory(prompt_ids, ids, mask, first.logprobs + [0.0] * len(ENV) + second.logprobs, turns=2)
+
+
+def _one_slot_each(n, steps, G=1, tbs=1, rbs=2):
+    return make(mode="dora", n=n, steps=steps, tbs=tbs, rbs=rbs, S=1, G=G, token_s=0.001,
+                cap_before_rebalance=1, cap_after_rebalance=1)
+
+
+def test_the_slot_is_free_while_the_tool_runs_and_another_sample_runs_a_turn_in_it():
+    rt, engines, trainer = _one_slot_each(n=1, steps=3)
+    wf = ToolThatWaitsForAnotherTurn(rt)
+    seen = with_workflow(rt, wf)
+    summary = asyncio.run(asyncio.wait_for(rt.run(), timeout=120))
+    check_run(rt, engines, trainer, 3, 1, 1)
+    check_trajectories(trainer, seen)
+    assert wf.states and set(wf.states) == {"waiting"}  # off the instance while its tool ran
+    assert any(wf.overlapped)  # the one slot ran another sample's turn during a tool call
+    log = [rid for op, rid, _ in engines["e0"].log if op == "generate"]
+    interleaved = [rid for rid in set(log) if log.index(rid) + 1 < len(log) and log[log.index(rid) + 1] != rid]
+    assert interleaved  # the engine saw another sample between a trajectory's two turns
+    assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
+
+
+def test_a_trajectory_continues_on_another_instance_of_its_version_between_turns():
+    rt, engines, trainer = _one_slot_each(n=4, steps=4, G=2, tbs=2, rbs=8)
+    wf = ToolThatWaitsForAnotherTurn(rt)
+    seen = with_workflow(rt, wf)
+    summary = asyncio.run(asyncio.wait_for(rt.run(), timeout=120))
+    check_run(rt, engines, trainer, 4, 2, 2)  # C1 from the engines' logs: both turns on one version
+    check_trajectories(trainer, seen)
+    moved = {sid for sid, names in wf.turn_engines.items() if len(set(names)) > 1}
+    assert moved and summary["workflow_turn_moves"] >= 1
+    versions = engine_versions(engines)
+    assert all(len(versions[sid]) == 1 for sid in moved)
+    calls = [rid for e in engines.values() for op, rid, _ in e.log if op == "generate"]
+    assert any(calls.count(sid) == 2 for sid in moved)  # moved between turns without running again
+    assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
+
+
+def test_an_engine_killed_between_turns_or_inside_one_loses_and_duplicates_nothing():
+    """e1 dies while a trajectory that ran its first turn there is in its tool (between turns): the
+    trajectory's next turn runs elsewhere, it is not run again; then another instance dies with
+    turns in flight (inside a turn): those trajectories run again from their prompts on their version."""
+    rt, engines, trainer = _one_slot_each(n=3, steps=4, G=2, tbs=1, rbs=4)
+    killed: dict[str, object] = {}
+
+    def kill(client):
+        name = client.engine.name
+        if name == "e1" and "between" not in killed:
+            killed["between"] = client.sample_id
+            engines["e1"].dead = True
+        elif "between" in killed and "inside" not in killed:
+            busy = [e for e in engines.values() if not e.dead and e.reqs and e.name != name]
+            if busy:
+                killed["inside"], killed["inside_at"] = set(busy[0].reqs), busy[0].name
+                busy[0].dead = True
+
+    wf = ToolThatWaitsForAnotherTurn(rt, kill)
+    seen = with_workflow(rt, wf)
+    summary = asyncio.run(asyncio.wait_for(rt.run(), timeout=120))
+    check_run(rt, engines, trainer, 4, 1, 2)
+    check_trajectories(trainer, seen)
+    assert killed.get("inside") and {"e1", killed["inside_at"]} <= set(summary["failed_instances"])
+    between = killed["between"]
+    first_turns = [name for name, e in engines.items() for op, rid, _ in e.log if op == "generate" and rid == between]
+    assert wf.turn_engines[between][0] == "e1" and wf.turn_engines[between][1] != "e1"
+    assert len(first_turns) == 2  # one turn on e1 before the kill, the next elsewhere: not run again
+    for sid in killed["inside"]:  # in flight there when it died: run again whole elsewhere
+        assert killed["inside_at"] not in wf.turn_engines[sid]
+    assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
+
+
+def test_partial_mode_runs_a_trajectory_again_on_the_newer_weights_its_next_turn_is_placed_on():
+    """In partial mode a turn waiting for a slot is placed on the newest weights; a trajectory whose
+    tool outlived a weight update therefore runs again from its prompt on them, never mixing versions."""
+    rt, engines, trainer = make(mode="partial", n=2, steps=4, token_s=0.001)
+    outlived: list[str] = []
+
+    async def tool_outlives_an_update(prompt, prompt_ids, client, ctx):
+        first = await client.generate(prompt_ids)
+        for _ in range(20):  # the tool lasts until the trainer produced newer weights (bounded)
+            if rt.orch.newest > client.version:
+                outlived.append(client.sample_id)
+                break
+            await asyncio.sleep(0.01)
+        second = await client.generate(prompt_ids + first.output_ids + ENV)
+        ids = first.output_ids + ENV + second.output_ids
+        mask = [1] * len(first.output_ids) + [0] * len(ENV) + [1] * len(second.output_ids)
+        return Trajectory(prompt_ids, ids, mask, first.logprobs + [0.0] * len(ENV) + second.logprobs, turns=2)
+
+    seen = with_workflow(rt, tool_outlives_an_update)
+    summary = asyncio.run(asyncio.wait_for(rt.run(), timeout=120))
+    check_trajectories(trainer, seen)
+    assert outlived and summary["env/trajectories_aborted"] > 0
+    calls = [(rid, v) for e in engines.values() for op, rid, v in e.log if op == "generate"]
+    trained = [s for b in trainer.batches for s in b]
+    assert len({s["group_id"] for s in trained}) == 4 * 4 and all(s["reward"] == 1.0 for s in trained)
+    again = {rid for rid, v in calls if rid in outlived and any(r == rid and w > v for r, w in calls)}
+    assert again  # an outlived trajectory ran again on the newer version
+    assert summary["c1_violations"] == 0 and summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0
