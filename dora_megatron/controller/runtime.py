@@ -50,6 +50,7 @@ from dora_megatron.orchestrator import (Dispatch, Interrupt, Migrate, Orchestrat
 from dora_megatron.observability.recorder import MetricsRecorder
 from dora_megatron.observability.rollout_dump import RolloutDumper
 from dora_megatron.observability.summary import RunTotals
+from dora_megatron.observability.trajectories import TrajectoryStats
 from dora_megatron.workflow.runner import WorkflowFailed
 from dora_megatron.controller.siblings import finished_sources, push_source, running_targets
 from dora_megatron.controller.migration import Migrations
@@ -479,6 +480,7 @@ class Runtime:
         group = self.groups[rec.group_id]
         if getattr(resp, "loss_mask", None) is not None:  # a workflow's trajectory (rollout.workflow)
             rec.prompt_ids, rec.loss_mask = list(resp.prompt_ids), list(resp.loss_mask)
+            self.metrics.trajectory_finished(TrajectoryStats.of(resp.turns, sum(rec.loss_mask), resp.metrics))
         if getattr(resp, "reward", None) is not None:
             rec.reward = float(resp.reward)
         else:  # the reward sees the model's tokens only, not the tools' results
