@@ -225,10 +225,8 @@ def write_tool_use_example(out: str | Path, *, rows_count: int = 512, seed: int 
     ``warm_start_steps`` steps) and ``out/train.parquet`` (``rows_count`` rows)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-    import torch
-    from transformers import GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from dora_megatron.models.example import build_tokenizer
+    from dora_megatron.models.example import build_tokenizer, save_tiny_qwen3_moe
     from dora_megatron.workflow.tools import Calculator
 
     out = Path(out)
@@ -242,18 +240,9 @@ def write_tool_use_example(out: str | Path, *, rows_count: int = 512, seed: int 
     corpus = [re.sub(r"[0-9]+", " ", text) for text in [fixed] * 20 + [shapes] * 20]
     tokenizer = add_tool_template(build_tokenizer(corpus, vocab_size=512))
     tokenizer.save_pretrained(str(model_dir))
-    end, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    vocab = -(-len(tokenizer) // 64) * 64 + 64
-    config = Qwen3MoeConfig(
-        vocab_size=vocab, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
-        norm_topk_prob=True, tie_word_embeddings=False, initializer_range=0.05, max_position_embeddings=4096,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, bos_token_id=None, eos_token_id=end,
-        pad_token_id=pad)
-    torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(config)
-    model.generation_config = GenerationConfig(eos_token_id=[end, pad], pad_token_id=pad, do_sample=True)
-    model.save_pretrained(str(model_dir))
+    # twice the own-model example's width: copying digits through two layers needs the room
+    save_tiny_qwen3_moe(model_dir, tokenizer, seed=seed, dtype="float32", hidden_size=128, rope_theta=10000.0)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     report = None
     if warm_start_steps > 0:
         every = max(1, warm_start_steps // 10)
