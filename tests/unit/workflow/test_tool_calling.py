@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from dora_megatron.data.tasks import Prompt
+from dora_megatron.observability.trajectories import TrajectoryStats
 from dora_megatron.workflow.api import Trajectory, WorkflowContext
 from dora_megatron.workflow.runner import WorkflowFailed, WorkflowLoadError, WorkflowRunner, workflow_runner
 from dora_megatron.workflow.tool_calling import tool_calling
@@ -53,6 +54,9 @@ def test_a_tool_call_turn_then_an_answer_is_one_token_exact_trajectory(tool_code
     assert len({c["sampling"]["sampling_seed"] for c in engine.calls}) == 2  # each turn samples anew
     assert reply.turns == 2 and reply.metrics["env/tool_calls"] == 1 and reply.metrics["env/tool_errors"] == 0
     assert reply.metrics["env/tool_calls_well_formed"] == 1
+    # what the runtime tells the recorder of it (turns, the model's tokens, one well-formed call)
+    stats = TrajectoryStats.of(reply.turns, sum(reply.loss_mask), reply.metrics)
+    assert (stats.turns, stats.model_tokens, stats.tool_calls, stats.well_formed_calls) == (2, len(first + second), 1, 1)
     assert runner.counts["env/trajectories"] == 1 and runner.counts["env/turns"] == 2
 
 
