@@ -1,7 +1,7 @@
 """Write the model directory and prompts of ``configs/cpu_tool_use.yaml`` (a tiny Qwen3-MoE with a
 tool-calling chat template, warm-started on calculator trajectories; long multiplications).
 
-Usage: python tools/make_tool_use_example.py [--out example_tool_use] [--rows 512] [--warm-start-steps 300] [--seed 0]
+Usage: python tools/make_tool_use_example.py [--out example_tool_use] [--rows 512] [--warm-start-steps 120] [--seed 0]
 
 Then::
 
@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="example_tool_use", help="output directory (default: example_tool_use)")
     parser.add_argument("--rows", type=int, default=512, help="rows of train.parquet")
-    parser.add_argument("--warm-start-steps", type=int, default=300, help="supervised steps (0: random weights)")
+    parser.add_argument("--warm-start-steps", type=int, default=120, help="supervised steps (0: random weights)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, the rows and the warm start")
     args = parser.parse_args(argv)
     if args.rows < 1 or args.warm_start_steps < 0:

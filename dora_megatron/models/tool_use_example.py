@@ -6,7 +6,7 @@ neither. This module writes, at toy size and in a few minutes of CPU:
 
 * ``model/``: a tiny Qwen3-MoE saved by transformers with a byte-level BPE tokenizer
   (:func:`~dora_megatron.models.example.build_tokenizer`), the ``<tool_call>`` / ``</tool_call>``
-  tokens and :data:`TOOL_TEMPLATE`, warm-started (supervised, a few hundred steps) on whole
+  tokens and :data:`TOOL_TEMPLATE`, warm-started (supervised, 120 steps) on whole
   trajectories of the task, rendered exactly as the workflow renders them: so the model knows
   the call format and where the result goes, not yet how to do it reliably (room for RL).
 * ``train.parquet``: DAPO-shaped rows: "What is A * B?" with A and B of :data:`DIGITS` digits
@@ -219,7 +219,7 @@ class ToolUseExample:
     warm_start: WarmStartReport | None
 
 
-def write_tool_use_example(out: str | Path, *, rows_count: int = 512, seed: int = 0, warm_start_steps: int = 300,
+def write_tool_use_example(out: str | Path, *, rows_count: int = 512, seed: int = 0, warm_start_steps: int = 120,
                            say: Callable[[str], None] = log.info) -> ToolUseExample:
     """Write ``out/model`` (tokenizer with the tool template, a tiny Qwen3-MoE, warm-started for
     ``warm_start_steps`` steps) and ``out/train.parquet`` (``rows_count`` rows)."""
