@@ -86,6 +86,25 @@ class WorkloadConfig:
         ge=0,
     )
     seed: int = field_doc(0, "seed of the length stream; group k always gets the same lengths in every mode", ge=0)
+    turns: LengthDistConfig = field_doc(
+        default_factory=lambda: LengthDistConfig(kind="point", value=1.0),
+        doc=("multi-turn workload: model turns per trajectory (drawn per sample, rounded, clipped to [1, max_turns] "
+             "and to the response's tokens, which are split evenly over the turns); point 1 = single-turn. Between "
+             "two turns the trajectory waits for a tool off the instance (no slot, no KV held) and comes back to "
+             "the instance of its last turn"))
+    max_turns: int = field_doc(8, "turns are clipped to this", ge=1)
+    tool_latency_s: LengthDistConfig = field_doc(
+        default_factory=lambda: LengthDistConfig(kind="point", value=1.0),
+        doc=("multi-turn workload: seconds one tool call takes between two turns (the distribution's values are "
+             "read as seconds; drawn per call)"))
+    tool_result_tokens: int = field_doc(0, "tokens each tool result adds to the trajectory's context (prefilled at "
+                                           "the next turn, trained as context, not generated)", ge=0, unit="tokens")
+
+    @property
+    def multi_turn(self) -> bool:
+        """Whether the workload has trajectories of several turns (otherwise lengths are as single-turn)."""
+        t = self.turns
+        return not (t.kind == "point" and round(t.value) <= 1) and self.max_turns > 1
 
 
 @dataclass

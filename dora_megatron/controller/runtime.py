@@ -50,6 +50,7 @@ from dora_megatron.orchestrator import (Dispatch, Interrupt, Migrate, Orchestrat
 from dora_megatron.observability.recorder import MetricsRecorder
 from dora_megatron.observability.rollout_dump import RolloutDumper
 from dora_megatron.observability.summary import RunTotals
+from dora_megatron.observability.trajectories import TrajectoryStats
 from dora_megatron.workflow.runner import WorkflowFailed
 from dora_megatron.controller.siblings import finished_sources, push_source, running_targets
 from dora_megatron.controller.migration import Migrations
@@ -482,6 +483,8 @@ class Runtime:
         if instance in self._rejoined:
             self.samples_after_rejoin += 1
         self.store.score(rec, resp, reason, ev.reward)
+        if getattr(resp, "loss_mask", None) is not None:  # a workflow's trajectory (rollout.workflow)
+            self.metrics.trajectory_finished(TrajectoryStats.of(resp.turns, sum(rec.loss_mask), resp.metrics))
         if self.journal is not None and self.workflow is None:
             # a workflow's trajectory is not journaled (the journal keeps no prompt of its own nor loss
             # mask): after a crash it runs again from its prompt, on its own version

@@ -24,6 +24,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 THINK_TOKENS = ("<think>", "</think>")
@@ -87,13 +88,34 @@ def build_tokenizer(corpus: list[str], vocab_size: int = 384):
     return fast
 
 
+def save_tiny_qwen3_moe(model_dir: Path, tokenizer: Any, *, seed: int = 0, dtype: str = "bfloat16",
+                        hidden_size: int = 64, rope_theta: float = 1000000.0, **sampling: Any) -> None:
+    """Save into ``model_dir`` a tiny Qwen3-MoE (2 layers, 4 experts top-2, random init seeded) for
+    ``tokenizer``: its vocabulary padded past the tokenizer's, as real checkpoints' are; EOS
+    ``<|im_end|>`` (and ``<|endoftext|>`` in the generation config, with ``sampling``)."""
+    import torch
+    from transformers import GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    end, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    vocab = -(-len(tokenizer) // 64) * 64 + 64  # padded past the tokenizer, like real checkpoints
+    config = Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        moe_intermediate_size=hidden_size // 2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False,
+        initializer_range=0.05, max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta}, bos_token_id=None, eos_token_id=end,
+        pad_token_id=pad)
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config).to(getattr(torch, dtype))
+    model.generation_config = GenerationConfig(eos_token_id=[end, pad], pad_token_id=pad, do_sample=True, **sampling)
+    model.save_pretrained(str(model_dir))
+
+
 def write_example(out: str | Path, *, rows: int = 64, seed: int = 0, dtype: str = "bfloat16") -> ExamplePaths:
     """Write ``out/model`` (tokenizer, chat template, generation config, a tiny Qwen3-MoE saved by
     transformers in ``dtype``) and ``out/train.parquet`` (``rows`` DAPO-shaped rows)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-    import torch
-    from transformers import GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     out = Path(out)
     model_dir = out / "model"
@@ -103,19 +125,7 @@ def write_example(out: str | Path, *, rows: int = 64, seed: int = 0, dtype: str 
         "The answer is \\boxed{42}.", "assistant user system", "0123456789 + - = ? ."] * 4
     tokenizer = build_tokenizer(corpus)
     tokenizer.save_pretrained(str(model_dir))
-    end, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    vocab = -(-len(tokenizer) // 64) * 64 + 64  # padded past the tokenizer, like real checkpoints
-    config = Qwen3MoeConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
-        norm_topk_prob=True, tie_word_embeddings=False, initializer_range=0.05, max_position_embeddings=4096,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, bos_token_id=None, eos_token_id=end,
-        pad_token_id=pad)
-    torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(config).to(getattr(torch, dtype))
-    model.generation_config = GenerationConfig(eos_token_id=[end, pad], pad_token_id=pad, do_sample=True,
-                                               temperature=0.7, top_p=0.8, top_k=20)
-    model.save_pretrained(str(model_dir))
+    save_tiny_qwen3_moe(model_dir, tokenizer, seed=seed, dtype=dtype, temperature=0.7, top_p=0.8, top_k=20)
     path = out / "train.parquet"
     pq.write_table(pa.Table.from_pylist(data), str(path))
     return ExamplePaths(model_dir, path)

@@ -31,6 +31,7 @@ from typing import IO, Any, Mapping, Sequence
 from dora_megatron.observability.routing import routing_summary
 from dora_megatron.observability.trainer_perf import TRAINER_PERF_KEYS, trainer_perf_summary
 from dora_megatron.observability.summary import SUMMARY_FIELDS, RunTotals, StepRecord, build_summary
+from dora_megatron.observability.trajectories import TrajectoryStats, TrajectoryTotals
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,11 @@ METRICS: tuple[Metric, ...] = (
                                                "trainer reported none"),
     Metric("trainer_tokens_per_s", "run", "mean of perf/trainer_tokens_per_s over the window's steps"),
     Metric("trainer_mfu", "run", "mean of perf/trainer_mfu over the window's steps (null off GPU)"),
+    Metric("turns_per_trajectory_mean", "run", "model turns per trajectory, over the run's multi-turn trajectories "
+                                               "(rollout.workflow; the simulator's workload.turns); null without any"),
+    Metric("tokens_per_turn_mean", "run", "model-generated tokens / model turns, over the same trajectories"),
+    Metric("tool_latency_s_mean", "run", "wall seconds per tool call, over the run's tool calls; null without any"),
+    Metric("tool_use_rate", "run", "share of the run's trajectories with at least one well-formed tool call"),
     Metric("reward/mean", "step", "mean reward of the step's samples (null without rewards: the simulator)"),
     Metric("reward/exact_fraction", "step", "share of the step's samples with reward 1.0"),
     Metric("response_length/p50", "step", "median response tokens of the step's samples"),
@@ -109,6 +115,15 @@ METRICS: tuple[Metric, ...] = (
     Metric("migrations/count", "step", "request migrations so far (run total, as the driver counts them)"),
     Metric("migrations/kv_bytes", "step", "KV bytes migrated so far (run total)"),
     Metric("migrations/reprefill_tokens", "step", "tokens re-prefilled so far (run total)"),
+    Metric("env/turns_per_trajectory", "step", "model turns per trajectory, over the trajectories that finished in "
+                                               "the step's interval (null without multi-turn trajectories)"),
+    Metric("env/tokens_per_turn", "step", "model-generated tokens / model turns of the same trajectories"),
+    Metric("env/tool_latency_s", "step", "wall seconds per tool call of the same trajectories (null without calls)"),
+    Metric("env/tool_use_rate", "step", "share of the same trajectories with at least one well-formed tool call "
+                                        "(a <tool_call> block that parsed, whatever the tool answered)"),
+    Metric("env/tool_errors", "step", "tool calls of the same trajectories whose result was an error (a raise, a "
+                                      "hang, garbage, an unknown tool, a malformed call)"),
+    Metric("env/tool_timeouts", "step", "the part of env/tool_errors that were hangs past the time limit"),
 )
 STEP_KEYS: tuple[str, ...] = tuple(m.key for m in METRICS if m.scope == "step")
 #: summary.json keys the recorder adds after the DESIGN section 11 fields
@@ -128,6 +143,7 @@ class StepRow:
     reward: float | None
     metrics: dict[str, Any]  # the trainer's own metrics (train/* scalars)
     seconds: dict[str, float] = field(default_factory=dict)  # duration kind -> seconds inside the step's interval
+    trajectories: dict[str, Any] = field(default_factory=dict)  # TrajectoryTotals of the step's interval
 
 
 def _pct(sorted_values: list[int], q: float) -> float | None:
@@ -156,6 +172,7 @@ class MetricsRecorder:
         self._tail: dict[str, float] = {}  # seconds after the last step's end: the next step's
         self._so_far: dict[str, float] = {}  # seconds attributed to steps already ended
         self._syncs = 0  # broadcasts started (their tokens)
+        self._trajectories = TrajectoryTotals()  # trajectories finished since the last step's end
 
     # ------------------------------------------------------------------ events
     def instance_joined(self, instance: str, now: float) -> None:
@@ -202,6 +219,10 @@ class MetricsRecorder:
         itself (the simulator's instance model)."""
         self._tail[BUSY_SLOT] = self._tail.get(BUSY_SLOT, 0.0) + max(0.0, seconds)
 
+    def trajectory_finished(self, stats: TrajectoryStats) -> None:
+        """A multi-turn trajectory finished (counted in the step now running)."""
+        self._trajectories.add(stats)
+
     def step_trained(self, step: int, *, end_s: float, wait_s: float, train_s: float, tokens: int,
                      staleness: Sequence[int], rewards: Sequence[float], response_lengths: Sequence[int],
                      live_versions: int, metrics: Mapping[str, Any] | None = None, migrations: int = 0,
@@ -213,7 +234,9 @@ class MetricsRecorder:
             self._spread(kind, start, end_s)
             self._open[(kind, key)] = max(start, end_s)
         row = StepRow(step, end_s, wait_s, train_s, tokens, list(staleness),
-                      statistics.fmean(rewards) if rewards else None, dict(metrics or {}), dict(self._tail))
+                      statistics.fmean(rewards) if rewards else None, dict(metrics or {}), dict(self._tail),
+                      self._trajectories.as_dict())
+        self._trajectories = TrajectoryTotals()
         self._close(row)
         self.last = self._scalars(row, rewards, sorted(response_lengths), live_versions,
                                   (migrations, migrated_kv_bytes, reprefill_tokens))
@@ -253,6 +276,11 @@ class MetricsRecorder:
         out["rollout_vs_trainer_logprob_diff_max"] = max(diffs) if diffs else None
         out["rollout_vs_trainer_logprob_diff_steps"] = len(diffs)
         out.update(routing_summary(r.metrics for r in self.rows))
+        traj = TrajectoryTotals.total(r.trajectories for r in self.rows).scalars()
+        out["turns_per_trajectory_mean"] = traj["turns_per_trajectory"]
+        out["tokens_per_turn_mean"] = traj["tokens_per_turn"]
+        out["tool_latency_s_mean"] = traj["tool_latency_s"]
+        out["tool_use_rate"] = traj["tool_use_rate"]
         out.update(trainer_perf_summary((r.metrics for r in self.rows), (r.metrics for r in window)))
         return out
 
@@ -335,6 +363,8 @@ class MetricsRecorder:
             "migrations/count": migrations[0], "migrations/kv_bytes": migrations[1],
             "migrations/reprefill_tokens": migrations[2],
         }
+        for key, value in TrajectoryTotals.total([row.trajectories]).scalars().items():
+            out[f"env/{key}"] = value
         for key in TRAINER_PERF_KEYS:  # the trainer's measures of its own step, under their own names
             out[key] = row.metrics.get(key)
         for key, value in row.metrics.items():

@@ -53,6 +53,13 @@ DORA_LAYOUT: dict[str, dict[str, tuple[str, ...]]] = {
         "migrated KV bytes so far": ("migrations/kv_bytes",),
         "re-prefilled tokens so far": ("migrations/reprefill_tokens",),
     },
+    "6 multi-turn trajectories and tools": {
+        "share of the step's trajectories that called a tool": ("env/tool_use_rate",),
+        "model turns per trajectory": ("env/turns_per_trajectory",),
+        "model tokens per turn": ("env/tokens_per_turn",),
+        "seconds per tool call": ("env/tool_latency_s",),
+        "tool calls that failed (all errors, timeouts)": ("env/tool_errors", "env/tool_timeouts"),
+    },
 }
 
 

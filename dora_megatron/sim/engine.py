@@ -24,6 +24,18 @@ The driver also *checks* the orchestrator independently: every released batch mu
 complete groups never consumed before (C2) within the staleness bound (C3), every consumed
 sample's tokens must come from one version (C1; partial mode breaks it by design), and no batch may
 be released after the run's last step (exactly TBS groups consumed per trained step).
+
+Multi-turn workloads (``workload.turns``): a sample's turns run on an instance like requests; when a
+turn ends with a tool call the request leaves the instance (its slot and its KV are freed: the
+instance admits other work while the tool runs) and comes back after the tool's latency. It comes
+back to the instance of its last turn and prefills only the tool's result there: the engine's prefix
+cache (SGLang's radix cache) still holds the trajectory's context, since a tool call is seconds and
+a finished request's KV is kept until memory is needed (eviction is not modelled). A trajectory the
+orchestrator migrates while its tool runs goes to the destination instead, which prefills its whole
+context (counted as re-prefilled tokens). The orchestrator's own view is unchanged: it hears of a
+trajectory once, when its last turn ends, and counts it on its instance until then. An interrupted
+trajectory (partial mode) is run again from its prompt, as the runtime runs a workflow again, so C1
+holds for trajectories in every mode.
 """
 
 from __future__ import annotations
@@ -45,11 +57,12 @@ from dora_megatron.sim.instance import PAUSED, READY, SWITCHING, SimInstance, Si
 from dora_megatron.orchestrator.actions import Dispatch, Interrupt, Migrate, ReleaseBatch, Submit, SwitchVersion, perform
 from dora_megatron.observability.recorder import MetricsRecorder
 from dora_megatron.observability.summary import RunTotals
+from dora_megatron.observability.trajectories import TrajectoryStats
 from dora_megatron.sim.workload import GroupSpec, Workload
 
 log = logging.getLogger(__name__)
 
-WAKE, SWITCH_DONE, ARRIVE, TRAIN_DONE, POLL = "wake", "switch_done", "arrive", "train_done", "poll"
+WAKE, SWITCH_DONE, ARRIVE, TRAIN_DONE, POLL, TOOL_DONE = "wake", "switch_done", "arrive", "train_done", "poll", "tool"
 
 
 class SimProtocolError(RuntimeError):
@@ -133,6 +146,9 @@ class Simulation:
         self.where: dict[str, str] = {}  # sid -> instance id (running or queued there)
         self.held: dict[str, tuple[SimRequest, bool]] = {}  # off-instance partial state; bool: KV kept
         self.transit: dict[str, tuple[SimRequest, str]] = {}  # sid -> (req, dst)
+        #: multi-turn: sid -> (req, the instance its next turn goes to; None: wherever it is resubmitted)
+        #: while its tool runs; the bool: that instance's prefix cache holds the trajectory's context
+        self.tooling: dict[str, tuple[SimRequest, str | None, bool]] = {}
         self.finished_ids: set[str] = set()
         self.trainer = _Trainer()
         #: sample id -> the versions that produced its tokens, once it crossed one (partial mode)
@@ -252,8 +268,9 @@ class Simulation:
         if len(a.sample_ids) != len(spec.response_tokens):
             raise SimProtocolError(f"group {a.group_id} has {len(a.sample_ids)} samples, G={len(spec.response_tokens)}")
         self.groups[a.group_id] = _GroupState(spec, a.version, tuple(a.sample_ids), dispatch_s=now)
-        for sid, target in zip(a.sample_ids, spec.response_tokens):
-            self.reqs[sid] = SimRequest(sid, a.group_id, a.version, spec.prompt_tokens, target)
+        for i, (sid, target) in enumerate(zip(a.sample_ids, spec.response_tokens)):
+            ends = spec.turn_ends[i] if spec.turn_ends else ()
+            self.reqs[sid] = SimRequest(sid, a.group_id, a.version, spec.prompt_tokens, target, turn_ends=ends)
 
     def _inst(self, iid: str) -> SimInstance:
         inst = self.instances.get(iid)
@@ -286,6 +303,11 @@ class Simulation:
         if req is None:
             raise SimProtocolError(f"submit of unknown sample {a.sample_id}")
         kv_kept = False
+        if a.sample_id in self.tooling:
+            # its instance failed while the tool ran: the next turn goes where it is resubmitted
+            req, _, _ = self.tooling[a.sample_id]
+            self.tooling[a.sample_id] = (req, a.instance, False)
+            return
         if a.sample_id in self.held:
             req, kv_kept = self.held.pop(a.sample_id)
         elif a.sample_id in self.finished_ids:
@@ -303,7 +325,7 @@ class Simulation:
             # elastic return: the KV travels with the request instead of being recomputed
             self._start_transfer(req, inst, counted_as_migration=False)
         else:
-            prefill = req.prompt_tokens + req.generated
+            prefill = req.context
             if req.generated > 0:
                 self.reprefill_tokens += prefill
             self._place(req, inst, prefill)
@@ -338,13 +360,16 @@ class Simulation:
         if a.sample_id in self.finished_ids:
             return  # finished in the same instant (its finish note is queued); nothing to move
         dst = self._inst(a.dst)
+        if a.sample_id in self.tooling:
+            self._migrate_parked(a, dst)
+            return
         req = self._take(a.sample_id, a.src)
         if req is None:
             return
         if req.version != a.version or dst.version != a.version or dst.state == SWITCHING:
             raise SimProtocolError(f"migrate {a.sample_id} v{req.version} to {a.dst} holding v{dst.version} ({dst.state})")
         if self.cost.reprefill_on_migrate or req.generated == 0:
-            prefill = req.prompt_tokens + req.generated
+            prefill = req.context
             if req.generated > 0:
                 self.reprefill_tokens += prefill
                 self._note(MigrationDone(a.sample_id, prefill))
@@ -356,12 +381,29 @@ class Simulation:
         else:
             self._start_transfer(req, dst)
 
+    def _migrate_parked(self, a: Migrate, dst: SimInstance) -> None:
+        """A trajectory moved while its tool runs: nothing is on an instance to move; its next turn
+        goes to ``dst``, which has none of its context and prefills all of it."""
+        req, home, _ = self.tooling[a.sample_id]
+        if home != a.src or req.version != a.version or dst.version != a.version or dst.state == SWITCHING:
+            raise SimProtocolError(f"migrate {a.sample_id} v{req.version} (tool running, next turn on {home}) from "
+                                   f"{a.src} to {a.dst} holding v{dst.version} ({dst.state})")
+        self.tooling[a.sample_id] = (req, a.dst, False)
+        if self._in_window():
+            self.migrations += 1
+        self._note(MigrationDone(a.sample_id, req.context))
+
     def interrupt(self, a: Interrupt) -> None:
         if a.sample_id in self.finished_ids:
             return
-        req = self._take(a.sample_id, a.instance)
+        if a.sample_id in self.tooling:
+            req, _, _ = self.tooling.pop(a.sample_id)
+        else:
+            req = self._take(a.sample_id, a.instance)
         if req is None:
             return
+        if req.turn_ends:
+            req.restart()  # a trajectory is run again from its prompt (no tokens of two versions)
         self.held[a.sample_id] = (req, False)
 
     def switch_version(self, a: SwitchVersion) -> None:
@@ -467,6 +509,9 @@ class Simulation:
                 del self.transit[sid]
                 moved.append(req)
         moved.extend(inst.drain_all(self.q.now))
+        for sid, (req, home, _) in list(self.tooling.items()):
+            if home == iid:
+                self.tooling[sid] = (req, None, False)  # resubmitted elsewhere by the orchestrator
         for req in moved:
             self.where.pop(req.sample_id, None)
             self.held[req.sample_id] = (req, True)
@@ -477,8 +522,19 @@ class Simulation:
     def _complete(self, req: SimRequest, inst: SimInstance) -> None:
         sid = req.sample_id
         self.where.pop(sid, None)
+        if req.generated < req.target_tokens:  # a turn ended with a tool call: off the instance while it runs
+            g = self.groups[req.group_id]
+            latency = g.spec.tool_s[g.sample_ids.index(sid)][req.turn]
+            self.tooling[sid] = (req, inst.iid, True)
+            self.q.push(self.q.now + latency, TOOL_DONE, (sid, req.turn))
+            return
         self.finished_ids.add(sid)
         g = self.groups[req.group_id]
+        if req.turn_ends:
+            tools = g.spec.tool_s[g.sample_ids.index(sid)]
+            self.metrics.trajectory_finished(TrajectoryStats(
+                turns=len(req.turn_ends), model_tokens=req.generated, tool_calls=len(tools),
+                well_formed_calls=len(tools), tool_latency_s=sum(tools)))
         g.finished += 1
         if g.finished == len(g.sample_ids):
             g.complete_s = self.q.now
@@ -505,6 +561,27 @@ class Simulation:
         inst.epoch += 1
         inst.mark(self.q.now, self.record_timeline)
         self._note(SwitchDone(iid, version, engine=None, start=start, end=self.q.now))
+
+    def _on_tool_done(self, payload: tuple[str, int]) -> None:
+        """The tool of ``sid``'s turn ended: its result joins the context and the next turn is
+        queued where the trajectory goes (prefix cached there: only the result is prefilled)."""
+        sid, turn = payload
+        entry = self.tooling.get(sid)
+        if entry is None or entry[0].turn != turn:
+            return  # interrupted meanwhile (and maybe already on its next attempt)
+        req, home, cached = self.tooling.pop(sid)
+        req.turn += 1
+        req.env_tokens += self.cfg.workload.tool_result_tokens
+        if home is None:  # its instance left the pool and the orchestrator has not resubmitted it yet
+            self.held[sid] = (req, False)
+            return
+        inst = self._inst(home)
+        prefill = self.cfg.workload.tool_result_tokens if cached else req.context
+        if not cached:
+            self.reprefill_tokens += req.context
+        self._sync(inst)
+        self._place(req, inst, prefill)
+        self._touch(inst)
 
     def _on_arrive(self, sid: str) -> None:
         entry = self.transit.pop(sid, None)
@@ -598,7 +675,12 @@ class Simulation:
         return out
 
     def _report_progress(self, reqs: Any) -> None:
+        """Tokens generated so far, as an engine's abort answer reports them. Not for a multi-turn
+        trajectory: an interrupted one is run again from its prompt (as a runtime's workflow answer
+        to an abort carries no tokens), so the orchestrator never resumes it on other weights."""
         for req in list(reqs):
+            if req.turn_ends:
+                continue
             inst = self.instances.get(self.where.get(req.sample_id, ""))
             gen = req.generated
             if inst is not None and req.sample_id in inst.running:
@@ -629,6 +711,8 @@ class Simulation:
             self._on_train_done(payload)
         elif kind == POLL:
             self._on_poll()
+        elif kind == TOOL_DONE:
+            self._on_tool_done(payload)
 
     def _drain(self) -> None:
         while self._notes:
@@ -661,7 +745,7 @@ class Simulation:
             self._dispatch_event(kind, payload)
             self._drain()
             if kind == POLL and t - self._last_progress > stall_limit and not self.trainer.busy:
-                busy = any(i.running or i.queue for i in self.instances.values()) or self.transit
+                busy = any(i.running or i.queue for i in self.instances.values()) or self.transit or self.tooling
                 if not busy:
                     self.deadlock = True
                     log.error("simulation stalled at t=%.1fs: no work in flight and the trainer idle", t)

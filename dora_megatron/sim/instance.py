@@ -46,14 +46,27 @@ class SimRequest:
     admit_step: int = 0  # instance step count when it joined the batch
     finish_step: int = 0  # instance step count at which it completes
     admit_s: float = 0.0  # when it took its slot (for busy slot-seconds)
+    #: multi-turn: the model tokens generated when each turn ends (empty: one turn to target_tokens)
+    turn_ends: tuple[int, ...] = ()
+    turn: int = 0  # the turn being generated (or the one whose tool runs)
+    env_tokens: int = 0  # tool-result tokens in the context so far
 
     @property
     def context(self) -> int:
-        return self.prompt_tokens + self.generated
+        return self.prompt_tokens + self.generated + self.env_tokens
+
+    @property
+    def stop_at(self) -> int:
+        """Generated tokens at which the request leaves the instance: its turn's end, or its response's."""
+        return self.turn_ends[self.turn] if self.turn_ends else self.target_tokens
 
     @property
     def remaining(self) -> int:
-        return self.target_tokens - self.generated
+        return self.stop_at - self.generated
+
+    def restart(self) -> None:
+        """Drop every turn generated so far (a trajectory interrupted is run again from its prompt)."""
+        self.generated = self.turn = self.env_tokens = 0
 
 
 class SimInstance:
@@ -164,9 +177,10 @@ class SimInstance:
     # ------------------------------------------------------------ membership
     def _remove(self, sid: str, now: float) -> SimRequest:
         req = self.running.pop(sid)
-        req.generated = min(req.target_tokens, req.generated + (self.steps_done - req.admit_step))
-        # context bookkeeping: this request contributed prompt + generated_at_admit - admit_step
-        self.ctx_base -= req.prompt_tokens + req.generated - self.steps_done
+        before = req.context - req.generated  # prompt and tool results: fixed while it runs
+        req.generated = min(req.stop_at, req.generated + (self.steps_done - req.admit_step))
+        # context bookkeeping: this request contributed its context at admit - admit_step
+        self.ctx_base -= before + req.generated - self.steps_done
         self.busy_slot_s += max(0.0, now - max(req.admit_s, self.window_start))
         return req
 
@@ -174,7 +188,7 @@ class SimInstance:
         req.admit_step = self.steps_done
         req.finish_step = self.steps_done + max(1, req.remaining)
         req.admit_s = now
-        self.ctx_base += req.prompt_tokens + req.generated - self.steps_done
+        self.ctx_base += req.context - self.steps_done
         self.running[req.sample_id] = req
         heapq.heappush(self._finish, (req.finish_step, req.sample_id))
 

@@ -9,6 +9,11 @@ dependency is drift: a group dispatched with version ``v`` has its response leng
 Within a group, log-lengths share a per-prompt component (``group_correlation``): hard prompts
 produce long answers for all G samples, which is what makes group completion, not sample
 completion, the long tail.
+
+A multi-turn workload (``workload.turns``) splits each sample's response into turns with a tool call
+between two of them. Turns and tool latencies come from a stream of their own per group
+(``Random("turns/<seed>/<k>")``), so the lengths of group ``k`` are those of the single-turn
+workload with the same seed: the two workloads differ only in turns and tools.
 """
 
 from __future__ import annotations
@@ -28,10 +33,25 @@ class GroupSpec:
     index: int
     prompt_tokens: int
     response_tokens: tuple[int, ...]
+    #: per sample, the model tokens generated when each turn ends (the last is its response length);
+    #: empty for a single-turn workload
+    turn_ends: tuple[tuple[int, ...], ...] = ()
+    #: per sample, the seconds of each tool call (one fewer than its turns)
+    tool_s: tuple[tuple[float, ...], ...] = ()
+    tool_result_tokens: int = 0  # context each tool result adds
 
     @property
     def total_tokens(self) -> int:
-        return self.prompt_tokens * len(self.response_tokens) + sum(self.response_tokens)
+        """Tokens the trainer sees: prompts, model tokens and the tools' results."""
+        env = sum(len(t) for t in self.tool_s) * self.tool_result_tokens
+        return self.prompt_tokens * len(self.response_tokens) + sum(self.response_tokens) + env
+
+
+def split_turns(response_tokens: int, turns: int) -> tuple[int, ...]:
+    """Where each of ``turns`` turns ends in a response of ``response_tokens`` model tokens: as even
+    as whole tokens allow, every turn at least one token (fewer turns when the response is shorter)."""
+    turns = max(1, min(turns, response_tokens))
+    return tuple(response_tokens * (i + 1) // turns for i in range(turns))
 
 
 class LengthSampler:
@@ -86,6 +106,8 @@ class Workload:
         self.group_size = group_size
         self._prompt = LengthSampler(cfg.prompt)
         self._response = LengthSampler(cfg.response)
+        self._turns = LengthSampler(cfg.turns)
+        self._tool = LengthSampler(cfg.tool_latency_s)
 
     def group(self, index: int, version: int = 0) -> GroupSpec:
         cfg = self.cfg
@@ -97,4 +119,13 @@ class Workload:
         for _ in range(self.group_size):
             raw = self._response.draw(rng, shared, cfg.group_correlation) * scale
             lens.append(int(min(cfg.max_response_tokens, max(cfg.min_response_tokens, round(raw)))))
-        return GroupSpec(index, prompt, tuple(lens))
+        if not cfg.multi_turn:
+            return GroupSpec(index, prompt, tuple(lens))
+        trng = random.Random(f"turns/{cfg.seed}/{index}")
+        ends, tools = [], []
+        for n in lens:
+            t = int(min(cfg.max_turns, max(1, round(self._turns.draw(trng, trng.gauss(0.0, 1.0), 0.0)))))
+            ends.append(split_turns(n, t))
+            tools.append(tuple(max(0.0, self._tool.draw(trng, trng.gauss(0.0, 1.0), 0.0))
+                               for _ in range(len(ends[-1]) - 1)))
+        return GroupSpec(index, prompt, tuple(lens), tuple(ends), tuple(tools), cfg.tool_result_tokens)

@@ -15,6 +15,7 @@ both), ``max_turns`` (model turns, default 4), ``tool_timeout_s`` (default 10), 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -90,7 +91,8 @@ async def tool_calling(prompt: Any, prompt_ids: list[int], client: PinnedClient,
     response: list[int] = []
     mask: list[int] = []
     logprobs: list[float] = []
-    metrics = {"env/tool_calls": 0.0, "env/tool_errors": 0.0, "env/tool_timeouts": 0.0}
+    metrics = {"env/tool_calls": 0.0, "env/tool_calls_well_formed": 0.0, "env/tool_errors": 0.0,
+               "env/tool_timeouts": 0.0, "env/tool_latency_s": 0.0}
     finish, turns = None, 0
     for turns in range(1, opts.max_turns + 1):
         out = await client.generate(start + response)
@@ -107,7 +109,10 @@ async def tool_calling(prompt: Any, prompt_ids: list[int], client: PinnedClient,
             if isinstance(call, str):  # malformed: the parse error is the result
                 result_text, error, timed_out = call, True, False
             else:
+                t0 = time.monotonic()
                 res = await call_tool(tools, call[0], call[1], opts.tool_timeout_s, opts.max_tool_chars)
+                metrics["env/tool_latency_s"] += time.monotonic() - t0
+                metrics["env/tool_calls_well_formed"] += 1
                 result_text, error, timed_out = res.content, res.error, res.timed_out
             metrics["env/tool_calls"] += 1
             metrics["env/tool_errors"] += error

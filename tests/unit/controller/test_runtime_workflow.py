@@ -58,6 +58,11 @@ def test_dora_runs_each_trajectory_on_one_version_and_hands_the_trainer_its_mask
     assert not any(op in ("export", "import") for e in engines.values() for op, _, _ in e.log)  # moved by re-run only
     assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
     assert summary["env/trajectories"] >= 48 and summary["env/turns"] == 2 * summary["env/trajectories"]
+    # the recorder heard every finished trajectory: two turns each, no tools
+    assert summary["turns_per_trajectory_mean"] == 2.0 and summary["tool_use_rate"] == 0.0
+    assert summary["tool_latency_s_mean"] is None and summary["tokens_per_turn_mean"] > 0
+    counted = sum(r.trajectories.get("trajectories", 0) for r in rt.metrics.rows)
+    assert 48 <= counted <= summary["env/trajectories"]  # those that finished before the last step ended
 
 
 def test_partial_mode_reruns_an_interrupted_trajectory_whole_on_the_new_version():

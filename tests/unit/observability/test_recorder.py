@@ -108,3 +108,27 @@ def test_trainer_perf_is_logged_under_its_own_names_and_summarised():
     assert out["trainer_peak_memory_bytes"] == 7e9  # the whole run
     assert out["trainer_tokens_per_s"] == 400.0  # the window: steps 1 and 2
     assert out["trainer_mfu"] is None
+
+
+def test_trajectories_are_counted_in_the_step_they_finish_in_and_summed_for_the_run(tmp_path):
+    from dora_megatron.observability.trajectories import TrajectoryStats
+
+    rec = _recording(tmp_path, slots_per_instance=1, rebalancer=False)
+    s0 = _step(rec, 0, 10.0)  # a single-turn step: nothing applies
+    assert s0["env/turns_per_trajectory"] is None and s0["env/tool_use_rate"] is None and s0["env/tool_errors"] is None
+    rec.trajectory_finished(TrajectoryStats(turns=3, model_tokens=30, tool_calls=2, well_formed_calls=2,
+                                            tool_latency_s=1.0, tool_errors=1))
+    rec.trajectory_finished(TrajectoryStats(turns=1, model_tokens=10, tool_calls=1, tool_errors=1))  # malformed only
+    s1 = _step(rec, 1, 20.0)
+    assert s1["env/turns_per_trajectory"] == 2.0 and s1["env/tokens_per_turn"] == 10.0
+    assert s1["env/tool_latency_s"] == pytest.approx(1.0 / 3) and s1["env/tool_use_rate"] == 0.5
+    assert s1["env/tool_errors"] == 2 and s1["env/tool_timeouts"] == 0
+    rec.trajectory_finished(TrajectoryStats(turns=2, model_tokens=40, tool_calls=1, well_formed_calls=1,
+                                            tool_latency_s=5.0, tool_timeouts=1, tool_errors=1))
+    s2 = _step(rec, 2, 30.0)
+    assert s2["env/turns_per_trajectory"] == 2.0 and s2["env/tool_latency_s"] == 5.0 and s2["env/tool_timeouts"] == 1
+    again = _resumed(rec, tmp_path, slots_per_instance=1, rebalancer=False)  # the run's sums come back from steps.jsonl
+    for r in (rec, again):
+        out = _summary(r)
+        assert out["turns_per_trajectory_mean"] == 2.0 and out["tokens_per_turn_mean"] == 80 / 6
+        assert out["tool_latency_s_mean"] == 1.5 and out["tool_use_rate"] == pytest.approx(2 / 3)

@@ -8,6 +8,7 @@ import pytest
 
 from dora_megatron.observability.eval_metrics import EVAL_TAGS, eval_scalars, round_metrics
 from dora_megatron.observability.recorder import STEP_KEYS, MetricsRecorder
+from dora_megatron.observability.trajectories import TrajectoryStats
 from dora_megatron.observability.tensorboard import (
     DORA_LAYOUT, HELDOUT_TAG, TensorBoardWriter, read_layout, read_scalar_tags, write_heldout)
 
@@ -20,6 +21,8 @@ def _run(logdir, steps=3):
         rec.weight_sync_started("a", 10.0 * k + 1, rebalance=k % 2 == 1)
         rec.weight_sync_finished("a", 10.0 * k + 2)
         rec.request_held_slot(10.0 * k, 10.0 * k + 8)
+        rec.trajectory_finished(TrajectoryStats(turns=2, model_tokens=12, tool_calls=1, well_formed_calls=1,
+                                                tool_latency_s=0.5))
         rec.step_trained(k, end_s=10.0 * (k + 1), wait_s=1.0, train_s=2.0, tokens=100, staleness=[0, 1],
                          rewards=[1.0, 0.0], response_lengths=[5, 9], live_versions=2,
                          metrics={"perf/trainer_tokens_per_s": 50.0, "loss": 0.1}, migrations=k)

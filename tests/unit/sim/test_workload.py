@@ -55,3 +55,21 @@ def test_empirical_and_mixture():
     w = Workload(WorkloadConfig(response=mix, max_response_tokens=30000), 4)
     seen = {n for i in range(100) for n in w.group(i).response_tokens}
     assert seen == {10, 20000}
+
+
+def test_multi_turn_splits_the_same_lengths_into_turns_with_a_tool_between():
+    single = Workload(WorkloadConfig(seed=5), 8)
+    cfg = WorkloadConfig(seed=5, turns=LengthDistConfig(kind="lognormal", median=3, sigma=1), max_turns=6,
+                         tool_latency_s=LengthDistConfig(kind="point", value=2.5), tool_result_tokens=7)
+    multi = Workload(cfg, 8)
+    counts = []
+    for i in range(200):
+        g, s = multi.group(i), single.group(i)
+        assert (g.prompt_tokens, g.response_tokens) == (s.prompt_tokens, s.response_tokens)  # only turns differ
+        for n, ends, tools in zip(g.response_tokens, g.turn_ends, g.tool_s):
+            assert 1 <= len(ends) <= 6 and ends[-1] == n and list(ends) == sorted(set(ends)) and ends[0] >= 1
+            assert tools == (2.5,) * (len(ends) - 1)
+            counts.append(len(ends))
+        assert g.total_tokens == s.total_tokens + 7 * sum(len(t) for t in g.tool_s)
+    assert set(counts) >= {1, 2, 3, 6}  # a spread of turn counts, the tail clipped at max_turns
+    assert not single.group(0).turn_ends  # single-turn: no turns recorded

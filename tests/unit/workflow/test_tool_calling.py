@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from dora_megatron.data.tasks import Prompt
+from dora_megatron.observability.trajectories import TrajectoryStats
 from dora_megatron.workflow.api import Trajectory, WorkflowContext
 from dora_megatron.workflow.runner import WorkflowFailed, WorkflowLoadError, WorkflowRunner, workflow_runner
 from dora_megatron.workflow.tool_calling import tool_calling
@@ -52,6 +53,10 @@ def test_a_tool_call_turn_then_an_answer_is_one_token_exact_trajectory(tool_code
     assert {c["version"] for c in engine.calls} == {3} and {c["rid"] for c in engine.calls} == {"g0.0"}
     assert len({c["sampling"]["sampling_seed"] for c in engine.calls}) == 2  # each turn samples anew
     assert reply.turns == 2 and reply.metrics["env/tool_calls"] == 1 and reply.metrics["env/tool_errors"] == 0
+    assert reply.metrics["env/tool_calls_well_formed"] == 1
+    # what the runtime tells the recorder of it (turns, the model's tokens, one well-formed call)
+    stats = TrajectoryStats.of(reply.turns, sum(reply.loss_mask), reply.metrics)
+    assert (stats.turns, stats.model_tokens, stats.tool_calls, stats.well_formed_calls) == (2, len(first + second), 1, 1)
     assert runner.counts["env/trajectories"] == 1 and runner.counts["env/turns"] == 2
 
 
@@ -89,7 +94,10 @@ def test_tool_faults_are_shown_to_the_model_and_counted(tool_codec):
     env = tk.decode(engine.calls[1]["input_ids"][len(engine.calls[0]["input_ids"]) + len(first):])
     assert env.count("<tool_response>") == 3
     assert "did not finish within 0.5 s" in env and "not an arithmetic expression" in env and "not valid JSON" in env
-    assert reply.metrics == {"env/tool_calls": 3, "env/tool_errors": 3, "env/tool_timeouts": 1}
+    latency = reply.metrics.pop("env/tool_latency_s")
+    assert reply.metrics == {"env/tool_calls": 3, "env/tool_calls_well_formed": 2, "env/tool_errors": 3,
+                             "env/tool_timeouts": 1}
+    assert latency >= 0.5  # the hung call was waited for up to its limit; the malformed one never ran
     assert runner.counts["env/tool_timeouts"] == 1 and runner.counts["env/tool_errors"] == 3
 
 
