@@ -16,7 +16,10 @@ true``, as the main job does) of each run directory and prints one JSON object p
 - ``freed_instance_s_per_step``: for each burst of moves off one instance that the instance
   followed with a weight load within 0.3 s (a rebalance freeing it for another version), from
   the end of the burst to the end of the last moved request: how much earlier that instance could
-  serve its new version; ``freed_loads_s_per_step``: the weight loads those freed instances paid.
+  serve its new version; ``freed_loads_s_per_step``: the weight loads those freed instances paid;
+- ``moved_above_running_limit_per_step``: moved requests that found their destination already
+  running ``rollout.max_running`` requests (from the run's ``config.yaml``), so that they waited
+  there for a slot instead of decoding: the part of the freed slot time that was not freed.
 
 WHY a tool and not only summary fields: the freed *instance* time needs the per-instance timeline
 (which instance a burst left, and whether it switched right after), which the summary does not keep.
@@ -47,15 +50,24 @@ def bursts_of(moves: list[dict]) -> list[list[dict]]:
 
 def migration_cost(run_dir: Path) -> dict[str, Any]:
     summary = json.loads((run_dir / "summary.json").read_text())
+    import yaml
+
+    limit = int((yaml.safe_load((run_dir / "config.yaml").read_text()).get("rollout") or {}).get("max_running", 0))
     events = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
     tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M"}
     engines = {tid for tid, name in tracks.items() if name != "trainer"}
     moves = [e for e in events if e.get("cat") == "migration"]
     loads = sorted((e for e in events if e.get("cat") == "weight_sync"), key=lambda e: e["ts"])
-    ends = {e["name"]: e["ts"] + e["dur"] for e in events if e.get("cat") == "request"}
+    requests = [e for e in events if e.get("cat") == "request"]
+    ends = {e["name"]: e["ts"] + e["dur"] for e in requests}
     freed_s = load_s = 0.0
-    freed_bursts = 0
+    freed_bursts = above = 0
     for burst in bursts_of(moves):
+        t, dst = burst[0]["ts"], burst[0]["tid"]
+        moved = {m["name"].split(" ", 1)[1] for m in burst}
+        running = sum(1 for r in requests if r["tid"] == dst and r["ts"] < t <= r["ts"] + r["dur"] and r["name"] not in moved)
+        if limit:
+            above += max(0, running + len(burst) - max(limit, running))
         if len(engines) != 2:
             break  # the source of a move is not on the timeline; with two engines it is the other one
         src = next(t for t in engines if t != burst[0]["tid"])
@@ -87,6 +99,7 @@ def migration_cost(run_dir: Path) -> dict[str, Any]:
         "rebalance_bursts_per_step": freed_bursts / steps,
         "freed_instance_s_per_step": freed_s / steps,
         "freed_loads_s_per_step": load_s / steps,
+        "moved_above_running_limit_per_step": above / steps if limit else None,
     }
 
 
