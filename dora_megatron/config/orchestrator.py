@@ -46,6 +46,11 @@ class OrchestratorConfig:
     max_migrations_per_rebalance: int = field_doc(4096, "bound on requests moved by one rebalance (KV transfer "
                                                   "budget); instances whose requests do not fit stay for a "
                                                   "later cycle (keeps a rebalance at 4,096 instances / 100k requests under 100 ms). 0 = unlimited (the paper's behaviour)", ge=0)
+    free_into_room: bool = field_doc(False, "minimum gain of a move: a rebalance frees an instance only when its "
+                                     "requests fit under the cap of the instances its version keeps (none then "
+                                     "waits at its destination for a running slot it had at its source); "
+                                     "otherwise the instance stays until they fit. Not applied while some "
+                                     "version has queued requests (failure recovery)")
     cap_before_rebalance: int = field_doc(8, "per-instance concurrency cap (running samples) before the first "
                                           "non-update rebalance of a step (streaming modes)", ge=1)
     cap_after_rebalance: int = field_doc(4, "per-instance concurrency cap after the first non-update rebalance "

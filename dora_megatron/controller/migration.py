@@ -85,6 +85,13 @@ class Migrations:
         self.migrated_bytes = 0
         self.migrations_done = 0
         self.migrations_fallback = 0
+        # what the moves cost and what they free, in request-slot-seconds (the summary's
+        # migration_stall_s / migration_freed_slot_s): the time a moved request made no progress
+        # while it left its source (export, or abort until its generate returned), and the time it
+        # then ran on at its destination, which it would otherwise have held a slot of its source
+        # for; a freed source can switch versions only because of the latter
+        self.stall_s = 0.0
+        self.freed_slot_s = 0.0
 
     def migrate(self, a: Migrate) -> None:
         # A switch of the source waits only until the source has let the request go (exported, or
@@ -151,6 +158,8 @@ class Migrations:
                 return
         if blob is not None:
             released.set_result(None)  # the export removed it from the source
+            left = self.rt.now()
+            self.stall_s += left - start
             self.migrated_bytes += len(blob)
             self.migrations_done += 1
             if self.rt.timeline is not None:
@@ -167,6 +176,7 @@ class Migrations:
                 await self.rt.events.report(InstanceFailed(a.dst, f"import failed: {err}", dst))
                 return
             end = self.rt.now()
+            self.freed_slot_s += end - left
             reward = await self.rt.store.reward_off_loop(rec, resp)  # off the loop thread, before the report
             await self.rt.events.report(EngineReply(a.sample_id, a.dst, resp, start, end, reward))
             return
@@ -185,9 +195,12 @@ class Migrations:
         if rec.finished:
             return  # it finished before the abort reached it: nothing to move
         self.migrations_fallback += 1
+        left = self.rt.now()
+        self.stall_s += left - start
         reprefill = len(rec.prompt_ids) + len(rec.output_ids)
         await self.rt.events.report(MigrationDone(a.sample_id, reprefill))
         await self.rt.resubmit(Submit(a.sample_id, a.dst, a.version, resume=True))
+        self.freed_slot_s += self.rt.now() - left
 
     async def abort(self, a: Interrupt, prev: asyncio.Task | None) -> None:
         """Abort the request and wait until its partial output is back (before the instance switches)."""

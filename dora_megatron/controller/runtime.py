@@ -739,6 +739,7 @@ class Runtime:
             "steps_done": self.steps_done,
             "metrics": self.metrics.state_dict(), "migrated_bytes": self.moves.migrated_bytes,
             "migrations_done": self.moves.migrations_done, "migrations_fallback": self.moves.migrations_fallback,
+            "migration_stall_s": self.moves.stall_s, "migration_freed_slot_s": self.moves.freed_slot_s,
             "expected_checksums": {str(k): v for k, v in self.weights.expected_checksums.items() if k >= min(oldest, version)},
         }
 
@@ -760,6 +761,9 @@ class Runtime:
         self.moves.migrated_bytes = int(state["migrated_bytes"])
         self.moves.migrations_done = int(state["migrations_done"])
         self.moves.migrations_fallback = int(state["migrations_fallback"])
+        # absent in checkpoints written before these were measured: the resumed run counts from 0
+        self.moves.stall_s = float(state.get("migration_stall_s", 0.0))
+        self.moves.freed_slot_s = float(state.get("migration_freed_slot_s", 0.0))
         self.weights.expected_checksums = {int(k): v for k, v in state["expected_checksums"].items()}
         self._pending_step_finished = state.get("pending_step_finished")
         self.latest_version = int(state["version"])
@@ -856,6 +860,8 @@ class Runtime:
                                    rbs=osum["rbs"], totals=totals, wall_time_s=wall)
         out["migrations_kv"] = self.moves.migrations_done
         out["migrations_reprefill"] = self.moves.migrations_fallback
+        out["migration_stall_s"] = self.moves.stall_s
+        out["migration_freed_slot_s"] = self.moves.freed_slot_s
         out["checksum_mismatches"] = self.weights.checksum_mismatches
         out["checksum_unavailable"] = len(self.weights.checksum_off)
         out["routed_experts_unavailable"] = len(self.routed_experts_off)

@@ -944,6 +944,8 @@ class Orchestrator:
             return
         self.counters.rebalances += 1
         budget = self.config.max_migrations_per_rebalance or None
+        # minimum gain (orchestrator.free_into_room); failure recovery (queued requests) is exempt
+        into_room = self.config.free_into_room and self._cap_int < _BIG and not any(self._pending.values())
         freed: list[str] = []
         for v in sorted(cur):
             n = cur.get(v, 0) - target.get(v, 0)
@@ -956,6 +958,8 @@ class Orchestrator:
             insts = self.instances
             loads = {iid: len(insts[iid].samples) for iid in active}
             chosen = plan.choose_to_free(loads, n)
+            if into_room:
+                chosen = plan.free_into_room(chosen, loads, self._cap_int)
             if budget is not None:
                 within = []
                 for iid in chosen:  # least-loaded first

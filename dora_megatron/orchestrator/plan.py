@@ -19,6 +19,23 @@ def choose_to_free(loads: Mapping[str, int], n: int) -> list[str]:
     return [iid for _, iid in heapq.nsmallest(n, ((load, iid) for iid, load in loads.items()))]
 
 
+def free_into_room(chosen: Sequence[str], loads: Mapping[str, int], cap: int) -> list[str]:
+    """The instances of ``chosen`` (to be freed, least-loaded first) whose requests fit under ``cap``
+    on the instances of ``loads`` that stay, so that no moved request waits at its destination for a
+    running slot it had at its source (a minimum gain: such a move frees its source's slot only by
+    taking one it cannot have yet). An instance that does not fit stays, and its own room counts
+    for the ones after it."""
+    out: set[str] = set(chosen)
+    room = sum(max(0, cap - load) for iid, load in loads.items() if iid not in out)
+    for iid in sorted(chosen, key=lambda i: (loads[i], i)):
+        if loads[iid] <= room:
+            room -= loads[iid]
+        else:
+            out.discard(iid)
+            room += max(0, cap - loads[iid])
+    return [iid for iid in chosen if iid in out]
+
+
 def migration_quotas(n_moving: int, kept_loads: Mapping[str, int]) -> list[tuple[str, int]]:
     """How many of ``n_moving`` requests each kept instance receives, by water-filling: the
     least-loaded instances are raised to a common level first (the same counts as sending each

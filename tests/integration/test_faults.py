@@ -219,7 +219,11 @@ def test_job_sigkill_then_resume_consumes_every_group_once(tmp_path):
     assert len(before) == resumed_from
     # write-ahead journal: samples finished after that checkpoint (by versions <= it) were restored, not
     # regenerated, exactly when their group came back with the same version (which groups do is the
-    # resumed run's scheduling: in a rare run none does, and then nothing may be replayed)
+    # resumed run's scheduling: in a rare run none does, and then nothing may be replayed). Here the
+    # journaled samples are those of the groups dispatched at the checkpoint's version V right after
+    # the cut (the rollout is ahead of the trainer, so the groups outstanding at the cut were complete);
+    # the resumed run dispatches them at V again only if its fresh instances serve V before the
+    # trainer's step V ends, else at V + 1, and then none is replayed
     replayed_file = run_dir / "replayed.jsonl"
     replayed = ({r["sample_id"]: r for r in map(json.loads, replayed_file.read_text().splitlines())}
                 if replayed_file.is_file() else {})

@@ -155,6 +155,24 @@ def test_an_instance_freed_by_a_rebalance_loads_its_new_version_while_its_moved_
     assert summary["migrations"] > 0
     assert loads_while_moved_requests_ran(clock) > 0
     assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
+    # what the moves freed, as the engines timed it: each moved request ran on at its destination
+    # (10x slower there) from when it left its source until it ended
+    ran_on = moved_requests_ran_on_s(clock)
+    assert ran_on > 0.05
+    assert summary["migration_freed_slot_s"] == pytest.approx(ran_on, rel=0.2)
+    assert 0 < summary["migration_stall_s"] < summary["migration_freed_slot_s"]
+
+
+def moved_requests_ran_on_s(clock) -> float:
+    """Seconds from each time a request left an instance to its next end on another one."""
+    total = 0.0
+    for ev, src, rid, t_left in clock:
+        if ev != "left":
+            continue
+        ends = [t for e, eng, r, t in clock if e == "end" and r == rid and eng != src and t >= t_left]
+        if ends:
+            total += min(ends) - t_left
+    return total
 
 
 def test_instance_failure_reruns_on_same_version():

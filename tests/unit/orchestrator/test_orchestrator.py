@@ -472,3 +472,52 @@ def test_snapshot_written_before_groups_were_forgotten_still_restores():
     assert clone.on_tick(d.now + 100.0) == d.orch.on_tick(d.now + 100.0)
     with pytest.raises(ValueError, match="format 99"):
         Orchestrator.restore(cfg, {**old, "format": 99})
+
+
+def _two_busy_instances(free_into_room):
+    """a and b on v0 with 4 requests each at the cap of 4, then weights v1 arrive."""
+    h = Harness(instances=("a", "b"), mode="dora", tbs=4, rbs=12, group_size=1, max_staleness=2,
+                cap_before_rebalance=4, cap_after_rebalance=4, free_into_room=free_into_room)
+    for _ in range(2):
+        for i in "ab":
+            h.finish(sorted(s for s, x in h.where.items() if x == i)[0])
+    assert [b.step for b in h.batches] == [0]
+    assert sorted(list(h.where.values()).count(i) for i in "ab") == [4, 4]
+    h.do(h.o.on_step_finished(1))
+    return h
+
+
+def _max_load_after_moves(h):
+    load = {i: list(h.where.values()).count(i) for i in "ab"}
+    return max(load[m.dst] for m in h.of(Migrate)) if h.of(Migrate) else 0
+
+
+def test_rebalance_frees_an_instance_only_when_its_requests_fit_under_the_cap_of_the_kept_one():
+    """With ``free_into_room`` a new version gets the instance once the old version's requests fit on
+    the other one, instead of at once with half of them queued above the cap there."""
+    h = _two_busy_instances(free_into_room=False)
+    assert h.switching and len(h.of(Migrate)) == 4 and _max_load_after_moves(h) == 8  # above the cap of 4
+
+    h = _two_busy_instances(free_into_room=True)
+    assert h.of(Migrate) == [] and h.switching == {}
+    for i in "ab":  # 3 + 3: three do not fit in the one free slot of the other
+        h.finish(sorted(s for s, x in h.where.items() if x == i)[0])
+    assert h.of(Migrate) == [] and h.switching == {}
+    h.finish(sorted(s for s, x in h.where.items() if x == "a")[0])  # a: 2, b: 3 -> a's 2 do not fit in 1
+    assert h.of(Migrate) == [] and h.switching == {}
+    h.finish(sorted(s for s, x in h.where.items() if x == "b")[0])  # 2 + 2: they fit
+    assert list(h.switching.values()) == [1] and len(h.of(Migrate)) == 2
+    assert _max_load_after_moves(h) == 4
+    h.switches_done()
+    assert h.o.instances_by_version() == {0: 1, 1: 1}
+
+
+def test_free_into_room_frees_least_loaded_first_and_counts_the_room_of_those_that_stay():
+    from dora_megatron.orchestrator.plan import free_into_room
+
+    loads = {"a": 1, "b": 3, "c": 4, "d": 2}
+    assert free_into_room(["b", "a"], loads, 4) == ["a"]  # room: c 0 + d 2; a (1) fits, b (3) then does not
+    assert free_into_room(["b", "a"], loads, 5) == ["b", "a"]  # room 1 + 3 = 4 >= 1 + 3
+    # p does not fit in k's one free slot and stays; its two free slots then take q's requests
+    assert free_into_room(["p", "q"], {"k": 3, "p": 2, "q": 2}, 4) == ["q"]
+    assert free_into_room(["c"], {"c": 4, "f": 4}, 4) == []  # the kept one is full
