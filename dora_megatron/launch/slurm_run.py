@@ -9,9 +9,11 @@ exit.
 
 Faults: a rollout instance that dies is restarted by its own node's launcher on the same port
 (``launch.restart_engines``, at most ``launch.max_engine_restarts`` times); on a node other than the
-controller's it then asks to rejoin through the join folder. A node exits non-zero only when the run
-fails (FAILED, or its trainer died), so ``srun --kill-on-bad-exit`` ends the job for run failures
-only. Every way a job ends leaves a marker: the first SIGTERM (``scancel``, the time limit),
+controller's it then asks to rejoin through the join folder. A lost trainer is restarted inside the
+job (:mod:`.trainer_restart`, ``launch.max_trainer_restarts``): the controller's node restarts its
+torchrun and asks other trainer nodes to restart theirs from the same checkpoint. A node exits
+non-zero only when the run fails (FAILED, or its trainer died with no restart left), so
+``srun --kill-on-bad-exit`` ends the job for run failures only. Every way a job ends leaves a marker: the first SIGTERM (``scancel``, the time limit),
 SIGINT or SIGUSR1 (the templates' early warning before the time limit) stops the run at its next
 step boundary with a checkpoint (:mod:`.stop`) and writes FAILED saying so; a second one writes
 FAILED with the reason at once, before the processes stop. Markers name the job that wrote them, so the
