@@ -360,11 +360,22 @@ def run_slurm_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan, resume: st
                                             stopping_bound_s=cfg.controller.stop_checkpoint_timeout_s
                                             + 2 * cfg.launch.shutdown_timeout_s)
                 budget = TrainerRestarts(cfg.launch.max_trainer_restarts)
+
+                def run_once(ck: Path | None) -> dict:
+                    try:
+                        return asyncio.run(_controller(cfg, plan, run_dir, model_dir, procs, ck, node, signals,
+                                                       trainer_restarts=budget.used))
+                    except TrainerLost as err:
+                        if signals.received is None:
+                            raise
+                        # scancel and the time limit signal every process of the step: a trainer ended by
+                        # that signal is the job ending, not a loss to restart (handled below)
+                        raise ChildFailed(str(err)) from err
+
                 try:
                     summary = run_restarting(
-                        lambda ck: asyncio.run(_controller(cfg, plan, run_dir, model_dir, procs, ck, node, signals,
-                                                           trainer_restarts=budget.used)),
-                        lambda err: _restart_trainer(cfg, plan, procs, run_dir, model_dir, err, budget, env.job_id),
+                        run_once, lambda err: _restart_trainer(cfg, plan, procs, run_dir, model_dir, err, budget,
+                                                               env.job_id),
                         checkpoint, budget)
                 except Stopped:
                     raise
