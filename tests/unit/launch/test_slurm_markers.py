@@ -212,3 +212,31 @@ def _wait_lines(path: Path, n: int, timeout_s: float = 30.0) -> list:
             return [json.loads(x) for x in lines]
         time.sleep(0.05)
     raise AssertionError(f"{path}: fewer than {n} lines after {timeout_s} s")
+
+
+@pytest.mark.parametrize("trainer_nodes", [1, 2])
+def test_the_controller_restarts_its_torchrun_and_asks_other_trainer_nodes_for_the_same_checkpoint(tmp_path,
+                                                                                                 trainer_nodes):
+    """The controller's node (n1) after a trainer loss with no complete checkpoint: its own torchrun
+    is restarted from the initial weights; a request naming the same start point (and the restart's
+    number) is written only when the trainer has a part on another node."""
+    import dataclasses
+
+    from dora_megatron.launch.slurm_run import _restart_trainer
+    from dora_megatron.launch.trainer_restart import (RESTART_REQUEST, RestartRequest, TrainerLost, TrainerRestarts,
+                                                      restart_requested)
+
+    cfg, plan = _node(tmp_path, [f"cluster.trainer_nodes={trainer_nodes}"])
+    plan = dataclasses.replace(plan, engine_urls={})  # no instance to reload here
+    with ProcessSet(tmp_path / "logs", grace_s=5) as procs:
+        old = procs.start("trainer", [sys.executable, "-c", "import time; time.sleep(600)"])
+        budget = TrainerRestarts(2)
+        lost = TrainerLost("trainer exited with status -9")
+        assert budget.take(lost)
+        assert _restart_trainer(cfg, plan, procs, tmp_path, tmp_path / "model", lost, budget, "5") is None
+        assert not old.alive() and procs.children[0].alive() and procs.children[0].popen.pid != old.popen.pid
+    if trainer_nodes == 1:
+        assert not (tmp_path / RESTART_REQUEST).exists()
+    else:
+        assert restart_requested(tmp_path, "5", 0) == RestartRequest("5", 1, None)
+        assert restart_requested(tmp_path, "5", 1) is None
