@@ -244,7 +244,8 @@ def test_multi_node_job_restarts_a_trainer_killed_during_a_checkpoint_write_and_
     _finish(slurm_cluster, job, tmp_path)
     summary = _check_run(run_dir, steps)
     out = _output(tmp_path, job)
-    restarts = [ln for ln in out.splitlines() if "trainer lost" in ln]
+    restarts = [ln for ln in out.splitlines() if ln.startswith("trainer lost: ")]  # the job's own lines, not its log
+    print(f"\nkilled mid-step {step}:", *restarts, sep="\n")
     assert len(restarts) == 2 and "restarting it from the initial weights" in restarts[0], out[-4000:]
     assert f"restarting it from checkpoint v{2 * (step // 2):06d}" in restarts[1], (step, restarts)
     assert summary["trainer_restarts"] == 2 and summary["failed_instances"] == [], summary
