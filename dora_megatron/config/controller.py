@@ -49,6 +49,6 @@ class ControllerConfig:
     trainer_timeout_s: float = field_doc(60.0, "The trainer counts as lost when its `/health` has not answered for "
                                          "this long (it answers during a step, so only a dead, hung or "
                                          "unreachable trainer stays silent); a trainer process of this launcher "
-                                         "that exits, or a call it drops, counts at once. In a local job a lost "
-                                         "trainer is restarted from the last complete checkpoint under "
-                                         "`launch.max_trainer_restarts`; under SLURM it ends the job (FAILED).", gt=0.0, unit="s")
+                                         "that exits, or a call it drops, counts at once. A lost trainer is "
+                                         "restarted from the last complete checkpoint under "
+                                         "`launch.max_trainer_restarts` (local and SLURM jobs).", gt=0.0, unit="s")

@@ -32,15 +32,15 @@ class LaunchConfig:
     max_engine_restarts: int = field_doc(3, "Restarts allowed per engine (each start attempt counts); after that the "
                                          "engine stays failed and the run continues on the others. Restarts "
                                          "while the job starts count too.", ge=0)
-    max_trainer_restarts: int = field_doc(2, "Local runs: restarts of a lost trainer (its process died, or it did not answer "
+    max_trainer_restarts: int = field_doc(2, "Restarts of a lost trainer (its process died, or it did not answer "
                                           "within `controller.trainer_timeout_s`) within one job. The rollout "
                                           "instances keep running; the trainer restarts from the last complete "
                                           "checkpoint (the initial weights when there is none), the controller "
                                           "goes back to the same cut (steps after it are trained again, each group "
                                           "once; instances are switched back to the cut's versions) and the run "
-                                          "goes on. When none is left the job fails naming the cause; `--resume` "
-                                          "continues it. 0: a lost trainer ends the job. SLURM jobs: a lost "
-                                          "trainer ends the job with FAILED.", ge=0)
+                                          "goes on. When none is left the job fails naming the cause (SLURM: "
+                                          "FAILED); `--resume` continues it. 0: a lost trainer ends the job. "
+                                          "SLURM jobs restart the trainer on its node(s), the same way.", ge=0)
     min_ready_instances: int | float | None = field_doc(
         None, "Rollout instances that must be ready before the first step. Empty (the default): every "
         "instance that did not fail -- the start waits until each one is ready or has failed (its process "

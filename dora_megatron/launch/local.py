@@ -32,11 +32,9 @@ from dora_megatron.launch.plan import local_plan
 from dora_megatron.launch.process_launcher import ProcessLauncher, write_processes
 from dora_megatron.launch.startup import StartupRefused
 from dora_megatron.launch.stop import Stopped, StopSignals, exit_status
-from dora_megatron.launch.trainer_restart import (TrainerLost, TrainerRestarts, restart_point, reset_engines,
-                                                  run_restarting, trainer_argv)
+from dora_megatron.launch.trainer_restart import TrainerRestarts, restart_trainer, run_restarting
 from dora_megatron.ports import free_ports
 from dora_megatron.processes import ChildFailed, ProcessSet, ProcessSpec
-from dora_megatron.rollout.factory import engine_for
 
 log = logging.getLogger(__name__)
 
@@ -70,35 +68,6 @@ def prepare_model(cfg: DoraConfig, run_dir: Path, say=print) -> Path:
         run_warm_start(path, cfg.model.warm_start, cfg.model.warm_start_steps, seed=cfg.run.seed, say=say,
                        task_kwargs={"min_len": d.min_len, "max_len": d.max_len, "exponent": d.length_exponent})
     return path
-
-
-def restart_trainer(cfg: DoraConfig, procs: ProcessSet, endpoints: Endpoints, run_dir: Path, model_dir: Path,
-                    err: TrainerLost, budget: TrainerRestarts, say) -> Path | None:
-    """Bring back the trainer this launcher started after it was lost (``err``): the newest complete
-    checkpoint is chosen, torchrun restarts from it (its whole process group killed first), and
-    without one every kept instance reloads the initial weights. Returns the checkpoint the
-    controller restarts from (:mod:`.trainer_restart`)."""
-    checkpoint = restart_point(run_dir, say)
-    where = f"checkpoint {checkpoint.name}" if checkpoint is not None else "the initial weights (no complete checkpoint)"
-    say(f"trainer lost: {str(err).splitlines()[0]}; restarting it from {where} "
-        f"(restart {budget.used} of launch.max_trainer_restarts={budget.max_restarts}); the rollout instances keep running")
-    old = next(c for c in procs.children if c.name == "trainer")
-    procs.restart("trainer", trainer_argv(old.argv, checkpoint))
-    write_processes(run_dir, procs)
-    if checkpoint is None:
-        clients = {n: engine_for(cfg, url, str(model_dir), procs, run_dir) for n, url in endpoints.engines.items()}
-
-        async def reset() -> list[str]:
-            try:
-                return await reset_engines(clients, model_dir)
-            finally:
-                for c in clients.values():
-                    await c.close()
-
-        failed = asyncio.run(reset())
-        if failed:
-            say(f"could not reload the initial weights on {', '.join(failed)}: they are failed at their first request")
-    return checkpoint
 
 
 def resume_checkpoint(run_dir: Path, say, quarantine: bool = True) -> tuple[Path | None, str]:
@@ -179,7 +148,8 @@ def run_local_job(cfg: DoraConfig, resume: str | None = None) -> int:
                 lambda ck: asyncio.run(run_controller(cfg, endpoints, run_dir, model_dir,
                                                       ProcessLauncher(cfg, procs, run_dir, host=host), say, ck,
                                                       stop_signals=signals, trainer_restarts=budget.used)),
-                lambda err: restart_trainer(cfg, procs, endpoints, run_dir, model_dir, err, budget, say),
+                lambda err: restart_trainer(cfg, procs, endpoints.engines, run_dir, model_dir, err, budget, say,
+                                            on_started=lambda: write_processes(run_dir, procs)),
                 checkpoint, budget)
     except (ChildFailed, TimeoutError, ValueError, StartupRefused) as err:
         say(f"dora train failed: {err}")

@@ -9,9 +9,11 @@ exit.
 
 Faults: a rollout instance that dies is restarted by its own node's launcher on the same port
 (``launch.restart_engines``, at most ``launch.max_engine_restarts`` times); on a node other than the
-controller's it then asks to rejoin through the join folder. A node exits non-zero only when the run
-fails (FAILED, or its trainer died), so ``srun --kill-on-bad-exit`` ends the job for run failures
-only. Every way a job ends leaves a marker: the first SIGTERM (``scancel``, the time limit),
+controller's it then asks to rejoin through the join folder. A lost trainer is restarted inside the
+job (:mod:`.trainer_restart`, ``launch.max_trainer_restarts``): the controller's node restarts its
+torchrun and asks other trainer nodes to restart theirs from the same checkpoint. A node exits
+non-zero only when the run fails (FAILED, or its trainer died with no restart left), so
+``srun --kill-on-bad-exit`` ends the job for run failures only. Every way a job ends leaves a marker: the first SIGTERM (``scancel``, the time limit),
 SIGINT or SIGUSR1 (the templates' early warning before the time limit) stops the run at its next
 step boundary with a checkpoint (:mod:`.stop`) and writes FAILED saying so; a second one writes
 FAILED with the reason at once, before the processes stop. Markers name the job that wrote them, so the
@@ -41,6 +43,8 @@ from dora_megatron.processes import ChildFailed, ProcessSet
 from dora_megatron.launch.slurm import SlurmEnv, slurm_run_dir
 from dora_megatron.launch.startup import StartupRefused
 from dora_megatron.launch.stop import StopSignals, Stopped, exit_status
+from dora_megatron.launch.trainer_restart import (RestartRequest, TrainerLost, TrainerRestarts, request_restart,
+                                                  restart_requested, restart_trainer, run_restarting, trainer_argv)
 
 log = logging.getLogger(__name__)
 
@@ -168,9 +172,14 @@ class NodeEngines:
     MoE-on-CPU version switch) are carried out here, in the same loop."""
 
     def __init__(self, cfg: DoraConfig, procs: ProcessSet, plan: ClusterPlan, node: str, join_dir: Path, *,
-                 announce_first: bool, run_dir: Path | None = None) -> None:
+                 announce_first: bool, run_dir: Path | None = None, job_id: str | None = None) -> None:
         self.cfg, self.procs, self.plan, self.node, self.join_dir = cfg, procs, plan, node, join_dir
         self.names = {p.name for p in plan.processes_on(node) if p.role == "engine" and p.port is not None}
+        # this node's part of a trainer that spans nodes: restarted when the controller asks (run_dir, job_id)
+        self.trainers = {p.name for p in plan.processes_on(node) if p.role == "trainer"}
+        self.run_dir, self.job_id = run_dir, job_id
+        self.trainer_restarts = 0  # the controller's restart requests carried out
+        self.trainer_waiting: set[str] = set()
         self.health = {"embedded": "/health", "vllm": cfg.vllm.health_path}.get(cfg.rollout.engine, cfg.sglang.health_path)
         self.switches = None
         if cfg.rollout.engine == "vllm" and run_dir is not None:
@@ -193,6 +202,8 @@ class NodeEngines:
             if name in self.given_up:
                 continue
             if name not in self.names:  # a trainer (or part of a multi-node instance): the run cannot go on
+                if name in self.trainers and self._trainer_restart(child):
+                    continue
                 # status 0: the trainer was told to stop at the end of the run (DONE follows)
                 if not child.alive() and child.popen.returncode != 0:
                     raise ChildFailed(child.failure())
@@ -221,6 +232,33 @@ class NodeEngines:
             self.procs.restart(name)
             self.restarted_at[name] = time.time()
             self.pending[name] = time.monotonic() + self.cfg.rollout.startup_timeout_s
+
+
+    def _trainer_restart(self, child) -> bool:
+        """This node's torchrun of a trainer spanning nodes: restart it when the controller asks
+        (:func:`~.trainer_restart.request_restart`, from the checkpoint the controller chose). One
+        that died while the job has trainer restarts left waits for that request (the controller
+        notices the loss within ``controller.trainer_timeout_s``, or ends the run with FAILED).
+        False: nothing to do here (alive, or no restart left: the caller fails the node)."""
+        if self.run_dir is None or self.job_id is None:
+            return False
+        req = restart_requested(self.run_dir, self.job_id, self.trainer_restarts)
+        if req is not None:
+            self.trainer_restarts = req.number
+            self.trainer_waiting.discard(child.name)
+            where = f"checkpoint {req.checkpoint.name}" if req.checkpoint is not None else "the initial weights"
+            _say(f"{child.name} on {self.node}: restarting it from {where} (trainer restart {req.number}, "
+                 f"asked by the controller)")
+            self.procs.restart(child.name, trainer_argv(child.argv, req.checkpoint))
+            return True
+        if child.alive() or child.popen.returncode == 0 or self.trainer_restarts >= self.cfg.launch.max_trainer_restarts:
+            return False
+        if child.name not in self.trainer_waiting:
+            self.trainer_waiting.add(child.name)
+            _say(f"{child.name} on {self.node} exited with status {child.popen.returncode}: waiting for the "
+                 f"controller to restart the trainer (launch.max_trainer_restarts={self.cfg.launch.max_trainer_restarts}, "
+                 f"{self.trainer_restarts} used)")
+        return True
 
 
 def _serve_until_end(run_dir: Path, engines: NodeEngines, job_id: str | None, poll_s: float = 1.0,
@@ -318,11 +356,27 @@ def run_slurm_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan, resume: st
                         start_instance(procs, spec)
                 if not is_controller:  # a ChildFailed (its trainer died) writes FAILED below
                     return _serve_until_end(run_dir, NodeEngines(cfg, procs, plan, node, join_dir, announce_first=False,
-                                                                 run_dir=run_dir), env.job_id,
+                                                                 run_dir=run_dir, job_id=env.job_id), env.job_id,
                                             stopping_bound_s=cfg.controller.stop_checkpoint_timeout_s
                                             + 2 * cfg.launch.shutdown_timeout_s)
+                budget = TrainerRestarts(cfg.launch.max_trainer_restarts)
+
+                def run_once(ck: Path | None) -> dict:
+                    try:
+                        return asyncio.run(_controller(cfg, plan, run_dir, model_dir, procs, ck, node, signals,
+                                                       trainer_restarts=budget.used))
+                    except TrainerLost as err:
+                        if signals.received is None:
+                            raise
+                        # scancel and the time limit signal every process of the step: a trainer ended by
+                        # that signal is the job ending, not a loss to restart (handled below)
+                        raise ChildFailed(str(err)) from err
+
                 try:
-                    summary = asyncio.run(_controller(cfg, plan, run_dir, model_dir, procs, checkpoint, node, signals))
+                    summary = run_restarting(
+                        run_once, lambda err: _restart_trainer(cfg, plan, procs, run_dir, model_dir, err, budget,
+                                                               env.job_id),
+                        checkpoint, budget)
                 except Stopped:
                     raise
                 except ChildFailed as err:
@@ -369,8 +423,21 @@ def run_slurm_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan, resume: st
         return exit_status(sig.signame)
 
 
+def _restart_trainer(cfg: DoraConfig, plan: ClusterPlan, procs: ProcessSet, run_dir: Path, model_dir: Path,
+                     err: TrainerLost, budget: TrainerRestarts, job_id: str) -> Path | None:
+    """The controller's node brings back a lost trainer (:mod:`.trainer_restart`): its own torchrun is
+    restarted from the chosen checkpoint; when the trainer spans other nodes, each of them is first
+    asked to restart its torchrun from the same one (:meth:`NodeEngines.check` carries it out)."""
+    def ask_other_nodes(checkpoint: Path | None) -> None:
+        if any(p.role == "trainer" and p.host != plan.controller_node for p in plan.processes):
+            request_restart(run_dir, RestartRequest(job_id, budget.used, checkpoint))
+
+    return restart_trainer(cfg, procs, plan.engine_urls, run_dir, model_dir, err, budget, _say,
+                           before_start=ask_other_nodes)
+
+
 async def _controller(cfg: DoraConfig, plan: ClusterPlan, run_dir: Path, model_dir: Path, procs: ProcessSet,
-                      checkpoint, node: str, signals: StopSignals | None = None) -> dict:
+                      checkpoint, node: str, signals: StopSignals | None = None, trainer_restarts: int = 0) -> dict:
     from dora_megatron.launch.elastic import watch_joins
     from dora_megatron.controller.main import Endpoints, run_controller
     from dora_megatron.launch.process_launcher import ProcessLauncher
@@ -389,7 +456,7 @@ async def _controller(cfg: DoraConfig, plan: ClusterPlan, run_dir: Path, model_d
     # ``node``: instances on this node are restarted by the controller's own supervisor at their URL
     return await run_controller(cfg, Endpoints(dict(plan.engine_urls), plan.trainer_url), run_dir, model_dir,
                                 ProcessLauncher(cfg, procs, run_dir, host=node, fixed_ports=True), _say, checkpoint,
-                                on_runtime=start_watcher, stop_signals=signals)
+                                on_runtime=start_watcher, stop_signals=signals, trainer_restarts=trainer_restarts)
 
 
 def run_join_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan) -> int:

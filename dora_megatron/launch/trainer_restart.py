@@ -1,13 +1,17 @@
 """A lost trainer is restarted inside the job, from the last complete checkpoint.
 
-The rule (local jobs; under SLURM a lost trainer still ends the job with FAILED): the controller
-counts the trainer as lost when its process exits, when a call to it is dropped, or when its
-``/health`` stays silent for ``controller.trainer_timeout_s`` (:func:`watch_trainer`; the trainer
-answers it during a step). The rollout instances keep running. The launcher then restarts the
-trainer from the newest complete checkpoint (:func:`restart_point`; the initial weights when there
-is none) and runs the controller again from the same checkpoint, up to
-``launch.max_trainer_restarts`` times (:func:`run_restarting`); when none is left the job fails
-naming the cause, and ``--resume`` continues it.
+The rule (local jobs and SLURM jobs alike): the controller counts the trainer as lost when its
+process exits, when a call to it is dropped, or when its ``/health`` stays silent for
+``controller.trainer_timeout_s`` (:func:`watch_trainer`; the trainer answers it during a step).
+The rollout instances keep running. The launcher then restarts the trainer from the newest
+complete checkpoint (:func:`restart_point`; the initial weights when there is none) and runs the
+controller again from the same checkpoint, up to ``launch.max_trainer_restarts`` times
+(:func:`run_restarting`); when none is left the job fails naming the cause (under SLURM: FAILED),
+and ``--resume`` continues it.
+
+Under SLURM the controller restarts the part of the trainer on its own node (its child); a trainer
+that spans several nodes is restarted on the others by their own launchers, asked through a
+request file in the shared run directory (:func:`request_restart` / :func:`restart_requested`).
 
 WHY the resume path and not a second mechanism: a checkpoint is a cut where weights ``v`` exist
 and the orchestrator has not reacted to them, and ``--resume`` from it is already exactly-once
@@ -28,9 +32,13 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Sequence
 
 from dora_megatron.processes import ChildFailed
+
+if TYPE_CHECKING:
+    from dora_megatron.config.schema import DoraConfig
+    from dora_megatron.processes import ProcessSet
 
 log = logging.getLogger(__name__)
 
@@ -137,3 +145,79 @@ async def reset_engines(engines: dict[str, Any], model_dir: Path) -> list[str]:
 
     failed = await asyncio.gather(*(one(n, e) for n, e in engines.items()))
     return sorted(n for n in failed if n is not None)
+
+
+def restart_trainer(cfg: "DoraConfig", procs: "ProcessSet", engine_urls: Mapping[str, str], run_dir: Path,
+                    model_dir: Path, err: TrainerLost, budget: TrainerRestarts, say: Callable[[str], None], *,
+                    before_start: Callable[[Path | None], None] | None = None,
+                    on_started: Callable[[], None] | None = None) -> Path | None:
+    """Bring back the trainer child ``trainer`` of ``procs`` after it was lost (``err``): the newest
+    complete checkpoint is chosen, torchrun restarts from it (its whole process group killed first),
+    and without one every kept instance (``engine_urls``) reloads the initial weights. Returns the
+    checkpoint the controller restarts from. ``before_start(checkpoint)``: runs before the new
+    trainer starts (SLURM: ask the other trainer nodes to restart theirs from the same one);
+    ``on_started``: after (local: rewrite ``processes.json``)."""
+    checkpoint = restart_point(run_dir, say)
+    where = f"checkpoint {checkpoint.name}" if checkpoint is not None else "the initial weights (no complete checkpoint)"
+    say(f"trainer lost: {str(err).splitlines()[0]}; restarting it from {where} "
+        f"(restart {budget.used} of launch.max_trainer_restarts={budget.max_restarts}); the rollout instances keep running")
+    if before_start is not None:
+        before_start(checkpoint)
+    old = next(c for c in procs.children if c.name == "trainer")
+    procs.restart("trainer", trainer_argv(old.argv, checkpoint))
+    if on_started is not None:
+        on_started()
+    if checkpoint is None:
+        from dora_megatron.rollout.factory import engine_for
+
+        clients = {n: engine_for(cfg, url, str(model_dir), procs, run_dir) for n, url in engine_urls.items()}
+
+        async def reset() -> list[str]:
+            try:
+                return await reset_engines(clients, model_dir)
+            finally:
+                for c in clients.values():
+                    await c.close()
+
+        failed = asyncio.run(reset())
+        if failed:
+            say(f"could not reload the initial weights on {', '.join(failed)}: they are failed at their first request")
+    return checkpoint
+
+
+RESTART_REQUEST = "trainer_restart.json"
+
+
+@dataclass(frozen=True)
+class RestartRequest:
+    """The controller's request to the other trainer nodes of a SLURM job: restart your part of the
+    trainer from ``checkpoint`` (None: the initial weights). ``number`` counts the job's restarts
+    (a node acts on each number once); ``job_id`` keeps a resumed job from acting on the request
+    of the job it resumes."""
+
+    job_id: str
+    number: int
+    checkpoint: Path | None
+
+
+def request_restart(run_dir: Path, req: RestartRequest) -> None:
+    """Write ``req`` (atomically: a node polling the file never reads half of it)."""
+    import json
+    import os
+
+    tmp = run_dir / f".{RESTART_REQUEST}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps({"job": req.job_id, "number": req.number,
+                               "checkpoint": None if req.checkpoint is None else str(req.checkpoint)}))
+    os.replace(tmp, run_dir / RESTART_REQUEST)
+
+
+def restart_requested(run_dir: Path, job_id: str, done: int) -> RestartRequest | None:
+    """The request of job ``job_id`` newer than restart number ``done`` this node carried out, if any."""
+    import json
+
+    try:
+        d = json.loads((run_dir / RESTART_REQUEST).read_text())
+        req = RestartRequest(str(d["job"]), int(d["number"]), None if d["checkpoint"] is None else Path(d["checkpoint"]))
+    except (OSError, ValueError, KeyError, TypeError):  # none yet (a malformed one is never written: atomic)
+        return None
+    return req if req.job_id == job_id and req.number > done else None

@@ -153,11 +153,14 @@ class TrainerService:
             step = int(cmd.payload["step"])
             if step != self.worker.version:
                 raise BadRequest(f"step {step} does not match the trainer's weights version {self.worker.version}")
+            # the step's bounds in the trainer's log: where a lost trainer was (mid-step or between steps)
+            log.info("step %d: training on %d sample(s)", step, len(cmd.payload["samples"]))
             t0 = time.monotonic()
             metrics = self.worker.train_step(cmd.payload["samples"])
             t1 = time.monotonic()
             snapshot_dir = self.run_dir / "weights" / f"v{self.worker.version:06d}"
             checksum = self.worker.export_snapshot(snapshot_dir)
+            log.info("step %d: trained, version %d exported", step, self.worker.version)
             # the two phases, measured here: the controller cannot split one /train call (metrics:
             # perf/train_time_s, and the snapshot export as trainer-side weight sync, perf/sync_time_s)
             return {"version": self.worker.version, "metrics": metrics, "snapshot": str(snapshot_dir), "checksum": checksum,

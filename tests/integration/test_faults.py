@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from dora_megatron.controller.journal import read_journal
+from tests.helpers.proc_tree import children, in_sessions, process_tree, sessions, signal_tree
 
 pytestmark = pytest.mark.integration
 
@@ -74,31 +75,6 @@ def alive(pid: int) -> bool:
         return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return False
-
-
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and all its descendants (torchrun's ranks may run in their own process groups)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
-    return out
-
-
-def signal_tree(pids: list[int], sig: int) -> None:
-    for p in pids:
-        try:
-            os.kill(p, sig)
-        except ProcessLookupError:
-            pass
 
 
 def check_resumed_run(run_dir: Path, n: int) -> tuple[dict, list[dict], dict[int, list[str]], dict[int, list[int]]]:
@@ -290,30 +266,6 @@ def test_trainer_rank_sigkill_without_restarts_left_stops_the_job_and_resume_con
     print(f"crashed after {crashed_steps} steps;", out[out.index("resuming"):].splitlines()[0])
     assert crashed_steps > 2  # steps after the checkpoint it resumes from were recorded, then re-done
     check_resumed_run(run_dir, n)
-
-
-def children(pid: int) -> list[int]:
-    """The direct children of ``pid`` (torchrun's ranks)."""
-    return [p for p in process_tree(pid) if p != pid and _stat(p)[1:2] == [str(pid)]]
-
-
-def _stat(pid: int) -> list[str]:
-    """``/proc/<pid>/stat`` after the command name: state, ppid, pgrp, session, ... (empty: gone)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return []
-
-
-def sessions(pids: list[int]) -> set[int]:
-    """The session ids of ``pids`` (torchrun starts each rank in a session of its own)."""
-    return {int(f[3]) for f in map(_stat, pids) if len(f) > 3}
-
-
-def in_sessions(sids: set[int]) -> list[int]:
-    """Live processes of any of the sessions ``sids``."""
-    return [int(d.name) for d in Path("/proc").glob("[0-9]*")
-            if len(f := _stat(int(d.name))) > 3 and int(f[3]) in sids and f[0] != "Z"]
 
 
 def test_trainer_sigkill_during_the_first_checkpoint_and_mid_step_is_restarted_in_the_job(tmp_path):

@@ -3,7 +3,8 @@
 Each test submits a template with ``sbatch`` exactly as the README shows (CPU route,
 ``configs/cpu_slurm.yaml``), waits for the job's state from ``scontrol`` and checks the run
 directory: every step trained, no group lost or duplicated, C1/C3 0, the end marker, no process
-left. The fault tests kill a rollout instance on a non-controller node, ``scancel`` a job and
+left. The fault tests kill a rollout instance on a non-controller node, kill the trainer on its
+node (during a checkpoint write and mid-step: restarted inside the job), ``scancel`` a job and
 resume it as a new job, and point a joiner at a dead run.
 """
 
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.proc_tree import in_sessions, process_tree, sessions, signal_tree
 from tests.helpers.slurm_cluster import FINISHED
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -171,6 +173,83 @@ def test_multi_node_template_survives_a_killed_rollout_instance_on_another_node(
     assert "engine1 on n3 exited with status -9: restarting it" in out, out[-4000:]
     assert summary["failed_instances"] == ["engine1"] and summary["instances_rejoined"] == 1, summary
     assert (run_dir / "logs" / "n2" / "engine0.log").is_file()
+
+
+def _trainer_rank_tree(run_dir: Path) -> list[int]:
+    """The trainer's rank on its node and what the rank started (torchrun itself excluded)."""
+    (torchrun,) = _pids_of(run_dir, b"torch.distributed.run")
+    return [p for p in process_tree(torchrun) if p != torchrun]
+
+
+def _in_step(log: Path) -> int | None:
+    """The step the trainer's log shows started and not ended since its last (re)start, if any."""
+    text = log.read_text(errors="replace").split("--- restarted by the launcher")[-1]
+    bounds = [ln for ln in text.splitlines() if ": training on " in ln or ": trained, version " in ln]
+    if bounds and ": training on " in bounds[-1]:
+        return int(bounds[-1].split("step ", 1)[1].split(":", 1)[0])
+    return None
+
+
+def _freeze_mid_step(run_dir: Path, cwd: Path, job: str) -> tuple[list[int], int]:
+    """SIGSTOP the trainer's rank tree while a step runs; returns the frozen pids and the step.
+    WHY check after freezing: the step may end between reading the log and the signal; then the
+    rank is let go and the next step is tried."""
+    log = run_dir / "logs" / "n1" / "trainer.log"
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if _in_step(log) is not None:
+            ranks = _trainer_rank_tree(run_dir)
+            signal_tree(ranks, signal.SIGSTOP)
+            step = _in_step(log)
+            if step is not None:
+                return ranks, step
+            signal_tree(ranks, signal.SIGCONT)
+        time.sleep(0.02)
+    raise TimeoutError(f"no step of job {job} caught in progress:\n{_output(cwd, job)[-3000:]}")
+
+
+def test_multi_node_job_restarts_a_trainer_killed_during_a_checkpoint_write_and_mid_step(slurm_cluster, tmp_path):
+    """3 nodes (trainer + controller on n1, one engine each on n2 and n3). The trainer's rank on n1
+    is SIGKILLed twice in one job: frozen while the first checkpoint is being written (nothing
+    complete to go back to: it restarts from the initial weights), then frozen inside a step of the
+    restarted lineage (it restarts from the last complete checkpoint). The engines on n2/n3 are the
+    same processes throughout; the job completes with each step in ``consumed.jsonl`` exactly once,
+    and no process of the rank's sessions (its spawn child, resource tracker) outlives the job.
+    Before: the first kill ended the job FAILED."""
+    steps = 5
+    job = slurm_cluster.sbatch(["--nodes=3", MULTI, CONFIG, "--set", f"run.steps={steps}",
+                                "--set", "run.checkpoint_interval=2", "--set", "launch.max_trainer_restarts=2"],
+                               cwd=tmp_path, env=_job_env())
+    run_dir = _run_dir(tmp_path, job)
+    first = run_dir / "checkpoints" / "v000002"
+    _wait(first.is_dir, JOB_TIMEOUT_S, f"the first checkpoint write of job {job}:\n{_output(tmp_path, job)[-3000:]}")
+    engines = {n: _pids_of(run_dir, b"serve", host=n) for n in ("n2", "n3")}
+    ranks = _trainer_rank_tree(run_dir)
+    signal_tree(ranks, signal.SIGSTOP)  # frozen mid-write: the checkpoint cannot complete
+    seen = sessions(ranks)
+    time.sleep(0.5)
+    assert not (first / "controller.json").is_file(), "the checkpoint completed before the kill"
+    signal_tree(ranks, signal.SIGKILL)
+    _wait(lambda: "restarting it from the initial weights (no complete checkpoint)" in _output(tmp_path, job), 120,
+          f"the first trainer restart of job {job}:\n{_output(tmp_path, job)[-3000:]}")
+    # the restarted lineage: checkpoint v2 complete again, then a step after it, killed mid-step
+    steps_file = run_dir / "steps.jsonl"
+    _wait(lambda: (first / "controller.json").is_file() and steps_file.read_text().count("\n") >= 2, JOB_TIMEOUT_S,
+          f"checkpoint v2 of the restarted lineage:\n{_output(tmp_path, job)[-3000:]}")
+    ranks, step = _freeze_mid_step(run_dir, tmp_path, job)
+    seen |= sessions(ranks)
+    assert step >= 2, step
+    assert {n: _pids_of(run_dir, b"serve", host=n) for n in ("n2", "n3")} == engines  # the instances were kept
+    signal_tree(ranks, signal.SIGKILL)
+    _finish(slurm_cluster, job, tmp_path)
+    summary = _check_run(run_dir, steps)
+    out = _output(tmp_path, job)
+    restarts = [ln for ln in out.splitlines() if ln.startswith("trainer lost: ")]  # the job's own lines, not its log
+    print(f"\nkilled mid-step {step}:", *restarts, sep="\n")
+    assert len(restarts) == 2 and "restarting it from the initial weights" in restarts[0], out[-4000:]
+    assert f"restarting it from checkpoint v{2 * (step // 2):06d}" in restarts[1], (step, restarts)
+    assert summary["trainer_restarts"] == 2 and summary["failed_instances"] == [], summary
+    _wait(lambda: not in_sessions(seen), 30, "the end of every process of the killed ranks' sessions")
 
 
 def _task_pid(job: str, node_id: int) -> int:

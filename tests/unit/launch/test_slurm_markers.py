@@ -163,3 +163,80 @@ def test_joiner_refuses_a_run_that_has_ended_at_once(tmp_path):
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "has ended (DONE: ok)" in proc.stderr and time.monotonic() - t0 < 60
     assert not (run_dir / "logs").exists()  # nothing was started
+
+
+def test_a_trainer_node_restarts_its_part_when_the_controller_asks_and_waits_for_that_request(tmp_path):
+    """Node n2 of a trainer spanning n1-n2: its torchrun died (the whole trainer is lost). With
+    trainer restarts left the node neither fails nor restarts it on its own: it waits for the
+    controller's request (the controller chose the checkpoint); it then restarts its torchrun from
+    that checkpoint, once per request; a request of another job (the one this job resumes) is
+    ignored. With the budget used up, the next death fails the node as before."""
+    from dora_megatron.launch.trainer_restart import RestartRequest, request_restart
+    from dora_megatron.processes import ChildFailed
+
+    cfg, plan = _node(tmp_path, ["cluster.trainer_nodes=2", "launch.max_trainer_restarts=1"])
+    (spec,) = [p for p in plan.processes_on("n2") if p.role == "trainer"]
+    with ProcessSet(tmp_path / "logs", grace_s=5) as procs:
+        # the planned argv's stand-in: records its own argv, then lives (a trainer) or dies (status 9)
+        script = "import sys, json, time; open(sys.argv[1], 'a').write(json.dumps(sys.argv[2:]) + '\\n'); " \
+                 "time.sleep(600) if '--resume' in sys.argv else sys.exit(9)"
+        argv = [sys.executable, "-c", script, str(tmp_path / "argv.jsonl"), "--run-dir", str(tmp_path)]
+        first = procs.start(spec.name, argv)
+        first.popen.wait()
+        engines = NodeEngines(cfg, procs, plan, "n2", tmp_path / "join", announce_first=False,
+                              run_dir=tmp_path, job_id="5")
+        engines.check()  # dead, no request yet: it waits (before: ChildFailed, the job ended)
+        request_restart(tmp_path, RestartRequest("4", 1, tmp_path / "checkpoints" / "v000009"))  # the resumed job's
+        engines.check()
+        assert procs.children[0].popen.pid == first.popen.pid
+        request_restart(tmp_path, RestartRequest("5", 1, tmp_path / "checkpoints" / "v000002"))
+        engines.check()
+        engines.check()  # one restart per request
+        restarted = procs.children[0]
+        assert restarted.popen.pid != first.popen.pid and restarted.alive()
+        lines = _wait_lines(tmp_path / "argv.jsonl", 2)
+        assert lines[1] == ["--run-dir", str(tmp_path), "--resume", str(tmp_path / "checkpoints" / "v000002" / "trainer")]
+        restarted.popen.kill()
+        restarted.popen.wait()
+        with pytest.raises(ChildFailed, match=f"{spec.name} exited with status -9"):
+            engines.check()  # no restart left
+
+
+def _wait_lines(path: Path, n: int, timeout_s: float = 30.0) -> list:
+    import json
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        lines = path.read_text().splitlines() if path.exists() else []
+        if len(lines) >= n:
+            return [json.loads(x) for x in lines]
+        time.sleep(0.05)
+    raise AssertionError(f"{path}: fewer than {n} lines after {timeout_s} s")
+
+
+@pytest.mark.parametrize("trainer_nodes", [1, 2])
+def test_the_controller_restarts_its_torchrun_and_asks_other_trainer_nodes_for_the_same_checkpoint(tmp_path,
+                                                                                                 trainer_nodes):
+    """The controller's node (n1) after a trainer loss with no complete checkpoint: its own torchrun
+    is restarted from the initial weights; a request naming the same start point (and the restart's
+    number) is written only when the trainer has a part on another node."""
+    import dataclasses
+
+    from dora_megatron.launch.slurm_run import _restart_trainer
+    from dora_megatron.launch.trainer_restart import (RESTART_REQUEST, RestartRequest, TrainerLost, TrainerRestarts,
+                                                      restart_requested)
+
+    cfg, plan = _node(tmp_path, [f"cluster.trainer_nodes={trainer_nodes}"])
+    plan = dataclasses.replace(plan, engine_urls={})  # no instance to reload here
+    with ProcessSet(tmp_path / "logs", grace_s=5) as procs:
+        old = procs.start("trainer", [sys.executable, "-c", "import time; time.sleep(600)"])
+        budget = TrainerRestarts(2)
+        lost = TrainerLost("trainer exited with status -9")
+        assert budget.take(lost)
+        assert _restart_trainer(cfg, plan, procs, tmp_path, tmp_path / "model", lost, budget, "5") is None
+        assert not old.alive() and procs.children[0].alive() and procs.children[0].popen.pid != old.popen.pid
+    if trainer_nodes == 1:
+        assert not (tmp_path / RESTART_REQUEST).exists()
+    else:
+        assert restart_requested(tmp_path, "5", 0) == RestartRequest("5", 1, None)
+        assert restart_requested(tmp_path, "5", 1) is None
