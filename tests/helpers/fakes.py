@@ -144,6 +144,7 @@ class FakeTrainer:
         self.train_s = train_s
         self.checkpoints: list[str] = []
         self._holds: dict[int, tuple[Any, float]] = {}
+        self.holding: int | None = None  # the held step being waited in (:meth:`hold_step`)
 
     def hold_step(self, step: int, until, limit_s: float = 10.0) -> None:
         """Start training ``step`` only once ``until()`` is true (or ``limit_s`` passed). These runs
@@ -155,6 +156,7 @@ class FakeTrainer:
         assert step == self.version, (step, self.version)
         if step in self._holds:
             until, limit_s = self._holds[step]
+            self.holding = step  # a test may act once the step is really under way
             deadline = asyncio.get_running_loop().time() + limit_s
             while not until() and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.005)

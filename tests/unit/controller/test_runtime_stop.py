@@ -59,7 +59,7 @@ def test_a_step_that_outlasts_the_stop_timeout_is_abandoned(tmp_path):
 
     async def main() -> dict:
         async def stop_while_held() -> None:
-            while trainer.version < 2:
+            while trainer.holding != 2:  # inside step 2, not at the boundary before it
                 await asyncio.sleep(0.002)
             rt.request_stop("SIGTERM")
 
