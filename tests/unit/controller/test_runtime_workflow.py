@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+from dora_megatron.controller.main import drive
 from dora_megatron.data import tokenizer as tok
 from dora_megatron.data.tasks import running_sum_reward
 from dora_megatron.workflow.api import Trajectory, WorkflowContext
@@ -50,7 +51,7 @@ def check_trajectories(trainer, seen):
 def test_dora_runs_each_trajectory_on_one_version_and_hands_the_trainer_its_mask():
     rt, engines, trainer = make(mode="dora", n=3, steps=6, token_s=0.002)
     seen = with_workflow(rt)
-    summary = asyncio.run(asyncio.wait_for(rt.run(), timeout=120))
+    summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=120))
     check_run(rt, engines, trainer, 6, 4, 2)  # C1 from the engines' own logs: every turn of a rid on one version
     check_trajectories(trainer, seen)
     turns = [rid for e in engines.values() for op, rid, _ in e.log if op == "generate"]
@@ -65,7 +66,7 @@ def test_partial_mode_reruns_an_interrupted_trajectory_whole_on_the_new_version(
     an interrupted trajectory is run again from its prompt instead, so C1 holds."""
     rt, engines, trainer = make(mode="partial", token_s=0.003)
     seen = with_workflow(rt)
-    summary = asyncio.run(asyncio.wait_for(rt.run(), timeout=120))
+    summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=120))
     check_trajectories(trainer, seen)
     assert summary["env/trajectories_aborted"] > 0  # interrupts happened, mid-trajectory
     trained = [s for b in trainer.batches for s in b]
@@ -103,13 +104,13 @@ def test_a_failed_instance_or_a_crashed_environment_reruns_the_trajectory():
 def test_a_resume_keeps_the_finished_trajectories_masks(tmp_path):
     rt, engines, trainer = make(mode="dora", steps=4, tmp_path=tmp_path)
     with_workflow(rt)
-    asyncio.run(asyncio.wait_for(rt.run(), timeout=120))
+    asyncio.run(asyncio.wait_for(drive(rt), timeout=120))
     rt2, engines2, trainer2 = make(mode="dora", steps=6, tmp_path=tmp_path)
     seen = with_workflow(rt2)
     state = resume(rt2, trainer2, tmp_path, 2)
     finished = state["samples"]  # the finished samples of the outstanding groups
     assert all(s["loss_mask"][-len(ENV):] == [0] * len(ENV) for s in finished)
-    summary = asyncio.run(asyncio.wait_for(rt2.run(), timeout=120))
+    summary = asyncio.run(asyncio.wait_for(drive(rt2), timeout=120))
     trained = [g for b in trainer.batches[:2] + trainer2.batches for g in {s["group_id"] for s in b}]
     assert len(trained) == len(set(trained)) == 6 * 4 and summary["lost_groups"] == 0
     check_trajectories(trainer2, seen)
@@ -134,5 +135,5 @@ def test_a_trajectory_is_not_journaled_so_that_after_a_crash_it_runs_again_whole
     rt, engines, trainer = make(mode="dora", n=3, steps=2, token_s=0.002)
     with_workflow(rt)
     rt.journal = journal = _RecordingJournal()
-    asyncio.run(asyncio.wait_for(rt.run(), timeout=120))
+    asyncio.run(asyncio.wait_for(drive(rt), timeout=120))
     assert "dispatch" in journal.calls and "sample" not in journal.calls
