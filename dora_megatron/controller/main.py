@@ -84,6 +84,7 @@ async def drive(runtime: Any) -> dict[str, Any]:
 
 
 async def _stop_when(done: asyncio.Event, events: Any) -> None:
+    """The loop sleeps on its queue: a run ended without an event (``done`` set) must wake it."""
     await done.wait()
     events.post(Stop())
 
