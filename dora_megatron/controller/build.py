@@ -4,8 +4,8 @@ WHY here and not in a launcher: the local launcher, the SLURM node launcher and 
 (tools/controller_scale.py) run the same controller against engines and a trainer they started
 in different ways. Launchers start processes and pass :class:`Endpoints`; what the controller is
 made of (engine and trainer clients, prompts and reward, the orchestrator, restored from a
-checkpoint or new, the journal, the runtime and its options) is decided once, here, from the config
-sections that own each setting.
+checkpoint or new, the journal, the event queue, the runtime and its options) is decided once,
+here, from the config sections that own each setting.
 """
 
 from __future__ import annotations
@@ -105,8 +105,8 @@ def blocking_reward_fn(scorer) -> Callable[[str, str], float]:
 
 @dataclass
 class Controller:
-    """A built controller: :meth:`Runtime.run <dora_megatron.controller.runtime.Runtime.run>` runs
-    it, :meth:`close` releases its clients and journal."""
+    """A built controller: :func:`~dora_megatron.controller.main.drive` runs it;
+    :meth:`close_journal` and :meth:`close_reward` release its journal and reward workers."""
 
     runtime: Any  # controller.runtime.Runtime
     trainer: Any  # controller.trainer_client.TrainerClient
@@ -151,6 +151,7 @@ def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, mo
     the rollout dumps are written on it, off the event loop (the launcher closes it).
     ``eval_sinks``: where the eval set's rounds write ``eval/...`` (default ``metric_sinks``; a
     launcher leaves out the per-step file)."""
+    from dora_megatron.controller.loop import EventQueue
     from dora_megatron.controller.runtime import Runtime
     from dora_megatron.controller.trainer_client import TrainerClient
     from dora_megatron.data.sources import job_codec
@@ -182,7 +183,7 @@ def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, mo
         rollout_dump = RolloutDumper(run_dir, cfg.observability.dump_rollouts, codec, writer=background)
     runtime = Runtime(orch, engines, trainer, source, blocking_reward_fn(scorer), options, timeline=timeline,
                       on_step=on_step, on_checkpoint=on_checkpoint, codec=codec, journal=journal, metrics=metrics,
-                      load_reports=load_reports, rollout_dump=rollout_dump)
+                      load_reports=load_reports, rollout_dump=rollout_dump, events=EventQueue())
     if cfg.rollout.workflow:
         from dora_megatron.workflow.runner import workflow_runner
 

@@ -10,9 +10,10 @@ to start, restarting a dead engine, naming why the trainer died) is the launcher
 ::
 
     launcher: start processes --> run_controller: clients --> wait_started --> build_controller
-        (queue, orchestrator, Runtime) --> event sources (stats poller in Runtime, the launcher's
-        supervisor and trainer watchdog, joins, stop signals) --> Runtime.run (ControllerLoop)
-        --> close clients --> RunOutputs.finish (summary.json, export, timeline)
+        (queue, orchestrator, Runtime) --> the launcher's event sources (supervisor, trainer
+        watchdog, joins), stop signals --> drive: Runtime.begin --> ControllerLoop with the stats
+        poller and the end watcher --> Runtime.finish --> close clients --> RunOutputs.finish
+        (summary.json, export, timeline)
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from typing import Any, Callable, Coroutine, Protocol
 from dora_megatron.config.schema import DoraConfig
 from dora_megatron.controller.build import Endpoints
 from dora_megatron.controller.clients import EngineClients, connection_plan
+from dora_megatron.controller.loop import ControllerLoop, Stop
 from dora_megatron.controller.outputs import RunOutputs
 
-__all__ = ["Endpoints", "Launcher", "connection_plan", "run_controller"]
+__all__ = ["Endpoints", "Launcher", "connection_plan", "drive", "run_controller"]
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +46,8 @@ class Launcher(Protocol):
         (:class:`~dora_megatron.launch.startup.Instances`)."""
 
     def event_sources(self, runtime: Any, make_engine: Callable[[str], Any], started: Any) -> list[Coroutine]:
-        """The launcher's event sources while the runtime runs (engine supervisor, trainer watchdog)."""
+        """The launcher's event sources while the runtime runs (engine supervisor, trainer watchdog,
+        a SLURM job's join watcher)."""
 
     async def trainer_failure(self, err: Exception, answered: str | None) -> BaseException:
         """Why the trainer stopped answering (``answered``: it answered with this error)."""
@@ -53,13 +56,46 @@ class Launcher(Protocol):
         """Wait (bounded) for a trainer that acknowledged its shutdown to exit by itself."""
 
 
+async def drive(runtime: Any) -> dict[str, Any]:
+    """Run the controller loop over the executor ``runtime`` (a built
+    :class:`~dora_megatron.controller.runtime.Runtime`) until the last step (or an error); returns
+    the summary. Every run goes through here: the launchers (:func:`run_controller`) and the tests
+    that run a runtime on fakes.
+
+    The loop reads the runtime's queue; beside it run the stats poller (load reports and ticks)
+    and the end watcher: a run ended from outside the loop (a supervisor's :meth:`stop`) posts
+    ``Stop`` so that the loop wakes. A failing event handler ends the run with its cause."""
+    runtime.begin()
+    done = runtime.ended
+    loop = ControllerLoop(runtime.orch, runtime, runtime.events, done)
+    tasks = [asyncio.get_running_loop().create_task(runtime.stats.run(done)),
+             asyncio.get_running_loop().create_task(_stop_when(done, runtime.events))]
+    error = None
+    try:
+        await loop.run()
+    except Exception as err:  # noqa: BLE001 - a failed event handler stops the run with its cause
+        log.exception("controller loop failed")
+        error = err
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return await runtime.finish(error)
+
+
+async def _stop_when(done: asyncio.Event, events: Any) -> None:
+    """The loop sleeps on its queue: a run ended without an event (``done`` set) must wake it."""
+    await done.wait()
+    events.post(Stop())
+
+
 async def run_controller(cfg: DoraConfig, endpoints: Endpoints, run_dir: Path, model_dir: Path, launcher: Launcher,
                          say: Callable[[str], None], checkpoint: Path | None = None, *,
                          on_runtime: Callable[[Any], None] | None = None, stop_signals: Any = None,
                          trainer_restarts: int = 0) -> dict[str, Any]:
     """Run the controller of a job whose processes are started, until its last step (or a stop), and
     write the outputs; returns the summary. ``on_runtime(runtime)`` runs once the runtime exists
-    (e.g. to start the elastic join watcher). ``stop_signals``
+    (e.g. a load harness's instruments). ``stop_signals``
     (:class:`~dora_megatron.launch.stop.StopSignals`): while the runtime runs, the first signal asks
     it to stop at the next step boundary with a checkpoint (``status: stopped``; no export). A
     trainer that dies or stays silent ends it with the launcher's :meth:`Launcher.trainer_failure`
@@ -106,7 +142,7 @@ async def run_controller(cfg: DoraConfig, endpoints: Endpoints, run_dir: Path, m
     if stop_signals is not None:
         stop_signals.arm_runtime(runtime)
     try:
-        summary = await runtime.run()
+        summary = await drive(runtime)
     except TrainerUnreachable as err:
         raise await launcher.trainer_failure(err, None) from err
     except TrainerError as err:  # the trainer answered with an error (its log has the traceback)

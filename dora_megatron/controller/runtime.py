@@ -4,7 +4,8 @@ Why one loop around one sans-IO object: every decision (what to dispatch where,
 which instance switches, which requests migrate, which groups form a batch) is
 made by :class:`~dora_megatron.orchestrator.Orchestrator`; this module only turns
 its actions into HTTP calls (asyncio tasks) and puts what happened on the event
-queue of :class:`~dora_megatron.controller.loop.ControllerLoop`, which alone feeds
+queue of :class:`~dora_megatron.controller.loop.ControllerLoop` (built and run with the
+event sources by :func:`~dora_megatron.controller.main.drive`), which alone feeds
 the orchestrator (read :mod:`dora_megatron.controller.loop` first). All of it runs on
 the event-loop thread, so the state machine needs no locks.
 
@@ -37,7 +38,7 @@ from typing import Any, Callable, Sequence
 
 from dora_megatron.controller.checkpointing import CheckpointWriter
 from dora_megatron.controller.errors import LOCAL_RETRY_S, is_comm_error as _is_comm_error, is_local as _is_local
-from dora_megatron.controller.loop import (ControllerLoop, EngineReply, EventQueue, InstanceFailed,
+from dora_megatron.controller.loop import (EngineReply, EventQueue, InstanceFailed,
                                            InstanceJoined, MigrationFailed, Replayed,
                                            Resume, Start, Stop, SwitchDone, TrainerDone)
 from dora_megatron.controller.records import (Engine, GroupRecord, LoadReports, RuntimeOptions, SampleRecord,
@@ -70,7 +71,8 @@ OUT_OF_STEP_REFUSALS = 3
 class Runtime:
     """Runs ``options.steps`` training steps; returns the run summary (DESIGN section 11).
 
-    The executor of :class:`~dora_megatron.controller.loop.ControllerLoop`: it implements
+    The executor of the :class:`~dora_megatron.controller.loop.ControllerLoop` that
+    :func:`~dora_megatron.controller.main.drive` runs: it implements
     :class:`~dora_megatron.orchestrator.ActionHandler` (one method per action, each starting
     asyncio tasks) and the per-event bookkeeping the loop asks of it. Jobs of their own are its
     components: :attr:`weights` (:mod:`.weight_sync`), :attr:`moves` (:mod:`.migration`),
@@ -82,8 +84,11 @@ class Runtime:
                  on_step: Callable[[StepLog, "Runtime"], None] | None = None,
                  on_checkpoint: Callable[[int], None] | None = None, first_prompt: int = 0,
                  codec: TextCodec | None = None, journal=None, metrics: MetricsRecorder | None = None,
-                 load_reports: LoadReports | None = None, rollout_dump: RolloutDumper | None = None) -> None:
-        """``load_reports``: pushed load reports of the engines it covers, taken once per stats
+                 load_reports: LoadReports | None = None, rollout_dump: RolloutDumper | None = None,
+                 events: EventQueue) -> None:
+        """``events``: the queue of the :class:`~dora_megatron.controller.loop.ControllerLoop` that
+        drives this executor (made by whoever builds the controller): every task reports there.
+        ``load_reports``: pushed load reports of the engines it covers, taken once per stats
         sweep instead of polling them (e.g. :class:`~dora_megatron.rollout.sharded.ClientPool`).
         ``rollout_dump``: writes some of each step's samples as the trainer is handed them
         (``observability.dump_rollouts``)."""
@@ -134,7 +139,7 @@ class Runtime:
         self._tasks: set[asyncio.Task] = set()
         self._error: BaseException | None = None
         self._done = asyncio.Event()
-        self.events = EventQueue()  # read by the ControllerLoop of :meth:`run`
+        self.events = events
         #: the event source of load reports and ticks (:mod:`.stats`)
         self.stats = StatsPoller(orch, engines, self.events, options, self.local_shortage, load_reports)
         #: switches, their checks and the ``distributed`` push (:mod:`.weight_sync`)
@@ -520,7 +525,7 @@ class Runtime:
         return True
 
     def start_without(self, absent: dict[str, str], loading: set[str] = frozenset()) -> None:
-        """Call before :meth:`run`: the run starts without ``absent`` (name -> why they are not ready;
+        """Call before :meth:`begin`: the run starts without ``absent`` (name -> why they are not ready;
         the launcher adds each once it serves, :meth:`add_instance`). ``loading``: those of them that
         did not fail, only were not ready yet (they are not counted as failed instances)."""
         self.absent_at_start = dict(absent)
@@ -771,10 +776,11 @@ class Runtime:
         # duplicate counts of a run are the orchestrator's (its snapshot carries them)
         self._resumed = True
 
-    # ------------------------------------------------------------------ main loop
-    async def run(self) -> dict[str, Any]:
-        """Run the :class:`~dora_megatron.controller.loop.ControllerLoop` until the last step (or an
-        error); returns the summary."""
+    # ------------------------------------------------------------------ start and end of the run
+    def begin(self) -> None:
+        """What comes before the loop reads its first event (:func:`~dora_megatron.controller.main.drive`):
+        the clock starts, the instances absent at start fail, ``Start`` or ``Resume`` is posted (a
+        resumed run whose every step was done ends at once)."""
         self._t0 = time.monotonic()
         self._trainer_idle_since = self._wall_offset
         for iid in self.engines:
@@ -799,19 +805,13 @@ class Runtime:
             self.events.post(Resume(tuple(i for i in self.engines if i not in self.absent_at_start), pending))
         else:
             self.events.post(Start())
-        loop = ControllerLoop(self.orch, self, self.events, self._done)
-        stats = asyncio.get_running_loop().create_task(self.stats.run(self._done))
-        watch = asyncio.get_running_loop().create_task(self._wake_on_done())
-        try:
-            await loop.run()
-        except Exception as err:  # noqa: BLE001 - a failed event handler stops the run with its cause
-            log.exception("controller loop failed")
-            if self._error is None:
-                self._error = err
-        finally:
-            stats.cancel()
-            watch.cancel()
-            await asyncio.gather(stats, watch, return_exceptions=True)
+
+    async def finish(self, loop_error: BaseException | None = None) -> dict[str, Any]:
+        """After the loop ended: stop what still runs; raise the run's error (``loop_error``, the
+        loop's own failure, counts as one given to :meth:`stop`: the first wins) or evaluate the
+        final weights and return the summary."""
+        if loop_error is not None and self._error is None:
+            self._error = loop_error
         if self._error is not None:
             if self.evaluator is not None:
                 self.evaluator.cancel()
@@ -825,11 +825,6 @@ class Runtime:
             await self.evaluator.finish(self.steps_done, self.latest_version or max(
                 (v for v in map(self.instance_version, self.engines) if v is not None), default=0))
         return self.summary(wall)
-
-    async def _wake_on_done(self) -> None:
-        """The run may be ended from outside the loop (a supervisor sets ``_done``): wake the loop."""
-        await self._done.wait()
-        self.events.post(Stop())
 
     async def _cancel_all(self) -> None:
         """Abort what is still generating (outstanding groups of the next steps) and stop tasks.

@@ -39,6 +39,7 @@ from pathlib import Path
 from dora_megatron.config.loader import dump_yaml
 from dora_megatron.config.schema import DoraConfig
 from dora_megatron.launch.cluster import ClusterPlan
+from dora_megatron.launch.process_launcher import ProcessLauncher
 from dora_megatron.processes import ChildFailed, ProcessSet
 from dora_megatron.launch.slurm import SlurmEnv, slurm_run_dir
 from dora_megatron.launch.startup import StartupRefused
@@ -438,25 +439,37 @@ def _restart_trainer(cfg: DoraConfig, plan: ClusterPlan, procs: ProcessSet, run_
 
 async def _controller(cfg: DoraConfig, plan: ClusterPlan, run_dir: Path, model_dir: Path, procs: ProcessSet,
                       checkpoint, node: str, signals: StopSignals | None = None, trainer_restarts: int = 0) -> dict:
-    from dora_megatron.launch.elastic import watch_joins
     from dora_megatron.controller.main import Endpoints, run_controller
-    from dora_megatron.launch.process_launcher import ProcessLauncher
-    from dora_megatron.rollout.factory import engine_for
 
     join_dir = _join_dir(cfg, run_dir)
     join_dir.mkdir(parents=True, exist_ok=True)
-
-    def make(req):  # a joining instance gets the same client as the planned ones
-        return engine_for(cfg, req.url, str(model_dir), run_dir=run_dir)
-
-    def start_watcher(runtime) -> None:  # before the runtime runs: no instance has been given work yet
-        asyncio.get_running_loop().create_task(watch_joins(join_dir, runtime, make, poll_s=cfg.cluster.join_poll_s,
-                                                           started_at=time.time()))
-
     # ``node``: instances on this node are restarted by the controller's own supervisor at their URL
     return await run_controller(cfg, Endpoints(dict(plan.engine_urls), plan.trainer_url), run_dir, model_dir,
-                                ProcessLauncher(cfg, procs, run_dir, host=node, fixed_ports=True), _say, checkpoint,
-                                on_runtime=start_watcher, stop_signals=signals, trainer_restarts=trainer_restarts)
+                                JoiningLauncher(cfg, procs, run_dir, model_dir, node, join_dir), _say, checkpoint,
+                                stop_signals=signals, trainer_restarts=trainer_restarts)
+
+
+class JoiningLauncher(ProcessLauncher):
+    """The controller node's launcher: its event sources add the elastic join watcher (the
+    instances of join nodes announce themselves in ``join_dir``, ``cluster.join_dir``)."""
+
+    def __init__(self, cfg: DoraConfig, procs: ProcessSet, run_dir: Path, model_dir: Path, node: str,
+                 join_dir: Path) -> None:
+        super().__init__(cfg, procs, run_dir, host=node, fixed_ports=True)
+        self.model_dir, self.join_dir = model_dir, join_dir
+
+    def _make_joined(self, req):  # a joining instance gets the same client as the planned ones
+        from dora_megatron.rollout.factory import engine_for
+
+        return engine_for(self.cfg, req.url, str(self.model_dir), run_dir=self.run_dir)
+
+    def event_sources(self, runtime, make_engine, started) -> list:
+        from dora_megatron.launch.elastic import watch_joins
+
+        # asked once the start-up wait is over: from now on the controller sends work
+        return [*super().event_sources(runtime, make_engine, started),
+                watch_joins(self.join_dir, runtime, self._make_joined, poll_s=self.cfg.cluster.join_poll_s,
+                            started_at=time.time())]
 
 
 def run_join_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan) -> int:

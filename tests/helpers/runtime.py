@@ -7,6 +7,8 @@ import asyncio
 import json
 
 from dora_megatron.config.orchestrator import OrchestratorConfig
+from dora_megatron.controller.loop import EventQueue
+from dora_megatron.controller.main import drive
 from dora_megatron.controller.records import RuntimeOptions
 from dora_megatron.controller.runtime import Runtime
 from dora_megatron.data import tokenizer as tok
@@ -36,7 +38,7 @@ def make(mode="dora", n=3, steps=6, tbs=4, rbs=8, S=2, G=2, migration=True, toke
         sink = StepsJsonl(open(tmp_path / "steps.jsonl", "a"))
         metrics = MetricsRecorder(slots_per_instance=opts.slots_per_instance, rebalancer=orchestrator.policy.rebalance,
                                   sinks=[sink])
-    rt = Runtime(orchestrator, engines, trainer, task, running_sum_reward, opts, metrics=metrics)
+    rt = Runtime(orchestrator, engines, trainer, task, running_sum_reward, opts, metrics=metrics, events=EventQueue())
     return rt, engines, trainer
 
 
@@ -47,7 +49,7 @@ def run_killing(rt, engine, after_s: float = 0.05) -> dict:
             await asyncio.sleep(after_s)
             engine.dead = True
         asyncio.get_running_loop().create_task(kill())
-        return await rt.run()
+        return await drive(rt)
 
     return asyncio.run(asyncio.wait_for(main(), timeout=120))
 

@@ -27,6 +27,8 @@ import pytest
 import torch
 
 from dora_megatron.config.orchestrator import OrchestratorConfig
+from dora_megatron.controller.loop import EventQueue
+from dora_megatron.controller.main import drive
 from dora_megatron.controller.records import RuntimeOptions
 from dora_megatron.controller.runtime import Runtime
 from dora_megatron.data import tokenizer as tok
@@ -115,9 +117,10 @@ def test_runtime_on_sglang_adapter_migrates_by_resubmit_and_keeps_outputs(engine
         adapters = {n: SGLangEngine(SGLangClient(e.url)) for n, e in zip(names, engines)}
         for a in adapters.values():  # start every instance at version 0
             await a.update_weights_from_disk(model_dir, weight_version=0)
-        rt = Runtime(Orchestrator(cfg, names), adapters, trainer, RunningSumTask(1, 30, 1.2, seed=1), running_sum_reward, opts)
+        rt = Runtime(Orchestrator(cfg, names), adapters, trainer, RunningSumTask(1, 30, 1.2, seed=1), running_sum_reward, opts,
+                     events=EventQueue())
         runtime.append(rt)
-        summary = await rt.run()
+        summary = await drive(rt)
         # greedy reference: every sample generated in one piece on one instance
         ref = SGLangClient(engines[0].url)
         refs = []
@@ -369,9 +372,9 @@ def test_an_instance_without_weights_checker_survives_every_weight_switch(engine
             # engines[0] holds what the tests before this one left on it: start it at version 0
             await adapters["e0"].update_weights_from_disk(model_dir, weight_version=0)
             rt = Runtime(Orchestrator(cfg, names), adapters, trainer, RunningSumTask(1, 30, 1.2, seed=1),
-                         running_sum_reward, opts)
+                         running_sum_reward, opts, events=EventQueue())
             try:
-                return await rt.run(), rt
+                return await drive(rt), rt
             finally:
                 for a in adapters.values():
                     await a.close()

@@ -30,6 +30,8 @@ import pytest
 
 from dora_megatron.config.rollout import RolloutConfig
 from dora_megatron.config.vllm import DEFAULT_VLLM_PYTHON, VLLMConfig
+from dora_megatron.controller.loop import EventQueue
+from dora_megatron.controller.main import drive
 from dora_megatron.ports import free_ports
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
@@ -253,10 +255,10 @@ def test_runtime_on_vllm_migrates_by_resubmit_and_continues_the_same_greedy_sequ
             # a request or a run that hangs fails within minutes, naming what hung (not pytest's 10-minute timeout)
             adapters = {n: VLLMEngine(s.url, initial_version=0, timeout_s=REQUEST_BOUND_S) for n, s in zip(names, servers)}
             rt = Runtime(Orchestrator(ocfg, names), adapters, trainer, RunningSumTask(1, 30, 1.2, seed=1),
-                         running_sum_reward, opts)
+                         running_sum_reward, opts, events=EventQueue())
             runtime.append(rt)
             try:
-                summary = await asyncio.wait_for(rt.run(), timeout=RUN_BOUND_S)
+                summary = await asyncio.wait_for(drive(rt), timeout=RUN_BOUND_S)
             except asyncio.TimeoutError:
                 pytest.fail(f"the runtime did not finish 5 steps within {RUN_BOUND_S} s (steps done: "
                             f"{len(trainer.batches)}, migrations: {rt.migrations_fallback})")

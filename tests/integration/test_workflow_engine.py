@@ -14,6 +14,8 @@ import pytest
 
 from dora_megatron.comm.engine_client import EngineClient, VersionMismatch
 from dora_megatron.config.orchestrator import OrchestratorConfig
+from dora_megatron.controller.loop import EventQueue
+from dora_megatron.controller.main import drive
 from dora_megatron.controller.records import RuntimeOptions
 from dora_megatron.controller.runtime import Runtime
 from dora_megatron.data.codec import load_codec
@@ -83,10 +85,10 @@ def test_tool_turns_run_on_one_version_per_trajectory_across_weight_switches(too
                               snapshot_dir=lambda v: str(tool_dir), stats_interval_s=0.05, verify_checksums=False,
                               migration="reprefill")
         rt = Runtime(Orchestrator(cfg, names), engines, trainer, Prompts(),
-                     lambda response, answer: seen.append(response) or 0.0, opts, codec=codec)
+                     lambda response, answer: seen.append(response) or 0.0, opts, codec=codec, events=EventQueue())
         rt.workflow = WorkflowRunner(calculator_turns, WorkflowContext(codec.tokenizer, tuple(codec.eos_ids)))
         try:
-            summary = await asyncio.wait_for(rt.run(), timeout=240)
+            summary = await asyncio.wait_for(drive(rt), timeout=240)
         finally:
             for e in engines.values():
                 await e.close()

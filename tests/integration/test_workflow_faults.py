@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.test_faults import (ROOT, check_resumed_run, finish, kill_controller, start_train, steps_done,
-                                           wait_for)
+from tests.helpers.fault_jobs import (ROOT, check_resumed_run, finish, kill_controller, start_train, steps_done,
+                                      wait_for)
 
 pytestmark = pytest.mark.integration
 

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dora_megatron.controller.main import drive
+
 ROOT = Path(__file__).resolve().parents[3]
 CPU_TINY = ROOT / "configs" / "cpu_tiny.yaml"
 
@@ -31,7 +33,7 @@ def _finished_run(run_dir: Path, steps: int) -> None:
 
     rt, _, _ = make(mode="dora", steps=steps, tmp_path=run_dir)
     rt.opt.checkpoint_dir = lambda v: str(run_dir / "checkpoints" / f"v{v:06d}")
-    asyncio.run(rt.run())
+    asyncio.run(drive(rt))
     for v in range(1, steps + 1):  # the snapshots the checkpoint's unconsumed groups need
         (run_dir / "weights" / f"v{v:06d}").mkdir(parents=True)
     cfg = load_config(str(CPU_TINY), [f"run.run_dir={run_dir}", f"run.steps={steps}"])

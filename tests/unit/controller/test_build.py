@@ -13,6 +13,7 @@ import pytest
 from dora_megatron.config.base import ConfigError
 from dora_megatron.config.schema import load_config
 from dora_megatron.controller.build import Endpoints, build_controller
+from dora_megatron.controller.main import drive
 from dora_megatron.data.tokenizer import save_tokenizer
 
 from tests.helpers.runtime import make
@@ -57,7 +58,7 @@ def test_a_fresh_controller_reads_each_setting_from_its_config_section(tmp_path)
 def test_a_resumed_controller_continues_from_the_checkpoint(tmp_path):
     run_dir, model_dir = _dirs(tmp_path)
     rt0, _, _ = make(mode="dora", steps=4, tmp_path=tmp_path)
-    asyncio.run(rt0.run())
+    asyncio.run(drive(rt0))
     checkpoint = run_dir / "checkpoints" / "v000002"
     shutil.copytree(tmp_path / "ck2", checkpoint)
     state = json.loads((checkpoint / "controller.json").read_text())
@@ -79,7 +80,7 @@ def test_a_resumed_controller_continues_from_the_checkpoint(tmp_path):
 def test_a_controller_json_that_lists_consumed_groups_still_loads(tmp_path):
     """Checkpoints written before consumed ids left controller.json resume as before."""
     rt0, _, _ = make(mode="dora", steps=2, tmp_path=tmp_path)
-    asyncio.run(rt0.run())
+    asyncio.run(drive(rt0))
     state = json.loads((tmp_path / "ck2" / "controller.json").read_text())
     state["consumed"] = sorted(g for s in rt0.steps for g in s.group_ids)
     rt, _, trainer = make(mode="dora", steps=4)
@@ -89,7 +90,7 @@ def test_a_controller_json_that_lists_consumed_groups_still_loads(tmp_path):
     rt.orch = Orchestrator.restore(rt.orch.config, state["orchestrator"])
     rt.load_state_dict(state, read_step_rows(tmp_path / "steps.jsonl", 2))
     trainer.version = 2
-    summary = asyncio.run(rt.run())
+    summary = asyncio.run(drive(rt))
     trained = [s["group_id"] for b in trainer.batches for s in b]
     assert summary["steps"] == 4 and len(trainer.batches) == 2
     assert not set(trained) & set(state["consumed"])  # nothing of the old lineage trained again

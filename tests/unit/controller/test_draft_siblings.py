@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+from dora_megatron.controller.main import drive
+
 from tests.helpers.fakes import FakeEngine
 from tests.helpers.runtime import check_run, make
 
@@ -47,7 +49,7 @@ def _run(draft_siblings: bool):
     rt.engines.clear()
     rt.engines.update(fakes)
     rt.opt.draft_siblings = draft_siblings
-    summary = asyncio.run(rt.run())
+    summary = asyncio.run(drive(rt))
     return rt, fakes, trainer, summary
 
 

@@ -14,6 +14,7 @@ import json
 import pytest
 
 from dora_megatron.controller.evaluation import Evaluator
+from dora_megatron.controller.main import drive
 from dora_megatron.data.reward_api import ThreadScorer
 from dora_megatron.data.tasks import RunningSumTask, running_sum_reward
 from tests.helpers.runtime import check_run, make
@@ -36,7 +37,7 @@ def test_rounds_at_the_interval_and_the_end_on_one_version_each(mode, tmp_path):
     sink = ListSink()
     rt.evaluator = Evaluator(rt, prompts, ThreadScorer(running_sum_reward), samples=3, interval=2, threshold=1.0,
                              slots=2, sinks=[sink], out=tmp_path / "eval.jsonl", path="eval.parquet")
-    summary = asyncio.run(rt.run())
+    summary = asyncio.run(drive(rt))
     check_run(rt, engines, trainer, 6, 4, 2)  # C1 of every request the engines ran, the eval's included
     assert summary["failed_instances"] == []  # no switch found an eval request on its engine (the fake refuses)
     rounds = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
@@ -65,6 +66,6 @@ def test_only_the_final_round_with_interval_0():
     task = RunningSumTask(1, 8, 1.2, seed=78)
     rt.evaluator = Evaluator(rt, [task.get(i) for i in range(3)], ThreadScorer(running_sum_reward), samples=2,
                              interval=0, threshold=1.0, slots=4)
-    summary = asyncio.run(rt.run())
+    summary = asyncio.run(drive(rt))
     assert [(r["step"], r["final"], r["versions"]) for r in summary["eval_rounds"]] == [(4, True, [4])]
     assert summary["eval_mean_reward"] == 1.0 and summary["eval_pass@1"] == 1.0

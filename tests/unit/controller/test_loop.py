@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+from dora_megatron.controller.main import drive
+
 from tests.helpers.fakes import fail_after_first_step
 from tests.helpers.orchestrator_spy import CallerCheckingOrchestrator
 from tests.helpers.runtime import check_run, make
@@ -21,7 +23,7 @@ def test_only_the_loop_calls_the_orchestrator_even_with_failures_and_a_rejoin():
             await fail_after_first_step(rt, trainer, engines["e1"], "e1")
             rt.add_instance("e1", back)
         asyncio.get_running_loop().create_task(kill_then_rejoin())
-        return await asyncio.wait_for(rt.run(), timeout=120)
+        return await asyncio.wait_for(drive(rt), timeout=120)
 
     summary = asyncio.run(main())
     check_run(rt, {**engines, "e1-back": back}, trainer, 6, 4, 2)

@@ -19,6 +19,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from dora_megatron.comm.sglang_client import SGLangClient
+from dora_megatron.controller.main import drive
 
 from tests.helpers.runtime import make
 
@@ -95,7 +96,7 @@ def _run(checkers: dict[str, str], steps: int = 5):
         for e in engines.values():
             await e.start()
         try:
-            return await asyncio.wait_for(rt.run(), timeout=120)
+            return await asyncio.wait_for(drive(rt), timeout=120)
         finally:
             for e in engines.values():
                 await e.stop()
@@ -144,7 +145,7 @@ def test_an_instance_without_a_load_report_keeps_serving():
     rt, names, _ = make(mode="dora", n=2, steps=4)
     engines = {"e0": FakeEngine("e0", token_s=0.001), "e1": NoLoadsEngine("e1", token_s=0.001)}
     rt.engines, rt.trainer = engines, FakeTrainer(engines=engines)
-    summary = asyncio.run(asyncio.wait_for(rt.run(), timeout=120))
+    summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=120))
     assert summary["failed_instances"] == [] and summary["lost_groups"] == 0
     assert any(op == "generate" for op, _, _ in engines["e1"].log), "e1 got no work"
 
@@ -173,7 +174,7 @@ def test_an_instance_answering_without_routed_experts_is_counted_not_failed(capl
     engines = {"e0": RoutingEngine("e0", True, token_s=0.001, migration=False),
                "e1": RoutingEngine("e1", False, token_s=0.001, migration=False)}
     rt.engines, rt.trainer = engines, FakeTrainer(engines=engines)
-    summary = asyncio.run(asyncio.wait_for(rt.run(), timeout=120))
+    summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=120))
     assert summary["failed_instances"] == [] and summary["routed_experts_unavailable"] == 1
     warnings = [r for r in caplog.records if "routed_experts_unavailable" in r.getMessage()]
     assert len(warnings) == 1 and "e1" in warnings[0].getMessage()

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 from dora_megatron.config.schema import load_config
 from dora_megatron.controller.journal import Journal, JournaledSample, read_journal
+from dora_megatron.controller.main import drive
 from dora_megatron.observability.routing import routing_summary
 from dora_megatron.comm.routed_experts import decode_routed_experts, encode_routed_experts
 from dora_megatron.rollout.sglang.args import InstanceSpec, server_argv
@@ -55,7 +56,7 @@ def _run(mode: str, routed: bool):
     rt.engines.clear()
     rt.engines.update(fakes)
     rt.opt.routed_experts = routed
-    summary = asyncio.run(rt.run())
+    summary = asyncio.run(drive(rt))
     return rt, fakes, trainer, summary
 
 
@@ -122,7 +123,7 @@ def test_resume_from_the_journal_trains_on_the_journaled_routing(tmp_path):
     rt, _, _ = _routed_make(4, tmp_path)
     rt.journal = Journal(run_dir)
     rt.journal.start(None)
-    asyncio.run(rt.run())
+    asyncio.run(drive(rt))
     rt.journal.close()
     journaled = read_journal(run_dir, 2)
     assert journaled and all(j.routed_experts for j in journaled.values())
@@ -132,7 +133,7 @@ def test_resume_from_the_journal_trains_on_the_journaled_routing(tmp_path):
     rt2.journal = Journal(run_dir)
     rt2.load_journal(journaled)
     rt2.journal.start(2)
-    asyncio.run(rt2.run())
+    asyncio.run(drive(rt2))
     rt2.journal.close()
     generated = {rid for e in engines2.values() for op, rid, _ in e.log if op == "generate"}
     restored = 0

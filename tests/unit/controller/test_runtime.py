@@ -13,6 +13,7 @@ import json
 
 import pytest
 
+from dora_megatron.controller.main import drive
 from dora_megatron.controller.trainer_client import PushOptions
 from tests.helpers.runtime import check_run, engine_versions, make, resume, run_killing, trained_groups
 
@@ -22,7 +23,7 @@ from tests.helpers.fakes import FakeEngine
 @pytest.mark.parametrize("mode", ["sync", "one_step_off", "dora"])
 def test_modes_complete_with_exact_batches(mode):
     rt, engines, trainer = make(mode=mode)
-    summary = asyncio.run(rt.run())
+    summary = asyncio.run(drive(rt))
     check_run(rt, engines, trainer, 6, 4, 2)
     assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0
     assert summary["c1_violations"] == 0 and summary["c3_violations"] == 0
@@ -31,7 +32,7 @@ def test_modes_complete_with_exact_batches(mode):
 
 def test_partial_mode_resubmits_partial_output():
     rt, engines, trainer = make(mode="partial", token_s=0.003)
-    summary = asyncio.run(rt.run())
+    summary = asyncio.run(drive(rt))
     assert len(trainer.batches) == 6
     for batch in trainer.batches:
         for s in batch:
@@ -45,7 +46,7 @@ def test_partial_mode_resubmits_partial_output():
 def test_dora_keeps_multiple_versions_and_migrates():
     # long tail: lists up to 30 digits with a slow engine make stragglers span steps
     rt, engines, trainer = make(mode="dora", n=4, steps=8, token_s=0.002)
-    summary = asyncio.run(rt.run())
+    summary = asyncio.run(drive(rt))
     check_run(rt, engines, trainer, 8, 4, 2)
     assert summary["max_consumed_staleness"] >= 1
     for e in engines.values():  # migrated requests continue where they were (no restart)
@@ -74,7 +75,7 @@ def test_a_c1_violation_the_engine_reports_is_counted_by_the_orchestrator():
     rt, engines, trainer = make(mode="sync", n=1, steps=2, tbs=2, rbs=2)
     liar = rt.engines["e0"] = MislabellingEngine("e0", token_s=0.001)
     trainer.engines = {liar.base_url: liar}
-    summary = asyncio.run(rt.run())
+    summary = asyncio.run(drive(rt))
     assert len(liar.lied) == 1 and len(trainer.batches) == 2  # sync: every dispatched group is consumed
     assert summary["c1_violations"] == 1
     assert rt.orch.summary()["c1_violations"] == 1  # the one count: the summary reads the orchestrator's
@@ -82,7 +83,7 @@ def test_a_c1_violation_the_engine_reports_is_counted_by_the_orchestrator():
 
 def test_migration_falls_back_to_resubmit_without_extension():
     rt, engines, trainer = make(mode="dora", n=4, steps=8, token_s=0.002, migration=False)
-    summary = asyncio.run(rt.run())
+    summary = asyncio.run(drive(rt))
     check_run(rt, engines, trainer, 8, 4, 2)
     assert summary["migrations_kv"] == 0
     if summary["migrations"]:
@@ -150,7 +151,7 @@ def test_an_instance_freed_by_a_rebalance_loads_its_new_version_while_its_moved_
     for name in list(engines):
         engines[name] = rt.engines[name] = TimedEngine(name, token_s=0.002, migration=migration, clock=clock)
     trainer.engines = {e.base_url: e for e in engines.values()}
-    summary = asyncio.run(asyncio.wait_for(rt.run(), timeout=60))
+    summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=60))
     check_run(rt, engines, trainer, 8, 4, 2)
     assert summary["migrations"] > 0
     assert loads_while_moved_requests_ran(clock) > 0
@@ -186,13 +187,13 @@ def test_instance_failure_reruns_on_same_version():
 
 def test_checkpoint_and_resume_consume_every_group_once(tmp_path):
     rt, engines, trainer = make(mode="dora", steps=4, tmp_path=tmp_path)
-    asyncio.run(rt.run())
+    asyncio.run(drive(rt))
     assert trainer.checkpoints == [str(tmp_path / "ck2" / "trainer"), str(tmp_path / "ck4" / "trainer")]
     first_two = [{s["group_id"] for s in b} for b in trainer.batches[:2]]
     # resume from the step-2 checkpoint with fresh engines and a trainer restored at version 2
     rt2, engines2, trainer2 = make(mode="dora", steps=6, tmp_path=tmp_path)
     resume(rt2, trainer2, tmp_path, 2)
-    summary = asyncio.run(rt2.run())
+    summary = asyncio.run(drive(rt2))
     assert len(trainer2.batches) == 4  # steps 2..5
     resumed = [{s["group_id"] for s in b} for b in trainer2.batches]
     all_groups = [g for b in first_two + resumed for g in b]
@@ -207,12 +208,12 @@ def test_resuming_a_finished_run_returns_at_once(tmp_path):
     """The final checkpoint of a finished run has every step done and the trainer still marked
     busy: the restored runtime must finish at once instead of waiting for a step that never comes."""
     rt, engines, trainer = make(mode="dora", steps=2, tmp_path=tmp_path)
-    asyncio.run(rt.run())
+    asyncio.run(drive(rt))
     rt2, _, trainer2 = make(mode="dora", steps=2, tmp_path=tmp_path)
     resume(rt2, trainer2, tmp_path, 2)
 
     async def bounded():
-        return await asyncio.wait_for(rt2.run(), timeout=20)
+        return await asyncio.wait_for(drive(rt2), timeout=20)
 
     summary = asyncio.run(bounded())
     assert trainer2.batches == [] and summary["steps"] == 2 and summary["lost_groups"] == 0
@@ -220,7 +221,7 @@ def test_resuming_a_finished_run_returns_at_once(tmp_path):
 
 def test_distributed_transport_pushes_newest_version_once_per_switch_batch():
     rt, engines, trainer = make(mode="dora", n=3, steps=6, transport="distributed")
-    summary = asyncio.run(rt.run())
+    summary = asyncio.run(drive(rt))
     check_run(rt, engines, trainer, 6, 4, 2)
     assert trainer.pushes, "no broadcast happened"
     versions = [v for v, _ in trainer.pushes]
@@ -240,7 +241,7 @@ def test_distributed_transport_passes_rendezvous_address_tp_ranks_and_pause_mode
     rt, engines, trainer = make(mode="dora", n=3, steps=3, transport="distributed")
     rt.opt = dataclasses.replace(rt.opt, push=PushOptions(bucket_mb=8, master_addr="10.1.2.3", master_port=29700,
                                                           engine_ranks=4, pause_mode="abort", backend="nccl"))
-    asyncio.run(rt.run())
+    asyncio.run(drive(rt))
     assert trainer.push_args
     for (_, urls), args in zip(trainer.pushes, trainer.push_args):
         assert args == {"bucket_mb": 8, "master_addr": "10.1.2.3", "master_port": 29700, "gpus": {u: 4 for u in urls},
@@ -253,7 +254,7 @@ def test_extra_stop_token_ids_reach_every_request():
     rt, engines, trainer = make(mode="dora", n=2, steps=1)
     eos = list(rt.codec.eos_ids)
     rt.opt = rt.store.opt = dataclasses.replace(rt.opt, stop_token_ids=(7, eos[0], 9))
-    asyncio.run(rt.run())
+    asyncio.run(drive(rt))
     rec = next(iter(rt.samples.values()))
     assert rt.store.sampling(rec)["stop_token_ids"] == [*eos, 7, 9]  # EOS first, no duplicates
 
@@ -265,7 +266,7 @@ def test_no_batch_is_released_after_the_last_step(mode):
     so no batch beyond run.steps is consumed, untrained and unsaved (the simulator does the same)."""
     rt, engines, trainer = make(mode=mode, steps=3)
     trainer.train_s = 0.3
-    summary = asyncio.run(rt.run())
+    summary = asyncio.run(drive(rt))
     check_run(rt, engines, trainer, 3, 4, 2)
     assert summary["consumed_groups"] == 3 * 4 and rt.orch.counters.consumed_groups == 3 * 4
     waiting = sum(1 for g in rt.orch.groups.values() if g.complete and g.consumed_step is None)
@@ -277,7 +278,7 @@ def test_the_checkpoint_state_does_not_grow_with_the_step_count(tmp_path):
     are steps.jsonl's, a group's version and sample ids and a sample's version the orchestrator
     snapshot's, and only finished samples have an entry of their own."""
     rt, engines, trainer = make(steps=20, tmp_path=tmp_path)
-    asyncio.run(rt.run())
+    asyncio.run(drive(rt))
     sizes = {}
     for v in (2, 20):
         text = (tmp_path / f"ck{v}" / "controller.json").read_text()
@@ -303,7 +304,7 @@ def test_an_older_controller_json_with_step_logs_and_duplicated_groups_still_loa
     from dora_megatron.observability.recorder import read_step_rows
 
     rt, _, _ = make(steps=4, tmp_path=tmp_path)
-    asyncio.run(rt.run())
+    asyncio.run(drive(rt))
     state = json.loads((tmp_path / "ck2" / "controller.json").read_text())
     rows = read_step_rows(tmp_path / "steps.jsonl", 2)
     orch = {g["group_id"]: g for g in state["orchestrator"]["groups"]}
@@ -350,6 +351,6 @@ def test_the_reward_runs_off_the_loop_thread():
         return running_sum_reward(response, answer)
 
     rt.store.reward_fn = reward
-    asyncio.run(rt.run())
+    asyncio.run(drive(rt))
     check_run(rt, engines, trainer, 2, 4, 2)  # every trained sample has reward 1.0 (the fake answers right)
     assert threads and threading.get_ident() not in threads

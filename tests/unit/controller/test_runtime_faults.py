@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+from dora_megatron.controller.main import drive
+
 from tests.helpers.fakes import FakeEngine, fail_after_first_step
 from tests.helpers.runtime import check_run, make, resume
 
@@ -56,7 +58,7 @@ def test_failed_instance_rejoins_and_serves_again():
             rt.add_instance("e1", replacement)
             rt.report_failure("e1", "late error from the old process", engine=old)
         asyncio.get_running_loop().create_task(kill_then_rejoin())
-        return await rt.run()
+        return await drive(rt)
 
     summary = asyncio.run(main())
     check_run(rt, {**engines, "e1-restarted": replacement}, trainer, 10, 4, 2)
@@ -92,7 +94,7 @@ def test_weight_sync_timeout_fails_the_instance_and_training_continues():
         engines[name] = rt.engines[name] = HangOnceEngine(name, budget, token_s=0.002)
     rt.opt = dataclasses.replace(rt.opt, weight_sync_timeout_s=0.2)
     trainer.hold_step(5, lambda: rt.weight_sync_timeouts > 0)  # else the run may end first
-    summary = asyncio.run(asyncio.wait_for(rt.run(), timeout=60))
+    summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=60))
     check_run(rt, engines, trainer, 6, 4, 2)
     slow = [name for name, e in engines.items() if e.stuck]
     assert len(slow) == 1
@@ -121,7 +123,7 @@ def test_an_instance_out_of_step_with_the_controller_is_failed_instead_of_refusi
     # no KV migration (SGLang's path): a migration to it is a resubmit, which it refuses too
     rt, engines, trainer = make(mode="dora", n=3, steps=4, token_s=0.002, migration=False)
     engines["e1"] = rt.engines["e1"] = OutOfStepEngine("e1", token_s=0.002, migration=False)
-    summary = asyncio.run(asyncio.wait_for(rt.run(), timeout=60))
+    summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=60))
     check_run(rt, engines, trainer, 4, 4, 2)
     assert summary["failed_instances"] == ["e1"]
     assert summary["version_refusals"] >= 3 and summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0
@@ -152,7 +154,7 @@ def test_checkpoints_carry_a_manifest_and_stale_ones_are_replaced(tmp_path):
     (stale / "trainer" / "old_shard.distcp").write_bytes(b"old")
     (stale / "controller.json").write_text("{}")
     rt, engines, trainer = make(mode="dora", steps=4, tmp_path=tmp_path)
-    asyncio.run(rt.run())
+    asyncio.run(drive(rt))
     for ck in (tmp_path / "ck2", tmp_path / "ck4"):
         assert (ck / MANIFEST).is_file() and verify(ck) == []
     assert not (stale / "trainer" / "old_shard.distcp").exists()
@@ -173,7 +175,7 @@ def test_resume_restores_finished_samples_from_the_journal(tmp_path):
     rt, engines, trainer = make(mode="dora", steps=4, tmp_path=tmp_path)
     rt.journal = Journal(run_dir)
     rt.journal.start(None)
-    asyncio.run(rt.run())
+    asyncio.run(drive(rt))
     rt.journal.close()
     journaled = read_journal(run_dir, 2)
     assert journaled and all(j.version <= 2 for j in journaled.values())
@@ -185,7 +187,7 @@ def test_resume_restores_finished_samples_from_the_journal(tmp_path):
     rt2.journal = Journal(run_dir)
     rt2.load_journal(journaled)
     rt2.journal.start(2)
-    summary = asyncio.run(rt2.run())
+    summary = asyncio.run(drive(rt2))
     rt2.journal.close()
     replayed = [json.loads(x) for x in (run_dir / "replayed.jsonl").read_text().splitlines()]
     assert summary["samples_from_journal"] == len(replayed) > 0
@@ -251,7 +253,7 @@ def test_a_run_started_without_an_instance_never_uses_it_until_it_joins():
             assert not dead.log, "work went to an instance that was not ready at the start"
             rt.add_instance("e2", replacement)
         asyncio.get_running_loop().create_task(join_later())
-        return await rt.run()
+        return await drive(rt)
 
     summary = asyncio.run(main())
     check_run(rt, {**engines, "e2-dead": dead}, trainer, 8, 4, 2)
@@ -271,7 +273,7 @@ def test_an_instance_only_late_at_the_start_is_not_counted_as_failed():
                 await asyncio.sleep(0.005)
             rt.add_instance("e1", engines["e1"])
         asyncio.get_running_loop().create_task(join_later())
-        return await rt.run()
+        return await drive(rt)
 
     summary = asyncio.run(main())
     check_run(rt, engines, trainer, 4, 4, 2)
@@ -313,7 +315,7 @@ def test_the_controllers_own_shortage_fails_no_instance():
     short = {iid: _Short(e, 3, ("generate", "server_info", "abort", "update_weights_from_disk"))
              for iid, e in engines.items()}
     rt.engines.update(short)
-    summary = asyncio.run(rt.run())
+    summary = asyncio.run(drive(rt))
     assert rt.failed_ever == set() and summary["failed_instances"] == []
     raised = sum(s.raised for s in short.values())
     assert raised >= 3 * 3 and summary["local_resource_errors"] == raised

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from dora_megatron.config.sim import load_sim_config
+from dora_megatron.controller.main import drive
 from dora_megatron.observability.recorder import RUN_EXTRA_KEYS
 from dora_megatron.observability.summary import SUMMARY_FIELDS
 from dora_megatron.observability.timeline import Timeline
@@ -37,7 +38,7 @@ def _run(mode: str, transport: str = "disk", push_s: float = 0.0, steps: int = 5
     rt.timeline = Timeline()
     sink = _Rows()
     rt.metrics.sinks.append(sink)
-    summary = asyncio.run(rt.run())
+    summary = asyncio.run(drive(rt))
     return rt, summary, sink.rows
 
 

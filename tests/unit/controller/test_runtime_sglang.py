@@ -10,6 +10,7 @@ import asyncio
 from types import SimpleNamespace
 
 from dora_megatron.controller.loop import EngineReply
+from dora_megatron.controller.main import drive
 from dora_megatron.controller.records import SampleRecord
 from dora_megatron.data import tokenizer as tok
 from dora_megatron.data.tasks import running_sum_prompt
@@ -117,7 +118,7 @@ def _run_with(engine_cls):
     engines = {n: engine_cls(n, bad_after_push=(n == "e2"), token_s=0.001) for n in engines}
     trainer = ChecksumTrainer(engines=engines)
     rt.engines, rt.trainer = engines, trainer
-    summary = asyncio.run(rt.run())
+    summary = asyncio.run(drive(rt))
     return rt, trainer, summary
 
 
@@ -171,7 +172,7 @@ def test_the_snapshot_fallback_after_a_failed_push_resumes_the_instance():
     rt, engines, _ = make(mode="dora", n=2, steps=3, transport="distributed")
     engines = {n: PausableEngine(n, token_s=0.001) for n in engines}
     rt.engines, rt.trainer = engines, PausingFailedPushTrainer(engines=engines)
-    summary = asyncio.run(asyncio.wait_for(rt.run(), timeout=60))  # paused instances: every generate would wait
+    summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=60))  # paused instances: every generate would wait
     assert len(rt.trainer.batches) == 3 and summary["lost_groups"] == 0
     assert all(e.loads for e in engines.values()), "the fallback loads the snapshot"
     assert not any(e.paused for e in engines.values())

@@ -12,6 +12,8 @@ import time
 from typing import Any
 
 from dora_megatron.config.orchestrator import OrchestratorConfig
+from dora_megatron.controller.loop import EventQueue
+from dora_megatron.controller.main import drive
 from dora_megatron.controller.records import RuntimeOptions
 from dora_megatron.controller.runtime import Runtime
 from dora_megatron.data.tasks import RunningSumTask, running_sum_reward
@@ -60,11 +62,11 @@ def make_runtime(engines: dict, concurrency: int = 64, health_timeout_s: float =
                           snapshot_dir=lambda v: f"/snap/v{v}", stats_interval_s=0.01, stats_concurrency=concurrency,
                           health_timeout_s=health_timeout_s)
     return Runtime(Orchestrator(cfg, names), engines, FakeTrainer(engines=engines), RunningSumTask(1, 30, 1.2, seed=1),
-                   running_sum_reward, opts)
+                   running_sum_reward, opts, events=EventQueue())
 
 
 def finish(rt: Runtime) -> dict[str, Any]:
-    summary = asyncio.run(asyncio.wait_for(rt.run(), timeout=120))
+    summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=120))
     assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0
     assert len(rt.steps) == 3
     return summary

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+from dora_megatron.controller.main import drive
+
 from tests.helpers.runtime import make, resume
 
 
@@ -24,7 +26,7 @@ async def _run_and_stop_after(rt, steps: int) -> dict:
         rt.request_stop("SIGTERM")  # a second request changes nothing (the launcher exits on a second signal)
 
     stopper = asyncio.get_running_loop().create_task(stop_later())
-    summary = await rt.run()
+    summary = await drive(rt)
     await stopper
     return summary
 
@@ -43,7 +45,7 @@ def test_a_stop_checkpoints_at_the_next_boundary_and_the_resume_trains_each_grou
     rt2, engines2, trainer2 = make(mode="dora", steps=n, tmp_path=tmp_path)
     _no_interval(rt2)
     resume(rt2, trainer2, tmp_path, k)
-    summary2 = asyncio.run(rt2.run())
+    summary2 = asyncio.run(drive(rt2))
     assert summary2["status"] == "completed" and summary2["stopped_by"] is None
     assert len(trainer2.batches) == n - k
     groups = [s["group_id"] for b in trainer.batches + trainer2.batches for s in b[::2]]  # G=2: one per group
@@ -65,7 +67,7 @@ def test_a_step_that_outlasts_the_stop_timeout_is_abandoned(tmp_path):
 
         stopper = asyncio.get_running_loop().create_task(stop_while_held())
         t0 = asyncio.get_running_loop().time()
-        summary = await rt.run()
+        summary = await drive(rt)
         await stopper
         summary["elapsed"] = asyncio.get_running_loop().time() - t0
         return summary

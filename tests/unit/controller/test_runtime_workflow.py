@@ -7,50 +7,15 @@ from __future__ import annotations
 
 import asyncio
 
-from dora_megatron.data import tokenizer as tok
-from dora_megatron.data.tasks import running_sum_reward
-from dora_megatron.workflow.api import Trajectory, WorkflowContext
-from dora_megatron.workflow.runner import WorkflowRunner
+from dora_megatron.controller.main import drive
 from tests.helpers.runtime import check_run, engine_versions, make, resume, run_killing, trained_groups
-
-ENV = tok.encode("|")  # what the test environment answers after the model's first turn
-
-
-async def answer_then_env(prompt, prompt_ids, client, ctx):
-    """The model answers, the environment writes ENV, the model is asked to go on (the fake
-    engine's answer is complete: it adds nothing)."""
-    first = await client.generate(prompt_ids)
-    second = await client.generate(prompt_ids + first.output_ids + ENV)
-    ids = first.output_ids + ENV + second.output_ids
-    mask = [1] * len(first.output_ids) + [0] * len(ENV) + [1] * len(second.output_ids)
-    return Trajectory(prompt_ids, ids, mask, first.logprobs + [0.0] * len(ENV) + second.logprobs, turns=2)
-
-
-def with_workflow(rt, fn=answer_then_env):
-    seen: list[str] = []
-
-    def reward(response: str, answer: str) -> float:
-        seen.append(response)
-        return running_sum_reward(response, answer)
-
-    rt.store.reward_fn = reward
-    rt.workflow = WorkflowRunner(fn, WorkflowContext(None, (tok.EOS_ID,)))
-    return seen
-
-
-def check_trajectories(trainer, seen):
-    for batch in trainer.batches:
-        for s in batch:
-            n = len(s["response_ids"]) - len(ENV)
-            assert s["response_ids"][n:] == ENV and s["loss_mask"] == [1] * n + [0] * len(ENV)
-            assert s["rollout_logprobs"][n:] == [0.0] * len(ENV)
-    assert seen and not any("|" in text for text in seen)  # the reward never saw the environment's tokens
+from tests.helpers.runtime_workflow import ENV, answer_then_env, check_trajectories, with_workflow
 
 
 def test_dora_runs_each_trajectory_on_one_version_and_hands_the_trainer_its_mask():
     rt, engines, trainer = make(mode="dora", n=3, steps=6, token_s=0.002)
     seen = with_workflow(rt)
-    summary = asyncio.run(asyncio.wait_for(rt.run(), timeout=120))
+    summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=120))
     check_run(rt, engines, trainer, 6, 4, 2)  # C1 from the engines' own logs: every turn of a rid on one version
     check_trajectories(trainer, seen)
     turns = [rid for e in engines.values() for op, rid, _ in e.log if op == "generate"]
@@ -70,7 +35,7 @@ def test_partial_mode_reruns_an_interrupted_trajectory_whole_on_the_new_version(
     an interrupted trajectory is run again from its prompt instead, so C1 holds."""
     rt, engines, trainer = make(mode="partial", token_s=0.003)
     seen = with_workflow(rt)
-    summary = asyncio.run(asyncio.wait_for(rt.run(), timeout=120))
+    summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=120))
     check_trajectories(trainer, seen)
     assert summary["env/trajectories_aborted"] > 0  # interrupts happened, mid-trajectory
     trained = [s for b in trainer.batches for s in b]
@@ -108,13 +73,13 @@ def test_a_failed_instance_or_a_crashed_environment_reruns_the_trajectory():
 def test_a_resume_keeps_the_finished_trajectories_masks(tmp_path):
     rt, engines, trainer = make(mode="dora", steps=4, tmp_path=tmp_path)
     with_workflow(rt)
-    asyncio.run(asyncio.wait_for(rt.run(), timeout=120))
+    asyncio.run(asyncio.wait_for(drive(rt), timeout=120))
     rt2, engines2, trainer2 = make(mode="dora", steps=6, tmp_path=tmp_path)
     seen = with_workflow(rt2)
     state = resume(rt2, trainer2, tmp_path, 2)
     finished = state["samples"]  # the finished samples of the outstanding groups
     assert all(s["loss_mask"][-len(ENV):] == [0] * len(ENV) for s in finished)
-    summary = asyncio.run(asyncio.wait_for(rt2.run(), timeout=120))
+    summary = asyncio.run(asyncio.wait_for(drive(rt2), timeout=120))
     trained = [g for b in trainer.batches[:2] + trainer2.batches for g in {s["group_id"] for s in b}]
     assert len(trained) == len(set(trained)) == 6 * 4 and summary["lost_groups"] == 0
     check_trajectories(trainer2, seen)
@@ -139,5 +104,5 @@ def test_a_trajectory_is_not_journaled_so_that_after_a_crash_it_runs_again_whole
     rt, engines, trainer = make(mode="dora", n=3, steps=2, token_s=0.002)
     with_workflow(rt)
     rt.journal = journal = _RecordingJournal()
-    asyncio.run(asyncio.wait_for(rt.run(), timeout=120))
+    asyncio.run(asyncio.wait_for(drive(rt), timeout=120))
     assert "dispatch" in journal.calls and "sample" not in journal.calls

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
+from dora_megatron.controller.main import drive
 from dora_megatron.workflow.api import Trajectory
 from tests.helpers.runtime import check_run, engine_versions, make
-from tests.unit.controller.test_runtime_workflow import ENV, check_trajectories, with_workflow
+from tests.helpers.runtime_workflow import ENV, check_trajectories, with_workflow
 
 WAIT_S = 2.0  # bound of a tool's wait for another sample's turn (reached only when no slot is free)
 
@@ -65,7 +66,7 @@ def test_the_slot_is_free_while_the_tool_runs_and_another_sample_runs_a_turn_in_
     rt, engines, trainer = _one_slot_each(n=1, steps=3)
     wf = ToolThatWaitsForAnotherTurn(rt)
     seen = with_workflow(rt, wf)
-    summary = asyncio.run(asyncio.wait_for(rt.run(), timeout=120))
+    summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=120))
     check_run(rt, engines, trainer, 3, 1, 1)
     check_trajectories(trainer, seen)
     assert wf.states and set(wf.states) == {"waiting"}  # off the instance while its tool ran
@@ -80,7 +81,7 @@ def test_a_trajectory_continues_on_another_instance_of_its_version_between_turns
     rt, engines, trainer = _one_slot_each(n=4, steps=4, G=2, tbs=2, rbs=8)
     wf = ToolThatWaitsForAnotherTurn(rt)
     seen = with_workflow(rt, wf)
-    summary = asyncio.run(asyncio.wait_for(rt.run(), timeout=120))
+    summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=120))
     check_run(rt, engines, trainer, 4, 2, 2)  # C1 from the engines' logs: both turns on one version
     check_trajectories(trainer, seen)
     moved = {sid for sid, names in wf.turn_engines.items() if len(set(names)) > 1}
@@ -112,7 +113,7 @@ def test_an_engine_killed_between_turns_or_inside_one_loses_and_duplicates_nothi
 
     wf = ToolThatWaitsForAnotherTurn(rt, kill)
     seen = with_workflow(rt, wf)
-    summary = asyncio.run(asyncio.wait_for(rt.run(), timeout=120))
+    summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=120))
     check_run(rt, engines, trainer, 4, 1, 2)
     check_trajectories(trainer, seen)
     assert killed.get("inside") and {"e1", killed["inside_at"]} <= set(summary["failed_instances"])
@@ -144,7 +145,7 @@ def test_partial_mode_runs_a_trajectory_again_on_the_newer_weights_its_next_turn
         return Trajectory(prompt_ids, ids, mask, first.logprobs + [0.0] * len(ENV) + second.logprobs, turns=2)
 
     seen = with_workflow(rt, tool_outlives_an_update)
-    summary = asyncio.run(asyncio.wait_for(rt.run(), timeout=120))
+    summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=120))
     check_trajectories(trainer, seen)
     assert outlived and summary["env/trajectories_aborted"] > 0
     calls = [(rid, v) for e in engines.values() for op, rid, v in e.log if op == "generate"]

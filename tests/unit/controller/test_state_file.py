@@ -9,6 +9,7 @@ import asyncio
 import json
 
 from dora_megatron.controller.checkpoint_manifest import verify
+from dora_megatron.controller.main import drive
 from dora_megatron.controller.state_file import json_chunks, write_state
 
 from tests.helpers.runtime import make
@@ -65,7 +66,7 @@ def test_the_last_checkpoint_is_complete_when_the_run_returns(tmp_path):
     rt, engines, trainer = make(mode="dora", steps=4, tmp_path=tmp_path)
     seen = []
     rt.on_checkpoint = seen.append
-    summary = asyncio.run(rt.run())
+    summary = asyncio.run(drive(rt))
     assert summary["steps"] == 4 and seen == [2, 4]
     for v in (2, 4):
         assert (tmp_path / f"ck{v}" / "controller.json").is_file() and verify(tmp_path / f"ck{v}") == []

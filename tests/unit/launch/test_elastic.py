@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 
 from dora_megatron.config.orchestrator import OrchestratorConfig
+from dora_megatron.controller.loop import EventQueue
+from dora_megatron.controller.main import drive
 from dora_megatron.controller.records import RuntimeOptions
 from dora_megatron.controller.runtime import Runtime
 from dora_megatron.data.tasks import RunningSumTask, running_sum_reward
@@ -22,7 +24,8 @@ def _runtime(names, steps=8):
     trainer = fakes.FakeTrainer()
     opts = RuntimeOptions(steps=steps, seed=0, max_new_tokens=64, temperature=1.0, top_p=1.0, top_k=-1,
                           snapshot_dir=lambda v: f"/snap/v{v}", stats_interval_s=0.01)
-    rt = Runtime(Orchestrator(cfg, names), engines, trainer, RunningSumTask(1, 30, 1.2, seed=1), running_sum_reward, opts)
+    rt = Runtime(Orchestrator(cfg, names), engines, trainer, RunningSumTask(1, 30, 1.2, seed=1), running_sum_reward, opts,
+                 events=EventQueue())
     return rt, engines, trainer
 
 
@@ -41,7 +44,7 @@ async def _run_watched(rt, join_dir, make, event, **watch):
     watcher = asyncio.get_running_loop().create_task(watch_joins(join_dir, rt, make, poll_s=0.01, **watch))
     asyncio.get_running_loop().create_task(event())
     try:
-        return await rt.run()
+        return await drive(rt)
     finally:
         watcher.cancel()
 
@@ -86,7 +89,7 @@ def test_failed_instance_is_removed_and_can_rejoin():
             await fakes.fail_after_first_step(rt, trainer, engines["e1"], "e1")
             rt.add_instance("e1", back)
         asyncio.get_running_loop().create_task(fail_then_rejoin())
-        return await rt.run()
+        return await drive(rt)
 
     summary = asyncio.run(main())
     _check(rt, trainer, 8)
@@ -147,7 +150,7 @@ def test_instance_restarted_by_its_node_rejoins_even_before_the_controller_notic
             write_join_request(tmp_path, JoinRequest("e1", "http://e1", attempt=1))
         asyncio.get_running_loop().create_task(restart_later())
         try:
-            return await rt.run()
+            return await drive(rt)
         finally:
             watcher.cancel()
 

@@ -9,6 +9,7 @@ import asyncio
 from types import SimpleNamespace
 
 from dora_megatron.config.orchestrator import OrchestratorConfig
+from dora_megatron.controller.loop import EventQueue
 from dora_megatron.controller.records import RuntimeOptions
 from dora_megatron.controller.runtime import Runtime
 from dora_megatron.data.tasks import RunningSumTask, running_sum_reward
@@ -36,7 +37,7 @@ def _runtime(n: int) -> Runtime:
                           snapshot_dir=lambda v: f"/snap/v{v}")
     engines = {n: fakes.FakeEngine(n, migration=False) for n in names}
     return Runtime(CountingOrchestrator(cfg, names), engines, fakes.FakeTrainer(), RunningSumTask(1, 30, 1.2, seed=1),
-                   running_sum_reward, opts)
+                   running_sum_reward, opts, events=EventQueue())
 
 
 class _Child:

@@ -9,53 +9,10 @@ import sys
 
 from dora_megatron.processes import ProcessSet
 from dora_megatron.launch.supervise import EngineSupervisor, RestartPolicy
+from tests.helpers.fakes import FakeRuntime
 from tests.helpers.servers import HEALTHY
 
 CRASHES = "import sys; sys.exit(3)"
-
-
-class FakeRuntime:
-    """The part of :class:`~dora_megatron.controller.runtime.Runtime` a supervisor uses. ``failed``
-    (the whole set, O(pool)) raises: a poller asks ``is_failed`` / ``all_failed``; tests read ``down``."""
-
-    def __init__(self, names):
-        self.engines = {n: f"client-of-{n}" for n in names}
-        self.down: set[str] = set()
-        self.added: list[tuple[str, str]] = []
-        self.engine_restarts = None
-        self.instances_may_return = False
-        self._done = asyncio.Event()
-        self._error = None
-
-    @property
-    def failed(self):
-        raise AssertionError("a poller built the whole failed set")
-
-    def is_failed(self, name):
-        return name in self.down
-
-    def all_failed(self):
-        return bool(self.engines) and set(self.engines) <= self.down
-
-    def is_done(self):
-        return self._done.is_set()
-
-    @property
-    def error(self):
-        return self._error
-
-    def stop(self, error=None):  # the first error wins, as the runtime's
-        if error is not None and self._error is None:
-            self._error = error
-        self._done.set()
-
-    def report_failure(self, name, why, engine=None):
-        self.down.add(name)
-
-    def add_instance(self, name, engine):
-        self.engines[name] = engine
-        self.down.discard(name)
-        self.added.append((name, engine))
 
 
 def _start(procs: ProcessSet, name: str, script: str, port: int = 1):

@@ -137,7 +137,7 @@ def test_the_supervisor_reports_a_dead_trainer_process_as_lost(tmp_path):
     from dora_megatron.launch.supervise import EngineSupervisor, RestartPolicy
     from dora_megatron.processes import ProcessSet
 
-    from tests.unit.launch.test_supervise import FakeRuntime
+    from tests.helpers.fakes import FakeRuntime
 
     with ProcessSet(tmp_path) as procs:
         child = procs.start("trainer", [sys.executable, "-c", "print('rank 0: killed', flush=True); raise SystemExit(9)"])

@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 
+from dora_megatron.controller.main import drive
 from dora_megatron.data.codec import CharCodec
 from dora_megatron.observability.background import BackgroundWriter
 from dora_megatron.observability.overview import CheckpointOverviews
@@ -80,7 +81,7 @@ def test_the_runtime_dumps_through_the_writer_and_close_leaves_every_step_writte
 
     dumper._write = spy
     rt.rollout_dump = dumper
-    asyncio.run(rt.run())
+    asyncio.run(drive(rt))
     w.close()
     files = sorted(p.name for p in (tmp_path / "rollouts").iterdir())
     assert files == [f"step_{k:06d}.jsonl" for k in range(3)] and dumper.files == 3

@@ -14,6 +14,7 @@ from dora_megatron.config.base import ConfigError
 from dora_megatron.config.schema import load_config
 from dora_megatron.controller.build import Endpoints, build_controller
 from dora_megatron.controller.journal import Journal, JournaledSample, read_journal
+from dora_megatron.controller.main import drive
 from dora_megatron.data import tokenizer as tok
 from dora_megatron.data.codec import CharCodec
 from dora_megatron.data.tasks import parse_running_sum_prompt, running_sum_answer
@@ -75,7 +76,7 @@ def test_a_file_that_cannot_be_written_is_logged_and_the_run_goes_on(tmp_path, c
 def test_the_runtime_dumps_the_samples_the_trainer_is_handed(tmp_path):
     rt, _, trainer = make(mode="dora", steps=3, tbs=4, G=2)
     rt.rollout_dump = RolloutDumper(tmp_path, 3, CharCodec())
-    asyncio.run(rt.run())
+    asyncio.run(drive(rt))
     files = sorted((tmp_path / "rollouts").iterdir())
     assert [p.name for p in files] == [f"step_{k:06d}.jsonl" for k in range(3)]
     for step, (path, batch) in enumerate(zip(files, trainer.batches)):
@@ -94,7 +95,7 @@ def test_the_runtime_dumps_the_samples_the_trainer_is_handed(tmp_path):
 
 def test_finish_reason_survives_a_checkpoint_and_the_journal(tmp_path):
     rt, _, _ = make(mode="dora", steps=2, tmp_path=tmp_path)
-    asyncio.run(rt.run())
+    asyncio.run(drive(rt))
     state = json.loads((tmp_path / "ck2" / "controller.json").read_text())
     finished = state["samples"]  # only finished samples have an entry
     assert finished and all(s["finish_reason"] == "stop" for s in finished)

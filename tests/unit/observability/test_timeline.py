@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from dora_megatron.controller.main import drive
 from dora_megatron.observability.timeline import Timeline
 
 
@@ -68,11 +69,11 @@ def test_resumed_run_does_not_draw_the_time_before_the_crash_as_idle_instances(t
     from tests.helpers.runtime import make, resume
 
     rt, _, _ = make(mode="dora", steps=2, tmp_path=tmp_path)
-    asyncio.run(rt.run())
+    asyncio.run(drive(rt))
     rt2, _, trainer2 = make(mode="dora", steps=4, tmp_path=tmp_path)
     state = resume(rt2, trainer2, tmp_path, 2)
     rt2.timeline = Timeline()
-    asyncio.run(rt2.run())
+    asyncio.run(drive(rt2))
     offset = float(state["wall_s"])
     assert offset > 0
     versions = [iv for iv in rt2.timeline.intervals if iv.args.get("kind") == "version"]

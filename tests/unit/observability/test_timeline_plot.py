@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from dora_megatron.config.base import ConfigError
+from dora_megatron.controller.main import drive
 from dora_megatron.observability.timeline import Interval, Timeline
 from dora_megatron.observability.timeline_plot import (
     StepSpan, TrainerVersion, age_image, select_window, trainer_steps, window_times,
@@ -71,7 +72,7 @@ def test_age_is_the_trainer_version_minus_the_held_one_the_oldest_in_each_pixel(
 def _recorded(tmp_path, steps=3):
     rt, _, _ = make(mode="dora", steps=steps)
     rt.timeline = Timeline()
-    asyncio.run(rt.run())
+    asyncio.run(drive(rt))
     return rt.timeline.write_chrome_trace(tmp_path / "trace.json")
 
 

@@ -1,0 +1,33 @@
+"""Tests share code only through ``tests/helpers``: a test module that imports another test module
+runs that module's tests' import side effects, ties two files that move separately, and hides shared
+code where no one looks for it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def cross_test_imports(root: Path) -> list[str]:
+    """``file: module`` for every import of a ``test_*`` module under ``root`` (outside helpers too)."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.relative_to(root)}: {n}" for n in names
+                      if n.startswith("tests.") and any(part.startswith("test_") for part in n.split("."))]
+    return found
+
+
+def test_no_test_module_imports_another():
+    assert cross_test_imports(TESTS) == []
+
+
+def test_the_check_sees_a_cross_import(tmp_path):
+    (tmp_path / "test_a.py").write_text("from tests.unit.test_b import helper\n")
+    (tmp_path / "test_c.py").write_text("def f():\n    import tests.integration.test_d\n")
+    (tmp_path / "ok.py").write_text("from tests.helpers.fakes import FakeTrainer\n")
+    assert cross_test_imports(tmp_path) == ["test_a.py: tests.unit.test_b", "test_c.py: tests.integration.test_d"]
