@@ -389,7 +389,8 @@ class Simulation:
             return  # finished in the same instant (its finish note is queued); nothing to move
         dst = self._inst(a.dst)
         if a.sample_id in self.tooling:
-            raise SimProtocolError(f"migrate of {a.sample_id} between two turns: it is on no instance")
+            self._migrate_turn_ended(a)
+            return
         req = self._take(a.sample_id, a.src)
         if req is None:
             return
@@ -408,12 +409,25 @@ class Simulation:
         else:
             self._start_transfer(req, dst)
 
+    def _migrate_turn_ended(self, a: Migrate) -> None:
+        """A move of a trajectory whose turn ended in the same instant (its TurnEnded is queued):
+        nothing is on an instance to move. The orchestrator counts it on ``a.dst`` until it hears
+        the turn's end, so ``a.dst`` is the last instance it knows; that one holds none of its context."""
+        req, last, _ = self.tooling[a.sample_id]
+        if last != a.src or a.sample_id in self.turn_ready:
+            raise SimProtocolError(f"migrate of {a.sample_id} between two turns (last turn on {last}) from {a.src}")
+        self.tooling[a.sample_id] = (req, a.dst, False)
+
     def interrupt(self, a: Interrupt) -> None:
         if a.sample_id in self.finished_ids:
             return
         if a.sample_id in self.tooling:
-            raise SimProtocolError(f"interrupt of {a.sample_id} between two turns: it is on no instance")
-        req = self._take(a.sample_id, a.instance)
+            # its turn ended in the same instant (its TurnEnded is queued, then dropped: not current)
+            if a.sample_id in self.turn_ready:
+                raise SimProtocolError(f"interrupt of {a.sample_id} between two turns: it is on no instance")
+            req, _, _ = self.tooling.pop(a.sample_id)
+        else:
+            req = self._take(a.sample_id, a.instance)
         if req is None:
             return
         if req.turn_ends:
