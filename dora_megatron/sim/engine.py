@@ -153,6 +153,9 @@ class Simulation:
         #: instance's prefix cache still holds the trajectory's context)
         self.tooling: dict[str, tuple[SimRequest, str, bool]] = {}
         self.turn_ready: set[str] = set()  # those of them whose tool has returned
+        #: sid -> the number of its running tool call (a run-again trajectory's earlier call is stale)
+        self.tool_calls: dict[str, int] = {}
+        self._tool_seq = 0
         self.finished_ids: set[str] = set()
         self.trainer = _Trainer()
         #: sample id -> the versions that produced its tokens, once it crossed one (partial mode)
@@ -426,6 +429,7 @@ class Simulation:
             if a.sample_id in self.turn_ready:
                 raise SimProtocolError(f"interrupt of {a.sample_id} between two turns: it is on no instance")
             req, _, _ = self.tooling.pop(a.sample_id)
+            self.tool_calls.pop(a.sample_id, None)
         else:
             req = self._take(a.sample_id, a.instance)
         if req is None:
@@ -554,7 +558,9 @@ class Simulation:
             g = self.groups[req.group_id]
             latency = g.spec.tool_s[g.sample_ids.index(sid)][req.turn]
             self.tooling[sid] = (req, inst.iid, True)
-            self.q.push(self.q.now + latency, TOOL_DONE, (sid, req.turn))
+            self._tool_seq += 1
+            self.tool_calls[sid] = self._tool_seq
+            self.q.push(self.q.now + latency, TOOL_DONE, (sid, self._tool_seq))
             self._note(TurnEnded(sid, req.turn))
             return
         self.finished_ids.add(sid)
@@ -594,10 +600,11 @@ class Simulation:
     def _on_tool_done(self, payload: tuple[str, int]) -> None:
         """The tool of ``sid``'s turn ended: its result joins the context and the trajectory asks
         for its next turn (the orchestrator places it: :meth:`_next_turn`)."""
-        sid, turn = payload
+        sid, call = payload
         entry = self.tooling.get(sid)
-        if entry is None or entry[0].turn != turn:
+        if entry is None or self.tool_calls.get(sid) != call:
             return  # run again meanwhile (and maybe already on its next attempt)
+        del self.tool_calls[sid]
         req = entry[0]
         req.turn += 1
         req.env_tokens += self.cfg.workload.tool_result_tokens
