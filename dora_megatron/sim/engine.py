@@ -27,15 +27,17 @@ be released after the run's last step (exactly TBS groups consumed per trained s
 
 Multi-turn workloads (``workload.turns``): a sample's turns run on an instance like requests; when a
 turn ends with a tool call the request leaves the instance (its slot and its KV are freed: the
-instance admits other work while the tool runs) and comes back after the tool's latency. It comes
-back to the instance of its last turn and prefills only the tool's result there: the engine's prefix
-cache (SGLang's radix cache) still holds the trajectory's context, since a tool call is seconds and
-a finished request's KV is kept until memory is needed (eviction is not modelled). A trajectory the
-orchestrator migrates while its tool runs goes to the destination instead, which prefills its whole
-context (counted as re-prefilled tokens). The orchestrator's own view is unchanged: it hears of a
-trajectory once, when its last turn ends, and counts it on its instance until then. An interrupted
-trajectory (partial mode) is run again from its prompt, as the runtime runs a workflow again, so C1
-holds for trajectories in every mode.
+instance admits other work while the tool runs) and the orchestrator hears it as the runtime's
+workflows report it (:class:`~dora_megatron.controller.loop.TurnEnded`: the slot is the
+orchestrator's to give away). When the tool's latency has passed it asks for the next turn
+(:class:`~dora_megatron.controller.loop.TurnReady`) and the orchestrator places it on its version: back
+on the instance of its last turn, which prefills only the tool's result (the engine's prefix cache,
+SGLang's radix cache, still holds the trajectory's context: a tool call is seconds and a finished
+request's KV is kept until memory is needed; eviction is not modelled), or on another instance (a
+move between turns, ``workflow_turn_moves``), which prefills the whole context (counted as
+re-prefilled tokens). An interrupted trajectory, or one whose next turn partial mode re-tags to new
+weights, is run again from its prompt, as the runtime runs a workflow again, so C1 holds for
+trajectories in every mode.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from typing import Any, Callable, Iterable
 from dora_megatron.config.sim import SimConfig
 from dora_megatron.controller.loop import (EngineReply, Event, EventMapping, InstanceFailed, InstanceJoined,
                                            InstanceStats, MigrationDone, SampleProgress, Start, SwitchDone, Tick,
-                                           TrainerDone)
+                                           TrainerDone, TurnEnded, TurnReady)
 from dora_megatron.sim.cost import DecodeModel, kv_transfer_s
 from dora_megatron.sim.events import EventQueue
 from dora_megatron.sim.instance import PAUSED, READY, SWITCHING, SimInstance, SimRequest
@@ -146,9 +148,14 @@ class Simulation:
         self.where: dict[str, str] = {}  # sid -> instance id (running or queued there)
         self.held: dict[str, tuple[SimRequest, bool]] = {}  # off-instance partial state; bool: KV kept
         self.transit: dict[str, tuple[SimRequest, str]] = {}  # sid -> (req, dst)
-        #: multi-turn: sid -> (req, the instance its next turn goes to; None: wherever it is resubmitted)
-        #: while its tool runs; the bool: that instance's prefix cache holds the trajectory's context
-        self.tooling: dict[str, tuple[SimRequest, str | None, bool]] = {}
+        #: multi-turn, between two turns (its tool running, or its next turn waiting for the
+        #: orchestrator's Submit): sid -> (req, the instance of its last turn, whether that
+        #: instance's prefix cache still holds the trajectory's context)
+        self.tooling: dict[str, tuple[SimRequest, str, bool]] = {}
+        self.turn_ready: set[str] = set()  # those of them whose tool has returned
+        #: sid -> the number of its running tool call (a run-again trajectory's earlier call is stale)
+        self.tool_calls: dict[str, int] = {}
+        self._tool_seq = 0
         self.finished_ids: set[str] = set()
         self.trainer = _Trainer()
         #: sample id -> the versions that produced its tokens, once it crossed one (partial mode)
@@ -222,6 +229,11 @@ class Simulation:
 
     def absorb(self, ev: EngineReply) -> int:
         return int(ev.resp)  # the simulated answer is its length
+
+    def turn_current(self, sample_id: str, turn: Any) -> bool:
+        """The turn event is about the trajectory's present turn (``turn``: its index)."""
+        entry = self.tooling.get(sample_id)
+        return entry is not None and entry[0].turn == turn
 
     def sample_versions(self, sample_id: str) -> Iterable[int]:
         return self.spans.get(sample_id) or (self.reqs[sample_id].version,)
@@ -304,9 +316,7 @@ class Simulation:
             raise SimProtocolError(f"submit of unknown sample {a.sample_id}")
         kv_kept = False
         if a.sample_id in self.tooling:
-            # its instance failed while the tool ran: the next turn goes where it is resubmitted
-            req, _, _ = self.tooling[a.sample_id]
-            self.tooling[a.sample_id] = (req, a.instance, False)
+            self._next_turn(a, inst)
             return
         if a.sample_id in self.held:
             req, kv_kept = self.held.pop(a.sample_id)
@@ -330,6 +340,27 @@ class Simulation:
                 self.reprefill_tokens += prefill
             self._place(req, inst, prefill)
             self._touch(inst)
+
+    def _next_turn(self, a: Submit, inst: SimInstance) -> None:
+        """The orchestrator placed a trajectory's next turn: on the instance of its last turn the
+        prefix is cached and only the tool's result is prefilled; elsewhere the whole context is."""
+        if a.sample_id not in self.turn_ready:
+            raise SimProtocolError(f"submit of {a.sample_id} while its tool runs")
+        self.turn_ready.discard(a.sample_id)
+        req, last, cached = self.tooling.pop(a.sample_id)
+        if a.version != req.version:
+            # partial mode re-tags it to new weights: run again from its prompt (C1 per trajectory)
+            req.restart()
+            req.version = a.version
+            prefill = req.context
+        elif a.instance == last and cached:
+            prefill = self.cfg.workload.tool_result_tokens
+        else:
+            prefill = req.context
+            self.reprefill_tokens += prefill
+        self._sync(inst)
+        self._place(req, inst, prefill)
+        self._touch(inst)
 
     def _start_transfer(self, req: SimRequest, dst: SimInstance, counted_as_migration: bool = True) -> None:
         dt = kv_transfer_s(self.cost, req.context) + (self._rebalance_overhead_s if counted_as_migration else 0.0)
@@ -361,7 +392,7 @@ class Simulation:
             return  # finished in the same instant (its finish note is queued); nothing to move
         dst = self._inst(a.dst)
         if a.sample_id in self.tooling:
-            self._migrate_parked(a, dst)
+            self._migrate_turn_ended(a)
             return
         req = self._take(a.sample_id, a.src)
         if req is None:
@@ -381,23 +412,24 @@ class Simulation:
         else:
             self._start_transfer(req, dst)
 
-    def _migrate_parked(self, a: Migrate, dst: SimInstance) -> None:
-        """A trajectory moved while its tool runs: nothing is on an instance to move; its next turn
-        goes to ``dst``, which has none of its context and prefills all of it."""
-        req, home, _ = self.tooling[a.sample_id]
-        if home != a.src or req.version != a.version or dst.version != a.version or dst.state == SWITCHING:
-            raise SimProtocolError(f"migrate {a.sample_id} v{req.version} (tool running, next turn on {home}) from "
-                                   f"{a.src} to {a.dst} holding v{dst.version} ({dst.state})")
+    def _migrate_turn_ended(self, a: Migrate) -> None:
+        """A move of a trajectory whose turn ended in the same instant (its TurnEnded is queued):
+        nothing is on an instance to move. The orchestrator counts it on ``a.dst`` until it hears
+        the turn's end, so ``a.dst`` is the last instance it knows; that one holds none of its context."""
+        req, last, _ = self.tooling[a.sample_id]
+        if last != a.src or a.sample_id in self.turn_ready:
+            raise SimProtocolError(f"migrate of {a.sample_id} between two turns (last turn on {last}) from {a.src}")
         self.tooling[a.sample_id] = (req, a.dst, False)
-        if self._in_window():
-            self.migrations += 1
-        self._note(MigrationDone(a.sample_id, req.context))
 
     def interrupt(self, a: Interrupt) -> None:
         if a.sample_id in self.finished_ids:
             return
         if a.sample_id in self.tooling:
+            # its turn ended in the same instant (its TurnEnded is queued, then dropped: not current)
+            if a.sample_id in self.turn_ready:
+                raise SimProtocolError(f"interrupt of {a.sample_id} between two turns: it is on no instance")
             req, _, _ = self.tooling.pop(a.sample_id)
+            self.tool_calls.pop(a.sample_id, None)
         else:
             req = self._take(a.sample_id, a.instance)
         if req is None:
@@ -509,9 +541,9 @@ class Simulation:
                 del self.transit[sid]
                 moved.append(req)
         moved.extend(inst.drain_all(self.q.now))
-        for sid, (req, home, _) in list(self.tooling.items()):
-            if home == iid:
-                self.tooling[sid] = (req, None, False)  # resubmitted elsewhere by the orchestrator
+        for sid, (req, last, _) in list(self.tooling.items()):
+            if last == iid:
+                self.tooling[sid] = (req, last, False)  # its prefix cache left with the instance
         for req in moved:
             self.where.pop(req.sample_id, None)
             self.held[req.sample_id] = (req, True)
@@ -526,7 +558,10 @@ class Simulation:
             g = self.groups[req.group_id]
             latency = g.spec.tool_s[g.sample_ids.index(sid)][req.turn]
             self.tooling[sid] = (req, inst.iid, True)
-            self.q.push(self.q.now + latency, TOOL_DONE, (sid, req.turn))
+            self._tool_seq += 1
+            self.tool_calls[sid] = self._tool_seq
+            self.q.push(self.q.now + latency, TOOL_DONE, (sid, self._tool_seq))
+            self._note(TurnEnded(sid, req.turn))
             return
         self.finished_ids.add(sid)
         g = self.groups[req.group_id]
@@ -563,25 +598,18 @@ class Simulation:
         self._note(SwitchDone(iid, version, engine=None, start=start, end=self.q.now))
 
     def _on_tool_done(self, payload: tuple[str, int]) -> None:
-        """The tool of ``sid``'s turn ended: its result joins the context and the next turn is
-        queued where the trajectory goes (prefix cached there: only the result is prefilled)."""
-        sid, turn = payload
+        """The tool of ``sid``'s turn ended: its result joins the context and the trajectory asks
+        for its next turn (the orchestrator places it: :meth:`_next_turn`)."""
+        sid, call = payload
         entry = self.tooling.get(sid)
-        if entry is None or entry[0].turn != turn:
-            return  # interrupted meanwhile (and maybe already on its next attempt)
-        req, home, cached = self.tooling.pop(sid)
+        if entry is None or self.tool_calls.get(sid) != call:
+            return  # run again meanwhile (and maybe already on its next attempt)
+        del self.tool_calls[sid]
+        req = entry[0]
         req.turn += 1
         req.env_tokens += self.cfg.workload.tool_result_tokens
-        if home is None:  # its instance left the pool and the orchestrator has not resubmitted it yet
-            self.held[sid] = (req, False)
-            return
-        inst = self._inst(home)
-        prefill = self.cfg.workload.tool_result_tokens if cached else req.context
-        if not cached:
-            self.reprefill_tokens += req.context
-        self._sync(inst)
-        self._place(req, inst, prefill)
-        self._touch(inst)
+        self.turn_ready.add(sid)
+        self._note(TurnReady(sid, req.turn))
 
     def _on_arrive(self, sid: str) -> None:
         entry = self.transit.pop(sid, None)

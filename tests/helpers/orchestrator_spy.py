@@ -9,7 +9,7 @@ import sys
 EVENT_METHODS = ("start", "on_tick", "on_sample_progress", "on_sample_finished", "on_sample_versions",
                  "on_instance_stats",
                  "on_step_finished", "on_instance_failed", "on_instance_joined", "on_switch_done",
-                 "on_migration_done", "on_migration_failed", "set_prompt_tokens", "poll")
+                 "on_migration_done", "on_migration_failed", "on_turn_ended", "on_turn_ready", "set_prompt_tokens", "poll")
 
 
 class CallerCheckingOrchestrator:

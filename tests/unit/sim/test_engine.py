@@ -172,11 +172,13 @@ def test_weight_sync_metrics_agree_with_the_instance_timelines(mode):
         assert res.summary["rebalance_fraction"] is None
 
 
-@pytest.mark.parametrize("mode,extra", [("partial", []), ("dora", ["cluster.elastic_colocation=true"])])
+@pytest.mark.parametrize("mode,extra", [("partial", []), ("dora", ["cluster.elastic_colocation=true"]),
+                                        ("dora", ["workload.turns.kind=point", "workload.turns.value=3"])])
 def test_the_simulator_reaches_the_orchestrator_only_through_the_runtimes_event_mapping(mode, extra):
     """The simulator feeds the runtime's event dataclasses through the runtime's own mapping
     (controller/loop.py::EventMapping): no orchestrator event method is called from anywhere else,
-    across re-tagged partial requests, elastic leaves and joins, stats and migrations."""
+    across re-tagged partial requests, elastic leaves and joins, stats, migrations and the turns of
+    multi-turn trajectories."""
     from dora_megatron.orchestrator import Orchestrator
     from tests.helpers.orchestrator_spy import CallerCheckingOrchestrator
 
@@ -188,6 +190,8 @@ def test_the_simulator_reaches_the_orchestrator_only_through_the_runtimes_event_
             "on_step_finished", "set_prompt_tokens"} <= set(callers)
     if mode == "partial":
         assert "on_sample_progress" in callers and res.summary["c1_violations"] > 0  # re-tagged requests seen
+    elif extra[0].startswith("workload.turns"):
+        assert {"on_turn_ended", "on_turn_ready"} <= set(callers)
     else:
         assert {"on_instance_failed", "on_instance_joined"} <= set(callers)  # the elastic instances came and went
     assert {c.split(".")[0] for cs in callers.values() for c in cs} == {"EventMapping"}, callers
@@ -229,3 +233,47 @@ def test_a_trajectory_holds_no_slot_while_its_tool_runs():
     single = simulate(_cfg("dora"))
     assert res.summary["wall_time_s"] > 3000
     assert res.summary["rollout_utilization"] < single.summary["rollout_utilization"] / 3
+
+
+class _LoadCheckingSimulation(Simulation):
+    """Compares, once every event's consequences are applied, the orchestrator's view of each
+    instance with the requests the simulated instance holds (running, queued or arriving), and
+    records each next turn: placed on its last turn's instance or not, and the tokens it re-prefilled."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.mismatches: list[tuple[float, str, set, set]] = []
+        self.next_turns: list[tuple[bool, int]] = []
+
+    def _drain(self):
+        super()._drain()
+        for iid, oinst in self.orch.instances.items():
+            held = {sid for sid, w in self.where.items() if w == iid}
+            held |= {sid for sid, (_, dst) in self.transit.items() if dst == iid}
+            if set(oinst.samples) != held:
+                self.mismatches.append((self.q.now, iid, set(oinst.samples), held))
+
+    def _next_turn(self, a, inst):
+        moved = a.instance != self.tooling[a.sample_id][1]
+        before = self.reprefill_tokens
+        super()._next_turn(a, inst)
+        self.next_turns.append((moved, self.reprefill_tokens - before))
+
+
+@pytest.mark.parametrize("mode", ["sync", "dora"])
+def test_between_turns_the_slot_is_the_orchestrators_and_a_move_re_prefills(mode):
+    """A turn's end reaches the orchestrator (TurnEnded): from then on it counts the trajectory on
+    no instance (the slot is its to give away). The next turn (TurnReady) goes where the
+    orchestrator puts it; one put on another instance than its last turn's is a counted move and
+    re-prefills its context there, one put back re-prefills nothing (its prefix is cached)."""
+    sim = _LoadCheckingSimulation(_cfg(mode, *MULTI_TURN))
+    res = sim.run()
+    assert_run_invariants(sim, res, steps=6)
+    assert sim.mismatches == []
+    moved = [tokens for m, tokens in sim.next_turns if m]
+    stayed = [tokens for m, tokens in sim.next_turns if not m]
+    assert stayed and all(t == 0 for t in stayed)
+    assert all(t > 0 for t in moved)
+    assert sim.orch.counters.workflow_turn_moves == len(moved)
+    if mode == "dora":
+        assert moved  # a rebalance gives a waiting trajectory's instance to another version
