@@ -33,6 +33,7 @@ from dora_megatron.config.vllm import DEFAULT_VLLM_PYTHON, VLLMConfig
 from dora_megatron.controller.loop import EventQueue
 from dora_megatron.controller.main import drive
 from dora_megatron.ports import free_ports
+from tests.helpers.proc_tree import process_tree, signal_tree
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
@@ -332,32 +333,6 @@ MIGRATE = ("orchestrator.kv_high_watermark=0.001", "orchestrator.kv_rebalance_mi
            "orchestrator.max_staleness=2", "orchestrator.rbs=12", "orchestrator.cap_after_rebalance=16")
 
 
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and its descendants (torchrun's ranks may run in sessions of their own)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(children.get(p, []))
-    return out
-
-
-def signal_all(pids: list[int], sig: int) -> None:
-    for p in pids:
-        try:
-            os.kill(p, sig)
-        except ProcessLookupError:
-            pass
-
-
 def test_dora_train_dense_reloads_and_a_killed_instance_rejoins(tmp_path):
     """Once training runs, engine1 is killed; the trainer is held (SIGSTOP) until the restarted
     instance has rejoined, so the run cannot end first however slowly vLLM starts here."""
@@ -373,13 +348,13 @@ def test_dora_train_dense_reloads_and_a_killed_instance_rejoins(tmp_path):
             if not killed and steps_file.is_file() and steps_file.read_text().strip():
                 pids = json.loads((run_dir / "processes.json").read_text())
                 held = process_tree(pids["trainer"])
-                signal_all(held, signal.SIGSTOP)
+                signal_tree(held, signal.SIGSTOP)
                 os.killpg(pids["engine1"], signal.SIGKILL)
                 killed = True
             rejoined = killed and "instance engine1 rejoined the pool" in log_path.read_text(errors="replace")
             time.sleep(0.2)
     finally:
-        signal_all(held, signal.SIGCONT)
+        signal_tree(held, signal.SIGCONT)
         log = finish(proc, tmp_path)
     assert killed and rejoined, log[-3000:]
     summary = check_run(run_dir, steps, 4)
