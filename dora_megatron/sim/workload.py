@@ -90,13 +90,6 @@ class LengthSampler:
         i = min(bisect.bisect_left(self._wcum, u), len(self._wcum) - 1)
         return self._components[i].draw(rng, shared_z, corr)
 
-    def mean_estimate(self, n: int = 20000, seed: int = 0, clip: tuple[int, int] = (1, 10**9)) -> float:
-        rng = random.Random(seed)
-        s = 0.0
-        for _ in range(n):
-            s += min(clip[1], max(clip[0], round(self.draw(rng, rng.gauss(0, 1), 0.0))))
-        return s / n
-
 
 class Workload:
     """Deterministic group generator for one simulation."""
