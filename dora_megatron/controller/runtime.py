@@ -31,15 +31,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import replace
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from dora_megatron.controller.checkpointing import CheckpointWriter
-from dora_megatron.controller.errors import LOCAL_RETRY_S, is_comm_error as _is_comm_error, is_local as _is_local
 from dora_megatron.controller.loop import (EngineReply, EventQueue, InstanceFailed,
-                                           InstanceJoined, MigrationFailed, Replayed,
+                                           InstanceJoined,
                                            Resume, Start, Stop, SwitchDone, TrainerDone)
 from dora_megatron.controller.records import (Engine, GroupRecord, LoadReports, RuntimeOptions, SampleRecord,
                                               StepLog, Trainer)
@@ -51,9 +49,7 @@ from dora_megatron.orchestrator import (Dispatch, Interrupt, Migrate, Orchestrat
 from dora_megatron.observability.recorder import MetricsRecorder
 from dora_megatron.observability.rollout_dump import RolloutDumper
 from dora_megatron.observability.summary import RunTotals
-from dora_megatron.observability.trajectories import TrajectoryStats
-from dora_megatron.workflow.runner import WorkflowFailed
-from dora_megatron.controller.siblings import finished_sources, push_source, running_targets
+from dora_megatron.controller.generation import Generation
 from dora_megatron.controller.migration import Migrations
 from dora_megatron.controller.replay import JournalReplay
 from dora_megatron.controller.stats import StatsPoller
@@ -62,11 +58,6 @@ from dora_megatron.controller.weight_sync import WeightSync
 from dora_megatron.rollout.speculation import speculation_summary
 
 log = logging.getLogger(__name__)
-
-#: refusals in a row of requests routed for an instance's own version (no switch under way) after
-#: which the instance is failed as out of step with the controller (:meth:`Runtime._out_of_step`)
-OUT_OF_STEP_REFUSALS = 3
-
 
 class Runtime:
     """Runs ``options.steps`` training steps; returns the run summary (DESIGN section 11).
@@ -128,11 +119,6 @@ class Runtime:
         #: instances not ready when the job started (name -> why): out of the pool until they join
         self.absent_at_start: dict[str, str] = {}
         self._late_starters: set[str] = set()  # of those, the ones that never failed (only slow to load)
-        #: instances whose answers carry no routed_experts although asked for (same rule)
-        self.routed_experts_off: set[str] = set()
-        #: calls that failed for a shortage of the controller's own process (EMFILE, ENOBUFS, a
-        #: full pool): retried or re-queued, never counted against the instance
-        self.local_resource_errors = 0
         #: this process's back-pressure count (calls that waited for a pooled connection), set by
         #: the launcher that sized the pools (:class:`~dora_megatron.comm.limits.ConnectionWaits`)
         self.connection_waits = None
@@ -140,6 +126,8 @@ class Runtime:
         self._error: BaseException | None = None
         self._done = asyncio.Event()
         self.events = events
+        #: submissions, their answers and the workflow's turns (:mod:`.generation`)
+        self.generation = Generation(self)
         #: the event source of load reports and ticks (:mod:`.stats`)
         self.stats = StatsPoller(orch, engines, self.events, options, self.local_shortage, load_reports)
         #: switches, their checks and the ``distributed`` push (:mod:`.weight_sync`)
@@ -157,8 +145,6 @@ class Runtime:
         self._wall_offset = 0.0
         self._resumed = False
         self._pending_step_finished: int | None = None
-        self.version_refusals = 0
-        self._refusal_streak: dict[str, int] = {}  # instance -> refusals in a row of its own version
         #: a stop asked from outside (the launcher's first SIGINT/SIGTERM/SIGUSR1): its reason, and the
         #: version of the checkpoint written for it (None: none yet, or the step was abandoned)
         self.stop_reason: str | None = None
@@ -265,9 +251,7 @@ class Runtime:
 
     # ------------------------------------------------------------------ ActionHandler
     def submit(self, a: Submit) -> None:
-        if self.turns.hand_over(a):  # the next turn of a trajectory in flight
-            return
-        self._chain(a.sample_id, self._submit(a), f"submit-{a.sample_id}")
+        self.generation.submit(a)
 
     def migrate(self, a: Migrate) -> None:
         self.moves.migrate(a)
@@ -286,41 +270,15 @@ class Runtime:
         """Loop (:class:`SwitchDone`): :meth:`WeightSync.landed`."""
         return self.weights.landed(ev, origin)
 
-    def _chain(self, sample_id: str, coro, name: str) -> asyncio.Task:
-        """Run ``coro`` after the sample's previous operation finished (per-sample ordering)."""
-        rec = self.samples[sample_id]
-        prev = rec.task
-
-        async def run():
-            if prev is not None and not prev.done():
-                await asyncio.wait([prev])
-            await coro
-
-        rec.task = self.spawn(run(), name)
-        return rec.task
-
     def concurrent(self, sample_id: str, make_coro, name: str) -> asyncio.Task:
-        """Run an operation that acts on the sample's in-flight request (it does not wait for it);
-        later operations on the sample wait for both."""
-        rec = self.samples[sample_id]
-        prev = rec.task
-        task = self.spawn(make_coro(prev), name)
-
-        async def both():
-            await asyncio.wait([t for t in (prev, task) if t is not None])
-
-        rec.task = self.spawn(both(), f"{name}-join")
-        return task
+        """For the moves: :meth:`Generation.concurrent` (per-sample ordering is generation's)."""
+        return self.generation.concurrent(sample_id, make_coro, name)
 
     def dispatch(self, a: Dispatch) -> None:
-        group = self.store.dispatch(a)
-        if self.journal is not None:
-            self.journal.dispatch(a.group_id, a.version, group.prompt.index, list(a.sample_ids))
-        self.replay.restore(a.group_id)
+        self.generation.dispatch(a)
 
     def prompt_tokens(self, group_id: str) -> int:
-        """Loop: the prompt length of a dispatched group (the orchestrator's re-prefill accounting)."""
-        return self.store.prompt_tokens(group_id)
+        return self.generation.prompt_tokens(group_id)
 
     # ------------------------------------------------------------------ journal (resume)
     def load_journal(self, samples: dict[str, Any]) -> None:
@@ -336,170 +294,25 @@ class Runtime:
         return self.replay.samples_from_journal
 
     def local_shortage(self, what: str, err: BaseException) -> None:
-        """Count a call that failed for the controller's own shortage; the first and every 1,000th are logged."""
-        self.local_resource_errors += 1
-        if self.local_resource_errors == 1 or self.local_resource_errors % 1000 == 0:
-            log.warning("%s: a local resource shortage of the controller, not the instance's fault (retried; "
-                        "%d so far, counted as local_resource_errors): %s", what, self.local_resource_errors, err)
+        """For every component that calls engines: :meth:`Generation.local_shortage` (one count)."""
+        self.generation.local_shortage(what, err)
 
     async def resubmit(self, a: Submit) -> None:
-        """Run ``a`` in the calling task (a migration's fallback: the sample is resubmitted on its
-        destination once its partial output is back)."""
-        await self._submit(a)
-
-    async def _submit(self, a: Submit) -> None:
-        from dora_megatron.comm.engine_client import VersionMismatch
-
-        rec = self.samples.get(a.sample_id)
-        if rec is None:  # an earlier operation finished it and its group was consumed meanwhile
-            return
-        if rec.finished:
-            if rec.replay_pending:
-                await self.events.report(Replayed(a.sample_id))
-            return
-        rec.submissions += 1
-        if self.workflow is not None:  # a workflow's trajectory runs whole again: nothing of an earlier version is kept
-            rec.versions.clear()
-        rec.versions.add(a.version)
-        rec.version = a.version
-        engine = self.engines[a.instance]
-        rec.gen_task, rec.gen_instance = asyncio.current_task(), a.instance
-        delay, deadline = LOCAL_RETRY_S[0], time.monotonic() + self.opt.request_timeout_s
-        while True:
-            start = self.now()
-            try:
-                try:
-                    resp = await self._generate(engine, rec, a)
-                except Exception:
-                    a, engine = self._last_turn(rec, a, engine)  # a workflow's later turn may have run elsewhere
-                    raise
-                break
-            except VersionMismatch as err:
-                # the engine's C1 guard refused it (it holds another version): nothing ran, re-queue it
-                log.warning("C1 guard: %s refused %s for version %d: %s", a.instance, a.sample_id, a.version,
-                            err.message)
-                self.version_refusals += 1
-                if self._out_of_step(a.instance, a.version):
-                    await self.events.report(InstanceFailed(
-                        a.instance, f"serves another weight version than the {a.version} it was switched to "
-                        f"({OUT_OF_STEP_REFUSALS} requests in a row refused: {err.message})", engine))
-                else:
-                    await self.events.report(MigrationFailed(a.sample_id))
-                return
-            except WorkflowFailed as err:
-                if err.final:
-                    raise
-                await self.events.report(MigrationFailed(a.sample_id))  # its environment crashed: run it again
-                return
-            except Exception as err:  # noqa: BLE001
-                if _is_local(err):
-                    # the controller's own shortage (no descriptor, no pooled connection): the instance
-                    # is not at fault; the same call is tried again after a back-off
-                    self.local_shortage(f"generate of {a.sample_id} on {a.instance}", err)
-                    if not self.is_current(a.instance, engine):
-                        return  # failed or replaced meanwhile: its requests are re-queued already
-                    if self.workflow is not None or time.monotonic() + delay > deadline:
-                        # short for a whole request timeout, or a trajectory (its turns are placed by the
-                        # orchestrator, not retried here): run it later
-                        await self.events.report(MigrationFailed(a.sample_id))
-                        return
-                    await asyncio.sleep(delay)
-                    delay = min(LOCAL_RETRY_S[1], delay * 2)
-                    continue
-                if not _is_comm_error(err):
-                    raise
-                await self.events.report(InstanceFailed(a.instance, f"generate failed: {err}", engine))
-                return
-        a, engine = self._last_turn(rec, a, engine)
-        self._refusal_streak.pop(a.instance, None)
-        end = self.now()
-        reward = await self.store.reward_off_loop(rec, resp)  # off the loop thread, before the report
-        await self.events.report(EngineReply(a.sample_id, a.instance, resp, start, end, reward))
-
-    def _last_turn(self, rec: SampleRecord, a: Submit, engine: Engine) -> tuple[Submit, Engine]:
-        """``a`` naming the instance (and the engine) of the last turn of the sample's trajectory,
-        where its answer or its failure came from (without a workflow: ``a``'s own)."""
-        at, engine = self.turns.where(rec, a.instance, engine)
-        return (a if at == a.instance else replace(a, instance=at)), engine
-
-    async def _generate(self, engine: Engine, rec: SampleRecord, a: Submit):
-        """One submission's answer: the engine's, or with ``rollout.workflow`` the whole trajectory
-        its workflow generated on this instance with this version (every turn pinned to it)."""
-        if self.workflow is None:
-            return await engine.generate(rec.prompt_ids + rec.output_ids, self.store.sampling(rec), rid=a.sample_id,
-                                         return_logprob=True, version=a.version,
-                                         **({"routed_experts": True} if self.opt.routed_experts else {}),
-                                         **({"draft_sources": finished_sources(rec, self.store.siblings(rec))}
-                                            if self.opt.draft_siblings else {}))
-        turn = self.turns.open(rec, a.instance, engine)
-        try:
-            return await self.workflow.run(engine, self.groups[rec.group_id].prompt, rec.prompt_ids,
-                                           sample_id=a.sample_id, version=a.version, sampling=self.store.sampling(rec),
-                                           routed_experts=self.opt.routed_experts, turns=turn)
-        finally:
-            self.turns.close(turn)
+        """For the moves (a migration's fallback): :meth:`Generation.resubmit`."""
+        await self.generation.resubmit(a)
 
     def turn_current(self, sample_id: str, turn: Any) -> bool:
         """Loop (:class:`TurnEnded`, :class:`TurnReady`): :meth:`Turns.current`."""
         return self.turns.current(sample_id, turn)
 
-    def _out_of_step(self, instance: str, version: int) -> bool:
-        """Whether ``instance`` has now refused :data:`OUT_OF_STEP_REFUSALS` requests in a row routed
-        for the version the controller last switched it to, with no switch of it under way. A refusal
-        racing a switch is normal; refusals of the instance's own version are not: it serves other
-        weights than the controller believes (started on another checkpoint, a reload that did not
-        take), and re-queueing its samples onto it would go on for ever. Failing it hands it to the
-        supervisor's restart, which loads the version the controller expects."""
-        inst = self.orch.instances.get(instance)  # the orchestrator's view of what it serves
-        if inst is None or inst.version != version or inst.switching:
-            self._refusal_streak.pop(instance, None)
-            return False
-        self._refusal_streak[instance] = self._refusal_streak.get(instance, 0) + 1
-        return self._refusal_streak[instance] >= OUT_OF_STEP_REFUSALS
-
     def absorb(self, ev: EngineReply) -> int | None:
-        """Loop (:class:`EngineReply`): apply an engine response. Finished: the sample's length (the
-        orchestrator hears of it); aborted: the partial output is kept, None. A late answer about a
-        sample whose group was consumed meanwhile (the source's reply to a KV export) is dropped."""
-        rec, resp, instance, start, end = self.samples.get(ev.sample_id), ev.resp, ev.instance, ev.start, ev.end
-        if self.workflow is None:  # a trajectory's turns count their own slot time (:class:`TurnGate`), not its tools'
-            self.metrics.request_held_slot(start, end)
-        if rec is None:
-            return None
-        if getattr(resp, "migrated", False):
-            return None  # the import on the destination delivers this sample
-        if self.timeline is not None:
-            self.timeline.span(instance, rec.sample_id, start, end, version=rec.version, kind="request")
-        reason = self.store.apply(rec, resp)
-        if reason == "abort":
-            return None  # interrupted (partial mode) or failed over: a later Submit(resume) continues it
-        if self.opt.routed_experts:  # covers prompt + every output token (the last submission's input is all of it)
-            rec.routed_experts = (resp.raw.get("meta_info") or {}).get("routed_experts")
-            if rec.routed_experts is None and instance not in self.routed_experts_off:
-                # an optional probe that cannot run there (SGLang without --enable-return-routed-experts
-                # answers without them): the instance is not failed for it, one warning, counted
-                self.routed_experts_off.add(instance)
-                log.warning("%s answers without routed_experts (launched without "
-                            "--enable-return-routed-experts?); its samples carry none (counted as "
-                            "routed_experts_unavailable)", instance)
-        if self.opt.draft_siblings:
-            targets = running_targets(rec, self.store.siblings(rec))
-            self.spawn(push_source(self.engines, targets, rec.prompt_ids + rec.output_ids), f"drafts-{rec.sample_id}")
-        if instance in self._rejoined:
+        tokens = self.generation.absorb(ev)
+        if tokens is not None and ev.instance in self._rejoined:
             self.samples_after_rejoin += 1
-        self.store.score(rec, resp, reason, ev.reward)
-        if getattr(resp, "loss_mask", None) is not None:  # a workflow's trajectory (rollout.workflow)
-            self.metrics.trajectory_finished(TrajectoryStats.of(resp.turns, sum(rec.loss_mask), resp.metrics))
-        if self.journal is not None and self.workflow is None:
-            # a workflow's trajectory is not journaled (the journal keeps no prompt of its own nor loss
-            # mask): after a crash it runs again from its prompt, on its own version
-            self.journal.sample(self.replay.journaled(rec), sorted(rec.versions))
-        return len(rec.output_ids)
+        return tokens
 
     def sample_versions(self, sample_id: str) -> set[int]:
-        """Loop: every version the sample was submitted on or an engine said produced its tokens;
-        the orchestrator counts a sample of more than one as a C1 violation (the one C1 count)."""
-        return self.samples[sample_id].versions
+        return self.generation.sample_versions(sample_id)
 
     def add_instance(self, name: str, engine: Engine) -> None:
         """Elastic pools: ``engine`` joins the running job as ``name`` (new, or a failed name coming
@@ -859,9 +672,9 @@ class Runtime:
         out["migration_freed_slot_s"] = self.moves.freed_slot_s
         out["checksum_mismatches"] = self.weights.checksum_mismatches
         out["checksum_unavailable"] = len(self.weights.checksum_off)
-        out["routed_experts_unavailable"] = len(self.routed_experts_off)
+        out["routed_experts_unavailable"] = len(self.generation.routed_experts_off)
         out["speculation"] = speculation_summary([self.stats.spec_totals])
-        out["version_refusals"] = self.version_refusals
+        out["version_refusals"] = self.generation.version_refusals
         out["weight_push_bytes"] = self.weights.pushed_bytes
         out["instances"] = sorted(self.engines)  # every instance that was in the pool (joined ones too)
         out["failed_instances"] = sorted(self.failed_ever)
@@ -870,7 +683,7 @@ class Runtime:
         out["engine_restarts"] = self.engine_restarts
         out["instances_absent_at_start"] = dict(sorted(self.absent_at_start.items()))
         out["weight_sync_timeouts"] = self.weights.weight_sync_timeouts
-        out["local_resource_errors"] = self.local_resource_errors
+        out["local_resource_errors"] = self.generation.local_resource_errors
         waits = self.connection_waits
         out["connection_waits"] = waits() if callable(waits) else (waits.count if waits is not None else 0)
         out["samples_from_journal"] = self.samples_from_journal

@@ -1,0 +1,280 @@
+"""Generation: the samples' requests from dispatch to the engine's answer (submit, per-sample
+ordering, the workflow's turns, the reply applied to the sample's record).
+
+WHY a component of its own: a submission is the controller's hot path and has rules of its own:
+each sample has at most one HTTP operation in flight, a new one (a resubmission after an
+interrupt, a migration) first awaits the previous one so partial outputs are never lost or applied
+twice; a refusal by the engine's C1 guard is re-queued, and an instance that keeps refusing its
+own version is failed; a failure for the controller's own shortage (no descriptor, no pooled
+connection) is retried, never counted against the instance. The executor
+(:class:`~dora_megatron.controller.runtime.Runtime`) hands it ``Dispatch`` and ``Submit``
+actions and the :class:`~dora_megatron.controller.loop.EngineReply` events; what happened goes on
+the event queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import replace
+from typing import Any, Protocol
+
+from dora_megatron.controller.errors import LOCAL_RETRY_S, is_comm_error as _is_comm_error, is_local as _is_local
+from dora_megatron.controller.loop import EngineReply, EventQueue, InstanceFailed, MigrationFailed, Replayed
+from dora_megatron.controller.records import Engine, GroupRecord, RuntimeOptions, SampleRecord
+from dora_megatron.controller.siblings import finished_sources, push_source, running_targets
+from dora_megatron.observability.recorder import MetricsRecorder
+from dora_megatron.observability.trajectories import TrajectoryStats
+from dora_megatron.orchestrator import Dispatch, Orchestrator, Submit
+from dora_megatron.workflow.runner import WorkflowFailed
+
+log = logging.getLogger(__name__)
+
+#: refusals in a row of requests routed for an instance's own version (no switch under way) after
+#: which the instance is failed as out of step with the controller (:meth:`Generation._out_of_step`)
+OUT_OF_STEP_REFUSALS = 3
+
+
+class GenerationHost(Protocol):
+    """What generation uses of the executor: the pool, the samples, the queue, the clock, tasks."""
+
+    orch: Orchestrator
+    engines: dict[str, Engine]
+    samples: dict[str, SampleRecord]
+    groups: dict[str, GroupRecord]
+    store: Any  # the sample store (:mod:`.samples`)
+    events: EventQueue
+    opt: RuntimeOptions
+    metrics: MetricsRecorder
+    timeline: Any
+    journal: Any
+    workflow: Any
+    turns: Any  # a workflow's trajectories between their turns (:mod:`.turns`)
+    replay: Any  # the journal's finished samples on resume (:mod:`.replay`)
+
+    def now(self) -> float: ...
+
+    def spawn(self, coro, name: str) -> asyncio.Task: ...
+
+    def is_current(self, instance: str, engine: Engine) -> bool: ...
+
+
+class Generation:
+    """Carries out :class:`Dispatch` and :class:`Submit` actions and applies engine answers
+    (DESIGN section 5.3); ``host``: the executor."""
+
+    def __init__(self, host: GenerationHost) -> None:
+        self.rt = host
+        self.version_refusals = 0
+        self._refusal_streak: dict[str, int] = {}  # instance -> refusals in a row of its own version
+        #: instances whose answers carry no routed_experts although asked for (same rule)
+        self.routed_experts_off: set[str] = set()
+        #: calls that failed for a shortage of the controller's own process (EMFILE, ENOBUFS, a
+        #: full pool): retried or re-queued, never counted against the instance
+        self.local_resource_errors = 0
+
+    def dispatch(self, a: Dispatch) -> None:
+        rt = self.rt
+        group = rt.store.dispatch(a)
+        if rt.journal is not None:
+            rt.journal.dispatch(a.group_id, a.version, group.prompt.index, list(a.sample_ids))
+        rt.replay.restore(a.group_id)
+
+    def prompt_tokens(self, group_id: str) -> int:
+        """Loop: the prompt length of a dispatched group (the orchestrator's re-prefill accounting)."""
+        return self.rt.store.prompt_tokens(group_id)
+
+    def submit(self, a: Submit) -> None:
+        if self.rt.turns.hand_over(a):  # the next turn of a trajectory in flight
+            return
+        self._chain(a.sample_id, self._submit(a), f"submit-{a.sample_id}")
+
+    def _chain(self, sample_id: str, coro, name: str) -> asyncio.Task:
+        """Run ``coro`` after the sample's previous operation finished (per-sample ordering)."""
+        rec = self.rt.samples[sample_id]
+        prev = rec.task
+
+        async def run():
+            if prev is not None and not prev.done():
+                await asyncio.wait([prev])
+            await coro
+
+        rec.task = self.rt.spawn(run(), name)
+        return rec.task
+
+    def concurrent(self, sample_id: str, make_coro, name: str) -> asyncio.Task:
+        """Run an operation that acts on the sample's in-flight request (it does not wait for it);
+        later operations on the sample wait for both."""
+        rec = self.rt.samples[sample_id]
+        prev = rec.task
+        task = self.rt.spawn(make_coro(prev), name)
+
+        async def both():
+            await asyncio.wait([t for t in (prev, task) if t is not None])
+
+        rec.task = self.rt.spawn(both(), f"{name}-join")
+        return task
+
+    def local_shortage(self, what: str, err: BaseException) -> None:
+        """Count a call that failed for the controller's own shortage; the first and every 1,000th are logged."""
+        self.local_resource_errors += 1
+        if self.local_resource_errors == 1 or self.local_resource_errors % 1000 == 0:
+            log.warning("%s: a local resource shortage of the controller, not the instance's fault (retried; "
+                        "%d so far, counted as local_resource_errors): %s", what, self.local_resource_errors, err)
+
+    async def resubmit(self, a: Submit) -> None:
+        """Run ``a`` in the calling task (a migration's fallback: the sample is resubmitted on its
+        destination once its partial output is back)."""
+        await self._submit(a)
+
+    async def _submit(self, a: Submit) -> None:
+        from dora_megatron.comm.engine_client import VersionMismatch
+
+        rt = self.rt
+        rec = rt.samples.get(a.sample_id)
+        if rec is None:  # an earlier operation finished it and its group was consumed meanwhile
+            return
+        if rec.finished:
+            if rec.replay_pending:
+                await rt.events.report(Replayed(a.sample_id))
+            return
+        rec.submissions += 1
+        if rt.workflow is not None:  # a workflow's trajectory runs whole again: nothing of an earlier version is kept
+            rec.versions.clear()
+        rec.versions.add(a.version)
+        rec.version = a.version
+        engine = rt.engines[a.instance]
+        rec.gen_task, rec.gen_instance = asyncio.current_task(), a.instance
+        delay, deadline = LOCAL_RETRY_S[0], time.monotonic() + rt.opt.request_timeout_s
+        while True:
+            start = rt.now()
+            try:
+                try:
+                    resp = await self._generate(engine, rec, a)
+                except Exception:
+                    a, engine = self._last_turn(rec, a, engine)  # a workflow's later turn may have run elsewhere
+                    raise
+                break
+            except VersionMismatch as err:
+                # the engine's C1 guard refused it (it holds another version): nothing ran, re-queue it
+                log.warning("C1 guard: %s refused %s for version %d: %s", a.instance, a.sample_id, a.version,
+                            err.message)
+                self.version_refusals += 1
+                if self._out_of_step(a.instance, a.version):
+                    await rt.events.report(InstanceFailed(
+                        a.instance, f"serves another weight version than the {a.version} it was switched to "
+                        f"({OUT_OF_STEP_REFUSALS} requests in a row refused: {err.message})", engine))
+                else:
+                    await rt.events.report(MigrationFailed(a.sample_id))
+                return
+            except WorkflowFailed as err:
+                if err.final:
+                    raise
+                await rt.events.report(MigrationFailed(a.sample_id))  # its environment crashed: run it again
+                return
+            except Exception as err:  # noqa: BLE001
+                if _is_local(err):
+                    # the controller's own shortage (no descriptor, no pooled connection): the instance
+                    # is not at fault; the same call is tried again after a back-off
+                    self.local_shortage(f"generate of {a.sample_id} on {a.instance}", err)
+                    if not rt.is_current(a.instance, engine):
+                        return  # failed or replaced meanwhile: its requests are re-queued already
+                    if rt.workflow is not None or time.monotonic() + delay > deadline:
+                        # short for a whole request timeout, or a trajectory (its turns are placed by the
+                        # orchestrator, not retried here): run it later
+                        await rt.events.report(MigrationFailed(a.sample_id))
+                        return
+                    await asyncio.sleep(delay)
+                    delay = min(LOCAL_RETRY_S[1], delay * 2)
+                    continue
+                if not _is_comm_error(err):
+                    raise
+                await rt.events.report(InstanceFailed(a.instance, f"generate failed: {err}", engine))
+                return
+        a, engine = self._last_turn(rec, a, engine)
+        self._refusal_streak.pop(a.instance, None)
+        end = rt.now()
+        reward = await rt.store.reward_off_loop(rec, resp)  # off the loop thread, before the report
+        await rt.events.report(EngineReply(a.sample_id, a.instance, resp, start, end, reward))
+
+    def _last_turn(self, rec: SampleRecord, a: Submit, engine: Engine) -> tuple[Submit, Engine]:
+        """``a`` naming the instance (and the engine) of the last turn of the sample's trajectory,
+        where its answer or its failure came from (without a workflow: ``a``'s own)."""
+        at, engine = self.rt.turns.where(rec, a.instance, engine)
+        return (a if at == a.instance else replace(a, instance=at)), engine
+
+    async def _generate(self, engine: Engine, rec: SampleRecord, a: Submit):
+        """One submission's answer: the engine's, or with ``rollout.workflow`` the whole trajectory
+        its workflow generated on this instance with this version (every turn pinned to it)."""
+        rt = self.rt
+        if rt.workflow is None:
+            return await engine.generate(rec.prompt_ids + rec.output_ids, rt.store.sampling(rec), rid=a.sample_id,
+                                         return_logprob=True, version=a.version,
+                                         **({"routed_experts": True} if rt.opt.routed_experts else {}),
+                                         **({"draft_sources": finished_sources(rec, rt.store.siblings(rec))}
+                                            if rt.opt.draft_siblings else {}))
+        turn = rt.turns.open(rec, a.instance, engine)
+        try:
+            return await rt.workflow.run(engine, rt.groups[rec.group_id].prompt, rec.prompt_ids,
+                                         sample_id=a.sample_id, version=a.version, sampling=rt.store.sampling(rec),
+                                         routed_experts=rt.opt.routed_experts, turns=turn)
+        finally:
+            rt.turns.close(turn)
+
+    def _out_of_step(self, instance: str, version: int) -> bool:
+        """Whether ``instance`` has now refused :data:`OUT_OF_STEP_REFUSALS` requests in a row routed
+        for the version the controller last switched it to, with no switch of it under way. A refusal
+        racing a switch is normal; refusals of the instance's own version are not: it serves other
+        weights than the controller believes (started on another checkpoint, a reload that did not
+        take), and re-queueing its samples onto it would go on for ever. Failing it hands it to the
+        supervisor's restart, which loads the version the controller expects."""
+        inst = self.rt.orch.instances.get(instance)  # the orchestrator's view of what it serves
+        if inst is None or inst.version != version or inst.switching:
+            self._refusal_streak.pop(instance, None)
+            return False
+        self._refusal_streak[instance] = self._refusal_streak.get(instance, 0) + 1
+        return self._refusal_streak[instance] >= OUT_OF_STEP_REFUSALS
+
+    def absorb(self, ev: EngineReply) -> int | None:
+        """Loop (:class:`EngineReply`): apply an engine response. Finished: the sample's length (the
+        orchestrator hears of it); aborted: the partial output is kept, None. A late answer about a
+        sample whose group was consumed meanwhile (the source's reply to a KV export) is dropped."""
+        rt = self.rt
+        rec, resp, instance, start, end = rt.samples.get(ev.sample_id), ev.resp, ev.instance, ev.start, ev.end
+        if rt.workflow is None:  # a trajectory's turns count their own slot time (:class:`TurnGate`), not its tools'
+            rt.metrics.request_held_slot(start, end)
+        if rec is None:
+            return None
+        if getattr(resp, "migrated", False):
+            return None  # the import on the destination delivers this sample
+        if rt.timeline is not None:
+            rt.timeline.span(instance, rec.sample_id, start, end, version=rec.version, kind="request")
+        reason = rt.store.apply(rec, resp)
+        if reason == "abort":
+            return None  # interrupted (partial mode) or failed over: a later Submit(resume) continues it
+        if rt.opt.routed_experts:  # covers prompt + every output token (the last submission's input is all of it)
+            rec.routed_experts = (resp.raw.get("meta_info") or {}).get("routed_experts")
+            if rec.routed_experts is None and instance not in self.routed_experts_off:
+                # an optional probe that cannot run there (SGLang without --enable-return-routed-experts
+                # answers without them): the instance is not failed for it, one warning, counted
+                self.routed_experts_off.add(instance)
+                log.warning("%s answers without routed_experts (launched without "
+                            "--enable-return-routed-experts?); its samples carry none (counted as "
+                            "routed_experts_unavailable)", instance)
+        if rt.opt.draft_siblings:
+            targets = running_targets(rec, rt.store.siblings(rec))
+            rt.spawn(push_source(rt.engines, targets, rec.prompt_ids + rec.output_ids), f"drafts-{rec.sample_id}")
+        rt.store.score(rec, resp, reason, ev.reward)
+        if getattr(resp, "loss_mask", None) is not None:  # a workflow's trajectory (rollout.workflow)
+            rt.metrics.trajectory_finished(TrajectoryStats.of(resp.turns, sum(rec.loss_mask), resp.metrics))
+        if rt.journal is not None and rt.workflow is None:
+            # a workflow's trajectory is not journaled (the journal keeps no prompt of its own nor loss
+            # mask): after a crash it runs again from its prompt, on its own version
+            rt.journal.sample(rt.replay.journaled(rec), sorted(rec.versions))
+        return len(rec.output_ids)
+
+    def sample_versions(self, sample_id: str) -> set[int]:
+        """Loop: every version the sample was submitted on or an engine said produced its tokens;
+        the orchestrator counts a sample of more than one as a C1 violation (the one C1 count)."""
+        return self.rt.samples[sample_id].versions
