@@ -250,7 +250,7 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     worker_cpu = (pool.cpu_s() or 0.0) if pool is not None else 0.0  # measured when the pool closed
     fleet_cpu = (ruc1.ru_utime - ruc0.ru_utime) + (ruc1.ru_stime - ruc0.ru_stime) - worker_cpu  # reaped children
     killed = set(holder.get("killed_instances", ()))
-    failed = set(rt.failed_ever) if rt is not None else set(summary.get("failed_instances", []))
+    failed = set(rt.pool.failed_ever) if rt is not None else set(summary.get("failed_instances", []))
     ru0 = holder.get("ru_run", ru0)
     cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
     run_s = summary.get("wall_time_s") or (t1 - holder.get("t_run", t0))  # the runtime's own, without shutdown

@@ -211,7 +211,7 @@ class Evaluator:
         """The weights ``iid`` holds: the orchestrator's view (-1: none yet), or the final round's load."""
         if iid in self._final_loads:
             return self._final_loads[iid]
-        v = self.runtime.instance_version(iid)
+        v = self.runtime.pool.instance_version(iid)
         return -1 if v is None else v
 
     async def _engine(self, min_version: int) -> tuple[str, int]:

@@ -136,7 +136,7 @@ async def run_controller(cfg: DoraConfig, endpoints: Endpoints, run_dir: Path, m
         say(f"journal: {ctl.restorable_samples} finished sample(s) after {checkpoint.name} may be restored")
     if on_runtime is not None:
         on_runtime(runtime)
-    runtime.start_without(started.absent, started.loading)
+    runtime.pool.start_without(started.absent, started.loading)
     loop = asyncio.get_running_loop()
     sources = [loop.create_task(c) for c in launcher.event_sources(runtime, clients.make, started)]
     if stop_signals is not None:

@@ -51,6 +51,7 @@ from dora_megatron.observability.rollout_dump import RolloutDumper
 from dora_megatron.observability.summary import RunTotals
 from dora_megatron.controller.generation import Generation
 from dora_megatron.controller.migration import Migrations
+from dora_megatron.controller.pool import Pool
 from dora_megatron.controller.replay import JournalReplay
 from dora_megatron.controller.stats import StatsPoller
 from dora_megatron.controller.turns import Turns
@@ -107,18 +108,6 @@ class Runtime:
         #: their count, not them, so its size does not grow with the step count)
         self.steps: list[StepLog] = []
         self.steps_done = 0  # steps of the run so far, resumed ones included
-        self.failed_ever: set[str] = set()  # every instance that failed at least once (rejoined ones too)
-        self.rejoins = 0  # failed instances that came back (``add_instance`` of a failed name)
-        self.samples_after_rejoin = 0  # samples finished on an instance after it rejoined
-        self._rejoined: set[str] = set()
-        #: engine processes restarted by a supervising launcher (None: no supervisor, e.g. SLURM)
-        self.engine_restarts: int | None = None
-        #: set by a supervisor that restarts failed instances: losing all of them is not fatal then
-        #: (the supervisor ends the run when no restart is left)
-        self.instances_may_return = False
-        #: instances not ready when the job started (name -> why): out of the pool until they join
-        self.absent_at_start: dict[str, str] = {}
-        self._late_starters: set[str] = set()  # of those, the ones that never failed (only slow to load)
         #: this process's back-pressure count (calls that waited for a pooled connection), set by
         #: the launcher that sized the pools (:class:`~dora_megatron.comm.limits.ConnectionWaits`)
         self.connection_waits = None
@@ -128,6 +117,8 @@ class Runtime:
         self.events = events
         #: submissions, their answers and the workflow's turns (:mod:`.generation`)
         self.generation = Generation(self)
+        #: instance membership and failures (:mod:`.pool`)
+        self.pool = Pool(self)
         #: the event source of load reports and ticks (:mod:`.stats`)
         self.stats = StatsPoller(orch, engines, self.events, options, self.local_shortage, load_reports)
         #: switches, their checks and the ``distributed`` push (:mod:`.weight_sync`)
@@ -201,28 +192,12 @@ class Runtime:
 
     # ------------------------------------------------------------------ helpers
     def is_failed(self, instance: str) -> bool:
-        """Whether ``instance`` is failed (one the orchestrator does not know is): the orchestrator's
-        view (it owns run state), not a copy. O(1): what a launcher's poller asks per instance."""
-        return not self.orch.is_alive(instance)
+        """For the components and the launchers' pollers: :meth:`Pool.is_failed`."""
+        return self.pool.is_failed(instance)
 
     def all_failed(self) -> bool:
-        """Whether the pool has instances and none is alive. O(1) while the orchestrator counts none
-        alive, else it stops at the first alive instance: pollers ask it every poll, at 4,096 instances."""
-        if not self.engines:
-            return False
-        return self.orch.alive_count() == 0 or not any(self.orch.is_alive(iid) for iid in self.engines)
-
-    def instance_version(self, instance: str) -> int | None:
-        """The weights ``instance`` serves, as the orchestrator knows them (None: unknown to it, or
-        joined and not switched yet); the executor keeps no copy."""
-        inst = self.orch.instances.get(instance)
-        return None if inst is None else inst.version
-
-    @property
-    def failed(self) -> set[str]:
-        """The pool's failed instances, O(pool): for tests, which compare the whole set; pollers ask
-        :meth:`is_failed` / :meth:`all_failed` instead."""
-        return {iid for iid in self.engines if self.is_failed(iid)}
+        """For a supervising launcher: :meth:`Pool.all_failed`."""
+        return self.pool.all_failed()
 
     def now(self) -> float:
         return time.monotonic() - self._t0 + self._wall_offset
@@ -307,8 +282,8 @@ class Runtime:
 
     def absorb(self, ev: EngineReply) -> int | None:
         tokens = self.generation.absorb(ev)
-        if tokens is not None and ev.instance in self._rejoined:
-            self.samples_after_rejoin += 1
+        if tokens is not None:
+            self.pool.sample_finished(ev.instance)
         return tokens
 
     def sample_versions(self, sample_id: str) -> set[int]:
@@ -321,32 +296,10 @@ class Runtime:
         self.events.post(InstanceJoined(name, engine))
 
     def register(self, ev: InstanceJoined) -> bool:
-        """Loop (:class:`InstanceJoined`): put the client in the pool; whether the orchestrator is to hear of it."""
-        name = ev.instance
-        if name in self.engines and not self.is_failed(name):
-            log.warning("instance %s is already in the pool; ignoring its second join", name)
-            return False
-        self.engines[name] = ev.engine
-        self._late_starters.discard(name)
-        self.metrics.instance_joined(name, self.now())
-        if name in self.failed_ever and self.is_failed(name):  # (a new name is unknown to the orchestrator too)
-            self.rejoins += 1
-            self._rejoined.add(name)
-            log.info("instance %s rejoined the pool", name)
-        else:
-            log.info("instance %s joined the pool", name)
-        return True
-
-    def start_without(self, absent: dict[str, str], loading: set[str] = frozenset()) -> None:
-        """Call before :meth:`begin`: the run starts without ``absent`` (name -> why they are not ready;
-        the launcher adds each once it serves, :meth:`add_instance`). ``loading``: those of them that
-        did not fail, only were not ready yet (they are not counted as failed instances)."""
-        self.absent_at_start = dict(absent)
-        self._late_starters = set(loading) & set(absent)
+        return self.pool.register(ev)
 
     def is_current(self, instance: str, engine: Engine) -> bool:
-        """Loop: ``engine`` is still ``instance``'s client and the instance has not failed."""
-        return not self.is_failed(instance) and self.engines.get(instance) is engine
+        return self.pool.is_current(instance, engine)
 
     def report_failure(self, instance: str, why: str, engine: Engine | None = None) -> None:
         """For launchers (a supervisor saw the process exit, a node restarted it): ``instance``
@@ -354,27 +307,7 @@ class Runtime:
         self.events.post(InstanceFailed(instance, why, engine))
 
     def mark_failed(self, ev: InstanceFailed, origin: asyncio.Task | None) -> bool:
-        """Loop (:class:`InstanceFailed`): whether the orchestrator is to hear of it. ``ev.engine``:
-        the client the failing call used; a failure seen through a client that has since been
-        replaced (the instance was restarted and rejoined) is stale and ignored. The requests in
-        flight there are cancelled (not the one that reported, ``origin``)."""
-        instance, why = ev.instance, ev.why
-        if self.is_failed(instance) or instance not in self.engines:
-            return False
-        if ev.engine is not None and self.engines.get(instance) is not ev.engine:
-            log.info("ignoring a stale failure of %s (replaced since): %s", instance, why)
-            return False
-        log.warning("instance %s failed: %s", instance, why)
-        self.metrics.instance_left(instance, self.now())
-        if instance not in self._late_starters:
-            self.failed_ever.add(instance)  # (the orchestrator hears of it next: it owns which instances are failed)
-        for rec in self.samples.values():  # stop waiting on requests that lived there
-            if rec.gen_instance == instance and rec.gen_task is not None and rec.gen_task is not origin \
-                    and not rec.gen_task.done() and not rec.finished:
-                rec.gen_task.cancel()
-        if all(i == instance or self.is_failed(i) for i in self.engines) and not self.instances_may_return:
-            self.stop(RuntimeError("every rollout instance failed"))
-        return True
+        return self.pool.mark_failed(ev, origin)
 
     @property
     def ended(self) -> asyncio.Event:
@@ -598,14 +531,14 @@ class Runtime:
         self._trainer_idle_since = self._wall_offset
         for iid in self.engines:
             self.metrics.instance_joined(iid, self.now())
-        for iid, why in self.absent_at_start.items():  # before Start / Resume: never given work
+        for iid, why in self.pool.absent_at_start.items():  # before Start / Resume: never given work
             self.events.post(InstanceFailed(iid, f"not ready when the job started: {why}"))
         if self.timeline is not None:
             start = self.now()  # a resumed run starts at the checkpoint's wall time, not at 0
             if self._resumed and start > 0:
                 self.timeline.span("trainer", "before the resume (previous run)", 0.0, start, kind="resumed")
             for iid in self.engines:
-                v = self.instance_version(iid)
+                v = self.pool.instance_version(iid)
                 if v is not None:
                     self.timeline.set_version(iid, v, start)
         if self._resumed and self.steps_done >= self.opt.steps:
@@ -615,7 +548,7 @@ class Runtime:
         elif self._resumed:
             self._trainer_idle_since = self.now()
             pending = self._pending_step_finished if self.steps_done < self.opt.steps else None
-            self.events.post(Resume(tuple(i for i in self.engines if i not in self.absent_at_start), pending))
+            self.events.post(Resume(tuple(i for i in self.engines if i not in self.pool.absent_at_start), pending))
         else:
             self.events.post(Start())
 
@@ -636,7 +569,7 @@ class Runtime:
             self.timeline.close(wall)
         if self.evaluator is not None and self.stop_reason is None:  # the final weights, once the rollout stopped (not in the run's wall time; not on a stop)
             await self.evaluator.finish(self.steps_done, self.latest_version or max(
-                (v for v in map(self.instance_version, self.engines) if v is not None), default=0))
+                (v for v in map(self.pool.instance_version, self.engines) if v is not None), default=0))
         return self.summary(wall)
 
     async def _cancel_all(self) -> None:
@@ -677,11 +610,11 @@ class Runtime:
         out["version_refusals"] = self.generation.version_refusals
         out["weight_push_bytes"] = self.weights.pushed_bytes
         out["instances"] = sorted(self.engines)  # every instance that was in the pool (joined ones too)
-        out["failed_instances"] = sorted(self.failed_ever)
-        out["instances_rejoined"] = self.rejoins
-        out["samples_after_rejoin"] = self.samples_after_rejoin
-        out["engine_restarts"] = self.engine_restarts
-        out["instances_absent_at_start"] = dict(sorted(self.absent_at_start.items()))
+        out["failed_instances"] = sorted(self.pool.failed_ever)
+        out["instances_rejoined"] = self.pool.rejoins
+        out["samples_after_rejoin"] = self.pool.samples_after_rejoin
+        out["engine_restarts"] = self.pool.engine_restarts
+        out["instances_absent_at_start"] = dict(sorted(self.pool.absent_at_start.items()))
         out["weight_sync_timeouts"] = self.weights.weight_sync_timeouts
         out["local_resource_errors"] = self.generation.local_resource_errors
         waits = self.connection_waits

@@ -65,7 +65,7 @@ class ProcessLauncher:
                                       on_restarted=self._restarted)
         supervisor.attempts.update(started.attempts)
         if self.policy.enabled and started.attempts:
-            runtime.engine_restarts = sum(started.attempts.values())
+            runtime.pool.engine_restarts = sum(started.attempts.values())
         for name, why in sorted(started.absent.items()):
             supervisor.expect(name, started.urls[name], why)
         return [supervisor.run(), watch_trainer(runtime.trainer.health, self.cfg.controller.trainer_timeout_s,

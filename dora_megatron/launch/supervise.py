@@ -85,8 +85,8 @@ class EngineSupervisor:
         self._reported: set[int] = set()  # pids whose exit was reported
         self._all_failed_since: float | None = None
         if policy.enabled:
-            runtime.engine_restarts = 0
-            runtime.instances_may_return = True
+            runtime.pool.engine_restarts = 0
+            runtime.pool.instances_may_return = True
 
     async def run(self) -> None:
         try:
@@ -181,7 +181,7 @@ class EngineSupervisor:
         old_engine = self.runtime.engines.get(name)
         self.runtime.add_instance(name, self.make_engine(url))
         if restarted:
-            self.runtime.engine_restarts = (self.runtime.engine_restarts or 0) + 1
+            self.runtime.pool.engine_restarts = (self.runtime.pool.engine_restarts or 0) + 1
         if old_engine is not None and hasattr(old_engine, "close"):
             try:
                 await old_engine.close()

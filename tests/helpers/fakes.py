@@ -190,7 +190,7 @@ async def fail_after_first_step(rt, trainer: FakeTrainer, engine: FakeEngine, na
     while len(trainer.batches) < 1:
         await asyncio.sleep(0.005)
     engine.dead = True
-    while name not in rt.failed:
+    while name not in rt.pool.failed:
         await asyncio.sleep(0.005)
 
 
@@ -202,8 +202,8 @@ class FakeRuntime:
         self.engines = {n: f"client-of-{n}" for n in names}
         self.down: set[str] = set()
         self.added: list[tuple[str, str]] = []
-        self.engine_restarts = None
-        self.instances_may_return = False
+        #: what a supervisor sets on the runtime's :class:`~dora_megatron.controller.pool.Pool`
+        self.pool = SimpleNamespace(engine_restarts=None, instances_may_return=False)
         self._done = asyncio.Event()
         self._error = None
 

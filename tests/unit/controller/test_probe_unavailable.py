@@ -110,7 +110,7 @@ def test_an_instance_whose_checksum_cannot_run_survives_every_push(reply, caplog
     rt, engines, trainer, summary = _run({"e0": "ok", "e1": "ok", "e2": reply})
     pushes_to_e2 = sum(engines["e2"].base_url in urls for _, urls in trainer.pushes)
     assert pushes_to_e2 >= 2, f"e2 got {pushes_to_e2} pushes: the test needs several"
-    assert "e2" not in rt.failed and summary["failed_instances"] == []
+    assert "e2" not in rt.pool.failed and summary["failed_instances"] == []
     assert summary["checksum_unavailable"] == 1 and summary["checksum_mismatches"] == 0
     assert engines["e2"].checker_calls == 1, "the check was not switched off after it could not run"
     assert engines["e0"].checker_calls >= 2  # the others are still checked after every push
@@ -121,7 +121,7 @@ def test_an_instance_whose_checksum_cannot_run_survives_every_push(reply, caplog
 
 def test_a_differing_checksum_still_fails_the_instance_next_to_an_unavailable_one():
     rt, engines, trainer, summary = _run({"e0": "ok", "e1": "404", "e2": "bad"})
-    assert "e2" in rt.failed and "e1" not in rt.failed and "e0" not in rt.failed
+    assert "e2" in rt.pool.failed and "e1" not in rt.pool.failed and "e0" not in rt.pool.failed
     assert summary["checksum_mismatches"] >= 1 and summary["checksum_unavailable"] == 1
     assert summary["lost_groups"] == 0
 

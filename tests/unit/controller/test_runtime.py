@@ -182,7 +182,7 @@ def test_instance_failure_reruns_on_same_version():
     check_run(rt, engines, trainer, 6, 4, 2)
     assert "e1" in summary["failed_instances"]
     assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
-    assert rt.failed == {"e1"} and not rt.orch.is_alive("e1")  # one owner of "which instances failed"
+    assert rt.pool.failed == {"e1"} and not rt.orch.is_alive("e1")  # one owner of "which instances failed"
 
 
 def test_checkpoint_and_resume_consume_every_group_once(tmp_path):

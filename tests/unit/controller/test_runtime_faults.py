@@ -48,7 +48,7 @@ def record_switches(rt) -> list[tuple[str, int]]:
 def test_failed_instance_rejoins_and_serves_again():
     rt, engines, trainer = make(mode="dora", n=3, steps=10, token_s=0.003)
     replacement = FakeEngine("e1-restarted", token_s=0.003)
-    trainer.hold_step(9, lambda: rt.samples_after_rejoin > 0)
+    trainer.hold_step(9, lambda: rt.pool.samples_after_rejoin > 0)
 
     async def main():
         async def kill_then_rejoin():
@@ -62,7 +62,7 @@ def test_failed_instance_rejoins_and_serves_again():
 
     summary = asyncio.run(main())
     check_run(rt, {**engines, "e1-restarted": replacement}, trainer, 10, 4, 2)
-    assert summary["failed_instances"] == ["e1"] and "e1" not in rt.failed
+    assert summary["failed_instances"] == ["e1"] and "e1" not in rt.pool.failed
     assert summary["instances_rejoined"] == 1
     assert summary["engine_restarts"] is None  # no supervising launcher here
     # it was switched to a version by the orchestrator, then generated and finished samples
@@ -243,8 +243,8 @@ def test_a_run_started_without_an_instance_never_uses_it_until_it_joins():
     rt, engines, trainer = make(mode="dora", n=3, steps=8, token_s=0.003)
     replacement = FakeEngine("e2-restarted", token_s=0.003)
     dead = engines["e2"]  # the client of the process that died (``engines`` is the pool: replaced on join)
-    rt.start_without({"e2": "exited with status -9"})
-    trainer.hold_step(7, lambda: rt.samples_after_rejoin > 0)
+    rt.pool.start_without({"e2": "exited with status -9"})
+    trainer.hold_step(7, lambda: rt.pool.samples_after_rejoin > 0)
 
     async def main():
         async def join_later():
@@ -265,7 +265,7 @@ def test_a_run_started_without_an_instance_never_uses_it_until_it_joins():
 
 def test_an_instance_only_late_at_the_start_is_not_counted_as_failed():
     rt, engines, trainer = make(mode="dora", n=2, steps=4, token_s=0.002)
-    rt.start_without({"e1": "not healthy after 5 s (still loading)"}, loading={"e1"})
+    rt.pool.start_without({"e1": "not healthy after 5 s (still loading)"}, loading={"e1"})
 
     async def main():
         async def join_later():
@@ -316,7 +316,7 @@ def test_the_controllers_own_shortage_fails_no_instance():
              for iid, e in engines.items()}
     rt.engines.update(short)
     summary = asyncio.run(drive(rt))
-    assert rt.failed_ever == set() and summary["failed_instances"] == []
+    assert rt.pool.failed_ever == set() and summary["failed_instances"] == []
     raised = sum(s.raised for s in short.values())
     assert raised >= 3 * 3 and summary["local_resource_errors"] == raised
     check_run(rt, engines, trainer, 4, 4, 2)

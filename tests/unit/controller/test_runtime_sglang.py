@@ -126,14 +126,14 @@ def test_distributed_push_compares_the_trainer_checksum_and_fails_a_mismatching_
     rt, trainer, summary = _run_with(ChecksumEngine)
     assert any("e2" in [u.split("//")[-1] for u in urls] for _, urls in trainer.pushes), "e2 never got a push"
     assert summary["checksum_mismatches"] >= 1
-    assert "e2" in rt.failed and not {"e0", "e1"} & rt.failed
+    assert "e2" in rt.pool.failed and not {"e0", "e1"} & rt.pool.failed
     assert summary["lost_groups"] == 0
 
 
 def test_sglang_instances_are_compared_with_each_other_after_a_push():
     rt, trainer, summary = _run_with(InstanceChecksumEngine)
     assert summary["checksum_mismatches"] >= 1
-    assert rt.failed, "an instance reporting other weights than its peers on the same version stayed in the pool"
+    assert rt.pool.failed, "an instance reporting other weights than its peers on the same version stayed in the pool"
     assert summary["lost_groups"] == 0
 
 

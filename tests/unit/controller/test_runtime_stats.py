@@ -76,7 +76,7 @@ def run(n: int, concurrency: int) -> list[tuple[str, float]]:
     polls: list[tuple[str, float]] = []
     rt = make_runtime({f"e{i}": SlowStatsEngine(f"e{i}", polls) for i in range(n)}, concurrency)
     finish(rt)
-    assert not rt.failed_ever
+    assert not rt.pool.failed_ever
     return polls
 
 
@@ -108,17 +108,17 @@ def test_one_stats_timeout_does_not_fail_a_healthy_instance():
     engines = {"e0": StallingStatsEngine("e0", stalls=1), **{f"e{i}": FakeEngine(f"e{i}") for i in (1, 2)}}
     rt = make_runtime(engines, health_timeout_s=0.5)
     # the run lasts until e0 answered again (or 10 s): the short run must not end before the stall
-    rt.trainer.hold_step(1, until=lambda: engines["e0"].answered > 0 or "e0" in rt.failed_ever)
+    rt.trainer.hold_step(1, until=lambda: engines["e0"].answered > 0 or "e0" in rt.pool.failed_ever)
     finish(rt)
-    assert not rt.failed_ever
+    assert not rt.pool.failed_ever
 
 
 def test_an_instance_whose_polls_keep_timing_out_is_failed():
     engines = {"e0": StallingStatsEngine("e0", stalls=10**6), **{f"e{i}": FakeEngine(f"e{i}") for i in (1, 2)}}
     rt = make_runtime(engines, health_timeout_s=0.3)
-    rt.trainer.hold_step(1, until=lambda: "e0" in rt.failed_ever)
+    rt.trainer.hold_step(1, until=lambda: "e0" in rt.pool.failed_ever)
     finish(rt)
-    assert rt.failed_ever == {"e0"}
+    assert rt.pool.failed_ever == {"e0"}
 
 
 class NoPollEngine(FakeEngine):
@@ -152,7 +152,7 @@ def test_pushed_load_reports_replace_the_polls_of_the_engines_they_cover():
     rt = make_runtime(engines)
     rt.load_reports = source = PushedReports(engines, {"e0", "e1"})
     finish(rt)
-    assert not rt.failed_ever and source.takes > 0
+    assert not rt.pool.failed_ever and source.takes > 0
     assert {n for n, _ in polls} == {"e2"}  # the uncovered engine is still polled
 
 
@@ -160,6 +160,6 @@ def test_a_pushed_failure_fails_the_instance_and_its_work_moves():
     engines = {f"e{i}": NoPollEngine(f"e{i}") for i in range(3)}
     rt = make_runtime(engines)
     rt.load_reports = PushedReports(engines, set(engines), fail_at=3)
-    rt.trainer.hold_step(1, until=lambda: "e0" in rt.failed_ever)
+    rt.trainer.hold_step(1, until=lambda: "e0" in rt.pool.failed_ever)
     finish(rt)  # nothing lost or duplicated
-    assert rt.failed_ever == {"e0"}
+    assert rt.pool.failed_ever == {"e0"}

@@ -93,7 +93,7 @@ def test_failed_instance_is_removed_and_can_rejoin():
 
     summary = asyncio.run(main())
     _check(rt, trainer, 8)
-    assert "e1" not in rt.failed and back.loads and any(op == "generate" for op, _, _ in back.log)
+    assert "e1" not in rt.pool.failed and back.loads and any(op == "generate" for op, _, _ in back.log)
     assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
 
 

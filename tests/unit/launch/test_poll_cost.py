@@ -104,4 +104,4 @@ def test_all_failed_is_the_pools_state():
     rt.orch.on_instance_failed("engine1")
     assert not rt.all_failed() and rt.is_failed("engine1") and not rt.is_failed("engine2")
     rt.orch.on_instance_failed("engine2")
-    assert rt.all_failed() and rt.failed == {"engine0", "engine1", "engine2"}
+    assert rt.all_failed() and rt.pool.failed == {"engine0", "engine1", "engine2"}

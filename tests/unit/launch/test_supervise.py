@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import sys
+from types import SimpleNamespace
 
 from dora_megatron.processes import ProcessSet
 from dora_megatron.launch.supervise import EngineSupervisor, RestartPolicy
@@ -37,7 +38,7 @@ def test_killed_engine_is_restarted_on_a_new_port_and_rejoins(tmp_path):
             rt = FakeRuntime(["engine0"])
             sup = EngineSupervisor(procs, rt, RestartPolicy(max_restarts=2, startup_timeout_s=30),
                                    make_engine=lambda url: url, engine_names=["engine0"], poll_s=0.05)
-            assert rt.engine_restarts == 0
+            assert rt.pool.engine_restarts == 0
             task = asyncio.get_running_loop().create_task(sup.run())
             os.kill(old.popen.pid, signal.SIGKILL)
             for _ in range(400):
@@ -49,7 +50,7 @@ def test_killed_engine_is_restarted_on_a_new_port_and_rejoins(tmp_path):
             return rt, procs.children[0]
 
     rt, child = asyncio.run(main())
-    assert len(rt.added) == 1 and rt.engine_restarts == 1 and not rt.down
+    assert len(rt.added) == 1 and rt.pool.engine_restarts == 1 and not rt.down
     assert rt.error is None  # losing its only instance for a moment did not end the run
     name, url = rt.added[0]
     assert name == "engine0" and url.startswith("http://127.0.0.1:") and not url.endswith(":0")
@@ -75,7 +76,7 @@ def test_restart_budget_is_respected(tmp_path):
 
     rt, sup = asyncio.run(main())
     assert sup.attempts == {"engine0": 2}
-    assert rt.added == [] and rt.down == {"engine0"} and rt.engine_restarts == 0
+    assert rt.added == [] and rt.down == {"engine0"} and rt.pool.engine_restarts == 0
     # its only instance is gone for good: the run is ended with a message, not left waiting
     assert rt.is_done() and "no restart is left" in str(rt.error)
 
@@ -94,7 +95,7 @@ def test_disabled_policy_only_reports_failures(tmp_path):
             return rt, sup
 
     rt, sup = asyncio.run(main())
-    assert rt.down == {"engine0"} and sup.attempts == {} and rt.engine_restarts is None
+    assert rt.down == {"engine0"} and sup.attempts == {} and rt.pool.engine_restarts is None
 
 
 def test_all_failed_waits_for_instances_on_other_nodes_then_ends_the_run(tmp_path):
@@ -130,7 +131,7 @@ def test_a_restarted_engine_is_polled_on_the_configured_health_path():
             return True
 
     class Runtime:
-        engine_restarts = 0
+        pool = SimpleNamespace(engine_restarts=0)
 
     async def go():
         app = web.Application()
