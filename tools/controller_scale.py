@@ -269,7 +269,7 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return {
         "instances": args.instances, "steps": args.steps, "fleet_processes": len(counts),
         "error": error,
-        "steps_done": len(rt.steps) if rt is not None else 0,
+        "steps_done": len(rt.training.steps) if rt is not None else 0,
         "wall_s": run_s, "startup_s": holder.get("t_run", t1) - t0,
         "loop_lag_p50_ms": pct(lags_ms, 0.5), "loop_lag_p99_ms": pct(lags_ms, 0.99),
         "loop_lag_max_ms": max(lags_ms) if lags_ms else None, "loop_lag_samples": len(lags_ms),

@@ -41,7 +41,7 @@ from dora_megatron.controller.loop import (EngineReply, EventQueue, InstanceFail
                                            Resume, Start, Stop, SwitchDone, TrainerDone)
 from dora_megatron.controller.records import (Engine, GroupRecord, LoadReports, RuntimeOptions, SampleRecord,
                                               StepLog, Trainer)
-from dora_megatron.controller.samples import ReleasedBatch, SampleStore
+from dora_megatron.controller.samples import SampleStore
 from dora_megatron.data.codec import CharCodec, TextCodec
 from dora_megatron.data.tasks import PromptSource
 from dora_megatron.orchestrator import (Dispatch, Interrupt, Migrate, Orchestrator, ReleaseBatch, Submit,
@@ -54,6 +54,7 @@ from dora_megatron.controller.migration import Migrations
 from dora_megatron.controller.pool import Pool
 from dora_megatron.controller.replay import JournalReplay
 from dora_megatron.controller.stats import StatsPoller
+from dora_megatron.controller.training import Training
 from dora_megatron.controller.turns import Turns
 from dora_megatron.controller.weight_sync import WeightSync
 from dora_megatron.rollout.speculation import speculation_summary
@@ -95,7 +96,6 @@ class Runtime:
         self.trainer = trainer
         self.opt = options
         self.timeline = timeline
-        self.on_step = on_step
         self.on_checkpoint = on_checkpoint  # at each checkpoint's cut (the launcher's snapshot retention)
         self.codec: TextCodec = codec or CharCodec()
         #: the outstanding groups' prompts, tokens and rewards, and the batch hand-off (:mod:`.samples`)
@@ -104,10 +104,6 @@ class Runtime:
         #: every metric of the run (summary.json, steps.jsonl, TensorBoard) comes from these events
         self.metrics = metrics or MetricsRecorder(slots_per_instance=options.slots_per_instance,
                                                   rebalancer=orch.policy.rebalance)
-        #: the step logs of this process only (the run's are steps.jsonl's rows; a checkpoint keeps
-        #: their count, not them, so its size does not grow with the step count)
-        self.steps: list[StepLog] = []
-        self.steps_done = 0  # steps of the run so far, resumed ones included
         #: this process's back-pressure count (calls that waited for a pooled connection), set by
         #: the launcher that sized the pools (:class:`~dora_megatron.comm.limits.ConnectionWaits`)
         self.connection_waits = None
@@ -117,6 +113,8 @@ class Runtime:
         self.events = events
         #: submissions, their answers and the workflow's turns (:mod:`.generation`)
         self.generation = Generation(self)
+        #: the trainer step, the checkpoint decision and the end of the run (:mod:`.training`)
+        self.training = Training(self, on_step)
         #: instance membership and failures (:mod:`.pool`)
         self.pool = Pool(self)
         #: the event source of load reports and ticks (:mod:`.stats`)
@@ -132,15 +130,9 @@ class Runtime:
         #: finished samples the journal recorded after the checkpoint resumed from (:mod:`.replay`)
         self.replay = JournalReplay(self)
         self._t0 = 0.0
-        self._trainer_idle_since = 0.0
         self._wall_offset = 0.0
         self._resumed = False
         self._pending_step_finished: int | None = None
-        #: a stop asked from outside (the launcher's first SIGINT/SIGTERM/SIGUSR1): its reason, and the
-        #: version of the checkpoint written for it (None: none yet, or the step was abandoned)
-        self.stop_reason: str | None = None
-        self.stop_checkpoint: int | None = None
-        self._stop_at_boundary = False
 
     @property
     def samples(self) -> dict[str, SampleRecord]:
@@ -336,63 +328,13 @@ class Runtime:
         self.events.post(Stop())
 
     def release_batch(self, a: ReleaseBatch) -> None:
-        """Hand the batch to the trainer: the groups are consumed now (exactly once), ``/train`` runs
-        in a task that reports :class:`TrainerDone`."""
-        start = self.now()
-        wait = max(0.0, start - self._trainer_idle_since)
-        samples, batch, dumped = self.store.take_batch(a, wait, dump=self.rollout_dump is not None)
-        if self.rollout_dump is not None:
-            self.rollout_dump.dump(a.step, dumped)
-        self.spawn(self._train(a.step, samples, start, batch), f"train-{a.step}")
-
-    async def _train(self, step: int, samples: list[dict], start: float, batch: ReleasedBatch) -> None:
-        t_train = time.monotonic()
-        result = await self.trainer.train(step, samples)
-        train_s = time.monotonic() - t_train
-        trained = self.now()
-        # the trainer's own measures when it reports them: /train includes the snapshot export
-        export_s = min(float(result.get("export_s") or 0.0), train_s)
-        self.metrics.trainer_sync(trained - export_s, trained)
-        train_s = float(result.get("train_s", train_s - export_s))
-        await self.events.report(TrainerDone(step, result, start, train_s, batch))
+        self.training.release_batch(a)
 
     def record_step(self, ev: TrainerDone, live_versions: int) -> tuple[int, bool]:
-        """Loop (:class:`TrainerDone`): log the step; returns the new weights' version and whether a
-        checkpoint is due (then its trainer part is being written and :class:`CheckpointSaved` follows)."""
-        result, b = ev.result, ev.batch
-        new_version = int(result["version"])
-        self.latest_version = new_version
-        if result.get("checksum"):
-            self.weights.expected_checksums[new_version] = result["checksum"]
-        end = self.now()
-        metrics = dict(result.get("metrics", {}))
-        if result.get("padding_fraction") is not None:  # a trainer that packs reports it beside its metrics
-            metrics["padding_fraction"] = result["padding_fraction"]
-        oc = self.orch.counters
-        scalars = self.metrics.step_trained(
-            ev.step, end_s=end, wait_s=b.wait_s, train_s=ev.train_s, tokens=b.tokens, staleness=b.staleness,
-            rewards=b.rewards, response_lengths=b.lengths, live_versions=live_versions, metrics=metrics,
-            migrations=oc.migrations, migrated_kv_bytes=self.moves.migrated_bytes, reprefill_tokens=oc.reprefill_tokens)
-        log_ = StepLog(ev.step, ev.start, end, b.wait_s, ev.train_s, scalars["perf/sync_time_s"], metrics, b.rewards,
-                       b.lengths, b.staleness, b.tokens, live_versions, list(b.group_ids), list(b.versions))
-        self.steps.append(log_)
-        # the orchestrator numbers steps from 0 (its step counter, restored with it on resume):
-        # trained step ``ev.step`` makes ``ev.step + 1`` steps done
-        self.steps_done = ev.step + 1
-        if self.timeline is not None:
-            self.timeline.span("trainer", f"step {ev.step}", ev.start, end, version=ev.step, kind="train",
-                               produced=new_version)
-        if self.on_step is not None:
-            self.on_step(log_, self)
-        self._trainer_idle_since = end
-        finished = self.steps_done >= self.opt.steps
-        last = finished or self.stop_reason is not None  # a stop ends the run here
-        if self.evaluator is not None:  # a round of these weights, beside the rollout (or the final one)
-            self.evaluator.after_step(self.steps_done, new_version, finished)
-        due = self.opt.checkpoint_dir is not None and (
-            last or bool(self.opt.checkpoint_interval and new_version % self.opt.checkpoint_interval == 0))
-        if due and self.stop_reason is not None:
-            self._stop_at_boundary = True  # the step ended in time: its checkpoint is not abandoned
+        """Loop (:class:`TrainerDone`): the trainer holds the new weights (:meth:`WeightSync.trained`),
+        the step is logged (:meth:`Training.record_step`); a checkpoint due there is started."""
+        self.weights.trained(int(ev.result["version"]), ev.result.get("checksum"))
+        new_version, due = self.training.record_step(ev, live_versions)
         if due:
             # Trainer first, then the controller state, both at the same boundary: weights
             # ``new_version`` exist and the orchestrator has not yet reacted to them (resume
@@ -401,36 +343,11 @@ class Runtime:
         return new_version, due
 
     def step_boundary(self) -> bool:
-        """Loop: after a step (and its checkpoint): True when it was the last one, or a stop was
-        asked (the run ends; its checkpoint was written in this turn)."""
-        if self.steps_done >= self.opt.steps or self.stop_reason is not None:
-            self.stop()
-            return True
-        return False
+        return self.training.step_boundary()
 
     def request_stop(self, reason: str) -> None:
-        """End the run at the next step boundary with a checkpoint there (``reason``: e.g. ``SIGINT``),
-        whatever ``checkpoint_interval`` says, so that ``--resume`` loses nothing.
-
-        WHY at a boundary: a checkpoint is a cut where weights ``v`` exist and the orchestrator has
-        not reacted to them; mid-step there is no such cut. Bounded: when no step ends within
-        ``stop_checkpoint_timeout_s`` the step is abandoned (the run stops without a new
-        checkpoint; the last complete one stays, ``--resume`` redoes what came after it). Only the
-        first request counts (a second signal is the launcher's: it exits at once)."""
-        if self.stop_reason is not None or self._done.is_set():
-            return
-        self.stop_reason = reason
-        timeout = self.opt.stop_checkpoint_timeout_s
-        log.warning("stop asked (%s): checkpoint at the end of the current step (at most %.0f s, "
-                    "controller.stop_checkpoint_timeout_s), then exit", reason, timeout)
-        self.spawn(self._abandon_after(timeout), "stop-timeout")
-
-    async def _abandon_after(self, timeout_s: float) -> None:
-        await asyncio.sleep(timeout_s)
-        if not self._stop_at_boundary and not self._done.is_set():
-            log.warning("stop (%s): no step boundary within %.0f s (controller.stop_checkpoint_timeout_s): the "
-                        "step is abandoned; the last complete checkpoint stays", self.stop_reason, timeout_s)
-            self.stop()
+        """For the launcher's stop signals: :meth:`Training.request_stop` (at the next step boundary)."""
+        self.training.request_stop(reason)
 
     # ------------------------------------------------------------------ checkpoints
     def write_controller_state(self, version: int, orchestrator_snapshot: dict[str, Any]) -> None:
@@ -464,10 +381,8 @@ class Runtime:
             # would be pruned); it keeps the previous checkpoint's as well, the fallback while
             # this one is being written
             self.on_checkpoint(version)
-        if self.stop_reason is not None:
-            self.stop_checkpoint = version  # written at once below: the run ends in this turn
-        self.checkpoints.finish(version, writer,
-                                at_once=self.steps_done >= self.opt.steps or self.stop_reason is not None)
+        self.training.checkpoint_cut(version)  # on a stop, written at once below: the run ends in this turn
+        self.checkpoints.finish(version, writer, at_once=self.training.is_last())
 
     def state_dict(self, version: int, orchestrator_snapshot: dict[str, Any]) -> dict[str, Any]:
         """The controller part of a checkpoint, sized by outstanding work (DESIGN section 5.5): the
@@ -487,7 +402,7 @@ class Runtime:
             "next_prompt": self.store.next_prompt, "wall_s": self.now(),
             "orchestrator": orchestrator_snapshot,
             "groups": groups, "samples": samples,
-            "steps_done": self.steps_done,
+            "steps_done": self.training.steps_done,
             "metrics": self.metrics.state_dict(), "migrated_bytes": self.moves.migrated_bytes,
             "migrations_done": self.moves.migrations_done, "migrations_fallback": self.moves.migrations_fallback,
             "migration_stall_s": self.moves.stall_s, "migration_freed_slot_s": self.moves.freed_slot_s,
@@ -506,7 +421,7 @@ class Runtime:
         # "consumed" is ignored): the restored orchestrator has forgotten them, so none can be
         # released again
         # the step logs themselves are steps.jsonl's (an older controller.json's "steps" list: its length)
-        self.steps_done = int(state["steps_done"]) if "steps_done" in state else len(state["steps"])
+        self.training.steps_done = int(state["steps_done"]) if "steps_done" in state else len(state["steps"])
         if "metrics" in state:  # absent in checkpoints written before the recorder: the summary then starts anew
             self.metrics.load_state_dict(state["metrics"], rows=step_rows)
         self.moves.migrated_bytes = int(state["migrated_bytes"])
@@ -528,7 +443,7 @@ class Runtime:
         the clock starts, the instances absent at start fail, ``Start`` or ``Resume`` is posted (a
         resumed run whose every step was done ends at once)."""
         self._t0 = time.monotonic()
-        self._trainer_idle_since = self._wall_offset
+        self.training.idle_since(self._wall_offset)
         for iid in self.engines:
             self.metrics.instance_joined(iid, self.now())
         for iid, why in self.pool.absent_at_start.items():  # before Start / Resume: never given work
@@ -541,13 +456,13 @@ class Runtime:
                 v = self.pool.instance_version(iid)
                 if v is not None:
                     self.timeline.set_version(iid, v, start)
-        if self._resumed and self.steps_done >= self.opt.steps:
+        if self._resumed and self.training.steps_done >= self.opt.steps:
             # every step was done before the checkpoint: nothing to dispatch, and no
             # on_step_finished will ever come to end the run
             self._done.set()
         elif self._resumed:
-            self._trainer_idle_since = self.now()
-            pending = self._pending_step_finished if self.steps_done < self.opt.steps else None
+            self.training.idle_since(self.now())
+            pending = self._pending_step_finished if self.training.steps_done < self.opt.steps else None
             self.events.post(Resume(tuple(i for i in self.engines if i not in self.pool.absent_at_start), pending))
         else:
             self.events.post(Start())
@@ -567,8 +482,8 @@ class Runtime:
         await self._cancel_all()
         if self.timeline is not None:
             self.timeline.close(wall)
-        if self.evaluator is not None and self.stop_reason is None:  # the final weights, once the rollout stopped (not in the run's wall time; not on a stop)
-            await self.evaluator.finish(self.steps_done, self.latest_version or max(
+        if self.evaluator is not None and self.training.stop_reason is None:  # the final weights, once the rollout stopped (not in the run's wall time; not on a stop)
+            await self.evaluator.finish(self.training.steps_done, self.latest_version or max(
                 (v for v in map(self.pool.instance_version, self.engines) if v is not None), default=0))
         return self.summary(wall)
 
@@ -627,11 +542,5 @@ class Runtime:
         if self.workflow is not None:
             out.update(self.workflow.counts)
             out["workflow_turn_moves"] = osum["workflow_turn_moves"]
-        # "completed"; "stopped" (a stop request: checkpoint ``stop_checkpoint`` written, ``--resume``
-        # goes on from it); "stopped_without_checkpoint" (the step was abandoned: the last complete
-        # checkpoint stays)
-        out["status"] = ("completed" if self.stop_reason is None or self.steps_done >= self.opt.steps else
-                         "stopped" if self.stop_checkpoint is not None else "stopped_without_checkpoint")
-        out["stopped_by"] = self.stop_reason
-        out["stop_checkpoint"] = self.stop_checkpoint
+        out.update(self.training.status())  # "status", "stopped_by", "stop_checkpoint"
         return out

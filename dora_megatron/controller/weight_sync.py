@@ -74,6 +74,13 @@ class WeightSync:
         self.latest_version = 0
         self.pushed_bytes = 0
 
+    def trained(self, version: int, checksum: str | None) -> None:
+        """The trainer now holds ``version`` (what a push sends); ``checksum``: what instances that
+        load it must show (None: the trainer computed none)."""
+        self.latest_version = version
+        if checksum:
+            self.expected_checksums[version] = checksum
+
     def order(self, a: SwitchVersion) -> None:
         """One switch action. Switches to the weights the trainer still holds (``distributed``
         transport) are only collected here: :meth:`flush` broadcasts them once per orchestrator answer."""

@@ -67,11 +67,11 @@ def test_a_resumed_controller_continues_from_the_checkpoint(tmp_path):
                            run_dir=run_dir, model_dir=model_dir, make_engine=lambda url: url, checkpoint=checkpoint)
     rt = ctl.runtime
     assert ctl.state == state and ctl.orch.snapshot() == state["orchestrator"]
-    assert rt.steps_done == 2 and not rt.steps and rt.latest_version == 2
+    assert rt.training.steps_done == 2 and not rt.training.steps and rt.latest_version == 2
     assert rt.store.next_prompt == state["next_prompt"]
     # consumed groups stay out of controller.json (consumed.jsonl lists them): it grows with outstanding work
     assert "consumed" not in state and set(rt.groups) == {g["group_id"] for g in state["groups"]}
-    assert {g["group_id"] for g in state["groups"]}.isdisjoint(g for b in rt.steps for g in b.group_ids)
+    assert {g["group_id"] for g in state["groups"]}.isdisjoint(g for b in rt.training.steps for g in b.group_ids)
     assert ctl.journal is not None  # cpu_tiny journals; a resume starts a new lineage at v2
     ctl.close_journal()
     assert json.loads((run_dir / "journal.jsonl").read_text().splitlines()[0]) == {"t": "checkpoint", "version": 2}

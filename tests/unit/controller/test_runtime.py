@@ -328,7 +328,7 @@ def test_an_older_controller_json_with_step_logs_and_duplicated_groups_still_loa
     new_rt.load_state_dict(state, rows)
     old_rt, _, _ = make(steps=4)
     old_rt.load_state_dict(old)
-    assert old_rt.steps_done == new_rt.steps_done == 2
+    assert old_rt.training.steps_done == new_rt.training.steps_done == 2
     assert old_rt.samples == new_rt.samples and old_rt.samples
     # (a group's version is the orchestrator's, restored from the snapshot, not the executor's)
     assert {k: (g.sample_ids, g.prompt.index) for k, g in old_rt.groups.items()} == \

@@ -20,7 +20,7 @@ def _no_interval(rt, **opts) -> None:
 
 async def _run_and_stop_after(rt, steps: int) -> dict:
     async def stop_later() -> None:
-        while rt.steps_done < steps:
+        while rt.training.steps_done < steps:
             await asyncio.sleep(0.002)
         rt.request_stop("SIGINT")
         rt.request_stop("SIGTERM")  # a second request changes nothing (the launcher exits on a second signal)
@@ -38,7 +38,7 @@ def test_a_stop_checkpoints_at_the_next_boundary_and_the_resume_trains_each_grou
     summary = asyncio.run(_run_and_stop_after(rt, 2))
     k = summary["stop_checkpoint"]
     assert summary["status"] == "stopped" and summary["stopped_by"] == "SIGINT"
-    assert 2 <= k < n and rt.steps_done == k == len(trainer.batches)
+    assert 2 <= k < n and rt.training.steps_done == k == len(trainer.batches)
     written = sorted(p.name for p in tmp_path.glob("ck*") if (p / "controller.json").is_file())
     assert written == [f"ck{k}"]  # the stop's checkpoint only (interval 0)
 
@@ -75,5 +75,5 @@ def test_a_step_that_outlasts_the_stop_timeout_is_abandoned(tmp_path):
     summary = asyncio.run(main())
     assert summary["status"] == "stopped_without_checkpoint" and summary["stop_checkpoint"] is None
     assert summary["stopped_by"] == "SIGTERM" and summary["elapsed"] < 10  # the held step was not waited for
-    assert rt.steps_done == 2 and len(trainer.batches) == 2
+    assert rt.training.steps_done == 2 and len(trainer.batches) == 2
     assert not [p for p in tmp_path.glob("ck*") if (p / "controller.json").is_file()]
