@@ -203,7 +203,7 @@ def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, mo
 
         # the recorder's rows of the steps done are steps.jsonl's (the launcher has cut the crashed
         # lineage's lines after the checkpoint); controller.json keeps only their count
-        runtime.load_state_dict(state, read_step_rows(run_dir / "steps.jsonl", int(state.get("steps_done", 0))))
+        runtime.controller_state.load_state_dict(state, read_step_rows(run_dir / "steps.jsonl", int(state.get("steps_done", 0))))
     if journal is not None:
         if state is not None and runtime.workflow is None:  # what the crashed lineage finished after this
             # checkpoint (a workflow's samples are not journaled: they run again), then start anew

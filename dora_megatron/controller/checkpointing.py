@@ -2,7 +2,7 @@
 and ``manifest.json``) written off the loop's critical path.
 
 WHY a component of its own: what a checkpoint *holds* is the executor's and the orchestrator's
-state (:meth:`~dora_megatron.controller.runtime.Runtime.state_dict`, cut in one loop turn);
+state (:meth:`~dora_megatron.controller.controller_state.ControllerState.state_dict`, cut in one loop turn);
 how it reaches the disk (clear a stale directory, the trainer's save, the checksums of its files,
 the chunked writer chained after the previous one, the completion marker last) is a job of its
 own, DESIGN section 5.5.

@@ -32,10 +32,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from dora_megatron.controller.checkpointing import CheckpointWriter
+from dora_megatron.controller.controller_state import ControllerState
 from dora_megatron.controller.loop import (EngineReply, EventQueue, InstanceFailed,
                                            InstanceJoined,
                                            Resume, Start, Stop, SwitchDone, TrainerDone)
@@ -96,7 +96,6 @@ class Runtime:
         self.trainer = trainer
         self.opt = options
         self.timeline = timeline
-        self.on_checkpoint = on_checkpoint  # at each checkpoint's cut (the launcher's snapshot retention)
         self.codec: TextCodec = codec or CharCodec()
         #: the outstanding groups' prompts, tokens and rewards, and the batch hand-off (:mod:`.samples`)
         self.store = SampleStore(source, self.codec, reward_fn, options, first_prompt)
@@ -129,10 +128,9 @@ class Runtime:
         self.checkpoints = CheckpointWriter(self)
         #: finished samples the journal recorded after the checkpoint resumed from (:mod:`.replay`)
         self.replay = JournalReplay(self)
+        #: what controller.json holds, cut and restored (:mod:`.controller_state`)
+        self.controller_state = ControllerState(self, on_checkpoint)
         self._t0 = 0.0
-        self._wall_offset = 0.0
-        self._resumed = False
-        self._pending_step_finished: int | None = None
 
     @property
     def samples(self) -> dict[str, SampleRecord]:
@@ -192,7 +190,8 @@ class Runtime:
         return self.pool.all_failed()
 
     def now(self) -> float:
-        return time.monotonic() - self._t0 + self._wall_offset
+        """Seconds of the run (a resumed run goes on from its checkpoint's wall time)."""
+        return time.monotonic() - self._t0 + self.controller_state.wall_s
 
     def spawn(self, coro, name: str) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(self._guard(coro), name=name)
@@ -249,7 +248,7 @@ class Runtime:
 
     # ------------------------------------------------------------------ journal (resume)
     def load_journal(self, samples: dict[str, Any]) -> None:
-        """After :meth:`load_state_dict`: :meth:`JournalReplay.load`."""
+        """After :meth:`ControllerState.load_state_dict`: :meth:`JournalReplay.load`."""
         self.replay.load(samples)
 
     def replayed(self, sample_id: str) -> int | None:
@@ -351,118 +350,35 @@ class Runtime:
 
     # ------------------------------------------------------------------ checkpoints
     def write_controller_state(self, version: int, orchestrator_snapshot: dict[str, Any]) -> None:
-        """Loop (:class:`CheckpointSaved`): the controller part, taken before ``on_step_finished``
-        so the orchestrator is at a step boundary.
-
-        The state is cut in this loop turn (with the journal's marker, which splits exactly
-        there); its encoding and files are written by a task a chunk per loop turn
-        (:mod:`.state_file`: at thousands of instances one ``json.dumps`` of it held the loop for
-        up to a second), chained after any earlier one. The run's last checkpoint is written at
-        once (the run ends right after and stops its tasks), finishing an earlier one first.
-        ``controller.json`` is written last and atomically: a checkpoint directory without it is
-        incomplete and ignored by resume, which then falls back one checkpoint (the journal keeps
-        the records since the one before, :mod:`.journal`). Just before it, ``manifest.json``
-        (sizes and SHA-256 of the trainer's files and of ``controller.json``) lets resume detect a
-        corrupt checkpoint."""
-        path = Path(self.opt.checkpoint_dir(version))
-        state = self.state_dict(version, orchestrator_snapshot)
-
-        def complete() -> None:
-            log.info("checkpoint v%d written to %s", version, path)
-            if self.journal is not None:
-                self.journal.completed(version)
-
-        writer = self.checkpoints.start_state(version, state, complete)
-        if self.journal is not None:
-            self.journal.checkpoint(version)
-        if self.on_checkpoint is not None:
-            # in the turn of the cut too: the launcher's snapshot retention records the live
-            # versions the checkpoint holds (later they have moved on, and a snapshot it needs
-            # would be pruned); it keeps the previous checkpoint's as well, the fallback while
-            # this one is being written
-            self.on_checkpoint(version)
-        self.training.checkpoint_cut(version)  # on a stop, written at once below: the run ends in this turn
-        self.checkpoints.finish(version, writer, at_once=self.training.is_last())
-
-    def state_dict(self, version: int, orchestrator_snapshot: dict[str, Any]) -> dict[str, Any]:
-        """The controller part of a checkpoint, sized by outstanding work (DESIGN section 5.5): the
-        outstanding groups' prompts, the finished samples' outputs, counters, the number of steps done.
-
-        WHY nothing per step: the step logs and the metrics recorder's per-step rows are
-        ``steps.jsonl``'s (:meth:`load_state_dict` takes them back from it), and the orchestrator
-        snapshot already lists every outstanding group and sample with its version and ids; what is
-        kept here is only what it does not hold (prompt and output tokens, rewards). Unfinished
-        samples restart from their prompt on their own version (C1), so they need no entry."""
-        groups, samples = self.store.state_entries()
-        # the checksums an instance may still load after a resume: the versions of outstanding work
-        # and the newest (older ones are never switched to again)
-        oldest = min((int(g["version"]) for g in orchestrator_snapshot["groups"]), default=version)
-        return {
-            "format": 2, "version": version, "pending_step_finished": version,
-            "next_prompt": self.store.next_prompt, "wall_s": self.now(),
-            "orchestrator": orchestrator_snapshot,
-            "groups": groups, "samples": samples,
-            "steps_done": self.training.steps_done,
-            "metrics": self.metrics.state_dict(), "migrated_bytes": self.moves.migrated_bytes,
-            "migrations_done": self.moves.migrations_done, "migrations_fallback": self.moves.migrations_fallback,
-            "migration_stall_s": self.moves.stall_s, "migration_freed_slot_s": self.moves.freed_slot_s,
-            "expected_checksums": {str(k): v for k, v in self.weights.expected_checksums.items() if k >= min(oldest, version)},
-        }
-
-    def load_state_dict(self, state: dict[str, Any], step_rows: Sequence[dict[str, Any]] = ()) -> None:
-        """Continue from :meth:`state_dict`: unfinished samples of unconsumed groups are re-run on
-        their own version; every instance is fresh and is switched to the version it is given.
-        ``step_rows``: the metrics recorder's rows of the steps done, as ``steps.jsonl`` has them
-        (:func:`~dora_megatron.observability.recorder.read_step_rows`; the summary of the resumed
-        run covers the whole run)."""
-        self.store.load_entries(state)
-        self._wall_offset = float(state["wall_s"])
-        # consumed groups are not carried (consumed.jsonl lists them; an older controller.json's
-        # "consumed" is ignored): the restored orchestrator has forgotten them, so none can be
-        # released again
-        # the step logs themselves are steps.jsonl's (an older controller.json's "steps" list: its length)
-        self.training.steps_done = int(state["steps_done"]) if "steps_done" in state else len(state["steps"])
-        if "metrics" in state:  # absent in checkpoints written before the recorder: the summary then starts anew
-            self.metrics.load_state_dict(state["metrics"], rows=step_rows)
-        self.moves.migrated_bytes = int(state["migrated_bytes"])
-        self.moves.migrations_done = int(state["migrations_done"])
-        self.moves.migrations_fallback = int(state["migrations_fallback"])
-        # absent in checkpoints written before these were measured: the resumed run counts from 0
-        self.moves.stall_s = float(state.get("migration_stall_s", 0.0))
-        self.moves.freed_slot_s = float(state.get("migration_freed_slot_s", 0.0))
-        self.weights.expected_checksums = {int(k): v for k, v in state["expected_checksums"].items()}
-        self._pending_step_finished = state.get("pending_step_finished")
-        self.latest_version = int(state["version"])
-        # an older controller.json also holds "c1_count"/"duplicated": ignored, the C1 and
-        # duplicate counts of a run are the orchestrator's (its snapshot carries them)
-        self._resumed = True
+        self.controller_state.write(version, orchestrator_snapshot)
 
     # ------------------------------------------------------------------ start and end of the run
     def begin(self) -> None:
         """What comes before the loop reads its first event (:func:`~dora_megatron.controller.main.drive`):
         the clock starts, the instances absent at start fail, ``Start`` or ``Resume`` is posted (a
         resumed run whose every step was done ends at once)."""
+        resumed = self.controller_state
         self._t0 = time.monotonic()
-        self.training.idle_since(self._wall_offset)
+        self.training.idle_since(resumed.wall_s)
         for iid in self.engines:
             self.metrics.instance_joined(iid, self.now())
         for iid, why in self.pool.absent_at_start.items():  # before Start / Resume: never given work
             self.events.post(InstanceFailed(iid, f"not ready when the job started: {why}"))
         if self.timeline is not None:
             start = self.now()  # a resumed run starts at the checkpoint's wall time, not at 0
-            if self._resumed and start > 0:
+            if resumed.resumed and start > 0:
                 self.timeline.span("trainer", "before the resume (previous run)", 0.0, start, kind="resumed")
             for iid in self.engines:
                 v = self.pool.instance_version(iid)
                 if v is not None:
                     self.timeline.set_version(iid, v, start)
-        if self._resumed and self.training.steps_done >= self.opt.steps:
+        if resumed.resumed and self.training.steps_done >= self.opt.steps:
             # every step was done before the checkpoint: nothing to dispatch, and no
             # on_step_finished will ever come to end the run
             self._done.set()
-        elif self._resumed:
+        elif resumed.resumed:
             self.training.idle_since(self.now())
-            pending = self._pending_step_finished if self.training.steps_done < self.opt.steps else None
+            pending = resumed.pending_step_finished if self.training.steps_done < self.opt.steps else None
             self.events.post(Resume(tuple(i for i in self.engines if i not in self.pool.absent_at_start), pending))
         else:
             self.events.post(Start())

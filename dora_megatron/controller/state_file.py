@@ -3,7 +3,7 @@ interleave with its other work.
 
 WHY: at thousands of instances the state holds tens of thousands of samples; ``json.dumps`` of it
 is one C call of 0.2-1 s, and in a thread it would hold the GIL (so the loop) just as long. The state
-itself is taken in one loop turn (a consistent cut, see ``Runtime.write_controller_state``); only
+itself is taken in one loop turn (a consistent cut, see ``ControllerState.write``); only
 its encoding and writing are spread: :func:`json_chunks` yields the exact text of
 ``json.dumps(state)`` a bounded piece at a time, and :func:`write_state` is a generator that does
 one piece of file work per step, so a task can drive it with a loop turn between steps and the

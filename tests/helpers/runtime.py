@@ -60,7 +60,7 @@ def resume(rt, trainer, tmp_path, version: int) -> dict:
     from steps.jsonl), with the trainer at that version; returns the checkpoint's state."""
     state = json.loads((tmp_path / f"ck{version}" / "controller.json").read_text())
     rt.orch = Orchestrator.restore(rt.orch.config, state["orchestrator"])
-    rt.load_state_dict(state, read_step_rows(tmp_path / "steps.jsonl", int(state["steps_done"])))
+    rt.controller_state.load_state_dict(state, read_step_rows(tmp_path / "steps.jsonl", int(state["steps_done"])))
     trainer.version = version
     return state
 

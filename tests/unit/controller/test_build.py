@@ -51,7 +51,7 @@ def test_a_fresh_controller_reads_each_setting_from_its_config_section(tmp_path)
     assert rt.opt.snapshot_dir(0) == str(model_dir)
     assert Path(rt.opt.snapshot_dir(3)).parent == run_dir / "weights"
     assert Path(rt.opt.checkpoint_dir(2)).parent == run_dir / "checkpoints"
-    rt.on_checkpoint(4)  # handed in, not patched onto the runtime from outside
+    rt.controller_state.on_checkpoint(4)  # handed in, not patched onto the runtime from outside
     assert checkpoints == [4] and ctl.state is None
 
 
@@ -88,7 +88,7 @@ def test_a_controller_json_that_lists_consumed_groups_still_loads(tmp_path):
     from dora_megatron.orchestrator import Orchestrator
 
     rt.orch = Orchestrator.restore(rt.orch.config, state["orchestrator"])
-    rt.load_state_dict(state, read_step_rows(tmp_path / "steps.jsonl", 2))
+    rt.controller_state.load_state_dict(state, read_step_rows(tmp_path / "steps.jsonl", 2))
     trainer.version = 2
     summary = asyncio.run(drive(rt))
     trained = [s["group_id"] for b in trainer.batches for s in b]

@@ -46,13 +46,13 @@ def test_a_checkpoint_is_cut_in_the_turn_and_written_while_the_loop_runs(tmp_pat
         ck.mkdir()
         snap = rt.orch.snapshot()
         seen = []
-        rt.on_checkpoint = seen.append
+        rt.controller_state.on_checkpoint = seen.append
         rt.write_controller_state(2, snap)
         assert not (ck / "controller.json").exists()  # not written in the loop turn of the cut
         # ... but the launcher's retention hears of it in that turn: it reads the live versions
         # the checkpoint holds (later the orchestrator has moved on and a needed snapshot would go)
         assert seen == [2]
-        want = json.loads(json.dumps(rt.state_dict(2, snap)))
+        want = json.loads(json.dumps(rt.controller_state.state_dict(2, snap)))
         await asyncio.wait_for(asyncio.gather(*rt.tasks), timeout=30)
         return want
 
@@ -65,7 +65,7 @@ def test_a_checkpoint_is_cut_in_the_turn_and_written_while_the_loop_runs(tmp_pat
 def test_the_last_checkpoint_is_complete_when_the_run_returns(tmp_path):
     rt, engines, trainer = make(mode="dora", steps=4, tmp_path=tmp_path)
     seen = []
-    rt.on_checkpoint = seen.append
+    rt.controller_state.on_checkpoint = seen.append
     summary = asyncio.run(drive(rt))
     assert summary["steps"] == 4 and seen == [2, 4]
     for v in (2, 4):

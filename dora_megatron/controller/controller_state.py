@@ -1,0 +1,141 @@
+"""The controller part of a checkpoint: what ``controller.json`` holds, cut at a step boundary, and
+the run continued from it on resume.
+
+WHY a module of its own: what a checkpoint *holds* is the state of several components (the sample
+store's outstanding groups, the step count, the migration counters, the checksums instances may
+still load, the metrics recorder's totals) beside the orchestrator's snapshot; this is the one
+place that gathers it and gives it back, so nothing is saved twice and nothing is forgotten.
+How the files reach the disk is :mod:`.checkpointing`'s (and :mod:`.state_file`'s); what the
+checkpoint is sized by is DESIGN section 5.5.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Callable, Protocol, Sequence
+
+from dora_megatron.controller.records import RuntimeOptions
+from dora_megatron.observability.recorder import MetricsRecorder
+
+log = logging.getLogger(__name__)
+
+
+class StateHost(Protocol):
+    """What the controller state reads and restores of the executor: its components."""
+
+    opt: RuntimeOptions
+    metrics: MetricsRecorder
+    journal: Any  # :class:`~dora_megatron.controller.journal.Journal` or None
+    store: Any  # the sample store (:mod:`.samples`)
+    moves: Any  # the migration counters (:mod:`.migration`)
+    weights: Any  # the checksums instances may load, the trainer's newest version (:mod:`.weight_sync`)
+    training: Any  # the step count, a stop's checkpoint (:mod:`.training`)
+    checkpoints: Any  # the files (:mod:`.checkpointing`)
+
+    def now(self) -> float: ...
+
+
+class ControllerState:
+    """Cuts and restores the controller part of a checkpoint; ``host``: the executor;
+    ``on_checkpoint(version)``: at each checkpoint's cut (the launcher's snapshot retention)."""
+
+    def __init__(self, host: StateHost, on_checkpoint: Callable[[int], None] | None = None) -> None:
+        self.rt = host
+        self.on_checkpoint = on_checkpoint
+        #: the wall time of the run resumed from (0.0: a new run): the clock goes on from it
+        self.wall_s = 0.0
+        #: the version whose ``on_step_finished`` the checkpoint was cut before (replayed on resume)
+        self.pending_step_finished: int | None = None
+        self.resumed = False
+
+    def write(self, version: int, orchestrator_snapshot: dict[str, Any]) -> None:
+        """Loop (:class:`CheckpointSaved`): the controller part, taken before ``on_step_finished``
+        so the orchestrator is at a step boundary.
+
+        The state is cut in this loop turn (with the journal's marker, which splits exactly
+        there); its encoding and files are written by a task a chunk per loop turn
+        (:mod:`.state_file`: at thousands of instances one ``json.dumps`` of it held the loop for
+        up to a second), chained after any earlier one. The run's last checkpoint is written at
+        once (the run ends right after and stops its tasks), finishing an earlier one first.
+        ``controller.json`` is written last and atomically: a checkpoint directory without it is
+        incomplete and ignored by resume, which then falls back one checkpoint (the journal keeps
+        the records since the one before, :mod:`.journal`). Just before it, ``manifest.json``
+        (sizes and SHA-256 of the trainer's files and of ``controller.json``) lets resume detect a
+        corrupt checkpoint."""
+        rt = self.rt
+        path = Path(rt.opt.checkpoint_dir(version))
+        state = self.state_dict(version, orchestrator_snapshot)
+
+        def complete() -> None:
+            log.info("checkpoint v%d written to %s", version, path)
+            if rt.journal is not None:
+                rt.journal.completed(version)
+
+        writer = rt.checkpoints.start_state(version, state, complete)
+        if rt.journal is not None:
+            rt.journal.checkpoint(version)
+        if self.on_checkpoint is not None:
+            # in the turn of the cut too: the launcher's snapshot retention records the live
+            # versions the checkpoint holds (later they have moved on, and a snapshot it needs
+            # would be pruned); it keeps the previous checkpoint's as well, the fallback while
+            # this one is being written
+            self.on_checkpoint(version)
+        rt.training.checkpoint_cut(version)  # on a stop, written at once below: the run ends in this turn
+        rt.checkpoints.finish(version, writer, at_once=rt.training.is_last())
+
+    def state_dict(self, version: int, orchestrator_snapshot: dict[str, Any]) -> dict[str, Any]:
+        """The controller part of a checkpoint, sized by outstanding work (DESIGN section 5.5): the
+        outstanding groups' prompts, the finished samples' outputs, counters, the number of steps done.
+
+        WHY nothing per step: the step logs and the metrics recorder's per-step rows are
+        ``steps.jsonl``'s (:meth:`load_state_dict` takes them back from it), and the orchestrator
+        snapshot already lists every outstanding group and sample with its version and ids; what is
+        kept here is only what it does not hold (prompt and output tokens, rewards). Unfinished
+        samples restart from their prompt on their own version (C1), so they need no entry."""
+        rt = self.rt
+        groups, samples = rt.store.state_entries()
+        # the checksums an instance may still load after a resume: the versions of outstanding work
+        # and the newest (older ones are never switched to again)
+        oldest = min((int(g["version"]) for g in orchestrator_snapshot["groups"]), default=version)
+        return {
+            "format": 2, "version": version, "pending_step_finished": version,
+            "next_prompt": rt.store.next_prompt, "wall_s": rt.now(),
+            "orchestrator": orchestrator_snapshot,
+            "groups": groups, "samples": samples,
+            "steps_done": rt.training.steps_done,
+            "metrics": rt.metrics.state_dict(), "migrated_bytes": rt.moves.migrated_bytes,
+            "migrations_done": rt.moves.migrations_done, "migrations_fallback": rt.moves.migrations_fallback,
+            "migration_stall_s": rt.moves.stall_s, "migration_freed_slot_s": rt.moves.freed_slot_s,
+            "expected_checksums": {str(k): v for k, v in rt.weights.expected_checksums.items()
+                                   if k >= min(oldest, version)},
+        }
+
+    def load_state_dict(self, state: dict[str, Any], step_rows: Sequence[dict[str, Any]] = ()) -> None:
+        """Continue from :meth:`state_dict`: unfinished samples of unconsumed groups are re-run on
+        their own version; every instance is fresh and is switched to the version it is given.
+        ``step_rows``: the metrics recorder's rows of the steps done, as ``steps.jsonl`` has them
+        (:func:`~dora_megatron.observability.recorder.read_step_rows`; the summary of the resumed
+        run covers the whole run)."""
+        rt = self.rt
+        rt.store.load_entries(state)
+        self.wall_s = float(state["wall_s"])
+        # consumed groups are not carried (consumed.jsonl lists them; an older controller.json's
+        # "consumed" is ignored): the restored orchestrator has forgotten them, so none can be
+        # released again
+        # the step logs themselves are steps.jsonl's (an older controller.json's "steps" list: its length)
+        rt.training.steps_done = int(state["steps_done"]) if "steps_done" in state else len(state["steps"])
+        if "metrics" in state:  # absent in checkpoints written before the recorder: the summary then starts anew
+            rt.metrics.load_state_dict(state["metrics"], rows=step_rows)
+        rt.moves.migrated_bytes = int(state["migrated_bytes"])
+        rt.moves.migrations_done = int(state["migrations_done"])
+        rt.moves.migrations_fallback = int(state["migrations_fallback"])
+        # absent in checkpoints written before these were measured: the resumed run counts from 0
+        rt.moves.stall_s = float(state.get("migration_stall_s", 0.0))
+        rt.moves.freed_slot_s = float(state.get("migration_freed_slot_s", 0.0))
+        rt.weights.expected_checksums = {int(k): v for k, v in state["expected_checksums"].items()}
+        self.pending_step_finished = state.get("pending_step_finished")
+        rt.weights.latest_version = int(state["version"])
+        # an older controller.json also holds "c1_count"/"duplicated": ignored, the C1 and
+        # duplicate counts of a run are the orchestrator's (its snapshot carries them)
+        self.resumed = True
