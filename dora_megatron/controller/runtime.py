@@ -48,16 +48,15 @@ from dora_megatron.orchestrator import (Dispatch, Interrupt, Migrate, Orchestrat
                                         SwitchVersion, perform)
 from dora_megatron.observability.recorder import MetricsRecorder
 from dora_megatron.observability.rollout_dump import RolloutDumper
-from dora_megatron.observability.summary import RunTotals
 from dora_megatron.controller.generation import Generation
 from dora_megatron.controller.migration import Migrations
 from dora_megatron.controller.pool import Pool
 from dora_megatron.controller.replay import JournalReplay
 from dora_megatron.controller.stats import StatsPoller
+from dora_megatron.controller.summary import run_summary
 from dora_megatron.controller.training import Training
 from dora_megatron.controller.turns import Turns
 from dora_megatron.controller.weight_sync import WeightSync
-from dora_megatron.rollout.speculation import speculation_summary
 
 log = logging.getLogger(__name__)
 
@@ -401,7 +400,7 @@ class Runtime:
         if self.evaluator is not None and self.training.stop_reason is None:  # the final weights, once the rollout stopped (not in the run's wall time; not on a stop)
             await self.evaluator.finish(self.training.steps_done, self.latest_version or max(
                 (v for v in map(self.pool.instance_version, self.engines) if v is not None), default=0))
-        return self.summary(wall)
+        return run_summary(self, wall)
 
     async def _cancel_all(self) -> None:
         """Abort what is still generating (outstanding groups of the next steps) and stop tasks.
@@ -417,46 +416,3 @@ class Runtime:
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    # ------------------------------------------------------------------ summary
-    def summary(self, wall: float) -> dict[str, Any]:
-        """The recorder's metrics, then facts of this run only the runtime knows (instances, checksums)."""
-        osum = self.orch.summary()
-        totals = RunTotals(
-            dispatched_groups=osum["dispatched_groups"], consumed_groups=osum["consumed_groups"],
-            lost_groups=osum["lost_groups"], duplicated_groups=osum["duplicated_groups"],
-            c1_violations=osum["c1_violations"], c3_violations=osum["c3_violations"],
-            migrations=osum["migrations"], migrated_kv_bytes=self.moves.migrated_bytes,
-            reprefill_tokens=osum["reprefill_tokens"])
-        out = self.metrics.summary(mode=osum["mode"], max_staleness=osum["max_staleness"], tbs=osum["tbs"],
-                                   rbs=osum["rbs"], totals=totals, wall_time_s=wall)
-        out["migrations_kv"] = self.moves.migrations_done
-        out["migrations_reprefill"] = self.moves.migrations_fallback
-        out["migration_stall_s"] = self.moves.stall_s
-        out["migration_freed_slot_s"] = self.moves.freed_slot_s
-        out["checksum_mismatches"] = self.weights.checksum_mismatches
-        out["checksum_unavailable"] = len(self.weights.checksum_off)
-        out["routed_experts_unavailable"] = len(self.generation.routed_experts_off)
-        out["speculation"] = speculation_summary([self.stats.spec_totals])
-        out["version_refusals"] = self.generation.version_refusals
-        out["weight_push_bytes"] = self.weights.pushed_bytes
-        out["instances"] = sorted(self.engines)  # every instance that was in the pool (joined ones too)
-        out["failed_instances"] = sorted(self.pool.failed_ever)
-        out["instances_rejoined"] = self.pool.rejoins
-        out["samples_after_rejoin"] = self.pool.samples_after_rejoin
-        out["engine_restarts"] = self.pool.engine_restarts
-        out["instances_absent_at_start"] = dict(sorted(self.pool.absent_at_start.items()))
-        out["weight_sync_timeouts"] = self.weights.weight_sync_timeouts
-        out["local_resource_errors"] = self.generation.local_resource_errors
-        waits = self.connection_waits
-        out["connection_waits"] = waits() if callable(waits) else (waits.count if waits is not None else 0)
-        out["samples_from_journal"] = self.samples_from_journal
-        out["max_live_versions"] = osum.get("max_live_versions")
-        out["outstanding_groups_at_end"] = osum["dispatched_groups"] - osum["consumed_groups"]
-        if self.evaluator is not None:
-            out.update(self.evaluator.summary())
-        if self.workflow is not None:
-            out.update(self.workflow.counts)
-            out["workflow_turn_moves"] = osum["workflow_turn_moves"]
-        out.update(self.training.status())  # "status", "stopped_by", "stop_checkpoint"
-        return out
