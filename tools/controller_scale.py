@@ -245,7 +245,7 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                          else await _get_json(f"{trainer_url}/fleet/stats"))
     ruc1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # after ProcessSet stopped and reaped them
     rt = holder.get("runtime")
-    finished = rt.samples_finished if rt is not None else 0
+    finished = rt.store.samples_finished if rt is not None else 0
     pool = getattr(next(iter(rt.engines.values()), None), "pool", None) if rt is not None else None
     worker_cpu = (pool.cpu_s() or 0.0) if pool is not None else 0.0  # measured when the pool closed
     fleet_cpu = (ruc1.ru_utime - ruc0.ru_utime) + (ruc1.ru_stime - ruc0.ru_stime) - worker_cpu  # reaped children
@@ -333,12 +333,12 @@ async def _kill_a_worker(rt, args: argparse.Namespace, holder: dict[str, Any]) -
     finished: its instances' requests must be re-run elsewhere, none lost or run twice."""
     import signal
 
-    while rt.samples_finished < args.kill_worker_after_samples:
+    while rt.store.samples_finished < args.kill_worker_after_samples:
         await asyncio.sleep(0.02)
     pid = rt.engines["engine0"].worker_pid
     holder["killed_instances"] = [iid for iid, e in rt.engines.items() if getattr(e, "worker_pid", None) == pid]
     holder["killed_pid"] = pid
-    holder["killed_at"] = rt.samples_finished
+    holder["killed_at"] = rt.store.samples_finished
     os.kill(pid, signal.SIGKILL)
 
 

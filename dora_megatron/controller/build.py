@@ -210,7 +210,7 @@ def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, mo
             from dora_megatron.controller.journal import read_journal
 
             samples = read_journal(run_dir, int(state["version"]))
-            runtime.load_journal(samples)
+            runtime.replay.load(samples)
             restorable = len(samples)
         journal.start(int(state["version"]) if state is not None else None)
     return Controller(runtime, trainer, engines, reward_name, scorer, source, state, journal, restorable)

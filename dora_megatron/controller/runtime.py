@@ -1,9 +1,10 @@
-"""The asyncio executor that carries out the orchestrator's actions with real engines and a real trainer.
+"""The executor: it maps the orchestrator's actions and the loop's events onto the controller's
+components, and owns the run's tasks, clock and end.
 
 Why one loop around one sans-IO object: every decision (what to dispatch where,
 which instance switches, which requests migrate, which groups form a batch) is
-made by :class:`~dora_megatron.orchestrator.Orchestrator`; this module only turns
-its actions into HTTP calls (asyncio tasks) and puts what happened on the event
+made by :class:`~dora_megatron.orchestrator.Orchestrator`; the components turn
+its actions into HTTP calls (asyncio tasks) and put what happened on the event
 queue of :class:`~dora_megatron.controller.loop.ControllerLoop` (built and run with the
 event sources by :func:`~dora_megatron.controller.main.drive`), which alone feeds
 the orchestrator (read :mod:`dora_megatron.controller.loop` first). All of it runs on
@@ -11,15 +12,15 @@ the event-loop thread, so the state machine needs no locks.
 
 ::
 
-    prompts -> Dispatch ----------> records (prompt ids, seeds)
-               Submit   ----------> engine /generate (tagged with its version)   --+
-               Migrate  ----------> src /dora/export_request -> dst /dora/import  |  finished
-               Interrupt ---------> engine /abort_request (partial output kept)   |  samples
-               SwitchVersion -----> engine /update_weights_from_disk (snapshot)   |
-               ReleaseBatch ------> trainer /train -> new version snapshot ---+   |
-                                                                              |   v
-                       on_step_finished(v) <-----------------------------------+  reward,
-                       on_sample_finished(id) <------------------------------------+  records
+    prompts -> Dispatch ----------> generation: records (prompt ids, seeds)
+               Submit   ----------> generation: engine /generate (its version)   --+
+               Migrate  ----------> moves: src export_request -> dst import        |  finished
+               Interrupt ---------> moves: engine /abort_request (partial kept)    |  samples
+               SwitchVersion -----> weights: /update_weights_from_disk (snapshot)  |
+               ReleaseBatch ------> training: trainer /train -> new snapshot --+    |
+                                                                               |    v
+                       on_step_finished(v) <------------------------------------+  reward,
+                       on_sample_finished(id) <-------------------------------------+  records
 
 Per-sample ordering: each sample has at most one HTTP operation in flight; a new
 operation on a sample (a resubmission after an interrupt, a migration) first
@@ -36,27 +37,25 @@ from typing import Any, Callable
 
 from dora_megatron.controller.checkpointing import CheckpointWriter
 from dora_megatron.controller.controller_state import ControllerState
-from dora_megatron.controller.loop import (EngineReply, EventQueue, InstanceFailed,
-                                           InstanceJoined,
-                                           Resume, Start, Stop, SwitchDone, TrainerDone)
-from dora_megatron.controller.records import (Engine, GroupRecord, LoadReports, RuntimeOptions, SampleRecord,
-                                              StepLog, Trainer)
-from dora_megatron.controller.samples import SampleStore
-from dora_megatron.data.codec import CharCodec, TextCodec
-from dora_megatron.data.tasks import PromptSource
-from dora_megatron.orchestrator import (Dispatch, Interrupt, Migrate, Orchestrator, ReleaseBatch, Submit,
-                                        SwitchVersion, perform)
-from dora_megatron.observability.recorder import MetricsRecorder
-from dora_megatron.observability.rollout_dump import RolloutDumper
 from dora_megatron.controller.generation import Generation
+from dora_megatron.controller.loop import (EngineReply, EventQueue, InstanceFailed, InstanceJoined, Resume, Start,
+                                           Stop, SwitchDone, TrainerDone)
 from dora_megatron.controller.migration import Migrations
 from dora_megatron.controller.pool import Pool
+from dora_megatron.controller.records import Engine, GroupRecord, LoadReports, RuntimeOptions, SampleRecord, StepLog, Trainer
 from dora_megatron.controller.replay import JournalReplay
+from dora_megatron.controller.samples import SampleStore
 from dora_megatron.controller.stats import StatsPoller
 from dora_megatron.controller.summary import run_summary
 from dora_megatron.controller.training import Training
 from dora_megatron.controller.turns import Turns
 from dora_megatron.controller.weight_sync import WeightSync
+from dora_megatron.data.codec import CharCodec, TextCodec
+from dora_megatron.data.tasks import PromptSource
+from dora_megatron.observability.recorder import MetricsRecorder
+from dora_megatron.observability.rollout_dump import RolloutDumper
+from dora_megatron.orchestrator import (Dispatch, Interrupt, Migrate, Orchestrator, ReleaseBatch, Submit,
+                                        SwitchVersion, perform)
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +63,16 @@ class Runtime:
     """Runs ``options.steps`` training steps; returns the run summary (DESIGN section 11).
 
     The executor of the :class:`~dora_megatron.controller.loop.ControllerLoop` that
-    :func:`~dora_megatron.controller.main.drive` runs: it implements
-    :class:`~dora_megatron.orchestrator.ActionHandler` (one method per action, each starting
-    asyncio tasks) and the per-event bookkeeping the loop asks of it. Jobs of their own are its
-    components: :attr:`weights` (:mod:`.weight_sync`), :attr:`moves` (:mod:`.migration`),
-    :attr:`stats` (:mod:`.stats`), :attr:`checkpoints` (:mod:`.checkpointing`) and :attr:`replay`
-    (:mod:`.replay`); it keeps the samples, the trainer step and the checkpoint state."""
+    :func:`~dora_megatron.controller.main.drive` runs: each action
+    (:class:`~dora_megatron.orchestrator.ActionHandler`) and each event's bookkeeping
+    (:class:`~dora_megatron.controller.loop.Executor`) goes to the one component whose job it is:
+    :attr:`generation` (:mod:`.generation`), :attr:`moves` (:mod:`.migration`), :attr:`weights`
+    (:mod:`.weight_sync`), :attr:`training` (:mod:`.training`), :attr:`pool` (:mod:`.pool`),
+    :attr:`controller_state` (:mod:`.controller_state`) with :attr:`checkpoints`
+    (:mod:`.checkpointing`), :attr:`replay` (:mod:`.replay`), :attr:`turns` (:mod:`.turns`),
+    :attr:`stats` (:mod:`.stats`), over the samples of :attr:`store` (:mod:`.samples`). It owns
+    only the run's tasks, its clock and its end (:meth:`stop`). Components never import each
+    other: what one asks of another goes through the few host methods below."""
 
     def __init__(self, orch: Orchestrator, engines: dict[str, Engine], trainer: Trainer, source: PromptSource,
                  reward_fn: Callable[[str, str], float], options: RuntimeOptions, *, timeline=None,
@@ -108,6 +111,7 @@ class Runtime:
         self._tasks: set[asyncio.Task] = set()
         self._error: BaseException | None = None
         self._done = asyncio.Event()
+        self._t0 = 0.0
         self.events = events
         #: submissions, their answers and the workflow's turns (:mod:`.generation`)
         self.generation = Generation(self)
@@ -125,12 +129,87 @@ class Runtime:
         self.turns = Turns(self)
         #: the checkpoint files: the trainer's part, then controller.json (:mod:`.checkpointing`)
         self.checkpoints = CheckpointWriter(self)
-        #: finished samples the journal recorded after the checkpoint resumed from (:mod:`.replay`)
-        self.replay = JournalReplay(self)
         #: what controller.json holds, cut and restored (:mod:`.controller_state`)
         self.controller_state = ControllerState(self, on_checkpoint)
-        self._t0 = 0.0
+        #: finished samples the journal recorded after the checkpoint resumed from (:mod:`.replay`)
+        self.replay = JournalReplay(self)
 
+    # ------------------------------------------------------------------ actions (ActionHandler)
+    def execute(self, actions: list) -> None:
+        """Carry out one orchestrator answer (called by the loop only). Switches to the weights the
+        trainer still holds (``distributed`` transport) are collected over the whole list and done
+        with one broadcast."""
+        perform(self, actions)
+        self.weights.flush()
+
+    def dispatch(self, a: Dispatch) -> None:
+        self.generation.dispatch(a)
+
+    def submit(self, a: Submit) -> None:
+        self.generation.submit(a)
+
+    def migrate(self, a: Migrate) -> None:
+        self.moves.migrate(a)
+
+    def interrupt(self, a: Interrupt) -> None:
+        self.moves.interrupt(a)
+
+    def switch_version(self, a: SwitchVersion) -> None:
+        self.weights.order(a)
+
+    def release_batch(self, a: ReleaseBatch) -> None:
+        self.training.release_batch(a)
+
+    # ------------------------------------------------------------------ events' bookkeeping (loop.Executor)
+    def prompt_tokens(self, group_id: str) -> int:
+        return self.generation.prompt_tokens(group_id)
+
+    def absorb(self, ev: EngineReply) -> int | None:
+        tokens = self.generation.absorb(ev)
+        if tokens is not None:
+            self.pool.sample_finished(ev.instance)
+        return tokens
+
+    def sample_versions(self, sample_id: str) -> set[int]:
+        return self.generation.sample_versions(sample_id)
+
+    def replayed(self, sample_id: str) -> int | None:
+        return self.replay.replayed(sample_id)
+
+    def turn_current(self, sample_id: str, turn: Any) -> bool:
+        return self.turns.current(sample_id, turn)
+
+    def is_current(self, instance: str, engine: Engine) -> bool:
+        return self.pool.is_current(instance, engine)
+
+    def switch_landed(self, ev: SwitchDone, origin: asyncio.Task | None) -> bool:
+        return self.weights.landed(ev, origin)
+
+    def mark_failed(self, ev: InstanceFailed, origin: asyncio.Task | None) -> bool:
+        return self.pool.mark_failed(ev, origin)
+
+    def register(self, ev: InstanceJoined) -> bool:
+        return self.pool.register(ev)
+
+    def record_step(self, ev: TrainerDone, live_versions: int) -> tuple[int, bool]:
+        """The trainer holds the new weights (:meth:`WeightSync.trained`), the step is logged
+        (:meth:`Training.record_step`); a checkpoint due there is started."""
+        self.weights.trained(int(ev.result["version"]), ev.result.get("checksum"))
+        new_version, due = self.training.record_step(ev, live_versions)
+        if due:
+            # Trainer first, then the controller state, both at the same boundary: weights
+            # ``new_version`` exist and the orchestrator has not yet reacted to them (resume
+            # replays ``on_step_finished(new_version)``).
+            self.spawn(self.checkpoints.save_trainer(new_version), f"checkpoint-v{new_version}")
+        return new_version, due
+
+    def write_controller_state(self, version: int, orchestrator_snapshot: dict[str, Any]) -> None:
+        self.controller_state.write(version, orchestrator_snapshot)
+
+    def step_boundary(self) -> bool:
+        return self.training.step_boundary()
+
+    # ------------------------------------------------------------------ what components ask of each other
     @property
     def samples(self) -> dict[str, SampleRecord]:
         """The outstanding samples' records (:attr:`SampleStore.samples`)."""
@@ -141,58 +220,12 @@ class Runtime:
         """The outstanding groups' records (:attr:`SampleStore.groups`)."""
         return self.store.groups
 
-    @property
-    def samples_finished(self) -> int:
-        return self.store.samples_finished
-
-    @property
-    def load_reports(self) -> LoadReports | None:
-        """The stats poller's pushed load reports (:attr:`StatsPoller.load_reports`)."""
-        return self.stats.load_reports
-
-    @load_reports.setter
-    def load_reports(self, reports: LoadReports | None) -> None:
-        self.stats.load_reports = reports
-
-    @property
-    def latest_version(self) -> int:
-        """The newest weights the trainer holds (:attr:`WeightSync.latest_version`)."""
-        return self.weights.latest_version
-
-    @latest_version.setter
-    def latest_version(self, version: int) -> None:
-        self.weights.latest_version = version
-
-    @property
-    def migrations_fallback(self) -> int:
-        return self.moves.migrations_fallback
-
-    @property
-    def weight_sync_timeouts(self) -> int:
-        return self.weights.weight_sync_timeouts
-
-    @property
-    def instance_checksums(self) -> dict[int, str]:
-        return self.weights.instance_checksums
-
-    @property
-    def checksum_off(self) -> set[str]:
-        return self.weights.checksum_off
-
-    # ------------------------------------------------------------------ helpers
-    def is_failed(self, instance: str) -> bool:
-        """For the components and the launchers' pollers: :meth:`Pool.is_failed`."""
-        return self.pool.is_failed(instance)
-
-    def all_failed(self) -> bool:
-        """For a supervising launcher: :meth:`Pool.all_failed`."""
-        return self.pool.all_failed()
-
     def now(self) -> float:
         """Seconds of the run (a resumed run goes on from its checkpoint's wall time)."""
         return time.monotonic() - self._t0 + self.controller_state.wall_s
 
     def spawn(self, coro, name: str) -> asyncio.Task:
+        """A task of the run: its failure stops the run with its cause; :meth:`finish` cancels it."""
         task = asyncio.get_running_loop().create_task(self._guard(coro), name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -207,98 +240,47 @@ class Runtime:
             log.exception("runtime task failed")
             self.stop(err)
 
-    def execute(self, actions: list) -> None:
-        """Carry out one orchestrator answer (called by the loop only). Switches to the weights the
-        trainer still holds (``distributed`` transport) are collected over the whole list and done
-        with one broadcast."""
-        perform(self, actions)
-        self.weights.flush()
-
-    # ------------------------------------------------------------------ ActionHandler
-    def submit(self, a: Submit) -> None:
-        self.generation.submit(a)
-
-    def migrate(self, a: Migrate) -> None:
-        self.moves.migrate(a)
-
-    def interrupt(self, a: Interrupt) -> None:
-        self.moves.interrupt(a)
-
-    def pending_moves(self, instance: str) -> list[asyncio.Future]:
-        """:meth:`Migrations.pending`: what a switch of ``instance`` waits for."""
-        return self.moves.pending(instance)
-
-    def switch_version(self, a: SwitchVersion) -> None:
-        self.weights.order(a)
-
-    def switch_landed(self, ev: SwitchDone, origin: asyncio.Task | None) -> bool:
-        """Loop (:class:`SwitchDone`): :meth:`WeightSync.landed`."""
-        return self.weights.landed(ev, origin)
-
-    def concurrent(self, sample_id: str, make_coro, name: str) -> asyncio.Task:
-        """For the moves: :meth:`Generation.concurrent` (per-sample ordering is generation's)."""
-        return self.generation.concurrent(sample_id, make_coro, name)
-
-    def dispatch(self, a: Dispatch) -> None:
-        self.generation.dispatch(a)
-
-    def prompt_tokens(self, group_id: str) -> int:
-        return self.generation.prompt_tokens(group_id)
-
-    # ------------------------------------------------------------------ journal (resume)
-    def load_journal(self, samples: dict[str, Any]) -> None:
-        """After :meth:`ControllerState.load_state_dict`: :meth:`JournalReplay.load`."""
-        self.replay.load(samples)
-
-    def replayed(self, sample_id: str) -> int | None:
-        """Loop (:class:`Replayed`): :meth:`JournalReplay.replayed`."""
-        return self.replay.replayed(sample_id)
-
-    @property
-    def samples_from_journal(self) -> int:
-        return self.replay.samples_from_journal
+    def is_failed(self, instance: str) -> bool:
+        """:meth:`Pool.is_failed` (also what the launchers' pollers ask)."""
+        return self.pool.is_failed(instance)
 
     def local_shortage(self, what: str, err: BaseException) -> None:
         """For every component that calls engines: :meth:`Generation.local_shortage` (one count)."""
         self.generation.local_shortage(what, err)
 
+    def concurrent(self, sample_id: str, make_coro, name: str) -> asyncio.Task:
+        """For the moves: :meth:`Generation.concurrent` (per-sample ordering is generation's)."""
+        return self.generation.concurrent(sample_id, make_coro, name)
+
     async def resubmit(self, a: Submit) -> None:
         """For the moves (a migration's fallback): :meth:`Generation.resubmit`."""
         await self.generation.resubmit(a)
 
-    def turn_current(self, sample_id: str, turn: Any) -> bool:
-        """Loop (:class:`TurnEnded`, :class:`TurnReady`): :meth:`Turns.current`."""
-        return self.turns.current(sample_id, turn)
+    def pending_moves(self, instance: str) -> list[asyncio.Future]:
+        """For a switch: :meth:`Migrations.pending`, what it waits for."""
+        return self.moves.pending(instance)
 
-    def absorb(self, ev: EngineReply) -> int | None:
-        tokens = self.generation.absorb(ev)
-        if tokens is not None:
-            self.pool.sample_finished(ev.instance)
-        return tokens
-
-    def sample_versions(self, sample_id: str) -> set[int]:
-        return self.generation.sample_versions(sample_id)
-
+    # ------------------------------------------------------------------ what launchers call
     def add_instance(self, name: str, engine: Engine) -> None:
         """Elastic pools: ``engine`` joins the running job as ``name`` (new, or a failed name coming
         back); the orchestrator switches it to the version it assigns, then routes work to it.
         Goes through the loop (:class:`InstanceJoined`), after any failure reported before it."""
         self.events.post(InstanceJoined(name, engine))
 
-    def register(self, ev: InstanceJoined) -> bool:
-        return self.pool.register(ev)
-
-    def is_current(self, instance: str, engine: Engine) -> bool:
-        return self.pool.is_current(instance, engine)
-
     def report_failure(self, instance: str, why: str, engine: Engine | None = None) -> None:
         """For launchers (a supervisor saw the process exit, a node restarted it): ``instance``
         failed. Goes through the loop like every other event."""
         self.events.post(InstanceFailed(instance, why, engine))
 
-    def mark_failed(self, ev: InstanceFailed, origin: asyncio.Task | None) -> bool:
-        return self.pool.mark_failed(ev, origin)
+    def all_failed(self) -> bool:
+        """For a supervising launcher: :meth:`Pool.all_failed`."""
+        return self.pool.all_failed()
 
+    def request_stop(self, reason: str) -> None:
+        """For the launcher's stop signals: :meth:`Training.request_stop` (at the next step boundary)."""
+        self.training.request_stop(reason)
+
+    # ------------------------------------------------------------------ the run: start, end, error
     @property
     def ended(self) -> asyncio.Event:
         """Set once the run ends (:meth:`stop`): a :class:`ControllerLoop` runs until it is."""
@@ -325,33 +307,6 @@ class Runtime:
         self._done.set()
         self.events.post(Stop())
 
-    def release_batch(self, a: ReleaseBatch) -> None:
-        self.training.release_batch(a)
-
-    def record_step(self, ev: TrainerDone, live_versions: int) -> tuple[int, bool]:
-        """Loop (:class:`TrainerDone`): the trainer holds the new weights (:meth:`WeightSync.trained`),
-        the step is logged (:meth:`Training.record_step`); a checkpoint due there is started."""
-        self.weights.trained(int(ev.result["version"]), ev.result.get("checksum"))
-        new_version, due = self.training.record_step(ev, live_versions)
-        if due:
-            # Trainer first, then the controller state, both at the same boundary: weights
-            # ``new_version`` exist and the orchestrator has not yet reacted to them (resume
-            # replays ``on_step_finished(new_version)``).
-            self.spawn(self.checkpoints.save_trainer(new_version), f"checkpoint-v{new_version}")
-        return new_version, due
-
-    def step_boundary(self) -> bool:
-        return self.training.step_boundary()
-
-    def request_stop(self, reason: str) -> None:
-        """For the launcher's stop signals: :meth:`Training.request_stop` (at the next step boundary)."""
-        self.training.request_stop(reason)
-
-    # ------------------------------------------------------------------ checkpoints
-    def write_controller_state(self, version: int, orchestrator_snapshot: dict[str, Any]) -> None:
-        self.controller_state.write(version, orchestrator_snapshot)
-
-    # ------------------------------------------------------------------ start and end of the run
     def begin(self) -> None:
         """What comes before the loop reads its first event (:func:`~dora_megatron.controller.main.drive`):
         the clock starts, the instances absent at start fail, ``Start`` or ``Resume`` is posted (a
@@ -398,7 +353,7 @@ class Runtime:
         if self.timeline is not None:
             self.timeline.close(wall)
         if self.evaluator is not None and self.training.stop_reason is None:  # the final weights, once the rollout stopped (not in the run's wall time; not on a stop)
-            await self.evaluator.finish(self.training.steps_done, self.latest_version or max(
+            await self.evaluator.finish(self.training.steps_done, self.weights.latest_version or max(
                 (v for v in map(self.pool.instance_version, self.engines) if v is not None), default=0))
         return run_summary(self, wall)
 

@@ -116,7 +116,7 @@ class EngineSupervisor:
                     and name in rt.engines and rt.is_failed(name)):
                 self._restarting[name] = asyncio.get_running_loop().create_task(self._restart(name),
                                                                                 name=f"restart-{name}")
-        # per poll, so O(1) questions only (rt.failed is a scan of the whole pool)
+        # per poll, so O(1) questions only (rt.pool.failed is a scan of the whole pool)
         if not (self.policy.enabled and not self._restarting and not rt.is_done() and rt.all_failed()):
             self._all_failed_since = None
             return

@@ -111,7 +111,7 @@ def test_runtime_on_sglang_adapter_migrates_by_resubmit_and_keeps_outputs(engine
     opts = RuntimeOptions(steps=5, seed=0, max_new_tokens=MAX_NEW, temperature=0.0, top_p=1.0, top_k=-1,
                           snapshot_dir=lambda v: model_dir, stats_interval_s=0.02)
     runtime: list[Runtime] = []
-    trainer = StaticTrainer(hold=(1, lambda: bool(runtime) and runtime[0].migrations_fallback > 0))
+    trainer = StaticTrainer(hold=(1, lambda: bool(runtime) and runtime[0].moves.migrations_fallback > 0))
 
     async def go():
         adapters = {n: SGLangEngine(SGLangClient(e.url)) for n, e in zip(names, engines)}
@@ -141,7 +141,7 @@ def test_runtime_on_sglang_adapter_migrates_by_resubmit_and_keeps_outputs(engine
     assert summary["c1_violations"] == 0 and mismatches == 0
     assert summary["migrations_kv"] == 0, "the SGLang path must never use the KV export extension"
     assert summary["migrations_reprefill"] > 0 and summary["reprefill_tokens"] > 0
-    assert summary["checksum_mismatches"] == 0 and len(rt.instance_checksums) >= 1  # /weights_checker was compared
+    assert summary["checksum_mismatches"] == 0 and len(rt.weights.instance_checksums) >= 1  # /weights_checker was compared
     assert len(trainer.batches) == 5 and all(len(b) == 2 * 2 for b in trainer.batches)
     for got, want in refs:  # resubmitting prompt + partial output continues the same greedy sequence
         assert got == want, (tok.decode(got), tok.decode(want))
@@ -383,7 +383,7 @@ def test_an_instance_without_weights_checker_survives_every_weight_switch(engine
     finally:
         bare.stop()
     assert summary["failed_instances"] == [] and summary["lost_groups"] == 0 and len(trainer.batches) == 4
-    assert summary["checksum_unavailable"] == 1 and rt.checksum_off == {"e1"}
-    assert summary["checksum_mismatches"] == 0 and rt.instance_checksums, "e0 was still checked"
+    assert summary["checksum_unavailable"] == 1 and rt.weights.checksum_off == {"e1"}
+    assert summary["checksum_mismatches"] == 0 and rt.weights.instance_checksums, "e0 was still checked"
     warned = [r for r in caplog.records if "checksum_unavailable" in r.getMessage()]
     assert len(warned) == 1 and "e1" in warned[0].getMessage()

@@ -247,7 +247,7 @@ def test_runtime_on_vllm_migrates_by_resubmit_and_continues_the_same_greedy_sequ
     opts = RuntimeOptions(steps=5, seed=0, max_new_tokens=max_new, temperature=0.0, top_p=1.0, top_k=-1,
                           snapshot_dir=lambda v: str(model_dir), stats_interval_s=0.02)
     runtime: list[Runtime] = []
-    trainer = StaticTrainer(hold=(1, lambda: bool(runtime) and runtime[0].migrations_fallback > 0))
+    trainer = StaticTrainer(hold=(1, lambda: bool(runtime) and runtime[0].moves.migrations_fallback > 0))
     try:
         for s in servers:
             s.wait_ready()
@@ -262,7 +262,7 @@ def test_runtime_on_vllm_migrates_by_resubmit_and_continues_the_same_greedy_sequ
                 summary = await asyncio.wait_for(drive(rt), timeout=RUN_BOUND_S)
             except asyncio.TimeoutError:
                 pytest.fail(f"the runtime did not finish 5 steps within {RUN_BOUND_S} s (steps done: "
-                            f"{len(trainer.batches)}, migrations: {rt.migrations_fallback})")
+                            f"{len(trainer.batches)}, migrations: {rt.moves.migrations_fallback})")
             for n, a in adapters.items():  # a switch cut short by the run's end must not leave a server paused
                 assert not await a.client.is_paused(), f"{n} is left paused after the run"
             ref = adapters["e0"]

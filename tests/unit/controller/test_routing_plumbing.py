@@ -131,7 +131,7 @@ def test_resume_from_the_journal_trains_on_the_journaled_routing(tmp_path):
     rt2, engines2, trainer2 = _routed_make(6, tmp_path)
     resume(rt2, trainer2, tmp_path, 2)
     rt2.journal = Journal(run_dir)
-    rt2.load_journal(journaled)
+    rt2.replay.load(journaled)
     rt2.journal.start(2)
     asyncio.run(drive(rt2))
     rt2.journal.close()

@@ -325,9 +325,9 @@ def test_an_older_controller_json_with_step_logs_and_duplicated_groups_still_loa
         del g["prompt_ids"]
     assert any(not s["finished"] for s in old["samples"]) and any(s["finished"] for s in old["samples"])
     new_rt, _, _ = make(steps=4)
-    new_rt.load_state_dict(state, rows)
+    new_rt.controller_state.load_state_dict(state, rows)
     old_rt, _, _ = make(steps=4)
-    old_rt.load_state_dict(old)
+    old_rt.controller_state.load_state_dict(old)
     assert old_rt.training.steps_done == new_rt.training.steps_done == 2
     assert old_rt.samples == new_rt.samples and old_rt.samples
     # (a group's version is the orchestrator's, restored from the snapshot, not the executor's)

@@ -93,7 +93,7 @@ def test_weight_sync_timeout_fails_the_instance_and_training_continues():
     for name in list(engines):
         engines[name] = rt.engines[name] = HangOnceEngine(name, budget, token_s=0.002)
     rt.opt = dataclasses.replace(rt.opt, weight_sync_timeout_s=0.2)
-    trainer.hold_step(5, lambda: rt.weight_sync_timeouts > 0)  # else the run may end first
+    trainer.hold_step(5, lambda: rt.weights.weight_sync_timeouts > 0)  # else the run may end first
     summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=60))
     check_run(rt, engines, trainer, 6, 4, 2)
     slow = [name for name, e in engines.items() if e.stuck]
@@ -185,7 +185,7 @@ def test_resume_restores_finished_samples_from_the_journal(tmp_path):
     rt2, engines2, trainer2 = make(mode="dora", steps=6, tmp_path=tmp_path)
     resume(rt2, trainer2, tmp_path, 2)
     rt2.journal = Journal(run_dir)
-    rt2.load_journal(journaled)
+    rt2.replay.load(journaled)
     rt2.journal.start(2)
     summary = asyncio.run(drive(rt2))
     rt2.journal.close()
@@ -225,7 +225,7 @@ def test_a_push_of_newer_weights_than_assigned_falls_back_to_the_snapshot():
 
     rt, engines, trainer = make(mode="dora", n=2, steps=1, transport="distributed")
     done = record_switches(rt)
-    rt.latest_version = 2  # what the runtime knew when it chose the push
+    rt.weights.latest_version = 2  # what the runtime knew when it chose the push
     trainer.version = 3  # what the trainer holds when the push runs
 
     async def main():

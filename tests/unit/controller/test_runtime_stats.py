@@ -150,7 +150,7 @@ def test_pushed_load_reports_replace_the_polls_of_the_engines_they_cover():
     polls: list[tuple[str, float]] = []
     engines = {"e0": NoPollEngine("e0"), "e1": NoPollEngine("e1"), "e2": SlowStatsEngine("e2", polls)}
     rt = make_runtime(engines)
-    rt.load_reports = source = PushedReports(engines, {"e0", "e1"})
+    rt.stats.load_reports = source = PushedReports(engines, {"e0", "e1"})
     finish(rt)
     assert not rt.pool.failed_ever and source.takes > 0
     assert {n for n, _ in polls} == {"e2"}  # the uncovered engine is still polled
@@ -159,7 +159,7 @@ def test_pushed_load_reports_replace_the_polls_of_the_engines_they_cover():
 def test_a_pushed_failure_fails_the_instance_and_its_work_moves():
     engines = {f"e{i}": NoPollEngine(f"e{i}") for i in range(3)}
     rt = make_runtime(engines)
-    rt.load_reports = PushedReports(engines, set(engines), fail_at=3)
+    rt.stats.load_reports = PushedReports(engines, set(engines), fail_at=3)
     rt.trainer.hold_step(1, until=lambda: "e0" in rt.pool.failed_ever)
     finish(rt)  # nothing lost or duplicated
     assert rt.pool.failed_ever == {"e0"}
