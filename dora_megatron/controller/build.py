@@ -106,13 +106,13 @@ def blocking_reward_fn(scorer) -> Callable[[str, str], float]:
 @dataclass
 class Controller:
     """A built controller: :func:`~dora_megatron.controller.main.drive` runs it;
-    :meth:`close_journal` and :meth:`close_reward` release its journal and reward workers."""
+    :meth:`close` releases its journal and reward workers."""
 
     runtime: Any  # controller.runtime.Runtime
     trainer: Any  # controller.trainer_client.TrainerClient
     engines: dict[str, Any]
     reward_name: str
-    scorer: Any = None  # data.reward_api.RewardScorer (its worker processes end with close_reward)
+    scorer: Any = None  # data.reward_api.RewardScorer (its worker processes end with close)
     source: Any = None  # the prompt source (data_skipped_rows)
     state: dict[str, Any] | None = None  # the checkpoint's controller.json it resumed from
     journal: Any = None
@@ -122,11 +122,10 @@ class Controller:
     def orch(self):
         return self.runtime.orch
 
-    def close_journal(self) -> None:
+    def close(self) -> None:
+        """Release the journal and the reward's worker processes."""
         if self.journal is not None:
             self.journal.close()
-
-    def close_reward(self) -> None:
         close = getattr(self.scorer, "close", None)
         if close is not None:
             close()

@@ -80,3 +80,25 @@ class EngineClients:
             await e.close()
         if self.pool is not None:
             await self.pool.close()
+
+    async def wait_ready(self, launcher: Any, urls: dict[str, str], trainer_url: str, say) -> Any:
+        """Until the launcher's processes answer (:meth:`~dora_megatron.controller.main.Launcher.wait_started`),
+        saying which instances start later; SGLang instances' versions are checked then. Returns
+        what the launcher knows of them (``urls``, ``ready``, ``absent``, ``loading``, ``attempts``)."""
+        import time
+
+        t_start = time.monotonic()
+        say(f"waiting for {len(urls)} engines and the trainer ({self.cfg.launch.trainer_procs} rank(s)) ...")
+        started = await launcher.wait_started(dict(urls), trainer_url)
+        if started.absent:
+            say(f"starting with {len(started.ready)} of {len(started.urls)} rollout instance(s) after "
+                f"{time.monotonic() - t_start:.1f} s; the others join once ready: "
+                + "; ".join(f"{n}: {why}" for n, why in sorted(started.absent.items())))
+        else:
+            say(f"all processes healthy after {time.monotonic() - t_start:.1f} s")
+        if self.cfg.rollout.engine == "sglang":
+            from dora_megatron.rollout.sglang.server import check_versions
+
+            for warning in await check_versions([started.urls[n] for n in sorted(started.ready)]):
+                say(f"warning: {warning}")
+        return started

@@ -9,18 +9,16 @@ to start, restarting a dead engine, naming why the trainer died) is the launcher
 
 ::
 
-    launcher: start processes --> run_controller: clients --> wait_started --> build_controller
-        (queue, orchestrator, Runtime) --> the launcher's event sources (supervisor, trainer
-        watchdog, joins), stop signals --> drive: Runtime.begin --> ControllerLoop with the stats
-        poller and the end watcher --> Runtime.finish --> close clients --> RunOutputs.finish
-        (summary.json, export, timeline)
+    launcher: start processes --> run_controller: clients, wait_ready --> build_controller (queue,
+        orchestrator, Runtime) --> the launcher's event sources, stop signals --> drive:
+        Runtime.begin --> ControllerLoop, stats poller, end watcher --> Runtime.finish --> close
+        --> RunOutputs.finish (summary.json, export, timeline)
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from pathlib import Path
 from typing import Any, Callable, Coroutine, Protocol
 
@@ -104,23 +102,10 @@ async def run_controller(cfg: DoraConfig, endpoints: Endpoints, run_dir: Path, m
     from dora_megatron.controller.trainer_client import TrainerError, TrainerUnreachable
     from dora_megatron.data.sources import skipped_rows
 
-    t_start = time.monotonic()
     # refuses before waiting on thousands of instances
     clients = EngineClients(cfg, model_dir, run_dir, launcher.procs, len(endpoints.engines), say)
-    say(f"waiting for {len(endpoints.engines)} engines and the trainer ({cfg.launch.trainer_procs} rank(s)) ...")
-    started = await launcher.wait_started(dict(endpoints.engines), endpoints.trainer)
+    started = await clients.wait_ready(launcher, endpoints.engines, endpoints.trainer, say)
     endpoints = Endpoints(dict(started.urls), endpoints.trainer)
-    if started.absent:
-        say(f"starting with {len(started.ready)} of {len(started.urls)} rollout instance(s) after "
-            f"{time.monotonic() - t_start:.1f} s; the others join once ready: "
-            + "; ".join(f"{n}: {why}" for n, why in sorted(started.absent.items())))
-    else:
-        say(f"all processes healthy after {time.monotonic() - t_start:.1f} s")
-    if cfg.rollout.engine == "sglang":
-        from dora_megatron.rollout.sglang.server import check_versions
-
-        for warning in await check_versions([started.urls[n] for n in sorted(started.ready)]):
-            say(f"warning: {warning}")
     outputs = RunOutputs(cfg, run_dir, checkpoint, trainer_restarts)
     await clients.start_pool()
     ctl = build_controller(cfg, endpoints, run_dir=run_dir, model_dir=model_dir, make_engine=clients.make,
@@ -153,21 +138,13 @@ async def run_controller(cfg: DoraConfig, endpoints: Endpoints, run_dir: Path, m
         for task in sources:
             task.cancel()
         await asyncio.gather(*sources, return_exceptions=True)
-        ctl.close_journal()
-        ctl.close_reward()
+        ctl.close()
         outputs.close()
-        try:  # bounded: a lost trainer may be hung
-            acked = await asyncio.wait_for(trainer.shutdown(), timeout=cfg.launch.shutdown_timeout_s)
-        except asyncio.TimeoutError:
-            acked = False
-        if acked:  # let torchrun end by itself: SIGTERM would leave a SignalException traceback
-            await launcher.trainer_exited(cfg.launch.shutdown_timeout_s)
-        await trainer.close()
+        await trainer.leave(cfg.launch.shutdown_timeout_s, launcher.trainer_exited)
         await clients.close(ctl.engines)
         # last: every queued dump and checkpoint overview written (the run's work is over, the
         # loop may wait for it now; an interrupted run's cleanup above has already run)
         outputs.close_background()
-    summary["reward_fn"] = ctl.reward_name
-    summary["trainer_restarts"] = trainer_restarts
-    summary["data_skipped_rows"] = skipped_rows(ctl.source)
+    summary.update(reward_fn=ctl.reward_name, trainer_restarts=trainer_restarts, data_skipped_rows=skipped_rows(ctl.source))
     return outputs.finish(summary, model_dir, say)
+

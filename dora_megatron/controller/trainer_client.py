@@ -102,3 +102,15 @@ class TrainerClient:
         except (aiohttp.ClientError, asyncio.TimeoutError, TrainerError):
             return False
         return True
+
+    async def leave(self, timeout_s: float, exited) -> None:
+        """At the end of a run: :meth:`shutdown` (bounded: a lost trainer may be hung); a trainer that
+        acknowledged it is left to end by itself (``await exited(timeout_s)``: SIGTERM would leave
+        torchrun a SignalException traceback); then the client closes."""
+        try:
+            acked = await asyncio.wait_for(self.shutdown(), timeout=timeout_s)
+        except asyncio.TimeoutError:
+            acked = False
+        if acked:
+            await exited(timeout_s)
+        await self.close()

@@ -73,7 +73,7 @@ def test_a_resumed_controller_continues_from_the_checkpoint(tmp_path):
     assert "consumed" not in state and set(rt.groups) == {g["group_id"] for g in state["groups"]}
     assert {g["group_id"] for g in state["groups"]}.isdisjoint(g for b in rt.training.steps for g in b.group_ids)
     assert ctl.journal is not None  # cpu_tiny journals; a resume starts a new lineage at v2
-    ctl.close_journal()
+    ctl.close()
     assert json.loads((run_dir / "journal.jsonl").read_text().splitlines()[0]) == {"t": "checkpoint", "version": 2}
 
 
