@@ -35,8 +35,9 @@ VIOLATIONS = {
     "data-leaf": ("data/codec.py", "import dora_megatron.launch.inputs"),
     "trainer-memory-pure": ("trainer/memory.py", "import torch"),
     "workflow-leaf": ("workflow/tools.py", "import dora_megatron.controller.records"),
-    "controller-components": ("controller/stats.py", "import dora_megatron.controller.runtime"),
-    "controller-components-independent": ("controller/migration.py", "import dora_megatron.controller.weight_sync"),
+    "controller-components": ("controller/training.py", "import dora_megatron.controller.runtime"),
+    "controller-components-independent": ("controller/generation.py", "import dora_megatron.controller.pool"),
+    "controller-components-below-outputs": ("controller/summary.py", "import dora_megatron.controller.outputs"),
     "controller-not-launch": ("controller/clients.py", "import dora_megatron.launch.startup"),
     "launch-through-main": ("launch/elastic.py", "import dora_megatron.controller.runtime"),
 }
