@@ -30,6 +30,7 @@ setup(
         "datasets>=3.0",
         "pyarrow>=15",
         "math-verify>=0.7",  # the built-in `math` reward (symbolic equivalence of final answers)
+        "scipy>=1.10",  # dora bench: Student t quantiles of the ratios' confidence intervals
     ],
     extras_require={
         # msgspec: SGLang 0.5.23's request types (tests/sglang_wheel.py) validate the client's bodies;

@@ -37,6 +37,13 @@ class BenchConfig:
                                          "reaches this level; per variant the seeds' times and how many got there.")
     reward_window: int = field_doc(5, "Steps of the trailing mean of time-to-reward (one step's few groups are "
                                       "too noisy to compare).", ge=1)
+    reward_source: str = field_doc("trained", "What time-to-reward reads: `trained` = the reward of each step's "
+                                              "trained samples (`steps.jsonl`, over `reward_window` steps); `eval` = "
+                                              "the held-out eval set's rounds (`eval.jsonl`: the mean reward of the "
+                                              "weights of the round's step on `data.eval_path`, every "
+                                              "`observability.eval_interval` steps; a round is not smoothed). `eval` "
+                                              "needs both keys set; its requests share the engines with the rollout "
+                                              "in every variant.", choices=("trained", "eval"))
 
     def check(self, path: str) -> None:
         for i, name in enumerate(self.variants):

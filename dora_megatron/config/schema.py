@@ -46,6 +46,11 @@ class DoraConfig:
     bench: BenchConfig = field(default_factory=BenchConfig)
 
     def check(self, path: str) -> None:
+        if self.bench.reward_source == "eval" and not (self.data.eval_path and self.observability.eval_interval):
+            # without rounds during the run there is no curve: only the final round, after the last step
+            raise ConfigError("bench.reward_source", "'eval' reads the eval set's rounds during each run: set "
+                              f"data.eval_path (now {self.data.eval_path!r}) and observability.eval_interval "
+                              f"(now {self.observability.eval_interval}) > 0")
         if self.data.is_dataset and self.model.warm_start and not self.model.path:
             # the warm start teaches the digit task: silently applied, it would train a model for
             # the wrong task before a prompt of the file is seen

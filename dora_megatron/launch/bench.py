@@ -34,7 +34,7 @@ from typing import Any
 
 from dora_megatron.config.loader import apply_overrides, from_dict, to_dict, validate
 from dora_megatron.config.schema import DoraConfig
-from dora_megatron.launch.bench_stats import paired_ratio_ci, reward_curve, time_to_reward, trailing_mean
+from dora_megatron.launch.bench_stats import eval_curve, paired_ratio_ci, reward_curve, time_to_reward, trailing_mean
 from dora_megatron.launch.capacity import bound, median_spread
 
 log = logging.getLogger(__name__)
@@ -181,18 +181,21 @@ def aggregate(runs: dict[str, list[dict[str, Any]]], baseline: str = "auto",
     return out
 
 
-def learning(run_dirs: dict[str, list[Path]], level: float, window: int) -> dict[str, Any]:
-    """Per variant and seed (``run_dirs[v][k]``: round k): the reward curve (wall seconds, reward of
-    the step's trained samples) read from ``steps.jsonl``, the time-to-reward at ``level`` over a
-    trailing ``window`` of steps (:func:`~.bench_stats.time_to_reward`; None: not reached) and the
-    last trailing mean; per variant the seeds that got there and the median time of those that did."""
-    out: dict[str, Any] = {"level": level, "window": window, "variants": {}}
+def learning(run_dirs: dict[str, list[Path]], level: float, window: int, source: str = "trained") -> dict[str, Any]:
+    """Per variant and seed (``run_dirs[v][k]``: round k): the reward curve (wall seconds, reward)
+    and the time-to-reward at ``level`` (:func:`~.bench_stats.time_to_reward`; None: not reached),
+    and the last point of the curve; per variant the seeds that got there and the median time of
+    those that did. ``source`` ``trained``: the reward of each step's trained samples
+    (``steps.jsonl``) over a trailing ``window`` of steps; ``eval``: the held-out eval set's rounds
+    (``eval.jsonl``), each at the wall time of the step whose weights it evaluated, unsmoothed
+    (a round already averages the whole eval set)."""
+    window = window if source == "trained" else 1
+    out: dict[str, Any] = {"level": level, "window": window, "source": source, "variants": {}}
     for v, dirs in run_dirs.items():
         seeds = []
         for d in dirs:
-            path = d / "steps.jsonl"
-            rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
-            walls, rewards = reward_curve(rows)
+            rows = _jsonl(d / "steps.jsonl")
+            walls, rewards = reward_curve(rows) if source == "trained" else eval_curve(rows, _jsonl(d / "eval.jsonl"))
             smooth = [m for m in trailing_mean(rewards, window) if m is not None] if rewards else []
             seeds.append({"run": d.name, "wall_s": walls, "reward": rewards,
                           "time_to_reward_s": time_to_reward(walls, rewards, level, window),
@@ -202,6 +205,10 @@ def learning(run_dirs: dict[str, list[Path]], level: float, window: int) -> dict
                               "time_to_reward_median_s": statistics.median(times) if times else None,
                               "final_reward_mean": _mean([s["final_reward"] for s in seeds])}
     return out
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
 
 
 def markdown_table(agg: dict[str, Any]) -> str:
@@ -246,8 +253,10 @@ def learning_table(learn: dict[str, Any]) -> str:
     def f(x, fmt="{:.1f}"):
         return "-" if x is None else fmt.format(x)
 
-    lines = [f"Time to a trailing {learn['window']}-step mean reward of {learn['level']:.3f} (wall seconds of the "
-             "steps; '-': not reached in the run):", "",
+    what = (f"a trailing {learn['window']}-step mean reward of {learn['level']:.3f} (the trained samples"
+            if learn.get("source", "trained") == "trained" else
+            f"a mean reward of {learn['level']:.3f} on the held-out eval set (the weights of each eval round's step")
+    lines = [f"Time to {what}; wall seconds of the steps; '-': not reached in the run):", "",
              "| variant | reached | median (s) | per seed (s) | final trailing reward, per seed |", "|---|---|---|---|---|"]
     for v, m in learn["variants"].items():
         lines.append(f"| {v} | {m['reached']}/{m['runs']} | {f(m['time_to_reward_median_s'])} | "
@@ -427,7 +436,7 @@ def write_results(cfg: DoraConfig, out: Path, runs: dict[str, list[dict[str, Any
     (also usable on a finished bench directory to aggregate it again)."""
     b = cfg.bench
     agg = aggregate(runs, b.baseline, limits or None, b.ci_level)
-    learn = learning(run_dirs, b.reward_level, b.reward_window)
+    learn = learning(run_dirs, b.reward_level, b.reward_window, b.reward_source)
     result = {"runs": runs, **agg, "learning": learn, "cores": n_cores,
               "order": [f"{n}-seed{k}" for k, n in run_order(b.variants, b.seeds, b.limits)]}
     table = markdown_table(agg) + "\n" + learning_table(learn)

@@ -150,3 +150,43 @@ def test_the_bench_overview_puts_each_variants_run_overview_side_by_side(tmp_pat
     h, w = mpimg.imread(out).shape[:2]
     assert w > 1.5 * h  # two overviews side by side (the empty run has none)
     assert plot_overviews({"partial": [empty]}, tmp_path / "none.png") is None
+
+
+def test_eval_reward_source_needs_the_eval_set_and_rounds_during_the_run():
+    from dora_megatron.config.base import ConfigError
+    from dora_megatron.config.loader import apply_overrides, from_dict, read_yaml, validate
+    from dora_megatron.config.schema import DoraConfig
+
+    base = read_yaml("configs/bench/cpu_longtail.yaml")
+    for overrides, named in ((["bench.reward_source=eval"], "data.eval_path"),
+                             (["bench.reward_source=eval", "data.eval_path=configs/bench/digit_cipher_eval.jsonl"],
+                              "observability.eval_interval")):
+        with pytest.raises(ConfigError, match="bench.reward_source") as err:
+            validate(from_dict(DoraConfig, apply_overrides(dict(base), overrides)))
+        assert named in str(err.value)
+    validate(from_dict(DoraConfig, apply_overrides(dict(base), [
+        "bench.reward_source=eval", "data.eval_path=configs/bench/digit_cipher_eval.jsonl",
+        "observability.eval_interval=5"])))
+
+
+def test_the_committed_digit_eval_set_is_the_held_out_prompts_scored_by_the_task(tmp_path):
+    """configs/bench/digit_cipher_eval.jsonl is what tools/make_digit_eval_set.py writes for the
+    bench config, reads as an eval set, and each ground truth earns the task's full reward."""
+    import importlib.util
+
+    from dora_megatron.config.loader import apply_overrides, from_dict, read_yaml
+    from dora_megatron.config.schema import DoraConfig
+    from dora_megatron.data import sources
+    from dora_megatron.data.tasks import make_prompt_source
+
+    spec = importlib.util.spec_from_file_location("make_digit_eval_set", "tools/make_digit_eval_set.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = tmp_path / "eval.jsonl"
+    assert tool.main(["--config", "configs/bench/cpu_longtail.yaml", "--prompts", "32", "--out", str(out)]) == 0
+    assert out.read_text() == open("configs/bench/digit_cipher_eval.jsonl").read()
+    cfg = from_dict(DoraConfig, apply_overrides(read_yaml("configs/bench/cpu_longtail.yaml"), [f"data.eval_path={out}"]))
+    rows = sources.eval_prompts(cfg, sources.job_codec(cfg, None))
+    _, reward = make_prompt_source(cfg.data.task, min_len=1, max_len=4)
+    assert len(rows) == 32 and all(reward(p.answer, p.answer) == 1.0 for p in rows)
+    assert sum(reward("", p.answer) for p in rows) == 0.0

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from dora_megatron.launch.bench import aggregate, learning, learning_table, markdown_table
-from dora_megatron.launch.bench_stats import (paired_ratio_ci, reward_curve, t_quantile, time_to_reward,
+from dora_megatron.launch.bench_stats import (eval_curve, paired_ratio_ci, reward_curve, t_quantile, time_to_reward,
                                               trailing_mean)
 
 
@@ -95,6 +95,43 @@ def test_a_fast_mode_that_learns_less_shows_in_time_to_reward(tmp_path):
     assert len(s["seeds"][0]["wall_s"]) == len(s["seeds"][0]["reward"]) == 10
     table = learning_table(learn)
     assert "| fast | 0/2 | - |" in table and "| slow | 1/2 | 14.0 | 14.0 / - |" in table
+
+
+def test_eval_curve_places_each_round_at_the_wall_time_of_its_step():
+    steps = [{"step": 0, "perf/step_time_s": 0.0}, {"step": 1, "perf/step_time_s": 2.0},
+             {"step": 2, "perf/step_time_s": 3.0}, {"step": 3, "perf/step_time_s": 1.0}]
+    rounds = [{"step": 3, "mean_reward": 0.7, "final": True}, {"step": 1, "mean_reward": 0.2, "final": False},
+              {"step": 9, "mean_reward": 0.9, "final": False},  # a step the run never logged: no wall time
+              {"step": 2, "mean_reward": None, "final": False}]
+    assert eval_curve(steps, rounds) == ([2.0, 6.0], [0.2, 0.7])
+
+
+def _write_eval_run(d, step_time, eval_rewards, trained=0.9):
+    d.mkdir(parents=True)
+    n = 2 * len(eval_rewards)
+    d.joinpath("steps.jsonl").write_text("".join(
+        json.dumps({"step": i, "reward/mean": trained, "perf/step_time_s": 0.0 if i == 0 else step_time}) + "\n"
+        for i in range(n)))
+    d.joinpath("eval.jsonl").write_text("".join(
+        json.dumps({"step": 2 * (k + 1) - 1, "mean_reward": r, "final": k == len(eval_rewards) - 1}) + "\n"
+        for k, r in enumerate(eval_rewards)))
+    return d
+
+
+def test_time_to_reward_on_the_held_out_set_ignores_the_trained_samples_reward(tmp_path):
+    # both runs' trained samples score 0.9 from the start (e.g. easy prompts, stale samples);
+    # only the eval rounds tell that "slow" reaches 0.6 at its third round and "fast" never
+    fast = [_write_eval_run(tmp_path / "fast-seed0", 1.0, [0.3, 0.3, 0.4])]
+    slow = [_write_eval_run(tmp_path / "slow-seed0", 2.0, [0.3, 0.5, 0.6])]
+    trained = learning({"fast": fast, "slow": slow}, level=0.6, window=3)
+    assert trained["variants"]["fast"]["reached"] == 1  # the trained reward says both got there
+    held = learning({"fast": fast, "slow": slow}, level=0.6, window=3, source="eval")
+    assert held["source"] == "eval" and held["window"] == 1
+    assert held["variants"]["fast"]["reached"] == 0
+    # the third round evaluates step 5, whose wall time is 5 x 2 s
+    assert held["variants"]["slow"]["seeds"][0]["time_to_reward_s"] == pytest.approx(10.0)
+    assert held["variants"]["slow"]["seeds"][0]["final_reward"] == pytest.approx(0.6)
+    assert "held-out eval set" in learning_table(held)
 
 
 def test_aggregate_reports_paired_intervals_and_runs_above_their_bound():
