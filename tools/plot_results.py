@@ -5,7 +5,8 @@ the files the measurements wrote (``dora bench``'s ``bench.json``) or from the t
 quoted in (``examples/results/sim_tables.json``), never drawn by hand. Run it after replacing one of
 those files::
 
-    python tools/plot_results.py                # writes docs/results/bench_modes.png, sim_speedup.png
+    python tools/plot_results.py                # writes docs/results/bench_modes.png, sim_speedup.png,
+                                                # tool_use_rl.png
     python tools/plot_results.py --out /tmp/x   # somewhere else
 
 Plots:
@@ -16,6 +17,9 @@ Plots:
 * ``sim_speedup.png``: simulated throughput over sync per mode at four scales (the paper's benchmark
   on 64 and 128 GPUs, the MoE config on 4,096 and 16,384 accelerators), with the paper's own ratios
   where it reports them.
+* ``tool_use_rl.png``: the CPU tool-use example's RL run (``tool_use_rl_steps.json``: the run's
+  ``steps.jsonl`` reduced to step, ``reward/mean`` and ``env/tool_use_rate``): both per step and
+  their 10-step trailing means.
 """
 
 from __future__ import annotations
@@ -121,6 +125,31 @@ def plot_sim(path: Path, out: Path) -> None:
     plt.close(fig)
 
 
+def plot_tool_use(path: Path, out: Path, window: int = 10) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = json.loads(path.read_text())["steps"]
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.5, 3.2))
+    for key, label, colour in (("env/tool_use_rate", "tool-use rate", "tab:blue"), ("reward/mean", "reward", "tab:red")):
+        values = [r[key] for r in rows]
+        trailing = [statistics.fmean(values[max(0, i + 1 - window):i + 1]) for i in range(len(values))]
+        ax.plot(steps, values, color=colour, alpha=0.25, lw=0.8)
+        ax.plot(steps, trailing, color=colour, lw=1.8, label=f"{label} ({window}-step trailing mean)")
+    ax.set_xlabel("RL step", fontsize=8)
+    ax.set_ylim(0, 1)
+    ax.tick_params(labelsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title("configs/cpu_tool_use.yaml: the policy learns to call its calculator", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", type=Path, default=RESULTS, help="folder of the data files (examples/results)")
@@ -130,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     plot_bench([args.results / name for name in BENCH_FILES], args.out / "bench_modes.png")
     plot_sim(args.results / "sim_tables.json", args.out / "sim_speedup.png")
-    for name in ("bench_modes.png", "sim_speedup.png"):
+    plot_tool_use(args.results / "tool_use_rl_steps.json", args.out / "tool_use_rl.png")
+    for name in ("bench_modes.png", "sim_speedup.png", "tool_use_rl.png"):
         log.info("wrote %s (%d KB)", args.out / name, (args.out / name).stat().st_size // 1024)
     return 0
 
