@@ -175,9 +175,11 @@ def test_multi_node_template_survives_a_killed_rollout_instance_on_another_node(
     assert (run_dir / "logs" / "n2" / "engine0.log").is_file()
 
 
-def _trainer_rank_tree(run_dir: Path) -> list[int]:
-    """The trainer's rank on its node and what the rank started (torchrun itself excluded)."""
-    (torchrun,) = _pids_of(run_dir, b"torch.distributed.run")
+def _trainer_rank_tree(run_dir: Path, node_rank: int | None = None) -> list[int]:
+    """The trainer's rank on its node and what the rank started (torchrun itself excluded);
+    ``node_rank``: the torchrun of that trainer node (a trainer spanning nodes has one per node)."""
+    words = (b"torch.distributed.run",) + ((f"--node-rank={node_rank}".encode(),) if node_rank is not None else ())
+    (torchrun,) = _pids_of(run_dir, *words)
     return [p for p in process_tree(torchrun) if p != torchrun]
 
 
@@ -190,15 +192,17 @@ def _in_step(log: Path) -> int | None:
     return None
 
 
-def _freeze_mid_step(run_dir: Path, cwd: Path, job: str) -> tuple[list[int], int]:
-    """SIGSTOP the trainer's rank tree while a step runs; returns the frozen pids and the step.
+def _freeze_mid_step(run_dir: Path, cwd: Path, job: str, node: str = "n1", name: str = "trainer",
+                     node_rank: int | None = None) -> tuple[list[int], int]:
+    """SIGSTOP the rank tree of the trainer ``name`` on ``node`` while a step runs (its own log shows
+    the step started, not ended); returns the frozen pids and the step.
     WHY check after freezing: the step may end between reading the log and the signal; then the
     rank is let go and the next step is tried."""
-    log = run_dir / "logs" / "n1" / "trainer.log"
+    log = run_dir / "logs" / node / f"{name}.log"
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while time.monotonic() < deadline:
-        if _in_step(log) is not None:
-            ranks = _trainer_rank_tree(run_dir)
+        if log.is_file() and _in_step(log) is not None:
+            ranks = _trainer_rank_tree(run_dir, node_rank)
             signal_tree(ranks, signal.SIGSTOP)
             step = _in_step(log)
             if step is not None:
@@ -250,6 +254,43 @@ def test_multi_node_job_restarts_a_trainer_killed_during_a_checkpoint_write_and_
     assert f"restarting it from checkpoint v{2 * (step // 2):06d}" in restarts[1], (step, restarts)
     assert summary["trainer_restarts"] == 2 and summary["failed_instances"] == [], summary
     _wait(lambda: not in_sessions(seen), 30, "the end of every process of the killed ranks' sessions")
+
+
+def test_multi_node_job_restarts_a_trainer_spanning_two_nodes_killed_mid_step_on_its_second_node(slurm_cluster,
+                                                                                                 tmp_path):
+    """3 nodes, ``cluster.trainer_nodes: 2``: a 2-rank gloo trainer over n1 (rank 0, the controller)
+    and n2 (rank 1), one engine on n3. The rank on n2 is SIGKILLed inside a step (frozen first: its
+    own log shows the step started and not ended). The controller counts the trainer as lost,
+    restarts its torchrun on n1 and asks n2 (through the numbered restart request) to restart its
+    part from the same start point; the engine on n3 is the same process throughout, the job
+    completes with each step once in ``consumed.jsonl``, and nothing of the killed rank's session
+    outlives the job."""
+    steps = 4
+    job = slurm_cluster.sbatch(["--nodes=3", MULTI, CONFIG, "--set", f"run.steps={steps}",
+                                "--set", "cluster.trainer_nodes=2", "--set", "launch.max_trainer_restarts=1"],
+                               cwd=tmp_path, env=_job_env())
+    run_dir = _run_dir(tmp_path, job)
+    steps_file = run_dir / "steps.jsonl"
+    _wait(lambda: steps_file.exists() and steps_file.read_text().count("\n") >= 1, JOB_TIMEOUT_S,
+          f"first step of job {job}:\n{_output(tmp_path, job)[-3000:]}")
+    engine = _pids_of(run_dir, b"serve", host="n3")
+    assert len(engine) == 1, (engine, _output(tmp_path, job)[-3000:])
+    ranks, step = _freeze_mid_step(run_dir, tmp_path, job, node="n2", name="trainer1", node_rank=1)
+    seen = sessions(ranks)
+    signal_tree(ranks, signal.SIGKILL)
+    _wait(lambda: "(trainer restart 1, asked by the controller)" in _output(tmp_path, job), 180,
+          f"the restart of n2's part of the trainer in job {job}:\n{_output(tmp_path, job)[-3000:]}")
+    assert _pids_of(run_dir, b"serve", host="n3") == engine  # the instance was kept
+    _finish(slurm_cluster, job, tmp_path)
+    summary = _check_run(run_dir, steps)
+    out = _output(tmp_path, job)
+    restarts = [ln for ln in out.splitlines() if ln.startswith("trainer lost: ")]
+    print(f"\nkilled rank 1 mid-step {step}:", *restarts, sep="\n")
+    assert len(restarts) == 1, out[-4000:]
+    assert "trainer1 on n2: restarting it from" in out, out[-4000:]
+    assert summary["trainer_restarts"] == 1 and summary["failed_instances"] == [], summary
+    assert "restarted" not in (run_dir / "logs" / "n3" / "engine0.log").read_text()
+    _wait(lambda: not in_sessions(seen), 30, "the end of every process of the killed rank's session")
 
 
 def _task_pid(job: str, node_id: int) -> int:
