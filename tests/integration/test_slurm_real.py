@@ -71,14 +71,16 @@ def _procs_under(run_dir: Path) -> list[int]:
     return out
 
 
-def _wait(cond, timeout_s: float, what: str, interval_s: float = 0.5):
+def _wait(cond, timeout_s: float, what, interval_s: float = 0.5):
+    """Wait for ``cond()``; ``what`` (a string, or a callable giving one: the job's output as it is
+    at the timeout, not when the wait began) names it in the timeout's message."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = cond()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise TimeoutError(f"no {what} after {timeout_s:.0f} s")
+            raise TimeoutError(f"no {what() if callable(what) else what} after {timeout_s:.0f} s")
         time.sleep(interval_s)
 
 
@@ -137,14 +139,14 @@ def _trainer_held(run_dir: Path, cwd: Path, job: str, until: str):
     WHY hold the trainer: the short run would otherwise end before the event under test."""
     steps_file = run_dir / "steps.jsonl"
     _wait(lambda: steps_file.exists() and steps_file.read_text().count("\n") >= 1, JOB_TIMEOUT_S,
-          f"first step of job {job}:\n{_output(cwd, job)[-3000:]}")
+          lambda: f"first step of job {job}:\n{_output(cwd, job)[-3000:]}")
     trainer = _pids_of(run_dir, b"dora_megatron.trainer.entry")  # torchrun and its rank (own sessions)
     assert len(trainer) == 2, (trainer, _output(cwd, job)[-3000:])
     for pid in trainer:
         os.kill(pid, signal.SIGSTOP)
     try:
         yield
-        _wait(lambda: until in _output(cwd, job), 180, f"{until!r} in the output of job {job}:\n{_output(cwd, job)[-3000:]}")
+        _wait(lambda: until in _output(cwd, job), 180, lambda: f"{until!r} in the output of job {job}:\n{_output(cwd, job)[-3000:]}")
     finally:
         for pid in trainer:
             os.kill(pid, signal.SIGCONT)
@@ -226,7 +228,7 @@ def test_multi_node_job_restarts_a_trainer_killed_during_a_checkpoint_write_and_
                                cwd=tmp_path, env=_job_env())
     run_dir = _run_dir(tmp_path, job)
     first = run_dir / "checkpoints" / "v000002"
-    _wait(first.is_dir, JOB_TIMEOUT_S, f"the first checkpoint write of job {job}:\n{_output(tmp_path, job)[-3000:]}")
+    _wait(first.is_dir, JOB_TIMEOUT_S, lambda: f"the first checkpoint write of job {job}:\n{_output(tmp_path, job)[-3000:]}")
     engines = {n: _pids_of(run_dir, b"serve", host=n) for n in ("n2", "n3")}
     ranks = _trainer_rank_tree(run_dir)
     signal_tree(ranks, signal.SIGSTOP)  # frozen mid-write: the checkpoint cannot complete
@@ -235,11 +237,11 @@ def test_multi_node_job_restarts_a_trainer_killed_during_a_checkpoint_write_and_
     assert not (first / "controller.json").is_file(), "the checkpoint completed before the kill"
     signal_tree(ranks, signal.SIGKILL)
     _wait(lambda: "restarting it from the initial weights (no complete checkpoint)" in _output(tmp_path, job), 120,
-          f"the first trainer restart of job {job}:\n{_output(tmp_path, job)[-3000:]}")
+          lambda: f"the first trainer restart of job {job}:\n{_output(tmp_path, job)[-3000:]}")
     # the restarted lineage: checkpoint v2 complete again, then a step after it, killed mid-step
     steps_file = run_dir / "steps.jsonl"
     _wait(lambda: (first / "controller.json").is_file() and steps_file.read_text().count("\n") >= 2, JOB_TIMEOUT_S,
-          f"checkpoint v2 of the restarted lineage:\n{_output(tmp_path, job)[-3000:]}")
+          lambda: f"checkpoint v2 of the restarted lineage:\n{_output(tmp_path, job)[-3000:]}")
     ranks, step = _freeze_mid_step(run_dir, tmp_path, job)
     seen |= sessions(ranks)
     assert step >= 2, step
@@ -272,14 +274,14 @@ def test_multi_node_job_restarts_a_trainer_spanning_two_nodes_killed_mid_step_on
     run_dir = _run_dir(tmp_path, job)
     steps_file = run_dir / "steps.jsonl"
     _wait(lambda: steps_file.exists() and steps_file.read_text().count("\n") >= 1, JOB_TIMEOUT_S,
-          f"first step of job {job}:\n{_output(tmp_path, job)[-3000:]}")
+          lambda: f"first step of job {job}:\n{_output(tmp_path, job)[-3000:]}")
     engine = _pids_of(run_dir, b"serve", host="n3")
     assert len(engine) == 1, (engine, _output(tmp_path, job)[-3000:])
     ranks, step = _freeze_mid_step(run_dir, tmp_path, job, node="n2", name="trainer1", node_rank=1)
     seen = sessions(ranks)
     signal_tree(ranks, signal.SIGKILL)
     _wait(lambda: "(trainer restart 1, asked by the controller)" in _output(tmp_path, job), 180,
-          f"the restart of n2's part of the trainer in job {job}:\n{_output(tmp_path, job)[-3000:]}")
+          lambda: f"the restart of n2's part of the trainer in job {job}:\n{_output(tmp_path, job)[-3000:]}")
     assert _pids_of(run_dir, b"serve", host="n3") == engine  # the instance was kept
     _finish(slurm_cluster, job, tmp_path)
     summary = _check_run(run_dir, steps)
@@ -317,7 +319,7 @@ def test_multi_node_job_starts_although_an_instance_on_another_node_dies_during_
     job = slurm_cluster.sbatch(["--nodes=3", MULTI, CONFIG], cwd=tmp_path, env=_job_env())
     run_dir = _run_dir(tmp_path, job)
     engine = _wait(lambda: "waiting for 2 engines" in _output(tmp_path, job) and _pids_of(run_dir, b"serve", host="n3"),
-                   JOB_TIMEOUT_S, f"the start-up wait of job {job} and its engine on n3:\n{_output(tmp_path, job)[-3000:]}")
+                   JOB_TIMEOUT_S, lambda: f"the start-up wait of job {job} and its engine on n3:\n{_output(tmp_path, job)[-3000:]}")
     controller = _task_pid(job, 0)
     assert controller, _output(tmp_path, job)[-3000:]
     os.kill(controller, signal.SIGSTOP)
@@ -375,7 +377,7 @@ def test_scancel_writes_failed_and_a_resumed_job_consumes_every_group_once(slurm
                                cwd=tmp_path, env=_job_env())
     run_dir = _run_dir(tmp_path, job)
     _wait(lambda: list(run_dir.glob("checkpoints/*/controller.json")), JOB_TIMEOUT_S,
-          f"a checkpoint of job {job}:\n{_output(tmp_path, job)[-3000:]}")
+          lambda: f"a checkpoint of job {job}:\n{_output(tmp_path, job)[-3000:]}")
     slurm_cluster.scancel(job)
     assert slurm_cluster.wait_state(job, FINISHED, 120) == "CANCELLED"
     failed = _wait(lambda: (run_dir / "FAILED").is_file() and (run_dir / "FAILED").read_text(), 30, "FAILED marker")
@@ -417,7 +419,7 @@ def test_time_limit_warning_checkpoints_and_a_resumed_job_consumes_every_group_o
     run_dir = _run_dir(tmp_path, job)
     steps_file = run_dir / "steps.jsonl"
     _wait(lambda: steps_file.exists() and steps_file.read_text().count("\n") >= 1, JOB_TIMEOUT_S,
-          f"first step of job {job}:\n{_output(tmp_path, job)[-3000:]}")
+          lambda: f"first step of job {job}:\n{_output(tmp_path, job)[-3000:]}")
     # the limit now ends 60-120 s from here: slurmctld sends the warning (60 s, +30 s for its test
     # period) at its next test, and the time limit's SIGTERM would come a minute later
     minutes = _field(slurm_cluster, job, "RunTime").split("-")[-1].split(":")
