@@ -47,7 +47,7 @@ from dora_megatron.launch.startup import StartupRefused
 from dora_megatron.launch.stop import StopSignals, Stopped, exit_status
 from dora_megatron.launch.trainer_restart import (PartLost, RestartRequest, TrainerLost, TrainerRestarts,
                                                   report_part_lost, request_restart, restart_requested, restart_trainer,
-                                                  run_restarting, trainer_argv, watch_trainer_parts)
+                                                  run_restarting, trainer_argv, wait_part_lost, watch_trainer_parts)
 
 log = logging.getLogger(__name__)
 
@@ -463,10 +463,24 @@ class JoiningLauncher(ProcessLauncher):
     trainer spanning nodes (``trainer_lineage``: this job's id and its trainer restarts so far), the
     watch for the other trainer nodes' notices that their part died (:func:`.watch_trainer_parts`)."""
 
+    #: how long an error answered by a trainer spanning nodes waits for a trainer node's notice
+    #: that its part died (that node polls every second; its torchrun first notices its rank's death)
+    PART_NOTICE_WAIT_S = 30.0
+
     def __init__(self, cfg: DoraConfig, procs: ProcessSet, run_dir: Path, model_dir: Path, node: str,
                  join_dir: Path, trainer_lineage: tuple[str, int] | None = None) -> None:
         super().__init__(cfg, procs, run_dir, host=node, fixed_ports=True)
         self.model_dir, self.join_dir, self.trainer_lineage = model_dir, join_dir, trainer_lineage
+
+    async def trainer_failure(self, err: Exception, answered: str | None) -> BaseException:
+        """A trainer spanning nodes whose part on another node died: rank 0 fails the step's collective
+        and answers that error (or the call drops); the part's node reports the death, which makes
+        it a lost trainer (restarted), not an error a restart would repeat."""
+        if self.trainer_lineage is not None:
+            lost = await wait_part_lost(self.run_dir, *self.trainer_lineage, self.PART_NOTICE_WAIT_S)
+            if lost is not None:
+                return lost
+        return await super().trainer_failure(err, answered)
 
     def _make_joined(self, req):  # a joining instance gets the same client as the planned ones
         from dora_megatron.rollout.factory import engine_for

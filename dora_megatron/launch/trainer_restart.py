@@ -274,13 +274,34 @@ def parts_lost(run_dir: Path, job_id: str, lineage: int) -> list[PartLost]:
     return found
 
 
+def part_lost_error(run_dir: Path, job_id: str, lineage: int) -> TrainerLost | None:
+    """The loss a notice of this lineage reports (the first node's), None without one."""
+    found = parts_lost(run_dir, job_id, lineage)
+    return TrainerLost(f"the trainer's part on {found[0].node} died: {found[0].reason}") if found else None
+
+
 async def watch_trainer_parts(run_dir: Path, job_id: str, lineage: int, on_lost: Callable[[TrainerLost], None],
                               poll_s: float = 1.0) -> None:
     """Poll for a notice of the trainer's other nodes (:func:`report_part_lost`) about this
     lineage; on the first, call ``on_lost`` once (the trainer is lost: it is restarted whole) and return."""
     while True:
-        found = parts_lost(run_dir, job_id, lineage)
-        if found:
-            on_lost(TrainerLost(f"the trainer's part on {found[0].node} died: {found[0].reason}"))
+        lost = part_lost_error(run_dir, job_id, lineage)
+        if lost is not None:
+            on_lost(lost)
             return
+        await asyncio.sleep(poll_s)
+
+
+async def wait_part_lost(run_dir: Path, job_id: str, lineage: int, timeout_s: float,
+                         poll_s: float = 0.2) -> TrainerLost | None:
+    """Wait at most ``timeout_s`` for a notice of this lineage (None: none came).
+
+    WHY: a rank whose peer on another node died may fail its collective (gloo: "Connection closed by
+    peer") and answer the call with that error while it lives on; the peer's node reports the death
+    within its poll period, and only that notice tells the loss from an error a restart would repeat."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        lost = part_lost_error(run_dir, job_id, lineage)
+        if lost is not None or asyncio.get_running_loop().time() >= deadline:
+            return lost
         await asyncio.sleep(poll_s)

@@ -236,6 +236,39 @@ def test_the_controller_counts_the_trainer_lost_on_a_notice_of_its_current_linea
     assert isinstance(lost[0], TrainerLost)
 
 
+def test_an_error_answered_by_a_trainer_spanning_nodes_is_a_lost_trainer_once_its_other_node_reports(tmp_path):
+    """Rank 0 of a trainer over n1-n2 whose rank on n2 died may fail the step's collective and answer
+    HTTP 500 ("Connection closed by peer") while it lives on; before, that answer failed the job (a
+    plain ChildFailed, as an error a restart would repeat). The notice n2 writes after it (within
+    its poll period) makes it a TrainerLost, restarted; for a trainer on the controller's node only,
+    the answered error stays a ChildFailed."""
+    import asyncio
+
+    from dora_megatron.launch.slurm_run import JoiningLauncher
+    from dora_megatron.launch.trainer_restart import PartLost, TrainerLost, report_part_lost
+    from dora_megatron.processes import ChildFailed
+
+    cfg, _ = _node(tmp_path, ["cluster.trainer_nodes=2"])
+    answered = "trainer /train: HTTP 500: RuntimeError: Connection closed by peer [127.0.0.2]:2218"
+
+    def launcher(procs, lineage):
+        return JoiningLauncher(cfg, procs, tmp_path, tmp_path / "model", "n1", tmp_path / "join", trainer_lineage=lineage)
+
+    async def answered_then_reported(spanning) -> BaseException:
+        async def report_later() -> None:
+            await asyncio.sleep(0.3)  # the answer comes first
+            report_part_lost(tmp_path, PartLost("5", 0, "n2", "trainer1 exited with status 1"))
+
+        _, err = await asyncio.gather(report_later(), spanning.trainer_failure(RuntimeError("HTTP 500"), answered))
+        return err
+
+    with ProcessSet(tmp_path / "logs", grace_s=5) as procs:  # no local trainer child to wait for here
+        err = asyncio.run(answered_then_reported(launcher(procs, ("5", 0))))
+        assert isinstance(err, TrainerLost) and str(err) == "the trainer's part on n2 died: trainer1 exited with status 1"
+        err = asyncio.run(launcher(procs, None).trainer_failure(RuntimeError("HTTP 500"), answered))
+        assert type(err) is ChildFailed and str(err) == answered
+
+
 def _wait_lines(path: Path, n: int, timeout_s: float = 30.0) -> list:
     import json
 
