@@ -4,7 +4,8 @@ Each test submits a template with ``sbatch`` exactly as the README shows (CPU ro
 ``configs/cpu_slurm.yaml``), waits for the job's state from ``scontrol`` and checks the run
 directory: every step trained, no group lost or duplicated, C1/C3 0, the end marker, no process
 left. The fault tests kill a rollout instance on a non-controller node, kill the trainer on its
-node (during a checkpoint write and mid-step: restarted inside the job), ``scancel`` a job and
+node (during a checkpoint write and mid-step: restarted inside the job), kill the rank of a trainer
+spanning two nodes on its second node mid-step, ``scancel`` a job and
 resume it as a new job, and point a joiner at a dead run.
 """
 
