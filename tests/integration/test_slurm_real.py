@@ -476,6 +476,24 @@ def test_joiner_pointed_at_a_dead_run_exits_with_a_message_within_its_bound(slur
     _wait(lambda: not _procs_under(run_dir), 30, "exit of the joiner's processes")
 
 
+def test_a_job_whose_launch_a_stalled_slurmd_answers_late_still_starts(slurm_cluster, tmp_path):
+    """n1's slurmd is frozen for 25 s around a submission (as a loaded machine stalls it), longer than
+    SLURM's default ``MessageTimeout`` of 10 s: the test cluster's ``MessageTimeout=60`` lets the late
+    answer to the batch launch count, and the job runs. Before, slurmctld counted the launch failed and
+    requeued the job, which stayed PENDING (``BeginTime``) with no output file, the way a multi-node
+    test's second job once never started under load."""
+    (slurmd,) = [p for p in slurm_cluster.procs if "-N" in p.args and p.args[p.args.index("-N") + 1] == "n1"]
+    os.kill(slurmd.pid, signal.SIGSTOP)
+    try:
+        job = slurm_cluster.sbatch(["--nodes=3", "--output=late-%j.out", "--wrap", "echo started"], cwd=tmp_path)
+        time.sleep(25)
+    finally:
+        os.kill(slurmd.pid, signal.SIGCONT)
+    state = slurm_cluster.wait_state(job, FINISHED, 120)
+    assert state == "COMPLETED", (state, _field(slurm_cluster, job, "Reason"))
+    assert (tmp_path / f"late-{job}.out").read_text().strip() == "started"
+
+
 def _vllm_python() -> str:
     """The vllm venv's interpreter, or a skip (opt-in tier ``DORA_VLLM=1``; a failure in CI without the venv)."""
     from dora_megatron.config.vllm import DEFAULT_VLLM_PYTHON
