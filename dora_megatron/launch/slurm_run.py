@@ -11,7 +11,8 @@ Faults: a rollout instance that dies is restarted by its own node's launcher on 
 (``launch.restart_engines``, at most ``launch.max_engine_restarts`` times); on a node other than the
 controller's it then asks to rejoin through the join folder. A lost trainer is restarted inside the
 job (:mod:`.trainer_restart`, ``launch.max_trainer_restarts``): the controller's node restarts its
-torchrun and asks other trainer nodes to restart theirs from the same checkpoint. A node exits
+torchrun and asks other trainer nodes to restart theirs from the same checkpoint; a trainer node
+whose part died tells the controller (the ranks left would wait for it in a collective). A node exits
 non-zero only when the run fails (FAILED, or its trainer died with no restart left), so
 ``srun --kill-on-bad-exit`` ends the job for run failures only. Every way a job ends leaves a marker: the first SIGTERM (``scancel``, the time limit),
 SIGINT or SIGUSR1 (the templates' early warning before the time limit) stops the run at its next
@@ -44,8 +45,9 @@ from dora_megatron.processes import ChildFailed, ProcessSet
 from dora_megatron.launch.slurm import SlurmEnv, slurm_run_dir
 from dora_megatron.launch.startup import StartupRefused
 from dora_megatron.launch.stop import StopSignals, Stopped, exit_status
-from dora_megatron.launch.trainer_restart import (RestartRequest, TrainerLost, TrainerRestarts, request_restart,
-                                                  restart_requested, restart_trainer, run_restarting, trainer_argv)
+from dora_megatron.launch.trainer_restart import (PartLost, RestartRequest, TrainerLost, TrainerRestarts,
+                                                  report_part_lost, request_restart, restart_requested, restart_trainer,
+                                                  run_restarting, trainer_argv, wait_part_lost, watch_trainer_parts)
 
 log = logging.getLogger(__name__)
 
@@ -256,9 +258,12 @@ class NodeEngines:
             return False
         if child.name not in self.trainer_waiting:
             self.trainer_waiting.add(child.name)
-            _say(f"{child.name} on {self.node} exited with status {child.popen.returncode}: waiting for the "
-                 f"controller to restart the trainer (launch.max_trainer_restarts={self.cfg.launch.max_trainer_restarts}, "
-                 f"{self.trainer_restarts} used)")
+            # the ranks on the other nodes wait for this one inside a collective: tell the controller
+            report_part_lost(self.run_dir, PartLost(self.job_id, self.trainer_restarts, self.node,
+                                                    child.failure().splitlines()[0]))
+            _say(f"{child.name} on {self.node} exited with status {child.popen.returncode}: the controller was "
+                 f"told; waiting for it to restart the trainer (launch.max_trainer_restarts="
+                 f"{self.cfg.launch.max_trainer_restarts}, {self.trainer_restarts} used)")
         return True
 
 
@@ -365,7 +370,7 @@ def run_slurm_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan, resume: st
                 def run_once(ck: Path | None) -> dict:
                     try:
                         return asyncio.run(_controller(cfg, plan, run_dir, model_dir, procs, ck, node, signals,
-                                                       trainer_restarts=budget.used))
+                                                       trainer_restarts=budget.used, job_id=env.job_id))
                     except TrainerLost as err:
                         if signals.received is None:
                             raise
@@ -438,25 +443,44 @@ def _restart_trainer(cfg: DoraConfig, plan: ClusterPlan, procs: ProcessSet, run_
 
 
 async def _controller(cfg: DoraConfig, plan: ClusterPlan, run_dir: Path, model_dir: Path, procs: ProcessSet,
-                      checkpoint, node: str, signals: StopSignals | None = None, trainer_restarts: int = 0) -> dict:
+                      checkpoint, node: str, signals: StopSignals | None = None, trainer_restarts: int = 0,
+                      job_id: str | None = None) -> dict:
     from dora_megatron.controller.main import Endpoints, run_controller
 
     join_dir = _join_dir(cfg, run_dir)
     join_dir.mkdir(parents=True, exist_ok=True)
+    spans = any(p.role == "trainer" and p.host != plan.controller_node for p in plan.processes)
     # ``node``: instances on this node are restarted by the controller's own supervisor at their URL
+    launcher = JoiningLauncher(cfg, procs, run_dir, model_dir, node, join_dir,
+                               trainer_lineage=(job_id, trainer_restarts) if spans and job_id is not None else None)
     return await run_controller(cfg, Endpoints(dict(plan.engine_urls), plan.trainer_url), run_dir, model_dir,
-                                JoiningLauncher(cfg, procs, run_dir, model_dir, node, join_dir), _say, checkpoint,
-                                stop_signals=signals, trainer_restarts=trainer_restarts)
+                                launcher, _say, checkpoint, stop_signals=signals, trainer_restarts=trainer_restarts)
 
 
 class JoiningLauncher(ProcessLauncher):
     """The controller node's launcher: its event sources add the elastic join watcher (the
-    instances of join nodes announce themselves in ``join_dir``, ``cluster.join_dir``)."""
+    instances of join nodes announce themselves in ``join_dir``, ``cluster.join_dir``) and, for a
+    trainer spanning nodes (``trainer_lineage``: this job's id and its trainer restarts so far), the
+    watch for the other trainer nodes' notices that their part died (:func:`.watch_trainer_parts`)."""
+
+    #: how long an error answered by a trainer spanning nodes waits for a trainer node's notice
+    #: that its part died (that node polls every second; its torchrun first notices its rank's death)
+    PART_NOTICE_WAIT_S = 30.0
 
     def __init__(self, cfg: DoraConfig, procs: ProcessSet, run_dir: Path, model_dir: Path, node: str,
-                 join_dir: Path) -> None:
+                 join_dir: Path, trainer_lineage: tuple[str, int] | None = None) -> None:
         super().__init__(cfg, procs, run_dir, host=node, fixed_ports=True)
-        self.model_dir, self.join_dir = model_dir, join_dir
+        self.model_dir, self.join_dir, self.trainer_lineage = model_dir, join_dir, trainer_lineage
+
+    async def trainer_failure(self, err: Exception, answered: str | None) -> BaseException:
+        """A trainer spanning nodes whose part on another node died: rank 0 fails the step's collective
+        and answers that error (or the call drops); the part's node reports the death, which makes
+        it a lost trainer (restarted), not an error a restart would repeat."""
+        if self.trainer_lineage is not None:
+            lost = await wait_part_lost(self.run_dir, *self.trainer_lineage, self.PART_NOTICE_WAIT_S)
+            if lost is not None:
+                return lost
+        return await super().trainer_failure(err, answered)
 
     def _make_joined(self, req):  # a joining instance gets the same client as the planned ones
         from dora_megatron.rollout.factory import engine_for
@@ -467,9 +491,12 @@ class JoiningLauncher(ProcessLauncher):
         from dora_megatron.launch.elastic import watch_joins
 
         # asked once the start-up wait is over: from now on the controller sends work
-        return [*super().event_sources(runtime, make_engine, started),
-                watch_joins(self.join_dir, runtime, self._make_joined, poll_s=self.cfg.cluster.join_poll_s,
-                            started_at=time.time())]
+        sources = [*super().event_sources(runtime, make_engine, started),
+                   watch_joins(self.join_dir, runtime, self._make_joined, poll_s=self.cfg.cluster.join_poll_s,
+                               started_at=time.time())]
+        if self.trainer_lineage is not None:
+            sources.append(watch_trainer_parts(self.run_dir, *self.trainer_lineage, runtime.stop))
+        return sources
 
 
 def run_join_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan) -> int:

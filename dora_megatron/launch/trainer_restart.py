@@ -12,6 +12,9 @@ and ``--resume`` continues it.
 Under SLURM the controller restarts the part of the trainer on its own node (its child); a trainer
 that spans several nodes is restarted on the others by their own launchers, asked through a
 request file in the shared run directory (:func:`request_restart` / :func:`restart_requested`).
+A part that dies on another node is reported the other way, by a notice its node writes there
+(:func:`report_part_lost`, watched by :func:`watch_trainer_parts`): the ranks left wait for it in a
+collective and rank 0 goes on answering ``/health``, so only its node sees the loss.
 
 WHY the resume path and not a second mechanism: a checkpoint is a cut where weights ``v`` exist
 and the orchestrator has not reacted to them, and ``--resume`` from it is already exactly-once
@@ -221,3 +224,84 @@ def restart_requested(run_dir: Path, job_id: str, done: int) -> RestartRequest |
     except (OSError, ValueError, KeyError, TypeError):  # none yet (a malformed one is never written: atomic)
         return None
     return req if req.job_id == job_id and req.number > done else None
+
+
+PART_LOST = "trainer_lost.{node}.json"
+
+
+@dataclass(frozen=True)
+class PartLost:
+    """A trainer node's notice to the controller: its part of the trainer died (``reason``).
+
+    WHY a notice and not the controller's own watch: the surviving ranks of a trainer spanning
+    nodes wait in a collective for the dead one (the process group's timeout, 30 minutes) while
+    rank 0 still answers ``/health``, so neither the controller's process watch nor its watchdog
+    sees the loss. ``lineage``: the restart requests the node had carried out when its part died
+    (the controller acts on a notice of its current lineage only: one written before a restart is
+    stale after it); ``job_id`` keeps a resumed job from acting on the notice of the job it resumes."""
+
+    job_id: str
+    lineage: int
+    node: str
+    reason: str
+
+
+def report_part_lost(run_dir: Path, notice: PartLost) -> None:
+    """Write ``notice`` (one file per node, atomically: a later notice of another node replaces nothing)."""
+    import json
+    import os
+
+    path = run_dir / PART_LOST.format(node=notice.node)
+    tmp = run_dir / f".{path.name}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps({"job": notice.job_id, "lineage": notice.lineage, "node": notice.node,
+                               "reason": notice.reason}))
+    os.replace(tmp, path)
+
+
+def parts_lost(run_dir: Path, job_id: str, lineage: int) -> list[PartLost]:
+    """The notices of job ``job_id`` about trainer lineage ``lineage`` (restarts so far), by node."""
+    import json
+
+    found = []
+    for path in sorted(run_dir.glob(PART_LOST.format(node="*"))):
+        try:
+            d = json.loads(path.read_text())
+            notice = PartLost(str(d["job"]), int(d["lineage"]), str(d["node"]), str(d["reason"]))
+        except (OSError, ValueError, KeyError, TypeError):  # removed meanwhile (never half-written: atomic)
+            continue
+        if notice.job_id == job_id and notice.lineage == lineage:
+            found.append(notice)
+    return found
+
+
+def part_lost_error(run_dir: Path, job_id: str, lineage: int) -> TrainerLost | None:
+    """The loss a notice of this lineage reports (the first node's), None without one."""
+    found = parts_lost(run_dir, job_id, lineage)
+    return TrainerLost(f"the trainer's part on {found[0].node} died: {found[0].reason}") if found else None
+
+
+async def watch_trainer_parts(run_dir: Path, job_id: str, lineage: int, on_lost: Callable[[TrainerLost], None],
+                              poll_s: float = 1.0) -> None:
+    """Poll for a notice of the trainer's other nodes (:func:`report_part_lost`) about this
+    lineage; on the first, call ``on_lost`` once (the trainer is lost: it is restarted whole) and return."""
+    while True:
+        lost = part_lost_error(run_dir, job_id, lineage)
+        if lost is not None:
+            on_lost(lost)
+            return
+        await asyncio.sleep(poll_s)
+
+
+async def wait_part_lost(run_dir: Path, job_id: str, lineage: int, timeout_s: float,
+                         poll_s: float = 0.2) -> TrainerLost | None:
+    """Wait at most ``timeout_s`` for a notice of this lineage (None: none came).
+
+    WHY: a rank whose peer on another node died may fail its collective (gloo: "Connection closed by
+    peer") and answer the call with that error while it lives on; the peer's node reports the death
+    within its poll period, and only that notice tells the loss from an error a restart would repeat."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        lost = part_lost_error(run_dir, job_id, lineage)
+        if lost is not None or asyncio.get_running_loop().time() >= deadline:
+            return lost
+        await asyncio.sleep(poll_s)

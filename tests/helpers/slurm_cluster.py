@@ -6,6 +6,11 @@ Debian's ``slurmd`` is built with multiple-slurmd support, so one host emulates 
 with its own port and loopback address (``NodeAddr`` 127.0.0.1/2/3, names in ``/etc/hosts``).
 Everything the daemons write (state, spool, logs, pid files, the munge socket) lives in one
 temporary folder; :meth:`SlurmCluster.stop` stops every daemon it started by its pid.
+
+WHY ``MessageTimeout=60`` (SLURM's default is 10 s): the daemons share the machine with the jobs
+under test and with other work; a slurmd that answers the batch launch later than that (a loaded
+2-core machine) makes slurmctld count the launch failed and requeue the job, which then stays
+PENDING (reason ``BeginTime``) past any test's wait, its output file never written.
 """
 
 from __future__ import annotations
@@ -94,6 +99,7 @@ AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 MinJobAge=600
 KillWait=20
+MessageTimeout=60
 SlurmctldTimeout=60
 SlurmdTimeout=60
 InactiveLimit=0

@@ -4,7 +4,8 @@ Each test submits a template with ``sbatch`` exactly as the README shows (CPU ro
 ``configs/cpu_slurm.yaml``), waits for the job's state from ``scontrol`` and checks the run
 directory: every step trained, no group lost or duplicated, C1/C3 0, the end marker, no process
 left. The fault tests kill a rollout instance on a non-controller node, kill the trainer on its
-node (during a checkpoint write and mid-step: restarted inside the job), ``scancel`` a job and
+node (during a checkpoint write and mid-step: restarted inside the job), kill the rank of a trainer
+spanning two nodes on its second node mid-step, ``scancel`` a job and
 resume it as a new job, and point a joiner at a dead run.
 """
 
@@ -71,14 +72,16 @@ def _procs_under(run_dir: Path) -> list[int]:
     return out
 
 
-def _wait(cond, timeout_s: float, what: str, interval_s: float = 0.5):
+def _wait(cond, timeout_s: float, what, interval_s: float = 0.5):
+    """Wait for ``cond()``; ``what`` (a string, or a callable giving one: the job's output as it is
+    at the timeout, not when the wait began) names it in the timeout's message."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = cond()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise TimeoutError(f"no {what} after {timeout_s:.0f} s")
+            raise TimeoutError(f"no {what() if callable(what) else what} after {timeout_s:.0f} s")
         time.sleep(interval_s)
 
 
@@ -137,14 +140,14 @@ def _trainer_held(run_dir: Path, cwd: Path, job: str, until: str):
     WHY hold the trainer: the short run would otherwise end before the event under test."""
     steps_file = run_dir / "steps.jsonl"
     _wait(lambda: steps_file.exists() and steps_file.read_text().count("\n") >= 1, JOB_TIMEOUT_S,
-          f"first step of job {job}:\n{_output(cwd, job)[-3000:]}")
+          lambda: f"first step of job {job}:\n{_output(cwd, job)[-3000:]}")
     trainer = _pids_of(run_dir, b"dora_megatron.trainer.entry")  # torchrun and its rank (own sessions)
     assert len(trainer) == 2, (trainer, _output(cwd, job)[-3000:])
     for pid in trainer:
         os.kill(pid, signal.SIGSTOP)
     try:
         yield
-        _wait(lambda: until in _output(cwd, job), 180, f"{until!r} in the output of job {job}:\n{_output(cwd, job)[-3000:]}")
+        _wait(lambda: until in _output(cwd, job), 180, lambda: f"{until!r} in the output of job {job}:\n{_output(cwd, job)[-3000:]}")
     finally:
         for pid in trainer:
             os.kill(pid, signal.SIGCONT)
@@ -175,9 +178,11 @@ def test_multi_node_template_survives_a_killed_rollout_instance_on_another_node(
     assert (run_dir / "logs" / "n2" / "engine0.log").is_file()
 
 
-def _trainer_rank_tree(run_dir: Path) -> list[int]:
-    """The trainer's rank on its node and what the rank started (torchrun itself excluded)."""
-    (torchrun,) = _pids_of(run_dir, b"torch.distributed.run")
+def _trainer_rank_tree(run_dir: Path, node_rank: int | None = None) -> list[int]:
+    """The trainer's rank on its node and what the rank started (torchrun itself excluded);
+    ``node_rank``: the torchrun of that trainer node (a trainer spanning nodes has one per node)."""
+    words = (b"torch.distributed.run",) + ((f"--node-rank={node_rank}".encode(),) if node_rank is not None else ())
+    (torchrun,) = _pids_of(run_dir, *words)
     return [p for p in process_tree(torchrun) if p != torchrun]
 
 
@@ -190,15 +195,17 @@ def _in_step(log: Path) -> int | None:
     return None
 
 
-def _freeze_mid_step(run_dir: Path, cwd: Path, job: str) -> tuple[list[int], int]:
-    """SIGSTOP the trainer's rank tree while a step runs; returns the frozen pids and the step.
+def _freeze_mid_step(run_dir: Path, cwd: Path, job: str, node: str = "n1", name: str = "trainer",
+                     node_rank: int | None = None) -> tuple[list[int], int]:
+    """SIGSTOP the rank tree of the trainer ``name`` on ``node`` while a step runs (its own log shows
+    the step started, not ended); returns the frozen pids and the step.
     WHY check after freezing: the step may end between reading the log and the signal; then the
     rank is let go and the next step is tried."""
-    log = run_dir / "logs" / "n1" / "trainer.log"
+    log = run_dir / "logs" / node / f"{name}.log"
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while time.monotonic() < deadline:
-        if _in_step(log) is not None:
-            ranks = _trainer_rank_tree(run_dir)
+        if log.is_file() and _in_step(log) is not None:
+            ranks = _trainer_rank_tree(run_dir, node_rank)
             signal_tree(ranks, signal.SIGSTOP)
             step = _in_step(log)
             if step is not None:
@@ -222,7 +229,7 @@ def test_multi_node_job_restarts_a_trainer_killed_during_a_checkpoint_write_and_
                                cwd=tmp_path, env=_job_env())
     run_dir = _run_dir(tmp_path, job)
     first = run_dir / "checkpoints" / "v000002"
-    _wait(first.is_dir, JOB_TIMEOUT_S, f"the first checkpoint write of job {job}:\n{_output(tmp_path, job)[-3000:]}")
+    _wait(first.is_dir, JOB_TIMEOUT_S, lambda: f"the first checkpoint write of job {job}:\n{_output(tmp_path, job)[-3000:]}")
     engines = {n: _pids_of(run_dir, b"serve", host=n) for n in ("n2", "n3")}
     ranks = _trainer_rank_tree(run_dir)
     signal_tree(ranks, signal.SIGSTOP)  # frozen mid-write: the checkpoint cannot complete
@@ -231,11 +238,11 @@ def test_multi_node_job_restarts_a_trainer_killed_during_a_checkpoint_write_and_
     assert not (first / "controller.json").is_file(), "the checkpoint completed before the kill"
     signal_tree(ranks, signal.SIGKILL)
     _wait(lambda: "restarting it from the initial weights (no complete checkpoint)" in _output(tmp_path, job), 120,
-          f"the first trainer restart of job {job}:\n{_output(tmp_path, job)[-3000:]}")
+          lambda: f"the first trainer restart of job {job}:\n{_output(tmp_path, job)[-3000:]}")
     # the restarted lineage: checkpoint v2 complete again, then a step after it, killed mid-step
     steps_file = run_dir / "steps.jsonl"
     _wait(lambda: (first / "controller.json").is_file() and steps_file.read_text().count("\n") >= 2, JOB_TIMEOUT_S,
-          f"checkpoint v2 of the restarted lineage:\n{_output(tmp_path, job)[-3000:]}")
+          lambda: f"checkpoint v2 of the restarted lineage:\n{_output(tmp_path, job)[-3000:]}")
     ranks, step = _freeze_mid_step(run_dir, tmp_path, job)
     seen |= sessions(ranks)
     assert step >= 2, step
@@ -250,6 +257,43 @@ def test_multi_node_job_restarts_a_trainer_killed_during_a_checkpoint_write_and_
     assert f"restarting it from checkpoint v{2 * (step // 2):06d}" in restarts[1], (step, restarts)
     assert summary["trainer_restarts"] == 2 and summary["failed_instances"] == [], summary
     _wait(lambda: not in_sessions(seen), 30, "the end of every process of the killed ranks' sessions")
+
+
+def test_multi_node_job_restarts_a_trainer_spanning_two_nodes_killed_mid_step_on_its_second_node(slurm_cluster,
+                                                                                                 tmp_path):
+    """3 nodes, ``cluster.trainer_nodes: 2``: a 2-rank gloo trainer over n1 (rank 0, the controller)
+    and n2 (rank 1), one engine on n3. The rank on n2 is SIGKILLed inside a step (frozen first: its
+    own log shows the step started and not ended). The controller counts the trainer as lost,
+    restarts its torchrun on n1 and asks n2 (through the numbered restart request) to restart its
+    part from the same start point; the engine on n3 is the same process throughout, the job
+    completes with each step once in ``consumed.jsonl``, and nothing of the killed rank's session
+    outlives the job."""
+    steps = 4
+    job = slurm_cluster.sbatch(["--nodes=3", MULTI, CONFIG, "--set", f"run.steps={steps}",
+                                "--set", "cluster.trainer_nodes=2", "--set", "launch.max_trainer_restarts=1"],
+                               cwd=tmp_path, env=_job_env())
+    run_dir = _run_dir(tmp_path, job)
+    steps_file = run_dir / "steps.jsonl"
+    _wait(lambda: steps_file.exists() and steps_file.read_text().count("\n") >= 1, JOB_TIMEOUT_S,
+          lambda: f"first step of job {job}:\n{_output(tmp_path, job)[-3000:]}")
+    engine = _pids_of(run_dir, b"serve", host="n3")
+    assert len(engine) == 1, (engine, _output(tmp_path, job)[-3000:])
+    ranks, step = _freeze_mid_step(run_dir, tmp_path, job, node="n2", name="trainer1", node_rank=1)
+    seen = sessions(ranks)
+    signal_tree(ranks, signal.SIGKILL)
+    _wait(lambda: "(trainer restart 1, asked by the controller)" in _output(tmp_path, job), 180,
+          lambda: f"the restart of n2's part of the trainer in job {job}:\n{_output(tmp_path, job)[-3000:]}")
+    assert _pids_of(run_dir, b"serve", host="n3") == engine  # the instance was kept
+    _finish(slurm_cluster, job, tmp_path)
+    summary = _check_run(run_dir, steps)
+    out = _output(tmp_path, job)
+    restarts = [ln for ln in out.splitlines() if ln.startswith("trainer lost: ")]
+    print(f"\nkilled rank 1 mid-step {step}:", *restarts, sep="\n")
+    assert len(restarts) == 1, out[-4000:]
+    assert "trainer1 on n2: restarting it from" in out, out[-4000:]
+    assert summary["trainer_restarts"] == 1 and summary["failed_instances"] == [], summary
+    assert "--- restarted by the launcher" not in (run_dir / "logs" / "n3" / "engine0.log").read_text()
+    _wait(lambda: not in_sessions(seen), 30, "the end of every process of the killed rank's session")
 
 
 def _task_pid(job: str, node_id: int) -> int:
@@ -276,7 +320,7 @@ def test_multi_node_job_starts_although_an_instance_on_another_node_dies_during_
     job = slurm_cluster.sbatch(["--nodes=3", MULTI, CONFIG], cwd=tmp_path, env=_job_env())
     run_dir = _run_dir(tmp_path, job)
     engine = _wait(lambda: "waiting for 2 engines" in _output(tmp_path, job) and _pids_of(run_dir, b"serve", host="n3"),
-                   JOB_TIMEOUT_S, f"the start-up wait of job {job} and its engine on n3:\n{_output(tmp_path, job)[-3000:]}")
+                   JOB_TIMEOUT_S, lambda: f"the start-up wait of job {job} and its engine on n3:\n{_output(tmp_path, job)[-3000:]}")
     controller = _task_pid(job, 0)
     assert controller, _output(tmp_path, job)[-3000:]
     os.kill(controller, signal.SIGSTOP)
@@ -334,7 +378,7 @@ def test_scancel_writes_failed_and_a_resumed_job_consumes_every_group_once(slurm
                                cwd=tmp_path, env=_job_env())
     run_dir = _run_dir(tmp_path, job)
     _wait(lambda: list(run_dir.glob("checkpoints/*/controller.json")), JOB_TIMEOUT_S,
-          f"a checkpoint of job {job}:\n{_output(tmp_path, job)[-3000:]}")
+          lambda: f"a checkpoint of job {job}:\n{_output(tmp_path, job)[-3000:]}")
     slurm_cluster.scancel(job)
     assert slurm_cluster.wait_state(job, FINISHED, 120) == "CANCELLED"
     failed = _wait(lambda: (run_dir / "FAILED").is_file() and (run_dir / "FAILED").read_text(), 30, "FAILED marker")
@@ -376,7 +420,7 @@ def test_time_limit_warning_checkpoints_and_a_resumed_job_consumes_every_group_o
     run_dir = _run_dir(tmp_path, job)
     steps_file = run_dir / "steps.jsonl"
     _wait(lambda: steps_file.exists() and steps_file.read_text().count("\n") >= 1, JOB_TIMEOUT_S,
-          f"first step of job {job}:\n{_output(tmp_path, job)[-3000:]}")
+          lambda: f"first step of job {job}:\n{_output(tmp_path, job)[-3000:]}")
     # the limit now ends 60-120 s from here: slurmctld sends the warning (60 s, +30 s for its test
     # period) at its next test, and the time limit's SIGTERM would come a minute later
     minutes = _field(slurm_cluster, job, "RunTime").split("-")[-1].split(":")
@@ -430,6 +474,24 @@ def test_joiner_pointed_at_a_dead_run_exits_with_a_message_within_its_bound(slur
     assert "no live controller" in out and f"after {bound} s" in out, out[-3000:]
     assert time.monotonic() - t0 < 150
     _wait(lambda: not _procs_under(run_dir), 30, "exit of the joiner's processes")
+
+
+def test_a_job_whose_launch_a_stalled_slurmd_answers_late_still_starts(slurm_cluster, tmp_path):
+    """n1's slurmd is frozen for 25 s around a submission (as a loaded machine stalls it), longer than
+    SLURM's default ``MessageTimeout`` of 10 s: the test cluster's ``MessageTimeout=60`` lets the late
+    answer to the batch launch count, and the job runs. Before, slurmctld counted the launch failed and
+    requeued the job, which stayed PENDING (``BeginTime``) with no output file, the way a multi-node
+    test's second job once never started under load."""
+    (slurmd,) = [p for p in slurm_cluster.procs if "-N" in p.args and p.args[p.args.index("-N") + 1] == "n1"]
+    os.kill(slurmd.pid, signal.SIGSTOP)
+    try:
+        job = slurm_cluster.sbatch(["--nodes=3", "--output=late-%j.out", "--wrap", "echo started"], cwd=tmp_path)
+        time.sleep(25)
+    finally:
+        os.kill(slurmd.pid, signal.SIGCONT)
+    state = slurm_cluster.wait_state(job, FINISHED, 120)
+    assert state == "COMPLETED", (state, _field(slurm_cluster, job, "Reason"))
+    assert (tmp_path / f"late-{job}.out").read_text().strip() == "started"
 
 
 def _vllm_python() -> str:

@@ -228,6 +228,22 @@ def test_sbatch_templates_fix_no_gpu_or_cpu_count():
         assert not [d for d in directives if re.search(r"gpus|gres|cpus-per-task|exclusive", d)], (s.name, directives)
 
 
+def test_sbatch_templates_request_the_early_warning_and_pass_it_to_dora():
+    """Every template asks SLURM for ``USR1`` to its batch shell before the time limit
+    (``--signal=B:USR1@N``) and forwards it to the ``srun`` step running ``dora train`` (which
+    checkpoints at its next step boundary): without the directive a time-limited job gets only
+    SIGTERM and ``KillWait`` seconds, too few for a checkpoint; without the trap the batch shell
+    dies of the signal and the step is killed."""
+    for s in sorted((ROOT / "slurm").glob("*.sbatch")):
+        text = s.read_text()
+        warn = [ln for ln in text.splitlines() if re.fullmatch(r"#SBATCH --signal=B:USR1@\d+", ln.strip())]
+        assert len(warn) == 1 and int(warn[0].rsplit("@", 1)[1]) >= 60, (s.name, warn)
+        assert re.search(r"""^trap 'kill -USR1 "\$SRUN"[^']*' USR1$""", text, re.M), s.name
+        commands = text.replace("\\\n", " ").splitlines()  # continuation lines joined
+        (run,) = [ln for ln in commands if ln.startswith("srun ")]
+        assert run.rstrip().endswith("&") and "SRUN=$!" in commands, s.name  # in the background: the trap can run
+
+
 def test_a_run_directory_name_says_its_mode_once():
     """``<name>-<mode>-<suffix>``, the mode left out when the name ends with it; a plan made outside
     a job (no SLURM_JOB_ID) names its directory ``...-dry-run``, not ``...-jobdry-run``."""

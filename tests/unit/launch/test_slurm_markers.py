@@ -171,7 +171,7 @@ def test_a_trainer_node_restarts_its_part_when_the_controller_asks_and_waits_for
     controller's request (the controller chose the checkpoint); it then restarts its torchrun from
     that checkpoint, once per request; a request of another job (the one this job resumes) is
     ignored. With the budget used up, the next death fails the node as before."""
-    from dora_megatron.launch.trainer_restart import RestartRequest, request_restart
+    from dora_megatron.launch.trainer_restart import RestartRequest, parts_lost, request_restart
     from dora_megatron.processes import ChildFailed
 
     cfg, plan = _node(tmp_path, ["cluster.trainer_nodes=2", "launch.max_trainer_restarts=1"])
@@ -186,6 +186,11 @@ def test_a_trainer_node_restarts_its_part_when_the_controller_asks_and_waits_for
         engines = NodeEngines(cfg, procs, plan, "n2", tmp_path / "join", announce_first=False,
                               run_dir=tmp_path, job_id="5")
         engines.check()  # dead, no request yet: it waits (before: ChildFailed, the job ended)
+        engines.check()
+        # and tells the controller, once, for the lineage it runs (no restart carried out yet)
+        (notice,) = parts_lost(tmp_path, "5", 0)
+        assert (notice.node, notice.reason) == ("n2", f"{spec.name} exited with status 9")
+        assert len(list(tmp_path.glob("trainer_lost.*.json"))) == 1
         request_restart(tmp_path, RestartRequest("4", 1, tmp_path / "checkpoints" / "v000009"))  # the resumed job's
         engines.check()
         assert procs.children[0].popen.pid == first.popen.pid
@@ -200,6 +205,68 @@ def test_a_trainer_node_restarts_its_part_when_the_controller_asks_and_waits_for
         restarted.popen.wait()
         with pytest.raises(ChildFailed, match=f"{spec.name} exited with status -9"):
             engines.check()  # no restart left
+
+
+def test_the_controller_counts_the_trainer_lost_on_a_notice_of_its_current_lineage_only(tmp_path):
+    """A trainer node's notice that its part died (the ranks left wait for it in a collective while
+    rank 0 answers /health: before, the job hung until the process group's timeout) ends the
+    controller's run with TrainerLost naming the node; a notice written before the last restart
+    (an older lineage) or by the job this one resumes is not acted on."""
+    import asyncio
+
+    from dora_megatron.launch.trainer_restart import PartLost, TrainerLost, report_part_lost, watch_trainer_parts
+
+    report_part_lost(tmp_path, PartLost("4", 0, "n3", "trainer2 exited with status 1"))  # the resumed job's
+    report_part_lost(tmp_path, PartLost("5", 0, "n2", "trainer1 exited with status -9"))  # before restart 1
+    lost: list[TrainerLost] = []
+
+    async def watch_until_ended(lineage: int) -> bool:
+        """Whether the watch of ``lineage`` ended the run, after its first poll."""
+        task = asyncio.ensure_future(watch_trainer_parts(tmp_path, "5", lineage, lost.append, poll_s=0.01))
+        await asyncio.sleep(0)  # one poll: the notices are on disk already
+        ended = task.done()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return ended
+
+    assert not asyncio.run(watch_until_ended(1)) and lost == []  # stale after restart 1
+    report_part_lost(tmp_path, PartLost("5", 1, "n2", "trainer1 exited with status 1"))
+    assert asyncio.run(watch_until_ended(1))
+    assert [str(e) for e in lost] == ["the trainer's part on n2 died: trainer1 exited with status 1"]
+    assert isinstance(lost[0], TrainerLost)
+
+
+def test_an_error_answered_by_a_trainer_spanning_nodes_is_a_lost_trainer_once_its_other_node_reports(tmp_path):
+    """Rank 0 of a trainer over n1-n2 whose rank on n2 died may fail the step's collective and answer
+    HTTP 500 ("Connection closed by peer") while it lives on; before, that answer failed the job (a
+    plain ChildFailed, as an error a restart would repeat). The notice n2 writes after it (within
+    its poll period) makes it a TrainerLost, restarted; for a trainer on the controller's node only,
+    the answered error stays a ChildFailed."""
+    import asyncio
+
+    from dora_megatron.launch.slurm_run import JoiningLauncher
+    from dora_megatron.launch.trainer_restart import PartLost, TrainerLost, report_part_lost
+    from dora_megatron.processes import ChildFailed
+
+    cfg, _ = _node(tmp_path, ["cluster.trainer_nodes=2"])
+    answered = "trainer /train: HTTP 500: RuntimeError: Connection closed by peer [127.0.0.2]:2218"
+
+    def launcher(procs, lineage):
+        return JoiningLauncher(cfg, procs, tmp_path, tmp_path / "model", "n1", tmp_path / "join", trainer_lineage=lineage)
+
+    async def answered_then_reported(spanning) -> BaseException:
+        async def report_later() -> None:
+            await asyncio.sleep(0.3)  # the answer comes first
+            report_part_lost(tmp_path, PartLost("5", 0, "n2", "trainer1 exited with status 1"))
+
+        _, err = await asyncio.gather(report_later(), spanning.trainer_failure(RuntimeError("HTTP 500"), answered))
+        return err
+
+    with ProcessSet(tmp_path / "logs", grace_s=5) as procs:  # no local trainer child to wait for here
+        err = asyncio.run(answered_then_reported(launcher(procs, ("5", 0))))
+        assert isinstance(err, TrainerLost) and str(err) == "the trainer's part on n2 died: trainer1 exited with status 1"
+        err = asyncio.run(launcher(procs, None).trainer_failure(RuntimeError("HTTP 500"), answered))
+        assert type(err) is ChildFailed and str(err) == answered
 
 
 def _wait_lines(path: Path, n: int, timeout_s: float = 30.0) -> list:
