@@ -449,7 +449,7 @@ class Simulation:
             if a.keep != inst.version or inst.tail_version is not None or inst.state == SWITCHING:
                 raise SimProtocolError(f"dual switch of {a.instance} keeping v{a.keep}: it holds v{inst.version} "
                                        f"(tail v{inst.tail_version}, {inst.state})")
-            inst.keep_tail(self.q.now)
+            inst.keep_tail(self.q.now, arriving=sum(1 for _, dst in self.transit.values() if dst == inst.iid))
             self.dual_switches += 1
         elif inst.running or inst.queue:
             raise SimProtocolError(f"switch of {a.instance} while it holds {inst.load} requests")

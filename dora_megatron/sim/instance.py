@@ -145,9 +145,12 @@ class SimInstance:
             return cost.dual()
         return cost
 
-    def keep_tail(self, now: float) -> None:
-        """A dual-version switch: every request held now is of the current version, which this
-        instance keeps for them while it loads and serves the next one."""
+    def keep_tail(self, now: float, arriving: int = 0) -> None:
+        """A dual-version switch: every request held now (and ``arriving``: moves to it still under
+        way) is of the current version, which this instance keeps for them while it loads and
+        serves the next one. Nothing held (they finished in this instant): no second weight set."""
+        if not self.running and not self.queue and not arriving:
+            return
         self.tail_version = self.version
         self.tail_running = len(self.running)
         self.tail_queued = len(self.queue)
