@@ -62,15 +62,19 @@ class Group:
 
 @dataclass(slots=True)
 class Instance:
-    """One rollout instance (a DP group hosting exactly one version at a time)."""
+    """One rollout instance (a DP group serving one version at a time; with
+    ``orchestrator.dual_version`` it may also finish the tail of the version it served before, on
+    that version's weights, which it keeps until the tail drains)."""
 
     instance_id: str
     version: int | None
     target: int | None = None          # version it is switching to (None: not switching)
     alive: bool = True
-    samples: set[str] = field(default_factory=set)
+    samples: set[str] = field(default_factory=set)  # every request it holds, tail included
     reported_running: int = 0
     kv_usage: float = 0.0
+    tail_version: int | None = None    # version of the tail it still decodes (None: no tail)
+    tail_left: int = 0                 # requests of ``tail_version`` still on it
 
     @property
     def switching(self) -> bool:

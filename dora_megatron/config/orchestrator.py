@@ -51,6 +51,12 @@ class OrchestratorConfig:
                                      "waits at its destination for a running slot it had at its source); "
                                      "otherwise the instance stays until they fit. Not applied while some "
                                      "version has queued requests (failure recovery)")
+    dual_version: bool = field_doc(False, "dora: when the newest version has admissible groups but no instance, "
+                                   "switch an instance that still runs an older version's requests to the newest "
+                                   "one at once; it keeps the old weights for those requests (a second weight "
+                                   "set), takes no new work of the old version, and "
+                                   "drops the old weights when they drain. Simulator only (dora simulate): no engine "
+                                   "keeps a second weight set yet")
     cap_before_rebalance: int = field_doc(8, "per-instance concurrency cap (running samples) before the first "
                                           "non-update rebalance of a step (streaming modes)", ge=1)
     cap_after_rebalance: int = field_doc(4, "per-instance concurrency cap after the first non-update rebalance "

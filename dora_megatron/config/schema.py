@@ -80,6 +80,9 @@ class DoraConfig:
         if self.rollout.dtype != "float32" and self.rollout.engine != "embedded":
             raise ConfigError("rollout.dtype", "applies to the embedded engine only (SGLang: pass --dtype in "
                               "rollout.sglang_args)")
+        if self.orchestrator.dual_version:
+            raise ConfigError("orchestrator.dual_version", "acts in the simulator (dora simulate) only: no engine "
+                              "keeps a second weight set for an old version's tail yet")
         if self.observability.warmup_steps >= self.run.steps:
             raise ConfigError("observability.warmup_steps", f"{self.observability.warmup_steps} must be < run.steps "
                               f"({self.run.steps}): no step would be left to measure")

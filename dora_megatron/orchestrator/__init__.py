@@ -46,8 +46,10 @@ Actions (frozen dataclasses in :mod:`~dora_megatron.orchestrator.actions`):
 ``Submit(sample_id, instance, version, resume)`` (send prompt [+ partial output when
 ``resume``]; this is abort-and-resubmit after an ``Interrupt`` or a failure),
 ``Migrate(sample_id, src, dst, version)``, ``Interrupt(sample_id, instance)`` (partial mode),
-``SwitchVersion(instance, version)``, ``ReleaseBatch(step, group_ids, versions)`` (the trainer
-becomes busy with ``step`` until ``on_step_finished(step + 1)``).
+``SwitchVersion(instance, version, rebalance, keep)`` (``keep``: a dual-version switch, the
+instance finishes its requests of version ``keep`` on those weights),
+``ReleaseBatch(step, group_ids, versions)`` (the trainer becomes busy with ``step`` until
+``on_step_finished(step + 1)``).
 
 Queries: ``sample_status(id)``, ``live_versions()``, ``unfinished_by_version()``,
 ``instances_by_version()``, ``outstanding``, ``cap()``, ``summary()`` (summary.json counters),

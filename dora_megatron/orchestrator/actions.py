@@ -61,11 +61,15 @@ class SwitchVersion:
     instance holds no request of its old version; it takes none until ``on_switch_done``.
     ``rebalance``: a rebalance ordered it (the instance moves between live versions to even out the
     load), as opposed to following the newest version, joining, or restoring a version after a
-    failure; drivers count its load time as rebalancing overhead (``rebalance_fraction``)."""
+    failure; drivers count its load time as rebalancing overhead (``rebalance_fraction``).
+    ``keep``: a dual-version switch (``orchestrator.dual_version``): the instance still holds
+    requests of version ``keep``; it keeps those weights beside the new ones and finishes them on
+    them (C1), then drops them. Without ``keep`` the instance holds no request."""
 
     instance: str
     version: int
     rebalance: bool = False
+    keep: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

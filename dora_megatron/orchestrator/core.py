@@ -71,6 +71,7 @@ class Counters:
     max_live_versions: int = 0
     ignored_events: int = 0
     workflow_turn_moves: int = 0
+    dual_switches: int = 0
 
 
 class Orchestrator:
@@ -123,6 +124,9 @@ class Orchestrator:
         self._busy: dict[int, int] = {}
         self._busy_v: dict[str, int] = {}
         self._n_alive = 0
+        # per version, requests held as the tail of instances that serve a newer version
+        # (orchestrator.dual_version): served, so not demand for an instance of their version
+        self._tail_held: dict[int, int] = {}
         self._out: list[Action] = []
         for iid in instances:
             if iid in self.instances:
@@ -431,7 +435,7 @@ class Orchestrator:
             "migrations": c.migrations, "reprefill_tokens": c.reprefill_tokens,
             "interrupts": c.interrupts, "switches": c.switches, "rebalances": c.rebalances,
             "live_versions": len(self.live_versions()), "max_live_versions": c.max_live_versions,
-            "workflow_turn_moves": c.workflow_turn_moves,
+            "workflow_turn_moves": c.workflow_turn_moves, "dual_switches": c.dual_switches,
         }
 
     # ------------------------------------------------------------------ snapshot
@@ -516,6 +520,8 @@ class Orchestrator:
             if not inst.alive:
                 continue
             self._n_alive += 1
+            if inst.tail_version is not None:
+                self._inc(self._tail_held, inst.tail_version, inst.tail_left)
             if inst.target is not None:
                 self._incoming.setdefault(inst.target, set()).add(inst.instance_id)
             elif inst.version is not None:
@@ -632,14 +638,24 @@ class Orchestrator:
             self._free[old_v] -= old_c
             self._room.get(old_v, set()).discard(inst.instance_id)
 
-    def _switch(self, inst: Instance, version: int, *, rebalance: bool = False) -> None:
-        """Emit SwitchVersion; the instance must hold no request. ``rebalance``: ordered by a rebalance."""
-        assert not inst.samples, "switching an instance that still holds requests"
+    def _switch(self, inst: Instance, version: int, *, rebalance: bool = False, keep: bool = False) -> None:
+        """Emit SwitchVersion; the instance must hold no request, unless ``keep`` (a dual-version
+        switch: its requests become the tail of its old version, finished on the old weights).
+        ``rebalance``: ordered by a rebalance."""
+        kept = None
+        if keep:
+            assert inst.tail_version is None and inst.version is not None and inst.samples
+            kept = inst.tail_version = inst.version
+            inst.tail_left = len(inst.samples)
+            self._inc(self._tail_held, kept, inst.tail_left)
+            self.counters.dual_switches += 1
+        else:
+            assert not inst.samples, "switching an instance that still holds requests"
         self._deactivate(inst)
         inst.target = version
         self._incoming.setdefault(version, set()).add(inst.instance_id)
         self.counters.switches += 1
-        self._out.append(SwitchVersion(inst.instance_id, version, rebalance=rebalance))
+        self._out.append(SwitchVersion(inst.instance_id, version, rebalance=rebalance, keep=kept))
 
     def _set_cap_phase(self, after: bool) -> None:
         if self._cap_after == after:
@@ -661,6 +677,11 @@ class Orchestrator:
         inst = self.instances[s.instance]  # type: ignore[index]
         inst.samples.discard(s.sample_id)
         s.instance = None
+        if inst.tail_version is not None and s.version == inst.tail_version:
+            self._dec(self._tail_held, s.version)
+            inst.tail_left -= 1
+            if inst.tail_left == 0:  # the tail drained: the engine drops its weights
+                inst.tail_version = None
         self._update_room(inst)
 
     def _make_pending(self, s: Sample) -> None:
@@ -673,6 +694,8 @@ class Orchestrator:
         self._try_release()
         if self.policy.rebalance and self._stranded():
             self._rebalance("stranded")
+            if self.config.dual_version:
+                self._serve_newest_beside_tail()
         self._place_pending()
         if not self.policy.rebalance:
             self._follow_newest()
@@ -686,6 +709,40 @@ class Orchestrator:
             self.counters.max_live_versions = live
         out, self._out = self._out, []
         return out
+
+    def _unserved(self) -> dict[int, int]:
+        """Unfinished requests per version that need an instance of their version: all but those
+        finishing as the tail of an instance that serves a newer version."""
+        held = self._tail_held
+        out = {}
+        for v, n in self._unfinished.items():
+            n -= held.get(v, 0)
+            if n > 0:
+                out[v] = n
+        return out
+
+    def _serve_newest_beside_tail(self) -> None:
+        """``orchestrator.dual_version``: the newest version still has admissible groups and no
+        instance after the rebalance (every instance runs requests of an older version, and no
+        C1-safe migration can free one: each holds a different version). Switch one to the newest
+        now, keeping its requests as the tail of its old version (the engine keeps those weights
+        beside the new ones until the tail drains).
+
+        Which instance: one without a tail already (an engine holds at most two weight sets), not
+        the last instance of a version with queued requests (they would have none), and of those
+        the one with the fewest requests (the shortest tail: least time holding two sets)."""
+        if self._active.get(self.newest) or self._incoming.get(self.newest) or self._admissible_new() <= 0:
+            return
+        best: tuple[int, str] | None = None
+        for v, ids in self._active.items():
+            if v >= self.newest or (self._pending.get(v) and len(ids) == 1):
+                continue
+            for iid in ids:
+                inst = self.instances[iid]
+                if inst.tail_version is None and inst.samples and (best is None or (len(inst.samples), iid) < best):
+                    best = (len(inst.samples), iid)
+        if best is not None:
+            self._switch(self.instances[best[1]], self.newest, keep=True)
 
     def _stranded(self) -> bool:
         """Work that no instance can serve: queued samples of a version without instances, or
@@ -927,7 +984,8 @@ class Orchestrator:
         if not n_alive:
             return
         adm = self._admissible_new()
-        demand: dict[int, float] = {v: float(n) for v, n in self._unfinished.items() if n > 0}
+        unserved = self._unserved()
+        demand: dict[int, float] = {v: float(n) for v, n in unserved.items()}
         required = set(demand)
         if adm > 0:
             demand[self.newest] = demand.get(self.newest, 0.0) + adm * self.G
@@ -936,7 +994,7 @@ class Orchestrator:
         # C-cap: a version keeps at least ceil(unfinished / cap) instances when the pool allows,
         # so a shrinking version's requests fit on its kept instances within the cap
         cap = self._cap_int
-        floors = ({v: -(-n // cap) for v, n in self._unfinished.items() if n > 0} if cap < _BIG else None)
+        floors = ({v: -(-n // cap) for v, n in unserved.items()} if cap < _BIG else None)
         target = part.partition(n_alive, demand, required, priority=running, floors=floors)
         for v in cur:
             target.setdefault(v, 0)
@@ -951,13 +1009,15 @@ class Orchestrator:
             n = cur.get(v, 0) - target.get(v, 0)
             if n <= 0:
                 continue
-            incoming = sorted(self._incoming.get(v, ()))
+            # (an instance holding a tail keeps its target: it cannot switch again until the tail drains)
+            incoming = sorted(i for i in self._incoming.get(v, ()) if self.instances[i].tail_version is None)
             take = incoming[:n]
             n -= len(take)
             active = self._active.get(v, set())
             insts = self.instances
             loads = {iid: len(insts[iid].samples) for iid in active}
-            chosen = plan.choose_to_free(loads, n)
+            # an instance finishing a tail keeps its weights until the tail drains: not freed
+            chosen = plan.choose_to_free({i: n_ for i, n_ in loads.items() if insts[i].tail_version is None}, n)
             if into_room:
                 chosen = plan.free_into_room(chosen, loads, self._cap_int)
             if budget is not None:
@@ -1074,7 +1134,8 @@ class Orchestrator:
             k = min(len(src.samples) - self._cap_int, room)
             if k <= 0:
                 continue
-            victims = sorted(src.samples, key=lambda sid: (samples[sid].tokens, sid))[:k]
+            victims = sorted((sid for sid in src.samples if samples[sid].version == v),
+                             key=lambda sid: (samples[sid].tokens, sid))[:k]
             moves.extend((sid, iid, new.instance_id) for sid in victims)
             room -= k
         self._bulk_migrate(moves, v)  # type: ignore[arg-type]
@@ -1091,5 +1152,6 @@ class Orchestrator:
         if res is None:
             return
         dst, count = res
-        victims = sorted(hot.samples, key=lambda sid: (self.samples[sid].tokens, sid))[:count]
+        victims = sorted((sid for sid in hot.samples if self.samples[sid].version == v),
+                         key=lambda sid: (self.samples[sid].tokens, sid))[:count]
         self._bulk_migrate([(sid, hot.instance_id, dst) for sid in victims], v)

@@ -43,6 +43,7 @@ engine does once its requests stop drafting (the engine's probes, one verify ste
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -146,6 +147,14 @@ class DecodeCost:
                 hi = mid
         return lo
 
+
+    def dual(self) -> "DecodeCost":
+        """A decode step of an instance that runs requests of two versions (``orchestrator.dual_version``):
+        one forward per version's batch, so the step overhead and the weight read are paid twice; the
+        KV and the per-sequence compute are those of the two batches together. Exact when both
+        batches are memory-bound (a tail is a few requests); where one is compute-bound it
+        undercounts by at most that batch's weight read."""
+        return dataclasses.replace(self, overhead_s=2 * self.overhead_s, weight_s=2 * self.weight_s)
 
     def verify(self, spec_tokens: int, acceptance: float, verify_overhead_s: float) -> "DecodeCost":
         """Cost per generated token of verify steps (draft length ``spec_tokens``, per-token

@@ -182,6 +182,7 @@ class Simulation:
         self.migration_s = 0.0
         self.reprefill_tokens = 0
         self.switch_s_total = 0.0  # instance-seconds spent loading weights (window)
+        self.dual_switches = 0  # SwitchVersion actions that kept the old version's tail
         self.orch_calls = 0
         self.orch_wall_s = 0.0
         self.orch_rebalance_wall_s = 0.0
@@ -302,8 +303,10 @@ class Simulation:
             self.q.push(w, WAKE, (inst.iid, inst.epoch))
         inst.mark(self.q.now, self.record_timeline)
 
-    def _place(self, req: SimRequest, inst: SimInstance, prefill_tokens: int) -> None:
-        if inst.state == SWITCHING or inst.version != req.version:
+    def _place(self, req: SimRequest, inst: SimInstance, prefill_tokens: int, arriving: bool = False) -> None:
+        # (a move that was under way when its destination was switched keeping its version joins the tail)
+        joins_tail = arriving and req.version == inst.tail_version
+        if not joins_tail and (inst.state == SWITCHING or inst.version != req.version):
             raise SimProtocolError(f"{req.sample_id} (version {req.version}) sent to {inst.iid} holding "
                                    f"version {inst.version} ({inst.state})")
         self.where[req.sample_id] = inst.iid
@@ -441,7 +444,14 @@ class Simulation:
     def switch_version(self, a: SwitchVersion) -> None:
         inst = self._inst(a.instance)
         self._sync(inst)
-        if inst.running or inst.queue:
+        if a.keep is not None:
+            # dual version: its requests finish on the kept weights; decoding stalls while it loads
+            if a.keep != inst.version or inst.tail_version is not None or inst.state == SWITCHING:
+                raise SimProtocolError(f"dual switch of {a.instance} keeping v{a.keep}: it holds v{inst.version} "
+                                       f"(tail v{inst.tail_version}, {inst.state})")
+            inst.keep_tail(self.q.now, arriving=sum(1 for _, dst in self.transit.values() if dst == inst.iid))
+            self.dual_switches += 1
+        elif inst.running or inst.queue:
             raise SimProtocolError(f"switch of {a.instance} while it holds {inst.load} requests")
         if self.colocated:
             dt = 0.0  # weights are resharded in place; the swap cost is on the trainer's timeline
@@ -595,6 +605,8 @@ class Simulation:
         inst.t0 = self.q.now
         inst.epoch += 1
         inst.mark(self.q.now, self.record_timeline)
+        if inst.running:
+            self._touch(inst)  # its kept tail decodes on
         self._note(SwitchDone(iid, version, engine=None, start=start, end=self.q.now))
 
     def _on_tool_done(self, payload: tuple[str, int]) -> None:
@@ -618,7 +630,7 @@ class Simulation:
         req, dst_id = entry
         dst = self.instances[dst_id]
         self._sync(dst)
-        self._place(req, dst, 0)
+        self._place(req, dst, 0, arriving=True)
         self._touch(dst)
 
     def _on_train_done(self, step: int) -> None:
@@ -828,6 +840,11 @@ class Simulation:
             # what a checkpoint holds of the orchestrator: must stay O(outstanding work), not O(steps)
             "orchestrator_state_bytes": len(json.dumps(self.orch.snapshot()).encode()),
             "switch_instance_s": self.switch_s_total,
+            # orchestrator.dual_version: switches that kept the old version's tail, and the
+            # instance-seconds a second weight set was held (its memory, counted)
+            "dual_switches": self.dual_switches,
+            "dual_weight_instance_s": sum(i.dual_s + ((end - i.tail_since) if i.tail_version is not None else 0.0)
+                                          for i in self.instances.values()),
             "migration_fraction": self.migration_s / (max(1, n_roll) * self.slot_cap * span),
             "slot_cap": self.slot_cap,
             "sim_checks": {"c3": self.sim_c3, "lost": self.sim_lost},

@@ -94,6 +94,13 @@ class SimInstance:
         self.intervals: list[tuple[float, float, int | None, str]] = []  # timeline (t0, t1, version, state)
         self._seg_start = 0.0
         self._seg_key: tuple[int | None, str] | None = None
+        # dual version (orchestrator.dual_version): the old version whose requests it still finishes
+        # on a second weight set, how many of them it holds (running, queued) and since when
+        self.tail_version: int | None = None
+        self.tail_running = 0
+        self.tail_queued = 0
+        self.tail_since = 0.0
+        self.dual_s = 0.0  # instance-seconds holding a second weight set (the memory it costs)
 
     # ------------------------------------------------------------------ state
     @property
@@ -131,8 +138,34 @@ class SimInstance:
     # ---------------------------------------------------------------- advance
     @property
     def decode(self) -> DecodeCost:
-        """The per-token decode cost at the current batch (verify steps where speculation applies)."""
-        return self.model.for_batch(self.batch)
+        """The per-token decode cost at the current batch (verify steps where speculation applies;
+        two weight reads while requests of two versions run: :meth:`DecodeCost.dual`)."""
+        cost = self.model.for_batch(self.batch)
+        if self.tail_running and self.tail_running < len(self.running):
+            return cost.dual()
+        return cost
+
+    def keep_tail(self, now: float, arriving: int = 0) -> None:
+        """A dual-version switch: every request held now (and ``arriving``: moves to it still under
+        way) is of the current version, which this instance keeps for them while it loads and
+        serves the next one. Nothing held (they finished in this instant): no second weight set."""
+        if not self.running and not self.queue and not arriving:
+            return
+        self.tail_version = self.version
+        self.tail_running = len(self.running)
+        self.tail_queued = len(self.queue)
+        self.tail_since = now
+
+    def _tail_left(self, req: SimRequest, now: float, running: bool) -> None:
+        if self.tail_version is None or req.version != self.tail_version:
+            return
+        if running:
+            self.tail_running -= 1
+        else:
+            self.tail_queued -= 1
+        if not self.tail_running and not self.tail_queued:  # the tail drained: its weights are dropped
+            self.tail_version = None
+            self.dual_s += now - self.tail_since
 
     def _steps_to_next_finish(self) -> int:
         return self._finish[0][0] - self.steps_done if self._finish else 0
@@ -177,6 +210,7 @@ class SimInstance:
     # ------------------------------------------------------------ membership
     def _remove(self, sid: str, now: float) -> SimRequest:
         req = self.running.pop(sid)
+        self._tail_left(req, now, running=True)
         before = req.context - req.generated  # prompt and tool results: fixed while it runs
         req.generated = min(req.stop_at, req.generated + (self.steps_done - req.admit_step))
         # context bookkeeping: this request contributed its context at admit - admit_step
@@ -190,6 +224,8 @@ class SimInstance:
         req.admit_s = now
         self.ctx_base += req.context - self.steps_done
         self.running[req.sample_id] = req
+        if self.tail_version is not None and req.version == self.tail_version:
+            self.tail_running += 1  # a queued (or arriving) tail request starts
         heapq.heappush(self._finish, (req.finish_step, req.sample_id))
 
     def add(self, req: SimRequest, now: float, prefill_tokens: int) -> None:
@@ -197,6 +233,8 @@ class SimInstance:
         self.sync_noop_guard(now)
         if self.queue or not self._fits(req):
             self.queue.append((req, prefill_tokens))
+            if self.tail_version is not None and req.version == self.tail_version:
+                self.tail_queued += 1  # a move that arrives for the tail
             return
         self._start(req, now, prefill_tokens)
 
@@ -219,6 +257,8 @@ class SimInstance:
     def fill_from_queue(self, now: float) -> None:
         while self.queue and self._fits(self.queue[0][0]):
             req, pf = self.queue.popleft()
+            if self.tail_version is not None and req.version == self.tail_version:
+                self.tail_queued -= 1
             self._start(req, now, pf)
 
     def take(self, sid: str, now: float) -> SimRequest:
@@ -228,6 +268,7 @@ class SimInstance:
         for i, (req, _) in enumerate(self.queue):
             if req.sample_id == sid:
                 del self.queue[i]
+                self._tail_left(req, now, running=False)
                 return req
         raise KeyError(f"{sid} not on instance {self.iid}")
 
@@ -236,7 +277,9 @@ class SimInstance:
 
     def drain_all(self, now: float) -> list[SimRequest]:
         out = [self._remove(sid, now) for sid in list(self.running)]
-        out += [r for r, _ in self.queue]
+        for r, _ in self.queue:
+            self._tail_left(r, now, running=False)
+            out.append(r)
         self.queue.clear()
         self._finish.clear()
         return out

@@ -40,6 +40,8 @@ class Engine:
     alive: bool = True
     switching_to: int | None = None
     running: set[str] = field(default_factory=set)
+    tail_version: int | None = None  # second weight set kept for the requests of ``tail`` (dual version)
+    tail: set[str] = field(default_factory=set)
 
 
 class Driver:
@@ -117,7 +119,14 @@ class Driver:
 
     def switch_version(self, a: SwitchVersion) -> None:
         e = self.engines[a.instance]
-        if e.running:
+        if a.keep is not None:
+            if not self.cfg.dual_version:
+                raise ContractViolation("dual-version switch with orchestrator.dual_version off")
+            if e.tail_version is not None or e.switching_to is not None or e.version != a.keep:
+                raise ContractViolation(f"dual switch of {a.instance} keeping v{a.keep}: it holds v{e.version}, "
+                                        f"tail v{e.tail_version}, switching to {e.switching_to}")
+            e.tail_version, e.tail = a.keep, set(e.running)
+        elif e.running:
             raise ContractViolation(f"switch of {a.instance} with running requests {sorted(e.running)}")
         if not e.alive:
             raise ContractViolation(f"switch of dead {a.instance}")
@@ -149,10 +158,15 @@ class Driver:
     def _stop(self, sid: str) -> None:
         s = self.samples[sid]
         gen = self.now - s.started_at
+        e = self.engines[s.instance]
         if gen > 0:
             s.done += gen
-            s.versions.add(self.engines[s.instance].version)
-        self.engines[s.instance].running.discard(sid)
+            s.versions.add(e.tail_version if sid in e.tail else e.version)
+        e.running.discard(sid)
+        if sid in e.tail:
+            e.tail.discard(sid)
+            if not e.tail:
+                e.tail_version = None  # the tail drained: its weights are dropped
         s.instance = None
         s.epoch += 1
 
@@ -183,7 +197,7 @@ class Driver:
 
     # -------------------------------------------------------------- loop
     def _check(self) -> None:
-        vs = {self.engines[self.samples[s].instance].version for e in self.engines.values() for s in e.running}
+        vs = {e.tail_version if s in e.tail else e.version for e in self.engines.values() for s in e.running}
         self.max_running_versions = max(self.max_running_versions, len(vs))
         if len(self.orch.live_versions()) > self.S + 1:
             raise ContractViolation(f"live versions {self.orch.live_versions()} > S+1")
