@@ -881,6 +881,7 @@ class Runtime:
         if self.workflow is not None:
             out.update(self.workflow.counts)
             out["workflow_turn_moves"] = osum["workflow_turn_moves"]
+            out.update(self.turns.summary())  # the moves' prefix KV: carried or computed again
         # "completed"; "stopped" (a stop request: checkpoint ``stop_checkpoint`` written, ``--resume``
         # goes on from it); "stopped_without_checkpoint" (the step was abandoned: the last complete
         # checkpoint stays)

@@ -8,8 +8,9 @@ import asyncio
 
 from dora_megatron.controller.main import drive
 from dora_megatron.workflow.api import Trajectory
+from tests.helpers.fakes import FakeEngine
 from tests.helpers.runtime import check_run, engine_versions, make
-from tests.helpers.runtime_workflow import ENV, check_trajectories, with_workflow
+from tests.helpers.runtime_workflow import ENV, answer_then_env, check_trajectories, with_workflow
 
 WAIT_S = 2.0  # bound of a tool's wait for another sample's turn (reached only when no slot is free)
 
@@ -90,6 +91,37 @@ def test_a_trajectory_continues_on_another_instance_of_its_version_between_turns
     assert all(len(versions[sid]) == 1 for sid in moved)
     calls = [rid for e in engines.values() for op, rid, _ in e.log if op == "generate"]
     assert any(calls.count(sid) == 2 for sid in moved)  # moved between turns without running again
+    # these engines keep no KV between turns: every move computed its prefix again
+    assert summary["workflow_turn_prefix_recomputed"] >= 1 and summary["workflow_turn_kv_moved"] == 0
+    assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
+
+
+def test_a_trajectory_moved_between_turns_takes_its_prefix_kv_along_and_frees_it_when_it_ends():
+    """Engines that keep a turn's KV (``keep_kv``): a next turn on the same instance continues the
+    kept KV; one placed on another instance gets it carried there (export_kv, import_kv) first.
+    Whatever ended a trajectory, no KV of it stays kept on a live engine."""
+    rt, engines, trainer = _one_slot_each(n=4, steps=4, G=2, tbs=2, rbs=8)
+    for name in list(engines):
+        engines[name] = rt.engines[name] = FakeEngine(name, token_s=0.001, keep_kv=True)
+    trainer.engines = {e.base_url: e for e in engines.values()}
+    wf = ToolThatWaitsForAnotherTurn(rt)
+    seen = with_workflow(rt, wf)
+    summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=120))
+    check_run(rt, engines, trainer, 4, 2, 2)
+    check_trajectories(trainer, seen)
+    moved = {sid for sid, names in wf.turn_engines.items() if len(set(names)) > 1}
+    assert moved and summary["workflow_turn_kv_moved"] >= 1
+    log = {name: [(op, rid) for op, rid, _ in e.log] for name, e in engines.items()}
+    carried = [sid for sid in moved if ("import_kv", sid) in log[wf.turn_engines[sid][1]]]
+    assert len(carried) == summary["workflow_turn_kv_moved"]
+    for sid in carried:  # its second turn continued the KV carried to its instance
+        assert ("reuse", sid) in log[wf.turn_engines[sid][1]] and ("export_kv", sid) in log[wf.turn_engines[sid][0]]
+    stayed = {sid for sid, names in wf.turn_engines.items() if len(set(names)) == 1}
+    assert any(("reuse", sid) in log[wf.turn_engines[sid][0]] for sid in stayed)
+    assert summary["workflow_turn_kv_moved"] + summary["workflow_turn_prefix_recomputed"] >= len(moved)
+    trained = {s["group_id"] for b in trainer.batches for s in b}
+    held = {rid for e in engines.values() for rid in e.kept}
+    assert held.isdisjoint(sid for sid in wf.turn_engines if sid.rsplit(".", 1)[0] in trained)
     assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
 
 
@@ -154,3 +186,31 @@ def test_partial_mode_runs_a_trajectory_again_on_the_newer_weights_its_next_turn
     again = {rid for rid, v in calls if rid in outlived and any(r == rid and w > v for r, w in calls)}
     assert again  # an outlived trajectory ran again on the newer version
     assert summary["c1_violations"] == 0 and summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0
+
+
+def test_a_move_ordered_during_a_turn_moves_that_turn_with_its_kv_and_the_workflow_goes_on():
+    """The rebalances of a DORA run move requests between instances of a version; a trajectory's
+    turn caught generating moves with its KV (export, import) and its ``generate`` answers from the
+    destination: the workflow is never started again, the turn is not recomputed."""
+    rt, engines, trainer = make(mode="dora", n=4, steps=8, token_s=0.002)
+    starts: dict[str, int] = {}
+
+    async def counted(prompt, prompt_ids, client, ctx):
+        starts[client.sample_id] = starts.get(client.sample_id, 0) + 1
+        return await answer_then_env(prompt, prompt_ids, client, ctx)
+
+    seen = with_workflow(rt, counted)
+    summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=120))
+    check_run(rt, engines, trainer, 8, 4, 2)
+    check_trajectories(trainer, seen)
+    log = [(op, rid) for e in engines.values() for op, rid, _ in e.log]
+    moved = {rid for op, rid in log if op == "import"}
+    assert moved and summary["migrations_kv"] == len([1 for op, _ in log if op == "import"])
+    trained = {s["group_id"] for b in trainer.batches for s in b}
+    for sid in moved:
+        assert starts[sid] == 1  # the workflow went on: not run again
+        if sid.rsplit(".", 1)[0] in trained:  # two turns, one generate each: the moved one was not submitted again
+            assert [op for op, rid in log if rid == sid].count("generate") == 2
+    assert summary["migrations_reprefill"] == 0 and summary["reprefill_tokens"] == 0
+    assert summary["env/trajectories_aborted"] == 0
+    assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
