@@ -130,15 +130,17 @@ class Migrations:
             return
         gate = None  # a workflow's run: the turn on the engine is what moves
         if self.rt.workflow is not None:
-            gate = self.rt.turns.in_turn(a.sample_id)
-            if gate is None:  # its turn ended before the move ran: the orchestrator places its next turn
+            gate = self.rt.turns.live(a.sample_id)
+            if gate is not None and not gate.in_turn:  # its turn ended first: the orchestrator places its next turn
                 return
         src, dst = self.rt.engines[a.src], self.rt.engines[a.dst]
         start = self.rt.now()
         blob = None
         try:
-            use_kv = (self.rt.opt.migration == "kv" and await src.supports("export_request")
-                      and await dst.supports("import_request"))
+            # a workflow whose run has not started yet (its submission waits for an earlier
+            # operation) moves by abort + resubmit: there is no turn to carry
+            use_kv = ((self.rt.workflow is None or gate is not None) and self.rt.opt.migration == "kv"
+                      and await src.supports("export_request") and await dst.supports("import_request"))
             if use_kv:
                 for _ in range(50):  # the generate may not have reached the engine yet
                     try:

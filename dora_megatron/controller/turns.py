@@ -205,6 +205,10 @@ class Turns:
         return {"workflow_turn_kv_moved": self.kv_moved, "workflow_turn_kv_moved_bytes": self.kv_moved_bytes,
                 "workflow_turn_prefix_recomputed": self.prefix_recomputed}
 
+    def live(self, sample_id: str) -> TurnGate | None:
+        """The sample's current run (opened, not ended nor dropped), None without one."""
+        return self._live(sample_id)
+
     def _live(self, sample_id: str) -> TurnGate | None:
         rec = self.host.samples.get(sample_id)
         gate = rec.turn if rec is not None else None
@@ -230,12 +234,6 @@ class Turns:
         gate = self._live(sample_id)
         if gate is not None:
             gate.drop()
-
-    def in_turn(self, sample_id: str) -> TurnGate | None:
-        """The sample's run when a turn of it is on an engine (a move then moves that turn's
-        request); None between its turns, or without a run."""
-        gate = self._live(sample_id)
-        return gate if gate is not None and gate.in_turn else None
 
     def current(self, sample_id: str, gate: Any) -> bool:
         """Whether an event of ``gate`` is still the sample's (the loop passes only those on)."""
