@@ -75,6 +75,8 @@ class TurnGate:
         # the destinations' answers of the turns moved mid-generation, in the order of the moves
         # (:meth:`moved`); an exception: the move failed, the trajectory is dropped
         self._moved: asyncio.Queue = asyncio.Queue()
+        self._moves = 0  # moves of its turns started; those whose answer was taken: _moves_taken
+        self._moves_taken = 0
         self.keeping = False  # the current turn was sent with keep_kv
         self.kept_at: tuple[str, Engine] | None = None  # where the last turn's KV is kept
 
@@ -122,6 +124,7 @@ class TurnGate:
         """The turn's request left its instance (its answer there said ``migrated``): the engine
         it was moved to and that engine's answer to it (:meth:`move_landed`)."""
         engine, resp = await self._moved.get()
+        self._moves_taken += 1
         if isinstance(resp, BaseException):
             raise resp
         return engine, resp
@@ -131,6 +134,12 @@ class TurnGate:
         that instance concerns it from now on, and its answer will come from there."""
         self.instance, self.engine = instance, engine
         self.rec.gen_instance = instance
+        self._moves += 1
+
+    def moving(self) -> bool:
+        """Whether the turn was exported to another instance and its answer there is still to be
+        taken: the source's failure to answer (it died after the export) is then not the turn's."""
+        return self._moves > self._moves_taken
 
     def move_landed(self, resp: Any) -> None:
         """The destination answered the moved turn (maybe ``migrated`` again: moved on from there)."""

@@ -75,6 +75,10 @@ class TurnHost(Protocol):
         """Whether the turn about to be sent asks its engine to keep its KV when it finishes (for
         the next turn, on that instance or carried to another)."""
 
+    def moving(self) -> bool:
+        """Whether the turn's request was exported to another instance and that instance's answer
+        is still to be taken (:meth:`moved`)."""
+
     async def moved(self) -> tuple[Any, Any]:
         """The turn's request was moved to another instance while it generated (the engine's
         answer said ``migrated``): wait for that instance's answer; returns its engine and the
@@ -166,12 +170,17 @@ class PinnedEngineClient:
             extra = {"routed_experts": True} if self.routed_experts else {}
             if self.turns is not None and await self.turns.keep_kv():
                 extra["keep_kv"] = True  # its KV stays on the engine for the next turn
-            resp = await self.engine.generate(ids, params, rid=self.sample_id, return_logprob=True,
-                                              version=self.version, **extra)
-            while getattr(resp, "migrated", False) and self.turns is not None:
+            try:
+                resp = await self.engine.generate(ids, params, rid=self.sample_id, return_logprob=True,
+                                                  version=self.version, **extra)
+            except Exception:
+                if self.turns is None or not self.turns.moving():
+                    raise
+                resp = None  # the source failed after it let the turn go: its answer comes from where it went
+            while resp is None or (getattr(resp, "migrated", False) and self.turns is not None):
                 # moved to another instance of the version mid-turn: its answer comes from there
                 self.versions_used += [str(v) for v in getattr(resp, "versions_used", ())]
-                self.engine, resp = await self.turns.moved()
+                self.engine, resp = await self.turns.moved()  # type: ignore[union-attr]
         except TrajectoryAborted:
             self.aborted = True
             raise

@@ -8,6 +8,7 @@ import asyncio
 
 from dora_megatron.controller.main import drive
 from dora_megatron.workflow.api import Trajectory
+from dora_megatron.comm.engine_client import EngineError
 from tests.helpers.fakes import FakeEngine
 from tests.helpers.runtime import check_run, engine_versions, make
 from tests.helpers.runtime_workflow import ENV, answer_then_env, check_trajectories, with_workflow
@@ -213,4 +214,42 @@ def test_a_move_ordered_during_a_turn_moves_that_turn_with_its_kv_and_the_workfl
             assert [op for op, rid in log if rid == sid].count("generate") == 2
     assert summary["migrations_reprefill"] == 0 and summary["reprefill_tokens"] == 0
     assert summary["env/trajectories_aborted"] == 0
+    assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
+
+
+def test_a_source_that_dies_after_letting_a_moved_turn_go_is_the_only_instance_failed():
+    """The first instance a turn is exported from dies right after the export, before its own answer
+    (``migrated``) comes back: the turn goes on at its destination, which is not blamed."""
+    rt, engines, trainer = make(mode="dora", n=4, steps=8, token_s=0.002)
+    died: list[tuple[str, str]] = []
+
+    class DiesAfterItsFirstExport(FakeEngine):
+        async def export_request(self, rid):
+            blob = await super().export_request(rid)
+            if not died:
+                died.append((self.name, rid))
+                self.dead = True
+            return blob
+
+        async def _run(self, req):
+            resp = await super()._run(req)
+            if self.dead:  # its answer never comes: the connection fails
+                raise EngineError(self.name, 503, "dead")
+            return resp
+
+    for name in list(engines):
+        engines[name] = rt.engines[name] = DiesAfterItsFirstExport(name, token_s=0.002)
+    trainer.engines = {e.base_url: e for e in engines.values()}
+    starts: dict[str, int] = {}
+
+    async def counted(prompt, prompt_ids, client, ctx):
+        starts[client.sample_id] = starts.get(client.sample_id, 0) + 1
+        return await answer_then_env(prompt, prompt_ids, client, ctx)
+
+    seen = with_workflow(rt, counted)
+    summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=120))
+    check_trajectories(trainer, seen)
+    (src, sid), = died
+    assert summary["failed_instances"] == [src]  # not the destination of the turn it let go
+    assert starts[sid] == 1  # that turn went on where it was moved
     assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
