@@ -59,6 +59,18 @@ class ToolThatWaitsForAnotherTurn:
         return Trajectory(prompt_ids, ids, mask, first.logprobs + [0.0] * len(ENV) + second.logprobs, turns=2)
 
 
+class StartsCounted:
+    """The two-turn workflow, counting the runs of each sample's workflow (a move during a turn
+    must not start one again)."""
+
+    def __init__(self) -> None:
+        self.starts: dict[str, int] = {}
+
+    async def __call__(self, prompt, prompt_ids, client, ctx):
+        self.starts[client.sample_id] = self.starts.get(client.sample_id, 0) + 1
+        return await answer_then_env(prompt, prompt_ids, client, ctx)
+
+
 def _one_slot_each(n, steps, G=1, tbs=1, rbs=2):
     return make(mode="dora", n=n, steps=steps, tbs=tbs, rbs=rbs, S=1, G=G, token_s=0.001,
                 cap_before_rebalance=1, cap_after_rebalance=1)
@@ -194,13 +206,8 @@ def test_a_move_ordered_during_a_turn_moves_that_turn_with_its_kv_and_the_workfl
     turn caught generating moves with its KV (export, import) and its ``generate`` answers from the
     destination: the workflow is never started again, the turn is not recomputed."""
     rt, engines, trainer = make(mode="dora", n=4, steps=8, token_s=0.002)
-    starts: dict[str, int] = {}
-
-    async def counted(prompt, prompt_ids, client, ctx):
-        starts[client.sample_id] = starts.get(client.sample_id, 0) + 1
-        return await answer_then_env(prompt, prompt_ids, client, ctx)
-
-    seen = with_workflow(rt, counted)
+    wf = StartsCounted()
+    seen = with_workflow(rt, wf)
     summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=120))
     check_run(rt, engines, trainer, 8, 4, 2)
     check_trajectories(trainer, seen)
@@ -209,7 +216,7 @@ def test_a_move_ordered_during_a_turn_moves_that_turn_with_its_kv_and_the_workfl
     assert moved and summary["migrations_kv"] == len([1 for op, _ in log if op == "import"])
     trained = {s["group_id"] for b in trainer.batches for s in b}
     for sid in moved:
-        assert starts[sid] == 1  # the workflow went on: not run again
+        assert wf.starts[sid] == 1  # the workflow went on: not run again
         if sid.rsplit(".", 1)[0] in trained:  # two turns, one generate each: the moved one was not submitted again
             assert [op for op, rid in log if rid == sid].count("generate") == 2
     assert summary["migrations_reprefill"] == 0 and summary["reprefill_tokens"] == 0
@@ -240,16 +247,11 @@ def test_a_source_that_dies_after_letting_a_moved_turn_go_is_the_only_instance_f
     for name in list(engines):
         engines[name] = rt.engines[name] = DiesAfterItsFirstExport(name, token_s=0.002)
     trainer.engines = {e.base_url: e for e in engines.values()}
-    starts: dict[str, int] = {}
-
-    async def counted(prompt, prompt_ids, client, ctx):
-        starts[client.sample_id] = starts.get(client.sample_id, 0) + 1
-        return await answer_then_env(prompt, prompt_ids, client, ctx)
-
-    seen = with_workflow(rt, counted)
+    wf = StartsCounted()
+    seen = with_workflow(rt, wf)
     summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=120))
     check_trajectories(trainer, seen)
     (src, sid), = died
     assert summary["failed_instances"] == [src]  # not the destination of the turn it let go
-    assert starts[sid] == 1  # that turn went on where it was moved
+    assert wf.starts[sid] == 1  # that turn went on where it was moved
     assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
