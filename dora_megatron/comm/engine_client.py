@@ -161,11 +161,13 @@ class EngineClient:
         version: int | str | None = None,
         routed_experts: bool = False,
         draft_sources: Sequence[Sequence[int]] = (),
+        keep_kv: bool = False,
     ) -> GenerateResponse:
         """POST /generate. ``version`` is sent as ``dora_version`` only if the engine supports it;
         ``routed_experts`` asks for ``meta_info.routed_experts`` over the whole sequence (start 0);
         ``draft_sources`` (token ids of finished group siblings) go as ``dora_draft_sources`` only
-        to an engine that offers ``draft_sources``."""
+        to an engine that offers ``draft_sources``; ``keep_kv`` (the request's KV stays on the engine
+        for its trajectory's next turn) goes as ``dora_keep_kv`` only to one that offers ``keep_kv``."""
         sp = sampling_params if isinstance(sampling_params, SamplingParams) else SamplingParams.from_json(sampling_params)
         req = GenerateRequest(list(input_ids), sp, rid, return_logprob, return_routed_experts=routed_experts)
         body = req.to_json()
@@ -173,6 +175,8 @@ class EngineClient:
             body["dora_version"] = str(version)
         if draft_sources and await self.supports("draft_sources"):
             body["dora_draft_sources"] = [list(src) for src in draft_sources]
+        if keep_kv and await self.supports("keep_kv"):
+            body["dora_keep_kv"] = True
         if self._generates is None:
             return GenerateResponse.from_json(await self._request("POST", "/generate", body))
         if self._generates.locked() and self.waits is not None:
@@ -286,6 +290,21 @@ class EngineClient:
         """Take request ``rid`` out of this engine; returns its serialised state (KV included)."""
         await self._require("export_request")
         return await self._request("POST", "/dora/export_request", {"rid": rid}, raw=True)
+
+    async def export_kv(self, rid: str) -> bytes:
+        """Take the KV kept for ``rid`` (its trajectory's last turn) off this engine, serialised."""
+        await self._require("keep_kv")
+        return await self._request("POST", "/dora/export_kv", {"rid": rid}, raw=True)
+
+    async def import_kv(self, blob: bytes) -> int:
+        """Keep the KV ``blob`` (:meth:`export_kv` of another engine) here; returns the tokens it covers."""
+        await self._require("keep_kv")
+        return int((await self._request("POST", "/dora/import_kv", data=blob))["tokens"])
+
+    async def release_kv(self, rid: str) -> bool:
+        """Free the KV kept for ``rid`` (its trajectory ended); whether there was some."""
+        await self._require("keep_kv")
+        return bool((await self._request("POST", "/dora/release_kv", {"rid": rid}))["released"])
 
     async def import_request(self, blob: bytes) -> GenerateResponse:
         """Continue an exported request here; returns its final generate response."""

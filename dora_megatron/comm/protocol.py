@@ -10,7 +10,9 @@ SGLang fields implemented (see reference A.3-A.4): ``/generate`` ``input_ids``, 
 ``ignore_eos``, ``sampling_seed``}, ``return_logprob``; response ``output_ids`` and ``meta_info``.
 Our extensions: ``dora_version`` (the weight version the request must run on; 409 otherwise) and
 ``dora_draft_sources`` (token id lists, prompt + output, of the request's finished group siblings:
-the embedded engine drafts speculative tokens from them under ``rollout.speculative: group``).
+the embedded engine drafts speculative tokens from them under ``rollout.speculative: group``) and
+``dora_keep_kv`` (the request's KV stays on the instance when it finishes, for its trajectory's
+next turn).
 """
 
 from __future__ import annotations
@@ -184,6 +186,7 @@ class GenerateRequest:
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
     dora_draft_sources: list[list[int]] = field(default_factory=list)
+    dora_keep_kv: bool = False
 
     @classmethod
     def from_json(cls, body: Any) -> "GenerateRequest":
@@ -209,6 +212,7 @@ class GenerateRequest:
             return_routed_experts=_bool(body, "return_routed_experts", False),
             routed_experts_start_len=_int(body, "routed_experts_start_len", 0, ge=0),
             dora_draft_sources=sources,
+            dora_keep_kv=_bool(body, "dora_keep_kv", False),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -226,6 +230,8 @@ class GenerateRequest:
             d["routed_experts_start_len"] = self.routed_experts_start_len
         if self.dora_draft_sources:
             d["dora_draft_sources"] = [list(src) for src in self.dora_draft_sources]
+        if self.dora_keep_kv:
+            d["dora_keep_kv"] = True
         return d
 
 
@@ -447,6 +453,8 @@ def _draft_sources(body: Mapping[str, Any], key: str) -> list[list[int]]:
 
 @dataclass
 class ExportRequest:
+    """The body of ``/dora/export_request``, ``/dora/export_kv`` and ``/dora/release_kv``: a rid."""
+
     rid: str
 
     @classmethod

@@ -3,7 +3,8 @@ its partial output kept.
 
 WHY a component of its own: a move is a small protocol of its own (KV export/import where both
 engines support it, else abort at the source and resubmit prompt + partial output at the
-destination, DESIGN section 4.6) and it owns what a switch must wait for: the moves onto and off
+destination, DESIGN section 4.6; a workflow's trajectory moves the turn it is generating the same
+way, :mod:`.turns`) and it owns what a switch must wait for: the moves onto and off
 each instance (:meth:`Migrations.pending`). It reports what happened on the event queue
 (:class:`~dora_megatron.controller.loop.EngineReply`, :class:`MigrationDone`,
 :class:`MigrationFailed`, :class:`InstanceFailed`); the samples stay the executor's.
@@ -101,7 +102,6 @@ class Migrations:
         # off it, which is the wait DORA's partition exists to remove. A switch of the destination
         # waits for the whole move.
         released = asyncio.get_running_loop().create_future()
-        self.rt.turns.drop(a.sample_id)  # a trajectory moved during a turn runs again at the destination
         task = self.rt.concurrent(a.sample_id, lambda prev: self.move(a, prev, released), f"migrate-{a.sample_id}")
         task.add_done_callback(lambda t: released.done() or released.set_result(None))
         self._track_move(a.src, released)
@@ -128,13 +128,19 @@ class Migrations:
         rec = self.rt.samples.get(a.sample_id)
         if rec is None or rec.finished:  # finished (its group maybe consumed) before this move ran
             return
+        gate = None  # a workflow's run: the turn on the engine is what moves
+        if self.rt.workflow is not None:
+            gate = self.rt.turns.live(a.sample_id)
+            if gate is not None and not gate.in_turn:  # its turn ended first: the orchestrator places its next turn
+                return
         src, dst = self.rt.engines[a.src], self.rt.engines[a.dst]
         start = self.rt.now()
         blob = None
         try:
-            # a workflow's trajectory moves between turns only: abort + resubmit runs it again on dst
-            use_kv = (self.rt.workflow is None and self.rt.opt.migration == "kv" and await src.supports("export_request")
-                      and await dst.supports("import_request"))
+            # a workflow whose run has not started yet (its submission waits for an earlier
+            # operation) moves by abort + resubmit: there is no turn to carry
+            use_kv = ((self.rt.workflow is None or gate is not None) and self.rt.opt.migration == "kv"
+                      and await src.supports("export_request") and await dst.supports("import_request"))
             if use_kv:
                 for _ in range(50):  # the generate may not have reached the engine yet
                     try:
@@ -143,8 +149,8 @@ class Migrations:
                     except EngineError as err:
                         if err.status != 404:
                             raise
-                        if rec.finished:
-                            return
+                        if rec.finished or (gate is not None and not gate.in_turn):
+                            return  # it finished (its turn ended) first: nothing to move
                         await asyncio.sleep(0.02)
         except Exception as err:  # noqa: BLE001 - the source is unreachable: re-run the sample elsewhere
             if _is_local(err):  # the controller's shortage: move it the other way (abort + resubmit)
@@ -164,9 +170,13 @@ class Migrations:
             self.migrations_done += 1
             if self.rt.timeline is not None:
                 self.rt.timeline.span(a.dst, f"migrate-in {a.sample_id}", start, self.rt.now(), version=a.version, kind="migration")
+            if gate is not None:
+                gate.move_started(a.dst, dst)
             try:
                 resp = await dst.import_request(blob)
             except Exception as err:  # noqa: BLE001 - the destination failed: its requests are re-queued
+                if gate is not None:
+                    gate.move_failed()  # the trajectory runs again from its prompt (re-queued below)
                 if _is_local(err):  # the controller's shortage: the sample runs again from what it holds
                     self.rt.local_shortage(f"import of {a.sample_id} into {a.dst}", err)
                     await self.rt.events.report(MigrationFailed(a.sample_id))
@@ -177,10 +187,17 @@ class Migrations:
                 return
             end = self.rt.now()
             self.freed_slot_s += end - left
+            if gate is not None:  # the turn's generate returns this; the trajectory goes on
+                gate.move_landed(resp)
+                return
             reward = await self.rt.store.reward_off_loop(rec, resp)  # off the loop thread, before the report
             await self.rt.events.report(EngineReply(a.sample_id, a.dst, resp, start, end, reward))
             return
         # Fallback (SGLang): abort at src, resubmit prompt + partial output at dst (re-prefill).
+        if gate is not None:
+            if not gate.in_turn:
+                return  # its turn ended while the export was tried: the orchestrator places its next turn
+            gate.drop()  # the trajectory runs again from its prompt at the destination
         try:
             await abort_until_returned(src, a.sample_id, prev)
         except Exception as err:  # noqa: BLE001

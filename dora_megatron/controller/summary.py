@@ -73,5 +73,6 @@ def run_summary(rt: SummaryHost, wall: float) -> dict[str, Any]:
     if rt.workflow is not None:
         out.update(rt.workflow.counts)
         out["workflow_turn_moves"] = osum["workflow_turn_moves"]
+        out.update(rt.turns.summary())  # the moves' prefix KV: carried or computed again
     out.update(rt.training.status())  # "status", "stopped_by", "stop_checkpoint"
     return out

@@ -6,25 +6,39 @@ need an engine slot. When a turn's ``generate`` returns, :class:`TurnGate` repor
 :class:`~dora_megatron.controller.loop.TurnEnded` (the orchestrator frees the slot); when the
 workflow asks for its next turn it reports :class:`~dora_megatron.controller.loop.TurnReady` and
 waits for the ``Submit`` the orchestrator answers with, which may name another instance of the
-trajectory's version (the prefix is computed again there). The workflow's coroutine lives through
-all of it in the sample's submission task, so per-sample ordering is unchanged.
+trajectory's version. The workflow's coroutine lives through all of it in the sample's submission
+task, so per-sample ordering is unchanged.
 
-A trajectory the orchestrator moved or interrupted during a turn, or re-queued while its turn's
-end was on its way (its instance failed), is *dropped*: its events are no longer passed on (the
-orchestrator already placed the sample anew) and its next step raises
-:class:`~dora_megatron.workflow.runner.TrajectoryAborted`, so the new submission runs it again
-from its prompt on its version: nothing is kept of it twice, nothing lost.
+A move the orchestrator orders while a turn generates moves that turn's request like any
+single-turn request (KV export/import, :mod:`.migration`): the source's answer says ``migrated``
+and the turn's ``generate`` waits for the destination's answer (:meth:`TurnGate.moved`), so the
+workflow goes on where it was. A trajectory interrupted during a turn, moved where the engines
+cannot carry its KV, or re-queued while its turn's end was on its way (its instance failed), is
+*dropped*: its events are no longer passed on (the orchestrator already placed the sample anew)
+and its next step raises :class:`~dora_megatron.workflow.runner.TrajectoryAborted`, so the new
+submission runs it again from its prompt on its version: nothing is kept of it twice, nothing lost.
+
+Between turns the last turn's KV stays on its instance where the engine offers ``keep_kv`` (the
+embedded engine; bounded there in time and blocks): a next turn placed on the same instance
+computes only the tool's tokens; one placed on another instance of the version gets the prefix KV
+carried there first (``/dora/export_kv`` then ``/dora/import_kv``, counted as
+``workflow_turn_kv_moved``), or computes the prefix again when it cannot be carried (evicted,
+expired, the instance failed, an engine without the transport: ``workflow_turn_prefix_recomputed``).
+The kept KV is released when the trajectory's run ends, whatever ended it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, Protocol
 
 from dora_megatron.controller.loop import EventQueue, TurnEnded, TurnReady
 from dora_megatron.controller.records import Engine, SampleRecord
 from dora_megatron.orchestrator import Submit
 from dora_megatron.workflow.runner import TrajectoryAborted
+
+log = logging.getLogger(__name__)
 
 
 class TurnsHost(Protocol):
@@ -37,13 +51,19 @@ class TurnsHost(Protocol):
 
     def now(self) -> float: ...
 
+    def spawn(self, coro: Any, name: str) -> asyncio.Task: ...
+
+    def is_current(self, instance: str, engine: Engine) -> bool: ...
+
 
 class TurnGate:
     """One run of a sample's workflow (:class:`~dora_megatron.workflow.runner.TurnHost`):
     ``instance``/``engine`` are those of its current (or last) turn."""
 
-    def __init__(self, host: TurnsHost, rec: SampleRecord, instance: str, engine: Engine) -> None:
+    def __init__(self, host: TurnsHost, rec: SampleRecord, instance: str, engine: Engine,
+                 turns: "Turns | None" = None) -> None:
         self.host = host
+        self.turns = turns  # the counts of the KV carried between turns
         self.rec = rec
         self.instance = instance
         self.engine = engine
@@ -51,8 +71,26 @@ class TurnGate:
         self.closed = False
         self.waiting: asyncio.Future | None = None  # the next turn's placement, once asked for
         self.turn_start = host.now()
+        self.in_turn = True  # a turn's request is on an engine (from the submission until it returns)
+        # the destinations' answers of the turns moved mid-generation, in the order of the moves
+        # (:meth:`moved`); an exception: the move failed, the trajectory is dropped
+        self._moved: asyncio.Queue = asyncio.Queue()
+        self._moves = 0  # moves of its turns started; those whose answer was taken: _moves_taken
+        self._moves_taken = 0
+        self.keeping = False  # the current turn was sent with keep_kv
+        self.kept_at: tuple[str, Engine] | None = None  # where the last turn's KV is kept
+
+    async def keep_kv(self) -> bool:
+        try:
+            self.keeping = bool(await self.engine.supports("keep_kv"))
+        except Exception:  # noqa: BLE001 - unknown: the turn is sent without it (the generate finds out)
+            self.keeping = False
+        return self.keeping
 
     async def ended(self) -> None:
+        self.in_turn = False
+        if self.keeping:
+            self.kept_at = (self.instance, self.engine)
         self.host.metrics.request_held_slot(self.turn_start, self.host.now())  # (rollout_utilization)
         self.rec.gen_instance = None  # off the engine: a failure of that instance no longer concerns it
         await self.host.events.report(TurnEnded(self.rec.sample_id, self))
@@ -69,19 +107,53 @@ class TurnGate:
         if self.dropped:  # moved or interrupted as soon as it was placed: the new submission runs it
             raise TrajectoryAborted(self.rec.sample_id)
         rec = self.rec
+        moved = a.instance != self.instance
         self.instance, self.engine = a.instance, self.host.engines[a.instance]
         rec.gen_instance = a.instance
+        if moved and a.version == rec.version and self.turns is not None:
+            await self.turns.carry_kv(self)
         self.turn_start = self.host.now()
+        self.in_turn = True
         if a.version != rec.version:  # partial mode placed it on newer weights: it runs again on them
             rec.versions.clear()
             rec.versions.add(a.version)
             rec.version = a.version
         return self.engine, a.version
 
+    async def moved(self) -> tuple[Engine, Any]:
+        """The turn's request left its instance (its answer there said ``migrated``): the engine
+        it was moved to and that engine's answer to it (:meth:`move_landed`)."""
+        engine, resp = await self._moved.get()
+        self._moves_taken += 1
+        if isinstance(resp, BaseException):
+            raise resp
+        return engine, resp
+
+    def move_started(self, instance: str, engine: Engine) -> None:
+        """The turn's request was exported from its instance and goes to ``instance``: a failure of
+        that instance concerns it from now on, and its answer will come from there."""
+        self.instance, self.engine = instance, engine
+        self.rec.gen_instance = instance
+        self._moves += 1
+
+    def moving(self) -> bool:
+        """Whether the turn was exported to another instance and its answer there is still to be
+        taken: the source's failure to answer (it died after the export) is then not the turn's."""
+        return self._moves > self._moves_taken
+
+    def move_landed(self, resp: Any) -> None:
+        """The destination answered the moved turn (maybe ``migrated`` again: moved on from there)."""
+        self._moved.put_nowait((self.engine, resp))
+
+    def move_failed(self) -> None:
+        """The moved turn never reached an answer (its destination failed): the trajectory is dropped."""
+        self.drop()
+
     def drop(self) -> None:
         self.dropped = True
         if self.waiting is not None and not self.waiting.done():
             self.waiting.set_exception(TrajectoryAborted(self.rec.sample_id))
+        self._moved.put_nowait((self.engine, TrajectoryAborted(self.rec.sample_id)))
 
 
 class Turns:
@@ -90,18 +162,61 @@ class Turns:
 
     def __init__(self, host: TurnsHost) -> None:
         self.host = host
+        self.kv_moved = 0  # next turns placed on another instance that got the prefix KV carried there
+        self.kv_moved_bytes = 0
+        self.prefix_recomputed = 0  # next turns placed on another instance that compute the prefix again
 
     def open(self, rec: SampleRecord, instance: str, engine: Engine) -> TurnGate:
         """A new run of ``rec``'s workflow, its first turn on ``instance``; an earlier run is dropped."""
         if rec.turn is not None:
             rec.turn.drop()
-        rec.turn = TurnGate(self.host, rec, instance, engine)
+        rec.turn = TurnGate(self.host, rec, instance, engine, self)
         return rec.turn
 
-    @staticmethod
-    def close(gate: TurnGate) -> None:
-        """The run ended (finished, failed or aborted); its record keeps where its last turn ran."""
+    def close(self, gate: TurnGate) -> None:
+        """The run ended (finished, failed or aborted); its record keeps where its last turn ran.
+        The KV its last turn left on an instance is released there."""
         gate.closed = True
+        if gate.kept_at is not None:
+            instance, engine = gate.kept_at
+            gate.kept_at = None
+            self.host.spawn(self._release(instance, engine, gate.rec.sample_id), f"release-kv-{gate.rec.sample_id}")
+
+    async def _release(self, instance: str, engine: Engine, rid: str) -> None:
+        if not self.host.is_current(instance, engine):
+            return  # failed or replaced: its memory went with it
+        try:
+            await engine.release_kv(rid)
+        except Exception as err:  # noqa: BLE001 - best effort: the engine's own bound frees it anyway
+            log.debug("release of the kept KV of %s on %s failed: %s", rid, instance, err)
+
+    async def carry_kv(self, gate: TurnGate) -> None:
+        """``gate``'s next turn was placed on another instance than its last one: carry the kept
+        prefix KV there (counted), else the prefix is computed again there (counted)."""
+        kept, gate.kept_at = gate.kept_at, None
+        rid = gate.rec.sample_id
+        if kept is not None and self.host.is_current(*kept):
+            src_name, src = kept
+            try:
+                if await gate.engine.supports("keep_kv"):
+                    blob = await src.export_kv(rid)
+                    await gate.engine.import_kv(blob)
+                    self.kv_moved += 1
+                    self.kv_moved_bytes += len(blob)
+                    return
+                await src.release_kv(rid)
+            except Exception as err:  # noqa: BLE001 - evicted, expired, no room, unreachable: recompute
+                log.debug("the prefix KV of %s did not move from %s to %s (%s): computed again", rid, src_name,
+                          gate.instance, err)
+        self.prefix_recomputed += 1
+
+    def summary(self) -> dict[str, int]:
+        return {"workflow_turn_kv_moved": self.kv_moved, "workflow_turn_kv_moved_bytes": self.kv_moved_bytes,
+                "workflow_turn_prefix_recomputed": self.prefix_recomputed}
+
+    def live(self, sample_id: str) -> TurnGate | None:
+        """The sample's current run (opened, not ended nor dropped), None without one."""
+        return self._live(sample_id)
 
     def _live(self, sample_id: str) -> TurnGate | None:
         rec = self.host.samples.get(sample_id)
@@ -123,7 +238,8 @@ class Turns:
         return False
 
     def drop(self, sample_id: str) -> None:
-        """The orchestrator moved or interrupted the sample during a turn: its run is dropped."""
+        """The orchestrator interrupted the sample during a turn (or moved it where its KV cannot
+        go): its run is dropped."""
         gate = self._live(sample_id)
         if gate is not None:
             gate.drop()

@@ -166,6 +166,15 @@ class ProxyEngine:
     async def import_request(self, blob: bytes):
         return await self._call("import_request", blob)
 
+    async def export_kv(self, rid: str) -> bytes:
+        return await self._call("export_kv", rid)
+
+    async def import_kv(self, blob: bytes) -> int:
+        return await self._call("import_kv", blob)
+
+    async def release_kv(self, rid: str) -> bool:
+        return await self._call("release_kv", rid)
+
     async def weights_checksum(self) -> str:
         return await self._call("weights_checksum")
 

@@ -9,13 +9,14 @@ other), so C1 holds per trajectory by construction. The runner hands the runtime
 Between turns the trajectory is off the engine (:class:`TurnHost`): when a turn's ``generate``
 returns, the runtime is told (the orchestrator frees the slot while the tool runs), and the next
 turn waits until the orchestrator places it again, on an instance of the same version (the one of
-the last turn, or another: the prefix is computed again there). In ``partial`` mode a trajectory
+the last turn, or another). A turn moved while it generates answers from the instance it was
+moved to (:meth:`TurnHost.moved`): the workflow never sees the move. In ``partial`` mode a trajectory
 placed on newer weights runs again from its prompt on them (it never mixes versions).
 
 What happens to a trajectory that cannot finish:
 
 * an engine call is aborted (the orchestrator interrupts the sample, or moves it to another
-  instance by abort + resubmit): the trajectory so far is dropped and the reply says ``abort``;
+  instance where its KV cannot go, by abort + resubmit): the trajectory so far is dropped and the reply says ``abort``;
   the resubmission runs the workflow again from the prompt with the same version. Nothing of a
   half trajectory is kept, so nothing is duplicated.
 * an engine call fails (the instance died): the error goes to the runtime, which fails the
@@ -69,6 +70,19 @@ class TurnHost(Protocol):
 
     async def next(self) -> tuple[Any, int]:
         """Wait until the next turn is placed: the engine it runs on and the version it runs with."""
+
+    async def keep_kv(self) -> bool:
+        """Whether the turn about to be sent asks its engine to keep its KV when it finishes (for
+        the next turn, on that instance or carried to another)."""
+
+    def moving(self) -> bool:
+        """Whether the turn's request was exported to another instance and that instance's answer
+        is still to be taken (:meth:`moved`)."""
+
+    async def moved(self) -> tuple[Any, Any]:
+        """The turn's request was moved to another instance while it generated (the engine's
+        answer said ``migrated``): wait for that instance's answer; returns its engine and the
+        answer. Raises :class:`TrajectoryAborted` if the move failed."""
 
 
 class TrajectoryAborted(Exception):
@@ -153,9 +167,23 @@ class PinnedEngineClient:
                 self.aborted, self.retag = True, version
                 raise TrajectoryAborted(self.sample_id)
         try:
-            resp = await self.engine.generate(ids, params, rid=self.sample_id, return_logprob=True,
-                                              version=self.version,
-                                              **({"routed_experts": True} if self.routed_experts else {}))
+            extra = {"routed_experts": True} if self.routed_experts else {}
+            if self.turns is not None and await self.turns.keep_kv():
+                extra["keep_kv"] = True  # its KV stays on the engine for the next turn
+            try:
+                resp = await self.engine.generate(ids, params, rid=self.sample_id, return_logprob=True,
+                                                  version=self.version, **extra)
+            except Exception:
+                if self.turns is None or not self.turns.moving():
+                    raise
+                resp = None  # the source failed after it let the turn go: its answer comes from where it went
+            while resp is None or (getattr(resp, "migrated", False) and self.turns is not None):
+                # moved to another instance of the version mid-turn: its answer comes from there
+                self.versions_used += [str(v) for v in getattr(resp, "versions_used", ())]
+                self.engine, resp = await self.turns.moved()  # type: ignore[union-attr]
+        except TrajectoryAborted:
+            self.aborted = True
+            raise
         except Exception as err:
             self.engine_error = err  # the engine's fault, whatever the workflow makes of it
             raise

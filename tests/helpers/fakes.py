@@ -2,7 +2,9 @@
 
 The fake engine generates a deterministic answer for the running-sum prompt, one
 token per ``token_s`` of (real, short) time, honours abort (partial output),
-export/import (migration without recomputation), version tags (409 on
+export/import (migration without recomputation), a trajectory's KV kept between its turns
+(``keep_kv``: reused by the rid's next request that continues it, carried by export_kv/import_kv),
+version tags (409 on
 mismatch, like the real engine) and weight loads; it records everything it saw so
 tests can check C1 and that migrated requests were not restarted.
 """
@@ -30,11 +32,15 @@ class _Req:
     done: asyncio.Future
     aborted: bool = False
     migrated: bool = False
+    keep: bool = False
 
 
 class FakeEngine:
-    def __init__(self, name: str, token_s: float = 0.002, migration: bool = True, lengths: dict | None = None) -> None:
+    def __init__(self, name: str, token_s: float = 0.002, migration: bool = True, lengths: dict | None = None,
+                 keep_kv: bool = False) -> None:
         self.name = name
+        self.keep_kv = keep_kv
+        self.kept: dict[str, tuple[list[int], int]] = {}  # rid -> (tokens its KV covers, version)
         self.base_url = f"fake://{name}"
         self.version = 0
         self.token_s = token_s
@@ -49,7 +55,7 @@ class FakeEngine:
             raise EngineError(self.name, 503, "dead")
 
     async def supports(self, name: str) -> bool:
-        return self.migration and name in ("export_request", "import_request")
+        return (self.migration and name in ("export_request", "import_request")) or (self.keep_kv and name == "keep_kv")
 
     async def server_info(self) -> dict[str, Any]:
         self._check()
@@ -59,6 +65,8 @@ class FakeEngine:
         self._check()
         assert not self.reqs, f"{self.name}: switch while holding {list(self.reqs)}"
         await asyncio.sleep(0.005)
+        if int(weight_version) != self.version:
+            self.kept.clear()  # computed with the old weights
         self.version = int(weight_version)
         self.loads.append(model_path)
         return {"success": True}
@@ -68,16 +76,22 @@ class FakeEngine:
         digits = parse_running_sum_prompt(tok.decode(input_ids))
         return tok.encode(running_sum_answer(digits) + ".") + [tok.EOS_ID]
 
-    async def generate(self, input_ids, sampling_params=None, *, rid=None, return_logprob=True, version=None):
+    async def generate(self, input_ids, sampling_params=None, *, rid=None, return_logprob=True, version=None,
+                       keep_kv=False):
         self._check()
+        assert not keep_kv or self.keep_kv, "keep_kv sent to an engine that does not offer it"
         if version is not None and int(version) != self.version:
             raise VersionMismatch(self.name, 409, f"weight version {self.version} != requested {version}")
         full = self._answer(list(input_ids))
         prompt_len = len(tok.encode(tok.decode(input_ids).split(":")[0] + ":", add_bos=True))
         already = len(input_ids) - prompt_len
-        req = _Req(rid, list(input_ids), full[already:], [], self.version, asyncio.get_running_loop().create_future())
+        req = _Req(rid, list(input_ids), full[already:], [], self.version, asyncio.get_running_loop().create_future(),
+                   keep=keep_kv)
         self.reqs[rid] = req
         self.log.append(("generate", rid, self.version))
+        kept = self.kept.pop(rid, None)
+        if kept is not None and kept[1] == self.version and list(input_ids[:len(kept[0])]) == kept[0]:
+            self.log.append(("reuse", rid, self.version))  # its prefix was not computed again
         return await self._run(req)
 
     def _token_time(self, req: _Req) -> float:
@@ -97,6 +111,8 @@ class FakeEngine:
             if self.reqs.get(req.rid) is req:
                 self.reqs.pop(req.rid)
         reason = "abort" if req.aborted else "stop"
+        if req.keep and reason == "stop" and not req.migrated:
+            self.kept[req.rid] = (req.input_ids + req.produced[:-1], self.version)
         return SimpleNamespace(output_ids=list(req.produced), output_token_logprobs=[-0.5] * len(req.produced),
                                finish_reason={"type": reason}, migrated=req.migrated, weight_version=str(req.version))
 
@@ -117,17 +133,38 @@ class FakeEngine:
         self.reqs.pop(rid)
         self.log.append(("export", rid, req.version))
         return pickle.dumps({"rid": rid, "input_ids": req.input_ids, "target": req.target, "produced": req.produced,
-                             "version": req.version})
+                             "version": req.version, "keep": req.keep})
 
     async def import_request(self, blob: bytes):
         self._check()
         d = pickle.loads(blob)
         assert d["version"] == self.version, "imported a request of another version"
         req = _Req(d["rid"], d["input_ids"], d["target"], list(d["produced"]), self.version,
-                   asyncio.get_running_loop().create_future())
+                   asyncio.get_running_loop().create_future(), keep=d["keep"])
         self.reqs[req.rid] = req
         self.log.append(("import", req.rid, self.version))
         return await self._run(req)
+
+    async def export_kv(self, rid: str) -> bytes:
+        self._check()
+        if rid not in self.kept:
+            raise EngineError(self.name, 404, f"no kept KV for {rid}")
+        tokens, version = self.kept.pop(rid)
+        self.log.append(("export_kv", rid, version))
+        return pickle.dumps({"rid": rid, "tokens": tokens, "version": version})
+
+    async def import_kv(self, blob: bytes) -> int:
+        self._check()
+        d = pickle.loads(blob)
+        if d["version"] != self.version:
+            raise VersionMismatch(self.name, 409, f"weight version {self.version} != {d['version']}")
+        self.kept[d["rid"]] = (d["tokens"], d["version"])
+        self.log.append(("import_kv", d["rid"], self.version))
+        return len(d["tokens"])
+
+    async def release_kv(self, rid: str) -> bool:
+        self._check()
+        return self.kept.pop(rid, None) is not None
 
     async def weights_checksum(self) -> str:
         return "x"

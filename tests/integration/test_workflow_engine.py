@@ -122,3 +122,77 @@ def test_the_engine_refuses_a_turn_for_another_version(servers):
             assert len(out.output_ids) == 2
 
     asyncio.run(main())
+
+
+LONG = 160
+LONG_TURN = {"max_new_tokens": LONG, "ignore_eos": True}  # long enough to be caught generating
+
+
+def test_a_turn_moved_while_it_generates_and_a_prefix_moved_between_turns_are_never_computed_again(tool_dir, servers):
+    """One trajectory of two turns on two engines: a Migrate executed while its first turn generates
+    moves that turn's request with its KV (the workflow's ``generate`` answers from the other
+    instance), and its next turn, placed where the orchestrator believes the last turn ran, gets the
+    prefix KV carried there. Every position of the trajectory was computed once, over both engines,
+    and the trajectory's ids and log-probs are whole."""
+    from dora_megatron.orchestrator import Migrate
+
+    codec = load_codec(tool_dir)
+    cfg = OrchestratorConfig(mode="sync", tbs=1, rbs=1, max_staleness=0, group_size=1)
+    names = ["e0", "e1"]
+    runs: list[dict] = []
+
+    async def main():
+        engines = {n: EngineClient(ep.url, timeout_s=120) for n, ep in zip(names, servers)}
+        for e in engines.values():  # (an earlier test of the module moved them to newer versions)
+            await e.update_weights_from_disk(str(tool_dir), weight_version="0")
+        before = {n: await e.server_info() for n, e in engines.items()}
+        trainer = FakeTrainer()
+        opts = RuntimeOptions(steps=1, seed=0, max_new_tokens=LONG + 64, temperature=1.0, top_p=1.0, top_k=-1,
+                              snapshot_dir=lambda v: str(tool_dir), stats_interval_s=0.05, verify_checksums=False,
+                              migration="kv")
+        rt = Runtime(Orchestrator(cfg, names), engines, trainer, Prompts(), lambda response, answer: 0.0, opts,
+                     codec=codec, events=EventQueue())
+
+        async def move_once_generating(client):
+            src = next(n for n, e in engines.items() if e is client.engine)
+            while (await client.engine.server_info())["tokens_generated"] < before[src]["tokens_generated"] + 4:
+                await asyncio.sleep(0.005)
+            rt.execute([Migrate(client.sample_id, src, "e1" if src == "e0" else "e0", client.version)])
+
+        async def moved_turns(prompt, prompt_ids, client, ctx):
+            run = {"starts": 1, "first_engine": client.engine}
+            runs.append(run)
+            mover = asyncio.get_running_loop().create_task(move_once_generating(client))
+            first = await client.generate(prompt_ids, LONG_TURN)
+            await mover
+            run["moved_to"] = client.engine
+            env = [ctx.eos_ids[0], *env_tokens(ctx.tokenizer, [{"role": "tool", "content": "51"}], ctx.eos_ids)]
+            second = await client.generate(prompt_ids + first.output_ids + env, TURN)
+            run["second_engine"], run["lengths"] = client.engine, (len(first.output_ids), len(second.output_ids))
+            ids = first.output_ids + env + second.output_ids
+            mask = [1] * len(first.output_ids) + [0] * len(env) + [1] * len(second.output_ids)
+            return Trajectory(prompt_ids, ids, mask, first.logprobs + [0.0] * len(env) + second.logprobs, turns=2)
+
+        rt.workflow = WorkflowRunner(moved_turns, WorkflowContext(codec.tokenizer, tuple(codec.eos_ids)))
+        try:
+            summary = await asyncio.wait_for(drive(rt), timeout=240)
+            after = {n: await e.server_info() for n, e in engines.items()}
+        finally:
+            for e in engines.values():
+                await e.close()
+        return summary, trainer, before, after
+
+    summary, trainer, before, after = asyncio.run(main())
+    (run,) = runs  # the workflow ran once: the move did not start it again
+    assert run["moved_to"] is not run["first_engine"] and run["second_engine"] is run["first_engine"]
+    assert summary["migrations_kv"] == 1 and summary["env/trajectories_aborted"] == 0
+    assert summary["workflow_turn_kv_moved"] == 1 and summary["workflow_turn_prefix_recomputed"] == 0
+    (sample,) = [s for b in trainer.batches for s in b]
+    ids, mask, lps = sample["response_ids"], sample["loss_mask"], sample["rollout_logprobs"]
+    n1, n2 = run["lengths"]  # (a turn may end at a stop token of the job's sampling)
+    assert n1 > 4 and n2 > 0 and len(ids) > n1 + n2
+    assert mask[:n1] == [1] * n1 and mask[-n2:] == [1] * n2 and set(mask[n1:-n2]) == {0}
+    assert all(lp < 0 for lp, m in zip(lps, mask) if m) and all(lp == 0 for lp, m in zip(lps, mask) if not m)
+    computed = sum(after[n]["tokens_computed"] - before[n]["tokens_computed"] for n in names)
+    assert computed == len(sample["prompt_ids"]) + len(ids) - 1  # each position once, the last one never fed
+    assert all(a["kv_kept_blocks"] == 0 for a in after.values())  # released when the trajectory ended

@@ -35,6 +35,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from dora_megatron.rollout.engine.drafter import propose_draft, sibling_source
+from dora_megatron.rollout.engine.kept_kv import KeptKV
 from dora_megatron.rollout.engine.kv_cache import BlockPool, RequestKV, blocks_for
 from dora_megatron.rollout.engine.model import CausalLM
 from dora_megatron.rollout.engine.routing_trace import RoutingTrace, split_step_routing
@@ -57,6 +58,7 @@ from dora_megatron.comm.protocol import (
 log = logging.getLogger(__name__)
 
 EXPORT_FORMAT = "dora-request-v1"
+KV_EXPORT_FORMAT = "dora-kept-kv-v1"
 #: sibling sequences a request keeps for drafting (the newest); a group is rarely larger, and each
 #: source costs a scan per verify step
 MAX_DRAFT_SOURCES = 16
@@ -86,6 +88,11 @@ class Request:
     draft_sources: list[list[int]] = field(default_factory=list)
     #: the request's draft acceptance evidence: the speculation policy's per-request input
     spec_acceptance: DraftAcceptance = field(default_factory=DraftAcceptance)
+    #: ``dora_keep_kv``: when it finishes, its KV stays here for the next turn of its trajectory
+    keep_kv: bool = False
+    #: KV positions that hold the request's own tokens after a verify step (rejected draft
+    #: positions past it); None: all of them
+    kv_valid: int | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -120,6 +127,8 @@ class SchedulerLimits:
     spec_max_batch: int = 8  # rollout.spec_max_batch: speculate only at running batches up to this
     spec_token_cost: float = 0.25  # rollout.spec_token_cost: a draft token's cost relative to a decode step
     spec_probe_interval: int = 64  # rollout.spec_probe_interval: decode steps between probes of a non-drafter
+    kept_kv_s: float = 60.0  # how long a finished turn's KV (dora_keep_kv) waits for the trajectory's next turn
+    kept_kv_fraction: float = 0.25  # the share of the KV blocks kept turns may hold together
 
 
 @dataclass
@@ -157,6 +166,8 @@ class Scheduler:
         self.block_size = int(limits.block_size)
         total = limits.kv_blocks or limits.max_running * blocks_for(self.max_context, self.block_size)
         self.pool = BlockPool(total)
+        self.kept = KeptKV(self.pool, int(limits.block_size), int(total * limits.kept_kv_fraction), limits.kept_kv_s)
+        self.tokens_computed = 0  # the requests' own token positions whose KV this instance computed
         self.kv_shape = model.kv_shape(self.block_size)
         self.weight_version = str(weight_version)
         self.eos_ids = set(model.config.eos_token_ids)
@@ -210,6 +221,8 @@ class Scheduler:
                                 f"{len(req.prompt_ids)}] (the prompt length)")
         req.version = self.weight_version
         req.required_version = None if required_version is None else str(required_version)
+        if req.kv is None and req.routing is None:  # its trajectory's last turn left its KV here: only what follows is computed
+            req.kv = self.kept.take(req.rid, req.prompt_ids, self.weight_version)
         if req.generator is None:
             req.generator = make_generator(req.params.sampling_seed)
         self.by_rid[req.rid] = req
@@ -247,6 +260,7 @@ class Scheduler:
         while self.waiting and len(self.running) < self.limits.max_running:
             req = self.waiting[0]
             need = self._blocks_needed(req)
+            self.kept.free_for(need)  # kept turns never delay new work
             if not self.pool.can_reserve(need):
                 break
             self.waiting.popleft()
@@ -276,6 +290,7 @@ class Scheduler:
             start = r.kv.length
             draft = self._draft(r) if speculate and len(toks) - start == 1 else []
             new = toks[start:] + draft
+            self.tokens_computed += len(toks) - start
             r.kv.ensure_capacity(start + len(new))
             ids.extend(new)
             pos.extend(range(start, start + len(new)))
@@ -338,6 +353,9 @@ class Scheduler:
         """Append a step's tokens to ``r`` up to the first that ends it; with a draft, drop the KV
         of the rejected draft positions. Returns the tokens kept."""
         kept = 0
+        if draft:  # the KV of a draft position is the request's own only up to the first rejection
+            lead = next((i for i, (t, d) in enumerate(zip(toks, draft)) if t != d), min(len(toks), len(draft)))
+            r.kv_valid = len(r.tokens) + lead
         for tok, lp in zip(toks, lps):
             r.output_ids.append(tok)
             r.output_logprobs.append(lp)
@@ -353,6 +371,7 @@ class Scheduler:
             self.spec.draft_tokens += len(draft)
             self.spec.accepted_tokens += accepted
             self.spec.verify_tokens += kept
+            r.kv_valid = None
             if r.kv is not None:  # still running: its KV must end before its last token again
                 r.kv.truncate(len(r.tokens) - 1)
                 if r.routing is not None:
@@ -381,7 +400,12 @@ class Scheduler:
         self.by_rid.pop(r.rid, None)
 
     def _finish(self, r: Request, reason: dict[str, Any], migrated: bool = False) -> None:
+        kv = r.kv if r.keep_kv and reason.get("type") in ("stop", "length") else None
         self._remove(r)
+        if kv is not None:
+            valid = min(kv.length, len(r.tokens) - 1, r.kv_valid if r.kv_valid is not None else kv.length)
+            kv.truncate(valid)
+            self.kept.keep(r.rid, r.tokens, kv, self.weight_version)
         if r.on_done is not None:
             r.on_done(self.response(r, reason, migrated))
 
@@ -475,6 +499,7 @@ class Scheduler:
             raise ProtocolError(f"weights rejected, old weights kept: {exc}") from None
         self._checksum = None
         if version is not None and str(version) != self.weight_version:
+            self.kept.clear()  # computed with the old weights (C1)
             old, self.weight_version = self.weight_version, str(version)
             self._abort_version_bound(old)
             for r in list(self.running) + list(self.waiting) + list(self.held):
@@ -505,7 +530,6 @@ class Scheduler:
         r = self.by_rid.get(rid)
         if r is None:
             raise ProtocolError(f"unknown rid {rid!r}", 404)
-        c = self.model.config
         blob = {
             "format": EXPORT_FORMAT,
             "rid": r.rid,
@@ -518,10 +542,11 @@ class Scheduler:
             "migrations": r.migrations + 1,
             "rng_state": r.generator.get_state(),
             "kv": r.kv.export_tensor() if r.kv is not None and r.kv.length else None,
-            "model": [c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size],
+            "model": self._model_shape(),
             "routing": r.routing.export() if r.routing is not None else None,
             "draft_sources": [list(x) for x in r.draft_sources],
             "spec_acceptance": r.spec_acceptance.to_json(),
+            "keep_kv": r.keep_kv,
         }
         buf = io.BytesIO()
         torch.save(blob, buf)
@@ -530,16 +555,8 @@ class Scheduler:
 
     def import_request(self, data: bytes, on_done: DoneCallback | None) -> Request:
         """Queue an exported request (first in line); it continues from its KV without re-prefill."""
-        try:
-            blob = torch.load(io.BytesIO(data), weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - any decoding failure is the client's fault
-            raise ProtocolError(f"body is not an exported request: {str(exc)[:200]}") from None
-        if not isinstance(blob, dict) or blob.get("format") != EXPORT_FORMAT:
-            raise ProtocolError(f"body is not a {EXPORT_FORMAT} export")
+        blob = self._load_export(data, EXPORT_FORMAT, "request")
         c = self.model.config
-        shape = blob.get("model")
-        if not isinstance(shape, list) or shape != [c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size]:
-            raise ProtocolError(f"exported request is for a different model shape {str(blob.get('model'))[:80]}")
         req = self._request_from_blob(blob, on_done)
         self.check_version(req.required_version)
         if req.rid in self.by_rid:
@@ -566,6 +583,67 @@ class Scheduler:
         self.by_rid[req.rid] = req
         (self.held if self.hold_admission else self.waiting).appendleft(req)
         return req
+
+    def export_kept(self, rid: str) -> bytes:
+        """Remove the kept KV of ``rid`` (its trajectory's last turn) and serialise it for
+        :meth:`import_kept` on another instance of the version; 404 when none is kept."""
+        e = self.kept.pop(rid)
+        if e is None:
+            raise ProtocolError(f"no kept KV for rid {rid!r}", 404)
+        buf = io.BytesIO()
+        torch.save({"format": KV_EXPORT_FORMAT, "rid": rid, "tokens": e.tokens, "version": e.version,
+                    "kv": e.kv.export_tensor(), "model": self._model_shape()}, buf)
+        return buf.getvalue()
+
+    def _model_shape(self) -> list[int]:
+        """What an export names of the model its KV fits (an import checks it)."""
+        c = self.model.config
+        return [c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size]
+
+    def _load_export(self, data: bytes, fmt: str, what: str) -> dict[str, Any]:
+        """An export's body (untrusted input) as a dict of format ``fmt`` for this model's shape."""
+        try:
+            blob = torch.load(io.BytesIO(data), weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any decoding failure is the client's fault
+            raise ProtocolError(f"body is not an exported {what}: {str(exc)[:200]}") from None
+        if not isinstance(blob, dict) or blob.get("format") != fmt:
+            raise ProtocolError(f"body is not a {fmt} export")
+        shape = blob.get("model")
+        if not isinstance(shape, list) or shape != self._model_shape():
+            raise ProtocolError(f"exported {what} is for a different model shape {str(shape)[:80]}")
+        return blob
+
+    def import_kept(self, data: bytes) -> int:
+        """Keep the KV :meth:`export_kept` serialised for its trajectory's next turn here; returns
+        the tokens it covers. 409 for KV of other weights than this instance holds (C1); 507 when
+        the kept budget has no room for it."""
+        blob = self._load_export(data, KV_EXPORT_FORMAT, "KV")
+        c = self.model.config
+        rid, tokens, version, kv = blob.get("rid"), blob.get("tokens"), blob.get("version"), blob.get("kv")
+        if not isinstance(rid, str) or not rid:
+            raise ProtocolError("rid must be a non-empty string")
+        self.check_version(version if isinstance(version, str) else None)
+        if not isinstance(version, str):
+            raise ProtocolError("version must be a string")
+        vocab = c.vocab_size
+        if not isinstance(tokens, list) or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
+                                               for t in tokens):
+            raise ProtocolError(f"tokens must be a list of token ids in [0, {vocab})")
+        if not isinstance(kv, torch.Tensor) or kv.layout != torch.strided or not kv.is_floating_point():
+            raise ProtocolError("kv must be a dense floating-point tensor")
+        try:
+            req_kv = RequestKV.from_tensor(self.kv_shape, kv)
+        except ValueError as exc:
+            raise ProtocolError(str(exc)) from None
+        if req_kv.length != len(tokens) or not tokens or len(tokens) >= self.max_context:
+            raise ProtocolError(f"the KV covers {req_kv.length} tokens, the export names {len(tokens)}")
+        if not self.kept.keep(rid, tokens, req_kv, version):
+            raise ProtocolError(f"no room to keep {len(tokens)} tokens of KV", 507)
+        return len(tokens)
+
+    def release_kept(self, rid: str) -> bool:
+        """Forget the kept KV of ``rid`` (its trajectory ended); whether there was one."""
+        return self.kept.release(rid)
 
     def _request_from_blob(self, blob: dict[str, Any], on_done: DoneCallback | None) -> Request:
         """Validate an export's fields (it is untrusted input) and build the request."""
@@ -617,6 +695,7 @@ class Scheduler:
             migrations=migrations,
             draft_sources=self._draft_sources_of(blob.get("draft_sources")),
             spec_acceptance=self._spec_acceptance_of(blob.get("spec_acceptance")),
+            keep_kv=blob.get("keep_kv") is True,
         )
 
     @staticmethod
@@ -659,6 +738,8 @@ class Scheduler:
             "weight_update_pending": self.hold_admission,
             "steps": self.steps,
             "tokens_generated": self.tokens_generated,
+            "tokens_computed": self.tokens_computed,
+            **self.kept.info(),
             "speculative": self.limits.speculative,
             **self.spec.info(),
         }

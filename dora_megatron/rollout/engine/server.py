@@ -23,6 +23,12 @@ request once it finishes here (``output_ids`` include the tokens made before the
 request's group, drafts for ``--speculative group``; kept through export/import);
 ``POST /dora/draft_sources`` JSON ``{"rid", "sources"}`` adds more to a running request (a sibling
 that finished after it started) and answers ``{"added": bool}`` (false: the request has left).
+``/generate`` accepts ``dora_keep_kv``: when the request finishes, its KV stays here for the next
+turn of its trajectory (same rid, input continuing the kept tokens), bounded in time and blocks
+(:mod:`~dora_megatron.rollout.engine.kept_kv`); ``POST /dora/export_kv`` JSON ``{"rid"}`` -> the
+kept KV as a binary body (it leaves this instance; 404 when none is kept), ``POST /dora/import_kv``
+binary body -> ``{"tokens"}`` (kept here; 409 for other weights, 507 without room),
+``POST /dora/release_kv`` JSON ``{"rid"}`` -> ``{"released": bool}``.
 ``GET /dora/weights_checksum`` -> ``{"checksum", "weight_version"}`` (see
 ``dora_megatron.comm.checksum``). ``/generate`` accepts ``dora_version``: 409 if this
 instance holds another weight version (so does an import of a request of another version).
@@ -60,7 +66,7 @@ from dora_megatron.rollout.engine.scheduler import Request, Scheduler
 log = logging.getLogger(__name__)
 
 DORA_EXTENSIONS = ("export_request", "import_request", "weights_checksum", "dora_version", "weights",
-                   "update_weights_from_peer", "draft_sources")
+                   "update_weights_from_peer", "draft_sources", "keep_kv")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -183,6 +189,9 @@ class EngineServer:
         r.add_post("/dora/draft_sources", self.draft_sources)
         r.add_post("/dora/export_request", self.export_request)
         r.add_post("/dora/import_request", self.import_request)
+        r.add_post("/dora/export_kv", self.export_kv)
+        r.add_post("/dora/import_kv", self.import_kv)
+        r.add_post("/dora/release_kv", self.release_kv)
         r.add_get("/dora/weights_checksum", self.weights_checksum)
         r.add_get("/dora/weights", self.get_weights)
         r.add_post("/dora/update_weights_from_peer", self.update_weights_from_peer)
@@ -229,7 +238,7 @@ class EngineServer:
         fut, on_done = self._done_future()
         req = Request(
             rid=rid, prompt_ids=g.input_ids, params=g.sampling_params, return_logprob=g.return_logprob, on_done=on_done,
-            draft_sources=g.dora_draft_sources,
+            draft_sources=g.dora_draft_sources, keep_kv=g.dora_keep_kv,
         )
         if g.return_routed_experts:
             req.routing = routing_trace_for(self._runner.scheduler.model.config, g.routed_experts_start_len)
@@ -431,18 +440,42 @@ class EngineServer:
         return web.json_response({"success": True, "added": added})
 
     # ---- migration -----------------------------------------------------------------------
-    async def export_request(self, request: web.Request) -> web.Response:
+    async def _export(self, request: web.Request, method: str) -> web.Response:
+        """The binary body the scheduler's ``method`` serialises for the body's rid."""
         e = P.ExportRequest.from_json(await _json(request))
-        data = await self._runner.call(lambda s: s.export_request(e.rid))
+        data = await self._runner.call(lambda s: getattr(s, method)(e.rid))
         return web.Response(body=data, content_type="application/octet-stream")
 
-    async def import_request(self, request: web.Request) -> web.Response:
+    @staticmethod
+    async def _exported(request: web.Request, by: str) -> bytes:
         data = await request.read()
         if not data:
-            raise P.ProtocolError("empty body: expected the bytes returned by /dora/export_request")
+            raise P.ProtocolError(f"empty body: expected the bytes returned by {by}")
+        return data
+
+    async def export_request(self, request: web.Request) -> web.Response:
+        return await self._export(request, "export_request")
+
+    async def import_request(self, request: web.Request) -> web.Response:
+        data = await self._exported(request, "/dora/export_request")
         fut, on_done = self._done_future()
         req = await self._runner.call(lambda s: s.import_request(data, on_done))
         return await self._await_result(fut, req.rid)
+
+
+    # ---- kept KV between a trajectory's turns ---------------------------------------------
+    async def export_kv(self, request: web.Request) -> web.Response:
+        return await self._export(request, "export_kept")
+
+    async def import_kv(self, request: web.Request) -> web.Response:
+        data = await self._exported(request, "/dora/export_kv")
+        n = await self._runner.call(lambda s: s.import_kept(data))
+        return web.json_response({"success": True, "tokens": n})
+
+    async def release_kv(self, request: web.Request) -> web.Response:
+        e = P.ExportRequest.from_json(await _json(request))
+        released = await self._runner.call(lambda s: s.release_kept(e.rid))
+        return web.json_response({"success": True, "released": released})
 
 
 def build_app(

@@ -8,8 +8,10 @@ import asyncio
 
 from dora_megatron.controller.main import drive
 from dora_megatron.workflow.api import Trajectory
+from dora_megatron.comm.engine_client import EngineError
+from tests.helpers.fakes import FakeEngine
 from tests.helpers.runtime import check_run, engine_versions, make
-from tests.helpers.runtime_workflow import ENV, check_trajectories, with_workflow
+from tests.helpers.runtime_workflow import ENV, answer_then_env, check_trajectories, with_workflow
 
 WAIT_S = 2.0  # bound of a tool's wait for another sample's turn (reached only when no slot is free)
 
@@ -57,6 +59,18 @@ class ToolThatWaitsForAnotherTurn:
         return Trajectory(prompt_ids, ids, mask, first.logprobs + [0.0] * len(ENV) + second.logprobs, turns=2)
 
 
+class StartsCounted:
+    """The two-turn workflow, counting the runs of each sample's workflow (a move during a turn
+    must not start one again)."""
+
+    def __init__(self) -> None:
+        self.starts: dict[str, int] = {}
+
+    async def __call__(self, prompt, prompt_ids, client, ctx):
+        self.starts[client.sample_id] = self.starts.get(client.sample_id, 0) + 1
+        return await answer_then_env(prompt, prompt_ids, client, ctx)
+
+
 def _one_slot_each(n, steps, G=1, tbs=1, rbs=2):
     return make(mode="dora", n=n, steps=steps, tbs=tbs, rbs=rbs, S=1, G=G, token_s=0.001,
                 cap_before_rebalance=1, cap_after_rebalance=1)
@@ -90,6 +104,37 @@ def test_a_trajectory_continues_on_another_instance_of_its_version_between_turns
     assert all(len(versions[sid]) == 1 for sid in moved)
     calls = [rid for e in engines.values() for op, rid, _ in e.log if op == "generate"]
     assert any(calls.count(sid) == 2 for sid in moved)  # moved between turns without running again
+    # these engines keep no KV between turns: every move computed its prefix again
+    assert summary["workflow_turn_prefix_recomputed"] >= 1 and summary["workflow_turn_kv_moved"] == 0
+    assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
+
+
+def test_a_trajectory_moved_between_turns_takes_its_prefix_kv_along_and_frees_it_when_it_ends():
+    """Engines that keep a turn's KV (``keep_kv``): a next turn on the same instance continues the
+    kept KV; one placed on another instance gets it carried there (export_kv, import_kv) first.
+    Whatever ended a trajectory, no KV of it stays kept on a live engine."""
+    rt, engines, trainer = _one_slot_each(n=4, steps=4, G=2, tbs=2, rbs=8)
+    for name in list(engines):
+        engines[name] = rt.engines[name] = FakeEngine(name, token_s=0.001, keep_kv=True)
+    trainer.engines = {e.base_url: e for e in engines.values()}
+    wf = ToolThatWaitsForAnotherTurn(rt)
+    seen = with_workflow(rt, wf)
+    summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=120))
+    check_run(rt, engines, trainer, 4, 2, 2)
+    check_trajectories(trainer, seen)
+    moved = {sid for sid, names in wf.turn_engines.items() if len(set(names)) > 1}
+    assert moved and summary["workflow_turn_kv_moved"] >= 1
+    log = {name: [(op, rid) for op, rid, _ in e.log] for name, e in engines.items()}
+    carried = [sid for sid in moved if ("import_kv", sid) in log[wf.turn_engines[sid][1]]]
+    assert len(carried) == summary["workflow_turn_kv_moved"]
+    for sid in carried:  # its second turn continued the KV carried to its instance
+        assert ("reuse", sid) in log[wf.turn_engines[sid][1]] and ("export_kv", sid) in log[wf.turn_engines[sid][0]]
+    stayed = {sid for sid, names in wf.turn_engines.items() if len(set(names)) == 1}
+    assert any(("reuse", sid) in log[wf.turn_engines[sid][0]] for sid in stayed)
+    assert summary["workflow_turn_kv_moved"] + summary["workflow_turn_prefix_recomputed"] >= len(moved)
+    trained = {s["group_id"] for b in trainer.batches for s in b}
+    held = {rid for e in engines.values() for rid in e.kept}
+    assert held.isdisjoint(sid for sid in wf.turn_engines if sid.rsplit(".", 1)[0] in trained)
     assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
 
 
@@ -154,3 +199,59 @@ def test_partial_mode_runs_a_trajectory_again_on_the_newer_weights_its_next_turn
     again = {rid for rid, v in calls if rid in outlived and any(r == rid and w > v for r, w in calls)}
     assert again  # an outlived trajectory ran again on the newer version
     assert summary["c1_violations"] == 0 and summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0
+
+
+def test_a_move_ordered_during_a_turn_moves_that_turn_with_its_kv_and_the_workflow_goes_on():
+    """The rebalances of a DORA run move requests between instances of a version; a trajectory's
+    turn caught generating moves with its KV (export, import) and its ``generate`` answers from the
+    destination: the workflow is never started again, the turn is not recomputed."""
+    rt, engines, trainer = make(mode="dora", n=4, steps=8, token_s=0.002)
+    wf = StartsCounted()
+    seen = with_workflow(rt, wf)
+    summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=120))
+    check_run(rt, engines, trainer, 8, 4, 2)
+    check_trajectories(trainer, seen)
+    log = [(op, rid) for e in engines.values() for op, rid, _ in e.log]
+    moved = {rid for op, rid in log if op == "import"}
+    assert moved and summary["migrations_kv"] == len([1 for op, _ in log if op == "import"])
+    trained = {s["group_id"] for b in trainer.batches for s in b}
+    for sid in moved:
+        assert wf.starts[sid] == 1  # the workflow went on: not run again
+        if sid.rsplit(".", 1)[0] in trained:  # two turns, one generate each: the moved one was not submitted again
+            assert [op for op, rid in log if rid == sid].count("generate") == 2
+    assert summary["migrations_reprefill"] == 0 and summary["reprefill_tokens"] == 0
+    assert summary["env/trajectories_aborted"] == 0
+    assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
+
+
+def test_a_source_that_dies_after_letting_a_moved_turn_go_is_the_only_instance_failed():
+    """The first instance a turn is exported from dies right after the export, before its own answer
+    (``migrated``) comes back: the turn goes on at its destination, which is not blamed."""
+    rt, engines, trainer = make(mode="dora", n=4, steps=8, token_s=0.002)
+    died: list[tuple[str, str]] = []
+
+    class DiesAfterItsFirstExport(FakeEngine):
+        async def export_request(self, rid):
+            blob = await super().export_request(rid)
+            if not died:
+                died.append((self.name, rid))
+                self.dead = True
+            return blob
+
+        async def _run(self, req):
+            resp = await super()._run(req)
+            if self.dead:  # its answer never comes: the connection fails
+                raise EngineError(self.name, 503, "dead")
+            return resp
+
+    for name in list(engines):
+        engines[name] = rt.engines[name] = DiesAfterItsFirstExport(name, token_s=0.002)
+    trainer.engines = {e.base_url: e for e in engines.values()}
+    wf = StartsCounted()
+    seen = with_workflow(rt, wf)
+    summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=120))
+    check_trajectories(trainer, seen)
+    (src, sid), = died
+    assert summary["failed_instances"] == [src]  # not the destination of the turn it let go
+    assert wf.starts[sid] == 1  # that turn went on where it was moved
+    assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0

@@ -1,4 +1,5 @@
-"""Continuous batching, finish rules, pause modes, versions and migration on the scheduler core."""
+"""Continuous batching, finish rules, pause modes, versions, migration and the KV kept between a
+trajectory's turns on the scheduler core."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 
 from dora_megatron.rollout.engine.model import load_model
+from dora_megatron.rollout.engine.kv_cache import blocks_for
 from dora_megatron.rollout.engine.scheduler import Request, Scheduler, SchedulerLimits
 from dora_megatron.comm.protocol import ProtocolError, SamplingParams
 
@@ -278,3 +280,99 @@ def test_weight_change_aborts_requests_pinned_to_old_version(moe_dir):
     s.resume()
     run(s)
     assert len(sink.done["free"]["output_ids"]) == 30  # unpinned requests follow SGLang's in-place semantics
+
+
+# ---- a trajectory's KV kept between its turns (dora_keep_kv) ----------------------------------
+
+TOOL = [7, 8, 9, 10, 11]  # what the environment appends between the turns
+
+
+def _sched(model, **kw) -> Scheduler:
+    return Scheduler(model, SchedulerLimits(max_running=2, block_size=4, **kw))
+
+
+def _turn(s: Scheduler, rid: str, prompt: list[int], n: int = 6, keep: bool = True, **sp) -> dict:
+    sink = Collector()
+    req = mk(rid, prompt, sink, n=n, temperature=0.0, **sp)
+    req.keep_kv = keep
+    s.submit(req)
+    run(s)
+    return sink.done[rid]
+
+
+def test_the_next_turn_computes_only_the_new_tokens_and_answers_as_a_full_prefill(moe_model):
+    s = _sched(moe_model)
+    first = _turn(s, "t", PROMPTS[3])
+    context = PROMPTS[3] + first["output_ids"]
+    kept = len(context) - 1  # every token but the last sampled one
+    assert s.pool.used == blocks_for(kept, 4) and s.info()["kv_kept_blocks"] == blocks_for(kept, 4)
+    before = s.tokens_computed
+    second = _turn(s, "t", context + TOOL, keep=False)
+    assert s.tokens_computed - before == len(context + TOOL) - kept + 6 - 1  # the rest of the prefix, then decode
+    assert s.info()["kv_kept_reused_tokens"] == kept and s.pool.used == 0
+    fresh = _sched(moe_model)
+    plain = _turn(fresh, "t", context + TOOL, keep=False)
+    assert second["output_ids"] == plain["output_ids"]
+    assert lps(second) == pytest.approx(lps(plain), abs=1e-4)
+
+
+def test_kept_blocks_are_freed_when_released_expired_evicted_or_the_weights_change(moe_dir):
+    now = [0.0]
+    s = _sched(load_model(moe_dir), kv_blocks=40, kept_kv_s=10.0, kept_kv_fraction=0.5)
+    s.kept.clock = lambda: now[0]
+    _turn(s, "a", PROMPTS[0])
+    _turn(s, "b", PROMPTS[1])
+    held = s.kept.blocks
+    assert held == s.pool.used > 0 and set(s.kept.entries) == {"a", "b"}
+    assert s.release_kept("a") and not s.release_kept("a")
+    assert s.pool.used == s.kept.blocks == held - blocks_for(len(PROMPTS[0]) + 5, 4)
+    now[0] = 11.0  # past kept_kv_s: gone at the next look
+    s.kept.expire()
+    assert s.pool.used == 0 and not s.kept.entries
+    _turn(s, "c", PROMPTS[2])
+    s.load_weights({"model.norm.weight": torch.full((128,), 1.5)}, "1", require_all=False)
+    assert s.pool.used == 0 and not s.kept.entries  # computed with the old weights
+    # admission takes blocks from the kept turns: a request needing the whole pool still runs
+    _turn(s, "d", PROMPTS[2])
+    assert s.kept.blocks > 0
+    sink = Collector()
+    s.submit(mk("big", [5] * 100, sink, n=60))
+    run(s)
+    assert "big" in sink.done and not s.kept.entries and s.pool.used == 0
+
+
+def test_the_budget_bounds_the_kept_blocks_oldest_first(moe_model):
+    s = _sched(moe_model, kv_blocks=40, kept_kv_fraction=0.25)  # 10 blocks for kept turns
+    for i, rid in enumerate("abc"):
+        _turn(s, rid, [5 + i] * 14, n=6)  # 19 kept tokens: 5 blocks each
+    assert list(s.kept.entries) == ["b", "c"] and s.kept.blocks == 10 == s.pool.used
+
+
+def test_the_kept_kv_moves_to_an_instance_of_the_same_version_only(moe_model):
+    a, b = _sched(moe_model), _sched(moe_model)
+    first = _turn(a, "t", PROMPTS[2])
+    context = PROMPTS[2] + first["output_ids"]
+    blob = a.export_kept("t")
+    assert a.pool.used == 0 and not a.kept.entries
+    with pytest.raises(ProtocolError) as err:
+        a.export_kept("t")
+    assert err.value.status == 404
+    other = Scheduler(moe_model, SchedulerLimits(max_running=2, block_size=4), weight_version="3")
+    with pytest.raises(ProtocolError) as err:
+        other.import_kept(blob)
+    assert err.value.status == 409 and other.pool.used == 0
+    assert b.import_kept(blob) == len(context) - 1 and b.pool.used == blocks_for(len(context) - 1, 4)
+    before = b.tokens_computed
+    moved = _turn(b, "t", context + TOOL, keep=False)
+    assert b.tokens_computed - before == len(TOOL) + 1 + 6 - 1  # only the tool's tokens (and the last one)
+    plain = _turn(_sched(moe_model), "t", context + TOOL, keep=False)
+    assert moved["output_ids"] == plain["output_ids"]
+
+
+def test_a_kept_kv_of_another_context_is_not_used(moe_model):
+    s = _sched(moe_model)
+    _turn(s, "t", PROMPTS[3])
+    before = s.tokens_computed
+    _turn(s, "t", PROMPTS[4], keep=False)  # the rid runs again from another prompt: all computed
+    assert s.tokens_computed - before == len(PROMPTS[4]) + 6 - 1
+    assert s.info()["kv_kept_reused_tokens"] == 0 and s.pool.used == 0
