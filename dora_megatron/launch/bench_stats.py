@@ -90,13 +90,14 @@ def reward_curve(rows: Sequence[dict[str, Any]]) -> tuple[list[float], list[floa
 
 def eval_curve(step_rows: Sequence[dict[str, Any]], rounds: Sequence[dict[str, Any]]) -> tuple[list[float], list[float]]:
     """``(wall seconds, held-out mean reward)`` per eval round (``eval.jsonl`` rows): a round of
-    step s evaluates the weights trained through step s, so it stands at the wall time of step s
-    on :func:`reward_curve`'s clock (the final round: the last step's). The round's own duration
-    is not added: it runs beside the rollout, and the question is when those weights existed."""
-    wall_at, t = {}, 0.0
+    step s evaluates version s, the weights that exist once ``steps.jsonl``'s step s - 1 (0-based)
+    is trained, so it stands at the wall time of that step on :func:`reward_curve`'s clock (step
+    0's initial weights at 0; the final round after the last step). The round's own duration is not
+    added: it runs beside the rollout, and the question is when those weights existed."""
+    wall_at, t = {0: 0.0}, 0.0
     for r in sorted(step_rows, key=lambda r: r["step"]):
         t += float(r.get("perf/step_time_s") or 0.0)
-        wall_at[int(r["step"])] = t
+        wall_at[int(r["step"]) + 1] = t
     points = sorted((wall_at[int(r["step"])], float(r["mean_reward"])) for r in rounds
                     if r.get("mean_reward") is not None and int(r["step"]) in wall_at)
     return [w for w, _ in points], [m for _, m in points]

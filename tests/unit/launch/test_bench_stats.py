@@ -100,10 +100,11 @@ def test_a_fast_mode_that_learns_less_shows_in_time_to_reward(tmp_path):
 def test_eval_curve_places_each_round_at_the_wall_time_of_its_step():
     steps = [{"step": 0, "perf/step_time_s": 0.0}, {"step": 1, "perf/step_time_s": 2.0},
              {"step": 2, "perf/step_time_s": 3.0}, {"step": 3, "perf/step_time_s": 1.0}]
-    rounds = [{"step": 3, "mean_reward": 0.7, "final": True}, {"step": 1, "mean_reward": 0.2, "final": False},
-              {"step": 9, "mean_reward": 0.9, "final": False},  # a step the run never logged: no wall time
-              {"step": 2, "mean_reward": None, "final": False}]
-    assert eval_curve(steps, rounds) == ([2.0, 6.0], [0.2, 0.7])
+    # version v exists once steps.jsonl's step v - 1 is trained: the final round (v4) after the last step
+    rounds = [{"step": 4, "mean_reward": 0.7, "final": True}, {"step": 2, "mean_reward": 0.2, "final": False},
+              {"step": 9, "mean_reward": 0.9, "final": False},  # a version the run never trained: no wall time
+              {"step": 3, "mean_reward": None, "final": False}, {"step": 0, "mean_reward": 0.1, "final": False}]
+    assert eval_curve(steps, rounds) == ([0.0, 2.0, 6.0], [0.1, 0.2, 0.7])
 
 
 def _write_eval_run(d, step_time, eval_rewards, trained=0.9):
@@ -113,7 +114,7 @@ def _write_eval_run(d, step_time, eval_rewards, trained=0.9):
         json.dumps({"step": i, "reward/mean": trained, "perf/step_time_s": 0.0 if i == 0 else step_time}) + "\n"
         for i in range(n)))
     d.joinpath("eval.jsonl").write_text("".join(
-        json.dumps({"step": 2 * (k + 1) - 1, "mean_reward": r, "final": k == len(eval_rewards) - 1}) + "\n"
+        json.dumps({"step": 2 * (k + 1), "mean_reward": r, "final": k == len(eval_rewards) - 1}) + "\n"
         for k, r in enumerate(eval_rewards)))
     return d
 
@@ -128,7 +129,7 @@ def test_time_to_reward_on_the_held_out_set_ignores_the_trained_samples_reward(t
     held = learning({"fast": fast, "slow": slow}, level=0.6, window=3, source="eval")
     assert held["source"] == "eval" and held["window"] == 1
     assert held["variants"]["fast"]["reached"] == 0
-    # the third round evaluates step 5, whose wall time is 5 x 2 s
+    # the third round evaluates version 6, trained by step 5 (0-based), whose wall time is 5 x 2 s
     assert held["variants"]["slow"]["seeds"][0]["time_to_reward_s"] == pytest.approx(10.0)
     assert held["variants"]["slow"]["seeds"][0]["final_reward"] == pytest.approx(0.6)
     assert "held-out eval set" in learning_table(held)
