@@ -75,29 +75,31 @@ def paired_ratio_ci(num: Sequence[float | None], den: Sequence[float | None], le
     return RatioCI(math.exp(m), math.exp(m - half), math.exp(m + half), len(logs), level)
 
 
-def reward_curve(rows: Sequence[dict[str, Any]]) -> tuple[list[float], list[float]]:
-    """``(wall seconds, reward)`` per step from ``steps.jsonl`` rows: the wall time of a step is the
-    sum of ``perf/step_time_s`` up to it (0 for the first step, which waits for the first
-    rollout in every mode); steps without a reward are skipped."""
-    walls, rewards, t = [], [], 0.0
+def step_walls(rows: Sequence[dict[str, Any]]) -> list[tuple[dict[str, Any], float]]:
+    """Each ``steps.jsonl`` row in step order with its wall time: the sum of ``perf/step_time_s``
+    up to and including it (0 for the first step, which waits for the first rollout in every
+    mode), the clock of the throughput."""
+    out, t = [], 0.0
     for r in sorted(rows, key=lambda r: r["step"]):
         t += float(r.get("perf/step_time_s") or 0.0)
-        if r.get("reward/mean") is not None:
-            walls.append(t)
-            rewards.append(float(r["reward/mean"]))
-    return walls, rewards
+        out.append((r, t))
+    return out
+
+
+def reward_curve(rows: Sequence[dict[str, Any]]) -> tuple[list[float], list[float]]:
+    """``(wall seconds, reward)`` per step from ``steps.jsonl`` rows on :func:`step_walls`'s clock;
+    steps without a reward are skipped."""
+    kept = [(t, float(r["reward/mean"])) for r, t in step_walls(rows) if r.get("reward/mean") is not None]
+    return [t for t, _ in kept], [m for _, m in kept]
 
 
 def eval_curve(step_rows: Sequence[dict[str, Any]], rounds: Sequence[dict[str, Any]]) -> tuple[list[float], list[float]]:
     """``(wall seconds, held-out mean reward)`` per eval round (``eval.jsonl`` rows): a round of
     step s evaluates version s, the weights that exist once ``steps.jsonl``'s step s - 1 (0-based)
-    is trained, so it stands at the wall time of that step on :func:`reward_curve`'s clock (step
+    is trained, so it stands at the wall time of that step on :func:`step_walls`'s clock (step
     0's initial weights at 0; the final round after the last step). The round's own duration is not
     added: it runs beside the rollout, and the question is when those weights existed."""
-    wall_at, t = {0: 0.0}, 0.0
-    for r in sorted(step_rows, key=lambda r: r["step"]):
-        t += float(r.get("perf/step_time_s") or 0.0)
-        wall_at[int(r["step"]) + 1] = t
+    wall_at = {0: 0.0, **{int(r["step"]) + 1: t for r, t in step_walls(step_rows)}}
     points = sorted((wall_at[int(r["step"])], float(r["mean_reward"])) for r in rounds
                     if r.get("mean_reward") is not None and int(r["step"]) in wall_at)
     return [w for w, _ in points], [m for _, m in points]
