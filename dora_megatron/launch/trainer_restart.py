@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -284,12 +285,7 @@ async def watch_trainer_parts(run_dir: Path, job_id: str, lineage: int, on_lost:
                               poll_s: float = 1.0) -> None:
     """Poll for a notice of the trainer's other nodes (:func:`report_part_lost`) about this
     lineage; on the first, call ``on_lost`` once (the trainer is lost: it is restarted whole) and return."""
-    while True:
-        lost = part_lost_error(run_dir, job_id, lineage)
-        if lost is not None:
-            on_lost(lost)
-            return
-        await asyncio.sleep(poll_s)
+    on_lost(await wait_part_lost(run_dir, job_id, lineage, math.inf, poll_s))
 
 
 async def wait_part_lost(run_dir: Path, job_id: str, lineage: int, timeout_s: float,
