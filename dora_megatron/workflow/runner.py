@@ -294,8 +294,8 @@ class WorkflowRunner:
                                         max_seq_len=self.max_seq_len, turns=turns)
             try:
                 traj = await self.workflow(prompt, list(prompt_ids), client, self.ctx)
-            except TrajectoryAborted:
-                traj = None
+            except TrajectoryAborted:  # from any of its calls (a turn's placement too): dropped, not failed
+                traj, client.aborted = None, True
             except Exception as err:
                 if client.engine_error is not None:  # the instance's (or the controller's) fault: the runtime's
                     raise client.engine_error from None

@@ -124,7 +124,7 @@ def test_the_engine_refuses_a_turn_for_another_version(servers):
     asyncio.run(main())
 
 
-LONG = 160
+LONG = 400
 LONG_TURN = {"max_new_tokens": LONG, "ignore_eos": True}  # long enough to be caught generating
 
 
@@ -154,17 +154,21 @@ def test_a_turn_moved_while_it_generates_and_a_prefix_moved_between_turns_are_ne
                      codec=codec, events=EventQueue())
 
         async def move_once_generating(client):
+            """Once the turn generates, hold the source's decoding in place (the request keeps its
+            slot and KV: a loaded machine cannot let it finish before the move lands), move it."""
             src = next(n for n, e in engines.items() if e is client.engine)
             while (await client.engine.server_info())["tokens_generated"] < before[src]["tokens_generated"] + 4:
                 await asyncio.sleep(0.005)
+            await client.engine.pause("in_place")
             rt.execute([Migrate(client.sample_id, src, "e1" if src == "e0" else "e0", client.version)])
+            return engines[src]
 
         async def moved_turns(prompt, prompt_ids, client, ctx):
             run = {"starts": 1, "first_engine": client.engine}
             runs.append(run)
             mover = asyncio.get_running_loop().create_task(move_once_generating(client))
             first = await client.generate(prompt_ids, LONG_TURN)
-            await mover
+            await (await mover).continue_generation()
             run["moved_to"] = client.engine
             env = [ctx.eos_ids[0], *env_tokens(ctx.tokenizer, [{"role": "tool", "content": "51"}], ctx.eos_ids)]
             second = await client.generate(prompt_ids + first.output_ids + env, TURN)

@@ -12,8 +12,8 @@ import pytest
 from dora_megatron.comm.engine_client import EngineError, VersionMismatch
 from dora_megatron.data.tasks import Prompt
 from dora_megatron.workflow.api import Trajectory, WorkflowContext
-from dora_megatron.workflow.runner import (MAX_FAILURES, WorkflowFailed, WorkflowLoadError, WorkflowRunner,
-                                           load_workflow, workflow_runner)
+from dora_megatron.workflow.runner import (MAX_FAILURES, TrajectoryAborted, WorkflowFailed, WorkflowLoadError,
+                                           WorkflowRunner, load_workflow, workflow_runner)
 
 from tests.helpers.workflows import ENV, two_turns
 
@@ -68,6 +68,32 @@ def test_an_aborted_turn_drops_the_whole_trajectory_even_if_the_workflow_swallow
     assert reply.finish_reason == {"type": "abort"} and reply.output_ids == []
     assert len(engine.calls) == 2  # the call after the abort never reached the engine
     assert runner.counts["env/trajectories_aborted"] == 1
+
+
+class DroppedBetweenTurns:
+    """A turn host whose trajectory is dropped while its next turn waits to be placed (moved or
+    interrupted by the runtime between turns)."""
+
+    async def keep_kv(self):
+        return False
+
+    async def ended(self):
+        pass
+
+    async def next(self):
+        raise TrajectoryAborted("g1.0")
+
+    def moving(self):
+        return False
+
+
+def test_a_trajectory_dropped_while_its_next_turn_waits_is_aborted_not_a_workflow_failure():
+    runner = runner_of(two_turns)
+    engine = ScriptedEngine([[7, 8, 2], [9, 2]], version=3)
+    reply = asyncio.run(runner.run(engine, PROMPT, [1, 5, 6], sample_id="g1.0", version=3,
+                                   sampling={"max_new_tokens": 64}, turns=DroppedBetweenTurns()))
+    assert reply.finish_reason == {"type": "abort"} and reply.output_ids == [] and len(engine.calls) == 1
+    assert runner.counts["env/trajectories_aborted"] == 1 and runner.counts["env/workflow_failures"] == 0
 
 
 def test_a_crashed_environment_reruns_the_sample_and_a_workflow_that_always_fails_stops_the_run():
