@@ -21,15 +21,19 @@ def connection_plan(cfg: DoraConfig, instances: int, say=None):
     ``rollout.client_workers`` and the numbers) when not one generate connection per instance
     fits; ``say``: where the warning goes when not every slot gets its own connection (requests
     then wait for one, counted as ``connection_waits``)."""
-    from dora_megatron.comm.limits import ConnectionBudgetError, plan_connections, raise_open_files_limit
+    from dora_megatron.comm.limits import (CONTROL_CONNECTIONS, ConnectionBudgetError, plan_connections,
+                                           raise_open_files_limit)
     from dora_megatron.config.base import ConfigError
 
     old, new = raise_open_files_limit()
     if say is not None and new != old:
         say(f"open-files limit raised from {old} to {new} (the hard limit)")
     try:
+        # rollout.speculative=group: the finished siblings' pushes get a connection of their own
+        # (one push at a time per instance, controller/siblings.py), beside the polls' and aborts'
+        control = CONTROL_CONNECTIONS + (cfg.rollout.speculative == "group")
         plan = plan_connections(instances, cfg.orchestrator.cap_before_rebalance, new,
-                                client_workers=cfg.rollout.client_workers)
+                                client_workers=cfg.rollout.client_workers, control=control)
     except ConnectionBudgetError as err:
         raise ConfigError("rollout.client_workers", str(err)) from err
     if say is not None and not plan.fits:

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from dora_megatron.controller.errors import LOCAL_RETRY_S, is_comm_error as _is_comm_error, is_local as _is_local
 from dora_megatron.controller.loop import EngineReply, EventQueue, InstanceFailed, MigrationFailed, Replayed
 from dora_megatron.controller.records import Engine, GroupRecord, RuntimeOptions, SampleRecord
-from dora_megatron.controller.siblings import finished_sources, push_source, running_targets
+from dora_megatron.controller.siblings import DraftPushes, finished_sources, running_targets
 from dora_megatron.observability.recorder import MetricsRecorder
 from dora_megatron.observability.trajectories import TrajectoryStats
 from dora_megatron.orchestrator import Dispatch, Orchestrator, Submit
@@ -73,6 +73,7 @@ class Generation:
         #: calls that failed for a shortage of the controller's own process (EMFILE, ENOBUFS, a
         #: full pool): retried or re-queued, never counted against the instance
         self.local_resource_errors = 0
+        self.drafts = DraftPushes(host.engines, host.spawn)  # rollout.speculative=group's pushes
 
     def dispatch(self, a: Dispatch) -> None:
         rt = self.rt
@@ -263,8 +264,7 @@ class Generation:
                             "--enable-return-routed-experts?); its samples carry none (counted as "
                             "routed_experts_unavailable)", instance)
         if rt.opt.draft_siblings:
-            targets = running_targets(rec, rt.store.siblings(rec))
-            rt.spawn(push_source(rt.engines, targets, rec.prompt_ids + rec.output_ids), f"drafts-{rec.sample_id}")
+            self.drafts.offer(running_targets(rec, rt.store.siblings(rec)), rec.prompt_ids + rec.output_ids)
         rt.store.score(rec, resp, reason, ev.reward)
         if getattr(resp, "loss_mask", None) is not None:  # a workflow's trajectory (rollout.workflow)
             rt.metrics.trajectory_finished(TrajectoryStats.of(resp.turns, sum(rec.loss_mask), resp.metrics))

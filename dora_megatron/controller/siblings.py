@@ -6,12 +6,19 @@ request gets the siblings finished when it is submitted (``dora_draft_sources`` 
 ``/generate``), and each sibling that finishes later is pushed to the running ones
 (``/dora/draft_sources``). Drafts only speed decoding up: a lost push changes no token, so pushes
 are best effort and their failures are logged, never raised.
+
+Pushes never compete with the requests they are meant to speed up: :class:`DraftPushes` keeps at
+most one push on the wire per instance (its own connection in the pool's plan, see
+:func:`dora_megatron.controller.clients.connection_plan`) and merges the sources waiting for one
+running request into one call. Sent one per finished sibling and running sibling, they queued in
+the instance's connection pool, and a generate or a stats poll queued behind them (each push waits
+for the engine's step boundary).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from dora_megatron.controller.records import Engine, SampleRecord
 
@@ -29,15 +36,55 @@ def running_targets(rec: SampleRecord, siblings: Iterable[SampleRecord | None]) 
             if s is not None and s is not rec and not s.finished and s.gen_instance is not None]
 
 
-async def push_source(engines: Mapping[str, Engine], targets: list[tuple[str, str]], source: list[int]) -> int:
-    """Send ``source`` to each running sibling; returns how many engines took it."""
-    taken = 0
-    for instance, sample_id in targets:
-        engine = engines.get(instance)
-        if engine is None:
-            continue
+#: sources kept waiting per running request (the engine keeps no more than its own bound either)
+MAX_PENDING_SOURCES = 8
+
+
+class DraftPushes:
+    """The finished siblings' sources on their way to the running ones: per instance, the sources
+    waiting per request (merged, oldest dropped beyond :data:`MAX_PENDING_SOURCES`) and at most one
+    push task sending them, one call per request."""
+
+    def __init__(self, engines: Mapping[str, Engine], spawn: Callable[[Any, str], Any]) -> None:
+        self.engines = engines
+        self.spawn = spawn
+        self.pending: dict[str, dict[str, list[list[int]]]] = {}  # instance -> sample id -> sources
+        self.sending: set[str] = set()  # instances with a push task
+        self.calls = 0  # pushes sent (one per request and turn of its instance's task)
+        self.taken = 0  # sources a running request took
+        self.merged = 0  # sources that rode in a call with others for the same request
+
+    def offer(self, targets: list[tuple[str, str]], source: list[int]) -> None:
+        """Queue ``source`` for each running sibling ``(instance, sample_id)`` in ``targets``."""
+        for instance, sample_id in targets:
+            waiting = self.pending.setdefault(instance, {}).setdefault(sample_id, [])
+            waiting.append(source)
+            del waiting[:-MAX_PENDING_SOURCES]
+            if instance not in self.sending:
+                self.sending.add(instance)
+                self.spawn(self._send(instance), f"drafts-{instance}")
+
+    async def _send(self, instance: str) -> None:
+        """Send ``instance``'s waiting sources, one request's at a time, until none wait."""
         try:
-            taken += bool(await engine.add_draft_sources(sample_id, [source]))
-        except Exception as err:  # noqa: BLE001 - a lost draft costs speed only
-            log.debug("draft push of a sibling to %s on %s failed: %s", sample_id, instance, err)
-    return taken
+            queue = self.pending.get(instance, {})
+            while queue:
+                sample_id = next(iter(queue))
+                sources = queue.pop(sample_id)
+                engine = self.engines.get(instance)
+                if engine is None:
+                    continue
+                self.calls += 1
+                self.merged += len(sources) - 1
+                try:
+                    took = await engine.add_draft_sources(sample_id, sources)
+                except Exception as err:  # noqa: BLE001 - a lost draft costs speed only
+                    log.debug("draft push of %d sibling(s) to %s on %s failed: %s", len(sources), sample_id,
+                              instance, err)
+                    continue
+                if took:  # (not ``self.taken += ... await``: the read would be from before the await)
+                    self.taken += len(sources)
+        finally:
+            self.sending.discard(instance)
+            if not self.pending.get(instance):
+                self.pending.pop(instance, None)

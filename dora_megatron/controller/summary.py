@@ -53,6 +53,9 @@ def run_summary(rt: SummaryHost, wall: float) -> dict[str, Any]:
     out["checksum_unavailable"] = len(rt.weights.checksum_off)
     out["routed_experts_unavailable"] = len(rt.generation.routed_experts_off)
     out["speculation"] = speculation_summary([rt.stats.spec_totals])
+    drafts = rt.generation.drafts  # rollout.speculative=group: finished siblings sent to running ones
+    out["speculation"].update(draft_pushes=drafts.calls, draft_sources_taken=drafts.taken,
+                              draft_sources_merged=drafts.merged)
     out["version_refusals"] = rt.generation.version_refusals
     out["weight_push_bytes"] = rt.weights.pushed_bytes
     out["instances"] = sorted(rt.engines)  # every instance that was in the pool (joined ones too)

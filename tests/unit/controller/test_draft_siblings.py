@@ -84,3 +84,66 @@ def test_the_summary_keeps_what_an_instance_reported_before_it_was_restarted():
                                               "spec_verify_tokens": 2 * steps})
     spec = run_summary(rt, 1.0)["speculation"]
     assert spec["spec_verify_steps"] == 29 and spec["spec_verify_tokens"] == 58
+
+
+class GatedEngine:
+    """An engine whose draft pushes wait for ``gate`` (a push waits for the engine's step); it
+    records each call and the most calls it held at once."""
+
+    def __init__(self, fails: bool = False) -> None:
+        self.gate = asyncio.Event()
+        self.calls: list[tuple[str, list[list[int]]]] = []
+        self.inflight = self.most = 0
+        self.fails = fails
+
+    async def add_draft_sources(self, rid, sources):
+        self.calls.append((rid, [list(s) for s in sources]))
+        self.inflight += 1
+        self.most = max(self.most, self.inflight)
+        try:
+            await self.gate.wait()
+            if self.fails:
+                raise ConnectionResetError("gone")
+            return True
+        finally:
+            self.inflight -= 1
+
+
+def test_pushes_go_one_at_a_time_per_instance_and_merge_what_waits_for_one_request():
+    from dora_megatron.controller.siblings import MAX_PENDING_SOURCES, DraftPushes
+
+    async def main():
+        engines = {"e0": GatedEngine(), "e1": GatedEngine(), "e2": GatedEngine(fails=True)}
+        loop = asyncio.get_running_loop()
+        tasks = []
+        drafts = DraftPushes(engines, lambda coro, name: tasks.append(loop.create_task(coro)))
+        drafts.offer([("e0", "a"), ("e0", "b"), ("e1", "c"), ("e2", "d")], [1])
+        await asyncio.sleep(0.01)  # e0's first push (a) is on the wire; b waits
+        for src in ([2], [3]):
+            drafts.offer([("e0", "a"), ("e0", "b")], src)
+        for n in range(MAX_PENDING_SOURCES + 2):
+            drafts.offer([("e0", "z")], [100 + n])
+        await asyncio.sleep(0.01)
+        assert engines["e0"].calls == [("a", [[1]])] and engines["e1"].calls == [("c", [[1]])]
+        for e in engines.values():
+            e.gate.set()
+        await asyncio.gather(*tasks)
+        return engines, drafts
+
+    engines, drafts = asyncio.run(main())
+    assert engines["e0"].calls == [("a", [[1]]), ("b", [[1], [2], [3]]), ("a", [[2], [3]]),
+                                   ("z", [[100 + n] for n in range(2, MAX_PENDING_SOURCES + 2)])]
+    assert max(e.most for e in engines.values()) == 1  # never two pushes on one instance's connections
+    assert drafts.calls == 6 and drafts.taken == 1 + 3 + 2 + MAX_PENDING_SOURCES + 1  # e2's failure lost one
+    assert not drafts.pending and not drafts.sending  # every task ended, nothing left behind
+
+
+def test_group_speculation_gives_the_pushes_a_connection_of_their_own():
+    from dora_megatron.comm.limits import CONTROL_CONNECTIONS
+    from dora_megatron.config.schema import load_config
+    from dora_megatron.controller.clients import connection_plan
+
+    off = connection_plan(load_config(None, []), 2)
+    group = connection_plan(load_config(None, ["rollout.speculative=group"]), 2)
+    assert off.control == CONTROL_CONNECTIONS and group.control == CONTROL_CONNECTIONS + 1
+    assert group.generate == off.generate  # the generates keep every slot's connection
