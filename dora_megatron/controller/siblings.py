@@ -10,9 +10,9 @@ are best effort and their failures are logged, never raised.
 Pushes never compete with the requests they are meant to speed up: :class:`DraftPushes` keeps at
 most one push on the wire per instance (its own connection in the pool's plan, see
 :func:`dora_megatron.controller.clients.connection_plan`) and merges the sources waiting for one
-running request into one call. Sent one per finished sibling and running sibling, they queued in
-the instance's connection pool, and a generate or a stats poll queued behind them (each push waits
-for the engine's step boundary).
+running request into one call. A call per finished sibling and running request would queue in the
+instance's connection pool, and the generates and stats polls after them would wait behind them
+(each push waits for the engine's step boundary).
 """
 
 from __future__ import annotations
