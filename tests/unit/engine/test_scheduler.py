@@ -369,6 +369,28 @@ def test_the_kept_kv_moves_to_an_instance_of_the_same_version_only(moe_model):
     assert moved["output_ids"] == plain["output_ids"]
 
 
+def test_a_bf16_instance_keeps_and_moves_its_kv_in_bf16_and_the_next_turn_is_the_same_anywhere(moe_dir):
+    """In bf16 a full prefill need not equal the kept KV's incremental one, so the check is the
+    move itself: the next turn on the instance the KV was carried to answers exactly as on an
+    instance that kept the same KV (same tokens, same log-probs), and the KV travels as bf16."""
+    import io
+
+    model = load_model(moe_dir, dtype=torch.bfloat16)
+    a, stayed = _sched(model), _sched(model)
+    first = _turn(a, "t", PROMPTS[2])
+    assert _turn(stayed, "t", PROMPTS[2])["output_ids"] == first["output_ids"]
+    context = PROMPTS[2] + first["output_ids"]
+    blob = a.export_kept("t")
+    kv = torch.load(io.BytesIO(blob), weights_only=True)["kv"]
+    assert kv.dtype == torch.bfloat16 and kv.shape[3] == len(context) - 1
+    b = _sched(model)
+    assert b.import_kept(blob) == len(context) - 1
+    moved = _turn(b, "t", context + TOOL, keep=False)
+    here = _turn(stayed, "t", context + TOOL, keep=False)
+    assert moved["output_ids"] == here["output_ids"] and lps(moved) == lps(here)
+    assert b.info()["kv_kept_reused_tokens"] == len(context) - 1 and b.pool.used == 0
+
+
 def test_a_kept_kv_of_another_context_is_not_used(moe_model):
     s = _sched(moe_model)
     _turn(s, "t", PROMPTS[3])
