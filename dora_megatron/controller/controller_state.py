@@ -32,6 +32,7 @@ class StateHost(Protocol):
     weights: Any  # the checksums instances may load, the trainer's newest version (:mod:`.weight_sync`)
     training: Any  # the step count, a stop's checkpoint (:mod:`.training`)
     checkpoints: Any  # the files (:mod:`.checkpointing`)
+    turns: Any  # the workflows' prefix KV between turns: carried or computed again (:mod:`.turns`)
 
     def now(self) -> float: ...
 
@@ -107,6 +108,7 @@ class ControllerState:
             "metrics": rt.metrics.state_dict(), "migrated_bytes": rt.moves.migrated_bytes,
             "migrations_done": rt.moves.migrations_done, "migrations_fallback": rt.moves.migrations_fallback,
             "migration_stall_s": rt.moves.stall_s, "migration_freed_slot_s": rt.moves.freed_slot_s,
+            "workflow_turns": rt.turns.summary(),
             "expected_checksums": {str(k): v for k, v in rt.weights.expected_checksums.items()
                                    if k >= min(oldest, version)},
         }
@@ -133,6 +135,7 @@ class ControllerState:
         # absent in checkpoints written before these were measured: the resumed run counts from 0
         rt.moves.stall_s = float(state.get("migration_stall_s", 0.0))
         rt.moves.freed_slot_s = float(state.get("migration_freed_slot_s", 0.0))
+        rt.turns.load(state.get("workflow_turns", {}))
         rt.weights.expected_checksums = {int(k): v for k, v in state["expected_checksums"].items()}
         self.pending_step_finished = state.get("pending_step_finished")
         rt.weights.latest_version = int(state["version"])

@@ -214,6 +214,13 @@ class Turns:
         return {"workflow_turn_kv_moved": self.kv_moved, "workflow_turn_kv_moved_bytes": self.kv_moved_bytes,
                 "workflow_turn_prefix_recomputed": self.prefix_recomputed}
 
+    def load(self, counts: dict[str, int]) -> None:
+        """The counts of :meth:`summary` a checkpoint kept (a resumed run goes on counting from
+        them; absent in checkpoints written before they were kept: from 0)."""
+        self.kv_moved = int(counts.get("workflow_turn_kv_moved", 0))
+        self.kv_moved_bytes = int(counts.get("workflow_turn_kv_moved_bytes", 0))
+        self.prefix_recomputed = int(counts.get("workflow_turn_prefix_recomputed", 0))
+
     def live(self, sample_id: str) -> TurnGate | None:
         """The sample's current run (opened, not ended nor dropped), None without one."""
         return self._live(sample_id)

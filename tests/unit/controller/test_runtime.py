@@ -354,3 +354,22 @@ def test_the_reward_runs_off_the_loop_thread():
     asyncio.run(drive(rt))
     check_run(rt, engines, trainer, 2, 4, 2)  # every trained sample has reward 1.0 (the fake answers right)
     assert threads and threading.get_ident() not in threads
+
+
+def test_the_workflow_turns_kv_counts_go_on_from_the_checkpoint(tmp_path):
+    """A resumed run's summary counts the prefix KV carried or computed again between turns over
+    the whole run, as the migration counters do; a checkpoint without them starts them at 0."""
+    rt, _, _ = make(steps=2, tmp_path=tmp_path)
+    asyncio.run(drive(rt))
+    state = json.loads((tmp_path / "ck2" / "controller.json").read_text())
+    state["workflow_turns"] = {"workflow_turn_kv_moved": 3, "workflow_turn_kv_moved_bytes": 4096,
+                               "workflow_turn_prefix_recomputed": 1}
+    resumed, _, _ = make(steps=4)
+    resumed.controller_state.load_state_dict(state)
+    assert resumed.turns.summary() == state["workflow_turns"]
+    assert resumed.controller_state.state_dict(2, state["orchestrator"])["workflow_turns"] == state["workflow_turns"]
+    del state["workflow_turns"]
+    older, _, _ = make(steps=4)
+    older.controller_state.load_state_dict(state)
+    assert set(older.turns.summary().values()) == {0}
+
