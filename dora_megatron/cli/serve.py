@@ -44,6 +44,14 @@ _positive_float = _float_above(0.0, inclusive=False)
 _non_negative_float = _float_above(0.0, inclusive=True)
 
 
+def _fraction(text: str) -> float:
+    """A ``float`` argument in [0, 1], refused by the flag's name."""
+    value = _non_negative_float(text)
+    if value > 1.0:
+        raise argparse.ArgumentTypeError(f"must be <= 1, got {text}")
+    return value
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="HF model directory (config.json + safetensors)")
     parser.add_argument("--port", type=_at_least(0, 65535), required=True,
@@ -75,6 +83,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "draft-length decision)")
     parser.add_argument("--spec-probe-interval", type=_at_least(1), default=64,
                         help="decode steps after which a request whose drafts do not pay drafts once more")
+    parser.add_argument("--kept-kv-s", type=_positive_float, default=60.0,
+                        help="how long a finished turn's KV (dora_keep_kv) waits for its trajectory's next turn")
+    parser.add_argument("--kept-kv-fraction", type=_fraction, default=0.25,
+                        help="share of the KV blocks the kept turns may hold together (0: none is kept)")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -144,6 +156,8 @@ def _serve(args: argparse.Namespace, sock) -> int:
             spec_max_batch=args.spec_max_batch,
             spec_token_cost=args.spec_token_cost,
             spec_probe_interval=args.spec_probe_interval,
+            kept_kv_s=args.kept_kv_s,
+            kept_kv_fraction=args.kept_kv_fraction,
         )
     except (OSError, ValueError, KeyError) as err:  # unreadable or inconsistent weights/config
         sys.stderr.write(f"dora serve: --model {args.model}: cannot load the model: {err}\n")

@@ -84,6 +84,12 @@ class RolloutConfig:
     spec_max_batch: int = spec_max_batch_field()
     spec_token_cost: float = spec_token_cost_field()
     spec_probe_interval: int = spec_probe_interval_field()
+    kept_kv_s: float = field_doc(60.0, "embedded engine, with a workflow: how long a finished turn's KV waits on its "
+                                 "instance for the trajectory's next turn (then dropped; the next turn computes its "
+                                 "prefix again)", gt=0.0, unit="s")
+    kept_kv_fraction: float = field_doc(0.25, "embedded engine, with a workflow: the share of an instance's KV blocks "
+                                        "the finished turns waiting for their next turn may hold together (new "
+                                        "requests take blocks from them first; 0 = keep none)", ge=0.0, le=1.0)
     sglang_args: list[str] = field_doc(default_factory=list, doc="extra command-line flags passed to SGLang (engine=sglang)")
 
     def check(self, path: str) -> None:

@@ -391,6 +391,31 @@ def test_a_bf16_instance_keeps_and_moves_its_kv_in_bf16_and_the_next_turn_is_the
     assert b.info()["kv_kept_reused_tokens"] == len(context) - 1 and b.pool.used == 0
 
 
+def test_the_kept_kv_keys_reach_dora_serve_and_a_zero_share_keeps_nothing(moe_model):
+    import argparse
+    from pathlib import Path
+
+    from dora_megatron.cli import serve
+    from dora_megatron.config.base import ConfigError
+    from dora_megatron.config.schema import load_config
+    from dora_megatron.launch.plan import local_plan
+
+    root = Path(__file__).resolve().parents[3]
+    cfg = load_config(root / "configs" / "cpu_tiny.yaml", ["rollout.kept_kv_s=5", "rollout.kept_kv_fraction=0"])
+    argv = list(next(p.argv for p in local_plan(cfg, "/m", "/r") if p.role == "engine"))
+    parser = argparse.ArgumentParser()
+    serve.configure(parser)
+    args = parser.parse_args(["0" if a == "<free-port>" else a for a in argv[argv.index("serve") + 1 :]])
+    assert (args.kept_kv_s, args.kept_kv_fraction) == (5.0, 0.0)
+    with pytest.raises(ConfigError, match="rollout.kept_kv_fraction"):
+        load_config(root / "configs" / "cpu_tiny.yaml", ["rollout.kept_kv_fraction=1.5"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "/m", "--port", "0", "--kept-kv-fraction", "1.5"])
+    s = _sched(moe_model, kept_kv_fraction=args.kept_kv_fraction)
+    _turn(s, "t", PROMPTS[3])
+    assert s.pool.used == 0 and not s.kept.entries  # no share: the finished turn's KV is freed at once
+
+
 def test_a_kept_kv_of_another_context_is_not_used(moe_model):
     s = _sched(moe_model)
     _turn(s, "t", PROMPTS[3])
