@@ -210,16 +210,18 @@ class Turns:
                           gate.instance, err)
         self.prefix_recomputed += 1
 
+    #: the summary's (and a checkpoint's) name of each count
+    COUNTS = {"workflow_turn_kv_moved": "kv_moved", "workflow_turn_kv_moved_bytes": "kv_moved_bytes",
+              "workflow_turn_prefix_recomputed": "prefix_recomputed"}
+
     def summary(self) -> dict[str, int]:
-        return {"workflow_turn_kv_moved": self.kv_moved, "workflow_turn_kv_moved_bytes": self.kv_moved_bytes,
-                "workflow_turn_prefix_recomputed": self.prefix_recomputed}
+        return {key: getattr(self, attr) for key, attr in self.COUNTS.items()}
 
     def load(self, counts: dict[str, int]) -> None:
         """The counts of :meth:`summary` a checkpoint kept (a resumed run goes on counting from
         them; absent in checkpoints written before they were kept: from 0)."""
-        self.kv_moved = int(counts.get("workflow_turn_kv_moved", 0))
-        self.kv_moved_bytes = int(counts.get("workflow_turn_kv_moved_bytes", 0))
-        self.prefix_recomputed = int(counts.get("workflow_turn_prefix_recomputed", 0))
+        for key, attr in self.COUNTS.items():
+            setattr(self, attr, int(counts.get(key, 0)))
 
     def live(self, sample_id: str) -> TurnGate | None:
         """The sample's current run (opened, not ended nor dropped), None without one."""
