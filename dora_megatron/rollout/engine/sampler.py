@@ -21,7 +21,7 @@ import secrets
 
 import torch
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from dora_megatron.comm.protocol import SamplingParams
 
@@ -87,8 +87,35 @@ def accept_or_resample(probs: torch.Tensor, draft: int, generator: torch.Generat
     return int(torch.multinomial(residual / mass, 1, generator=generator))
 
 
+def accept_or_resample_sampled(probs: torch.Tensor, draft: int, q: Mapping[int, float],
+                               generator: torch.Generator) -> int:
+    """One draft token drawn from the drafter's distribution ``q`` (token -> probability), against
+    the target distribution ``probs``: the general rejection rule of speculative sampling.
+
+    Keep ``draft`` with probability ``min(1, p(draft) / q(draft))``, else draw from
+    ``max(p - q, 0)`` renormalised. The result is distributed as ``p``: a token ``x`` comes out
+    with probability ``min(p(x), q(x))`` by being drafted and kept plus
+    ``(1 - sum(min(p, q))) * max(p(x) - q(x), 0) / sum(max(p - q, 0))`` by the redraw, and the two
+    sums are equal, so ``min(p(x), q(x)) + max(p(x) - q(x), 0) = p(x)``. It is kept with probability
+    ``sum(min(p, q))``: with ``q`` a point mass this is :func:`accept_or_resample`.
+    """
+    probs = probs.cpu()
+    q_draft = float(q[draft])
+    if float(torch.rand((), generator=generator)) * q_draft < float(probs[draft]):
+        return draft
+    residual = probs.clone()
+    ids = torch.tensor(list(q), dtype=torch.long)
+    residual[ids] -= torch.tensor([float(w) for w in q.values()], dtype=residual.dtype)
+    residual.clamp_(min=0.0)
+    mass = float(residual.sum())
+    if mass <= 0.0:  # p and q agree wherever p has mass (up to rounding): nothing to redraw from
+        return draft
+    return int(torch.multinomial(residual / mass, 1, generator=generator))
+
+
 def verify_draft(
-    logits: torch.Tensor, draft: Sequence[int], params: SamplingParams, generator: torch.Generator
+    logits: torch.Tensor, draft: Sequence[int], params: SamplingParams, generator: torch.Generator,
+    q: Sequence[Mapping[int, float]] | None = None,
 ) -> tuple[list[int], list[float]]:
     """The tokens one verify pass yields, with their logprobs.
 
@@ -97,10 +124,14 @@ def verify_draft(
     argmax equality) keeps them; the first replaced token ends the run; after a fully kept draft
     the last row gives one more token. So at least one and at most ``len(draft) + 1`` tokens.
     Stop tokens and length limits are the caller's: it cuts the run where the request ends.
+    ``q``: the distribution each draft token was drawn from (a sampled draft,
+    :func:`accept_or_resample_sampled`); None: the draft was chosen deterministically.
     """
     if logits.shape[0] != len(draft) + 1:
         raise ValueError(f"verify_draft needs {len(draft) + 1} logits rows for a draft of {len(draft)}, "
                          f"got {logits.shape[0]}")
+    if q is not None and len(q) != len(draft):
+        raise ValueError(f"verify_draft needs a distribution per draft token: {len(q)} for {len(draft)}")
     logits = logits.to(torch.float32)
     tokens: list[int] = []
     logprobs: list[float] = []
@@ -110,7 +141,10 @@ def verify_draft(
             lp = float(torch.log_softmax(logits[i], dim=-1)[tok])
         else:
             logp, probs = _target(logits[i], params)
-            tok = accept_or_resample(probs, int(d), generator)
+            if q is None:
+                tok = accept_or_resample(probs, int(d), generator)
+            else:
+                tok = accept_or_resample_sampled(probs, int(d), q[i], generator)
             lp = float(logp[tok])
         tokens.append(tok)
         logprobs.append(lp)

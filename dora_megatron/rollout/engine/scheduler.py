@@ -34,7 +34,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from dora_megatron.rollout.engine.drafter import propose_draft, sibling_source
+from dora_megatron.rollout.engine.drafter import SiblingIndex, propose_draft, sample_sibling_draft, sibling_source
 from dora_megatron.rollout.engine.kept_kv import KeptKV
 from dora_megatron.rollout.engine.kv_cache import BlockPool, RequestKV, blocks_for
 from dora_megatron.rollout.engine.model import CausalLM
@@ -86,6 +86,8 @@ class Request:
     routing: RoutingTrace | None = None  # set when the request asks for return_routed_experts
     #: token ids (prompt + output) of the group's finished siblings: drafts for speculative=group
     draft_sources: list[list[int]] = field(default_factory=list)
+    #: the sources' token positions, for sampled drafts; built on first use, dropped when they change
+    draft_index: SiblingIndex | None = None
     #: the request's draft acceptance evidence: the speculation policy's per-request input
     spec_acceptance: DraftAcceptance = field(default_factory=DraftAcceptance)
     #: ``dora_keep_kv``: when it finishes, its KV stays here for the next turn of its trajectory
@@ -208,6 +210,7 @@ class Scheduler:
         if bad:  # drafts are fed to the model: an id outside the vocabulary would fail the batch
             raise ProtocolError(f"dora_draft_sources contain ids outside [0, {vocab}): {bad[:5]}")
         req.draft_sources = [sibling_source(req.prompt_ids, src) for src in req.draft_sources[-MAX_DRAFT_SOURCES:]]
+        req.draft_index = None
         if self._blocks_needed(req) > self.pool.total:
             raise ProtocolError(f"request needs more KV blocks than this instance has ({self.pool.total})")
         queued = len(self.waiting) + len(self.held)
@@ -243,6 +246,7 @@ class Scheduler:
             raise ProtocolError(f"sources contain ids outside [0, {vocab}): {bad[:5]}")
         r.draft_sources.extend(sibling_source(r.prompt_ids, src) for src in sources)
         del r.draft_sources[:-MAX_DRAFT_SOURCES]
+        r.draft_index = None
         return True
 
     def _blocks_needed(self, req: Request) -> int:
@@ -285,10 +289,12 @@ class Scheduler:
         pos: list[int] = []
         segs = []
         drafts: list[list[int]] = []
+        draft_qs: list[list[dict[int, float]] | None] = []
         for r in batch:
             toks = r.tokens
             start = r.kv.length
-            draft = self._draft(r) if speculate and len(toks) - start == 1 else []
+            draft, q = self._draft(r) if speculate and len(toks) - start == 1 else ([], None)
+            draft_qs.append(q)
             new = toks[start:] + draft
             self.tokens_computed += len(toks) - start
             r.kv.ensure_capacity(start + len(new))
@@ -317,12 +323,12 @@ class Scheduler:
             rows_of.extend(range(end - 1 - len(draft), end))
         logits = self.model.logits(hidden[torch.tensor(rows_of, device=dev)]).float().cpu()
         produced, row = 0, 0
-        for r, draft in zip(batch, drafts):
+        for r, draft, q in zip(batch, drafts, draft_qs):
             own = logits[row : row + len(draft) + 1]
             row += len(draft) + 1
             try:
                 if draft:
-                    toks, lps = verify_draft(own, draft, r.params, r.generator)
+                    toks, lps = verify_draft(own, draft, r.params, r.generator, q)
                 else:
                     tok, lp = sample_token(own[0], r.params, r.generator)
                     toks, lps = [tok], [lp]
@@ -335,19 +341,32 @@ class Scheduler:
         self.tokens_generated += produced
         return produced
 
-    def _draft(self, r: Request) -> list[int]:
-        """The draft of a decoding request: at most ``spec_tokens``, short enough that the verify
-        pass's tokens fit the request's remaining budget and the context, and as long as the
-        request's acceptance estimate says pays (:func:`~dora_megatron.rollout.speculation.plan_draft`)."""
+    def _draft(self, r: Request) -> tuple[list[int], list[dict[int, float]] | None]:
+        """The draft of a decoding request, and the distributions its tokens were drawn from (None:
+        chosen deterministically): at most ``spec_tokens``, short enough that the verify pass's
+        tokens fit the request's remaining budget and the context, and as long as the request's
+        acceptance estimate says pays (:func:`~dora_megatron.rollout.speculation.plan_draft`).
+
+        ``group`` at a temperature above zero draws the draft from the siblings
+        (:func:`~dora_megatron.rollout.engine.drafter.sample_sibling_draft`), which the verify
+        rule keeps more often than a fixed guess; greedy requests keep the deterministic drafter
+        (a sibling's greedy answer is the same text: copying it verbatim is kept whole)."""
         lim = self.limits
         room = min(lim.spec_tokens, r.params.max_new_tokens - len(r.output_ids) - 1, self.max_context - len(r.tokens) - 1)
         k = plan_draft(r.spec_acceptance, room, lim.spec_token_cost, lim.spec_probe_interval)
         if room > 0 and k == 0:
             self.spec.declined_steps += 1
-        draft = self.drafter(r.tokens, k, r.draft_sources if lim.speculative == "group" else ()) if k > 0 else []
+        draft: list[int] = []
+        q: list[dict[int, float]] | None = None
+        if k > 0 and lim.speculative == "group" and not r.params.greedy and r.draft_sources:
+            if r.draft_index is None:
+                r.draft_index = SiblingIndex(r.draft_sources)
+            draft, q = sample_sibling_draft(r.tokens, k, r.draft_index, r.generator)
+        if k > 0 and not draft:
+            draft, q = self.drafter(r.tokens, k, r.draft_sources if lim.speculative == "group" else ()), None
         if not draft:  # a plain decode step: it times the request's next probe
             r.spec_acceptance = observe_decode(r.spec_acceptance)
-        return draft
+        return draft, q
 
     def _take(self, r: Request, toks: list[int], lps: list[float], draft: list[int]) -> int:
         """Append a step's tokens to ``r`` up to the first that ends it; with a draft, drop the KV
