@@ -7,7 +7,9 @@ Side by side in one run, on the same weights, in process (the scheduler, no HTTP
    drafts), interleaved prompt by prompt so that load drift hits every mode alike. Reported: tokens
    per second of each mode, ``lone_request_speedup`` (each mode against off) and the tokens a
    verify step kept.
-2. The distribution test: many samples of one prompt without speculation, with ``ngram`` drafts
+2. Step costs: one forward of a lone request over 1..k+1 positions, relative to a decode step,
+   with the engine's MoE path and with the per-expert path alone (``step_costs``).
+3. The distribution test: many samples of one prompt without speculation, with ``ngram`` drafts
    and with ``group`` drafts (drawn from the siblings); for each of the first ``--test-positions``
    output positions a two-sample chi-square test of the token there against the samples without
    (cells with fewer than 10 pooled samples merged); each arm's p-value is its smallest times the
@@ -123,6 +125,49 @@ def lone_requests(model, prompts, group_size: int, max_new: int, spec: dict, rep
     return per_mode
 
 
+def step_costs(model, prompt: list[int], max_positions: int, repeats: int) -> dict:
+    """Seconds of one forward of a lone request over 1..``max_positions`` new positions (a decode
+    step; a verify step of n - 1 draft tokens), and each relative to the decode step: what
+    ``rollout.spec_token_cost`` models. Two MoE paths side by side, interleaved: the engine's
+    (all experts at once for small steps, :data:`~dora_megatron.rollout.engine.model.DENSE_EXPERT_MACS`)
+    and the per-expert path alone (the bound set to 0)."""
+    import statistics
+
+    import torch
+
+    from dora_megatron.rollout.engine import model as engine_model
+    from dora_megatron.rollout.engine.kv_cache import RequestKV
+
+    bound = engine_model.DENSE_EXPERT_MACS
+    paths = {"engine": bound, "per_expert": 0}
+    ids = torch.tensor((list(prompt) * (1 + max_positions // max(len(prompt), 1) + 1))[: len(prompt) + max_positions])
+    kv = RequestKV(model.kv_shape(16))
+    kv.ensure_capacity(len(ids))
+    times: dict[str, dict[int, list[float]]] = {p: {n: [] for n in range(1, max_positions + 1)} for p in paths}
+    try:
+        with torch.inference_mode():
+            model.forward_segments(ids[: len(prompt)], torch.arange(len(prompt)), [(kv, len(prompt))])
+            for _ in range(repeats):
+                for path, macs in paths.items():
+                    engine_model.DENSE_EXPERT_MACS = macs
+                    for n in range(1, max_positions + 1):
+                        kv.truncate(len(prompt))
+                        t0 = time.perf_counter()
+                        h = model.forward_segments(ids[len(prompt) : len(prompt) + n],
+                                                   torch.arange(len(prompt), len(prompt) + n), [(kv, n)])
+                        model.logits(h)
+                        times[path][n].append(time.perf_counter() - t0)
+    finally:
+        engine_model.DENSE_EXPERT_MACS = bound
+    out = {}
+    for path, by_n in times.items():
+        med = {n: statistics.median(v) for n, v in by_n.items()}
+        out[path] = {"seconds": {n: round(t, 6) for n, t in med.items()},
+                     "relative_to_decode": {n: round(t / med[1], 3) for n, t in med.items()}}
+    out["decode_speedup_of_engine_path"] = round(out["per_expert"]["seconds"][1] / out["engine"]["seconds"][1], 3)
+    return out
+
+
 def chi2_sf(stat: float, df: int) -> float:
     import torch
 
@@ -205,9 +250,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group-size", type=int, default=8, help="the group: group-size - 1 finished siblings")
     ap.add_argument("--max-new-tokens", type=int, default=96, help="cpu_tiny's rollout.max_new_tokens")
     ap.add_argument("--spec-tokens", type=int, default=4)
-    ap.add_argument("--spec-token-cost", type=float, default=0.25,
-                    help="rollout.spec_token_cost of the per-request policy (0: always draft, the policy off)")
+    ap.add_argument("--spec-token-cost", type=float, default=0.1,
+                    help="rollout.spec_token_cost of the per-request policy, cpu_tiny's by default "
+                         "(0: always draft, the policy off)")
     ap.add_argument("--spec-probe-interval", type=int, default=64, help="rollout.spec_probe_interval")
+    ap.add_argument("--cost-repeats", type=int, default=200, help="timed forwards per step size and MoE path")
     ap.add_argument("--test-samples", type=int, default=2000, help="samples per arm of the distribution test")
     ap.add_argument("--test-positions", type=int, default=8)
     ap.add_argument("--temperature", type=float, default=1.0,
@@ -228,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts = tail_prompts(args.prompts, args.seed, args.min_digits)
         spec = {"spec_tokens": args.spec_tokens, "spec_token_cost": args.spec_token_cost,
                 "spec_probe_interval": args.spec_probe_interval}
+        costs = step_costs(model, prompts[0], args.spec_tokens + 1, args.cost_repeats)
         lone = lone_requests(model, prompts, args.group_size, args.max_new_tokens, spec, args.repeats, args.temperature)
         # the distribution test drafts at every step (a free draft token): the most verify steps, the most power
         dist = distribution_test(model, prompts[0], args.test_samples, args.test_positions,
@@ -237,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": str(args.model or f"tiny-moe seed {args.seed}, digit_cipher warm start {args.warm_start_steps} steps"),
         "threads": args.threads, **spec, "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature, "prompts": args.prompts, "min_digits": args.min_digits, "repeats": args.repeats,
+        "step_costs": costs,
         "lone": lone,
         "lone_request_speedup": {m: lone[m]["speedup"] for m in MODES if m != "off"},
         "accepted_tokens_per_step": {m: lone[m]["accepted_tokens_per_step"] for m in MODES if m != "off"},

@@ -33,7 +33,8 @@ def spec_token_cost_field():
     return field_doc(0.25, "what one draft token adds to a decode step's time, relative to a plain decode step: a "
                      "request drafts the length k that maximises expected tokens per unit of time, "
                      "E(k, its acceptance estimate) / (1 + spec_token_cost * k), and none when no k beats a plain "
-                     "step (docs/results/speculation.md measures ~0.2 on CPU; a memory-bound GPU decode is near 0)",
+                     "step (docs/results/speculation.md measures 0.06-0.1 for the embedded engine on CPU; a memory-bound GPU "
+                     "decode is near 0)",
                      ge=0.0)
 
 

@@ -33,8 +33,10 @@ import torch
 
 MAX_NGRAM = 4
 MIN_NGRAM = 1
-#: occurrences of the context's last token looked at per source (the most recent): bounds a
-#: draft's cost on long sources with frequent tokens; drafts only set speed, never what is sampled
+#: occurrences looked at per source and match level (the most recent): bounds a draft's cost on
+#: long sources with frequent tokens; drafts only set speed, never what is sampled. The matches
+#: of two tokens or more are found through the last two tokens, so a frequent last token (a space,
+#: a newline) does not crowd out the occurrences that match the context further back.
 MAX_OCCURRENCES = 64
 
 
@@ -90,12 +92,17 @@ class SiblingIndex:
     def __init__(self, sources: Sequence[Sequence[int]], max_ngram: int = MAX_NGRAM) -> None:
         self.sources = [list(src) for src in sources]
         self.max_ngram = max_ngram
-        self.positions: list[dict[int, list[int]]] = []
+        self.positions: list[dict[int, list[int]]] = []  # token -> where it occurs
+        self.pair_positions: list[dict[tuple[int, int], list[int]]] = []  # (previous, token) -> where token occurs
         for src in self.sources:
             where: dict[int, list[int]] = {}
+            pairs: dict[tuple[int, int], list[int]] = {}
             for i, t in enumerate(src[:-1]):  # a token with no continuation predicts nothing
                 where.setdefault(t, []).append(i)
+                if i > 0:
+                    pairs.setdefault((src[i - 1], t), []).append(i)
             self.positions.append(where)
+            self.pair_positions.append(pairs)
 
     def next_distribution(self, context: Sequence[int]) -> dict[int, float] | None:
         """``q``: for each n in 1..max_ngram that matches, the tokens that followed the context's
@@ -107,13 +114,17 @@ class SiblingIndex:
         last = context[-1]
         longest = min(self.max_ngram, len(context))
         by_n: list[dict[int, int]] = [{} for _ in range(longest)]
-        for src, where in zip(self.sources, self.positions):
+        for src, where, pairs in zip(self.sources, self.positions, self.pair_positions):
             for i in where.get(last, ())[-MAX_OCCURRENCES:]:
-                m = 1  # the match length ending at src[i]
+                by_n[0][src[i + 1]] = by_n[0].get(src[i + 1], 0) + 1
+            if longest < 2:
+                continue
+            for i in pairs.get((context[-2], last), ())[-MAX_OCCURRENCES:]:
+                m = 2  # the match length ending at src[i]
                 while m < longest and i - m >= 0 and src[i - m] == context[-1 - m]:
                     m += 1
                 nxt = src[i + 1]
-                for n in range(m):
+                for n in range(1, m):
                     by_n[n][nxt] = by_n[n].get(nxt, 0) + 1
         levels = [c for c in by_n if c]
         if not levels:

@@ -101,6 +101,19 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+#: A MoE layer computes every expert on its tokens in two matmuls when that takes at most this many
+#: multiply-adds, else it runs only each token's top-k experts, one expert at a time.
+#: WHY: a decode or verify step of a small batch of a small model (a lone tail request and its
+#: draft, on CPU) is bound by per-operation overhead, not arithmetic: the per-expert path issues
+#: ~10 small operations per expert hit, and a verify step of k+1 positions hits up to k+1 times as
+#: many experts as a decode step. All experts at once costs num_experts / top_k times the
+#: arithmetic in a fixed handful of operations; the bound keeps that to a fraction of a
+#: millisecond on one core (``tools/bench_speculative.py`` reports the step costs), so a real
+#: model's layer (millions of multiply-adds per expert) always takes the per-expert path. The
+#: stacked copy of the experts' weights it reads doubles their memory in this engine.
+DENSE_EXPERT_MACS = 1 << 22
+
+
 class SparseMoE(nn.Module):
     """Router (``mlp.gate``) + routed experts (``mlp.experts.E``), no shared expert."""
 
@@ -109,6 +122,19 @@ class SparseMoE(nn.Module):
         self.c = c
         self.gate = nn.Linear(c.hidden_size, c.num_experts, bias=False)
         self.experts = nn.ModuleList([MLP(c.hidden_size, c.moe_intermediate_size) for _ in range(c.num_experts)])
+        self._stacked: tuple[tuple[int, ...], torch.Tensor, torch.Tensor] | None = None
+        self._expert_params = self._find_expert_params()
+
+    def _find_expert_params(self) -> list[nn.Parameter]:
+        return [p for ex in self.experts for p in (ex.gate_proj.weight, ex.up_proj.weight, ex.down_proj.weight)]
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        """Every move or dtype change (``to``, ``to_empty``, ...) runs through here and may replace
+        the Parameter objects (``to_empty`` from the meta device does): look them up again."""
+        out = super()._apply(fn, recurse)
+        self._expert_params = self._find_expert_params()
+        self._stacked = None
+        return out
 
     def forward(self, x: torch.Tensor, routing_out: dict[int, torch.Tensor] | None = None, layer: int = 0
                 ) -> torch.Tensor:
@@ -120,12 +146,40 @@ class SparseMoE(nn.Module):
         if self.c.norm_topk_prob:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         top_w = top_w.to(x.dtype)
+        c = self.c
+        if x.shape[0] * c.num_experts * 3 * c.hidden_size * c.moe_intermediate_size <= DENSE_EXPERT_MACS:
+            return self._all_experts(x, top_w, top_i)
         out = torch.zeros_like(x)
         for e in torch.unique(top_i).tolist():
             tok, slot = torch.where(top_i == e)
             y = self.experts[e](x[tok]) * top_w[tok, slot, None]
             out.index_add_(0, tok, y)
         return out
+
+    def _all_experts(self, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token, each weighted by its routing weight (0 off the top-k): the
+        same sum as the per-expert path, since an expert outside a token's top-k adds exactly 0.
+        The weight scales the activation before the down projection (a linear map, so the same
+        value up to rounding)."""
+        n, ff = x.shape[0], self.c.moe_intermediate_size
+        gate_up, down = self._stacked_weights()
+        h = F.linear(x, gate_up).view(n, self.c.num_experts, 2, ff)
+        w = torch.zeros((n, self.c.num_experts), dtype=x.dtype, device=x.device).scatter_(1, top_i, top_w)
+        act = F.silu(h[:, :, 0]) * h[:, :, 1] * w[:, :, None]
+        return F.linear(act.reshape(n, -1), down)
+
+    def _stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts' weights side by side (``[E * 2 * ff, hidden]`` gate and up, ``[hidden,
+        E * ff]`` down), rebuilt whenever a parameter changed. WHY key on the parameters' version
+        counters: every in-place write (a weight push's ``copy_``, a test's edit) bumps them, so a
+        stale copy can never be used, whoever wrote the weights."""
+        params = self._expert_params
+        key = tuple([p._version for p in params] + [p.data_ptr() for p in params])
+        if self._stacked is None or self._stacked[0] != key:
+            gate_up = torch.cat([torch.cat((ex.gate_proj.weight, ex.up_proj.weight)) for ex in self.experts])
+            down = torch.cat([ex.down_proj.weight for ex in self.experts], dim=1)
+            self._stacked = (key, gate_up, down)
+        return self._stacked[1], self._stacked[2]
 
 
 class DecoderLayer(nn.Module):

@@ -349,8 +349,11 @@ class Scheduler:
 
         ``group`` at a temperature above zero draws the draft from the siblings
         (:func:`~dora_megatron.rollout.engine.drafter.sample_sibling_draft`), which the verify
-        rule keeps more often than a fixed guess; greedy requests keep the deterministic drafter
-        (a sibling's greedy answer is the same text: copying it verbatim is kept whole)."""
+        rule keeps more often than a fixed guess, and drafts nothing where no sibling matches: the
+        fixed guess of the request's own text is kept with probability p(guess) only, which does
+        not pay for its verify positions at temperature 1 (docs/results/speculation.md). Greedy
+        requests keep the deterministic drafter (a sibling's greedy answer is the same text:
+        copying it verbatim is kept whole)."""
         lim = self.limits
         room = min(lim.spec_tokens, r.params.max_new_tokens - len(r.output_ids) - 1, self.max_context - len(r.tokens) - 1)
         k = plan_draft(r.spec_acceptance, room, lim.spec_token_cost, lim.spec_probe_interval)
@@ -358,11 +361,12 @@ class Scheduler:
             self.spec.declined_steps += 1
         draft: list[int] = []
         q: list[dict[int, float]] | None = None
-        if k > 0 and lim.speculative == "group" and not r.params.greedy and r.draft_sources:
+        sampled = lim.speculative == "group" and not r.params.greedy
+        if k > 0 and sampled and r.draft_sources:
             if r.draft_index is None:
                 r.draft_index = SiblingIndex(r.draft_sources)
             draft, q = sample_sibling_draft(r.tokens, k, r.draft_index, r.generator)
-        if k > 0 and not draft:
+        if k > 0 and not draft and not sampled:
             draft, q = self.drafter(r.tokens, k, r.draft_sources if lim.speculative == "group" else ()), None
         if not draft:  # a plain decode step: it times the request's next probe
             r.spec_acceptance = observe_decode(r.spec_acceptance)
@@ -738,7 +742,7 @@ class Scheduler:
             for src in raw
         ):
             raise ProtocolError(f"draft_sources must be a list of lists of token ids in [0, {vocab})")
-        return [list(src) for src in raw]
+        return [list(src) for src in raw[-MAX_DRAFT_SOURCES:]]  # the bound submit keeps
 
     # ---- reporting -----------------------------------------------------------------------
     def info(self) -> dict[str, Any]:

@@ -139,9 +139,11 @@ def test_resolved_config_written_by_an_earlier_release_still_loads():
     here): ``dora train --resume`` of such a run must load it, whichever keys were removed since.
     Keys added since keep their default there (token-budget micro-batches came after it)."""
     old = Path(__file__).parent / "data" / "cpu_tiny_resolved_cd25a72.yaml"
-    # data.answer_key's default became verl's reward_model.ground_truth after it (the old file spells "answer")
+    # data.answer_key's default became verl's reward_model.ground_truth after it (the old file spells "answer");
+    # rollout.spec_token_cost (cpu_tiny's measured CPU figure) came later too
     assert load_config(old) == load_config(ROOT / "configs" / "cpu_tiny.yaml",
-                                            ["trainer.max_tokens_per_micro_batch=0", "data.answer_key=answer"])
+                                            ["trainer.max_tokens_per_micro_batch=0", "data.answer_key=answer",
+                                             "rollout.spec_token_cost=0.25"])
 
 
 def test_gen_config_docs_help_prints_help_and_check_writes_nothing(tmp_path):

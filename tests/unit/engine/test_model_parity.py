@@ -28,6 +28,28 @@ def test_logits_match_transformers(request, which, cls):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_all_experts_path_matches_transformers_and_follows_weight_updates(moe_dir, monkeypatch):
+    """A short sequence takes the all-experts MoE path (a long one, above, the per-expert path);
+    after a weight update it must compute with the new expert weights, not a stale stacked copy."""
+    from dora_megatron.rollout.engine import model as engine_model
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(moe_dir).eval()
+    ours = load_model(moe_dir)
+    c = ours.config
+    ids = list(range(7, 17))
+    assert len(ids) * c.num_experts * 3 * c.hidden_size * c.moe_intermediate_size <= engine_model.DENSE_EXPERT_MACS
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    before = ours.full_logits(ids)
+    torch.testing.assert_close(before, ref, rtol=1e-5, atol=1e-5)
+    ours.load_weights({k: -1.5 * v for k, v in ours.state_dict().items() if ".mlp.experts." in k and ".layers.1." in k})
+    after = ours.full_logits(ids)
+    monkeypatch.setattr(engine_model, "DENSE_EXPERT_MACS", 0)  # the per-expert path reads the parameters
+    per_expert = ours.full_logits(ids)
+    assert (per_expert - before).abs().max() > 1e-2  # the update matters to the output
+    torch.testing.assert_close(after, per_expert, rtol=1e-5, atol=1e-5)
+
+
 def test_tied_embeddings_and_attention_bias_match_transformers(tmp_path):
     from dora_megatron.models.presets import preset_config
 

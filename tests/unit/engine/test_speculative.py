@@ -166,14 +166,34 @@ def _sampled_markov_drafter(seq, g):
     return draft, qs
 
 
+#: sibling answers over the chain's tokens that match a context at lengths 1 to 4
+SIBLINGS = SiblingIndex([[0, 1, 2, 3, 0, 0, 1, 1, 3, 2, 0, 2, 0, 0, 3], [1, 0, 0, 3, 3, 1, 2, 2, 0, 1, 0, 0, 1]])
+
+
+def _sibling_drafter(seq, g):
+    return sample_sibling_draft(seq, 3, SIBLINGS, g)
+
+
 @pytest.mark.parametrize("drafter", [lambda seq, g: [0, 0, 0], lambda seq, g: [3, 3],
-                                     lambda seq, g: [(seq[-1] + 1) % 4] * 2, _sampled_markov_drafter],
-                         ids=["likely", "unlikely", "rotating", "sampled"])
+                                     lambda seq, g: [(seq[-1] + 1) % 4] * 2, _sampled_markov_drafter,
+                                     _sibling_drafter],
+                         ids=["likely", "unlikely", "rotating", "sampled", "siblings"])
 def test_speculative_continuations_follow_the_model(drafter):
     """Power: 10,000 continuations over 64 cells; a shift of 0.02 of probability between two
     sequences of probability ~0.05 (noncentrality ~160) is rejected at alpha = 0.001 with
-    probability > 0.999."""
+    probability > 0.999. The ``siblings`` arm is the engine's own drafter: it holds only if each
+    draft token is drawn from the ``q`` it is verified against."""
     assert gof_pvalue(_speculative_sequences(10_000, drafter), _exact_law()) > 1e-3
+
+
+def test_the_joint_law_test_rejects_a_draft_verified_against_another_q():
+    """The ``siblings`` arm above can fail: the same draws verified against a ``q`` that is not the
+    one they came from (uniform over its support) give continuations off the chain's law."""
+    def mismatched(seq, g):
+        draft, qs = _sibling_drafter(seq, g)
+        return draft, [{t: 1.0 / len(q) for t in q} for q in qs]
+
+    assert gof_pvalue(_speculative_sequences(10_000, mismatched), _exact_law()) < 1e-3
 
 
 def test_verify_draft_greedy_and_logprobs():
@@ -198,6 +218,12 @@ def test_sibling_distribution_averages_every_matching_length():
     assert index.next_distribution([1, 2, 3]) == pytest.approx({4: (0.5 + 0.5 + 1) / 3, 7: (0.5 + 0.5) / 3})
     assert index.next_distribution([5]) is None  # 5 ends its source: nothing followed it
     assert index.next_distribution([]) is None
+
+
+def test_a_frequent_last_token_does_not_hide_longer_matches():
+    # token 8 occurs 101 times, always after 1 but once, at the start, after 7 (followed by 9)
+    index = SiblingIndex([[7, 8, 9] + [8, 1] * 100])
+    assert index.next_distribution([5, 7, 8]) == pytest.approx({1: 0.5, 9: 0.5})  # lengths 1 and 2 averaged
 
 
 def test_sampled_draft_ends_where_no_sibling_matches_and_keeps_each_q():
@@ -329,10 +355,13 @@ def test_group_at_temperature_one_samples_its_drafts_from_the_siblings_exactly(m
     for mode in ("off", "ngram", "group"):
         s = Scheduler(moe_model, SchedulerLimits(max_running=64, speculative=mode, spec_tokens=4, spec_token_cost=0.0,
                                                  spec_max_batch=64))
-        got = _run(s, [_req(f"d{i}", prompt, None, n=3, temperature=1.0, sampling_seed=(1 << 20) * len(outs) + i,
-                            sources=sources) for i in range(n)])
+        reqs = [_req(f"d{i}", prompt, None, n=3, temperature=1.0, sampling_seed=(1 << 20) * len(outs) + i,
+                     sources=sources) for i in range(n)]
+        got = _run(s, reqs)
         outs[mode] = [r["output_ids"] for r in got.values()]
         kept[mode] = s.spec.accepted_tokens / max(s.spec.verify_steps, 1)
+        sampled = sum(r.draft_index is not None for r in reqs)
+        assert sampled == (n if mode == "group" else 0)  # group drew its drafts from the siblings' q
     assert kept["group"] > kept["ngram"]
     for pos in (1, 2):
         p = _two_sample_pvalue([o[pos] for o in outs["off"]], [o[pos] for o in outs["group"]])
@@ -394,14 +423,16 @@ def test_policy_speculates_only_up_to_spec_max_batch(moe_model):
 def test_migration_mid_speculation_continues_exactly(moe_model, temperature):
     # the per-request policy on (a draft token costs a fifth of a step): the draft lengths, hence the
     # random numbers drawn, follow the request's acceptance estimate, which must travel with it
-    sources = [PROMPTS[0] + [9, 9, 9]]
+    sibling = _run(_sched(moe_model), [_req("s", PROMPTS[0], None, temperature=temperature, sampling_seed=6)])["s"]
+    sources = [PROMPTS[0] + sibling["output_ids"]]  # a sibling: at temperature 1 group drafts only from siblings
     ref = _run(_sched(moe_model, "group", spec_token_cost=0.2),
                [_req("a", PROMPTS[0], None, temperature=temperature, sampling_seed=5, sources=sources)])["a"]
     src = _sched(moe_model, "group", spec_token_cost=0.2)
     sink = Collector()
     src.submit(_req("a", PROMPTS[0], sink, temperature=temperature, sampling_seed=5, sources=sources))
-    while src.spec.verify_steps < 1 or len(src.by_rid["a"].output_ids) < 12:  # mid-request, after drafting
-        src.step()
+    while "a" in src.by_rid and (src.spec.verify_steps < 1 or len(src.by_rid["a"].output_ids) < 12):
+        src.step()  # on to mid-request, after drafting
+    assert "a" in src.by_rid and src.spec.verify_steps >= 1
     acceptance = src.by_rid["a"].spec_acceptance
     blob = src.export_request("a")
     assert src.pool.used == 0 and sink["a"]["meta_info"]["dora_migrated"]
@@ -507,6 +538,19 @@ def test_sources_pushed_to_a_running_request_are_drafted_from(moe_model):
         s.step()
     assert sink["a"]["output_ids"] == ref
     assert s.spec.accepted_tokens - before >= 25  # nearly every later token came from the pushed sibling
+
+
+def test_sources_pushed_to_a_running_request_reach_its_sampled_drafts(moe_model):
+    s = _sched(moe_model, "group")
+    first, later = PROMPTS[0] + [7, 8, 9], PROMPTS[0] + [11, 12, 13]
+    req = _req("a", PROMPTS[0], Collector(), temperature=1.0, sources=[first])
+    s.submit(req)
+    for _ in range(3):
+        s.step()
+    assert req.draft_index is not None and req.draft_index.next_distribution([12]) is None
+    assert s.add_draft_sources("a", [later])
+    s.step()
+    assert req.draft_index.next_distribution([12]) == {13: 1.0}  # drafted from a fresh index
 
 
 def test_routed_experts_unchanged_by_speculation(moe_model):
