@@ -130,17 +130,18 @@ def step_costs(model, prompt: list[int], max_positions: int, repeats: int) -> di
     step; a verify step of n - 1 draft tokens), and each relative to the decode step: what
     ``rollout.spec_token_cost`` models. Two MoE paths side by side, interleaved: the engine's
     (all experts at once for small steps, :data:`~dora_megatron.rollout.engine.model.DENSE_EXPERT_MACS`)
-    and the per-expert path alone (the bound set to 0)."""
+    and the per-expert path alone (each layer's ``all_experts_max_tokens`` set to 0)."""
     import statistics
 
     import torch
 
-    from dora_megatron.rollout.engine import model as engine_model
     from dora_megatron.rollout.engine.kv_cache import RequestKV
+    from dora_megatron.rollout.engine.model import SparseMoE
 
-    bound = engine_model.DENSE_EXPERT_MACS
-    paths = {"engine": bound, "per_expert": 0}
-    ids = torch.tensor((list(prompt) * (1 + max_positions // max(len(prompt), 1) + 1))[: len(prompt) + max_positions])
+    layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    bound = {m: m.all_experts_max_tokens for m in layers}
+    paths = {"engine": bound, "per_expert": {m: 0 for m in layers}}
+    ids = torch.tensor(list(prompt) + list(prompt[:1]) * max_positions)  # the new positions' tokens do not matter
     kv = RequestKV(model.kv_shape(16))
     kv.ensure_capacity(len(ids))
     times: dict[str, dict[int, list[float]]] = {p: {n: [] for n in range(1, max_positions + 1)} for p in paths}
@@ -148,8 +149,9 @@ def step_costs(model, prompt: list[int], max_positions: int, repeats: int) -> di
         with torch.inference_mode():
             model.forward_segments(ids[: len(prompt)], torch.arange(len(prompt)), [(kv, len(prompt))])
             for _ in range(repeats):
-                for path, macs in paths.items():
-                    engine_model.DENSE_EXPERT_MACS = macs
+                for path, max_tokens in paths.items():
+                    for m in layers:
+                        m.all_experts_max_tokens = max_tokens[m]
                     for n in range(1, max_positions + 1):
                         kv.truncate(len(prompt))
                         t0 = time.perf_counter()
@@ -158,7 +160,8 @@ def step_costs(model, prompt: list[int], max_positions: int, repeats: int) -> di
                         model.logits(h)
                         times[path][n].append(time.perf_counter() - t0)
     finally:
-        engine_model.DENSE_EXPERT_MACS = bound
+        for m in layers:
+            m.all_experts_max_tokens = bound[m]
     out = {}
     for path, by_n in times.items():
         med = {n: statistics.median(v) for n, v in by_n.items()}

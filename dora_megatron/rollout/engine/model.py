@@ -122,6 +122,8 @@ class SparseMoE(nn.Module):
         self.c = c
         self.gate = nn.Linear(c.hidden_size, c.num_experts, bias=False)
         self.experts = nn.ModuleList([MLP(c.hidden_size, c.moe_intermediate_size) for _ in range(c.num_experts)])
+        #: the most tokens a forward computes with every expert at once (see DENSE_EXPERT_MACS)
+        self.all_experts_max_tokens = DENSE_EXPERT_MACS // (c.num_experts * 3 * c.hidden_size * c.moe_intermediate_size)
         self._stacked: tuple[tuple[int, ...], torch.Tensor, torch.Tensor] | None = None
         self._expert_params = self._find_expert_params()
 
@@ -146,8 +148,7 @@ class SparseMoE(nn.Module):
         if self.c.norm_topk_prob:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         top_w = top_w.to(x.dtype)
-        c = self.c
-        if x.shape[0] * c.num_experts * 3 * c.hidden_size * c.moe_intermediate_size <= DENSE_EXPERT_MACS:
+        if x.shape[0] <= self.all_experts_max_tokens:
             return self._all_experts(x, top_w, top_i)
         out = torch.zeros_like(x)
         for e in torch.unique(top_i).tolist():

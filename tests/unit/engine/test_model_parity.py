@@ -28,26 +28,47 @@ def test_logits_match_transformers(request, which, cls):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_all_experts_path_matches_transformers_and_follows_weight_updates(moe_dir, monkeypatch):
+def _moe_layers(model):
+    from dora_megatron.rollout.engine.model import SparseMoE
+
+    return [m for m in model.modules() if isinstance(m, SparseMoE)]
+
+
+def test_all_experts_path_matches_transformers_and_follows_weight_updates(moe_dir):
     """A short sequence takes the all-experts MoE path (a long one, above, the per-expert path);
     after a weight update it must compute with the new expert weights, not a stale stacked copy."""
-    from dora_megatron.rollout.engine import model as engine_model
-
     hf = transformers.AutoModelForCausalLM.from_pretrained(moe_dir).eval()
     ours = load_model(moe_dir)
-    c = ours.config
     ids = list(range(7, 17))
-    assert len(ids) * c.num_experts * 3 * c.hidden_size * c.moe_intermediate_size <= engine_model.DENSE_EXPERT_MACS
+    assert all(len(ids) <= m.all_experts_max_tokens for m in _moe_layers(ours))
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()
     before = ours.full_logits(ids)
     torch.testing.assert_close(before, ref, rtol=1e-5, atol=1e-5)
     ours.load_weights({k: -1.5 * v for k, v in ours.state_dict().items() if ".mlp.experts." in k and ".layers.1." in k})
     after = ours.full_logits(ids)
-    monkeypatch.setattr(engine_model, "DENSE_EXPERT_MACS", 0)  # the per-expert path reads the parameters
+    for m in _moe_layers(ours):
+        m.all_experts_max_tokens = 0  # the per-expert path reads the parameters
     per_expert = ours.full_logits(ids)
     assert (per_expert - before).abs().max() > 1e-2  # the update matters to the output
     torch.testing.assert_close(after, per_expert, rtol=1e-5, atol=1e-5)
+
+
+def test_all_experts_path_in_bf16_is_as_close_to_fp32_as_the_per_expert_path(moe_dir):
+    """The engine in bf16 (``rollout.dtype``): a MoE layer's output on the all-experts path differs
+    from fp32 by bf16 rounding only, no more than the per-expert path's (which rounds each expert's
+    weighted output before the sum)."""
+    fp32, bf16 = _moe_layers(load_model(moe_dir))[0], _moe_layers(load_model(moe_dir, dtype=torch.bfloat16))[0]
+    x = torch.randn(10, fp32.c.hidden_size, generator=torch.Generator().manual_seed(3))
+    assert 10 <= bf16.all_experts_max_tokens
+    with torch.inference_mode():
+        fp32.all_experts_max_tokens = 0
+        ref = fp32(x)
+        fast = (bf16(x.bfloat16()).float() - ref).abs().mean()
+        bf16.all_experts_max_tokens = 0
+        per_expert = (bf16(x.bfloat16()).float() - ref).abs().mean()
+    assert fast < 0.02 * ref.abs().mean()
+    assert fast <= per_expert
 
 
 def test_tied_embeddings_and_attention_bias_match_transformers(tmp_path):
