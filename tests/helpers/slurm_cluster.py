@@ -221,7 +221,39 @@ class SlurmCluster:
             if s in states:
                 return s
             if time.monotonic() > deadline:
-                raise TimeoutError(f"job {job} is {s}, not one of {sorted(states)}, after {timeout_s:.0f} s")
+                raise TimeoutError(f"job {job} is {s}, not one of {sorted(states)}, after {timeout_s:.0f} s\n"
+                                   + self.diagnosis(job))
+            time.sleep(0.5)
+
+    def diagnosis(self, job: str | None = None) -> str:
+        """What SLURM says about a job that did not reach a state: its own record (``Reason``,
+        ``BeginTime``, ``Restarts``), every job in the queue, the nodes' states with their reasons,
+        and the daemons' log tails. WHY: a job left PENDING under load was once undiagnosable from
+        the state name alone."""
+        def run(*argv: str) -> str:
+            try:
+                out = subprocess.run(list(argv), capture_output=True, text=True, env=self.env, timeout=30)
+                return (out.stdout + out.stderr).strip()
+            except (OSError, subprocess.TimeoutExpired) as err:
+                return f"{argv[0]}: {err}"
+
+        parts = [f"--- scontrol show job {job}\n" + run("scontrol", "-o", "show", "job", job)] if job else []
+        parts += ["--- squeue\n" + run("squeue", "-o", "%i %T %r %D %N %S"),
+                  "--- sinfo\n" + run("sinfo", "-N", "-h", "-o", "%N %T %E"),
+                  self.logs_tail()]
+        return "\n".join(parts)
+
+    def wait_quiet(self, timeout_s: float) -> None:
+        """Wait until the queue is empty and every node is idle: a test that needs the whole cluster
+        (``--nodes=3``) must not wait behind an earlier test's job still completing."""
+        def quiet() -> bool:
+            out = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, env=self.env, timeout=30)
+            return out.returncode == 0 and not out.stdout.strip() and self._nodes_idle()
+
+        deadline = time.monotonic() + timeout_s
+        while not quiet():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"SLURM test cluster: not quiet after {timeout_s:.0f} s\n" + self.diagnosis())
             time.sleep(0.5)
 
     def scancel(self, job: str, *args: str) -> None:

@@ -483,6 +483,7 @@ def test_a_job_whose_launch_a_stalled_slurmd_answers_late_still_starts(slurm_clu
     requeued the job, which stayed PENDING (``BeginTime``) with no output file, the way a multi-node
     test's second job once never started under load."""
     (slurmd,) = [p for p in slurm_cluster.procs if "-N" in p.args and p.args[p.args.index("-N") + 1] == "n1"]
+    slurm_cluster.wait_quiet(180)  # the job needs all three nodes: none may still hold an earlier test's job
     os.kill(slurmd.pid, signal.SIGSTOP)
     try:
         job = slurm_cluster.sbatch(["--nodes=3", "--output=late-%j.out", "--wrap", "echo started"], cwd=tmp_path)
