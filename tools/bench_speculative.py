@@ -9,7 +9,11 @@ Side by side in one run, on the same weights, in process (the scheduler, no HTTP
    verify step kept.
 2. Step costs: one forward of a lone request over 1..k+1 positions, relative to a decode step,
    with the engine's MoE path and with the per-expert path alone (``step_costs``).
-3. The distribution test: many samples of one prompt without speculation, with ``ngram`` drafts
+3. What bounds the lone request here (``draft_bound``): along sampled answers, the target's
+   entropy and top-1 probability (which bound a fixed draft token's acceptance), the engine's
+   sibling draft's kept rate ``sum(min(p, q))``, what two candidates from ``q`` would keep, and the
+   per-token acceptance a verify step at its measured cost needs for a 1.5x speedup.
+4. The distribution test: many samples of one prompt without speculation, with ``ngram`` drafts
    and with ``group`` drafts (drawn from the siblings); for each of the first ``--test-positions``
    output positions a two-sample chi-square test of the token there against the samples without
    (cells with fewer than 10 pooled samples merged); each arm's p-value is its smallest times the
@@ -171,6 +175,95 @@ def step_costs(model, prompt: list[int], max_positions: int, repeats: int) -> di
     return out
 
 
+def two_candidate_kept(p, q: dict[int, float]) -> float:
+    """Probability that one of two draft tokens drawn from ``q`` without replacement is kept by
+    recursive rejection sampling (the first with ``min(1, p/q)``; after a rejection the second
+    against the residual ``max(p - q, 0)`` normalised, with ``q`` renormalised without the first):
+    what the first level of a draft tree of width 2 keeps, against ``sum(min(p, q))`` for one."""
+    import torch
+
+    toks = torch.tensor(sorted(q))
+    qv = torch.tensor([q[int(t)] for t in toks], dtype=torch.float64)
+    pv = p.to(torch.float64)
+    residual = (pv.clone().index_put_((toks,), (pv[toks] - qv).clamp_min(0.0)))
+    mass = float(residual.sum())
+    total = 0.0
+    for i, t in enumerate(toks.tolist()):
+        first = min(1.0, float(pv[t]) / float(qv[i]))
+        second = 0.0
+        rest = float(qv.sum() - qv[i])
+        if first < 1.0 and mass > 0 and rest > 0:
+            q2 = qv / rest
+            q2[i] = 0.0
+            second = float(torch.minimum(residual[toks] / mass, q2).sum())
+        total += float(qv[i]) * (first + (1.0 - first) * second)
+    return total
+
+
+def draft_bound(model, prompts, group_size: int, max_new: int, spec: dict, temperature: float, verify_cost: float,
+                target_speedup: float = 1.5) -> dict:
+    """What bounds the lone request's speedup here: along sampled answers (each of a group's
+    ``group_size`` answers in turn, the others its siblings), the target distribution ``p`` of
+    every output position against what any drafter could get kept there.
+
+    - ``entropy_nats`` and ``top1_probability``: a fixed draft token ``d`` is kept with ``p(d)``,
+      so the top-1 probability bounds every deterministic drafter's per-token acceptance;
+    - ``sibling_kept_rate``: the engine's sampled sibling draft, ``sum(min(p, q))`` with ``q`` the
+      engine's own :class:`SiblingIndex` distribution, where one exists (``sibling_coverage``);
+    - ``two_candidate_kept_rate``: two candidates from ``q`` (a draft tree of width 2 at its
+      first level, twice the verify positions);
+    - ``needed``: the tokens per verify step and the per-token acceptance a verify step costing
+      ``verify_cost`` decode steps (``step_costs`` at ``spec_tokens`` + 1 positions) needs for
+      ``target_speedup``."""
+    import torch
+
+    from dora_megatron.rollout.engine.drafter import SiblingIndex
+    from dora_megatron.rollout.engine.kv_cache import RequestKV
+    from dora_megatron.rollout.speculation import expected_tokens_per_verify
+
+    n = 0
+    sums = {"entropy": 0.0, "top1": 0.0, "sibling": 0.0, "two": 0.0, "covered": 0}
+    for p_i, prompt in enumerate(prompts):
+        group, _, _ = decode(model, [request(f"g{j}", prompt, 30_000 + 97 * p_i + j, max_new, (), temperature)
+                                     for j in range(group_size)], "off", spec, group_size)
+        seqs = [prompt + r["output_ids"] for r in group.values()]
+        for j, seq in enumerate(seqs):
+            index = SiblingIndex([s for i, s in enumerate(seqs) if i != j])
+            kv = RequestKV(model.kv_shape(len(seq) // 16 + 2))
+            kv.ensure_capacity(len(seq))
+            with torch.inference_mode():
+                hidden = model.forward_segments(torch.tensor(seq), torch.arange(len(seq)), [(kv, len(seq))])
+                logp = torch.log_softmax(model.logits(hidden[len(prompt) - 1 : -1]).float() / temperature, dim=-1)
+            for t, row in zip(range(len(prompt), len(seq)), logp):
+                p = row.exp()
+                n += 1
+                sums["entropy"] -= float((p * row).sum())
+                sums["top1"] += float(p.max())
+                q = index.next_distribution(seq[:t])
+                if q is None:
+                    continue
+                sums["covered"] += 1
+                sums["sibling"] += sum(min(float(p[tok]), w) for tok, w in q.items())
+                sums["two"] += two_candidate_kept(p, q)
+    k = spec["spec_tokens"]
+    tokens_needed = target_speedup * verify_cost
+    lo, hi = 0.0, 1.0  # the acceptance whose expected yield at k draft tokens is tokens_needed
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens_per_verify(k, mid) < tokens_needed else (lo, mid)
+    return {
+        "answers": len(prompts) * group_size, "positions": n, "temperature": temperature,
+        "entropy_nats": round(sums["entropy"] / n, 3), "top1_probability": round(sums["top1"] / n, 3),
+        "sibling_coverage": round(sums["covered"] / n, 3),
+        "sibling_kept_rate": round(sums["sibling"] / max(sums["covered"], 1), 3),
+        "two_candidate_kept_rate": round(sums["two"] / max(sums["covered"], 1), 3),
+        "needed": {"speedup": target_speedup, "verify_cost": verify_cost,
+                   "tokens_per_verify_step": round(tokens_needed, 3),
+                   # None: more than k + 1 tokens per verify step, out of reach at any acceptance
+                   "per_token_acceptance": None if tokens_needed >= k + 1 else round(hi, 3)},
+    }
+
+
 def chi2_sf(stat: float, df: int) -> float:
     import torch
 
@@ -281,6 +374,9 @@ def main(argv: list[str] | None = None) -> int:
         costs = step_costs(model, prompts[0], args.spec_tokens + 1, args.cost_repeats)
         lone = lone_requests(model, prompts, args.group_size, args.max_new_tokens, spec, args.repeats, args.temperature)
         # the distribution test drafts at every step (a free draft token): the most verify steps, the most power
+        bound = None if args.temperature == 0 else draft_bound(  # greedy drafts are kept whole or not at all
+            model, prompts, args.group_size, args.max_new_tokens, spec, args.temperature,
+            costs["engine"]["relative_to_decode"][args.spec_tokens + 1])
         dist = distribution_test(model, prompts[0], args.test_samples, args.test_positions,
                                  {**spec, "spec_token_cost": 0.0}, 64, args.group_size)
     result = {
@@ -292,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         "lone": lone,
         "lone_request_speedup": {m: lone[m]["speedup"] for m in MODES if m != "off"},
         "accepted_tokens_per_step": {m: lone[m]["accepted_tokens_per_step"] for m in MODES if m != "off"},
+        "draft_bound": bound,
         "distribution_test": dist,
         "distribution_p_value": dist["p_value"],
     }
