@@ -30,11 +30,11 @@ def spec_max_batch_field():
 
 
 def spec_token_cost_field():
-    return field_doc(0.25, "what one draft token adds to a decode step's time, relative to a plain decode step: a "
-                     "request drafts the length k that maximises expected tokens per unit of time, "
-                     "E(k, its acceptance estimate) / (1 + spec_token_cost * k), and none when no k beats a plain "
-                     "step (docs/results/speculation.md measures 0.06-0.1 for the embedded engine on CPU; a memory-bound GPU "
-                     "decode is near 0)",
+    return field_doc(0.25, "what one position adds to a step's time, relative to a lone decode step: at a running "
+                     "batch B a draft token costs c_B = c*B / (1 + c*(B - 1)) of the plain step, and a request drafts "
+                     "the length k that maximises E(k, its acceptance estimate) / (1 + c_B * k), none when no k beats "
+                     "a plain step (docs/results/speculation.md measures 0.06-0.1 for the embedded engine on CPU; a "
+                     "memory-bound GPU decode is near 0)",
                      ge=0.0)
 
 

@@ -19,7 +19,6 @@ from dora_megatron.config.base import ConfigError, field_doc
 from dora_megatron.config.rollout import (
     spec_max_batch_field,
     spec_probe_interval_field,
-    spec_token_cost_field,
     spec_tokens_field,
     speculative_field,
 )
@@ -174,14 +173,20 @@ class SpecAcceptanceConfig:
 class SimRolloutConfig:
     """The engine's speculative-decoding keys, under the same names as the job config's ``rollout:``.
 
-    The decision to speculate is the engine's (:func:`dora_megatron.rollout.speculation.should_speculate`);
-    the simulator applies it to each instance's running batch between composition changes.
+    The decision to speculate is the engine's (:func:`dora_megatron.rollout.speculation.should_speculate`,
+    then :func:`~dora_megatron.rollout.speculation.draft_length_for_step`); the simulator applies it
+    to each instance's running batch between composition changes, with its own step cost unless
+    ``spec_token_cost`` asks for the embedded engine's.
     """
 
     speculative: str = speculative_field()
     spec_tokens: int = spec_tokens_field()
     spec_max_batch: int = spec_max_batch_field()
-    spec_token_cost: float = spec_token_cost_field()
+    spec_token_cost: float | None = field_doc(
+        None, "null: a draft length pays where the instance's own per-step cost model says so (a verify step of the "
+        "batch's k+1 tokens per request against a decode step, cost.*); a number: the embedded engine's linear cost "
+        "instead (rollout.spec_token_cost of the job config: each position of a step costs this much of a lone "
+        "decode step)", ge=0.0)
     spec_probe_interval: int = spec_probe_interval_field()
 
 

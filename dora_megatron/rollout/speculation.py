@@ -14,8 +14,14 @@ Below the threshold the decision is per request (:func:`plan_draft`): a verify s
 the tokens it is expected to yield exceed what it costs, and both depend on the request. Each
 request keeps a running estimate of its per-token acceptance (:class:`DraftAcceptance`, updated by
 :func:`observe_verify`), and drafts the length ``k`` that maximises expected tokens per unit of
-step cost, ``E(k, alpha) / (1 + c*k)`` with ``c = rollout.spec_token_cost`` (what one draft token
-adds to a step, relative to a plain decode step); no draft when no ``k`` beats a plain step's 1.
+step cost, ``E(k, alpha) / r(k)`` (:func:`draft_length_for_step`), ``r(k)`` being the cost of the
+step in which each running request drafts ``k`` tokens relative to the plain step; no draft when
+no ``k`` beats a plain step's 1. The embedded engine's ``r`` is linear in the step's positions,
+each costing ``c = rollout.spec_token_cost`` of a lone decode step (:func:`batch_token_cost`): a
+plain step of ``B`` requests costs ``1 + c(B - 1)`` and yields ``B`` tokens, so one draft token
+costs ``c*B / (1 + c(B - 1))`` tokens' worth of that step, ``c`` alone, rising towards 1 as the
+batch grows (a draft token must then be kept nearly surely to pay). The simulator's ``r`` is its
+per-step roofline (``sim/cost.py``), flat while decode is memory-bound.
 A request that stopped drafting probes again every ``rollout.spec_probe_interval`` decode steps,
 because its text may turn repetitive later and an estimate without new evidence never moves. The
 policy decides only whether and how long to draft, never what is kept: exactness is the verify
@@ -26,7 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from dora_megatron.config.rollout import SPEC_MODES
 
@@ -100,22 +106,43 @@ class DraftAcceptance:
         return cls(float(raw[0]), float(raw[1]), int(raw[2]))
 
 
-def best_draft_length(acceptance: float, max_tokens: int, token_cost: float) -> int:
+def draft_length_for_step(acceptance: float, max_tokens: int, relative_cost: Callable[[int], float]) -> int:
     """The draft length in ``0..max_tokens`` that maximises expected tokens per unit of step cost,
-    ``expected_tokens_per_verify(k, acceptance) / (1 + token_cost * k)``; 0 (a plain decode step,
-    1 token per unit) unless some ``k`` does strictly better. Ties go to the shorter draft."""
-    if token_cost < 0 or math.isnan(token_cost):
-        raise ValueError(f"spec_token_cost must be >= 0, got {token_cost}")
+    ``expected_tokens_per_verify(k, acceptance) / relative_cost(k)``, where ``relative_cost(k)``
+    is the step's cost with ``k`` draft tokens per running request over its cost without
+    (``relative_cost(0) == 1``); 0 (a plain decode step, 1 token per unit) unless some ``k`` does
+    strictly better. Ties go to the shorter draft."""
     best, best_rate = 0, 1.0
     for k in range(1, max_tokens + 1):
-        rate = expected_tokens_per_verify(k, acceptance) / (1.0 + token_cost * k)
+        rate = expected_tokens_per_verify(k, acceptance) / relative_cost(k)
         if rate > best_rate:
             best, best_rate = k, rate
     return best
 
 
-def plan_draft(state: DraftAcceptance, max_tokens: int, token_cost: float, probe_interval: int) -> int:
-    """How many draft tokens a decoding request gets this step (0: a plain decode step).
+def batch_token_cost(token_cost: float, running_batch: int) -> float:
+    """What one draft token costs, in tokens of a plain step of ``running_batch`` requests, when
+    every position of a step costs ``token_cost`` of a lone decode step: ``c*B / (1 + c(B - 1))``
+    (the plain step costs ``1 + c(B - 1)`` for ``B`` tokens). WHY: the draft tokens of one request
+    delay every request of the step; at ``B = 1`` this is ``c`` itself."""
+    if token_cost < 0 or math.isnan(token_cost):
+        raise ValueError(f"spec_token_cost must be >= 0, got {token_cost}")
+    if running_batch < 1:
+        raise ValueError(f"running batch must be >= 1, got {running_batch}")
+    return token_cost * running_batch / (1.0 + token_cost * (running_batch - 1))
+
+
+def best_draft_length(acceptance: float, max_tokens: int, token_cost: float, running_batch: int = 1) -> int:
+    """:func:`draft_length_for_step` under the embedded engine's linear step cost: each draft token
+    costs :func:`batch_token_cost` of the plain step, ``E(k, acceptance) / (1 + c_B * k)``."""
+    c = batch_token_cost(token_cost, running_batch)
+    return draft_length_for_step(acceptance, max_tokens, lambda k: 1.0 + c * k)
+
+
+def plan_draft(state: DraftAcceptance, max_tokens: int, token_cost: float, probe_interval: int,
+               running_batch: int = 1) -> int:
+    """How many draft tokens a decoding request gets this step (0: a plain decode step), at the
+    instance's ``running_batch``.
 
     ``max_tokens`` is the longest draft allowed now (``spec_tokens``, capped by the request's
     remaining budget). Where the estimate says drafting does not pay, the request still drafts
@@ -125,7 +152,7 @@ def plan_draft(state: DraftAcceptance, max_tokens: int, token_cost: float, probe
     """
     if max_tokens <= 0:
         return 0
-    k = best_draft_length(state.alpha, max_tokens, token_cost)
+    k = best_draft_length(state.alpha, max_tokens, token_cost, running_batch)
     if k == 0 and state.steps_since_verify >= probe_interval:
         return max_tokens
     return k

@@ -34,8 +34,9 @@ Definitions (all tokens are prompt + response of consumed samples, like ``throug
   larger ``S`` or a faster single-request decode, not by more accelerators.
 
 With speculative decoding on (``rollout.speculative``), both the instance capacity and the tail
-use the decode cost the engine's policy gives their batch (verify steps at batch 1 and at every
-concurrency up to ``rollout.spec_max_batch``), so the bound moves with speculation.
+use the decode cost the engine's policy gives their batch (verify steps of the draft length it
+chooses at batch 1 and at each concurrency where a draft pays, none above
+``rollout.spec_max_batch``), so the bound moves with speculation.
 
 Weight switches of rollout instances and re-prefill (partial mode) are left out, so the bound
 stays an upper bound of what the cost model allows for the workload's mean batch (a short run on

@@ -23,8 +23,8 @@ that point, which is why the tier pays only where the link is fast compared to t
 (:func:`host_kv_hidden_tokens`).
 
 Speculative decoding (``rollout.speculative != off``, :class:`DecodeModel`): while the engine's
-policy (:func:`~dora_megatron.rollout.speculation.should_speculate`) says so for the instance's
-running batch, each step is a *verify* step: every running request feeds k+1 tokens, so the step
+policy says so for the instance's running batch, each step is a *verify* step: every running
+request feeds k+1 tokens, so the step
 costs the per-step model with the batch's tokens multiplied by k+1 (the compute term ``b*(k+1)*c``;
 the weights and the resident KV are read once, as in a decode step) plus
 ``cost.spec_verify_overhead_s``, and yields ``E = expected_tokens_per_verify(k, alpha)`` tokens per
@@ -34,11 +34,14 @@ forms above hold unchanged. This is a fluid model: a request's accepted count is
 (over the thousands of verify steps of a long request the sum concentrates on it), so the
 variance of single requests is not simulated.
 
-The draft length is the engine's per-request decision (:func:`~dora_megatron.rollout.speculation.best_draft_length`
-on ``rollout.spec_token_cost``) taken at the drafter's true acceptance, the value the engine's
-running estimate converges to: where no draft pays the simulated instance decodes plainly, as the
-engine does once its requests stop drafting (the engine's probes, one verify step in
-``spec_probe_interval + 1``, are not charged).
+The draft length is the engine's decision (:func:`~dora_megatron.rollout.speculation.draft_length_for_step`:
+the length that maximises expected tokens per unit of step cost) taken per running batch at the
+drafter's true acceptance, the value the engine's running estimate converges to, with the step
+cost of this model (:meth:`DecodeCost.verify_relative_s`: a verify step is nearly free while the
+batch's k+1 tokens per request stay under the compute knee) or, where ``rollout.spec_token_cost``
+is set, the embedded engine's linear cost. Where no draft pays the simulated instance decodes
+plainly, as the engine does once its requests stop drafting (the engine's probes, one verify step
+in ``spec_probe_interval + 1``, are not charged).
 """
 
 from __future__ import annotations
@@ -48,7 +51,12 @@ import math
 from dataclasses import dataclass
 
 from dora_megatron.config.sim import CostModelConfig, SimRolloutConfig
-from dora_megatron.rollout.speculation import best_draft_length, expected_tokens_per_verify, should_speculate
+from dora_megatron.rollout.speculation import (
+    best_draft_length,
+    draft_length_for_step,
+    expected_tokens_per_verify,
+    should_speculate,
+)
 
 
 @dataclass(frozen=True)
@@ -156,6 +164,29 @@ class DecodeCost:
         undercounts by at most that batch's weight read."""
         return dataclasses.replace(self, overhead_s=2 * self.overhead_s, weight_s=2 * self.weight_s)
 
+    def verify_relative_s(self, batch: int, spec_tokens: int, verify_overhead_s: float) -> float:
+        """A verify step of ``batch`` requests with ``spec_tokens`` draft tokens each over a plain
+        decode step of that batch, both at zero context. WHY zero context: the resident KV adds the
+        same memory time to both steps, which only lowers this ratio, so a draft length that pays
+        here pays at any context (the decision is conservative and fixed per batch, which keeps the
+        closed forms of :meth:`span_s` valid)."""
+        plain = self.overhead_s + max(self.weight_s, batch * self.compute_s_per_seq)
+        return (self.overhead_s + verify_overhead_s
+                + max(self.weight_s, batch * (spec_tokens + 1) * self.compute_s_per_seq)) / plain
+
+    def draft_length(self, batch: int, acceptance: float, rollout: SimRolloutConfig, verify_overhead_s: float) -> int:
+        """The engine's policy at running batch ``batch``: off above ``rollout.spec_max_batch``
+        (:func:`~dora_megatron.rollout.speculation.should_speculate`), else the draft length that
+        maximises tokens per unit of step cost (:func:`~dora_megatron.rollout.speculation.draft_length_for_step`)
+        with this instance's own step cost (:meth:`verify_relative_s`), or, where
+        ``rollout.spec_token_cost`` is set, with the embedded engine's linear one."""
+        if not should_speculate(rollout.speculative, batch, rollout.spec_max_batch):
+            return 0
+        if rollout.spec_token_cost is not None:
+            return best_draft_length(acceptance, rollout.spec_tokens, rollout.spec_token_cost, batch)
+        return draft_length_for_step(acceptance, rollout.spec_tokens,
+                                     lambda k: self.verify_relative_s(batch, k, verify_overhead_s))
+
     def verify(self, spec_tokens: int, acceptance: float, verify_overhead_s: float) -> "DecodeCost":
         """Cost per generated token of verify steps (draft length ``spec_tokens``, per-token
         acceptance ``acceptance``) as a :class:`DecodeCost` in the same units as this one: one
@@ -169,14 +200,13 @@ class DecodeCost:
 @dataclass(frozen=True)
 class DecodeModel:
     """The decode cost an instance pays at a given running batch: plain decode steps, or verify
-    steps where the engine's speculation policy applies."""
+    steps of the draft length the engine's policy chooses at that batch."""
 
     plain: DecodeCost
-    spec: DecodeCost | None = None  # per-token cost of verify steps; None when speculation is off
     mode: str = "off"
-    spec_max_batch: int = 0
-    tokens_per_verify: float = 1.0  # E: expected tokens a request gains per verify step
-    draft_tokens: int = 0  # k: the draft length the engine's policy settles on (0: it does not draft)
+    acceptance: float = 0.0  # the drafter's per-token acceptance (cost.spec_acceptance.<mode>)
+    drafts: tuple[int, ...] = ()  # draft length at running batch b = index + 1 (0: plain steps); () when off
+    verify_costs: tuple[DecodeCost | None, ...] = ()  # per-token cost of those verify steps, by batch
 
     @classmethod
     def from_config(cls, cost: CostModelConfig, rollout: SimRolloutConfig | None = None) -> "DecodeModel":
@@ -184,18 +214,39 @@ class DecodeModel:
         if rollout is None or rollout.speculative == "off":
             return cls(plain)
         alpha = getattr(cost.spec_acceptance, rollout.speculative)
-        k = best_draft_length(alpha, rollout.spec_tokens, rollout.spec_token_cost)
-        if k == 0:  # the engine's requests stop drafting: plain decode steps
-            return cls(plain, mode=rollout.speculative, spec_max_batch=rollout.spec_max_batch)
-        return cls(plain, plain.verify(k, alpha, cost.spec_verify_overhead_s), rollout.speculative,
-                   rollout.spec_max_batch, expected_tokens_per_verify(k, alpha), k)
+        overhead = cost.spec_verify_overhead_s
+        drafts = tuple(plain.draft_length(b, alpha, rollout, overhead) for b in range(1, rollout.spec_max_batch + 1))
+        return cls(plain, rollout.speculative, alpha, drafts,
+                   tuple(plain.verify(k, alpha, overhead) if k else None for k in drafts))
+
+    def draft_tokens_at(self, batch: int) -> int:
+        """The draft length of each request at this running batch (0: plain decode steps)."""
+        return self.drafts[batch - 1] if 1 <= batch <= len(self.drafts) else 0
 
     def speculates(self, batch: int) -> bool:
-        return self.spec is not None and should_speculate(self.mode, batch, self.spec_max_batch)
+        return self.draft_tokens_at(batch) > 0
 
     def for_batch(self, batch: int) -> DecodeCost:
         """The per-token cost model in force while ``batch`` requests run."""
-        return self.spec if self.speculates(batch) else self.plain  # type: ignore[return-value]
+        return self.verify_costs[batch - 1] if self.speculates(batch) else self.plain  # type: ignore[return-value]
+
+    @property
+    def spec(self) -> DecodeCost | None:
+        """The lone request's verify cost (the tail's), None where it decodes plainly."""
+        return self.for_batch(1) if self.speculates(1) else None
+
+    @property
+    def draft_tokens(self) -> int:
+        return self.draft_tokens_at(1)
+
+    @property
+    def tokens_per_verify(self) -> float:
+        """E of the lone request's verify steps (1.0 where it does not speculate)."""
+        return expected_tokens_per_verify(self.draft_tokens, self.acceptance) if self.draft_tokens else 1.0
+
+    @property
+    def largest_speculating_batch(self) -> int:
+        return max((b for b in range(1, len(self.drafts) + 1) if self.drafts[b - 1]), default=0)
 
 
 def prefill_s(cfg: CostModelConfig, tokens: int) -> float:

@@ -856,7 +856,7 @@ class Simulation:
 
 def _speculation_report_of(model: DecodeModel, cfg: SimConfig, instances) -> dict[str, Any]:
     """What speculation did in a run: the model's tokens per verify step and the share of decoded
-    tokens that came from verify steps (the rest were decoded at batches above spec_max_batch)."""
+    tokens that came from verify steps (the rest were decoded at batches where the policy does not draft)."""
     decoded = sum(i.decoded_tokens for i in instances)
     spec = sum(i.spec_tokens for i in instances)
     out: dict[str, Any] = {"mode": cfg.rollout.speculative, "spec_tokens": cfg.rollout.spec_tokens,
@@ -864,10 +864,11 @@ def _speculation_report_of(model: DecodeModel, cfg: SimConfig, instances) -> dic
                            "decoded_tokens": decoded, "speculative_tokens": spec,
                            "speculative_token_share": spec / decoded if decoded else 0.0}
     if model.spec is not None:
-        out["acceptance"] = getattr(cfg.cost.spec_acceptance, cfg.rollout.speculative)
-        out["draft_tokens"] = model.draft_tokens  # the engine policy's draft length at this acceptance
+        out["acceptance"] = model.acceptance
+        out["draft_tokens"] = model.draft_tokens  # the engine policy's draft length for a lone request
         out["tokens_per_verify_step"] = model.tokens_per_verify
         out["verify_steps_per_request_token"] = 1.0 / model.tokens_per_verify
+        out["largest_speculating_batch"] = model.largest_speculating_batch
     return out
 
 

@@ -356,7 +356,7 @@ class Scheduler:
         copying it verbatim is kept whole)."""
         lim = self.limits
         room = min(lim.spec_tokens, r.params.max_new_tokens - len(r.output_ids) - 1, self.max_context - len(r.tokens) - 1)
-        k = plan_draft(r.spec_acceptance, room, lim.spec_token_cost, lim.spec_probe_interval)
+        k = plan_draft(r.spec_acceptance, room, lim.spec_token_cost, lim.spec_probe_interval, len(self.running))
         if room > 0 and k == 0:
             self.spec.declined_steps += 1
         draft: list[int] = []

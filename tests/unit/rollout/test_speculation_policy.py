@@ -7,7 +7,9 @@ import pytest
 
 from dora_megatron.rollout.speculation import (
     DraftAcceptance,
+    batch_token_cost,
     best_draft_length,
+    expected_tokens_per_verify,
     observe_decode,
     observe_verify,
     plan_draft,
@@ -85,3 +87,33 @@ def test_state_round_trips_and_bad_exports_are_refused():
     for bad in ([1.0, 0.5, 0], [-1, 2, 0], [1, 2], "x", [True, 2, 0], [1, float("inf"), 0]):
         with pytest.raises(ValueError, match="spec_acceptance"):
             DraftAcceptance.from_json(bad)
+
+
+def _step_rate(batch: int, drafts: list[int], alpha: float, c: float) -> float:
+    """Tokens per lone-decode-step of time of one step of ``batch`` requests, ``drafts[i]`` draft
+    tokens for request i, when each of the step's positions costs ``c`` beyond the first."""
+    positions = batch + sum(drafts)
+    tokens = sum(expected_tokens_per_verify(k, alpha) for k in drafts) + batch - len(drafts)
+    return tokens / (1.0 + c * (positions - 1))
+
+
+@pytest.mark.parametrize("c", [0.05, 0.1, 0.25])
+def test_a_request_drafts_at_a_batch_exactly_where_its_draft_raises_the_step_token_rate(c):
+    """The policy's batch-aware cost against the step itself: one request of a batch drafts iff
+    some draft length makes the whole step yield more tokens per unit of time than the plain step
+    (the other requests decoding plainly)."""
+    for batch in (1, 2, 3, 5, 8, 16):
+        for alpha in [a / 40 for a in range(40)]:
+            pays = any(_step_rate(batch, [k], alpha, c) > _step_rate(batch, [0], alpha, c) * (1 + 1e-12)
+                       for k in range(1, K + 1))
+            assert (best_draft_length(alpha, K, c, batch) > 0) == pays, (batch, alpha)
+
+
+def test_a_draft_token_costs_more_the_larger_the_batch_it_delays():
+    assert batch_token_cost(0.1, 1) == pytest.approx(0.1)  # alone: the configured cost
+    costs = [batch_token_cost(0.1, b) for b in range(1, 200)]
+    assert costs == sorted(costs) and costs[-1] < 1.0  # rising towards a whole token, never past it
+    assert batch_token_cost(0.0, 64) == 0.0  # free positions stay free at any batch
+    assert best_draft_length(0.5, K, 0.25, 1) > 0 and best_draft_length(0.5, K, 0.25, 8) == 0
+    with pytest.raises(ValueError, match="spec_token_cost"):
+        batch_token_cost(-0.1, 1)

@@ -9,7 +9,7 @@ import pytest
 
 from dora_megatron.config.base import ConfigError
 from dora_megatron.config.sim import CostModelConfig, SimRolloutConfig, load_sim_config
-from dora_megatron.rollout.speculation import expected_tokens_per_verify, should_speculate
+from dora_megatron.rollout.speculation import best_draft_length, expected_tokens_per_verify, should_speculate
 from dora_megatron.sim.bound import deployment_bound
 from dora_megatron.sim.cost import DecodeCost, DecodeModel
 from dora_megatron.sim.engine import Simulation
@@ -94,7 +94,40 @@ def test_decode_model_switches_at_the_batch_threshold():
     assert off.spec is None and off.for_batch(1) is off.plain
     on = DecodeModel.from_config(cost, SimRolloutConfig(speculative="group", spec_tokens=4, spec_max_batch=3))
     assert on.tokens_per_verify == pytest.approx(expected_tokens_per_verify(4, cost.spec_acceptance.group))
-    assert [on.for_batch(b) is on.spec for b in (1, 3, 4, 64)] == [True, True, False, False]
+    assert [on.speculates(b) for b in (1, 3, 4, 64)] == [True, True, False, False]
+    assert on.for_batch(4) is on.plain and on.for_batch(1) is on.spec
+
+
+def test_the_draft_length_at_each_batch_is_one_the_charged_cost_rewards():
+    """With its own step cost (spec_token_cost null) the simulated policy drafts at a batch only
+    where the verify step it is then charged yields tokens faster than plain decode steps, and
+    declines where none would: checked against the charged per-token step times themselves."""
+    cost = CostModelConfig()
+    model = DecodeModel.from_config(cost, SimRolloutConfig(speculative="group", spec_tokens=4, spec_max_batch=1024))
+    plain = model.plain
+    alpha, extra = cost.spec_acceptance.group, cost.spec_verify_overhead_s
+    for b in (1, 8, 32, 100, 200, 400, 1024):
+        per_token = {k: plain.verify(k, alpha, extra).step_s(b, 0) for k in range(1, 5)}
+        k = model.draft_tokens_at(b)
+        if k:
+            assert per_token[k] == min(per_token.values()) < plain.step_s(b, 0), b
+        else:
+            assert min(per_token.values()) >= plain.step_s(b, 0), b
+    drafts = [model.draft_tokens_at(b) for b in range(1, 1025)]
+    assert drafts[0] == 4 and drafts == sorted(drafts, reverse=True) and drafts[-1] == 0  # stops past the knee
+    # memory-bound: a verify step of 16 x 5 tokens (9.6 ms of compute) costs a decode step plus the
+    # verify overhead, so the longest draft pays; at 32 x 5 (19.2 ms) compute binds and it shortens
+    assert model.draft_tokens_at(16) == 4 and model.draft_tokens_at(32) < 4
+
+
+def test_the_engine_linear_cost_can_be_simulated_instead():
+    cost = CostModelConfig()
+    rollout = SimRolloutConfig(speculative="group", spec_tokens=4, spec_max_batch=64, spec_token_cost=0.25)
+    model = DecodeModel.from_config(cost, rollout)
+    alpha = cost.spec_acceptance.group
+    assert [model.draft_tokens_at(b) for b in range(1, 65)] == [best_draft_length(alpha, 4, 0.25, b)
+                                                                for b in range(1, 65)]
+    assert model.largest_speculating_batch < 64  # the linear cost stops it well before the knee
 
 
 # ------------------------------------------------------- the simulator
@@ -115,8 +148,12 @@ def test_lone_long_request_finishes_sooner_with_speculation_and_poor_drafts_cost
     fast = _lone_request_s(spec, 0.9)
     e = expected_tokens_per_verify(4, 0.9)
     assert fast < plain / 2  # E = 4.1 tokens per verify step at about the price of a decode step
-    # drafts rarely kept: the engine's policy stops drafting, so the simulated request loses nothing
-    assert _lone_request_s(spec, 0.0) == plain and _lone_request_s(spec, 0.15) == plain
+    # drafts never kept: the policy does not draft, so the simulated request loses nothing; drafts
+    # kept 15% of the time pay alone on a memory-bound step (a verify step costs 1.03 decode steps)
+    # but not at the embedded engine's linear cost of 0.25 per draft token
+    assert _lone_request_s(spec, 0.0) == plain and _lone_request_s(spec, 0.15) < plain
+    linear = SimRolloutConfig(speculative="ngram", spec_tokens=4, spec_max_batch=8, spec_token_cost=0.25)
+    assert _lone_request_s(linear, 0.15) == plain
     cost = CostModelConfig()
     assert fast == pytest.approx((plain - 500 * cost.prefill_s_per_token) / e
                                  + 500 * cost.prefill_s_per_token + 20_000 * cost.spec_verify_overhead_s / e, rel=1e-6)
