@@ -183,7 +183,7 @@ class SimRolloutConfig:
     spec_tokens: int = spec_tokens_field()
     spec_max_batch: int = spec_max_batch_field()
     spec_token_cost: float | None = field_doc(
-        None, "null: a draft length pays where the instance's own per-step cost model says so (a verify step of the "
+        None, "null (the default; --set rollout.spec_token_cost=null restores it): a draft length pays where the instance's own per-step cost model says so (a verify step of the "
         "batch's k+1 tokens per request against a decode step, cost.*); a number: the embedded engine's linear cost "
         "instead (rollout.spec_token_cost of the job config: each position of a step costs this much of a lone "
         "decode step)", ge=0.0)

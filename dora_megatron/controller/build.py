@@ -68,6 +68,7 @@ def runtime_options(cfg: DoraConfig, run_dir: Path, model_dir: Path, trainer_url
         stop_checkpoint_timeout_s=ctl.stop_checkpoint_timeout_s,
         routed_experts=cfg.algo.wants_routed_experts,
         draft_siblings=cfg.rollout.speculative == "group",
+        draft_push_max_batch=cfg.rollout.spec_max_batch,
     )
 
 

@@ -73,7 +73,7 @@ class Generation:
         #: calls that failed for a shortage of the controller's own process (EMFILE, ENOBUFS, a
         #: full pool): retried or re-queued, never counted against the instance
         self.local_resource_errors = 0
-        self.drafts = DraftPushes(host.engines, host.spawn)  # rollout.speculative=group's pushes
+        self.drafts = DraftPushes(host.engines, host.spawn, self._may_push)  # rollout.speculative=group's pushes
 
     def dispatch(self, a: Dispatch) -> None:
         rt = self.rt
@@ -223,6 +223,14 @@ class Generation:
         finally:
             rt.turns.close(turn)
 
+    def _may_push(self, instance: str) -> bool:
+        """Whether draft pushes to ``instance`` are useful now: it holds at most
+        ``draft_push_max_batch`` requests (``rollout.spec_max_batch``, above which the engine does not
+        speculate; 0: always), by the orchestrator's own count of what it placed there."""
+        bound = self.rt.opt.draft_push_max_batch
+        inst = self.rt.orch.instances.get(instance)
+        return inst is not None and inst.alive and (bound <= 0 or inst.load <= bound)
+
     def _out_of_step(self, instance: str, version: int) -> bool:
         """Whether ``instance`` has now refused :data:`OUT_OF_STEP_REFUSALS` requests in a row routed
         for the version the controller last switched it to, with no switch of it under way. A refusal
@@ -264,6 +272,7 @@ class Generation:
                             "--enable-return-routed-experts?); its samples carry none (counted as "
                             "routed_experts_unavailable)", instance)
         if rt.opt.draft_siblings:
+            self.drafts.forget(instance, rec.sample_id)
             self.drafts.offer(running_targets(rec, rt.store.siblings(rec)), rec.prompt_ids + rec.output_ids)
         rt.store.score(rec, resp, reason, ev.reward)
         if getattr(resp, "loss_mask", None) is not None:  # a workflow's trajectory (rollout.workflow)

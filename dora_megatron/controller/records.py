@@ -113,6 +113,7 @@ class RuntimeOptions:
     stop_checkpoint_timeout_s: float = 300.0  # a stop request waits this long for the next step boundary
     routed_experts: bool = False  # ask engines for routed experts and hand them to the trainer (algo.routing_replay)
     draft_siblings: bool = False  # send each request its group's finished siblings (rollout.speculative=group)
+    draft_push_max_batch: int = 0  # push them only to instances running at most this many (0: always)
 
 
 @dataclass

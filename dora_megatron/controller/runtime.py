@@ -120,7 +120,8 @@ class Runtime:
         #: instance membership and failures (:mod:`.pool`)
         self.pool = Pool(self)
         #: the event source of load reports and ticks (:mod:`.stats`)
-        self.stats = StatsPoller(orch, engines, self.events, options, self.local_shortage, load_reports)
+        self.stats = StatsPoller(orch, engines, self.events, options, self.local_shortage, load_reports,
+                                 on_sweep=self.generation.drafts.release_ready)
         #: switches, their checks and the ``distributed`` push (:mod:`.weight_sync`)
         self.weights = WeightSync(self)
         #: migrations and interrupts of in-flight requests (:mod:`.migration`)

@@ -13,6 +13,13 @@ most one push on the wire per instance (its own connection in the pool's plan, s
 running request into one call. A call per finished sibling and running request would queue in the
 instance's connection pool, and the generates and stats polls after them would wait behind them
 (each push waits for the engine's step boundary).
+
+Pushes also wait while their instance runs more requests than ``rollout.spec_max_batch``: the
+engine does not speculate there, so a push would cost its call and deliver nothing it could use
+yet. The sources wait (merged) until the instance's load drops to the bound, which the stats sweep
+checks (:meth:`DraftPushes.release_ready`), and are dropped when their request finishes. Measured
+on the main job: the pushes, not the drafting, were what ``group`` cost
+(docs/results/speculation.md).
 """
 
 from __future__ import annotations
@@ -45,9 +52,11 @@ class DraftPushes:
     waiting per request (merged, oldest dropped beyond :data:`MAX_PENDING_SOURCES`) and at most one
     push task sending them, one call per request."""
 
-    def __init__(self, engines: Mapping[str, Engine], spawn: Callable[[Any, str], Any]) -> None:
+    def __init__(self, engines: Mapping[str, Engine], spawn: Callable[[Any, str], Any],
+                 may_push: Callable[[str], bool] = lambda instance: True) -> None:
         self.engines = engines
         self.spawn = spawn
+        self.may_push = may_push  # whether an instance may speculate now (its load is at most the bound)
         self.pending: dict[str, dict[str, list[list[int]]]] = {}  # instance -> sample id -> sources
         self.sending: set[str] = set()  # instances with a push task
         self.calls = 0  # pushes sent (one per request and turn of its instance's task)
@@ -60,15 +69,34 @@ class DraftPushes:
             waiting = self.pending.setdefault(instance, {}).setdefault(sample_id, [])
             waiting.append(source)
             del waiting[:-MAX_PENDING_SOURCES]
-            if instance not in self.sending:
-                self.sending.add(instance)
-                self.spawn(self._send(instance), f"drafts-{instance}")
+            self._start(instance)
+
+    def _start(self, instance: str) -> None:
+        if instance not in self.sending and self.pending.get(instance) and self.may_push(instance):
+            self.sending.add(instance)
+            self.spawn(self._send(instance), f"drafts-{instance}")
+
+    def release_ready(self) -> None:
+        """Start the pushes held for instances whose load has dropped to the bound (once per stats sweep)."""
+        for instance in list(self.pending):
+            if instance not in self.engines and instance not in self.sending:
+                del self.pending[instance]  # left the pool: its requests run elsewhere now
+            else:
+                self._start(instance)
+
+    def forget(self, instance: str | None, sample_id: str) -> None:
+        """Drop what waits for ``sample_id`` (it finished, or left ``instance``): no engine would take it."""
+        waiting = self.pending.get(instance or "")
+        if waiting is not None:
+            waiting.pop(sample_id, None)
+            if not waiting and instance not in self.sending:
+                self.pending.pop(instance, None)
 
     async def _send(self, instance: str) -> None:
         """Send ``instance``'s waiting sources, one request's at a time, until none wait."""
         try:
             queue = self.pending.get(instance, {})
-            while queue:
+            while queue and self.may_push(instance):
                 sample_id = next(iter(queue))
                 sources = queue.pop(sample_id)
                 engine = self.engines.get(instance)

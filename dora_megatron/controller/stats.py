@@ -32,7 +32,7 @@ class StatsPoller:
 
     def __init__(self, orch: Orchestrator, engines: dict[str, Engine], events: EventQueue, options: RuntimeOptions,
                  on_local_shortage: Callable[[str, BaseException], None],
-                 load_reports: LoadReports | None = None) -> None:
+                 load_reports: LoadReports | None = None, on_sweep: Callable[[], None] | None = None) -> None:
         self.orch = orch
         self.engines = engines
         self.events = events
@@ -40,6 +40,8 @@ class StatsPoller:
         self.on_local_shortage = on_local_shortage
         #: pushed load reports of the engines it covers, taken once per sweep instead of polling them
         self.load_reports = load_reports
+        #: called after each sweep, its loads applied (the held draft pushes of instances now small enough)
+        self.on_sweep = on_sweep
         self.spec_last: dict[str, dict[str, Any]] = {}  # each embedded instance's latest speculation counters
         self.spec_totals: dict[str, int] = {}  # their growth summed over the run (restarts included)
 
@@ -123,6 +125,8 @@ class StatsPoller:
             if polls:
                 await asyncio.gather(*polls)
             self.events.post(Tick())
+            if self.on_sweep is not None:
+                self.on_sweep()
             try:
                 await asyncio.wait_for(done.wait(), timeout=self.opt.stats_interval_s)
             except asyncio.TimeoutError:

@@ -19,8 +19,11 @@ step in which each running request drafts ``k`` tokens relative to the plain ste
 no ``k`` beats a plain step's 1. The embedded engine's ``r`` is linear in the step's positions,
 each costing ``c = rollout.spec_token_cost`` of a lone decode step (:func:`batch_token_cost`): a
 plain step of ``B`` requests costs ``1 + c(B - 1)`` and yields ``B`` tokens, so one draft token
-costs ``c*B / (1 + c(B - 1))`` tokens' worth of that step, ``c`` alone, rising towards 1 as the
-batch grows (a draft token must then be kept nearly surely to pay). The simulator's ``r`` is its
+costs ``c*B / (1 + c(B - 1))`` tokens' worth of that step, ``c`` alone, approaching 1 as the
+batch grows (a draft token must then be kept nearly surely to pay). The length maximises the step's
+rate when every running request drafts alike; for one request among plainly decoding ones the
+draft-or-not threshold is the same, the best length sometimes one longer. The running batch
+counts requests still prefilling, which errs towards not drafting. The simulator's ``r`` is its
 per-step roofline (``sim/cost.py``), flat while decode is memory-bound.
 A request that stopped drafting probes again every ``rollout.spec_probe_interval`` decode steps,
 because its text may turn repetitive later and an estimate without new evidence never moves. The
@@ -66,10 +69,10 @@ def should_speculate(mode: str, running_batch: int, spec_max_batch: int) -> bool
 
 
 #: The acceptance estimate's prior, as pseudo-observations: half a draft token kept in one tried.
-#: WHY optimistic and light: a new request must try drafting for the evidence to exist at all (at
-#: alpha 1/2 a one-token draft pays at ``spec_token_cost`` up to 0.5), and one pseudo-trial lets
-#: the first verify step decide: a draft rejected at its first token stops drafting (each needless
-#: verify step is a loss where drafts are poor), one kept whole raises the draft length at once.
+#: WHY light: a new request tries drafting once whatever the prior says (:func:`plan_draft`), and
+#: one pseudo-trial lets that first verify step decide: a draft rejected at its first token stops
+#: drafting (each needless verify step is a loss where drafts are poor), one kept whole raises the
+#: draft length at once.
 PRIOR_ACCEPTED = 0.5
 PRIOR_TRIALS = 1.0
 #: Weight of the past per verify step (exponential forgetting): evidence about 10 verify steps old
@@ -148,13 +151,15 @@ def plan_draft(state: DraftAcceptance, max_tokens: int, token_cost: float, probe
     remaining budget). Where the estimate says drafting does not pay, the request still drafts
     ``max_tokens`` once it has gone ``probe_interval`` decode steps without a verify step: a
     bounded probe (at most one verify step in ``probe_interval + 1``) that lets the estimate see
-    text that turned repetitive.
+    text that turned repetitive. A request that has never been verified probes at once: at a large
+    batch the prior alone would not pay, and a request that never tries never learns that its
+    drafts are good.
     """
     if max_tokens <= 0:
         return 0
     k = best_draft_length(state.alpha, max_tokens, token_cost, running_batch)
-    if k == 0 and state.steps_since_verify >= probe_interval:
-        return max_tokens
+    if k == 0 and (state.steps_since_verify >= probe_interval or state.trials == 0):
+        return max_tokens  # a probe; a request with no evidence yet probes at once, at any batch
     return k
 
 

@@ -171,8 +171,10 @@ class DecodeCost:
         here pays at any context (the decision is conservative and fixed per batch, which keeps the
         closed forms of :meth:`span_s` valid)."""
         plain = self.overhead_s + max(self.weight_s, batch * self.compute_s_per_seq)
-        return (self.overhead_s + verify_overhead_s
-                + max(self.weight_s, batch * (spec_tokens + 1) * self.compute_s_per_seq)) / plain
+        verify = self.overhead_s + verify_overhead_s + max(self.weight_s, batch * (spec_tokens + 1) * self.compute_s_per_seq)
+        if plain <= 0:  # a free decode step (a degenerate config): drafts pay only if verifying is free too
+            return 1.0 if verify <= 0 else math.inf
+        return verify / plain
 
     def draft_length(self, batch: int, acceptance: float, rollout: SimRolloutConfig, verify_overhead_s: float) -> int:
         """The engine's policy at running batch ``batch``: off above ``rollout.spec_max_batch``
@@ -205,7 +207,8 @@ class DecodeModel:
     plain: DecodeCost
     mode: str = "off"
     acceptance: float = 0.0  # the drafter's per-token acceptance (cost.spec_acceptance.<mode>)
-    drafts: tuple[int, ...] = ()  # draft length at running batch b = index + 1 (0: plain steps); () when off
+    drafts: tuple[int, ...] = ()  # draft length at running batch b = index + 1 (0: plain steps); () when off,
+    # up to min(spec_max_batch, cost.max_concurrent)
     verify_costs: tuple[DecodeCost | None, ...] = ()  # per-token cost of those verify steps, by batch
 
     @classmethod
@@ -215,7 +218,8 @@ class DecodeModel:
             return cls(plain)
         alpha = getattr(cost.spec_acceptance, rollout.speculative)
         overhead = cost.spec_verify_overhead_s
-        drafts = tuple(plain.draft_length(b, alpha, rollout, overhead) for b in range(1, rollout.spec_max_batch + 1))
+        most = min(rollout.spec_max_batch, cost.max_concurrent)  # an instance never runs more (cost.max_concurrent)
+        drafts = tuple(plain.draft_length(b, alpha, rollout, overhead) for b in range(1, most + 1))
         return cls(plain, rollout.speculative, alpha, drafts,
                    tuple(plain.verify(k, alpha, overhead) if k else None for k in drafts))
 

@@ -189,7 +189,7 @@ class SimInstance:
             self.t0 += decode.span_s(self.batch, self.context, n)
             self.steps_done += n
             self.decoded_tokens += n * self.batch
-            if decode is not self.model.plain:
+            if self.model.speculates(self.batch):  # (not by identity: a dual-version step's cost is a copy)
                 self.spec_tokens += n * self.batch
         done: list[SimRequest] = []
         while self._finish and self._finish[0][0] <= self.steps_done:

@@ -21,6 +21,7 @@ class DraftEngine(FakeEngine):
         super().__init__(*a, **kw)
         self.submitted: dict[str, tuple[list[int], list[list[int]]]] = {}
         self.pushed: list[tuple[str, list[list[int]]]] = []
+        self.running_at_push: list[int] = []  # requests this engine held when each push came
 
     async def supports(self, name: str) -> bool:
         return name == "draft_sources" or await super().supports(name)
@@ -33,6 +34,7 @@ class DraftEngine(FakeEngine):
 
     async def add_draft_sources(self, rid, sources):
         self.pushed.append((rid, [list(s) for s in sources]))
+        self.running_at_push.append(len(self.reqs))
         return rid in self.reqs
 
     async def server_info(self):
@@ -44,12 +46,13 @@ class DraftEngine(FakeEngine):
         return self.token_s * (5 if req.rid.endswith(".1") else 1)
 
 
-def _run(draft_siblings: bool):
+def _run(draft_siblings: bool, push_max_batch: int = 0):
     rt, engines, trainer = make(mode="dora", n=3, steps=3)
     fakes = {name: DraftEngine(name, token_s=0.001) for name in engines}
     rt.engines.clear()
     rt.engines.update(fakes)
     rt.opt.draft_siblings = draft_siblings
+    rt.opt.draft_push_max_batch = push_max_batch
     summary = asyncio.run(drive(rt))
     return rt, fakes, trainer, summary
 
@@ -67,6 +70,17 @@ def test_running_siblings_get_the_finished_ones_output():
         prompt = submitted[rid]
         assert len(sources) == 1 and sources[0][: len(prompt)] == prompt  # same prompt: same group
         assert sources[0] == prompt + FakeEngine._answer(prompt)  # the sibling's whole output
+
+
+def test_pushes_reach_only_instances_small_enough_to_speculate():
+    """With the bound at 1 (``rollout.spec_max_batch``) the runtime holds each push until its
+    instance runs one request: the slow sibling still gets its finished sibling, later."""
+    rt, engines, trainer, _ = _run(True, push_max_batch=1)
+    check_run(rt, engines, trainer, 3, 4, 2)
+    unbounded = _run(True)[1]
+    assert sum(len(e.pushed) for e in engines.values()) > 0
+    assert max(n for e in engines.values() for n in e.running_at_push) <= 1
+    assert max(n for e in unbounded.values() for n in e.running_at_push) > 1  # without the bound they do not wait
 
 
 def test_off_nothing_is_sent():
@@ -147,3 +161,36 @@ def test_group_speculation_gives_the_pushes_a_connection_of_their_own():
     group = connection_plan(load_config(None, ["rollout.speculative=group"]), 2)
     assert off.control == CONTROL_CONNECTIONS and group.control == CONTROL_CONNECTIONS + 1
     assert group.generate == off.generate  # the generates keep every slot's connection
+
+
+def test_pushes_wait_while_their_instance_is_too_busy_to_speculate_and_a_finished_request_drops_them():
+    """An instance running more requests than the bound does not speculate, so its pushes wait,
+    merged, until a sweep finds it small enough; what waits for a request that finished is dropped."""
+    from dora_megatron.controller.siblings import DraftPushes
+
+    async def main():
+        engines = {"e0": GatedEngine(), "e1": GatedEngine()}
+        for e in engines.values():
+            e.gate.set()
+        load = {"e0": 12, "e1": 2}
+        loop = asyncio.get_running_loop()
+        tasks = []
+        drafts = DraftPushes(engines, lambda coro, name: tasks.append(loop.create_task(coro)),
+                             may_push=lambda instance: load[instance] <= 8)
+        drafts.offer([("e0", "a"), ("e0", "b"), ("e1", "c")], [1])
+        drafts.offer([("e0", "a"), ("e0", "b")], [2])
+        await asyncio.gather(*tasks)
+        held = [list(e.calls) for e in engines.values()]
+        drafts.forget("e0", "b")  # b finished while it waited
+        drafts.release_ready()  # a sweep: e0 still busy
+        await asyncio.gather(*tasks)
+        still = list(engines["e0"].calls)
+        load["e0"] = 8
+        drafts.release_ready()
+        await asyncio.gather(*tasks)
+        return held, still, engines, drafts
+
+    held, still, engines, drafts = asyncio.run(main())
+    assert held == [[], [("c", [[1]])]] and still == []  # e1 is small: sent at once; e0 waits
+    assert engines["e0"].calls == [("a", [[1], [2]])]  # one call with both sources, none for b
+    assert not drafts.pending and not drafts.sending

@@ -606,11 +606,13 @@ def test_engine_stops_drafting_what_is_rejected_and_probes_at_a_bounded_rate(moe
     assert all(b - a == probe + 1 for a, b in zip(probes, probes[1:]))  # ... once every probe + 1 steps
 
 
-def test_engine_drafts_alone_what_it_declines_at_a_batch_of_eight(moe_model):
+def test_engine_drafts_alone_what_it_declines_at_a_batch_of_eight_and_keeps_good_drafts_there(moe_model):
     """Drafts kept one token in two (the first token right, the second wrong): alone, a draft token
     costs spec_token_cost 0.25 of the step and one-token drafts pay (1.5 tokens for 1.25); at a
     running batch of 8 the same token delays 8 requests, 0.25 x 8 / 2.75 = 0.73 of the plain step's
-    8 tokens, and no draft pays, so the engine decodes plainly (outputs identical either way)."""
+    8 tokens, and no draft pays: each request tries once (a request with no evidence yet probes)
+    and then decodes plainly. Drafts that are always right keep drafting at that batch. Outputs
+    are identical either way."""
     prompt, n = PROMPTS[1], 24
     ref = _run(_sched(moe_model), [_req("a", prompt, None, n=n, temperature=0.0)])["a"]["output_ids"]
     vocab = moe_model.config.vocab_size
@@ -619,11 +621,19 @@ def test_engine_drafts_alone_what_it_declines_at_a_batch_of_eight(moe_model):
         at = len(context) - len(prompt)
         return [t if i == 0 else (t + 1) % vocab for i, t in enumerate(ref[at : at + k])]
 
+    def right(context, k, sources):
+        at = len(context) - len(prompt)
+        return list(ref[at : at + k])
+
     verify_steps = {}
-    for batch in (1, 8):
-        s = Scheduler(moe_model, SchedulerLimits(max_running=8, speculative="ngram", spec_tokens=4, spec_max_batch=8,
-                                                 spec_token_cost=0.25, spec_probe_interval=64), drafter=half_right)
-        out = _run(s, [_req(f"r{i}", prompt, None, n=n, temperature=0.0) for i in range(batch)])
-        assert all(r["output_ids"] == ref for r in out.values())
-        verify_steps[batch] = s.spec.verify_steps
-    assert verify_steps[1] >= n // 3 and verify_steps[8] == 0, verify_steps
+    for name, drafter in (("half", half_right), ("right", right)):
+        for batch in (1, 8):
+            s = Scheduler(moe_model, SchedulerLimits(max_running=8, speculative="ngram", spec_tokens=4,
+                                                     spec_max_batch=8, spec_token_cost=0.25, spec_probe_interval=64),
+                          drafter=drafter)
+            out = _run(s, [_req(f"r{i}", prompt, None, n=n, temperature=0.0) for i in range(batch)])
+            assert all(r["output_ids"] == ref for r in out.values())
+            verify_steps[name, batch] = s.spec.verify_steps
+    assert verify_steps["half", 1] >= n // 3, verify_steps
+    assert verify_steps["half", 8] == 8, verify_steps  # one first try per request, none after it
+    assert verify_steps["right", 8] >= 8 * (n // 5), verify_steps  # good drafts pay even at a batch of 8

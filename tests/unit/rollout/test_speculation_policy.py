@@ -112,8 +112,11 @@ def test_a_request_drafts_at_a_batch_exactly_where_its_draft_raises_the_step_tok
 def test_a_draft_token_costs_more_the_larger_the_batch_it_delays():
     assert batch_token_cost(0.1, 1) == pytest.approx(0.1)  # alone: the configured cost
     costs = [batch_token_cost(0.1, b) for b in range(1, 200)]
-    assert costs == sorted(costs) and costs[-1] < 1.0  # rising towards a whole token, never past it
+    assert costs == sorted(costs) and costs[-1] < 1.0  # rising towards a whole token (c < 1), never past it
     assert batch_token_cost(0.0, 64) == 0.0  # free positions stay free at any batch
     assert best_draft_length(0.5, K, 0.25, 1) > 0 and best_draft_length(0.5, K, 0.25, 8) == 0
+    # a request with no evidence tries once at any batch, and a rejected try settles it there
+    assert plan_draft(DraftAcceptance(), K, 0.25, PROBE, running_batch=8) == K
+    assert plan_draft(_after([(1, True)]), K, 0.25, PROBE, running_batch=8) == 0
     with pytest.raises(ValueError, match="spec_token_cost"):
         batch_token_cost(-0.1, 1)

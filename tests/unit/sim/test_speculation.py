@@ -102,7 +102,7 @@ def test_the_draft_length_at_each_batch_is_one_the_charged_cost_rewards():
     """With its own step cost (spec_token_cost null) the simulated policy drafts at a batch only
     where the verify step it is then charged yields tokens faster than plain decode steps, and
     declines where none would: checked against the charged per-token step times themselves."""
-    cost = CostModelConfig()
+    cost = CostModelConfig(max_concurrent=1024)
     model = DecodeModel.from_config(cost, SimRolloutConfig(speculative="group", spec_tokens=4, spec_max_batch=1024))
     plain = model.plain
     alpha, extra = cost.spec_acceptance.group, cost.spec_verify_overhead_s
@@ -118,6 +118,10 @@ def test_the_draft_length_at_each_batch_is_one_the_charged_cost_rewards():
     # memory-bound: a verify step of 16 x 5 tokens (9.6 ms of compute) costs a decode step plus the
     # verify overhead, so the longest draft pays; at 32 x 5 (19.2 ms) compute binds and it shortens
     assert model.draft_tokens_at(16) == 4 and model.draft_tokens_at(32) < 4
+    # no decision beyond what an instance can hold (cost.max_concurrent)
+    held = DecodeModel.from_config(CostModelConfig(max_concurrent=20),
+                                   SimRolloutConfig(speculative="group", spec_tokens=4, spec_max_batch=1024))
+    assert len(held.drafts) == 20 and held.largest_speculating_batch == 20 and held.draft_tokens_at(21) == 0
 
 
 def test_the_engine_linear_cost_can_be_simulated_instead():
