@@ -166,28 +166,16 @@ class DecodeCost:
 
     def verify_relative_s(self, batch: int, spec_tokens: int, verify_overhead_s: float) -> float:
         """A verify step of ``batch`` requests with ``spec_tokens`` draft tokens each over a plain
-        decode step of that batch, both at zero context. WHY zero context: the resident KV adds the
-        same memory time to both steps, which only lowers this ratio, so a draft length that pays
-        here pays at any context (the decision is conservative and fixed per batch, which keeps the
-        closed forms of :meth:`span_s` valid)."""
-        plain = self.overhead_s + max(self.weight_s, batch * self.compute_s_per_seq)
-        verify = self.overhead_s + verify_overhead_s + max(self.weight_s, batch * (spec_tokens + 1) * self.compute_s_per_seq)
+        decode step of that batch, both at zero context (:meth:`verify` at acceptance 0 costs the
+        verify step itself: one token each). WHY zero context: the resident KV adds the same memory
+        time to both steps, which only lowers this ratio, so a draft length that pays here pays at
+        any context (the decision is conservative and fixed per batch, which keeps the closed forms
+        of :meth:`span_s` valid)."""
+        plain = self.step_s(batch, 0.0)
+        verify = self.verify(spec_tokens, 0.0, verify_overhead_s).step_s(batch, 0.0)
         if plain <= 0:  # a free decode step (a degenerate config): drafts pay only if verifying is free too
             return 1.0 if verify <= 0 else math.inf
         return verify / plain
-
-    def draft_length(self, batch: int, acceptance: float, rollout: SimRolloutConfig, verify_overhead_s: float) -> int:
-        """The engine's policy at running batch ``batch``: off above ``rollout.spec_max_batch``
-        (:func:`~dora_megatron.rollout.speculation.should_speculate`), else the draft length that
-        maximises tokens per unit of step cost (:func:`~dora_megatron.rollout.speculation.draft_length_for_step`)
-        with this instance's own step cost (:meth:`verify_relative_s`), or, where
-        ``rollout.spec_token_cost`` is set, with the embedded engine's linear one."""
-        if not should_speculate(rollout.speculative, batch, rollout.spec_max_batch):
-            return 0
-        if rollout.spec_token_cost is not None:
-            return best_draft_length(acceptance, rollout.spec_tokens, rollout.spec_token_cost, batch)
-        return draft_length_for_step(acceptance, rollout.spec_tokens,
-                                     lambda k: self.verify_relative_s(batch, k, verify_overhead_s))
 
     def verify(self, spec_tokens: int, acceptance: float, verify_overhead_s: float) -> "DecodeCost":
         """Cost per generated token of verify steps (draft length ``spec_tokens``, per-token
@@ -219,9 +207,24 @@ class DecodeModel:
         alpha = getattr(cost.spec_acceptance, rollout.speculative)
         overhead = cost.spec_verify_overhead_s
         most = min(rollout.spec_max_batch, cost.max_concurrent)  # an instance never runs more (cost.max_concurrent)
-        drafts = tuple(plain.draft_length(b, alpha, rollout, overhead) for b in range(1, most + 1))
+        drafts = tuple(cls._draft_length(plain, b, alpha, rollout, overhead) for b in range(1, most + 1))
         return cls(plain, rollout.speculative, alpha, drafts,
                    tuple(plain.verify(k, alpha, overhead) if k else None for k in drafts))
+
+    @staticmethod
+    def _draft_length(plain: DecodeCost, batch: int, acceptance: float, rollout: SimRolloutConfig,
+                      verify_overhead_s: float) -> int:
+        """The engine's policy at running batch ``batch``: off above ``rollout.spec_max_batch``
+        (:func:`~dora_megatron.rollout.speculation.should_speculate`), else the draft length that
+        maximises tokens per unit of step cost (:func:`~dora_megatron.rollout.speculation.draft_length_for_step`)
+        with the instance's own step cost (:meth:`DecodeCost.verify_relative_s`), or, where
+        ``rollout.spec_token_cost`` is set, with the embedded engine's linear one."""
+        if not should_speculate(rollout.speculative, batch, rollout.spec_max_batch):
+            return 0
+        if rollout.spec_token_cost is not None:
+            return best_draft_length(acceptance, rollout.spec_tokens, rollout.spec_token_cost, batch)
+        return draft_length_for_step(acceptance, rollout.spec_tokens,
+                                     lambda k: plain.verify_relative_s(batch, k, verify_overhead_s))
 
     def draft_tokens_at(self, batch: int) -> int:
         """The draft length of each request at this running batch (0: plain decode steps)."""
