@@ -272,7 +272,7 @@ class Generation:
                             "--enable-return-routed-experts?); its samples carry none (counted as "
                             "routed_experts_unavailable)", instance)
         if rt.opt.draft_siblings:
-            self.drafts.forget(instance, rec.sample_id)
+            self.drafts.finished(instance, rec.sample_id)
             self.drafts.offer(running_targets(rec, rt.store.siblings(rec)), rec.prompt_ids + rec.output_ids)
         rt.store.score(rec, resp, reason, ev.reward)
         if getattr(resp, "loss_mask", None) is not None:  # a workflow's trajectory (rollout.workflow)

@@ -16,8 +16,9 @@ instance's connection pool, and the generates and stats polls after them would w
 
 Pushes also wait while their instance runs more requests than ``rollout.spec_max_batch``: the
 engine does not speculate there, so a push would cost its call and deliver nothing it could use
-yet. The sources wait (merged) until the instance's load drops to the bound, which the stats sweep
-checks (:meth:`DraftPushes.release_ready`), and are dropped when their request finishes. Measured
+yet. The sources wait (merged) until the instance's load drops to the bound, which each finish
+on the instance (:meth:`DraftPushes.finished`) and the stats sweep (:meth:`DraftPushes.release_ready`)
+check, and are dropped when their request finishes. Measured
 on the main job: the pushes, not the drafting, were what ``group`` cost
 (docs/results/speculation.md).
 """
@@ -83,6 +84,18 @@ class DraftPushes:
                 del self.pending[instance]  # left the pool: its requests run elsewhere now
             else:
                 self._start(instance)
+
+    def finished(self, instance: str | None, sample_id: str) -> None:
+        """``sample_id`` finished on ``instance``: drop what waits for it, and look at the pushes
+        held for the instance's other requests once this loop turn is over. WHY then: the
+        orchestrator counts the finish (and places any new request there) after this call, in the
+        same turn, so the load the check reads is the one the finish left. The tail is where
+        pushes pay, and a held push released only at the next stats sweep could arrive after the
+        request it was for had finished."""
+        self.forget(instance, sample_id)
+        if instance is not None and self.pending.get(instance) and instance not in self.sending:
+            self.sending.add(instance)  # the task checks ``may_push`` when it runs, and ends at once if not
+            self.spawn(self._send(instance), f"drafts-{instance}")
 
     def forget(self, instance: str | None, sample_id: str) -> None:
         """Drop what waits for ``sample_id`` (it finished, or left ``instance``): no engine would take it."""

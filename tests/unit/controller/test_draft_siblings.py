@@ -194,3 +194,34 @@ def test_pushes_wait_while_their_instance_is_too_busy_to_speculate_and_a_finishe
     assert held == [[], [("c", [[1]])]] and still == []  # e1 is small: sent at once; e0 waits
     assert engines["e0"].calls == [("a", [[1], [2]])]  # one call with both sources, none for b
     assert not drafts.pending and not drafts.sending
+
+
+def test_a_finish_that_brings_the_instance_to_the_bound_releases_its_held_pushes_without_a_sweep():
+    """The orchestrator counts a finish after the runtime's bookkeeping in the same loop turn, so the
+    push check a finish triggers runs once the turn is over and sees the load the finish left: the
+    tail's held pushes go out then, not at the next stats sweep. A finish that leaves the instance
+    above the bound sends nothing."""
+    from dora_megatron.controller.siblings import DraftPushes
+
+    async def main():
+        engines = {"e0": GatedEngine()}
+        engines["e0"].gate.set()
+        load = {"e0": 10}
+        loop = asyncio.get_running_loop()
+        tasks = []
+        drafts = DraftPushes(engines, lambda coro, name: tasks.append(loop.create_task(coro)),
+                             may_push=lambda instance: load[instance] <= 8)
+        drafts.offer([("e0", "a")], [1])  # held: e0 runs 10
+        drafts.finished("e0", "x")  # a finish in a turn ...
+        load["e0"] = 9  # ... that the orchestrator counts after it: still above the bound
+        await asyncio.gather(*tasks)
+        above = list(engines["e0"].calls)
+        drafts.finished("e0", "y")
+        load["e0"] = 8  # this one brings e0 to the bound
+        await asyncio.gather(*tasks)
+        return above, engines, drafts
+
+    above, engines, drafts = asyncio.run(main())
+    assert above == []
+    assert engines["e0"].calls == [("a", [[1]])]  # no release_ready() was called
+    assert not drafts.pending and not drafts.sending
