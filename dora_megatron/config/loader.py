@@ -24,6 +24,34 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
+def yaml_load(text: str) -> Any:
+    """``text`` parsed as YAML with YAML 1.2's booleans: only ``true``/``false`` (any case).
+
+    WHY: PyYAML follows YAML 1.1, where ``on``, ``off``, ``yes``, ``no``, ``y`` and ``n`` are
+    booleans too, so ``rollout.speculative: off`` (a choice among strings) arrived as ``False``. With
+    1.2's rule a word is a string unless it is ``true`` or ``false``, so these keys read as written;
+    a boolean field given ``off`` gets the loader's error naming the field."""
+    import yaml
+
+    return yaml.load(text, Loader=_yaml12_loader())
+
+
+def _yaml12_loader() -> type:
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        """SafeLoader whose implicit booleans are YAML 1.2's."""
+
+    Loader.yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                 list("tTfF"))
+    return Loader
+
+
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
@@ -173,7 +201,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if not keys:
         raise ConfigError(item, "override has an empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yaml_load(raw) if raw.strip() else ""
     except yaml.YAMLError as err:
         raise ConfigError(key, f"cannot parse override value {raw!r}: {err}") from err
     return keys, value
@@ -202,7 +230,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(str(path), "config file not found")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml_load(path.read_text()) or {}
     except yaml.YAMLError as err:
         raise ConfigError(str(path), f"invalid YAML: {err}") from err
     if not isinstance(data, dict):

@@ -104,6 +104,23 @@ def test_overrides_parse_yaml_values():
     assert cfg.inner.size == 16 and cfg.flag is True and cfg.inner.names == ["a", "b"] and cfg.maybe == 7
 
 
+def test_yaml_1_1_words_are_strings_in_overrides_and_files(tmp_path):
+    """``rollout.speculative=off`` and ``speculative: off`` reach the config as the string ``off``
+    (PyYAML's YAML 1.1 made them False); only true/false are booleans, and a boolean field given
+    ``off`` is refused naming it."""
+    from dora_megatron.config.schema import load_config
+
+    cfg = load_config(None, ["rollout.speculative=off"])
+    assert cfg.rollout.speculative == "off"
+    path = tmp_path / "job.yaml"
+    path.write_text("rollout:\n  speculative: off\n")
+    assert load_config(path, []).rollout.speculative == "off"
+    assert load(apply_overrides({}, ["flag=True"])).flag is True
+    with pytest.raises(ConfigError, match="flag") as err:
+        load(apply_overrides({}, ["flag=yes"]))
+    assert "'yes'" in str(err.value)
+
+
 def test_override_errors():
     with pytest.raises(ConfigError):
         parse_override("noequals")
