@@ -33,10 +33,10 @@ def source_model(run_dir, model: str | None):
 
     if model:
         return Path(model)
-    import yaml
+    from dora_megatron.config.loader import yaml_load
 
     config = run_dir / "config.yaml"
-    path = ((yaml.safe_load(config.read_text()) or {}).get("model") or {}).get("path") if config.is_file() else ""
+    path = ((yaml_load(config.read_text()) or {}).get("model") or {}).get("path") if config.is_file() else ""
     if path and Path(path).is_dir():
         return Path(path)
     if (run_dir / "model" / "config.json").is_file():

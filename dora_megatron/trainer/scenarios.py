@@ -119,14 +119,14 @@ def parse_item(item: str) -> tuple[str, dict, dict]:
     default 1) and ``batch`` (``fixed`` or ``zero_advantage``: one group of equal rewards, so every
     gradient is 0) are the scenario's, ``megatron.FIELD`` goes to ``trainer.megatron``, every other key is a
     ``TrainerConfig`` field."""
-    import yaml
+    from dora_megatron.config.loader import yaml_load
 
     model, _, rest = item.partition(":")
     overrides: dict = {}
     options = {"train_steps": 1, "batch": "fixed"}
     for pair in filter(None, rest.split(",")):
         key, _, raw = pair.partition("=")
-        value = yaml.safe_load(raw)
+        value = yaml_load(raw)
         if key.startswith("megatron."):
             overrides.setdefault("megatron", {})[key[len("megatron."):]] = value
         else:
