@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import logging
 import types
 import typing
@@ -24,32 +25,55 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
-def yaml_load(text: str) -> Any:
-    """``text`` parsed as YAML with YAML 1.2's booleans: only ``true``/``false`` (any case).
+class BoolWord(str):
+    """A word YAML 1.1 reads as a boolean (``on``, ``off``, ``yes``, ``no``, any case), kept as
+    written until the field it lands in says what it is: the word itself in a string field, its
+    boolean in a boolean or free-form field (:func:`_coerce`)."""
 
-    WHY: PyYAML follows YAML 1.1, where ``on``, ``off``, ``yes``, ``no``, ``y`` and ``n`` are
-    booleans too, so ``rollout.speculative: off`` (a choice among strings) arrived as ``False``. With
-    1.2's rule a word is a string unless it is ``true`` or ``false``, so these keys read as written;
-    a boolean field given ``off`` gets the loader's error naming the field."""
+    def __new__(cls, word: str, truth: bool) -> "BoolWord":
+        obj = super().__new__(cls, word)
+        obj.truth = truth
+        return obj
+
+
+def yaml_load(text: str) -> Any:
+    """``text`` parsed as YAML, with YAML 1.1's boolean words left for the field to read.
+
+    WHY: PyYAML follows YAML 1.1, where ``on``, ``off``, ``yes`` and ``no`` are booleans, so ``rollout.speculative: off`` (a choice among strings) arrived as ``False`` and was
+    refused. YAML 1.2 makes them strings, which would silently turn ``enable_thinking: no`` in a
+    free-form section (``data.chat_template_kwargs``, ``trainer.megatron``) into a true-ish string.
+    So such a word is a :class:`BoolWord`: a string where the field is a string, a boolean where it
+    is a boolean or untyped. ``true`` and ``false`` are booleans everywhere."""
     import yaml
 
-    return yaml.load(text, Loader=_yaml12_loader())
+    return yaml.load(text, Loader=_loader())
 
 
-def _yaml12_loader() -> type:
-    import re
-
+@functools.cache
+def _loader() -> type:
     import yaml
 
     class Loader(yaml.SafeLoader):
-        """SafeLoader whose implicit booleans are YAML 1.2's."""
+        """SafeLoader whose YAML 1.1 boolean words other than true/false load as :class:`BoolWord`."""
 
-    Loader.yaml_implicit_resolvers = {
-        first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
-        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-    Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
-                                 list("tTfF"))
+        def construct_yaml_bool(self, node):  # noqa: D102 - the tag's constructor, see the class
+            word = self.construct_scalar(node)
+            truth = self.bool_values[word.lower()]
+            return truth if word.lower() in ("true", "false") else BoolWord(word, truth)
+
+    Loader.add_constructor("tag:yaml.org,2002:bool", Loader.construct_yaml_bool)
     return Loader
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with every :class:`BoolWord` in it (nested too) read as its boolean: an untyped field."""
+    if isinstance(value, BoolWord):
+        return value.truth
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _type_name(tp: Any) -> str:
@@ -66,10 +90,12 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if tp is Any:
-        return value
+        return _plain(value)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        if isinstance(value, BoolWord) and bool in args:
+            return value.truth  # ``str | bool`` (``data.apply_chat_template: no``): YAML 1.1's meaning
         errors = []
         for arg in args:
             if arg is type(None):
@@ -80,9 +106,11 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
                 errors.append(err.message)
         raise ConfigError(path, f"expected {' or '.join(_type_name(a) for a in args)}, got {value!r}")
     if origin is typing.Literal:
+        if isinstance(value, BoolWord) and str(value) not in args and value.truth in args:
+            value = value.truth  # a Literal of booleans
         if value not in args:
             raise ConfigError(path, f"must be one of {list(args)}, got {value!r}")
-        return value
+        return str(value) if isinstance(value, BoolWord) else value
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
             raise ConfigError(path, f"expected a mapping for section {_type_name(tp)}, got {value!r}")
@@ -99,6 +127,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         val_tp = args[1] if len(args) == 2 else Any
         return {str(k): _coerce(v, val_tp, f"{path}.{k}") for k, v in value.items()}
     if tp is bool:
+        if isinstance(value, BoolWord):
+            return value.truth
         if isinstance(value, bool):
             return value
         raise ConfigError(path, f"expected true/false, got {value!r}")
@@ -118,7 +148,7 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(path, f"expected a string, got {value!r}")
-        return value
+        return str(value)  # a BoolWord is the word as written here
     if tp is Path:
         if not isinstance(value, (str, Path)):
             raise ConfigError(path, f"expected a path string, got {value!r}")

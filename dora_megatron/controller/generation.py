@@ -272,8 +272,10 @@ class Generation:
                             "--enable-return-routed-experts?); its samples carry none (counted as "
                             "routed_experts_unavailable)", instance)
         if rt.opt.draft_siblings:
-            self.drafts.finished(instance, rec.sample_id)
+            # offered first: a push this finish holds (its instance not yet counted down) is then
+            # among what ``finished`` looks at again once the turn is over
             self.drafts.offer(running_targets(rec, rt.store.siblings(rec)), rec.prompt_ids + rec.output_ids)
+            self.drafts.finished(instance, rec.sample_id)
         rt.store.score(rec, resp, reason, ev.reward)
         if getattr(resp, "loss_mask", None) is not None:  # a workflow's trajectory (rollout.workflow)
             rt.metrics.trajectory_finished(TrajectoryStats.of(resp.turns, sum(rec.loss_mask), resp.metrics))

@@ -74,7 +74,7 @@ def test_job_sigkill_then_resume_consumes_every_group_once(tmp_path):
     proc = start_train(run_dir, *args)
     try:
         # overview.png is drawn at each checkpoint (off the loop): there before the run ends
-        wait_for(lambda: steps_done(run_dir) >= 5 and (run_dir / "overview.png").is_file() and restorable(run_dir, 4),
+        wait_for(lambda: steps_done(run_dir) >= 5 and (run_dir / "overview.png").is_file() and restorable(run_dir, 4, n),
                  400, "five steps, a checkpoint overview, and a journaled sample to restore", proc)
         assert (run_dir / "overview.png").read_bytes()[:4] == b"\x89PNG"
         kill_controller(run_dir, proc)
@@ -123,17 +123,19 @@ def test_job_sigkill_then_resume_consumes_every_group_once(tmp_path):
     check_prompt_stream(run_dir, lineage, n)
 
 
-def restorable(run_dir: Path, newest_at_least: int) -> bool:
+def restorable(run_dir: Path, newest_at_least: int, steps: int) -> bool:
     """The moment to kill for a resume that falls back one checkpoint and has samples to restore: a
     complete checkpoint ``>= newest_at_least``, no newer one being written (its directory is made
     when the trainer starts saving, long before it completes, so the kill right after this check
     lands while these two are the newest), and the journal holding finished samples after the one
     before it. Whether any finish after a cut is the run's scheduling (the rollout may have served
     every admissible group of that version before the cut), so the test waits for a checkpoint
-    pair where some did instead of assuming the first one has them."""
+    pair where some did instead of assuming the first one has them. Never at the run's last
+    checkpoint (of ``steps``): the job ends right after it, and the kill would race that end."""
     dirs = sorted((run_dir / "checkpoints").glob("v*"))
     done = [p for p in dirs if (p / "controller.json").is_file()]
-    if len(done) < 2 or int(done[-1].name[1:]) < newest_at_least or dirs[-1] != done[-1]:
+    newest = int(done[-1].name[1:]) if done else 0
+    if len(done) < 2 or not newest_at_least <= newest < steps or dirs[-1] != done[-1]:
         return False
     return bool(read_journal(run_dir, int(done[-2].name[1:])))
 

@@ -104,21 +104,31 @@ def test_overrides_parse_yaml_values():
     assert cfg.inner.size == 16 and cfg.flag is True and cfg.inner.names == ["a", "b"] and cfg.maybe == 7
 
 
-def test_yaml_1_1_words_are_strings_in_overrides_and_files(tmp_path):
-    """``rollout.speculative=off`` and ``speculative: off`` reach the config as the string ``off``
-    (PyYAML's YAML 1.1 made them False); only true/false are booleans, and a boolean field given
-    ``off`` is refused naming it."""
-    from dora_megatron.config.schema import load_config
+def test_yaml_1_1_boolean_words_read_as_the_field_says(tmp_path):
+    """``off``/``on``/``yes``/``no`` are booleans to YAML 1.1 (PyYAML): ``rollout.speculative=off``
+    arrived as False and was refused. Now such a word is the word in a string field, its boolean in
+    a boolean field, in a ``str | bool`` field and in a free-form section (where a string ``no``
+    would turn a template's ``enable_thinking`` on); ``true``/``false`` stay booleans everywhere, and
+    the resolved config written to the run reads back the same."""
+    from dora_megatron.config.loader import dump_yaml, read_yaml
+    from dora_megatron.config.schema import DoraConfig, load_config
 
     cfg = load_config(None, ["rollout.speculative=off"])
-    assert cfg.rollout.speculative == "off"
+    assert cfg.rollout.speculative == "off" and type(cfg.rollout.speculative) is str
     path = tmp_path / "job.yaml"
-    path.write_text("rollout:\n  speculative: off\n")
-    assert load_config(path, []).rollout.speculative == "off"
+    path.write_text("rollout:\n  speculative: off\ndata:\n"
+                    "  chat_template_kwargs: {enable_thinking: no, style: [on, plain]}\n")
+    cfg = load_config(path, [])
+    assert cfg.rollout.speculative == "off"
+    assert cfg.data.chat_template_kwargs == {"enable_thinking": False, "style": [True, "plain"]}
+    assert load_config(None, ["data.apply_chat_template=no"]).data.apply_chat_template is False
+    assert load(apply_overrides({}, ["flag=yes"])).flag is True
+    assert load(apply_overrides({"flag": True}, ["flag=Off"])).flag is False
     assert load(apply_overrides({}, ["flag=True"])).flag is True
-    with pytest.raises(ConfigError, match="flag") as err:
-        load(apply_overrides({}, ["flag=yes"]))
-    assert "'yes'" in str(err.value)
+    with pytest.raises(ConfigError, match="inner.kind"):  # a string field takes the word, then its choices
+        load(apply_overrides({}, ["inner.kind=no"]))
+    (tmp_path / "resolved.yaml").write_text(dump_yaml(cfg))
+    assert from_dict(DoraConfig, read_yaml(tmp_path / "resolved.yaml")) == cfg
 
 
 def test_override_errors():

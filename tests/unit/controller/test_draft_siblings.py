@@ -225,3 +225,29 @@ def test_a_finish_that_brings_the_instance_to_the_bound_releases_its_held_pushes
     assert above == []
     assert engines["e0"].calls == [("a", [[1]])]  # no release_ready() was called
     assert not drafts.pending and not drafts.sending
+
+
+def test_the_push_a_finish_offers_goes_out_when_that_finish_brings_the_instance_to_the_bound():
+    """The tail's usual case, in the runtime's order: nothing is held, a sibling finishes on a busy
+    instance and its answer is offered to the one still running there (held: the orchestrator has
+    not counted the finish yet), then the finish is counted and the instance is at the bound. The
+    push goes out after the turn, without a stats sweep."""
+    from dora_megatron.controller.siblings import DraftPushes
+
+    async def main():
+        engines = {"e0": GatedEngine()}
+        engines["e0"].gate.set()
+        load = {"e0": 9}
+        loop = asyncio.get_running_loop()
+        tasks = []
+        drafts = DraftPushes(engines, lambda coro, name: tasks.append(loop.create_task(coro)),
+                             may_push=lambda instance: load[instance] <= 8)
+        drafts.offer([("e0", "b")], [1, 2])  # a's answer, for b (what Generation.absorb does first)
+        drafts.finished("e0", "a")
+        load["e0"] = 8  # the orchestrator counts a's finish in the same turn
+        await asyncio.gather(*tasks)
+        return engines, drafts
+
+    engines, drafts = asyncio.run(main())
+    assert engines["e0"].calls == [("b", [[1, 2]])]
+    assert not drafts.pending and not drafts.sending
