@@ -196,21 +196,28 @@ def test_pushes_wait_while_their_instance_is_too_busy_to_speculate_and_a_finishe
     assert not drafts.pending and not drafts.sending
 
 
+def _one_instance_bounded_at_8(load: dict[str, int]):
+    """(engines, DraftPushes, its tasks) for one open instance ``e0`` whose pushes wait while
+    ``load["e0"]`` is above 8; call inside the running event loop."""
+    from dora_megatron.controller.siblings import DraftPushes
+
+    engines = {"e0": GatedEngine()}
+    engines["e0"].gate.set()
+    loop = asyncio.get_running_loop()
+    tasks: list = []
+    drafts = DraftPushes(engines, lambda coro, name: tasks.append(loop.create_task(coro)),
+                         may_push=lambda instance: load[instance] <= 8)
+    return engines, drafts, tasks
+
+
 def test_a_finish_that_brings_the_instance_to_the_bound_releases_its_held_pushes_without_a_sweep():
     """The orchestrator counts a finish after the runtime's bookkeeping in the same loop turn, so the
     push check a finish triggers runs once the turn is over and sees the load the finish left: the
     tail's held pushes go out then, not at the next stats sweep. A finish that leaves the instance
     above the bound sends nothing."""
-    from dora_megatron.controller.siblings import DraftPushes
-
     async def main():
-        engines = {"e0": GatedEngine()}
-        engines["e0"].gate.set()
         load = {"e0": 10}
-        loop = asyncio.get_running_loop()
-        tasks = []
-        drafts = DraftPushes(engines, lambda coro, name: tasks.append(loop.create_task(coro)),
-                             may_push=lambda instance: load[instance] <= 8)
+        engines, drafts, tasks = _one_instance_bounded_at_8(load)
         drafts.offer([("e0", "a")], [1])  # held: e0 runs 10
         drafts.finished("e0", "x")  # a finish in a turn ...
         load["e0"] = 9  # ... that the orchestrator counts after it: still above the bound
@@ -232,16 +239,9 @@ def test_the_push_a_finish_offers_goes_out_when_that_finish_brings_the_instance_
     instance and its answer is offered to the one still running there (held: the orchestrator has
     not counted the finish yet), then the finish is counted and the instance is at the bound. The
     push goes out after the turn, without a stats sweep."""
-    from dora_megatron.controller.siblings import DraftPushes
-
     async def main():
-        engines = {"e0": GatedEngine()}
-        engines["e0"].gate.set()
         load = {"e0": 9}
-        loop = asyncio.get_running_loop()
-        tasks = []
-        drafts = DraftPushes(engines, lambda coro, name: tasks.append(loop.create_task(coro)),
-                             may_push=lambda instance: load[instance] <= 8)
+        engines, drafts, tasks = _one_instance_bounded_at_8(load)
         drafts.offer([("e0", "b")], [1, 2])  # a's answer, for b (what Generation.absorb does first)
         drafts.finished("e0", "a")
         load["e0"] = 8  # the orchestrator counts a's finish in the same turn
