@@ -39,9 +39,10 @@ class BoolWord(str):
 def yaml_load(text: str) -> Any:
     """``text`` parsed as YAML, with YAML 1.1's boolean words left for the field to read.
 
-    WHY: PyYAML follows YAML 1.1, where ``on``, ``off``, ``yes`` and ``no`` are booleans, so ``rollout.speculative: off`` (a choice among strings) arrived as ``False`` and was
-    refused. YAML 1.2 makes them strings, which would silently turn ``enable_thinking: no`` in a
-    free-form section (``data.chat_template_kwargs``, ``trainer.megatron``) into a true-ish string.
+    WHY: PyYAML follows YAML 1.1, where ``on``, ``off``, ``yes`` and ``no`` are booleans, so
+    ``rollout.speculative: off`` (a choice among strings) arrived as ``False`` and was refused.
+    YAML 1.2 makes them strings, which would silently turn ``enable_thinking: no`` in a free-form
+    section (``data.chat_template_kwargs``, ``trainer.megatron``) into a true-ish string.
     So such a word is a :class:`BoolWord`: a string where the field is a string, a boolean where it
     is a boolean or untyped. ``true`` and ``false`` are booleans everywhere."""
     import yaml
@@ -91,11 +92,12 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     args = typing.get_args(tp)
     if tp is Any:
         return _plain(value)
+    if isinstance(value, BoolWord):  # the boolean where the field takes one (``str | bool`` too), else the word
+        takes_bool = tp is bool or (origin in (typing.Union, types.UnionType) and bool in args)
+        value = value.truth if takes_bool else str(value)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        if isinstance(value, BoolWord) and bool in args:
-            return value.truth  # ``str | bool`` (``data.apply_chat_template: no``): YAML 1.1's meaning
         errors = []
         for arg in args:
             if arg is type(None):
@@ -106,11 +108,9 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
                 errors.append(err.message)
         raise ConfigError(path, f"expected {' or '.join(_type_name(a) for a in args)}, got {value!r}")
     if origin is typing.Literal:
-        if isinstance(value, BoolWord) and str(value) not in args and value.truth in args:
-            value = value.truth  # a Literal of booleans
         if value not in args:
             raise ConfigError(path, f"must be one of {list(args)}, got {value!r}")
-        return str(value) if isinstance(value, BoolWord) else value
+        return value
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
             raise ConfigError(path, f"expected a mapping for section {_type_name(tp)}, got {value!r}")
@@ -127,8 +127,6 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         val_tp = args[1] if len(args) == 2 else Any
         return {str(k): _coerce(v, val_tp, f"{path}.{k}") for k, v in value.items()}
     if tp is bool:
-        if isinstance(value, BoolWord):
-            return value.truth
         if isinstance(value, bool):
             return value
         raise ConfigError(path, f"expected true/false, got {value!r}")
@@ -148,7 +146,7 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(path, f"expected a string, got {value!r}")
-        return str(value)  # a BoolWord is the word as written here
+        return value
     if tp is Path:
         if not isinstance(value, (str, Path)):
             raise ConfigError(path, f"expected a path string, got {value!r}")

@@ -72,8 +72,10 @@ class DraftPushes:
             del waiting[:-MAX_PENDING_SOURCES]
             self._start(instance)
 
-    def _start(self, instance: str) -> None:
-        if instance not in self.sending and self.pending.get(instance) and self.may_push(instance):
+    def _start(self, instance: str, check_now: bool = True) -> None:
+        """A push task for ``instance`` if sources wait there and none runs; ``check_now``: only if
+        :attr:`may_push` says so now (else the task asks when it runs, and ends at once if not)."""
+        if instance not in self.sending and self.pending.get(instance) and (not check_now or self.may_push(instance)):
             self.sending.add(instance)
             self.spawn(self._send(instance), f"drafts-{instance}")
 
@@ -93,9 +95,8 @@ class DraftPushes:
         pushes pay, and a held push released only at the next stats sweep could arrive after the
         request it was for had finished."""
         self.forget(instance, sample_id)
-        if instance is not None and self.pending.get(instance) and instance not in self.sending:
-            self.sending.add(instance)  # the task checks ``may_push`` when it runs, and ends at once if not
-            self.spawn(self._send(instance), f"drafts-{instance}")
+        if instance is not None:
+            self._start(instance, check_now=False)
 
     def forget(self, instance: str | None, sample_id: str) -> None:
         """Drop what waits for ``sample_id`` (it finished, or left ``instance``): no engine would take it."""
