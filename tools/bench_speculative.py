@@ -6,7 +6,10 @@ Side by side in one run, on the same weights, in process (the scheduler, no HTTP
    ``speculative`` off, ``ngram`` and ``group`` (the group's siblings, sampled beforehand, are its
    drafts), interleaved prompt by prompt so that load drift hits every mode alike. Reported: tokens
    per second of each mode, ``lone_request_speedup`` (each mode against off) and the tokens a
-   verify step kept.
+   verify step kept. ``group`` gets the siblings from another instance and scores them itself
+   (``rollout.spec_sibling_top_k``) in the timed decode; ``group_siblings_here`` runs on the
+   instance that decoded the siblings (untimed, just before), which kept the distributions it drew
+   them from: no scoring forward.
 2. Step costs: one forward of a lone request over 1..k+1 positions, relative to a decode step,
    with the engine's MoE path and with the per-expert path alone (``step_costs``).
 3. What bounds the lone request here (``draft_bound``): along sampled answers, the target's
@@ -67,13 +70,19 @@ def tail_prompts(n: int, seed: int, min_digits: int) -> list[list[int]]:
     return out
 
 
-def decode(model, reqs, mode: str, spec: dict, spec_max_batch: int) -> tuple[dict, dict, float]:
+def decode(model, reqs, mode: str, spec: dict, spec_max_batch: int, before=None) -> tuple[dict, dict, float]:
     """Run ``reqs`` (Request objects) to completion on a fresh scheduler; (responses, stats, seconds).
-    ``spec``: the ``SchedulerLimits`` speculation keys (``spec_tokens`` and the per-request policy's)."""
+    ``spec``: the ``SchedulerLimits`` speculation keys (``spec_tokens`` and the per-request policy's);
+    ``before(scheduler)``: runs on the scheduler first, untimed, and returns the requests' draft
+    sources (the siblings it decoded there)."""
     from dora_megatron.rollout.engine.scheduler import Scheduler, SchedulerLimits
 
-    s = Scheduler(model, SchedulerLimits(max_running=max(len(reqs), 1), speculative=mode,
+    s = Scheduler(model, SchedulerLimits(max_running=max(len(reqs), 8 if before else 1), speculative=mode,
                                          spec_max_batch=spec_max_batch, **spec))
+    if before is not None:
+        sources = before(s)
+        for r in reqs:
+            r.draft_sources = [list(x) for x in sources]
     out: dict = {}
     for r in reqs:
         r.on_done = lambda resp: out.__setitem__(resp["meta_info"]["id"], resp)
@@ -93,30 +102,52 @@ def request(rid: str, prompt: list[int], seed: int, max_new: int, sources=(), te
                    draft_sources=[list(s) for s in sources])
 
 
+#: the lone-request arms: the engine's modes, and ``group`` on the instance that decoded the
+#: siblings (it kept the distributions it drew them from, so no scoring forward)
+LONE_ARMS = (*MODES, "group_siblings_here")
+
+
 def lone_requests(model, prompts, group_size: int, max_new: int, spec: dict, repeats: int,
                   temperature: float) -> dict:
-    tokens = {m: 0 for m in MODES}
-    seconds = {m: 0.0 for m in MODES}
-    stats = {m: {"verify_steps": 0, "accepted": 0, "verify_tokens": 0, "declined": 0} for m in MODES if m != "off"}
+    arms = LONE_ARMS if temperature > 0 and spec.get("spec_sibling_top_k", 0) > 0 else MODES
+    tokens = {m: 0 for m in arms}
+    seconds = {m: 0.0 for m in arms}
+    stats = {m: {"verify_steps": 0, "accepted": 0, "verify_tokens": 0, "declined": 0, "scored": 0, "recorded": 0}
+             for m in arms if m != "off"}
     for p_i, prompt in enumerate(prompts):
         sibs, _, _ = decode(model, [request(f"s{j}", prompt, 10_000 + 97 * p_i + j, max_new, (), temperature)
                                     for j in range(group_size - 1)], "off", spec, 1)
         sources = [prompt + r["output_ids"] for r in sibs.values()]
+
+        def siblings_here(sched, p_i=p_i, prompt=prompt):
+            """The same siblings decoded on the tail's instance (speculative: group records them)."""
+            got: dict = {}
+            for j in range(group_size - 1):
+                r = request(f"s{j}", prompt, 10_000 + 97 * p_i + j, max_new, (), temperature)
+                r.on_done = lambda resp: got.__setitem__(resp["meta_info"]["id"], resp)
+                sched.submit(r)
+            while sched.can_step():
+                sched.step()
+            return [prompt + got[f"s{j}"]["output_ids"] for j in range(group_size - 1)]
+
         for rep in range(repeats):
-            for mode in MODES:
+            for arm in arms:
                 seed = 7 * p_i + rep
+                mode, before = ("group", siblings_here) if arm == "group_siblings_here" else (arm, None)
                 resp, info, wall = decode(model, [request("tail", prompt, seed, max_new, sources, temperature)], mode,
-                                          spec, 1)
-                tokens[mode] += len(resp["tail"]["output_ids"])
-                seconds[mode] += wall
-                if mode != "off":
-                    stats[mode]["verify_steps"] += info["spec_verify_steps"]
-                    stats[mode]["accepted"] += info["spec_accepted_tokens"]
-                    stats[mode]["verify_tokens"] += info["spec_verify_tokens"]
-                    stats[mode]["declined"] += info["spec_declined_steps"]
-    rate = {m: tokens[m] / seconds[m] for m in MODES}
+                                          spec, 1, before)
+                tokens[arm] += len(resp["tail"]["output_ids"])
+                seconds[arm] += wall
+                if arm != "off":
+                    stats[arm]["verify_steps"] += info["spec_verify_steps"]
+                    stats[arm]["accepted"] += info["spec_accepted_tokens"]
+                    stats[arm]["verify_tokens"] += info["spec_verify_tokens"]
+                    stats[arm]["declined"] += info["spec_declined_steps"]
+                    stats[arm]["scored"] += info["spec_scored_tokens"]
+                    stats[arm]["recorded"] += info["spec_recorded_sources"]
+    rate = {m: tokens[m] / seconds[m] for m in arms}
     per_mode = {}
-    for m in MODES:
+    for m in arms:
         row = {"tokens": tokens[m], "seconds": round(seconds[m], 3), "tokens_per_s": round(rate[m], 1),
                "speedup": round(rate[m] / rate["off"], 3)}
         if m in stats:
@@ -125,6 +156,8 @@ def lone_requests(model, prompts, group_size: int, max_new: int, spec: dict, rep
             row["tokens_per_verify_step"] = round(stats[m]["verify_tokens"] / v, 3) if v else 0.0
             row["verify_steps"] = v
             row["declined_steps"] = stats[m]["declined"]  # decode steps the policy chose not to draft
+            row["scored_tokens"] = stats[m]["scored"]  # sibling tokens the scoring forwards computed
+            row["recorded_sources"] = stats[m]["recorded"]  # siblings whose distributions the instance kept
         per_mode[m] = row
     return per_mode
 
@@ -208,8 +241,11 @@ def draft_bound(model, prompts, group_size: int, max_new: int, spec: dict, tempe
 
     - ``entropy_nats`` and ``top1_probability``: a fixed draft token ``d`` is kept with ``p(d)``,
       so the top-1 probability bounds every deterministic drafter's per-token acceptance;
-    - ``sibling_kept_rate``: the engine's sampled sibling draft, ``sum(min(p, q))`` with ``q`` the
-      engine's own :class:`SiblingIndex` distribution, where one exists (``sibling_coverage``);
+    - ``sibling_kept_rate``: the sampled sibling draft from the counts of the siblings' tokens
+      (``rollout.spec_sibling_top_k: 0``), ``sum(min(p, q))`` with ``q`` the engine's own
+      :class:`SiblingIndex` distribution, where one exists (``sibling_coverage``);
+    - ``scored_sibling_kept_rate``: the same with the siblings scored (the engine's
+      ``score_sources`` at ``spec_sibling_top_k``), where a ``q`` exists (``scored_coverage``);
     - ``two_candidate_kept_rate``: two candidates from ``q`` (a draft tree of width 2 at its
       first level, twice the verify positions);
     - ``needed``: the tokens per verify step and the per-token acceptance a verify step costing
@@ -217,18 +253,30 @@ def draft_bound(model, prompts, group_size: int, max_new: int, spec: dict, tempe
       ``target_speedup``."""
     import torch
 
-    from dora_megatron.rollout.engine.drafter import SiblingIndex
+    from dora_megatron.comm.protocol import SamplingParams
+    from dora_megatron.rollout.engine.drafter import SiblingIndex, sibling_source
     from dora_megatron.rollout.engine.kv_cache import RequestKV
+    from dora_megatron.rollout.engine.sibling_scores import score_sources
     from dora_megatron.rollout.speculation import expected_tokens_per_verify
 
     n = 0
-    sums = {"entropy": 0.0, "top1": 0.0, "sibling": 0.0, "two": 0.0, "covered": 0}
+    sums = {"entropy": 0.0, "top1": 0.0, "sibling": 0.0, "two": 0.0, "covered": 0, "scored": 0.0, "scored_covered": 0}
+    params = SamplingParams(temperature=temperature)
+    top_k = spec.get("spec_sibling_top_k", 32)
     for p_i, prompt in enumerate(prompts):
         group, _, _ = decode(model, [request(f"g{j}", prompt, 30_000 + 97 * p_i + j, max_new, (), temperature)
                                      for j in range(group_size)], "off", spec, group_size)
         seqs = [prompt + r["output_ids"] for r in group.values()]
+        prompt_kv = RequestKV(model.kv_shape(16))
+        prompt_kv.ensure_capacity(len(prompt))
+        with torch.inference_mode():
+            model.forward_segments(torch.tensor(prompt), torch.arange(len(prompt)), [(prompt_kv, len(prompt))])
+        sources = [sibling_source(prompt, s) for s in seqs]
+        dists, _ = score_sources(model, prompt_kv, prompt, sources, params, top_k) if top_k else ([], 0)
         for j, seq in enumerate(seqs):
             index = SiblingIndex([s for i, s in enumerate(seqs) if i != j])
+            scored = SiblingIndex([s for i, s in enumerate(sources) if i != j],
+                                  dists=[d for i, d in enumerate(dists) if i != j]) if top_k else None
             kv = RequestKV(model.kv_shape(len(seq) // 16 + 2))
             kv.ensure_capacity(len(seq))
             with torch.inference_mode():
@@ -239,6 +287,10 @@ def draft_bound(model, prompts, group_size: int, max_new: int, spec: dict, tempe
                 n += 1
                 sums["entropy"] -= float((p * row).sum())
                 sums["top1"] += float(p.max())
+                qs = scored.next_distribution(seq[:t]) if scored is not None else None
+                if qs is not None:
+                    sums["scored_covered"] += 1
+                    sums["scored"] += sum(min(float(p[tok]), w) for tok, w in qs.items())
                 q = index.next_distribution(seq[:t])
                 if q is None:
                     continue
@@ -257,6 +309,9 @@ def draft_bound(model, prompts, group_size: int, max_new: int, spec: dict, tempe
         "sibling_coverage": round(sums["covered"] / n, 3),
         "sibling_kept_rate": round(sums["sibling"] / max(sums["covered"], 1), 3),
         "two_candidate_kept_rate": round(sums["two"] / max(sums["covered"], 1), 3),
+        "spec_sibling_top_k": top_k,
+        "scored_coverage": round(sums["scored_covered"] / n, 3),
+        "scored_sibling_kept_rate": round(sums["scored"] / max(sums["scored_covered"], 1), 3),
         "needed": {"speedup": target_speedup, "verify_cost": verify_cost,
                    "tokens_per_verify_step": round(tokens_needed, 3),
                    # None: more than k + 1 tokens per verify step, out of reach at any acceptance
@@ -350,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="rollout.spec_token_cost of the per-request policy, cpu_tiny's by default "
                          "(0: always draft, the policy off)")
     ap.add_argument("--spec-probe-interval", type=int, default=64, help="rollout.spec_probe_interval")
+    ap.add_argument("--spec-sibling-top-k", type=int, default=32,
+                    help="rollout.spec_sibling_top_k (0: group draws from the counts of the siblings' tokens)")
     ap.add_argument("--cost-repeats", type=int, default=200, help="timed forwards per step size and MoE path")
     ap.add_argument("--test-samples", type=int, default=2000, help="samples per arm of the distribution test")
     ap.add_argument("--test-positions", type=int, default=8)
@@ -370,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         model = load_model(str(model_dir))
         prompts = tail_prompts(args.prompts, args.seed, args.min_digits)
         spec = {"spec_tokens": args.spec_tokens, "spec_token_cost": args.spec_token_cost,
-                "spec_probe_interval": args.spec_probe_interval}
+                "spec_probe_interval": args.spec_probe_interval, "spec_sibling_top_k": args.spec_sibling_top_k}
         costs = step_costs(model, prompts[0], args.spec_tokens + 1, args.cost_repeats)
         lone = lone_requests(model, prompts, args.group_size, args.max_new_tokens, spec, args.repeats, args.temperature)
         # the distribution test drafts at every step (a free draft token): the most verify steps, the most power
@@ -386,8 +443,8 @@ def main(argv: list[str] | None = None) -> int:
         "temperature": args.temperature, "prompts": args.prompts, "min_digits": args.min_digits, "repeats": args.repeats,
         "step_costs": costs,
         "lone": lone,
-        "lone_request_speedup": {m: lone[m]["speedup"] for m in MODES if m != "off"},
-        "accepted_tokens_per_step": {m: lone[m]["accepted_tokens_per_step"] for m in MODES if m != "off"},
+        "lone_request_speedup": {m: row["speedup"] for m, row in lone.items() if m != "off"},
+        "accepted_tokens_per_step": {m: row["accepted_tokens_per_step"] for m, row in lone.items() if m != "off"},
         "draft_bound": bound,
         "distribution_test": dist,
         "distribution_p_value": dist["p_value"],

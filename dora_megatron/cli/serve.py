@@ -83,6 +83,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "draft-length decision)")
     parser.add_argument("--spec-probe-interval", type=_at_least(1), default=64,
                         help="decode steps after which a request whose drafts do not pay drafts once more")
+    parser.add_argument("--spec-sibling-top-k", type=_at_least(0), default=32,
+                        help="group drafts at temperature > 0: likeliest tokens kept per position of the siblings' "
+                             "computed distributions (0: draw from the tokens they drew, no forward)")
     parser.add_argument("--kept-kv-s", type=_positive_float, default=60.0,
                         help="how long a finished turn's KV (dora_keep_kv) waits for its trajectory's next turn")
     parser.add_argument("--kept-kv-fraction", type=_fraction, default=0.25,
@@ -156,6 +159,7 @@ def _serve(args: argparse.Namespace, sock) -> int:
             spec_max_batch=args.spec_max_batch,
             spec_token_cost=args.spec_token_cost,
             spec_probe_interval=args.spec_probe_interval,
+            spec_sibling_top_k=args.spec_sibling_top_k,
             kept_kv_s=args.kept_kv_s,
             kept_kv_fraction=args.kept_kv_fraction,
         )

@@ -85,6 +85,12 @@ class RolloutConfig:
     spec_max_batch: int = spec_max_batch_field()
     spec_token_cost: float = spec_token_cost_field()
     spec_probe_interval: int = spec_probe_interval_field()
+    spec_sibling_top_k: int = field_doc(32, "speculative: group at a temperature above zero: the instance computes its "
+                                        "request's finished siblings' next-token distributions (one forward over "
+                                        "them, under the same weights) and draws drafts from those at the context's "
+                                        "longest match, keeping this many likeliest tokens per position; 0 = draw "
+                                        "from the counts of the tokens the siblings drew instead (no forward)",
+                                        ge=0, le=1024)
     kept_kv_s: float = field_doc(60.0, "embedded engine, with a workflow: how long a finished turn's KV waits on its "
                                  "instance for the trajectory's next turn (then dropped; the next turn computes its "
                                  "prefix again)", gt=0.0, unit="s")

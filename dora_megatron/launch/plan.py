@@ -30,6 +30,7 @@ def embedded_argv(cfg: "DoraConfig", model_dir: str, host: str, port: int | None
         "--num-threads", str(r.threads_per_instance), "--dtype", r.dtype,
         "--speculative", r.speculative, "--spec-tokens", str(r.spec_tokens), "--spec-max-batch", str(r.spec_max_batch),
         "--spec-token-cost", str(r.spec_token_cost), "--spec-probe-interval", str(r.spec_probe_interval),
+        "--spec-sibling-top-k", str(r.spec_sibling_top_k),
         "--kept-kv-s", str(r.kept_kv_s), "--kept-kv-fraction", str(r.kept_kv_fraction),
         *(("--kv-blocks", str(r.kv_blocks)) if r.kv_blocks else ()),
         *(("--context-length", str(r.context_length)) if r.context_length else ()),

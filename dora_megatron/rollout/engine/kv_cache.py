@@ -103,6 +103,20 @@ class RequestKV:
             raise ValueError(f"cannot truncate a KV cache of {self.length} tokens to {n}")
         self.length = n
 
+    def prefix_copy(self, n: int, capacity: int) -> "RequestKV":
+        """A new cache holding a copy of this one's first ``n`` positions, with room for
+        ``capacity`` tokens: another sequence that shares this one's first ``n`` tokens continues
+        from it without computing them again."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot copy {n} positions of a KV cache of {self.length} tokens")
+        out = RequestKV(self.shape)
+        out.ensure_capacity(max(capacity, n, 1))
+        for layer in range(self.shape.num_layers):
+            out.k[layer][:, :n] = self.k[layer][:, :n]
+            out.v[layer][:, :n] = self.v[layer][:, :n]
+        out.length = n
+        return out
+
     def export_tensor(self) -> torch.Tensor:
         """``[layers, 2, kv_heads, length, head_dim]`` on CPU (a copy)."""
         if self.length == 0:

@@ -34,12 +34,20 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from dora_megatron.rollout.engine.drafter import SiblingIndex, propose_draft, sample_sibling_draft, sibling_source
+from dora_megatron.rollout.engine.drafter import (
+    SiblingIndex,
+    SourceDists,
+    propose_draft,
+    sample_sibling_draft,
+    sibling_source,
+)
 from dora_megatron.rollout.engine.kept_kv import KeptKV
 from dora_megatron.rollout.engine.kv_cache import BlockPool, RequestKV, blocks_for
 from dora_megatron.rollout.engine.model import CausalLM
 from dora_megatron.rollout.engine.routing_trace import RoutingTrace, split_step_routing
 from dora_megatron.rollout.engine.sampler import make_generator, sample_token, verify_draft
+from dora_megatron.rollout.engine.sampled_dists import SampledDists, SampledRecord
+from dora_megatron.rollout.engine.sibling_scores import score_sources, scoring_lengths, top_dists
 from dora_megatron.rollout.speculation import (
     DraftAcceptance,
     observe_decode,
@@ -88,6 +96,14 @@ class Request:
     draft_sources: list[list[int]] = field(default_factory=list)
     #: the sources' token positions, for sampled drafts; built on first use, dropped when they change
     draft_index: SiblingIndex | None = None
+    #: each source's scored distributions (``spec_sibling_top_k``), None until scored; kept
+    #: aligned with ``draft_sources`` while sources come and go, never exported (the importing
+    #: instance scores them again)
+    draft_dists: list[SourceDists | None] = field(default_factory=list)
+    #: per step, the distributions its output tokens were drawn from (top ``spec_sibling_top_k``:
+    #: ids, probs), kept for its siblings when it finishes (:mod:`.sampled_dists`); None: not
+    #: recorded (greedy, no ``group`` speculation, migrated in, or across a weight change)
+    sampled: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     #: the request's draft acceptance evidence: the speculation policy's per-request input
     spec_acceptance: DraftAcceptance = field(default_factory=DraftAcceptance)
     #: ``dora_keep_kv``: when it finishes, its KV stays here for the next turn of its trajectory
@@ -129,6 +145,7 @@ class SchedulerLimits:
     spec_max_batch: int = 8  # rollout.spec_max_batch: speculate only at running batches up to this
     spec_token_cost: float = 0.25  # rollout.spec_token_cost: a draft token's cost relative to a decode step
     spec_probe_interval: int = 64  # rollout.spec_probe_interval: decode steps between probes of a non-drafter
+    spec_sibling_top_k: int = 32  # rollout.spec_sibling_top_k: tokens kept per scored sibling position (0: counts)
     kept_kv_s: float = 60.0  # how long a finished turn's KV (dora_keep_kv) waits for the trajectory's next turn
     kept_kv_fraction: float = 0.25  # the share of the KV blocks kept turns may hold together
 
@@ -142,12 +159,15 @@ class SpecStats:
     accepted_tokens: int = 0  # draft tokens kept
     verify_tokens: int = 0  # tokens the verify steps yielded (kept drafts + the verify pass's own)
     declined_steps: int = 0  # decode steps of requests the policy let speculate but whose drafts do not pay
+    scored_tokens: int = 0  # sibling tokens the scoring forwards computed (spec_sibling_top_k)
+    recorded_sources: int = 0  # sibling sources whose distributions this instance kept from sampling them
 
     def info(self) -> dict[str, Any]:
         v = self.verify_steps
         return {"spec_verify_steps": v, "spec_draft_tokens": self.draft_tokens,
                 "spec_accepted_tokens": self.accepted_tokens, "spec_verify_tokens": self.verify_tokens,
-                "spec_declined_steps": self.declined_steps,
+                "spec_declined_steps": self.declined_steps, "spec_scored_tokens": self.scored_tokens,
+                "spec_recorded_sources": self.recorded_sources,
                 "spec_accepted_per_step": self.accepted_tokens / v if v else 0.0,
                 "spec_accept_length": self.verify_tokens / v if v else 0.0}
 
@@ -169,6 +189,8 @@ class Scheduler:
         total = limits.kv_blocks or limits.max_running * blocks_for(self.max_context, self.block_size)
         self.pool = BlockPool(total)
         self.kept = KeptKV(self.pool, int(limits.block_size), int(total * limits.kept_kv_fraction), limits.kept_kv_s)
+        #: finished requests' sampled distributions, for their siblings' drafts: as many rows as the pool holds tokens
+        self.sampled = SampledDists(total * self.block_size)
         self.tokens_computed = 0  # the requests' own token positions whose KV this instance computed
         self.kv_shape = model.kv_shape(self.block_size)
         self.weight_version = str(weight_version)
@@ -210,6 +232,7 @@ class Scheduler:
         if bad:  # drafts are fed to the model: an id outside the vocabulary would fail the batch
             raise ProtocolError(f"dora_draft_sources contain ids outside [0, {vocab}): {bad[:5]}")
         req.draft_sources = [sibling_source(req.prompt_ids, src) for src in req.draft_sources[-MAX_DRAFT_SOURCES:]]
+        req.draft_dists = [None] * len(req.draft_sources)
         req.draft_index = None
         if self._blocks_needed(req) > self.pool.total:
             raise ProtocolError(f"request needs more KV blocks than this instance has ({self.pool.total})")
@@ -228,6 +251,8 @@ class Scheduler:
             req.kv = self.kept.take(req.rid, req.prompt_ids, self.weight_version)
         if req.generator is None:
             req.generator = make_generator(req.params.sampling_seed)
+        lim = self.limits
+        req.sampled = [] if lim.speculative == "group" and lim.spec_sibling_top_k > 0 and not req.params.greedy else None
         self.by_rid[req.rid] = req
         if req.params.max_new_tokens == 0:
             self._finish(req, finish_length(0))
@@ -244,8 +269,12 @@ class Scheduler:
         bad = [t for src in sources for t in src if not 0 <= t < vocab]
         if bad:  # drafts are fed to the model: an id outside the vocabulary would fail the batch
             raise ProtocolError(f"sources contain ids outside [0, {vocab}): {bad[:5]}")
+        if len(r.draft_dists) != len(r.draft_sources):
+            r.draft_dists = [None] * len(r.draft_sources)
         r.draft_sources.extend(sibling_source(r.prompt_ids, src) for src in sources)
+        r.draft_dists.extend([None] * len(sources))
         del r.draft_sources[:-MAX_DRAFT_SOURCES]
+        del r.draft_dists[:-MAX_DRAFT_SOURCES]
         r.draft_index = None
         return True
 
@@ -322,9 +351,11 @@ class Scheduler:
             end += m
             rows_of.extend(range(end - 1 - len(draft), end))
         logits = self.model.logits(hidden[torch.tensor(rows_of, device=dev)]).float().cpu()
+        recorded = self._step_records(batch, drafts, logits)
         produced, row = 0, 0
         for r, draft, q in zip(batch, drafts, draft_qs):
             own = logits[row : row + len(draft) + 1]
+            rec_at = row
             row += len(draft) + 1
             try:
                 if draft:
@@ -336,10 +367,23 @@ class Scheduler:
                 log.exception("sampling failed for request %s", r.rid)
                 self._finish(r, finish_abort(f"sampling failed: {exc!r}", 500, "internal_error"))
                 continue
+            if r.sampled is not None and recorded is not None:  # row i: what toks[i] was drawn from
+                r.sampled.append((recorded[0][rec_at : rec_at + len(toks)], recorded[1][rec_at : rec_at + len(toks)]))
             produced += self._take(r, toks, lps, draft)
         self.steps += 1
         self.tokens_generated += produced
         return produced
+
+    def _step_records(self, batch: list[Request], drafts: list[list[int]], logits: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The top ``spec_sibling_top_k`` of every predicting row's sampling distribution, by the
+        rows of ``logits``, when a request of the batch records them (one batched softmax; rows of
+        requests that do not record hold their own temperature's, unused)."""
+        if not any(r.sampled is not None for r in batch):
+            return None
+        params = [r.params if r.sampled is not None else SamplingParams(temperature=1.0)
+                  for r, draft in zip(batch, drafts) for _ in range(len(draft) + 1)]
+        return top_dists(logits, params, self.limits.spec_sibling_top_k)
 
     def _draft(self, r: Request) -> tuple[list[int], list[dict[int, float]] | None]:
         """The draft of a decoding request, and the distributions its tokens were drawn from (None:
@@ -363,14 +407,39 @@ class Scheduler:
         q: list[dict[int, float]] | None = None
         sampled = lim.speculative == "group" and not r.params.greedy
         if k > 0 and sampled and r.draft_sources:
-            if r.draft_index is None:
-                r.draft_index = SiblingIndex(r.draft_sources)
-            draft, q = sample_sibling_draft(r.tokens, k, r.draft_index, r.generator)
+            draft, q = sample_sibling_draft(r.tokens, k, self._sibling_index(r), r.generator)
         if k > 0 and not draft and not sampled:
             draft, q = self.drafter(r.tokens, k, r.draft_sources if lim.speculative == "group" else ()), None
         if not draft:  # a plain decode step: it times the request's next probe
             r.spec_acceptance = observe_decode(r.spec_acceptance)
         return draft, q
+
+    def _sibling_index(self, r: Request) -> SiblingIndex:
+        """The request's :class:`SiblingIndex`, built once per set of sources: with the sources'
+        scored distributions (``spec_sibling_top_k`` above zero) when every source is scored,
+        scoring the ones that are not while the KV pool has the blocks for it; with the counts
+        otherwise (until the sources change again)."""
+        if r.draft_index is not None:
+            return r.draft_index
+        if len(r.draft_dists) != len(r.draft_sources):  # an imported request: none scored here yet
+            r.draft_dists = [None] * len(r.draft_sources)
+        top_k = self.limits.spec_sibling_top_k
+        for i, d in enumerate(r.draft_dists):
+            if d is None and top_k > 0:
+                r.draft_dists[i] = self.sampled.source_dists(r.prompt_ids, r.draft_sources[i])
+                self.spec.recorded_sources += r.draft_dists[i] is not None
+        todo = [i for i, d in enumerate(r.draft_dists) if d is None]
+        if top_k > 0 and todo:
+            sources = [r.draft_sources[i] for i in todo]
+            lengths = scoring_lengths(r.prompt_ids, sources)
+            if r.kv is not None and self.pool.can_reserve(sum(blocks_for(n, self.block_size) for n in lengths)):
+                dists, computed = score_sources(self.model, r.kv, r.prompt_ids, sources, r.params, top_k)
+                for i, d in zip(todo, dists):
+                    r.draft_dists[i] = d
+                self.spec.scored_tokens += computed
+        dists = [d for d in r.draft_dists if d is not None]
+        r.draft_index = SiblingIndex(r.draft_sources, dists=dists if top_k > 0 and len(dists) == len(r.draft_sources) else None)
+        return r.draft_index
 
     def _take(self, r: Request, toks: list[int], lps: list[float], draft: list[int]) -> int:
         """Append a step's tokens to ``r`` up to the first that ends it; with a draft, drop the KV
@@ -424,6 +493,11 @@ class Scheduler:
 
     def _finish(self, r: Request, reason: dict[str, Any], migrated: bool = False) -> None:
         kv = r.kv if r.keep_kv and reason.get("type") in ("stop", "length") else None
+        if r.sampled is not None and reason.get("type") in ("stop", "length") and r.sampled:
+            ids = torch.cat([i for i, _ in r.sampled])[: len(r.output_ids)]
+            probs = torch.cat([p for _, p in r.sampled])[: len(r.output_ids)]
+            self.sampled.keep(r.tokens, SampledRecord(len(r.prompt_ids), ids, probs))
+        r.sampled = None
         self._remove(r)
         if kv is not None:
             valid = min(kv.length, len(r.tokens) - 1, r.kv_valid if r.kv_valid is not None else kv.length)
@@ -521,6 +595,9 @@ class Scheduler:
         except ValueError as exc:
             raise ProtocolError(f"weights rejected, old weights kept: {exc}") from None
         self._checksum = None
+        self.sampled.clear()  # drawn from the old weights: siblings of new requests would score them again
+        for r in list(self.running) + list(self.waiting) + list(self.held):
+            r.sampled = None  # its record would mix two sets of weights
         if version is not None and str(version) != self.weight_version:
             self.kept.clear()  # computed with the old weights (C1)
             old, self.weight_version = self.weight_version, str(version)

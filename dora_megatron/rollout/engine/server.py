@@ -495,6 +495,7 @@ def build_app(
     spec_max_batch: int = 8,
     spec_token_cost: float = 0.25,
     spec_probe_interval: int = 64,
+    spec_sibling_top_k: int = 32,
     kept_kv_s: float = 60.0,
     kept_kv_fraction: float = 0.25,
 ) -> web.Application:
@@ -509,7 +510,7 @@ def build_app(
         max_running=max_running, block_size=block_size, kv_blocks=kv_blocks, max_context=max_context, max_waiting=max_waiting,
         speculative=speculative, spec_tokens=spec_tokens, spec_max_batch=spec_max_batch,
         spec_token_cost=spec_token_cost, spec_probe_interval=spec_probe_interval,
-        kept_kv_s=kept_kv_s, kept_kv_fraction=kept_kv_fraction,
+        spec_sibling_top_k=spec_sibling_top_k, kept_kv_s=kept_kv_s, kept_kv_fraction=kept_kv_fraction,
     )
     sched = Scheduler(model, limits, weight_version=weight_version)
     options = ServerOptions(model_path=model_path, device=device, group_connect_timeout_s=group_connect_timeout_s)

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from dora_megatron.comm.protocol import GenerateRequest, ProtocolError, SamplingParams
-from dora_megatron.rollout.engine.drafter import SiblingIndex, propose_draft, sample_sibling_draft, sibling_source
+from dora_megatron.rollout.engine.drafter import (SiblingIndex, SourceDists, propose_draft, sample_sibling_draft,
+                                                  sibling_context, sibling_source)
 from dora_megatron.rollout.engine.kv_cache import RequestKV
 from dora_megatron.rollout.engine.sampler import (accept_or_resample, accept_or_resample_sampled, make_generator,
                                                   verify_draft)
@@ -234,6 +235,39 @@ def test_sampled_draft_ends_where_no_sibling_matches_and_keeps_each_q():
     draws = [sample_sibling_draft([0], 1, SiblingIndex([[0, 1, 0, 2, 0, 2]]), make_generator(i))[0][0]
              for i in range(400)]
     assert draws.count(2) / 400 == pytest.approx(2 / 3, abs=0.08)  # drawn as q says, not its likeliest
+
+
+def _dists(rows: list[dict[int, float]], start: int = 0) -> SourceDists:
+    """SourceDists whose row i is ``rows[i]`` (two tokens each)."""
+    return SourceDists(torch.tensor([list(r) for r in rows]), torch.tensor([list(r.values()) for r in rows]), start)
+
+
+def test_scored_q_is_the_mean_of_each_sources_nearest_longest_match():
+    a = [1, 2, 3, 9, 1, 2, 3, 9, 4]
+    b = [5, 2, 3, 9, 6]
+    rows_a = [{10 + i: 0.75, 40 + i: 0.25} for i in range(len(a))]  # a distinct distribution per position
+    rows_b = [{20 + i: 0.5, 40 + i: 0.5} for i in range(len(b))]
+    index = SiblingIndex([a, b], dists=[_dists(rows_a), _dists(rows_b)])
+    # [1, 2, 3] matches a at positions 2 and 6 (length 3) and b only for length 2: b is left out;
+    # of a's two occurrences the one nearest the context's own last position (6) is taken
+    assert index.next_distribution([0, 0, 0, 0, 1, 2, 3]) == pytest.approx({16: 0.75, 46: 0.25})
+    assert index.next_distribution([1, 2, 3]) == pytest.approx({12: 0.75, 42: 0.25})  # nearer position 2
+    # [7, 3, 9]: length 2 ([3, 9]) in both sources; a's nearest to position 2 is at 3, b's at 3
+    assert index.next_distribution([7, 3, 9]) == pytest.approx({13: 0.375, 43: 0.375, 23: 0.25})
+    # a source's start places it: a source 4 positions into its sibling's sequence has its
+    # position 2 (not 6) nearest the context's position 6
+    late = SiblingIndex([a], dists=[_dists(rows_a, start=4)])
+    assert late.next_distribution([0, 0, 0, 0, 1, 2, 3]) == pytest.approx({12: 0.75, 42: 0.25})
+    assert index.next_distribution([8, 8]) is None and index.next_distribution([6]) is None  # 6 ends b
+    with pytest.raises(ValueError, match="one SourceDists row per source token"):
+        SiblingIndex([a, b], dists=[_dists(rows_a), _dists(rows_b[:-1])])
+
+
+def test_sibling_context_restores_the_shared_prompt():
+    prompt = [5, 6, 7, 8, 9]
+    src = sibling_source(prompt, prompt + [1, 2])
+    assert sibling_context(prompt, src) == (prompt + [1, 2], 2)
+    assert sibling_context(prompt, [4, 4, 1]) == ([4, 4, 1], 0)  # another prompt's sibling: kept whole
 
 
 def test_propose_draft_prefers_long_matches_and_siblings():
@@ -511,13 +545,14 @@ def test_job_keys_reach_dora_serve():
     from dora_megatron.launch.plan import local_plan
 
     root = Path(__file__).resolve().parents[3]
-    keys = ["rollout.speculative=group", "rollout.spec_tokens=6", "rollout.spec_max_batch=3"]
+    keys = ["rollout.speculative=group", "rollout.spec_tokens=6", "rollout.spec_max_batch=3",
+            "rollout.spec_sibling_top_k=7"]
     cfg = load_config(root / "configs" / "cpu_tiny.yaml", keys)
     argv = list(next(p.argv for p in local_plan(cfg, "/m", "/r") if p.role == "engine"))
     parser = argparse.ArgumentParser()
     serve.configure(parser)
     args = parser.parse_args(["0" if a == "<free-port>" else a for a in argv[argv.index("serve") + 1 :]])
-    assert (args.speculative, args.spec_tokens, args.spec_max_batch) == ("group", 6, 3)
+    assert (args.speculative, args.spec_tokens, args.spec_max_batch, args.spec_sibling_top_k) == ("group", 6, 3, 7)
     with pytest.raises(ConfigError, match="rollout.speculative"):
         load_config(root / "configs" / "cpu_tiny.yaml", ["rollout.engine=vllm", "rollout.speculative=ngram"])
 
@@ -541,7 +576,7 @@ def test_sources_pushed_to_a_running_request_are_drafted_from(moe_model):
 
 
 def test_sources_pushed_to_a_running_request_reach_its_sampled_drafts(moe_model):
-    s = _sched(moe_model, "group")
+    s = _sched(moe_model, "group", spec_sibling_top_k=0)  # the counts' q: exact to check by hand
     first, later = PROMPTS[0] + [7, 8, 9], PROMPTS[0] + [11, 12, 13]
     req = _req("a", PROMPTS[0], Collector(), temperature=1.0, sources=[first])
     s.submit(req)
@@ -551,6 +586,140 @@ def test_sources_pushed_to_a_running_request_reach_its_sampled_drafts(moe_model)
     assert s.add_draft_sources("a", [later])
     s.step()
     assert req.draft_index.next_distribution([12]) == {13: 1.0}  # drafted from a fresh index
+
+
+def test_pushed_sources_are_scored_once_each(moe_model):
+    """A running request scores a pushed sibling and keeps the scores of the ones it had: the
+    scoring forward computes only the new sibling's tokens (the shared prompt comes from the
+    request's own KV)."""
+    s = _sched(moe_model, "group")
+    first, later = PROMPTS[0] + [7, 8, 9, 10], PROMPTS[0] + [11, 12, 13]
+    req = _req("a", PROMPTS[0], Collector(), temperature=1.0, sources=[first])
+    s.submit(req)
+    for _ in range(3):
+        s.step()
+    kept = req.draft_dists[0]
+    assert kept is not None and req.draft_index.dists == [kept]
+    assert s.spec.scored_tokens == len(first) - len(PROMPTS[0]) + 3  # its answer and 3 prompt tokens (sibling_source)
+    assert s.add_draft_sources("a", [later])
+    s.step()
+    assert req.draft_dists[0] is kept and req.draft_dists[1] is not None
+    assert s.spec.scored_tokens == len(first) + len(later) - 2 * len(PROMPTS[0]) + 6
+
+
+def test_scored_sibling_distributions_are_the_models_own(moe_model):
+    """score_sources gives, after each token of a sibling, the distribution the sampler draws from
+    there (temperature, top-k), computed on the sibling's whole sequence: a forward from scratch
+    over it agrees."""
+    from dora_megatron.rollout.engine.sampler import truncate_probs
+    from dora_megatron.rollout.engine.sibling_scores import score_sources
+
+    prompt = PROMPTS[1]
+    sibs = _run(_sched(moe_model), [_req(f"s{i}", prompt, None, n=12, temperature=1.0, sampling_seed=i) for i in range(2)])
+    seqs = [prompt + r["output_ids"] for r in sibs.values()]
+    sources = [sibling_source(prompt, q) for q in seqs] + [[3, 4, 5, 6]]  # and one of another prompt
+    kv = RequestKV(moe_model.kv_shape(16))
+    kv.ensure_capacity(len(prompt))
+    moe_model.forward_segments(torch.tensor(prompt), torch.arange(len(prompt)), [(kv, len(prompt))])
+    params = SamplingParams(temperature=0.7, top_k=6)
+    dists, computed = score_sources(moe_model, kv, prompt, sources, params, top_k=4)
+    assert computed == sum(len(src) for src in sources)
+    for (seq, start), d in zip([sibling_context(prompt, src) for src in sources], dists):
+        full = moe_model.full_logits(seq)[start:]  # row j: after seq[start + j]
+        assert d.ids.shape == (len(seq) - start, 4) and d.start == start
+        for row, ids, probs in zip(full, d.ids, d.probs):
+            p = truncate_probs(torch.softmax(row.float() / 0.7, -1), 6, 1.0)
+            top = p.topk(4)
+            assert set(ids.tolist()) == set(top.indices.tolist())
+            assert probs.tolist() == pytest.approx((top.values / top.values.sum()).tolist(), abs=1e-4)
+    assert kv.length == len(prompt)  # the request's own KV is copied from, never written
+
+
+def test_scoring_waits_for_free_kv_blocks(moe_model):
+    """Without the blocks for the scoring forward the request draws from the counts (nothing
+    computed) and its tokens are the same: drafts only set speed."""
+    prompt = PROMPTS[0]
+    sibling = _run(_sched(moe_model), [_req("s", prompt, None, n=40, temperature=1.0, sampling_seed=4)])["s"]
+    sources = [prompt + sibling["output_ids"]]
+    outs = {}
+    for blocks in (None, 5):  # 5 blocks: the request's own 4 fit, its sibling's scoring (4 more) does not
+        s = _sched(moe_model, "group", kv_blocks=blocks)
+        req = _req("a", prompt, None, n=40, temperature=1.0, sampling_seed=9, sources=sources)
+        outs[blocks] = _run(s, [req])["a"]["output_ids"]
+        assert (req.draft_index.dists is None) == (blocks == 5)
+        assert (s.spec.scored_tokens == 0) == (blocks == 5)
+        assert s.spec.verify_steps > 0
+    assert len(outs[None]) == len(outs[5]) == 40
+
+
+def _dense(d: SourceDists, vocab: int) -> torch.Tensor:
+    return torch.zeros((d.ids.shape[0], vocab)).scatter_add_(1, d.ids, d.probs.float())
+
+
+def test_siblings_sampled_on_the_instance_are_not_scored_again(moe_model):
+    """An instance with group speculation keeps the distributions it drew a finished request's
+    tokens from; a request whose siblings ran there drafts from those without a scoring forward,
+    and they are the distributions scoring would compute."""
+    from dora_megatron.rollout.engine.sibling_scores import score_sources
+
+    prompt, vocab = PROMPTS[1], moe_model.config.vocab_size
+    s = _sched(moe_model, "group")
+    sibs = _run(s, [_req(f"s{i}", prompt, None, n=12, temperature=0.8, sampling_seed=i) for i in range(3)])
+    assert len(s.sampled) == 3 and s.spec.scored_tokens == 0
+    sources = [prompt + sibs[f"s{i}"]["output_ids"] for i in range(3)]
+    tail = _req("t", prompt, None, n=12, temperature=0.8, sampling_seed=7, sources=sources)
+    _run(s, [tail])
+    assert s.spec.scored_tokens == 0 and s.spec.recorded_sources == 3 and s.spec.verify_steps > 0
+    kv = RequestKV(moe_model.kv_shape(16))
+    kv.ensure_capacity(len(prompt))
+    moe_model.forward_segments(torch.tensor(prompt), torch.arange(len(prompt)), [(kv, len(prompt))])
+    scored, _ = score_sources(moe_model, kv, prompt, tail.draft_sources, SamplingParams(temperature=0.8), 32)
+    for kept, fresh in zip(tail.draft_dists, scored):
+        # the output positions (after the last prompt token up to the last but one output token)
+        rows = slice(2, len(fresh.ids) - 1)
+        assert torch.allclose(_dense(kept, vocab)[rows], _dense(fresh, vocab)[rows], atol=1e-4)
+    other = _sched(moe_model, "group")  # siblings from another instance: scored there
+    _run(other, [_req("t", prompt, None, n=12, temperature=0.8, sampling_seed=7, sources=sources)])
+    assert other.spec.scored_tokens > 0 and other.spec.recorded_sources == 0
+
+
+def test_sampled_records_are_forgotten_at_a_weight_load(moe_model):
+    prompt = PROMPTS[0]
+    s = _sched(moe_model, "group")
+    sibs = _run(s, [_req("s", prompt, None, n=10, temperature=1.0, sampling_seed=3)])
+    running = _req("r", prompt, None, n=10, temperature=1.0, sampling_seed=4)
+    s.submit(running)
+    s.step()
+    assert len(s.sampled) == 1 and running.sampled
+    s.load_weights({"model.norm.weight": moe_model.model.norm.weight.detach().clone()}, "1", require_all=False)
+    assert len(s.sampled) == 0 and running.sampled is None  # its record would mix two weight sets
+    while s.can_step():
+        s.step()
+    assert len(s.sampled) == 0  # not kept when it finished either
+    tail = _req("t", prompt, None, n=10, temperature=1.0, sampling_seed=5, sources=[prompt + sibs["s"]["output_ids"]])
+    _run(s, [tail])
+    assert s.spec.recorded_sources == 0 and s.spec.scored_tokens > 0
+
+
+def test_sampled_dists_keep_complete_records_within_their_row_bound():
+    from dora_megatron.rollout.engine.sampled_dists import SampledDists, SampledRecord
+
+    def record(prompt_len, n):
+        return SampledRecord(prompt_len, torch.full((n, 2), 7), torch.full((n, 2), 0.5))
+
+    kept = SampledDists(max_rows=5)
+    kept.keep([1, 2, 3, 4], record(2, 1))  # 2 output tokens, 1 row: incomplete, refused
+    assert len(kept) == 0
+    kept.keep([1, 2, 3, 4], record(2, 2))
+    kept.keep([1, 2, 5, 6, 7], record(2, 3))
+    assert (len(kept), kept.rows) == (2, 5)
+    kept.keep([1, 2, 8, 9], record(2, 2))  # over the bound: the least recently used goes
+    assert kept.source_dists([1, 2], [1, 2, 3, 4]) is None and kept.rows == 5
+    d = kept.source_dists([1, 2], [1, 2, 5, 6, 7])
+    # after 1 (a prompt token) the source says 2: a point mass; after 2, 5 and 6 the record's rows;
+    # after the last token nothing follows (a row the index never uses)
+    assert d.ids[0].tolist() == [2, 0] and d.probs[0].tolist() == [1.0, 0.0]
+    assert d.ids[1:4].tolist() == [[7, 7]] * 3 and d.start == 0
 
 
 def test_routed_experts_unchanged_by_speculation(moe_model):
