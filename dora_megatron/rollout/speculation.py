@@ -180,7 +180,8 @@ def observe_decode(state: DraftAcceptance) -> DraftAcceptance:
 
 
 #: The embedded engine's cumulative speculation counters (``/get_server_info``, ``/v1/loads``).
-SPEC_COUNTERS = ("spec_verify_steps", "spec_draft_tokens", "spec_accepted_tokens", "spec_verify_tokens")
+SPEC_COUNTERS = ("spec_verify_steps", "spec_draft_tokens", "spec_accepted_tokens", "spec_verify_tokens",
+                 "spec_scored_tokens", "spec_recorded_sources")
 
 
 def counter_growth(last: Mapping[str, Any], now: Mapping[str, Any]) -> dict[str, int]:

@@ -350,8 +350,9 @@ class Scheduler:
         for (_, m), draft in zip(segs, drafts):
             end += m
             rows_of.extend(range(end - 1 - len(draft), end))
-        logits = self.model.logits(hidden[torch.tensor(rows_of, device=dev)]).float().cpu()
-        recorded = self._step_records(batch, drafts, logits)
+        logits = self.model.logits(hidden[torch.tensor(rows_of, device=dev)]).float()
+        recorded = self._step_records(batch, drafts, logits)  # on the logits' device: only [rows, K] moves
+        logits = logits.cpu()
         produced, row = 0, 0
         for r, draft, q in zip(batch, drafts, draft_qs):
             own = logits[row : row + len(draft) + 1]
@@ -383,7 +384,8 @@ class Scheduler:
             return None
         params = [r.params if r.sampled is not None else SamplingParams(temperature=1.0)
                   for r, draft in zip(batch, drafts) for _ in range(len(draft) + 1)]
-        return top_dists(logits, params, self.limits.spec_sibling_top_k)
+        ids, probs = top_dists(logits, params, self.limits.spec_sibling_top_k)
+        return ids.cpu(), probs.cpu()
 
     def _draft(self, r: Request) -> tuple[list[int], list[dict[int, float]] | None]:
         """The draft of a decoding request, and the distributions its tokens were drawn from (None:

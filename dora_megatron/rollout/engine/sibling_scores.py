@@ -31,7 +31,7 @@ def top_dists(logits: torch.Tensor, params: Sequence[SamplingParams], k: int) ->
     """Per row of ``[n, vocab]`` logits, the ``k`` likeliest tokens of the distribution the sampler
     draws from under ``params[row]`` (temperature above zero, top-k/top-p truncated as the sampler
     does) and their probabilities renormalised: ``(ids, probs)``, both ``[n, k]``."""
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device)
     probs = torch.softmax(logits.to(torch.float32) / temps[:, None], dim=-1)
     for i, p in enumerate(params):
         if p.top_k > 0 or p.top_p < 1.0:
@@ -73,8 +73,9 @@ def score_sources(model: CausalLM, prompt_kv: RequestKV, prompt: Sequence[int], 
     with torch.inference_mode():
         hidden = model.forward_segments(torch.tensor(ids, dtype=torch.long, device=dev),
                                         torch.tensor(pos, dtype=torch.long, device=dev), segs)
-        logits = model.logits(hidden).float().cpu()  # row j: the distribution after ids[j]
+        logits = model.logits(hidden).float()  # row j: the distribution after ids[j]
     which, top = top_dists(logits, [params] * len(ids), top_k)
+    which, top = which.cpu(), top.cpu()
     out: list[SourceDists] = []
     at = 0
     for src, start in zip(sources, starts):

@@ -529,8 +529,10 @@ def test_generate_request_carries_draft_sources():
 
 def test_speculation_summary_sums_instances():
     out = speculation_summary([{"spec_verify_steps": 4, "spec_draft_tokens": 16, "spec_accepted_tokens": 6,
-                                "spec_verify_tokens": 10}, {"spec_verify_steps": 0}])
+                                "spec_verify_tokens": 10, "spec_scored_tokens": 90},
+                               {"spec_verify_steps": 0, "spec_scored_tokens": 30, "spec_recorded_sources": 2}])
     assert out["spec_verify_steps"] == 4 and out["accepted_tokens_per_step"] == 1.5
+    assert (out["spec_scored_tokens"], out["spec_recorded_sources"]) == (120, 2)
     assert out["tokens_per_verify_step"] == 2.5
     assert speculation_summary([])["tokens_per_verify_step"] == 0.0
 
