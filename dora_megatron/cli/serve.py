@@ -83,7 +83,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "draft-length decision)")
     parser.add_argument("--spec-probe-interval", type=_at_least(1), default=64,
                         help="decode steps after which a request whose drafts do not pay drafts once more")
-    parser.add_argument("--spec-sibling-top-k", type=_at_least(0), default=32,
+    parser.add_argument("--spec-sibling-top-k", type=_at_least(0, 1024), default=32,
                         help="group drafts at temperature > 0: likeliest tokens kept per position of the siblings' "
                              "computed distributions (0: draw from the tokens they drew, no forward)")
     parser.add_argument("--kept-kv-s", type=_positive_float, default=60.0,

@@ -143,7 +143,6 @@ class SiblingIndex:
                 raise ValueError(f"SiblingIndex needs one SourceDists row per source token: {len(dists)} "
                                  f"dists for {len(self.sources)} sources, mismatched sources {bad[:5]}")
         self.dists = None if dists is None else list(dists)
-        self._rows: dict[tuple[int, int], tuple[list[int], list[float]]] = {}
         self.positions: list[dict[int, list[int]]] = []  # token -> where it occurs
         self.pair_positions: list[dict[tuple[int, int], list[int]]] = []  # (previous, token) -> where token occurs
         for src in self.sources:
@@ -208,7 +207,7 @@ class SiblingIndex:
             found, m0 = (pairs.get((context[-2], last)), 2) if longest >= 2 else (None, 1)
             if not found:
                 found, m0 = where.get(last), 1
-            if not found or m0 < best:
+            if not found or (m0 == 1 and best > 1):  # only single-token matches where longer ones exist
                 continue
             target = here - d.start
             j = bisect.bisect_left(found, target)
@@ -225,19 +224,10 @@ class SiblingIndex:
             return None
         q: dict[int, float] = {}
         for s, (_, i) in picked.items():
-            ids_row, probs_row = self._row(s, i)
-            for t, w in zip(ids_row, probs_row):
+            d = self.dists[s]
+            for t, w in zip(d.ids[i].tolist(), d.probs[i].tolist()):
                 q[t] = q.get(t, 0.0) + w
         return {t: w / len(picked) for t, w in q.items() if w > 0.0} or None
-
-    def _row(self, s: int, i: int) -> tuple[list[int], list[float]]:
-        """Row ``i`` of source ``s``'s distributions as Python lists (converted once)."""
-        key = (s, i)
-        row = self._rows.get(key)
-        if row is None:
-            d = self.dists[s]  # type: ignore[index]
-            row = self._rows[key] = (d.ids[i].tolist(), d.probs[i].tolist())
-        return row
 
 
 def sample_sibling_draft(context: Sequence[int], k: int, index: SiblingIndex,
@@ -252,10 +242,12 @@ def sample_sibling_draft(context: Sequence[int], k: int, index: SiblingIndex,
         q = index.next_distribution(ctx)
         if q is None:
             break
-        items = sorted(q.items())
-        # u over q's own total: its weights are sums of rounded shares, and a draw past their sum
-        # would fall on the last token more often than q says
-        u = float(torch.rand((), generator=generator)) * sum(w for _, w in items)
+        # normalised here, and the same dict handed to the verify rule: its weights are sums of
+        # rounded shares, and the rule is exact for the q the token was drawn from, whatever its sum
+        total = sum(q.values())
+        items = sorted((t, w / total) for t, w in q.items())
+        q = dict(items)
+        u = float(torch.rand((), generator=generator))
         tok = items[-1][0]
         acc = 0.0
         for t, w in items:

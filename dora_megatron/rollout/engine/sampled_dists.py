@@ -10,11 +10,16 @@ lived through a weight change is not (its record would mix instances or versions
 load forgets them all (C1: a request's siblings share its version).
 
 Bounded by rows (output tokens): as many as the instance's KV pool holds tokens, the oldest
-record forgotten first; at ``K`` = 32 a row is 384 bytes of host memory.
+record forgotten first; at ``K`` = 32 a row is 384 bytes of host memory, and a record's key is a
+16-byte digest of its sequence. The scoring forward's results are kept the same way (the rows
+after the prompt of a sibling of the same prompt), so the other requests of a group that run here
+do not score that sibling again.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
@@ -34,13 +39,43 @@ class SampledRecord:
     probs: torch.Tensor
 
 
+class RecordRows:
+    """A running request's record: the rows of each step appended (copies, since a slice would keep
+    the step's whole tensor alive), merged every :attr:`BLOCK_STEPS` steps so a long request holds
+    a few tensors per block, not two per step."""
+
+    BLOCK_STEPS = 64
+
+    def __init__(self) -> None:
+        self.blocks: list[tuple[torch.Tensor, torch.Tensor]] = []  # merged
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # this block's steps
+        self.n = 0
+
+    def append(self, ids: torch.Tensor, probs: torch.Tensor) -> None:
+        self.pending.append((ids.clone(), probs.clone()))
+        self.n += ids.shape[0]
+        if len(self.pending) >= self.BLOCK_STEPS:
+            self.blocks.append(self._merge(self.pending))
+            self.pending = []
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row so far: ``(ids, probs)``, ``[n, K]``."""
+        return self._merge(self.blocks + self.pending)
+
+    @staticmethod
+    def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.cat([i for i, _ in parts]), torch.cat([p for _, p in parts])
+
+
 class SampledDists:
     """Finished requests' records by their whole token sequence, least recently used first out."""
 
     def __init__(self, max_rows: int) -> None:
         self.max_rows = max_rows
         self.rows = 0
-        self._by_seq: OrderedDict[tuple[int, ...], SampledRecord] = OrderedDict()
+        #: by a digest of the token sequence (a sequence as key would hold every prompt again); a
+        #: collision could only hand a request another sibling's distributions: drafts, not tokens
+        self._by_seq: OrderedDict[bytes, SampledRecord] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._by_seq)
@@ -48,9 +83,9 @@ class SampledDists:
     def keep(self, tokens: Sequence[int], record: SampledRecord) -> None:
         """Keep the record of the request whose prompt + output is ``tokens``."""
         n = record.ids.shape[0]
-        if n != len(tokens) - record.prompt_len or n > self.max_rows:
+        if n == 0 or n != len(tokens) - record.prompt_len or n > self.max_rows:
             return
-        key = tuple(tokens)
+        key = _digest(tokens)
         old = self._by_seq.pop(key, None)
         if old is not None:
             self.rows -= old.ids.shape[0]
@@ -70,10 +105,11 @@ class SampledDists:
         output token (prompt tokens) and after its last are a point mass on the token that
         follows there: what the source's own text says."""
         seq, start = sibling_context(prompt, source)
-        rec = self._by_seq.get(tuple(seq))
+        key = _digest(seq)
+        rec = self._by_seq.get(key)
         if rec is None:
             return None
-        self._by_seq.move_to_end(tuple(seq))
+        self._by_seq.move_to_end(key)
         n, k = len(source), rec.ids.shape[1]
         at = torch.arange(n) + start + 1 - rec.prompt_len  # the output token drawn after source[j]
         inside = (at >= 0) & (at < rec.ids.shape[0])
@@ -85,3 +121,7 @@ class SampledDists:
         ids[inside] = rec.ids[at[inside]]
         probs[inside] = rec.probs[at[inside]]
         return SourceDists(ids, probs, start)
+
+
+def _digest(tokens: Sequence[int]) -> bytes:
+    return hashlib.blake2b(array("q", tokens).tobytes(), digest_size=16).digest()

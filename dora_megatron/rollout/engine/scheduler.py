@@ -46,7 +46,7 @@ from dora_megatron.rollout.engine.kv_cache import BlockPool, RequestKV, blocks_f
 from dora_megatron.rollout.engine.model import CausalLM
 from dora_megatron.rollout.engine.routing_trace import RoutingTrace, split_step_routing
 from dora_megatron.rollout.engine.sampler import make_generator, sample_token, verify_draft
-from dora_megatron.rollout.engine.sampled_dists import SampledDists, SampledRecord
+from dora_megatron.rollout.engine.sampled_dists import RecordRows, SampledDists, SampledRecord
 from dora_megatron.rollout.engine.sibling_scores import score_sources, scoring_lengths, top_dists
 from dora_megatron.rollout.speculation import (
     DraftAcceptance,
@@ -103,7 +103,7 @@ class Request:
     #: per step, the distributions its output tokens were drawn from (top ``spec_sibling_top_k``:
     #: ids, probs), kept for its siblings when it finishes (:mod:`.sampled_dists`); None: not
     #: recorded (greedy, no ``group`` speculation, migrated in, or across a weight change)
-    sampled: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    sampled: RecordRows | None = None
     #: the request's draft acceptance evidence: the speculation policy's per-request input
     spec_acceptance: DraftAcceptance = field(default_factory=DraftAcceptance)
     #: ``dora_keep_kv``: when it finishes, its KV stays here for the next turn of its trajectory
@@ -252,7 +252,7 @@ class Scheduler:
         if req.generator is None:
             req.generator = make_generator(req.params.sampling_seed)
         lim = self.limits
-        req.sampled = [] if lim.speculative == "group" and lim.spec_sibling_top_k > 0 and not req.params.greedy else None
+        req.sampled = RecordRows() if lim.speculative == "group" and lim.spec_sibling_top_k > 0 and not req.params.greedy else None
         self.by_rid[req.rid] = req
         if req.params.max_new_tokens == 0:
             self._finish(req, finish_length(0))
@@ -369,7 +369,7 @@ class Scheduler:
                 self._finish(r, finish_abort(f"sampling failed: {exc!r}", 500, "internal_error"))
                 continue
             if r.sampled is not None and recorded is not None:  # row i: what toks[i] was drawn from
-                r.sampled.append((recorded[0][rec_at : rec_at + len(toks)], recorded[1][rec_at : rec_at + len(toks)]))
+                r.sampled.append(recorded[0][rec_at : rec_at + len(toks)], recorded[1][rec_at : rec_at + len(toks)])
             produced += self._take(r, toks, lps, draft)
         self.steps += 1
         self.tokens_generated += produced
@@ -378,8 +378,8 @@ class Scheduler:
     def _step_records(self, batch: list[Request], drafts: list[list[int]], logits: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The top ``spec_sibling_top_k`` of every predicting row's sampling distribution, by the
-        rows of ``logits``, when a request of the batch records them (one batched softmax; rows of
-        requests that do not record hold their own temperature's, unused)."""
+        rows of ``logits``, when a request of the batch records them (batched over the rows; the
+        rows of requests that do not record are computed at temperature 1 and not used)."""
         if not any(r.sampled is not None for r in batch):
             return None
         params = [r.params if r.sampled is not None else SamplingParams(temperature=1.0)
@@ -432,16 +432,34 @@ class Scheduler:
                 self.spec.recorded_sources += r.draft_dists[i] is not None
         todo = [i for i, d in enumerate(r.draft_dists) if d is None]
         if top_k > 0 and todo:
-            sources = [r.draft_sources[i] for i in todo]
-            lengths = scoring_lengths(r.prompt_ids, sources)
-            if r.kv is not None and self.pool.can_reserve(sum(blocks_for(n, self.block_size) for n in lengths)):
-                dists, computed = score_sources(self.model, r.kv, r.prompt_ids, sources, r.params, top_k)
-                for i, d in zip(todo, dists):
-                    r.draft_dists[i] = d
-                self.spec.scored_tokens += computed
+            self._score(r, todo, top_k)
         dists = [d for d in r.draft_dists if d is not None]
         r.draft_index = SiblingIndex(r.draft_sources, dists=dists if top_k > 0 and len(dists) == len(r.draft_sources) else None)
         return r.draft_index
+
+    def _score(self, r: Request, todo: list[int], top_k: int) -> None:
+        """Score ``r``'s sources ``todo`` (:func:`score_sources`) when the KV pool has the blocks
+        for it, and keep each as a record for the other requests of its group here. A failure (the
+        device out of memory, say) leaves them unscored: drafts set speed, never tokens, so it
+        must not fail the batch."""
+        sources = [r.draft_sources[i] for i in todo]
+        lengths = scoring_lengths(r.prompt_ids, sources)
+        if r.kv is None or not self.pool.can_reserve(sum(blocks_for(n, self.block_size) for n in lengths)):
+            return
+        try:
+            dists, computed = score_sources(self.model, r.kv, r.prompt_ids, sources, r.params, top_k)
+        except (RuntimeError, ValueError) as exc:  # torch's out-of-memory errors are RuntimeErrors
+            log.warning("scoring %d sibling sources of request %s failed; it drafts from their tokens: %s",
+                        len(sources), r.rid, exc)
+            return
+        self.spec.scored_tokens += computed
+        n_prompt = len(r.prompt_ids)
+        for i, d in zip(todo, dists):
+            r.draft_dists[i] = d
+            if d.start > 0:  # a sibling of the same prompt: the rows after its prompt are its record
+                first = n_prompt - 1 - d.start
+                seq = r.prompt_ids[: d.start] + r.draft_sources[i]
+                self.sampled.keep(seq, SampledRecord(n_prompt, d.ids[first:-1], d.probs[first:-1]))
 
     def _take(self, r: Request, toks: list[int], lps: list[float], draft: list[int]) -> int:
         """Append a step's tokens to ``r`` up to the first that ends it; with a draft, drop the KV
@@ -495,10 +513,10 @@ class Scheduler:
 
     def _finish(self, r: Request, reason: dict[str, Any], migrated: bool = False) -> None:
         kv = r.kv if r.keep_kv and reason.get("type") in ("stop", "length") else None
-        if r.sampled is not None and reason.get("type") in ("stop", "length") and r.sampled:
-            ids = torch.cat([i for i, _ in r.sampled])[: len(r.output_ids)]
-            probs = torch.cat([p for _, p in r.sampled])[: len(r.output_ids)]
-            self.sampled.keep(r.tokens, SampledRecord(len(r.prompt_ids), ids, probs))
+        if r.sampled is not None and reason.get("type") in ("stop", "length") and r.sampled.n:
+            ids, probs = r.sampled.rows()
+            n = len(r.output_ids)
+            self.sampled.keep(r.tokens, SampledRecord(len(r.prompt_ids), ids[:n], probs[:n]))
         r.sampled = None
         self._remove(r)
         if kv is not None:
@@ -599,7 +617,10 @@ class Scheduler:
         self._checksum = None
         self.sampled.clear()  # drawn from the old weights: siblings of new requests would score them again
         for r in list(self.running) + list(self.waiting) + list(self.held):
-            r.sampled = None  # its record would mix two sets of weights
+            if r.output_ids:
+                r.sampled = None  # its record would mix two sets of weights
+            r.draft_dists = [None] * len(r.draft_sources)  # scored with the old weights
+            r.draft_index = None
         if version is not None and str(version) != self.weight_version:
             self.kept.clear()  # computed with the old weights (C1)
             old, self.weight_version = self.weight_version, str(version)

@@ -175,10 +175,25 @@ def _sibling_drafter(seq, g):
     return sample_sibling_draft(seq, 3, SIBLINGS, g)
 
 
+def _scored_rows(src: list[int], offset: int) -> SourceDists:
+    """Distributions for a source's positions that are not the chain's: a point mass (second
+    entry of zero probability) at every third position, else two tokens at 0.7 / 0.3."""
+    ids = [[(t + offset) % VOCAB, (t + offset + 1) % VOCAB] for t in src]
+    probs = [[1.0, 0.0] if i % 3 == 0 else [0.7, 0.3] for i in range(len(src))]
+    return SourceDists(torch.tensor(ids), torch.tensor(probs))
+
+
+SCORED = SiblingIndex(SIBLINGS.sources, dists=[_scored_rows(src, i + 1) for i, src in enumerate(SIBLINGS.sources)])
+
+
+def _scored_drafter(seq, g):
+    return sample_sibling_draft(seq, 3, SCORED, g)
+
+
 @pytest.mark.parametrize("drafter", [lambda seq, g: [0, 0, 0], lambda seq, g: [3, 3],
                                      lambda seq, g: [(seq[-1] + 1) % 4] * 2, _sampled_markov_drafter,
-                                     _sibling_drafter],
-                         ids=["likely", "unlikely", "rotating", "sampled", "siblings"])
+                                     _sibling_drafter, _scored_drafter],
+                         ids=["likely", "unlikely", "rotating", "sampled", "siblings", "scored siblings"])
 def test_speculative_continuations_follow_the_model(drafter):
     """Power: 10,000 continuations over 64 cells; a shift of 0.02 of probability between two
     sequences of probability ~0.05 (noncentrality ~160) is rejected at alpha = 0.001 with
@@ -259,6 +274,13 @@ def test_scored_q_is_the_mean_of_each_sources_nearest_longest_match():
     late = SiblingIndex([a], dists=[_dists(rows_a, start=4)])
     assert late.next_distribution([0, 0, 0, 0, 1, 2, 3]) == pytest.approx({12: 0.75, 42: 0.25})
     assert index.next_distribution([8, 8]) is None and index.next_distribution([6]) is None  # 6 ends b
+    # both sources match [1, 2, 3] over 3 tokens: both rows count, whichever source comes first
+    c = [1, 2, 3, 8, 5]
+    rows_c = [{30 + i: 1.0, 41: 0.0} for i in range(len(c))]
+    for order in ([a, c], [c, a]):
+        dists = [_dists(rows_a if src is a else rows_c) for src in order]
+        both = SiblingIndex(order, dists=dists)
+        assert both.next_distribution([1, 2, 3]) == pytest.approx({12: 0.375, 42: 0.125, 32: 0.5})
     with pytest.raises(ValueError, match="one SourceDists row per source token"):
         SiblingIndex([a, b], dists=[_dists(rows_a), _dists(rows_b[:-1])])
 
@@ -623,23 +645,27 @@ def test_scored_sibling_distributions_are_the_models_own(moe_model):
     kv = RequestKV(moe_model.kv_shape(16))
     kv.ensure_capacity(len(prompt))
     moe_model.forward_segments(torch.tensor(prompt), torch.arange(len(prompt)), [(kv, len(prompt))])
-    params = SamplingParams(temperature=0.7, top_k=6)
-    dists, computed = score_sources(moe_model, kv, prompt, sources, params, top_k=4)
-    assert computed == sum(len(src) for src in sources)
-    for (seq, start), d in zip([sibling_context(prompt, src) for src in sources], dists):
-        full = moe_model.full_logits(seq)[start:]  # row j: after seq[start + j]
-        assert d.ids.shape == (len(seq) - start, 4) and d.start == start
-        for row, ids, probs in zip(full, d.ids, d.probs):
-            p = truncate_probs(torch.softmax(row.float() / 0.7, -1), 6, 1.0)
-            top = p.topk(4)
-            assert set(ids.tolist()) == set(top.indices.tolist())
-            assert probs.tolist() == pytest.approx((top.values / top.values.sum()).tolist(), abs=1e-4)
-    assert kv.length == len(prompt)  # the request's own KV is copied from, never written
+    kv.truncate(len(prompt) - 1)  # a kept turn's KV may end before the prompt's last token
+    for params in (SamplingParams(temperature=0.7, top_k=6), SamplingParams(temperature=1.3, top_p=0.5)):
+        dists, computed = score_sources(moe_model, kv, prompt, sources, params, top_k=4)
+        chunked, _ = score_sources(moe_model, kv, prompt, sources, params, top_k=4, chunk_tokens=5)
+        assert computed == sum(len(src) for src in sources)
+        for (seq, start), d, c in zip([sibling_context(prompt, src) for src in sources], dists, chunked):
+            full = moe_model.full_logits(seq)[start:]  # row j: after seq[start + j]
+            assert d.ids.shape == (len(seq) - start, 4) and d.start == start
+            assert torch.equal(c.ids, d.ids) and torch.allclose(c.probs, d.probs, atol=1e-5)
+            for row, ids, probs in zip(full, d.ids, d.probs):
+                p = truncate_probs(torch.softmax(row.float() / params.temperature, -1), params.top_k, params.top_p)
+                top = p.topk(4)
+                assert {t for t, w in zip(ids.tolist(), probs.tolist()) if w > 0} == \
+                    {t for t, w in zip(top.indices.tolist(), top.values.tolist()) if w > 0}
+                assert probs.tolist() == pytest.approx((top.values / top.values.sum()).tolist(), abs=1e-4)
+    assert kv.length == len(prompt) - 1  # the request's own KV is copied from, never written
 
 
 def test_scoring_waits_for_free_kv_blocks(moe_model):
     """Without the blocks for the scoring forward the request draws from the counts (nothing
-    computed) and its tokens are the same: drafts only set speed."""
+    computed) and still drafts and finishes."""
     prompt = PROMPTS[0]
     sibling = _run(_sched(moe_model), [_req("s", prompt, None, n=40, temperature=1.0, sampling_seed=4)])["s"]
     sources = [prompt + sibling["output_ids"]]
@@ -650,8 +676,7 @@ def test_scoring_waits_for_free_kv_blocks(moe_model):
         outs[blocks] = _run(s, [req])["a"]["output_ids"]
         assert (req.draft_index.dists is None) == (blocks == 5)
         assert (s.spec.scored_tokens == 0) == (blocks == 5)
-        assert s.spec.verify_steps > 0
-    assert len(outs[None]) == len(outs[5]) == 40
+        assert s.spec.verify_steps > 0 and s.pool.used == 0
 
 
 def _dense(d: SourceDists, vocab: int) -> torch.Tensor:
@@ -680,9 +705,46 @@ def test_siblings_sampled_on_the_instance_are_not_scored_again(moe_model):
         # the output positions (after the last prompt token up to the last but one output token)
         rows = slice(2, len(fresh.ids) - 1)
         assert torch.allclose(_dense(kept, vocab)[rows], _dense(fresh, vocab)[rows], atol=1e-4)
-    other = _sched(moe_model, "group")  # siblings from another instance: scored there
+    other = _sched(moe_model, "group")  # siblings from another instance: scored there, once
     _run(other, [_req("t", prompt, None, n=12, temperature=0.8, sampling_seed=7, sources=sources)])
-    assert other.spec.scored_tokens > 0 and other.spec.recorded_sources == 0
+    scored = other.spec.scored_tokens
+    assert scored > 0 and other.spec.recorded_sources == 0
+    _run(other, [_req("u", prompt, None, n=12, temperature=0.8, sampling_seed=8, sources=sources)])
+    assert other.spec.scored_tokens == scored and other.spec.recorded_sources == 3  # kept for the group
+
+
+def test_a_retracted_request_keeps_recording_its_tokens(moe_model):
+    """A request retracted mid-decode (pause 'retract': its KV dropped, prefilled again) keeps one
+    row per output token, each the distribution its token was drawn from."""
+    prompt = PROMPTS[2]
+    s = _sched(moe_model, "group")
+    req = _req("a", prompt, None, n=14, temperature=1.0, sampling_seed=2)
+    s.submit(req)
+    for _ in range(5):
+        s.step()
+    s.pause("retract")
+    s.resume()
+    while s.can_step():
+        s.step()
+    seq = prompt + req.output_ids
+    kept = s.sampled.source_dists(prompt, sibling_source(prompt, seq))
+    full = torch.softmax(moe_model.full_logits(seq)[len(prompt) - 1 : -1].float(), -1)
+    rows = _dense(kept, moe_model.config.vocab_size)[2:-1]  # after the last prompt token .. the last but one
+    assert rows.shape[0] == 14
+    top = full.topk(32, dim=-1)
+    assert torch.allclose(rows.gather(1, top.indices), top.values / top.values.sum(-1, keepdim=True), atol=1e-4)
+
+
+def test_record_rows_merge_blocks_and_keep_every_row():
+    from dora_megatron.rollout.engine.sampled_dists import RecordRows
+
+    rec = RecordRows()
+    step = torch.arange(6).view(3, 2)
+    for i in range(150):
+        rec.append(step[i % 3 : i % 3 + 1] + 10 * i, step[i % 3 : i % 3 + 1].float())
+    ids, probs = rec.rows()
+    assert rec.n == 150 and len(rec.blocks) == 2 and len(rec.pending) == 22
+    assert ids[:, 0].tolist() == [2 * (i % 3) + 10 * i for i in range(150)] and probs.shape == (150, 2)
 
 
 def test_sampled_records_are_forgotten_at_a_weight_load(moe_model):
