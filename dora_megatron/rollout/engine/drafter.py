@@ -50,6 +50,12 @@ MIN_NGRAM = 1
 #: of two tokens or more are found through the last two tokens, so a frequent last token (a space,
 #: a newline) does not crowd out the occurrences that match the context further back.
 MAX_OCCURRENCES = 64
+#: with scored sources, the occurrences looked at per source: the nearest the request's position
+#: (half before, half after), where the longest matches of an answer to the same prompt are
+SCORED_OCCURRENCES = 16
+#: rows of scored sources a :class:`SiblingIndex` keeps as Python lists (a draft's tokens and the
+#: next step's look at the same rows again); past it the cache starts over
+ROW_CACHE = 1024
 
 
 def _continuation(seq: Sequence[int], pattern: Sequence[int], k: int) -> list[int]:
@@ -143,6 +149,7 @@ class SiblingIndex:
                 raise ValueError(f"SiblingIndex needs one SourceDists row per source token: {len(dists)} "
                                  f"dists for {len(self.sources)} sources, mismatched sources {bad[:5]}")
         self.dists = None if dists is None else list(dists)
+        self._rows: dict[tuple[int, int], list[tuple[int, float]]] = {}
         self.positions: list[dict[int, list[int]]] = []  # token -> where it occurs
         self.pair_positions: list[dict[tuple[int, int], list[int]]] = []  # (previous, token) -> where token occurs
         for src in self.sources:
@@ -195,7 +202,7 @@ class SiblingIndex:
         ``max_ngram``) nearest to the context's own position. One row per source, not every
         occurrence: a sibling at the same point of the answer says most about what follows here
         (measured: kept 0.77 of the time, against 0.75 for the mean over every occurrence of the
-        longest match). Occurrences are looked for among the ``MAX_OCCURRENCES`` nearest that
+        longest match). Occurrences are looked for among the ``SCORED_OCCURRENCES`` nearest that
         position, so a long source costs no more than a short one."""
         assert self.dists is not None
         last = context[-1]
@@ -211,7 +218,7 @@ class SiblingIndex:
                 continue
             target = here - d.start
             j = bisect.bisect_left(found, target)
-            for i in found[max(0, j - MAX_OCCURRENCES // 2) : j + MAX_OCCURRENCES // 2]:
+            for i in found[max(0, j - SCORED_OCCURRENCES // 2) : j + SCORED_OCCURRENCES // 2]:
                 m = m0
                 while m < longest and i - m >= 0 and src[i - m] == context[-1 - m]:
                     m += 1
@@ -224,10 +231,19 @@ class SiblingIndex:
             return None
         q: dict[int, float] = {}
         for s, (_, i) in picked.items():
-            d = self.dists[s]
-            for t, w in zip(d.ids[i].tolist(), d.probs[i].tolist()):
+            for t, w in self._row(s, i):
                 q[t] = q.get(t, 0.0) + w
         return {t: w / len(picked) for t, w in q.items() if w > 0.0} or None
+
+    def _row(self, s: int, i: int) -> list[tuple[int, float]]:
+        """Row ``i`` of source ``s``'s distributions as (token, probability) pairs."""
+        row = self._rows.get((s, i))
+        if row is None:
+            if len(self._rows) >= ROW_CACHE:
+                self._rows.clear()
+            d = self.dists[s]  # type: ignore[index]
+            row = self._rows[(s, i)] = list(zip(d.ids[i].tolist(), d.probs[i].tolist()))
+        return row
 
 
 def sample_sibling_draft(context: Sequence[int], k: int, index: SiblingIndex,
@@ -245,7 +261,7 @@ def sample_sibling_draft(context: Sequence[int], k: int, index: SiblingIndex,
         # normalised here, and the same dict handed to the verify rule: its weights are sums of
         # rounded shares, and the rule is exact for the q the token was drawn from, whatever its sum
         total = sum(q.values())
-        items = sorted((t, w / total) for t, w in q.items())
+        items = [(t, w / total) for t, w in q.items()]  # q's own order: built the same way every time
         q = dict(items)
         u = float(torch.rand((), generator=generator))
         tok = items[-1][0]

@@ -39,14 +39,19 @@ def top_dists(logits: torch.Tensor, params: Sequence[SamplingParams], k: int) ->
     the vocabulary, which keeps the same tokens) and their probabilities renormalised:
     ``(ids, probs)``, both ``[n, k]``. Only ``[n, k]`` blocks are built besides the scaled logits."""
     dev = logits.device
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-    scaled = logits.to(torch.float32) / temps[:, None]
+    temps = {p.temperature for p in params}
+    if len(temps) == 1:  # the usual case: one group's parameters
+        scaled = logits.to(torch.float32) / temps.pop()
+    else:
+        scaled = logits.to(torch.float32) / torch.tensor([p.temperature for p in params], device=dev)[:, None]
     vals, ids = scaled.topk(min(k, scaled.shape[-1]), dim=-1)  # sorted, likeliest first
     probs = (vals - torch.logsumexp(scaled, dim=-1, keepdim=True)).exp()
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else probs.shape[-1] for p in params], device=dev)
-    probs = probs.masked_fill(torch.arange(probs.shape[-1], device=dev)[None, :] >= top_k[:, None], 0.0)
-    top_p = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], dtype=torch.float32, device=dev)
-    probs = probs.masked_fill(probs.cumsum(dim=-1) - probs > top_p[:, None], 0.0)
+    if any(p.top_k > 0 for p in params):
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else probs.shape[-1] for p in params], device=dev)
+        probs = probs.masked_fill(torch.arange(probs.shape[-1], device=dev)[None, :] >= top_k[:, None], 0.0)
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], device=dev)
+        probs = probs.masked_fill(probs.cumsum(dim=-1) - probs > top_p[:, None], 0.0)
     return ids, probs / probs.sum(dim=-1, keepdim=True)
 
 
