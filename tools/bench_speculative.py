@@ -426,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = Path(args.model) if args.model else build_model(Path(args.model_cache or tmp) / "model",
                                                                      args.seed, args.warm_start_steps)
         model = load_model(str(model_dir))
+        gc.collect()
         gc.freeze()  # as ``dora serve`` does once its model is loaded
         prompts = tail_prompts(args.prompts, args.seed, args.min_digits)
         spec = {"spec_tokens": args.spec_tokens, "spec_token_cost": args.spec_token_cost,

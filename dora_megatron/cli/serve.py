@@ -170,6 +170,7 @@ def _serve(args: argparse.Namespace, sock) -> int:
     # the model, its modules and the imports live as long as the process: out of the collector's
     # reach, a full collection no longer walks them all (a drafting step allocates enough small
     # containers to trigger those; measured in docs/results/speculation.md)
+    gc.collect()  # nothing cyclic left over from loading is made permanent
     gc.freeze()
     port = sock.getsockname()[1]
     print(f"dora serve: listening on http://{args.host}:{port} model={args.model}", flush=True)

@@ -110,17 +110,26 @@ class SampledDists:
         if rec is None:
             return None
         self._by_seq.move_to_end(key)
-        n, k = len(source), rec.ids.shape[1]
-        at = torch.arange(n) + start + 1 - rec.prompt_len  # the output token drawn after source[j]
-        inside = (at >= 0) & (at < rec.ids.shape[0])
-        following = torch.tensor(list(seq[start + 1 :]) + [seq[-1]])  # the token after source[j] (last: none)
-        ids = torch.zeros((n, k), dtype=rec.ids.dtype)
-        probs = torch.zeros((n, k), dtype=rec.probs.dtype)
-        ids[:, 0] = following
-        probs[:, 0] = 1.0
-        ids[inside] = rec.ids[at[inside]]
-        probs[inside] = rec.probs[at[inside]]
-        return SourceDists(ids, probs, start)
+        return record_dists(rec, seq, start)
+
+
+def record_dists(rec: SampledRecord, seq: Sequence[int], start: int) -> SourceDists:
+    """The :class:`SourceDists` of the source ``seq[start:]`` from the record of ``seq``: rows
+    before its first output token (prompt tokens) and after its last are a point mass on the token
+    that follows there, what the source's own text says. A scored source goes through here too, so
+    a request drafts from the same rows whether its instance recorded or scored its siblings (a
+    migrated request continues as it would have)."""
+    n, k = len(seq) - start, rec.ids.shape[1]
+    at = torch.arange(n) + start + 1 - rec.prompt_len  # the output token drawn after seq[start + j]
+    inside = (at >= 0) & (at < rec.ids.shape[0])
+    following = torch.tensor(list(seq[start + 1 :]) + [seq[-1]])  # the token after seq[start + j] (last: none)
+    ids = torch.zeros((n, k), dtype=rec.ids.dtype)
+    probs = torch.zeros((n, k), dtype=rec.probs.dtype)
+    ids[:, 0] = following
+    probs[:, 0] = 1.0
+    ids[inside] = rec.ids[at[inside]]
+    probs[inside] = rec.probs[at[inside]]
+    return SourceDists(ids, probs, start)
 
 
 def _digest(tokens: Sequence[int]) -> bytes:

@@ -46,7 +46,7 @@ from dora_megatron.rollout.engine.kv_cache import BlockPool, RequestKV, blocks_f
 from dora_megatron.rollout.engine.model import CausalLM
 from dora_megatron.rollout.engine.routing_trace import RoutingTrace, split_step_routing
 from dora_megatron.rollout.engine.sampler import make_generator, sample_token, verify_draft
-from dora_megatron.rollout.engine.sampled_dists import RecordRows, SampledDists, SampledRecord
+from dora_megatron.rollout.engine.sampled_dists import RecordRows, SampledDists, SampledRecord, record_dists
 from dora_megatron.rollout.engine.sibling_scores import score_sources, scoring_lengths, top_dists
 from dora_megatron.rollout.speculation import (
     DraftAcceptance,
@@ -409,7 +409,11 @@ class Scheduler:
         q: list[dict[int, float]] | None = None
         sampled = lim.speculative == "group" and not r.params.greedy
         if k > 0 and sampled and r.draft_sources:
-            draft, q = sample_sibling_draft(r.tokens, k, self._sibling_index(r), r.generator)
+            try:
+                draft, q = sample_sibling_draft(r.tokens, k, self._sibling_index(r), r.generator)
+            except Exception:  # noqa: BLE001 - a draft sets speed only: it must never fail the batch
+                log.exception("drafting for request %s failed; it decodes without a draft this step", r.rid)
+                draft, q = [], None
         if k > 0 and not draft and not sampled:
             draft, q = self.drafter(r.tokens, k, r.draft_sources if lim.speculative == "group" else ()), None
         if not draft:  # a plain decode step: it times the request's next probe
@@ -456,10 +460,16 @@ class Scheduler:
         n_prompt = len(r.prompt_ids)
         for i, d in zip(todo, dists):
             r.draft_dists[i] = d
-            if d.start > 0:  # a sibling of the same prompt: the rows after its prompt are its record
+            if d.start > 0 and len(r.draft_sources[i]) > n_prompt - d.start:  # the same prompt, and an answer
+                # the rows after its prompt are its record: kept for the group's other requests
+                # (unless this request's own KV may hold other weights: it lived through a load or
+                # came from another instance), and drafted from as a record is, whichever instance
                 first = n_prompt - 1 - d.start
                 seq = r.prompt_ids[: d.start] + r.draft_sources[i]
-                self.sampled.keep(seq, SampledRecord(n_prompt, d.ids[first:-1], d.probs[first:-1]))
+                rec = SampledRecord(n_prompt, d.ids[first:-1], d.probs[first:-1])
+                if r.sampled is not None:
+                    self.sampled.keep(seq, rec)
+                r.draft_dists[i] = record_dists(rec, seq, d.start)
 
     def _take(self, r: Request, toks: list[int], lps: list[float], draft: list[int]) -> int:
         """Append a step's tokens to ``r`` up to the first that ends it; with a draft, drop the KV

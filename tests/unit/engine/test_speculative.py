@@ -648,7 +648,7 @@ def test_scored_sibling_distributions_are_the_models_own(moe_model):
     kv.truncate(len(prompt) - 1)  # a kept turn's KV may end before the prompt's last token
     for params in (SamplingParams(temperature=0.7, top_k=6), SamplingParams(temperature=1.3, top_p=0.5)):
         dists, computed = score_sources(moe_model, kv, prompt, sources, params, top_k=4)
-        chunked, _ = score_sources(moe_model, kv, prompt, sources, params, top_k=4, chunk_tokens=5)
+        chunked, _ = score_sources(moe_model, kv, prompt, sources, params, top_k=4, chunk_tokens=7)
         assert computed == sum(len(src) for src in sources)
         for (seq, start), d, c in zip([sibling_context(prompt, src) for src in sources], dists, chunked):
             full = moe_model.full_logits(seq)[start:]  # row j: after seq[start + j]
@@ -676,7 +676,7 @@ def test_scoring_waits_for_free_kv_blocks(moe_model):
         outs[blocks] = _run(s, [req])["a"]["output_ids"]
         assert (req.draft_index.dists is None) == (blocks == 5)
         assert (s.spec.scored_tokens == 0) == (blocks == 5)
-        assert s.spec.verify_steps > 0 and s.pool.used == 0
+        assert s.spec.verify_steps > 0 and len(outs[blocks]) == 40
 
 
 def _dense(d: SourceDists, vocab: int) -> torch.Tensor:
@@ -706,11 +706,17 @@ def test_siblings_sampled_on_the_instance_are_not_scored_again(moe_model):
         rows = slice(2, len(fresh.ids) - 1)
         assert torch.allclose(_dense(kept, vocab)[rows], _dense(fresh, vocab)[rows], atol=1e-4)
     other = _sched(moe_model, "group")  # siblings from another instance: scored there, once
-    _run(other, [_req("t", prompt, None, n=12, temperature=0.8, sampling_seed=7, sources=sources)])
+    t = _req("t", prompt, None, n=12, temperature=0.8, sampling_seed=7, sources=sources)
+    _run(other, [t])
     scored = other.spec.scored_tokens
     assert scored > 0 and other.spec.recorded_sources == 0
-    _run(other, [_req("u", prompt, None, n=12, temperature=0.8, sampling_seed=8, sources=sources)])
+    u = _req("u", prompt, None, n=12, temperature=0.8, sampling_seed=8, sources=sources)
+    _run(other, [u])
     assert other.spec.scored_tokens == scored and other.spec.recorded_sources == 3  # kept for the group
+    for mine, theirs, here in zip(t.draft_dists, u.draft_dists, tail.draft_dists):
+        # the same rows, whether scored or taken from a record, and as this instance recorded them
+        assert torch.equal(mine.ids, theirs.ids) and torch.equal(mine.probs, theirs.probs)
+        assert torch.allclose(_dense(mine, vocab), _dense(here, vocab), atol=1e-4)
 
 
 def test_a_retracted_request_keeps_recording_its_tokens(moe_model):
@@ -735,6 +741,23 @@ def test_a_retracted_request_keeps_recording_its_tokens(moe_model):
     assert torch.allclose(rows.gather(1, top.indices), top.values / top.values.sum(-1, keepdim=True), atol=1e-4)
 
 
+def test_a_failed_scoring_leaves_the_counts_and_the_batch_runs(moe_model, monkeypatch):
+    from dora_megatron.rollout.engine import scheduler as sched_module
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory (a stand-in)")
+
+    monkeypatch.setattr(sched_module, "score_sources", out_of_memory)
+    prompt = PROMPTS[0]
+    sibling = _run(_sched(moe_model), [_req("s", prompt, None, n=30, temperature=1.0, sampling_seed=4)])["s"]
+    s = _sched(moe_model, "group")
+    req = _req("a", prompt, None, n=30, temperature=1.0, sampling_seed=9, sources=[prompt + sibling["output_ids"]])
+    other = _req("b", PROMPTS[1], None, n=30, temperature=1.0, sampling_seed=3)
+    got = _run(s, [req, other])
+    assert len(got["a"]["output_ids"]) == len(got["b"]["output_ids"]) == 30
+    assert req.draft_index.dists is None and s.spec.verify_steps > 0 and s.spec.scored_tokens == 0
+
+
 def test_record_rows_merge_blocks_and_keep_every_row():
     from dora_megatron.rollout.engine.sampled_dists import RecordRows
 
@@ -754,15 +777,21 @@ def test_sampled_records_are_forgotten_at_a_weight_load(moe_model):
     running = _req("r", prompt, None, n=10, temperature=1.0, sampling_seed=4)
     s.submit(running)
     s.step()
-    assert len(s.sampled) == 1 and running.sampled
+    assert len(s.sampled) == 1 and running.sampled.n == 1
+    waiting = _req("w", prompt, None, n=10, temperature=1.0, sampling_seed=6, sources=[prompt + sibs["s"]["output_ids"]])
+    s.submit(waiting)
+    waiting.draft_dists[0] = running.sampled  # stands for scores made with the old weights
     s.load_weights({"model.norm.weight": moe_model.model.norm.weight.detach().clone()}, "1", require_all=False)
     assert len(s.sampled) == 0 and running.sampled is None  # its record would mix two weight sets
+    assert waiting.draft_dists == [None] and waiting.sampled is not None  # scored again; no output yet: records
     while s.can_step():
         s.step()
-    assert len(s.sampled) == 0  # not kept when it finished either
-    tail = _req("t", prompt, None, n=10, temperature=1.0, sampling_seed=5, sources=[prompt + sibs["s"]["output_ids"]])
-    _run(s, [tail])
-    assert s.spec.recorded_sources == 0 and s.spec.scored_tokens > 0
+
+    def kept(seq):
+        return s.sampled.source_dists(prompt, sibling_source(prompt, seq)) is not None
+    assert not kept(prompt + running.output_ids)  # not kept when it finished either
+    assert kept(prompt + waiting.output_ids)  # recorded wholly on the new weights
+    assert kept(prompt + sibs["s"]["output_ids"]) and s.spec.scored_tokens > 0  # scored again by w, on the new weights
 
 
 def test_sampled_dists_keep_complete_records_within_their_row_bound():

@@ -25,7 +25,8 @@ def _three_free_ports() -> int:
     beside servers on random ports of that range, and a port a test closed a moment ago may still
     be in TIME_WAIT, so no fixed port is sure to be free."""
     lo, _ = ports.ephemeral_range()
-    for base in random.sample(range(ports._LOWEST, lo - 3), 200):
+    candidates = range(ports._LOWEST, lo - 3)
+    for base in random.sample(candidates, min(200, len(candidates))):
         try:
             for p in range(base, base + 3):
                 with socket.socket() as s:
