@@ -5,6 +5,10 @@
    request at a time, in the same run (ratio reported).
 2. Migration cost (exported bytes, export + import ms) against the cost of re-prefilling the
    same context, at 256 / 1K / 4K tokens.
+3. The cost of drawing one token at temperature 1 by vocabulary size (128, the Llama 2 32,000,
+   Qwen3's 151,936): ``torch.multinomial`` against the engine's
+   :func:`~dora_megatron.rollout.engine.sampler.draw_index` on the same distributions, and the
+   engine's whole ``sample_token`` (log-softmax, truncation, draw), interleaved (``sampling``).
 
 Usage: ``python tools/bench_engine.py [--model DIR] [--threads 1] [--new-tokens 128] [--out FILE.json]``
 (without ``--model`` a random ``tiny-moe`` directory is created in a temp dir).
@@ -103,6 +107,32 @@ def migration_cost(model, context: int, repeats: int = 3) -> dict:
     }
 
 
+def sampling_cost(vocab: int, repeats: int) -> dict:
+    """Median seconds of one draw from a softmax over ``vocab`` random logits: ``torch.multinomial``,
+    the engine's ``draw_index``, and ``sample_token`` at temperature 1, interleaved draw by draw."""
+    import torch
+
+    from dora_megatron.comm.protocol import SamplingParams
+    from dora_megatron.rollout.engine.sampler import draw_index, make_generator, sample_token
+
+    g = make_generator(0)
+    logits = torch.randn(vocab, generator=g) * 3
+    probs = torch.softmax(logits, -1)
+    params = SamplingParams(temperature=1.0)
+    arms = {"multinomial": lambda: int(torch.multinomial(probs, 1, generator=g)),
+            "draw_index": lambda: draw_index(probs, g),
+            "sample_token": lambda: sample_token(logits, params, g)}
+    times: dict[str, list[float]] = {a: [] for a in arms}
+    for _ in range(repeats):
+        for arm, f in arms.items():
+            t0 = time.perf_counter()
+            f()
+            times[arm].append(time.perf_counter() - t0)
+    med = {a: statistics.median(v) for a, v in times.items()}
+    return {"vocab": vocab, **{f"{a}_us": round(t * 1e6, 1) for a, t in med.items()},
+            "draw_speedup": round(med["multinomial"] / med["draw_index"], 1)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
@@ -112,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", default="1,8,32,64")
     ap.add_argument("--hf-requests", type=int, default=4)
     ap.add_argument("--contexts", default="256,1024,4096")
+    ap.add_argument("--vocabs", default="128,32000,151936", help="vocabulary sizes of the sampling-cost table")
+    ap.add_argument("--sampling-repeats", type=int, default=200)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -148,6 +180,12 @@ def main(argv: list[str] | None = None) -> int:
             f"migration @ {ctx:5d} tokens: {m['bytes'] / 1e6:7.2f} MB, export {m['export_ms']:.1f} ms + "
             f"import {m['import_ms']:.1f} ms = {m['migration_ms']:.1f} ms vs re-prefill {m['reprefill_ms']:.1f} ms"
         )
+    results["sampling"] = []
+    for vocab in (int(x) for x in args.vocabs.split(",")):
+        c = sampling_cost(vocab, args.sampling_repeats)
+        results["sampling"].append(c)
+        print(f"sampling @ vocab {vocab:6d}: multinomial {c['multinomial_us']:.1f} us, draw_index "
+              f"{c['draw_index_us']:.1f} us ({c['draw_speedup']}x), sample_token {c['sample_token_us']:.1f} us")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

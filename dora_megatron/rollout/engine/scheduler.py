@@ -45,7 +45,7 @@ from dora_megatron.rollout.engine.kept_kv import KeptKV
 from dora_megatron.rollout.engine.kv_cache import BlockPool, RequestKV, blocks_for
 from dora_megatron.rollout.engine.model import CausalLM
 from dora_megatron.rollout.engine.routing_trace import RoutingTrace, split_step_routing
-from dora_megatron.rollout.engine.sampler import make_generator, sample_token, verify_draft
+from dora_megatron.rollout.engine.sampler import DraftLaw, make_generator, sample_token, verify_draft
 from dora_megatron.rollout.engine.sampled_dists import RecordRows, SampledDists, SampledRecord, record_dists
 from dora_megatron.rollout.engine.sibling_scores import score_sources, scoring_lengths, top_dists
 from dora_megatron.rollout.speculation import (
@@ -318,7 +318,7 @@ class Scheduler:
         pos: list[int] = []
         segs = []
         drafts: list[list[int]] = []
-        draft_qs: list[list[dict[int, float]] | None] = []
+        draft_qs: list[list[DraftLaw] | None] = []
         for r in batch:
             toks = r.tokens
             start = r.kv.length
@@ -387,7 +387,7 @@ class Scheduler:
         ids, probs = top_dists(logits, params, self.limits.spec_sibling_top_k)
         return ids.cpu(), probs.cpu()
 
-    def _draft(self, r: Request) -> tuple[list[int], list[dict[int, float]] | None]:
+    def _draft(self, r: Request) -> tuple[list[int], list[DraftLaw] | None]:
         """The draft of a decoding request, and the distributions its tokens were drawn from (None:
         chosen deterministically): at most ``spec_tokens``, short enough that the verify pass's
         tokens fit the request's remaining budget and the context, and as long as the request's
@@ -406,7 +406,7 @@ class Scheduler:
         if room > 0 and k == 0:
             self.spec.declined_steps += 1
         draft: list[int] = []
-        q: list[dict[int, float]] | None = None
+        q: list[DraftLaw] | None = None
         sampled = lim.speculative == "group" and not r.params.greedy
         if k > 0 and sampled and r.draft_sources:
             try:

@@ -44,8 +44,8 @@ def top_dists(logits: torch.Tensor, params: Sequence[SamplingParams], k: int) ->
         scaled = logits.to(torch.float32) / temps.pop()
     else:
         scaled = logits.to(torch.float32) / torch.tensor([p.temperature for p in params], device=dev)[:, None]
-    vals, ids = scaled.topk(min(k, scaled.shape[-1]), dim=-1)  # sorted, likeliest first
-    probs = (vals - torch.logsumexp(scaled, dim=-1, keepdim=True)).exp()
+    # sorted, likeliest first (softmax, not logsumexp: a fifth of its time on CPU at a few rows)
+    probs, ids = torch.softmax(scaled, dim=-1).topk(min(k, scaled.shape[-1]), dim=-1)
     if any(p.top_k > 0 for p in params):
         top_k = torch.tensor([p.top_k if p.top_k > 0 else probs.shape[-1] for p in params], device=dev)
         probs = probs.masked_fill(torch.arange(probs.shape[-1], device=dev)[None, :] >= top_k[:, None], 0.0)

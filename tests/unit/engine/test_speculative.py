@@ -207,7 +207,8 @@ def test_the_joint_law_test_rejects_a_draft_verified_against_another_q():
     one they came from (uniform over its support) give continuations off the chain's law."""
     def mismatched(seq, g):
         draft, qs = _sibling_drafter(seq, g)
-        return draft, [{t: 1.0 / len(q) for t in q} for q in qs]
+        supports = [set(q.support()[0].tolist()) for q in qs]
+        return draft, [{t: 1.0 / len(ts) for t in ts} for ts in supports]
 
     assert gof_pvalue(_speculative_sequences(10_000, mismatched), _exact_law()) < 1e-3
 
@@ -245,7 +246,7 @@ def test_a_frequent_last_token_does_not_hide_longer_matches():
 def test_sampled_draft_ends_where_no_sibling_matches_and_keeps_each_q():
     index = SiblingIndex([[1, 2, 3, 4]])
     draft, qs = sample_sibling_draft([7, 2], 5, index, make_generator(0))
-    assert draft == [3, 4] and qs == [{3: 1.0}, {4: 1.0}]  # after 4 nothing follows in the source
+    assert draft == [3, 4] and [q.q for q in qs] == [{3: 1.0}, {4: 1.0}]  # after 4 nothing follows in the source
     assert sample_sibling_draft([8], 3, index, make_generator(0)) == ([], [])
     draws = [sample_sibling_draft([0], 1, SiblingIndex([[0, 1, 0, 2, 0, 2]]), make_generator(i))[0][0]
              for i in range(400)]
@@ -283,6 +284,39 @@ def test_scored_q_is_the_mean_of_each_sources_nearest_longest_match():
         assert both.next_distribution([1, 2, 3]) == pytest.approx({12: 0.375, 42: 0.125, 32: 0.5})
     with pytest.raises(ValueError, match="one SourceDists row per source token"):
         SiblingIndex([a, b], dists=[_dists(rows_a), _dists(rows_b[:-1])])
+
+
+def test_scored_drafts_are_drawn_from_the_mean_the_verify_rule_is_handed():
+    """A scored index's draft law (a row per source, drawn as a mixture) is the mean of the rows:
+    its draws follow ``next_distribution``, its ``prob`` and ``support`` give that mean, and a
+    token of probability zero in a row (top-k cut) is never drawn. Power: 20,000 draws over 4
+    cells; moving 0.02 of probability between two tokens is rejected at alpha 0.001 with
+    probability > 0.999."""
+    a, b = [1, 2, 3, 9], [4, 2, 3, 8]
+    rows_a = [{10: 0.6, 11: 0.4, 12: 0.0}] * len(a)
+    rows_b = [{11: 0.7, 13: 0.3, 12: 0.0}] * len(b)
+    index = SiblingIndex([a, b], dists=[_dists(rows_a), _dists(rows_b)])
+    law = index.draft_distribution([7, 2, 3])  # [2, 3] in both sources: both rows count
+    mean = index.next_distribution([7, 2, 3])
+    assert mean == pytest.approx({10: 0.3, 11: 0.55, 13: 0.15})
+    assert {t: law.prob(t) for t in (10, 11, 12, 13, 14)} == pytest.approx({**mean, 12: 0.0, 14: 0.0})
+    ids, weights = law.support()
+    summed: dict[int, float] = {}
+    for t, w in zip(ids.tolist(), weights.tolist()):
+        summed[t] = summed.get(t, 0.0) + w
+    assert summed == pytest.approx({**mean, 12: 0.0})
+    g = make_generator(17)
+    counts = torch.zeros(14)
+    for _ in range(20_000):
+        counts[law.draw(g)] += 1
+    probs = torch.zeros(14)
+    for t, w in mean.items():
+        probs[t] = w
+    assert gof_pvalue(counts, probs) > 1e-3  # also asserts token 12 (probability zero) never came
+    shifted = probs.clone()
+    shifted[10] += 0.02
+    shifted[11] -= 0.02
+    assert gof_pvalue(counts, shifted) < 1e-3
 
 
 def test_sibling_context_restores_the_shared_prompt():
