@@ -269,8 +269,6 @@ class Scheduler:
         bad = [t for src in sources for t in src if not 0 <= t < vocab]
         if bad:  # drafts are fed to the model: an id outside the vocabulary would fail the batch
             raise ProtocolError(f"sources contain ids outside [0, {vocab}): {bad[:5]}")
-        if len(r.draft_dists) != len(r.draft_sources):
-            r.draft_dists = [None] * len(r.draft_sources)
         r.draft_sources.extend(sibling_source(r.prompt_ids, src) for src in sources)
         r.draft_dists.extend([None] * len(sources))
         del r.draft_sources[:-MAX_DRAFT_SOURCES]
@@ -354,9 +352,8 @@ class Scheduler:
         recorded = self._step_records(batch, drafts, logits)  # on the logits' device: only [rows, K] moves
         logits = logits.cpu()
         produced, row = 0, 0
-        for r, draft, q in zip(batch, drafts, draft_qs):
+        for b, (r, draft, q) in enumerate(zip(batch, drafts, draft_qs)):
             own = logits[row : row + len(draft) + 1]
-            rec_at = row
             row += len(draft) + 1
             try:
                 if draft:
@@ -368,24 +365,37 @@ class Scheduler:
                 log.exception("sampling failed for request %s", r.rid)
                 self._finish(r, finish_abort(f"sampling failed: {exc!r}", 500, "internal_error"))
                 continue
-            if r.sampled is not None and recorded is not None:  # row i: what toks[i] was drawn from
-                r.sampled.append(recorded[0][rec_at : rec_at + len(toks)], recorded[1][rec_at : rec_at + len(toks)])
+            rec = None if recorded is None else recorded[b]
+            if r.sampled is not None and rec is not None:  # row i: what toks[i] was drawn from
+                r.sampled.append(rec[0][: len(toks)], rec[1][: len(toks)])
             produced += self._take(r, toks, lps, draft)
         self.steps += 1
         self.tokens_generated += produced
         return produced
 
     def _step_records(self, batch: list[Request], drafts: list[list[int]], logits: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The top ``spec_sibling_top_k`` of every predicting row's sampling distribution, by the
-        rows of ``logits``, when a request of the batch records them (batched over the rows; the
-        rows of requests that do not record are computed at temperature 1 and not used)."""
-        if not any(r.sampled is not None for r in batch):
+                      ) -> list[tuple[torch.Tensor, torch.Tensor] | None] | None:
+        """Per request of the batch, the top ``spec_sibling_top_k`` of each of its predicting rows'
+        sampling distributions (``logits`` has its rows in batch order, ``len(draft) + 1`` each)
+        when it records them, else None; None when none does. Batched over the recording rows
+        only (on the logits' device: only ``[rows, K]`` moves)."""
+        spans: list[tuple[int, int] | None] = []
+        rows: list[int] = []
+        params: list[SamplingParams] = []
+        at = 0
+        for r, draft in zip(batch, drafts):
+            n = len(draft) + 1
+            spans.append((len(rows), n) if r.sampled is not None else None)
+            if r.sampled is not None:
+                rows.extend(range(at, at + n))
+                params.extend([r.params] * n)
+            at += n
+        if not rows:
             return None
-        params = [r.params if r.sampled is not None else SamplingParams(temperature=1.0)
-                  for r, draft in zip(batch, drafts) for _ in range(len(draft) + 1)]
-        ids, probs = top_dists(logits, params, self.limits.spec_sibling_top_k)
-        return ids.cpu(), probs.cpu()
+        picked = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, device=logits.device)]
+        ids, probs = top_dists(picked, params, self.limits.spec_sibling_top_k)
+        ids, probs = ids.cpu(), probs.cpu()
+        return [None if sp is None else (ids[sp[0] : sp[0] + sp[1]], probs[sp[0] : sp[0] + sp[1]]) for sp in spans]
 
     def _draft(self, r: Request) -> tuple[list[int], list[DraftLaw] | None]:
         """The draft of a decoding request, and the distributions its tokens were drawn from (None:
@@ -427,8 +437,6 @@ class Scheduler:
         otherwise (until the sources change again)."""
         if r.draft_index is not None:
             return r.draft_index
-        if len(r.draft_dists) != len(r.draft_sources):  # an imported request: none scored here yet
-            r.draft_dists = [None] * len(r.draft_sources)
         top_k = self.limits.spec_sibling_top_k
         for i, d in enumerate(r.draft_dists):
             if d is None and top_k > 0:
@@ -691,6 +699,7 @@ class Scheduler:
         blob = self._load_export(data, EXPORT_FORMAT, "request")
         c = self.model.config
         req = self._request_from_blob(blob, on_done)
+        req.draft_dists = [None] * len(req.draft_sources)  # scores are not exported: scored here again
         self.check_version(req.required_version)
         if req.rid in self.by_rid:
             raise ProtocolError(f"rid {req.rid!r} is already in use on this instance", 409)

@@ -633,6 +633,45 @@ def test_sources_pushed_to_a_running_request_are_drafted_from(moe_model):
     assert s.spec.accepted_tokens - before >= 25  # nearly every later token came from the pushed sibling
 
 
+def test_group_speculation_on_a_users_own_bf16_model(own_model):
+    """The user's own model directory (a Qwen3-MoE saved by transformers in bf16, its vocabulary
+    padded past its byte-level BPE tokenizer's) and a prompt its own chat template makes from the
+    Parquet file's first row: siblings decoded on an instance are recorded and drafted from there,
+    another instance scores them, drafts are kept on both, and every returned logprob is the
+    model's own for that token (a full forward over prompt + answer at the request's temperature)."""
+    import pyarrow.parquet as pq
+
+    from dora_megatron.data.codec import load_codec
+    from dora_megatron.rollout.engine.model import load_model
+
+    prompt = load_codec(own_model.model_dir).encode_prompt(pq.read_table(own_model.data).column("prompt")[0].as_py())
+    model = load_model(str(own_model.model_dir), dtype=torch.bfloat16)  # ``dora serve --dtype bfloat16``
+    assert model.config.vocab_size > len(own_model.tokenizer())
+    n, temp = 24, 0.2  # an untrained model: siblings agree often enough to draft from only when cool
+    here = _sched(model, "group")
+    sibs = _run(here, [_req(f"s{j}", prompt, None, n=n, temperature=temp, sampling_seed=j) for j in range(3)])
+    sources = [prompt + sibs[f"s{j}"]["output_ids"] for j in range(3)]
+    elsewhere = _sched(model, "group")
+    tails = {}
+    for name, s in (("here", here), ("elsewhere", elsewhere)):
+        tails[name] = _run(s, [_req("t", prompt, None, n=n, sources=sources, temperature=temp,
+                                    sampling_seed=99)])["t"]
+        assert s.spec.accepted_tokens > 0, name
+    assert here.spec.recorded_sources == 3 and here.spec.scored_tokens == 0
+    assert elsewhere.spec.recorded_sources == 0 and elsewhere.spec.scored_tokens > 0
+    for name, resp in tails.items():
+        out = resp["output_ids"]
+        kv = RequestKV(model.kv_shape(16))
+        kv.ensure_capacity(len(prompt) + len(out))
+        ids = torch.tensor(prompt + out)
+        with torch.inference_mode():
+            logits = model.logits(model.forward_segments(ids, torch.arange(len(ids)), [(kv, len(ids))])).float()
+        want = torch.log_softmax(logits[len(prompt) - 1 : -1] / temp, -1)[torch.arange(len(out)), torch.tensor(out)]
+        # bf16: a verify step and one full forward round differently (measured up to 0.035 here);
+        # a wrong row or the draft's own probability would be off by far more at this temperature
+        assert _lps(resp) == pytest.approx(want.tolist(), abs=0.1), name
+
+
 def test_sources_pushed_to_a_running_request_reach_its_sampled_drafts(moe_model):
     s = _sched(moe_model, "group", spec_sibling_top_k=0)  # the counts' q: exact to check by hand
     first, later = PROMPTS[0] + [7, 8, 9], PROMPTS[0] + [11, 12, 13]
@@ -773,6 +812,28 @@ def test_a_retracted_request_keeps_recording_its_tokens(moe_model):
     assert rows.shape[0] == 14
     top = full.topk(32, dim=-1)
     assert torch.allclose(rows.gather(1, top.indices), top.values / top.values.sum(-1, keepdim=True), atol=1e-4)
+
+
+def test_each_recording_request_of_a_batch_gets_its_own_rows(moe_model):
+    """Rows are computed for the recording requests only: a greedy request (which records
+    nothing) ahead of two sampled ones in every step, one of them drafting (several rows a step),
+    at two temperatures; each record is its own request's sampling distributions."""
+    sib = _run(_sched(moe_model), [_req("s", PROMPTS[0], None, n=14, temperature=0.8, sampling_seed=4)])["s"]
+    s = _sched(moe_model, "group")
+    greedy = _req("g", PROMPTS[1], None, n=14, temperature=0.0)
+    drafting = _req("a", PROMPTS[0], None, n=14, temperature=0.8, sampling_seed=5,
+                    sources=[PROMPTS[0] + sib["output_ids"]])
+    plain = _req("b", PROMPTS[2], None, n=14, temperature=1.0, sampling_seed=6)
+    _run(s, [greedy, drafting, plain])
+    assert greedy.sampled is None and s.spec.verify_steps > 0 and s.spec.accepted_tokens > 0
+    for req, temp in ((drafting, 0.8), (plain, 1.0)):
+        seq = req.prompt_ids + req.output_ids
+        kept = s.sampled.source_dists(req.prompt_ids, sibling_source(req.prompt_ids, seq))
+        full = torch.softmax(moe_model.full_logits(seq)[len(req.prompt_ids) - 1 : -1].float() / temp, -1)
+        rows = _dense(kept, moe_model.config.vocab_size)[2:-1]
+        assert rows.shape[0] == 14
+        top = full.topk(32, dim=-1)
+        assert torch.allclose(rows.gather(1, top.indices), top.values / top.values.sum(-1, keepdim=True), atol=1e-4)
 
 
 def test_a_failed_scoring_leaves_the_counts_and_the_batch_runs(moe_model, monkeypatch):
