@@ -164,12 +164,16 @@ class DraftDistribution:
         return self.tokens[min(bisect.bisect_right(self.cumulative, u), len(self.tokens) - 1)]
 
     def draw(self, generator: torch.Generator) -> int:
-        return self.pick(float(torch.rand((), generator=generator)))
+        """A token drawn from ``q`` with the request's generator (a double-precision uniform:
+        float32's 2**-24 grain would never draw a token below it)."""
+        return self.pick(float(torch.rand((), generator=generator, dtype=torch.float64)))
 
     def prob(self, token: int) -> float:
+        """``q(token)``, what the verify rule divides by."""
         return self.q.get(token, 0.0)
 
     def support(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q``'s tokens and probabilities, for the redraw after a rejection."""
         return torch.tensor(list(self.q), dtype=torch.long), torch.tensor(list(self.q.values()), dtype=torch.float64)
 
 
@@ -179,7 +183,10 @@ class ScoredRow:
     them) and as the source's own tensors (``ids_t``, ``probs_t``; the redraw after a rejection
     reads those), with the running sums of ``probs`` (the row's mass is ``cumulative[-1]``, 1 up
     to the rounding of the top-K renormalisation). A token is drawn with ``u * mass``, so a token
-    of probability zero (cut by top-k or top-p) is never drawn."""
+    of probability zero (cut by top-k or top-p) is never drawn. A token's whole weight is at its
+    first occurrence: a top-K row's tokens are distinct, and a point-mass row
+    (:func:`~dora_megatron.rollout.engine.sampled_dists.record_dists`) repeats only its zero-weight
+    padding after the token that carries the mass."""
 
     ids: list[int]
     probs: list[float]
@@ -193,10 +200,12 @@ class ScoredRow:
         return ScoredRow(ids.tolist(), p, list(itertools.accumulate(p)), ids, probs)
 
     def pick(self, u: float) -> int:
+        """The token a uniform ``u`` in [0, 1) picks, in proportion to ``probs``."""
         cum = self.cumulative
         return self.ids[min(bisect.bisect_right(cum, u * cum[-1]), len(cum) - 1)]
 
     def prob(self, token: int) -> float:
+        """The row's normalised probability of ``token`` (0 outside the row)."""
         return self.probs[self.ids.index(token)] / self.cumulative[-1] if token in self.ids else 0.0
 
 
@@ -211,17 +220,22 @@ class RowMixture:
     rows: tuple[ScoredRow, ...]
 
     def draw(self, generator: torch.Generator) -> int:
-        u_row, u_tok = torch.rand(2, generator=generator).tolist()
+        """A row uniformly, then a token from it (double-precision uniforms)."""
+        u_row, u_tok = torch.rand(2, generator=generator, dtype=torch.float64).tolist()
         return self.rows[min(int(u_row * len(self.rows)), len(self.rows) - 1)].pick(u_tok)
 
     def prob(self, token: int) -> float:
+        """``q(token)``: the mean of the rows' probabilities of it."""
         return sum(r.prob(token) for r in self.rows) / len(self.rows)
 
     def support(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every row's tokens and their shares of ``q`` (a token in several rows repeats)."""
-        scale = torch.tensor([r.cumulative[-1] * len(self.rows) for r in self.rows], dtype=torch.float64)
-        weights = torch.stack([r.probs_t for r in self.rows]).to(torch.float64) / scale[:, None]
-        return torch.stack([r.ids_t for r in self.rows]).flatten(), weights.flatten()
+        """Every row's tokens and their shares of ``q`` (a token in several rows repeats; rows
+        may differ in width)."""
+        n = len(self.rows)
+        scale = torch.tensor([r.cumulative[-1] * n for r in self.rows], dtype=torch.float64)
+        widths = torch.tensor([len(r.ids) for r in self.rows])
+        weights = torch.cat([r.probs_t for r in self.rows]).to(torch.float64) / scale.repeat_interleave(widths)
+        return torch.cat([r.ids_t for r in self.rows]), weights
 
 
 class SiblingIndex:

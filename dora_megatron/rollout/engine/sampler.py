@@ -49,16 +49,29 @@ def draw_index(weights: torch.Tensor, generator: torch.Generator) -> int:
     weight: the first whose running sum exceeds ``u`` times the total, ``u`` uniform in [0, 1).
 
     WHY not ``torch.multinomial``: on CPU it takes about 3 ms for one draw over a 151,936-token
-    vocabulary (Qwen3's), against about 0.1 ms for the running sum and a binary search; the
-    running sum is accumulated in double precision by torch's CPU kernel, as multinomial's own
-    is. An index of weight zero has an interval of width zero and is never drawn."""
-    cum = weights.cumsum(0)
+    vocabulary (Qwen3's), against about 0.2 ms for the running sum and a binary search. The
+    running sum and ``u`` are in double precision: a float32 running sum snaps each token's
+    interval to float32 steps (about 6e-8 near 1), so tokens below that would never be drawn
+    and the others drift by as much; in double the law is ``weights`` up to double rounding. An
+    index of weight zero has an interval of width zero and is never drawn."""
+    cum = running_sum(weights)
     total = float(cum[-1])
     if not total > 0.0:
         raise ValueError(f"draw_index needs weights with positive mass, got a total of {total}")
     u = float(torch.rand((), generator=generator, dtype=torch.float64))
-    idx = int(torch.searchsorted(cum, u * total, right=True))
-    if idx >= len(cum):  # u * total rounded up to the total: the last index with weight
+    return pick_index(cum, u * total, weights)
+
+
+def running_sum(weights: torch.Tensor) -> torch.Tensor:
+    """The running sum of 1-D ``weights`` in double precision (:func:`draw_index`)."""
+    return weights.to(torch.float64).cumsum(0)
+
+
+def pick_index(cum: torch.Tensor, x: float, weights: torch.Tensor) -> int:
+    """The first index whose running sum ``cum`` (float64) exceeds ``x`` in [0, total); where
+    rounding puts ``x`` at the total, the last index with weight."""
+    idx = int(torch.searchsorted(cum, torch.tensor([x], dtype=torch.float64), right=True))
+    if idx >= len(cum):
         idx = int(torch.nonzero(weights)[-1])
     return idx
 
@@ -108,7 +121,7 @@ def accept_or_resample(probs: torch.Tensor, draft: int, generator: torch.Generat
     """
     probs = probs.cpu()
     p_draft = float(probs[draft])
-    if float(torch.rand((), generator=generator)) < p_draft:
+    if float(torch.rand((), generator=generator, dtype=torch.float64)) < p_draft:
         return draft
     residual = probs.clone()
     residual[draft] = 0.0
@@ -134,7 +147,7 @@ def accept_or_resample_sampled(probs: torch.Tensor, draft: int, q: Mapping[int, 
     probs = probs.cpu()
     mapping = isinstance(q, Mapping)
     q_draft = float(q[draft]) if mapping else q.prob(draft)
-    if float(torch.rand((), generator=generator)) * q_draft < float(probs[draft]):
+    if float(torch.rand((), generator=generator, dtype=torch.float64)) * q_draft < float(probs[draft]):
         return draft
     if mapping:
         ids, weights = torch.tensor(list(q), dtype=torch.long), torch.tensor([float(w) for w in q.values()])
@@ -183,8 +196,10 @@ def verify_draft(
     logp, probs = _target(logits, params)  # every row at once: the rule then reads single entries
     tokens = []
     for i, d in enumerate(draft):
-        tok = accept_or_resample(probs[i], int(d), generator) if q is None else \
-            accept_or_resample_sampled(probs[i], int(d), q[i], generator)
+        if q is None:
+            tok = accept_or_resample(probs[i], int(d), generator)
+        else:
+            tok = accept_or_resample_sampled(probs[i], int(d), q[i], generator)
         tokens.append(tok)
         if tok != d:
             break

@@ -6,8 +6,10 @@ import torch
 
 import pytest
 
-from dora_megatron.rollout.engine.sampler import draw_index, make_generator, sample_token, truncate_probs
+from dora_megatron.rollout.engine.sampler import (draw_index, make_generator, pick_index, running_sum, sample_token,
+                                                  truncate_probs)
 from dora_megatron.comm.protocol import SamplingParams
+from tests.helpers.stats import gof_pvalue
 
 LOGITS = torch.tensor([0.1, 2.0, -1.0, 1.5, 0.3, 1.9])
 
@@ -52,14 +54,6 @@ def test_top_k_and_top_p_only_sample_allowed_tokens():
     assert abs(float(kept.sum()) - 1.0) < 1e-6
 
 
-def _chi2_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    keep = probs > 0
-    expected = counts.sum() * probs[keep] / probs[keep].sum()
-    stat = ((counts[keep] - expected) ** 2 / expected).sum()
-    df = torch.tensor((int(keep.sum()) - 1) / 2, dtype=torch.float64)
-    return float(torch.special.gammaincc(df, stat.to(torch.float64) / 2))
-
-
 def test_draw_index_draws_in_proportion_and_never_a_zero_weight():
     """Unnormalised weights with zeros at both ends and inside. Power: 20,000 draws; moving 0.02
     of probability between two indices is rejected at alpha 0.001 with probability > 0.999."""
@@ -69,12 +63,26 @@ def test_draw_index_draws_in_proportion_and_never_a_zero_weight():
     for _ in range(20_000):
         counts[draw_index(weights, g)] += 1
     assert counts[weights == 0].sum() == 0
-    assert _chi2_p(counts, weights) > 1e-3
+    assert gof_pvalue(counts, weights) > 1e-3
     bad = torch.zeros(len(weights))
     bad[1], bad[3] = 0.02 * 7.0, -0.02 * 7.0  # the alternative of the power statement
-    assert _chi2_p(counts, weights + bad) < 1e-3
+    assert gof_pvalue(counts, weights + bad) < 1e-3
 
 
 def test_draw_index_refuses_weights_without_mass():
     with pytest.raises(ValueError, match="positive mass"):
         draw_index(torch.zeros(4), make_generator(0))
+
+
+def test_a_token_far_below_float32_steps_keeps_its_own_interval():
+    """A weight of 2**-26 between two of 0.5: a float32 running sum rounds it away (0.5 + 2**-26
+    is 0.5 in float32), so that token could never be drawn; the engine's running sum keeps its
+    interval, and a point inside it picks it."""
+    weights = torch.tensor([0.5, 2.0**-26, 0.5])
+    assert float(weights.cumsum(0)[1]) == 0.5  # what float32 does
+    cum = running_sum(weights)
+    assert float(cum[1] - cum[0]) == 2.0**-26
+    assert pick_index(cum, 0.5 + 2.0**-28, weights) == 1
+    assert pick_index(cum, 0.5 - 2.0**-28, weights) == 0
+    assert pick_index(cum, 0.5 + 2.0**-25, weights) == 2
+    assert pick_index(cum, float(cum[-1]), torch.tensor([0.5, 2.0**-26, 0.5])) == 2  # rounded up to the total
