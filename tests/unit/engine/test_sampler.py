@@ -6,7 +6,8 @@ import torch
 
 import pytest
 
-from dora_megatron.rollout.engine.sampler import (draw_index, make_generator, pick_index, running_sum, sample_token,
+from dora_megatron.rollout.engine.sampler import (DRAW_BLOCK, draw_index, locate_index, make_generator, pick_index,
+                                                  running_sum, sample_token,
                                                   truncate_probs)
 from dora_megatron.comm.protocol import SamplingParams
 from tests.helpers.stats import gof_pvalue
@@ -86,3 +87,26 @@ def test_a_token_far_below_float32_steps_keeps_its_own_interval():
     assert pick_index(cum, 0.5 - 2.0**-28, weights) == 0
     assert pick_index(cum, 0.5 + 2.0**-25, weights) == 2
     assert pick_index(cum, float(cum[-1]), torch.tensor([0.5, 2.0**-26, 0.5])) == 2  # rounded up to the total
+
+
+def test_a_vocabulary_sized_vector_is_located_block_by_block_exactly():
+    """Past one block the search goes block by block: the tiny weight keeps its interval there
+    too (placed just after a block boundary and inside a block), zero weights are never
+    returned, a point past the total gives the last index with weight, and draws over a
+    vocabulary of 3 blocks and a partial one follow the weights (20,000 draws; moving 0.02 of
+    probability between two cells is rejected at alpha 0.001 with probability > 0.999)."""
+    n = 3 * DRAW_BLOCK + 100
+    weights = torch.zeros(n)
+    weights[[5, DRAW_BLOCK, DRAW_BLOCK + 1, 2 * DRAW_BLOCK + 7, 3 * DRAW_BLOCK + 50]] = torch.tensor(
+        [0.5, 2.0**-26, 0.25, 2.0**-26, 0.25])
+    total = 1.0 + 2.0**-25
+    assert locate_index(weights, (0.5 + 2.0**-28) / total) == DRAW_BLOCK
+    assert locate_index(weights, (0.5 - 2.0**-28) / total) == 5
+    assert locate_index(weights, (0.75 + 2.0**-26 + 2.0**-28) / total) == 2 * DRAW_BLOCK + 7
+    assert locate_index(weights, 0.999999) == 3 * DRAW_BLOCK + 50
+    assert locate_index(weights, 1.0) == 3 * DRAW_BLOCK + 50  # rounding at the total
+    g = make_generator(21)
+    counts = torch.zeros(n)
+    for _ in range(20_000):
+        counts[draw_index(weights, g)] += 1
+    assert gof_pvalue(counts, weights) > 1e-3  # also asserts no zero weight came out
