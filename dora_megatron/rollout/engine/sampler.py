@@ -21,7 +21,7 @@ import secrets
 
 import torch
 
-from typing import Mapping, Protocol, Sequence
+from typing import Protocol, Sequence
 
 from dora_megatron.comm.protocol import SamplingParams
 
@@ -158,11 +158,9 @@ def accept_or_resample(probs: torch.Tensor, draft: int, generator: torch.Generat
     return draw_index(residual, generator)
 
 
-def accept_or_resample_sampled(probs: torch.Tensor, draft: int, q: Mapping[int, float] | DraftLaw,
-                               generator: torch.Generator) -> int:
-    """One draft token drawn from the drafter's distribution ``q`` (token -> probability, or a
-    :class:`DraftLaw`), against the target distribution ``probs``: the general rejection rule of
-    speculative sampling.
+def accept_or_resample_sampled(probs: torch.Tensor, draft: int, q: DraftLaw, generator: torch.Generator) -> int:
+    """One draft token drawn from the drafter's distribution ``q`` (:class:`DraftLaw`), against the
+    target distribution ``probs``: the general rejection rule of speculative sampling.
 
     Keep ``draft`` with probability ``min(1, p(draft) / q(draft))``, else draw from
     ``max(p - q, 0)`` renormalised. The result is distributed as ``p``: a token ``x`` comes out
@@ -172,14 +170,9 @@ def accept_or_resample_sampled(probs: torch.Tensor, draft: int, q: Mapping[int, 
     ``sum(min(p, q))``: with ``q`` a point mass this is :func:`accept_or_resample`.
     """
     probs = probs.cpu()
-    mapping = isinstance(q, Mapping)
-    q_draft = float(q[draft]) if mapping else q.prob(draft)
-    if float(torch.rand((), generator=generator, dtype=torch.float64)) * q_draft < float(probs[draft]):
+    if float(torch.rand((), generator=generator, dtype=torch.float64)) * q.prob(draft) < float(probs[draft]):
         return draft
-    if mapping:
-        ids, weights = torch.tensor(list(q), dtype=torch.long), torch.tensor([float(w) for w in q.values()])
-    else:
-        ids, weights = q.support()
+    ids, weights = q.support()
     residual = probs.clone()
     residual.index_put_((ids,), -weights.to(residual.dtype), accumulate=True)
     residual.clamp_(min=0.0)
@@ -191,7 +184,7 @@ def accept_or_resample_sampled(probs: torch.Tensor, draft: int, q: Mapping[int, 
 
 def verify_draft(
     logits: torch.Tensor, draft: Sequence[int], params: SamplingParams, generator: torch.Generator,
-    q: Sequence[Mapping[int, float] | DraftLaw] | None = None,
+    q: Sequence[DraftLaw] | None = None,
 ) -> tuple[list[int], list[float]]:
     """The tokens one verify pass yields, with their logprobs.
 

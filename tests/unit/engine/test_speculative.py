@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from dora_megatron.comm.protocol import GenerateRequest, ProtocolError, SamplingParams
-from dora_megatron.rollout.engine.drafter import (SiblingIndex, SourceDists, propose_draft, sample_sibling_draft,
-                                                  sibling_context, sibling_source)
+from dora_megatron.rollout.engine.drafter import (DraftDistribution, SiblingIndex, SourceDists, propose_draft,
+                                                  sample_sibling_draft, sibling_context, sibling_source)
 from dora_megatron.rollout.engine.kv_cache import RequestKV
 from dora_megatron.rollout.engine.sampler import (accept_or_resample, accept_or_resample_sampled, make_generator,
                                                   verify_draft)
@@ -64,7 +64,7 @@ def _sampled_draws(rule, q: dict[int, float]) -> torch.Tensor:
     g = make_generator(4321)
     counts = torch.zeros(len(PROBS))
     for _ in range(N_DRAWS):
-        counts[rule(PROBS, _draw_from(q, g), q, g)] += 1
+        counts[rule(PROBS, _draw_from(q, g), DraftDistribution.of(q), g)] += 1
     return counts
 
 
@@ -82,7 +82,7 @@ def test_a_sampled_draft_is_kept_or_redrawn_to_the_target_distribution(q):
 
 def test_the_goodness_of_fit_test_rejects_a_sampled_rule_with_the_point_mass_redraw():
     def wrong_redraw(probs, draft, q, g):  # kept as min(1, p/q), but redrawn from p without the draft
-        if float(torch.rand((), generator=g)) * q[draft] < float(probs[draft]):
+        if float(torch.rand((), generator=g)) * q.prob(draft) < float(probs[draft]):
             return draft
         rest = probs.clone()
         rest[draft] = 0.0
@@ -96,7 +96,8 @@ def test_a_sampled_draft_is_kept_more_often_when_q_follows_p():
     p(d) for the deterministic guess d, the likeliest token here."""
     g = make_generator(5)
     q = SAMPLED_QS["close"]
-    kept_sampled = sum(accept_or_resample_sampled(PROBS, d, q, g) == d for d in (_draw_from(q, g) for _ in range(4000)))
+    law = DraftDistribution.of(q)
+    kept_sampled = sum(accept_or_resample_sampled(PROBS, d, law, g) == d for d in (_draw_from(q, g) for _ in range(4000)))
     kept_fixed = sum(accept_or_resample(PROBS, 0, g) == 0 for _ in range(4000))
     assert kept_sampled / 4000 == pytest.approx(0.95, abs=0.02)  # sum(min(p, q))
     assert kept_fixed / 4000 == pytest.approx(0.30, abs=0.02)  # p(0)
@@ -148,7 +149,7 @@ def _sampled_markov_drafter(seq, g):
         q = {(last + 1) % VOCAB: 0.5, (last + 2) % VOCAB: 0.3, last: 0.2}
         last = _draw_from(q, g)
         draft.append(last)
-        qs.append(q)
+        qs.append(DraftDistribution.of(q))
     return draft, qs
 
 
@@ -193,7 +194,7 @@ def test_the_joint_law_test_rejects_a_draft_verified_against_another_q():
     def mismatched(seq, g):
         draft, qs = _sibling_drafter(seq, g)
         supports = [set(q.support()[0].tolist()) for q in qs]
-        return draft, [{t: 1.0 / len(ts) for t in ts} for ts in supports]
+        return draft, [DraftDistribution.of({t: 1.0 / len(ts) for t in ts}) for ts in supports]
 
     assert gof_pvalue(_speculative_sequences(10_000, mismatched), _exact_law()) < 1e-3
 
