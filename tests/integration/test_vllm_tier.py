@@ -193,12 +193,13 @@ def test_ngram_speculation_on_cpu_gives_the_non_speculative_greedy_tokens(tmp_pa
 #: bounds of the runtime test: one request (64 tokens), and the 5-step run (about a minute here)
 REQUEST_BOUND_S = 120.0
 RUN_BOUND_S = 360.0
+HOLD_BOUND_S = 120.0
 
 
 class StaticTrainer:
     """A new version label per step, weights unchanged (every snapshot is the same directory);
-    step ``hold[0]`` starts only once ``hold[1]()`` holds (at most 120 s), so the event under test
-    happens before the run ends, however loaded the machine."""
+    step ``hold[0]`` starts only once ``hold[1]()`` holds (at most ``HOLD_BOUND_S``), so the event
+    under test happens before the run ends, however loaded the machine."""
 
     def __init__(self, hold) -> None:
         self.batches: list[list[dict]] = []
@@ -206,9 +207,8 @@ class StaticTrainer:
 
     async def train(self, step: int, samples: list[dict]) -> dict:
         if step == self.hold[0]:
-            for _ in range(12000):
-                if self.hold[1]():
-                    break
+            deadline = time.monotonic() + HOLD_BOUND_S
+            while not self.hold[1]() and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
         self.batches.append(samples)
         return {"version": step + 1, "metrics": {}, "checksum": None}
@@ -247,7 +247,9 @@ def test_runtime_on_vllm_migrates_by_resubmit_and_continues_the_same_greedy_sequ
     opts = RuntimeOptions(steps=5, seed=0, max_new_tokens=max_new, temperature=0.0, top_p=1.0, top_k=-1,
                           snapshot_dir=lambda v: str(model_dir), stats_interval_s=0.02)
     runtime: list[Runtime] = []
-    trainer = StaticTrainer(hold=(1, lambda: bool(runtime) and runtime[0].moves.migrations_fallback > 0))
+    # step 0 waits for a resubmit: both instances serve version 0 until it ends, so the KV leveling
+    # (same version only) has a peer for every request; later steps may see one instance per version
+    trainer = StaticTrainer(hold=(0, lambda: bool(runtime) and runtime[0].moves.migrations_fallback > 0))
     try:
         for s in servers:
             s.wait_ready()
