@@ -12,7 +12,7 @@ reader (transformers' config classes) that the trainer and the converter use too
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,35 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+class Segment(NamedTuple):
+    """One request's part of a ragged forward: its cache, its ``m`` new tokens, and how they attend
+    (``mask``, added to the scores, over the cache's earlier tokens and the new ones, or
+    ``causal``; neither: one token attending to everything). WHY computed once per forward (:func:`segment_of`): every layer of
+    a draft's verify pass would otherwise build the same mask again."""
+
+    kv: RequestKV
+    m: int
+    mask: torch.Tensor | None
+    causal: bool
+
+
+def segment_of(kv: RequestKV, m: int, device: torch.device) -> Segment:
+    """The :class:`Segment` of ``m`` new tokens after the ``kv.length`` tokens ``kv`` holds: a lone
+    token attends to all of them, a prefill from empty is plainly causal, and new tokens after
+    earlier ones (a draft's verify positions, a chunked prefill) attend to the past and causally
+    among themselves."""
+    past = kv.length
+    if m == 1:
+        return Segment(kv, m, None, False)
+    if past == 0:
+        return Segment(kv, m, None, True)
+    rows = torch.arange(m, device=device)[:, None] + past
+    visible = torch.arange(past + m, device=device)[None, :] <= rows
+    # additive, in the cache's dtype: attention would otherwise convert a boolean mask in every layer
+    mask = torch.zeros(visible.shape, dtype=kv.shape.dtype, device=device).masked_fill_(~visible, float("-inf"))
+    return Segment(kv, m, mask, False)
+
+
 class Attention(nn.Module):
     def __init__(self, c: ModelSpec) -> None:
         super().__init__()
@@ -57,7 +86,7 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         layer: int,
-        segments: Sequence[tuple[RequestKV, int]],
+        segments: Sequence[Segment],
     ) -> torch.Tensor:
         c = self.c
         n = x.shape[0]
@@ -71,17 +100,9 @@ class Attention(nn.Module):
         out = torch.empty((c.num_heads, n, c.head_dim), dtype=x.dtype, device=x.device)
         start = 0
         scale = c.head_dim**-0.5
-        for kv, m in segments:
-            past = kv.length
+        for kv, m, mask, causal in segments:
             k_all, v_all = kv.write(layer, k[:, start : start + m], v[:, start : start + m])
             qs = q[:, start : start + m]
-            if m == 1:
-                mask, causal = None, False
-            elif past == 0:
-                mask, causal = None, True
-            else:
-                rows = torch.arange(m, device=x.device)[:, None] + past
-                mask, causal = torch.arange(past + m, device=x.device)[None, :] <= rows, False
             o = F.scaled_dot_product_attention(
                 qs[None], k_all[None], v_all[None], attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
             )
@@ -269,8 +290,9 @@ class CausalLM(nn.Module):
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        planned = [segment_of(kv, m, x.device) for kv, m in segments]
         for layer in self.model.layers:
-            x = layer(x, cos, sin, segments, routing_out)
+            x = layer(x, cos, sin, planned, routing_out)
         for kv, m in segments:
             kv.commit(m)
         return self.model.norm(x)

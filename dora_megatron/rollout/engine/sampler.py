@@ -147,13 +147,18 @@ def accept_or_resample(probs: torch.Tensor, draft: int, generator: torch.Generat
     verified run (the caller stops there).
     """
     probs = probs.cpu()
-    p_draft = float(probs[draft])
-    if float(torch.rand((), generator=generator, dtype=torch.float64)) < p_draft:
+    if float(torch.rand((), generator=generator, dtype=torch.float64)) < float(probs[draft]):
         return draft
+    return redraw_without(probs, draft, generator)
+
+
+def redraw_without(probs: torch.Tensor, draft: int, generator: torch.Generator) -> int:
+    """The token after a rejected point-mass draft: drawn from ``probs`` with ``draft`` removed and
+    renormalised (:func:`accept_or_resample`); ``draft`` itself where no other token has mass
+    (``p(draft)`` rounds to 1 yet the test rejected it)."""
     residual = probs.clone()
     residual[draft] = 0.0
-    mass = float(residual.sum())
-    if mass <= 0.0:  # p(draft) rounds to 1 yet u >= p(draft): no other token has mass
+    if float(residual.sum()) <= 0.0:
         return draft
     return draw_index(residual, generator)
 
@@ -172,12 +177,18 @@ def accept_or_resample_sampled(probs: torch.Tensor, draft: int, q: DraftLaw, gen
     probs = probs.cpu()
     if float(torch.rand((), generator=generator, dtype=torch.float64)) * q.prob(draft) < float(probs[draft]):
         return draft
+    return redraw_residual(probs, draft, q, generator)
+
+
+def redraw_residual(probs: torch.Tensor, draft: int, q: DraftLaw, generator: torch.Generator) -> int:
+    """The token after a rejected draft drawn from ``q``: drawn from ``max(p - q, 0)`` renormalised
+    (:func:`accept_or_resample_sampled`); ``draft`` itself where that has no mass (``p`` and ``q``
+    agree wherever ``p`` has mass, up to rounding)."""
     ids, weights = q.support()
     residual = probs.clone()
     residual.index_put_((ids,), -weights.to(residual.dtype), accumulate=True)
     residual.clamp_(min=0.0)
-    mass = float(residual.sum())
-    if mass <= 0.0:  # p and q agree wherever p has mass (up to rounding): nothing to redraw from
+    if float(residual.sum()) <= 0.0:
         return draft
     return draw_index(residual, generator)
 
@@ -213,17 +224,24 @@ def verify_draft(
                 return tokens, logprobs
         tok, lp = sample_token(logits[len(draft)], params, generator)
         return [*tokens, tok], [*logprobs, lp]
-    logp, probs = _target(logits, params)  # every row at once: the rule then reads single entries
+    logp, probs = _target(logits, params)  # every row at once
+    probs = probs.cpu()
+    # the rule of accept_or_resample(_sampled) per draft token, its inputs read in two operations:
+    # each draft token's p(d), and one uniform per test (used by that test only, so independent of
+    # every other draw; those of the tests after a rejection go unused)
+    draft = [int(d) for d in draft]
+    p_draft = probs[torch.arange(len(draft)), torch.tensor(draft, dtype=torch.long)].tolist()
+    uniforms = torch.rand(len(draft), generator=generator, dtype=torch.float64).tolist()
     tokens = []
     for i, d in enumerate(draft):
-        if q is None:
-            tok = accept_or_resample(probs[i], int(d), generator)
-        else:
-            tok = accept_or_resample_sampled(probs[i], int(d), q[i], generator)
+        if uniforms[i] * (1.0 if q is None else q[i].prob(d)) < p_draft[i]:
+            tokens.append(d)
+            continue
+        tok = redraw_without(probs[i], d, generator) if q is None else redraw_residual(probs[i], d, q[i], generator)
         tokens.append(tok)
-        if tok != d:
+        if tok != d:  # the redraw returns the draft itself only where nothing else has mass
             break
     else:
-        tokens.append(draw_index(probs[len(draft)].cpu(), generator))
+        tokens.append(draw_index(probs[len(draft)], generator))
     rows = torch.arange(len(tokens))
     return tokens, logp[rows, torch.tensor(tokens)].tolist()
