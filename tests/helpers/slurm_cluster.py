@@ -7,10 +7,13 @@ with its own port and loopback address (``NodeAddr`` 127.0.0.1/2/3, names in ``/
 Everything the daemons write (state, spool, logs, pid files, the munge socket) lives in one
 temporary folder; :meth:`SlurmCluster.stop` stops every daemon it started by its pid.
 
-WHY ``MessageTimeout=60`` (SLURM's default is 10 s): the daemons share the machine with the jobs
-under test and with other work; a slurmd that answers the batch launch later than that (a loaded
-2-core machine) makes slurmctld count the launch failed and requeue the job, which then stays
-PENDING (reason ``BeginTime``) past any test's wait, its output file never written.
+WHY ``MessageTimeout=60`` and ``BatchStartTimeout=120`` (SLURM's defaults are 10 s each): the
+daemons share the machine with the jobs under test and with other work. A slurmd that answers the
+batch launch later than ``MessageTimeout`` (a loaded 2-core machine) makes slurmctld count the
+launch failed; one whose next report to slurmctld does not list a batch job allocated more than
+``BatchStartTimeout`` plus 10 s earlier makes slurmctld call the job missing ("not found
+BatchStartTime after startup"). Either way the job is requeued and then stays PENDING (reason
+``BeginTime``) past any test's wait, its output file never written.
 """
 
 from __future__ import annotations
@@ -100,6 +103,7 @@ JobCompType=jobcomp/none
 MinJobAge=600
 KillWait=20
 MessageTimeout=60
+BatchStartTimeout=120
 SlurmctldTimeout=60
 SlurmdTimeout=60
 InactiveLimit=0

@@ -478,10 +478,12 @@ def test_joiner_pointed_at_a_dead_run_exits_with_a_message_within_its_bound(slur
 
 def test_a_job_whose_launch_a_stalled_slurmd_answers_late_still_starts(slurm_cluster, tmp_path):
     """n1's slurmd is frozen for 25 s around a submission (as a loaded machine stalls it), longer than
-    SLURM's default ``MessageTimeout`` of 10 s: the test cluster's ``MessageTimeout=60`` lets the late
-    answer to the batch launch count, and the job runs. Before, slurmctld counted the launch failed and
-    requeued the job, which stayed PENDING (``BeginTime``) with no output file, the way a multi-node
-    test's second job once never started under load."""
+    SLURM's default ``MessageTimeout`` of 10 s and than its default ``BatchStartTimeout`` of 10 s plus
+    10: the test cluster's ``MessageTimeout=60`` lets the late answer to the batch launch count, its
+    ``BatchStartTimeout=120`` keeps n1's first report after the freeze (which may reach slurmctld
+    before the launch is done) from calling the job missing, and the job runs. Before, slurmctld
+    counted the launch failed, or the job missing, and requeued it; it stayed PENDING (``BeginTime``)
+    with no output file, the way a multi-node test's second job once never started under load."""
     (slurmd,) = [p for p in slurm_cluster.procs if "-N" in p.args and p.args[p.args.index("-N") + 1] == "n1"]
     slurm_cluster.wait_quiet(180)  # the job needs all three nodes: none may still hold an earlier test's job
     os.kill(slurmd.pid, signal.SIGSTOP)
