@@ -43,8 +43,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class Segment(NamedTuple):
     """One request's part of a ragged forward: its cache, its ``m`` new tokens, and how they attend
     (``mask``, added to the scores, over the cache's earlier tokens and the new ones, or
-    ``causal``; neither: one token attending to everything). WHY computed once per forward (:func:`segment_of`): every layer of
-    a draft's verify pass would otherwise build the same mask again."""
+    ``causal``; neither: one token attending to everything). WHY computed once per forward
+    (:func:`segment_of`): every layer of a draft's verify pass would otherwise build the same mask
+    again."""
 
     kv: RequestKV
     m: int

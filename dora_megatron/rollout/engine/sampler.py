@@ -147,9 +147,8 @@ def accept_or_resample(probs: torch.Tensor, draft: int, generator: torch.Generat
     verified run (the caller stops there).
     """
     probs = probs.cpu()
-    if float(torch.rand((), generator=generator, dtype=torch.float64)) < float(probs[draft]):
-        return draft
-    return redraw_without(probs, draft, generator)
+    u = float(torch.rand((), generator=generator, dtype=torch.float64))
+    return keep_or_redraw(probs, draft, None, u, float(probs[draft]), generator)
 
 
 def redraw_without(probs: torch.Tensor, draft: int, generator: torch.Generator) -> int:
@@ -175,9 +174,20 @@ def accept_or_resample_sampled(probs: torch.Tensor, draft: int, q: DraftLaw, gen
     ``sum(min(p, q))``: with ``q`` a point mass this is :func:`accept_or_resample`.
     """
     probs = probs.cpu()
-    if float(torch.rand((), generator=generator, dtype=torch.float64)) * q.prob(draft) < float(probs[draft]):
+    u = float(torch.rand((), generator=generator, dtype=torch.float64))
+    return keep_or_redraw(probs, draft, q, u, float(probs[draft]), generator)
+
+
+def keep_or_redraw(probs: torch.Tensor, draft: int, q: DraftLaw | None, u: float, p_draft: float,
+                   generator: torch.Generator) -> int:
+    """The rejection rule for one draft token, its inputs already read: keep ``draft`` when
+    ``u * q(draft) < p(draft)`` (``q`` None: a point mass, ``q(draft) = 1``), else redraw
+    (:func:`redraw_without`, :func:`redraw_residual`). ``u``: a uniform of this test only. WHY
+    apart: :func:`verify_draft` reads a whole step's ``p(draft)`` and uniforms at once, the
+    single-token rules one at a time; both decide here."""
+    if u * (1.0 if q is None else q.prob(draft)) < p_draft:
         return draft
-    return redraw_residual(probs, draft, q, generator)
+    return redraw_without(probs, draft, generator) if q is None else redraw_residual(probs, draft, q, generator)
 
 
 def redraw_residual(probs: torch.Tensor, draft: int, q: DraftLaw, generator: torch.Generator) -> int:
@@ -234,12 +244,9 @@ def verify_draft(
     uniforms = torch.rand(len(draft), generator=generator, dtype=torch.float64).tolist()
     tokens = []
     for i, d in enumerate(draft):
-        if uniforms[i] * (1.0 if q is None else q[i].prob(d)) < p_draft[i]:
-            tokens.append(d)
-            continue
-        tok = redraw_without(probs[i], d, generator) if q is None else redraw_residual(probs[i], d, q[i], generator)
+        tok = keep_or_redraw(probs[i], d, None if q is None else q[i], uniforms[i], p_draft[i], generator)
         tokens.append(tok)
-        if tok != d:  # the redraw returns the draft itself only where nothing else has mass
+        if tok != d:  # a redraw returns the draft itself only where nothing else has mass
             break
     else:
         tokens.append(draw_index(probs[len(draft)], generator))
