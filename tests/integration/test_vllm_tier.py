@@ -56,11 +56,11 @@ def vllm_venv():
 
 # ---------------------------------------------------------------- real servers, started by pid
 class Server:
-    def __init__(self, model_dir: Path, port: int, workdir: Path, **vllm_keys) -> None:
+    def __init__(self, model_dir: Path, port: int, workdir: Path, max_running: int = 4, **vllm_keys) -> None:
         from dora_megatron.rollout.vllm.server import server_argv, server_env
 
         vcfg = VLLMConfig(python=VLLM_PYTHON, **vllm_keys)
-        argv = server_argv(str(model_dir), "127.0.0.1", port, vcfg, RolloutConfig(max_running=4))
+        argv = server_argv(str(model_dir), "127.0.0.1", port, vcfg, RolloutConfig(max_running=max_running))
         self.url = f"http://127.0.0.1:{port}"
         self.log = workdir / f"vllm-{port}.log"
         env = {**os.environ, **server_env(vcfg, workdir / f"cache-{port}")}
@@ -190,31 +190,57 @@ def test_ngram_speculation_on_cpu_gives_the_non_speculative_greedy_tokens(tmp_pa
            "acceptance_rate": counters["num_accepted_tokens_total"] / counters["num_draft_tokens_total"], **counters})
 
 
-#: bounds of the runtime test: one request (64 tokens), and the 5-step run (about a minute here)
+#: bounds of the runtime test: one request (256 tokens), the 5-step run, and its steps' holds together
 REQUEST_BOUND_S = 120.0
-RUN_BOUND_S = 360.0
-HOLD_BOUND_S = 120.0
+RUN_BOUND_S = 420.0
+HOLD_BOUND_S = 180.0
 
 
 class StaticTrainer:
-    """A new version label per step, weights unchanged (every snapshot is the same directory);
-    step ``hold[0]`` starts only once ``hold[1]()`` holds (at most ``HOLD_BOUND_S``), so the event
-    under test happens before the run ends, however loaded the machine."""
+    """A new version label per step, weights unchanged (every snapshot is the same directory).
+    While ``until()`` does not hold, each step from ``first`` on waits for it (all of them together
+    at most ``HOLD_BOUND_S``), so the event under test happens before the run ends, however loaded
+    the machine."""
 
-    def __init__(self, hold) -> None:
+    def __init__(self, until, first: int) -> None:
         self.batches: list[list[dict]] = []
-        self.hold = hold
+        self.until, self.first = until, first
+        self.deadline: float | None = None
 
     async def train(self, step: int, samples: list[dict]) -> dict:
-        if step == self.hold[0]:
-            deadline = time.monotonic() + HOLD_BOUND_S
-            while not self.hold[1]() and time.monotonic() < deadline:
+        if step >= self.first:
+            if self.deadline is None:
+                self.deadline = time.monotonic() + HOLD_BOUND_S
+            while not self.until() and time.monotonic() < self.deadline:
                 await asyncio.sleep(0.01)
         self.batches.append(samples)
         return {"version": step + 1, "metrics": {}, "checksum": None}
 
     async def save_checkpoint(self, path: str) -> dict:
         return {"path": path}
+
+
+class MoveLog(EventQueue):
+    """The runtime's event queue, noting each abort + resubmit move: the sample and how many output
+    tokens it carried (re-prefill minus the prompt), read from the sample's record as it is reported."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: dict = {}  # the runtime's sample records, once it exists
+        self.moves: list[tuple[str, str, int]] = []  # (sample id, group id, output tokens carried)
+
+    async def report(self, event) -> None:
+        from dora_megatron.controller.loop import MigrationDone
+
+        if isinstance(event, MigrationDone):
+            rec = self.records[event.sample_id]
+            self.moves.append((event.sample_id, rec.group_id, event.reprefill_tokens - len(rec.prompt_ids)))
+        await super().report(event)
+
+    def carried_and_ended(self) -> list[str]:
+        """Samples moved with output that have finished since (consumed by the trainer, or done)."""
+        return [sid for sid, _, carried in self.moves
+                if carried > 0 and (sid not in self.records or self.records[sid].finished)]
 
 
 def test_runtime_on_vllm_migrates_by_resubmit_and_continues_the_same_greedy_sequence(tmp_path):
@@ -236,20 +262,27 @@ def test_runtime_on_vllm_migrates_by_resubmit_and_continues_the_same_greedy_sequ
     model_dir = tmp_path / "model"
     hf_model_dir.save_model_dir(model_dir, cfg, hf_model_dir.random_state_dict(cfg, 1))
     ports = free_ports(2, "127.0.0.1")
-    servers = [Server(model_dir, p, tmp_path) for p in ports]
+    # every request the runtime places runs at once (none waits in vLLM's queue), so a move takes
+    # a request that is decoding
+    servers = [Server(model_dir, p, tmp_path, max_running=12) for p in ports]
     names = ["e0", "e1"]
+    # The move under test: the first 6 groups (version 0) are placed least-loaded first, so each
+    # group's two greedy (identical) answers decode on different instances and end together. When
+    # step 0 ends, the long answers are mid-decode on both instances and version 1 has none; with
+    # room for every request on one instance (the caps), version 0 is consolidated onto one of them
+    # by moving its requests, each with the tokens it has decoded so far (as many as the shortest
+    # answer of the step at least: a batch decodes in lockstep).
     ocfg = OrchestratorConfig(mode="dora", tbs=2, rbs=6, max_staleness=2, group_size=2, rebalance_interval_s=0.05,
-                              cap_before_rebalance=6, cap_after_rebalance=4,
+                              cap_before_rebalance=12, cap_after_rebalance=12,
                               # any KV use is pressure (vLLM reports the share of its whole 1 GiB pool,
                               # tiny here), so a hot instance levels with its peer every stats tick
                               kv_high_watermark=1e-9, kv_rebalance_min_interval_s=0.05)
-    max_new = 64
+    max_new = 256  # long enough that a move lands while the request decodes (one of 64 tokens often finished first)
     opts = RuntimeOptions(steps=5, seed=0, max_new_tokens=max_new, temperature=0.0, top_p=1.0, top_k=-1,
                           snapshot_dir=lambda v: str(model_dir), stats_interval_s=0.02)
-    runtime: list[Runtime] = []
-    # step 0 waits for a resubmit: both instances serve version 0 until it ends, so the KV leveling
-    # (same version only) has a peer for every request; later steps may see one instance per version
-    trainer = StaticTrainer(hold=(0, lambda: bool(runtime) and runtime[0].moves.migrations_fallback > 0))
+    events = MoveLog()
+    # the steps after step 0 wait until a request moved with its partial output has finished
+    trainer = StaticTrainer(until=lambda: bool(events.carried_and_ended()), first=1)
     try:
         for s in servers:
             s.wait_ready()
@@ -258,8 +291,8 @@ def test_runtime_on_vllm_migrates_by_resubmit_and_continues_the_same_greedy_sequ
             # a request or a run that hangs fails within minutes, naming what hung (not pytest's 10-minute timeout)
             adapters = {n: VLLMEngine(s.url, initial_version=0, timeout_s=REQUEST_BOUND_S) for n, s in zip(names, servers)}
             rt = Runtime(Orchestrator(ocfg, names), adapters, trainer, RunningSumTask(1, 30, 1.2, seed=1),
-                         running_sum_reward, opts, events=EventQueue())
-            runtime.append(rt)
+                         running_sum_reward, opts, events=events)
+            events.records = rt.samples
             try:
                 summary = await asyncio.wait_for(drive(rt), timeout=RUN_BOUND_S)
             except asyncio.TimeoutError:
@@ -268,12 +301,15 @@ def test_runtime_on_vllm_migrates_by_resubmit_and_continues_the_same_greedy_sequ
             for n, a in adapters.items():  # a switch cut short by the run's end must not leave a server paused
                 assert not await a.client.is_paused(), f"{n} is left paused after the run"
             ref = adapters["e0"]
+            # every trained sample, and each moved one that finished but was not trained
+            compared = [(s["prompt_ids"], s["response_ids"]) for batch in trainer.batches for s in batch]
+            compared += [(rt.samples[sid].prompt_ids, rt.samples[sid].output_ids)
+                         for sid in events.carried_and_ended() if sid in rt.samples]
             refs = []
-            for batch in trainer.batches:
-                for s in batch:
-                    r = await ref.generate(s["prompt_ids"], {"temperature": 0.0, "max_new_tokens": max_new,
-                                                             "stop_token_ids": [tok.EOS_ID]})
-                    refs.append((s["response_ids"], r.output_ids))
+            for prompt_ids, response_ids in compared:
+                r = await ref.generate(prompt_ids, {"temperature": 0.0, "max_new_tokens": max_new,
+                                                    "stop_token_ids": [tok.EOS_ID]})
+                refs.append((response_ids, r.output_ids))
             mismatches = sum(a.version_mismatches for a in adapters.values())
             for a in adapters.values():
                 await a.close()
@@ -283,10 +319,13 @@ def test_runtime_on_vllm_migrates_by_resubmit_and_continues_the_same_greedy_sequ
     finally:
         for s in servers:
             s.stop()
-    print({k: summary[k] for k in ("migrations", "migrations_reprefill", "reprefill_tokens", "max_live_versions")})
+    print({k: summary[k] for k in ("migrations", "migrations_reprefill", "reprefill_tokens", "max_live_versions")},
+          "moves (group, output tokens carried):", events.moves)
     assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0
     assert summary["c1_violations"] == 0 and mismatches == 0 and summary["version_refusals"] == 0
-    assert summary["migrations_kv"] == 0 and summary["migrations_reprefill"] > 0 and summary["reprefill_tokens"] > 0
+    assert summary["migrations_kv"] == 0 and summary["migrations_reprefill"] == len(events.moves)
+    # a continuation resubmitted with its partial output finished, so the comparison below covers it
+    assert events.carried_and_ended(), events.moves
     assert summary["max_live_versions"] >= 2
     assert len(trainer.batches) == 5 and all(len(b) == 2 * 2 for b in trainer.batches)
     for got, want in refs:
