@@ -36,14 +36,14 @@ def start_train(run_dir: Path, *overrides: str, resume: bool = False) -> subproc
                             preexec_fn=_default_sigint)
 
 
-def wait_for(pred, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
+def wait_for(pred, timeout: float, what: str, proc: subprocess.Popen | None = None, interval_s: float = 0.2) -> None:
     deadline = time.monotonic() + timeout
     while not pred():
         if proc is not None and proc.poll() is not None:
             raise AssertionError(f"job exited ({proc.returncode}) before {what}:\n{proc.stdout.read()[-4000:]}")
         if time.monotonic() > deadline:
             raise AssertionError(f"timeout waiting for {what}")
-        time.sleep(0.2)
+        time.sleep(interval_s)
 
 
 def steps_done(run_dir: Path) -> int:

@@ -141,8 +141,9 @@ def test_bad_requests_get_4xx_and_server_keeps_serving(engine):
 def test_pause_modes_and_flush(engine):
     async def go():
         async with EngineClient(engine.url) as c:
-            ref = await c.generate(PROMPTS[2], {**GREEDY, "max_new_tokens": 60})
-            task = asyncio.create_task(c.generate(PROMPTS[2], {**GREEDY, "max_new_tokens": 60}))
+            # long enough that the pauses land while it runs on a loaded machine
+            ref = await c.generate(PROMPTS[2], {**GREEDY, "max_new_tokens": 400})
+            task = asyncio.create_task(c.generate(PROMPTS[2], {**GREEDY, "max_new_tokens": 400}))
             await wait_running(c, 1)
             await c.pause("in_place")
             assert not await c.flush_cache()  # running requests: 400 like SGLang
@@ -160,7 +161,10 @@ def test_pause_modes_and_flush(engine):
             await c.pause("abort")
             aborted = await task
             late = asyncio.create_task(c.generate(PROMPTS[3], GREEDY))  # waits while paused
-            await asyncio.sleep(0.3)
+            for _ in range(500):  # until the engine has queued it (at most 10 s)
+                if (await c.server_info())["num_waiting_reqs"] == 1:
+                    break
+                await asyncio.sleep(0.02)
             assert not late.done() and (await c.server_info())["num_waiting_reqs"] == 1
             assert await c.flush_cache() is False  # a queued request blocks flush
             await c.continue_generation()

@@ -206,9 +206,12 @@ def test_trainer_sigkill_during_the_first_checkpoint_and_mid_step_is_restarted_i
     seen: set[int] = set()
     try:
         first = run_dir / "checkpoints" / "v000002"
-        wait_for(first.is_dir, 400, "the first checkpoint write", proc)  # made before the trainer is asked to save
+        # the ranks are read once training runs, so the freeze follows the checkpoint directory's
+        # appearance within a poll of 10 ms (not a /proc scan later: the write could end meanwhile)
+        wait_for(lambda: steps_done(run_dir) >= 1, 400, "the first step", proc)
         pids = json.loads((run_dir / "processes.json").read_text())
         ranks = children(pids["trainer"])  # the ranks only: what they started must end with them
+        wait_for(first.is_dir, 400, "the first checkpoint write", proc, interval_s=0.01)  # made before the trainer is asked to save
         signal_tree(ranks, signal.SIGSTOP)  # frozen mid-write: the checkpoint cannot complete
         seen |= sessions(process_tree(proc.pid))
         time.sleep(0.5)

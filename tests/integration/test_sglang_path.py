@@ -21,7 +21,6 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
@@ -41,11 +40,11 @@ from dora_megatron.comm.sglang_client import SGLangClient
 from dora_megatron.rollout.sglang.engine import SGLangEngine
 from dora_megatron.weights.distributed import DistributedWeightPusher
 from dora_megatron.weights.results import PushError
+from tests.helpers.resubmit_moves import MoveLog, StaticTrainer
 from tests.sglang_standin import start_standin
 
 pytestmark = pytest.mark.integration
 
-MAX_NEW = 64
 STANDIN = Path(__file__).resolve().parents[1] / "sglang_standin.py"
 
 
@@ -77,58 +76,45 @@ def engines(model_dir, tmp_path_factory):
             e.stop()
 
 
-class StaticTrainer:
-    """Produces a new version label per step without changing the weights (snapshots = version 0).
-
-    ``hold``: (step, condition): that step starts only once ``condition()`` holds (at most 30 s), so
-    that on a loaded machine the run does not end before the event under test happened."""
-
-    def __init__(self, hold: tuple[int, Callable[[], bool]] | None = None) -> None:
-        self.batches: list[list[dict]] = []
-        self.hold = hold
-
-    async def train(self, step: int, samples: list[dict]) -> dict:
-        if self.hold is not None and step == self.hold[0]:
-            for _ in range(3000):
-                if self.hold[1]():
-                    break
-                await asyncio.sleep(0.01)
-        self.batches.append(samples)
-        await asyncio.sleep(0.01)
-        return {"version": step + 1, "metrics": {}, "checksum": None}
-
-    async def save_checkpoint(self, path: str) -> dict:
-        return {"path": path}
-
-
 def test_runtime_on_sglang_adapter_migrates_by_resubmit_and_keeps_outputs(engines, model_dir):
+    """Migrations on SGLang are abort + resubmit of prompt + partial output, and the resubmitted
+    continuation is exactly the sequence one uninterrupted greedy request gives."""
     names = [f"e{i}" for i in range(len(engines))]
+    # The move under test: the first 6 groups (version 0) are placed least-loaded first, so each
+    # group's greedy (identical) answers decode on different instances and end together. When step
+    # 0 ends, the long answers are mid-decode on every instance and version 1 has none; with room
+    # for every request on one instance (the caps), an instance is freed for version 1 by moving
+    # its version-0 requests, each with the tokens it has decoded so far.
     cfg = OrchestratorConfig(mode="dora", tbs=2, rbs=6, max_staleness=2, group_size=2, rebalance_interval_s=0.05,
-                             cap_before_rebalance=6, cap_after_rebalance=4,
+                             cap_before_rebalance=12, cap_after_rebalance=12,
                              # any KV use counts as pressure: a hot instance levels with its peers
-                             # every stats tick, so migrations do not hinge on when versions arrive
                              kv_high_watermark=1e-3, kv_rebalance_min_interval_s=0.05)
-    opts = RuntimeOptions(steps=5, seed=0, max_new_tokens=MAX_NEW, temperature=0.0, top_p=1.0, top_k=-1,
+    max_new = 256  # long enough that a move lands while the request decodes
+    opts = RuntimeOptions(steps=5, seed=0, max_new_tokens=max_new, temperature=0.0, top_p=1.0, top_k=-1,
                           snapshot_dir=lambda v: model_dir, stats_interval_s=0.02)
-    runtime: list[Runtime] = []
-    trainer = StaticTrainer(hold=(1, lambda: bool(runtime) and runtime[0].moves.migrations_fallback > 0))
+    events = MoveLog()
+    # the steps after step 0 wait until a request moved with its partial output has finished
+    trainer = StaticTrainer(until=lambda: bool(events.carried_and_ended()), first=1)
 
     async def go():
         adapters = {n: SGLangEngine(SGLangClient(e.url)) for n, e in zip(names, engines)}
         for a in adapters.values():  # start every instance at version 0
             await a.update_weights_from_disk(model_dir, weight_version=0)
         rt = Runtime(Orchestrator(cfg, names), adapters, trainer, RunningSumTask(1, 30, 1.2, seed=1), running_sum_reward, opts,
-                     events=EventQueue())
-        runtime.append(rt)
+                     events=events)
+        events.records = rt.samples
         summary = await drive(rt)
-        # greedy reference: every sample generated in one piece on one instance
+        # greedy reference: every trained sample, and each moved one that finished but was not
+        # trained, generated in one piece on one instance
+        compared = [(s["prompt_ids"], s["response_ids"]) for batch in trainer.batches for s in batch]
+        compared += [(rt.samples[sid].prompt_ids, rt.samples[sid].output_ids)
+                     for sid in events.carried_and_ended() if sid in rt.samples]
         ref = SGLangClient(engines[0].url)
         refs = []
-        for batch in trainer.batches:
-            for s in batch:
-                r = await ref.generate(s["prompt_ids"], {"temperature": 0.0, "max_new_tokens": MAX_NEW,
-                                                         "stop_token_ids": [tok.EOS_ID]})
-                refs.append((s["response_ids"], r.output_ids))
+        for prompt_ids, response_ids in compared:
+            r = await ref.generate(prompt_ids, {"temperature": 0.0, "max_new_tokens": max_new,
+                                                "stop_token_ids": [tok.EOS_ID]})
+            refs.append((response_ids, r.output_ids))
         await ref.close()
         mismatches = sum(a.version_mismatches for a in adapters.values())
         for a in adapters.values():
@@ -136,11 +122,14 @@ def test_runtime_on_sglang_adapter_migrates_by_resubmit_and_keeps_outputs(engine
         return summary, refs, mismatches, rt
 
     summary, refs, mismatches, rt = asyncio.run(go())
-    print({k: summary[k] for k in ("migrations", "migrations_reprefill", "reprefill_tokens", "max_live_versions")})
+    print({k: summary[k] for k in ("migrations", "migrations_reprefill", "reprefill_tokens", "max_live_versions")},
+          "moves (sample, group, output tokens carried):", events.moves)
     assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0
     assert summary["c1_violations"] == 0 and mismatches == 0
     assert summary["migrations_kv"] == 0, "the SGLang path must never use the KV export extension"
-    assert summary["migrations_reprefill"] > 0 and summary["reprefill_tokens"] > 0
+    assert summary["migrations_reprefill"] == len(events.moves)
+    # a continuation resubmitted with its partial output finished, so the comparison below covers it
+    assert events.carried_and_ended(), events.moves
     assert summary["checksum_mismatches"] == 0 and len(rt.weights.instance_checksums) >= 1  # /weights_checker was compared
     assert len(trainer.batches) == 5 and all(len(b) == 2 * 2 for b in trainer.batches)
     for got, want in refs:  # resubmitting prompt + partial output continues the same greedy sequence

@@ -229,10 +229,18 @@ def test_multi_node_job_restarts_a_trainer_killed_during_a_checkpoint_write_and_
                                cwd=tmp_path, env=_job_env())
     run_dir = _run_dir(tmp_path, job)
     first = run_dir / "checkpoints" / "v000002"
-    _wait(first.is_dir, JOB_TIMEOUT_S, lambda: f"the first checkpoint write of job {job}:\n{_output(tmp_path, job)[-3000:]}")
-    engines = {n: _pids_of(run_dir, b"serve", host=n) for n in ("n2", "n3")}
+    steps_file = run_dir / "steps.jsonl"
+    # the rank tree is read once training runs, so the freeze follows the checkpoint directory's
+    # appearance within a poll of 10 ms (not a /proc scan later: the write could end meanwhile)
+    _wait(lambda: steps_file.is_file() and steps_file.read_text().count("\n") >= 1, JOB_TIMEOUT_S,
+          lambda: f"the first step of job {job}:\n{_output(tmp_path, job)[-3000:]}")
     ranks = _trainer_rank_tree(run_dir)
+    _wait(first.is_dir, JOB_TIMEOUT_S, lambda: f"the first checkpoint write of job {job}:\n{_output(tmp_path, job)[-3000:]}",
+          interval_s=0.01)
     signal_tree(ranks, signal.SIGSTOP)  # frozen mid-write: the checkpoint cannot complete
+    ranks += [p for p in _trainer_rank_tree(run_dir) if p not in ranks]  # anything the rank started since
+    signal_tree(ranks, signal.SIGSTOP)
+    engines = {n: _pids_of(run_dir, b"serve", host=n) for n in ("n2", "n3")}
     seen = sessions(ranks)
     time.sleep(0.5)
     assert not (first / "controller.json").is_file(), "the checkpoint completed before the kill"
@@ -240,7 +248,6 @@ def test_multi_node_job_restarts_a_trainer_killed_during_a_checkpoint_write_and_
     _wait(lambda: "restarting it from the initial weights (no complete checkpoint)" in _output(tmp_path, job), 120,
           lambda: f"the first trainer restart of job {job}:\n{_output(tmp_path, job)[-3000:]}")
     # the restarted lineage: checkpoint v2 complete again, then a step after it, killed mid-step
-    steps_file = run_dir / "steps.jsonl"
     _wait(lambda: (first / "controller.json").is_file() and steps_file.read_text().count("\n") >= 2, JOB_TIMEOUT_S,
           lambda: f"checkpoint v2 of the restarted lineage:\n{_output(tmp_path, job)[-3000:]}")
     ranks, step = _freeze_mid_step(run_dir, tmp_path, job)
@@ -415,16 +422,17 @@ def test_time_limit_warning_checkpoints_and_a_resumed_job_consumes_every_group_o
     # far more steps than fit (the time limit ends the job); the resumed job asks for fewer, which the
     # config's constant LR schedule allows (its decay length, derived from run.steps, is never read)
     sets = ["--set", "run.checkpoint_interval=0"]
-    job = slurm_cluster.sbatch(["--time=10", "--signal=B:USR1@60", SINGLE, CONFIG, "--set", "run.steps=10000", *sets],
+    job = slurm_cluster.sbatch(["--time=10", "--signal=B:USR1@120", SINGLE, CONFIG, "--set", "run.steps=10000", *sets],
                                cwd=tmp_path, env=_job_env())
     run_dir = _run_dir(tmp_path, job)
     steps_file = run_dir / "steps.jsonl"
     _wait(lambda: steps_file.exists() and steps_file.read_text().count("\n") >= 1, JOB_TIMEOUT_S,
           lambda: f"first step of job {job}:\n{_output(tmp_path, job)[-3000:]}")
-    # the limit now ends 60-120 s from here: slurmctld sends the warning (60 s, +30 s for its test
-    # period) at its next test, and the time limit's SIGTERM would come a minute later
+    # the limit now ends 120-180 s from here: slurmctld sends the warning when 120 s or less are
+    # left, at one of its tests 30 s apart, so the job has 90-120 s from the warning to the time
+    # limit's SIGTERM to end its step and write the checkpoint (a loaded machine's step included)
     minutes = _field(slurm_cluster, job, "RunTime").split("-")[-1].split(":")
-    subprocess.run(["scontrol", "update", f"JobId={job}", f"TimeLimit={int(minutes[-3]) * 60 + int(minutes[-2]) + 2}"],
+    subprocess.run(["scontrol", "update", f"JobId={job}", f"TimeLimit={int(minutes[-3]) * 60 + int(minutes[-2]) + 3}"],
                    check=True, env=slurm_cluster.env, timeout=30)
     state = slurm_cluster.wait_state(job, FINISHED, 240)
     first = _output(tmp_path, job)

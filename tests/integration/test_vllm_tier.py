@@ -30,10 +30,10 @@ import pytest
 
 from dora_megatron.config.rollout import RolloutConfig
 from dora_megatron.config.vllm import DEFAULT_VLLM_PYTHON, VLLMConfig
-from dora_megatron.controller.loop import EventQueue
 from dora_megatron.controller.main import drive
 from dora_megatron.ports import free_ports
 from tests.helpers.proc_tree import process_tree, signal_tree
+from tests.helpers.resubmit_moves import MoveLog, StaticTrainer
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
@@ -190,57 +190,10 @@ def test_ngram_speculation_on_cpu_gives_the_non_speculative_greedy_tokens(tmp_pa
            "acceptance_rate": counters["num_accepted_tokens_total"] / counters["num_draft_tokens_total"], **counters})
 
 
-#: bounds of the runtime test: one request (256 tokens), the 5-step run, and its steps' holds together
+#: bounds of the runtime test: one request (256 tokens), and the 5-step run (its steps' holds
+#: together take at most StaticTrainer's hold bound, 180 s)
 REQUEST_BOUND_S = 120.0
 RUN_BOUND_S = 420.0
-HOLD_BOUND_S = 180.0
-
-
-class StaticTrainer:
-    """A new version label per step, weights unchanged (every snapshot is the same directory).
-    While ``until()`` does not hold, each step from ``first`` on waits for it (all of them together
-    at most ``HOLD_BOUND_S``), so the event under test happens before the run ends, however loaded
-    the machine."""
-
-    def __init__(self, until, first: int) -> None:
-        self.batches: list[list[dict]] = []
-        self.until, self.first = until, first
-        self.deadline: float | None = None
-
-    async def train(self, step: int, samples: list[dict]) -> dict:
-        if step >= self.first:
-            if self.deadline is None:
-                self.deadline = time.monotonic() + HOLD_BOUND_S
-            while not self.until() and time.monotonic() < self.deadline:
-                await asyncio.sleep(0.01)
-        self.batches.append(samples)
-        return {"version": step + 1, "metrics": {}, "checksum": None}
-
-    async def save_checkpoint(self, path: str) -> dict:
-        return {"path": path}
-
-
-class MoveLog(EventQueue):
-    """The runtime's event queue, noting each abort + resubmit move: the sample and how many output
-    tokens it carried (re-prefill minus the prompt), read from the sample's record as it is reported."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: dict = {}  # the runtime's sample records, once it exists
-        self.moves: list[tuple[str, str, int]] = []  # (sample id, group id, output tokens carried)
-
-    async def report(self, event) -> None:
-        from dora_megatron.controller.loop import MigrationDone
-
-        if isinstance(event, MigrationDone):
-            rec = self.records[event.sample_id]
-            self.moves.append((event.sample_id, rec.group_id, event.reprefill_tokens - len(rec.prompt_ids)))
-        await super().report(event)
-
-    def carried_and_ended(self) -> list[str]:
-        """Samples moved with output that have finished since (consumed by the trainer, or done)."""
-        return [sid for sid, _, carried in self.moves
-                if carried > 0 and (sid not in self.records or self.records[sid].finished)]
 
 
 def test_runtime_on_vllm_migrates_by_resubmit_and_continues_the_same_greedy_sequence(tmp_path):
@@ -320,7 +273,7 @@ def test_runtime_on_vllm_migrates_by_resubmit_and_continues_the_same_greedy_sequ
         for s in servers:
             s.stop()
     print({k: summary[k] for k in ("migrations", "migrations_reprefill", "reprefill_tokens", "max_live_versions")},
-          "moves (group, output tokens carried):", events.moves)
+          "moves (sample, group, output tokens carried):", events.moves)
     assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0
     assert summary["c1_violations"] == 0 and mismatches == 0 and summary["version_refusals"] == 0
     assert summary["migrations_kv"] == 0 and summary["migrations_reprefill"] == len(events.moves)

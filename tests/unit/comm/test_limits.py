@@ -114,12 +114,14 @@ def test_raise_open_files_limit_raises_the_soft_limit_to_the_hard_one():
 
 def test_generates_beyond_the_plan_wait_and_are_counted_not_failed():
     """A pool of 2 generate connections, 6 generates at once: all 6 answer, at most 2 were on the
-    wire at any time, the 4 others waited (counted), and a stats call still got through at once."""
+    wire at any time, the 4 others waited (counted), and a stats call still got through while they
+    waited (the generates are held until it has answered: one stuck behind them never would)."""
     state = {"now": 0, "max": 0}
 
     async def generate(_req):
         state["now"] += 1
         state["max"] = max(state["max"], state["now"])
+        await state["release"].wait()
         await asyncio.sleep(0.05)
         state["now"] -= 1
         return web.json_response({"text": "", "output_ids": [1], "meta_info": {"finish_reason": {"type": "stop"}}})
@@ -128,6 +130,7 @@ def test_generates_beyond_the_plan_wait_and_are_counted_not_failed():
         return web.json_response({"ok": True})
 
     async def go():
+        state["release"] = asyncio.Event()
         async with _engine_server(generate, loads) as server:
             waits = ConnectionWaits()
             plan = plan_connections(1, 8, DESCRIPTOR_RESERVE + 2 + CONTROL_CONNECTIONS)
@@ -135,7 +138,8 @@ def test_generates_beyond_the_plan_wait_and_are_counted_not_failed():
             async with EngineClient(str(server.make_url("")), plan=plan, waits=waits) as client:
                 gens = [asyncio.ensure_future(client.generate([1, 2], {"max_new_tokens": 1})) for _ in range(6)]
                 await asyncio.sleep(0.01)
-                info = await asyncio.wait_for(client.server_info(), timeout=0.04)  # not behind the generates
+                info = await asyncio.wait_for(client.server_info(), timeout=10.0)  # not behind the generates
+                state["release"].set()
                 outs = await asyncio.gather(*gens)
             return len(outs), state["max"], waits.count, info
 
