@@ -49,15 +49,23 @@ class MoveLog(EventQueue):
     def __init__(self) -> None:
         super().__init__()
         self.records: dict = {}  # the runtime's sample records, once it exists
-        self.moves: list[tuple[str, str, int]] = []  # (sample id, group id, output tokens carried)
+        self.moves: list[tuple[str, int]] = []  # (sample id, output tokens carried)
 
     async def report(self, event) -> None:
         if isinstance(event, MigrationDone):
-            rec = self.records[event.sample_id]
-            self.moves.append((event.sample_id, rec.group_id, event.reprefill_tokens - len(rec.prompt_ids)))
+            prompt = self.records[event.sample_id].prompt_ids
+            self.moves.append((event.sample_id, event.reprefill_tokens - len(prompt)))
         await super().report(event)
 
     def carried_and_ended(self) -> list[str]:
         """Samples moved with output that have finished since (consumed by the trainer, or done)."""
-        return [sid for sid, _, carried in self.moves
+        return [sid for sid, carried in self.moves
                 if carried > 0 and (sid not in self.records or self.records[sid].finished)]
+
+    def to_compare(self, batches: list[list[dict]]) -> list[tuple[list[int], list[int]]]:
+        """``(prompt_ids, response_ids)`` of every trained sample (``batches``: the trainer's) and of
+        each sample moved with output that finished but was not trained: what the tests set against
+        an uninterrupted greedy answer."""
+        out = [(s["prompt_ids"], s["response_ids"]) for batch in batches for s in batch]
+        return out + [(self.records[sid].prompt_ids, self.records[sid].output_ids)
+                      for sid in self.carried_and_ended() if sid in self.records]

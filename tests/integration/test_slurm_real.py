@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.fault_jobs import steps_done
 from tests.helpers.proc_tree import in_sessions, process_tree, sessions, signal_tree
 from tests.helpers.slurm_cluster import FINISHED
 
@@ -232,14 +233,14 @@ def test_multi_node_job_restarts_a_trainer_killed_during_a_checkpoint_write_and_
     steps_file = run_dir / "steps.jsonl"
     # the rank tree is read once training runs, so the freeze follows the checkpoint directory's
     # appearance within a poll of 10 ms (not a /proc scan later: the write could end meanwhile)
-    _wait(lambda: steps_file.is_file() and steps_file.read_text().count("\n") >= 1, JOB_TIMEOUT_S,
-          lambda: f"the first step of job {job}:\n{_output(tmp_path, job)[-3000:]}")
+    _wait(lambda: steps_done(run_dir) >= 1, JOB_TIMEOUT_S, lambda: f"the first step of job {job}:\n{_output(tmp_path, job)[-3000:]}")
     ranks = _trainer_rank_tree(run_dir)
     _wait(first.is_dir, JOB_TIMEOUT_S, lambda: f"the first checkpoint write of job {job}:\n{_output(tmp_path, job)[-3000:]}",
           interval_s=0.01)
     signal_tree(ranks, signal.SIGSTOP)  # frozen mid-write: the checkpoint cannot complete
-    ranks += [p for p in _trainer_rank_tree(run_dir) if p not in ranks]  # anything the rank started since
-    signal_tree(ranks, signal.SIGSTOP)
+    started = [p for p in _trainer_rank_tree(run_dir) if p not in ranks]  # what the rank started since
+    signal_tree(started, signal.SIGSTOP)
+    ranks += started
     engines = {n: _pids_of(run_dir, b"serve", host=n) for n in ("n2", "n3")}
     seen = sessions(ranks)
     time.sleep(0.5)

@@ -255,9 +255,7 @@ def test_runtime_on_vllm_migrates_by_resubmit_and_continues_the_same_greedy_sequ
                 assert not await a.client.is_paused(), f"{n} is left paused after the run"
             ref = adapters["e0"]
             # every trained sample, and each moved one that finished but was not trained
-            compared = [(s["prompt_ids"], s["response_ids"]) for batch in trainer.batches for s in batch]
-            compared += [(rt.samples[sid].prompt_ids, rt.samples[sid].output_ids)
-                         for sid in events.carried_and_ended() if sid in rt.samples]
+            compared = events.to_compare(trainer.batches)
             refs = []
             for prompt_ids, response_ids in compared:
                 r = await ref.generate(prompt_ids, {"temperature": 0.0, "max_new_tokens": max_new,
@@ -273,7 +271,7 @@ def test_runtime_on_vllm_migrates_by_resubmit_and_continues_the_same_greedy_sequ
         for s in servers:
             s.stop()
     print({k: summary[k] for k in ("migrations", "migrations_reprefill", "reprefill_tokens", "max_live_versions")},
-          "moves (sample, group, output tokens carried):", events.moves)
+          "moves (sample, output tokens carried):", events.moves)
     assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0
     assert summary["c1_violations"] == 0 and mismatches == 0 and summary["version_refusals"] == 0
     assert summary["migrations_kv"] == 0 and summary["migrations_reprefill"] == len(events.moves)
