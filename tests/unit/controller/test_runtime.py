@@ -86,8 +86,8 @@ def test_migration_falls_back_to_resubmit_without_extension():
     summary = asyncio.run(drive(rt))
     check_run(rt, engines, trainer, 8, 4, 2)
     assert summary["migrations_kv"] == 0
-    if summary["migrations"]:
-        assert summary["migrations_reprefill"] > 0 and summary["reprefill_tokens"] > 0
+    # the consolidations at each step's end move requests here every run (5 in each of 8 runs)
+    assert summary["migrations_reprefill"] > 0 and summary["reprefill_tokens"] > 0
 
 
 class TimedEngine(FakeEngine):
