@@ -54,7 +54,7 @@ class JournalReplay:
                 continue
             rec.output_ids, rec.logprobs = list(j.output_ids), list(j.logprobs)
             rec.reward, rec.versions = j.reward, {j.version}
-            rec.routed_experts, rec.finish_reason = j.routed_experts, j.finish_reason
+            rec.routed_experts, rec.finish_reason, rec.reward_error = j.routed_experts, j.finish_reason, j.reward_error
             rec.finished = rec.replay_pending = True
 
     def replayed(self, sample_id: str) -> int | None:
@@ -77,4 +77,4 @@ class JournalReplay:
 
         return JournaledSample(rec.sample_id, rec.group_id, rec.version, self.rt.groups[rec.group_id].prompt.index,
                                tuple(rec.output_ids), tuple(rec.logprobs), float(rec.reward), rec.routed_experts,
-                               rec.finish_reason)
+                               rec.finish_reason, rec.reward_error)
