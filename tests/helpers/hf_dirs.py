@@ -53,3 +53,26 @@ def hub_spelled(src: str | Path, out: str | Path) -> Path:
         del cfg["head_dim"]
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
+
+
+def save_family(out: str | Path, family: str, seed: int = 0) -> Path:
+    """A tiny model of ``family`` (a supported ``model_type``) written by transformers' ``save_pretrained``
+    in fp32, with every bias, gate and norm weight random too (transformers initialises biases at 0
+    and norms at 1, which would hide a bias or a norm read from the wrong tensor)."""
+    import torch
+    import transformers
+
+    from dora_megatron.models.example import tiny_config_kwargs
+
+    config = transformers.CONFIG_MAPPING[family](
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        tie_word_embeddings=False, initializer_range=0.1, eos_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA}, **tiny_config_kwargs(family, 64))
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 or name.endswith("shared_expert_gate.weight"):
+                p.copy_((1.0 if "norm" in name else 0.0) + 0.1 * torch.randn(p.shape))
+    model.save_pretrained(str(out))
+    return Path(out)

@@ -148,3 +148,24 @@ def test_load_weights_rejects_bad_names_and_shapes_atomically(moe_dir):
     with pytest.raises(ValueError, match="shape"):
         m.load_weights({"model.norm.weight": torch.zeros(3)})
     assert torch.equal(m.model.norm.weight, before)
+
+
+@pytest.mark.parametrize("family,moe_module", [("qwen2_moe", "mlp"), ("mixtral", "block_sparse_moe")])
+def test_other_families_match_transformers(tmp_path, family, moe_module):
+    """Qwen2-MoE (q/k/v biases, no QK-norm, a gated shared expert, top-k weights not renormalised)
+    and Mixtral (experts w1/w3/w2 under block_sparse_moe, renormalised top-2), as transformers saves
+    them: our forward equals transformers' on the long (per-expert) and the short (all-experts) path."""
+    from tests.helpers.hf_dirs import save_family
+
+    model_dir = save_family(tmp_path / family, family)
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(model_dir, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    hf.eval()
+    ours = load_model(str(model_dir))
+    assert any(k.startswith(f"model.layers.0.{moe_module}.experts.0.") for k in ours.state_dict())
+    for n in (40, 8):
+        ids = torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0].float()
+        assert ref.std() > 0.3
+        torch.testing.assert_close(ours.full_logits(ids), ref, rtol=1e-5, atol=1e-5)
