@@ -82,9 +82,6 @@ class ModelSpec:
         problems = self.engine_problems()
         if self.o_bias:
             problems.append("attention_bias=true (an o_proj bias) is not supported by the Megatron trainer")
-        if self.is_moe and len(self.sparse_layers) != self.num_layers:
-            problems.append(f"{self.model_type} with dense layers (mlp_only_layers / decoder_sparse_step) is not "
-                            "supported by the Megatron trainer")
         return problems
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:

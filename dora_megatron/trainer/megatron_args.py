@@ -158,6 +158,8 @@ def transformer_kwargs(arch: ModelSpec, cfg: TrainerConfig, spec: str) -> dict[s
             moe_router_pre_softmax=not arch.norm_topk_prob,
             moe_shared_expert_intermediate_size=arch.shared_expert_intermediate_size or None,
             moe_shared_expert_gate=arch.shared_expert_gate,
+            # which layers are MoE (1) or dense (0): Qwen's mlp_only_layers / decoder_sparse_step
+            moe_layer_freq=[int(i in arch.sparse_layers) for i in range(arch.num_layers)],
             moe_router_load_balancing_type="aux_loss" if cfg.moe_aux_loss_coef > 0 else "none",
             moe_aux_loss_coeff=cfg.moe_aux_loss_coef,
             moe_router_dtype="fp32",

@@ -118,6 +118,13 @@ class NamingArch:
     shared_expert_gate: bool = False
     moe_module: str = "mlp"
     expert_proj: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    sparse_layers: tuple[int, ...] | None = None  # the MoE layers; None: all of them when num_experts
+
+
+def is_moe_layer(arch, layer: int) -> bool:
+    """Layer ``layer`` (global index) of ``arch`` is MoE (an MoE model may have dense layers)."""
+    sparse = arch.sparse_layers
+    return bool(arch.num_experts) and (sparse is None or layer in sparse)
 
 
 # --------------------------------------------------------------------------- names
@@ -336,7 +343,7 @@ def hf_to_megatron_global(hf_sd: Mapping[str, torch.Tensor], arch, tp: int = 1) 
         for hf_suffix, mg_suffix in hf_simple.items():
             if p + hf_suffix in sd:
                 out[g + mg_suffix] = sd[p + hf_suffix]
-        if arch.num_experts:
+        if is_moe_layer(arch, layer):
             moe = f"{p}{arch.moe_module}."
             for e in range(arch.num_experts):
                 ep = f"{moe}experts.{e}."
@@ -436,7 +443,7 @@ def hf_names(arch) -> list[str]:
         if arch.qk_norm:
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
         names.append(p + "post_attention_layernorm.weight")
-        if arch.num_experts:
+        if is_moe_layer(arch, layer):
             moe = f"{p}{arch.moe_module}."
             names.append(moe + "gate.weight")
             for e in range(arch.num_experts):

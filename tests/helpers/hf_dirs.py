@@ -21,8 +21,9 @@ ROPE_THETA = 500000.0
 VOCAB = 96
 
 
-def save_pretrained(out: str | Path, moe: bool, seed: int = 0) -> Path:
-    """A tiny Qwen3-MoE (``moe``) or Qwen3 written by transformers' ``save_pretrained``."""
+def save_pretrained(out: str | Path, moe: bool, seed: int = 0, **moe_extra) -> Path:
+    """A tiny Qwen3-MoE (``moe``, its config given ``moe_extra`` too) or Qwen3 written by transformers'
+    ``save_pretrained``."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -32,7 +33,7 @@ def save_pretrained(out: str | Path, moe: bool, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     if moe:
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                                   norm_topk_prob=False, **common))
+                                                   norm_topk_prob=False, **{**common, **moe_extra}))
     else:
         model = Qwen3ForCausalLM(Qwen3Config(**common))
     model.save_pretrained(str(out))

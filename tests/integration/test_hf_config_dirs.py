@@ -37,7 +37,10 @@ def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     saved = hf_dirs.save_pretrained(root / "moe-saved", moe=True)
     dense = hf_dirs.save_pretrained(root / "dense-saved", moe=False)
-    return {"moe-saved": saved, "moe-hub": hf_dirs.hub_spelled(saved, root / "moe-hub"), "dense-saved": dense,
+    # a Qwen3-MoE whose first layer is dense (mlp_only_layers), 4 layers so that pp=2 splits dense from MoE
+    dense_layers = hf_dirs.save_pretrained(root / "moe-dense-layers", moe=True, mlp_only_layers=[0],
+                                           num_hidden_layers=4)
+    return {"moe-saved": saved, "moe-dense-layers": dense_layers, "moe-hub": hf_dirs.hub_spelled(saved, root / "moe-hub"), "dense-saved": dense,
             **{f: hf_dirs.save_family(root / f, f) for f in FAMILIES}}
 
 
@@ -71,7 +74,7 @@ def test_dora_serve_generates_with_transformers_logprobs(dirs, name):
     torch.testing.assert_close(got, logprobs[torch.arange(len(ids)), torch.tensor(ids)], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["moe-saved", "moe-hub", *FAMILIES])
+@pytest.mark.parametrize("name", ["moe-saved", "moe-hub", "moe-dense-layers", *FAMILIES])
 def test_megatron_trainer_logits_equal_transformers(dirs, name, tmp_path):
     from dora_megatron.trainer.parity import fixed_inputs
 
@@ -105,7 +108,8 @@ def _dora(*args: str) -> None:
 
 
 @pytest.mark.parametrize("name,layout", [("moe-saved", ["--ep", "2"]), ("moe-hub", []),
-                                         ("qwen2_moe", ["--tp", "2"]), ("mixtral", ["--ep", "2"])])
+                                         ("qwen2_moe", ["--tp", "2"]), ("mixtral", ["--ep", "2"]),
+                                         ("moe-dense-layers", ["--pp", "2"])])
 def test_dora_convert_round_trip_is_bit_exact(dirs, name, layout, tmp_path):
     from safetensors.torch import load_file
 
