@@ -93,7 +93,7 @@ def test_a_value_transformers_refuses_is_named_by_every_reader(dirs, tmp_path):
      "rope_type 'linear'"),
     ("dense-saved", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1, "layer_types": None}, True,
      "sliding-window attention (use_sliding_window / layer_types) on layers [1]"),
-    ("moe-saved", {"mlp_only_layers": [1]}, False, "mlp_only_layers"),  # the engine computes these
+    ("moe-saved", {"attention_bias": True}, False, "attention_bias=true (an o_proj bias)"),  # the engine computes it
 ])
 def test_unsupported_architectures_are_refused_before_start(dirs, tmp_path, base, patch, engine_refuses, needle):
     """What transformers reads but a component cannot compute is named by the input check, and
