@@ -25,6 +25,10 @@ from dora_megatron.models import families
 
 CONFIG_FILE = "config.json"
 
+#: RoPE types the embedded engine computes (frequencies and attention scaling from transformers'
+#: ``ROPE_INIT_FUNCTIONS``); ``dynamic`` / ``longrope`` change with the sequence length and are refused
+ENGINE_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+
 #: what the trainer, the converters and the embedded engine load (one row each in :mod:`.families`)
 SUPPORTED_MODEL_TYPES = families.SUPPORTED_MODEL_TYPES
 
@@ -70,8 +74,9 @@ class ModelSpec:
     def engine_problems(self) -> list[str]:
         """What the embedded engine (and the trainer) cannot compute, each naming the config key."""
         problems = []
-        if self.rope_type != "default":
-            problems.append(f"rope_parameters.rope_type {self.rope_type!r} is not supported (only 'default' RoPE)")
+        if self.rope_type not in ENGINE_ROPE_TYPES:
+            problems.append(f"rope_parameters.rope_type {self.rope_type!r} is not supported by the embedded engine "
+                            f"(supported: {', '.join(ENGINE_ROPE_TYPES)})")
         if self.sliding_window_layers:
             problems.append(f"sliding-window attention (use_sliding_window / layer_types) on layers "
                             f"{list(self.sliding_window_layers)} is not supported")
@@ -80,6 +85,9 @@ class ModelSpec:
     def trainer_problems(self) -> list[str]:
         """What the Megatron trainer cannot build (a superset of :meth:`engine_problems`)."""
         problems = self.engine_problems()
+        if self.rope_type != "default" and self.rope_type in ENGINE_ROPE_TYPES:
+            problems.append(f"rope_parameters.rope_type {self.rope_type!r} is not supported by the Megatron trainer "
+                            "(only 'default' RoPE)")
         if self.o_bias:
             problems.append("attention_bias=true (an o_proj bias) is not supported by the Megatron trainer")
         return problems

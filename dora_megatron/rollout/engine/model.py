@@ -282,6 +282,8 @@ class CausalLM(nn.Module):
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
         self.register_buffer("inv_freq", inv, persistent=False)
+        #: cos and sin are multiplied by it (YaRN's attention factor; 1 for the default RoPE)
+        self.attention_scaling = 1.0
 
     # ---- weights -------------------------------------------------------------------------
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -332,7 +334,7 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(token_ids)
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
         planned = [segment_of(kv, m, x.device) for kv, m in segments]
         for layer in self.model.layers:
             x = layer(x, cos, sin, planned, routing_out)
@@ -369,8 +371,14 @@ def load_model(model_dir: str, device: str = "cpu", dtype: torch.dtype = torch.f
     with torch.device("meta"):
         model = CausalLM(cfg)
     model = model.to_empty(device=device).to(dtype)
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
-    model.inv_freq = inv.to(device)
+    if cfg.rope_type == "default":
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+    else:  # a scaled RoPE (YaRN, linear, llama3): transformers' own frequencies and attention factor
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        hf_cfg = hf_config.transformers_config(hf_config.read_json(model_dir), f"{model_dir}/{hf_config.CONFIG_FILE}")
+        inv, model.attention_scaling = ROPE_INIT_FUNCTIONS[cfg.rope_type](hf_cfg, torch.device("cpu"))
+    model.inv_freq = inv.float().to(device)
     state = hf_model_dir.load_state_dict(model_dir)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
