@@ -55,6 +55,13 @@ def run(args: argparse.Namespace) -> int:
         args.hf_config or str(Path(args.ckpt) / checkpoint_convert.HF_META_DIR))
     hf_config = read_hf_config(model_dir)
     problems = layout_problems(hf_config, args.tp, args.pp, args.ep, prefix="--") if hf_config else []
+    if hf_config:  # a model the trainer cannot build (an unsupported model_type, ...): named here, not by a rank
+        from dora_megatron.models.hf_config import spec_from_dict
+
+        try:
+            problems = spec_from_dict(hf_config, where="config.json").trainer_problems() + problems
+        except ValueError as err:
+            problems = [str(err)] + problems
     if problems:  # before any rank starts (Megatron would say it only inside torchrun's failure banner)
         sys.stderr.write(f"dora convert: {'; '.join(problems)} ({model_dir})\n")
         return 2

@@ -112,7 +112,7 @@ def _listen(host: str, port: int):
 def run(args: argparse.Namespace) -> int:
     from dora_megatron.models.hf_model_dir import check_model_dir
 
-    problems = check_model_dir(args.model, need_tokenizer=False)  # the engine takes token ids
+    problems = check_model_dir(args.model, need_tokenizer=False, engine_only=True)  # the engine takes token ids
     if problems:
         sys.stderr.write(f"dora serve: --model {args.model} is not a usable model directory: {'; '.join(problems)}\n")
         return 2

@@ -88,32 +88,56 @@ def build_tokenizer(corpus: list[str], vocab_size: int = 384):
     return fast
 
 
-def save_tiny_qwen3_moe(model_dir: Path, tokenizer: Any, *, seed: int = 0, dtype: str = "bfloat16",
-                        hidden_size: int = 64, rope_theta: float = 1000000.0, **sampling: Any) -> None:
-    """Save into ``model_dir`` a tiny Qwen3-MoE (2 layers, 4 experts top-2, random init seeded) for
-    ``tokenizer``: its vocabulary padded past the tokenizer's, as real checkpoints' are; EOS
-    ``<|im_end|>`` (and ``<|endoftext|>`` in the generation config, with ``sampling``)."""
+def tiny_config_kwargs(family: str, hidden_size: int = 64) -> dict[str, Any]:
+    """The family-specific keyword arguments of a tiny model of ``family`` (a ``model_type`` of
+    :mod:`dora_megatron.models.families`): 2 layers, 4 experts top-2 where the family is MoE, each
+    family's own pieces switched on (Qwen2-MoE: a gated shared expert and q/k/v biases)."""
+    from dora_megatron.models import families
+
+    families.family(family, "--family")
+    h = hidden_size
+    moe = dict(num_experts_per_tok=2)
+    per_family: dict[str, dict[str, Any]] = {
+        "qwen3": dict(intermediate_size=2 * h, head_dim=32),
+        "qwen3_moe": dict(intermediate_size=2 * h, moe_intermediate_size=h // 2, head_dim=32, num_experts=4,
+                          norm_topk_prob=True, **moe),
+        "qwen2_moe": dict(intermediate_size=2 * h, moe_intermediate_size=h // 2, num_experts=4,
+                          shared_expert_intermediate_size=h, norm_topk_prob=False, **moe),
+        "mixtral": dict(intermediate_size=h // 2, num_local_experts=4, **moe),
+    }
+    if family not in per_family:
+        raise ValueError(f"--family {family!r}: no tiny example defined (have: {', '.join(sorted(per_family))})")
+    return per_family[family]
+
+
+def save_tiny_model(model_dir: Path, tokenizer: Any, *, family: str = "qwen3_moe", seed: int = 0,
+                    dtype: str = "bfloat16", hidden_size: int = 64, rope_theta: float = 1000000.0,
+                    **sampling: Any) -> None:
+    """Save into ``model_dir`` a tiny model of ``family`` (random init seeded; see
+    :func:`tiny_config_kwargs`) for ``tokenizer``: its vocabulary padded past the tokenizer's, as
+    real checkpoints' are; EOS ``<|im_end|>`` (and ``<|endoftext|>`` in the generation config,
+    with ``sampling``). Saved by transformers' own classes, so the directory is what a user has."""
     import torch
-    from transformers import GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    import transformers
+    from transformers import GenerationConfig
 
     end, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
     vocab = -(-len(tokenizer) // 64) * 64 + 64  # padded past the tokenizer, like real checkpoints
-    config = Qwen3MoeConfig(
-        vocab_size=vocab, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        moe_intermediate_size=hidden_size // 2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False,
-        initializer_range=0.05, max_position_embeddings=4096,
+    config = transformers.CONFIG_MAPPING[family](
+        vocab_size=vocab, hidden_size=hidden_size, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        tie_word_embeddings=False, initializer_range=0.05, max_position_embeddings=4096,
         rope_parameters={"rope_type": "default", "rope_theta": rope_theta}, bos_token_id=None, eos_token_id=end,
-        pad_token_id=pad)
+        pad_token_id=pad, **tiny_config_kwargs(family, hidden_size))
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(config).to(getattr(torch, dtype))
+    model = transformers.AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
     model.generation_config = GenerationConfig(eos_token_id=[end, pad], pad_token_id=pad, do_sample=True, **sampling)
     model.save_pretrained(str(model_dir))
 
 
-def write_example(out: str | Path, *, rows: int = 64, seed: int = 0, dtype: str = "bfloat16") -> ExamplePaths:
-    """Write ``out/model`` (tokenizer, chat template, generation config, a tiny Qwen3-MoE saved by
-    transformers in ``dtype``) and ``out/train.parquet`` (``rows`` DAPO-shaped rows)."""
+def write_example(out: str | Path, *, rows: int = 64, seed: int = 0, dtype: str = "bfloat16",
+                  family: str = "qwen3_moe") -> ExamplePaths:
+    """Write ``out/model`` (tokenizer, chat template, generation config, a tiny model of ``family``
+    saved by transformers in ``dtype``) and ``out/train.parquet`` (``rows`` DAPO-shaped rows)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -125,7 +149,7 @@ def write_example(out: str | Path, *, rows: int = 64, seed: int = 0, dtype: str 
         "The answer is \\boxed{42}.", "assistant user system", "0123456789 + - = ? ."] * 4
     tokenizer = build_tokenizer(corpus)
     tokenizer.save_pretrained(str(model_dir))
-    save_tiny_qwen3_moe(model_dir, tokenizer, seed=seed, dtype=dtype, temperature=0.7, top_p=0.8, top_k=20)
+    save_tiny_model(model_dir, tokenizer, family=family, seed=seed, dtype=dtype, temperature=0.7, top_p=0.8, top_k=20)
     path = out / "train.parquet"
     pq.write_table(pa.Table.from_pylist(data), str(path))
     return ExamplePaths(model_dir, path)

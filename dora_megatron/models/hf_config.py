@@ -21,10 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from dora_megatron.models import families
+
 CONFIG_FILE = "config.json"
 
-#: what the trainer (Megatron-Core Qwen3 / Qwen3-MoE bridge) and the embedded engine load
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
+#: RoPE types the embedded engine computes (frequencies and attention scaling from transformers'
+#: ``ROPE_INIT_FUNCTIONS``); ``dynamic`` / ``longrope`` change with the sequence length and are refused
+ENGINE_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+
+#: what the trainer, the converters and the embedded engine load (one row each in :mod:`.families`)
+SUPPORTED_MODEL_TYPES = families.SUPPORTED_MODEL_TYPES
 
 
 @dataclass(frozen=True)
@@ -43,7 +49,9 @@ class ModelSpec:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool = False
+    qkv_bias: bool = False  # q/k/v projection biases
+    o_bias: bool = False  # output projection bias (Qwen3's attention_bias)
+    qk_norm: bool = True
     num_experts: int = 0
     top_k: int = 0
     moe_intermediate_size: int = 0
@@ -54,6 +62,10 @@ class ModelSpec:
     initializer_range: float = 0.02
     rope_type: str = "default"
     sliding_window_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(x . gate)
+    moe_module: str = "mlp"  # HF module of the MoE block under model.layers.N.
+    expert_proj: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # HF gate, up, down of an expert
 
     @property
     def is_moe(self) -> bool:
@@ -62,8 +74,9 @@ class ModelSpec:
     def engine_problems(self) -> list[str]:
         """What the embedded engine (and the trainer) cannot compute, each naming the config key."""
         problems = []
-        if self.rope_type != "default":
-            problems.append(f"rope_parameters.rope_type {self.rope_type!r} is not supported (only 'default' RoPE)")
+        if self.rope_type not in ENGINE_ROPE_TYPES:
+            problems.append(f"rope_parameters.rope_type {self.rope_type!r} is not supported by the embedded engine "
+                            f"(supported: {', '.join(ENGINE_ROPE_TYPES)})")
         if self.sliding_window_layers:
             problems.append(f"sliding-window attention (use_sliding_window / layer_types) on layers "
                             f"{list(self.sliding_window_layers)} is not supported")
@@ -72,11 +85,11 @@ class ModelSpec:
     def trainer_problems(self) -> list[str]:
         """What the Megatron trainer cannot build (a superset of :meth:`engine_problems`)."""
         problems = self.engine_problems()
-        if self.attention_bias:
-            problems.append("attention_bias=true is not supported by the Megatron trainer")
-        if self.is_moe and len(self.sparse_layers) != self.num_layers:
-            problems.append("Qwen3-MoE with dense layers (mlp_only_layers / decoder_sparse_step) is not supported "
-                            "by the Megatron trainer")
+        if self.rope_type != "default" and self.rope_type in ENGINE_ROPE_TYPES:
+            problems.append(f"rope_parameters.rope_type {self.rope_type!r} is not supported by the Megatron trainer "
+                            "(only 'default' RoPE)")
+        if self.o_bias:
+            problems.append("attention_bias=true (an o_proj bias) is not supported by the Megatron trainer")
         return problems
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -94,21 +107,32 @@ class ModelSpec:
             shapes[p + "self_attn.k_proj.weight"] = (nkv * d, h)
             shapes[p + "self_attn.v_proj.weight"] = (nkv * d, h)
             shapes[p + "self_attn.o_proj.weight"] = (h, nh * d)
-            shapes[p + "self_attn.q_norm.weight"] = (d,)
-            shapes[p + "self_attn.k_norm.weight"] = (d,)
-            if self.attention_bias:
+            if self.qk_norm:
+                shapes[p + "self_attn.q_norm.weight"] = (d,)
+                shapes[p + "self_attn.k_norm.weight"] = (d,)
+            if self.qkv_bias:
                 shapes[p + "self_attn.q_proj.bias"] = (nh * d,)
                 shapes[p + "self_attn.k_proj.bias"] = (nkv * d,)
                 shapes[p + "self_attn.v_proj.bias"] = (nkv * d,)
+            if self.o_bias:
                 shapes[p + "self_attn.o_proj.bias"] = (h,)
             if i in self.sparse_layers:
                 inter = self.moe_intermediate_size
-                shapes[p + "mlp.gate.weight"] = (self.num_experts, h)
+                moe = f"{p}{self.moe_module}."
+                gate, up, down = self.expert_proj
+                shapes[moe + "gate.weight"] = (self.num_experts, h)
                 for e in range(self.num_experts):
-                    q = f"{p}mlp.experts.{e}."
-                    shapes[q + "gate_proj.weight"] = (inter, h)
-                    shapes[q + "up_proj.weight"] = (inter, h)
-                    shapes[q + "down_proj.weight"] = (h, inter)
+                    q = f"{moe}experts.{e}."
+                    shapes[q + f"{gate}.weight"] = (inter, h)
+                    shapes[q + f"{up}.weight"] = (inter, h)
+                    shapes[q + f"{down}.weight"] = (h, inter)
+                if self.shared_expert_intermediate_size:
+                    s_inter = self.shared_expert_intermediate_size
+                    shapes[moe + "shared_expert.gate_proj.weight"] = (s_inter, h)
+                    shapes[moe + "shared_expert.up_proj.weight"] = (s_inter, h)
+                    shapes[moe + "shared_expert.down_proj.weight"] = (h, s_inter)
+                    if self.shared_expert_gate:
+                        shapes[moe + "shared_expert_gate.weight"] = (1, h)
             else:
                 shapes[p + "mlp.gate_proj.weight"] = (self.intermediate_size, h)
                 shapes[p + "mlp.up_proj.weight"] = (self.intermediate_size, h)
@@ -136,14 +160,12 @@ def read_spec(model_dir: str | Path) -> ModelSpec:
 
 
 def transformers_config(config: Mapping[str, Any], where: str = CONFIG_FILE):
-    """The transformers config object of ``config`` (``Qwen3Config`` / ``Qwen3MoeConfig``).
+    """The transformers config object of ``config`` (``Qwen3Config``, ``MixtralConfig``, ...).
 
     ValueError (naming ``where``, the model type and transformers' reason, which names the field)
     for an unsupported ``model_type`` or a value transformers' validation refuses."""
     model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"{where}: model_type {model_type!r} is not supported "
-                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    families.family(model_type, where)
     import transformers
 
     try:
@@ -163,7 +185,9 @@ def spec_from_transformers(c: Any, where: str = CONFIG_FILE) -> ModelSpec:
 
     5.x keeps RoPE in ``rope_parameters`` (``rope_theta``, ``rope_type``); 4.x in ``rope_theta`` and
     ``rope_scaling``. ``num_experts`` is an attribute in 4.x and an alias of ``num_local_experts`` in
-    5.x. Which decoder layers are sparse follows the Qwen3-MoE modelling code."""
+    5.x. The family's row (:mod:`.families`) names the attributes that differ between families and
+    which decoder layers are sparse."""
+    fam = families.family(c.model_type, where)
     rope = dict(getattr(c, "rope_parameters", None) or {})
     if not rope:
         rope = dict(getattr(c, "rope_scaling", None) or {})
@@ -171,10 +195,18 @@ def spec_from_transformers(c: Any, where: str = CONFIG_FILE) -> ModelSpec:
     if rope.get("rope_theta") is None:
         raise ValueError(f"{where}: no rope_theta (rope_parameters.rope_theta or rope_theta) in the config")
     n_layers = int(c.num_hidden_layers)
-    num_experts = int(getattr(c, "num_experts", 0) or 0) if c.model_type == "qwen3_moe" else 0
-    mlp_only = set(getattr(c, "mlp_only_layers", None) or [])
-    step = int(getattr(c, "decoder_sparse_step", 1) or 1)
-    sparse = tuple(i for i in range(n_layers) if num_experts > 0 and i not in mlp_only and (i + 1) % step == 0)
+    num_experts = int(getattr(c, fam.experts_attr, 0) or 0) if fam.is_moe else 0
+    if fam.sparse_rule == "all":
+        sparse = tuple(range(n_layers)) if num_experts else ()
+    else:
+        mlp_only = set(getattr(c, "mlp_only_layers", None) or [])
+        step = int(getattr(c, "decoder_sparse_step", 1) or 1)
+        sparse = tuple(i for i in range(n_layers) if num_experts > 0 and i not in mlp_only and (i + 1) % step == 0)
+    if fam.norm_topk_prob_attr is None:
+        renormalise = fam.renormalise
+    else:
+        renormalise = bool(getattr(c, fam.norm_topk_prob_attr, False))
+    shared = int(getattr(c, fam.shared_expert_attr, 0) or 0) if fam.shared_expert_attr and num_experts else 0
     layer_types = list(getattr(c, "layer_types", None) or [])
     sliding = tuple(i for i, t in enumerate(layer_types) if t != "full_attention")
     if getattr(c, "sliding_window", None) is not None and not layer_types:  # Qwen3-MoE: every layer
@@ -196,15 +228,21 @@ def spec_from_transformers(c: Any, where: str = CONFIG_FILE) -> ModelSpec:
         rope_theta=float(rope["rope_theta"]),
         max_position_embeddings=int(c.max_position_embeddings),
         tie_word_embeddings=bool(c.tie_word_embeddings),
-        attention_bias=bool(getattr(c, "attention_bias", False)),
+        qkv_bias=bool(getattr(c, fam.qkv_bias_attr, fam.qkv_bias_default)) if fam.qkv_bias_attr else False,
+        o_bias=bool(getattr(c, fam.o_bias_attr, False)) if fam.o_bias_attr else False,
+        qk_norm=fam.qk_norm,
         num_experts=num_experts,
         top_k=int(c.num_experts_per_tok) if num_experts else 0,
-        moe_intermediate_size=int(c.moe_intermediate_size) if num_experts else 0,
-        norm_topk_prob=bool(getattr(c, "norm_topk_prob", False)) if num_experts else False,
+        moe_intermediate_size=int(getattr(c, fam.expert_ffn_attr)) if num_experts else 0,
+        norm_topk_prob=renormalise if num_experts else False,
         sparse_layers=sparse,
         eos_token_ids=eos_ids,
         dtype=None if dtype is None else str(dtype).replace("torch.", ""),
         initializer_range=float(getattr(c, "initializer_range", 0.02)),
         rope_type=str(rope.get("rope_type") or rope.get("type") or "default"),
         sliding_window_layers=sliding,
+        shared_expert_intermediate_size=shared,
+        shared_expert_gate=fam.shared_expert_gate and shared > 0,
+        moe_module=fam.moe_module,
+        expert_proj=fam.expert_proj,
     )

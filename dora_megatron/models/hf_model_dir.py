@@ -30,18 +30,19 @@ def load_config(model_dir: str | Path) -> dict[str, Any]:
     return hf_config.read_json(model_dir)
 
 
-def check_model_dir(model_dir: str | Path, need_tokenizer: bool = True) -> list[str]:
+def check_model_dir(model_dir: str | Path, need_tokenizer: bool = True, engine_only: bool = False) -> list[str]:
     """Problems that would stop a job on this HF directory, found before any process starts
     (empty list: usable): config.json read by transformers' config class with a supported
     ``model_type`` and an architecture the engine and the trainer build, weights present, and
-    (the controller decodes responses) ``tokenizer.json``."""
+    (the controller decodes responses) ``tokenizer.json``. ``engine_only``: what the embedded engine
+    computes suffices (``dora serve``), not what the trainer builds."""
     d = Path(model_dir)
     if not d.is_dir():
         return [f"{d} is not a directory"]
     problems = []
     try:
         spec = hf_config.read_spec(d)
-        problems += [f"{d / CONFIG_FILE}: {p}" for p in spec.trainer_problems()]
+        problems += [f"{d / CONFIG_FILE}: {p}" for p in (spec.engine_problems() if engine_only else spec.trainer_problems())]
     except (OSError, ValueError) as err:
         problems.append(str(err))
     if not (d / WEIGHTS_FILE).is_file() and not (d / INDEX_FILE).is_file():

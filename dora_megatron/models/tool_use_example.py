@@ -279,7 +279,7 @@ def write_tool_use_example(out: str | Path, *, rows_count: int = 512, seed: int 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from dora_megatron.models.example import build_tokenizer, save_tiny_qwen3_moe
+    from dora_megatron.models.example import build_tokenizer, save_tiny_model
     from dora_megatron.workflow.tools import Calculator
 
     out = Path(out)
@@ -294,7 +294,7 @@ def write_tool_use_example(out: str | Path, *, rows_count: int = 512, seed: int 
     tokenizer = add_tool_template(build_tokenizer(corpus, vocab_size=512))
     tokenizer.save_pretrained(str(model_dir))
     # twice the own-model example's width: copying digits through two layers needs the room
-    save_tiny_qwen3_moe(model_dir, tokenizer, seed=seed, dtype="float32", hidden_size=128, rope_theta=10000.0)
+    save_tiny_model(model_dir, tokenizer, seed=seed, dtype="float32", hidden_size=128, rope_theta=10000.0)
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     report = None
     if warm_start_steps > 0:

@@ -111,8 +111,8 @@ def transformer_kwargs(arch: ModelSpec, cfg: TrainerConfig, spec: str) -> dict[s
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
-        qk_layernorm=True,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=cfg.tp,
@@ -152,9 +152,14 @@ def transformer_kwargs(arch: ModelSpec, cfg: TrainerConfig, spec: str) -> dict[s
             moe_router_topk=arch.top_k,
             moe_ffn_hidden_size=arch.moe_intermediate_size,
             moe_router_score_function="softmax",
-            # Qwen3-MoE: softmax over all experts, top-k, renormalise iff norm_topk_prob. Megatron's
-            # pre_softmax=False (top-k logits then softmax) equals the renormalised form.
+            # the "softmax" router kind (models.families): softmax over all experts, top-k, renormalise
+            # iff norm_topk_prob. Megatron's pre_softmax=False (top-k logits then softmax) equals the
+            # renormalised form.
             moe_router_pre_softmax=not arch.norm_topk_prob,
+            moe_shared_expert_intermediate_size=arch.shared_expert_intermediate_size or None,
+            moe_shared_expert_gate=arch.shared_expert_gate,
+            # which layers are MoE (1) or dense (0): Qwen's mlp_only_layers / decoder_sparse_step
+            moe_layer_freq=[int(i in arch.sparse_layers) for i in range(arch.num_layers)],
             moe_router_load_balancing_type="aux_loss" if cfg.moe_aux_loss_coef > 0 else "none",
             moe_aux_loss_coeff=cfg.moe_aux_loss_coef,
             moe_router_dtype="fp32",

@@ -83,8 +83,11 @@ def rank_params(arch, cfg) -> tuple[float, float]:
     vocab = -(-arch.vocab_size // tp) * tp
     embed = vocab * h / tp
     if arch.is_moe:
-        dense_layer = attn + h * arch.num_experts
-        expert_layer = arch.num_experts / cfg.ep * 3 * h * arch.moe_intermediate_size / etp
+        # per layer on average: an MoE may have dense layers (mlp_only_layers), a shared expert (TP-split)
+        sparse = len(arch.sparse_layers) / arch.num_layers
+        shared = 3 * h * arch.shared_expert_intermediate_size / tp + (h if arch.shared_expert_gate else 0)
+        dense_layer = attn + sparse * (h * arch.num_experts + shared) + (1 - sparse) * 3 * h * arch.intermediate_size / tp
+        expert_layer = sparse * arch.num_experts / cfg.ep * 3 * h * arch.moe_intermediate_size / etp
     else:
         dense_layer = attn + 3 * h * arch.intermediate_size / tp
         expert_layer = 0.0
@@ -117,6 +120,7 @@ def layer_activation_bytes(arch, cfg, tokens: int, spec: str) -> tuple[float, fl
     if arch.is_moe:
         routed = arch.top_k * etp / tp
         mlp = 2 * h / wide + 4 * arch.num_experts / a + routed * (2 * h + 3 * arch.moe_intermediate_size / etp)
+        mlp += 3 * arch.shared_expert_intermediate_size / tp  # the shared expert's fc1 output and fc2 input
     else:
         mlp = 2 * h / wide + 3 * arch.intermediate_size / tp
     layer = tokens * a * (attn + scores + mlp)

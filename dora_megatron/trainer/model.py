@@ -1,12 +1,12 @@
-"""Build a Megatron-Core GPTModel from a Hugging Face Qwen3 / Qwen3-MoE config.
+"""Build a Megatron-Core GPTModel from a Hugging Face config of a supported family (models.families).
 
 The config is read by :mod:`dora_megatron.models.hf_config` (transformers' config classes), the
 same reader the embedded engine uses, so both build the model the directory describes.
 
 WHY: the rollout engines load Hugging Face checkpoints and the trainer trains Megatron modules; the
 two must be the *same function* of the weights. This module maps the HF config onto a
-``TransformerConfig`` (RMSNorm, SwiGLU, RoPE, QK-norm, GQA, top-k routed experts, no dropout, no
-biases; the trainer section's knobs through :mod:`dora_megatron.trainer.megatron_args`) and picks
+``TransformerConfig`` (RMSNorm, SwiGLU, RoPE, GQA, top-k routed experts, no dropout; QK-norm, q/k/v
+biases and a (gated) shared expert as the family has them; the trainer section's knobs through :mod:`dora_megatron.trainer.megatron_args`) and picks
 the layer spec: Transformer Engine when importable on CUDA, Megatron's local spec otherwise, with
 :class:`~dora_megatron.trainer.norm.RMSNorm` so that sequence parallelism works without TE/apex.
 """
@@ -90,22 +90,35 @@ def build_layer_spec(arch: ModelSpec, config, spec: str, pp_rank: int | None = N
     if spec == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
+        if num_experts and len(arch.sparse_layers) != arch.num_layers:
+            raise ValueError("dense layers inside an MoE (mlp_only_layers / decoder_sparse_step) are built with "
+                             "trainer.spec: local only")
         return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=grouped,
-                                                          qk_layernorm=True)
+                                                          qk_layernorm=arch.qk_norm)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     from dora_megatron.trainer.norm import RMSNorm
 
-    layer = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=grouped, qk_layernorm=True,
-                                     normalization="RMSNorm")
-    sub = layer.submodules
-    sub.input_layernorm = RMSNorm
-    sub.pre_mlp_layernorm = RMSNorm
-    sub.self_attention.submodules.q_layernorm = RMSNorm
-    sub.self_attention.submodules.k_layernorm = RMSNorm
+    def local_spec(experts: int | None):
+        layer = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=grouped, qk_layernorm=arch.qk_norm,
+                                         normalization="RMSNorm")
+        sub = layer.submodules
+        sub.input_layernorm = RMSNorm
+        sub.pre_mlp_layernorm = RMSNorm
+        if arch.qk_norm:
+            sub.self_attention.submodules.q_layernorm = RMSNorm
+            sub.self_attention.submodules.k_layernorm = RMSNorm
+        return layer
+
+    # an MoE with dense layers (Qwen's mlp_only_layers / decoder_sparse_step): each of this chunk's
+    # layers gets the MoE or the dense spec by its global index
+    moe, dense = local_spec(num_experts), (local_spec(None) if num_experts else None)
     n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=RMSNorm)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    specs = [moe if not num_experts or offset + i in arch.sparse_layers else dense for i in range(n)]
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=RMSNorm)
 
 
 def build_gpt_model(arch: ModelSpec, config, spec: str, *, tp: int, pre_process: bool, post_process: bool,

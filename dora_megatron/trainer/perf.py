@@ -67,11 +67,12 @@ def matmul_params_per_token(arch) -> int:
     """Weights each token multiplies in one forward pass (experts: only its ``top_k``)."""
     h, d = arch.hidden_size, arch.head_dim
     attn = h * d * (arch.num_heads + 2 * arch.num_kv_heads) + arch.num_heads * d * h
-    if arch.is_moe:
-        mlp = h * arch.num_experts + arch.top_k * 3 * h * arch.moe_intermediate_size
-    else:
-        mlp = 3 * h * arch.intermediate_size
-    return arch.num_layers * (attn + mlp) + h * arch.vocab_size
+    dense_mlp = 3 * h * arch.intermediate_size
+    # an MoE layer: router, the top_k experts, the shared expert and its gate (Qwen2-MoE)
+    moe_mlp = (h * arch.num_experts + arch.top_k * 3 * h * arch.moe_intermediate_size
+               + 3 * h * arch.shared_expert_intermediate_size + (h if arch.shared_expert_gate else 0))
+    sparse = len(arch.sparse_layers) if arch.is_moe else 0  # an MoE may have dense layers (mlp_only_layers)
+    return arch.num_layers * attn + sparse * moe_mlp + (arch.num_layers - sparse) * dense_mlp + h * arch.vocab_size
 
 
 def forward_flops(arch, seq_len: int) -> float:

@@ -1,4 +1,8 @@
-"""Megatron-Core <-> Hugging Face parameter names and layouts for Qwen3 / Qwen3-MoE.
+"""Megatron-Core <-> Hugging Face parameter names and layouts for every supported family.
+
+The family-specific facts (the HF MoE module and expert projection names, QK-norm, q/k/v biases, a
+shared expert and its gate) come from the architecture (``ModelSpec``, filled from the family's
+row in :mod:`dora_megatron.models.families`); the rules below are the same for every family.
 
 WHY: the trainer holds Megatron tensors (fused QKV grouped per query group, fused gate/up
 ``linear_fc1``, per-rank TP shards, PP-local layer indices, EP-local expert indices) while the
@@ -108,6 +112,19 @@ class NamingArch:
     head_dim: int
     num_experts: int = 0
     tie_word_embeddings: bool = False
+    qk_norm: bool = True
+    qkv_bias: bool = False
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    moe_module: str = "mlp"
+    expert_proj: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    sparse_layers: tuple[int, ...] | None = None  # the MoE layers; None: all of them when num_experts
+
+
+def is_moe_layer(arch, layer: int) -> bool:
+    """Layer ``layer`` (global index) of ``arch`` is MoE (an MoE model may have dense layers)."""
+    sparse = arch.sparse_layers
+    return bool(arch.num_experts) and (sparse is None or layer in sparse)
 
 
 # --------------------------------------------------------------------------- names
@@ -115,7 +132,6 @@ class NamingArch:
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
-_HF_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 # TE-spec suffix -> local-spec suffix (within a layer).
 _TE_ALIASES = {
@@ -131,8 +147,18 @@ _LAYER_SIMPLE = {
     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
-    "mlp.router.weight": "mlp.gate.weight",
 }
+
+
+def _moe_simple(arch) -> dict[str, str]:
+    """Per-layer one-to-one renames of the MoE block (Megatron -> HF) under the family's module name."""
+    moe = arch.moe_module
+    out = {"mlp.router.weight": f"{moe}.gate.weight"}
+    if arch.shared_expert_intermediate_size:
+        out["mlp.shared_experts.linear_fc2.weight"] = f"{moe}.shared_expert.down_proj.weight"
+        if arch.shared_expert_gate:
+            out["mlp.shared_experts.gate_weight"] = f"{moe}.shared_expert_gate.weight"
+    return out
 _TOP_SIMPLE = {
     "embedding.word_embeddings.weight": "model.embed_tokens.weight",
     "decoder.final_layernorm.weight": "model.norm.weight",
@@ -201,7 +227,7 @@ def tp_kind(name: str) -> str:
     """How a canonical Megatron parameter is split over TP: vocab|column|glu|row|replicated."""
     if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         return "vocab"
-    if name.endswith("self_attention.linear_qkv.weight"):
+    if name.endswith("self_attention.linear_qkv.weight") or name.endswith("self_attention.linear_qkv.bias"):
         return "column"
     if name.endswith("linear_fc1.weight"):
         return "glu"
@@ -244,37 +270,41 @@ def merge_tp(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _qkv_pack(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch) -> torch.Tensor:
-    ng, hd, hidden = arch.num_kv_heads, arch.head_dim, q.shape[-1]
+    """Q, K, V rows grouped per query group (weights ``[rows, hidden]`` or biases ``[rows]``)."""
+    ng, hd, rest = arch.num_kv_heads, arch.head_dim, tuple(q.shape[1:])
     qpg = arch.num_heads // ng
-    q = q.reshape(ng, qpg * hd, hidden)
-    k = k.reshape(ng, hd, hidden)
-    v = v.reshape(ng, hd, hidden)
-    return torch.cat([q, k, v], dim=1).reshape(ng * (qpg + 2) * hd, hidden)
+    q = q.reshape(ng, qpg * hd, *rest)
+    k = k.reshape(ng, hd, *rest)
+    v = v.reshape(ng, hd, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(ng * (qpg + 2) * hd, *rest)
 
 
 def _qkv_unpack(qkv: torch.Tensor, arch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    ng, hd, hidden = arch.num_kv_heads, arch.head_dim, qkv.shape[-1]
+    ng, hd, rest = arch.num_kv_heads, arch.head_dim, tuple(qkv.shape[1:])
     qpg = arch.num_heads // ng
-    grouped = qkv.reshape(ng, (qpg + 2) * hd, hidden)
+    grouped = qkv.reshape(ng, (qpg + 2) * hd, *rest)
     q, k, v = grouped.split([qpg * hd, hd, hd], dim=1)
-    return q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
-def hf_per_expert(hf_sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Normalise fused in-memory expert tensors (transformers 5.x ``experts.gate_up_proj`` [E, 2I, H],
-    ``experts.down_proj`` [E, H, I]) to the per-expert layout; other entries pass through."""
+def hf_per_expert(hf_sd: Mapping[str, torch.Tensor], arch=None) -> dict[str, torch.Tensor]:
+    """Normalise fused in-memory expert tensors (transformers 5.x ``mlp.experts.gate_up_proj``
+    [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]) to the family's per-expert checkpoint layout
+    (``arch``'s MoE module and projection names; Qwen's without ``arch``); other entries pass through."""
+    moe = arch.moe_module if arch is not None else "mlp"
+    gate_n, up_n, down_n = arch.expert_proj if arch is not None else ("gate_proj", "up_proj", "down_proj")
     out: dict[str, torch.Tensor] = {}
     for name, t in hf_sd.items():
         if name.endswith("mlp.experts.gate_up_proj"):
-            prefix = name[: -len("gate_up_proj")]
+            prefix = name[: -len("mlp.experts.gate_up_proj")] + f"{moe}.experts."
             for e in range(t.shape[0]):
                 gate, up = t[e].chunk(2, dim=0)
-                out[f"{prefix}{e}.gate_proj.weight"] = gate
-                out[f"{prefix}{e}.up_proj.weight"] = up
+                out[f"{prefix}{e}.{gate_n}.weight"] = gate
+                out[f"{prefix}{e}.{up_n}.weight"] = up
         elif name.endswith("mlp.experts.down_proj"):
-            prefix = name[: -len("down_proj")]
+            prefix = name[: -len("mlp.experts.down_proj")] + f"{moe}.experts."
             for e in range(t.shape[0]):
-                out[f"{prefix}{e}.down_proj.weight"] = t[e]
+                out[f"{prefix}{e}.{down_n}.weight"] = t[e]
         else:
             out[name] = t
     return out
@@ -285,7 +315,7 @@ def hf_to_megatron_global(hf_sd: Mapping[str, torch.Tensor], arch, tp: int = 1) 
 
     Vocab-parallel tensors are zero-padded to a multiple of ``tp`` rows. ``lm_head.weight`` may be
     absent for tied embeddings (the embedding is used)."""
-    sd = hf_per_expert(hf_sd)
+    sd = hf_per_expert(hf_sd, arch)
     out: dict[str, torch.Tensor] = {}
     vocab = padded_vocab(arch.vocab_size, tp)
 
@@ -300,22 +330,30 @@ def hf_to_megatron_global(hf_sd: Mapping[str, torch.Tensor], arch, tp: int = 1) 
     if lm_head is None or arch.tie_word_embeddings:
         lm_head = sd["model.embed_tokens.weight"]
     out["output_layer.weight"] = pad(lm_head)
-    hf_simple = {v: k for k, v in _LAYER_SIMPLE.items()}
+    hf_simple = {v: k for k, v in {**_LAYER_SIMPLE, **_moe_simple(arch)}.items()}
+    gate_n, up_n, down_n = arch.expert_proj
     for layer in range(arch.num_layers):
         p = f"model.layers.{layer}."
         g = f"decoder.layers.{layer}."
         out[g + "self_attention.linear_qkv.weight"] = _qkv_pack(
             sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"], sd[p + "self_attn.v_proj.weight"], arch)
+        if arch.qkv_bias:
+            out[g + "self_attention.linear_qkv.bias"] = _qkv_pack(
+                sd[p + "self_attn.q_proj.bias"], sd[p + "self_attn.k_proj.bias"], sd[p + "self_attn.v_proj.bias"], arch)
         for hf_suffix, mg_suffix in hf_simple.items():
             if p + hf_suffix in sd:
                 out[g + mg_suffix] = sd[p + hf_suffix]
-        if arch.num_experts:
+        if is_moe_layer(arch, layer):
+            moe = f"{p}{arch.moe_module}."
             for e in range(arch.num_experts):
-                ep = f"{p}mlp.experts.{e}."
+                ep = f"{moe}experts.{e}."
                 eg = f"{g}mlp.experts.local_experts.{e}."
                 out[eg + "linear_fc1.weight"] = torch.cat(
-                    [sd[ep + "gate_proj.weight"], sd[ep + "up_proj.weight"]], dim=0)
-                out[eg + "linear_fc2.weight"] = sd[ep + "down_proj.weight"]
+                    [sd[f"{ep}{gate_n}.weight"], sd[f"{ep}{up_n}.weight"]], dim=0)
+                out[eg + "linear_fc2.weight"] = sd[f"{ep}{down_n}.weight"]
+            if arch.shared_expert_intermediate_size:
+                out[g + "mlp.shared_experts.linear_fc1.weight"] = torch.cat(
+                    [sd[moe + "shared_expert.gate_proj.weight"], sd[moe + "shared_expert.up_proj.weight"]], dim=0)
         else:
             out[g + "mlp.linear_fc1.weight"] = torch.cat(
                 [sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]], dim=0)
@@ -337,23 +375,30 @@ def megatron_global_to_hf(name: str, tensor: torch.Tensor, arch) -> list[tuple[s
         raise KeyError(f"no HF name for Megatron parameter {name!r}")
     p = f"model.layers.{m.group(1)}."
     rest = m.group(2)
-    if rest == "self_attention.linear_qkv.weight":
+    if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        kind = rest.rsplit(".", 1)[1]
         q, k, v = _qkv_unpack(tensor, arch)
-        return [(p + "self_attn.q_proj.weight", q), (p + "self_attn.k_proj.weight", k),
-                (p + "self_attn.v_proj.weight", v)]
+        return [(p + f"self_attn.q_proj.{kind}", q), (p + f"self_attn.k_proj.{kind}", k),
+                (p + f"self_attn.v_proj.{kind}", v)]
     if rest == "mlp.linear_fc1.weight":
         gate, up = tensor.chunk(2, dim=0)
         return [(p + "mlp.gate_proj.weight", gate), (p + "mlp.up_proj.weight", up)]
+    moe = f"{p}{arch.moe_module}."
+    if rest == "mlp.shared_experts.linear_fc1.weight":
+        gate, up = tensor.chunk(2, dim=0)
+        return [(moe + "shared_expert.gate_proj.weight", gate), (moe + "shared_expert.up_proj.weight", up)]
     e = _EXPERT.match(rest)
     if e:
-        ep = f"{p}mlp.experts.{e.group(1)}."
+        ep = f"{moe}experts.{e.group(1)}."
+        gate_n, up_n, down_n = arch.expert_proj
         if e.group(2) == "linear_fc1.weight":
             gate, up = tensor.chunk(2, dim=0)
-            return [(ep + "gate_proj.weight", gate), (ep + "up_proj.weight", up)]
+            return [(f"{ep}{gate_n}.weight", gate), (f"{ep}{up_n}.weight", up)]
         if e.group(2) == "linear_fc2.weight":
-            return [(ep + "down_proj.weight", tensor)]
-    if rest in _LAYER_SIMPLE:
-        return [(p + _LAYER_SIMPLE[rest], tensor)]
+            return [(f"{ep}{down_n}.weight", tensor)]
+    simple = {**_LAYER_SIMPLE, **_moe_simple(arch)}
+    if rest in simple:
+        return [(p + simple[rest], tensor)]
     raise KeyError(f"no HF name for Megatron parameter {name!r}")
 
 
@@ -392,12 +437,21 @@ def hf_names(arch) -> list[str]:
     for layer in range(arch.num_layers):
         p = f"model.layers.{layer}."
         names += [p + "input_layernorm.weight", p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
-                  p + "self_attn.v_proj.weight", p + "self_attn.o_proj.weight", p + "self_attn.q_norm.weight",
-                  p + "self_attn.k_norm.weight", p + "post_attention_layernorm.weight"]
-        if arch.num_experts:
-            names.append(p + "mlp.gate.weight")
+                  p + "self_attn.v_proj.weight", p + "self_attn.o_proj.weight"]
+        if arch.qkv_bias:
+            names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+        if arch.qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        names.append(p + "post_attention_layernorm.weight")
+        if is_moe_layer(arch, layer):
+            moe = f"{p}{arch.moe_module}."
+            names.append(moe + "gate.weight")
             for e in range(arch.num_experts):
-                names += [f"{p}mlp.experts.{e}.{k}_proj.weight" for k in ("gate", "up", "down")]
+                names += [f"{moe}experts.{e}.{k}.weight" for k in arch.expert_proj]
+            if arch.shared_expert_intermediate_size:
+                names += [f"{moe}shared_expert.{k}_proj.weight" for k in ("gate", "up", "down")]
+                if arch.shared_expert_gate:
+                    names.append(moe + "shared_expert_gate.weight")
         else:
             names += [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", p + "mlp.down_proj.weight"]
     names.append("model.norm.weight")

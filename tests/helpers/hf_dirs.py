@@ -21,8 +21,9 @@ ROPE_THETA = 500000.0
 VOCAB = 96
 
 
-def save_pretrained(out: str | Path, moe: bool, seed: int = 0) -> Path:
-    """A tiny Qwen3-MoE (``moe``) or Qwen3 written by transformers' ``save_pretrained``."""
+def save_pretrained(out: str | Path, moe: bool, seed: int = 0, **moe_extra) -> Path:
+    """A tiny Qwen3-MoE (``moe``, its config given ``moe_extra`` too) or Qwen3 written by transformers'
+    ``save_pretrained``."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -32,7 +33,7 @@ def save_pretrained(out: str | Path, moe: bool, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     if moe:
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                                   norm_topk_prob=False, **common))
+                                                   norm_topk_prob=False, **{**common, **moe_extra}))
     else:
         model = Qwen3ForCausalLM(Qwen3Config(**common))
     model.save_pretrained(str(out))
@@ -53,3 +54,26 @@ def hub_spelled(src: str | Path, out: str | Path) -> Path:
         del cfg["head_dim"]
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
+
+
+def save_family(out: str | Path, family: str, seed: int = 0) -> Path:
+    """A tiny model of ``family`` (a supported ``model_type``) written by transformers' ``save_pretrained``
+    in fp32, with every bias, gate and norm weight random too (transformers initialises biases at 0
+    and norms at 1, which would hide a bias or a norm read from the wrong tensor)."""
+    import torch
+    import transformers
+
+    from dora_megatron.models.example import tiny_config_kwargs
+
+    config = transformers.CONFIG_MAPPING[family](
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        tie_word_embeddings=False, initializer_range=0.1, eos_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA}, **tiny_config_kwargs(family, 64))
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 or name.endswith("shared_expert_gate.weight"):
+                p.copy_((1.0 if "norm" in name else 0.0) + 0.1 * torch.randn(p.shape))
+    model.save_pretrained(str(out))
+    return Path(out)

@@ -33,9 +33,10 @@ def _random_routing(batch, layers: int, experts: int, k: int) -> list[torch.Tens
     return out
 
 
-def _hf_forward(hf_dir: str, batch, forced: list[torch.Tensor] | None):
-    """Per-sample response log-probs from transformers (routing forced when ``forced``), and the
-    natural top-k per position when not forced."""
+def _hf_forward(hf_dir: str, batch, forced: list[torch.Tensor] | None, renormalise: bool = True):
+    """Per-sample response log-probs from transformers (routing forced when ``forced``; the forced
+    experts' weights are the softmax over all experts, renormalised over the top-k when
+    ``renormalise``, as the family's router does), and the natural top-k per position when not forced."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
     routers = [layer.mlp.gate for layer in hf.model.layers]
     state: dict = {}
@@ -48,7 +49,10 @@ def _hf_forward(hf_dir: str, batch, forced: list[torch.Tensor] | None):
         idx = torch.arange(mod.top_k).expand(logits.shape[0], -1).clone()
         n = state["forced"].shape[0]
         idx[:n] = state["forced"][:, layer].long()
-        w = torch.softmax(logits.float().gather(1, idx), -1).to(logits.dtype)  # norm_topk_prob=True
+        if renormalise:
+            w = torch.softmax(logits.float().gather(1, idx), -1).to(logits.dtype)
+        else:
+            w = torch.softmax(logits.float(), -1).gather(1, idx).to(logits.dtype)
         return logits, w, idx
 
     handles = [r.register_forward_hook(lambda m, i, o, layer=layer: hook(m, i, o, layer))
@@ -124,3 +128,23 @@ def test_replay_in_parallel_layouts_matches_forced_reference(setup, layout):
     res = _scenario(setup, "forced.pt", 2, ["--replay", *layout], "-".join(layout).strip("-"))
     _close(res["logprobs"], setup["ref"])
     assert res["agreement"] < 0.5 and res["metrics"]["routing_replay"] == 1.0
+
+
+@pytest.mark.parametrize("family,renormalise", [("qwen2_moe", False), ("mixtral", True)])
+def test_replay_uses_exactly_the_given_experts_for_each_families_router(tmp_path, family, renormalise):
+    """Qwen2-MoE's softmax router without renormalisation (and its gated shared expert beside the
+    routed ones) and Mixtral's renormalised top-2 replay the given random experts with their weights."""
+    from dora_megatron.trainer.scenarios import fixed_batch
+    from tests.helpers.hf_dirs import VOCAB, save_family
+
+    hf_dir = str(save_family(tmp_path / family, family))
+    batch = fixed_batch(VOCAB, seed=0)
+    forced = _random_routing(batch, layers=2, experts=4, k=2)
+    torch.save(forced, str(tmp_path / "forced.pt"))
+    ref, _ = _hf_forward(hf_dir, batch, forced, renormalise)
+    plain, _ = _hf_forward(hf_dir, batch, None)
+    res = run_scenario(["replay", "--hf", hf_dir, "--routing", str(tmp_path / "forced.pt"), "--replay"], 1,
+                       str(tmp_path / "r.pt"))
+    _close(res["logprobs"], ref)
+    assert max((a - b).abs().max().item() for a, b in zip(res["logprobs"], plain)) > 1e-2
+    assert res["metrics"]["routing_replay"] == 1.0

@@ -1,12 +1,15 @@
-"""Qwen3 (dense) and Qwen3-MoE forward pass in plain torch, with parameters named as in HF.
+"""The supported families' forward pass (Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral) in plain torch, with
+parameters named as in HF.
 
 Why our own model instead of transformers: the engine needs a ragged batch (prefill and decode
 of many requests of different lengths in one forward, no padding) over per-request KV caches
 that can be exported. The parameter names equal the Hugging Face checkpoint names, so loading,
 weight updates (HF names over the wire) and checksums need no renaming. Numerics follow
 transformers' implementation (RMSNorm in fp32, RoPE with rotate-half, QK-norm before RoPE, GQA,
-SwiGLU, softmax router over all experts then top-k, renormalised when ``norm_topk_prob``). The
-architecture comes from :func:`dora_megatron.models.hf_config.read_spec`, the one ``config.json``
+SwiGLU, softmax router over all experts then top-k, renormalised when ``norm_topk_prob``, a shared
+expert behind a sigmoid gate). What differs between families (QK-norm, q/k/v biases, the MoE
+module's and experts' names, the shared expert) is read from the ``ModelSpec``, which the family's
+row in :mod:`dora_megatron.models.families` fills. The architecture comes from :func:`dora_megatron.models.hf_config.read_spec`, the one ``config.json``
 reader (transformers' config classes) that the trainer and the converter use too.
 """
 
@@ -74,12 +77,12 @@ class Attention(nn.Module):
     def __init__(self, c: ModelSpec) -> None:
         super().__init__()
         self.c = c
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
-        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.qkv_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else nn.Identity()
 
     def forward(
         self,
@@ -112,15 +115,33 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(0, 1).reshape(n, c.num_heads * c.head_dim))
 
 
+_QWEN_PROJ = ("gate_proj", "up_proj", "down_proj")
+
+
 class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int) -> None:
+    """SwiGLU; ``names``: the HF module names of its gate, up and down projections (Mixtral's
+    experts call them ``w1``, ``w3``, ``w2``)."""
+
+    def __init__(self, hidden: int, inter: int, names: tuple[str, str, str] = _QWEN_PROJ) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.names = names
+        for name, shape in zip(names, ((hidden, inter), (hidden, inter), (inter, hidden))):
+            self.add_module(name, nn.Linear(*shape, bias=False))
+
+    @property
+    def gate(self) -> nn.Linear:
+        return getattr(self, self.names[0])
+
+    @property
+    def up(self) -> nn.Linear:
+        return getattr(self, self.names[1])
+
+    @property
+    def down(self) -> nn.Linear:
+        return getattr(self, self.names[2])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
 #: A MoE layer computes every expert on its tokens in two matmuls when that takes at most this many
@@ -137,20 +158,25 @@ DENSE_EXPERT_MACS = 1 << 22
 
 
 class SparseMoE(nn.Module):
-    """Router (``mlp.gate``) + routed experts (``mlp.experts.E``), no shared expert."""
+    """Router (``gate``) + routed experts (``experts.E``) + the family's shared expert
+    (``shared_expert``, scaled by ``sigmoid(shared_expert_gate(x))`` when the family gates it)."""
 
     def __init__(self, c: ModelSpec) -> None:
         super().__init__()
         self.c = c
         self.gate = nn.Linear(c.hidden_size, c.num_experts, bias=False)
-        self.experts = nn.ModuleList([MLP(c.hidden_size, c.moe_intermediate_size) for _ in range(c.num_experts)])
+        self.experts = nn.ModuleList([MLP(c.hidden_size, c.moe_intermediate_size, c.expert_proj)
+                                      for _ in range(c.num_experts)])
+        self.shared_expert = MLP(c.hidden_size, c.shared_expert_intermediate_size) \
+            if c.shared_expert_intermediate_size else None
+        self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False) if c.shared_expert_gate else None
         #: the most tokens a forward computes with every expert at once (see DENSE_EXPERT_MACS)
         self.all_experts_max_tokens = DENSE_EXPERT_MACS // (c.num_experts * 3 * c.hidden_size * c.moe_intermediate_size)
         self._stacked: tuple[tuple[int, ...], torch.Tensor, torch.Tensor] | None = None
         self._expert_params = self._find_expert_params()
 
     def _find_expert_params(self) -> list[nn.Parameter]:
-        return [p for ex in self.experts for p in (ex.gate_proj.weight, ex.up_proj.weight, ex.down_proj.weight)]
+        return [p for ex in self.experts for p in (ex.gate.weight, ex.up.weight, ex.down.weight)]
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         """Every move or dtype change (``to``, ``to_empty``, ...) runs through here and may replace
@@ -162,6 +188,15 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, routing_out: dict[int, torch.Tensor] | None = None, layer: int = 0
                 ) -> torch.Tensor:
+        routed = self._routed(x, routing_out, layer)
+        if self.shared_expert is None:
+            return routed
+        shared = self.shared_expert(x)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return routed + shared
+
+    def _routed(self, x: torch.Tensor, routing_out: dict[int, torch.Tensor] | None, layer: int) -> torch.Tensor:
         logits = self.gate(x)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top_w, top_i = torch.topk(probs, self.c.top_k, dim=-1)
@@ -199,8 +234,8 @@ class SparseMoE(nn.Module):
         params = self._expert_params
         key = tuple([p._version for p in params] + [p.data_ptr() for p in params])
         if self._stacked is None or self._stacked[0] != key:
-            gate_up = torch.cat([torch.cat((ex.gate_proj.weight, ex.up_proj.weight)) for ex in self.experts])
-            down = torch.cat([ex.down_proj.weight for ex in self.experts], dim=1)
+            gate_up = torch.cat([torch.cat((ex.gate.weight, ex.up.weight)) for ex in self.experts])
+            down = torch.cat([ex.down.weight for ex in self.experts], dim=1)
             self._stacked = (key, gate_up, down)
         return self._stacked[1], self._stacked[2]
 
@@ -210,16 +245,23 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.idx = idx
         self.self_attn = Attention(c)
-        self.mlp: nn.Module = SparseMoE(c) if idx in c.sparse_layers else MLP(c.hidden_size, c.intermediate_size)
+        # the MoE block's HF module name is the family's (Mixtral: ``block_sparse_moe``)
+        self.ffn_name = c.moe_module if idx in c.sparse_layers else "mlp"
+        self.add_module(self.ffn_name, SparseMoE(c) if idx in c.sparse_layers else MLP(c.hidden_size, c.intermediate_size))
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    @property
+    def ffn(self) -> nn.Module:
+        return getattr(self, self.ffn_name)
 
     def forward(self, x, cos, sin, segments, routing_out=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, self.idx, segments)
         h = self.post_attention_layernorm(x)
-        if isinstance(self.mlp, SparseMoE):
-            return x + self.mlp(h, routing_out, self.idx)
-        return x + self.mlp(h)
+        ffn = self.ffn
+        if isinstance(ffn, SparseMoE):
+            return x + ffn(h, routing_out, self.idx)
+        return x + ffn(h)
 
 
 class _Backbone(nn.Module):
@@ -231,7 +273,7 @@ class _Backbone(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Qwen3 / Qwen3-MoE causal LM; ``state_dict()`` keys are the HF checkpoint names."""
+    """Causal LM of a supported family; ``state_dict()`` keys are the HF checkpoint names."""
 
     def __init__(self, c: ModelSpec) -> None:
         super().__init__()
@@ -240,6 +282,8 @@ class CausalLM(nn.Module):
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
         self.register_buffer("inv_freq", inv, persistent=False)
+        #: cos and sin are multiplied by it (YaRN's attention factor; 1 for the default RoPE)
+        self.attention_scaling = 1.0
 
     # ---- weights -------------------------------------------------------------------------
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -290,7 +334,7 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(token_ids)
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
         planned = [segment_of(kv, m, x.device) for kv, m in segments]
         for layer in self.model.layers:
             x = layer(x, cos, sin, planned, routing_out)
@@ -327,8 +371,14 @@ def load_model(model_dir: str, device: str = "cpu", dtype: torch.dtype = torch.f
     with torch.device("meta"):
         model = CausalLM(cfg)
     model = model.to_empty(device=device).to(dtype)
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
-    model.inv_freq = inv.to(device)
+    if cfg.rope_type == "default":
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+    else:  # a scaled RoPE (YaRN, linear, llama3): transformers' own frequencies and attention factor
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        hf_cfg = hf_config.transformers_config(hf_config.read_json(model_dir), f"{model_dir}/{hf_config.CONFIG_FILE}")
+        inv, model.attention_scaling = ROPE_INIT_FUNCTIONS[cfg.rope_type](hf_cfg, torch.device("cpu"))
+    model.inv_freq = inv.float().to(device)
     state = hf_model_dir.load_state_dict(model_dir)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)

@@ -191,3 +191,19 @@ def test_init_model_does_not_overwrite_an_existing_directory(tmp_path):
     proc = dora("init-model", "--preset", "tiny-dense", "--out", str(out), "--force", timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert (out / "config.json").is_file() and (out / "mine.txt").read_text() == "keep me"
+
+
+def test_convert_of_an_unsupported_model_type_is_one_line_before_any_rank_starts(tmp_path):
+    import json
+
+    from dora_megatron.models.presets import create_model_dir
+
+    model = create_model_dir("tiny-dense", tmp_path / "m", seed=0)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "model_type": "deepseek_v3"}))
+    out = tmp_path / "ckpt"
+    proc = dora("convert", "hf-to-megatron", "--hf", str(model), "--out", str(out), timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("dora convert: config.json: model_type 'deepseek_v3' is not supported (supported: "
+                                  "qwen3, qwen3_moe, qwen2_moe, mixtral)") and proc.stderr.count("\n") == 1, proc.stderr
+    assert "torch" not in proc.stderr and not out.exists()

@@ -89,11 +89,13 @@ def test_a_value_transformers_refuses_is_named_by_every_reader(dirs, tmp_path):
 
 
 @pytest.mark.parametrize("base,patch,engine_refuses,needle", [
-    ("dense-saved", {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}, True,
-     "rope_type 'linear'"),
+    ("dense-saved", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, True,
+     "rope_type 'dynamic'"),
+    ("dense-saved", {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}, False,
+     "rope_type 'linear' is not supported by the Megatron trainer"),  # the engine computes it
     ("dense-saved", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1, "layer_types": None}, True,
      "sliding-window attention (use_sliding_window / layer_types) on layers [1]"),
-    ("moe-saved", {"mlp_only_layers": [1]}, False, "mlp_only_layers"),  # the engine computes these
+    ("moe-saved", {"attention_bias": True}, False, "attention_bias=true (an o_proj bias)"),  # the engine computes it
 ])
 def test_unsupported_architectures_are_refused_before_start(dirs, tmp_path, base, patch, engine_refuses, needle):
     """What transformers reads but a component cannot compute is named by the input check, and

@@ -148,3 +148,51 @@ def test_load_weights_rejects_bad_names_and_shapes_atomically(moe_dir):
     with pytest.raises(ValueError, match="shape"):
         m.load_weights({"model.norm.weight": torch.zeros(3)})
     assert torch.equal(m.model.norm.weight, before)
+
+
+@pytest.mark.parametrize("family,moe_module", [("qwen2_moe", "mlp"), ("mixtral", "block_sparse_moe")])
+def test_other_families_match_transformers(tmp_path, family, moe_module):
+    """Qwen2-MoE (q/k/v biases, no QK-norm, a gated shared expert, top-k weights not renormalised)
+    and Mixtral (experts w1/w3/w2 under block_sparse_moe, renormalised top-2), as transformers saves
+    them: our forward equals transformers' on the long (per-expert) and the short (all-experts) path."""
+    from tests.helpers.hf_dirs import save_family
+
+    model_dir = save_family(tmp_path / family, family)
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(model_dir, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    hf.eval()
+    ours = load_model(str(model_dir))
+    assert any(k.startswith(f"model.layers.0.{moe_module}.experts.0.") for k in ours.state_dict())
+    for n in (40, 8):
+        ids = torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0].float()
+        assert ref.std() > 0.3
+        torch.testing.assert_close(ours.full_logits(ids), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16},
+    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}])
+def test_scaled_rope_matches_transformers_and_only_the_trainer_refuses_it(tmp_path, rope):
+    """YaRN (frequencies blended by position band, cos/sin scaled by its attention factor) and linear
+    scaling: the engine computes them as transformers does; the trainer and the job refuse them."""
+    from dora_megatron.models.hf_model_dir import check_model_dir
+    from dora_megatron.models.presets import preset_config
+
+    cfg = preset_config("tiny-dense")
+    cfg.update(num_hidden_layers=2, initializer_range=0.1, rope_parameters=rope, max_position_embeddings=64)
+    cfg["layer_types"] = ["full_attention"] * 2
+    hf_model_dir.save_model_dir(tmp_path, cfg, hf_model_dir.random_state_dict(cfg, 4))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ours = load_model(str(tmp_path))
+    ids = list(range(3, 43))  # past original_max_position_embeddings
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    torch.testing.assert_close(ours.full_logits(ids), ref, rtol=1e-5, atol=1e-5)
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    hf_model_dir.save_model_dir(tmp_path / "plain", cfg, hf_model_dir.random_state_dict(cfg, 4))
+    assert (load_model(str(tmp_path / "plain")).full_logits(ids) - ref).abs().max() > 1e-3  # the scaling mattered
+    assert check_model_dir(tmp_path, need_tokenizer=False, engine_only=True) == []
+    (problem,) = check_model_dir(tmp_path, need_tokenizer=False)
+    assert f"rope_type {rope['rope_type']!r} is not supported by the Megatron trainer" in problem

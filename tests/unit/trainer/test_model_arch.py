@@ -27,11 +27,32 @@ def test_dense_defaults_and_legacy_rope_theta():
     assert not a.is_moe and a.rope_theta == 5000.0 and a.head_dim == 128
 
 
-@pytest.mark.parametrize("patch", [{"model_type": "llama"}, {"attention_bias": True}, {"mlp_only_layers": [1]},
-                                   {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1.0}}])
-def test_unsupported_configs_are_rejected(patch):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("patch,match", [
+    ({"model_type": "llama"}, "model_type 'llama' is not supported"),
+    ({"model_type": "deepseek_v3"}, "supported: qwen3, qwen3_moe, qwen2_moe, mixtral"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1.0, "factor": 2.0,
+                          "original_max_position_embeddings": 1024}}, "rope_type 'yarn'")])
+def test_unsupported_configs_are_rejected(patch, match):
+    with pytest.raises(ValueError, match=match):
         arch_from_hf_config({**MOE, **patch})
+
+
+def test_family_fields_come_from_each_familys_config_keys():
+    """Mixtral's expert width is intermediate_size and it always renormalises; Qwen2-MoE has q/k/v
+    biases (on when its config omits qkv_bias, as transformers 4.x configs do), no QK-norm and a
+    gated shared expert; a Qwen3-MoE's mlp_only_layers are dense."""
+    base = {k: v for k, v in MOE.items() if k not in ("num_experts", "mlp_only_layers", "decoder_sparse_step",
+                                                      "moe_intermediate_size", "norm_topk_prob", "head_dim")}
+    mixtral = arch_from_hf_config({**base, "model_type": "mixtral", "num_local_experts": 4, "intermediate_size": 48})
+    assert (mixtral.num_experts, mixtral.moe_intermediate_size, mixtral.norm_topk_prob) == (4, 48, True)
+    assert mixtral.moe_module == "block_sparse_moe" and mixtral.expert_proj == ("w1", "w3", "w2")
+    assert not mixtral.qk_norm and not mixtral.qkv_bias and mixtral.sparse_layers == (0, 1)
+    qwen2 = arch_from_hf_config({**base, "model_type": "qwen2_moe", "num_experts": 4, "moe_intermediate_size": 24,
+                                 "shared_expert_intermediate_size": 40})
+    assert qwen2.qkv_bias and not qwen2.o_bias and not qwen2.qk_norm and not qwen2.norm_topk_prob
+    assert (qwen2.shared_expert_intermediate_size, qwen2.shared_expert_gate, qwen2.moe_intermediate_size) == (40, True, 24)
+    assert arch_from_hf_config({**MOE, "mlp_only_layers": [0]}).sparse_layers == (1,)
 
 
 def test_spec_choice_and_vocab_padding():
