@@ -41,8 +41,8 @@ otherwise) and answers 404 when nothing matches.
 Credentials (:mod:`dora_megatron.comm.auth`): with keys, every route but ``/health`` and
 ``/health_generate`` needs ``Authorization: Bearer <key>`` (401 without, 403 with a wrong one);
 :data:`ADMIN_PATHS` (SGLang 0.5.23's admin routes, and the dora extensions that move weights or
-request state) need the admin key when one is set. Weights load only from the model directory the
-engine started with or under its ``weights_roots`` (the run directory's snapshots), and peer pulls
+request state) need the admin key when one is set. Given ``weights_roots`` (a job's engine: the run
+directory's snapshots), weights load only from under them or the model directory, and peer pulls
 only from a peer that proves it holds the same key (:func:`~dora_megatron.comm.auth.proof`): 403
 otherwise, naming the rule.
 
@@ -168,7 +168,8 @@ class ServerOptions:
     group_timeout_s: float = 600.0
     group_connect_timeout_s: float = 30.0  # reaching the trainer's store; a bad address fails after this
     keys: auth.Keys = auth.Keys()  # no keys: every route open (a user's own `dora serve` on loopback)
-    weights_roots: tuple[str, ...] = ()  # besides model_path, where /update_weights_from_disk may read
+    # where /update_weights_from_disk may read besides model_path (a job's snapshots); none: anywhere
+    weights_roots: tuple[str, ...] = ()
 
 
 class EngineServer:
@@ -346,10 +347,12 @@ class EngineServer:
         u = P.UpdateFromDiskRequest.from_json(await _json(request))
         from dora_megatron.models import hf_model_dir
 
+        roots = self.options.weights_roots
         try:
-            auth.inside(u.model_path, (self.options.model_path, *self.options.weights_roots),
-                        "weights load only from the model directory this engine started with or the job's snapshots "
-                        f"({', '.join(self.options.weights_roots) or 'none given'})")
+            if roots:  # an engine of a job (outside one, its user loads what they like)
+                auth.inside(u.model_path, (self.options.model_path, *roots),
+                            "weights load only from the model directory this engine started with or the job's "
+                            f"snapshots ({', '.join(roots)})")
         except auth.OutsideJob as err:
             raise P.ProtocolError(str(err), 403) from None
 
