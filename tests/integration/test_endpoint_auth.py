@@ -259,3 +259,15 @@ def test_peer_pulls_come_only_from_the_jobs_own_instances(model_dir, tmp_path):
     (s1, m1), (s2, m2) = asyncio.run(main())
     assert s1 == 403 and "only from the job's own instances" in m1 and "did not prove" in m1
     assert s2 == 200 and "weight_version 5" in m2
+
+
+def test_the_servers_above_are_every_server_in_the_package():
+    """A new listener anywhere in dora_megatron fails here until its routes are tested above."""
+    import re
+
+    root = Path(__file__).resolve().parents[2] / "dora_megatron"
+    listeners = re.compile(r"web\.Application\(|HTTPServer\(|asyncio\.start_server\(|\.TCPSite\(|web\.run_app\(|"
+                           r"socketserver\.|\.listen\(")
+    found = sorted(str(p.relative_to(root)) for p in root.rglob("*.py") if listeners.search(p.read_text()))
+    # the engine's app, `dora serve` running it (bound before the model loads), the trainer service
+    assert found == ["cli/serve.py", "rollout/engine/server.py", "trainer/service.py"]
