@@ -140,7 +140,11 @@ def sglang_config_args(env: Mapping[str, str] | None = None) -> list[str]:
 def job_environment(run_dir: Path, secret_file: str = "") -> Iterator[str]:
     """While a job runs, its launcher's environment holds :func:`job_env`: every process it starts
     inherits it (never on a command line) and its in-process controller's clients send the secret.
-    Restored afterwards, so a later job in the same process never sees this one's secret."""
+    Restored afterwards, so a later job in the same process never sees this one's secret.
+
+    The run directory is made private (0700) first: its snapshots are the policy's weights, and
+    SGLang writes its keys into its own log there."""
+    Path(run_dir).chmod(0o700)
     added = job_env(job_secret(run_dir, secret_file), run_dir)
     write_sglang_keys(Path(added[SGLANG_KEYS_ENV]), added[SECRET_ENV])
     before = {k: os.environ.get(k) for k in added}

@@ -42,7 +42,9 @@ def test_a_users_secret_file_is_used_and_refused_when_others_can_read_it(tmp_pat
 def test_the_job_environment_is_set_while_the_job_runs_and_restored_after(tmp_path, monkeypatch):
     monkeypatch.delenv(auth.SECRET_ENV, raising=False)
     monkeypatch.setenv(auth.VLLM_KEY_ENV, "someone-elses")
+    tmp_path.chmod(0o755)
     with auth.job_environment(tmp_path) as secret:
+        assert stat.S_IMODE(tmp_path.stat().st_mode) == 0o700  # weights and SGLang's log: the user's only
         assert os.environ[auth.SECRET_ENV] == secret == os.environ[auth.VLLM_KEY_ENV]
         assert os.environ[auth.WEIGHTS_ROOT_ENV] == str(tmp_path.resolve() / "weights")
         keys = tmp_path / auth.SGLANG_KEYS_FILE
