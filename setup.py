@@ -13,6 +13,8 @@ setup(
     description="Asynchronous RL for LLMs with multi-version streaming rollout (DORA) on Megatron-Core and SGLang",
     python_requires=">=3.11",
     packages=find_packages(include=["dora_megatron", "dora_megatron.*"]),
+    # the vLLM key guard runs in vLLM's venv from its own directory (not a package)
+    package_data={"dora_megatron.rollout.vllm": ["guard_path/*.py"]},
     install_requires=[
         "torch>=2.4",
         "megatron-core==0.16.1",

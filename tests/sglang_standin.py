@@ -50,6 +50,11 @@ file of SGLang 0.5.23 it models (paths under ``sglang/srt/``); no SGLang code is
   snapshot (docs/sglang.md, "Speculative decoding");
 * ``SGLANG_STANDIN_WITHOUT`` (comma-separated paths) leaves those routes out (404), as a build or
   launch mode without an optional endpoint;
+* ``--api-key`` / ``--admin-api-key`` (also from ``--config`` YAML, ``server_args.py``
+  ``prepare_server_args``) are enforced by 0.5.23's own decision function and route levels, read
+  from the wheel (``utils/auth.py`` ``decide_request_auth``, the ``@auth_level`` decorators of
+  ``entrypoints/http_server.py``): ``/health*`` open, a missing or wrong key 401, an admin route
+  without an ``--admin-api-key`` configured takes ``--api-key``;
 * ``meta_info.weight_versions`` spans on every ``/generate`` answer (``utils/weight_versions.py``),
   from the embedded engine, which records them the same way.
 
@@ -299,8 +304,9 @@ class StandIn:
         status, _ = await self.engine("GET", "/health")
         return web.Response(status=200 if status == 200 else 503)
 
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 28)
+    def app(self, api_key: str | None = None, admin_api_key: str | None = None) -> web.Application:
+        app = web.Application(client_max_size=1 << 28,
+                              middlewares=[_auth_middleware(api_key, admin_api_key)] if api_key or admin_api_key else [])
         r = app.router
         r.add_post("/generate", self.generate)
         r.add_post("/abort_request", self.abort_request)
@@ -324,12 +330,39 @@ class StandIn:
         return app
 
 
+def _auth_middleware(api_key: str | None, admin_api_key: str | None):
+    """0.5.23's key check in front of every route (the wheel's own decision; without the wheel, the
+    same levels from dora's :data:`~dora_megatron.rollout.engine.server.ADMIN_PATHS`)."""
+    from tests.sglang_wheel import load_auth
+
+    wheel = load_auth()
+
+    def decide(request: web.Request) -> int | None:
+        authz = request.headers.get("Authorization")
+        if wheel is not None:
+            return wheel.decide(request.method, request.path, authz, api_key, admin_api_key)
+        from dora_megatron.comm import auth
+        from dora_megatron.rollout.engine.server import ADMIN_PATHS
+
+        status = auth.Keys(api_key, admin_api_key).decide(request.path, request.path in ADMIN_PATHS, authz)
+        return None if status is None else 401  # SGLang answers 401 to a wrong key too
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        status = decide(request)
+        if status is not None:
+            return web.json_response({"error": "Unauthorized" if status == 401 else "Forbidden"}, status=status)
+        return await handler(request)
+
+    return check
+
+
 def without_routes(app: web.Application, paths: set[str]) -> web.Application:
     """``app`` less the routes at ``paths`` (they answer 404): an SGLang build or launch mode
     without an optional endpoint (``SGLANG_STANDIN_WITHOUT``, comma-separated paths)."""
     if not paths:
         return app
-    kept = web.Application(client_max_size=app._client_max_size)
+    kept = web.Application(client_max_size=app._client_max_size, middlewares=app.middlewares)
     for route in app.router.routes():
         if route.resource is not None and route.resource.canonical not in paths:
             kept.router.add_route(route.method, route.resource.canonical, route.handler)
@@ -406,7 +439,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--load-format", default="auto")
     p.add_argument("--speculative-algorithm", default=None)
     p.add_argument("--speculative-draft-model-path", "--speculative-draft-model", default=None)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--admin-api-key", default=None)
+    p.add_argument("--config", default=None, help="YAML of flags (keys: a flag's dest or long name)")
     args, _ = p.parse_known_args(argv)
+    if args.config:  # as 0.5.23: the file's values first, the command line's win
+        import yaml
+
+        for key, value in (yaml.safe_load(Path(args.config).read_text()) or {}).items():
+            dest = key.replace("-", "_")
+            if dest in ("api_key", "admin_api_key") and getattr(args, dest) is None:
+                setattr(args, dest, str(value))
     return args
 
 
@@ -437,7 +480,7 @@ async def serve(args: argparse.Namespace) -> None:
         draft = hashlib.sha256(draft_path.encode()).hexdigest() if algo in ("EAGLE", "EAGLE3", "NEXTN") else None
         standin = StandIn(f"http://127.0.0.1:{inner_port}", args.load_format, http, schemas=schemas, draft=draft)
         missing = {p for p in os.environ.get("SGLANG_STANDIN_WITHOUT", "").split(",") if p}
-        outer = web.AppRunner(without_routes(standin.app(), missing))
+        outer = web.AppRunner(without_routes(standin.app(args.api_key, args.admin_api_key), missing))
         await outer.setup()
         await web.TCPSite(outer, host, args.port).start()
         print(f"sglang stand-in (0.5.23 protocol) listening on http://{host}:{args.port}; "

@@ -251,3 +251,53 @@ def speculative_algorithms(root: Path) -> frozenset[str]:
                     and node.targets[0].id == "_RESERVED_ALIASES" and isinstance(node.value, ast.Call)):
                 aliases = ast.literal_eval(node.value.args[0])
     return frozenset(names - {"NONE"}) | frozenset(aliases or ())
+
+
+@dataclass(frozen=True)
+class WheelAuth:
+    """0.5.23's HTTP auth: its pure decision function (``sglang/srt/utils/auth.py``, loaded by file
+    path: it imports nothing of SGLang) and the auth level of each route of ``http_server.py``
+    (read from the ``@auth_level(AuthLevel.X)`` decorators; routes without one are NORMAL)."""
+
+    module: types.ModuleType
+    levels: dict[str, str]  # route path -> AuthLevel member name
+
+    def decide(self, method: str, path: str, authorization: str | None, api_key: str | None,
+               admin_api_key: str | None) -> int | None:
+        """None when 0.5.23 serves the request, else its status (401 or 403)."""
+        level = self.module.AuthLevel[self.levels.get(path, "NORMAL")]
+        d = self.module.decide_request_auth(method=method, path=path, authorization_header=authorization,
+                                            api_key=api_key, admin_api_key=admin_api_key, auth_level=level)
+        return None if d.allowed else d.error_status_code
+
+
+def route_auth_levels(root: Path) -> dict[str, str]:
+    """Route path -> auth level name for the literal routes of 0.5.23's ``http_server.py``."""
+    levels: dict[str, str] = {}
+    tree = ast.parse((root / "sglang" / "srt" / "entrypoints" / "http_server.py").read_text())
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        paths, level = [], "NORMAL"
+        for dec in fn.decorator_list:
+            if not isinstance(dec, ast.Call):
+                continue
+            name = dec.func.attr if isinstance(dec.func, ast.Attribute) else getattr(dec.func, "id", "")
+            if name in ("get", "post", "put", "delete", "api_route") and dec.args \
+                    and isinstance(dec.args[0], ast.Constant) and isinstance(dec.args[0].value, str):
+                paths.append(dec.args[0].value)
+            if name == "auth_level" and dec.args and isinstance(dec.args[0], ast.Attribute):
+                level = dec.args[0].attr
+        for p in paths:
+            levels[p] = level
+    return levels
+
+
+@functools.lru_cache(maxsize=1)
+def load_auth() -> WheelAuth | None:
+    """0.5.23's auth (once per process), or None without the wheel."""
+    root = wheel_root()
+    if root is None:
+        return None
+    return WheelAuth(_load_file("sglang_wheel_auth", root / "sglang" / "srt" / "utils" / "auth.py"),
+                     route_auth_levels(root))

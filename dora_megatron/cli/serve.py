@@ -90,6 +90,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="how long a finished turn's KV (dora_keep_kv) waits for its trajectory's next turn")
     parser.add_argument("--kept-kv-fraction", type=_fraction, default=0.25,
                         help="share of the KV blocks the kept turns may hold together (0: none is kept)")
+    parser.add_argument("--api-key", default=None,
+                        help="every route but /health needs 'Authorization: Bearer KEY' (as SGLang's --api-key). "
+                             "Default: the job's secret from $DORA_JOB_SECRET (a job never puts it on a command "
+                             "line); neither: no check")
+    parser.add_argument("--admin-api-key", default=None,
+                        help="the admin routes (weight updates, pause/continue, flush, abort, /dora/weights, "
+                             "request export/import) need this key instead (as SGLang's --admin-api-key)")
+    parser.add_argument("--weights-root", action="append", default=None,
+                        help="a directory /update_weights_from_disk may load from besides --model (repeatable; "
+                             "default: $DORA_WEIGHTS_ROOT, the job's snapshots)")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -129,10 +139,12 @@ def run(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace, sock) -> int:
     import gc
     import logging
+    import os
 
     import torch
     from aiohttp import web
 
+    from dora_megatron.comm import auth
     from dora_megatron.rollout.engine.server import build_app
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -163,6 +175,8 @@ def _serve(args: argparse.Namespace, sock) -> int:
             spec_sibling_top_k=args.spec_sibling_top_k,
             kept_kv_s=args.kept_kv_s,
             kept_kv_fraction=args.kept_kv_fraction,
+            keys=auth.Keys.of_job(args.api_key, args.admin_api_key),
+            weights_roots=tuple(args.weights_root or filter(None, [os.environ.get(auth.WEIGHTS_ROOT_ENV)])),
         )
     except (OSError, ValueError, KeyError) as err:  # unreadable or inconsistent weights/config
         sys.stderr.write(f"dora serve: --model {args.model}: cannot load the model: {err}\n")

@@ -9,9 +9,11 @@ thousands of clients is closed by whoever made it, once).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import aiohttp
+
+from dora_megatron.comm import auth
 
 #: aiohttp's own default: the number of connections one session keeps on the wire at most
 DEFAULT_CONNECTION_LIMIT = 100
@@ -26,11 +28,15 @@ class HttpSession:
     with ``total=None`` that wait is not timed). aiohttp counts only connections in use against it
     and reuses an idle kept-alive one first, so a session that talks to one host never holds more
     than ``limit`` sockets. ``trace_configs``: aiohttp tracing of an owned session. ``session``: a
-    session to borrow instead (its own connection limit applies; :meth:`close` leaves it open)."""
+    session to borrow instead (its own connection limit applies; :meth:`close` leaves it open).
+    ``headers``: sent with every call of an owned session; default: the job's credential
+    (:func:`~dora_megatron.comm.auth.auth_headers` of the secret in this process's environment), so
+    every client of a job is let in by the job's servers without each caller passing it along."""
 
     def __init__(self, timeout: float | aiohttp.ClientTimeout | None = None, *,
                  limit: int = DEFAULT_CONNECTION_LIMIT, session: aiohttp.ClientSession | None = None,
-                 trace_configs: list[aiohttp.TraceConfig] | None = None) -> None:
+                 trace_configs: list[aiohttp.TraceConfig] | None = None,
+                 headers: Mapping[str, str] | None = None) -> None:
         if limit < 0:
             raise ValueError(f"limit must be >= 0 (0: no limit), got {limit}")
         self.timeout = timeout if isinstance(timeout, aiohttp.ClientTimeout) else aiohttp.ClientTimeout(total=timeout)
@@ -38,6 +44,7 @@ class HttpSession:
         self._session = session
         self._owned = session is None
         self.trace_configs = trace_configs  # of an owned session (e.g. counting waits for a pooled connection)
+        self._headers = dict(headers) if headers is not None else None
 
     @property
     def owned(self) -> bool:
@@ -47,8 +54,9 @@ class HttpSession:
     def session(self) -> aiohttp.ClientSession:
         """The session, made at the first call (which must run on the event loop that uses it)."""
         if self._session is None:
+            headers = self._headers if self._headers is not None else auth.auth_headers(auth.secret_from_env())
             self._session = aiohttp.ClientSession(timeout=self.timeout, trace_configs=self.trace_configs,
-                                                  connector=aiohttp.TCPConnector(limit=self.limit))
+                                                  connector=aiohttp.TCPConnector(limit=self.limit), headers=headers)
         return self._session
 
     def call_timeout(self, timeout_s: float | None) -> aiohttp.ClientTimeout:

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dora_megatron.comm import auth
 from dora_megatron.config.loader import dump_yaml
 from dora_megatron.config.schema import DoraConfig
 from dora_megatron.controller.main import Endpoints, connection_plan, run_controller
@@ -131,10 +132,12 @@ def run_local_job(cfg: DoraConfig, resume: str | None = None) -> int:
     # Ctrl-C, kill, scancel: the first one checkpoints at the next step boundary, the second unwinds at once
     signals = StopSignals()
     try:
-        with signals, ProcessSet(run_dir / "logs", grace_s=cfg.launch.shutdown_timeout_s) as procs:
+        # the job's secret reaches every process through the environment (README: Security)
+        with auth.job_environment(run_dir, cfg.launch.secret_file), signals, ProcessSet(run_dir / "logs", grace_s=cfg.launch.shutdown_timeout_s) as procs:
             for spec in plan:
-                if spec.role == "engine":
-                    procs.start(spec.name, spec.argv, spec.env, cpus=spec.cpus)
+                if spec.role == "engine":  # SGLang reads the job's keys from a 0600 file (--config)
+                    argv = [*spec.argv, *auth.sglang_config_args()] if cfg.rollout.engine == "sglang" else spec.argv
+                    procs.start(spec.name, argv, spec.env, cpus=spec.cpus)
                 elif spec.role == "trainer":
                     argv = list(spec.argv) + ["--host", host, "--port", str(trainer_port)]
                     if checkpoint is not None:
@@ -151,7 +154,7 @@ def run_local_job(cfg: DoraConfig, resume: str | None = None) -> int:
                 lambda err: restart_trainer(cfg, procs, endpoints.engines, run_dir, model_dir, err, budget, say,
                                             on_started=lambda: write_processes(run_dir, procs)),
                 checkpoint, budget)
-    except (ChildFailed, TimeoutError, ValueError, StartupRefused) as err:
+    except (ChildFailed, TimeoutError, ValueError, StartupRefused) as err:  # auth.SecretError is a ValueError
         say(f"dora train failed: {err}")
         return 1
     except Stopped as err:

@@ -37,6 +37,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from dora_megatron.comm import auth
 from dora_megatron.config.loader import dump_yaml
 from dora_megatron.config.schema import DoraConfig
 from dora_megatron.launch.cluster import ClusterPlan
@@ -342,7 +343,8 @@ def run_slurm_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan, resume: st
     _write_atomic(run_dir / "config.yaml", dump_yaml(cfg))  # same text on every node
     join_dir = _join_dir(cfg, run_dir)
     try:
-        with _EndSignals(run_dir, env.job_id, node, hold=not is_controller) as signals:
+        with auth.job_environment(run_dir, cfg.launch.secret_file), \
+                _EndSignals(run_dir, env.job_id, node, hold=not is_controller) as signals:
             model_dir = _shared_model(cfg, plan, run_dir, node)
             checkpoint = None
             if resume:  # every node verifies the same files and picks the same one; none moves anything
@@ -522,7 +524,7 @@ def run_join_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan) -> int:
         return 1
     deadline = time.monotonic() + bound
     try:
-        with _EndSignals(run_dir, env.job_id, node, mark=False), \
+        with auth.job_environment(run_dir, cfg.launch.secret_file), _EndSignals(run_dir, env.job_id, node, mark=False), \
                 ProcessSet(run_dir / "logs" / f"join-{env.job_id}-{node}", grace_s=cfg.launch.shutdown_timeout_s) as procs:
             for spec in plan.processes_on(node):
                 if spec.role == "engine":

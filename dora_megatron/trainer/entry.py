@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
+    from dora_megatron.comm import auth
     from dora_megatron.config.schema import load_config
     from dora_megatron.trainer.service import TrainerService
     from dora_megatron.trainer.worker import TrainerWorker
@@ -112,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    service = TrainerService(worker, run_dir, rank, world, broadcast=broadcast if world > 1 else None)
+    service = TrainerService(worker, run_dir, rank, world, broadcast=broadcast if world > 1 else None,
+                             secret=auth.secret_from_env())
     try:
         if rank == 0:
             service.leader_loop(args.host, args.port, ready_file=run_dir / "trainer.ready")

@@ -22,6 +22,11 @@ of its own, so ``GET /health`` answers during a long step: the controller's watc
                            (:func:`dora_megatron.weights.transport.push_distributed`)
 ``POST /shutdown``         -> {"ok": true}; every rank exits its loop
 
+Credentials (:mod:`dora_megatron.comm.auth`): with the job's secret, every command needs
+``Authorization: Bearer <secret>`` (401 without, 403 with a wrong one, checked before the body is
+read); ``/health`` stays open and tells a caller without it only ``{"ready": true}``. Checkpoints are
+saved and loaded only under the run directory (403 otherwise, naming the rule).
+
 Every new version is exported once, as a Hugging Face safetensors snapshot
 (``<run_dir>/weights/v000001``) that rollout engines load with
 ``/update_weights_from_disk``; late switchers load the same snapshot.
@@ -39,6 +44,7 @@ from pathlib import Path
 from queue import Queue
 from typing import Any, Callable, Protocol
 
+from dora_megatron.comm import auth
 from dora_megatron.comm.protocol import PAUSE_MODES
 
 log = logging.getLogger(__name__)
@@ -70,6 +76,13 @@ class Command:
 
 class BadRequest(ValueError):
     """A malformed command: answered with HTTP 400, the trainer keeps running."""
+
+
+#: the routes of the service (method, path): the handler serves these and answers 404 to any other
+#: (a POST's command is its path without the slash); the route test calls each one
+ROUTES = (("GET", "/health"), ("POST", "/train"), ("POST", "/save_checkpoint"), ("POST", "/load_checkpoint"),
+          ("POST", "/shutdown"), ("POST", "/push_weights"))
+CHECKPOINT_RULE = "the trainer saves and loads checkpoints only under the run directory"
 
 
 def validate_samples(samples: Any) -> list[dict[str, Any]]:
@@ -139,9 +152,10 @@ class TrainerService:
     """Executes commands on every rank; rank 0 also owns the HTTP front end."""
 
     def __init__(self, worker: TrainWorker, run_dir: Path, rank: int, world_size: int,
-                 broadcast: Callable[[Any], Any] | None = None) -> None:
+                 broadcast: Callable[[Any], Any] | None = None, secret: str | None = None) -> None:
         self.worker = worker
         self.run_dir = Path(run_dir)
+        self.keys = auth.Keys(secret, secret)  # no secret: a service started outside a job answers anyone
         self.rank = rank
         self.world_size = world_size
         self._broadcast = broadcast or (lambda obj: obj)
@@ -237,16 +251,26 @@ def _make_handler(service: TrainerService) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(data)
 
+        def _refused(self) -> bool:
+            """Answer 401/403 (and nothing else happens) unless the caller holds the job's secret."""
+            status = service.keys.decide(self.path, True, self.headers.get("Authorization"))
+            if status is not None:
+                self._send(status, {"error": auth.DENIED[status]})
+            return status is not None
+
         def do_GET(self) -> None:
             if self.path == "/health":
-                self._send(200, {"ready": True, "version": service.worker.version, "world_size": service.world_size})
-            else:
+                body: dict[str, Any] = {"ready": True}
+                if service.keys.decide("/", True, self.headers.get("Authorization")) is None:
+                    body.update(version=service.worker.version, world_size=service.world_size)
+                self._send(200, body)
+            elif not self._refused():
                 self._send(404, {"error": f"unknown path {self.path}"})
 
         def do_POST(self) -> None:
-            ops = {"/train": "train", "/save_checkpoint": "save_checkpoint", "/load_checkpoint": "load_checkpoint",
-                   "/shutdown": "shutdown", "/push_weights": "push_weights"}
-            op = ops.get(self.path)
+            if self._refused():
+                return
+            op = self.path[1:] if ("POST", self.path) in ROUTES else None
             if op is None:
                 self._send(404, {"error": f"unknown path {self.path}"})
                 return
@@ -259,8 +283,10 @@ def _make_handler(service: TrainerService) -> type[BaseHTTPRequestHandler]:
                     if not isinstance(payload.get("step"), int):
                         raise BadRequest("'step' must be an integer")
                     validate_samples(payload.get("samples"))
-                if op in ("save_checkpoint", "load_checkpoint") and not isinstance(payload.get("path"), str):
-                    raise BadRequest("'path' must be a string")
+                if op in ("save_checkpoint", "load_checkpoint"):
+                    if not isinstance(payload.get("path"), str):
+                        raise BadRequest("'path' must be a string")
+                    auth.inside(payload["path"], [service.run_dir], CHECKPOINT_RULE)
                 if op == "push_weights":
                     validate_push(payload)
             except json.JSONDecodeError as err:
@@ -268,6 +294,9 @@ def _make_handler(service: TrainerService) -> type[BaseHTTPRequestHandler]:
                 return
             except BadRequest as err:
                 self._send(400, {"error": str(err)})
+                return
+            except auth.OutsideJob as err:
+                self._send(403, {"error": str(err)})
                 return
             code, body = service.submit(Command(op, payload))
             self._send(code, body)

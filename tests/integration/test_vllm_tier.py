@@ -121,6 +121,61 @@ def reload_check(tmp_path: Path, preset: str) -> dict:
     return after
 
 
+def test_a_job_keyed_vllm_server_asks_for_the_secret_on_every_route(tmp_path, monkeypatch):
+    """Keys on as a job starts vLLM (``VLLM_API_KEY`` in its environment, never its command line):
+    vLLM's own guarded prefixes and the dev-mode routes dora drives (``/collective_rpc`` reloads
+    weights from any path) alike answer 401 without and 403 with a wrong secret; the client of a
+    process holding the job's secret works."""
+    import urllib.error
+    import urllib.request
+
+    from dora_megatron.comm import auth
+    from dora_megatron.models.presets import create_model_dir
+    from dora_megatron.rollout.vllm.client import VLLMClient
+
+    secret = auth.new_secret()
+    monkeypatch.setenv(auth.VLLM_KEY_ENV, secret)  # what the job's launcher hands every process
+    model = create_model_dir("tiny-dense", tmp_path / "m", seed=0)
+    server = Server(Path(model), free_ports(1, "127.0.0.1")[0], tmp_path)
+
+    def status(method: str, path: str, body, key: str | None) -> int:
+        req = urllib.request.Request(server.url + path, method=method, headers=auth.auth_headers(key),
+                                     data=None if body is None else json.dumps(body).encode())
+        req.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    try:
+        server.wait_ready()
+        assert secret not in Path(f"/proc/{server.proc.pid}/cmdline").read_bytes().decode(errors="replace")
+        calls = [("POST", "/inference/v1/generate", {"request_id": "x", "token_ids": [1, 5, 6],
+                                                     "sampling_params": {"max_tokens": 2}}),
+                 ("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path)}}),
+                 ("POST", "/pause", None), ("GET", "/weight_info", None), ("GET", "/v1/models", None),
+                 ("POST", "/abort_requests", {"request_ids": []})]
+        assert [status(m, p, b, None) for m, p, b in calls] == [401] * len(calls)
+        assert [status(m, p, b, auth.new_secret()) for m, p, b in calls] == [403] * len(calls)
+        assert status("GET", "/health", None, None) == 200
+        monkeypatch.setenv(auth.SECRET_ENV, secret)  # the job's controller process
+
+        async def as_the_job():
+            client = VLLMClient(server.url)
+            try:
+                out = await client.generate("r1", [1, 5, 6], {"max_tokens": 2, "temperature": 0.0})
+                return out, await client.is_paused()
+            finally:
+                await client.close()
+
+        out, paused = asyncio.run(as_the_job())
+        assert out and paused is False
+    finally:
+        server.stop()
+    assert secret not in server.log.read_text(errors="replace")
+
+
 def test_reload_on_the_dense_preset_equals_a_fresh_load(tmp_path):
     after = reload_check(tmp_path, "tiny-dense")
     assert after == {"stale_parameters": [], "output_mismatches": 0, "max_logprob_diff": after["max_logprob_diff"]}

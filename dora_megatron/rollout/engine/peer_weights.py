@@ -72,12 +72,14 @@ def headers(version: str, checksum: str) -> dict[str, str]:
     return {VERSION_HEADER: str(version), CHECKSUM_HEADER: checksum}
 
 
-async def stream(request: Any, state: dict[str, torch.Tensor], version: str, checksum: str) -> Any:
-    """Answer ``request`` with the safetensors stream of ``state`` (Content-Length set)."""
+async def stream(request: Any, state: dict[str, torch.Tensor], version: str, checksum: str,
+                 extra_headers: dict[str, str] | None = None) -> Any:
+    """Answer ``request`` with the safetensors stream of ``state`` (Content-Length set);
+    ``extra_headers``: e.g. the proof that this instance belongs to the puller's job."""
     from aiohttp import web
 
     blob = Blob(state, version, checksum)
-    resp = web.StreamResponse(headers=headers(version, checksum))
+    resp = web.StreamResponse(headers={**headers(version, checksum), **(extra_headers or {})})
     resp.content_type = "application/octet-stream"
     resp.content_length = blob.nbytes
     await resp.prepare(request)
@@ -154,16 +156,26 @@ def _decode(buf: bytearray) -> tuple[dict[str, torch.Tensor], str]:
     return state, weights_checksum(state)
 
 
-async def fetch(req: PeerRequest) -> Fetched:
-    """Download and verify the peer's weights; ProtocolError (400) on any problem."""
+async def fetch(req: PeerRequest, secret: str | None = None) -> Fetched:
+    """Download and verify the peer's weights; ProtocolError (400) on any problem. With the job's
+    ``secret``: the call carries it, and weights come only from a peer that proves it holds the same
+    one (an HMAC of a fresh nonce, :func:`~dora_megatron.comm.auth.proof`); 403 otherwise, before a
+    byte of the body is read."""
     import aiohttp
 
+    from dora_megatron.comm import auth
+
+    nonce = auth.new_nonce()
+    sent = {**auth.auth_headers(secret), auth.NONCE_HEADER: nonce} if secret else {}
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=req.timeout_s)) as sess:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=req.timeout_s), headers=sent) as sess:
             async with sess.get(req.url + "/dora/weights") as resp:
                 if resp.status != 200:
                     text = (await resp.text())[:300]
                     raise ProtocolError(f"peer {req.url} answered HTTP {resp.status} to /dora/weights: {text}")
+                if secret and not auth.proven(secret, nonce, resp.headers.get(auth.PROOF_HEADER)):
+                    raise ProtocolError(f"peer weight pulls only from the job's own instances: {req.url} did not "
+                                        "prove it holds the job's secret; old weights kept", 403)
                 version = resp.headers.get(VERSION_HEADER)
                 announced = resp.headers.get(CHECKSUM_HEADER)
                 expected_len = resp.content_length

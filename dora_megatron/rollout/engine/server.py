@@ -38,6 +38,14 @@ here (possible only while paused): the C1 guard. Unpinned requests follow SGLang
 Unlike SGLang, ``/abort_request`` aborts only the exact rid when one matches (prefix match
 otherwise) and answers 404 when nothing matches.
 
+Credentials (:mod:`dora_megatron.comm.auth`): with keys, every route but ``/health`` and
+``/health_generate`` needs ``Authorization: Bearer <key>`` (401 without, 403 with a wrong one);
+:data:`ADMIN_PATHS` (SGLang 0.5.23's admin routes, and the dora extensions that move weights or
+request state) need the admin key when one is set. Given ``weights_roots`` (a job's engine: the run
+directory's snapshots), weights load only from under them or the model directory, and peer pulls
+only from a peer that proves it holds the same key (:func:`~dora_megatron.comm.auth.proof`): 403
+otherwise, naming the rule.
+
 Errors: malformed JSON, missing/mistyped fields, prompts too long, unknown rids, bad weights
 answer 4xx with ``{"error": msg, "success": false, "message": msg}``; nothing else is affected.
 Load: ``/generate`` answers 429 at once when ``max_waiting`` requests are already queued, so a
@@ -57,6 +65,7 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
+from dora_megatron.comm import auth
 from dora_megatron.comm import protocol as P
 from dora_megatron.comm import weight_group
 from dora_megatron.rollout.engine.routing_trace import routing_trace_for
@@ -68,6 +77,16 @@ log = logging.getLogger(__name__)
 DORA_EXTENSIONS = ("export_request", "import_request", "weights_checksum", "dora_version", "weights",
                    "update_weights_from_peer", "draft_sources", "keep_kv")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+#: routes SGLang 0.5.23 marks ``AuthLevel.ADMIN_OPTIONAL`` (``sglang/srt/entrypoints/http_server.py``),
+#: plus the dora extensions that read or replace weights or move a request's state between instances
+ADMIN_PATHS = frozenset({
+    "/flush_cache", "/abort_request", "/pause_generation", "/continue_generation",
+    "/update_weights_from_disk", "/init_weights_update_group", "/destroy_weights_update_group",
+    "/update_weights_from_distributed", "/begin_weight_update", "/end_weight_update",
+    "/dora/weights", "/dora/update_weights_from_peer", "/dora/export_request", "/dora/import_request",
+    "/dora/export_kv", "/dora/import_kv", "/dora/release_kv",
+})
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -148,6 +167,9 @@ class ServerOptions:
     device: str = "cpu"
     group_timeout_s: float = 600.0
     group_connect_timeout_s: float = 30.0  # reaching the trainer's store; a bad address fails after this
+    keys: auth.Keys = auth.Keys()  # no keys: every route open (a user's own `dora serve` on loopback)
+    # where /update_weights_from_disk may read besides model_path (a job's snapshots); none: anywhere
+    weights_roots: tuple[str, ...] = ()
 
 
 class EngineServer:
@@ -161,7 +183,8 @@ class EngineServer:
 
     # ---- lifecycle -----------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[error_middleware], client_max_size=1 << 31)
+        app = web.Application(middlewares=[auth.aiohttp_middleware(self.options.keys, ADMIN_PATHS), error_middleware],
+                              client_max_size=1 << 31)
         r = app.router
         r.add_post("/generate", self.generate)
         r.add_put("/generate", self.generate)
@@ -324,6 +347,15 @@ class EngineServer:
         u = P.UpdateFromDiskRequest.from_json(await _json(request))
         from dora_megatron.models import hf_model_dir
 
+        roots = self.options.weights_roots
+        try:
+            if roots:  # an engine of a job (outside one, its user loads what they like)
+                auth.inside(u.model_path, (self.options.model_path, *roots),
+                            "weights load only from the model directory this engine started with or the job's "
+                            f"snapshots ({', '.join(roots)})")
+        except auth.OutsideJob as err:
+            raise P.ProtocolError(str(err), 403) from None
+
         try:
             state = await asyncio.get_running_loop().run_in_executor(None, hf_model_dir.load_state_dict, u.model_path)
         except Exception as exc:  # noqa: BLE001 - whatever the client pointed at is not a model directory
@@ -416,7 +448,10 @@ class EngineServer:
 
         # version and checksum are read on the engine thread; the receiver verifies the checksum
         state, version, checksum = await self._runner.call(peer_weights.capture)
-        return await peer_weights.stream(request, state, version, checksum)
+        key = self.options.keys.admin_api_key or self.options.keys.api_key
+        nonce = request.headers.get(auth.NONCE_HEADER)
+        proof = {auth.PROOF_HEADER: auth.proof(key, nonce)} if key and nonce else {}
+        return await peer_weights.stream(request, state, version, checksum, proof)
 
     async def update_weights_from_peer(self, request: web.Request) -> web.Response:
         """Copy the weights of the instance at ``url`` (its ``GET /dora/weights``), verified by checksum."""
@@ -424,7 +459,8 @@ class EngineServer:
 
         body = await _json(request)
         req = peer_weights.PeerRequest.from_json(body)
-        fetched = await peer_weights.fetch(req)
+        keys = self.options.keys
+        fetched = await peer_weights.fetch(req, keys.admin_api_key or keys.api_key)
         if req.abort_all_requests:
             await self._runner.call(lambda s: s.abort(abort_all=True))
         version = req.weight_version if req.weight_version is not None else fetched.version
@@ -498,6 +534,8 @@ def build_app(
     spec_sibling_top_k: int = 32,
     kept_kv_s: float = 60.0,
     kept_kv_fraction: float = 0.25,
+    keys: auth.Keys = auth.Keys(),
+    weights_roots: tuple[str, ...] = (),
 ) -> web.Application:
     """Load the model and return the aiohttp application (the engine thread starts with it)."""
     from dora_megatron.rollout.engine.model import load_model
@@ -513,5 +551,6 @@ def build_app(
         spec_sibling_top_k=spec_sibling_top_k, kept_kv_s=kept_kv_s, kept_kv_fraction=kept_kv_fraction,
     )
     sched = Scheduler(model, limits, weight_version=weight_version)
-    options = ServerOptions(model_path=model_path, device=device, group_connect_timeout_s=group_connect_timeout_s)
+    options = ServerOptions(model_path=model_path, device=device, group_connect_timeout_s=group_connect_timeout_s,
+                            keys=keys, weights_roots=tuple(weights_roots))
     return EngineServer(sched, options).app()

@@ -29,6 +29,9 @@ if TYPE_CHECKING:
     from dora_megatron.config.vllm import VLLMConfig
 
 ENTRY_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+#: the job's key on every route, not only vLLM's own guarded prefixes (``guard_path/dora_vllm_guard.py``)
+GUARD_DIR = Path(__file__).resolve().parent / "guard_path"
+GUARD_MIDDLEWARE = "dora_vllm_guard.require_job_secret"
 
 
 class VLLMArgsError(ValueError):
@@ -67,6 +70,7 @@ def server_argv(model_dir: str, host: str, port: int | str, vcfg: "VLLMConfig", 
         "--max-num-seqs", str(rollout.max_running),
         "--skip-tokenizer-init",  # token ids in and out; the controller owns the tokenizer
         "--enable-scale-out",  # /inference/v1/generate (token-in/token-out) is off without it
+        "--middleware", GUARD_MIDDLEWARE,  # with VLLM_API_KEY set (a job's server): the key on every route
     ]
     if vcfg.enforce_eager:
         ours.append("--enforce-eager")
@@ -99,6 +103,7 @@ def server_env(vcfg: "VLLMConfig", cache_root: str | Path, threads: int = 1) -> 
         # launcher pins processes itself (launch.engine_cpus), so leave placement to it and the OS
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": str(GUARD_DIR),  # only the guard module: vLLM's venv must not see dora's packages
     }
 
 
