@@ -442,6 +442,8 @@ def test_release_is_not_reevaluated_without_a_completed_group_or_a_new_step(monk
     h.finish(rest[1])
     assert len(h.batches) == 1 and len(h.batches[0].group_ids) == 2
     assert len(searches) == before + 2
+    h.do(h.o.on_step_finished(1))      # a step ended: the next step's batch is looked for once
+    assert searches[before + 2:] == [h.o.next_step]
 
 
 def test_consumed_groups_are_forgotten_and_late_reports_are_harmless():
