@@ -216,3 +216,18 @@ def test_readme_block_runs_as_written(line, text, tmp_path):
         if command in text:
             assert shows in out, f"README.md:{line}: expected {shows!r} in the output:\n{out[-3000:]}"
             break
+
+
+def test_the_hung_test_timeout_in_design_is_pytest_ini_s():
+    """DESIGN section 10 says after how long a hung test fails; ``pytest.ini`` decides it. The
+    design once said 20 minutes while pytest.ini said 600 s: the two are read and compared here."""
+    import configparser
+
+    ini = configparser.ConfigParser()
+    ini.read(ROOT / "pytest.ini")
+    timeout_s = int(ini["pytest"]["timeout"])
+    section = DESIGN.read_text().split("## 10. ", 1)[1].split("\n## ", 1)[0]
+    stated = re.search(r"A test that hangs fails after (\d+) minutes", " ".join(section.split()))
+    assert stated, "DESIGN section 10 no longer says after how long a hung test fails"
+    assert int(stated.group(1)) * 60 == timeout_s, (stated.group(0), f"pytest.ini timeout = {timeout_s}")
+    assert f"timeout = {timeout_s}" in " ".join(section.split()), "section 10 cites pytest.ini's timeout line"

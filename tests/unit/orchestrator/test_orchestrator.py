@@ -413,17 +413,37 @@ def test_new_instance_takes_nothing_when_no_peer_is_over_the_cap():
     assert not [a for a in acts if isinstance(a, Migrate)]
 
 
-def test_release_is_not_reevaluated_without_a_completed_group_or_a_new_step():
+def test_release_is_not_reevaluated_without_a_completed_group_or_a_new_step(monkeypatch):
+    """The orchestrator looks for a formable batch (``select_batch``) only after a group completed
+    or a step ended: ticks and unfinished samples do not pay for the search again."""
+    from dora_megatron.orchestrator import core
+    from dora_megatron.orchestrator.rules import select_batch
+
+    searches = []
+
+    def counted(*args):
+        searches.append(args[0])
+        return select_batch(*args)
+
+    monkeypatch.setattr(core, "select_batch", counted)
     h = Harness(instances=("a", "b"), mode="dora", tbs=2, rbs=4, group_size=2, max_staleness=1)
     gid = sorted(h.where)[0].rsplit(".", 1)[0]
-    h.finish(f"{gid}.0", f"{gid}.1")   # one complete group: not enough for TBS=2
-    assert not h.batches
-    for now in (1.0, 2.0):
+    before = len(searches)
+    h.finish(f"{gid}.0")               # half a group: nothing completed, no search
+    assert len(searches) == before
+    h.finish(f"{gid}.1")               # one complete group: one search, not enough for TBS=2
+    assert not h.batches and len(searches) == before + 1
+    for now in (1.0, 2.0, 3.0):
         h.do(h.o.on_tick(now))
-    assert not h.batches
+    assert not h.batches and len(searches) == before + 1  # ticks did not search again
     rest = sorted(s for s in h.where if not s.startswith(gid + "."))
-    h.finish(*rest[:2])
+    h.finish(rest[0])                  # a sample, not a group: no search
+    assert len(searches) == before + 1
+    h.finish(rest[1])
     assert len(h.batches) == 1 and len(h.batches[0].group_ids) == 2
+    assert len(searches) == before + 2
+    h.do(h.o.on_step_finished(1))      # a step ended: the next step's batch is looked for once
+    assert searches[before + 2:] == [h.o.next_step]
 
 
 def test_consumed_groups_are_forgotten_and_late_reports_are_harmless():

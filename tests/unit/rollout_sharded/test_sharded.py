@@ -106,15 +106,28 @@ def test_errors_keep_the_class_the_runtime_decides_on():
     assert isinstance(bug, RuntimeError) and not is_comm_error(bug)  # a bug is no engine failure
 
 
+async def _until(seen: dict, key: str, within_s: float) -> bool:
+    """Whether ``seen[key]`` became true within ``within_s``: a bounded wait whose result the test
+    asserts, so a broken path fails fast with its own message instead of hanging."""
+    deadline = asyncio.get_running_loop().time() + within_s
+    while not seen.get(key):
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
 def test_a_cancelled_call_is_cancelled_in_the_worker():
     async def body(pool, url, seen):
         e = pool.engine(url)
         task = asyncio.get_running_loop().create_task(e.generate([1], {"max_new_tokens": 99}, rid="h"))
-        while "hanging" not in seen:
-            await asyncio.sleep(0.01)
+        assert await _until(seen, "hanging", 20.0), "the call never reached the server"
         task.cancel()
-        while not seen.get("hang_cancelled"):  # the worker closed the HTTP request: the server saw it go
-            await asyncio.sleep(0.01)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # the worker closed the HTTP request: the server saw it go (it would otherwise hold it 60 s)
+        assert await _until(seen, "hang_cancelled", 10.0), "the worker kept the cancelled call's request open"
+        assert seen["rids"] == ["h#"]  # the one call, not retried after its cancel
     asyncio.run(_with_pool(body))
 
 
