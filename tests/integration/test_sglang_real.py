@@ -9,19 +9,17 @@ The scenarios of ``tests/integration/test_sglang_path.py`` (written against the 
 unchanged against real servers: the same test functions, with this module's ``engines`` fixture
 (three real one-thread CPU servers) in place of the stand-ins. Beside them: ``dora train`` on
 ``configs/cpu_sglang.yaml`` end to end with both weight transports (disk snapshots; ``distributed``
-over a gloo group) and the engine's routed experts compared with the trainer's routing, and
-NGRAM speculative decoding on CPU.
+over a gloo group); and what real CPU SGLang cannot do, each pinned by a test that fails once it
+works: routed experts (R3) and NGRAM speculative decoding (docs/sglang.md, "SGLang on CPU").
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from dora_megatron.data import tokenizer as tok
 from tests.helpers.sglang_real import require_sglang, start_real_sglang
 from tests.helpers.train_job import run_train
 from tests.integration import test_sglang_path as path_tests
@@ -57,44 +55,39 @@ def engines(model_dir, tmp_path_factory):
 
 
 # ---------------------------------------------------------------- the stand-in's scenarios, real
-test_resubmit_migration_on_real_sglang = path_tests.test_runtime_on_sglang_adapter_migrates_by_resubmit_and_keeps_outputs
-test_distributed_push_abort_and_retract_on_real_sglang = path_tests.test_distributed_push_choreography_against_sglang_0_5_23
+# Both run the whole path on real servers and fail at one assertion each, where the real server
+# differs from the stand-in (strict: once they pass, drop the mark). Seen on 2026-12-06:
+# * migration: 7 moves by abort + resubmit, nothing lost, C1 0, checksums equal; but a resubmitted
+#   greedy continuation left the uninterrupted sequence at token 12 (SGLang on CPU runs the model in
+#   half precision: its KV pool is float16, so prefilling prompt + partial output is not bitwise the
+#   decode it replaces);
+# * distributed push (abort, then retract pause over gloo) passed its choreography, but the push
+#   naming a tensor the model lacks ("experts.99") was accepted: 0.5.23 skips unknown names where the
+#   stand-in refuses before receiving ("DID NOT RAISE PushError").
+@pytest.mark.xfail(raises=AssertionError, strict=True, reason="real SGLang (float16 KV on CPU): a resubmitted "
+                   "greedy continuation differs from the uninterrupted one")
+def test_resubmit_migration_on_real_sglang(engines, model_dir):
+    path_tests.test_runtime_on_sglang_adapter_migrates_by_resubmit_and_keeps_outputs(engines, model_dir)
+
+
+@pytest.mark.xfail(raises=pytest.fail.Exception, strict=True, reason="real SGLang 0.5.23 accepts a distributed "
+                   "update naming a tensor the model lacks (the stand-in refuses it)")
+def test_distributed_push_abort_and_retract_on_real_sglang(engines, model_dir, tmp_path):
+    path_tests.test_distributed_push_choreography_against_sglang_0_5_23(engines, model_dir, tmp_path)
 
 
 # ---------------------------------------------------------------- NGRAM speculative decoding
-def test_ngram_speculation_needs_sgl_kernel_tree_ops_that_no_cpu_wheel_provides(model_dir, tmp_path):
-    """``sglang.speculative_algorithm: NGRAM`` does not run on this CPU venv: SGLang 0.5.23 builds
-    and verifies the draft tree with ``sgl_kernel.build_tree_kernel_efficient_cpu`` /
-    ``verify_tree_greedy_cpu`` (``kernels/ops/speculative/spec_tree.py``), compiled ops that no CPU
-    wheel of ``sglang-kernel`` on PyPI provides; the venv's stand-in names the first one called.
-    If this starts failing, NGRAM runs on CPU: turn this into an equality test with a plain server."""
-    from dora_megatron.comm.sglang_client import SGLangClient
-
-    try:
-        spec = start_real_sglang(model_dir, tmp_path, name="sgl-ngram", timeout_s=400,
-                                 overrides=("sglang.speculative_algorithm=NGRAM",))
-    except RuntimeError as err:  # died while starting (its warm-up request speculates)
-        log = str(err) + (tmp_path / "sgl-ngram.log").read_text(errors="replace")
-    else:
-        try:
-            async def go():
-                c = SGLangClient(spec.url, timeout_s=120)
-                try:
-                    await c.generate(tok.encode("123123123:", add_bos=True),
-                                     {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True})
-                except Exception as err:  # noqa: BLE001 - any failure; the log says which op
-                    return err
-                finally:
-                    await c.close()
-                return None
-
-            failure = asyncio.run(go())
-            log = spec.log()
-        finally:
-            spec.stop()
-        assert failure is not None, "an NGRAM request succeeded on CPU: NGRAM runs here now"
-    assert "speculative" in log.lower() or "ngram" in log.lower(), log[-3000:]
-    assert "NotImplementedError: sgl_kernel." in log and "_cpu is a stand-in" in log, log[-3000:]
+def test_ngram_speculation_needs_sgl_kernel_ops_that_no_cpu_wheel_provides(model_dir, tmp_path):
+    """``sglang.speculative_algorithm: NGRAM`` does not start on this CPU venv: SGLang 0.5.23's NGRAM
+    worker imports ``sgl_kernel.speculative`` (``kernels/ops/speculative/reconstruct_tree.py``) and
+    builds its draft tree with ``sgl_kernel`` ops (``spec_tree.py``), compiled code that no CPU wheel
+    of ``sglang-kernel`` on PyPI provides. If this starts failing, NGRAM runs on CPU: turn this into
+    an equality test with a plain server."""
+    with pytest.raises(RuntimeError) as died:
+        start_real_sglang(model_dir, tmp_path, name="sgl-ngram", timeout_s=400,
+                          overrides=("sglang.speculative_algorithm=NGRAM",))
+    text = str(died.value)
+    assert "ngram_worker" in text and "No module named 'sgl_kernel.speculative'" in text, text[-3000:]
 
 
 # ---------------------------------------------------------------- routed experts (R3)
@@ -147,8 +140,8 @@ def test_dora_train_moe_on_sglang_learns_with_disk_snapshots(tmp_path):
     steps = 24
     # the main job's warm start, short lists (most groups have right and wrong answers: a signal)
     # and a larger step size than the shipped config, so a rise shows within the tier's time
-    proc, run_dir = run_train(tmp_path, f"run.steps={steps}", "model.warm_start_steps=150", "trainer.lr=5e-4",
-                              *QUICK, "data.max_len=6", config="cpu_sglang.yaml", timeout=840)
+    proc, run_dir = run_train(tmp_path, f"run.steps={steps}", "model.warm_start_steps=150", "trainer.lr=2e-4",
+                              *QUICK, "data.max_len=8", config="cpu_sglang.yaml", timeout=840)
     summary, rows = check_job(proc, run_dir, steps, 4)
     rewards = [r["reward/mean"] for r in rows]
     half = steps // 2
