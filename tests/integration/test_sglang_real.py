@@ -55,18 +55,11 @@ def engines(model_dir, tmp_path_factory):
 
 
 # ---------------------------------------------------------------- the stand-in's scenarios, real
-# Both run the whole path on real servers and fail at one assertion each, where the real server
-# differs from the stand-in (strict: once they pass, drop the mark). Seen on 2026-12-06:
-# * migration: 7 moves by abort + resubmit, nothing lost, C1 0, checksums equal; but a resubmitted
-#   greedy continuation left the uninterrupted sequence at token 12 (SGLang on CPU runs the model in
-#   half precision: its KV pool is float16, so prefilling prompt + partial output is not bitwise the
-#   decode it replaces);
-# * distributed push (abort, then retract pause over gloo) passed its choreography, but the push
-#   naming a tensor the model lacks ("experts.99") was accepted: 0.5.23 skips unknown names where the
-#   stand-in refuses before receiving ("DID NOT RAISE PushError").
-@pytest.mark.xfail(raises=AssertionError, strict=False, reason="real SGLang in float16 on CPU: a resubmitted "
-                   "greedy continuation differed from the uninterrupted one (not yet rerun with the config's "
-                   "--dtype float32, which may make it exact)")
+# The migration scenario passes on real servers (in float32: in SGLang's float16 a resubmitted greedy
+# continuation left the uninterrupted sequence after 12 tokens). The push scenario runs its whole
+# choreography (abort, then retract pause over gloo) and fails at one assertion, where 0.5.23 differs
+# from the stand-in: a push naming a tensor the model lacks ("experts.99") is accepted, where the
+# stand-in refuses before receiving ("DID NOT RAISE PushError"); strict: once it passes, drop the mark.
 def test_resubmit_migration_on_real_sglang(engines, model_dir):
     path_tests.test_runtime_on_sglang_adapter_migrates_by_resubmit_and_keeps_outputs(engines, model_dir)
 
