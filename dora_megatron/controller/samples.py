@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import zlib
+from array import array
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from dora_megatron.comm.batch_files import compact_routed, routed_text
 from dora_megatron.controller.records import GroupRecord, RuntimeOptions, SampleRecord
 from dora_megatron.data.codec import TextCodec
 from dora_megatron.data.tasks import PromptSource
@@ -102,7 +104,7 @@ class SampleStore:
         if (rec.sample_id not in self.samples or getattr(resp, "migrated", False)
                 or (resp.finish_reason or {}).get("type") == "abort" or getattr(resp, "reward", None) is not None):
             return None
-        output = rec.output_ids + list(resp.output_ids)
+        output = [*rec.output_ids, *resp.output_ids]
         mask = list(resp.loss_mask) if getattr(resp, "loss_mask", None) is not None else rec.loss_mask
         model = output if mask is None else [t for t, m in zip(output, mask) if m]
         answer = self.groups[rec.group_id].prompt.answer
@@ -122,7 +124,7 @@ class SampleStore:
         elif reward is not None:
             rec.reward = reward
         else:
-            model = rec.output_ids if rec.loss_mask is None else [t for t, m in zip(rec.output_ids, rec.loss_mask) if m]
+            model = rec.output_ids.tolist() if rec.loss_mask is None else [t for t, m in zip(rec.output_ids, rec.loss_mask) if m]
             rec.reward = float(self.reward_fn(self.codec.decode(model), self.groups[rec.group_id].prompt.answer))
 
     def take_batch(self, a: ReleaseBatch, wait_s: float,
@@ -145,8 +147,12 @@ class SampleStore:
                     **({"routed_experts": rec.routed_experts} if rec.routed_experts is not None else {}),
                     **({"loss_mask": rec.loss_mask} if rec.loss_mask is not None else {}),
                 })
-                if dump:
-                    dumped.append({**samples[-1], "sample_id": sid, "finish_reason": rec.finish_reason})
+                if dump:  # JSON lines: lists and SGLang's routed-experts text
+                    dumped.append({**samples[-1], "response_ids": rec.output_ids.tolist(),
+                                   "rollout_logprobs": rec.logprobs.tolist(),
+                                   **({"routed_experts": routed_text(rec.routed_experts)}
+                                      if rec.routed_experts is not None else {}),
+                                   "sample_id": sid, "finish_reason": rec.finish_reason})
                 rewards.append(rec.reward)
                 lengths.append(len(rec.output_ids))
                 tokens += len(rec.prompt_ids) + len(rec.output_ids)
@@ -169,9 +175,9 @@ class SampleStore:
                 if not r.finished or r.replay_pending:
                     continue
                 samples.append({
-                    "sample_id": r.sample_id, "reward": r.reward, "output_ids": r.output_ids,
-                    "logprobs": r.logprobs, "versions": sorted(r.versions),
-                    **({"routed_experts": r.routed_experts} if r.routed_experts is not None else {}),
+                    "sample_id": r.sample_id, "reward": r.reward, "output_ids": r.output_ids.tolist(),
+                    "logprobs": r.logprobs.tolist(), "versions": sorted(r.versions),
+                    **({"routed_experts": routed_text(r.routed_experts)} if r.routed_experts is not None else {}),
                     **({"finish_reason": r.finish_reason} if r.finish_reason is not None else {}),
                     **({"prompt_ids": r.prompt_ids, "loss_mask": r.loss_mask} if r.loss_mask is not None else {}),
                 })
@@ -201,7 +207,7 @@ class SampleStore:
                 rec.version = int(d["version"])
             if not d.get("finished", True):
                 continue
-            rec.output_ids, rec.logprobs = list(d["output_ids"]), list(d["logprobs"])
+            rec.output_ids, rec.logprobs = array("i", d["output_ids"]), array("f", d["logprobs"])
             rec.versions, rec.reward, rec.finished = set(d["versions"]), d["reward"], True
-            rec.routed_experts, rec.finish_reason = d.get("routed_experts"), d.get("finish_reason")
+            rec.routed_experts, rec.finish_reason = compact_routed(d.get("routed_experts")), d.get("finish_reason")
             rec.loss_mask = d.get("loss_mask")
