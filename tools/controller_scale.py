@@ -338,7 +338,6 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "rank_bytes_max_over_fair_share": max(share, default=None),
         "rank_read_s_max": max((max(r["rank_read_s"]) for r in reads), default=None),
         "rank_rows_exactly_once": all(r["rows_read_once"] for r in reads) if reads else None,
-        "train_call_s": trainer_stats.get("train_call_s"),
         "stats_interval_s": args.stats_interval_s,
         "stats_poll_interval_p50_s": pct(intervals, 0.5), "stats_poll_interval_p99_s": pct(intervals, 0.99),
         "stats_poll_interval_max_s": max(intervals) if intervals else None,

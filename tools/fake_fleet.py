@@ -276,6 +276,7 @@ class FakeTrainer:
         self.step_s = step_s
         self.dp = dp
         self.reads: list[dict[str, Any]] = []  # per step: what each DP rank read of its batch directory
+        self.tokens = 0  # prompt + response tokens of every sample trained on
         self.run_dir = run_dir
         self.version = 0
         self.groups: dict[str, int] = {}  # group id -> samples received
@@ -292,6 +293,9 @@ class FakeTrainer:
         per_group: dict[str, int] = {}
         if "batch" in body:  # a batch directory: read it as each DP rank of a real trainer would
             self.reads.append(await asyncio.to_thread(read_as_ranks, body["batch"], self.dp))
+            self.tokens += sum(s["prompt_tokens"] + s["response_tokens"] for s in body["batch"]["samples"])
+        else:
+            self.tokens += sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in body["samples"])
         for s in body["batch"]["samples"] if "batch" in body else body["samples"]:
             per_group[s["group_id"]] = per_group.get(s["group_id"], 0) + 1
         for gid, n in per_group.items():
@@ -325,7 +329,7 @@ class FakeTrainer:
 
     def counts(self) -> dict[str, Any]:
         return {"groups": self.groups, "repeated_groups": self.repeated_groups, "step_ends": self.step_ends,
-                "reads": self.reads}
+                "reads": self.reads, "tokens": self.tokens}
 
     async def stats(self, request: web.Request) -> web.Response:
         return web.json_response(self.counts())

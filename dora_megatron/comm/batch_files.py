@@ -264,7 +264,7 @@ def compact_routed(routed: Any) -> np.ndarray | None:
         return None
     ids = routed_array(routed)
     top = int(ids.max()) if ids.size else 0
-    return ids.astype(expert_dtype(top + 1))
+    return ids.astype(expert_dtype(top + 1), copy=False)
 
 
 def routed_text(routed: Any) -> str | None:
