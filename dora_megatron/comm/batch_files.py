@@ -84,13 +84,15 @@ def _flat(value: Any, dtype: Any, where: str) -> np.ndarray:
     return arr.astype(dtype, copy=False)
 
 
-def _concat(parts: Sequence[np.ndarray], dtype: Any) -> np.ndarray:
-    out = np.empty(sum(p.size for p in parts), dtype=dtype)
-    o = 0
-    for p in parts:  # one bulk copy each (no Python loop over tokens)
-        out[o:o + p.size] = p
-        o += p.size
-    return out
+def _save(path: Path, parts: Sequence[np.ndarray], dtype: Any) -> None:
+    """The ``.npy`` of ``parts`` concatenated, written part by part (no copy of the whole column in
+    memory; the file writes release the GIL)."""
+    dtype = np.dtype(dtype)
+    with open(path, "wb") as f:
+        np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(dtype),
+                                                 "fortran_order": False, "shape": (sum(p.size for p in parts),)})
+        for p in parts:
+            f.write(np.ascontiguousarray(p, dtype=dtype).data)
 
 
 def write_batch(directory: Path, samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -134,12 +136,12 @@ def write_batch(directory: Path, samples: Sequence[Mapping[str, Any]]) -> dict[s
     if routed_parts and len(routed_parts) != len(samples):
         raise BatchFileError("routed_experts: some samples of the batch carry them and some do not")
     for name, dtype in TOKEN_FILES.items():
-        np.save(tmp / f"{name}.npy", _concat(cols[name], dtype))
+        _save(tmp / f"{name}.npy", cols[name], dtype)
     if any_mask:
-        np.save(tmp / "loss_mask.npy", _concat(cols["loss_mask"], np.uint8))
+        _save(tmp / "loss_mask.npy", cols["loss_mask"], np.uint8)
     if routed_parts:
         top = max((int(p.max()) for p in routed_parts if p.size), default=0)
-        np.save(tmp / "routed_experts.npy", _concat(routed_parts, expert_dtype(top + 1)))
+        _save(tmp / "routed_experts.npy", routed_parts, expert_dtype(top + 1))
     os.replace(tmp, directory)
     return {"dir": str(directory), "samples": meta}
 

@@ -33,7 +33,7 @@ except ImportError:  # pragma: no cover - orjson is a dependency; json is the fa
     _JSONError = (json.JSONDecodeError,)
 
 #: answers above this many bytes are decoded in a worker thread (below, the thread hop costs more)
-BIG_ANSWER_BYTES = 64 * 1024
+BIG_ANSWER_BYTES = 8 * 1024
 #: base64 characters decoded per call (a multiple of 4): the GIL is free between two slices
 B64_SLICE = 4 << 20
 _ROUTED_KEY = b'"routed_experts"'

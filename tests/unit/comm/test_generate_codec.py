@@ -26,7 +26,7 @@ def _answer(n: int, experts: int | None = None, layers: int = 2, top_k: int = 2,
     return {"text": text, "output_ids": ids, "meta_info": meta}
 
 
-@pytest.mark.parametrize("n, experts, dtype", [(5, 128, np.int8), (5000, 128, np.int8), (40, 300, np.int16)])
+@pytest.mark.parametrize("n, experts, dtype", [(5, 128, np.int8), (800, 128, np.int8), (40, 300, np.int16)])
 def test_decoded_answer_matches_the_json_path_with_compact_routing(n, experts, dtype):
     d = _answer(n, experts)
     body = json.dumps(d).encode()
@@ -38,7 +38,7 @@ def test_decoded_answer_matches_the_json_path_with_compact_routing(n, experts, d
     routed = got.raw["meta_info"]["routed_experts"]
     assert routed.dtype == dtype
     assert routed.tolist() == np.frombuffer(base64.b64decode(d["meta_info"]["routed_experts"]), "<i4").tolist()
-    assert (len(body) > BIG_ANSWER_BYTES) == (n == 5000)  # the worker-thread path is among the cases
+    assert (len(body) > BIG_ANSWER_BYTES) == (n == 800)  # the worker-thread path is among the cases
 
 
 def test_routed_experts_named_inside_the_generated_text_is_not_cut():
