@@ -193,7 +193,7 @@ class BatchReader:
         counts = {"prompt_ids": [], "response_ids": [], "routed_experts": []}
         for i, s in enumerate(meta):
             where = f"batch.samples[{i}]"
-            if not isinstance(s, Mapping):
+            if not isinstance(s, dict):
                 raise BatchFileError(f"{where} must be an object")
             counts["prompt_ids"].append(_int(s, "prompt_tokens", where))
             counts["response_ids"].append(_int(s, "response_tokens", where))
@@ -223,8 +223,8 @@ class BatchReader:
             if arr.ndim != 1 or arr.shape[0] != want:
                 raise BatchFileError(f"batch.dir {self.dir}: {name}.npy holds {arr.shape} values, batch.samples "
                                      f"add up to {want}")
-            self.arrays[name] = arr
-            self.offsets[name] = np.concatenate([[0], np.cumsum(counts[name], dtype=np.int64)])
+            self.arrays[name] = arr.view(np.ndarray)  # still the mapping; plain views slice ~20x faster
+            self.offsets[name] = np.concatenate([[0], np.cumsum(counts[name], dtype=np.int64)]).tolist()
 
     def __len__(self) -> int:
         return len(self.meta)
