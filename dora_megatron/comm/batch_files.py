@@ -264,6 +264,8 @@ def compact_routed(routed: Any) -> np.ndarray | None:
     base64 of int32). None stays None."""
     if routed is None:
         return None
+    if isinstance(routed, np.ndarray) and routed.ndim == 1 and routed.dtype in (np.int8, np.int16):
+        return routed  # already compact (decoded off the loop by comm.generate_codec)
     ids = routed_array(routed)
     top = int(ids.max()) if ids.size else 0
     return ids.astype(expert_dtype(top + 1), copy=False)
