@@ -111,7 +111,6 @@ def parse_generate(body: bytes) -> GenerateResponse:
                                 f"got {str(lps[i])[:80]}") from None
         if len(lps) != len(ids):
             raise ProtocolError(f"meta_info.output_token_logprobs has {len(lps)} entries for {len(ids)} output_ids")
-        meta["output_token_logprobs"] = None  # read once, above
     if routed is not None:
         meta["routed_experts"] = decode_routed(routed)
     resp = GenerateResponse.from_json(d)
