@@ -43,6 +43,7 @@ TOKEN_FILES = {"prompt_ids": np.int32, "response_ids": np.int32, "rollout_logpro
 OPTIONAL_FILES = ("loss_mask", "routed_experts")
 #: sample fields of the request besides the lengths (the trainer's advantages need them for every sample)
 SCALAR_FIELDS = ("reward", "group_id", "version", "advantage")
+KNOWN_FIELDS = frozenset({*TOKEN_FILES, *OPTIONAL_FILES, *SCALAR_FIELDS})
 
 
 class BatchFileError(ValueError):
@@ -108,6 +109,9 @@ def write_batch(directory: Path, samples: Sequence[Mapping[str, Any]]) -> dict[s
     meta: list[dict[str, Any]] = []
     any_mask = any(s.get("loss_mask") is not None for s in samples)
     for i, s in enumerate(samples):
+        unknown = sorted(set(s) - KNOWN_FIELDS)
+        if unknown:  # a field the files have no column for would be lost on the way
+            raise BatchFileError(f"samples[{i}] has fields a batch directory does not carry: {unknown}")
         prompt = _flat(s["prompt_ids"], np.int32, f"samples[{i}].prompt_ids")
         response = _flat(s["response_ids"], np.int32, f"samples[{i}].response_ids")
         logprobs = _flat(s["rollout_logprobs"], np.float32, f"samples[{i}].rollout_logprobs")

@@ -92,6 +92,9 @@ def test_malformed_entries_name_the_field_at_fault(tmp_path):
     with pytest.raises(BatchFileError, match=r"samples\[0\]\.response_ids holds"):
         write_batch(tmp_path / "d", [{"prompt_ids": [1], "response_ids": [1.5], "rollout_logprobs": [0.0],
                                       "reward": 1.0, "group_id": "g"}])
+    with pytest.raises(BatchFileError, match=r"samples\[0\] has fields a batch directory does not carry: \['ref_logprobs'\]"):
+        write_batch(tmp_path / "f", [{"prompt_ids": [1], "response_ids": [1], "rollout_logprobs": [0.0],
+                                      "reward": 1.0, "group_id": "g", "ref_logprobs": [0.0]}])
     with pytest.raises(BatchFileError, match="routed_experts is not base64"):
         write_batch(tmp_path / "e", [{"prompt_ids": [1], "response_ids": [1], "rollout_logprobs": [0.0],
                                       "reward": 1.0, "group_id": "g", "routed_experts": "not base64!"}])
