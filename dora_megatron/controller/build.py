@@ -84,26 +84,6 @@ def prompt_source(cfg: DoraConfig, codec):
     return source, scorer, name
 
 
-def blocking_reward_fn(scorer) -> Callable[[str, str], float]:
-    """``scorer`` as the runtime's ``reward_fn(response, answer)``, called in a worker thread by the
-    task that got the answer (:meth:`~dora_megatron.controller.samples.SampleStore.reward_off_loop`).
-    It hands the reward no ``data_source`` / ``extra_info``. A failure is reward 0; the first one's traceback is logged."""
-    from dora_megatron.data.reward_api import RewardInput
-
-    failures = [0]
-
-    def reward_fn(response: str, answer: str) -> float:
-        result = scorer.score_sync(RewardInput("", response, answer))
-        if result.error:
-            failures[0] += 1
-            if failures[0] == 1:
-                log.warning("reward error (reward 0; later ones are counted, not logged): %s\n%s", result.error,
-                            result.traceback or "")
-        return result.score
-
-    return reward_fn
-
-
 @dataclass
 class Controller:
     """A built controller: :func:`~dora_megatron.controller.main.drive` runs it;
@@ -181,7 +161,7 @@ def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, mo
         from dora_megatron.observability.rollout_dump import RolloutDumper
 
         rollout_dump = RolloutDumper(run_dir, cfg.observability.dump_rollouts, codec, writer=background)
-    runtime = Runtime(orch, engines, trainer, source, blocking_reward_fn(scorer), options, timeline=timeline,
+    runtime = Runtime(orch, engines, trainer, source, scorer.score_sync, options, timeline=timeline,
                       on_step=on_step, on_checkpoint=on_checkpoint, codec=codec, journal=journal, metrics=metrics,
                       load_reports=load_reports, rollout_dump=rollout_dump, events=EventQueue())
     if cfg.rollout.workflow:

@@ -24,7 +24,7 @@ Record kinds::
     {"t": "checkpoint", "version": V}
     {"t": "dispatch", "group_id", "version", "prompt_index", "sample_ids"}
     {"t": "sample", "sample_id", "group_id", "version", "prompt_index", "versions", "output_ids",
-     "logprobs", "reward", "replayed", "finish_reason"}
+     "logprobs", "reward", "replayed", "finish_reason", "reward_error"}
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ class JournaledSample:
     reward: float
     routed_experts: str | None = None  # engine routing (base64, SGLang encoding) when routing replay is on
     finish_reason: str | None = None  # the engine's finish_reason type ("stop", "length"); the rollout dump's
+    reward_error: str | None = None  # why the reward function failed (reward 0), counted in its step's reward/errors
 
 
 class Journal:
@@ -114,7 +115,8 @@ class Journal:
                      "output_ids": list(s.output_ids), "logprobs": list(s.logprobs), "reward": s.reward,
                      "replayed": replayed,
                      **({"routed_experts": s.routed_experts} if s.routed_experts is not None else {}),
-                     **({"finish_reason": s.finish_reason} if s.finish_reason is not None else {})})
+                     **({"finish_reason": s.finish_reason} if s.finish_reason is not None else {}),
+                     **({"reward_error": s.reward_error} if s.reward_error is not None else {})})
 
     def replayed(self, s: JournaledSample) -> None:
         if self._replayed is None:
@@ -164,7 +166,7 @@ def read_journal(run_dir: str | Path, version: int) -> dict[str, JournaledSample
             continue
         out[rec["sample_id"]] = JournaledSample(rec["sample_id"], rec["group_id"], v, int(rec["prompt_index"]),
                                                 tuple(rec["output_ids"]), tuple(rec["logprobs"]), float(rec["reward"]),
-                                                rec.get("routed_experts"), rec.get("finish_reason"))
+                                                rec.get("routed_experts"), rec.get("finish_reason"), rec.get("reward_error"))
     return out
 
 

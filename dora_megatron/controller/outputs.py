@@ -151,7 +151,7 @@ class RunOutputs:
         self.retention.prune()
         self.consumed_file.write(json.dumps({"step": s.step, "groups": s.group_ids, "versions": s.group_versions}) + "\n")
         self.consumed_file.flush()
-        self.progress.update(s.step, rt.metrics.last)
+        self.progress.update(s.step, rt.metrics.last, len(s.rewards))
         if self.overviews is not None:
             self.overviews.step(s.step, rt.metrics.last, s.staleness)
 
@@ -260,10 +260,17 @@ class Progress:
         self.t0 = time.monotonic()
         self.done = 0
 
-    def update(self, step: int, scalars: dict[str, Any]) -> None:
+    def update(self, step: int, scalars: dict[str, Any], samples: int = 0) -> None:
+        """Step ``step`` of ``samples`` samples ended with ``scalars``; a step whose rewards all
+        failed gets a warning of its own (a flat reward of 0 is otherwise all the user sees)."""
         reward = scalars.get("reward/mean")
+        errors = scalars.get("reward/errors") or 0
         text = (f"reward={reward:.3f} live_versions={scalars.get('versions/live')} "
-                f"tok/s={scalars.get('perf/throughput_tokens_per_s') or 0:.0f}")
+                f"tok/s={scalars.get('perf/throughput_tokens_per_s') or 0:.0f}"
+                + (f" reward_errors={errors}" if errors else ""))
+        if samples and errors >= samples:
+            log.warning("step %d: the reward function failed on every sample (%d of %d scored 0; the first "
+                        "error's traceback is logged above)", step + 1, errors, samples)
         self.done += 1
         if self.bar is not None:
             self.bar.set_postfix_str(text)

@@ -68,6 +68,7 @@ class SampleRecord:
     versions: set[int] = field(default_factory=set)
     submissions: int = 0
     reward: float | None = None
+    reward_error: str | None = None  # why the reward function failed (its reward is then 0), counted per step
     finished: bool = False
     task: asyncio.Task | None = None
     gen_task: asyncio.Task | None = None

@@ -57,6 +57,7 @@ class JournalReplay:
             rec.output_ids, rec.logprobs = array("i", j.output_ids), array("f", j.logprobs)
             rec.reward, rec.versions = j.reward, {j.version}
             rec.routed_experts, rec.finish_reason = compact_routed(j.routed_experts), j.finish_reason
+            rec.reward_error = j.reward_error
             rec.finished = rec.replay_pending = True
 
     def replayed(self, sample_id: str) -> int | None:
@@ -79,4 +80,4 @@ class JournalReplay:
 
         return JournaledSample(rec.sample_id, rec.group_id, rec.version, self.rt.groups[rec.group_id].prompt.index,
                                tuple(rec.output_ids), tuple(rec.logprobs), float(rec.reward), routed_text(rec.routed_experts),
-                               rec.finish_reason)
+                               rec.finish_reason, rec.reward_error)

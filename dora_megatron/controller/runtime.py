@@ -44,7 +44,7 @@ from dora_megatron.controller.migration import Migrations
 from dora_megatron.controller.pool import Pool
 from dora_megatron.controller.records import Engine, GroupRecord, LoadReports, RuntimeOptions, SampleRecord, StepLog, Trainer
 from dora_megatron.controller.replay import JournalReplay
-from dora_megatron.controller.samples import SampleStore
+from dora_megatron.controller.samples import RewardFn, SampleStore
 from dora_megatron.controller.stats import StatsPoller
 from dora_megatron.controller.summary import run_summary
 from dora_megatron.controller.training import Training
@@ -75,13 +75,14 @@ class Runtime:
     other: what one asks of another goes through the few host methods below."""
 
     def __init__(self, orch: Orchestrator, engines: dict[str, Engine], trainer: Trainer, source: PromptSource,
-                 reward_fn: Callable[[str, str], float], options: RuntimeOptions, *, timeline=None,
+                 reward_fn: RewardFn, options: RuntimeOptions, *, timeline=None,
                  on_step: Callable[[StepLog, "Runtime"], None] | None = None,
                  on_checkpoint: Callable[[int], None] | None = None, first_prompt: int = 0,
                  codec: TextCodec | None = None, journal=None, metrics: MetricsRecorder | None = None,
                  load_reports: LoadReports | None = None, rollout_dump: RolloutDumper | None = None,
                  events: EventQueue) -> None:
-        """``events``: the queue of the :class:`~dora_megatron.controller.loop.ControllerLoop` that
+        """``reward_fn``: the training reward, blocking (e.g. a scorer's ``score_sync``; see
+        :data:`~dora_megatron.controller.samples.RewardFn`). ``events``: the queue of the :class:`~dora_megatron.controller.loop.ControllerLoop` that
         drives this executor (made by whoever builds the controller): every task reports there.
         ``load_reports``: pushed load reports of the engines it covers, taken once per stats
         sweep instead of polling them (e.g. :class:`~dora_megatron.rollout.sharded.ClientPool`).

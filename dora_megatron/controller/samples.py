@@ -13,6 +13,7 @@ executor (:class:`~dora_megatron.controller.runtime.Runtime`) maps actions and e
 from __future__ import annotations
 
 import asyncio
+import logging
 import zlib
 from array import array
 from dataclasses import dataclass
@@ -21,8 +22,16 @@ from typing import Any, Callable
 from dora_megatron.comm.batch_files import compact_routed, routed_text
 from dora_megatron.controller.records import GroupRecord, RuntimeOptions, SampleRecord
 from dora_megatron.data.codec import TextCodec
+from dora_megatron.data.reward_api import RewardInput, RewardResult, reward_input
 from dora_megatron.data.tasks import PromptSource
 from dora_megatron.orchestrator import Dispatch, ReleaseBatch
+
+log = logging.getLogger(__name__)
+
+#: the training reward as the store calls it: blocking and thread-safe (called from a worker thread
+#: off the loop, or on the loop for an answer that came without one), never raising (a failure is
+#: a :class:`RewardResult` with ``error`` set), e.g. a scorer's ``score_sync``
+RewardFn = Callable[[RewardInput], RewardResult]
 
 
 @dataclass(frozen=True)
@@ -36,6 +45,7 @@ class ReleasedBatch:
     tokens: int
     group_ids: tuple
     versions: tuple
+    reward_errors: int = 0  # samples of the batch whose reward function failed (scored 0)
 
 
 class SampleStore:
@@ -43,7 +53,7 @@ class SampleStore:
     (:meth:`apply`, :meth:`score`), handed to the trainer (:meth:`take_batch`), checkpointed
     (:meth:`state_entries`, :meth:`load_entries`)."""
 
-    def __init__(self, source: PromptSource, codec: TextCodec, reward_fn: Callable[[str, str], float],
+    def __init__(self, source: PromptSource, codec: TextCodec, reward_fn: RewardFn,
                  options: RuntimeOptions, first_prompt: int = 0) -> None:
         self.source = source
         self.codec = codec
@@ -53,6 +63,7 @@ class SampleStore:
         self.samples: dict[str, SampleRecord] = {}
         self.groups: dict[str, GroupRecord] = {}
         self.samples_finished = 0  # engine answers that completed a sample (records of consumed groups are gone)
+        self.reward_errors = 0  # training samples whose reward function failed, since this process started
 
     def dispatch(self, a: Dispatch) -> GroupRecord:
         """The records of a new group: the next prompt, rendered once for all its samples."""
@@ -106,14 +117,22 @@ class SampleStore:
             return None
         output = [*rec.output_ids, *resp.output_ids]
         mask = list(resp.loss_mask) if getattr(resp, "loss_mask", None) is not None else rec.loss_mask
-        model = output if mask is None else [t for t, m in zip(output, mask) if m]
-        answer = self.groups[rec.group_id].prompt.answer
-        return float(await asyncio.to_thread(lambda: self.reward_fn(self.codec.decode(model), answer)))
+        item = self.reward_input(rec, output, mask)
+        return await asyncio.to_thread(self.reward_fn, item)
 
-    def score(self, rec: SampleRecord, resp: Any, reason: str | None, reward: float | None = None) -> None:
+    def reward_input(self, rec: SampleRecord, output_ids: list[int], loss_mask: list[int] | None) -> RewardInput:
+        """What the reward sees of ``rec`` finished with ``output_ids``: the model's tokens decoded
+        (not a workflow's tool results), and its group's row (ground truth, ``data_source``,
+        ``extra_info``) through :func:`~dora_megatron.data.reward_api.reward_input`, the one builder
+        the eval rounds and the bench's capacity pass use too."""
+        model = output_ids if loss_mask is None else [t for t, m in zip(output_ids, loss_mask) if m]
+        return reward_input(self.groups[rec.group_id].prompt, self.codec.decode(model))
+
+    def score(self, rec: SampleRecord, resp: Any, reason: str | None, reward: RewardResult | None = None) -> None:
         """``rec`` finished with answer ``resp``: mark it and set its reward (a workflow's own, the
         one :meth:`reward_off_loop` computed, or else the reward function's, here), on the model's
-        tokens only, not the tools' results."""
+        tokens only, not the tools' results. A failed reward function scores 0 and is counted
+        (:attr:`reward_errors`, the step's ``reward/errors``); the first failure's traceback is logged."""
         rec.finished = True
         rec.finish_reason = reason
         self.samples_finished += 1
@@ -121,18 +140,22 @@ class SampleStore:
             rec.prompt_ids, rec.loss_mask = list(resp.prompt_ids), list(resp.loss_mask)
         if getattr(resp, "reward", None) is not None:
             rec.reward = float(resp.reward)
-        elif reward is not None:
-            rec.reward = reward
-        else:
-            model = rec.output_ids.tolist() if rec.loss_mask is None else [t for t, m in zip(rec.output_ids, rec.loss_mask) if m]
-            rec.reward = float(self.reward_fn(self.codec.decode(model), self.groups[rec.group_id].prompt.answer))
+            return
+        result = reward if reward is not None else self.reward_fn(self.reward_input(rec, rec.output_ids.tolist(),
+                                                                                     rec.loss_mask))
+        rec.reward, rec.reward_error = float(result.score), result.error
+        if result.error is not None:
+            self.reward_errors += 1
+            if self.reward_errors == 1:
+                log.warning("reward error on sample %s (reward 0; later ones are counted as reward_errors, not "
+                            "logged): %s\n%s", rec.sample_id, result.error, result.traceback or "")
 
     def take_batch(self, a: ReleaseBatch, wait_s: float,
                    dump: bool) -> tuple[list[dict[str, Any]], ReleasedBatch, list[dict[str, Any]]]:
         """The released groups' samples as the trainer takes them; their records go (consumed now,
         exactly once). Returns the samples, what the step log needs of them, and (``dump``) what the
         rollout dump writes of each."""
-        samples, rewards, lengths, staleness, tokens = [], [], [], [], 0
+        samples, rewards, lengths, staleness, tokens, errors = [], [], [], [], 0, 0
         dumped: list[dict] = []  # what the rollout dump needs of each sample (not sent to the trainer)
         for gid, version in zip(a.group_ids, a.versions):
             group = self.groups.pop(gid, None)
@@ -152,11 +175,14 @@ class SampleStore:
                                    "rollout_logprobs": rec.logprobs.tolist(),
                                    **({"routed_experts": routed_text(rec.routed_experts)}
                                       if rec.routed_experts is not None else {}),
-                                   "sample_id": sid, "finish_reason": rec.finish_reason})
+                                   "sample_id": sid, "finish_reason": rec.finish_reason,
+                                   **({"reward_error": rec.reward_error} if rec.reward_error is not None else {})})
                 rewards.append(rec.reward)
+                errors += rec.reward_error is not None
                 lengths.append(len(rec.output_ids))
                 tokens += len(rec.prompt_ids) + len(rec.output_ids)
-        batch = ReleasedBatch(wait_s, rewards, lengths, staleness, tokens, tuple(a.group_ids), tuple(a.versions))
+        batch = ReleasedBatch(wait_s, rewards, lengths, staleness, tokens, tuple(a.group_ids), tuple(a.versions),
+                              errors)
         return samples, batch, dumped
 
     # ------------------------------------------------------------------ checkpoint
@@ -176,6 +202,7 @@ class SampleStore:
                     continue
                 samples.append({
                     "sample_id": r.sample_id, "reward": r.reward, "output_ids": r.output_ids.tolist(),
+                    **({"reward_error": r.reward_error} if r.reward_error is not None else {}),
                     "logprobs": r.logprobs.tolist(), "versions": sorted(r.versions),
                     **({"routed_experts": routed_text(r.routed_experts)} if r.routed_experts is not None else {}),
                     **({"finish_reason": r.finish_reason} if r.finish_reason is not None else {}),
@@ -209,5 +236,6 @@ class SampleStore:
                 continue
             rec.output_ids, rec.logprobs = array("i", d["output_ids"]), array("f", d["logprobs"])
             rec.versions, rec.reward, rec.finished = set(d["versions"]), d["reward"], True
+            rec.reward_error = d.get("reward_error")
             rec.routed_experts, rec.finish_reason = compact_routed(d.get("routed_experts")), d.get("finish_reason")
             rec.loss_mask = d.get("loss_mask")

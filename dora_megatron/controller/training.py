@@ -107,7 +107,8 @@ class Training:
         scalars = rt.metrics.step_trained(
             ev.step, end_s=end, wait_s=b.wait_s, train_s=ev.train_s, tokens=b.tokens, staleness=b.staleness,
             rewards=b.rewards, response_lengths=b.lengths, live_versions=live_versions, metrics=metrics,
-            migrations=oc.migrations, migrated_kv_bytes=rt.moves.migrated_bytes, reprefill_tokens=oc.reprefill_tokens)
+            migrations=oc.migrations, migrated_kv_bytes=rt.moves.migrated_bytes, reprefill_tokens=oc.reprefill_tokens,
+            reward_errors=b.reward_errors)
         log_ = StepLog(ev.step, ev.start, end, b.wait_s, ev.train_s, scalars["perf/sync_time_s"], metrics, b.rewards,
                        b.lengths, b.staleness, b.tokens, live_versions, list(b.group_ids), list(b.versions))
         self.steps.append(log_)

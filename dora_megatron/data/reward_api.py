@@ -37,9 +37,14 @@ class RewardResult:
 
 
 class RewardScorer(Protocol):
-    """Scores finished samples off the controller's event loop."""
+    """Scores finished samples off the controller's event loop: :meth:`score` for a caller on the
+    loop (the eval rounds, the bench's capacity pass), :meth:`score_sync` for one in a worker thread
+    (the training samples' scores, :class:`~dora_megatron.controller.samples.SampleStore`). Neither
+    raises for the function's failure: it is the result's ``error``."""
 
     async def score(self, item: RewardInput) -> RewardResult: ...
+
+    def score_sync(self, item: RewardInput) -> RewardResult: ...
 
     async def aclose(self) -> None: ...
 

@@ -70,6 +70,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("router_topk_agreement", "run", "mean of train/router_topk_agreement over the steps that measured it"),
     Metric("router_topk_agreement_min", "run", "its minimum"),
     Metric("routing_replay_steps", "run", "steps trained with routing replay (train/routing_replay)"),
+    Metric("reward_errors", "run", "sum of reward/errors over the run's steps: trained samples whose reward "
+                                   "function failed (scored 0); null without rewards (the simulator)"),
     Metric("trainer_peak_memory_bytes", "run", "max over the steps of perf/trainer_peak_memory_bytes; null if the "
                                                "trainer reported none"),
     Metric("trainer_tokens_per_s", "run", "mean of perf/trainer_tokens_per_s over the window's steps"),
@@ -81,6 +83,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("tool_use_rate", "run", "share of the run's trajectories with at least one well-formed tool call"),
     Metric("reward/mean", "step", "mean reward of the step's samples (null without rewards: the simulator)"),
     Metric("reward/exact_fraction", "step", "share of the step's samples with reward 1.0"),
+    Metric("reward/errors", "step", "samples of the step whose reward function failed (raised or timed out; scored "
+                                    "0); null without rewards (the simulator)"),
     Metric("response_length/p50", "step", "median response tokens of the step's samples"),
     Metric("response_length/p99", "step", "99th percentile of the same"),
     Metric("response_length/max", "step", "longest response of the step"),
@@ -144,6 +148,7 @@ class StepRow:
     metrics: dict[str, Any]  # the trainer's own metrics (train/* scalars)
     seconds: dict[str, float] = field(default_factory=dict)  # duration kind -> seconds inside the step's interval
     trajectories: dict[str, Any] = field(default_factory=dict)  # TrajectoryTotals of the step's interval
+    reward_errors: int | None = None  # samples whose reward function failed (None: no rewards, the simulator)
 
 
 def _pct(sorted_values: list[int], q: float) -> float | None:
@@ -226,16 +231,18 @@ class MetricsRecorder:
     def step_trained(self, step: int, *, end_s: float, wait_s: float, train_s: float, tokens: int,
                      staleness: Sequence[int], rewards: Sequence[float], response_lengths: Sequence[int],
                      live_versions: int, metrics: Mapping[str, Any] | None = None, migrations: int = 0,
-                     migrated_kv_bytes: float = 0, reprefill_tokens: int = 0) -> dict[str, Any]:
+                     migrated_kv_bytes: float = 0, reprefill_tokens: int = 0,
+                     reward_errors: int | None = None) -> dict[str, Any]:
         """Step ``step`` ended at ``end_s``: close its interval, hand its scalars to the sinks, return them.
-        ``migrations``/``migrated_kv_bytes``/``reprefill_tokens``: the driver's run totals so far."""
+        ``migrations``/``migrated_kv_bytes``/``reprefill_tokens``: the driver's run totals so far;
+        ``reward_errors``: the step's samples whose reward function failed (None: no rewards)."""
         end_s = max(end_s, self._ends[-1] if self._ends else 0.0)
         for (kind, key), start in list(self._open.items()):
             self._spread(kind, start, end_s)
             self._open[(kind, key)] = max(start, end_s)
         row = StepRow(step, end_s, wait_s, train_s, tokens, list(staleness),
                       statistics.fmean(rewards) if rewards else None, dict(metrics or {}), dict(self._tail),
-                      self._trajectories.as_dict())
+                      self._trajectories.as_dict(), reward_errors)
         self._trajectories = TrajectoryTotals()
         self._close(row)
         self.last = self._scalars(row, rewards, sorted(response_lengths), live_versions,
@@ -276,6 +283,8 @@ class MetricsRecorder:
         out["rollout_vs_trainer_logprob_diff_max"] = max(diffs) if diffs else None
         out["rollout_vs_trainer_logprob_diff_steps"] = len(diffs)
         out.update(routing_summary(r.metrics for r in self.rows))
+        errors = [r.reward_errors for r in self.rows if r.reward_errors is not None]
+        out["reward_errors"] = sum(errors) if errors else None
         traj = TrajectoryTotals.total(r.trajectories for r in self.rows).scalars()
         out["turns_per_trajectory_mean"] = traj["turns_per_trajectory"]
         out["tokens_per_turn_mean"] = traj["tokens_per_turn"]
@@ -344,6 +353,7 @@ class MetricsRecorder:
         out: dict[str, Any] = {
             "reward/mean": row.reward,
             "reward/exact_fraction": sum(r == 1.0 for r in rewards) / len(rewards) if rewards else None,
+            "reward/errors": row.reward_errors,
             "response_length/p50": _pct(lengths, 0.5), "response_length/p99": _pct(lengths, 0.99),
             "response_length/max": lengths[-1] if lengths else None,
             "perf/bubble": (max_len - statistics.fmean(lengths)) / max_len if max_len else None,

@@ -29,6 +29,7 @@ HELDOUT_TAG = "heldout/exact"
 DORA_LAYOUT: dict[str, dict[str, tuple[str, ...]]] = {
     "1 reward and held-out": {
         "reward: mean and exact-answer share of the step's samples": ("reward/mean", "reward/exact_fraction"),
+        "reward function failures: samples of the step scored 0 for an error": ("reward/errors",),
         "held-out exact rate: initial weights (step 0), final weights (last version)": (HELDOUT_TAG,),
         "eval set (data.eval_path): mean reward, pass@1, pass@k of the weights of the step": tuple(EVAL_TAGS.values()),
     },

@@ -15,6 +15,7 @@ from dora_megatron.data import tokenizer as tok
 from dora_megatron.data.tasks import RunningSumTask, running_sum_reward
 from dora_megatron.observability.recorder import MetricsRecorder, StepsJsonl, read_step_rows
 from dora_megatron.orchestrator import Orchestrator
+from dora_megatron.data.reward_api import ThreadScorer
 from tests.helpers.fakes import FakeEngine, FakeTrainer
 
 
@@ -38,7 +39,7 @@ def make(mode="dora", n=3, steps=6, tbs=4, rbs=8, S=2, G=2, migration=True, toke
         sink = StepsJsonl(open(tmp_path / "steps.jsonl", "a"))
         metrics = MetricsRecorder(slots_per_instance=opts.slots_per_instance, rebalancer=orchestrator.policy.rebalance,
                                   sinks=[sink])
-    rt = Runtime(orchestrator, engines, trainer, task, running_sum_reward, opts, metrics=metrics, events=EventQueue())
+    rt = Runtime(orchestrator, engines, trainer, task, ThreadScorer(running_sum_reward).score_sync, opts, metrics=metrics, events=EventQueue())
     return rt, engines, trainer
 
 

@@ -7,6 +7,7 @@ from dora_megatron.data import tokenizer as tok
 from dora_megatron.data.tasks import running_sum_reward
 from dora_megatron.workflow.api import Trajectory, WorkflowContext
 from dora_megatron.workflow.runner import WorkflowRunner
+from dora_megatron.data.reward_api import ThreadScorer
 
 ENV = tok.encode("|")  # what the test environment answers after the model's first turn
 
@@ -28,7 +29,7 @@ def with_workflow(rt, fn=answer_then_env):
         seen.append(response)
         return running_sum_reward(response, answer)
 
-    rt.store.reward_fn = reward
+    rt.store.reward_fn = ThreadScorer(reward).score_sync
     rt.workflow = WorkflowRunner(fn, WorkflowContext(None, (tok.EOS_ID,)))
     return seen
 

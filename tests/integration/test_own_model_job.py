@@ -24,6 +24,9 @@ from dora_megatron.config.schema import load_config
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
+#: the job's reward: reads ``data_source`` and ``extra_info["index"]`` (-1 without them) and scores by the
+#: row's index, so a training sample scored with another row's arguments (or none) shows
+ROW_REWARD = f"{ROOT / 'tests' / 'helpers' / 'row_reward.py'}:compute_score"
 EVAL_ROWS, EVAL_SAMPLES = 6, 2
 
 
@@ -43,7 +46,7 @@ def job(own_model, tmp_path_factory):
     pq.write_table(pa.Table.from_pylist([*rows, bad]), str(data))
     pq.write_table(pa.Table.from_pylist(rows[:EVAL_ROWS]), str(tmp / "eval.parquet"))
     run_dir = tmp / "run"
-    overrides = [f"model.path={own_model.model_dir}", f"data.path={data}", f"data.reward_fn={own_model.reward_fn}",
+    overrides = [f"model.path={own_model.model_dir}", f"data.path={data}", f"data.reward_fn={ROW_REWARD}",
                  "data.skip_bad_rows=true", f"run.run_dir={run_dir}", "run.steps=3", "run.checkpoint_interval=1",
                  "observability.progress=false", "observability.timeline=false", "observability.wandb=true",
                  "observability.dump_rollouts=2", f"data.eval_path={tmp / 'eval.parquet'}",
@@ -75,7 +78,12 @@ def test_the_own_model_trains_with_the_users_reward_and_chat_prompts(job, own_mo
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["consumed_groups"] == 3 * 4
     assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
-    assert summary["reward_fn"].startswith(f"{own_model.reward_fn} (verl compute_score")
+    assert summary["reward_fn"].startswith(f"{ROW_REWARD} (verl compute_score")
+    # the training reward saw each row's data_source and extra_info (-1 without them), and none failed
+    assert summary["reward_errors"] == 0
+    rows = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
+    assert [r["reward/errors"] for r in rows] == [0, 0, 0]
+    assert all(r["reward/mean"] >= 0.0 for r in rows), [r["reward/mean"] for r in rows]
     assert f"reward: {summary['reward_fn']}" in out
     assert summary["data_skipped_rows"] == 1 and "row 64: missing field 'reward_model.ground_truth'" in out
     # what the engines were sent: the whole chat through the model's template (system turn included)
@@ -136,7 +144,7 @@ def test_rollout_dumps_show_what_the_model_was_sent_and_answered(job, own_model)
         ids = hf.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)
         rendered[tuple(ids)] = row
     eos = set(GenerationConfig.from_pretrained(str(own_model.model_dir)).eos_token_id)
-    compute_score = load_reward_function(own_model.reward_fn)
+    compute_score = load_reward_function(ROW_REWARD)
     steps = [json.loads(line)["step"] for line in (run_dir / "steps.jsonl").read_text().splitlines()]
     files = sorted((run_dir / "rollouts").iterdir())
     assert [p.name for p in files] == [f"step_{k:06d}.jsonl" for k in steps] and len(files) == 3

@@ -40,6 +40,7 @@ from dora_megatron.comm.sglang_client import SGLangClient
 from dora_megatron.rollout.sglang.engine import SGLangEngine
 from dora_megatron.weights.distributed import DistributedWeightPusher
 from dora_megatron.weights.results import PushError
+from dora_megatron.data.reward_api import ThreadScorer
 from tests.helpers.resubmit_moves import MoveLog, StaticTrainer
 from tests.sglang_standin import start_standin
 
@@ -100,7 +101,7 @@ def test_runtime_on_sglang_adapter_migrates_by_resubmit_and_keeps_outputs(engine
         adapters = {n: SGLangEngine(SGLangClient(e.url)) for n, e in zip(names, engines)}
         for a in adapters.values():  # start every instance at version 0
             await a.update_weights_from_disk(model_dir, weight_version=0)
-        rt = Runtime(Orchestrator(cfg, names), adapters, trainer, RunningSumTask(1, 30, 1.2, seed=1), running_sum_reward, opts,
+        rt = Runtime(Orchestrator(cfg, names), adapters, trainer, RunningSumTask(1, 30, 1.2, seed=1), ThreadScorer(running_sum_reward).score_sync, opts,
                      events=events)
         events.records = rt.samples
         summary = await drive(rt)
@@ -359,7 +360,7 @@ def test_an_instance_without_weights_checker_survives_every_weight_switch(engine
             # engines[0] holds what the tests before this one left on it: start it at version 0
             await adapters["e0"].update_weights_from_disk(model_dir, weight_version=0)
             rt = Runtime(Orchestrator(cfg, names), adapters, trainer, RunningSumTask(1, 30, 1.2, seed=1),
-                         running_sum_reward, opts, events=EventQueue())
+                         ThreadScorer(running_sum_reward).score_sync, opts, events=EventQueue())
             try:
                 return await drive(rt), rt
             finally:

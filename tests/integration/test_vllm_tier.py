@@ -32,6 +32,7 @@ from dora_megatron.config.rollout import RolloutConfig
 from dora_megatron.config.vllm import DEFAULT_VLLM_PYTHON, VLLMConfig
 from dora_megatron.controller.main import drive
 from dora_megatron.ports import free_ports
+from dora_megatron.data.reward_api import ThreadScorer
 from tests.helpers.proc_tree import process_tree, signal_tree
 from tests.helpers.resubmit_moves import MoveLog, StaticTrainer
 
@@ -244,7 +245,7 @@ def test_runtime_on_vllm_migrates_by_resubmit_and_continues_the_same_greedy_sequ
             # a request or a run that hangs fails within minutes, naming what hung (not pytest's 10-minute timeout)
             adapters = {n: VLLMEngine(s.url, initial_version=0, timeout_s=REQUEST_BOUND_S) for n, s in zip(names, servers)}
             rt = Runtime(Orchestrator(ocfg, names), adapters, trainer, RunningSumTask(1, 30, 1.2, seed=1),
-                         running_sum_reward, opts, events=events)
+                         ThreadScorer(running_sum_reward).score_sync, opts, events=events)
             events.records = rt.samples
             try:
                 summary = await asyncio.wait_for(drive(rt), timeout=RUN_BOUND_S)

@@ -25,6 +25,7 @@ from dora_megatron.workflow.api import Trajectory, WorkflowContext
 from dora_megatron.workflow.runner import PinnedEngineClient, WorkflowRunner
 from dora_megatron.workflow.tool_calling import env_tokens
 from dora_megatron.workflow.tools import Calculator, call_tool
+from dora_megatron.data.reward_api import ThreadScorer
 from tests.helpers.fakes import FakeTrainer
 
 pytestmark = pytest.mark.integration
@@ -85,7 +86,7 @@ def test_tool_turns_run_on_one_version_per_trajectory_across_weight_switches(too
                               snapshot_dir=lambda v: str(tool_dir), stats_interval_s=0.05, verify_checksums=False,
                               migration="reprefill")
         rt = Runtime(Orchestrator(cfg, names), engines, trainer, Prompts(),
-                     lambda response, answer: seen.append(response) or 0.0, opts, codec=codec, events=EventQueue())
+                     ThreadScorer(lambda response, answer: seen.append(response) or 0.0).score_sync, opts, codec=codec, events=EventQueue())
         rt.workflow = WorkflowRunner(calculator_turns, WorkflowContext(codec.tokenizer, tuple(codec.eos_ids)))
         try:
             summary = await asyncio.wait_for(drive(rt), timeout=240)
@@ -150,7 +151,7 @@ def test_a_turn_moved_while_it_generates_and_a_prefix_moved_between_turns_are_ne
         opts = RuntimeOptions(steps=1, seed=0, max_new_tokens=LONG + 64, temperature=1.0, top_p=1.0, top_k=-1,
                               snapshot_dir=lambda v: str(tool_dir), stats_interval_s=0.05, verify_checksums=False,
                               migration="kv")
-        rt = Runtime(Orchestrator(cfg, names), engines, trainer, Prompts(), lambda response, answer: 0.0, opts,
+        rt = Runtime(Orchestrator(cfg, names), engines, trainer, Prompts(), ThreadScorer(lambda response, answer: 0.0).score_sync, opts,
                      codec=codec, events=EventQueue())
 
         async def move_once_generating(client):

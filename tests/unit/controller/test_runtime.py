@@ -341,6 +341,7 @@ def test_the_reward_runs_off_the_loop_thread():
     trainer gets was scored on another thread than the loop's, and scored right."""
     import threading
 
+    from dora_megatron.data.reward_api import ThreadScorer
     from dora_megatron.data.tasks import running_sum_reward
 
     rt, engines, trainer = make(mode="dora", n=2, steps=2)
@@ -350,7 +351,7 @@ def test_the_reward_runs_off_the_loop_thread():
         threads.append(threading.get_ident())
         return running_sum_reward(response, answer)
 
-    rt.store.reward_fn = reward
+    rt.store.reward_fn = ThreadScorer(reward).score_sync
     asyncio.run(drive(rt))
     check_run(rt, engines, trainer, 2, 4, 2)  # every trained sample has reward 1.0 (the fake answers right)
     assert threads and threading.get_ident() not in threads

@@ -18,6 +18,7 @@ from dora_megatron.controller.records import RuntimeOptions
 from dora_megatron.controller.runtime import Runtime
 from dora_megatron.data.tasks import RunningSumTask, running_sum_reward
 from dora_megatron.orchestrator import Orchestrator
+from dora_megatron.data.reward_api import ThreadScorer
 
 from tests.helpers.fakes import FakeEngine, FakeTrainer
 
@@ -62,7 +63,7 @@ def make_runtime(engines: dict, concurrency: int = 64, health_timeout_s: float =
                           snapshot_dir=lambda v: f"/snap/v{v}", stats_interval_s=0.01, stats_concurrency=concurrency,
                           health_timeout_s=health_timeout_s)
     return Runtime(Orchestrator(cfg, names), engines, FakeTrainer(engines=engines), RunningSumTask(1, 30, 1.2, seed=1),
-                   running_sum_reward, opts, events=EventQueue())
+                   ThreadScorer(running_sum_reward).score_sync, opts, events=EventQueue())
 
 
 def finish(rt: Runtime) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from dora_megatron.controller.runtime import Runtime
 from dora_megatron.data.tasks import RunningSumTask, running_sum_reward
 from dora_megatron.launch.elastic import JoinRequest, read_join_requests, watch_joins, write_join_request
 from dora_megatron.orchestrator import Orchestrator
+from dora_megatron.data.reward_api import ThreadScorer
 from tests.helpers import fakes
 
 
@@ -24,7 +25,7 @@ def _runtime(names, steps=8):
     trainer = fakes.FakeTrainer()
     opts = RuntimeOptions(steps=steps, seed=0, max_new_tokens=64, temperature=1.0, top_p=1.0, top_k=-1,
                           snapshot_dir=lambda v: f"/snap/v{v}", stats_interval_s=0.01)
-    rt = Runtime(Orchestrator(cfg, names), engines, trainer, RunningSumTask(1, 30, 1.2, seed=1), running_sum_reward, opts,
+    rt = Runtime(Orchestrator(cfg, names), engines, trainer, RunningSumTask(1, 30, 1.2, seed=1), ThreadScorer(running_sum_reward).score_sync, opts,
                  events=EventQueue())
     return rt, engines, trainer
 

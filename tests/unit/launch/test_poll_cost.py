@@ -16,6 +16,7 @@ from dora_megatron.data.tasks import RunningSumTask, running_sum_reward
 from dora_megatron.launch.elastic import JoinRequest, watch_joins, write_join_request
 from dora_megatron.launch.supervise import EngineSupervisor, RestartPolicy
 from dora_megatron.orchestrator import Orchestrator
+from dora_megatron.data.reward_api import ThreadScorer
 from tests.helpers import fakes
 
 
@@ -37,7 +38,7 @@ def _runtime(n: int) -> Runtime:
                           snapshot_dir=lambda v: f"/snap/v{v}")
     engines = {n: fakes.FakeEngine(n, migration=False) for n in names}
     return Runtime(CountingOrchestrator(cfg, names), engines, fakes.FakeTrainer(), RunningSumTask(1, 30, 1.2, seed=1),
-                   running_sum_reward, opts, events=EventQueue())
+                   ThreadScorer(running_sum_reward).score_sync, opts, events=EventQueue())
 
 
 class _Child:

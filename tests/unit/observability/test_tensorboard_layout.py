@@ -25,7 +25,8 @@ def _run(logdir, steps=3):
                                                 tool_latency_s=0.5))
         rec.step_trained(k, end_s=10.0 * (k + 1), wait_s=1.0, train_s=2.0, tokens=100, staleness=[0, 1],
                          rewards=[1.0, 0.0], response_lengths=[5, 9], live_versions=2,
-                         metrics={"perf/trainer_tokens_per_s": 50.0, "loss": 0.1}, migrations=k)
+                         metrics={"perf/trainer_tokens_per_s": 50.0, "loss": 0.1}, migrations=k,
+                         reward_errors=k % 2)
     writer.scalars(steps - 1, eval_scalars(round_metrics([[1.0, 0.0]], 2, 1.0)))  # as an eval round writes them
     writer.close()
     write_heldout(logdir, 0.2, 0.6, steps)
