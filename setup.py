@@ -24,6 +24,7 @@ setup(
         "tokenizers>=0.19",
         "numpy>=1.24",
         "aiohttp>=3.9",
+        "orjson>=3.9",  # /generate answers decoded off the event loop (dora_megatron/comm/generate_codec.py)
         "tqdm>=4.60",
         "matplotlib>=3.7",
         "psutil>=5.9",  # megatron dist_checkpointing save

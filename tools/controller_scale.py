@@ -103,6 +103,40 @@ class LagMonitor:
             self._watch.join(timeout=5)
 
 
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class HeldTokens:
+    """Samples, every ``period_s``, the tokens the controller's sample store holds (prompt and
+    output of its outstanding samples) and the process's RSS: the controller's memory per token it
+    holds, against the bytes those tokens take as arrays."""
+
+    def __init__(self, period_s: float = 0.5) -> None:
+        self.period_s = period_s
+        self.peak_tokens = 0
+        self.rss_at_peak = 0
+        self.rss_at_start = 0
+        self._task: asyncio.Task | None = None
+
+    def start(self, rt) -> None:
+        self.rss_at_start = _rss_bytes()
+        self._task = asyncio.get_running_loop().create_task(self._run(rt))
+
+    async def _run(self, rt) -> None:
+        while True:
+            await asyncio.sleep(self.period_s)
+            held = sum(len(r.output_ids) + len(r.prompt_ids) for r in list(rt.store.samples.values()))
+            if held > self.peak_tokens:
+                self.peak_tokens, self.rss_at_peak = held, _rss_bytes()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+
 def build_config(args: argparse.Namespace, run_dir: Path, model_dir: Path):
     """The ``dora train`` config of the measured run: SGLang engines, DORA, journal on."""
     from dora_megatron.config.schema import load_config
@@ -121,6 +155,7 @@ def build_config(args: argparse.Namespace, run_dir: Path, model_dir: Path):
         "observability.tensorboard=false", "observability.timeline=false", "observability.progress=false",
         f"observability.stats_interval_s={args.stats_interval_s}",
         *([f"rollout.client_workers={args.workers_now}"] if getattr(args, "workers_now", None) is not None else []),
+        *(["algo.router_agreement=true"] if args.routed_experts else []),  # the engines' routed experts, to the trainer
         *args.set,
     ]
     return load_config(None, overrides)
@@ -185,11 +220,14 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         for i, n in enumerate(counts):
             procs.start(f"fleet{i}", [*nice, py, str(FLEET), "--instances", str(n), "--ready", str(ready[i]),
                                       "--per-token-s", str(args.per_token_s), "--min-tokens", str(args.min_tokens),
-                                      "--alpha", str(args.alpha), "--load-s", str(args.load_s)],
+                                      "--alpha", str(args.alpha), "--load-s", str(args.load_s),
+                                      *(["--routed-experts", args.routed_experts] if args.routed_experts else []),
+                                      "--max-tokens", str(args.max_new_tokens + 1024)],
                         cpus=args.others_cpus)
         trainer_ready = work / "trainer.json"
         procs.start("trainer", [py, str(FLEET), "--role", "trainer", "--ready", str(trainer_ready),
-                                "--step-s", str(args.step_s), "--run-dir", str(run_dir)], cpus=args.others_cpus)
+                                "--step-s", str(args.step_s), "--run-dir", str(run_dir), "--dp", str(args.trainer_dp)],
+                    cpus=args.others_cpus)
         if args.controller_cpus:  # after the fakes started (they get their own cores), before the controller's
             _pin_this_process(args.controller_cpus)
         fleets = await _wait_ready([*ready, trainer_ready], procs, args.startup_timeout_s)
@@ -200,6 +238,7 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         trainer_url = f"http://127.0.0.1:{fleets[-1]['ports'][0]}"
         holder: dict[str, Any] = {}
         lag = LagMonitor(args.lag_period_s)
+        held = HeldTokens()
         _reset_peak_rss()
         ru0 = resource.getrusage(resource.RUSAGE_SELF)
         ruc0 = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -215,6 +254,7 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 for pid in {getattr(e, "worker_pid", None) for e in rt.engines.values()} - {None}:
                     os.sched_setaffinity(pid, args.others_cpus)
                     holder.setdefault("worker_cpus", {})[pid] = sorted(os.sched_getaffinity(pid))
+            held.start(rt)
             lag.start(args.stall_s)  # from the runtime's start: startup (health checks of N URLs) is not the steady state
             if args.kill_worker_after_samples:
                 holder["killer"] = asyncio.get_running_loop().create_task(_kill_a_worker(rt, args, holder))
@@ -232,6 +272,7 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             log.exception("controller run failed")
             error, summary = f"{type(err).__name__}: {err}", {}
         await lag.stop()
+        await held.stop()
         t1 = time.monotonic()
         ru1 = resource.getrusage(resource.RUSAGE_SELF)
         if "killer" in holder:
@@ -265,6 +306,10 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     per_version_max = [max(x) for x in to_switch.values()]
     incomplete = sum(1 for n in trainer_stats["groups"].values() if n != args.group_size)
     lags_ms = [x * 1000 for x in lag.lags]
+    tokens = trainer_stats.get("tokens", 0)
+    reads = trainer_stats.get("reads") or []
+    share = [max(r["rank_bytes"]) / (r["total_bytes"] / r["dp"]) for r in reads if r["total_bytes"]]
+    array_b = 8 + (_routed_width(args.routed_experts))  # int32 id + float32 log-prob (+ int8 routed ids) per token
     totals = summary
     return {
         "instances": args.instances, "steps": args.steps, "fleet_processes": len(counts),
@@ -281,6 +326,18 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         # part of the controller's cost
         "worker_cpu_s": worker_cpu, "worker_cpu_s_per_1k_samples": worker_cpu / finished * 1000 if finished else None,
         "controller_max_rss_mb": _peak_rss_mb() or ru1.ru_maxrss / 1024,
+        "trained_tokens": tokens, "cpu_s_per_1k_tokens": cpu / tokens * 1000 if tokens else None,
+        "peak_held_tokens": held.peak_tokens,
+        "rss_growth_per_held_token_b": ((held.rss_at_peak - held.rss_at_start) / held.peak_tokens
+                                        if held.peak_tokens else None),
+        "array_bytes_per_token": array_b,
+        "routed_experts": args.routed_experts or None,
+        "handoff": "batch files" if reads else "json body",
+        "trainer_dp": args.trainer_dp if reads else None,
+        "batch_bytes_max": max((r["total_bytes"] for r in reads), default=None),
+        "rank_bytes_max_over_fair_share": max(share, default=None),
+        "rank_read_s_max": max((max(r["rank_read_s"]) for r in reads), default=None),
+        "rank_rows_exactly_once": all(r["rows_read_once"] for r in reads) if reads else None,
         "stats_interval_s": args.stats_interval_s,
         "stats_poll_interval_p50_s": pct(intervals, 0.5), "stats_poll_interval_p99_s": pct(intervals, 0.99),
         "stats_poll_interval_max_s": max(intervals) if intervals else None,
@@ -308,6 +365,14 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "controller_cpus_seen": sorted(os.sched_getaffinity(0)), "load_average_before": list(load_before), "load_average_after": list(load_after),
         "cpu_count": os.cpu_count(),
     }
+
+
+def _routed_width(spec: str) -> int:
+    """Routed expert ids per token of ``--routed-experts LAYERSxTOPK`` (one byte each: int8 ids)."""
+    if not spec:
+        return 0
+    layers, top_k = (int(x) for x in spec.lower().split("x"))
+    return layers * top_k
 
 
 def _open_fds() -> int | None:
@@ -401,6 +466,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--controller-open-files", type=int, default=0,
                    help="lower the controller's open-files limit (soft and hard) to this once the fakes run, "
                         "to test the connection budget (0: leave it)")
+    p.add_argument("--routed-experts", default="", metavar="LAYERSxTOPK",
+                   help="the controller asks for routed experts (algo.router_agreement) and the fakes answer "
+                        "with ids of this shape per token, e.g. 48x8")
+    p.add_argument("--trainer-dp", type=int, default=8,
+                   help="data-parallel ranks whose reads of each batch directory the fake trainer measures")
     p.add_argument("--keep", action="store_true", help="keep the run directory (printed)")
     args = p.parse_args(argv)
     for name in ("instances", "steps", "slots", "group_size"):
@@ -421,6 +491,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')}: cores {sorted(cpus - have)} are not available here "
                     f"(have {sorted(have)})")
         setattr(args, name, cpus)
+    if args.routed_experts:
+        try:
+            _routed_width(args.routed_experts)
+        except ValueError:
+            p.error(f"--routed-experts must be LAYERSxTOPK, e.g. 48x8, got {args.routed_experts!r}")
     if args.kill_worker_after_samples and not all(args.client_workers):
         p.error("--kill-worker-after-samples needs --client-workers >= 1")
     args.procs = args.procs or max(1, -(-args.instances // 512))

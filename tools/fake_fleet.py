@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import hashlib
 import json
 import logging
@@ -41,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from aiohttp import web
 
 log = logging.getLogger("fake_fleet")
@@ -88,7 +90,8 @@ class Fleet:
     """Instances keyed by their port; ``per_token_s`` etc. shape the fake generation."""
 
     def __init__(self, ports: list[int], per_token_s: float, min_tokens: int, alpha: float, load_s: float,
-                 pool_tokens: int) -> None:
+                 pool_tokens: int, routed: tuple[int, int] | None = None, num_experts: int = 128,
+                 max_tokens: int = 32768) -> None:
         self.instances = {p: _Instance() for p in ports}
         self.first_port = ports[0]
         self.per_token_s = per_token_s
@@ -98,6 +101,12 @@ class Fleet:
         self.pool_tokens = pool_tokens
         self.paused: dict[int, asyncio.Event] = {}
         self.token = _token_id()
+        rng = random.Random(0)
+        self.lp_pool = [round(-rng.expovariate(4.0), 6) for _ in range(65536)]
+        self.routed = routed  # (layers, top_k) of the answers' routed experts; None: never sent
+        if routed is not None:  # a pool as long as the longest answer: windows of it are every answer's
+            draws = np.frombuffer(rng.randbytes(max_tokens * routed[0] * routed[1]), dtype=np.uint8)
+            self.routed_pool = (draws % num_experts).astype("<i4").tobytes()
 
     def inst(self, request: web.Request) -> _Instance:
         return self.instances[request.transport.get_extra_info("sockname")[1]]
@@ -128,12 +137,38 @@ class Fleet:
             reason = {"type": "length", "length": n} if n == max_new else {"type": "stop", "matched": self.token}
         finally:
             inst.running.pop(rid, None)
+        lps = self.logprobs(seed, n)
         meta = {
             "id": rid, "finish_reason": reason, "prompt_tokens": state.prompt_tokens, "completion_tokens": n,
             "weight_version": version, "weight_versions": [{"version": version, "start": 0, "end": n}],
-            "output_token_logprobs": [[-0.5, self.token, None]] * n,
+            "output_token_logprobs": [[lp, self.token, None] for lp in lps],
         }
+        if body.get("return_routed_experts") and self.routed is not None:  # SGLang: prompt + output - 1 positions
+            start = int(body.get("routed_experts_start_len") or 0)
+            meta["routed_experts"] = self.routed_experts(seed, state.prompt_tokens + n - 1 - start)
         return web.json_response({"output_ids": [self.token] * n, "meta_info": meta})
+
+    def logprobs(self, seed: int, n: int) -> list[float]:
+        """``n`` distinct log-probs (a window of a fixed pool of exponential draws, by the request's
+        seed): JSON and arrays cost what a real answer's do, not what ``-0.5`` repeated costs."""
+        pool = self.lp_pool
+        start = seed % len(pool)
+        out = pool[start:start + n]
+        while len(out) < n:
+            out += pool[:n - len(out)]
+        return out
+
+    def routed_experts(self, seed: int, positions: int) -> str:
+        """SGLang's ``meta_info.routed_experts`` for ``positions`` tokens: base64 of int32 ids
+        ``(positions, layers, top_k)``, a window of a fixed pool of random ids below the expert count."""
+        width = 4 * self.routed[0] * self.routed[1]
+        need = max(0, positions) * width
+        pool = self.routed_pool
+        start = ((seed % 4096) * width) % len(pool)
+        raw = pool[start:start + need]
+        while len(raw) < need:
+            raw += pool[:need - len(raw)]
+        return base64.b64encode(raw).decode("ascii")
 
     async def abort_request(self, request: web.Request) -> web.Response:
         inst = self.inst(request)
@@ -210,11 +245,38 @@ class Fleet:
         return app
 
 
+def read_as_ranks(entry: dict[str, Any], dp: int) -> dict[str, Any]:
+    """Read a batch directory as each of ``dp`` data-parallel ranks does (the trainer's own plan
+    picks a rank's rows from the lengths; :class:`~dora_megatron.comm.batch_files.BatchReader`
+    copies out only those): bytes and seconds per rank, and the whole batch's bytes."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from dora_megatron.comm.batch_files import BatchReader
+    from dora_megatron.trainer.packing import plan_step
+
+    lengths = [s["prompt_tokens"] + s["response_tokens"] for s in entry["samples"]]
+    per_rank, seconds, rows_seen = [], [], []
+    for rank in range(dp):
+        t0 = time.monotonic()
+        reader = BatchReader(entry)
+        plan = plan_step(lengths, dp=dp, dp_rank=rank, micro_batch_size=1, max_tokens=max(max(lengths), 16384))
+        rows = sorted({i for mb in plan.micro_batches for i in mb.rows if i >= 0})
+        reader.samples(rows)
+        seconds.append(time.monotonic() - t0)
+        per_rank.append(reader.bytes_read)
+        rows_seen += rows
+    total = sum(f.stat().st_size for f in Path(entry["dir"]).glob("*.npy"))
+    return {"dp": dp, "total_bytes": total, "rank_bytes": per_rank, "rank_read_s": seconds,
+            "rows_read_once": sorted(rows_seen) == list(range(len(lengths)))}
+
+
 class FakeTrainer:
     """``/train`` sleeps ``step_s`` and returns version ``step + 1``; counts groups independently."""
 
-    def __init__(self, step_s: float, run_dir: Path, stats_path: Path) -> None:
+    def __init__(self, step_s: float, run_dir: Path, stats_path: Path, dp: int = 8) -> None:
         self.step_s = step_s
+        self.dp = dp
+        self.reads: list[dict[str, Any]] = []  # per step: what each DP rank read of its batch directory
+        self.tokens = 0  # prompt + response tokens of every sample trained on
         self.run_dir = run_dir
         self.version = 0
         self.groups: dict[str, int] = {}  # group id -> samples received
@@ -229,7 +291,12 @@ class FakeTrainer:
         if step != self.version:
             return web.json_response({"error": f"step {step} does not match version {self.version}"}, status=400)
         per_group: dict[str, int] = {}
-        for s in body["samples"]:
+        if "batch" in body:  # a batch directory: read it as each DP rank of a real trainer would
+            self.reads.append(await asyncio.to_thread(read_as_ranks, body["batch"], self.dp))
+            self.tokens += sum(s["prompt_tokens"] + s["response_tokens"] for s in body["batch"]["samples"])
+        else:
+            self.tokens += sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in body["samples"])
+        for s in body["batch"]["samples"] if "batch" in body else body["samples"]:
             per_group[s["group_id"]] = per_group.get(s["group_id"], 0) + 1
         for gid, n in per_group.items():
             if gid in self.groups:
@@ -261,7 +328,8 @@ class FakeTrainer:
         return web.json_response({"ok": True})
 
     def counts(self) -> dict[str, Any]:
-        return {"groups": self.groups, "repeated_groups": self.repeated_groups, "step_ends": self.step_ends}
+        return {"groups": self.groups, "repeated_groups": self.repeated_groups, "step_ends": self.step_ends,
+                "reads": self.reads, "tokens": self.tokens}
 
     async def stats(self, request: web.Request) -> web.Response:
         return web.json_response(self.counts())
@@ -294,10 +362,12 @@ async def serve(args: argparse.Namespace) -> None:
     ports = [s.getsockname()[1] for s in socks]
     stop = asyncio.Event()
     if args.role == "trainer":
-        trainer = FakeTrainer(args.step_s, Path(args.run_dir), Path(args.ready + ".stats"))
+        trainer = FakeTrainer(args.step_s, Path(args.run_dir), Path(args.ready + ".stats"), args.dp)
         app, stop = trainer.app(), trainer.stop
     else:
-        app = Fleet(ports, args.per_token_s, args.min_tokens, args.alpha, args.load_s, args.pool_tokens).app()
+        routed = tuple(int(x) for x in args.routed_experts.lower().split("x")) if args.routed_experts else None
+        app = Fleet(ports, args.per_token_s, args.min_tokens, args.alpha, args.load_s, args.pool_tokens,
+                    routed, args.num_experts, args.max_tokens).app()
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     for s in socks:
@@ -323,7 +393,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--alpha", type=float, default=1.2, help="Pareto shape (smaller: longer tail)")
     p.add_argument("--load-s", type=float, default=0.05, help="seconds one weight load takes")
     p.add_argument("--pool-tokens", type=int, default=8192, help="KV pool size reported by /v1/loads")
+    p.add_argument("--routed-experts", default="", metavar="LAYERSxTOPK",
+                   help="answer requests that ask for routed experts with ids of this shape per token, e.g. 48x8")
+    p.add_argument("--num-experts", type=int, default=128, help="expert count of the routed ids (--routed-experts)")
+    p.add_argument("--max-tokens", type=int, default=32768, help="longest prompt + answer (--routed-experts' pool)")
     p.add_argument("--step-s", type=float, default=1.0, help="trainer: seconds one training step takes")
+    p.add_argument("--dp", type=int, default=8, help="trainer: data-parallel ranks whose reads of a batch "
+                                                     "directory are measured")
     p.add_argument("--run-dir", default=".", help="trainer: where snapshot directories are made")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import aiohttp
 
+from dora_megatron.comm.generate_codec import decode_generate
 from dora_megatron.comm.http_session import HttpSession
 from dora_megatron.comm.limits import ConnectionPlan, ConnectionWaits, ControllerResourceError
 from dora_megatron.comm.protocol import GenerateRequest, GenerateResponse, SamplingParams
@@ -178,11 +179,12 @@ class EngineClient:
         if keep_kv and await self.supports("keep_kv"):
             body["dora_keep_kv"] = True
         if self._generates is None:
-            return GenerateResponse.from_json(await self._request("POST", "/generate", body))
+            return await decode_generate(await self._request("POST", "/generate", body, raw=True))
         if self._generates.locked() and self.waits is not None:
             self.waits.add()  # back-pressure: every generate connection of this instance is in use
         async with self._generates:  # the timeout starts once a connection is ours
-            return GenerateResponse.from_json(await self._request("POST", "/generate", body))
+            answer = await self._request("POST", "/generate", body, raw=True)
+        return await decode_generate(answer)  # a big answer in a worker thread, the connection already free
 
     async def abort(self, rid: str = "", abort_all: bool = False) -> bool:
         """Abort by rid prefix (or all); False if nothing matched (already finished)."""

@@ -139,7 +139,7 @@ def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, mo
     from dora_megatron.orchestrator import Orchestrator
 
     engines = {name: make_engine(url) for name, url in endpoints.engines.items()}
-    trainer = TrainerClient(endpoints.trainer)
+    trainer = TrainerClient(endpoints.trainer, batch_dir=run_dir / "batches")
     codec = job_codec(cfg, model_dir)
     source, scorer, reward_name = prompt_source(cfg, codec)
     from dora_megatron.data.sources import eval_prompts

@@ -20,6 +20,7 @@ import time
 from dataclasses import replace
 from typing import Any, Protocol
 
+from dora_megatron.comm.batch_files import BatchFileError, compact_routed
 from dora_megatron.controller.errors import LOCAL_RETRY_S, is_comm_error as _is_comm_error, is_local as _is_local
 from dora_megatron.controller.loop import EngineReply, EventQueue, InstanceFailed, MigrationFailed, Replayed
 from dora_megatron.controller.records import Engine, GroupRecord, RuntimeOptions, SampleRecord
@@ -210,7 +211,7 @@ class Generation:
         its workflow generated on this instance with this version (every turn pinned to it)."""
         rt = self.rt
         if rt.workflow is None:
-            return await engine.generate(rec.prompt_ids + rec.output_ids, rt.store.sampling(rec), rid=a.sample_id,
+            return await engine.generate([*rec.prompt_ids, *rec.output_ids], rt.store.sampling(rec), rid=a.sample_id,
                                          return_logprob=True, version=a.version,
                                          **({"routed_experts": True} if rt.opt.routed_experts else {}),
                                          **({"draft_sources": finished_sources(rec, rt.store.siblings(rec))}
@@ -263,7 +264,11 @@ class Generation:
         if reason == "abort":
             return None  # interrupted (partial mode) or failed over: a later Submit(resume) continues it
         if rt.opt.routed_experts:  # covers prompt + every output token (the last submission's input is all of it)
-            rec.routed_experts = (resp.raw.get("meta_info") or {}).get("routed_experts")
+            try:
+                rec.routed_experts = compact_routed((resp.raw.get("meta_info") or {}).get("routed_experts"))
+            except BatchFileError as err:  # a malformed answer: the sample is kept, without routing
+                log.error("%s: sample %s: meta_info.%s", instance, rec.sample_id, err)
+                rec.routed_experts = None
             if rec.routed_experts is None and instance not in self.routed_experts_off:
                 # an optional probe that cannot run there (SGLang without --enable-return-routed-experts
                 # answers without them): the instance is not failed for it, one warning, counted
@@ -274,7 +279,7 @@ class Generation:
         if rt.opt.draft_siblings:
             # offered first: a push this finish holds (its instance not yet counted down) is then
             # among what ``finished`` looks at again once the turn is over
-            self.drafts.offer(running_targets(rec, rt.store.siblings(rec)), rec.prompt_ids + rec.output_ids)
+            self.drafts.offer(running_targets(rec, rt.store.siblings(rec)), [*rec.prompt_ids, *rec.output_ids])
             self.drafts.finished(instance, rec.sample_id)
         rt.store.score(rec, resp, reason, ev.reward)
         if getattr(resp, "loss_mask", None) is not None:  # a workflow's trajectory (rollout.workflow)

@@ -8,6 +8,7 @@ fakes construct directly; the runtime module keeps only the behaviour.
 from __future__ import annotations
 
 import asyncio
+from array import array
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -61,8 +62,9 @@ class SampleRecord:
     index: int
     version: int
     prompt_ids: list[int]
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
+    #: the output as compact arrays (int32 ids, float32 log-probs: 8 bytes a token, not ~68 as lists)
+    output_ids: array = field(default_factory=lambda: array("i"))
+    logprobs: array = field(default_factory=lambda: array("f"))
     versions: set[int] = field(default_factory=set)
     submissions: int = 0
     reward: float | None = None
@@ -72,7 +74,9 @@ class SampleRecord:
     gen_task: asyncio.Task | None = None
     gen_instance: str | None = None
     replay_pending: bool = False  # restored from the journal; reported finished at its next Submit
-    routed_experts: str | None = None  # engine's meta_info.routed_experts for prompt + output (routing replay)
+    #: the engine's routed experts for prompt + output (routing replay), flat, in the smallest integer
+    #: type that holds the ids (:func:`~dora_megatron.comm.batch_files.compact_routed`)
+    routed_experts: Any = None
     finish_reason: str | None = None  # the engine's finish_reason type of the answer that finished it ("stop", "length")
     loss_mask: list[int] | None = None  # a workflow's trajectory: 1 on model tokens of output_ids, 0 on the tools'
     turn: Any = None  # a workflow's run (controller.turns.TurnGate): where its turns run, whether it was dropped

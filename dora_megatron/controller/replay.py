@@ -9,8 +9,10 @@ executor's (:class:`~dora_megatron.controller.runtime.Runtime`).
 
 from __future__ import annotations
 
+from array import array
 from typing import Any, Protocol
 
+from dora_megatron.comm.batch_files import compact_routed, routed_text
 from dora_megatron.controller.records import GroupRecord, SampleRecord
 
 
@@ -52,9 +54,10 @@ class JournalReplay:
             if (j is None or rec.finished or j.group_id != group_id or j.version != version
                     or j.prompt_index != group.prompt.index or rec.version != j.version):
                 continue
-            rec.output_ids, rec.logprobs = list(j.output_ids), list(j.logprobs)
+            rec.output_ids, rec.logprobs = array("i", j.output_ids), array("f", j.logprobs)
             rec.reward, rec.versions = j.reward, {j.version}
-            rec.routed_experts, rec.finish_reason, rec.reward_error = j.routed_experts, j.finish_reason, j.reward_error
+            rec.routed_experts, rec.finish_reason = compact_routed(j.routed_experts), j.finish_reason
+            rec.reward_error = j.reward_error
             rec.finished = rec.replay_pending = True
 
     def replayed(self, sample_id: str) -> int | None:
@@ -76,5 +79,5 @@ class JournalReplay:
         from dora_megatron.controller.journal import JournaledSample
 
         return JournaledSample(rec.sample_id, rec.group_id, rec.version, self.rt.groups[rec.group_id].prompt.index,
-                               tuple(rec.output_ids), tuple(rec.logprobs), float(rec.reward), rec.routed_experts,
+                               tuple(rec.output_ids), tuple(rec.logprobs), float(rec.reward), routed_text(rec.routed_experts),
                                rec.finish_reason, rec.reward_error)

@@ -15,9 +15,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import zlib
+from array import array
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from dora_megatron.comm.batch_files import compact_routed, routed_text
 from dora_megatron.controller.records import GroupRecord, RuntimeOptions, SampleRecord
 from dora_megatron.data.codec import TextCodec
 from dora_megatron.data.reward_api import RewardInput, RewardResult, reward_input
@@ -113,7 +115,7 @@ class SampleStore:
         if (rec.sample_id not in self.samples or getattr(resp, "migrated", False)
                 or (resp.finish_reason or {}).get("type") == "abort" or getattr(resp, "reward", None) is not None):
             return None
-        output = rec.output_ids + list(resp.output_ids)
+        output = [*rec.output_ids, *resp.output_ids]
         mask = list(resp.loss_mask) if getattr(resp, "loss_mask", None) is not None else rec.loss_mask
         item = self.reward_input(rec, output, mask)
         return await asyncio.to_thread(self.reward_fn, item)
@@ -139,7 +141,8 @@ class SampleStore:
         if getattr(resp, "reward", None) is not None:
             rec.reward = float(resp.reward)
             return
-        result = reward if reward is not None else self.reward_fn(self.reward_input(rec, rec.output_ids, rec.loss_mask))
+        result = reward if reward is not None else self.reward_fn(self.reward_input(rec, rec.output_ids.tolist(),
+                                                                                     rec.loss_mask))
         rec.reward, rec.reward_error = float(result.score), result.error
         if result.error is not None:
             self.reward_errors += 1
@@ -167,8 +170,12 @@ class SampleStore:
                     **({"routed_experts": rec.routed_experts} if rec.routed_experts is not None else {}),
                     **({"loss_mask": rec.loss_mask} if rec.loss_mask is not None else {}),
                 })
-                if dump:
-                    dumped.append({**samples[-1], "sample_id": sid, "finish_reason": rec.finish_reason,
+                if dump:  # JSON lines: lists and SGLang's routed-experts text
+                    dumped.append({**samples[-1], "response_ids": rec.output_ids.tolist(),
+                                   "rollout_logprobs": rec.logprobs.tolist(),
+                                   **({"routed_experts": routed_text(rec.routed_experts)}
+                                      if rec.routed_experts is not None else {}),
+                                   "sample_id": sid, "finish_reason": rec.finish_reason,
                                    **({"reward_error": rec.reward_error} if rec.reward_error is not None else {})})
                 rewards.append(rec.reward)
                 errors += rec.reward_error is not None
@@ -194,10 +201,10 @@ class SampleStore:
                 if not r.finished or r.replay_pending:
                     continue
                 samples.append({
-                    "sample_id": r.sample_id, "reward": r.reward, "output_ids": r.output_ids,
+                    "sample_id": r.sample_id, "reward": r.reward, "output_ids": r.output_ids.tolist(),
                     **({"reward_error": r.reward_error} if r.reward_error is not None else {}),
-                    "logprobs": r.logprobs, "versions": sorted(r.versions),
-                    **({"routed_experts": r.routed_experts} if r.routed_experts is not None else {}),
+                    "logprobs": r.logprobs.tolist(), "versions": sorted(r.versions),
+                    **({"routed_experts": routed_text(r.routed_experts)} if r.routed_experts is not None else {}),
                     **({"finish_reason": r.finish_reason} if r.finish_reason is not None else {}),
                     **({"prompt_ids": r.prompt_ids, "loss_mask": r.loss_mask} if r.loss_mask is not None else {}),
                 })
@@ -227,8 +234,8 @@ class SampleStore:
                 rec.version = int(d["version"])
             if not d.get("finished", True):
                 continue
-            rec.output_ids, rec.logprobs = list(d["output_ids"]), list(d["logprobs"])
+            rec.output_ids, rec.logprobs = array("i", d["output_ids"]), array("f", d["logprobs"])
             rec.versions, rec.reward, rec.finished = set(d["versions"]), d["reward"], True
             rec.reward_error = d.get("reward_error")
-            rec.routed_experts, rec.finish_reason = d.get("routed_experts"), d.get("finish_reason")
+            rec.routed_experts, rec.finish_reason = compact_routed(d.get("routed_experts")), d.get("finish_reason")
             rec.loss_mask = d.get("loss_mask")

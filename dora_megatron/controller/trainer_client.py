@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from dora_megatron.comm.batch_files import routed_text, write_batch
 from dora_megatron.comm.http_session import HttpSession
 
 
@@ -30,6 +33,12 @@ class PushOptions:
                 "gpus": {u: self.engine_ranks for u in engines} if self.engine_ranks != 1 else None}
 
 
+def _json_samples(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``samples`` as a JSON body carries them: arrays as lists, routed experts in SGLang's text."""
+    return [{k: routed_text(v) if k == "routed_experts" else v.tolist() if hasattr(v, "tolist") else v
+             for k, v in s.items()} for s in samples]
+
+
 class TrainerError(RuntimeError):
     pass
 
@@ -39,9 +48,13 @@ class TrainerUnreachable(TrainerError):
 
 
 class TrainerClient:
-    def __init__(self, base_url: str, timeout_s: float = 3600.0) -> None:
+    def __init__(self, base_url: str, timeout_s: float = 3600.0, batch_dir: Path | None = None) -> None:
+        """``batch_dir``: where a released batch is written as columnar files for the trainer's ranks
+        (:mod:`dora_megatron.comm.batch_files`; the run directory's ``batches``, on the filesystem
+        the trainer shares with the controller); None: the samples go in the ``/train`` body."""
         self.base_url = base_url.rstrip("/")
         self._http = HttpSession(timeout_s)
+        self.batch_dir = Path(batch_dir) if batch_dir is not None else None
 
     async def close(self) -> None:
         await self._http.close()
@@ -64,7 +77,17 @@ class TrainerClient:
             return None
 
     async def train(self, step: int, samples: list[dict[str, Any]]) -> dict[str, Any]:
-        return await self._post("/train", {"step": step, "samples": samples})
+        """One training step on ``samples``. With a ``batch_dir`` the samples are written there in
+        a worker thread (bulk array copies: the event loop keeps running) and the body names the
+        directory; the directory goes once the trainer answered (its ranks have read it)."""
+        if self.batch_dir is None:
+            return await self._post("/train", {"step": step, "samples": await asyncio.to_thread(_json_samples, samples)})
+        directory = self.batch_dir / f"step_{step:06d}"
+        entry = await asyncio.to_thread(write_batch, directory, samples)
+        try:
+            return await self._post("/train", {"step": step, "batch": entry})
+        finally:
+            await asyncio.to_thread(shutil.rmtree, directory, True)
 
     async def push_weights(self, engines: list[str], bucket_mb: float, master_addr: str | None = None,
                            timeout_s: float | None = None, gpus: dict[str, int] | None = None,

@@ -34,6 +34,10 @@ class VersionedWorker:
         self.version += 1
         return {k: float(v) for k, v in metrics.items()}
 
+    def data_rows(self, lengths: list[int]) -> list[int]:
+        """The samples of a step this rank trains (what it reads of a batch directory)."""
+        return self.worker.data_rows(lengths)
+
     def export_snapshot(self, out_dir: Path) -> str | None:
         """Gather HF weights to rank 0 and write ``out_dir`` (config + safetensors); returns the checksum."""
         from dora_megatron.weights.snapshots import write_snapshot

@@ -10,7 +10,9 @@ of its own, so ``GET /health`` answers during a long step: the controller's watc
 (``controller.trainer_timeout_s``) tells a busy trainer from a lost one by it. Commands:
 
 ``GET /health``            -> {"ready": true, "version": v, "world_size": n}
-``POST /train``            {"step": t, "samples": [...]} -> metrics, new version, snapshot path, checksum,
+``POST /train``            {"step": t, "samples": [...]} or {"step": t, "batch": {"dir", "samples"}} (a
+                           batch directory, :mod:`dora_megatron.comm.batch_files`: each rank reads only the
+                           samples its data-parallel share trains) -> metrics, new version, snapshot path, checksum,
                            train_s and export_s (seconds of the update and of the snapshot export)
 ``POST /save_checkpoint``  {"path": dir} -> {"path": dir}
 ``POST /load_checkpoint``  {"path": dir} -> {"version": v}
@@ -45,6 +47,7 @@ from queue import Queue
 from typing import Any, Callable, Protocol
 
 from dora_megatron.comm import auth
+from dora_megatron.comm.batch_files import BatchFileError, BatchReader
 from dora_megatron.comm.protocol import PAUSE_MODES
 
 log = logging.getLogger(__name__)
@@ -56,6 +59,8 @@ class TrainWorker(Protocol):
     version: int
 
     def train_step(self, samples: list[dict[str, Any]]) -> dict[str, float]: ...
+
+    def data_rows(self, lengths: list[int]) -> list[int]: ...
 
     def export_snapshot(self, out_dir: Path) -> str | None: ...
 
@@ -83,6 +88,7 @@ class BadRequest(ValueError):
 ROUTES = (("GET", "/health"), ("POST", "/train"), ("POST", "/save_checkpoint"), ("POST", "/load_checkpoint"),
           ("POST", "/shutdown"), ("POST", "/push_weights"))
 CHECKPOINT_RULE = "the trainer saves and loads checkpoints only under the run directory"
+BATCH_RULE = "the trainer reads batch files only under the run directory"
 
 
 def validate_samples(samples: Any) -> list[dict[str, Any]]:
@@ -162,15 +168,30 @@ class TrainerService:
         self._inbox: Queue[tuple[Command, Queue]] = Queue()
 
     # ---- command execution (all ranks) ----------------------------------
+    def _samples(self, payload: dict[str, Any]) -> tuple[list[Any], int]:
+        """A ``/train`` command's samples on this rank, and the bytes of sample data it read: from
+        the body, or from a batch directory, where this rank reads only the rows its data-parallel
+        share trains (the worker's own plan of the step, by the lengths in the request)."""
+        if "batch" not in payload:
+            return payload["samples"], 0
+        try:
+            reader = BatchReader(payload["batch"])
+        except BatchFileError as err:
+            raise BadRequest(str(err)) from None
+        samples = reader.samples(self.worker.data_rows(reader.lengths()))
+        return samples, reader.bytes_read
+
     def execute(self, cmd: Command) -> dict[str, Any]:
         if cmd.op == "train":
             step = int(cmd.payload["step"])
             if step != self.worker.version:
                 raise BadRequest(f"step {step} does not match the trainer's weights version {self.worker.version}")
-            # the step's bounds in the trainer's log: where a lost trainer was (mid-step or between steps)
-            log.info("step %d: training on %d sample(s)", step, len(cmd.payload["samples"]))
             t0 = time.monotonic()
-            metrics = self.worker.train_step(cmd.payload["samples"])
+            samples, read = self._samples(cmd.payload)
+            # the step's bounds in the trainer's log: where a lost trainer was (mid-step or between steps)
+            log.info("step %d: training on %d sample(s) (%d bytes read by this rank in %.3f s)", step, len(samples),
+                     read, time.monotonic() - t0)
+            metrics = self.worker.train_step(samples)
             t1 = time.monotonic()
             snapshot_dir = self.run_dir / "weights" / f"v{self.worker.version:06d}"
             checksum = self.worker.export_snapshot(snapshot_dir)
@@ -178,7 +199,7 @@ class TrainerService:
             # the two phases, measured here: the controller cannot split one /train call (metrics:
             # perf/train_time_s, and the snapshot export as trainer-side weight sync, perf/sync_time_s)
             return {"version": self.worker.version, "metrics": metrics, "snapshot": str(snapshot_dir), "checksum": checksum,
-                    "train_s": t1 - t0, "export_s": time.monotonic() - t1}
+                    "train_s": t1 - t0, "export_s": time.monotonic() - t1, "batch_bytes_read": read}
         if cmd.op == "save_checkpoint":
             self.worker.save_checkpoint(cmd.payload["path"])
             return {"path": cmd.payload["path"], "version": self.worker.version}
@@ -282,7 +303,13 @@ def _make_handler(service: TrainerService) -> type[BaseHTTPRequestHandler]:
                 if op == "train":
                     if not isinstance(payload.get("step"), int):
                         raise BadRequest("'step' must be an integer")
-                    validate_samples(payload.get("samples"))
+                    if "batch" in payload:
+                        entry = payload["batch"]
+                        if isinstance(entry, dict) and isinstance(entry.get("dir"), str):  # before any file is opened
+                            auth.inside(entry["dir"], [service.run_dir], BATCH_RULE)
+                        BatchReader(entry)  # the files are there and match: else a 400 naming the field
+                    else:
+                        validate_samples(payload.get("samples"))
                 if op in ("save_checkpoint", "load_checkpoint"):
                     if not isinstance(payload.get("path"), str):
                         raise BadRequest("'path' must be a string")
@@ -292,7 +319,7 @@ def _make_handler(service: TrainerService) -> type[BaseHTTPRequestHandler]:
             except json.JSONDecodeError as err:
                 self._send(400, {"error": f"malformed JSON: {err.msg}"})
                 return
-            except BadRequest as err:
+            except (BadRequest, BatchFileError) as err:
                 self._send(400, {"error": str(err)})
                 return
             except auth.OutsideJob as err:

@@ -153,13 +153,13 @@ def pad_micro_batch(samples: Sequence[Any], rows: Sequence[int], seq_len: int, *
             routed[r] = sample_routing(_field(s, "routed_experts"), *routing_shape, n_pos, f"sample {i}")
         version = _field(s, "version")
         fresh[r] = current_version is None or version is None or int(version) == current_version
-        prompt, response = list(_field(s, "prompt_ids")), list(_field(s, "response_ids"))
-        ids = prompt + response
+        prompt = torch.as_tensor(_field(s, "prompt_ids"), dtype=torch.long)  # lists or a batch file's int32 arrays
+        ids = torch.cat([prompt, torch.as_tensor(_field(s, "response_ids"), dtype=torch.long)])
         if len(ids) > seq_len:
             raise ValueError(f"sample {i} has {len(ids)} tokens > seq_len {seq_len}")
         n, p = len(ids), len(prompt)
-        tokens[r, :n] = torch.tensor(ids)
-        targets[r, : n - 1] = torch.tensor(ids[1:])
+        tokens[r, :n] = ids
+        targets[r, : n - 1] = ids[1:]
         model_tokens = _field(s, "loss_mask")  # a workflow's trajectory: 0 on the tools' tokens
         lmask[r, p - 1: n - 1] = 1.0 if model_tokens is None else torch.as_tensor(model_tokens, dtype=torch.float32)
         lp = _field(s, "rollout_logprobs")
@@ -312,9 +312,18 @@ class TrainerWorker:
 
     def _plan(self, samples: Sequence[Any], max_tokens: int | None = None) -> StepPlan:
         """This DP rank's micro-batches (``trainer.max_tokens_per_micro_batch``; see :mod:`.packing`)."""
+        return self._plan_lengths([len(_field(s, "prompt_ids")) + len(_field(s, "response_ids")) for s in samples],
+                                  max_tokens)
+
+    def data_rows(self, lengths: Sequence[int]) -> list[int]:
+        """The samples (indices into a step of ``lengths``) this rank's data-parallel share trains:
+        all it needs to read of a batch directory (:mod:`dora_megatron.comm.batch_files`); the same
+        plan :meth:`train_step` runs, so the rows read are exactly the rows trained."""
+        return sorted({i for mb in self._plan_lengths(list(lengths)).micro_batches for i in mb.rows if i >= 0})
+
+    def _plan_lengths(self, lengths: list[int], max_tokens: int | None = None) -> StepPlan:
         from dora_megatron.trainer.packing import plan_step
 
-        lengths = [len(_field(s, "prompt_ids")) + len(_field(s, "response_ids")) for s in samples]
         return plan_step(lengths, dp=self.info.dp, dp_rank=self.info.dp_rank,
                          micro_batch_size=self.cfg.micro_batch_size,
                          max_tokens=self.cfg.max_tokens_per_micro_batch if max_tokens is None else max_tokens,

@@ -38,6 +38,6 @@ def check_trajectories(trainer, seen):
     for batch in trainer.batches:
         for s in batch:
             n = len(s["response_ids"]) - len(ENV)
-            assert s["response_ids"][n:] == ENV and s["loss_mask"] == [1] * n + [0] * len(ENV)
-            assert s["rollout_logprobs"][n:] == [0.0] * len(ENV)
+            assert list(s["response_ids"])[n:] == ENV and s["loss_mask"] == [1] * n + [0] * len(ENV)
+            assert list(s["rollout_logprobs"])[n:] == [0.0] * len(ENV)
     assert seen and not any("|" in text for text in seen)  # the reward never saw the environment's tokens

@@ -163,7 +163,7 @@ class RoutingEngine(FakeEngine):
                        routed_experts=False):
         resp = await super().generate(input_ids, sampling_params, rid=rid, return_logprob=return_logprob,
                                       version=version)
-        meta = {"routed_experts": "AAAA"} if routed_experts and self.routing else {}
+        meta = {"routed_experts": "BwAAAP////8="} if routed_experts and self.routing else {}  # int32 ids [7, -1]
         return SimpleNamespace(**vars(resp), raw={"meta_info": meta})
 
 
@@ -179,4 +179,6 @@ def test_an_instance_answering_without_routed_experts_is_counted_not_failed(capl
     warnings = [r for r in caplog.records if "routed_experts_unavailable" in r.getMessage()]
     assert len(warnings) == 1 and "e1" in warnings[0].getMessage()
     samples = [s for batch in rt.trainer.batches for s in batch]
-    assert any(s.get("routed_experts") == "AAAA" for s in samples)  # e0's still reach the trainer
+    # e0's still reach the trainer, as compact arrays (2 experts' ids and -1 fit int8)
+    assert any(s.get("routed_experts") is not None and s["routed_experts"].tolist() == [7, -1]
+               and s["routed_experts"].dtype.itemsize == 1 for s in samples)
