@@ -123,6 +123,9 @@ class FakeWorker:
         self.version = 0
         self.calls: list[tuple[str, Any]] = []
 
+    def data_rows(self, lengths):  # one data-parallel rank: it trains every row of a batch directory
+        return list(range(len(lengths)))
+
     def train_step(self, samples):
         self.calls.append(("train", len(samples)))
         return {}
@@ -205,6 +208,27 @@ def test_the_trainer_keeps_checkpoints_in_the_run_directory(trainer_service, tmp
     status, body = http("POST", f"{url}/save_checkpoint", {"path": str(run_dir / "checkpoints" / "c1")}, SECRET)
     assert status == 200, body
     assert worker.calls == [("save", str(run_dir / "checkpoints" / "c1"))]
+
+
+def test_the_trainer_reads_batch_files_only_in_the_run_directory(trainer_service, tmp_path):
+    """A ``/train`` that names a batch directory outside the run directory is refused before any
+    file is opened; the same batch written inside it trains."""
+    from array import array
+
+    from dora_megatron.comm.batch_files import write_batch
+
+    url, worker, run_dir = trainer_service
+    samples = [{"prompt_ids": [1, 2], "response_ids": array("i", [3, 4]), "rollout_logprobs": array("f", [-0.5, -0.5]),
+                "reward": float(i), "group_id": "g0", "version": 0} for i in range(2)]
+    for where in (tmp_path / "elsewhere", run_dir / ".." / "elsewhere2"):
+        entry = write_batch(where, samples)
+        status, body = http("POST", f"{url}/train", {"step": 0, "batch": entry}, SECRET)
+        assert status == 403 and "batch files only under the run directory" in body["error"], body
+    assert worker.calls == []
+    status, body = http("POST", f"{url}/train", {"step": 0, "batch": write_batch(run_dir / "batches" / "step_0",
+                                                                                  samples)}, SECRET)
+    assert status == 200, body
+    assert worker.calls == [("train", 2)]
 
 
 def test_engines_load_weights_only_from_their_model_or_the_jobs_snapshots(model_dir, tmp_path):
