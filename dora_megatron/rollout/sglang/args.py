@@ -10,6 +10,7 @@ SGLang 0.5.x ``ServerArgs`` (``--tp-size``, ``--ep-size``, ``--enable-eplb`` ...
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -89,12 +90,42 @@ def dora_flags(inst: InstanceSpec, sg: "SGLangConfig", rollout: "RolloutConfig",
         a += ["--context-length", str(context)]
     if sg.disable_radix_cache:
         a += ["--disable-radix-cache"]
+    a += cpu_flags(sg, rollout)
     if routed_experts:
         a += ["--enable-return-routed-experts"]
     a += speculative_flags(sg)
     if inst.nnodes > 1:
         a += ["--nnodes", str(inst.nnodes), "--node-rank", str(inst.node_rank), "--dist-init-addr", str(inst.dist_init_addr)]
     return a
+
+
+def cpu_flags(sg: "SGLangConfig", rollout: "RolloutConfig") -> list[str]:
+    """``--device cpu`` (``rollout.device: cpu``) and the scheduler/kernel flags of the ``sglang:``
+    section that a CPU instance needs (names of 0.5.23's ``arg_groups/fields``: ``device.py``,
+    ``exec_.py``, ``schedule.py``). On CUDA only the flags the user set are emitted."""
+    a = ["--device", "cpu"] if rollout.device == "cpu" else []
+    if sg.attention_backend:
+        a += ["--attention-backend", sg.attention_backend]
+    if not sg.cuda_graph:
+        a += ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
+    if sg.disable_overlap_schedule:
+        a += ["--disable-overlap-schedule"]
+    if sg.max_total_tokens is not None:
+        a += ["--max-total-tokens", str(sg.max_total_tokens)]
+    if sg.sleep_on_idle:
+        a += ["--sleep-on-idle"]
+    return a
+
+
+def server_env(rollout: "RolloutConfig") -> dict[str, str]:
+    """Environment of an SGLang instance. On CPU: ``SGLANG_USE_CPU_ENGINE=1`` (0.5.23's
+    ``srt/platforms/__init__.py`` picks the CPU platform only with it) and one OpenMP pool of
+    ``rollout.threads_per_instance`` threads (on a shared machine more threads than cores slow
+    every instance down)."""
+    if rollout.device != "cpu":
+        return {}
+    threads = str(rollout.threads_per_instance)
+    return {"SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
 
 
 def speculative_flags(sg: "SGLangConfig") -> list[str]:
@@ -139,5 +170,5 @@ def server_argv(inst: InstanceSpec, sg: "SGLangConfig", rollout: "RolloutConfig"
     if spec:  # the draft rules (which algorithms dora's weight updates keep intact) need them in the config
         raise SGLangArgsError(f"rollout.sglang_args sets {', '.join(spec)}: set speculative decoding through "
                               "sglang.speculative_* instead")
-    python = sg.python or sys.executable
+    python = os.path.expanduser(sg.python) if sg.python else sys.executable
     return (python, "-m", "sglang.launch_server", *ours, *user)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dora_megatron.processes import ProcessSpec
-from dora_megatron.rollout.sglang.args import InstanceSpec, SGLangArgsError, server_argv
+from dora_megatron.rollout.sglang.args import InstanceSpec, SGLangArgsError, server_argv, server_env
 
 if TYPE_CHECKING:
     from dora_megatron.config.schema import DoraConfig
@@ -45,16 +45,23 @@ def local_sglang_engines(cfg: "DoraConfig", model_dir: str, port0: int | None) -
     sg = cfg.sglang
     if sg.speculative_algorithm == "EAGLE" and (problem := eagle_draft_problem(sg.speculative_draft_model_path)):
         raise SGLangArgsError(problem)
+    on_cpu = cfg.rollout.device == "cpu"
     gpu0 = cfg.launch.trainer_procs if cfg.trainer.device == "cuda" else 0
     out = []
     for i in range(cfg.rollout.num_instances):
         port = port0 + i * sg.port_stride if port0 else None
+        # on CPU SGLang takes the "GPU id" as the NUMA node whose cores the instance binds
+        # (0.5.23 srt/utils/numa_utils.py init_threads_binding asserts it is below the number of
+        # nodes): every CPU instance is a one-rank server of its own, so each starts at id 0
+        base_gpu_id = 0 if on_cpu else gpu0 + i * sg.tp_size
         spec = InstanceSpec(f"engine{i}", model_dir, cfg.rollout.host, port or 0, port + 1 if port else None,
-                            gpu0 + i * sg.tp_size, sg.tp_size, "0", seed=cfg.run.seed + i)
+                            base_gpu_id, sg.tp_size, "0", seed=cfg.run.seed + i)
         argv = list(server_argv(spec, sg, cfg.rollout, cfg.algo.wants_routed_experts))
         if not port:
             argv[argv.index("--port") + 1] = "<free-port>"
         out.append(ProcessSpec("engine", f"engine{i}", cfg.rollout.host, tuple(argv), port=port,
-                               gpus=tuple(range(spec.base_gpu_id, spec.base_gpu_id + sg.tp_size)),
+                               threads=cfg.rollout.threads_per_instance if on_cpu else 1,
+                               env=server_env(cfg.rollout), cpus=tuple(cfg.launch.engine_cpus) if on_cpu else (),
+                               gpus=() if on_cpu else tuple(range(spec.base_gpu_id, spec.base_gpu_id + sg.tp_size)),
                                extra_ports={"nccl": port + 1} if port else {}))
     return out

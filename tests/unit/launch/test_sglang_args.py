@@ -129,3 +129,29 @@ def test_attention_dp_is_emitted_as_attn_dp_size_and_flashinfer_a2a_needs_it_equ
         with pytest.raises(ConfigError) as err:
             load_config(None, ["rollout.engine=sglang", "rollout.device=cuda", *bad])
         assert err.value.path == "sglang.attn_dp_size"
+
+
+def test_cpu_instances_each_start_at_device_id_0_with_the_cpu_engine_and_one_thread_pool():
+    """configs/cpu_sglang.yaml: two instances on one CPU. SGLang takes --base-gpu-id as the NUMA node
+    to bind (a second instance given 1 dies: one NUMA node here), so both start at 0, with
+    --device cpu, SGLANG_USE_CPU_ENGINE=1 and OMP_NUM_THREADS = rollout.threads_per_instance."""
+    from pathlib import Path
+
+    from dora_megatron.rollout.sglang.launch import local_sglang_engines
+
+    cfg = load_config(Path(__file__).resolve().parents[3] / "configs" / "cpu_sglang.yaml",
+                      ["rollout.threads_per_instance=3", "sglang.python=/venv/bin/python"])
+    specs = local_sglang_engines(cfg, "/m", 31000)
+    assert [s.name for s in specs] == ["engine0", "engine1"]
+    for s in specs:
+        f = _flags(list(s.argv[3:]))
+        assert s.argv[0] == "/venv/bin/python" and f["--base-gpu-id"] == "0" and f["--device"] == "cpu"
+        assert f["--attention-backend"] == "torch_native" and "--sleep-on-idle" in f
+        assert f["--cuda-graph-backend-decode"] == f["--cuda-graph-backend-prefill"] == "disabled"
+        assert "--disable-overlap-schedule" in f and f["--max-total-tokens"] == "4096"
+        assert s.env["SGLANG_USE_CPU_ENGINE"] == "1" and s.env["OMP_NUM_THREADS"] == "3" and s.gpus == ()
+    assert {_flags(list(s.argv[3:]))["--port"] for s in specs} == {"31000", "31010"}
+    gpu = load_config(None, ["rollout.engine=sglang", "rollout.device=cuda", "trainer.device=cuda"])
+    on_gpu = local_sglang_engines(gpu, "/m", 31000)
+    assert [_flags(list(s.argv[3:]))["--base-gpu-id"] for s in on_gpu] == ["1", "2"]  # after the trainer's GPU
+    assert all("--device" not in s.argv and s.env == {} for s in on_gpu)

@@ -28,6 +28,10 @@ EMITTING = {
     "ngram": ["sglang.speculative_algorithm=NGRAM", "sglang.speculative_num_draft_tokens=16",
               "sglang.speculative_ngram_match_type=PROB", "sglang.speculative_ngram_max_bfs_breadth=4",
               "sglang.speculative_ngram_capacity=1000"],
+    # configs/cpu_sglang.yaml's CPU flags (with NGRAM, which the SGLang tier runs on CPU)
+    "cpu": ["rollout.device=cpu", "sglang.attention_backend=torch_native", "sglang.cuda_graph=false",
+            "sglang.disable_overlap_schedule=true", "sglang.max_total_tokens=4096", "sglang.sleep_on_idle=true",
+            "sglang.speculative_algorithm=NGRAM"],
 }
 
 

@@ -1,0 +1,130 @@
+"""Real SGLang 0.5.23 servers on CPU, for the SGLang tier (``DORA_SGLANG=1``).
+
+The venv comes from ``tools/setup_sglang_cpu.sh`` (``DORA_SGLANG_PYTHON`` or the default
+:data:`~dora_megatron.config.sglang.CPU_SGLANG_PYTHON`). Each server is started with the argv and
+environment dora's own launcher computes (:func:`dora_megatron.rollout.sglang.args.server_argv`,
+``server_env``) from ``configs/cpu_sglang.yaml``'s ``rollout:``/``sglang:`` sections, so a test
+runs exactly the CPU flags users get. :func:`start_real_sglang` mirrors
+``tests.sglang_standin.start_standin`` (same arguments, an object with ``url``, ``log()`` and
+``stop()``), so a test can run one scenario against both.
+
+Opt-in like the vLLM tier: without ``DORA_SGLANG=1`` :func:`require_sglang` skips; with it and no
+venv it skips locally and fails under ``CI=true`` (the tier was asked for and cannot run).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import pytest
+
+from dora_megatron.config.sglang import CPU_SGLANG_PYTHON
+
+ROOT = Path(__file__).resolve().parents[2]
+CPU_CONFIG = ROOT / "configs" / "cpu_sglang.yaml"
+SGLANG_PYTHON = os.path.expanduser(os.environ.get("DORA_SGLANG_PYTHON") or CPU_SGLANG_PYTHON)
+
+
+def require_sglang() -> str:
+    """The SGLang venv's interpreter, or a skip (a failure in CI with ``DORA_SGLANG=1``)."""
+    if os.environ.get("DORA_SGLANG") != "1":
+        pytest.skip("SGLang tier is opt-in: DORA_SGLANG=1 (after bash tools/setup_sglang_cpu.sh)")
+    if os.access(SGLANG_PYTHON, os.X_OK):
+        return SGLANG_PYTHON
+    why = f"no SGLang venv at {SGLANG_PYTHON} (bash tools/setup_sglang_cpu.sh, or set DORA_SGLANG_PYTHON)"
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"DORA_SGLANG=1 in CI but {why}")
+    pytest.skip(why)
+
+
+def cpu_config(overrides: Iterable[str] = ()):
+    """``configs/cpu_sglang.yaml`` with ``sglang.python`` pointing at the tier's venv."""
+    from dora_megatron.config.schema import load_config
+
+    return load_config(CPU_CONFIG, [f"sglang.python={SGLANG_PYTHON}", *overrides])
+
+
+@dataclass
+class RealSGLang:
+    """A real SGLang server started by a test; :meth:`stop` ends it (and its scheduler and
+    detokenizer children: it leads its own process group) by pid."""
+
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+    ready_s: float = 0.0  # start to /health 200, seconds
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        try:  # the children too, whether or not the leader is gone
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self.proc.poll() is None:
+            self.proc.wait(timeout=timeout_s)
+
+
+def server_command(model_dir: str, port: int, *, weight_version: str = "0", max_running: int = 8,
+                   load_format: str = "auto", extra_args: Iterable[str] = (), overrides: Iterable[str] = (),
+                   routed_experts: bool = False) -> tuple[tuple[str, ...], dict[str, str]]:
+    """argv and environment of one CPU server, as dora's launcher builds them."""
+    from dora_megatron.rollout.sglang.args import InstanceSpec, server_argv, server_env
+
+    cfg = cpu_config([f"rollout.max_running={max_running}", f"sglang.load_format={load_format}", *overrides])
+    cfg.rollout.sglang_args = list(extra_args)
+    spec = InstanceSpec("sgl", str(model_dir), "127.0.0.1", port, None, 0, cfg.sglang.tp_size, str(weight_version))
+    return server_argv(spec, cfg.sglang, cfg.rollout, routed_experts), server_env(cfg.rollout)
+
+
+def start_real_sglang(model_dir: str, log_dir: Path, *, name: str = "sgl", weight_version: str = "0",
+                      load_format: str = "auto", max_running: int = 8, timeout_s: float = 300.0,
+                      extra_args: tuple[str, ...] = (), overrides: tuple[str, ...] = (),
+                      routed_experts: bool = False) -> RealSGLang:
+    """Start one real SGLang server on a free loopback port and wait (bounded) until ``/health``
+    answers 200. ``extra_args``: more SGLang flags; ``overrides``: ``--set``-style keys of the
+    config (``sglang.speculative_algorithm=NGRAM`` ...)."""
+    from dora_megatron.ports import free_port
+
+    require_sglang()
+    port = free_port()
+    argv, env = server_command(model_dir, port, weight_version=weight_version, max_running=max_running,
+                               load_format=load_format, extra_args=extra_args, overrides=overrides,
+                               routed_experts=routed_experts)
+    log_path = Path(log_dir) / f"{name}.log"
+    start = time.monotonic()
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **env}, start_new_session=True)
+    inst = RealSGLang(f"http://127.0.0.1:{port}", proc, log_path)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"SGLang exited ({proc.returncode}):\n{inst.log()[-4000:]}")
+            try:
+                with urllib.request.urlopen(inst.url + "/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        inst.ready_s = time.monotonic() - start
+                        return inst
+            except OSError:
+                pass
+            if time.monotonic() - start > timeout_s:
+                raise RuntimeError(f"SGLang not healthy after {timeout_s:.0f} s:\n{inst.log()[-4000:]}")
+            time.sleep(0.5)
+    except BaseException:
+        inst.stop()
+        raise
