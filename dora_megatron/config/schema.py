@@ -65,6 +65,13 @@ class DoraConfig:
             raise ConfigError("algo.routing_replay", "needs routed experts from the engine, which the vllm adapter "
                               "does not return: use rollout.engine embedded or sglang, or set "
                               "algo.routing_replay=false algo.router_agreement=false")
+        if self.algo.wants_routed_experts and self.rollout.engine == "sglang" and self.rollout.device == "cpu":
+            # SGLang 0.5.23 state_capturer/base.py pins the routed-experts host buffer with
+            # cudaHostRegister (mem_cache/pool_host/common.py), also on CPU: the server dies at start
+            raise ConfigError("algo.routing_replay", "needs --enable-return-routed-experts, which SGLang 0.5.23 "
+                              "cannot start on CPU (its routed-experts buffer is registered with CUDA: \"Torch not "
+                              "compiled with CUDA enabled\"): set algo.routing_replay=false "
+                              "algo.router_agreement=false, or rollout.device cuda")
         if self.algo.wants_routed_experts and self.rollout.workflow:
             # the engine routes only the tokens it was given or generated; a trajectory ending with a tool
             # result has positions no engine call routed, so replay would meet a short routing trace

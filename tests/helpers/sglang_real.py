@@ -86,7 +86,7 @@ def server_command(model_dir: str, port: int, *, weight_version: str = "0", max_
     from dora_megatron.rollout.sglang.args import InstanceSpec, server_argv, server_env
 
     cfg = cpu_config([f"rollout.max_running={max_running}", f"sglang.load_format={load_format}", *overrides])
-    cfg.rollout.sglang_args = list(extra_args)
+    cfg.rollout.sglang_args = [*cfg.rollout.sglang_args, *extra_args]  # the config's (--dtype float32) first
     spec = InstanceSpec("sgl", str(model_dir), "127.0.0.1", port, None, 0, cfg.sglang.tp_size, str(weight_version))
     return server_argv(spec, cfg.sglang, cfg.rollout, routed_experts), server_env(cfg.rollout)
 

@@ -155,3 +155,12 @@ def test_cpu_instances_each_start_at_device_id_0_with_the_cpu_engine_and_one_thr
     on_gpu = local_sglang_engines(gpu, "/m", 31000)
     assert [_flags(list(s.argv[3:]))["--base-gpu-id"] for s in on_gpu] == ["1", "2"]  # after the trainer's GPU
     assert all("--device" not in s.argv and s.env == {} for s in on_gpu)
+
+
+@pytest.mark.parametrize("key", ["algo.routing_replay", "algo.router_agreement"])
+def test_routed_experts_with_sglang_on_cpu_are_refused_naming_the_key(key):
+    """SGLang 0.5.23 dies at start with --enable-return-routed-experts on CPU (its routed-experts
+    buffer is registered with CUDA; tests/integration/test_sglang_real.py shows it on a real server)."""
+    with pytest.raises(ConfigError, match="algo.routing_replay.*cannot start on CPU"):
+        load_config(None, ["rollout.engine=sglang", "rollout.device=cpu", f"{key}=true"])
+    load_config(None, ["rollout.engine=sglang", "rollout.device=cuda", f"{key}=true"])  # on GPUs it is the R3 path
