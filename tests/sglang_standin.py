@@ -59,7 +59,9 @@ file of SGLang 0.5.23 it models (paths under ``sglang/srt/``); no SGLang code is
   from the embedded engine, which records them the same way.
 
 Request bodies are validated with SGLang's own request types from the wheel when it is installed
-(``tests/sglang_wheel.py``), answering 422 as FastAPI does.
+(``tests/sglang_wheel.py``), answering 400 with an ``ErrorResponse`` as 0.5.23's handler of FastAPI's
+validation errors does; unknown routes answer Starlette's JSON 404. ``tests/integration/
+test_sglang_conformance.py`` compares every answer here with the real server's, shape by shape.
 """
 
 from __future__ import annotations
@@ -72,8 +74,10 @@ import logging
 import os
 import signal
 import sys
+import time
 import uuid
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -121,16 +125,14 @@ class StandIn:
         try:
             body = json.loads(raw) if raw else {}
         except ValueError as exc:
-            raise web.HTTPUnprocessableEntity(text=json.dumps({"detail": f"JSON decode error: {exc}"}),
-                                              content_type="application/json") from None
+            raise bad_request(f"1 validation error: JSON decode error: {exc}") from None
         if self.schemas is not None:
             from tests.sglang_wheel import SchemaError
 
             try:
                 self.schemas.validate(route, body)
             except SchemaError as exc:
-                raise web.HTTPUnprocessableEntity(text=json.dumps({"detail": str(exc)}),
-                                                  content_type="application/json") from None
+                raise bad_request(str(exc)) from None
         return body
 
     async def idle(self) -> bool:
@@ -165,6 +167,7 @@ class StandIn:
         meta = out.get("meta_info") or {}
         for k in [k for k in meta if k.startswith("dora_")]:
             del meta[k]
+        out["meta_info"] = sglang_meta_info(meta, bool(body.get("return_logprob")))
         return web.json_response(out)
 
     async def abort_request(self, request: web.Request) -> web.Response:
@@ -279,10 +282,22 @@ class StandIn:
 
     # ---- info ----------------------------------------------------------------------------
     async def model_info(self, request: web.Request) -> web.Response:
+        """``entrypoints/http_server.py`` ``model_info``: what a generation model without parsers,
+        multimodal inputs or disaggregation answers; ``embedding`` is the embedding-serving plan
+        0.5.23 resolves for every model (off for a generation model)."""
         _, out = await self.engine("GET", "/model_info")
-        return web.json_response({"model_path": out.get("model_path"), "weight_version": out.get("weight_version"),
-                                  "load_format": self.load_format, "is_generation": True,
-                                  "model_type": out.get("model_type")})
+        path = out.get("model_path")
+        try:
+            archs = json.loads((Path(str(path)) / "config.json").read_text()).get("architectures")
+        except (OSError, ValueError):
+            archs = None
+        return web.json_response({"model_path": path, "served_model_name": path, "tokenizer_path": path,
+                                  "is_generation": True, "preferred_sampling_params": None,
+                                  "weight_version": out.get("weight_version"), "load_format": self.load_format,
+                                  "reasoning_parser": None, "tool_call_parser": None, "disaggregation_mode": "null",
+                                  "has_image_understanding": False, "has_audio_understanding": False,
+                                  "model_type": out.get("model_type"), "architectures": archs,
+                                  "embedding": EMBEDDING_OFF})
 
     async def server_info(self, request: web.Request) -> web.Response:
         async with self.updating:  # the scheduler answers it, and it is busy loading weights
@@ -291,22 +306,52 @@ class StandIn:
                                   "version": "0.5.23"})
 
     async def loads(self, request: web.Request) -> web.Response:
+        """``entrypoints/v1_loads.py`` ``get_loads`` over ``managers/load_snapshot.py``
+        ``LoadSnapshot.to_dict``: the core keys always, the sections unless ``include`` leaves them
+        out (``core`` alone: none). Counters the embedded engine does not keep (throughput, cache
+        hits, prefill time, decode step-time moments) read 0; ``accelerator`` is null and ``num_accelerators`` 1, as on CPU."""
+        include = {x.strip() for x in request.query["include"].split(",")} if request.query.get("include") else None
+        if include is not None and not include <= LOAD_SECTIONS:
+            return web.json_response(error_body(f"Invalid include sections: {include - LOAD_SECTIONS}. "
+                                                f"Valid options: {sorted(LOAD_SECTIONS)}", type_="400"), status=400)
         _, out = await self.engine("GET", "/v1/loads")
         loads = []
         waiting_tokens = sum(s.prompt_tokens for s in self.rid_to_state.values() if s.forwarded)
         for load in out.get("loads", []):
             used = int(load["num_used_tokens"])
             waiting = int(load["num_waiting_reqs"])
-            loads.append({**load, "num_total_tokens": used + (waiting_tokens if waiting else 0)})
-        return web.json_response({"version": "0.5.23", "loads": loads})
+            pool = int(load["max_total_num_tokens"])
+            total = used + (waiting_tokens if waiting else 0)
+            entry = {"timestamp": time.time(), "dp_rank": int(load["dp_rank"]),
+                     "num_running_reqs": int(load["num_running_reqs"]), "num_waiting_reqs": waiting,
+                     "num_waiting_uncached_tokens": waiting_tokens if waiting else 0, "num_used_tokens": used,
+                     "num_total_tokens": total, "num_active_tokens": total, "num_prealloc_ready_tokens": 0,
+                     "max_total_num_tokens": pool, "max_running_requests": int(load["max_running_requests"]),
+                     "token_usage": float(load["token_usage"]), "gen_throughput": 0.0, "cache_hit_rate": 0.0,
+                     "utilization": 0.0, "total_prefill_uncached_tokens": 0, "total_prefill_busy_us": 0,
+                     "decode_moments": [0.0] * 6}  # sums of decode step-time moments: a list once
+                                                    # a decode ran (SGLang's warm-up runs one)
+            sections = {"memory": {"weight_gb": 0.0, "kv_cache_gb": 0.0, "graph_gb": 0.0, "token_capacity": pool},
+                        "disaggregation": {"mode": "null", "prefill_bootstrap_queue_reqs": 0,
+                                           "prefill_inflight_queue_reqs": 0, "decode_prealloc_queue_reqs": 0,
+                                           "decode_transfer_queue_reqs": 0, "decode_retracted_queue_reqs": 0,
+                                           "kv_transfer_speed_gb_s": 0.0, "kv_transfer_latency_ms": 0.0},
+                        "queues": {"waiting": waiting, "grammar": 0, "paused": 0, "retracted": 0, "prealloc_ready": 0}}
+            wanted = {"memory": "memory", "disaggregation": "disagg", "queues": "queues"}
+            for key, name in wanted.items():
+                if include is None or "all" in include or name in include:
+                    entry[key] = sections[key]
+            loads.append(entry)
+        return web.json_response({"timestamp": datetime.now(timezone.utc).isoformat(), "version": "0.5.23",
+                                  "accelerator": None, "num_accelerators": 1, "loads": loads})
 
     async def health(self, request: web.Request) -> web.Response:
         status, _ = await self.engine("GET", "/health")
         return web.Response(status=200 if status == 200 else 503)
 
     def app(self, api_key: str | None = None, admin_api_key: str | None = None) -> web.Application:
-        app = web.Application(client_max_size=1 << 28,
-                              middlewares=[_auth_middleware(api_key, admin_api_key)] if api_key or admin_api_key else [])
+        keys = [_auth_middleware(api_key, admin_api_key)] if api_key or admin_api_key else []
+        app = web.Application(client_max_size=1 << 28, middlewares=[*keys, starlette_errors])
         r = app.router
         r.add_post("/generate", self.generate)
         r.add_post("/abort_request", self.abort_request)
@@ -355,6 +400,69 @@ def _auth_middleware(api_key: str | None, admin_api_key: str | None):
         return await handler(request)
 
     return check
+
+
+@web.middleware
+async def starlette_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """An unknown route or method answers as Starlette's default handler does (FastAPI's
+    ``HTTPException`` handler of ``http_server.py`` does not see routing errors): JSON ``detail``."""
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        return web.json_response({"detail": "Not Found"}, status=404)
+    except web.HTTPMethodNotAllowed:
+        return web.json_response({"detail": "Method Not Allowed"}, status=405)
+
+
+def error_body(message: str, type_: str = "Bad Request") -> dict[str, Any]:
+    """``entrypoints/openai/protocol.py`` ``ErrorResponse``, as ``http_server.py``'s exception
+    handlers answer (``type``: the status phrase for a validation error, the code for an HTTPException)."""
+    return {"object": "error", "message": message, "type": type_, "param": None, "code": 400}
+
+
+def bad_request(message: str) -> web.HTTPBadRequest:
+    """A body FastAPI refuses: 400 (not FastAPI's 422: ``http_server.py``
+    ``validation_exception_handler`` answers every ``RequestValidationError`` so), an ``ErrorResponse``."""
+    return web.HTTPBadRequest(text=json.dumps(error_body(message)), content_type="application/json")
+
+
+#: ``/v1/loads?include=`` sections (``load_snapshot.py`` ``LoadSnapshot.VALID_SECTIONS``)
+LOAD_SECTIONS = frozenset({"core", "memory", "spec", "lora", "disagg", "queues", "all"})
+
+#: ``/model_info``'s ``embedding`` for a generation model: the embedding-serving plan switched off
+#: (``http_server.py`` ``model_info``: ``resolved_embedding_plan``), with fewer of the CUDA-graph
+#: batch sizes it lists (the shape is a list of numbers either way)
+EMBEDDING_OFF: dict[str, Any] = {
+    "family": "none", "task": "none", "execution": "none", "attention": "none", "pooling": "model_defined",
+    "normalize": False, "postprocessor": "none", "tokenizer_special_tokens": "model_default",
+    "supports_dimensions": False, "supports_token_embeddings": False, "supports_multimodal": False,
+    "requires_embedding_flag": False, "auto_enable_embedding": False, "bcg_eligibility": "disabled",
+    "safe_disable_kv_cache": False, "safe_disable_radix_cache": False, "safe_disable_chunked_prefill": False,
+    "enabled": False, "matryoshka_dimensions": [],
+    "bcg": {"prefill_backend": "disabled", "enabled": False, "capture_token_budget": 4096,
+            "capture_batch_sizes": [4, 8, 12, 16, 20, 24, 28, 32, 48, 64]},
+    "cache": {"kv_cache_disabled": False, "radix_cache_disabled": False, "chunked_prefill_disabled": False},
+}
+
+
+def sglang_meta_info(meta: dict[str, Any], return_logprob: bool) -> dict[str, Any]:
+    """The embedded engine's ``meta_info`` with what 0.5.23 adds to a ``/generate`` answer of one
+    request on one DP rank without speculative decoding or reasoning parser
+    (``managers/tokenizer_manager.py`` ``_handle_batch_output``): retractions, the prompt's
+    log-probs (none: ``logprob_start_len`` -1 starts at the last prompt token, which has no
+    output), the cached-token split (``null`` when nothing was cached), the time the answer left.
+    A user's abort has no status code there (``schedule_batch.py`` ``FINISH_ABORT``)."""
+    out = dict(meta)
+    out.update(num_retractions=0, reasoning_tokens=0, dp_rank=None, response_sent_to_client_ts=time.time())
+    cached = int(meta.get("cached_tokens") or 0)
+    out["cached_tokens_details"] = {"device": cached, "host": 0} if cached else None
+    if return_logprob:
+        out["input_token_logprobs"] = []
+        out["output_token_logprobs_length"] = len(meta.get("output_token_logprobs") or ())
+    reason = meta.get("finish_reason")
+    if isinstance(reason, dict) and reason.get("type") == "abort" and reason.get("status_code") == 200:
+        out["finish_reason"] = {**reason, "message": "Aborted", "status_code": None}
+    return out
 
 
 def without_routes(app: web.Application, paths: set[str]) -> web.Application:

@@ -24,13 +24,15 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def start_train(run_dir: Path, *overrides: str, resume: bool = False) -> subprocess.Popen:
+def start_train(run_dir: Path, *overrides: str, resume: bool = False, config: Path = ROOT / "configs" / "cpu_tiny.yaml",
+                base: tuple[str, ...] = tuple(BASE)) -> subprocess.Popen:
+    """``config`` with ``base`` and ``overrides`` set (or ``--resume`` of ``run_dir``)."""
     cmd = [sys.executable, "-m", "dora_megatron", "train"]
     if resume:
         cmd += ["--resume", str(run_dir)]
     else:
-        cmd += ["--config", str(ROOT / "configs" / "cpu_tiny.yaml"), "--set", f"run.run_dir={run_dir}"]
-    for o in (*BASE, *overrides):
+        cmd += ["--config", str(config), "--set", f"run.run_dir={run_dir}"]
+    for o in (*base, *overrides):
         cmd += ["--set", o]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=run_dir.parent,
                             preexec_fn=_default_sigint)
