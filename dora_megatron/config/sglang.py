@@ -59,7 +59,7 @@ class SGLangConfig:
     load_format: str = field_doc("auto", "`--load-format` (`dummy` when every version is pushed by the trainer).")
     context_length: int | None = field_doc(None, "`--context-length`; null = the model's.", ge=2)
     disable_radix_cache: bool = field_doc(False, "`--disable-radix-cache`.")
-    port_stride: int = field_doc(10, "Ports of instance j on a node: http = rollout.base_port + j*stride, nccl = +1, dist-init = +2.", ge=3)
+    port_stride: int = field_doc(10, "With a fixed cluster.rollout_base_port (SLURM) or rollout.base_port: ports of instance j on a node are http = base + j*stride, nccl = +1, dist-init = +2 (otherwise each port is picked free, see launch.port_range).", ge=3)
     health_path: str = field_doc("/health_generate", "Endpoint polled until 200 before an instance is used.", choices=("/health", "/health_generate"))
     pause_mode: str = field_doc("abort", "`/pause_generation` mode of the `distributed` weight transport before its first bucket (abort returns partial outputs; retract keeps requests queued and flushes the cache, so they recompute their KV on the new weights; in_place keeps them running on the old KV, no flush). The bucket size is `controller.bucket_mb`.", choices=PAUSE_MODES)
     speculative_algorithm: str = field_doc("none", "`--speculative-algorithm`: none, NGRAM (drafts from the request's own tokens, no draft model), EAGLE (a separate EAGLE draft model, kept as loaded: dora's weight updates never reach it), EAGLE3 (refused: dora's version switches would overwrite its draft, see docs/sglang.md), NEXTN (the MTP layers of the target's checkpoint; they share its embedding and LM head, which follow every update).", choices=SPECULATIVE_ALGORITHMS)
