@@ -522,8 +522,10 @@ async def _controller(cfg: DoraConfig, plan: ClusterPlan, run_dir: Path, model_d
                                trainer_lineage=(job_id, trainer_restarts) if spans and job_id is not None else None)
     resolve = url_resolver(run_dir, job_id or "")
     launcher.locate = lambda name: _locate(resolve, plan.engine_urls[name])
-    trainer_url, _ = resolve(plan.trainer_url)  # published by this node's trainer start
-    return await run_controller(cfg, Endpoints(dict(plan.engine_urls), trainer_url or plan.trainer_url), run_dir, model_dir,
+    # this node's own ports are published already; other nodes' are followed while the job starts
+    urls = {n: resolve(t)[0] or t for n, t in plan.engine_urls.items()}
+    trainer_url, _ = resolve(plan.trainer_url)
+    return await run_controller(cfg, Endpoints(urls, trainer_url or plan.trainer_url), run_dir, model_dir,
                                 launcher, _say, checkpoint, stop_signals=signals, trainer_restarts=trainer_restarts)
 
 

@@ -182,14 +182,14 @@ async def wait_for_instances(urls: Mapping[str, str], procs: ProcessSet, *, min_
             pending = [n for n in urls if n not in ready and n not in given_up and n not in restarting]
             for name in pending:
                 child = child_of(name)
-                if child is None and locate is not None:
+                if locate is not None and (child is None or "{port:" in urls[name]):
                     url, why, final = locate(name)
                     urls[name] = url or urls[name]
-                    if why:
+                    if child is None and why:  # its node saw it fail (a child here tells by itself)
                         failed[name] = why
                         if final:
                             given_up.add(name)
-                    else:
+                    elif child is None:
                         failed.pop(name, None)
                 if child is None or child.alive():
                     continue
