@@ -7,14 +7,13 @@ from __future__ import annotations
 import os
 import random
 import socket
-import subprocess
-import sys
 
 import pytest
 
 from dora_megatron import ports
 from dora_megatron.config.base import ConfigError
 from dora_megatron.config.schema import load_config
+from tests.helpers.servers import hold_port
 
 
 def _listen(port: int, host: str = "127.0.0.1") -> socket.socket:
@@ -62,21 +61,14 @@ def test_a_pick_inside_a_configured_range_skips_a_held_port_and_says_when_the_ra
 
 def test_a_held_port_is_reported_with_its_node_and_the_holders_pid_and_command():
     base = _free_window(1)
-    code = (f"import socket, sys, time; s = socket.socket(); s.bind(('127.0.0.1', {base})); s.listen(); "
-            "print('ready', flush=True); time.sleep(60)")
-    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "ready"
+    with hold_port(base) as holder:
         with pytest.raises(ports.PortInUse) as err:  # the collision happened: binding it fails
             ports.check_bindable("n3", "0.0.0.0", base, "engine0")
         msg = str(err.value)
         assert f"engine0 cannot bind port {base} on node n3" in msg
-        assert f"pid {holder.pid} (" in msg and "time.sleep(60)" in msg and f"127.0.0.1:{base}" in msg
+        assert f"pid {holder.pid} (" in msg and "time.sleep(120)" in msg and f"127.0.0.1:{base}" in msg
         found = ports.port_holders(base)
         assert [h.pid for h in found] == [holder.pid]
-    finally:
-        holder.kill()
-        holder.wait()
     ports.check_bindable("n3", "0.0.0.0", base, "engine0")  # free again: no error
 
 

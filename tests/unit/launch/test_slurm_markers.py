@@ -21,6 +21,7 @@ from dora_megatron.launch.slurm import read_slurm_env
 from dora_megatron.launch.slurm_run import (DONE, FAILED, NodeEngines, _clear_previous_markers, _EndSignals,
                                             _serve_until_end, read_marker, write_marker)
 from dora_megatron.launch.stop import Stopped
+from tests.helpers.servers import hold_port
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -309,13 +310,13 @@ def test_the_controller_restarts_its_torchrun_and_asks_other_trainer_nodes_for_t
         assert restart_requested(tmp_path, "5", 1) is None
 
 
-def test_an_instance_whose_port_another_process_took_is_reported_with_the_holder_and_restarts_on_another_port(tmp_path):
+def test_an_instance_whose_port_another_process_took_is_reported_with_the_holder_and_restarts_on_another_port(tmp_path,
+                                                                                                            capsys):
     """The node picks engine0's port and publishes it; another process (a second job's engine, a
     slurmd) binds it before engine0 does, so engine0 exits with EADDRINUSE. The node says which port
     on which node and which pid holds it (published for the controller too), picks another port of
     launch.port_range for the restart, publishes it and asks to rejoin at the new URL."""
     import dataclasses
-    import subprocess
 
     from dora_megatron.launch.addresses import PortPicker, read as read_address
     from dora_megatron.ports import job_port_range, pick_ports
@@ -334,36 +335,28 @@ def test_an_instance_whose_port_another_process_took_is_reported_with_the_holder
     argv, picked = picker.resolve(stand_in, ("engine0",))
     taken = picked["engine0"]
     assert window[0] <= taken <= window[1] and read_address(tmp_path, "engine0", "5").port == taken
-    code = (f"import socket, time; s = socket.socket(); s.bind(('127.0.0.1', {taken})); s.listen(); "
-            "print('ready', flush=True); time.sleep(120)")
-    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "ready"
-        with ProcessSet(tmp_path / "logs", grace_s=5) as procs:
-            first = procs.start("engine0", argv)
-            assert first.popen.wait(timeout=30) != 0  # the collision happened: it could not bind
-            assert "Address already in use" in first.log_path.read_text()
-            engines = NodeEngines(cfg, procs, plan, "n2", tmp_path / "join", announce_first=False, run_dir=tmp_path,
-                                  job_id="5", picker=picker)
-            deadline = time.monotonic() + 60
-            while not read_join_requests(tmp_path / "join") and time.monotonic() < deadline:
-                engines.check()
-                time.sleep(0.2)
-            (req,) = read_join_requests(tmp_path / "join")
-            now = read_address(tmp_path, "engine0", "5")
-            assert now.port != taken and window[0] <= now.port <= window[1] and not now.failed
-            assert (req.name, req.url, req.attempt) == ("engine0", f"http://127.0.0.1:{now.port}", 1)
-            said = (tmp_path / "logs" / "engine0.log").read_text()
-            assert "Address already in use" in said
-    finally:
-        holder.kill()
-        holder.wait()
+    with hold_port(taken) as holder, ProcessSet(tmp_path / "logs", grace_s=5) as procs:
+        first = procs.start("engine0", argv)
+        assert first.popen.wait(timeout=30) != 0  # the collision happened: it could not bind
+        assert "Address already in use" in first.log_path.read_text()
+        engines = NodeEngines(cfg, procs, plan, "n2", tmp_path / "join", announce_first=False, run_dir=tmp_path,
+                              job_id="5", picker=picker)
+        deadline = time.monotonic() + 60
+        while not read_join_requests(tmp_path / "join") and time.monotonic() < deadline:
+            engines.check()
+            time.sleep(0.2)
+        (req,) = read_join_requests(tmp_path / "join")
+        now = read_address(tmp_path, "engine0", "5")
+        assert now.port != taken and window[0] <= now.port <= window[1] and not now.failed
+        assert (req.name, req.url, req.attempt) == ("engine0", f"http://127.0.0.1:{now.port}", 1)
+    said = capsys.readouterr().err  # the node's report names the port, the node and the holder
+    assert f"engine0 on n2 exited with status 1: engine0 cannot bind port {taken} on node n2" in said
+    assert f"held by pid {holder.pid} (" in said and f"restarting it (attempt 1 of 3) at http://127.0.0.1:{now.port}" in said
 
 
 def test_a_node_publishes_why_its_instance_failed_naming_the_port_and_its_holder(tmp_path, capsys):
     """No restart left: the failure record the controller reads names the port, the node and the holder's pid."""
     import dataclasses
-    import subprocess
 
     from dora_megatron.launch.addresses import PortPicker, read as read_address
     from dora_megatron.ports import job_port_range
@@ -375,20 +368,12 @@ def test_a_node_publishes_why_its_instance_failed_naming_the_port_and_its_holder
     picker = PortPicker(tmp_path, "5", "n2", job_port_range(), wait_s=5)
     argv, picked = picker.resolve(stand_in, ("engine0",))
     port = picked["engine0"]
-    code = (f"import socket, time; s = socket.socket(); s.bind(('127.0.0.1', {port})); s.listen(); "
-            "print('ready', flush=True); time.sleep(120)")
-    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "ready"
-        with ProcessSet(tmp_path / "logs", grace_s=5) as procs:
-            procs.start("engine0", argv).popen.wait(timeout=30)
-            engines = NodeEngines(cfg, procs, plan, "n2", tmp_path / "join", announce_first=False, run_dir=tmp_path,
-                                  job_id="5", picker=picker)
-            engines.check()
+    with hold_port(port) as holder, ProcessSet(tmp_path / "logs", grace_s=5) as procs:
+        assert procs.start("engine0", argv).popen.wait(timeout=30) != 0  # it could not bind
+        engines = NodeEngines(cfg, procs, plan, "n2", tmp_path / "join", announce_first=False, run_dir=tmp_path,
+                              job_id="5", picker=picker)
+        engines.check()
         rec = read_address(tmp_path, "engine0", "5")
         assert rec.final and rec.port == port
         assert f"engine0 cannot bind port {port} on node n2" in rec.failed and f"pid {holder.pid} (" in rec.failed
-        assert "no restart left" in capsys.readouterr().err and engines.given_up == {"engine0"}
-    finally:
-        holder.kill()
-        holder.wait()
+    assert "no restart left" in capsys.readouterr().err and engines.given_up == {"engine0"}
