@@ -374,6 +374,9 @@ def format_cluster_plan(plan: ClusterPlan, max_nodes: int | None = None) -> str:
     lines = [f"cluster plan: {len(plan.nodes)} node(s) ("
              + ", ".join(f"{n} {r}" for r, n in sorted(by_role.items())) + "), " + (f"controller on {plan.controller_node}" if plan.controller_node else "joining a running job")]
     lines += [f"  note: {n}" for n in plan.notes]
+    if any(p.auto_ports for p in plan.processes):
+        lines.append("  note: {port:NAME} is picked free on its node when the process starts (launch.port_range) "
+                     "and published in <run_dir>/addresses/NAME")
     lines.append("groups:")
     for g in plan.groups:
         lines.append(f"  {g.name}: backend={g.backend} world_size={g.world_size} master={g.master} "

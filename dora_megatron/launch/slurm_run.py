@@ -46,7 +46,8 @@ from pathlib import Path
 
 from dora_megatron.config.loader import dump_yaml
 from dora_megatron.config.schema import DoraConfig
-from dora_megatron.launch.addresses import PICK_HOST, PortPicker, read as read_address, url_resolver
+from dora_megatron.launch.addresses import PICK_HOST, Address, PortPicker, read as read_address, url_resolver
+from dora_megatron.launch.addresses import publish as publish_address
 from dora_megatron.ports import PortInUse, check_bindable, collision_message, job_port_range, port_holders
 from dora_megatron.launch.cluster import ClusterPlan
 from dora_megatron.launch.process_launcher import ProcessLauncher
@@ -519,7 +520,8 @@ async def _controller(cfg: DoraConfig, plan: ClusterPlan, run_dir: Path, model_d
     spans = any(p.role == "trainer" and p.host != plan.controller_node for p in plan.processes)
     # ``node``: instances on this node are restarted by the controller's own supervisor at their URL
     launcher = JoiningLauncher(cfg, procs, run_dir, model_dir, node, join_dir,
-                               trainer_lineage=(job_id, trainer_restarts) if spans and job_id is not None else None)
+                               trainer_lineage=(job_id, trainer_restarts) if spans and job_id is not None else None,
+                               published=(job_id, set(plan.engine_urls)) if job_id is not None else None)
     resolve = url_resolver(run_dir, job_id or "")
     launcher.locate = lambda name: _locate(resolve, plan.engine_urls[name])
     # this node's own ports are published already; other nodes' are followed while the job starts
@@ -546,9 +548,22 @@ class JoiningLauncher(ProcessLauncher):
     PART_NOTICE_WAIT_S = 30.0
 
     def __init__(self, cfg: DoraConfig, procs: ProcessSet, run_dir: Path, model_dir: Path, node: str,
-                 join_dir: Path, trainer_lineage: tuple[str, int] | None = None) -> None:
+                 join_dir: Path, trainer_lineage: tuple[str, int] | None = None,
+                 published: tuple[str, set[str]] | None = None) -> None:
         super().__init__(cfg, procs, run_dir, host=node, fixed_ports=bool(cfg.cluster.rollout_base_port))
         self.model_dir, self.join_dir, self.trainer_lineage = model_dir, join_dir, trainer_lineage
+        self.node, self.published = node, published
+
+    def _restarted(self) -> None:
+        """An instance on this node came back (on a fresh port unless fixed): its record follows it
+        (``published``: this job's id and its instances' names)."""
+        super()._restarted()
+        if self.published is None:
+            return
+        job, names = self.published
+        for c in self.procs.children:
+            if c.name in names and "--port" in c.argv:
+                publish_address(self.run_dir, Address(c.name, self.node, int(c.argv[c.argv.index("--port") + 1]), job))
 
     async def trainer_failure(self, err: Exception, answered: str | None) -> BaseException:
         """A trainer spanning nodes whose part on another node died: rank 0 fails the step's collective
