@@ -506,7 +506,9 @@ def _restart_trainer(cfg: DoraConfig, plan: ClusterPlan, procs: ProcessSet, run_
         if any(p.role == "trainer" and p.host != plan.controller_node for p in plan.processes):
             request_restart(run_dir, RestartRequest(job_id, budget.used, checkpoint))
 
-    return restart_trainer(cfg, procs, plan.engine_urls, run_dir, model_dir, err, budget, _say,
+    resolve = url_resolver(run_dir, job_id)  # where the instances are now (published by their nodes)
+    urls = {n: resolve(t)[0] or t for n, t in plan.engine_urls.items()}
+    return restart_trainer(cfg, procs, urls, run_dir, model_dir, err, budget, _say,
                            before_start=ask_other_nodes)
 
 

@@ -361,8 +361,8 @@ def test_multi_node_job_starts_although_an_instance_on_another_node_dies_during_
 
 
 def test_single_node_job_restarts_a_killed_instance_on_the_controllers_node(slurm_cluster, tmp_path):
-    """The controller's own node: its supervisor restarts the engine on its planned host and port
-    (before: SLURM jobs had no restart, so the only engine failing ended the run FAILED)."""
+    """The controller's own node: its supervisor restarts the engine on its host, on a fresh port it
+    publishes (before: SLURM jobs had no restart, so the only engine failing ended the run FAILED)."""
     steps = 6
     job = slurm_cluster.sbatch([SINGLE, CONFIG, "--set", f"run.steps={steps}"], cwd=tmp_path, env=_job_env())
     run_dir = _run_dir(tmp_path, job)
@@ -370,7 +370,9 @@ def test_single_node_job_restarts_a_killed_instance_on_the_controllers_node(slur
     _finish(slurm_cluster, job, tmp_path)
     summary = _check_run(run_dir, steps)
     assert summary["failed_instances"] == ["engine0"] and summary["engine_restarts"] == 1, summary
-    assert "listening on http://n1:30000" in (run_dir / "logs" / "n1" / "engine0.log").read_text().split("restarted")[-1]
+    # on a fresh port of its node, published for whoever follows it
+    port = json.loads((run_dir / "addresses" / "engine0").read_text())["port"]
+    assert f"listening on http://n1:{port}" in (run_dir / "logs" / "n1" / "engine0.log").read_text().split("restarted")[-1]
 
 
 def test_elastic_join_template_adds_an_engine_to_a_running_job(slurm_cluster, tmp_path):
