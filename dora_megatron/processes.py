@@ -42,6 +42,9 @@ class ProcessSpec:
     cpus: tuple[int, ...] = ()  # CPU affinity (empty = not pinned)
     gpus: tuple[int, ...] = ()  # GPU indices on ``host`` this process uses (empty: none / CPU)
     extra_ports: dict[str, int] = field(default_factory=dict)  # other ports it binds on ``host`` (nccl, store ...)
+    #: job addresses whose ports it binds, picked on ``host`` when it starts (``{port:<name>}`` in argv;
+    #: :mod:`dora_megatron.launch.addresses`)
+    auto_ports: tuple[str, ...] = ()
 
     def command_line(self) -> str:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import argparse
 import sys
 
@@ -129,7 +130,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         sock = _listen(args.host, args.port)
     except OSError as err:
-        sys.stderr.write(f"dora serve: cannot listen on {args.host}:{args.port}: {err.strerror or err} "
+        from dora_megatron.ports import describe_holders
+
+        held = f"; port {args.port} {describe_holders(args.port)}" if err.errno == errno.EADDRINUSE else ""
+        sys.stderr.write(f"dora serve: cannot listen on {args.host}:{args.port}: {err.strerror or err}{held} "
                          "(choose another --port, or 0 for a free one)\n")
         return 2
     with sock:

@@ -19,6 +19,12 @@ class LaunchConfig:
     trainer_cpus: list[int] = field_doc(default_factory=list, doc="CPU cores the trainer processes are pinned to (empty = no pinning).")
     trainer_threads: int = field_doc(1, "torch CPU threads per trainer process.", ge=1)
     trainer_port: int = field_doc(0, "Port of the trainer service (rank 0, loopback); 0 picks a free port.", ge=0, le=65535)
+    port_range: list[int] = field_doc(default_factory=list, doc="`[lo, hi]`: every service of a job (trainer "
+                                      "rendezvous, trainer service, weight-update store, each rollout instance) binds "
+                                      "a port of this range that is free on its node when it starts, and publishes "
+                                      "the bound address in `<run_dir>/addresses/` (for sites whose firewall opens "
+                                      "only a range). Empty: `[25000, first port of the kernel's ephemeral range - "
+                                      "1]`. A port a `cluster.*_port` or `rollout.base_port` fixes is used as given.")
     trainer_startup_timeout_s: float = field_doc(300.0, "How long to wait for the trainer to build the model and report ready.", gt=0.0, unit="s")
     shutdown_timeout_s: float = field_doc(20.0, "Grace period for processes to exit before they are killed.", gt=0.0, unit="s")
     restart_engines: bool = field_doc(True, "Local runs: restart an engine process that died (or that the controller "
@@ -27,7 +33,8 @@ class LaunchConfig:
                                       "port (the same port when `rollout.base_port` is fixed), and once `/health` "
                                       "answers it rejoins the pool and is switched to the version the orchestrator "
                                       "assigns (the newest). SLURM jobs: every node's launcher restarts its own "
-                                      "instances on the same port; one on another node than the controller's asks "
+                                      "instances on a fresh free port of `launch.port_range` (the same port when "
+                                      "`cluster.rollout_base_port` is fixed) and publishes the new address; one on another node than the controller's asks "
                                       "to rejoin through the join folder (see slurm/README.md).")
     max_engine_restarts: int = field_doc(3, "Restarts allowed per engine (each start attempt counts); after that the "
                                          "engine stays failed and the run continues on the others. Restarts "
@@ -58,6 +65,10 @@ class LaunchConfig:
         "`rollout.startup_timeout_s` or can still become so.")
 
     def check(self, path: str) -> None:
+        if self.port_range:
+            r = self.port_range
+            if len(r) != 2 or not 1 <= r[0] <= r[1] <= 65535:
+                raise ConfigError(f"{path}.port_range", f"expected [lo, hi] with 1 <= lo <= hi <= 65535, got {r}")
         m = self.min_ready_instances
         if isinstance(m, int) and m < 1:
             raise ConfigError(f"{path}.min_ready_instances", f"a count must be >= 1, got {m}")

@@ -59,7 +59,7 @@ def runtime_options(cfg: DoraConfig, run_dir: Path, model_dir: Path, trainer_url
         weight_transport=ctl.weight_transport,
         push=PushOptions(
             bucket_mb=ctl.bucket_mb, master_addr=urlsplit(trainer_url).hostname,
-            master_port=cfg.cluster.weight_group_port if cfg.launch.backend == "slurm" else None,
+            master_port=(cfg.cluster.weight_group_port or None) if cfg.launch.backend == "slurm" else None,
             backend=cfg.sglang.weight_group_backend if sglang else None,
             engine_ranks=cfg.sglang.tp_size if sglang else 1, pause_mode=cfg.sglang.pause_mode if sglang else None),
         stop_token_ids=tuple(cfg.rollout.stop_token_ids),

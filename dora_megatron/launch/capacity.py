@@ -194,14 +194,14 @@ def measure_capacities(cfg, run_dir: Path, model_dir: Path, steps: int, say=log.
     return or error. Returns ``rollout_tokens_per_s``, ``training_tokens_per_s`` and their inputs."""
     from dora_megatron.launch.plan import local_plan
     from dora_megatron.processes import ProcessSet
-    from dora_megatron.ports import free_ports
+    from dora_megatron.ports import job_port_range, pick_ports
 
     from dora_megatron.config.loader import dump_yaml
 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_yaml(cfg))  # the trainer reads its settings from the run directory
     host = cfg.rollout.host
-    ports = free_ports(cfg.rollout.num_instances + 1, host)
+    ports = pick_ports(cfg.rollout.num_instances + 1, host, job_port_range(cfg.launch.port_range))
     engine_ports, trainer_port = ports[:-1], ports[-1]
     plan = local_plan(cfg, str(model_dir), str(run_dir), base_port=engine_ports[0])
     with ProcessSet(run_dir / "logs", grace_s=cfg.launch.shutdown_timeout_s) as procs:

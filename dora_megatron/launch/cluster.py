@@ -10,9 +10,13 @@ Role assignment (``cluster:`` section):
   ``--nnodes``, ``--node-rank``, all the node's GPUs, rendezvous at ``node0:torchrun_port``; global
   ranks are contiguous per node (node k holds ``k*G .. k*G+G-1``); the trainer layout
   (tp/pp/ep/dp) must fit the world size.
+* ports: a port the ``cluster`` section does not fix is a placeholder (``{port:torchrun}``,
+  ``{port:engine0}``) that the node starting the process replaces by a port free there and
+  publishes (:mod:`.addresses`); the controller and the other trainer nodes read it.
 * rollout nodes: the next ``cluster.rollout_nodes`` nodes (0 = all remaining). Each SGLang
   instance has ``sglang.tp_size`` GPUs: several instances per node when it fits (instance j on a
-  node: GPUs ``j*tp ..``, ports ``rollout_base_port + j*port_stride`` (+1 nccl, +2 dist-init)), or one
+  node: GPUs ``j*tp ..``; with a fixed ``rollout_base_port`` ports ``base + j*port_stride`` (+1 nccl,
+  +2 dist-init), else picked on the node), or one
   instance over ``tp/G`` consecutive nodes (``--nnodes/--node-rank/--dist-init-addr``).
 * controller: in-process on the first node (it is light: asyncio + HTTP).
 * groups: the trainer's torchrun world (NCCL) and the weight-update group (trainer rank 0 +
@@ -28,11 +32,13 @@ CPU route (``rollout.engine: embedded`` or ``vllm``): no GPU count; every rollou
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from dora_megatron.launch.addresses import placeholder
 from dora_megatron.launch.plan import embedded_argv, thread_env
 from dora_megatron.launch.slurm import SlurmEnv
 from dora_megatron.processes import ProcessSpec
@@ -71,14 +77,19 @@ class ClusterPlan:
         return [p for p in self.processes if p.host == node]
 
 
+def _port(fixed: int, name: str) -> str:
+    """A fixed port, or the placeholder of job address ``name`` (picked where the process starts)."""
+    return str(fixed) if fixed else placeholder(name)
+
+
 def _trainer_argv(cfg: "DoraConfig", model_dir: str, run_dir: str, nnodes: int, node_rank: int, nproc: int,
                   master: str) -> tuple[str, ...]:
     c = cfg.cluster
     return (
         sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node-rank={node_rank}",
-        f"--nproc-per-node={nproc}", f"--master-addr={master}", f"--master-port={c.torchrun_port}",
+        f"--nproc-per-node={nproc}", f"--master-addr={master}", f"--master-port={_port(c.torchrun_port, 'torchrun')}",
         "-m", "dora_megatron.trainer.entry", "--run-dir", run_dir, "--model", model_dir,
-        "--host", master, "--port", str(c.trainer_service_port),
+        "--host", master, "--port", _port(c.trainer_service_port, "trainer_service"),
     )
 
 
@@ -90,12 +101,14 @@ def _trainer_procs(cfg: "DoraConfig", model_dir: str, run_dir: str, trainer_node
     c = cfg.cluster
     out = []
     for k, node in enumerate(trainer_nodes):
-        extra = {"torchrun": c.torchrun_port, "trainer_service": c.trainer_service_port,
-                 "weight_group_store": c.weight_group_port} if k == 0 else {}
+        fixed = {"torchrun": c.torchrun_port, "trainer_service": c.trainer_service_port,
+                 "weight_group_store": c.weight_group_port}
+        extra = {k: v for k, v in fixed.items() if v} if k == 0 else {}
+        auto = tuple(n for n in ("torchrun", "trainer_service") if not fixed[n]) if k == 0 else ()
         out.append(ProcessSpec(
             "trainer", f"trainer{k}", node, _trainer_argv(cfg, model_dir, run_dir, len(trainer_nodes), k, nproc, master),
             threads=cfg.launch.trainer_threads, ranks=tuple(range(k * nproc, (k + 1) * nproc)),
-            env=thread_env(cfg.launch.trainer_threads), gpus=gpus, extra_ports=extra))
+            env=thread_env(cfg.launch.trainer_threads), gpus=gpus, extra_ports=extra, auto_ports=auto))
     return out
 
 
@@ -152,19 +165,19 @@ def slurm_plan(cfg: "DoraConfig", env: SlurmEnv, model_dir: str, run_dir: str, *
         nonlocal inst_index
         name = f"sgl{inst_index}"
         inst_index += 1
-        http = c.rollout_base_port + slot * sg.port_stride
         head = part_nodes[0]
+        http, nccl, dist, auto = _instance_ports(c.rollout_base_port, slot, sg.port_stride, name, len(part_nodes) > 1)
         for r, node in enumerate(part_nodes):
             roles[node] = "trainer+rollout" if roles[node].startswith("trainer") else "rollout"
-            spec = InstanceSpec(name, model_dir, "0.0.0.0", http, http + 1, gpu0, tp, "0", seed=cfg.run.seed + inst_index,
+            spec = InstanceSpec(name, model_dir, "0.0.0.0", http, nccl, gpu0, tp, "0", seed=cfg.run.seed + inst_index,
                                 nnodes=len(part_nodes), node_rank=r,
-                                dist_init_addr=f"{head}:{http + 2}" if len(part_nodes) > 1 else None)
-            ports = {"nccl": http + 1} | ({"dist_init": http + 2} if len(part_nodes) > 1 else {})
+                                dist_init_addr=f"{head}:{dist}" if len(part_nodes) > 1 else None)
+            fixed = {} if auto else {"nccl": nccl} | ({"dist_init": dist} if len(part_nodes) > 1 else {})
             per_node = tp // len(part_nodes)
             procs.append(ProcessSpec(
                 "engine", name if len(part_nodes) == 1 else f"{name}.{r}", node, server_argv(spec, sg, cfg.rollout, cfg.algo.wants_routed_experts),
-                port=http if r == 0 else None, ranks=(), gpus=tuple(range(gpu0, gpu0 + per_node)),
-                extra_ports=ports if r == 0 else {}))
+                port=http if r == 0 and not auto else None, ranks=(), gpus=tuple(range(gpu0, gpu0 + per_node)),
+                extra_ports=fixed if r == 0 else {}, auto_ports=auto if r == 0 else ()))
         engine_urls[name] = f"http://{head}:{http}"
         engine_gpus[name] = tp
 
@@ -187,20 +200,30 @@ def slurm_plan(cfg: "DoraConfig", env: SlurmEnv, model_dir: str, run_dir: str, *
             add_instance(rollout_nodes[i * span: (i + 1) * span], 0, 0)
     procs.append(ProcessSpec("controller", "controller", nodes[0], ("<in-process: dora train on this node>",), threads=1))
     groups = [
-        GroupSpec("trainer", "nccl" if cfg.trainer.device == "cuda" else "gloo", world, f"{master}:{c.torchrun_port}",
+        GroupSpec("trainer", "nccl" if cfg.trainer.device == "cuda" else "gloo", world, f"{master}:{_port(c.torchrun_port, 'torchrun')}",
                   tuple((p.name, p.ranks[0], len(p.ranks)) for p in procs if p.role == "trainer")),
     ]
     offsets, nxt = [], 1
     for name, n in engine_gpus.items():
         offsets.append((name, nxt, n))
         nxt += n
-    groups.append(GroupSpec("weight_update", sg.weight_group_backend, nxt, f"{master}:{c.weight_group_port}",
+    groups.append(GroupSpec("weight_update", sg.weight_group_backend, nxt, f"{master}:{_port(c.weight_group_port, 'per-push')}",
                             (("trainer0", 0, 1), *offsets)))
     notes.append(f"trainer: {world} rank(s), tp={cfg.trainer.tp} pp={cfg.trainer.pp} ep={cfg.trainer.ep} dp={dp}; "
                  f"rollout: {len(engine_urls)} SGLang instance(s) of tp={tp} ep={sg.ep_size}"
                  + (" with EPLB" if sg.enable_eplb else ""))
     return ClusterPlan(tuple(nodes), roles, procs, groups, engine_urls, engine_gpus,
-                       f"http://{master}:{c.trainer_service_port}", nodes[0], notes)
+                       f"http://{master}:{_port(c.trainer_service_port, 'trainer_service')}", nodes[0], notes)
+
+
+def _instance_ports(base: int, slot: int, stride: int, name: str, spans: bool) -> tuple:
+    """(http, nccl, dist-init, auto names) of SGLang instance ``name``: ``base + slot*stride`` (+1, +2)
+    when ``cluster.rollout_base_port`` fixes them, else placeholders its head node fills in."""
+    if base:
+        http = base + slot * stride
+        return http, http + 1, http + 2, ()
+    names = (name, f"{name}.nccl", *((f"{name}.dist_init",) if spans else ()))
+    return placeholder(name), placeholder(f"{name}.nccl"), placeholder(f"{name}.dist_init"), names
 
 
 def _split_nodes(cfg: "DoraConfig", nodes: tuple[str, ...]) -> tuple[list[str], list[str]]:
@@ -237,16 +260,20 @@ def _embedded_plan(cfg: "DoraConfig", env: SlurmEnv, model_dir: str, run_dir: st
     urls: dict[str, str] = {}
 
     def engine(node: str, j: int, name: str) -> None:
-        port = c.rollout_base_port + j
+        port = c.rollout_base_port + j if c.rollout_base_port else None
         r = cfg.rollout
         if r.engine == "vllm":
             from dora_megatron.rollout.vllm.launch import vllm_engine_spec
 
-            procs.append(vllm_engine_spec(cfg, name, node, port, model_dir, run_dir, seed=cfg.run.seed + len(urls)))
+            spec = vllm_engine_spec(cfg, name, node, port, model_dir, run_dir, seed=cfg.run.seed + len(urls))
         else:
-            procs.append(ProcessSpec("engine", name, node, embedded_argv(cfg, model_dir, node, port), port=port,
-                                     threads=r.threads_per_instance, env=thread_env(r.threads_per_instance)))
-        urls[name] = f"http://{node}:{port}"
+            spec = ProcessSpec("engine", name, node, embedded_argv(cfg, model_dir, node, port), port=port,
+                               threads=r.threads_per_instance, env=thread_env(r.threads_per_instance))
+        if port is None:  # picked on the node when it starts: the plan's placeholder
+            spec = dataclasses.replace(spec, argv=tuple(placeholder(name) if a == "<free-port>" else a for a in spec.argv),
+                                       auto_ports=(name,))
+        procs.append(spec)
+        urls[name] = f"http://{node}:{port or placeholder(name)}"
 
     if join:
         for node in env.nodes:
@@ -271,15 +298,15 @@ def _embedded_plan(cfg: "DoraConfig", env: SlurmEnv, model_dir: str, run_dir: st
         for j in range(per_node):
             engine(node, j, f"engine{len(urls)}")
     procs.append(ProcessSpec("controller", "controller", env.nodes[0], ("<in-process: dora train on this node>",), threads=1))
-    groups = [GroupSpec("trainer", "gloo", world, f"{master}:{c.torchrun_port}",
+    groups = [GroupSpec("trainer", "gloo", world, f"{master}:{_port(c.torchrun_port, 'torchrun')}",
                         tuple((p.name, p.ranks[0], len(p.ranks)) for p in procs if p.role == "trainer")),
-              GroupSpec("weight_update", "gloo", 1 + len(urls), f"{master}:{c.weight_group_port}",
+              GroupSpec("weight_update", "gloo", 1 + len(urls), f"{master}:{_port(c.weight_group_port, 'per-push')}",
                         (("trainer0", 0, 1), *((n, 1 + i, 1) for i, n in enumerate(urls))))]
     notes = [f"trainer: {world} rank(s) (launch.trainer_procs={nproc} per trainer node), tp={cfg.trainer.tp} "
              f"pp={cfg.trainer.pp} ep={cfg.trainer.ep} dp={dp}; rollout: {len(urls)} {kind}(s) "
              f"({per_node} per rollout node, CPU)"]
     return ClusterPlan(tuple(env.nodes), roles, procs, groups, urls, {n: 1 for n in urls},
-                       f"http://{master}:{c.trainer_service_port}", env.nodes[0], notes)
+                       f"http://{master}:{_port(c.trainer_service_port, 'trainer_service')}", env.nodes[0], notes)
 
 
 def _join_plan(cfg: "DoraConfig", env: SlurmEnv, model_dir: str, gpn: int) -> ClusterPlan:
@@ -290,10 +317,11 @@ def _join_plan(cfg: "DoraConfig", env: SlurmEnv, model_dir: str, gpn: int) -> Cl
     for node in env.nodes:
         for j in range(gpn // tp):
             name = f"j{env.job_id}-sgl{len(urls)}"
-            http = c.rollout_base_port + j * sg.port_stride
-            spec = InstanceSpec(name, model_dir, "0.0.0.0", http, http + 1, j * tp, tp, "0", seed=cfg.run.seed + len(urls))
-            procs.append(ProcessSpec("engine", name, node, server_argv(spec, sg, cfg.rollout, cfg.algo.wants_routed_experts), port=http,
-                                     gpus=tuple(range(j * tp, (j + 1) * tp)), extra_ports={"nccl": http + 1}))
+            http, nccl, _, auto = _instance_ports(c.rollout_base_port, j, sg.port_stride, name, False)
+            spec = InstanceSpec(name, model_dir, "0.0.0.0", http, nccl, j * tp, tp, "0", seed=cfg.run.seed + len(urls))
+            procs.append(ProcessSpec("engine", name, node, server_argv(spec, sg, cfg.rollout, cfg.algo.wants_routed_experts),
+                                     port=None if auto else http, gpus=tuple(range(j * tp, (j + 1) * tp)),
+                                     extra_ports={} if auto else {"nccl": nccl}, auto_ports=auto))
             urls[name] = f"http://{node}:{http}"
             gpus[name] = tp
     return ClusterPlan(tuple(env.nodes), {n: "rollout" for n in env.nodes}, procs, [], urls, gpus, "", "",
@@ -346,6 +374,9 @@ def format_cluster_plan(plan: ClusterPlan, max_nodes: int | None = None) -> str:
     lines = [f"cluster plan: {len(plan.nodes)} node(s) ("
              + ", ".join(f"{n} {r}" for r, n in sorted(by_role.items())) + "), " + (f"controller on {plan.controller_node}" if plan.controller_node else "joining a running job")]
     lines += [f"  note: {n}" for n in plan.notes]
+    if any(p.auto_ports for p in plan.processes):
+        lines.append("  note: {port:NAME} is picked free on its node when the process starts (launch.port_range) "
+                     "and published in <run_dir>/addresses/NAME")
     lines.append("groups:")
     for g in plan.groups:
         lines.append(f"  {g.name}: backend={g.backend} world_size={g.world_size} master={g.master} "

@@ -34,7 +34,7 @@ from dora_megatron.launch.process_launcher import ProcessLauncher, write_process
 from dora_megatron.launch.startup import StartupRefused
 from dora_megatron.launch.stop import Stopped, StopSignals, exit_status
 from dora_megatron.launch.trainer_restart import TrainerRestarts, restart_trainer, run_restarting
-from dora_megatron.ports import free_ports
+from dora_megatron.ports import job_port_range, pick_ports
 from dora_megatron.processes import ChildFailed, ProcessSet, ProcessSpec
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ def run_local_job(cfg: DoraConfig, resume: str | None = None) -> int:
     say(f"run directory: {run_dir}")
     model_dir = prepare_model(cfg, run_dir, say=say)
     host = cfg.rollout.host
-    ports = free_ports(cfg.rollout.num_instances + 1, host)
+    ports = pick_ports(cfg.rollout.num_instances + 1, host, job_port_range(cfg.launch.port_range))
     base_port = cfg.rollout.base_port or None
     engine_ports = [base_port + i for i in range(cfg.rollout.num_instances)] if base_port else ports[:-1]
     trainer_port = cfg.launch.trainer_port or ports[-1]

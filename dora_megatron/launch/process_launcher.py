@@ -32,12 +32,17 @@ class ProcessLauncher:
                  fixed_ports: bool = False) -> None:
         from dora_megatron.launch.supervise import RestartPolicy
 
+        from dora_megatron.ports import job_port_range
+
         self.cfg, self.procs, self.run_dir = cfg, procs, run_dir
+        #: where an instance that is not a child here is now, and why it is down (SLURM: published by
+        #: its node, :mod:`.addresses`); None: its URL is fixed and only ``/health`` tells
+        self.locate: Callable[[str], tuple[str | None, str, bool]] | None = None
         self.health_path = cfg.vllm.health_path if cfg.rollout.engine == "vllm" else "/health"
         self.policy = RestartPolicy(enabled=cfg.launch.restart_engines, max_restarts=cfg.launch.max_engine_restarts,
                                     startup_timeout_s=cfg.rollout.startup_timeout_s,
                                     fixed_port=bool(cfg.rollout.base_port) or fixed_ports, host=host,
-                                    health_path=self.health_path)
+                                    health_path=self.health_path, port_range=job_port_range(cfg.launch.port_range))
 
     def _restarted(self) -> None:
         write_processes(self.run_dir, self.procs)
@@ -51,7 +56,8 @@ class ProcessLauncher:
             wait_for_instances(urls, procs, min_ready=cfg.launch.min_ready_instances,
                                timeout_s=cfg.rollout.startup_timeout_s, health_path=self.health_path,
                                restart=(lambda n: restart_engine(procs, n, policy)) if policy.enabled else None,
-                               max_restarts=cfg.launch.max_engine_restarts, on_restarted=self._restarted),
+                               max_restarts=cfg.launch.max_engine_restarts, on_restarted=self._restarted,
+                               locate=self.locate),
             wait_ready(trainer_url, timeout_s=cfg.launch.trainer_startup_timeout_s, interval_s=0.25,
                        alive=_trainer_alive(procs), what="trainer"),
         )

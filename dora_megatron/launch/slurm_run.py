@@ -7,9 +7,15 @@ the processes placed on its node (torchrun, rollout instances), logging to
 writes ``<run_dir>/DONE`` (or ``FAILED``), which tells every other node to stop its processes and
 exit.
 
-Faults: a rollout instance that dies is restarted by its own node's launcher on the same port
-(``launch.restart_engines``, at most ``launch.max_engine_restarts`` times); on a node other than the
-controller's it then asks to rejoin through the join folder. A lost trainer is restarted inside the
+Ports: a port the config does not fix is picked on the node that starts the process, free there
+(``launch.port_range``), and published in ``<run_dir>/addresses/`` (:mod:`.addresses`); the other
+trainer nodes and the controller read it there.
+
+Faults: a rollout instance that dies is restarted by its own node's launcher, on a fresh free port
+(the same one when ``cluster.rollout_base_port`` fixes it), at most ``launch.max_engine_restarts``
+times (``launch.restart_engines``); on a node other than the controller's it publishes the new
+address and asks to rejoin through the join folder. One that could not bind its port is reported
+as such, naming the process that holds it. A lost trainer is restarted inside the
 job (:mod:`.trainer_restart`, ``launch.max_trainer_restarts``): the controller's node restarts its
 torchrun and asks other trainer nodes to restart theirs from the same checkpoint; a trainer node
 whose part died tells the controller (the ranks left would wait for it in a collective). A node exits
@@ -28,6 +34,7 @@ most ``cluster.join_timeout_s`` for the controller's heartbeat, so one pointed a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import sys
@@ -40,6 +47,9 @@ from pathlib import Path
 from dora_megatron.comm import auth
 from dora_megatron.config.loader import dump_yaml
 from dora_megatron.config.schema import DoraConfig
+from dora_megatron.launch.addresses import PICK_HOST, Address, PortPicker, read as read_address, url_resolver
+from dora_megatron.launch.addresses import publish as publish_address
+from dora_megatron.ports import PortInUse, check_bindable, collision_message, job_port_range, port_holders
 from dora_megatron.launch.cluster import ClusterPlan
 from dora_megatron.launch.process_launcher import ProcessLauncher
 from dora_megatron.processes import ChildFailed, ProcessSet
@@ -176,9 +186,14 @@ class NodeEngines:
     MoE-on-CPU version switch) are carried out here, in the same loop."""
 
     def __init__(self, cfg: DoraConfig, procs: ProcessSet, plan: ClusterPlan, node: str, join_dir: Path, *,
-                 announce_first: bool, run_dir: Path | None = None, job_id: str | None = None) -> None:
+                 announce_first: bool, run_dir: Path | None = None, job_id: str | None = None,
+                 picker: PortPicker | None = None) -> None:
         self.cfg, self.procs, self.plan, self.node, self.join_dir = cfg, procs, plan, node, join_dir
-        self.names = {p.name for p in plan.processes_on(node) if p.role == "engine" and p.port is not None}
+        self.specs = {p.name: p for p in plan.processes_on(node) if p.role == "engine" and p.name in plan.engine_urls}
+        self.names = set(self.specs)
+        self.picker = picker
+        #: each instance's URL now (its published port when picked here; it changes at a restart)
+        self.urls = {n: self._published_url(n) for n in self.names}
         # this node's part of a trainer that spans nodes: restarted when the controller asks (run_dir, job_id)
         self.trainers = {p.name for p in plan.processes_on(node) if p.role == "trainer"}
         self.run_dir, self.job_id = run_dir, job_id
@@ -214,16 +229,21 @@ class NodeEngines:
                 continue
             late = name in self.pending and time.monotonic() > self.pending[name]
             if child.alive() and not late:
-                if name in self.pending and _healthy(self.plan.engine_urls[name] + self.health):
+                if name in self.pending and _healthy(self.urls[name] + self.health):
                     del self.pending[name]
-                    write_join_request(self.join_dir, JoinRequest(name, self.plan.engine_urls[name],
+                    write_join_request(self.join_dir, JoinRequest(name, self.urls[name],
                                                                   self.plan.engine_gpus[name], self.attempts[name],
                                                                   self.restarted_at.get(name)))
-                    _say(f"{name} on {self.node} ready at {self.plan.engine_urls[name]}: join requested "
+                    _say(f"{name} on {self.node} ready at {self.urls[name]}: join requested "
                          f"(attempt {self.attempts[name]})")
                 continue
             why = f"exited with status {child.popen.returncode}" if not child.alive() else "never became healthy"
-            if not self.cfg.launch.restart_engines or self.attempts[name] >= self.cfg.launch.max_engine_restarts:
+            collision = self._collision(name, child) if not child.alive() else None
+            if collision:
+                why = f"exited with status {child.popen.returncode}: {collision}"
+            final = not self.cfg.launch.restart_engines or self.attempts[name] >= self.cfg.launch.max_engine_restarts
+            self._publish_failure(name, why, final=final)
+            if final:
                 self.given_up.add(name)
                 self.pending.pop(name, None)
                 self.procs.stop(child)
@@ -231,12 +251,53 @@ class NodeEngines:
                      f"{self.cfg.launch.max_engine_restarts}): the node stays up, the run goes on without it")
                 continue
             self.attempts[name] += 1
+            argv = self._new_ports(name)
             _say(f"{name} on {self.node} {why}: restarting it (attempt {self.attempts[name]} of "
-                 f"{self.cfg.launch.max_engine_restarts}), log {child.log_path}")
-            self.procs.restart(name)
+                 f"{self.cfg.launch.max_engine_restarts}){' at ' + self.urls[name] if argv else ''}, log {child.log_path}")
+            self.procs.restart(name, argv)
             self.restarted_at[name] = time.time()
             self.pending[name] = time.monotonic() + self.cfg.rollout.startup_timeout_s
 
+
+    def _published_url(self, name: str) -> str:
+        template = self.plan.engine_urls[name]
+        if self.picker is None:
+            return template
+        url, _ = url_resolver(self.picker.run_dir, self.picker.job)(template)
+        return url or template
+
+    def _port_now(self, name: str) -> int | None:
+        spec = self.specs[name]
+        if spec.port is not None:
+            return spec.port
+        addr = read_address(self.picker.run_dir, name, self.picker.job) if self.picker is not None else None
+        return addr.port if addr is not None else None
+
+    def _collision(self, name: str, child) -> str | None:
+        """Why ``child`` could not serve when another process holds its port (None: nobody else does)."""
+        port = self._port_now(name)
+        if port is None:
+            return None
+        mine = {c.popen.pid for c in self.procs.children if c.alive()}
+        if not [h for h in port_holders(port) if h.pid not in mine]:
+            return None
+        return collision_message(self.node, PICK_HOST, port, name)
+
+    def _publish_failure(self, name: str, why: str, *, final: bool) -> None:
+        port = self._port_now(name)
+        if self.picker is not None and port is not None:
+            self.picker.failed(name, port, why, final=final)
+
+    def _new_ports(self, name: str) -> list[str] | None:
+        """The restart's command line with fresh ports (published; the old one may be what failed),
+        or None: the same command line (fixed ports)."""
+        spec = self.specs[name]
+        if not spec.auto_ports or self.picker is None:
+            return None
+        old = self._port_now(name)
+        argv, _ = self.picker.resolve(spec.argv, spec.auto_ports, avoid=[old] if old else [])
+        self.urls[name] = self._published_url(name)
+        return argv
 
     def _trainer_restart(self, child) -> bool:
         """This node's torchrun of a trainer spanning nodes: restart it when the controller asks
@@ -354,17 +415,24 @@ def run_slurm_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan, resume: st
                     return 2
             mine = plan.processes_on(node)
             _say(f"node {node} ({plan.roles[node]}): {len(mine)} process(es), run directory {run_dir}")
+            picker = PortPicker(run_dir, env.job_id, node, job_port_range(cfg.launch.port_range),
+                                wait_s=cfg.launch.trainer_startup_timeout_s)
             with ProcessSet(run_dir / "logs" / node, grace_s=cfg.launch.shutdown_timeout_s) as procs:
                 for spec in mine:
                     if spec.role == "trainer":
-                        argv = list(spec.argv) + (["--resume", str(checkpoint / "trainer")] if checkpoint else [])
+                        for what, port in spec.extra_ports.items():  # fixed ones: a holder is named now
+                            check_bindable(node, PICK_HOST, port, f"{spec.name}'s {what} (cluster.*_port)")
+                        argv, _ = picker.resolve(spec.argv, spec.auto_ports)
+                        argv += ["--resume", str(checkpoint / "trainer")] if checkpoint else []
                         # the controller's child watcher knows the trainer by this name
                         procs.start("trainer" if is_controller else spec.name, argv, {**spec.env, "PYTHONUNBUFFERED": "1"})
                     elif spec.role == "engine":
-                        start_instance(procs, spec)
+                        argv, _ = picker.resolve(spec.argv, spec.auto_ports)
+                        start_instance(procs, dataclasses.replace(spec, argv=tuple(argv)))
                 if not is_controller:  # a ChildFailed (its trainer died) writes FAILED below
                     return _serve_until_end(run_dir, NodeEngines(cfg, procs, plan, node, join_dir, announce_first=False,
-                                                                 run_dir=run_dir, job_id=env.job_id), env.job_id,
+                                                                 run_dir=run_dir, job_id=env.job_id, picker=picker),
+                                            env.job_id,
                                             stopping_bound_s=cfg.controller.stop_checkpoint_timeout_s
                                             + 2 * cfg.launch.shutdown_timeout_s)
                 budget = TrainerRestarts(cfg.launch.max_trainer_restarts)
@@ -422,7 +490,7 @@ def run_slurm_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan, resume: st
         write_marker(run_dir, FAILED, f"a process on {node} failed: {str(err).splitlines()[0]}", env.job_id)
         _say(f"a process on {node} failed: {err}")
         return 1
-    except (TimeoutError, ValueError, StartupRefused) as err:  # too few instances became ready, no model from node 0
+    except (TimeoutError, ValueError, StartupRefused, PortInUse) as err:  # too few instances ready, no model, a held port
         write_marker(run_dir, FAILED, f"dora train failed on {node}: {str(err).splitlines()[0]}", env.job_id)
         _say(f"dora train failed on {node}: {err}")
         return 1
@@ -440,7 +508,9 @@ def _restart_trainer(cfg: DoraConfig, plan: ClusterPlan, procs: ProcessSet, run_
         if any(p.role == "trainer" and p.host != plan.controller_node for p in plan.processes):
             request_restart(run_dir, RestartRequest(job_id, budget.used, checkpoint))
 
-    return restart_trainer(cfg, procs, plan.engine_urls, run_dir, model_dir, err, budget, _say,
+    resolve = url_resolver(run_dir, job_id)  # where the instances are now (published by their nodes)
+    urls = {n: resolve(t)[0] or t for n, t in plan.engine_urls.items()}
+    return restart_trainer(cfg, procs, urls, run_dir, model_dir, err, budget, _say,
                            before_start=ask_other_nodes)
 
 
@@ -454,9 +524,21 @@ async def _controller(cfg: DoraConfig, plan: ClusterPlan, run_dir: Path, model_d
     spans = any(p.role == "trainer" and p.host != plan.controller_node for p in plan.processes)
     # ``node``: instances on this node are restarted by the controller's own supervisor at their URL
     launcher = JoiningLauncher(cfg, procs, run_dir, model_dir, node, join_dir,
-                               trainer_lineage=(job_id, trainer_restarts) if spans and job_id is not None else None)
-    return await run_controller(cfg, Endpoints(dict(plan.engine_urls), plan.trainer_url), run_dir, model_dir,
+                               trainer_lineage=(job_id, trainer_restarts) if spans and job_id is not None else None,
+                               published=(job_id, set(plan.engine_urls)) if job_id is not None else None)
+    resolve = url_resolver(run_dir, job_id or "")
+    launcher.locate = lambda name: _locate(resolve, plan.engine_urls[name])
+    # this node's own ports are published already; other nodes' are followed while the job starts
+    urls = {n: resolve(t)[0] or t for n, t in plan.engine_urls.items()}
+    trainer_url, _ = resolve(plan.trainer_url)
+    return await run_controller(cfg, Endpoints(urls, trainer_url or plan.trainer_url), run_dir, model_dir,
                                 launcher, _say, checkpoint, stop_signals=signals, trainer_restarts=trainer_restarts)
+
+
+def _locate(resolve, template: str) -> tuple[str | None, str, bool]:
+    """(url now, why it is down, whether for good) of an instance from its node's published record."""
+    url, addr = resolve(template)
+    return url, addr.failed if addr is not None else "", addr.final if addr is not None else False
 
 
 class JoiningLauncher(ProcessLauncher):
@@ -470,9 +552,22 @@ class JoiningLauncher(ProcessLauncher):
     PART_NOTICE_WAIT_S = 30.0
 
     def __init__(self, cfg: DoraConfig, procs: ProcessSet, run_dir: Path, model_dir: Path, node: str,
-                 join_dir: Path, trainer_lineage: tuple[str, int] | None = None) -> None:
-        super().__init__(cfg, procs, run_dir, host=node, fixed_ports=True)
+                 join_dir: Path, trainer_lineage: tuple[str, int] | None = None,
+                 published: tuple[str, set[str]] | None = None) -> None:
+        super().__init__(cfg, procs, run_dir, host=node, fixed_ports=bool(cfg.cluster.rollout_base_port))
         self.model_dir, self.join_dir, self.trainer_lineage = model_dir, join_dir, trainer_lineage
+        self.node, self.published = node, published
+
+    def _restarted(self) -> None:
+        """An instance on this node came back (on a fresh port unless fixed): its record follows it
+        (``published``: this job's id and its instances' names)."""
+        super()._restarted()
+        if self.published is None:
+            return
+        job, names = self.published
+        for c in self.procs.children:
+            if c.name in names and "--port" in c.argv:
+                publish_address(self.run_dir, Address(c.name, self.node, int(c.argv[c.argv.index("--port") + 1]), job))
 
     async def trainer_failure(self, err: Exception, answered: str | None) -> BaseException:
         """A trainer spanning nodes whose part on another node died: rank 0 fails the step's collective
@@ -526,10 +621,13 @@ def run_join_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan) -> int:
     try:
         with auth.job_environment(run_dir, cfg.launch.secret_file), _EndSignals(run_dir, env.job_id, node, mark=False), \
                 ProcessSet(run_dir / "logs" / f"join-{env.job_id}-{node}", grace_s=cfg.launch.shutdown_timeout_s) as procs:
+            picker = PortPicker(run_dir, env.job_id, node, job_port_range(cfg.launch.port_range),
+                                wait_s=cfg.launch.trainer_startup_timeout_s)
             for spec in plan.processes_on(node):
                 if spec.role == "engine":
-                    start_instance(procs, spec)
-            engines = NodeEngines(cfg, procs, plan, node, join_dir, announce_first=True, run_dir=run_dir)
+                    argv, _ = picker.resolve(spec.argv, spec.auto_ports)
+                    start_instance(procs, dataclasses.replace(spec, argv=tuple(argv)))
+            engines = NodeEngines(cfg, procs, plan, node, join_dir, announce_first=True, run_dir=run_dir, picker=picker)
             while (heartbeat_age(join_dir) or float("inf")) > bound:  # no live controller yet
                 if time.monotonic() > deadline:
                     _say(f"dora train --join: no live controller in {run_dir} after {bound:.0f} s "

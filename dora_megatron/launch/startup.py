@@ -128,13 +128,16 @@ class StartupResult:
 async def wait_for_instances(urls: Mapping[str, str], procs: ProcessSet, *, min_ready: int | float | None,
                              timeout_s: float, health_path: str = "/health", restart: Callable | None = None,
                              max_restarts: int = 0, interval_s: float = 0.25,
-                             on_restarted: Callable[[], None] | None = None) -> StartupResult:
+                             on_restarted: Callable[[], None] | None = None,
+                             locate: Callable[[str], tuple[str | None, str, bool]] | None = None) -> StartupResult:
     """Poll every instance until :func:`startup_decision` says start (or raises).
 
     ``procs``: the children of this launcher; an instance among them that exits is failed with its
     own error line and, while ``restart`` is given and ``max_restarts`` allows, restarted at once
     (``restart(name) -> (child, url)``, blocking, run in a thread). An instance that is not a child
-    here (another SLURM node's) is judged by ``/health`` only."""
+    here (another SLURM node's) is judged by ``/health`` and, with ``locate`` (``name -> (url now or
+    None while unknown, why it is down or "", whether for good)``, what its node published), by the
+    failure its node saw: an instance that could not bind its port is reported so, not as loading."""
     import aiohttp
 
     from dora_megatron.comm.http_session import HttpSession
@@ -152,6 +155,8 @@ async def wait_for_instances(urls: Mapping[str, str], procs: ProcessSet, *, min_
         return next((c for c in procs.children if c.name == name), None)
 
     async def probe(http: HttpSession, name: str) -> None:
+        if "{port:" in urls[name]:  # its node has not published its port yet
+            return
         try:
             async with http.session().get(urls[name].rstrip("/") + health_path) as resp:
                 if resp.status == 200:
@@ -177,6 +182,15 @@ async def wait_for_instances(urls: Mapping[str, str], procs: ProcessSet, *, min_
             pending = [n for n in urls if n not in ready and n not in given_up and n not in restarting]
             for name in pending:
                 child = child_of(name)
+                if locate is not None and (child is None or "{port:" in urls[name]):
+                    url, why, final = locate(name)
+                    urls[name] = url or urls[name]
+                    if child is None and why:  # its node saw it fail (a child here tells by itself)
+                        failed[name] = why
+                        if final:
+                            given_up.add(name)
+                    elif child is None:
+                        failed.pop(name, None)
                 if child is None or child.alive():
                     continue
                 failed[name] = exit_reason(child)

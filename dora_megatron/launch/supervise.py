@@ -23,10 +23,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from dora_megatron.ports import free_ports
+from dora_megatron.ports import job_port_range, pick_ports
 from dora_megatron.launch.trainer_restart import TrainerLost
 from dora_megatron.processes import Child, ProcessSet
 from dora_megatron.rollout.health import InstanceNotReady, wait_ready
@@ -42,6 +42,7 @@ class RestartPolicy:
     fixed_port: bool = False  # True: restart on the same port; False: a fresh free port
     host: str = "127.0.0.1"
     health_path: str = "/health"  # polled until 200 after a restart (vllm: vllm.health_path)
+    port_range: tuple[int, int] = field(default_factory=job_port_range)  # launch.port_range: where a fresh port is picked
 
 
 def with_port(argv: list[str] | tuple[str, ...], port: int) -> list[str]:
@@ -57,8 +58,8 @@ def restart_engine(procs: ProcessSet, name: str, policy: RestartPolicy) -> tuple
     Used mid-run (:class:`EngineSupervisor`) and while the job starts (:mod:`.startup`)."""
     old = next(c for c in procs.children if c.name == name)
     port = int(old.argv[old.argv.index("--port") + 1])
-    if not policy.fixed_port:
-        port = free_ports(1, policy.host)[0]
+    if not policy.fixed_port:  # not the old one: another process may hold it now
+        port = pick_ports(1, policy.host, policy.port_range, avoid=[port])[0]
     log.warning("restarting %s on port %d", name, port)
     child = procs.restart(name, with_port(old.argv, port))
     return child, f"http://{policy.host}:{port}"

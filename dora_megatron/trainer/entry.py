@@ -23,11 +23,12 @@ log = logging.getLogger("dora_megatron.trainer")
 class VersionedWorker:
     """The Megatron worker plus version tracking and per-version snapshots."""
 
-    def __init__(self, worker: Any, model_dir: str, rank: int) -> None:
+    def __init__(self, worker: Any, model_dir: str, rank: int, port_range: tuple[int, int] | None = None) -> None:
         self.worker = worker
         self.model_dir = Path(model_dir)
         self.rank = rank
         self.version = 0
+        self.port_range = port_range  # launch.port_range: where a push without a fixed store port picks one
 
     def train_step(self, samples: list[dict[str, Any]]) -> dict[str, float]:
         metrics = self.worker.train_step(samples, current_version=self.version)
@@ -65,7 +66,7 @@ class VersionedWorker:
             raise ValueError("backend nccl needs a trainer on CUDA; this one runs on CPU (use gloo)")
         backend = backend or ("nccl" if on_cuda else "gloo")
         result = push_distributed(tensors, engines, bucket_mb, self.version, master_addr, backend, timeout_s=timeout_s,
-                                  gpus=gpus, pause_mode=pause_mode, master_port=master_port)
+                                  gpus=gpus, pause_mode=pause_mode, master_port=master_port, port_range=self.port_range)
         return result.to_json()
 
     def save_checkpoint(self, path: str) -> None:
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from dora_megatron.comm import auth
     from dora_megatron.config.schema import load_config
+    from dora_megatron.ports import job_port_range
     from dora_megatron.trainer.service import TrainerService
     from dora_megatron.trainer.worker import TrainerWorker
 
@@ -106,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     megatron_worker = TrainerWorker(cfg.trainer, cfg.algo, args.model, total_steps=cfg.run.steps)
     if cfg.rollout.temperature > 0:  # greedy rollouts report plain log_softmax
         megatron_worker.logit_temperature = cfg.rollout.temperature
-    worker = VersionedWorker(megatron_worker, args.model, rank=dist.get_rank())
+    worker = VersionedWorker(megatron_worker, args.model, rank=dist.get_rank(),
+                             port_range=job_port_range(cfg.launch.port_range))
     if args.resume:
         worker.load_checkpoint(args.resume)
         log.info("resumed from %s at version %d", args.resume, worker.version)

@@ -27,7 +27,7 @@ import time
 import uuid
 from typing import Any, Iterable, Mapping, Sequence
 
-from dora_megatron.ports import free_port
+from dora_megatron.ports import job_port_range, pick_ports
 from dora_megatron.weights.distributed import DistributedWeightPusher
 from dora_megatron.weights.results import PushError, PushResult, failures
 
@@ -56,6 +56,7 @@ async def push_distributed_async(
     pause_mode: str | None = None,
     gpus: Mapping[str, int] | None = None,
     master_port: int | None = None,
+    port_range: tuple[int, int] | None = None,
 ) -> PushResult:
     """Broadcast HF-named ``tensors`` to every engine in buckets of at most ``bucket_mb`` MiB.
 
@@ -63,7 +64,8 @@ async def push_distributed_async(
     the push fail after at most that long). ``pause_mode`` (``"abort"``, ``"retract"``,
     ``"in_place"``): pause the engines before the first bucket and continue them after the last;
     None: the caller drained them. ``gpus``: engine URL -> its TP size (ranks in the group; 1 when
-    absent). ``master_port``: the rendezvous store's port on this host (None: a free one).
+    absent). ``master_port``: the rendezvous store's port on this host (None: a free one of ``port_range``,
+    ``launch.port_range``; None: the default job range, :func:`~dora_megatron.ports.job_port_range`).
     Raises :class:`PushError` when any engine failed (every engine's update session is closed and its
     generation continued on every exit path all the same); returns a
     :class:`PushResult` whose ``seconds`` include forming the group."""
@@ -82,7 +84,7 @@ async def push_distributed_async(
     t0 = time.perf_counter()
     clients = {u: SGLangClient(u, timeout_s=timeout_s + 60) for u in urls}
     pusher = DistributedWeightPusher(
-        clients, {u: ranks.get(u, 1) for u in urls}, master_address=master_addr, master_port=master_port or free_port(master_addr),
+        clients, {u: ranks.get(u, 1) for u in urls}, master_address=master_addr, master_port=master_port or pick_ports(1, master_addr, port_range or job_port_range())[0],
         group_name=group_name or f"dora-w{version}-{uuid.uuid4().hex[:8]}", backend=backend, pause_mode=pause_mode,
         bucket_mb=bucket_mb, timeout_s=timeout_s)
     try:

@@ -65,6 +65,8 @@ def ensure_hosts(path: Path = Path("/etc/hosts")) -> str | None:
 
 
 def _free_port() -> int:
+    """A daemon's port: from the allocator's range for non-job ports, which no job's service ever
+    picks from (the engine's once-fixed 30000 was a slurmd's port and failed every test)."""
     from dora_megatron.ports import free_port
 
     return free_port()
@@ -152,6 +154,32 @@ class SlurmCluster:
         for n in NODES:
             self._spawn(f"slurmd-{n}", [_which("slurmd"), "-D", "-N", n, "-f", str(self.conf)])
         self._wait(self._nodes_idle, timeout_s, "three idle nodes (sinfo)")
+
+    def reset(self, timeout_s: float = 120.0) -> None:
+        """Make the cluster as a new test expects it, whatever the last test left: a daemon that died
+        restarts the whole cluster; otherwise every job left is cancelled and every node that is
+        down or drained (a job that failed on it) is resumed, until the queue is empty and every node
+        idle. WHY: the module shares one cluster; one test's failed job must not fail the next ones."""
+        if any(p.poll() is not None for p in self.procs):
+            self.stop()
+            self.start()
+            return
+        subprocess.run(["scancel", "--full", "--user", "root"], env=self.env, capture_output=True, timeout=30)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, env=self.env,
+                                 timeout=30)
+            states = dict(line.split() for line in out.stdout.splitlines() if line.strip())
+            stuck = [n for n, st in states.items() if st.rstrip("*~#$@") in ("down", "drain", "drng", "fail", "failg")]
+            if stuck:
+                subprocess.run(["scontrol", "update", f"NodeName={','.join(stuck)}", "State=RESUME"], env=self.env,
+                               capture_output=True, timeout=30)
+            queue = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, env=self.env, timeout=30)
+            if queue.returncode == 0 and not queue.stdout.strip() and self._nodes_idle():
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"SLURM test cluster: not reset after {timeout_s:.0f} s\n" + self.diagnosis())
+            time.sleep(0.5)
 
     def _nodes_idle(self) -> bool:
         for p in self.procs:

@@ -6,7 +6,10 @@ directory: every step trained, no group lost or duplicated, C1/C3 0, the end mar
 left. The fault tests kill a rollout instance on a non-controller node, kill the trainer on its
 node (during a checkpoint write and mid-step: restarted inside the job), kill the rank of a trainer
 spanning two nodes on its second node mid-step, ``scancel`` a job and
-resume it as a new job, and point a joiner at a dead run.
+resume it as a new job, and point a joiner at a dead run. Two jobs share the same three nodes at
+once (no fixed port: each service binds one free on its node and publishes it). Before each test
+the shared cluster is reset (jobs left cancelled, drained nodes resumed), so one failed test does
+not fail the next ones.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from dora_megatron.ports import job_port_range
 from tests.helpers.fault_jobs import steps_done
 from tests.helpers.proc_tree import in_sessions, process_tree, sessions, signal_tree
 from tests.helpers.slurm_cluster import FINISHED
@@ -34,6 +38,13 @@ CONFIG = str(ROOT / "configs" / "cpu_slurm.yaml")
 SINGLE, MULTI, JOIN = (str(ROOT / "slurm" / t) for t in ("single_node.sbatch", "multi_node.sbatch", "elastic_join.sbatch"))
 STEPS = 4  # run.steps of configs/cpu_slurm.yaml
 JOB_TIMEOUT_S = 420
+
+
+@pytest.fixture(autouse=True)
+def _cluster_as_new(request):
+    """Every test starts on an empty queue with every node idle, whatever an earlier test left."""
+    if "slurm_cluster" in request.fixturenames:
+        request.getfixturevalue("slurm_cluster").reset()
 
 
 def _dora() -> str:
@@ -350,8 +361,8 @@ def test_multi_node_job_starts_although_an_instance_on_another_node_dies_during_
 
 
 def test_single_node_job_restarts_a_killed_instance_on_the_controllers_node(slurm_cluster, tmp_path):
-    """The controller's own node: its supervisor restarts the engine on its planned host and port
-    (before: SLURM jobs had no restart, so the only engine failing ended the run FAILED)."""
+    """The controller's own node: its supervisor restarts the engine on its host, on a fresh port it
+    publishes (before: SLURM jobs had no restart, so the only engine failing ended the run FAILED)."""
     steps = 6
     job = slurm_cluster.sbatch([SINGLE, CONFIG, "--set", f"run.steps={steps}"], cwd=tmp_path, env=_job_env())
     run_dir = _run_dir(tmp_path, job)
@@ -359,7 +370,9 @@ def test_single_node_job_restarts_a_killed_instance_on_the_controllers_node(slur
     _finish(slurm_cluster, job, tmp_path)
     summary = _check_run(run_dir, steps)
     assert summary["failed_instances"] == ["engine0"] and summary["engine_restarts"] == 1, summary
-    assert "listening on http://n1:30000" in (run_dir / "logs" / "n1" / "engine0.log").read_text().split("restarted")[-1]
+    # on a fresh port of its node, published for whoever follows it
+    port = json.loads((run_dir / "addresses" / "engine0").read_text())["port"]
+    assert f"listening on http://n1:{port}" in (run_dir / "logs" / "n1" / "engine0.log").read_text().split("restarted")[-1]
 
 
 def test_elastic_join_template_adds_an_engine_to_a_running_job(slurm_cluster, tmp_path):
@@ -504,6 +517,56 @@ def test_a_job_whose_launch_a_stalled_slurmd_answers_late_still_starts(slurm_clu
     state = slurm_cluster.wait_state(job, FINISHED, 120)
     assert state == "COMPLETED", (state, _field(slurm_cluster, job, "Reason"))
     assert (tmp_path / f"late-{job}.out").read_text().strip() == "started"
+
+
+def test_two_jobs_on_the_same_three_nodes_at_once_both_finish_with_nothing_lost(slurm_cluster, tmp_path):
+    """Two 3-node jobs of the same config share n1-n3 (``--oversubscribe``): both trainers and
+    controllers on n1, an engine of each on n2 and on n3. Before, every service bound a fixed port
+    (engines 30000 on each node, torchrun 29500 ...): the second job's services could not bind, and
+    its engines were reported "still loading" until the job failed. Each service now binds a port
+    free on its node and publishes it in its own run directory."""
+    jobs = [slurm_cluster.sbatch(["--nodes=3", "--oversubscribe", MULTI, CONFIG], cwd=tmp_path, env=_job_env())
+            for _ in range(2)]
+    run_dirs = [_run_dir(tmp_path, j) for j in jobs]
+
+    def both_running() -> bool:
+        return all((d / "addresses" / "engine1").is_file() for d in run_dirs)
+    _wait(both_running, JOB_TIMEOUT_S, lambda: "both jobs' engines on n3 started:\n"
+          + "\n".join(_output(tmp_path, j)[-2000:] for j in jobs))
+    assert all(slurm_cluster.state(j) == "RUNNING" for j in jobs)  # at once, on the same nodes
+    for job in jobs:
+        _finish(slurm_cluster, job, tmp_path)
+    published = []
+    for d in run_dirs:
+        summary = _check_run(d)
+        assert summary["instances"] == ["engine0", "engine1"], summary
+        published.append({n: json.loads((d / "addresses" / n).read_text()) for n in ("torchrun", "trainer_service",
+                                                                                      "engine0", "engine1")})
+    for name, node in (("torchrun", "n1"), ("trainer_service", "n1"), ("engine0", "n2"), ("engine1", "n3")):
+        a, b = (p[name] for p in published)
+        assert a["node"] == b["node"] == node and a["port"] != b["port"], (name, a, b)
+        assert not a["failed"] and not b["failed"]
+    lo, hi = job_port_range()
+    assert all(lo <= p[n]["port"] <= hi for p in published for n in p)
+
+
+def _node_state(cluster, node: str) -> str:
+    return subprocess.run(["sinfo", "-h", "-n", node, "-o", "%t"], capture_output=True, text=True, env=cluster.env,
+                          timeout=30).stdout.strip()
+
+
+def test_the_cluster_is_reset_after_a_test_that_left_a_job_and_a_drained_node(slurm_cluster, tmp_path):
+    """What a failed test can leave: a job still running on every node and a node drained. The reset
+    before the next test cancels the job and resumes the node, and a job then runs."""
+    left = slurm_cluster.sbatch(["--nodes=3", "--output=left-%j.out", "--wrap", "sleep 600"], cwd=tmp_path)
+    slurm_cluster.wait_state(left, {"RUNNING"}, 120)
+    subprocess.run(["scontrol", "update", "NodeName=n3", "State=DRAIN", "Reason=left_by_a_failed_test"],
+                   env=slurm_cluster.env, check=True, timeout=30)
+    assert _node_state(slurm_cluster, "n3").startswith("dr")  # draining (its job runs) or drained
+    slurm_cluster.reset()
+    assert slurm_cluster.state(left) in FINISHED and _node_state(slurm_cluster, "n3") == "idle"
+    job = slurm_cluster.sbatch(["--nodes=3", "--output=after-%j.out", "--wrap", "echo ok"], cwd=tmp_path)
+    assert slurm_cluster.wait_state(job, FINISHED, 120) == "COMPLETED"
 
 
 def _vllm_python() -> str:

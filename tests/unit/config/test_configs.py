@@ -140,10 +140,13 @@ def test_resolved_config_written_by_an_earlier_release_still_loads():
     Keys added since keep their default there (token-budget micro-batches came after it)."""
     old = Path(__file__).parent / "data" / "cpu_tiny_resolved_cd25a72.yaml"
     # data.answer_key's default became verl's reward_model.ground_truth after it (the old file spells "answer");
-    # rollout.spec_token_cost (cpu_tiny's measured CPU figure) came later too
+    # rollout.spec_token_cost (cpu_tiny's measured CPU figure) came later too; the cluster's fixed
+    # ports were its defaults then (0 = a free port picked on the node now): the file keeps them
     assert load_config(old) == load_config(ROOT / "configs" / "cpu_tiny.yaml",
                                             ["trainer.max_tokens_per_micro_batch=0", "data.answer_key=answer",
-                                             "rollout.spec_token_cost=0.25"])
+                                             "rollout.spec_token_cost=0.25", "cluster.torchrun_port=29500",
+                                             "cluster.trainer_service_port=29600", "cluster.weight_group_port=29700",
+                                             "cluster.rollout_base_port=30000"])
 
 
 def test_gen_config_docs_help_prints_help_and_check_writes_nothing(tmp_path):

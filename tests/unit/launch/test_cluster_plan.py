@@ -72,10 +72,13 @@ def _independent_checks(plan, gpn, tp):
     ("a[1-3],b[7-9]", 4, 2, 1, 1, 16),       # 4 per node, mixed names
     ("gpu[0001-1100]", 8, 100, 4, 4, 2000),  # 1,000+ nodes
 ])
-def test_plans_are_consistent(nodes, gpn, trainer_nodes, tp, ep, want_instances):
+@pytest.mark.parametrize("fixed", [(), ("cluster.torchrun_port=29500", "cluster.trainer_service_port=29600",
+                                         "cluster.weight_group_port=29700", "cluster.rollout_base_port=30000")],
+                         ids=["picked-ports", "fixed-ports"])
+def test_plans_are_consistent(nodes, gpn, trainer_nodes, tp, ep, want_instances, fixed):
     cfg = load_config(MULTI, [f"cluster.trainer_nodes={trainer_nodes}", f"sglang.tp_size={tp}", f"sglang.ep_size={ep}",
                               f"launch.trainer_procs={trainer_nodes * gpn}", f"sglang.enable_eplb={ep > 1}",
-                              "trainer.ep=2"])
+                              "trainer.ep=2", *fixed])
     env = read_slurm_env({"SLURM_JOB_NODELIST": nodes, "SLURM_GPUS_ON_NODE": str(gpn), "SLURM_JOB_ID": "42"})
     plan = slurm_plan(cfg, env, "/m", "/r")
     assert len(plan.engine_urls) == want_instances
@@ -86,8 +89,12 @@ def test_plans_are_consistent(nodes, gpn, trainer_nodes, tp, ep, want_instances)
         parts = [p for p in plan.processes if p.role == "engine" and p.name.startswith("sgl0.")]
         assert [int(_flag(p.argv, "--node-rank")) for p in parts] == list(range(tp // gpn))
         head = parts[0]
-        assert {_flag(p.argv, "--dist-init-addr") for p in parts} == {f"{head.host}:{head.extra_ports['dist_init']}"}
-        assert plan.engine_urls["sgl0"] == f"http://{head.host}:{head.port}"
+        dist, http = (head.extra_ports["dist_init"], head.port) if fixed else ("{port:sgl0.dist_init}", "{port:sgl0}")
+        assert {_flag(p.argv, "--dist-init-addr") for p in parts} == {f"{head.host}:{dist}"}
+        assert plan.engine_urls["sgl0"] == f"http://{head.host}:{http}"
+        # the head picks its ports; the other parts wait for what it published
+        assert head.auto_ports == (() if fixed else ("sgl0", "sgl0.nccl", "sgl0.dist_init"))
+        assert all(not p.auto_ports for p in parts[1:])
 
 
 def test_single_node_shared_gpus():
@@ -114,7 +121,7 @@ def test_impossible_allocations_are_refused(overrides, env, match):
 
 
 def test_check_plan_catches_port_and_gpu_clashes():
-    cfg = load_config(MULTI)
+    cfg = load_config(MULTI, ["cluster.rollout_base_port=30000"])  # fixed ports: the plan can check them
     plan = slurm_plan(cfg, read_slurm_env({"SLURM_JOB_NODELIST": "n[1-6]", "SLURM_GPUS_ON_NODE": "8"}), "/m", "/r")
     engines = [i for i, p in enumerate(plan.processes) if p.role == "engine"]
     a, b = plan.processes[engines[0]], plan.processes[engines[1]]
@@ -195,13 +202,27 @@ def test_cpu_route_plans_embedded_engines_from_the_config_without_gpus():
     plan = slurm_plan(cfg, read_slurm_env({"SLURM_JOB_NODELIST": "n[1-3]", "SLURM_JOB_ID": "5"}), "/m", "/r")
     assert plan.roles == {"n1": "trainer", "n2": "rollout", "n3": "rollout"}
     engines = [p for p in plan.processes if p.role == "engine"]
-    assert [(p.host, p.port) for p in engines] == [("n2", 30000), ("n2", 30001), ("n3", 30000), ("n3", 30001)]
+    # no fixed number: each engine's node picks its port when it starts and publishes it
+    assert [(p.host, p.port, p.auto_ports) for p in engines] == [
+        ("n2", None, ("engine0",)), ("n2", None, ("engine1",)), ("n3", None, ("engine2",)), ("n3", None, ("engine3",))]
     for p in engines:
         assert "serve" in p.argv and _flag(p.argv, "--host") == p.host and _flag(p.argv, "--device") == "cpu"
-        assert plan.engine_urls[p.name] == f"http://{p.host}:{p.port}"
+        assert _flag(p.argv, "--port") == "{port:%s}" % p.name
+        assert plan.engine_urls[p.name] == "http://%s:{port:%s}" % (p.host, p.name)
     trainer = next(p for p in plan.processes if p.role == "trainer")
     assert _flag(trainer.argv, "--host") == "n1" and "--nproc-per-node=1" in trainer.argv
+    assert _flag(trainer.argv, "--master-port") == "{port:torchrun}" and _flag(trainer.argv, "--port") == "{port:trainer_service}"
+    assert trainer.auto_ports == ("torchrun", "trainer_service") and plan.trainer_url == "http://n1:{port:trainer_service}"
     assert check_plan(plan, 0) == []
+    fixed = slurm_plan(load_config(CPU_SLURM, ["rollout.num_instances=2", "cluster.rollout_base_port=30000",
+                                               "cluster.torchrun_port=29500", "cluster.trainer_service_port=29600"]),
+                       read_slurm_env({"SLURM_JOB_NODELIST": "n[1-3]", "SLURM_JOB_ID": "5"}), "/m", "/r")
+    engines = [p for p in fixed.processes if p.role == "engine"]
+    assert [(p.host, p.port) for p in engines] == [("n2", 30000), ("n2", 30001), ("n3", 30000), ("n3", 30001)]
+    assert all(fixed.engine_urls[p.name] == f"http://{p.host}:{p.port}" and not p.auto_ports for p in engines)
+    trainer = next(p for p in fixed.processes if p.role == "trainer")
+    assert "--master-port=29500" in trainer.argv and _flag(trainer.argv, "--port") == "29600" and not trainer.auto_ports
+    assert check_plan(fixed, 0) == []
     single = slurm_plan(load_config(CPU_SLURM, ["cluster.share_node=true"]),
                         read_slurm_env({"SLURM_JOB_NODELIST": "n1"}), "/m", "/r")
     assert single.roles == {"n1": "trainer+rollout"} and list(single.engine_urls) == ["engine0"]

@@ -66,7 +66,7 @@ def test_multi_node_instance_flags_and_user_flag_clash():
     (["sglang.enable_eplb=true"], "sglang.enable_eplb"),
     (["sglang.skip_tokenizer_init=false"], "sglang.skip_tokenizer_init"),
     (["sglang.pause_mode=stop"], "sglang.pause_mode"),
-    (["cluster.weight_group_port=29500"], "cluster.weight_group_port"),
+    (["cluster.torchrun_port=29500", "cluster.weight_group_port=29500"], "cluster.weight_group_port"),
 ])
 def test_bad_sglang_and_cluster_settings_name_the_field(override, where):
     with pytest.raises(ConfigError) as err:

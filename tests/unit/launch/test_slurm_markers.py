@@ -21,6 +21,7 @@ from dora_megatron.launch.slurm import read_slurm_env
 from dora_megatron.launch.slurm_run import (DONE, FAILED, NodeEngines, _clear_previous_markers, _EndSignals,
                                             _serve_until_end, read_marker, write_marker)
 from dora_megatron.launch.stop import Stopped
+from tests.helpers.servers import hold_port
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -307,3 +308,72 @@ def test_the_controller_restarts_its_torchrun_and_asks_other_trainer_nodes_for_t
     else:
         assert restart_requested(tmp_path, "5", 0) == RestartRequest("5", 1, None)
         assert restart_requested(tmp_path, "5", 1) is None
+
+
+def test_an_instance_whose_port_another_process_took_is_reported_with_the_holder_and_restarts_on_another_port(tmp_path,
+                                                                                                            capsys):
+    """The node picks engine0's port and publishes it; another process (a second job's engine, a
+    slurmd) binds it before engine0 does, so engine0 exits with EADDRINUSE. The node says which port
+    on which node and which pid holds it (published for the controller too), picks another port of
+    launch.port_range for the restart, publishes it and asks to rejoin at the new URL."""
+    import dataclasses
+
+    from dora_megatron.launch.addresses import PortPicker, read as read_address
+    from dora_megatron.ports import job_port_range, pick_ports
+
+    lo, hi = job_port_range()
+    base = pick_ports(1, "0.0.0.0", (lo, hi - 3))[0]
+    window = (base, base + 3)
+    cfg, plan = _node(tmp_path, [f"launch.port_range=[{window[0]},{window[1]}]"])
+    (tmp_path / "health").write_text("ok")
+    stand_in = (sys.executable, "-m", "http.server", "{port:engine0}", "--bind", "127.0.0.1", "--directory", str(tmp_path))
+    spec = next(p for p in plan.processes if p.name == "engine0")
+    assert spec.host == "n2" and spec.auto_ports == ("engine0",) and "{port:engine0}" in spec.argv
+    plan = dataclasses.replace(plan, engine_urls={**plan.engine_urls, "engine0": "http://127.0.0.1:{port:engine0}"},
+                               processes=[dataclasses.replace(p, argv=stand_in) if p is spec else p for p in plan.processes])
+    picker = PortPicker(tmp_path, "5", "n2", job_port_range(cfg.launch.port_range), wait_s=5)
+    argv, picked = picker.resolve(stand_in, ("engine0",))
+    taken = picked["engine0"]
+    assert window[0] <= taken <= window[1] and read_address(tmp_path, "engine0", "5").port == taken
+    with hold_port(taken) as holder, ProcessSet(tmp_path / "logs", grace_s=5) as procs:
+        first = procs.start("engine0", argv)
+        assert first.popen.wait(timeout=30) != 0  # the collision happened: it could not bind
+        assert "Address already in use" in first.log_path.read_text()
+        engines = NodeEngines(cfg, procs, plan, "n2", tmp_path / "join", announce_first=False, run_dir=tmp_path,
+                              job_id="5", picker=picker)
+        deadline = time.monotonic() + 60
+        while not read_join_requests(tmp_path / "join") and time.monotonic() < deadline:
+            engines.check()
+            time.sleep(0.2)
+        (req,) = read_join_requests(tmp_path / "join")
+        now = read_address(tmp_path, "engine0", "5")
+        assert now.port != taken and window[0] <= now.port <= window[1] and not now.failed
+        assert (req.name, req.url, req.attempt) == ("engine0", f"http://127.0.0.1:{now.port}", 1)
+    said = capsys.readouterr().err  # the node's report names the port, the node and the holder
+    assert f"engine0 on n2 exited with status 1: engine0 cannot bind port {taken} on node n2" in said
+    assert f"held by pid {holder.pid} (" in said and f"restarting it (attempt 1 of 3) at http://127.0.0.1:{now.port}" in said
+
+
+def test_a_node_publishes_why_its_instance_failed_naming_the_port_and_its_holder(tmp_path, capsys):
+    """No restart left: the failure record the controller reads names the port, the node and the holder's pid."""
+    import dataclasses
+
+    from dora_megatron.launch.addresses import PortPicker, read as read_address
+    from dora_megatron.ports import job_port_range
+
+    cfg, plan = _node(tmp_path, ["launch.max_engine_restarts=0"])
+    stand_in = (sys.executable, "-m", "http.server", "{port:engine0}", "--bind", "127.0.0.1", "--directory", str(tmp_path))
+    plan = dataclasses.replace(plan, processes=[dataclasses.replace(p, argv=stand_in) if p.name == "engine0" else p
+                                                for p in plan.processes])
+    picker = PortPicker(tmp_path, "5", "n2", job_port_range(), wait_s=5)
+    argv, picked = picker.resolve(stand_in, ("engine0",))
+    port = picked["engine0"]
+    with hold_port(port) as holder, ProcessSet(tmp_path / "logs", grace_s=5) as procs:
+        assert procs.start("engine0", argv).popen.wait(timeout=30) != 0  # it could not bind
+        engines = NodeEngines(cfg, procs, plan, "n2", tmp_path / "join", announce_first=False, run_dir=tmp_path,
+                              job_id="5", picker=picker)
+        engines.check()
+        rec = read_address(tmp_path, "engine0", "5")
+        assert rec.final and rec.port == port
+        assert f"engine0 cannot bind port {port} on node n2" in rec.failed and f"pid {holder.pid} (" in rec.failed
+    assert "no restart left" in capsys.readouterr().err and engines.given_up == {"engine0"}

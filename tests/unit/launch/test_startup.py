@@ -130,3 +130,30 @@ def test_the_start_is_refused_when_no_restart_can_reach_the_minimum(tmp_path):
         assert procs.children[1].log_path.read_text().count("restarted by the launcher") == 2
     msg = str(err.value)
     assert "only 1 of 2" in msg and "e1: exited with status 1: ValueError: shard 3 of the weights is missing" in msg
+
+
+def test_a_remote_instance_its_node_saw_fail_to_bind_is_reported_so_and_one_that_moved_is_followed(tmp_path):
+    """Instances of other SLURM nodes are no children here: what their nodes published says where they
+    are (a restart moved e0 to another port: followed) and why one is down (e1 could not bind: that,
+    not "still loading", refuses the start)."""
+    from dora_megatron.launch.addresses import Address, publish, url_resolver
+
+    with ProcessSet(tmp_path / "logs", grace_s=2) as procs:
+        (p0,) = free_ports(1)
+        procs.start("server", [sys.executable, "-c", HEALTHY, "--port", str(p0)])  # e0's process, on its new port
+        publish(tmp_path, Address("e0", "n2", p0, "7"))
+        why = "exited with status 2: e1 cannot bind port 30000 on node n3 (0.0.0.0:30000): held by pid 4242 (slurmd -N n3)"
+        publish(tmp_path, Address("e1", "n3", 30000, "7", failed=why, final=True))
+        resolve = url_resolver(tmp_path, "7")
+        templates = {"e0": "http://127.0.0.1:{port:e0}", "e1": "http://127.0.0.1:{port:e1}"}
+
+        def locate(name):
+            url, addr = resolve(templates[name])
+            return url, addr.failed, addr.final
+
+        with pytest.raises(StartupRefused) as err:
+            _run(wait_for_instances(dict(templates), procs, min_ready=2, timeout_s=20, interval_s=0.1, locate=locate))
+        msg = str(err.value)
+        assert f"e1: {why}" in msg and "e1: not healthy" not in msg  # refused at once: e1 is down for good
+        res = _run(wait_for_instances(dict(templates), procs, min_ready=1, timeout_s=20, interval_s=0.1, locate=locate))
+    assert res.ready == {"e0"} and res.urls["e0"] == f"http://127.0.0.1:{p0}" and res.absent == {"e1": why}
