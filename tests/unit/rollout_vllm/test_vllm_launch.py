@@ -263,6 +263,11 @@ def test_slurm_plan_starts_vllm_servers_on_the_rollout_nodes(tmp_path):
     cfg = load_config(str(Path(__file__).resolve().parents[3] / "configs" / "cpu_slurm.yaml"),
                       ["rollout.engine=vllm", "vllm.python=/opt/v/bin/python", "rollout.num_instances=2"])
     env = read_slurm_env({"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_ID": "7", "SLURM_NNODES": "2"})
+    # by default each server's port is picked free on its node when it starts (launch.port_range)
+    picked = [p for p in slurm_plan(cfg, env, "/run/model", str(tmp_path)).processes if p.role == "engine"]
+    assert [p.port for p in picked] == [None, None]
+    assert [p.argv[p.argv.index("--port") + 1] for p in picked] == ["{port:engine0}", "{port:engine1}"]
+    cfg.cluster.rollout_base_port = 30000  # a site's fixed ports
     plan = slurm_plan(cfg, env, "/run/model", str(tmp_path))
     engines = [p for p in plan.processes if p.role == "engine"]
     assert [(p.name, p.host, p.port) for p in engines] == [("engine0", "n2", 30000), ("engine1", "n2", 30001)]
