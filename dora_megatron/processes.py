@@ -19,6 +19,7 @@ import re
 import shlex
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +62,7 @@ class Child:
     argv: tuple[str, ...] = ()
     env: dict[str, str] | None = None
     cpus: tuple[int, ...] = ()
+    redact: tuple[str, ...] = ()  # strings its log never shows (see :func:`_relay_redacted`)
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -165,6 +167,26 @@ def _ignore_the_jobs_warning() -> None:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
+def _relay_redacted(pipe: IO[bytes], out: IO[bytes], redact: tuple[str, ...]) -> None:
+    """Copy a child's output to its log line by line, each of ``redact`` replaced.
+
+    WHY: SGLang 0.5.23 logs its resolved arguments at start, its ``api_key`` included
+    (``entrypoints/engine.py``: ``server_args=...``), and the job's secret must be in no log. Whole
+    lines are copied, so a secret (no newline in it) is never split across two writes. Ends when
+    the child and everything it started have closed the pipe, or when the log is closed (the child
+    was stopped)."""
+    secrets = [r.encode() for r in redact]
+    try:
+        for line in iter(pipe.readline, b""):
+            for secret in secrets:
+                line = line.replace(secret, b"<redacted>")
+            out.write(line)
+    except (OSError, ValueError):  # the log was closed under it: the child was stopped
+        pass
+    finally:
+        pipe.close()
+
+
 class ChildFailed(RuntimeError):
     pass
 
@@ -194,9 +216,12 @@ class ProcessSet:
         self.stop_all()
 
     def start(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None,
-              cpus: Sequence[int] = ()) -> Child:
+              cpus: Sequence[int] = (), redact: Sequence[str] = ()) -> Child:
+        """Start child ``name``; its output goes to ``<log_dir>/<name>.log``, with each string of
+        ``redact`` written as ``<redacted>`` (a program that logs a credential it was given)."""
         log_path = self.log_dir / f"{name}.log"
         fh = open(log_path, "ab", buffering=0)
+        redact = tuple(r for r in redact if r)
         full_env = {**os.environ, **(env or {})}
         pinned: set[int] = set()
         if cpus:
@@ -212,10 +237,13 @@ class ProcessSet:
             if pinned:
                 os.sched_setaffinity(0, pinned)
 
-        popen = self._spawner.submit(subprocess.Popen, list(argv), stdout=fh, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=full_env, start_new_session=True,
-                                     preexec_fn=preexec).result()
-        child = Child(name, popen, log_path, fh, tuple(argv), dict(env or {}), tuple(cpus))
+        popen = self._spawner.submit(subprocess.Popen, list(argv), stdout=subprocess.PIPE if redact else fh,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env,
+                                     start_new_session=True, preexec_fn=preexec).result()
+        if redact:
+            threading.Thread(target=_relay_redacted, args=(popen.stdout, fh, redact), daemon=True,
+                             name=f"dora-log-{name}").start()
+        child = Child(name, popen, log_path, fh, tuple(argv), dict(env or {}), tuple(cpus), redact)
         self.children.append(child)
         log.info("started %s (pid %d), log %s", name, popen.pid, log_path)
         return child
@@ -229,7 +257,7 @@ class ProcessSet:
         old.log_file.write(f"\n--- restarted by the launcher at {time.strftime('%H:%M:%S')} ---\n".encode())
         old.log_file.close()
         self.children.pop(index)
-        new = self.start(name, argv if argv is not None else old.argv, old.env, cpus=old.cpus)
+        new = self.start(name, argv if argv is not None else old.argv, old.env, cpus=old.cpus, redact=old.redact)
         self.children.insert(index, self.children.pop())
         return new
 

@@ -124,6 +124,14 @@ def check_job(proc, run_dir, steps: int, tbs: int) -> tuple[dict, list[dict]]:
     for i in range(2):  # both instances were started by the launcher and served
         log = (run_dir / "logs" / f"engine{i}.log").read_text(errors="replace")
         assert "POST /generate HTTP" in log, log[-2000:]
+    # the job's secret (SGLang's keys, from its --config) is in no file but its own two 0600 ones: the
+    # servers logged their resolved arguments, keys redacted
+    from dora_megatron.comm import auth
+
+    secret = (run_dir / auth.SECRET_FILE).read_text().strip().encode()
+    kept = {run_dir / auth.SECRET_FILE, run_dir / auth.SGLANG_KEYS_FILE}
+    assert "<redacted>" in (run_dir / "logs" / "engine0.log").read_text(errors="replace")
+    assert not [p for p in run_dir.rglob("*") if p.is_file() and p not in kept and secret in p.read_bytes()]
     return summary, rows
 
 

@@ -19,10 +19,12 @@ from dora_megatron.rollout.health import InstanceNotReady, wait_ready  # noqa: F
 
 def start_instance(procs: ProcessSet, spec: ProcessSpec) -> Child:
     """Start one planned SGLang process (``spec.role == "engine"``); its output goes to ``<log_dir>/<name>.log``."""
-    from dora_megatron.comm.auth import sglang_config_args
+    from dora_megatron.comm.auth import secret_from_env, sglang_config_args
 
-    # the job's keys as SGLang's --api-key/--admin-api-key, from a 0600 file (never on the command line)
-    return procs.start(spec.name, [*spec.argv, *sglang_config_args()], {**spec.env, "PYTHONUNBUFFERED": "1"})
+    # the job's keys as SGLang's --api-key/--admin-api-key, from a 0600 file (never on the command
+    # line); 0.5.23 logs its resolved arguments, keys included: its log shows them redacted
+    return procs.start(spec.name, [*spec.argv, *sglang_config_args()], {**spec.env, "PYTHONUNBUFFERED": "1"},
+                       redact=(secret_from_env() or "",))
 
 
 log = logging.getLogger(__name__)
