@@ -71,5 +71,5 @@ def test_a_job_started_sglang_asks_for_the_keys_and_the_client_sends_them(server
         assert len(out.output_ids) == 2 and version == "0"
     finally:
         inst.stop()
-    if server == "standin":  # real 0.5.23 logs its resolved arguments, keys included (docs/security.md)
+    if server == "standin":  # real 0.5.23 logs its keys; a job relays that log redacted (test_sglang_real.py)
         assert secret not in inst.log()
