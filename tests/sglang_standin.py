@@ -549,14 +549,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--speculative-draft-model-path", "--speculative-draft-model", default=None)
     p.add_argument("--api-key", default=None)
     p.add_argument("--admin-api-key", default=None)
-    p.add_argument("--config", default=None, help="YAML of flags (keys: a flag's dest or long name)")
+    p.add_argument("--config", default=None, help="YAML of flags (keys: a flag's long name without --)")
     args, _ = p.parse_known_args(argv)
     if args.config:  # as 0.5.23: the file's values first, the command line's win
         import yaml
 
-        for key, value in (yaml.safe_load(Path(args.config).read_text()) or {}).items():
+        # ``utils/server_args_config_parser.py`` turns each key into ``--<key>`` verbatim, so a key
+        # spelled as a dest (``api_key``) is an unknown argument there: refused here too
+        config = yaml.safe_load(Path(args.config).read_text()) or {}
+        known = {"api-key", "admin-api-key"}
+        unknown = [f"--{key}" for key in config if key not in known]
+        if unknown:
+            p.error(f"unrecognized arguments: {' '.join(unknown)}")
+        for key, value in config.items():
             dest = key.replace("-", "_")
-            if dest in ("api_key", "admin_api_key") and getattr(args, dest) is None:
+            if getattr(args, dest) is None:
                 setattr(args, dest, str(value))
     return args
 

@@ -124,7 +124,9 @@ def write_sglang_keys(path: Path, secret: str) -> None:
 
 
 def _sglang_yaml(secret: str) -> str:
-    return f"api_key: {secret}\nadmin_api_key: {secret}\n"
+    # keys as flag names: 0.5.23's config parser turns each into ``--<key>`` verbatim
+    # (``utils/server_args_config_parser.py``), so ``api_key`` would be an unknown argument
+    return f"api-key: {secret}\nadmin-api-key: {secret}\n"
 
 
 def sglang_config_args(env: Mapping[str, str] | None = None) -> list[str]:

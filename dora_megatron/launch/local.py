@@ -129,6 +129,8 @@ def run_local_job(cfg: DoraConfig, resume: str | None = None) -> int:
     plan = local_plan(cfg, str(model_dir), str(run_dir), base_port=engine_ports[0])
     # free ports need not be consecutive: patch each engine's --port to its own
     plan = [_with_port(p, engine_ports[i]) if p.role == "engine" else p for i, p in enumerate(plan)]
+    from dora_megatron.rollout.sglang.server import start_instance
+
     # Ctrl-C, kill, scancel: the first one checkpoints at the next step boundary, the second unwinds at once
     signals = StopSignals()
     try:
@@ -136,8 +138,7 @@ def run_local_job(cfg: DoraConfig, resume: str | None = None) -> int:
         with auth.job_environment(run_dir, cfg.launch.secret_file), signals, ProcessSet(run_dir / "logs", grace_s=cfg.launch.shutdown_timeout_s) as procs:
             for spec in plan:
                 if spec.role == "engine":  # SGLang reads the job's keys from a 0600 file (--config)
-                    argv = [*spec.argv, *auth.sglang_config_args()] if cfg.rollout.engine == "sglang" else spec.argv
-                    procs.start(spec.name, argv, spec.env, cpus=spec.cpus)
+                    start_instance(procs, spec, cfg.rollout.engine)
                 elif spec.role == "trainer":
                     argv = list(spec.argv) + ["--host", host, "--port", str(trainer_port)]
                     if checkpoint is not None:

@@ -428,7 +428,7 @@ def run_slurm_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan, resume: st
                         procs.start("trainer" if is_controller else spec.name, argv, {**spec.env, "PYTHONUNBUFFERED": "1"})
                     elif spec.role == "engine":
                         argv, _ = picker.resolve(spec.argv, spec.auto_ports)
-                        start_instance(procs, dataclasses.replace(spec, argv=tuple(argv)))
+                        start_instance(procs, dataclasses.replace(spec, argv=tuple(argv)), cfg.rollout.engine)
                 if not is_controller:  # a ChildFailed (its trainer died) writes FAILED below
                     return _serve_until_end(run_dir, NodeEngines(cfg, procs, plan, node, join_dir, announce_first=False,
                                                                  run_dir=run_dir, job_id=env.job_id, picker=picker),
@@ -626,7 +626,7 @@ def run_join_node(cfg: DoraConfig, env: SlurmEnv, plan: ClusterPlan) -> int:
             for spec in plan.processes_on(node):
                 if spec.role == "engine":
                     argv, _ = picker.resolve(spec.argv, spec.auto_ports)
-                    start_instance(procs, dataclasses.replace(spec, argv=tuple(argv)))
+                    start_instance(procs, dataclasses.replace(spec, argv=tuple(argv)), cfg.rollout.engine)
             engines = NodeEngines(cfg, procs, plan, node, join_dir, announce_first=True, run_dir=run_dir, picker=picker)
             while (heartbeat_age(join_dir) or float("inf")) > bound:  # no live controller yet
                 if time.monotonic() > deadline:

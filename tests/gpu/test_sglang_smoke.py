@@ -79,7 +79,7 @@ def server(model_dir, tmp_path_factory):
     spec = InstanceSpec("sgl-smoke", model_dir, "127.0.0.1", port, free_port(), 0, 1, "0", seed=0)
     logs = tmp_path_factory.mktemp("sgl-logs")
     with ProcessSet(logs, grace_s=30) as procs:
-        child = start_instance(procs, ProcessSpec("engine", "sgl-smoke", "127.0.0.1", server_argv(spec, cfg.sglang, cfg.rollout)))
+        child = start_instance(procs, ProcessSpec("engine", "sgl-smoke", "127.0.0.1", server_argv(spec, cfg.sglang, cfg.rollout)), "sglang")
         url = f"http://127.0.0.1:{port}"
         asyncio.run(wait_ready(url, path="/health_generate", timeout_s=900, alive=child.alive, tail=child.tail))
         yield url

@@ -17,13 +17,18 @@ from dora_megatron.processes import Child, ProcessSet, ProcessSpec
 from dora_megatron.rollout.health import InstanceNotReady, wait_ready  # noqa: F401 (part of this module's API)
 
 
-def start_instance(procs: ProcessSet, spec: ProcessSpec) -> Child:
-    """Start one planned SGLang process (``spec.role == "engine"``); its output goes to ``<log_dir>/<name>.log``."""
+def start_instance(procs: ProcessSet, spec: ProcessSpec, engine: str) -> Child:
+    """Start one planned rollout process (``spec.role == "engine"``, ``engine`` as ``rollout.engine``
+    names it); its output goes to ``<log_dir>/<name>.log``. An SGLang server of a job also gets the
+    job's keys as ``--api-key``/``--admin-api-key`` from a 0600 file (``--config``: never on the command
+    line), and since 0.5.23 logs its resolved arguments, keys included, its log shows the secret as
+    ``<redacted>``. The embedded engine and vLLM read the secret from the environment."""
     from dora_megatron.comm.auth import secret_from_env, sglang_config_args
 
-    # the job's keys as SGLang's --api-key/--admin-api-key, from a 0600 file (never on the command
-    # line); 0.5.23 logs its resolved arguments, keys included: its log shows them redacted
-    return procs.start(spec.name, [*spec.argv, *sglang_config_args()], {**spec.env, "PYTHONUNBUFFERED": "1"},
+    env = {**spec.env, "PYTHONUNBUFFERED": "1"}
+    if engine != "sglang":
+        return procs.start(spec.name, spec.argv, env, cpus=spec.cpus)
+    return procs.start(spec.name, [*spec.argv, *sglang_config_args()], env, cpus=spec.cpus,
                        redact=(secret_from_env() or "",))
 
 

@@ -49,7 +49,7 @@ def test_the_job_environment_is_set_while_the_job_runs_and_restored_after(tmp_pa
         assert os.environ[auth.WEIGHTS_ROOT_ENV] == str(tmp_path.resolve() / "weights")
         keys = tmp_path / auth.SGLANG_KEYS_FILE
         assert stat.S_IMODE(keys.stat().st_mode) == 0o600
-        assert keys.read_text() == f"api_key: {secret}\nadmin_api_key: {secret}\n"
+        assert keys.read_text() == f"api-key: {secret}\nadmin-api-key: {secret}\n"  # flag names (--config)
         assert auth.sglang_config_args() == ["--config", str(tmp_path.resolve() / auth.SGLANG_KEYS_FILE)]
     assert auth.SECRET_ENV not in os.environ and auth.sglang_config_args() == []
     assert os.environ[auth.VLLM_KEY_ENV] == "someone-elses"
