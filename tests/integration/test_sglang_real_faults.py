@@ -132,7 +132,7 @@ def test_hung_server_is_replaced_then_resume_after_a_job_kill_consumes_every_gro
     launcher has replaced it; after the checkpoint of step 2 the whole job is SIGKILLed (every
     process, SGLang's scheduler and detokenizer children included, must go), then resumed."""
     run_dir = tmp_path / "run"
-    n = 5
+    n = 12  # steps after the checkpoint of step 2 keep the job running until the kill lands
     args = (f"run.steps={n}", "run.checkpoint_interval=2", "controller.health_timeout_s=5")
     proc = sglang_job(run_dir, *args)
     job = Output(proc)
@@ -150,7 +150,7 @@ def test_hung_server_is_replaced_then_resume_after_a_job_kill_consumes_every_gro
         replaced = pids_of(run_dir)["engine1"] != before["engine1"] and not any(alive(p) for p in hung)
         signal_tree(held, signal.SIGCONT)
         held = []
-        wait_for(lambda: any((run_dir / "checkpoints").glob("v2/controller.json")) and steps_done(run_dir) >= 3,
+        wait_for(lambda: any((run_dir / "checkpoints").glob("v000002/controller.json")) and steps_done(run_dir) >= 3,
                  BOUND_S, "the checkpoint of step 2 and a step after it", proc)
         tree = [p for pid in pids_of(run_dir).values() for p in process_tree(pid)]
         kill_controller(run_dir, proc)
