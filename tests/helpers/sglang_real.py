@@ -26,6 +26,7 @@ from typing import Iterable
 import pytest
 
 from dora_megatron.config.sglang import CPU_SGLANG_PYTHON
+from tests.helpers.tiers import require_venv
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU_CONFIG = ROOT / "configs" / "cpu_sglang.yaml"
@@ -34,14 +35,7 @@ SGLANG_PYTHON = os.path.expanduser(os.environ.get("DORA_SGLANG_PYTHON") or CPU_S
 
 def require_sglang() -> str:
     """The SGLang venv's interpreter, or a skip (a failure in CI with ``DORA_SGLANG=1``)."""
-    if os.environ.get("DORA_SGLANG") != "1":
-        pytest.skip("SGLang tier is opt-in: DORA_SGLANG=1 (after bash tools/setup_sglang_cpu.sh)")
-    if os.access(SGLANG_PYTHON, os.X_OK):
-        return SGLANG_PYTHON
-    why = f"no SGLang venv at {SGLANG_PYTHON} (bash tools/setup_sglang_cpu.sh, or set DORA_SGLANG_PYTHON)"
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"DORA_SGLANG=1 in CI but {why}")
-    pytest.skip(why)
+    return require_venv("DORA_SGLANG", SGLANG_PYTHON, "SGLang", "tools/setup_sglang_cpu.sh", "DORA_SGLANG_PYTHON")
 
 
 def cpu_config(overrides: Iterable[str] = ()):

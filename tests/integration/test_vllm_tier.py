@@ -33,6 +33,7 @@ from dora_megatron.config.vllm import DEFAULT_VLLM_PYTHON, VLLMConfig
 from dora_megatron.controller.main import drive
 from dora_megatron.ports import free_ports
 from dora_megatron.data.reward_api import ThreadScorer
+from tests.helpers.tiers import require_venv
 from tests.helpers.proc_tree import process_tree, signal_tree
 from tests.helpers.resubmit_moves import MoveLog, StaticTrainer
 
@@ -45,14 +46,7 @@ VLLM_PYTHON = os.path.expanduser(os.environ.get("DORA_VLLM_PYTHON") or DEFAULT_V
 @pytest.fixture(scope="module", autouse=True)
 def vllm_venv():
     """Opt-in (``DORA_VLLM=1``): the tier takes minutes and needs the vllm venv."""
-    if os.environ.get("DORA_VLLM") != "1":
-        pytest.skip("vLLM tier is opt-in: DORA_VLLM=1 (after bash tools/setup_vllm.sh)")
-    if os.access(VLLM_PYTHON, os.X_OK):
-        return VLLM_PYTHON
-    why = f"no vllm venv at {VLLM_PYTHON} (bash tools/setup_vllm.sh, or set DORA_VLLM_PYTHON)"
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"DORA_VLLM=1 in CI but {why}")
-    pytest.skip(why)
+    return require_venv("DORA_VLLM", VLLM_PYTHON, "vLLM", "tools/setup_vllm.sh", "DORA_VLLM_PYTHON")
 
 
 # ---------------------------------------------------------------- real servers, started by pid
