@@ -25,6 +25,7 @@ setup(
         "numpy>=1.24",
         "aiohttp>=3.9",
         "orjson>=3.9",  # /generate answers decoded off the event loop (dora_megatron/comm/generate_codec.py)
+        "msgspec>=0.18",  # request bodies checked against their typed fields (dora_megatron/comm/protocol.py)
         "tqdm>=4.60",
         "matplotlib>=3.7",
         "psutil>=5.9",  # megatron dist_checkpointing save
@@ -36,14 +37,16 @@ setup(
         "scipy>=1.10",  # dora bench: Student t quantiles of the ratios' confidence intervals
     ],
     extras_require={
-        # msgspec: SGLang 0.5.23's request types (tests/sglang_wheel.py) validate the client's bodies;
+        # msgspec (also an install requirement): SGLang 0.5.23's request types (tests/sglang_wheel.py)
+        # validate the client's bodies;
         # import-linter: the layering contracts of .importlinter (tests/unit/test_layering.py; 2.17 has
         # the acyclic_siblings contract); pytest-timeout: a hung test fails alone (pytest.ini) instead
         # of holding the whole run; pytest-xdist: CI runs the suite on two workers (`-n 2 --dist
         # loadfile`: a module's fixtures stay on one worker), the integration tests wait on their
-        # servers about half of the time
+        # servers about half of the time; mypy (pinned: a new release may flag what this one passes):
+        # the type check of mypy.ini (tests/unit/test_types.py)
         "test": ["pytest>=8", "hypothesis>=6.100", "msgspec>=0.18", "import-linter>=2.17", "pytest-timeout>=2.3",
-                 "pytest-xdist>=3.5", "wandb>=0.17"],  # wandb: the offline W&B log of tests/integration/test_own_model_job.py
+                 "pytest-xdist>=3.5", "wandb>=0.17", "mypy==2.4.1"],  # wandb: the offline W&B log of tests/integration/test_own_model_job.py
         # CUDA clusters only; documented in the README, never needed on CPU. SGLang is pinned to
         # the release whose protocol dora speaks (comm/sglang_client.py TESTED_SGLANG_VERSION);
         # another one gets a warning at launch.

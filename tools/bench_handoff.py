@@ -16,6 +16,11 @@ at ``--max-tokens``. Measured, on this machine:
   per rank against total / DP, and the slowest rank's read. Hand-off wall = write + slowest read
   (ranks read in parallel on their own nodes; here they are timed one after another).
 
+``--spool`` (with ``--routed-experts``): the routed experts are first written to the run's spool
+as the controller does while each sample finishes (:mod:`~dora_megatron.comm.routed_spool`; timed
+apart, ``spool_write_s``: spread over the rollout, not part of the hand-off), then the hand-off
+writes only the token columns and each rank reads its samples' routed ids from the spool.
+
 Prints one JSON object; ``--skip-json`` leaves the old path out (it needs the whole body in memory).
 """
 
@@ -36,11 +41,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from dora_megatron.comm.batch_files import BatchReader, routed_text, write_batch  # noqa: E402
+from dora_megatron.comm.batch_files import BatchReader, write_batch  # noqa: E402
+from dora_megatron.comm.routed_spool import SPOOL_DIR, RoutedSpool  # noqa: E402
+from dora_megatron.comm.train_sample import TrainSample, decode_train, encode_train  # noqa: E402
 from dora_megatron.trainer.packing import plan_step  # noqa: E402
 
 
-def build(args: argparse.Namespace) -> list[dict]:
+def build(args: argparse.Namespace) -> list[TrainSample]:
     rng = random.Random(0)
     gen = np.random.default_rng(0)
     layers, top_k = (int(x) for x in args.routed_experts.lower().split("x")) if args.routed_experts else (0, 0)
@@ -52,16 +59,16 @@ def build(args: argparse.Namespace) -> list[dict]:
         prompt = array("i", gen.integers(0, 150_000, args.prompt_tokens).tolist())
         for _ in range(args.group_size):
             n = max(1, min(args.max_tokens, int(scale * rng.paretovariate(alpha))))
-            s = {"prompt_ids": prompt, "response_ids": array("i", gen.integers(0, 150_000, n).astype(np.int32).tobytes()),
-                 "rollout_logprobs": array("f", (-gen.exponential(0.25, n)).astype(np.float32).tobytes()),
-                 "reward": float(rng.random() < 0.5), "group_id": f"g{g}", "version": 0}
+            s = TrainSample(prompt, array("i", gen.integers(0, 150_000, n).astype(np.int32).tobytes()),
+                            array("f", (-gen.exponential(0.25, n)).astype(np.float32).tobytes()), version=0,
+                            reward=float(rng.random() < 0.5), group_id=f"g{g}")
             if layers:
-                s["routed_experts"] = pool[:(args.prompt_tokens + n - 1) * layers * top_k]
+                s.routed_experts = pool[:(args.prompt_tokens + n - 1) * layers * top_k]
             samples.append(s)
     return samples
 
 
-async def write_with_lag(directory: Path, samples: list[dict]) -> tuple[dict, float, float]:
+async def write_with_lag(directory: Path, samples: list[TrainSample]) -> tuple[dict, float, float]:
     lags: list[float] = []
 
     async def tick() -> None:
@@ -89,27 +96,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dp", type=int, default=16)
     p.add_argument("--dir", default="", help="where the batch directory goes (default: a temporary one)")
     p.add_argument("--skip-json", action="store_true")
+    p.add_argument("--spool", action="store_true", help="routed experts spooled before the hand-off (as the controller does)")
     args = p.parse_args(argv)
     samples = build(args)
-    tokens = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
+    tokens = sum(s.tokens() for s in samples)
     out: dict = {"samples": len(samples), "tokens": tokens, "routed_experts": args.routed_experts or None,
                  "dp": args.dp}
     if not args.skip_json:
         t0 = time.monotonic()
-        body = json.dumps({"step": 0, "samples": [
-            {**s, "prompt_ids": s["prompt_ids"].tolist(), "response_ids": s["response_ids"].tolist(),
-             "rollout_logprobs": s["rollout_logprobs"].tolist(),
-             **({"routed_experts": routed_text(s["routed_experts"])} if "routed_experts" in s else {})}
-            for s in samples]})
+        body = encode_train(0, samples)  # the /train body without a batch directory
         out["json_encode_s"] = time.monotonic() - t0
         out["json_bytes"] = len(body)
         t0 = time.monotonic()
-        json.loads(body)
+        decode_train(json.loads(body))  # as the trainer's service reads it
         out["json_decode_s"] = time.monotonic() - t0
         del body
     work = Path(args.dir or tempfile.mkdtemp(prefix="bench_handoff_"))
     try:
+        if args.spool and args.routed_experts:
+            spool = RoutedSpool(work / SPOOL_DIR)
+            t0 = time.monotonic()
+            for s in samples:
+                s.routed_experts = spool.put(s.routed_experts)
+            spool.flush()
+            out.update({"spool_write_s": time.monotonic() - t0,
+                        "spool_bytes": sum(f.stat().st_size for f in (work / SPOOL_DIR).iterdir())})
         entry, write_s, lag = asyncio.run(write_with_lag(work / "step_000000", samples))
+        out["files_write_s_includes_routed"] = not args.spool
         out.update({"files_write_s": write_s, "loop_lag_max_during_write_ms": lag * 1000,
                     "files_bytes": sum(f.stat().st_size for f in (work / "step_000000").glob("*.npy")),
                     "request_bytes": len(json.dumps({"step": 0, "batch": entry}))})
@@ -124,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             seconds.append(time.monotonic() - t0)
             per_rank.append(reader.bytes_read)
             seen += rows
-        fair = out["files_bytes"] / args.dp
+        fair = (out["files_bytes"] + out.get("spool_bytes", 0)) / args.dp
         out.update({"rank_bytes_max": max(per_rank), "rank_bytes_min": min(per_rank),
                     "rank_bytes_max_over_fair_share": max(per_rank) / fair, "rank_read_s_max": max(seconds),
                     "rows_read_exactly_once": sorted(seen) == list(range(len(samples))),

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dora_megatron.config.orchestrator import OrchestratorConfig  # noqa: E402
 from dora_megatron.orchestrator import Migrate, Orchestrator, ReleaseBatch, Submit, SwitchVersion  # noqa: E402
+from dora_megatron.orchestrator.rebalance import rebalance  # noqa: E402
 
 
 def build(n_inst: int, inflight: int, group_size: int, staleness: int, seed: int, budget: int = 0):
@@ -126,7 +127,7 @@ def main(argv=None) -> int:
         if args.no_gc:
             gc.disable()
         t, c = time.perf_counter(), time.process_time()
-        orch._rebalance("timer")  # the step itself, without the surrounding dispatch
+        rebalance(orch, "timer")  # the step itself, without the surrounding dispatch
         forced_ms.append((time.perf_counter() - t) * 1e3)
         forced_cpu_ms.append((time.process_time() - c) * 1e3)
         gc.enable()

@@ -3,14 +3,13 @@
 
     python tools/bench_weights.py [--models tiny,0.5b] [--buckets 16,64,256] [--repeats 2] [--out FILE.json]
 
-Starts two embedded engines (CPU) on the model; then, per model:
+Starts an embedded engine (CPU) on the model; then, per model:
 
 - ``distributed``: :func:`dora_megatron.weights.transport.push_distributed` from this process (the
   trainer side, rank 0) to engine A over gloo, once per bucket size (group set-up included in the
   time; ``connect_s`` reported separately);
 - ``disk``: :func:`dora_megatron.weights.snapshots.write_snapshot` (trainer side) then engine A's
-  ``/update_weights_from_disk`` (time per version = write + load);
-- ``peer``: engine B copies engine A's weights (``/dora/update_weights_from_peer``).
+  ``/update_weights_from_disk`` (time per version = write + load).
 
 After each sync the engine's checksum is compared with the pushed weights' checksum (not timed).
 Models: ``tiny`` = the ``tiny-moe`` preset (fp32); ``0.5b`` = a random Qwen3 dense model with
@@ -70,7 +69,7 @@ def bench_model(kind: str, buckets: list[float], repeats: int, root: Path) -> li
     from dora_megatron.rollout.engine.process import start_engine
     from dora_megatron.comm.checksum import weights_checksum
     from dora_megatron.weights.snapshots import SnapshotStore
-    from dora_megatron.weights.transport import push_disk, push_distributed, push_peer
+    from dora_megatron.weights.transport import push_disk, push_distributed
 
     base, dtype = make_model(kind, root / f"{kind}-base", 0)
     new_dir, _ = make_model(kind, root / f"{kind}-new", 1)
@@ -79,8 +78,7 @@ def bench_model(kind: str, buckets: list[float], repeats: int, root: Path) -> li
     nparams = sum(t.numel() for t in tensors.values())
     expected = weights_checksum(tensors)
     log.info("%s: %d tensors, %.1f M params, %.1f MB (%s)", kind, len(tensors), nparams / 1e6, nbytes / 2**20, dtype)
-    engines = [start_engine(str(base), max_running=1, num_threads=1, extra_args=["--dtype", dtype], timeout_s=600)
-               for _ in range(2)]
+    engine = start_engine(str(base), max_running=1, num_threads=1, extra_args=["--dtype", dtype], timeout_s=600)
     rows: list[dict] = []
     version = 0
 
@@ -92,7 +90,7 @@ def bench_model(kind: str, buckets: list[float], repeats: int, root: Path) -> li
         print(json.dumps(r), flush=True)
 
     try:
-        a, b = engines[0].url, engines[1].url
+        a = engine.url
         for bucket in buckets:
             for _ in range(repeats):
                 version += 1
@@ -110,15 +108,8 @@ def bench_model(kind: str, buckets: list[float], repeats: int, root: Path) -> li
             assert asyncio.run(_checksum(a)) == expected, "disk: checksum mismatch"
             row("disk", None, write_s + res.seconds, nbytes, {"write_s": round(write_s, 3), "load_s": round(res.seconds, 3)})
             store.prune(version)
-        for _ in range(repeats):
-            res = asyncio.run(push_peer(a, [b], version))
-            assert asyncio.run(_checksum(b)) == expected, "peer: checksum mismatch"
-            row("peer", None, res.seconds, res.bytes)
-            # reset B so that the next copy really moves weights again
-            asyncio.run(push_disk(str(base), [b], 0))
     finally:
-        for e in engines:
-            e.stop()
+        engine.stop()
     return rows
 
 

@@ -13,6 +13,10 @@ import socket
 import subprocess
 import sys
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # run as a script from anywhere: the parity helpers live in tests/helpers
+    sys.path.insert(0, REPO)
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -47,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1 if world > 1 else 2)
     from dora_megatron.config.algo import AlgoConfig
     from dora_megatron.config.trainer import TrainerConfig
-    from dora_megatron.trainer.parity import fixed_inputs, hf_logits, megatron_logits
+    from tests.helpers.trainer_parity import fixed_inputs, hf_logits, megatron_logits
     from dora_megatron.trainer.worker import TrainerWorker
 
     cfg = TrainerConfig(tp=args.tp, pp=args.pp, ep=args.ep, device=args.device, use_distributed_optimizer=False)

@@ -11,7 +11,9 @@ so what runs is exactly the production runtime with ``rollout.engine: sglang``; 
 (``tools/fake_fleet.py``, many per process on 127.0.0.1) and the trainer are fakes.
 
 Measured in this process (the controller): event-loop lag (a 20 ms ticker's lateness), CPU
-seconds per 1,000 finished samples, peak RSS. Measured on the fakes' side: the interval between
+seconds per 1,000 finished samples, peak RSS; the lag and the CPU also until the runtime ended
+(``run_*``: without the run's end work, the last checkpoint, the model's export with torch's
+import and the overview plot, which a short run would spread over its few samples). Measured on the fakes' side: the interval between
 two stats polls of one instance (``stats_interval_s`` + the time one sweep over every instance
 takes), and the time from a trainer step's end to each instance's load of the new version.
 Checked: lost / duplicated groups and C1/C3 from the run summary, groups the fake trainer saw
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -63,11 +66,27 @@ class LagMonitor:
         self.stalls: dict[str, int] = {}
         self._task: asyncio.Task | None = None
         self._watch: threading.Thread | None = None
+        #: garbage collections during the run: per generation, how many and the longest (ms), in
+        #: any thread: a full one pauses every thread (the loop's included) for as long as it scans
+        self.gc: dict[int, list[float]] = {}
+        self.gc_running = False
+        self._gc_t0 = 0.0
+
+    def _gc_callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.gc_running, self._gc_t0 = True, time.perf_counter()
+            return
+        self.gc_running = False
+        self.gc.setdefault(info["generation"], []).append((time.perf_counter() - self._gc_t0) * 1000)
+
+    def gc_report(self) -> dict[str, dict[str, float]]:
+        return {f"gen{g}": {"count": len(v), "max_ms": max(v), "total_ms": sum(v)} for g, v in sorted(self.gc.items())}
 
     def start(self, stall_s: float = 0.0) -> None:
         """``stall_s`` > 0: a watchdog thread records where the loop's thread is whenever no tick
         came for ``stall_s`` (what blocks the loop, by innermost project frame)."""
         self._last_tick = time.monotonic()
+        gc.callbacks.append(self._gc_callback)
         self._task = asyncio.get_running_loop().create_task(self._run())
         if stall_s > 0:
             self._stop_watch = threading.Event()
@@ -91,10 +110,16 @@ class LagMonitor:
             stack = traceback.extract_stack(frame) if frame is not None else []
             ours = [f for f in stack if "dora_megatron" in f.filename]
             where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in reversed(ours[-3:]))
-            key = where or (f"{Path(stack[-1].filename).name}:{stack[-1].lineno}" if stack else "?")
+            inner = f"{Path(stack[-1].filename).name}:{stack[-1].lineno}:{stack[-1].name}" if stack else "?"
+            # the innermost frame too (a library's, e.g. aiohttp's reader), and whether the
+            # collector was running (a full collection stops whatever thread allocated)
+            key = (f"{inner} in {where}" if where and stack[-1] is not ours[-1] else where or inner) + \
+                (" [gc running]" if self.gc_running else "")
             self.stalls[key] = self.stalls.get(key, 0) + 1
 
     async def stop(self) -> None:
+        if self._gc_callback in gc.callbacks:
+            gc.callbacks.remove(self._gc_callback)
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -255,6 +280,7 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     os.sched_setaffinity(pid, args.others_cpus)
                     holder.setdefault("worker_cpus", {})[pid] = sorted(os.sched_getaffinity(pid))
             held.start(rt)
+            holder["at_end"] = asyncio.get_running_loop().create_task(_at_run_end(rt, lag, holder))
             lag.start(args.stall_s)  # from the runtime's start: startup (health checks of N URLs) is not the steady state
             if args.kill_worker_after_samples:
                 holder["killer"] = asyncio.get_running_loop().create_task(_kill_a_worker(rt, args, holder))
@@ -273,6 +299,8 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             error, summary = f"{type(err).__name__}: {err}", {}
         await lag.stop()
         await held.stop()
+        if "at_end" in holder:
+            holder["at_end"].cancel()
         t1 = time.monotonic()
         ru1 = resource.getrusage(resource.RUSAGE_SELF)
         if "killer" in holder:
@@ -294,6 +322,9 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     failed = set(rt.pool.failed_ever) if rt is not None else set(summary.get("failed_instances", []))
     ru0 = holder.get("ru_run", ru0)
     cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+    ru_end = holder.get("ru_end", ru1)  # the runtime's last step: before the final checkpoint, export, plots
+    cpu_run = (ru_end.ru_utime - ru0.ru_utime) + (ru_end.ru_stime - ru0.ru_stime)
+    run_lags_ms = [x * 1000 for x in lag.lags[:holder.get("lags_at_end", len(lag.lags))]]
     run_s = summary.get("wall_time_s") or (t1 - holder.get("t_run", t0))  # the runtime's own, without shutdown
     intervals = [x for s in fleet_stats.values() for x in s["poll_intervals"]]
     # step end -> load of the new version, per (version, instance)
@@ -314,11 +345,20 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return {
         "instances": args.instances, "steps": args.steps, "fleet_processes": len(counts),
         "error": error,
-        "steps_done": len(rt.training.steps) if rt is not None else 0,
+        "steps_done": rt.training.steps_done if rt is not None else 0,
         "wall_s": run_s, "startup_s": holder.get("t_run", t1) - t0,
         "loop_lag_p50_ms": pct(lags_ms, 0.5), "loop_lag_p99_ms": pct(lags_ms, 0.99),
         "loop_lag_max_ms": max(lags_ms) if lags_ms else None, "loop_lag_samples": len(lags_ms),
         "loop_stalls": dict(sorted(lag.stalls.items(), key=lambda kv: -kv[1])),
+        "gc_collections": lag.gc_report(),
+        "gc_oldest_generation_objects_at_end": holder.get("gc_tracked_at_end"), "gc_frozen_objects": holder.get("gc_frozen"),
+        # the same until the runtime ended (its last step trained): without the run's end (the last
+        # checkpoint, the model's export with torch's import, the overview plot), which a short run
+        # would otherwise spread over its few samples
+        "run_loop_lag_p99_ms": pct(run_lags_ms, 0.99), "run_loop_lag_max_ms": max(run_lags_ms, default=None),
+        "run_loop_stalls": dict(sorted(holder.get("stalls_at_end", lag.stalls).items(), key=lambda kv: -kv[1])),
+        "controller_cpu_s_run": cpu_run,
+        "run_cpu_s_per_1k_samples": cpu_run / holder["finished_at_end"] * 1000 if holder.get("finished_at_end") else None,
         "client_workers": cfg.rollout.client_workers,
         "controller_cpu_s": cpu, "fleet_and_trainer_cpu_s": fleet_cpu, "finished_samples": finished,
         "cpu_s_per_1k_samples": cpu / finished * 1000 if finished else None,
@@ -365,6 +405,19 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "controller_cpus_seen": sorted(os.sched_getaffinity(0)), "load_average_before": list(load_before), "load_average_after": list(load_after),
         "cpu_count": os.cpu_count(),
     }
+
+
+async def _at_run_end(rt, lag: LagMonitor, holder: dict[str, Any]) -> None:
+    """Note the controller's CPU, its finished samples and the loop's ticks and stalls so far once
+    the runtime ended (its last step done), before the run's end work."""
+    await rt.ended.wait()
+    holder["ru_end"] = resource.getrusage(resource.RUSAGE_SELF)
+    holder["finished_at_end"] = rt.store.samples_finished
+    holder["lags_at_end"] = len(lag.lags)
+    holder["stalls_at_end"] = dict(lag.stalls)
+    # what a full collection scans (tracked objects outside the frozen ones) against what is frozen
+    holder["gc_tracked_at_end"] = len(gc.get_objects(generation=2))
+    holder["gc_frozen"] = gc.get_freeze_count()
 
 
 def _routed_width(spec: str) -> int:
@@ -551,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
                                                for r in runs for v in r["invariant_violations"]]}
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     keys = ("instances", "client_workers", "wall_s", "loop_lag_p50_ms", "loop_lag_p99_ms", "loop_lag_max_ms",
-            "cpu_s_per_1k_samples", "worker_cpu_s_per_1k_samples", "stats_poll_interval_p50_s",
+            "run_loop_lag_p99_ms", "run_loop_lag_max_ms", "cpu_s_per_1k_samples", "run_cpu_s_per_1k_samples", "worker_cpu_s_per_1k_samples", "stats_poll_interval_p50_s",
             "stats_poll_interval_p99_s", "step_end_to_all_switched_max_s", "controller_max_rss_mb",
             "false_instance_failures", "connection_waits", "local_resource_errors", "lost_groups",
             "duplicated_groups", "c1_violations", "c3_violations")

@@ -265,6 +265,9 @@ def read_as_ranks(entry: dict[str, Any], dp: int) -> dict[str, Any]:
         per_rank.append(reader.bytes_read)
         rows_seen += rows
     total = sum(f.stat().st_size for f in Path(entry["dir"]).glob("*.npy"))
+    # routed experts the controller spooled as the samples finished (comm.routed_spool): part of the
+    # batch, read by the ranks from the spool, not from the directory
+    total += sum(v.nbytes for v in reader.spooled.values())
     return {"dp": dp, "total_bytes": total, "rank_bytes": per_rank, "rank_read_s": seconds,
             "rows_read_once": sorted(rows_seen) == list(range(len(lengths)))}
 

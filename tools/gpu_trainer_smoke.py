@@ -107,8 +107,9 @@ def run_rank(smoke: Smoke, hf: str, steps: int) -> int:
     import torch
     import torch.distributed as dist
 
+    from dora_megatron.comm.train_sample import TrainSample
     from dora_megatron.config.algo import AlgoConfig
-    from dora_megatron.trainer.parity import fixed_inputs, hf_logits, megatron_logits
+    from tests.helpers.trainer_parity import fixed_inputs, hf_logits, megatron_logits
     from dora_megatron.trainer.worker import TrainerWorker
 
     cfg = trainer_config(smoke)
@@ -122,9 +123,9 @@ def run_rank(smoke: Smoke, hf: str, steps: int) -> int:
     for i in range(16):
         prompt = torch.randint(0, vocab, (SEQ // 4,), generator=g).tolist()
         resp = torch.randint(0, vocab, (SEQ - len(prompt),), generator=g).tolist()
-        batch.append({"prompt_ids": prompt, "response_ids": resp, "reward": float(i % 2), "group_id": i // 4})
+        batch.append(TrainSample(prompt, resp, reward=float(i % 2), group_id=i // 4))
     for s, lp in zip(batch, worker.compute_logprobs(batch)):
-        s["rollout_logprobs"] = lp.tolist()
+        s.rollout_logprobs = lp.tolist()
     steps_out = [worker.train_step(batch) for _ in range(steps)]
     if dist.get_rank() == 0:
         last = steps_out[-1]

@@ -3,7 +3,7 @@
 Usage: python tools/make_example_model.py [--out example_own] [--rows 256] [--seed 0] [--family qwen3_moe]
 
 ``OUT/model``: a tiny model of ``--family`` (a supported ``model_type``: qwen3, qwen3_moe, qwen2_moe,
-mixtral) saved by transformers (bf16) with a byte-level BPE tokenizer,
+mixtral, glm4_moe, deepseek_v3) saved by transformers (bf16) with a byte-level BPE tokenizer,
 ``<|im_start|>`` / ``<|im_end|>``, a Qwen-style chat template and ``generation_config.json``;
 ``OUT/train.parquet``: DAPO-shaped rows (chat-list ``prompt`` with system + user,
 ``reward_model.ground_truth``, ``data_source``, ``extra_info``). The reward file that goes with it

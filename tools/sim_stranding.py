@@ -44,7 +44,7 @@ class _Probe(Orchestrator):
 
     def _fill(self):  # noqa: ANN202 - same contract as the parent
         out = super()._fill()
-        served = bool(self._active.get(self.newest) or self._incoming.get(self.newest))
+        served = self.index.served(self.newest)
         pool = None
         if not served and self._admissible_new() > 0:
             pool = tuple(sorted(self.newest - (i.version if i.version is not None else i.target)

@@ -43,6 +43,7 @@ def child(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
+    from dora_megatron.comm.train_sample import TrainSample
     from dora_megatron.config.algo import AlgoConfig
     from dora_megatron.config.trainer import TrainerConfig
     from dora_megatron.trainer import perf
@@ -65,10 +66,9 @@ def child(args: argparse.Namespace) -> int:
     batch = []
     for i in range(args.samples):
         ids = torch.randint(0, vocab, (args.seq,), generator=g).tolist()
-        batch.append({"prompt_ids": ids[: args.seq // 4], "response_ids": ids[args.seq // 4:],
-                      "reward": float(i % 2), "group_id": 0})
+        batch.append(TrainSample(ids[: args.seq // 4], ids[args.seq // 4:], reward=float(i % 2), group_id=0))
     for s, lp in zip(batch, worker.compute_logprobs(batch)):
-        s["rollout_logprobs"] = lp.tolist()
+        s.rollout_logprobs = lp.tolist()
     built = _rss_bytes()
     worker.train_step(batch)  # warm-up: Adam state, allocator caches
     perf.reset_peak_memory("cpu")

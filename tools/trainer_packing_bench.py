@@ -35,8 +35,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 log = logging.getLogger("trainer_packing_bench")
 
 
-def workload(cfg, steps: int, seed: int) -> list[list[dict]]:
+def workload(cfg, steps: int, seed: int) -> list[list]:
     """``steps`` batches of the config's task: prompt ids, correct-answer response ids, rewards."""
+    from dora_megatron.comm.train_sample import TrainSample
     from dora_megatron.data import tokenizer as tok
     from dora_megatron.data.codec import CharCodec
     from dora_megatron.data.tasks import make_prompt_source
@@ -53,9 +54,8 @@ def workload(cfg, steps: int, seed: int) -> list[list[dict]]:
             prompt_ids = codec.encode_prompt(prompt)
             response = tok.encode(source.target(prompt), add_bos=False) + [tok.EOS_ID]
             for _ in range(group):
-                batch.append({"prompt_ids": prompt_ids, "response_ids": response, "group_id": g,
-                              "reward": float(rng.random() < 0.5),
-                              "rollout_logprobs": [-2.0 * rng.random() for _ in response]})
+                batch.append(TrainSample(prompt_ids, response, [-2.0 * rng.random() for _ in response],
+                                         reward=float(rng.random() < 0.5), group_id=g))
         batches.append(batch)
     return batches
 
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                 times[plan].append(dt)
                 pads[plan].append(metrics["padding_fraction"])
             if step:
-                tokens.append(sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in batch))
+                tokens.append(sum(s.tokens() for s in batch))
             log.info("step %d/%d done", step, args.steps)
         worker.close()
     total = sum(tokens)

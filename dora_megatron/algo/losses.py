@@ -16,17 +16,20 @@ the sample's own behaviour log-probs):
 * rollout correction (:mod:`dora_megatron.algo.correction`): truncated importance sampling weight
   ``min(exp(trainer_lp - rollout_lp), tis_cap)`` (detached) and/or masked IS (token or sequence
   level) / IcePop masking of tokens whose trainer/rollout ratio leaves a band;
-* optional k3 KL to a reference ``exp(ref - logp) - (ref - logp) - 1`` times ``kl_coef``;
 * optional entropy bonus ``-entropy_coef * H``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from dora_megatron.algo.correction import CorrectionSettings, rollout_correction
+
+if TYPE_CHECKING:
+    from dora_megatron.config.algo import AlgoConfig
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,6 @@ class LossSettings:
     tis_cap: float = 0.0
     length_norm: str = "token_mean"
     length_norm_constant: int = 0
-    kl_coef: float = 0.0
     entropy_coef: float = 0.0
     correction: CorrectionSettings = field(default_factory=CorrectionSettings)
 
@@ -75,7 +77,7 @@ class LossOutput:
         return self.loss_sum / max(self.denominator, 1)
 
 
-def settings_from_config(cfg) -> LossSettings:
+def settings_from_config(cfg: AlgoConfig) -> LossSettings:
     """Map an ``AlgoConfig`` to :class:`LossSettings` (``loss`` picks the clip bounds)."""
     if cfg.loss == "ppo_clip":
         bounds = ClipBounds(cfg.clip_eps_low, cfg.clip_eps_high, cfg.clip_eps_low, cfg.clip_eps_high, 0.0)
@@ -87,7 +89,7 @@ def settings_from_config(cfg) -> LossSettings:
     correction = CorrectionSettings(mode=cfg.rollout_correction, low=cfg.correction_low,
                                     high=cfg.correction_high, seq_agg=cfg.seq_mis_agg, tis_cap=cfg.tis_cap)
     return LossSettings(bounds=bounds, tis_cap=cfg.tis_cap, length_norm=cfg.length_norm,
-                        length_norm_constant=cfg.length_norm_constant, kl_coef=cfg.kl_coef,
+                        length_norm_constant=cfg.length_norm_constant,
                         entropy_coef=cfg.entropy_coef, correction=correction)
 
 
@@ -108,15 +110,9 @@ def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, b: ClipBounds) -> 
     return loss, was_clipped
 
 
-def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """Schulman's k3 estimator of KL(pi || ref), per token, >= 0."""
-    d = ref_logprobs - logprobs
-    return torch.exp(d) - d - 1
-
-
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, settings: LossSettings, *, rollout_logprobs: torch.Tensor | None = None,
-                trainer_logprobs: torch.Tensor | None = None, ref_logprobs: torch.Tensor | None = None,
+                trainer_logprobs: torch.Tensor | None = None,
                 entropy: torch.Tensor | None = None, on_policy: torch.Tensor | None = None) -> LossOutput:
     """Token-level GRPO-family loss for one micro-batch.
 
@@ -150,12 +146,6 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         if settings.correction.mode != "none":
             metrics["correction_dropped_fraction"] = corr.dropped.sum().detach()
     metrics["pg_loss"] = (per_token * loss_mask).sum().detach()
-    if settings.kl_coef > 0:
-        if ref_logprobs is None:
-            raise ValueError("kl_coef > 0 needs ref_logprobs")
-        kl = k3_kl(logprobs, ref_logprobs.detach())
-        per_token = per_token + settings.kl_coef * kl
-        metrics["kl"] = (kl * mask).sum().detach()
     if entropy is not None:
         metrics["entropy"] = (entropy * mask).sum().detach()
         if settings.entropy_coef > 0:

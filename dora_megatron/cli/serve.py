@@ -96,7 +96,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "Default: the job's secret from $DORA_JOB_SECRET (a job never puts it on a command "
                              "line); neither: no check")
     parser.add_argument("--admin-api-key", default=None,
-                        help="the admin routes (weight updates, pause/continue, flush, abort, /dora/weights, "
+                        help="the admin routes (weight updates, pause/continue, flush, abort, "
                              "request export/import) need this key instead (as SGLang's --admin-api-key)")
     parser.add_argument("--weights-root", action="append", default=None,
                         help="a directory /update_weights_from_disk may load from besides --model (repeatable; "

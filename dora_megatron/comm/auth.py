@@ -2,7 +2,7 @@
 
 WHY: a job's processes talk over HTTP, and under SLURM they listen on the cluster network (on a
 shared login node, loopback is shared too). Without a credential anyone who can reach a port can
-read the policy's weights (``GET /dora/weights``), use or stop the rollout, or make the trainer
+load or replace the policy's weights, use or stop the rollout, or make the trainer
 write and load checkpoints where they say. One secret per job, made at start and kept in the run
 directory (0600), closes that: every server asks for ``Authorization: Bearer <secret>``, compared
 in constant time; only ``/health`` stays open (and says nothing but health).
@@ -27,7 +27,11 @@ import stat
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Iterable, Iterator, Mapping
+
+if TYPE_CHECKING:
+    from aiohttp.typedefs import Handler, Middleware
+    from aiohttp.web import StreamResponse
 
 #: the environment variable that hands the job's secret to the processes the job starts
 SECRET_ENV = "DORA_JOB_SECRET"
@@ -53,8 +57,14 @@ class SecretError(ValueError):
 
 
 def new_secret() -> str:
-    """A fresh secret: :data:`SECRET_BYTES` random bytes from :mod:`secrets`, URL-safe text."""
-    return secrets.token_urlsafe(SECRET_BYTES)
+    """A fresh secret: :data:`SECRET_BYTES` random bytes from :mod:`secrets`, URL-safe text.
+
+    WHY never a leading ``-``: SGLang reads its keys file into ``--api-key <secret>``, and its
+    argument parser takes a value starting with ``-`` for a flag ("expected one argument"), so one
+    job in 64 could not start its servers. Drawing again keeps 256 bits less one choice of 64."""
+    while (secret := secrets.token_urlsafe(SECRET_BYTES)).startswith("-"):
+        pass
+    return secret
 
 
 def write_secret(path: Path, secret: str) -> None:
@@ -83,8 +93,9 @@ def read_secret(path: Path) -> str:
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise SecretError(f"the job secret {path} is readable by others (mode {stat.S_IMODE(mode):o}); "
                           f"chmod 600 {path}")
-    if len(text) < MIN_SECRET_CHARS or any(c.isspace() for c in text):
-        raise SecretError(f"the job secret {path} must be one word of at least {MIN_SECRET_CHARS} characters "
+    if len(text) < MIN_SECRET_CHARS or any(c.isspace() for c in text) or text.startswith("-"):
+        raise SecretError(f"the job secret {path} must be one word of at least {MIN_SECRET_CHARS} characters, "
+                          f"not starting with '-' (SGLang would read it as a flag) "
                           f"(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')")
     return text
 
@@ -215,7 +226,7 @@ DENIED = {401: "unauthorized: this job's endpoints need 'Authorization: Bearer <
           403: "forbidden: the credential offered is not this job's"}
 
 
-def aiohttp_middleware(keys: Keys, admin_paths: Iterable[str]) -> Callable[..., Any]:
+def aiohttp_middleware(keys: Keys, admin_paths: Iterable[str]) -> Middleware:
     """An aiohttp middleware refusing a request before its handler runs (nothing is read of its
     body, nothing of the offered credential is logged). ``admin_paths``: the admin routes."""
     from aiohttp import web
@@ -223,7 +234,7 @@ def aiohttp_middleware(keys: Keys, admin_paths: Iterable[str]) -> Callable[..., 
     admin = frozenset(admin_paths)
 
     @web.middleware
-    async def require_job_secret(request: web.Request, handler: Callable[[web.Request], Awaitable[Any]]) -> Any:
+    async def require_job_secret(request: web.Request, handler: Handler) -> StreamResponse:
         status = keys.decide(request.path, request.path in admin, request.headers.get("Authorization"))
         if status is not None:
             msg = DENIED[status]
@@ -247,25 +258,3 @@ def inside(path: str | Path, roots: Iterable[str | Path], rule: str) -> Path:
         if resolved == r or r in resolved.parents:
             return resolved
     raise OutsideJob(f"{path!r} is refused: {rule}")
-
-
-# ---- peers prove they belong to the job ----------------------------------------------------------
-#: header of a peer weight pull carrying the puller's random challenge
-NONCE_HEADER = "X-Dora-Nonce"
-#: header of the answer proving the peer holds the job's secret
-PROOF_HEADER = "X-Dora-Proof"
-
-
-def proof(secret: str, nonce: str) -> str:
-    """What a peer answers to ``nonce``: an HMAC keyed by the job's secret (the secret itself never
-    goes back over the wire, and an answer to one nonce is no answer to another)."""
-    return hmac.new(secret.encode(), b"dora-peer-weights:" + nonce.encode(), "sha256").hexdigest()
-
-
-def new_nonce() -> str:
-    return secrets.token_hex(16)
-
-
-def proven(secret: str, nonce: str, offered: str | None) -> bool:
-    """Whether ``offered`` is the peer's proof for ``nonce`` (constant time)."""
-    return offered is not None and hmac.compare_digest(offered.encode(), proof(secret, nonce).encode())

@@ -10,10 +10,13 @@ of the contiguous CPU tensor. The result is a lowercase hex string.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Mapping
+
+if TYPE_CHECKING:
+    import torch
 
 
-def weights_checksum(tensors: Mapping[str, Any]) -> str:
+def weights_checksum(tensors: Mapping[str, torch.Tensor]) -> str:
     """sha256 hex digest over ``name, dtype, shape, bytes`` of every tensor in sorted name order."""
     import torch
 

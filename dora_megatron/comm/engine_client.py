@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Sequence
+from concurrent.futures import Executor
+from types import SimpleNamespace
+from typing import Mapping, Sequence
 
 import aiohttp
+import msgspec
 
 from dora_megatron.comm.generate_codec import decode_generate
 from dora_megatron.comm.http_session import HttpSession
+from dora_megatron.comm.json_value import JSON, JSONObject, json_object, parse_json, read_answer
 from dora_megatron.comm.limits import ConnectionPlan, ConnectionWaits, ControllerResourceError
 from dora_megatron.comm.protocol import GenerateRequest, GenerateResponse, SamplingParams
 
@@ -51,9 +55,10 @@ _UNAVAILABLE_WORDS = ("unsupported", "not supported", "unknown action", "not imp
                       "no such action", "invalid action")
 
 
-def probe_unavailable(exc: BaseException) -> bool:
-    """Whether ``exc`` says the probe cannot run on this server (404, 405, 501, or a 400/422 whose
-    message refuses the action), as opposed to a probe that ran and failed."""
+def probe_unavailable(exc: object) -> bool:
+    """Whether ``exc`` (an exception, or any result of ``gather(..., return_exceptions=True)``) says
+    the probe cannot run on this server (404, 405, 501, or a 400/422 whose message refuses the
+    action), as opposed to a probe that ran and failed."""
     if isinstance(exc, ProbeUnavailable):
         return True
     if not isinstance(exc, EngineError) or isinstance(exc, VersionMismatch):
@@ -68,12 +73,14 @@ def _queued_trace(waits: ConnectionWaits) -> aiohttp.TraceConfig:
     marks the call's ``trace_request_ctx`` while it waits (a timeout then is the pool's)."""
     tc = aiohttp.TraceConfig()
 
-    async def queued(_session: Any, ctx: Any, _params: Any) -> None:
+    async def queued(_session: aiohttp.ClientSession, ctx: SimpleNamespace,
+                     _params: aiohttp.TraceConnectionQueuedStartParams) -> None:
         waits.add()
         if isinstance(ctx.trace_request_ctx, dict):
             ctx.trace_request_ctx["queued"] = True
 
-    async def dequeued(_session: Any, ctx: Any, _params: Any) -> None:
+    async def dequeued(_session: aiohttp.ClientSession, ctx: SimpleNamespace,
+                       _params: aiohttp.TraceConnectionQueuedEndParams) -> None:
         if isinstance(ctx.trace_request_ctx, dict):
             ctx.trace_request_ctx["queued"] = False
 
@@ -86,16 +93,50 @@ class ExtensionUnsupported(RuntimeError):
     """The engine lacks a dora extension (an SGLang server, or an older engine)."""
 
 
+def _error_message(body: bytes) -> str:
+    """The ``message`` of an error answer (SGLang's and ours are ``{"message": ...}``), else its text."""
+    try:
+        answer = parse_json(body)
+    except ValueError:  # not JSON (or not UTF-8): the text says what went wrong
+        answer = None
+    message = answer.get("message") if isinstance(answer, dict) else None
+    return str(message) if message else body.decode(errors="replace")
+
+
+# The fields read from the answers of the dora extensions (the embedded engine's routes; other
+# fields of an answer are ignored).
+class _ServerInfo(msgspec.Struct):
+    dora_extensions: list[str] | None = None
+
+
+class _Added(msgspec.Struct):
+    added: bool = False
+
+
+class _ImportedKv(msgspec.Struct):
+    tokens: int
+
+
+class _ReleasedKv(msgspec.Struct):
+    released: bool
+
+
+class _Checksum(msgspec.Struct):
+    checksum: str
+
+
 class EngineClient:
     """Talks to one engine at ``base_url`` (e.g. ``http://127.0.0.1:30000``)."""
 
     def __init__(self, base_url: str, session: aiohttp.ClientSession | None = None, timeout_s: float = 600.0, *,
-                 plan: ConnectionPlan | None = None, waits: ConnectionWaits | None = None) -> None:
+                 plan: ConnectionPlan | None = None, waits: ConnectionWaits | None = None,
+                 decoder: Executor | None = None) -> None:
         """``plan``: this process's connection budget (:func:`~dora_megatron.comm.limits.plan_connections`):
         at most ``plan.generate`` generates on the wire, more wait for one to end (the wait is not
         part of the call's timeout), and ``plan.generate + plan.control`` sockets in all. ``waits``:
         counts every call that waited for a connection (back-pressure). Without a plan: aiohttp's
-        default pool of 100 and no gate."""
+        default pool of 100 and no gate. ``decoder``: the executor big answers are decoded in,
+        shared by a process's clients (:func:`~dora_megatron.comm.generate_codec.decode_generate`)."""
         self.base_url = base_url.rstrip("/")
         self.waits = waits
         tracing = [_queued_trace(waits)] if waits is not None else None
@@ -107,55 +148,64 @@ class EngineClient:
             self._http = HttpSession(timeout_s, session=session, trace_configs=tracing)
             self._generates = None
         self._extensions: frozenset[str] | None = None
+        self.decoder = decoder  # where big /generate answers are decoded (None: the loop's default executor)
 
     async def __aenter__(self) -> "EngineClient":
         return self
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
     async def close(self) -> None:
         """Close this client's own session (a shared one given to the constructor stays open)."""
         await self._http.close()
 
-    async def _request(
-        self, method: str, path: str, json_body: Any = None, data: bytes | None = None, raw: bool = False,
-        timeout_s: float | None = None,
-    ) -> Any:
-        """One call, bounded by ``timeout_s`` or else the client's ``timeout_s``: a stalled engine raises TimeoutError."""
+    async def _call(self, method: str, path: str, json_body: JSONObject | None = None, data: bytes | None = None,
+                    timeout_s: float | None = None) -> list[bytes]:
+        """One call, bounded by ``timeout_s`` or else the client's ``timeout_s``: a stalled engine raises
+        TimeoutError. Returns a 2xx answer's body as the list of pieces it arrived in (a big one is
+        joined by the caller's worker thread, never copied whole on the loop); a 4xx/5xx answer
+        raises :class:`EngineError` (:class:`VersionMismatch` for a 409 about the weight version)."""
         url = self.base_url + path
         timeout = self._http.call_timeout(timeout_s)
         queued = {"queued": False}  # set by the tracing while the call waits for a pooled connection
         try:
             async with self._http.session().request(method, url, json=json_body, data=data, timeout=timeout,
                                                     trace_request_ctx=queued) as resp:
-                body = await resp.read()
+                # each piece as the socket gave it: a loop turn per piece, none proportional to the body
+                chunks = [chunk async for chunk in resp.content.iter_any()]
         except asyncio.TimeoutError as exc:
             if queued["queued"]:  # timed out before any connection was free: the pool's limit, not the engine
                 raise ControllerResourceError(url, "no pooled connection became free within the call's timeout") from exc
             raise
         if resp.status >= 400:
-            try:
-                import json
-
-                msg = json.loads(body).get("message") or body.decode(errors="replace")
-            except Exception:  # noqa: BLE001 - any non-JSON error body
-                msg = body.decode(errors="replace")
+            msg = _error_message(b"".join(chunks))
             cls = VersionMismatch if resp.status == 409 and "version" in msg else EngineError
             raise cls(url, resp.status, msg)
-        if raw:
-            return body
-        if not body:
-            return {}
-        import json
+        return chunks
 
-        return json.loads(body)
+    async def _bytes(self, method: str, path: str, json_body: JSONObject | None = None,
+                     timeout_s: float | None = None) -> bytes:
+        """:meth:`_call`'s answer as one body (control answers and exported state: joined once)."""
+        chunks = await self._call(method, path, json_body, timeout_s=timeout_s)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def _request(self, method: str, path: str, json_body: JSONObject | None = None, data: bytes | None = None,
+                       timeout_s: float | None = None) -> JSON:
+        """:meth:`_call`'s answer parsed as JSON (an empty body: the empty object)."""
+        chunks = await self._call(method, path, json_body, data, timeout_s)
+        return parse_json(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+
+    async def _object(self, method: str, path: str, json_body: JSONObject | None = None,
+                      data: bytes | None = None) -> JSONObject:
+        """:meth:`_request` of a route that answers a JSON object (a ProtocolError otherwise)."""
+        return json_object(await self._request(method, path, json_body, data), self.base_url + path)
 
     # ---- SGLang protocol -----------------------------------------------------------------
     async def generate(
         self,
         input_ids: Sequence[int],
-        sampling_params: SamplingParams | dict[str, Any] | None = None,
+        sampling_params: SamplingParams | Mapping[str, JSON] | None = None,
         *,
         rid: str | None = None,
         return_logprob: bool = True,
@@ -179,50 +229,50 @@ class EngineClient:
         if keep_kv and await self.supports("keep_kv"):
             body["dora_keep_kv"] = True
         if self._generates is None:
-            return await decode_generate(await self._request("POST", "/generate", body, raw=True))
+            return await decode_generate(await self._call("POST", "/generate", body), self.decoder)
         if self._generates.locked() and self.waits is not None:
             self.waits.add()  # back-pressure: every generate connection of this instance is in use
         async with self._generates:  # the timeout starts once a connection is ours
-            answer = await self._request("POST", "/generate", body, raw=True)
-        return await decode_generate(answer)  # a big answer in a worker thread, the connection already free
+            answer = await self._call("POST", "/generate", body)
+        return await decode_generate(answer, self.decoder)  # a big answer in a worker thread, the connection free
 
     async def abort(self, rid: str = "", abort_all: bool = False) -> bool:
         """Abort by rid prefix (or all); False if nothing matched (already finished)."""
         try:
-            await self._request("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
+            await self._call("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
         except EngineError as exc:
             if exc.status == 404:
                 return False
             raise
         return True
 
-    async def pause(self, mode: str = "abort") -> dict[str, Any]:
-        return await self._request("POST", "/pause_generation", {"mode": mode})
+    async def pause(self, mode: str = "abort") -> JSONObject:
+        return await self._object("POST", "/pause_generation", {"mode": mode})
 
-    async def continue_generation(self) -> dict[str, Any]:
-        return await self._request("POST", "/continue_generation", {})
+    async def continue_generation(self) -> JSONObject:
+        return await self._object("POST", "/continue_generation", {})
 
     async def flush_cache(self) -> bool:
         """True once the cache is flushed; False when the engine refused (requests still running).
         The body is not read: SGLang answers plain text ("Cache flushed. ..."), not JSON."""
         try:
-            await self._request("POST", "/flush_cache", raw=True)
+            await self._call("POST", "/flush_cache")
         except EngineError as exc:
             if exc.status == 400:
                 return False
             raise
         return True
 
-    async def server_info(self) -> dict[str, Any]:
-        return await self._request("GET", "/get_server_info")
+    async def server_info(self) -> JSONObject:
+        return await self._object("GET", "/get_server_info")
 
     async def weight_version(self) -> str:
-        return str((await self._request("GET", "/get_model_info")).get("weight_version"))
+        return str((await self._object("GET", "/get_model_info")).get("weight_version"))
 
     async def health(self, timeout_s: float = 5.0) -> bool:
         """True if ``/health`` answers 200 within ``timeout_s`` (a hung engine gives False, not a wait)."""
         try:
-            await self._request("GET", "/health", timeout_s=timeout_s)
+            await self._call("GET", "/health", timeout_s=timeout_s)
         except (EngineError, aiohttp.ClientError, asyncio.TimeoutError):
             return False
         return True
@@ -235,43 +285,43 @@ class EngineClient:
                 raise TimeoutError(f"{self.base_url} not healthy after {timeout_s} s")
             await asyncio.sleep(interval_s)
 
-    async def update_weights_from_disk(self, model_path: str, weight_version: int | str | None = None) -> dict[str, Any]:
-        body: dict[str, Any] = {"model_path": model_path}
+    async def update_weights_from_disk(self, model_path: str, weight_version: int | str | None = None) -> JSONObject:
+        body: JSONObject = {"model_path": model_path}
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
-        return await self._request("POST", "/update_weights_from_disk", body)
+        return await self._object("POST", "/update_weights_from_disk", body)
 
     async def init_weights_update_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int,
         group_name: str = "weight_update_group", backend: str = "gloo",
-    ) -> dict[str, Any]:
-        body = {
+    ) -> JSONObject:
+        body: JSONObject = {
             "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
             "world_size": world_size, "group_name": group_name, "backend": backend,
         }
-        return await self._request("POST", "/init_weights_update_group", body)
+        return await self._object("POST", "/init_weights_update_group", body)
 
-    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
-        return await self._request("POST", "/destroy_weights_update_group", {"group_name": group_name})
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> JSONObject:
+        return await self._object("POST", "/destroy_weights_update_group", {"group_name": group_name})
 
     async def update_weights_from_distributed(
         self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
         group_name: str = "weight_update_group", weight_version: int | str | None = None,
-    ) -> dict[str, Any]:
+    ) -> JSONObject:
         """POST the metadata; the caller broadcasts the tensors (rank 0) concurrently, in order."""
-        body: dict[str, Any] = {
+        body: JSONObject = {
             "names": list(names), "dtypes": [str(d).replace("torch.", "") for d in dtypes],
             "shapes": [list(s) for s in shapes], "group_name": group_name,
         }
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
-        return await self._request("POST", "/update_weights_from_distributed", body)
+        return await self._object("POST", "/update_weights_from_distributed", body)
 
     # ---- dora extensions -----------------------------------------------------------------
     async def extensions(self) -> frozenset[str]:
         if self._extensions is None:
-            info = await self.server_info()
-            self._extensions = frozenset(info.get("dora_extensions") or ())
+            info = read_answer(await self.server_info(), _ServerInfo, self.base_url + "/get_server_info")
+            self._extensions = frozenset(info.dora_extensions or ())
         return self._extensions
 
     async def supports(self, name: str) -> bool:
@@ -285,59 +335,39 @@ class EngineClient:
         """Give running request ``rid`` more speculative drafts (a sibling's finished token ids);
         False when it has already left the engine."""
         await self._require("draft_sources")
-        resp = await self._request("POST", "/dora/draft_sources", {"rid": rid, "sources": [list(s) for s in sources]})
-        return bool(resp.get("added"))
+        path = "/dora/draft_sources"
+        resp = await self._request("POST", path, {"rid": rid, "sources": [list(s) for s in sources]})
+        return read_answer(resp, _Added, self.base_url + path).added
 
     async def export_request(self, rid: str) -> bytes:
         """Take request ``rid`` out of this engine; returns its serialised state (KV included)."""
         await self._require("export_request")
-        return await self._request("POST", "/dora/export_request", {"rid": rid}, raw=True)
+        return await self._bytes("POST", "/dora/export_request", {"rid": rid})
 
     async def export_kv(self, rid: str) -> bytes:
         """Take the KV kept for ``rid`` (its trajectory's last turn) off this engine, serialised."""
         await self._require("keep_kv")
-        return await self._request("POST", "/dora/export_kv", {"rid": rid}, raw=True)
+        return await self._bytes("POST", "/dora/export_kv", {"rid": rid})
 
     async def import_kv(self, blob: bytes) -> int:
         """Keep the KV ``blob`` (:meth:`export_kv` of another engine) here; returns the tokens it covers."""
         await self._require("keep_kv")
-        return int((await self._request("POST", "/dora/import_kv", data=blob))["tokens"])
+        path = "/dora/import_kv"
+        return read_answer(await self._request("POST", path, data=blob), _ImportedKv, self.base_url + path).tokens
 
     async def release_kv(self, rid: str) -> bool:
         """Free the KV kept for ``rid`` (its trajectory ended); whether there was some."""
         await self._require("keep_kv")
-        return bool((await self._request("POST", "/dora/release_kv", {"rid": rid}))["released"])
+        path = "/dora/release_kv"
+        return read_answer(await self._request("POST", path, {"rid": rid}), _ReleasedKv, self.base_url + path).released
 
     async def import_request(self, blob: bytes) -> GenerateResponse:
         """Continue an exported request here; returns its final generate response."""
         await self._require("import_request")
-        return GenerateResponse.from_json(await self._request("POST", "/dora/import_request", data=blob))
+        return GenerateResponse.from_json(await self._object("POST", "/dora/import_request", data=blob))
 
     async def weights_checksum(self) -> str:
         await self._require("weights_checksum")
-        return str((await self._request("GET", "/dora/weights_checksum"))["checksum"])
+        path = "/dora/weights_checksum"
+        return read_answer(await self._request("GET", path), _Checksum, self.base_url + path).checksum
 
-    async def get_weights(self) -> tuple[bytes, str, str]:
-        """This engine's current weights as a safetensors blob, with its weight_version and checksum."""
-        await self._require("weights")
-        url = self.base_url + "/dora/weights"
-        async with self._http.session().get(url) as resp:
-            if resp.status >= 400:
-                raise EngineError(url, resp.status, (await resp.text())[:300])
-            buf = bytearray()
-            async for chunk in resp.content.iter_chunked(8 << 20):  # far faster than read() for big bodies
-                buf += chunk
-            return bytes(buf), resp.headers.get("X-Dora-Weight-Version", ""), resp.headers.get("X-Dora-Weights-Checksum", "")
-
-    async def update_weights_from_peer(
-        self, peer_url: str, weight_version: int | str | None = None, checksum: str | None = None,
-    ) -> dict[str, Any]:
-        """Copy the weights of the engine at ``peer_url``; ``weight_version``/``checksum``, when given,
-        must match what the peer holds (else HTTP 400 and the old weights stay)."""
-        await self._require("update_weights_from_peer")
-        body: dict[str, Any] = {"url": peer_url.rstrip("/"), "timeout_s": self._http.timeout.total or 600.0}
-        if weight_version is not None:
-            body["weight_version"] = str(weight_version)
-        if checksum is not None:
-            body["checksum"] = checksum
-        return await self._request("POST", "/dora/update_weights_from_peer", body)

@@ -7,8 +7,11 @@ receives thousands of them per step. Parsed on the event loop, a burst of them h
 Here an answer above :data:`BIG_ANSWER_BYTES` is decoded in a worker thread: the routed experts'
 base64 is cut out of the raw bytes first and decoded in slices (the JSON parser never scans it,
 and no single call holds the GIL for long) into the smallest integer array that holds the expert
-ids; the rest is parsed with orjson when installed (several times faster than ``json``). A
-malformed answer raises :class:`~dora_megatron.comm.protocol.ProtocolError` naming the field.
+ids; the per-token log-probs are parsed as one flat list (:func:`split_logprobs`: no Python list
+per token for the garbage collector to count); the rest is parsed with orjson (several times
+faster than ``json``). ``raw["meta_info"]["output_token_logprobs"]`` is then None: the log-probs
+are ``output_token_logprobs``. A malformed answer raises
+:class:`~dora_megatron.comm.protocol.ProtocolError` naming the field.
 """
 
 from __future__ import annotations
@@ -16,13 +19,17 @@ from __future__ import annotations
 import asyncio
 import binascii
 import json
-from typing import Any
+from array import array
+from concurrent.futures import Executor
+from typing import Callable, Mapping, Sequence, cast
 
 import numpy as np
 
 from dora_megatron.comm.batch_files import expert_dtype
+from dora_megatron.comm.json_value import JSON
 from dora_megatron.comm.protocol import GenerateResponse, ProtocolError
 
+_loads: Callable[[bytes], JSON]  # orjson's and json's loads both return only what JSON names
 try:
     import orjson
 
@@ -37,6 +44,7 @@ BIG_ANSWER_BYTES = 8 * 1024
 #: base64 characters decoded per call (a multiple of 4): the GIL is free between two slices
 B64_SLICE = 4 << 20
 _ROUTED_KEY = b'"routed_experts"'
+_LOGPROBS_KEY = b'"output_token_logprobs"'
 
 
 def split_routed(body: bytes) -> tuple[bytes, bytes | None]:
@@ -58,6 +66,64 @@ def split_routed(body: bytes) -> tuple[bytes, bytes | None]:
     return body[:j] + b"null" + body[end + 1:], body[j + 1:end]
 
 
+def _value_start(body: bytes, key: bytes) -> int:
+    """Where the value of object key ``key`` (quoted) starts in ``body`` (-1: no such key). An
+    escaped quote before it is the key's text inside a string, not a key."""
+    at = body.find(key)
+    while at > 0 and body[at - 1:at] == b"\\":
+        at = body.find(key, at + 1)
+    if at < 0:
+        return -1
+    j = at + len(key)
+    while body[j:j + 1] in (b" ", b"\n", b"\t", b"\r"):
+        j += 1
+    if body[j:j + 1] != b":":
+        return -1
+    j += 1
+    while body[j:j + 1] in (b" ", b"\n", b"\t", b"\r"):
+        j += 1
+    return j
+
+
+def split_logprobs(body: bytes) -> tuple[bytes, list[float]] | None:
+    """``body`` with ``meta_info.output_token_logprobs`` replaced by ``null``, and the log-probs
+    (the first item of each ``[logprob, token_id, text]``); None when the fast path does not apply
+    (no such list, an item that is not three numbers-or-null, text present): the caller parses the
+    whole answer then, which names the malformed field.
+
+    WHY: parsed as JSON, the list is one small Python list per token; at reasoning lengths
+    thousands per answer, each counted by the garbage collector, so the answers of a busy
+    controller triggered collections that scan every object it holds (hundreds of thousands at
+    4,096 requests in flight): ~3x the parse's own CPU (``docs/results/controller_scale.md``). Here
+    its brackets are dropped and the numbers parsed as one flat list (no container per token)."""
+    j = _value_start(body, _LOGPROBS_KEY)
+    if j < 0 or body[j:j + 1] != b"[":
+        return None
+    if body[j:j + 2] == b"[]":
+        return body[:j] + b"null" + body[j + 2:], []
+    end = body.find(b"]]", j)
+    if end < 0:
+        return None
+    text = body[j + 1:end + 1]  # [a, b, null], [c, d, null]
+    if b'"' in text:  # the tokens' text (return_text_in_logprobs): brackets may hide in strings
+        return None
+    items = text.count(b"[")
+    try:
+        flat = _loads(b"[" + text.translate(None, b"[]") + b"]")
+        # each item exactly [number, integer, null]: otherwise the whole answer is parsed
+        if (not isinstance(flat, list) or len(flat) != 3 * items or text.count(b"null]") != items
+                or flat[2::3].count(None) != items):
+            return None
+        # WHY casts: array() checks the items' types itself, once per token in C (TypeError otherwise)
+        array("q", cast(list[int], flat[1::3]))
+        logprobs = array("d", cast(list[float], flat[0::3])).tolist()
+    except _JSONError:
+        return None
+    except (TypeError, OverflowError):
+        return None
+    return body[:j] + b"null" + body[end + 2:], logprobs
+
+
 def decode_routed(text: bytes) -> np.ndarray:
     """SGLang's base64 of little-endian int32 expert ids -> a flat array of the smallest signed
     integer type that holds them (int8 up to 127 experts: 1 byte an id, not 4)."""
@@ -74,7 +140,7 @@ def decode_routed(text: bytes) -> np.ndarray:
     return ids.astype(expert_dtype(int(ids.max()) + 1 if ids.size else 1))
 
 
-def _bad_item(values: list, ok) -> int:
+def _bad_item(values: list[JSON], ok: Callable[[JSON], bool]) -> int:
     return next(i for i, v in enumerate(values) if not ok(v))
 
 
@@ -84,10 +150,17 @@ def parse_generate(body: bytes) -> GenerateResponse:
     if not body:
         return GenerateResponse.from_json({})
     body, routed = split_routed(body)
-    try:
-        d = _loads(body)
-    except _JSONError as err:
-        raise ProtocolError(f"/generate answer is not JSON: {err}") from None
+    fast, d = split_logprobs(body), None
+    if fast is not None:
+        try:
+            d = _loads(fast[0])
+        except _JSONError:
+            fast = None  # cut in the wrong place: the whole answer is parsed below
+    if fast is None:
+        try:
+            d = _loads(body)
+        except _JSONError as err:
+            raise ProtocolError(f"/generate answer is not JSON: {err}") from None
     if not isinstance(d, dict):
         raise ProtocolError(f"/generate answer must be a JSON object, got {type(d).__name__}")
     ids = d.get("output_ids") or []
@@ -100,27 +173,59 @@ def parse_generate(body: bytes) -> GenerateResponse:
     if not isinstance(meta, dict):
         raise ProtocolError(f"meta_info must be an object, got {type(meta).__name__}")
     lps, logprobs = meta.get("output_token_logprobs"), None
-    if lps is not None:
+    if fast is not None:  # cut out and parsed flat (None in ``raw``)
+        logprobs = fast[1]
+        if len(logprobs) != len(ids):
+            raise ProtocolError(f"meta_info.output_token_logprobs has {len(logprobs)} entries for {len(ids)} output_ids")
+    elif lps is not None:
         if not isinstance(lps, list):
             raise ProtocolError("meta_info.output_token_logprobs must be a list of [logprob, token_id, text]")
         try:
-            logprobs = [float(x[0]) for x in lps]
+            # WHY a cast: this loop runs once per output token, so the entries' shape is checked by
+            # the exceptions below (then _bad_item names the entry), not by an isinstance per token
+            logprobs = [float(x[0]) for x in cast(list[Sequence[float]], lps)]
         except (TypeError, ValueError, IndexError, KeyError):
-            i = _bad_item(lps, lambda x: isinstance(x, list) and x and isinstance(x[0], (int, float)))
+            i = _bad_item(lps, lambda x: isinstance(x, list) and bool(x) and isinstance(x[0], (int, float)))
             raise ProtocolError(f"meta_info.output_token_logprobs[{i}] must be [logprob, token_id, text], "
                                 f"got {str(lps[i])[:80]}") from None
         if len(lps) != len(ids):
             raise ProtocolError(f"meta_info.output_token_logprobs has {len(lps)} entries for {len(ids)} output_ids")
+    answer: Mapping[str, object] = d  # the JSON answer, and below the decoded routed experts (an array) in it
     if routed is not None:
-        meta["routed_experts"] = decode_routed(routed)
-    resp = GenerateResponse.from_json(d)
+        answer = {**d, "meta_info": {**meta, "routed_experts": decode_routed(routed)}}
+    resp = GenerateResponse.from_json(answer)
     resp.output_token_logprobs = logprobs
+    resp.token_arrays = token_arrays(cast(list[int], ids), logprobs)  # each checked an int above
     return resp
 
 
-async def decode_generate(body: bytes) -> GenerateResponse:
-    """:func:`parse_generate`, in a worker thread when ``body`` is big."""
-    if len(body) > BIG_ANSWER_BYTES:
-        return await asyncio.to_thread(parse_generate, body)
-    return parse_generate(body)
+def token_arrays(ids: list[int], logprobs: list[float] | None) -> tuple[array[int], array[float]]:
+    """An answer's ids and log-probs as the sample store's arrays (int32, float32; log-probs 0.0
+    when the answer has none), converted here, where the answer is parsed, so that the event loop
+    only appends bytes. Raises :class:`ProtocolError` for an id that does not fit an int32."""
+    try:
+        out = array("i", ids)
+    except OverflowError:
+        i = _bad_item(cast(list[JSON], ids), lambda t: isinstance(t, int) and -(1 << 31) <= t < (1 << 31))
+        raise ProtocolError(f"output_ids[{i}] does not fit a 32-bit token id: {ids[i]!r}") from None
+    return out, array("f", logprobs) if logprobs is not None else array("f", bytes(4 * len(ids)))
+
+
+def _join_and_parse(pieces: list[bytes]) -> GenerateResponse:
+    return parse_generate(b"".join(pieces))
+
+
+async def decode_generate(body: bytes | list[bytes], decoder: Executor | None = None) -> GenerateResponse:
+    """:func:`parse_generate` of ``body`` (its bytes, or the pieces it arrived in), in a worker
+    thread when it is big: joining the pieces too (a copy of the whole answer). ``decoder``: the
+    executor to decode in (None: the loop's default one).
+
+    WHY a decoder of its own: the decode holds the GIL (orjson, array conversion, base64), so
+    several threads decoding at once add no throughput, but each is one more thread the event loop
+    waits behind to retake the GIL after every socket call: a loop ticking beside 4 decoding
+    threads lagged 4-9x more than beside 1 (``docs/results/controller_scale.md``)."""
+    pieces = [body] if isinstance(body, (bytes, bytearray)) else body
+    if sum(len(p) for p in pieces) > BIG_ANSWER_BYTES:
+        return await asyncio.get_running_loop().run_in_executor(decoder, _join_and_parse, pieces)  # None: the default
+    return parse_generate(b"".join(pieces))
 

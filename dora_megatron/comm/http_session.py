@@ -9,7 +9,7 @@ thousands of clients is closed by whoever made it, once).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Mapping
 
 import aiohttp
 
@@ -73,5 +73,5 @@ class HttpSession:
     async def __aenter__(self) -> "HttpSession":
         return self
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()

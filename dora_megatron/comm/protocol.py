@@ -1,9 +1,11 @@
 """Typed requests/responses of the SGLang HTTP protocol subset we use, plus our extensions.
 
 Why: the embedded server validates untrusted JSON and the client builds requests; both use
-these dataclasses so field names and defaults live in one place. Parsing raises
-:class:`ProtocolError` carrying the HTTP status and a message that names the offending field.
-Only the standard library is imported.
+these dataclasses so field names and defaults live in one place. Their field types (with
+``msgspec.Meta`` bounds) are the wire schema: :func:`_decode` has msgspec check a body against them
+(strictly: no bool for an int, no string for a number) and turns its error into a
+:class:`ProtocolError` carrying the HTTP status and a message that names the offending field and
+value. The rules a type cannot say (a range across fields, a host name) are checked after it.
 
 SGLang fields implemented (see reference A.3-A.4): ``/generate`` ``input_ids``, ``rid``,
 ``sampling_params`` {``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop_token_ids``,
@@ -17,11 +19,15 @@ next turn).
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
-import math
 import re
+from array import array
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from typing import Annotated, Any, Mapping, TypeVar
+
+import msgspec
+from msgspec import Meta
 
 DEFAULT_MAX_NEW_TOKENS = 128
 # Temperatures below this are greedy (as SGLang): dividing logits by a smaller one overflows.
@@ -52,52 +58,43 @@ def _short(v: Any) -> str:
     return r if len(r) <= 80 else r[:77] + "..."
 
 
-def _int(
-    d: Mapping[str, Any], key: str, default: Any, *, ge: int | None = None, le: int | None = None, path: str = ""
-) -> Any:
-    v = d.get(key, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ProtocolError(f"{path}{key} must be an integer, got {_short(v)}")
-    if ge is not None and v < ge:
-        raise ProtocolError(f"{path}{key} must be >= {ge}, got {_short(v)}")
-    if le is not None and v > le:
-        raise ProtocolError(f"{path}{key} must be <= {le}, got {_short(v)}")
-    return v
+#: a finite float: msgspec's bounds refuse inf and nan (any other float passes them)
+Finite = Annotated[float, Meta(ge=-1.7976931348623157e308, le=1.7976931348623157e308)]
+_KINDS = {"int": "an integer", "float": "a number", "bool": "a boolean", "str": "a string", "str | null": "a string",
+          "array": "a list", "object": "a JSON object"}
+_ERROR = re.compile(r"^(?:Expected `(?P<kind>[^`]+)`(?P<rest>.*?)|(?P<other>.*?)) - at `\$(?P<where>[^`]*)`$")
+_T = TypeVar("_T")
 
 
-def _float(d: Mapping[str, Any], key: str, default: float, *, path: str = "") -> float:
-    v = d.get(key, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ProtocolError(f"{path}{key} must be a number, got {_short(v)}")
+def _at(body: Any, where: str) -> Any:
+    """The value at msgspec's path ``where`` (``.key`` and ``[i]`` steps) of ``body``."""
+    for key, index in re.findall(r"\.([^.\[]+)|\[(\d+)\]", where):
+        body = body[key] if key else body[int(index)]
+    return body
+
+
+def _decode(cls: type[_T], body: Mapping[str, Any], keys: tuple[str, ...], path: str = "", **given: Any) -> _T:
+    """``cls`` (a dataclass) from the ``keys`` of ``body``, checked by msgspec against its field
+    types; a null or absent key takes the field's default (as SGLang's request models do), ``given``
+    are fields already decoded. A wrong value raises :class:`ProtocolError` naming ``path`` + the
+    field and the value."""
+    picked = {k: body[k] for k in keys if body.get(k) is not None}
     try:
-        f = float(v)
-    except OverflowError:  # an integer too large for a float
-        f = math.inf
-    if not math.isfinite(f):
-        raise ProtocolError(f"{path}{key} must be a finite number, got {_short(v)}")
-    return f
-
-
-def _bool(d: Mapping[str, Any], key: str, default: bool, *, path: str = "") -> bool:
-    v = d.get(key, default)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise ProtocolError(f"{path}{key} must be a boolean, got {_short(v)}")
-    return v
-
-
-def _str(d: Mapping[str, Any], key: str, default: Any, *, path: str = "") -> Any:
-    v = d.get(key, default)
-    if v is None:
-        return default
-    if not isinstance(v, str):
-        raise ProtocolError(f"{path}{key} must be a string, got {_short(v)}")
-    return v
+        return msgspec.convert({**picked, **given}, cls, strict=True)
+    except msgspec.ValidationError as exc:
+        m = _ERROR.match(str(exc))
+        if m is None or not m["where"]:
+            raise ProtocolError(f"{path.rstrip('.') or cls.__name__}: {exc}") from None
+        where = m["where"].lstrip(".")
+        got = _short(_at(picked, m["where"]))
+        rest = (m["rest"] or "").strip()
+        if m["kind"] == "float" and rest.startswith((">=", "<=")) or m["other"] == "Number out of range":
+            raise ProtocolError(f"{path}{where} must be a finite number, got {got}") from None
+        if rest.startswith((">=", "<=", ">", "<")):
+            raise ProtocolError(f"{path}{where} must be {rest}, got {got}") from None
+        if m["kind"] is not None:
+            raise ProtocolError(f"{path}{where} must be {_KINDS.get(m['kind'], m['kind'])}, got {got}") from None
+        raise ProtocolError(f"{path}{where}: {m['other']}, got {got}") from None
 
 
 def _int_list(v: Any, name: str) -> list[int]:
@@ -133,13 +130,13 @@ def check_host(address: str) -> str:
 
 @dataclass
 class SamplingParams:
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-    temperature: float = 1.0
-    top_p: float = 1.0
+    max_new_tokens: Annotated[int, Meta(ge=0)] = DEFAULT_MAX_NEW_TOKENS
+    temperature: Finite = 1.0
+    top_p: Finite = 1.0
     top_k: int = -1
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    sampling_seed: int | None = None
+    sampling_seed: int | None = None  # SEED_MIN..SEED_MAX (checked in from_json: msgspec bounds stop at int64)
 
     @property
     def greedy(self) -> bool:
@@ -151,15 +148,10 @@ class SamplingParams:
             return cls()
         d = _obj(d, "sampling_params")
         p = "sampling_params."
-        sp = cls(
-            max_new_tokens=_int(d, "max_new_tokens", DEFAULT_MAX_NEW_TOKENS, ge=0, path=p),
-            temperature=_float(d, "temperature", 1.0, path=p),
-            top_p=_float(d, "top_p", 1.0, path=p),
-            top_k=_int(d, "top_k", -1, path=p),
-            stop_token_ids=_int_list(d.get("stop_token_ids") or [], p + "stop_token_ids"),
-            ignore_eos=_bool(d, "ignore_eos", False, path=p),
-            sampling_seed=_int(d, "sampling_seed", None, ge=SEED_MIN, le=SEED_MAX, path=p),
-        )
+        sp = _decode(cls, d, _SAMPLING_KEYS, p)
+        if sp.sampling_seed is not None and not SEED_MIN <= sp.sampling_seed <= SEED_MAX:
+            raise ProtocolError(f"{p}sampling_seed must be >= {SEED_MIN} and <= {SEED_MAX}, "
+                                f"got {_short(sp.sampling_seed)}")
         if sp.temperature < 0:
             raise ProtocolError(f"{p}temperature must be >= 0, got {sp.temperature}")
         if not 0.0 < sp.top_p <= 1.0:
@@ -175,6 +167,9 @@ class SamplingParams:
         return d
 
 
+_SAMPLING_KEYS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+
+
 @dataclass
 class GenerateRequest:
     input_ids: list[int]
@@ -184,7 +179,7 @@ class GenerateRequest:
     dora_version: str | None = None
     #: routing replay (SGLang 0.5.23 names): reply meta_info.routed_experts for positions [start_len, seqlen-1)
     return_routed_experts: bool = False
-    routed_experts_start_len: int = 0
+    routed_experts_start_len: Annotated[int, Meta(ge=0)] = 0
     dora_draft_sources: list[list[int]] = field(default_factory=list)
     dora_keep_kv: bool = False
 
@@ -203,17 +198,10 @@ class GenerateRequest:
             raise ProtocolError("stream=true is not supported by the embedded engine")
         version = _version(body, "dora_version")
         sources = _draft_sources(body, "dora_draft_sources")
-        return cls(
-            input_ids=ids,
-            sampling_params=SamplingParams.from_json(body.get("sampling_params")),
-            rid=_str(body, "rid", None),
-            return_logprob=_bool(body, "return_logprob", False),
-            dora_version=version,
-            return_routed_experts=_bool(body, "return_routed_experts", False),
-            routed_experts_start_len=_int(body, "routed_experts_start_len", 0, ge=0),
-            dora_draft_sources=sources,
-            dora_keep_kv=_bool(body, "dora_keep_kv", False),
-        )
+        r = _decode(cls, body, ("rid", "return_logprob", "return_routed_experts", "routed_experts_start_len",
+                                "dora_keep_kv"), input_ids=ids)
+        return dataclasses.replace(r, sampling_params=SamplingParams.from_json(body.get("sampling_params")),
+                                   dora_version=version, dora_draft_sources=sources)
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -263,6 +251,12 @@ class GenerateResponse:
     #: in order, saying which weights produced which tokens; empty when the engine does not report them
     weight_versions: list[tuple[str, int, int]] = field(default_factory=list)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+    #: the output as the controller's sample store holds it, ``(array("i") ids, array("f") log-probs)``,
+    #: built by :func:`~dora_megatron.comm.generate_codec.parse_generate` (in its worker thread for a
+    #: big answer). WHY: appending an array to the store's arrays on the event loop is a copy of
+    #: bytes; appending the lists converted every token there (at reasoning lengths thousands per
+    #: answer, thousands of answers per step). None: not parsed by it (the store converts the lists).
+    token_arrays: tuple[array[int], array[float]] | None = field(default=None, repr=False, compare=False)
 
     @property
     def versions_used(self) -> list[str]:
@@ -309,7 +303,7 @@ class AbortRequest:
     @classmethod
     def from_json(cls, body: Any) -> "AbortRequest":
         body = _obj(body, "/abort_request")
-        r = cls(rid=_str(body, "rid", ""), abort_all=_bool(body, "abort_all", False))
+        r = _decode(cls, body, ("rid", "abort_all"))
         if not r.rid and not r.abort_all:
             raise ProtocolError("give rid (non-empty) or abort_all=true")
         return r
@@ -325,10 +319,10 @@ class PauseRequest:
     @classmethod
     def from_json(cls, body: Any) -> "PauseRequest":
         body = _obj(body or {}, "/pause_generation")
-        mode = _str(body, "mode", "abort")
-        if mode not in PAUSE_MODES:
-            raise ProtocolError(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
-        return cls(mode=mode)
+        r = _decode(cls, body, ("mode",))
+        if r.mode not in PAUSE_MODES:
+            raise ProtocolError(f"mode must be one of {PAUSE_MODES}, got {r.mode!r}")
+        return r
 
 
 @dataclass
@@ -340,10 +334,9 @@ class UpdateFromDiskRequest:
     @classmethod
     def from_json(cls, body: Any) -> "UpdateFromDiskRequest":
         body = _obj(body, "/update_weights_from_disk")
-        path = _str(body, "model_path", None)
-        if not path:
+        if body.get("model_path") in (None, ""):
             raise ProtocolError("missing field model_path")
-        return cls(path, _version(body, "weight_version"), _bool(body, "abort_all_requests", False))
+        return _decode(cls, body, ("model_path", "abort_all_requests"), weight_version=_version(body, "weight_version"))
 
 
 MAX_WORLD_SIZE = 1 << 16  # far above any real weight-update group; keeps ranks in C++ int range
@@ -352,9 +345,9 @@ MAX_WORLD_SIZE = 1 << 16  # far above any real weight-update group; keeps ranks 
 @dataclass
 class InitGroupRequest:
     master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
+    master_port: Annotated[int, Meta(ge=1, le=65535)]
+    rank_offset: Annotated[int, Meta(ge=1, le=MAX_WORLD_SIZE - 1)]
+    world_size: Annotated[int, Meta(ge=2, le=MAX_WORLD_SIZE)]
     group_name: str = "weight_update_group"
     backend: str = "gloo"
 
@@ -364,14 +357,9 @@ class InitGroupRequest:
         for k in ("master_address", "master_port", "rank_offset", "world_size"):
             if k not in body:
                 raise ProtocolError(f"missing field {k}")
-        r = cls(
-            master_address=_str(body, "master_address", ""),
-            master_port=_int(body, "master_port", 0, ge=1, le=65535),
-            rank_offset=_int(body, "rank_offset", 1, ge=1, le=MAX_WORLD_SIZE - 1),
-            world_size=_int(body, "world_size", 2, ge=2, le=MAX_WORLD_SIZE),
-            group_name=_str(body, "group_name", "weight_update_group"),
-            backend=_str(body, "backend", "gloo"),
-        )
+            if body[k] is None:
+                raise ProtocolError(f"{k} must not be null")
+        r = _decode(cls, body, ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"))
         check_host(r.master_address)
         if r.rank_offset >= r.world_size:
             raise ProtocolError(f"rank_offset {r.rank_offset} must be < world_size {r.world_size}")
@@ -387,14 +375,14 @@ class DestroyGroupRequest:
     @classmethod
     def from_json(cls, body: Any) -> "DestroyGroupRequest":
         body = _obj(body, "/destroy_weights_update_group")
-        return cls(_str(body, "group_name", "weight_update_group"))
+        return _decode(cls, body, ("group_name",))
 
 
 @dataclass
 class UpdateFromDistributedRequest:
     names: list[str]
     dtypes: list[str]
-    shapes: list[list[int]]
+    shapes: list[list[Annotated[int, Meta(ge=0)]]]
     group_name: str = "weight_update_group"
     weight_version: str | None = None
     abort_all_requests: bool = False
@@ -405,27 +393,12 @@ class UpdateFromDistributedRequest:
         for k in ("names", "dtypes", "shapes"):
             if k not in body:
                 raise ProtocolError(f"missing field {k}")
-        names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-            raise ProtocolError("names must be a list of strings")
-        if not isinstance(dtypes, list) or not all(isinstance(n, str) for n in dtypes):
-            raise ProtocolError("dtypes must be a list of strings")
-        if not isinstance(shapes, list):
-            raise ProtocolError("shapes must be a list of lists of integers")
-        shapes = [_int_list(s, f"shapes[{i}]") for i, s in enumerate(shapes)]
-        for i, s in enumerate(shapes):
-            if any(x < 0 for x in s):
-                raise ProtocolError(f"shapes[{i}] has a negative dimension: {_short(s)}")
-        if not (len(names) == len(dtypes) == len(shapes)):
-            raise ProtocolError(f"names, dtypes, shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})")
-        return cls(
-            names=names,
-            dtypes=dtypes,
-            shapes=shapes,
-            group_name=_str(body, "group_name", "weight_update_group"),
-            weight_version=_version(body, "weight_version"),
-            abort_all_requests=_bool(body, "abort_all_requests", False),
-        )
+        r = _decode(cls, body, ("names", "dtypes", "shapes", "group_name", "abort_all_requests"),
+                    weight_version=_version(body, "weight_version"))
+        if not (len(r.names) == len(r.dtypes) == len(r.shapes)):
+            raise ProtocolError(f"names, dtypes, shapes differ in length ({len(r.names)}, {len(r.dtypes)}, "
+                                f"{len(r.shapes)})")
+        return r
 
 
 @dataclass
@@ -438,10 +411,9 @@ class DraftSourcesRequest:
     @classmethod
     def from_json(cls, body: Any) -> "DraftSourcesRequest":
         body = _obj(body, "/dora/draft_sources")
-        rid = _str(body, "rid", None)
-        if not rid:
+        if body.get("rid") in (None, ""):
             raise ProtocolError("missing field rid")
-        return cls(rid, _draft_sources(body, "sources"))
+        return _decode(cls, body, ("rid",), sources=_draft_sources(body, "sources"))
 
 
 def _draft_sources(body: Mapping[str, Any], key: str) -> list[list[int]]:
@@ -460,7 +432,6 @@ class ExportRequest:
     @classmethod
     def from_json(cls, body: Any) -> "ExportRequest":
         body = _obj(body, "/dora/export_request")
-        rid = _str(body, "rid", None)
-        if not rid:
+        if body.get("rid") in (None, ""):
             raise ProtocolError("missing field rid")
-        return cls(rid)
+        return _decode(cls, body, ("rid",))

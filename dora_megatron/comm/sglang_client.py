@@ -32,9 +32,11 @@ differs from it on points that decide whether a weight update works at all (docs
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Sequence
 
 from dora_megatron.comm.engine_client import EngineClient, EngineError, ProbeUnavailable, probe_unavailable
+from dora_megatron.comm.json_value import JSON, JSONObject, json_object
+from dora_megatron.comm.protocol import ProtocolError
 
 #: the SGLang release whose protocol this client speaks (and the gpu extra pins)
 TESTED_SGLANG_VERSION = "0.5.23"
@@ -48,12 +50,18 @@ class SGLangClient(EngineClient):
     #: the runners every weight update loads (module doc): the target's, never a draft's
     weight_selector = "target"
 
-    def _check(self, path: str, out: Any) -> Any:
+    def _check(self, path: str, out: JSON) -> JSON:
+        """``out``, or an :class:`EngineError` when it says ``success: false`` (SGLang answers some
+        refusals with a 200 carrying that)."""
         if isinstance(out, dict) and out.get("success") is False:
             raise EngineError(self.base_url + path, 400, str(out.get("message")))
         return out
 
-    async def _probe(self, method: str, path: str, body: Any = None) -> Any:
+    def _checked_object(self, path: str, out: JSONObject) -> JSONObject:
+        self._check(path, out)
+        return out
+
+    async def _probe(self, method: str, path: str, body: JSONObject | None = None) -> JSON:
         """An optional probe: a reply saying the server has no such route or action (a build or
         launch mode without it) raises :class:`ProbeUnavailable`; any other failure is raised as is."""
         try:
@@ -68,24 +76,24 @@ class SGLangClient(EngineClient):
         only risk a stall while weights load."""
         return frozenset()
 
-    async def begin_weight_update(self) -> dict[str, Any]:
+    async def begin_weight_update(self) -> JSONObject:
         """Open the weight-update session every ``update_weights_from_distributed`` needs, on the
         runners of :attr:`weight_selector`."""
-        return self._check("/begin_weight_update",
-                           await self._request("POST", "/begin_weight_update", {"selector": self.weight_selector}))
+        return self._checked_object("/begin_weight_update",
+                                    await self._object("POST", "/begin_weight_update", {"selector": self.weight_selector}))
 
-    async def end_weight_update(self) -> dict[str, Any]:
+    async def end_weight_update(self) -> JSONObject:
         """Close the session (also after a failed update: the next push cannot open one otherwise)."""
-        return self._check("/end_weight_update", await self._request("POST", "/end_weight_update", {}))
+        return self._checked_object("/end_weight_update", await self._object("POST", "/end_weight_update", {}))
 
-    async def update_weights_from_distributed(  # type: ignore[override]
+    async def update_weights_from_distributed(
         self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
         group_name: str = "weight_update_group", weight_version: int | str | None = None,
         *, flush_cache: bool = True, abort_all_requests: bool = False,
-    ) -> dict[str, Any]:
+    ) -> JSONObject:
         """POST the metadata of one bucket; rank 0 broadcasts the tensors concurrently, in order.
         ``weight_version``: only with the last bucket (SGLang sets it on every successful call)."""
-        body: dict[str, Any] = {
+        body: JSONObject = {
             "names": list(names), "dtypes": [str(d).replace("torch.", "") for d in dtypes],
             "shapes": [list(s) for s in shapes], "group_name": group_name,
             "flush_cache": bool(flush_cache), "abort_all_requests": bool(abort_all_requests),
@@ -94,21 +102,22 @@ class SGLangClient(EngineClient):
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
         path = "/update_weights_from_distributed"
-        return self._check(path, await self._request("POST", path, body))
+        return self._checked_object(path, await self._object("POST", path, body))
 
-    async def update_weights_from_disk(self, model_path: str, weight_version: int | str | None = None,  # type: ignore[override]
+    async def update_weights_from_disk(self, model_path: str, weight_version: int | str | None = None,
                                        *, load_format: str = "auto", flush_cache: bool = True,
-                                       abort_all_requests: bool = False) -> dict[str, Any]:
+                                       abort_all_requests: bool = False) -> JSONObject:
         """``load_format``: how ``model_path`` is read; sent always (see module doc)."""
-        body: dict[str, Any] = {"model_path": model_path, "load_format": load_format, "flush_cache": flush_cache,
+        body: JSONObject = {"model_path": model_path, "load_format": load_format, "flush_cache": flush_cache,
                                 "abort_all_requests": abort_all_requests}
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
-        return self._check("/update_weights_from_disk", await self._request("POST", "/update_weights_from_disk", body))
+        path = "/update_weights_from_disk"
+        return self._checked_object(path, await self._object("POST", path, body))
 
-    async def model_info(self) -> dict[str, Any]:
+    async def model_info(self) -> JSONObject:
         """Raises :class:`ProbeUnavailable` on a server without ``/model_info``."""
-        return await self._probe("GET", "/model_info")
+        return json_object(await self._probe("GET", "/model_info"), self.base_url + "/model_info")
 
     async def weight_version(self) -> str:
         return str((await self.model_info()).get("weight_version"))
@@ -130,7 +139,7 @@ class SGLangClient(EngineClient):
             return None
         return str(body["version"]) if isinstance(body, dict) and body.get("version") else None
 
-    async def server_info(self) -> dict[str, Any]:
+    async def server_info(self) -> JSONObject:
         """What the runtime polls: ``/v1/loads`` (not the scheduler-bound ``/get_server_info``).
 
         A server without ``/v1/loads`` (or without load entries in it) is not failed for it: its
@@ -139,8 +148,8 @@ class SGLangClient(EngineClient):
         warning per client."""
         loads = await self.loads()
         if loads is not None:
-            return loads
-        await self._request("GET", "/health")
+            return dict(loads)
+        await self._call("GET", "/health")
         if not self._loads_warned:
             self._loads_warned = True
             log.warning("%s: no load report at /v1/loads; its running requests are not polled (liveness "
@@ -159,13 +168,13 @@ class SGLangClient(EngineClient):
 
     async def health_generate(self) -> bool:
         try:
-            await self._request("GET", "/health_generate")
+            await self._call("GET", "/health_generate")
         except Exception:  # noqa: BLE001 - any failure means not (yet) healthy
             return False
         return True
 
 
-def summarize_loads(body: Any) -> dict[str, float] | None:
+def summarize_loads(body: JSON) -> dict[str, float] | None:
     """Sum ``num_running_reqs`` / ``num_waiting_reqs`` over every per-DP entry; KV usage is the
     used share of the summed pools (``num_used_tokens`` / ``max_total_num_tokens``), or the mean
     ``token_usage`` when a pool size is missing.
@@ -174,9 +183,9 @@ def summarize_loads(body: Any) -> dict[str, float] | None:
     every nested object that carries ``num_running_reqs`` counts as one DP rank. Never
     ``num_total_tokens``: it is used + waiting tokens (load_inquirer.py), about the used count
     itself when nothing waits, which read as a pool size gives a usage of about 1.0."""
-    entries: list[dict] = []
+    entries: list[JSONObject] = []
 
-    def walk(x: Any) -> None:
+    def walk(x: JSON) -> None:
         if isinstance(x, dict):
             if "num_running_reqs" in x:
                 entries.append(x)
@@ -190,12 +199,26 @@ def summarize_loads(body: Any) -> dict[str, float] | None:
     walk(body)
     if not entries:
         return None
-    running = sum(int(e.get("num_running_reqs") or 0) for e in entries)
-    waiting = sum(int(e.get("num_waiting_reqs") or 0) for e in entries)
-    used = sum(float(e.get("num_used_tokens") or 0) for e in entries)
-    pool = [float(e.get("max_total_num_tokens") or 0) for e in entries]
+    running = sum(int(_number(e, "num_running_reqs")) for e in entries)
+    waiting = sum(int(_number(e, "num_waiting_reqs")) for e in entries)
+    used = sum(_number(e, "num_used_tokens") for e in entries)
+    pool = [_number(e, "max_total_num_tokens") for e in entries]
     if all(p > 0 for p in pool):
         kv = used / sum(pool)
     else:
-        kv = sum(float(e.get("token_usage") or 0.0) for e in entries) / len(entries)
+        kv = sum(_number(e, "token_usage") for e in entries) / len(entries)
     return {"num_running_reqs": running, "num_waiting_reqs": waiting, "kv_usage": kv}
+
+
+def _number(entry: JSONObject, key: str) -> float:
+    """``entry[key]`` as a number; 0 when absent or null. A value that is no number (or a numeric
+    string) raises a :class:`~dora_megatron.comm.protocol.ProtocolError` naming the field."""
+    value = entry.get(key)
+    if not value:
+        return 0.0
+    if isinstance(value, (int, float, str)):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    raise ProtocolError(f"/v1/loads: {key} must be a number, got {str(value)[:80]}")

@@ -14,10 +14,15 @@ Backend: gloo on CPU, nccl on CUDA.
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup, Store, TCPStore
 
 
 def init_weight_update_group(
@@ -29,7 +34,7 @@ def init_weight_update_group(
     backend: str = "gloo",
     timeout_s: float = 600.0,
     connect_timeout_s: float | None = None,
-) -> Any:
+) -> ProcessGroup:
     """Create (collectively, all ranks) and return a process group independent of the default one.
 
     ``connect_timeout_s`` bounds reaching the store at ``master_address:master_port`` (the
@@ -40,7 +45,8 @@ def init_weight_update_group(
     return group_from_store(store, rank, world_size, group_name, backend, timeout_s)
 
 
-def connect_store(master_address: str, master_port: int, rank: int, world_size: int, connect_timeout_s: float) -> Any:
+def connect_store(master_address: str, master_port: int, rank: int, world_size: int,
+                  connect_timeout_s: float) -> TCPStore:
     """The rendezvous TCPStore: rank 0 hosts it, the other ranks connect as clients.
 
     Built directly rather than through ``c10d.rendezvous("tcp://...")``: inside a process started
@@ -59,28 +65,71 @@ def connect_store(master_address: str, master_port: int, rank: int, world_size: 
                          timeout=timedelta(seconds=connect_timeout_s))
 
 
-def group_from_store(store: Any, rank: int, world_size: int, group_name: str, backend: str, timeout_s: float) -> Any:
+def group_from_store(store: Store, rank: int, world_size: int, group_name: str, backend: str,
+                     timeout_s: float) -> ProcessGroup:
     """Collectively build the group over a connected store (waits up to ``timeout_s`` for all ranks)."""
     from torch.distributed import distributed_c10d as c10d
 
     timeout = timedelta(seconds=timeout_s)
     store.set_timeout(timeout)
     prefix_store = c10d.PrefixStore(group_name, store)
+    pg: ProcessGroup  # torch leaves the helper's return unannotated; it is (group, backend)
     pg, _ = c10d._new_process_group_helper(
-        world_size, rank, [], backend, prefix_store, group_name=group_name, timeout=timeout
+        world_size, rank, [], backend, prefix_store, group_name=c10d.GroupName(group_name), timeout=timeout
     )
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 
 
-def destroy_weight_update_group(group: Any) -> None:
+def group_name_in_use(group_name: str) -> bool:
+    """Whether this process already made a process group named ``group_name``: torch refuses a second
+    one, and only after this rank's store is up, so the other ranks would wait on it for their whole
+    group timeout. A caller checks first and contacts no one."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return group_name in c10d._world.pg_names.values()
+
+
+def in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future[Any]:
+    """Run ``fn`` on a new daemon thread; the future can be abandoned if ``fn`` never returns.
+
+    Why not ``asyncio.to_thread``: a group rendezvous cannot be cancelled, and the loop's default
+    executor is joined when ``asyncio.run`` ends, so an abandoned rendezvous there holds the caller
+    for its whole timeout. A daemon thread is left to time out on its own."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[Any] = loop.create_future()
+
+    def settle(value: Any, exc: BaseException | None) -> None:
+        if fut.done():  # abandoned
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(value)
+
+    def work() -> None:
+        try:
+            value, exc = fn(), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting caller
+            value, exc = None, e
+        if not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(settle, value, exc)
+            except RuntimeError:  # the loop closed meanwhile: nobody waits for it
+                pass
+
+    threading.Thread(target=work, name="dora-group-connect", daemon=True).start()
+    return fut
+
+
+def destroy_weight_update_group(group: ProcessGroup) -> None:
     import torch.distributed as dist
 
     dist.destroy_process_group(group)
 
 
 def receive_tensors(
-    group: Any, shapes: list[list[int]], dtypes: list[torch.dtype], device: str | torch.device = "cpu"
+    group: ProcessGroup, shapes: list[list[int]], dtypes: list[torch.dtype], device: str | torch.device = "cpu"
 ) -> list[torch.Tensor]:
     """Receive one broadcast from rank 0 per entry, in order."""
     import torch.distributed as dist
@@ -93,7 +142,7 @@ def receive_tensors(
     return out
 
 
-def send_tensors(group: Any, tensors: list[torch.Tensor]) -> None:
+def send_tensors(group: ProcessGroup, tensors: list[torch.Tensor]) -> None:
     """Rank 0 side of :func:`receive_tensors`."""
     import torch.distributed as dist
 

@@ -7,6 +7,7 @@ lets the trainer, the docs and the tests agree on names and defaults (DESIGN sec
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from dora_megatron.config.base import ConfigError, field_doc
 
@@ -14,6 +15,12 @@ from dora_megatron.config.base import ConfigError, field_doc
 @dataclass
 class AlgoConfig:
     """GRPO-family objective settings."""
+
+    # keys that existed once and could not act: {key: (old default, why)}; see loader.from_dict
+    REMOVED_KEYS: ClassVar[dict[str, tuple[Any, str]]] = {
+        "kl_coef": (0.0, "dora runs no reference model (no sample carries reference log-probs), so there is no "
+                         "KL penalty; delete the key"),
+    }
 
     advantage_estimator: str = field_doc("grpo", "advantage estimator name (see dora_megatron.algo.ADVANTAGE_ESTIMATORS)",
                                          choices=("grpo", "grpo_no_std"))
@@ -51,8 +58,6 @@ class AlgoConfig:
                                  choices=("token_mean", "seq_mean", "constant"))
     length_norm_constant: int = field_doc(0, "divisor per sample for length_norm=constant, tokens (set it to the "
                                           "rollout max_new_tokens); required > 0 with length_norm=constant", ge=0)
-    kl_coef: float = field_doc(0.0, "k3 KL penalty vs a reference policy; must be 0: dora runs no reference "
-                               "model (a value > 0 is refused at load)", ge=0)
     entropy_coef: float = field_doc(0.0, "entropy bonus coefficient (entropy is always logged)", ge=0)
 
     @property
@@ -68,10 +73,5 @@ class AlgoConfig:
         if not self.correction_low <= 1.0 <= self.correction_high:
             raise ConfigError(f"{path}.correction_low", f"the band [{self.correction_low}, {self.correction_high}] "
                               "must contain 1 (on-policy tokens would be dropped)")
-        if self.kl_coef > 0:
-            # the loss supports it, but nothing computes reference log-probs: refused here rather
-            # than failing at the first training step
-            raise ConfigError(f"{path}.kl_coef", f"{self.kl_coef} > 0 needs a reference model, and dora runs none "
-                              "(no sample carries ref_logprobs); set algo.kl_coef=0")
         if self.dual_clip_c and self.dual_clip_c <= 1:
             raise ConfigError(f"{path}.dual_clip_c", "must be > 1 (or 0 to disable)")

@@ -48,7 +48,7 @@ class LaunchConfig:
                                           "goes on. When none is left the job fails naming the cause (SLURM: "
                                           "FAILED); `--resume` continues it. 0: a lost trainer ends the job. "
                                           "SLURM jobs restart the trainer on its node(s), the same way.", ge=0)
-    secret_file: str = field_doc("", "A file (mode 0600, one word of at least 32 characters) holding the job's secret: "
+    secret_file: str = field_doc("", "A file (mode 0600, one word of at least 32 characters, not starting with `-`) holding the job's secret: "
                                  "every endpoint of the job asks for it (`Authorization: Bearer`). Empty (the "
                                  "default): the job makes one (256 bits) at its first start in `<run_dir>/secret` "
                                  "(0600), and `--resume`/`--join` read it there; delete that file before a "

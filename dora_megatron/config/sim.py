@@ -228,7 +228,7 @@ class CostModelConfig:
     # --- weights ---
     weight_bytes: float = field_doc(65.5e9, "bytes of one full copy of the rollout weights", gt=0, unit="bytes")
     weight_sync_bandwidth_Bps: float = field_doc(50e9, "bandwidth at which one instance receives a new version "
-                                                 "(trainer broadcast or peer copy)", gt=0, unit="bytes/s")
+                                                 "(trainer broadcast or snapshot load)", gt=0, unit="bytes/s")
     weight_sync_latency_s: float = field_doc(1.0, "fixed cost per version switch of an instance (setup, cache flush)", ge=0, unit="s")
     trainer_push_s: float = field_doc(2.0, "trainer time blocked per step pushing the new version out (disaggregated)", ge=0, unit="s")
     colocated_switch_s: float = field_doc(20.0, "colocated placement: time to swap roles (offload rollout / onload "

@@ -172,7 +172,8 @@ class TrainerConfig:
     device: str = field_doc("cpu", "where the trainer runs", choices=("cpu", "cuda"))
     num_threads: int = field_doc(0, "torch intra-op threads per rank on CPU; 0 = torch default", ge=0)
     moe_aux_loss_coef: float = field_doc(0.0, "MoE load-balancing aux-loss coefficient", ge=0)
-    spec: str = field_doc("auto", "layer spec: auto (TE if importable and cuda), te, local",
+    spec: str = field_doc("auto", "layer spec: auto (TE if importable, on cuda and the TE spec builds the model, "
+                                  "else local: MLA and dense layers inside an MoE are local only), te, local",
                           choices=("auto", "te", "local"))
     peak_tflops: float = field_doc(0.0, "dense peak TFLOP/s of one GPU at trainer.precision, for perf/trainer_mfu; "
                                         "0 = looked up from the CUDA device name (A100, H100, H200, B200; no MFU "

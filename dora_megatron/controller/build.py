@@ -14,12 +14,25 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 from urllib.parse import urlsplit
 
 from dora_megatron.config.schema import DoraConfig
-from dora_megatron.controller.records import RuntimeOptions, StepLog
+from dora_megatron.controller.records import RuntimeOptions, instance_slots
 from dora_megatron.controller.trainer_client import PushOptions
+from dora_megatron.observability.summary import StepRecord
+
+if TYPE_CHECKING:
+    from dora_megatron.controller.journal import Journal
+    from dora_megatron.controller.records import Engine, LoadReports
+    from dora_megatron.controller.runtime import Runtime
+    from dora_megatron.controller.trainer_client import TrainerClient
+    from dora_megatron.data.codec import TextCodec
+    from dora_megatron.data.reward_api import RewardScorer
+    from dora_megatron.data.tasks import PromptSource
+    from dora_megatron.observability.background import BackgroundWriter
+    from dora_megatron.observability.timeline import Timeline
+    from dora_megatron.orchestrator import Orchestrator
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +65,7 @@ def runtime_options(cfg: DoraConfig, run_dir: Path, model_dir: Path, trainer_url
         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
         snapshot_dir=lambda v: snapshot_dir(run_dir, model_dir, v),
         stats_interval_s=cfg.observability.stats_interval_s,
-        slots_per_instance=min(cfg.rollout.max_running, cfg.orchestrator.cap_before_rebalance),
+        slots_per_instance=instance_slots(cfg.rollout.max_running, cfg.orchestrator.cap_before_rebalance),
         request_timeout_s=cfg.rollout.request_timeout_s,
         checkpoint_interval=cfg.run.checkpoint_interval,
         migration=ctl.migration, health_timeout_s=ctl.health_timeout_s, verify_checksums=ctl.verify_checksums,
@@ -72,7 +85,7 @@ def runtime_options(cfg: DoraConfig, run_dir: Path, model_dir: Path, trainer_url
     )
 
 
-def prompt_source(cfg: DoraConfig, codec):
+def prompt_source(cfg: DoraConfig, codec: TextCodec) -> tuple[PromptSource, RewardScorer, str]:
     """``data``: the prompts (rendered by ``codec`` when a dataset is checked at load), the reward
     scorer (:class:`~dora_megatron.data.reward_api.RewardScorer`; its worker processes start here)
     and the reward in words."""
@@ -89,18 +102,18 @@ class Controller:
     """A built controller: :func:`~dora_megatron.controller.main.drive` runs it;
     :meth:`close` releases its journal and reward workers."""
 
-    runtime: Any  # controller.runtime.Runtime
-    trainer: Any  # controller.trainer_client.TrainerClient
-    engines: dict[str, Any]
+    runtime: Runtime
+    trainer: TrainerClient
+    engines: dict[str, Engine]
     reward_name: str
-    scorer: Any = None  # data.reward_api.RewardScorer (its worker processes end with close)
-    source: Any = None  # the prompt source (data_skipped_rows)
+    scorer: RewardScorer | None = None  # its worker processes end with close
+    source: PromptSource | None = None  # the prompts (data_skipped_rows)
     state: dict[str, Any] | None = None  # the checkpoint's controller.json it resumed from
-    journal: Any = None
+    journal: Journal | None = None
     restorable_samples: int = 0  # finished samples the journal may restore (resume)
 
     @property
-    def orch(self):
+    def orch(self) -> Orchestrator:
         return self.runtime.orch
 
     def close(self) -> None:
@@ -113,10 +126,11 @@ class Controller:
 
 
 def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, model_dir: Path,
-                     make_engine: Callable[[str], Any], checkpoint: Path | None = None,
-                     on_step: Callable[[StepLog, Any], None] | None = None,
-                     on_checkpoint: Callable[[int], None] | None = None, timeline=None,
-                     metric_sinks: Sequence[Any] = (), load_reports=None, background=None,
+                     make_engine: Callable[[str], Engine], checkpoint: Path | None = None,
+                     on_step: Callable[[StepRecord, Runtime], None] | None = None,
+                     on_checkpoint: Callable[[int], None] | None = None, timeline: Timeline | None = None,
+                     metric_sinks: Sequence[Any] = (), load_reports: LoadReports | None = None,
+                     background: BackgroundWriter | None = None,
                      eval_sinks: Sequence[Any] | None = None) -> Controller:
     """Clients for ``endpoints``, prompts, the orchestrator (restored from ``checkpoint`` when
     given, with its journal), and the runtime that executes its actions.

@@ -17,7 +17,14 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, TypedDict
+
+
+class FileEntry(TypedDict):
+    """One file of a checkpoint's ``manifest.json``."""
+
+    size: int
+    sha256: str
 
 log = logging.getLogger(__name__)
 
@@ -34,21 +41,21 @@ def file_digest(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def describe_files(root: Path, files: Iterable[Path]) -> dict[str, dict]:
+def describe_files(root: Path, files: Iterable[Path]) -> dict[str, FileEntry]:
     """``{relative path: {"size", "sha256"}}`` of ``files`` (paths under ``root``)."""
-    out = {}
+    out: dict[str, FileEntry] = {}
     for p in sorted(files):
         out[p.relative_to(root).as_posix()] = {"size": p.stat().st_size, "sha256": file_digest(p)}
     return out
 
 
-def describe_tree(root: Path, sub: str) -> dict[str, dict]:
+def describe_tree(root: Path, sub: str) -> dict[str, FileEntry]:
     """Every regular file under ``root/sub``, keyed by its path relative to ``root``."""
     base = root / sub
     return describe_files(root, (p for p in base.rglob("*") if p.is_file())) if base.is_dir() else {}
 
 
-def write_manifest(root: Path, entries: dict[str, dict]) -> Path:
+def write_manifest(root: Path, entries: dict[str, FileEntry]) -> Path:
     """Write ``root/manifest.json`` atomically."""
     tmp = root / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps({"format": 1, "files": entries}, indent=1, sort_keys=True))

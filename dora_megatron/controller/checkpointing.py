@@ -12,11 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Coroutine, Iterator, Protocol
 
-from dora_megatron.controller.loop import CheckpointSaved, EventQueue
+from dora_megatron.events import CheckpointSaved
+from dora_megatron.controller.loop import EventQueue
 from dora_megatron.controller.records import RuntimeOptions, Trainer
+
+if TYPE_CHECKING:
+    from dora_megatron.controller.checkpoint_manifest import FileEntry
+    from dora_megatron.observability.timeline import Timeline
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +43,11 @@ class CheckpointHost(Protocol):
     events: EventQueue
     opt: RuntimeOptions
     trainer: Trainer
-    timeline: Any
+    timeline: Timeline | None
 
     def now(self) -> float: ...
 
-    def spawn(self, coro, name: str) -> asyncio.Task: ...
+    def spawn(self, coro: Coroutine[Any, Any, object], name: str) -> asyncio.Task[None]: ...
 
 
 class CheckpointWriter:
@@ -49,13 +55,22 @@ class CheckpointWriter:
 
     def __init__(self, host: CheckpointHost) -> None:
         self.rt = host
-        self._trainer_manifest: dict[str, dict] = {}  # checksums of the trainer part of the checkpoint being written
-        self._state_writer: Iterator[None] | None = None  # the controller.json writer still running (state_file)
+        # checksums of the trainer part of the checkpoint being written
+        self._trainer_manifest: dict[str, FileEntry] = {}
+        self._thread: ThreadPoolExecutor | None = None  # writes controller.json (state_file), one at a time
+        self._last: Future[None] | None = None  # the run's last checkpoint's write, waited for by close()
+
+    def path(self, version: int) -> Path:
+        """Where checkpoint ``version`` goes (``opt.checkpoint_dir``)."""
+        checkpoint_dir = self.rt.opt.checkpoint_dir
+        if checkpoint_dir is None:  # the runtime saves only with a checkpoint directory
+            raise RuntimeError(f"checkpoint v{version} asked for in a run without checkpoints (no checkpoint_dir)")
+        return Path(checkpoint_dir(version))
 
     async def save_trainer(self, version: int) -> None:
         """Trainer part of checkpoint ``version`` (model + optimizer via dist_checkpointing); then
         :class:`CheckpointSaved` asks the loop for the controller part."""
-        path = Path(self.rt.opt.checkpoint_dir(version))
+        path = self.path(version)
         if path.exists():  # left by a crashed lineage after the checkpoint this run resumed from
             await asyncio.to_thread(_clear_stale_checkpoint, path)
         path.mkdir(parents=True, exist_ok=True)
@@ -75,23 +90,39 @@ class CheckpointWriter:
         from dora_megatron.controller.state_file import write_state
 
         entries, self._trainer_manifest = self._trainer_manifest, {}
-        return write_state(Path(self.rt.opt.checkpoint_dir(version)), state, entries, complete)
+        return write_state(self.path(version), state, entries, complete)
 
-    def finish(self, version: int, writer: Iterator[None], *, at_once: bool) -> None:
-        """Run ``writer`` after any earlier one: ``at_once`` (the run's last checkpoint: the run ends
-        right after and stops its tasks) here, else a chunk per loop turn in a task."""
-        if at_once:
-            for pending in (self._state_writer, writer):
-                for _ in pending or ():
-                    pass
-            self._state_writer = None
+    def finish(self, version: int, writer: Iterator[None], *, last: bool) -> None:
+        """Run ``writer`` after any earlier one, in the checkpoint writer's thread (its encoding is
+        proportional to the tokens the state holds: not on the loop); a task of the run waits for
+        it, so a failed write stops the run. ``last`` (the run's last checkpoint: the run ends
+        right after and cancels its tasks): :meth:`close`, at the run's end, waits for it and
+        returns its failure. Never waited for on the loop: at reasoning lengths the last state
+        holds millions of tokens, and waiting for it held the loop for seconds."""
+        if self._thread is None:
+            # one thread: checkpoints are written in the order they were cut
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="controller-state")
+        done = self._thread.submit(_drain, writer)
+        if last:
+            self._last = done
             return
-        prev = self._state_writer
-        self._state_writer = writer
 
         async def drive() -> None:
-            for w in (prev, writer):
-                for _ in w or ():
-                    await asyncio.sleep(0)
+            await asyncio.wrap_future(done)
 
         self.rt.spawn(drive(), f"controller-state-v{version}")
+
+    def close(self) -> BaseException | None:
+        """Wait for the state files still being written (the run is over; off the loop: the
+        runtime calls this in a thread) and stop the thread. Returns the run's last checkpoint's
+        failure (None: written, or none was due), for the run to end with."""
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
+        last, self._last = self._last, None
+        return last.exception() if last is not None else None
+
+
+def _drain(writer: Iterator[None]) -> None:
+    for _ in writer:
+        pass

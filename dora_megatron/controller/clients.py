@@ -8,13 +8,22 @@ on the instances; both must refuse alike.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Callable, Mapping
 
 from dora_megatron.config.schema import DoraConfig
 
+from dora_megatron.controller.records import Engine
 
-def connection_plan(cfg: DoraConfig, instances: int, say=None):
+if TYPE_CHECKING:
+    from dora_megatron.comm.limits import ConnectionPlan
+    from dora_megatron.controller.main import Launcher, Started
+    from dora_megatron.processes import ProcessSet
+    from dora_megatron.rollout.sharded import ClientPool
+
+
+def connection_plan(cfg: DoraConfig, instances: int, say: Callable[[str], None] | None = None) -> ConnectionPlan:
     """This process's connection budget for ``instances`` (:mod:`dora_megatron.comm.limits`): the
     soft open-files limit raised to the hard one (logged old -> new), each instance's pool sized
     from it. Refuses (:class:`~dora_megatron.config.base.ConfigError` naming
@@ -46,13 +55,18 @@ class EngineClients:
     """The clients the controller makes for the instances (planned ones, restarted and joining ones
     alike). ``procs``: the launcher's processes, for clients that restart vLLM instances."""
 
-    def __init__(self, cfg: DoraConfig, model_dir: Path, run_dir: Path, procs: Any, instances: int, say) -> None:
+    def __init__(self, cfg: DoraConfig, model_dir: Path, run_dir: Path, procs: ProcessSet | None, instances: int,
+                 say: Callable[[str], None]) -> None:
         from dora_megatron.comm.limits import ConnectionWaits
 
         self.cfg, self.model_dir, self.run_dir, self.procs = cfg, model_dir, run_dir, procs
         self.plan = connection_plan(cfg, instances, say)  # refuses before waiting on thousands of instances
         self.waits = ConnectionWaits()
-        self.pool = None  # rollout.client_workers > 0: the instances' HTTP clients run in worker processes
+        # rollout.client_workers > 0: the instances' HTTP clients run in worker processes
+        self.pool: ClientPool | None = None
+        #: the one thread this process's clients decode big answers in (the decode holds the GIL:
+        #: more threads add no throughput, only waits for the event loop; comm.generate_codec)
+        self.decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode-answers")
 
     async def start_pool(self) -> None:
         """The client worker processes (``rollout.client_workers``), if any; they push load reports."""
@@ -66,26 +80,33 @@ class EngineClients:
                 "interval_s": cfg.observability.stats_interval_s, "health_timeout_s": cfg.controller.health_timeout_s,
                 "concurrency": RuntimeOptions.stats_concurrency}, plan=self.plan)
 
-    def make(self, url: str):
+    def make(self, url: str) -> Engine:
         """The client of the instance at ``url``."""
         from dora_megatron.rollout.factory import engine_for
 
         if self.pool is not None:
             return self.pool.engine(url)
-        return engine_for(self.cfg, url, str(self.model_dir), self.procs, self.run_dir, plan=self.plan, waits=self.waits)
+        engine: Engine = engine_for(self.cfg, url, str(self.model_dir), self.procs, self.run_dir,
+                                    plan=self.plan, waits=self.waits, decoder=self.decoder)
+        return engine
 
     @property
-    def connection_waits(self):
-        """This process's back-pressure count (calls that waited for a pooled connection)."""
-        return self.pool.connection_waits if self.pool is not None else self.waits
+    def connection_waits(self) -> Callable[[], int]:
+        """This process's back-pressure count (calls that waited for a pooled connection): a function,
+        read when the run's summary is written (the client workers report theirs)."""
+        if self.pool is not None:
+            return self.pool.connection_waits
+        return lambda: self.waits.count
 
-    async def close(self, engines: dict[str, Any]) -> None:
+    async def close(self, engines: Mapping[str, Engine]) -> None:
         for e in engines.values():
             await e.close()
         if self.pool is not None:
             await self.pool.close()
+        self.decoder.shutdown(wait=False)  # the clients are closed: nothing is queued any more
 
-    async def wait_ready(self, launcher: Any, urls: dict[str, str], trainer_url: str, say) -> Any:
+    async def wait_ready(self, launcher: Launcher, urls: dict[str, str], trainer_url: str,
+                         say: Callable[[str], None]) -> Started:
         """Until the launcher's processes answer (:meth:`~dora_megatron.controller.main.Launcher.wait_started`),
         saying which instances start later; SGLang instances' versions are checked then. Returns
         what the launcher knows of them (``urls``, ``ready``, ``absent``, ``loading``, ``attempts``)."""

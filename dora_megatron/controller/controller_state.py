@@ -12,11 +12,19 @@ checkpoint is sized by is DESIGN section 5.5.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from dora_megatron.controller.records import RuntimeOptions
 from dora_megatron.observability.recorder import MetricsRecorder
+
+if TYPE_CHECKING:
+    from dora_megatron.controller.checkpointing import CheckpointWriter
+    from dora_megatron.controller.journal import Journal
+    from dora_megatron.controller.migration import Migrations
+    from dora_megatron.controller.samples import SampleStore
+    from dora_megatron.controller.training import Training
+    from dora_megatron.controller.turns import Turns
+    from dora_megatron.controller.weight_sync import WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -26,13 +34,13 @@ class StateHost(Protocol):
 
     opt: RuntimeOptions
     metrics: MetricsRecorder
-    journal: Any  # :class:`~dora_megatron.controller.journal.Journal` or None
-    store: Any  # the sample store (:mod:`.samples`)
-    moves: Any  # the migration counters (:mod:`.migration`)
-    weights: Any  # the checksums instances may load, the trainer's newest version (:mod:`.weight_sync`)
-    training: Any  # the step count, a stop's checkpoint (:mod:`.training`)
-    checkpoints: Any  # the files (:mod:`.checkpointing`)
-    turns: Any  # the workflows' prefix KV between turns: carried or computed again (:mod:`.turns`)
+    journal: Journal | None
+    store: SampleStore  # the sample store (:mod:`.samples`)
+    moves: Migrations  # the migration counters (:mod:`.migration`)
+    weights: WeightSync  # the checksums instances may load, the trainer's newest version (:mod:`.weight_sync`)
+    training: Training  # the step count, a stop's checkpoint (:mod:`.training`)
+    checkpoints: CheckpointWriter  # the files (:mod:`.checkpointing`)
+    turns: Turns  # the workflows' prefix KV between turns: carried or computed again (:mod:`.turns`)
 
     def now(self) -> float: ...
 
@@ -57,15 +65,16 @@ class ControllerState:
         The state is cut in this loop turn (with the journal's marker, which splits exactly
         there); its encoding and files are written by a task a chunk per loop turn
         (:mod:`.state_file`: at thousands of instances one ``json.dumps`` of it held the loop for
-        up to a second), chained after any earlier one. The run's last checkpoint is written at
-        once (the run ends right after and stops its tasks), finishing an earlier one first.
+        up to a second), chained after any earlier one. The run's last checkpoint is waited for
+        at the run's end, off the loop (the run ends right after and cancels its tasks; its
+        failure fails the run).
         ``controller.json`` is written last and atomically: a checkpoint directory without it is
         incomplete and ignored by resume, which then falls back one checkpoint (the journal keeps
         the records since the one before, :mod:`.journal`). Just before it, ``manifest.json``
         (sizes and SHA-256 of the trainer's files and of ``controller.json``) lets resume detect a
         corrupt checkpoint."""
         rt = self.rt
-        path = Path(rt.opt.checkpoint_dir(version))
+        path = rt.checkpoints.path(version)
         state = self.state_dict(version, orchestrator_snapshot)
 
         def complete() -> None:
@@ -82,8 +91,8 @@ class ControllerState:
             # would be pruned); it keeps the previous checkpoint's as well, the fallback while
             # this one is being written
             self.on_checkpoint(version)
-        rt.training.checkpoint_cut(version)  # on a stop, written at once below: the run ends in this turn
-        rt.checkpoints.finish(version, writer, at_once=rt.training.is_last())
+        rt.training.checkpoint_cut(version)  # on a stop, the one --resume goes on from: the run ends in this turn
+        rt.checkpoints.finish(version, writer, last=rt.training.is_last())
 
     def state_dict(self, version: int, orchestrator_snapshot: dict[str, Any]) -> dict[str, Any]:
         """The controller part of a checkpoint, sized by outstanding work (DESIGN section 5.5): the

@@ -30,10 +30,17 @@ import logging
 import time
 import zlib
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
-from dora_megatron.data.reward_api import reward_input
+from dora_megatron.controller.records import Engine, RuntimeOptions
+from dora_megatron.data.codec import TextCodec
+from dora_megatron.data.reward_api import RewardScorer, reward_input
+from dora_megatron.data.tasks import Prompt
 from dora_megatron.observability.eval_metrics import eval_scalars, round_metrics
+
+if TYPE_CHECKING:
+    from dora_megatron.controller.pool import Pool
+    from dora_megatron.controller.weight_sync import WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -47,14 +54,27 @@ class EvalRoundFailed(RuntimeError):
     """A round could not be completed (no engine answered one of its samples)."""
 
 
+class EvalHost(Protocol):
+    """What the eval rounds use of the executor: its options, renderer and engines, which instances
+    failed, which version each holds, and the weight loads of the final round."""
+
+    opt: RuntimeOptions
+    codec: TextCodec
+    engines: dict[str, Engine]
+    pool: Pool
+    weights: WeightSync
+
+    def is_failed(self, instance: str) -> bool: ...
+
+
 class Evaluator:
     """Runs eval rounds of ``prompts`` (:class:`~dora_megatron.data.tasks.Prompt`) on the engines of
     ``runtime`` (:class:`~dora_megatron.controller.runtime.Runtime`); ``scorer``: the run's
     :class:`~dora_megatron.data.reward_api.RewardScorer`. ``sinks``: scalar writers (TensorBoard,
     W&B) that get ``eval/...`` at the step evaluated; ``out``: ``eval.jsonl`` (one line per round)."""
 
-    def __init__(self, runtime: Any, prompts: Sequence[Any], scorer: Any, *, samples: int, interval: int,
-                 threshold: float, slots: int, sinks: Sequence[Any] = (), out: Path | None = None,
+    def __init__(self, runtime: EvalHost, prompts: Sequence[Prompt], scorer: RewardScorer, *, samples: int,
+                 interval: int, threshold: float, slots: int, sinks: Sequence[Any] = (), out: Path | None = None,
                  path: str = "") -> None:
         if not prompts:
             raise ValueError("data.eval_path: no usable rows")
@@ -72,9 +92,9 @@ class Evaluator:
         self.rounds: list[dict[str, Any]] = []
         self.reward_errors = 0
         self._in_flight: dict[str, int] = {}  # instance -> eval requests on it now
-        self._requests: dict[str, dict[str, asyncio.Task]] = {}  # instance -> rid -> its /generate
+        self._requests: dict[str, dict[str, asyncio.Task[Any]]] = {}  # instance -> rid -> its /generate
         self._closed: dict[str, int] = {}  # instance -> switches of it under way: no eval request goes there
-        self._pending: list[asyncio.Task] = []
+        self._pending: list[asyncio.Task[Any]] = []
         self._ending = False
         #: instance -> the version the final round loaded there (the rollout has stopped: the
         #: orchestrator no longer follows what the instances hold)

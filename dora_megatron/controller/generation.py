@@ -8,7 +8,7 @@ twice; a refusal by the engine's C1 guard is re-queued, and an instance that kee
 own version is failed; a failure for the controller's own shortage (no descriptor, no pooled
 connection) is retried, never counted against the instance. The executor
 (:class:`~dora_megatron.controller.runtime.Runtime`) hands it ``Dispatch`` and ``Submit``
-actions and the :class:`~dora_megatron.controller.loop.EngineReply` events; what happened goes on
+actions and the :class:`~dora_megatron.events.EngineReply` events; what happened goes on
 the event queue.
 """
 
@@ -18,17 +18,27 @@ import asyncio
 import logging
 import time
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Coroutine, Protocol
 
 from dora_megatron.comm.batch_files import BatchFileError, compact_routed
+from dora_megatron.comm.protocol import GenerateResponse
 from dora_megatron.controller.errors import LOCAL_RETRY_S, is_comm_error as _is_comm_error, is_local as _is_local
-from dora_megatron.controller.loop import EngineReply, EventQueue, InstanceFailed, MigrationFailed, Replayed
+from dora_megatron.events import EngineReply, InstanceFailed, MigrationFailed, Replayed
+from dora_megatron.controller.loop import EventQueue
 from dora_megatron.controller.records import Engine, GroupRecord, RuntimeOptions, SampleRecord
 from dora_megatron.controller.siblings import DraftPushes, finished_sources, running_targets
 from dora_megatron.observability.recorder import MetricsRecorder
 from dora_megatron.observability.trajectories import TrajectoryStats
 from dora_megatron.orchestrator import Dispatch, Orchestrator, Submit
-from dora_megatron.workflow.runner import WorkflowFailed
+from dora_megatron.workflow.runner import WorkflowFailed, WorkflowReply
+
+if TYPE_CHECKING:
+    from dora_megatron.controller.journal import Journal
+    from dora_megatron.controller.replay import JournalReplay
+    from dora_megatron.controller.samples import SampleStore
+    from dora_megatron.controller.turns import Turns
+    from dora_megatron.observability.timeline import Timeline
+    from dora_megatron.workflow.runner import WorkflowRunner
 
 log = logging.getLogger(__name__)
 
@@ -42,21 +52,25 @@ class GenerationHost(Protocol):
 
     orch: Orchestrator
     engines: dict[str, Engine]
-    samples: dict[str, SampleRecord]
-    groups: dict[str, GroupRecord]
-    store: Any  # the sample store (:mod:`.samples`)
+    store: SampleStore  # the sample store (:mod:`.samples`)
     events: EventQueue
     opt: RuntimeOptions
     metrics: MetricsRecorder
-    timeline: Any
-    journal: Any
-    workflow: Any
-    turns: Any  # a workflow's trajectories between their turns (:mod:`.turns`)
-    replay: Any  # the journal's finished samples on resume (:mod:`.replay`)
+    timeline: Timeline | None
+    journal: Journal | None
+    workflow: WorkflowRunner | None
+    turns: Turns  # a workflow's trajectories between their turns (:mod:`.turns`)
+    replay: JournalReplay  # the journal's finished samples on resume (:mod:`.replay`)
+
+    @property
+    def samples(self) -> dict[str, SampleRecord]: ...
+
+    @property
+    def groups(self) -> dict[str, GroupRecord]: ...
 
     def now(self) -> float: ...
 
-    def spawn(self, coro, name: str) -> asyncio.Task: ...
+    def spawn(self, coro: Coroutine[Any, Any, object], name: str) -> asyncio.Task[None]: ...
 
     def is_current(self, instance: str, engine: Engine) -> bool: ...
 
@@ -92,12 +106,12 @@ class Generation:
             return
         self._chain(a.sample_id, self._submit(a), f"submit-{a.sample_id}")
 
-    def _chain(self, sample_id: str, coro, name: str) -> asyncio.Task:
+    def _chain(self, sample_id: str, coro: Coroutine[Any, Any, object], name: str) -> asyncio.Task[None]:
         """Run ``coro`` after the sample's previous operation finished (per-sample ordering)."""
         rec = self.rt.samples[sample_id]
         prev = rec.task
 
-        async def run():
+        async def run() -> None:
             if prev is not None and not prev.done():
                 await asyncio.wait([prev])
             await coro
@@ -105,14 +119,15 @@ class Generation:
         rec.task = self.rt.spawn(run(), name)
         return rec.task
 
-    def concurrent(self, sample_id: str, make_coro, name: str) -> asyncio.Task:
+    def concurrent(self, sample_id: str, make_coro: Callable[[asyncio.Task[None] | None], Coroutine[Any, Any, object]],
+                   name: str) -> asyncio.Task[None]:
         """Run an operation that acts on the sample's in-flight request (it does not wait for it);
         later operations on the sample wait for both."""
         rec = self.rt.samples[sample_id]
         prev = rec.task
         task = self.rt.spawn(make_coro(prev), name)
 
-        async def both():
+        async def both() -> None:
             await asyncio.wait([t for t in (prev, task) if t is not None])
 
         rec.task = self.rt.spawn(both(), f"{name}-join")
@@ -206,7 +221,7 @@ class Generation:
         at, engine = self.rt.turns.where(rec, a.instance, engine)
         return (a if at == a.instance else replace(a, instance=at)), engine
 
-    async def _generate(self, engine: Engine, rec: SampleRecord, a: Submit):
+    async def _generate(self, engine: Engine, rec: SampleRecord, a: Submit) -> GenerateResponse | WorkflowReply:
         """One submission's answer: the engine's, or with ``rollout.workflow`` the whole trajectory
         its workflow generated on this instance with this version (every turn pinned to it)."""
         rt = self.rt
@@ -265,10 +280,10 @@ class Generation:
             return None  # interrupted (partial mode) or failed over: a later Submit(resume) continues it
         if rt.opt.routed_experts:  # covers prompt + every output token (the last submission's input is all of it)
             try:
-                rec.routed_experts = compact_routed((resp.raw.get("meta_info") or {}).get("routed_experts"))
+                rt.store.keep_routed(rec, compact_routed((resp.raw.get("meta_info") or {}).get("routed_experts")))
             except BatchFileError as err:  # a malformed answer: the sample is kept, without routing
                 log.error("%s: sample %s: meta_info.%s", instance, rec.sample_id, err)
-                rec.routed_experts = None
+                rt.store.keep_routed(rec, None)
             if rec.routed_experts is None and instance not in self.routed_experts_off:
                 # an optional probe that cannot run there (SGLang without --enable-return-routed-experts
                 # answers without them): the instance is not failed for it, one warning, counted
@@ -283,7 +298,7 @@ class Generation:
             self.drafts.finished(instance, rec.sample_id)
         rt.store.score(rec, resp, reason, ev.reward)
         if getattr(resp, "loss_mask", None) is not None:  # a workflow's trajectory (rollout.workflow)
-            rt.metrics.trajectory_finished(TrajectoryStats.of(resp.turns, sum(rec.loss_mask), resp.metrics))
+            rt.metrics.trajectory_finished(TrajectoryStats.of(resp.turns, sum(rec.loss_mask or ()), resp.metrics))
         if rt.journal is not None and rt.workflow is None:
             # a workflow's trajectory is not journaled (the journal keeps no prompt of its own nor loss
             # mask): after a crash it runs again from its prompt, on its own version

@@ -19,6 +19,17 @@ one, enough for a resume that falls back one checkpoint (see :mod:`.checkpoint_m
 when a crash lands while a newer checkpoint is still being written. Each restored sample is also
 listed in ``RUN_DIR/replayed.jsonl`` (audit trail; never rotated).
 
+Off the event loop: a finished sample's line is proportional to its tokens (at reasoning lengths
+tens of thousands of ids and log-probs, and with routing replay millions of routed expert ids as
+base64), so encoding and writing it on the loop held the whole controller for as long. Every
+method here only queues its record; one writer thread (:class:`_Writer`) encodes and writes them
+in the order they were queued, and the segment rotation and deletion of :meth:`Journal.checkpoint`
+and :meth:`Journal.completed` are queued in the same order, so the file is exactly what the
+synchronous writer wrote. A crash loses at most the records still queued: the samples they hold
+are generated again on resume, as those finished after the crash would be (the journal only spares
+work, it decides nothing). :meth:`Journal.flush` waits for the queue; :meth:`Journal.close` drains
+it and stops the thread.
+
 Record kinds::
 
     {"t": "checkpoint", "version": V}
@@ -32,9 +43,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
+import threading
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Callable, Sequence
+
+from dora_megatron.comm.batch_files import routed_base64
+from dora_megatron.controller.array_text import array_json
 
 log = logging.getLogger(__name__)
 
@@ -49,32 +66,93 @@ class JournaledSample:
     group_id: str
     version: int
     prompt_index: int
-    output_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
+    output_ids: Sequence[int]  # a tuple when read back; the sample's own int32 array when journaled
+    logprobs: Sequence[float]
     reward: float
-    routed_experts: str | None = None  # engine routing (base64, SGLang encoding) when routing replay is on
+    # engine routing when routing replay is on: base64 (SGLang's encoding) when read back, the
+    # sample's compact array when journaled (encoded by the writer thread)
+    routed_experts: Any = None
     finish_reason: str | None = None  # the engine's finish_reason type ("stop", "length"); the rollout dump's
     reward_error: str | None = None  # why the reward function failed (reward 0), counted in its step's reward/errors
 
 
+class _Writer:
+    """One thread that runs queued jobs in order. WHY a thread and not the loop's executor: the
+    journal's order is its meaning (a marker splits the lineage exactly where it was cut), and a
+    pool of several threads would not keep it. A failed job is logged and raised by the next
+    :meth:`flush`/:meth:`close`, so the run stops with the cause instead of journaling on silently."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | threading.Event | None] = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            if isinstance(job, threading.Event):  # a flush: everything before it is done
+                job.set()
+                continue
+            if self._error is not None:
+                continue  # after a failure nothing more is written (a gap would be worse than an end)
+            try:
+                job()
+            except BaseException as err:  # noqa: BLE001 - kept and raised on the caller's side
+                log.exception("journal write failed")
+                self._error = err
+
+    def put(self, job: Callable[[], None]) -> None:
+        self.raise_error()
+        self._jobs.put(job)
+
+    def flush(self) -> None:
+        done = threading.Event()
+        self._jobs.put(done)
+        done.wait()
+        self.raise_error()
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+        self.raise_error()
+
+    def raise_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"the journal writer failed: {self._error}") from self._error
+
+
 class Journal:
-    """Appends journal records under ``run_dir``; :meth:`start` begins a lineage at a checkpoint."""
+    """Appends journal records under ``run_dir``; :meth:`start` begins a lineage at a checkpoint.
+    Every method queues its work for the writer thread and returns at once."""
 
     def __init__(self, run_dir: str | Path) -> None:
         self.run_dir = Path(run_dir)
-        self._fh: IO[str] | None = None
+        # below: the writer thread's state (only its jobs touch it)
+        self._fh: IO[bytes] | None = None
         self._replayed: IO[str] | None = None
         self._marked = False  # records before the first checkpoint marker serve no resume: not written
         self._current: int | None = None  # the marker journal.jsonl starts with
         self._last_complete: int | None = None  # this lineage's newest complete checkpoint
+        self._writer: _Writer | None = None
+
+    def _put(self, job: Callable[[], None]) -> None:
+        if self._writer is None:
+            self._writer = _Writer(f"journal-{self.run_dir.name}")
+        self._writer.put(job)
 
     # ---- writing ------------------------------------------------------------------------
     def start(self, version: int | None) -> None:
         """A new lineage: an empty journal (with marker ``version`` when it continues a checkpoint)."""
-        self.close()
+        self._put(lambda: self._start(version))
+
+    def _start(self, version: int | None) -> None:
+        self._close_files()
         for old in segments(self.run_dir):
             old.unlink(missing_ok=True)
-        self._fh = open(self.run_dir / JOURNAL, "w")
+        self._fh = open(self.run_dir / JOURNAL, "wb")
         self._marked = version is not None
         self._current = None if version is None else int(version)
         self._last_complete = self._current
@@ -84,20 +162,27 @@ class Journal:
     def checkpoint(self, version: int) -> None:
         """Checkpoint ``version`` is cut: close the journal so far as a segment and mark where the
         lineage continues. Nothing is deleted here: the checkpoint is not complete yet."""
+        self._put(lambda: self._checkpoint(int(version)))
+
+    def _checkpoint(self, version: int) -> None:
         if self._fh is None:
             return
         self._fh.close()
         if self._current is not None:
             os.replace(self.run_dir / JOURNAL, self.run_dir / SEGMENT.format(self._current))
-        self._fh = open(self.run_dir / JOURNAL, "w")
+        self._fh = open(self.run_dir / JOURNAL, "wb")
         self._marked = True
-        self._current = int(version)
-        self._write({"t": "checkpoint", "version": int(version)})
+        self._current = version
+        self._write({"t": "checkpoint", "version": version})
 
     def completed(self, version: int) -> None:
         """Checkpoint ``version``'s ``controller.json`` is written: the segments before the complete
-        checkpoint preceding it (the fallback of a resume from ``version``) serve no resume."""
-        fallback, self._last_complete = self._last_complete, int(version)
+        checkpoint preceding it (the fallback of a resume from ``version``) serve no resume. May be
+        called from any thread (the checkpoint's state file is written by one)."""
+        self._put(lambda: self._completed(int(version)))
+
+    def _completed(self, version: int) -> None:
+        fallback, self._last_complete = self._last_complete, version
         if fallback is None:
             return
         for seg in segments(self.run_dir):
@@ -105,37 +190,79 @@ class Journal:
                 seg.unlink(missing_ok=True)
 
     def dispatch(self, group_id: str, version: int, prompt_index: int, sample_ids: list[str]) -> None:
-        self._write({"t": "dispatch", "group_id": group_id, "version": int(version), "prompt_index": int(prompt_index),
-                     "sample_ids": list(sample_ids)})
+        rec = {"t": "dispatch", "group_id": group_id, "version": int(version), "prompt_index": int(prompt_index),
+               "sample_ids": list(sample_ids)}
+        self._put(lambda: self._write(rec))
 
     def sample(self, s: JournaledSample, versions: list[int], replayed: bool = False) -> None:
-        """A finished sample; ``versions``: every weight version that generated part of it."""
-        self._write({"t": "sample", "sample_id": s.sample_id, "group_id": s.group_id, "version": int(s.version),
-                     "prompt_index": int(s.prompt_index), "versions": sorted(versions),
-                     "output_ids": list(s.output_ids), "logprobs": list(s.logprobs), "reward": s.reward,
-                     "replayed": replayed,
-                     **({"routed_experts": s.routed_experts} if s.routed_experts is not None else {}),
-                     **({"finish_reason": s.finish_reason} if s.finish_reason is not None else {}),
-                     **({"reward_error": s.reward_error} if s.reward_error is not None else {})})
+        """A finished sample; ``versions``: every weight version that generated part of it. Its
+        arrays are encoded by the writer thread: a finished sample's arrays are replaced, never
+        changed in place (:mod:`.samples`), so they are not copied here."""
+        versions = sorted(versions)
+        self._put(lambda: self._write_line(_sample_line(s, versions, replayed)))
 
     def replayed(self, s: JournaledSample) -> None:
+        line = {"sample_id": s.sample_id, "group_id": s.group_id, "version": s.version,
+                "prompt_index": s.prompt_index, "tokens": len(s.output_ids)}
+        self._put(lambda: self._write_replayed(line))
+
+    def _write_replayed(self, line: dict[str, Any]) -> None:
         if self._replayed is None:
             self._replayed = open(self.run_dir / REPLAYED, "a")
-        self._replayed.write(json.dumps({"sample_id": s.sample_id, "group_id": s.group_id, "version": s.version,
-                                         "prompt_index": s.prompt_index, "tokens": len(s.output_ids)}) + "\n")
+        self._replayed.write(json.dumps(line) + "\n")
         self._replayed.flush()
 
     def _write(self, rec: dict[str, Any]) -> None:
+        self._write_line(json.dumps(rec).encode())
+
+    def _write_line(self, line: bytes) -> None:
         if self._fh is None or not self._marked:
             return
-        self._fh.write(json.dumps(rec) + "\n")
+        self._fh.write(line + b"\n")
         self._fh.flush()
 
+    def flush(self) -> None:
+        """Wait until every record queued so far is written (raises if the writer failed)."""
+        if self._writer is not None:
+            self._writer.flush()
+
     def close(self) -> None:
+        """Write what is queued, close the files and stop the writer thread."""
+        if self._writer is None:
+            return
+        writer, self._writer = self._writer, None
+        writer.put(self._close_files)
+        writer.stop()
+
+    def _close_files(self) -> None:
         for fh in (self._fh, self._replayed):
             if fh is not None:
                 fh.close()
         self._fh = self._replayed = None
+
+
+def _sample_line(s: JournaledSample, versions: list[int], replayed: bool) -> bytes:
+    """The journal line of a finished sample (writer thread: proportional to its tokens). Its token
+    ids and log-probs are written by :func:`~.array_text.array_json` (``json.dumps`` of a list of
+    floats was most of the controller's CPU per sample at reasoning lengths), and the routed
+    experts' base64 is spliced in as bytes, encoded a slice at a time (a 30K-token answer of a
+    48-layer top-8 MoE is ~60 MB of it: one encoding call would hold the GIL, so the loop, as long)."""
+    rec = {"t": "sample", "sample_id": s.sample_id, "group_id": s.group_id, "version": int(s.version),
+           "prompt_index": int(s.prompt_index), "versions": versions, "reward": s.reward,
+           "replayed": replayed,
+           **({"finish_reason": s.finish_reason} if s.finish_reason is not None else {}),
+           **({"reward_error": s.reward_error} if s.reward_error is not None else {})}
+    line = json.dumps(rec).encode()
+    parts = [line[:-1], b', "output_ids": ', _list_text(s.output_ids), b', "logprobs": ', _list_text(s.logprobs)]
+    if s.routed_experts is not None:
+        parts += [b', "routed_experts": "', *routed_base64(s.routed_experts), b'"']
+    return b"".join([*parts, b"}"])
+
+
+def _list_text(values: Sequence[Any]) -> bytes:
+    """A sample's array as :func:`~.array_text.array_json` writes it (any other sequence, e.g. one
+    read back from a journal, as ``json.dumps`` of its list)."""
+    return array_json(values) if isinstance(values, array) else json.dumps(list(values)).encode()
 
 
 def read_journal(run_dir: str | Path, version: int) -> dict[str, JournaledSample]:

@@ -18,32 +18,60 @@ to start, restarting a dead engine, naming why the trainer died) is the launcher
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
+import sys
 from pathlib import Path
-from typing import Any, Callable, Coroutine, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Coroutine, Protocol
 
 from dora_megatron.config.schema import DoraConfig
 from dora_megatron.controller.build import Endpoints
 from dora_megatron.controller.clients import EngineClients, connection_plan
-from dora_megatron.controller.loop import ControllerLoop, Stop
+from dora_megatron.events import Stop
+from dora_megatron.controller.loop import ControllerLoop, EventQueue
 from dora_megatron.controller.outputs import RunOutputs
+
+if TYPE_CHECKING:
+    from dora_megatron.controller.records import Engine
+    from dora_megatron.controller.runtime import Runtime
+    from dora_megatron.launch.stop import StopSignals
+    from dora_megatron.processes import ProcessSet
 
 __all__ = ["Endpoints", "Launcher", "connection_plan", "drive", "run_controller"]
 
 log = logging.getLogger(__name__)
 
+#: the GIL's switch interval while the controller runs (Python's default: 5 ms)
+SWITCH_INTERVAL_S = 0.0005
+#: allocations between two young collections while the controller runs (Python's default: 700).
+#: WHY: an in-flight request holds ~80 tracked objects (its task's coroutines, aiohttp's) for
+#: seconds, so they outlive young collections anyway; fewer young collections promote them with
+#: less scanning, and the full ones that follow them came 2 times a run instead of 5
+#: (``tools/controller_scale.py``'s ``gc_collections``, ``docs/results/controller_scale.md``)
+GC_THRESHOLD0 = 7000
+
+
+class Started(Protocol):
+    """The instances once the launcher's start-up wait is over
+    (:class:`~dora_megatron.launch.startup.StartupResult`)."""
+
+    urls: dict[str, str]  # every instance, restarted ones at their new URL
+    ready: set[str]
+    absent: dict[str, str]  # not ready: name -> why
+    loading: set[str]  # absent ones that never failed, only came up late
+
 
 class Launcher(Protocol):
     """What the controller needs of the launcher that started the processes."""
 
-    procs: Any  # its ProcessSet (clients that restart vLLM instances use it), or None
+    procs: ProcessSet | None  # clients that restart vLLM instances use it
 
-    async def wait_started(self, urls: dict[str, str], trainer_url: str) -> Any:
+    async def wait_started(self, urls: dict[str, str], trainer_url: str) -> Started:
         """Until the engines (or ``launch.min_ready_instances`` of them) and the trainer answer;
-        returns ``urls``, ``ready``, ``absent`` (name -> why), ``loading`` and ``attempts``
-        (:class:`~dora_megatron.launch.startup.Instances`)."""
+        returns what the controller reads of them (:class:`Started`)."""
 
-    def event_sources(self, runtime: Any, make_engine: Callable[[str], Any], started: Any) -> list[Coroutine]:
+    def event_sources(self, runtime: Runtime, make_engine: Callable[[str], Engine],
+                      started: Started) -> list[Coroutine[Any, Any, None]]:
         """The launcher's event sources while the runtime runs (engine supervisor, trainer watchdog,
         a SLURM job's join watcher)."""
 
@@ -54,7 +82,7 @@ class Launcher(Protocol):
         """Wait (bounded) for a trainer that acknowledged its shutdown to exit by itself."""
 
 
-async def drive(runtime: Any) -> dict[str, Any]:
+async def drive(runtime: Runtime) -> dict[str, Any]:
     """Run the controller loop over the executor ``runtime`` (a built
     :class:`~dora_megatron.controller.runtime.Runtime`) until the last step (or an error); returns
     the summary. Every run goes through here: the launchers (:func:`run_controller`) and the tests
@@ -81,7 +109,7 @@ async def drive(runtime: Any) -> dict[str, Any]:
     return await runtime.finish(error)
 
 
-async def _stop_when(done: asyncio.Event, events: Any) -> None:
+async def _stop_when(done: asyncio.Event, events: EventQueue) -> None:
     """The loop sleeps on its queue: a run ended without an event (``done`` set) must wake it."""
     await done.wait()
     events.post(Stop())
@@ -89,7 +117,7 @@ async def _stop_when(done: asyncio.Event, events: Any) -> None:
 
 async def run_controller(cfg: DoraConfig, endpoints: Endpoints, run_dir: Path, model_dir: Path, launcher: Launcher,
                          say: Callable[[str], None], checkpoint: Path | None = None, *,
-                         on_runtime: Callable[[Any], None] | None = None, stop_signals: Any = None,
+                         on_runtime: Callable[[Runtime], None] | None = None, stop_signals: StopSignals | None = None,
                          trainer_restarts: int = 0) -> dict[str, Any]:
     """Run the controller of a job whose processes are started, until its last step (or a stop), and
     write the outputs; returns the summary. ``on_runtime(runtime)`` runs once the runtime exists
@@ -117,7 +145,7 @@ async def run_controller(cfg: DoraConfig, endpoints: Endpoints, run_dir: Path, m
     runtime.connection_waits = clients.connection_waits
     say(f"reward: {ctl.reward_name}")
     outputs.attach(ctl.orch, resumed=ctl.state is not None)
-    if ctl.state is not None and ctl.journal is not None:
+    if ctl.state is not None and ctl.journal is not None and checkpoint is not None:
         say(f"journal: {ctl.restorable_samples} finished sample(s) after {checkpoint.name} may be restored")
     if on_runtime is not None:
         on_runtime(runtime)
@@ -126,6 +154,22 @@ async def run_controller(cfg: DoraConfig, endpoints: Endpoints, run_dir: Path, m
     sources = [loop.create_task(c) for c in launcher.event_sources(runtime, clients.make, started)]
     if stop_signals is not None:
         stop_signals.arm_runtime(runtime)
+    # WHY: what exists now (imported modules, the tokenizer, the prompts, the clients: 53K tracked
+    # objects in the scale harness) lives as long as the run, and every full garbage collection
+    # scanned it again, holding the GIL: every thread, the event loop's included, stops for the
+    # whole collection (0.2-0.4 s each on a shared core, ``docs/results/controller_scale.md``).
+    # Frozen, collections scan only what the run allocates; unfrozen at the end (a process running
+    # several controllers, as tests do, collects them again).
+    gc.freeze()
+    thresholds = gc.get_threshold()
+    gc.set_threshold(GC_THRESHOLD0, *thresholds[1:])
+    # WHY a shorter switch interval: the loop releases the GIL on every socket call (thousands a
+    # second, one per answer piece) and then waits for the threads decoding, scoring or writing to
+    # give it back, up to a whole interval each time: beside 4 busy threads a loop made 8.1K socket
+    # round trips a second with a tick lag p99 of 171 ms at 5 ms, 17.4K and 80 ms at 0.5 ms
+    # (``docs/results/controller_scale.md``).
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         summary = await drive(runtime)
     except TrainerUnreachable as err:
@@ -145,6 +189,9 @@ async def run_controller(cfg: DoraConfig, endpoints: Endpoints, run_dir: Path, m
         # last: every queued dump and checkpoint overview written (the run's work is over, the
         # loop may wait for it now; an interrupted run's cleanup above has already run)
         outputs.close_background()
+        gc.unfreeze()
+        gc.set_threshold(*thresholds)
+        sys.setswitchinterval(switch_interval)
     summary.update(reward_fn=ctl.reward_name, trainer_restarts=trainer_restarts, data_skipped_rows=skipped_rows(ctl.source))
     return outputs.finish(summary, model_dir, say)
 

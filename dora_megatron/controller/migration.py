@@ -6,7 +6,7 @@ engines support it, else abort at the source and resubmit prompt + partial outpu
 destination, DESIGN section 4.6; a workflow's trajectory moves the turn it is generating the same
 way, :mod:`.turns`) and it owns what a switch must wait for: the moves onto and off
 each instance (:meth:`Migrations.pending`). It reports what happened on the event queue
-(:class:`~dora_megatron.controller.loop.EngineReply`, :class:`MigrationDone`,
+(:class:`~dora_megatron.events.EngineReply`, :class:`MigrationDone`,
 :class:`MigrationFailed`, :class:`InstanceFailed`); the samples stay the executor's.
 """
 
@@ -14,17 +14,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Coroutine, Protocol
 
 from dora_megatron.controller.errors import is_comm_error as _is_comm_error, is_local as _is_local
-from dora_megatron.controller.loop import EngineReply, EventQueue, InstanceFailed, MigrationDone, MigrationFailed
+from dora_megatron.events import EngineReply, InstanceFailed, MigrationDone, MigrationFailed
+from dora_megatron.controller.loop import EventQueue
 from dora_megatron.controller.records import Engine, RuntimeOptions, SampleRecord
 from dora_megatron.orchestrator import Interrupt, Migrate, Submit
+
+if TYPE_CHECKING:
+    from dora_megatron.controller.samples import SampleStore
+    from dora_megatron.controller.turns import Turns
+    from dora_megatron.observability.timeline import Timeline
+    from dora_megatron.workflow.runner import WorkflowRunner
 
 log = logging.getLogger(__name__)
 
 
-async def abort_until_returned(engine: Engine, sample_id: str, prev: asyncio.Task | None) -> None:
+async def abort_until_returned(engine: Engine, sample_id: str, prev: asyncio.Task[Any] | None) -> None:
     """Abort ``sample_id`` until its in-flight ``/generate`` (``prev``) has returned.
 
     WHY repeat: an abort's answer proves nothing. SGLang answers 200 with an empty body whether or
@@ -58,17 +65,20 @@ class MoveHost(Protocol):
     """What the moves use of the executor that owns them (the pool, the samples, the queue, the clock)."""
 
     engines: dict[str, Engine]
-    samples: dict[str, SampleRecord]
-    store: Any  # the sample store: a finishing answer's reward is scored off the loop (:mod:`.samples`)
+    store: SampleStore  # the sample store: a finishing answer's reward is scored off the loop (:mod:`.samples`)
     events: EventQueue
     opt: RuntimeOptions
-    timeline: Any
-    workflow: Any
-    turns: Any  # a workflow's runs (controller.turns.Turns): one moved or interrupted mid-turn is dropped
+    timeline: Timeline | None
+    workflow: WorkflowRunner | None
+    turns: Turns  # a workflow's runs: one moved or interrupted mid-turn is dropped
+
+    @property
+    def samples(self) -> dict[str, SampleRecord]: ...
 
     def now(self) -> float: ...
 
-    def concurrent(self, sample_id: str, make_coro: Callable, name: str) -> asyncio.Task: ...
+    def concurrent(self, sample_id: str, make_coro: Callable[[asyncio.Task[None] | None], Coroutine[Any, Any, object]],
+                   name: str) -> asyncio.Task[None]: ...
 
     async def resubmit(self, a: Submit) -> None: ...
 
@@ -82,7 +92,7 @@ class Migrations:
         self.rt = host
         # instance -> what a switch of it waits for: migrations into it (until they end), migrations
         # out of it (until the source let the request go) and interrupts
-        self._moves_at: dict[str, set[asyncio.Future]] = {}
+        self._moves_at: dict[str, set[asyncio.Future[Any]]] = {}
         self.migrated_bytes = 0
         self.migrations_done = 0
         self.migrations_fallback = 0
@@ -101,17 +111,22 @@ class Migrations:
         # Waiting for it kept a freed instance idle through the whole tail of the requests moved
         # off it, which is the wait DORA's partition exists to remove. A switch of the destination
         # waits for the whole move.
-        released = asyncio.get_running_loop().create_future()
+        released: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def release(_: asyncio.Task[None]) -> None:
+            if not released.done():
+                released.set_result(None)
+
         task = self.rt.concurrent(a.sample_id, lambda prev: self.move(a, prev, released), f"migrate-{a.sample_id}")
-        task.add_done_callback(lambda t: released.done() or released.set_result(None))
+        task.add_done_callback(release)
         self._track_move(a.src, released)
         self._track_move(a.dst, task)
 
-    def pending(self, instance: str) -> list[asyncio.Future]:
+    def pending(self, instance: str) -> list[asyncio.Future[Any]]:
         """The moves onto and off ``instance`` (and its interrupts) not ended yet: a switch of it waits for them."""
         return [t for t in self._moves_at.get(instance, ()) if not t.done()]
 
-    def _track_move(self, instance: str, fut: asyncio.Future) -> None:
+    def _track_move(self, instance: str, fut: asyncio.Future[Any]) -> None:
         self._moves_at.setdefault(instance, set()).add(fut)
         fut.add_done_callback(lambda f: self._moves_at.get(instance, set()).discard(f))
 
@@ -120,7 +135,7 @@ class Migrations:
         task = self.rt.concurrent(a.sample_id, lambda prev: self.abort(a, prev), f"interrupt-{a.sample_id}")
         self._track_move(a.instance, task)
 
-    async def move(self, a: Migrate, prev: asyncio.Task | None, released: asyncio.Future) -> None:
+    async def move(self, a: Migrate, prev: asyncio.Task[Any] | None, released: asyncio.Future[None]) -> None:
         """Move one request from ``a.src`` to ``a.dst``; ``released`` is set once the source no
         longer holds it (a switch of the source may then go ahead)."""
         from dora_megatron.comm.engine_client import EngineError
@@ -219,7 +234,7 @@ class Migrations:
         await self.rt.resubmit(Submit(a.sample_id, a.dst, a.version, resume=True))
         self.freed_slot_s += self.rt.now() - left
 
-    async def abort(self, a: Interrupt, prev: asyncio.Task | None) -> None:
+    async def abort(self, a: Interrupt, prev: asyncio.Task[Any] | None) -> None:
         """Abort the request and wait until its partial output is back (before the instance switches)."""
         await abort_until_returned(self.rt.engines[a.instance], a.sample_id, prev)
         if prev is not None and not prev.done():

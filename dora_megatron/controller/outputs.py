@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dora_megatron.config.schema import DoraConfig
+from dora_megatron.observability.summary import StepRecord, write_summary
 
 log = logging.getLogger(__name__)
 
@@ -54,30 +55,13 @@ def open_run_records(run_dir: Path, resumed_at: int | None):
     from the checkpoint of version ``resumed_at`` the existing ones without the crashed lineage's
     records of steps >= it (those steps are trained again from the checkpoint, on the groups it
     kept: left in, they would list those groups twice). Each step of the final lineage is then
-    recorded once, which :func:`duplicated_in_record` checks."""
+    recorded once (``steps.jsonl`` carries each step's record, which the summary's
+    ``duplicated_groups`` counts over)."""
     if resumed_at is None:
         return open(run_dir / "steps.jsonl", "w"), open(run_dir / "consumed.jsonl", "w")
     drop_steps_from(run_dir / "steps.jsonl", resumed_at)
     drop_steps_from(run_dir / "consumed.jsonl", resumed_at)
     return open(run_dir / "steps.jsonl", "a"), open(run_dir / "consumed.jsonl", "a")
-
-
-def duplicated_in_record(path: Path) -> int:
-    """Groups ``consumed.jsonl`` lists more than once (each one beyond its first listing): the
-    exactly-once check of the run's own record, the one ``--resume`` continues."""
-    if not path.is_file():
-        return 0
-    seen: set[str] = set()
-    dup = 0
-    for line in path.read_text().splitlines():
-        try:
-            groups = json.loads(line)["groups"]
-        except (ValueError, KeyError, TypeError):  # a line torn by a crash: dropped by the next resume
-            continue
-        for g in groups:
-            dup += g in seen
-            seen.add(g)
-    return dup
 
 
 def earlier_steps(run_dir: Path) -> dict[str, Any]:
@@ -146,12 +130,12 @@ class RunOutputs:
         if resumed:
             self.retention.min_live_at_checkpoint = min(orch.live_versions())
 
-    def on_step(self, s, rt) -> None:
-        """After each step: prune snapshots, record the consumed groups, progress, overview."""
+    def on_step(self, s: StepRecord, rt) -> None:
+        """After each step (its record): prune snapshots, record the consumed groups, progress, overview."""
         self.retention.prune()
-        self.consumed_file.write(json.dumps({"step": s.step, "groups": s.group_ids, "versions": s.group_versions}) + "\n")
+        self.consumed_file.write(json.dumps({"step": s.step, "groups": s.groups, "versions": s.versions}) + "\n")
         self.consumed_file.flush()
-        self.progress.update(s.step, rt.metrics.last, len(s.rewards))
+        self.progress.update(s.step, rt.metrics.last, s.samples)
         if self.overviews is not None:
             self.overviews.step(s.step, rt.metrics.last, s.staleness)
 
@@ -180,8 +164,6 @@ class RunOutputs:
         from dora_megatron.weights.export import export_final
 
         run_dir = self.run_dir
-        # duplicates as the run's record counts them: the one a resume reads (each step of the final lineage once)
-        summary["duplicated_groups"] = duplicated_in_record(run_dir / "consumed.jsonl")
         if summary["status"] == "completed":
             try:  # the trained policy for evaluation harnesses; the run's own outputs are written whatever happens here
                 final_version, final_dir = export_final(run_dir, model_dir)
@@ -191,7 +173,7 @@ class RunOutputs:
             else:
                 summary.update(hf_final=str(final_dir), hf_final_version=final_version)
                 say(f"trained policy (version {final_version}) as a Hugging Face directory: {final_dir}")
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_summary(run_dir, summary)
         (run_dir / "orchestrator_state.json").write_text(json.dumps(self.orch.snapshot()))
         if summary["status"] == "completed" and self.timeline is not None:
             obs = self.cfg.observability

@@ -7,16 +7,17 @@ run unless a supervisor may bring them back. Whether an instance is failed now i
 orchestrator's (it owns run state); this component asks it and keeps only what the orchestrator
 does not know: the clients, who ever failed or rejoined, who was absent at the start. The executor
 (:class:`~dora_megatron.controller.runtime.Runtime`) hands it the
-:class:`~dora_megatron.controller.loop.InstanceJoined` and :class:`InstanceFailed` events.
+:class:`~dora_megatron.events.InstanceJoined` and :class:`InstanceFailed` events.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Protocol
+from collections.abc import Mapping, Set as AbstractSet
+from typing import Any, Protocol
 
-from dora_megatron.controller.loop import InstanceFailed, InstanceJoined
+from dora_megatron.events import InstanceFailed, InstanceJoined
 from dora_megatron.controller.records import Engine, SampleRecord
 from dora_megatron.observability.recorder import MetricsRecorder
 from dora_megatron.orchestrator import Orchestrator
@@ -29,8 +30,10 @@ class PoolHost(Protocol):
 
     orch: Orchestrator
     engines: dict[str, Engine]
-    samples: dict[str, SampleRecord]
     metrics: MetricsRecorder
+
+    @property
+    def samples(self) -> dict[str, SampleRecord]: ...
 
     def now(self) -> float: ...
 
@@ -84,7 +87,7 @@ class Pool:
         """Loop: ``engine`` is still ``instance``'s client and the instance has not failed."""
         return not self.is_failed(instance) and self.rt.engines.get(instance) is engine
 
-    def start_without(self, absent: dict[str, str], loading: set[str] = frozenset()) -> None:
+    def start_without(self, absent: Mapping[str, str], loading: AbstractSet[str] = frozenset()) -> None:
         """Call before the run begins: it starts without ``absent`` (name -> why they are not ready;
         the launcher adds each once it serves, ``Runtime.add_instance``). ``loading``: those of them
         that did not fail, only were not ready yet (they are not counted as failed instances)."""
@@ -108,7 +111,7 @@ class Pool:
             log.info("instance %s joined the pool", name)
         return True
 
-    def mark_failed(self, ev: InstanceFailed, origin: asyncio.Task | None) -> bool:
+    def mark_failed(self, ev: InstanceFailed, origin: asyncio.Task[Any] | None) -> bool:
         """Loop (:class:`InstanceFailed`): whether the orchestrator is to hear of it. ``ev.engine``:
         the client the failing call used; a failure seen through a client that has since been
         replaced (the instance was restarted and rejoined) is stale and ignored. The requests in

@@ -1,5 +1,6 @@
 """The runtime's vocabulary: the engine and trainer interfaces it drives, its options, and the
-records it keeps per sample, per group and per step.
+records it keeps per sample and per group (a step's is the recorder's
+:class:`~dora_megatron.observability.summary.StepRecord`).
 
 Why apart from :mod:`.runtime`: these are plain data and protocols that tests, the launcher and
 fakes construct directly; the runtime module keeps only the behaviour.
@@ -10,8 +11,15 @@ from __future__ import annotations
 import asyncio
 from array import array
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
+from dora_megatron.comm.protocol import GenerateResponse
+from dora_megatron.comm.train_sample import TrainSample
+from dora_megatron.config.controller import ControllerConfig
+from dora_megatron.config.observability import ObservabilityConfig
+from dora_megatron.config.orchestrator import OrchestratorConfig
+from dora_megatron.config.rollout import RolloutConfig
+from dora_megatron.config.run import RunConfig
 from dora_megatron.controller.trainer_client import PushOptions
 from dora_megatron.data.tasks import Prompt
 
@@ -19,21 +27,24 @@ from dora_megatron.data.tasks import Prompt
 class Engine(Protocol):
     """The subset of :class:`~dora_megatron.comm.engine_client.EngineClient` the runtime uses."""
 
-    async def generate(self, input_ids, sampling_params=None, *, rid=None, return_logprob=True, version=None,
-                       **kw): ...  # routed_experts=True when routing replay is on, draft_sources with
-    # rollout.speculative=group (each omitted otherwise)
+    # kw: routed_experts=True when routing replay is on, draft_sources with rollout.speculative=group
+    # (each omitted otherwise)
+    async def generate(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any] | None = None, *,
+                       rid: str | None = None, return_logprob: bool = True, version: int | str | None = None,
+                       **kw: Any) -> GenerateResponse: ...
     async def abort(self, rid: str = "", abort_all: bool = False) -> bool: ...
     async def server_info(self) -> dict[str, Any]: ...
-    async def update_weights_from_disk(self, model_path: str, weight_version=None) -> dict[str, Any]: ...
+    async def update_weights_from_disk(self, model_path: str, weight_version: int | str | None = None) -> dict[str, Any]: ...
     async def supports(self, name: str) -> bool: ...
     async def export_request(self, rid: str) -> bytes: ...
-    async def import_request(self, blob: bytes): ...
+    async def import_request(self, blob: bytes) -> GenerateResponse: ...
     # a trajectory's kept KV between its turns (engines that offer ``keep_kv`` only)
     async def export_kv(self, rid: str) -> bytes: ...
     async def import_kv(self, blob: bytes) -> int: ...
     async def release_kv(self, rid: str) -> bool: ...
     async def weights_checksum(self) -> str: ...
     async def add_draft_sources(self, rid: str, sources: list[list[int]]) -> bool: ...  # speculative=group only
+    async def close(self) -> None: ...  # at the run's end (controller.clients.EngineClients.close)
 
 
 class LoadReports(Protocol):
@@ -47,7 +58,7 @@ class Trainer(Protocol):
     """The subset of :class:`~dora_megatron.controller.trainer_client.TrainerClient` the runtime uses
     (``push_weights`` only with ``weight_transport: distributed``)."""
 
-    async def train(self, step: int, samples: list[dict[str, Any]]) -> dict[str, Any]: ...
+    async def train(self, step: int, samples: list[TrainSample]) -> dict[str, Any]: ...
     async def save_checkpoint(self, path: str) -> dict[str, Any]: ...
     async def push_weights(self, engines: list[str], bucket_mb: float, master_addr: str | None = None,
                            timeout_s: float | None = None, gpus: dict[str, int] | None = None,
@@ -63,20 +74,23 @@ class SampleRecord:
     version: int
     prompt_ids: list[int]
     #: the output as compact arrays (int32 ids, float32 log-probs: 8 bytes a token, not ~68 as lists)
-    output_ids: array = field(default_factory=lambda: array("i"))
-    logprobs: array = field(default_factory=lambda: array("f"))
+    output_ids: array[int] = field(default_factory=lambda: array("i"))
+    logprobs: array[float] = field(default_factory=lambda: array("f"))
     versions: set[int] = field(default_factory=set)
     submissions: int = 0
     reward: float | None = None
     reward_error: str | None = None  # why the reward function failed (its reward is then 0), counted per step
     finished: bool = False
-    task: asyncio.Task | None = None
-    gen_task: asyncio.Task | None = None
+    task: asyncio.Task[None] | None = None
+    gen_task: asyncio.Task[None] | None = None
     gen_instance: str | None = None
     replay_pending: bool = False  # restored from the journal; reported finished at its next Submit
     #: the engine's routed experts for prompt + output (routing replay), flat, in the smallest integer
     #: type that holds the ids (:func:`~dora_megatron.comm.batch_files.compact_routed`)
     routed_experts: Any = None
+    #: where ``routed_experts`` was written to the trainer's spool when the sample finished
+    #: (:class:`~dora_megatron.comm.routed_spool.SpooledRouted`; None: not spooled, the batch files copy them)
+    routed_at: Any = None
     finish_reason: str | None = None  # the engine's finish_reason type of the answer that finished it ("stop", "length")
     loss_mask: list[int] | None = None  # a workflow's trajectory: 1 on model tokens of output_ids, 0 on the tools'
     turn: Any = None  # a workflow's run (controller.turns.TurnGate): where its turns run, whether it was dropped
@@ -93,8 +107,23 @@ class GroupRecord:
     sample_ids: tuple[str, ...]
 
 
+def instance_slots(max_running: int, cap_before_rebalance: int) -> int:
+    """Requests the runtime keeps running on one instance: the engine's own cap
+    (``rollout.max_running``) or the orchestrator's per-instance cap before the first rebalance
+    (``orchestrator.cap_before_rebalance``), whichever is lower."""
+    return min(max_running, cap_before_rebalance)
+
+
 @dataclass
 class RuntimeOptions:
+    """What the runtime reads of the config, filled from each owning section by
+    :func:`~dora_megatron.controller.build.runtime_options`.
+
+    WHY the defaults name the config: each default is owned once, by the config section's field
+    (``field_doc``, documented in docs/configuration.md); the defaults here read it, so a test or
+    tool that builds options by hand runs with what ``dora train`` would (and
+    tests/unit/controller/test_runtime_options.py checks they agree field by field)."""
+
     steps: int
     seed: int
     max_new_tokens: int
@@ -102,38 +131,26 @@ class RuntimeOptions:
     top_p: float
     top_k: int
     snapshot_dir: Callable[[int], str]  # version -> HF snapshot directory
-    stats_interval_s: float = 0.5
-    stats_concurrency: int = 64  # stats polls in flight at once during one sweep
-    slots_per_instance: int = 8
-    request_timeout_s: float = 600.0
-    health_timeout_s: float = 30.0
-    verify_checksums: bool = True
-    migration: str = "kv"  # "kv": export/import when both engines offer it; "reprefill": abort + resubmit
-    weight_transport: str = "disk"  # "distributed": the trainer broadcasts the newest version to switching engines
+    stats_interval_s: float = ObservabilityConfig.stats_interval_s
+    stats_concurrency: int = 64  # stats polls in flight at once during one sweep (not a config key)
+    slots_per_instance: int = instance_slots(RolloutConfig.max_running, OrchestratorConfig.cap_before_rebalance)
+    request_timeout_s: float = RolloutConfig.request_timeout_s
+    health_timeout_s: float = ControllerConfig.health_timeout_s
+    verify_checksums: bool = ControllerConfig.verify_checksums
+    # "kv": export/import when both engines offer it; "reprefill": abort + resubmit
+    migration: str = ControllerConfig.migration
+    # "distributed": the trainer broadcasts the newest version to switching engines
+    weight_transport: str = ControllerConfig.weight_transport
     push: PushOptions = field(default_factory=PushOptions)  # how the trainer broadcasts (distributed transport)
     stop_token_ids: tuple[int, ...] = ()  # extra ids that end a sample (the codec's EOS always does)
-    weight_sync_timeout_s: float = 600.0  # one instance's weight update; slower = the instance failed
-    checkpoint_interval: int = 0  # steps; 0 = only at the end
+    # one instance's weight update; slower = the instance failed
+    weight_sync_timeout_s: float = ControllerConfig.weight_sync_timeout_s
+    checkpoint_interval: int = RunConfig.checkpoint_interval  # steps; 0 = only at the end
     checkpoint_dir: Callable[[int], str] | None = None  # version -> checkpoint directory (None: no checkpoints)
-    stop_checkpoint_timeout_s: float = 300.0  # a stop request waits this long for the next step boundary
+    # a stop request waits this long for the next step boundary
+    stop_checkpoint_timeout_s: float = ControllerConfig.stop_checkpoint_timeout_s
     routed_experts: bool = False  # ask engines for routed experts and hand them to the trainer (algo.routing_replay)
     draft_siblings: bool = False  # send each request its group's finished siblings (rollout.speculative=group)
-    draft_push_max_batch: int = 0  # push them only to instances running at most this many (0: always)
+    # push them only to instances running at most this many (0: always)
+    draft_push_max_batch: int = RolloutConfig.spec_max_batch
 
-
-@dataclass
-class StepLog:
-    step: int
-    start_s: float
-    end_s: float
-    wait_s: float
-    train_s: float
-    sync_s: float
-    metrics: dict[str, float]
-    rewards: list[float]
-    response_lengths: list[int]
-    staleness: list[int]
-    tokens: int
-    live_versions: int
-    group_ids: list[str] = field(default_factory=list)
-    group_versions: list[int] = field(default_factory=list)

@@ -10,20 +10,28 @@ executor's (:class:`~dora_megatron.controller.runtime.Runtime`).
 from __future__ import annotations
 
 from array import array
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from dora_megatron.comm.batch_files import compact_routed, routed_text
+from dora_megatron.comm.batch_files import compact_routed
 from dora_megatron.controller.records import GroupRecord, SampleRecord
+
+if TYPE_CHECKING:
+    from dora_megatron.controller.journal import Journal, JournaledSample
+    from dora_megatron.orchestrator import Orchestrator
 
 
 class ReplayHost(Protocol):
     """What the replay uses of the executor: its records and the journal (a workflow's trajectories
     are never journaled, so there is nothing of them to replay)."""
 
-    samples: dict[str, SampleRecord]
-    groups: dict[str, GroupRecord]
-    journal: Any
-    orch: Any  # a group's version is the orchestrator's
+    journal: Journal | None
+    orch: Orchestrator  # a group's version is the orchestrator's
+
+    @property
+    def samples(self) -> dict[str, SampleRecord]: ...
+
+    @property
+    def groups(self) -> dict[str, GroupRecord]: ...
 
 
 class JournalReplay:
@@ -31,10 +39,10 @@ class JournalReplay:
 
     def __init__(self, host: ReplayHost) -> None:
         self.rt = host
-        self._pending: dict[str, Any] = {}  # sample id -> JournaledSample, restorable on resume
+        self._pending: dict[str, JournaledSample] = {}  # sample id -> JournaledSample, restorable on resume
         self.samples_from_journal = 0
 
-    def load(self, samples: dict[str, Any]) -> None:
+    def load(self, samples: dict[str, JournaledSample]) -> None:
         """After the executor's ``load_state_dict``: finished samples the journal recorded after the checkpoint
         (:func:`~dora_megatron.controller.journal.read_journal`). Those of restored groups are filled
         in now, those of groups dispatched again later when they are (same id, version, prompt)."""
@@ -74,10 +82,14 @@ class JournalReplay:
             self.rt.journal.replayed(js)
         return len(rec.output_ids)
 
-    def journaled(self, rec: SampleRecord):
-        """``rec`` as the journal records it (:class:`~dora_megatron.controller.journal.JournaledSample`)."""
+    def journaled(self, rec: SampleRecord) -> JournaledSample:
+        """``rec`` as the journal records it (:class:`~dora_megatron.controller.journal.JournaledSample`):
+        its own arrays, which the journal's writer thread encodes (nothing proportional to its tokens
+        on the loop)."""
         from dora_megatron.controller.journal import JournaledSample
 
+        if rec.reward is None:  # journaled once finished, and a finished sample is scored
+            raise ValueError(f"sample {rec.sample_id} has no reward: a sample is journaled after its reward")
         return JournaledSample(rec.sample_id, rec.group_id, rec.version, self.rt.groups[rec.group_id].prompt.index,
-                               tuple(rec.output_ids), tuple(rec.logprobs), float(rec.reward), routed_text(rec.routed_experts),
+                               rec.output_ids, rec.logprobs, float(rec.reward), rec.routed_experts,
                                rec.finish_reason, rec.reward_error)

@@ -33,16 +33,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Coroutine
 
 from dora_megatron.controller.checkpointing import CheckpointWriter
 from dora_megatron.controller.controller_state import ControllerState
 from dora_megatron.controller.generation import Generation
-from dora_megatron.controller.loop import (EngineReply, EventQueue, InstanceFailed, InstanceJoined, Resume, Start,
-                                           Stop, SwitchDone, TrainerDone)
+from dora_megatron.events import (EngineReply, InstanceFailed, InstanceJoined, Resume, Start, Stop, SwitchDone,
+                                  TrainerDone)
+from dora_megatron.controller.loop import EventQueue
 from dora_megatron.controller.migration import Migrations
 from dora_megatron.controller.pool import Pool
-from dora_megatron.controller.records import Engine, GroupRecord, LoadReports, RuntimeOptions, SampleRecord, StepLog, Trainer
+from dora_megatron.controller.records import Engine, GroupRecord, LoadReports, RuntimeOptions, SampleRecord, Trainer
 from dora_megatron.controller.replay import JournalReplay
 from dora_megatron.controller.samples import RewardFn, SampleStore
 from dora_megatron.controller.stats import StatsPoller
@@ -54,8 +55,15 @@ from dora_megatron.data.codec import CharCodec, TextCodec
 from dora_megatron.data.tasks import PromptSource
 from dora_megatron.observability.recorder import MetricsRecorder
 from dora_megatron.observability.rollout_dump import RolloutDumper
-from dora_megatron.orchestrator import (Dispatch, Interrupt, Migrate, Orchestrator, ReleaseBatch, Submit,
+from dora_megatron.observability.summary import StepRecord
+from dora_megatron.orchestrator import (Action, Dispatch, Interrupt, Migrate, Orchestrator, ReleaseBatch, Submit,
                                         SwitchVersion, perform)
+
+if TYPE_CHECKING:
+    from dora_megatron.controller.evaluation import Evaluator
+    from dora_megatron.controller.journal import Journal
+    from dora_megatron.observability.timeline import Timeline
+    from dora_megatron.workflow.runner import WorkflowRunner
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +73,7 @@ class Runtime:
     The executor of the :class:`~dora_megatron.controller.loop.ControllerLoop` that
     :func:`~dora_megatron.controller.main.drive` runs: each action
     (:class:`~dora_megatron.orchestrator.ActionHandler`) and each event's bookkeeping
-    (:class:`~dora_megatron.controller.loop.Executor`) goes to the one component whose job it is:
+    (:class:`~dora_megatron.events.Executor`) goes to the one component whose job it is:
     :attr:`generation` (:mod:`.generation`), :attr:`moves` (:mod:`.migration`), :attr:`weights`
     (:mod:`.weight_sync`), :attr:`training` (:mod:`.training`), :attr:`pool` (:mod:`.pool`),
     :attr:`controller_state` (:mod:`.controller_state`) with :attr:`checkpoints`
@@ -75,10 +83,10 @@ class Runtime:
     other: what one asks of another goes through the few host methods below."""
 
     def __init__(self, orch: Orchestrator, engines: dict[str, Engine], trainer: Trainer, source: PromptSource,
-                 reward_fn: RewardFn, options: RuntimeOptions, *, timeline=None,
-                 on_step: Callable[[StepLog, "Runtime"], None] | None = None,
+                 reward_fn: RewardFn, options: RuntimeOptions, *, timeline: Timeline | None = None,
+                 on_step: Callable[[StepRecord, "Runtime"], None] | None = None,
                  on_checkpoint: Callable[[int], None] | None = None, first_prompt: int = 0,
-                 codec: TextCodec | None = None, journal=None, metrics: MetricsRecorder | None = None,
+                 codec: TextCodec | None = None, journal: Journal | None = None, metrics: MetricsRecorder | None = None,
                  load_reports: LoadReports | None = None, rollout_dump: RolloutDumper | None = None,
                  events: EventQueue) -> None:
         """``reward_fn``: the training reward, blocking (e.g. a scorer's ``score_sync``; see
@@ -90,10 +98,10 @@ class Runtime:
         (``observability.dump_rollouts``)."""
         self.rollout_dump = rollout_dump
         #: the eval set's rounds (:class:`~dora_megatron.controller.evaluation.Evaluator`, ``data.eval_path``)
-        self.evaluator = None
+        self.evaluator: Evaluator | None = None
         #: ``rollout.workflow`` (:class:`~dora_megatron.workflow.runner.WorkflowRunner`); None: one
         #: ``/generate`` per submission (the default single turn)
-        self.workflow = None
+        self.workflow: WorkflowRunner | None = None
         self.orch = orch
         self.engines = engines
         self.trainer = trainer
@@ -102,14 +110,16 @@ class Runtime:
         self.codec: TextCodec = codec or CharCodec()
         #: the outstanding groups' prompts, tokens and rewards, and the batch hand-off (:mod:`.samples`)
         self.store = SampleStore(source, self.codec, reward_fn, options, first_prompt)
-        self.journal = journal  # :class:`~dora_megatron.controller.journal.Journal` or None
+        if options.routed_experts:  # the trainer client's spool (a client with batch files has one)
+            self.store.routed_spool = getattr(trainer, "routed_spool", None)
+        self.journal = journal
         #: every metric of the run (summary.json, steps.jsonl, TensorBoard) comes from these events
         self.metrics = metrics or MetricsRecorder(slots_per_instance=options.slots_per_instance,
                                                   rebalancer=orch.policy.rebalance)
-        #: this process's back-pressure count (calls that waited for a pooled connection), set by
-        #: the launcher that sized the pools (:class:`~dora_megatron.comm.limits.ConnectionWaits`)
-        self.connection_waits = None
-        self._tasks: set[asyncio.Task] = set()
+        #: this process's back-pressure count (calls that waited for a pooled connection), read at the
+        #: run's end; set by the launcher (:attr:`~dora_megatron.controller.clients.EngineClients.connection_waits`)
+        self.connection_waits: Callable[[], int] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
         self._error: BaseException | None = None
         self._done = asyncio.Event()
         self._t0 = 0.0
@@ -137,7 +147,7 @@ class Runtime:
         self.replay = JournalReplay(self)
 
     # ------------------------------------------------------------------ actions (ActionHandler)
-    def execute(self, actions: list) -> None:
+    def execute(self, actions: list[Action]) -> None:
         """Carry out one orchestrator answer (called by the loop only). Switches to the weights the
         trainer still holds (``distributed`` transport) are collected over the whole list and done
         with one broadcast."""
@@ -184,10 +194,10 @@ class Runtime:
     def is_current(self, instance: str, engine: Engine) -> bool:
         return self.pool.is_current(instance, engine)
 
-    def switch_landed(self, ev: SwitchDone, origin: asyncio.Task | None) -> bool:
+    def switch_landed(self, ev: SwitchDone, origin: asyncio.Task[Any] | None) -> bool:
         return self.weights.landed(ev, origin)
 
-    def mark_failed(self, ev: InstanceFailed, origin: asyncio.Task | None) -> bool:
+    def mark_failed(self, ev: InstanceFailed, origin: asyncio.Task[Any] | None) -> bool:
         return self.pool.mark_failed(ev, origin)
 
     def register(self, ev: InstanceJoined) -> bool:
@@ -226,14 +236,14 @@ class Runtime:
         """Seconds of the run (a resumed run goes on from its checkpoint's wall time)."""
         return time.monotonic() - self._t0 + self.controller_state.wall_s
 
-    def spawn(self, coro, name: str) -> asyncio.Task:
+    def spawn(self, coro: Coroutine[Any, Any, object], name: str) -> asyncio.Task[None]:
         """A task of the run: its failure stops the run with its cause; :meth:`finish` cancels it."""
         task = asyncio.get_running_loop().create_task(self._guard(coro), name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _guard(self, coro) -> None:
+    async def _guard(self, coro: Coroutine[Any, Any, object]) -> None:
         try:
             await coro
         except asyncio.CancelledError:
@@ -250,7 +260,8 @@ class Runtime:
         """For every component that calls engines: :meth:`Generation.local_shortage` (one count)."""
         self.generation.local_shortage(what, err)
 
-    def concurrent(self, sample_id: str, make_coro, name: str) -> asyncio.Task:
+    def concurrent(self, sample_id: str, make_coro: Callable[[asyncio.Task[None] | None], Coroutine[Any, Any, object]],
+                   name: str) -> asyncio.Task[None]:
         """For the moves: :meth:`Generation.concurrent` (per-sample ordering is generation's)."""
         return self.generation.concurrent(sample_id, make_coro, name)
 
@@ -258,7 +269,7 @@ class Runtime:
         """For the moves (a migration's fallback): :meth:`Generation.resubmit`."""
         await self.generation.resubmit(a)
 
-    def pending_moves(self, instance: str) -> list[asyncio.Future]:
+    def pending_moves(self, instance: str) -> list[asyncio.Future[object]]:
         """For a switch: :meth:`Migrations.pending`, what it waits for."""
         return self.moves.pending(instance)
 
@@ -289,7 +300,7 @@ class Runtime:
         return self._done
 
     @property
-    def tasks(self) -> tuple[asyncio.Task, ...]:
+    def tasks(self) -> tuple[asyncio.Task[None], ...]:
         """The asyncio tasks this executor started that have not ended yet."""
         return tuple(self._tasks)
 
@@ -352,6 +363,8 @@ class Runtime:
             raise self._error
         wall = self.now()
         await self._cancel_all()
+        if self._error is not None:  # the last checkpoint's write failed: the run did not complete
+            raise self._error
         if self.timeline is not None:
             self.timeline.close(wall)
         if self.evaluator is not None and self.training.stop_reason is None:  # the final weights, once the rollout stopped (not in the run's wall time; not on a stop)
@@ -373,3 +386,10 @@ class Runtime:
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        # a state file still being written is finished, not cut off (its thread is no task); the
+        # last checkpoint's failure is the run's error unless it has one already
+        failed = await asyncio.to_thread(self.checkpoints.close)
+        if failed is not None:
+            log.error("the last checkpoint's controller.json was not written: %s", failed)
+            if self._error is None:
+                self._error = failed

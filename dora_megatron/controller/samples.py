@@ -19,7 +19,9 @@ from array import array
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from dora_megatron.comm.batch_files import compact_routed, routed_text
+from dora_megatron.comm.batch_files import compact_routed
+from dora_megatron.comm.routed_spool import RoutedSpool
+from dora_megatron.comm.train_sample import TrainSample, routed_text
 from dora_megatron.controller.records import GroupRecord, RuntimeOptions, SampleRecord
 from dora_megatron.data.codec import TextCodec
 from dora_megatron.data.reward_api import RewardInput, RewardResult, reward_input
@@ -39,12 +41,12 @@ class ReleasedBatch:
     """What the trainer was handed for one step, kept for its step log."""
 
     wait_s: float
-    rewards: list
-    lengths: list
-    staleness: list
+    rewards: list[float | None]  # a released sample is scored; None only in a record never finished
+    lengths: list[int]
+    staleness: list[int]
     tokens: int
-    group_ids: tuple
-    versions: tuple
+    group_ids: tuple[str, ...]
+    versions: tuple[int, ...]
     reward_errors: int = 0  # samples of the batch whose reward function failed (scored 0)
 
 
@@ -64,6 +66,9 @@ class SampleStore:
         self.groups: dict[str, GroupRecord] = {}
         self.samples_finished = 0  # engine answers that completed a sample (records of consumed groups are gone)
         self.reward_errors = 0  # training samples whose reward function failed, since this process started
+        #: where finished samples' routed experts are written as they finish (the trainer client's,
+        #: set by the runtime with routing replay and batch files; None: the batch files copy them)
+        self.routed_spool: RoutedSpool | None = None
 
     def dispatch(self, a: Dispatch) -> GroupRecord:
         """The records of a new group: the next prompt, rendered once for all its samples."""
@@ -101,12 +106,17 @@ class SampleStore:
 
         An answer that crossed a weight update (SGLang's ``meta_info.weight_versions``) produced
         its tokens under several versions: each is recorded, not just the routed one."""
-        rec.output_ids.extend(resp.output_ids)
-        rec.logprobs.extend(resp.output_token_logprobs or [0.0] * len(resp.output_ids))
+        arrays = getattr(resp, "token_arrays", None)  # parsed by comm.generate_codec: a copy of bytes here
+        if arrays is not None:
+            rec.output_ids.extend(arrays[0])
+            rec.logprobs.extend(arrays[1])
+        else:  # an answer built otherwise (a workflow's trajectory, an in-process engine): converted here
+            rec.output_ids.extend(resp.output_ids)
+            rec.logprobs.extend(resp.output_token_logprobs or [0.0] * len(resp.output_ids))
         rec.versions.update(int(v) for v in getattr(resp, "versions_used", ()) if str(v).lstrip("-").isdigit())
         return (resp.finish_reason or {}).get("type")
 
-    async def reward_off_loop(self, rec: SampleRecord, resp: Any) -> float | None:
+    async def reward_off_loop(self, rec: SampleRecord, resp: Any) -> RewardResult | None:
         """The reward of the sample ``resp`` finishes, computed in a worker thread by the task that
         got the answer, before it reports it: a slow reward function (a checker, a sandbox) then
         never holds the loop. None: ``resp`` does not finish the sample, or carries its own reward
@@ -115,10 +125,24 @@ class SampleStore:
         if (rec.sample_id not in self.samples or getattr(resp, "migrated", False)
                 or (resp.finish_reason or {}).get("type") == "abort" or getattr(resp, "reward", None) is not None):
             return None
-        output = [*rec.output_ids, *resp.output_ids]
-        mask = list(resp.loss_mask) if getattr(resp, "loss_mask", None) is not None else rec.loss_mask
-        item = self.reward_input(rec, output, mask)
-        return await asyncio.to_thread(self.reward_fn, item)
+        # the output so far copied here (a memcpy: the loop appends the answer only after this
+        # returns, but the copy owns no state); joining it with the answer and detokenizing it,
+        # proportional to its tokens, in the worker thread with the reward
+        done, mask = array("i", rec.output_ids), getattr(resp, "loss_mask", None)
+        mask = list(mask) if mask is not None else rec.loss_mask
+        return await asyncio.to_thread(self._reward_of, rec, done, resp.output_ids, mask)
+
+    def _reward_of(self, rec: SampleRecord, done: array[int], new: Any, mask: list[int] | None) -> RewardResult:
+        done.extend(new)
+        return self.reward_fn(self.reward_input(rec, done.tolist(), mask))
+
+    def keep_routed(self, rec: SampleRecord, routed: Any) -> None:
+        """``rec`` finished with these routed experts (a compact array, or None): kept, and queued
+        to the spool (:mod:`~dora_megatron.comm.routed_spool`: written in its thread while the
+        rollout goes on, so that the step's hand-off does not write them)."""
+        rec.routed_experts = routed
+        rec.routed_at = (self.routed_spool.put(routed) if self.routed_spool is not None and routed is not None
+                         else None)
 
     def reward_input(self, rec: SampleRecord, output_ids: list[int], loss_mask: list[int] | None) -> RewardInput:
         """What the reward sees of ``rec`` finished with ``output_ids``: the model's tokens decoded
@@ -151,12 +175,12 @@ class SampleStore:
                             "logged): %s\n%s", rec.sample_id, result.error, result.traceback or "")
 
     def take_batch(self, a: ReleaseBatch, wait_s: float,
-                   dump: bool) -> tuple[list[dict[str, Any]], ReleasedBatch, list[dict[str, Any]]]:
+                   dump: bool) -> tuple[list[TrainSample], ReleasedBatch, list[dict[str, Any]]]:
         """The released groups' samples as the trainer takes them; their records go (consumed now,
         exactly once). Returns the samples, what the step log needs of them, and (``dump``) what the
         rollout dump writes of each."""
         samples, rewards, lengths, staleness, tokens, errors = [], [], [], [], 0, 0
-        dumped: list[dict] = []  # what the rollout dump needs of each sample (not sent to the trainer)
+        dumped: list[dict[str, Any]] = []  # what the rollout dump needs of each sample (not sent to the trainer)
         for gid, version in zip(a.group_ids, a.versions):
             group = self.groups.pop(gid, None)
             if group is None:  # the orchestrator never does this (it counts duplicated_groups)
@@ -164,17 +188,16 @@ class SampleStore:
             staleness.append(a.step - version)
             for sid in group.sample_ids:
                 rec = self.samples.pop(sid)
-                samples.append({
-                    "prompt_ids": rec.prompt_ids, "response_ids": rec.output_ids, "rollout_logprobs": rec.logprobs,
-                    "reward": rec.reward, "group_id": gid, "version": rec.version,
-                    **({"routed_experts": rec.routed_experts} if rec.routed_experts is not None else {}),
-                    **({"loss_mask": rec.loss_mask} if rec.loss_mask is not None else {}),
-                })
+                samples.append(TrainSample(rec.prompt_ids, rec.output_ids, rec.logprobs, version=rec.version,
+                                           reward=rec.reward, group_id=gid, loss_mask=rec.loss_mask,
+                                           routed_experts=rec.routed_at or rec.routed_experts))
                 if dump:  # JSON lines: lists and SGLang's routed-experts text
-                    dumped.append({**samples[-1], "response_ids": rec.output_ids.tolist(),
-                                   "rollout_logprobs": rec.logprobs.tolist(),
+                    dumped.append({"prompt_ids": rec.prompt_ids, "response_ids": rec.output_ids.tolist(),
+                                   "rollout_logprobs": rec.logprobs.tolist(), "reward": rec.reward,
+                                   "group_id": gid, "version": rec.version,
                                    **({"routed_experts": routed_text(rec.routed_experts)}
                                       if rec.routed_experts is not None else {}),
+                                   **({"loss_mask": rec.loss_mask} if rec.loss_mask is not None else {}),
                                    "sample_id": sid, "finish_reason": rec.finish_reason,
                                    **({"reward_error": rec.reward_error} if rec.reward_error is not None else {})})
                 rewards.append(rec.reward)
@@ -191,7 +214,13 @@ class SampleStore:
         snapshot does not hold (prompt and output tokens, rewards). A group's prompt ids once (every
         sample of it has the same prompt; a finished workflow sample keeps its workflow's own
         rendering in its entry). Unfinished samples restart from their prompt on their own version
-        (C1), so they need no entry; a pending replay is unfinished for the orchestrator."""
+        (C1), so they need no entry; a pending replay is unfinished for the orchestrator.
+
+        A finished sample's token ids, log-probs and routed experts are its own arrays, not lists
+        or base64: the cut is one loop turn and must not be proportional to the tokens held (at
+        reasoning lengths millions); :mod:`.state_file` encodes them in its writer thread, the
+        text a list and SGLang's base64 would give. They can be shared: a finished sample's arrays
+        are replaced, never changed in place."""
         groups, samples = [], []
         for g in self.groups.values():  # consumed ones were forgotten at release
             recs = [self.samples[sid] for sid in g.sample_ids]
@@ -201,10 +230,10 @@ class SampleStore:
                 if not r.finished or r.replay_pending:
                     continue
                 samples.append({
-                    "sample_id": r.sample_id, "reward": r.reward, "output_ids": r.output_ids.tolist(),
+                    "sample_id": r.sample_id, "reward": r.reward, "output_ids": r.output_ids,
                     **({"reward_error": r.reward_error} if r.reward_error is not None else {}),
-                    "logprobs": r.logprobs.tolist(), "versions": sorted(r.versions),
-                    **({"routed_experts": routed_text(r.routed_experts)} if r.routed_experts is not None else {}),
+                    "logprobs": r.logprobs, "versions": sorted(r.versions),
+                    **({"routed_experts": r.routed_experts} if r.routed_experts is not None else {}),
                     **({"finish_reason": r.finish_reason} if r.finish_reason is not None else {}),
                     **({"prompt_ids": r.prompt_ids, "loss_mask": r.loss_mask} if r.loss_mask is not None else {}),
                 })

@@ -26,7 +26,7 @@ on the main job: the pushes, not the drafting, were what ``group`` cost
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Coroutine, Iterable, Mapping
 
 from dora_megatron.controller.records import Engine, SampleRecord
 
@@ -53,7 +53,7 @@ class DraftPushes:
     waiting per request (merged, oldest dropped beyond :data:`MAX_PENDING_SOURCES`) and at most one
     push task sending them, one call per request."""
 
-    def __init__(self, engines: Mapping[str, Engine], spawn: Callable[[Any, str], Any],
+    def __init__(self, engines: Mapping[str, Engine], spawn: Callable[[Coroutine[Any, Any, None], str], object],
                  may_push: Callable[[str], bool] = lambda instance: True) -> None:
         self.engines = engines
         self.spawn = spawn
@@ -100,7 +100,9 @@ class DraftPushes:
 
     def forget(self, instance: str | None, sample_id: str) -> None:
         """Drop what waits for ``sample_id`` (it finished, or left ``instance``): no engine would take it."""
-        waiting = self.pending.get(instance or "")
+        if instance is None:  # not running anywhere: nothing waits for it
+            return
+        waiting = self.pending.get(instance)
         if waiting is not None:
             waiting.pop(sample_id, None)
             if not waiting and instance not in self.sending:

@@ -1,7 +1,7 @@
 """Stats polling: the one event source of instance load reports and of the loop's :class:`Tick`.
 
 WHY a component of its own: polling is an event *source* (it only posts
-:class:`~dora_megatron.controller.loop.InstanceStats`, :class:`InstanceFailed` and
+:class:`~dora_megatron.events.InstanceStats`, :class:`InstanceFailed` and
 :class:`Tick` on the queue, read by :class:`~dora_megatron.controller.loop.ControllerLoop`); it
 decides nothing and holds no run state beyond the speculation counters (each instance's latest, and their
 growth summed over the run). Which instance is
@@ -15,7 +15,8 @@ import logging
 from typing import Any, Callable
 
 from dora_megatron.controller.errors import is_local
-from dora_megatron.controller.loop import EventQueue, InstanceFailed, InstanceStats, Tick
+from dora_megatron.events import InstanceFailed, InstanceStats, Tick
+from dora_megatron.controller.loop import EventQueue
 from dora_megatron.controller.records import Engine, LoadReports, RuntimeOptions
 from dora_megatron.orchestrator import Orchestrator
 from dora_megatron.rollout.speculation import counter_growth

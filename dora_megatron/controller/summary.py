@@ -8,12 +8,25 @@ one place (DESIGN section 11 lists them).
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from dora_megatron.observability.recorder import MetricsRecorder
 from dora_megatron.observability.summary import RunTotals
 from dora_megatron.orchestrator import Orchestrator
 from dora_megatron.rollout.speculation import speculation_summary
+
+if TYPE_CHECKING:
+    from dora_megatron.controller.evaluation import Evaluator
+    from dora_megatron.controller.generation import Generation
+    from dora_megatron.controller.migration import Migrations
+    from dora_megatron.controller.pool import Pool
+    from dora_megatron.controller.records import Engine
+    from dora_megatron.controller.replay import JournalReplay
+    from dora_megatron.controller.stats import StatsPoller
+    from dora_megatron.controller.training import Training
+    from dora_megatron.controller.turns import Turns
+    from dora_megatron.controller.weight_sync import WeightSync
+    from dora_megatron.workflow.runner import WorkflowRunner
 
 
 class SummaryHost(Protocol):
@@ -21,28 +34,24 @@ class SummaryHost(Protocol):
 
     orch: Orchestrator
     metrics: MetricsRecorder
-    engines: dict[str, Any]
-    moves: Any  # :mod:`.migration`
-    weights: Any  # :mod:`.weight_sync`
-    generation: Any  # :mod:`.generation`
-    pool: Any  # :mod:`.pool`
-    stats: Any  # :mod:`.stats`
-    replay: Any  # :mod:`.replay`
-    training: Any  # :mod:`.training`
-    evaluator: Any
-    workflow: Any
-    connection_waits: Any
+    engines: dict[str, Engine]
+    moves: Migrations
+    weights: WeightSync
+    generation: Generation
+    pool: Pool
+    stats: StatsPoller
+    replay: JournalReplay
+    training: Training
+    turns: Turns  # a workflow's prefix KV between turns: carried or computed again
+    evaluator: Evaluator | None
+    workflow: WorkflowRunner | None
+    connection_waits: Callable[[], int] | None  # this process's back-pressure count (None: no pooled clients)
 
 
 def run_summary(rt: SummaryHost, wall: float) -> dict[str, Any]:
     """The recorder's metrics, then facts of this run only the runtime knows (instances, checksums)."""
     osum = rt.orch.summary()
-    totals = RunTotals(
-        dispatched_groups=osum["dispatched_groups"], consumed_groups=osum["consumed_groups"],
-        lost_groups=osum["lost_groups"], duplicated_groups=osum["duplicated_groups"],
-        c1_violations=osum["c1_violations"], c3_violations=osum["c3_violations"],
-        migrations=osum["migrations"], migrated_kv_bytes=rt.moves.migrated_bytes,
-        reprefill_tokens=osum["reprefill_tokens"])
+    totals = RunTotals.of_orchestrator(osum, migrated_kv_bytes=rt.moves.migrated_bytes)
     out = rt.metrics.summary(mode=osum["mode"], max_staleness=osum["max_staleness"], tbs=osum["tbs"],
                              rbs=osum["rbs"], totals=totals, wall_time_s=wall)
     out["migrations_kv"] = rt.moves.migrations_done
@@ -67,7 +76,7 @@ def run_summary(rt: SummaryHost, wall: float) -> dict[str, Any]:
     out["weight_sync_timeouts"] = rt.weights.weight_sync_timeouts
     out["local_resource_errors"] = rt.generation.local_resource_errors
     waits = rt.connection_waits
-    out["connection_waits"] = waits() if callable(waits) else (waits.count if waits is not None else 0)
+    out["connection_waits"] = waits() if waits is not None else 0
     out["samples_from_journal"] = rt.replay.samples_from_journal
     out["max_live_versions"] = osum.get("max_live_versions")
     out["outstanding_groups_at_end"] = osum["dispatched_groups"] - osum["consumed_groups"]

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import aiohttp
 
-from dora_megatron.comm.batch_files import routed_text, write_batch
+from dora_megatron.comm.batch_files import write_batch
 from dora_megatron.comm.http_session import HttpSession
+from dora_megatron.comm.routed_spool import SPOOL_DIR, RoutedSpool, SpooledRouted
+from dora_megatron.comm.train_sample import TrainSample, encode_train
 
 
 @dataclass(frozen=True)
@@ -33,18 +36,22 @@ class PushOptions:
                 "gpus": {u: self.engine_ranks for u in engines} if self.engine_ranks != 1 else None}
 
 
-def _json_samples(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``samples`` as a JSON body carries them: arrays as lists, routed experts in SGLang's text."""
-    return [{k: routed_text(v) if k == "routed_experts" else v.tolist() if hasattr(v, "tolist") else v
-             for k, v in s.items()} for s in samples]
-
-
 class TrainerError(RuntimeError):
     pass
 
 
 class TrainerUnreachable(TrainerError):
     """No answer at all (connection refused or dropped): the trainer process is likely gone."""
+
+
+def _batch_request(step: int, directory: Path, samples: list[TrainSample], spool: RoutedSpool | None) -> bytes:
+    """The ``/train`` body of a batch written as files to ``directory``, encoded where it was
+    written (a worker thread), once the spool's writes it names are in their files. WHY encoded
+    here: its ``batch.samples`` entry is a few fields per sample, 8,192 objects for the paper's
+    step; ``json=`` would have encoded them on the event loop."""
+    if spool is not None:
+        spool.flush()
+    return json.dumps({"step": step, "batch": write_batch(directory, samples)}).encode()
 
 
 class TrainerClient:
@@ -55,19 +62,27 @@ class TrainerClient:
         self.base_url = base_url.rstrip("/")
         self._http = HttpSession(timeout_s)
         self.batch_dir = Path(batch_dir) if batch_dir is not None else None
+        #: finished samples' routed experts, written as they finish (the sample store queues them)
+        self.routed_spool = RoutedSpool(self.batch_dir / SPOOL_DIR) if self.batch_dir is not None else None
 
     async def close(self) -> None:
         await self._http.close()
+        if self.routed_spool is not None:
+            await asyncio.to_thread(self.routed_spool.close)
 
-    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _post(self, path: str, body: dict[str, Any] | bytes) -> dict[str, Any]:
+        """``body``: a JSON object, or one already encoded (``/train``'s samples, off the loop)."""
+        kw: dict[str, Any] = ({"data": body, "headers": {"Content-Type": "application/json"}}
+                              if isinstance(body, bytes) else {"json": body})
         try:
-            async with self._http.session().post(self.base_url + path, json=body) as resp:
+            async with self._http.session().post(self.base_url + path, **kw) as resp:
                 data = await resp.json(content_type=None)
         except aiohttp.ClientError as err:
             raise TrainerUnreachable(f"trainer {path}: no answer from {self.base_url}: {err}") from err
         if resp.status >= 400:
             raise TrainerError(f"trainer {path}: HTTP {resp.status}: {data.get('error') if isinstance(data, dict) else data}")
-        return data
+        answer: dict[str, Any] = data  # every trainer route answers a JSON object
+        return answer
 
     async def health(self) -> dict[str, Any] | None:
         try:
@@ -76,18 +91,22 @@ class TrainerClient:
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return None
 
-    async def train(self, step: int, samples: list[dict[str, Any]]) -> dict[str, Any]:
+    async def train(self, step: int, samples: list[TrainSample]) -> dict[str, Any]:
         """One training step on ``samples``. With a ``batch_dir`` the samples are written there in
         a worker thread (bulk array copies: the event loop keeps running) and the body names the
         directory; the directory goes once the trainer answered (its ranks have read it)."""
         if self.batch_dir is None:
-            return await self._post("/train", {"step": step, "samples": await asyncio.to_thread(_json_samples, samples)})
+            return await self._post("/train", await asyncio.to_thread(encode_train, step, samples))
         directory = self.batch_dir / f"step_{step:06d}"
-        entry = await asyncio.to_thread(write_batch, directory, samples)
+        body = await asyncio.to_thread(_batch_request, step, directory, samples, self.routed_spool)
         try:
-            return await self._post("/train", {"step": step, "batch": entry})
+            answer = await self._post("/train", body)
         finally:
             await asyncio.to_thread(shutil.rmtree, directory, True)
+        spooled = [s.routed_experts for s in samples if isinstance(s.routed_experts, SpooledRouted)]
+        if spooled and self.routed_spool is not None:  # trained: their segments may go
+            await asyncio.to_thread(self.routed_spool.release, spooled)
+        return answer
 
     async def push_weights(self, engines: list[str], bucket_mb: float, master_addr: str | None = None,
                            timeout_s: float | None = None, gpus: dict[str, int] | None = None,
@@ -126,7 +145,7 @@ class TrainerClient:
             return False
         return True
 
-    async def leave(self, timeout_s: float, exited) -> None:
+    async def leave(self, timeout_s: float, exited: Callable[[float], Awaitable[None]]) -> None:
         """At the end of a run: :meth:`shutdown` (bounded: a lost trainer may be hung); a trainer that
         acknowledged it is left to end by itself (``await exited(timeout_s)``: SIGTERM would leave
         torchrun a SignalException traceback); then the client closes."""

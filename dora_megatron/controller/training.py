@@ -7,7 +7,7 @@ this component hands them to the trainer, records what the step cost (the traine
 its train and export time), decides whether a checkpoint is due at this boundary (the interval,
 the last step, or a stop request) and whether the run ends there. The executor
 (:class:`~dora_megatron.controller.runtime.Runtime`) hands it the ``ReleaseBatch`` action and the
-:class:`~dora_megatron.controller.loop.TrainerDone` event and asks it at each step boundary.
+:class:`~dora_megatron.events.TrainerDone` event and asks it at each step boundary.
 """
 
 from __future__ import annotations
@@ -15,12 +15,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Coroutine, Protocol
 
-from dora_megatron.controller.loop import EventQueue, TrainerDone
-from dora_megatron.controller.records import RuntimeOptions, StepLog, Trainer
+from dora_megatron.comm.train_sample import TrainSample
+from dora_megatron.events import TrainerDone
+from dora_megatron.controller.loop import EventQueue
+from dora_megatron.controller.records import RuntimeOptions, Trainer
 from dora_megatron.observability.recorder import MetricsRecorder
+from dora_megatron.observability.summary import StepRecord
 from dora_megatron.orchestrator import Orchestrator, ReleaseBatch
+
+if TYPE_CHECKING:
+    from dora_megatron.controller.evaluation import Evaluator
+    from dora_megatron.controller.migration import Migrations
+    from dora_megatron.controller.samples import ReleasedBatch, SampleStore
+    from dora_megatron.observability.rollout_dump import RolloutDumper
+    from dora_megatron.observability.timeline import Timeline
 
 log = logging.getLogger(__name__)
 
@@ -30,18 +40,18 @@ class TrainingHost(Protocol):
 
     orch: Orchestrator
     trainer: Trainer
-    store: Any  # the sample store: the batch hand-off (:mod:`.samples`)
+    store: SampleStore  # the sample store: the batch hand-off (:mod:`.samples`)
     events: EventQueue
     opt: RuntimeOptions
     metrics: MetricsRecorder
-    timeline: Any
-    evaluator: Any
-    rollout_dump: Any
-    moves: Any  # the migrations (:mod:`.migration`): the bytes moved so far, for the step's row
+    timeline: Timeline | None
+    evaluator: Evaluator | None
+    rollout_dump: RolloutDumper | None
+    moves: Migrations  # the migrations (:mod:`.migration`): the bytes moved so far, for the step's row
 
     def now(self) -> float: ...
 
-    def spawn(self, coro, name: str) -> asyncio.Task: ...
+    def spawn(self, coro: Coroutine[Any, Any, object], name: str) -> asyncio.Task[None]: ...
 
     def stop(self, error: BaseException | None = None) -> None: ...
 
@@ -50,14 +60,12 @@ class TrainingHost(Protocol):
 
 class Training:
     """Carries out :class:`ReleaseBatch` actions and logs each trained step (DESIGN section 5.3);
-    ``host``: the executor; ``on_step(log, host)``: after each step's log (the launcher's outputs)."""
+    ``host``: the executor; ``on_step(record, host)``: after each step's record (the launcher's
+    outputs; the run's records are the recorder's, ``host.metrics.rows``)."""
 
-    def __init__(self, host: TrainingHost, on_step: Callable[[StepLog, Any], None] | None = None) -> None:
+    def __init__(self, host: TrainingHost, on_step: Callable[[StepRecord, Any], None] | None = None) -> None:
         self.rt = host
         self.on_step = on_step
-        #: the step logs of this process only (the run's are steps.jsonl's rows; a checkpoint keeps
-        #: their count, not them, so its size does not grow with the step count)
-        self.steps: list[StepLog] = []
         self.steps_done = 0  # steps of the run so far, resumed ones included
         #: a stop asked from outside (the launcher's first SIGINT/SIGTERM/SIGUSR1): its reason, and the
         #: version of the checkpoint written for it (None: none yet, or the step was abandoned)
@@ -81,7 +89,7 @@ class Training:
             rt.rollout_dump.dump(a.step, dumped)
         rt.spawn(self._train(a.step, samples, start, batch), f"train-{a.step}")
 
-    async def _train(self, step: int, samples: list[dict], start: float, batch: Any) -> None:
+    async def _train(self, step: int, samples: list[TrainSample], start: float, batch: ReleasedBatch) -> None:
         """``batch``: what the store noted of it (:class:`~dora_megatron.controller.samples.ReleasedBatch`)."""
         rt = self.rt
         t_train = time.monotonic()
@@ -104,14 +112,12 @@ class Training:
         if result.get("padding_fraction") is not None:  # a trainer that packs reports it beside its metrics
             metrics["padding_fraction"] = result["padding_fraction"]
         oc = rt.orch.counters
-        scalars = rt.metrics.step_trained(
+        rt.metrics.step_trained(
             ev.step, end_s=end, wait_s=b.wait_s, train_s=ev.train_s, tokens=b.tokens, staleness=b.staleness,
             rewards=b.rewards, response_lengths=b.lengths, live_versions=live_versions, metrics=metrics,
             migrations=oc.migrations, migrated_kv_bytes=rt.moves.migrated_bytes, reprefill_tokens=oc.reprefill_tokens,
-            reward_errors=b.reward_errors)
-        log_ = StepLog(ev.step, ev.start, end, b.wait_s, ev.train_s, scalars["perf/sync_time_s"], metrics, b.rewards,
-                       b.lengths, b.staleness, b.tokens, live_versions, list(b.group_ids), list(b.versions))
-        self.steps.append(log_)
+            reward_errors=b.reward_errors, groups=b.group_ids, versions=b.versions)
+        record = rt.metrics.rows[-1]
         # the orchestrator numbers steps from 0 (its step counter, restored with it on resume):
         # trained step ``ev.step`` makes ``ev.step + 1`` steps done
         self.steps_done = ev.step + 1
@@ -119,7 +125,7 @@ class Training:
             rt.timeline.span("trainer", f"step {ev.step}", ev.start, end, version=ev.step, kind="train",
                              produced=new_version)
         if self.on_step is not None:
-            self.on_step(log_, rt)
+            self.on_step(record, rt)
         self._trainer_idle_since = end
         finished = self.steps_done >= rt.opt.steps
         last = finished or self.stop_reason is not None  # a stop ends the run here
@@ -138,11 +144,11 @@ class Training:
     def checkpoint_cut(self, version: int) -> None:
         """Checkpoint ``version`` was cut: on a stop request it is the one ``--resume`` goes on from."""
         if self.stop_reason is not None:
-            self.stop_checkpoint = version  # written at once: the run ends in this turn
+            self.stop_checkpoint = version  # the run ends in this turn; its end waits for the file
 
     def step_boundary(self) -> bool:
         """Loop: after a step (and its checkpoint): True when it was the last one, or a stop was
-        asked (the run ends; its checkpoint was written in this turn)."""
+        asked (the run ends; its checkpoint was cut in this turn, the run's end waits for its file)."""
         if self.is_last():
             self.rt.stop()
             return True

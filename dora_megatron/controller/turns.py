@@ -3,8 +3,8 @@ the orchestrator for its next turn.
 
 WHY a component of its own: a trajectory is one sample to the orchestrator, but only its turns
 need an engine slot. When a turn's ``generate`` returns, :class:`TurnGate` reports
-:class:`~dora_megatron.controller.loop.TurnEnded` (the orchestrator frees the slot); when the
-workflow asks for its next turn it reports :class:`~dora_megatron.controller.loop.TurnReady` and
+:class:`~dora_megatron.events.TurnEnded` (the orchestrator frees the slot); when the
+workflow asks for its next turn it reports :class:`~dora_megatron.events.TurnReady` and
 waits for the ``Submit`` the orchestrator answers with, which may name another instance of the
 trajectory's version. The workflow's coroutine lives through all of it in the sample's submission
 task, so per-sample ordering is unchanged.
@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Protocol
+from typing import Any, Coroutine, Protocol
 
-from dora_megatron.controller.loop import EventQueue, TurnEnded, TurnReady
+from dora_megatron.events import TurnEnded, TurnReady
+from dora_megatron.controller.loop import EventQueue
 from dora_megatron.controller.records import Engine, SampleRecord
+from dora_megatron.observability.recorder import MetricsRecorder
 from dora_megatron.orchestrator import Submit
 from dora_megatron.workflow.runner import TrajectoryAborted
 
@@ -45,13 +47,15 @@ class TurnsHost(Protocol):
     """What the turns use of the executor: its pool and its event queue."""
 
     engines: dict[str, Engine]
-    samples: dict[str, SampleRecord]
     events: EventQueue
-    metrics: Any  # :class:`~dora_megatron.observability.recorder.MetricsRecorder`: the slot time of each turn
+    metrics: MetricsRecorder  # the slot time of each turn
+
+    @property
+    def samples(self) -> dict[str, SampleRecord]: ...
 
     def now(self) -> float: ...
 
-    def spawn(self, coro: Any, name: str) -> asyncio.Task: ...
+    def spawn(self, coro: Coroutine[Any, Any, object], name: str) -> asyncio.Task[None]: ...
 
     def is_current(self, instance: str, engine: Engine) -> bool: ...
 
@@ -69,12 +73,12 @@ class TurnGate:
         self.engine = engine
         self.dropped = False
         self.closed = False
-        self.waiting: asyncio.Future | None = None  # the next turn's placement, once asked for
+        self.waiting: asyncio.Future[Submit] | None = None  # the next turn's placement, once asked for
         self.turn_start = host.now()
         self.in_turn = True  # a turn's request is on an engine (from the submission until it returns)
         # the destinations' answers of the turns moved mid-generation, in the order of the moves
         # (:meth:`moved`); an exception: the move failed, the trajectory is dropped
-        self._moved: asyncio.Queue = asyncio.Queue()
+        self._moved: asyncio.Queue[tuple[Engine, Any]] = asyncio.Queue()
         self._moves = 0  # moves of its turns started; those whose answer was taken: _moves_taken
         self._moves_taken = 0
         self.keeping = False  # the current turn was sent with keep_kv
@@ -97,7 +101,7 @@ class TurnGate:
         if self.dropped:
             raise TrajectoryAborted(self.rec.sample_id)
 
-    async def next(self) -> tuple[Any, int]:
+    async def next(self) -> tuple[Engine, int]:
         if self.dropped:
             raise TrajectoryAborted(self.rec.sample_id)
         self.waiting = asyncio.get_running_loop().create_future()
@@ -170,8 +174,8 @@ class Turns:
         """A new run of ``rec``'s workflow, its first turn on ``instance``; an earlier run is dropped."""
         if rec.turn is not None:
             rec.turn.drop()
-        rec.turn = TurnGate(self.host, rec, instance, engine, self)
-        return rec.turn
+        gate = rec.turn = TurnGate(self.host, rec, instance, engine, self)
+        return gate
 
     def close(self, gate: TurnGate) -> None:
         """The run ended (finished, failed or aborted); its record keeps where its last turn ran.
@@ -253,7 +257,7 @@ class Turns:
         if gate is not None:
             gate.drop()
 
-    def current(self, sample_id: str, gate: Any) -> bool:
+    def current(self, sample_id: str, gate: object) -> bool:
         """Whether an event of ``gate`` is still the sample's (the loop passes only those on)."""
         return gate is not None and self._live(sample_id) is gate
 

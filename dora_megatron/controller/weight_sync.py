@@ -7,20 +7,25 @@ fall back from the broadcast to the snapshot), and it owns the state only switch
 switch order of an instance is the newest, the version each instance serves, the checksums each
 version must show. The executor (:class:`~dora_megatron.controller.runtime.Runtime`) only hands
 it :class:`~dora_megatron.orchestrator.SwitchVersion` actions; what happened goes on the event
-queue (:class:`~dora_megatron.controller.loop.SwitchDone`, :class:`InstanceFailed`).
+queue (:class:`~dora_megatron.events.SwitchDone`, :class:`InstanceFailed`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Coroutine, Protocol
 
 from dora_megatron.controller.errors import LOCAL_RETRY_S, is_comm_error as _is_comm_error, is_local as _is_local
-from dora_megatron.controller.loop import EventQueue, InstanceFailed, SwitchDone
+from dora_megatron.events import InstanceFailed, SwitchDone
+from dora_megatron.controller.loop import EventQueue
 from dora_megatron.controller.records import Engine, RuntimeOptions, Trainer
 from dora_megatron.observability.recorder import MetricsRecorder
 from dora_megatron.orchestrator import SwitchVersion
+
+if TYPE_CHECKING:
+    from dora_megatron.controller.evaluation import Evaluator
+    from dora_megatron.observability.timeline import Timeline
 
 log = logging.getLogger(__name__)
 
@@ -33,16 +38,16 @@ class SyncHost(Protocol):
     metrics: MetricsRecorder
     trainer: Trainer
     opt: RuntimeOptions
-    timeline: Any
-    evaluator: Any
+    timeline: Timeline | None
+    evaluator: Evaluator | None
 
     def now(self) -> float: ...
 
     def is_failed(self, instance: str) -> bool: ...
 
-    def spawn(self, coro, name: str) -> asyncio.Task: ...
+    def spawn(self, coro: Coroutine[Any, Any, object], name: str) -> asyncio.Task[None]: ...
 
-    def pending_moves(self, instance: str) -> list[asyncio.Future]: ...
+    def pending_moves(self, instance: str) -> list[asyncio.Future[object]]: ...
 
     def local_shortage(self, what: str, err: BaseException) -> None: ...
 
@@ -64,7 +69,7 @@ class WeightSync:
         #: instance -> the task of its newest switch order (loads on one instance run in order; an
         #: older order sees it is superseded). The version an instance serves or is switching to is
         #: the orchestrator's (``Instance.version`` / ``Instance.target``), not kept here.
-        self._orders: dict[str, asyncio.Task] = {}
+        self._orders: dict[str, asyncio.Task[None]] = {}
         self._pushes: list[SwitchVersion] = []  # collected by order within one execute
         #: the weights the trainer holds now (what a ``distributed`` push sends). Not the
         #: orchestrator's ``newest``: from the trainer's answer until ``on_step_finished`` (a
@@ -100,7 +105,7 @@ class WeightSync:
             for a in pushes:
                 self._orders[a.instance] = task
 
-    async def switch(self, a: SwitchVersion, prev: asyncio.Task | None = None, engine: Engine | None = None,
+    async def switch(self, a: SwitchVersion, prev: asyncio.Task[Any] | None = None, engine: Engine | None = None,
                       *, resume: bool = False) -> None:
         """``engine``: the instance's client when the switch was ordered (a switch ordered before the
         instance was restarted does not touch its new process). ``resume``: the load follows a
@@ -147,7 +152,7 @@ class WeightSync:
             return
         await self.rt.events.report(SwitchDone(a.instance, a.version, engine, start, self.rt.now()))
 
-    def landed(self, ev: SwitchDone, origin: asyncio.Task | None) -> bool:
+    def landed(self, ev: SwitchDone, origin: asyncio.Task[Any] | None) -> bool:
         """Loop (:class:`SwitchDone`): whether the orchestrator is to hear of it. Not when the
         instance failed or was replaced (restarted: its own switch follows) or was re-targeted
         while loading (``origin``, the task that loaded, is no longer its newest switch order:
@@ -229,18 +234,18 @@ class WeightSync:
             return None if got == want else (f"weights checksum mismatch for version {version}: engine {got[:16]}, "
                                              f"trainer {want[:16]}")
         instance_checksum = getattr(engine, "instance_checksum", None)
-        got = await instance_checksum() if instance_checksum is not None else None
-        if got is None:
+        seen: str | None = await instance_checksum() if instance_checksum is not None else None
+        if seen is None:
             return None
-        want = self.instance_checksums.setdefault(version, got)
-        return None if got == want else (f"weights checksum mismatch for version {version}: /weights_checker "
-                                         f"{got[:16]}, other instances on it {want[:16]}")
+        want = self.instance_checksums.setdefault(version, seen)
+        return None if seen == want else (f"weights checksum mismatch for version {version}: /weights_checker "
+                                          f"{seen[:16]}, other instances on it {want[:16]}")
 
-    async def _push_switch(self, actions: list[SwitchVersion], prevs: dict[str, asyncio.Task | None]) -> None:
+    async def _push_switch(self, actions: list[SwitchVersion], prevs: dict[str, asyncio.Task[Any] | None]) -> None:
         """Switch several instances to the newest version with one trainer broadcast (W1 `distributed`).
 
         Falls back to the per-version snapshot (disk) for every instance if the broadcast fails."""
-        waits = [t for t in prevs.values() if t is not None and not t.done()]
+        waits: list[asyncio.Future[Any]] = [t for t in prevs.values() if t is not None and not t.done()]
         waits += [t for a in actions for t in self.rt.pending_moves(a.instance)]
         if waits:
             await asyncio.wait(waits)

@@ -51,6 +51,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # ablations: one DORA mechanism off (S as configured)
     "dora_no_repartition": {"orchestrator.mode": "dora", "orchestrator.repartition": False},
     "dora_reprefill": {"orchestrator.mode": "dora", "controller.migration": "reprefill"},
+    # S=3 without KV migration (what an engine without it, SGLang, does): its pair is dora_s3
+    "dora_s3_reprefill": {"orchestrator.mode": "dora", "orchestrator.max_staleness": 3, "controller.migration": "reprefill"},
     "dora_legacy_fill": {"orchestrator.mode": "dora", "orchestrator.legacy_fill": True},
     "dora_one_cap": {"orchestrator.mode": "dora", "_one_cap": True},
     # the same DORA workload on each rollout engine (vllm: the venv of tools/setup_vllm.sh)
@@ -67,8 +69,28 @@ def split_cores(n_cores: int, n_engines: int) -> tuple[list[int], list[int]]:
     return list(range(n_cores - trainer)), list(range(n_cores - trainer, n_cores))
 
 
+#: Ablation -> its reference: the same variant with KV migration (the re-prefill cost is their difference).
+REPREFILL_PAIRS = {"dora_reprefill": "dora", "dora_s3_reprefill": "dora_s3"}
+
+
+def run_name(variant: str, engine: str | None) -> str:
+    """``VARIANT@ENGINE`` when ``bench.engines`` lists engines, else the variant's name."""
+    return f"{variant}@{engine}" if engine else variant
+
+
+def split_name(name: str) -> tuple[str, str | None]:
+    """The inverse of :func:`run_name`."""
+    variant, _, engine = name.partition("@")
+    return variant, engine or None
+
+
 def variant_config(base: DoraConfig, name: str, seed_index: int, run_dir: Path, model_dir: Path, n_cores: int) -> DoraConfig:
+    """The config of one run: ``name`` is a variant, or ``VARIANT@ENGINE`` (:func:`run_name`) to
+    run it on that rollout engine, started by the train job's own launcher."""
+    name, engine = split_name(name)
     spec = dict(VARIANTS[name])
+    if engine:
+        spec["rollout.engine"] = engine
     colocated = spec.pop("_colocated", False)
     one_cap = spec.pop("_one_cap", False)
     data = to_dict(base)
@@ -97,11 +119,14 @@ def variant_config(base: DoraConfig, name: str, seed_index: int, run_dir: Path, 
 LIMITS = "limits"
 
 
-def run_order(variants: list[str], seeds: int, limits: bool) -> list[tuple[int, str]]:
-    """``(seed index, variant)`` in run order, seed-major: round k runs the limits (when measured)
-    and then every variant's seed k, before any seed k+1."""
+def run_order(variants: list[str], seeds: int, limits: bool, engines: list[str] | None = None) -> list[tuple[int, str]]:
+    """``(seed index, run name)`` in run order, seed-major: round k runs the limits (when measured)
+    and then every variant's seed k, before any seed k+1. With ``engines``, each engine's limits and
+    variants (:func:`run_name`) in turn within the round, so load drift is shared by the engines too;
+    a variant listed as ``VARIANT@ENGINE`` runs on that engine only."""
     head = [LIMITS] if limits else []
-    return [(k, name) for k in range(seeds) for name in head + list(variants)]
+    return [(k, run_name(v, ve or e)) for k in range(seeds) for e in (engines or [None])
+            for v, ve in map(split_name, head + list(variants)) if not (ve and e and ve != e)]
 
 
 def _mean(xs):
@@ -181,6 +206,103 @@ def aggregate(runs: dict[str, list[dict[str, Any]]], baseline: str = "auto",
     return out
 
 
+def _throughputs(rs: list[dict[str, Any]]) -> list[float | None]:
+    return [r.get("throughput_tokens_per_s") for r in rs]
+
+
+def engine_runs(runs: dict[str, list[dict[str, Any]]], engine: str) -> dict[str, list[dict[str, Any]]]:
+    """The runs of one engine (``VARIANT@ENGINE``), keyed by variant."""
+    return {split_name(n)[0]: rs for n, rs in runs.items() if split_name(n)[1] == engine}
+
+
+def aggregate_engines(runs: dict[str, list[dict[str, Any]]], engines: list[str], baseline: str,
+                      limits: dict[str | None, list[dict[str, Any]]], ci_level: float) -> dict[str, Any]:
+    """``bench.engines``: :func:`aggregate` of each engine's runs on their own (its own sync
+    baseline and ratios, its own limits), and ``engine_ratio_ci``: each variant's throughput on
+    every other engine over its throughput on the first listed, paired by round."""
+    out: dict[str, Any] = {"engines": {e: aggregate(engine_runs(runs, e), baseline, limits.get(e) or None, ci_level)
+                                       for e in engines}}
+    cross: dict[str, Any] = {}
+    for name, rs in runs.items():
+        variant, engine = split_name(name)
+        ref = run_name(variant, engines[0])
+        if engine == engines[0] or ref not in runs:
+            continue
+        ci = paired_ratio_ci(_throughputs(rs), _throughputs(runs[ref]), ci_level)
+        if ci is not None:
+            cross[f"{name}/{ref}_throughput"] = ci.to_json()
+    out["engine_ratio_ci"] = cross
+    return out
+
+
+def engines_markdown(agg: dict[str, Any]) -> str:
+    """One :func:`markdown_table` per engine, then the paired engine-vs-engine ratios."""
+    parts = [f"### Engine `{e}`\n\n" + markdown_table(a) for e, a in agg["engines"].items()]
+    cis = agg["engine_ratio_ci"]
+    if cis:
+        level = next(iter(cis.values()))["level"]
+        parts.append(f"Engine against engine, the same variant (geometric mean of the rounds' throughput ratios, "
+                     f"{level:.0%} t interval):\n\n" + "\n".join(_ci_line(k, c) for k, c in cis.items()) + "\n")
+    return "\n".join(parts)
+
+
+def _fmt(x: float | None, fmt: str = "{:.2f}", missing: str = "n/a") -> str:
+    """A table cell: ``x`` formatted, or ``missing`` when there is no value."""
+    return missing if x is None else fmt.format(x)
+
+
+def _ci_line(key: str, c: dict[str, Any]) -> str:
+    return f"- `{key}`: {c['ratio']:.2f}x ({_fmt(c['lo'])}-{_fmt(c['hi'])}, {c['pairs']} rounds)"
+
+
+def reprefill_costs(runs: dict[str, list[dict[str, Any]]], ci_level: float = 0.95) -> dict[str, Any]:
+    """What moves by abort + resubmit cost, per run name with migrations (means over its seeds):
+    the migrations, those that fell back to resubmit (``migrations_reprefill``: SGLang and vLLM
+    always, the embedded engine under ``controller.migration: reprefill``), the prompt + partial
+    tokens they re-prefilled, the seconds the moved requests made no progress while leaving their
+    source (``migration_stall_s``), and, for an ablation of :data:`REPREFILL_PAIRS` whose KV
+    reference ran on the same engine, the time re-prefill costs: the median step time over the
+    reference's (``step_time_cost_s``) and the throughput ratio paired by round (``vs_kv``)."""
+    out: dict[str, Any] = {}
+    for name, rs in runs.items():
+        migrations = [r.get("migrations") for r in rs]
+        if not any(migrations):
+            continue
+        fallbacks = sum(r.get("migrations_reprefill") or 0 for r in rs)
+        tokens = sum(r.get("reprefill_tokens") or 0 for r in rs)
+        row = {"migrations": _mean(migrations), "migrations_reprefill": fallbacks / len(rs),
+               "reprefill_tokens": tokens / len(rs), "tokens_per_reprefill": tokens / fallbacks if fallbacks else None,
+               "migration_stall_s": _mean([r.get("migration_stall_s") for r in rs]),
+               "step_time_cost_s": None, "vs_kv": None, "kv_reference": None}
+        variant, engine = split_name(name)
+        ref = run_name(REPREFILL_PAIRS.get(variant, ""), engine)
+        if variant in REPREFILL_PAIRS and ref in runs:
+            row["kv_reference"] = ref
+            mine, theirs = (median_spread([r.get("mean_step_time_s") for r in x])[0] for x in (rs, runs[ref]))
+            row["step_time_cost_s"] = mine - theirs if mine is not None and theirs is not None else None
+            ci = paired_ratio_ci(_throughputs(rs), _throughputs(runs[ref]), ci_level)
+            row["vs_kv"] = ci.to_json() if ci is not None else None
+        out[name] = row
+    return out
+
+
+def reprefill_table(costs: dict[str, Any]) -> str:
+    """The table of :func:`reprefill_costs` (empty when no run migrated)."""
+    if not costs:
+        return ""
+    f = _fmt
+    lines = ["Migrations and what abort + resubmit cost (means per run; the time against the same variant with "
+             "KV migration on the same engine):", "",
+             "| run | migrations | by resubmit | re-prefilled tokens | tokens per resubmit | stall (s) | "
+             "step time cost vs KV (s) | throughput vs KV |", "|---|---|---|---|---|---|---|---|"]
+    for name, c in costs.items():
+        ratio = "n/a" if c["vs_kv"] is None else _ci_line(c["kv_reference"], c["vs_kv"])[2:]
+        lines.append(f"| {name} | {f(c['migrations'], '{:.1f}')} | {f(c['migrations_reprefill'], '{:.1f}')} | "
+                     f"{f(c['reprefill_tokens'], '{:.0f}')} | {f(c['tokens_per_reprefill'], '{:.0f}')} | "
+                     f"{f(c['migration_stall_s'])} | {f(c['step_time_cost_s'])} | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
 def learning(run_dirs: dict[str, list[Path]], level: float, window: int, source: str = "trained") -> dict[str, Any]:
     """Per variant and seed (``run_dirs[v][k]``: round k): the reward curve (wall seconds, reward)
     and the time-to-reward at ``level`` (:func:`~.bench_stats.time_to_reward`; None: not reached),
@@ -212,9 +334,7 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def markdown_table(agg: dict[str, Any]) -> str:
-    def f(x, fmt="{:.2f}"):
-        return "n/a" if x is None else fmt.format(x)
-
+    f = _fmt
     base = agg["ratios"].get("sync_baseline")
     base_thr = agg["means"][base]["throughput_median"] if base else None
     lines = ["| variant | throughput (tok/s), median (min-max) | spread | efficiency, median (min-max) | vs sync | "
@@ -251,7 +371,7 @@ def markdown_table(agg: dict[str, Any]) -> str:
 def learning_table(learn: dict[str, Any]) -> str:
     """Time-to-reward per variant: the seeds' times (wall seconds; '-': not reached) and final rewards."""
     def f(x, fmt="{:.1f}"):
-        return "-" if x is None else fmt.format(x)
+        return _fmt(x, fmt, "-")
 
     what = (f"a trailing {learn['window']}-step mean reward of {learn['level']:.3f} (the trained samples"
             if learn.get("source", "trained") == "trained" else
@@ -399,20 +519,21 @@ def run_bench(cfg: DoraConfig, out_dir: str | Path, say=log.info) -> dict[str, A
     n_cores = len(os.sched_getaffinity(0))
     runs: dict[str, list[dict[str, Any]]] = {}
     run_dirs: dict[str, list[Path]] = {}
-    limits: list[dict[str, Any]] = []
-    for k, name in run_order(cfg.bench.variants, cfg.bench.seeds, cfg.bench.limits):
+    limits: dict[str | None, list[dict[str, Any]]] = {}  # engine (None: as configured) -> one per round
+    for k, name in run_order(cfg.bench.variants, cfg.bench.seeds, cfg.bench.limits, cfg.bench.engines):
         run_dir = out / "runs" / f"{name}-seed{k}"
-        if name == LIMITS:
+        variant, engine = split_name(name)
+        if variant == LIMITS:
             from dora_megatron.launch.capacity import measure_capacities
 
             # the async variants' placement: engines on their cores, the trainer on its own
-            lcfg = variant_config(cfg, "sync", k, run_dir, model_dir, n_cores)
+            lcfg = variant_config(cfg, run_name("sync", engine), k, run_dir, model_dir, n_cores)
             say(f"bench: limits (round {k}) -> {run_dir}")
             try:
                 lim = measure_capacities(lcfg, run_dir, model_dir, cfg.bench.limit_steps, say=say)
             except Exception as err:  # noqa: BLE001 - a child that died, a timeout: name where the logs are
                 raise RuntimeError(f"bench limits round {k} failed: {err}; logs in {run_dir / 'logs'}") from err
-            limits.append(lim)
+            limits.setdefault(engine, []).append(lim)
             (run_dir / "limits.json").write_text(json.dumps(lim, indent=2) + "\n")  # kept if a later run fails
             say(f"bench: limits round {k}: rollout alone {lim['rollout_tokens_per_s'] or 0:.0f} tok/s, "
                 f"training alone {lim['training_tokens_per_s'] or 0:.0f} tok/s")
@@ -431,15 +552,22 @@ def run_bench(cfg: DoraConfig, out_dir: str | Path, say=log.info) -> dict[str, A
 
 
 def write_results(cfg: DoraConfig, out: Path, runs: dict[str, list[dict[str, Any]]], run_dirs: dict[str, list[Path]],
-                  limits: list[dict[str, Any]], n_cores: int, say=log.info) -> dict[str, Any]:
+                  limits: dict[str | None, list[dict[str, Any]]], n_cores: int, say=log.info) -> dict[str, Any]:
     """``bench.json``, ``bench.md`` and the figures of DIR from the runs' summaries and directories
-    (also usable on a finished bench directory to aggregate it again)."""
+    (also usable on a finished bench directory to aggregate it again). ``limits``: per engine
+    (``bench.engines``; None: the configured engine), one per round."""
     b = cfg.bench
-    agg = aggregate(runs, b.baseline, limits or None, b.ci_level)
+    if b.engines:
+        agg = aggregate_engines(runs, b.engines, b.baseline, limits, b.ci_level)
+        table = engines_markdown(agg)
+    else:
+        agg = aggregate(runs, b.baseline, limits.get(None) or None, b.ci_level)
+        table = markdown_table(agg)
+    agg["reprefill"] = reprefill_costs(runs, b.ci_level)
     learn = learning(run_dirs, b.reward_level, b.reward_window, b.reward_source)
     result = {"runs": runs, **agg, "learning": learn, "cores": n_cores,
-              "order": [f"{n}-seed{k}" for k, n in run_order(b.variants, b.seeds, b.limits)]}
-    table = markdown_table(agg) + "\n" + learning_table(learn)
+              "order": [f"{n}-seed{k}" for k, n in run_order(b.variants, b.seeds, b.limits, b.engines)]}
+    table += "\n" + reprefill_table(agg["reprefill"]) + "\n" + learning_table(learn)
     (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "bench.md").write_text(table)
     plot_rewards(run_dirs, out / "reward.png")

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from dora_megatron.comm.train_sample import TrainSample
+
 log = logging.getLogger(__name__)
 
 
@@ -64,7 +66,7 @@ def training_rate(steps: Sequence[tuple[int, float]], warmup: int = 1) -> float 
     return sum(t for t, _ in kept) / seconds if kept and seconds > 0 else None
 
 
-def record_batches(groups: Sequence[Sequence[dict[str, Any]]], tbs: int, steps: int) -> list[list[dict[str, Any]]]:
+def record_batches(groups: Sequence[Sequence[TrainSample]], tbs: int, steps: int) -> list[list[TrainSample]]:
     """``steps`` training batches of ``tbs`` groups each, the groups in prompt order; fewer when
     there are not enough groups (a partial last batch is dropped: every step trains on ``tbs``)."""
     return [[s for g in groups[i * tbs:(i + 1) * tbs] for s in g] for i in range(min(steps, len(groups) // tbs))]
@@ -161,18 +163,17 @@ async def _measure(cfg, run_dir: Path, model_dir: Path, procs, host: str, engine
         t = time.monotonic()
         completions = await _rollout_pass(cfg, engines, codec, samples, slots, scorer)
         rollout_s = time.monotonic() - t
-        groups: dict[int, list[dict[str, Any]]] = {}
+        groups: dict[int, list[TrainSample]] = {}
         for s in samples:
-            groups.setdefault(s.group, []).append({
-                "prompt_ids": s.prompt_ids, "response_ids": s.output_ids, "rollout_logprobs": s.logprobs,
-                "reward": s.reward, "group_id": f"capacity-{s.group}", "version": 0})
+            groups.setdefault(s.group, []).append(TrainSample(s.prompt_ids, s.output_ids, s.logprobs, version=0,
+                                                              reward=s.reward, group_id=f"capacity-{s.group}"))
         batches = record_batches([groups[g] for g in sorted(groups)], o.tbs, steps)
         say(f"bench limits: training alone, {len(batches)} recorded batches of {o.tbs} groups")
         train_steps = []
         for step, batch in enumerate(batches):
             t = time.monotonic()
             await trainer.train(step, batch)
-            train_steps.append((sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in batch), time.monotonic() - t))
+            train_steps.append((sum(s.tokens() for s in batch), time.monotonic() - t))
         await trainer.shutdown()
     finally:
         if scorer is not None:

@@ -86,16 +86,18 @@ def megatron_value_problems(hf_config: dict[str, Any], trainer) -> list[str]:
     """Megatron's own refusal of the configs ``trainer.megatron`` leads to (they are built once here)."""
     from dora_megatron.models.hf_config import spec_from_dict
     from dora_megatron.trainer import megatron_args as ma
-    from dora_megatron.trainer.model import choose_spec
+    from dora_megatron.trainer.model import choose_spec, te_available
 
     try:
         arch = spec_from_dict(hf_config)
     except (ValueError, KeyError, TypeError):
         return []
     classes = ma.megatron_classes()
-    spec = choose_spec(trainer.spec, trainer.device)
+    spec = choose_spec(trainer.spec, trainer.device, arch, te_importable=te_available())
     # the fused kernels' own checks need Transformer Engine, which the machine of a dry run may lack
     here = trainer if spec == "te" else dataclasses.replace(trainer, fusions=False)
+    # the class the trainer builds (MLATransformerConfig for MLA, YarnTransformerConfig for YaRN)
+    classes["TransformerConfig"] = ma.transformer_config_class(arch)
     builds = (("TransformerConfig", lambda: ma.transformer_kwargs(arch, here, spec)),
               ("OptimizerConfig", lambda: ma.optimizer_kwargs(trainer)),
               ("DistributedDataParallelConfig", lambda: ma.ddp_kwargs(trainer)))

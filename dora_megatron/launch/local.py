@@ -34,6 +34,7 @@ from dora_megatron.launch.process_launcher import ProcessLauncher, write_process
 from dora_megatron.launch.startup import StartupRefused
 from dora_megatron.launch.stop import Stopped, StopSignals, exit_status
 from dora_megatron.launch.trainer_restart import TrainerRestarts, restart_trainer, run_restarting
+from dora_megatron.observability.summary import write_summary
 from dora_megatron.ports import job_port_range, pick_ports
 from dora_megatron.processes import ChildFailed, ProcessSet, ProcessSpec
 
@@ -231,7 +232,7 @@ def _heldout_eval(cfg: DoraConfig, run_dir: Path, model_dir: Path, summary: dict
 
             write_heldout(run_dir / "tb", summary["heldout_exact_initial"], summary["heldout_exact_final"],
                           int(final.name[1:]))
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_summary(run_dir, summary)
 
 
 def _with_port(spec: ProcessSpec, port: int) -> ProcessSpec:

@@ -91,7 +91,7 @@ def build_tokenizer(corpus: list[str], vocab_size: int = 384):
 def tiny_config_kwargs(family: str, hidden_size: int = 64) -> dict[str, Any]:
     """The family-specific keyword arguments of a tiny model of ``family`` (a ``model_type`` of
     :mod:`dora_megatron.models.families`): 2 layers, 4 experts top-2 where the family is MoE, each
-    family's own pieces switched on (Qwen2-MoE: a gated shared expert and q/k/v biases)."""
+    family's own pieces switched on (Qwen2-MoE: a gated shared expert and q/k/v biases; GLM-4.5: see its row)."""
     from dora_megatron.models import families
 
     families.family(family, "--family")
@@ -104,6 +104,24 @@ def tiny_config_kwargs(family: str, hidden_size: int = 64) -> dict[str, Any]:
         "qwen2_moe": dict(intermediate_size=2 * h, moe_intermediate_size=h // 2, num_experts=4,
                           shared_expert_intermediate_size=h, norm_topk_prob=False, **moe),
         "mixtral": dict(intermediate_size=h // 2, num_local_experts=4, **moe),
+        # every GLM-4.5 piece on: half-rotary heads, QK-norm, q/k/v bias, a dense first layer, a shared
+        # expert, sigmoid routing over 8 experts in 2 groups (the best 1 kept) scaled by 2.5
+        # (``head_dim`` written out, as the Hub's GLM-4.5 configs do: vLLM reads it, transformers
+        # derives it from hidden_size / num_attention_heads and does not save it)
+        "glm4_moe": dict(intermediate_size=2 * h, moe_intermediate_size=h // 2, n_routed_experts=8, n_shared_experts=1,
+                         first_k_dense_replace=1, partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True,
+                         n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, head_dim=h // 4,
+                         **moe),
+        # MLA (q and kv latents, a rotary part narrower than the heads), 8 experts in 2 groups of which
+        # the best 1 is searched for the top-2 (group scores by their top 2, which Megatron needs), a
+        # shared expert, layer 0 dense; every head its own kv head (MLA has no GQA); the router keys
+        # of the Hub's DeepSeek-V3 config (``moe_layer_freq``, ``topk_method``, ``scoring_func``),
+        # which SGLang and vLLM read and transformers' config class does not write
+        "deepseek_v3": dict(intermediate_size=2 * h, moe_intermediate_size=h // 2, n_routed_experts=8,
+                            n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                            norm_topk_prob=True, first_k_dense_replace=1, q_lora_rank=h // 2, kv_lora_rank=h // 4,
+                            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_key_value_heads=4,
+                            moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid", **moe),
     }
     if family not in per_family:
         raise ValueError(f"--family {family!r}: no tiny example defined (have: {', '.join(sorted(per_family))})")
@@ -123,13 +141,20 @@ def save_tiny_model(model_dir: Path, tokenizer: Any, *, family: str = "qwen3_moe
 
     end, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
     vocab = -(-len(tokenizer) // 64) * 64 + 64  # padded past the tokenizer, like real checkpoints
-    config = transformers.CONFIG_MAPPING[family](
-        vocab_size=vocab, hidden_size=hidden_size, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        tie_word_embeddings=False, initializer_range=0.05, max_position_embeddings=4096,
-        rope_parameters={"rope_type": "default", "rope_theta": rope_theta}, bos_token_id=None, eos_token_id=end,
-        pad_token_id=pad, **tiny_config_kwargs(family, hidden_size))
+    config = transformers.CONFIG_MAPPING[family](**{
+        **dict(vocab_size=vocab, hidden_size=hidden_size, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, tie_word_embeddings=False, initializer_range=0.05, max_position_embeddings=4096,
+               rope_parameters={"rope_type": "default", "rope_theta": rope_theta}, bos_token_id=None,
+               eos_token_id=end, pad_token_id=pad),
+        **tiny_config_kwargs(family, hidden_size)})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
+    from dora_megatron.models.hf_config import keeps_fp32
+
+    with torch.no_grad():  # what transformers keeps in fp32 (GLM-4.5's router), as its from_pretrained would
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if keeps_fp32(family, name):
+                t.data = t.data.float()
     model.generation_config = GenerationConfig(eos_token_id=[end, pad], pad_token_id=pad, do_sample=True, **sampling)
     model.save_pretrained(str(model_dir))
 

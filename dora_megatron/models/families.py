@@ -1,5 +1,5 @@
-"""One table row per supported model family: what differs between Qwen3, Qwen3-MoE, Qwen2-MoE and
-Mixtral, read by every component that builds or names the model.
+"""One table row per supported model family: what differs between Qwen3, Qwen3-MoE, Qwen2-MoE,
+Mixtral, GLM-4.5 and DeepSeek-V3, read by every component that builds or names the model.
 
 WHY a table: the trainer (Megatron-Core config and layer spec), the converters and the weight sync
 (HF <-> Megatron tensor names in :mod:`dora_megatron.weights.naming`) and the embedded engine
@@ -19,13 +19,17 @@ Fields, by what reads them:
   always renormalises the top-k weights, ``renormalise``), ``qkv_bias_attr`` / ``qkv_bias_default``,
   ``o_bias_attr`` (an output-projection bias switch), ``shared_expert_attr`` (the shared expert's
   width; None: no shared expert), ``sparse_rule`` (which layers are MoE).
+* HF config -> routing (``router`` ``sigmoid``): ``n_group`` / ``topk_group``, ``routed_scaling_factor``
+  and ``e_score_correction_bias`` are read when the config has them.
 * HF tensor names (``ModelSpec.expected_shapes``, ``naming``, the engine's module names):
   ``moe_module`` (the MoE block under ``model.layers.N.``), ``expert_proj`` (gate, up, down names
   of one expert), ``qk_norm``.
 * Megatron-Core (``trainer.megatron_args``): ``qk_norm`` -> ``qk_layernorm``, qkv bias ->
   ``add_qkv_bias``, ``router`` + renormalisation -> ``moe_router_score_function`` /
   ``moe_router_pre_softmax``, shared expert -> ``moe_shared_expert_intermediate_size`` /
-  ``moe_shared_expert_gate``.
+  ``moe_shared_expert_gate``; ``attention`` ``mla`` -> ``MLATransformerConfig`` and the MLA layer
+  spec; ``router`` ``sigmoid`` -> ``moe_router_score_function="sigmoid"`` with the expert bias,
+  groups and scaling factor.
 """
 
 from __future__ import annotations
@@ -36,11 +40,22 @@ from typing import Literal
 #: ``softmax``: softmax over all experts' logits, top-k of the probabilities, renormalised to sum
 #: 1 when the family/config says so (Megatron: score function softmax; ``pre_softmax`` iff not
 #: renormalised, since softmax over the top-k logits equals the renormalised top-k probabilities).
-RouterKind = Literal["softmax"]
+#: ``sigmoid``: sigmoid of each expert's logit; the top-k chosen on the scores plus a per-expert
+#: correction bias (``e_score_correction_bias``, a buffer) within the best ``topk_group`` of
+#: ``n_group`` groups, weighted by the unbiased scores, renormalised, times ``routed_scaling_factor``
+#: (GLM-4.5 / DeepSeek-V3; Megatron: score function sigmoid, ``moe_router_enable_expert_bias``).
+RouterKind = Literal["softmax", "sigmoid"]
+
+#: ``gqa``: q/k/v projections (grouped-query attention, Megatron's fused ``linear_qkv``);
+#: ``mla``: DeepSeek's multi-latent attention (low-rank q and kv, a decoupled rotary part;
+#: Megatron's ``MLATransformerConfig`` and ``MLASelfAttention``).
+AttentionKind = Literal["gqa", "mla"]
 
 #: ``all``: every layer is MoE (Mixtral); ``qwen``: a layer is MoE unless listed in
 #: ``mlp_only_layers`` and iff ``(i + 1) % decoder_sparse_step == 0`` (Qwen2/3-MoE modelling code).
-SparseRule = Literal["all", "qwen"]
+#: ``first_k_dense``: the first ``first_k_dense_replace`` layers dense, the rest MoE (GLM-4.5,
+#: DeepSeek-V3 modelling code: ``layer_idx >= first_k_dense_replace``).
+SparseRule = Literal["all", "qwen", "first_k_dense"]
 
 
 @dataclass(frozen=True)
@@ -58,9 +73,15 @@ class Family:
     router: RouterKind = "softmax"
     shared_expert_attr: str | None = None
     shared_expert_gate: bool = False
+    #: the shared expert's width is this count times one expert's (GLM-4.5's ``n_shared_experts``);
+    #: used instead of ``shared_expert_attr`` when set
+    shared_expert_count_attr: str | None = None
+    shared_expert_module: str = "shared_expert"  # HF module under the MoE block (GLM: ``shared_experts``)
+    qk_norm_attr: str | None = None  # a config switch for QK-norm (GLM: ``use_qk_norm``); None: ``qk_norm``
     sparse_rule: SparseRule = "qwen"
     moe_module: str = "mlp"
     expert_proj: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    attention: AttentionKind = "gqa"
 
     @property
     def is_moe(self) -> bool:
@@ -82,14 +103,43 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("mixtral", "MixtralForCausalLM", experts_attr="num_local_experts", expert_ffn_attr="intermediate_size",
            norm_topk_prob_attr=None, renormalise=True, sparse_rule="all", moe_module="block_sparse_moe",
            expert_proj=("w1", "w3", "w2")),
+    # GLM-4.5 (Glm4MoeForCausalLM): partial rotary (``partial_rotary_factor``), QK-norm iff
+    # ``use_qk_norm``, q/k/v bias iff ``attention_bias`` (no o_proj bias), the first
+    # ``first_k_dense_replace`` layers dense, ``n_shared_experts`` ungated shared experts under
+    # ``mlp.shared_experts``, sigmoid routing with ``mlp.gate.e_score_correction_bias``.
+    Family("glm4_moe", "Glm4MoeForCausalLM", qk_norm_attr="use_qk_norm", qkv_bias_attr="attention_bias",
+           experts_attr="n_routed_experts", router="sigmoid", shared_expert_count_attr="n_shared_experts",
+           shared_expert_module="shared_experts", sparse_rule="first_k_dense"),
+    # DeepSeek-V3 (and Kimi-K2, which saves the same layout under model_type deepseek_v3):
+    # multi-latent attention, ``n_shared_experts`` ungated shared experts under ``shared_experts``,
+    # a sigmoid router with a correction bias and group-limited top-k, the first
+    # ``first_k_dense_replace`` layers dense.
+    Family("deepseek_v3", "DeepseekV3ForCausalLM", experts_attr="n_routed_experts", router="sigmoid",
+           shared_expert_count_attr="n_shared_experts", shared_expert_module="shared_experts",
+           sparse_rule="first_k_dense", attention="mla"),
 )}
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+
+#: families checked and refused, with what is missing (read in Megatron-Core 0.16.1's source)
+REFUSED: dict[str, str] = {
+    "gpt_oss": (
+        "gpt-oss needs attention sinks, alternating sliding-window layers, a clamped SwiGLU with "
+        "biases (and on the router) and YaRN RoPE. Megatron-Core 0.16.1 has config fields for them "
+        "(softmax_type='learnable', window_size/window_attn_skip_freq, quick_gelu with "
+        "activation_func_clamp_value and glu_linear_offset, add_bias_linear) but its local (CPU) "
+        "DotProductAttention allocates the learnable softmax offset (the sinks) on "
+        "torch.cuda.current_device(), and neither this trainer nor the embedded engine builds "
+        "sinks, sliding windows or the clamped SwiGLU (and the trainer takes the default RoPE only)"),
+}
 
 
 def family(model_type: object, where: str = "config.json") -> Family:
     """The family of ``model_type``; ValueError naming ``where`` and the supported types."""
     fam = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if fam is None and isinstance(model_type, str) and model_type in REFUSED:
+        raise ValueError(f"{where}: model_type {model_type!r} is not supported: {REFUSED[model_type]} "
+                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
     if fam is None:
         raise ValueError(f"{where}: model_type {model_type!r} is not supported "
                          f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")

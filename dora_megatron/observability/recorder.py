@@ -24,19 +24,17 @@ import dataclasses
 import json
 import logging
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Mapping, Sequence
 
-from dora_megatron.observability.routing import routing_summary
-from dora_megatron.observability.trainer_perf import TRAINER_PERF_KEYS, trainer_perf_summary
-from dora_megatron.observability.summary import SUMMARY_FIELDS, RunTotals, StepRecord, build_summary
+from dora_megatron.observability.summary import (
+    BUSY_SLOT, INSTANCE, REBALANCE, SUMMARY_FIELDS, TRAINER_SYNC, WEIGHT_SYNC, RunTotals, StepRecord, build_summary,
+)
+from dora_megatron.observability.trainer_perf import TRAINER_PERF_KEYS
 from dora_megatron.observability.trajectories import TrajectoryStats, TrajectoryTotals
 
 log = logging.getLogger(__name__)
-
-#: duration kinds the recorder integrates over step intervals
-INSTANCE, WEIGHT_SYNC, REBALANCE, BUSY_SLOT, TRAINER_SYNC = "instance", "weight_sync", "rebalance", "busy_slot", "trainer_sync"
 
 
 @dataclass(frozen=True)
@@ -134,23 +132,6 @@ STEP_KEYS: tuple[str, ...] = tuple(m.key for m in METRICS if m.scope == "step")
 RUN_EXTRA_KEYS: tuple[str, ...] = tuple(m.key for m in METRICS if m.scope == "run" and m.key not in SUMMARY_FIELDS)
 
 
-@dataclass
-class StepRow:
-    """What the recorder keeps of one step (restored on resume)."""
-
-    step: int
-    end_s: float
-    wait_s: float
-    train_s: float
-    tokens: int
-    staleness: list[int]
-    reward: float | None
-    metrics: dict[str, Any]  # the trainer's own metrics (train/* scalars)
-    seconds: dict[str, float] = field(default_factory=dict)  # duration kind -> seconds inside the step's interval
-    trajectories: dict[str, Any] = field(default_factory=dict)  # TrajectoryTotals of the step's interval
-    reward_errors: int | None = None  # samples whose reward function failed (None: no rewards, the simulator)
-
-
 def _pct(sorted_values: list[int], q: float) -> float | None:
     if not sorted_values:
         return None
@@ -170,7 +151,7 @@ class MetricsRecorder:
         self.rebalancer = rebalancer
         self.warmup_steps = warmup_steps
         self.sinks = list(sinks)
-        self.rows: list[StepRow] = []
+        self.rows: list[StepRecord] = []  # the run's steps (restored on resume)
         self.last: dict[str, Any] = {}  # the latest step's scalars
         self._ends: list[float] = []
         self._open: dict[tuple[str, str], float] = {}  # (kind, key) -> start of its part not yet attributed
@@ -232,17 +213,21 @@ class MetricsRecorder:
                      staleness: Sequence[int], rewards: Sequence[float], response_lengths: Sequence[int],
                      live_versions: int, metrics: Mapping[str, Any] | None = None, migrations: int = 0,
                      migrated_kv_bytes: float = 0, reprefill_tokens: int = 0,
-                     reward_errors: int | None = None) -> dict[str, Any]:
-        """Step ``step`` ended at ``end_s``: close its interval, hand its scalars to the sinks, return them.
+                     reward_errors: int | None = None, groups: Sequence[str] = (),
+                     versions: Sequence[int] = ()) -> dict[str, Any]:
+        """Step ``step`` ended at ``end_s``: close its interval, record it (:attr:`rows`' last
+        :class:`StepRecord`), hand its scalars to the sinks, return them.
         ``migrations``/``migrated_kv_bytes``/``reprefill_tokens``: the driver's run totals so far;
-        ``reward_errors``: the step's samples whose reward function failed (None: no rewards)."""
+        ``reward_errors``: the step's samples whose reward function failed (None: no rewards);
+        ``groups``/``versions``: the consumed groups and their versions, as the batch released them."""
         end_s = max(end_s, self._ends[-1] if self._ends else 0.0)
         for (kind, key), start in list(self._open.items()):
             self._spread(kind, start, end_s)
             self._open[(kind, key)] = max(start, end_s)
-        row = StepRow(step, end_s, wait_s, train_s, tokens, list(staleness),
-                      statistics.fmean(rewards) if rewards else None, dict(metrics or {}), dict(self._tail),
-                      self._trajectories.as_dict(), reward_errors)
+        row = StepRecord(step, end_s, wait_s, train_s, tokens, list(staleness),
+                         statistics.fmean(rewards) if rewards else None, dict(metrics or {}), dict(self._tail),
+                         self._trajectories.as_dict(), reward_errors, list(groups), [int(v) for v in versions],
+                         len(response_lengths))
         self._trajectories = TrajectoryTotals()
         self._close(row)
         self.last = self._scalars(row, rewards, sorted(response_lengths), live_versions,
@@ -257,41 +242,11 @@ class MetricsRecorder:
     # ------------------------------------------------------------------ outputs
     def summary(self, *, mode: str, max_staleness: int, tbs: int, rbs: int, totals: RunTotals,
                 wall_time_s: float) -> dict[str, Any]:
-        """summary.json: the DESIGN section 11 fields, then :data:`RUN_EXTRA_KEYS`. ``totals``: the
-        driver's counts (groups, violations, migrations); the measured seconds are the recorder's."""
-        warm = min(self.warmup_steps, max(0, len(self.rows) - 1))
-        window = self.rows[warm:]
-
-        def total(kind: str) -> float:
-            return sum(r.seconds.get(kind, 0.0) for r in window)
-
-        totals = dataclasses.replace(
-            totals, busy_slot_s=total(BUSY_SLOT), slots_per_instance=self.slots_per_instance,
-            instance_s=total(INSTANCE), weight_sync_s=total(WEIGHT_SYNC),
-            rebalance_s=total(REBALANCE) if self.rebalancer else None)
-        steps = [StepRecord(r.step, r.end_s, r.wait_s, r.train_s, r.seconds.get(TRAINER_SYNC, 0.0), r.tokens,
-                            r.staleness, r.reward) for r in self.rows]
-        out = build_summary(mode=mode, max_staleness=max_staleness, tbs=tbs, rbs=rbs, steps=steps, totals=totals,
-                            wall_time_s=wall_time_s, warmup_steps=self.warmup_steps)
-        t0 = self.rows[warm - 1].end_s if warm > 0 else 0.0
-        span = window[-1].end_s - t0 if window else 0.0
-        out["trainer_sync_fraction"] = total(TRAINER_SYNC) / span if span > 0 else None
-        diffs = [r.metrics["rollout_vs_trainer_logprob_diff"] for r in self.rows
-                 if r.metrics.get("rollout_vs_trainer_logprob_diff") is not None]
-        # measured on on-policy samples only (see algo.losses.policy_loss): engine vs trainer numerics
-        out["rollout_vs_trainer_logprob_diff_mean"] = sum(diffs) / len(diffs) if diffs else None
-        out["rollout_vs_trainer_logprob_diff_max"] = max(diffs) if diffs else None
-        out["rollout_vs_trainer_logprob_diff_steps"] = len(diffs)
-        out.update(routing_summary(r.metrics for r in self.rows))
-        errors = [r.reward_errors for r in self.rows if r.reward_errors is not None]
-        out["reward_errors"] = sum(errors) if errors else None
-        traj = TrajectoryTotals.total(r.trajectories for r in self.rows).scalars()
-        out["turns_per_trajectory_mean"] = traj["turns_per_trajectory"]
-        out["tokens_per_turn_mean"] = traj["tokens_per_turn"]
-        out["tool_latency_s_mean"] = traj["tool_latency_s"]
-        out["tool_use_rate"] = traj["tool_use_rate"]
-        out.update(trainer_perf_summary((r.metrics for r in self.rows), (r.metrics for r in window)))
-        return out
+        """The run's summary (:func:`~dora_megatron.observability.summary.build_summary` over its step
+        records). ``totals``: the driver's counts (groups, violations, migrations)."""
+        return build_summary(mode=mode, max_staleness=max_staleness, tbs=tbs, rbs=rbs, steps=self.rows, totals=totals,
+                             wall_time_s=wall_time_s, warmup_steps=self.warmup_steps,
+                             slots_per_instance=self.slots_per_instance, rebalancer=self.rebalancer)
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of the recorder: the seconds after the last step's end. Not the
@@ -305,7 +260,7 @@ class MetricsRecorder:
         checkpoint carries them in ``state["rows"]``)."""
         self.rows, self._ends, self._so_far = [], [], {}
         for d in state.get("rows", rows):
-            self._close(StepRow(**d))
+            self._close(StepRecord(**d))
         self._tail = dict(state.get("tail", {}))
 
     # ------------------------------------------------------------------ internals
@@ -335,7 +290,7 @@ class MetricsRecorder:
         if end > lo:
             self._tail[kind] = self._tail.get(kind, 0.0) + end - lo
 
-    def _close(self, row: StepRow) -> None:
+    def _close(self, row: StepRecord) -> None:
         self.rows.append(row)
         self._ends.append(row.end_s)
         for kind, s in row.seconds.items():
@@ -344,7 +299,7 @@ class MetricsRecorder:
         self._so_far["wait"] = self._so_far.get("wait", 0.0) + row.wait_s
         self._tail = {}
 
-    def _scalars(self, row: StepRow, rewards: Sequence[float], lengths: list[int], live_versions: int,
+    def _scalars(self, row: StepRecord, rewards: Sequence[float], lengths: list[int], live_versions: int,
                  migrations: tuple[int, float, int]) -> dict[str, Any]:
         prev_end = self.rows[-2].end_s if len(self.rows) > 1 else 0.0
         end, sec, so_far = row.end_s, row.seconds, self._so_far

@@ -65,7 +65,8 @@ batch at a time), ``one_step_off`` (S=1, next batch dispatched while the trainer
 
 from dora_megatron.orchestrator.actions import (Action, ActionHandler, Dispatch, Interrupt, Migrate, ReleaseBatch,
                                                 Submit, SwitchVersion, perform)
-from dora_megatron.orchestrator.core import Counters, Orchestrator
+from dora_megatron.orchestrator.core import Orchestrator
+from dora_megatron.orchestrator.host import Counters
 
 __all__ = ["Action", "ActionHandler", "Counters", "Dispatch", "Interrupt", "Migrate", "Orchestrator", "ReleaseBatch",
            "Submit", "SwitchVersion", "perform"]

@@ -75,7 +75,7 @@ def migration_quotas(n_moving: int, kept_loads: Mapping[str, int]) -> list[tuple
 def assign_migrations(moving: Sequence[tuple[str, str]], kept_loads: Mapping[str, int]
                       ) -> list[tuple[str, str, str]]:
     """``(sample_id, src)`` -> ``(sample_id, src, dst)`` following :func:`migration_quotas`."""
-    out = []
+    out: list[tuple[str, str, str]] = []
     k = 0
     for iid, q in migration_quotas(len(moving), kept_loads):
         out.extend((sid, src, iid) for sid, src in moving[k:k + q])

@@ -20,7 +20,7 @@ finished groups cannot meet every ``need_v`` the trainer waits.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 
 def admits(version: int, dispatched_le_version: int, outstanding: int, max_staleness: int, tbs: int,
@@ -66,7 +66,7 @@ def batch_needs(step: int, max_staleness: int, tbs: int, unconsumed: Mapping[int
     return needs
 
 
-def select_batch(step: int, max_staleness: int, tbs: int, finished: Mapping[int, Sequence[str]],
+def select_batch(step: int, max_staleness: int, tbs: int, finished: Mapping[int, Collection[str]],
                  unconsumed: Mapping[int, int]) -> list[str] | None:
     """Form ``B_step`` or return None (the trainer must wait).
 

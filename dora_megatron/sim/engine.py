@@ -5,8 +5,8 @@ state machine; the real runtime turns its actions into HTTP calls and feeds back
 the trainer report. Here the *same object* is driven by a virtual clock: every action becomes a
 timed effect on a :class:`~dora_megatron.sim.instance.SimInstance` or on the simulated trainer,
 and every effect the runtime would report (sample finished, switch done, step finished, instance
-stats, clock ticks) becomes the runtime's own event dataclass (``controller/loop.py``), fed to the
-orchestrator through the runtime's mapping (:class:`~dora_megatron.controller.loop.EventMapping`):
+stats, clock ticks) becomes the runtime's own event dataclass (``events/event.py``), fed to the
+orchestrator through the runtime's mapping (:class:`~dora_megatron.events.EventMapping`):
 the simulator is that mapping's executor on a virtual clock. Events are deferred until the current
 action list is fully applied, so the driver honours the "execute in order" contract exactly like
 the runtime.
@@ -20,17 +20,23 @@ trainer waits for data; when training starts they leave (``on_instance_failed``:
 back to the orchestrator and are resubmitted to same-version instances; the simulator moves their
 KV instead of re-prefilling) and rejoin (``on_instance_joined``) when the trainer next waits.
 
-The driver also *checks* the orchestrator independently: every released batch must hold TBS
-complete groups never consumed before (C2) within the staleness bound (C3), every consumed
-sample's tokens must come from one version (C1; partial mode breaks it by design), and no batch may
-be released after the run's last step (exactly TBS groups consumed per trained step).
+The driver also *checks* the orchestrator independently (:mod:`.checks`): every released batch
+must hold TBS complete groups never consumed before (C2) within the staleness bound (C3), every
+consumed sample's tokens must come from one version (C1; partial mode breaks it by design), and no
+batch may be released after the run's last step (exactly TBS groups consumed per trained step).
+
+One job per module: this one is the executor (each action's effect on the simulated instances and
+requests) and the run; the virtual clock and its loop are :mod:`.clock`, the mapping's bookkeeping
+hooks :mod:`.hooks`, the engines' reports (stats, progress, ticks) :mod:`.polls`, the trainer
+:mod:`.trainer`, elastic colocation :mod:`.elastic`, the result, the plots' series and the
+orchestrator's profile :mod:`.report`.
 
 Multi-turn workloads (``workload.turns``): a sample's turns run on an instance like requests; when a
 turn ends with a tool call the request leaves the instance (its slot and its KV are freed: the
 instance admits other work while the tool runs) and the orchestrator hears it as the runtime's
-workflows report it (:class:`~dora_megatron.controller.loop.TurnEnded`: the slot is the
+workflows report it (:class:`~dora_megatron.events.TurnEnded`: the slot is the
 orchestrator's to give away). When the tool's latency has passed it asks for the next turn
-(:class:`~dora_megatron.controller.loop.TurnReady`) and the orchestrator places it on its version: back
+(:class:`~dora_megatron.events.TurnReady`) and the orchestrator places it on its version: back
 on the instance of its last turn, which prefills only the tool's result (the engine's prefix cache,
 SGLang's radix cache, still holds the trajectory's context: a tool call is seconds and a finished
 request's KV is kept until memory is needed; eviction is not modelled), or on another instance (a
@@ -42,66 +48,28 @@ trajectories in every mode.
 
 from __future__ import annotations
 
-import json
-import logging
 import time as _time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 from dora_megatron.config.sim import SimConfig
-from dora_megatron.controller.loop import (EngineReply, Event, EventMapping, InstanceFailed, InstanceJoined,
-                                           InstanceStats, MigrationDone, SampleProgress, Start, SwitchDone, Tick,
-                                           TrainerDone, TurnEnded, TurnReady)
-from dora_megatron.sim.cost import DecodeModel, kv_transfer_s
-from dora_megatron.sim.events import EventQueue
-from dora_megatron.sim.instance import PAUSED, READY, SWITCHING, SimInstance, SimRequest
-from dora_megatron.orchestrator.actions import Dispatch, Interrupt, Migrate, ReleaseBatch, Submit, SwitchVersion, perform
+from dora_megatron.events import (EngineReply, Event, EventMapping, MigrationDone, Start, SwitchDone, TrainerDone,
+                                  TurnEnded, TurnReady)
 from dora_megatron.observability.recorder import MetricsRecorder
-from dora_megatron.observability.summary import RunTotals
 from dora_megatron.observability.trajectories import TrajectoryStats
-from dora_megatron.sim.workload import GroupSpec, Workload
-
-log = logging.getLogger(__name__)
-
-WAKE, SWITCH_DONE, ARRIVE, TRAIN_DONE, POLL, TOOL_DONE = "wake", "switch_done", "arrive", "train_done", "poll", "tool"
-
-
-class SimProtocolError(RuntimeError):
-    """The orchestrator asked for something a real engine would refuse (a bug to fix)."""
-
-
-@dataclass
-class _GroupState:
-    spec: GroupSpec
-    version: int
-    sample_ids: tuple[str, ...]
-    finished: int = 0
-    consumed: int = 0
-    dispatch_s: float = 0.0
-    complete_s: float | None = None
-
-
-@dataclass
-class _Trainer:
-    busy: bool = False
-    idle_since: float = 0.0
-    steps_done: int = 0
-    current: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class SimResult:
-    """What one simulation produced: the DESIGN section 11 summary plus series for plots."""
-
-    summary: dict[str, Any]
-    series: dict[str, list[Any]]
-    timeline: list[tuple[str, float, float, int | None, str]]
-    extra: dict[str, Any]
-    steps: list[dict[str, Any]] = field(default_factory=list)  # the steps.jsonl rows (same keys as dora train)
-
-    def to_json(self) -> dict[str, Any]:
-        return {**self.summary, "series": self.series, "extra": self.extra}
+from dora_megatron.orchestrator.actions import Dispatch, Interrupt, Migrate, ReleaseBatch, Submit, SwitchVersion, perform
+from dora_megatron.sim.checks import GroupState, ReleaseChecks, SimProtocolError
+from dora_megatron.sim.clock import ARRIVE, SWITCH_DONE, TOOL_DONE, TRAIN_DONE, WAKE, VirtualClock
+from dora_megatron.sim.cost import DecodeModel, kv_transfer_s
+from dora_megatron.sim.elastic import ElasticColocation
+from dora_megatron.sim.events import EventQueue
+from dora_megatron.sim.hooks import MappingHooks
+from dora_megatron.sim.instance import PAUSED, READY, SWITCHING, SimInstance, SimRequest
+from dora_megatron.sim.polls import EnginePolls
+from dora_megatron.sim.report import (OrchestratorProfile, RowSink, SimResult, append_step, build_result,
+                                      step_series)
+from dora_megatron.sim.trainer import SimTrainer
+from dora_megatron.sim.workload import Workload
 
 
 class Simulation:
@@ -129,21 +97,23 @@ class Simulation:
         for i in range(n):
             iid = f"r{i}"
             self.instances[iid] = SimInstance(iid, 0, cfg.cost, decode)
-        self.elastic_ids = [f"e{i}" for i in range(n_el)]
-        for iid in self.elastic_ids:
+        elastic_ids = [f"e{i}" for i in range(n_el)]
+        for iid in elastic_ids:
             inst = SimInstance(iid, 0, cfg.cost, decode)
             inst.state = PAUSED
             self.instances[iid] = inst
         self.rollout_ids = [f"r{i}" for i in range(n)]
         self.workload = Workload(cfg.workload, self.ocfg.group_size)
         self.q = EventQueue()
+        self.clock = VirtualClock(self.q, cfg.sim.poll_interval_s, cfg.sim.max_sim_time_s)
         factory = orchestrator_factory or Orchestrator
         # elastic instances are not in the pool until the trainer first waits
         self.orch = factory(self.ocfg, list(self.rollout_ids))
-        self.mapping = EventMapping(self.orch, self)  # the runtime's: events -> orchestrator calls
-        self.elastic_in_pool = False
+        self.mapping = EventMapping(self.orch, MappingHooks(self))  # the runtime's: events -> orchestrator calls
+        self.elastic = ElasticColocation(self, elastic_ids)
+        self.polls = EnginePolls(self, self.ocfg.kv_high_watermark, cfg.sim.stats_interval_s, cfg.sim.poll_interval_s)
         # sample / group bookkeeping
-        self.groups: dict[str, _GroupState] = {}
+        self.groups: dict[str, GroupState] = {}
         self.reqs: dict[str, SimRequest] = {}
         self.where: dict[str, str] = {}  # sid -> instance id (running or queued there)
         self.held: dict[str, tuple[SimRequest, bool]] = {}  # off-instance partial state; bool: KV kept
@@ -157,36 +127,27 @@ class Simulation:
         self.tool_calls: dict[str, int] = {}
         self._tool_seq = 0
         self.finished_ids: set[str] = set()
-        self.trainer = _Trainer()
+        self.trainer = SimTrainer()
         #: sample id -> the versions that produced its tokens, once it crossed one (partial mode)
         self.spans: dict[str, set[int]] = {}
         #: what happened, in order, for after the action list being applied: events for the
         #: orchestrator, or the simulator's own deferred steps (callables)
         self._notes: deque[Event | Callable[[], None]] = deque()
-        self._last_progress = 0.0
-        self._last_stats = 0.0
         self.window_start: float | None = 0.0 if cfg.sim.warmup_steps == 0 else None
         # accounting: every metric comes from the recorder's events (observability/recorder.py)
         self.step_rows: list[dict[str, Any]] = []
         self.metrics = MetricsRecorder(slots_per_instance=self.slot_cap, rebalancer=self.orch.policy.rebalance,
-                                       warmup_steps=cfg.sim.warmup_steps, sinks=[_RowSink(self.step_rows)])
+                                       warmup_steps=cfg.sim.warmup_steps, sinks=[RowSink(self.step_rows)])
         self._busy_seen = 0.0  # the instance models' busy slot-seconds already reported
-        self.series: dict[str, list[Any]] = {k: [] for k in (
-            "step", "end_s", "step_time_s", "wait_s", "train_s", "weight_sync_s", "tokens", "bubble",
-            "mean_staleness", "live_versions", "instances_by_version", "mean_response_tokens",
-            "max_response_tokens")}
-        self.sim_c3 = 0
-        self.sim_lost = 0
+        self.series = step_series()  # the plots' data (sim/report.py)
+        self.checks = ReleaseChecks(cfg.sim.steps, self.ocfg.tbs, self.S)
         self.migrations = 0
         self.migrated_bytes = 0.0
         self.migration_s = 0.0
         self.reprefill_tokens = 0
         self.switch_s_total = 0.0  # instance-seconds spent loading weights (window)
         self.dual_switches = 0  # SwitchVersion actions that kept the old version's tail
-        self.orch_calls = 0
-        self.orch_wall_s = 0.0
-        self.orch_rebalance_wall_s = 0.0
-        self.orch_max_call_s = 0.0
+        self.profile = OrchestratorProfile()
         # cost.rebalance_overhead_s owed by the actions being applied (set while applying the
         # actions of an orchestrator call that ran a rebalance)
         self._rebalance_overhead_s = 0.0
@@ -197,16 +158,8 @@ class Simulation:
     def _feed(self, event: Event) -> None:
         """``event`` through the runtime's mapping, timed (the orchestrator's share of the run), then
         its actions applied."""
-        before = self.orch.counters.rebalances
-        t = _time.perf_counter()
-        actions = self.mapping.feed(event)
-        dt = _time.perf_counter() - t
-        self.orch_calls += 1
-        self.orch_wall_s += dt
-        self.orch_max_call_s = max(self.orch_max_call_s, dt)
-        rebalances = self.orch.counters.rebalances - before
-        if rebalances:
-            self.orch_rebalance_wall_s += dt
+        counters = self.orch.counters
+        actions, rebalances = self.profile.timed(lambda: self.mapping.feed(event), lambda: counters.rebalances)
         # a rebalance's fixed control-plane cost (cost.rebalance_overhead_s): the switches and KV
         # transfers it ordered start only after it
         self._rebalance_overhead_s = rebalances * self.cost.rebalance_overhead_s
@@ -218,50 +171,8 @@ class Simulation:
     def _note(self, item: Event | Callable[[], None]) -> None:
         self._notes.append(item)
 
-    # ================================================================== the mapping's bookkeeping hooks
-    # (controller/loop.py::Executor): the simulator has no stale reports (it drops a stale switch or
-    # wake itself, and reports only instances in the pool), no journal and no checkpoints
-
-    def now(self) -> float:
-        return self.q.now
-
-    def prompt_tokens(self, group_id: str) -> int:
-        return self.groups[group_id].spec.prompt_tokens
-
-    def absorb(self, ev: EngineReply) -> int:
-        return int(ev.resp)  # the simulated answer is its length
-
-    def turn_current(self, sample_id: str, turn: Any) -> bool:
-        """The turn event is about the trajectory's present turn (``turn``: its index)."""
-        entry = self.tooling.get(sample_id)
-        return entry is not None and entry[0].turn == turn
-
-    def sample_versions(self, sample_id: str) -> Iterable[int]:
-        return self.spans.get(sample_id) or (self.reqs[sample_id].version,)
-
-    def replayed(self, sample_id: str) -> int:
-        raise SimProtocolError(f"replay of {sample_id}: the simulator keeps no journal")
-
-    def is_current(self, instance: str, engine: Any) -> bool:
-        return True
-
-    def switch_landed(self, ev: SwitchDone, origin: Any) -> bool:
-        return True
-
-    def mark_failed(self, ev: InstanceFailed, origin: Any) -> bool:
-        return True
-
-    def register(self, ev: InstanceJoined) -> bool:
-        return True
-
-    def record_step(self, ev: TrainerDone, live_versions: int) -> tuple[int, bool]:
-        return int(ev.result["version"]), False  # the step's metrics were recorded as it ended
-
-    def write_controller_state(self, version: int, orchestrator_snapshot: dict) -> None:
-        raise SimProtocolError(f"checkpoint v{version}: the simulator writes none")
-
     def step_boundary(self) -> bool:
-        """The run's last step ended (the mapping then does not tell the orchestrator)."""
+        """The run's last step ended (the mapping then does not tell the orchestrator: sim/hooks.py)."""
         return self.trainer.steps_done >= self.cfg.sim.steps
 
     # ================================================================== actions
@@ -280,7 +191,7 @@ class Simulation:
         spec = self.workload.group(index, a.version)
         if len(a.sample_ids) != len(spec.response_tokens):
             raise SimProtocolError(f"group {a.group_id} has {len(a.sample_ids)} samples, G={len(spec.response_tokens)}")
-        self.groups[a.group_id] = _GroupState(spec, a.version, tuple(a.sample_ids), dispatch_s=now)
+        self.groups[a.group_id] = GroupState(spec, a.version, tuple(a.sample_ids), dispatch_s=now)
         for i, (sid, target) in enumerate(zip(a.sample_ids, spec.response_tokens)):
             ends = spec.turn_ends[i] if spec.turn_ends else ()
             self.reqs[sid] = SimRequest(sid, a.group_id, a.version, spec.prompt_tokens, target, turn_ends=ends)
@@ -455,7 +366,7 @@ class Simulation:
             raise SimProtocolError(f"switch of {a.instance} while it holds {inst.load} requests")
         if self.colocated:
             dt = 0.0  # weights are resharded in place; the swap cost is on the trainer's timeline
-        elif a.instance in self.elastic_ids:
+        elif a.instance in self.elastic.ids:
             dt = self.cost.colocated_switch_s  # the trainer's own accelerators hold the newest weights
         else:
             dt = self.cost.weight_sync_s()
@@ -471,34 +382,7 @@ class Simulation:
 
     def release_batch(self, a: ReleaseBatch) -> None:
         now = self.q.now
-        if self.trainer.busy:
-            raise SimProtocolError(f"batch {a.step} released while the trainer is busy")
-        if a.step >= self.cfg.sim.steps:
-            raise SimProtocolError(f"batch {a.step} released after the last step ({self.cfg.sim.steps} steps): "
-                                   "its groups would be consumed and never trained")
-        if len(a.group_ids) != self.ocfg.tbs:
-            raise SimProtocolError(f"batch {a.step} has {len(a.group_ids)} groups, TBS={self.ocfg.tbs}")
-        tokens = 0
-        stal: list[int] = []
-        lengths: list[int] = []
-        for gid in a.group_ids:
-            g = self.groups.get(gid)
-            if g is None:
-                raise SimProtocolError(f"release of unknown group {gid}")
-            g.consumed += 1
-            if g.consumed > 1:
-                continue  # counted by the orchestrator (duplicated_groups)
-            if g.finished < len(g.sample_ids):
-                self.sim_lost += 1  # its unfinished samples would be dropped
-            lag = a.step - g.version
-            if lag > self.S or lag < 0:
-                self.sim_c3 += 1
-            stal.append(lag)
-            tokens += g.spec.total_tokens
-            lengths.extend(g.spec.response_tokens)
-        self.trainer.busy = True
-        wait = now - self.trainer.idle_since
-        train = self.cost.train_s(tokens, self.cfg.cluster.trainer_gpu_count(self.mode))
+        fresh = self.checks.release(a, self.groups, self.trainer.busy)
         if self.colocated:
             for inst in self.instances.values():
                 self._sync(inst)
@@ -508,57 +392,12 @@ class Simulation:
             sync_s = 2 * self.cost.colocated_switch_s
         else:
             sync_s = self.cost.trainer_push_s
-            if self.elastic_in_pool:
+            if self.elastic.in_pool:
                 sync_s += self.cost.colocated_switch_s
-                self._elastic_leave()
-        mean_len = sum(lengths) / len(lengths) if lengths else 0.0
-        max_len = max(lengths) if lengths else 0
-        self.trainer.current = {
-            "step": a.step, "wait_s": wait, "train_s": train, "sync_s": sync_s, "tokens": tokens,
-            "staleness": stal, "bubble": (max_len - mean_len) / max_len if max_len else 0.0,
-            "mean_len": mean_len, "max_len": max_len, "lengths": lengths,
-        }
-        self.q.push(now + train + sync_s, TRAIN_DONE, a.step)
-
-    # ================================================================== elastic colocation
-    def _elastic_join(self) -> None:
-        self.elastic_in_pool = True
-        for iid in self.elastic_ids:
-            inst = self.instances[iid]
-            inst.state = READY
-            inst.version = None
-            inst.mark(self.q.now, self.record_timeline)
-            self.metrics.instance_joined(iid, self.q.now)
-            self._note(InstanceJoined(iid, engine=None))
-
-    def _elastic_leave(self) -> None:
-        self.elastic_in_pool = False
-        for iid in self.elastic_ids:
-            inst = self.instances[iid]
-            self._sync(inst)
-            inst.state = PAUSED
-            inst.epoch += 1
-            inst.mark(self.q.now, self.record_timeline)
-            self.metrics.instance_left(iid, self.q.now)
-            # drained when the note runs: Submits later in the current action list land here too
-            self._note(lambda iid=iid: self._elastic_fail(iid))
-
-    def _elastic_fail(self, iid: str) -> None:
-        inst = self.instances[iid]
-        moved = []
-        for sid, (req, dst) in list(self.transit.items()):
-            if dst == iid:
-                del self.transit[sid]
-                moved.append(req)
-        moved.extend(inst.drain_all(self.q.now))
-        for sid, (req, last, _) in list(self.tooling.items()):
-            if last == iid:
-                self.tooling[sid] = (req, last, False)  # its prefix cache left with the instance
-        for req in moved:
-            self.where.pop(req.sample_id, None)
-            self.held[req.sample_id] = (req, True)
-        self._report_progress(moved)
-        self._feed(InstanceFailed(iid, "elastic instance left: the trainer needs its accelerators"))
+                self.elastic.leave()
+        gpus = self.cfg.cluster.trainer_gpu_count(self.mode)
+        end = self.trainer.start(a, fresh, now, lambda tokens: self.cost.train_s(tokens, gpus), sync_s)
+        self.q.push(end, TRAIN_DONE, a.step)
 
     # ================================================================== events
     def _complete(self, req: SimRequest, inst: SimInstance) -> None:
@@ -583,7 +422,7 @@ class Simulation:
         g.finished += 1
         if g.finished == len(g.sample_ids):
             g.complete_s = self.q.now
-        self._last_progress = self.q.now
+        self.clock.progressed()
         self._note(EngineReply(sid, inst.iid, req.generated, start=g.dispatch_s, end=self.q.now))
 
     def _on_wake(self, payload: tuple[str, int]) -> None:
@@ -635,7 +474,7 @@ class Simulation:
 
     def _on_train_done(self, step: int) -> None:
         now = self.q.now
-        cur = self.trainer.current
+        cur = self.trainer.finish(now)
         # the trainer pushes (or swaps roles) after computing: the step's last sync_s seconds
         self.metrics.trainer_sync(now - cur["sync_s"], now)
         busy = sum(inst.occupied_slot_s(now) for inst in self.instances.values())
@@ -644,27 +483,12 @@ class Simulation:
         self.metrics.step_trained(step, end_s=now, wait_s=cur["wait_s"], train_s=cur["train_s"], tokens=cur["tokens"],
                                   staleness=cur["staleness"], rewards=(), response_lengths=cur["lengths"],
                                   live_versions=len(self.orch.live_versions()), migrations=self.migrations,
-                                  migrated_kv_bytes=self.migrated_bytes, reprefill_tokens=self.reprefill_tokens)
-        s = self.series
-        s["step"].append(step)
-        s["end_s"].append(now)
-        s["step_time_s"].append(now - self._last_step_end)
-        s["wait_s"].append(cur["wait_s"])
-        s["train_s"].append(cur["train_s"])
-        s["weight_sync_s"].append(cur["sync_s"])
-        s["tokens"].append(cur["tokens"])
-        s["bubble"].append(cur["bubble"])
-        st = cur["staleness"]
-        s["mean_staleness"].append(sum(st) / len(st) if st else None)
-        s["live_versions"].append(len(self.orch.live_versions()))
-        s["instances_by_version"].append({str(k): v for k, v in sorted(self.orch.instances_by_version().items())})
-        s["mean_response_tokens"].append(cur["mean_len"])
-        s["max_response_tokens"].append(cur["max_len"])
+                                  migrated_kv_bytes=self.migrated_bytes, reprefill_tokens=self.reprefill_tokens,
+                                  groups=cur["groups"], versions=cur["versions"])
+        append_step(self.series, step, now, now - self._last_step_end, cur, len(self.orch.live_versions()),
+                    self.orch.instances_by_version())
         self._last_step_end = now
-        self.trainer.busy = False
-        self.trainer.idle_since = now
-        self.trainer.steps_done += 1
-        self._last_progress = now
+        self.clock.progressed()
         if self.trainer.steps_done == self.cfg.sim.warmup_steps and self.window_start is None:
             self._open_window(now)
         if self.colocated:
@@ -674,7 +498,7 @@ class Simulation:
                     inst.epoch += 1
                     self._touch(inst)
         if self.mode == "partial" and not self.step_boundary():
-            self._report_progress(self._running_requests())
+            self.polls.report_progress(self.polls.in_flight())
         # the run's last step ends the run in the mapping (step_boundary): the orchestrator does
         # not hear of it, so it cannot release a batch nobody will train
         self._note(TrainerDone(step, {"version": step + 1}, start=now - cur["train_s"] - cur["sync_s"],
@@ -682,52 +506,9 @@ class Simulation:
         self._note(self._maybe_elastic_join)
 
     def _maybe_elastic_join(self) -> None:
-        if self.elastic_ids and not self.trainer.busy and not self.elastic_in_pool and self.trainer.steps_done < self.cfg.sim.steps:
-            self._elastic_join()
-
-    def _on_poll(self) -> None:
-        now = self.q.now
-        wm = self.ocfg.kv_high_watermark
-        stats_due = now - self._last_stats >= self.cfg.sim.stats_interval_s - 1e-9
-        if stats_due:
-            self._last_stats = now
-            for iid in list(self.instances):
-                inst = self.instances[iid]
-                if inst.state != READY or not inst.running:
-                    continue
-                # an engine with requests waiting for KV is full, whatever its nominal usage
-                kv = 1.0 if inst.queue else inst.kv_usage()
-                if kv >= wm:
-                    # periodic engine report while over the watermark (what the runtime polls)
-                    self._report_progress(inst.running.values())
-                    self._note(InstanceStats(iid, inst.load, kv, engine=None))
-        self._note(Tick())
-        self.q.push(now + self.cfg.sim.poll_interval_s, POLL)
+        self.elastic.maybe_join(self.trainer.busy, self.trainer.steps_done < self.cfg.sim.steps)
 
     # ================================================================== helpers
-    def _running_requests(self) -> list[SimRequest]:
-        out = []
-        for inst in self.instances.values():
-            self._sync(inst)
-            out.extend(inst.running.values())
-            out.extend(r for r, _ in inst.queue)
-        out.extend(r for r, _ in self.transit.values())
-        return out
-
-    def _report_progress(self, reqs: Any) -> None:
-        """Tokens generated so far, as an engine's abort answer reports them. Not for a multi-turn
-        trajectory: an interrupted one is run again from its prompt (as a runtime's workflow answer
-        to an abort carries no tokens), so the orchestrator never resumes it on other weights."""
-        for req in list(reqs):
-            if req.turn_ends:
-                continue
-            inst = self.instances.get(self.where.get(req.sample_id, ""))
-            gen = req.generated
-            if inst is not None and req.sample_id in inst.running:
-                gen = req.generated + (inst.steps_done - req.admit_step)
-            if gen > 0:
-                self.mapping.step(SampleProgress(req.sample_id, gen))
-
     def _in_window(self) -> bool:
         return self.window_start is not None
 
@@ -739,20 +520,6 @@ class Simulation:
         for inst in self.instances.values():
             inst.busy_slot_s = 0.0
             inst.window_start = now
-
-    def _dispatch_event(self, kind: str, payload: Any) -> None:
-        if kind == WAKE:
-            self._on_wake(payload)
-        elif kind == SWITCH_DONE:
-            self._on_switch_done(payload)
-        elif kind == ARRIVE:
-            self._on_arrive(payload)
-        elif kind == TRAIN_DONE:
-            self._on_train_done(payload)
-        elif kind == POLL:
-            self._on_poll()
-        elif kind == TOOL_DONE:
-            self._on_tool_done(payload)
 
     def _drain(self) -> None:
         while self._notes:
@@ -774,112 +541,16 @@ class Simulation:
         self._drain()
         self._maybe_elastic_join()
         self._drain()
-        self.q.push(cfg.sim.poll_interval_s, POLL)
-        stall_limit = max(60.0, 50 * cfg.sim.poll_interval_s)
-        while self.trainer.steps_done < cfg.sim.steps and len(self.q):
-            t, kind, payload = self.q.pop()
-            if t > cfg.sim.max_sim_time_s:
-                break
-            if kind != POLL:
-                self._last_progress = t
-            self._dispatch_event(kind, payload)
-            self._drain()
-            if kind == POLL and t - self._last_progress > stall_limit and not self.trainer.busy:
-                busy = any(i.running or i.queue for i in self.instances.values()) or self.transit or self.tooling
-                if not busy:
-                    self.deadlock = True
-                    log.error("simulation stalled at t=%.1fs: no work in flight and the trainer idle", t)
-                    break
+        handlers = {WAKE: self._on_wake, SWITCH_DONE: self._on_switch_done, ARRIVE: self._on_arrive,
+                    TRAIN_DONE: self._on_train_done, TOOL_DONE: self._on_tool_done}
+        self.deadlock = self.clock.run(
+            handlers, self.polls.poll, self._drain, done=lambda: self.trainer.steps_done >= cfg.sim.steps,
+            idle=lambda: not self.trainer.busy and not (any(i.running or i.queue for i in self.instances.values())
+                                                        or self.transit or self.tooling))
         end = self.q.now
         for inst in self.instances.values():
             inst.close_timeline(end)
-        return self._result(end, _time.perf_counter() - wall0)
-
-    def _result(self, end: float, cpu_s: float) -> SimResult:
-        cfg = self.cfg
-        oc = self.orch.counters
-        rows = self.metrics.rows
-        wall = rows[-1].end_s if rows else end
-        window_start = self.window_start if self.window_start is not None else 0.0
-        n_roll = len(self.rollout_ids)
-        span = max(1e-9, wall - window_start)
-        totals = RunTotals(
-            dispatched_groups=oc.dispatched_groups,
-            consumed_groups=oc.consumed_groups,
-            lost_groups=self.sim_lost + self.orch.audit(),
-            duplicated_groups=oc.duplicated_groups,
-            c1_violations=oc.c1_violations,
-            c3_violations=max(oc.c3_violations, self.sim_c3),
-            migrations=self.migrations,
-            migrated_kv_bytes=self.migrated_bytes,
-            reprefill_tokens=self.reprefill_tokens,
-        )
-        summary = self.metrics.summary(mode=self.mode, max_staleness=self.S, tbs=self.ocfg.tbs,
-                                       rbs=self.orch.policy.rbs, totals=totals, wall_time_s=wall)
-        n_steps = max(1, len(rows))
-        timeline = []
-        if self.record_timeline:
-            for iid, inst in list(self.instances.items())[: cfg.sim.timeline_max_instances]:
-                timeline.extend((iid, a, b, v, st) for a, b, v, st in inst.intervals)
-        extra = {
-            "placement": self.placement,
-            "rollout_instances": n_roll,
-            "elastic_instances": len(self.elastic_ids),
-            "trainer_gpus": cfg.cluster.trainer_gpu_count(self.mode),
-            "total_gpus": cfg.cluster.total_gpus,
-            "deadlock": self.deadlock,
-            "virtual_time_s": end,
-            "sim_cpu_s": cpu_s,
-            "orchestrator_calls": self.orch_calls,
-            "orchestrator_wall_s": self.orch_wall_s,
-            "orchestrator_wall_s_per_step": self.orch_wall_s / n_steps,
-            "orchestrator_rebalances": oc.rebalances,
-            "orchestrator_wall_s_per_rebalance": (self.orch_rebalance_wall_s / oc.rebalances) if oc.rebalances else None,
-            "orchestrator_max_call_s": self.orch_max_call_s,
-            "orchestrator_summary": self.orch.summary(),
-            # what a checkpoint holds of the orchestrator: must stay O(outstanding work), not O(steps)
-            "orchestrator_state_bytes": len(json.dumps(self.orch.snapshot()).encode()),
-            "switch_instance_s": self.switch_s_total,
-            # orchestrator.dual_version: switches that kept the old version's tail, and the
-            # instance-seconds a second weight set was held (its memory, counted)
-            "dual_switches": self.dual_switches,
-            "dual_weight_instance_s": sum(i.dual_s + ((end - i.tail_since) if i.tail_version is not None else 0.0)
-                                          for i in self.instances.values()),
-            "migration_fraction": self.migration_s / (max(1, n_roll) * self.slot_cap * span),
-            "slot_cap": self.slot_cap,
-            "sim_checks": {"c3": self.sim_c3, "lost": self.sim_lost},
-            "mean_response_tokens": (sum(self.series["mean_response_tokens"]) / n_steps) if rows else None,
-            "speculation": _speculation_report_of(self.decode_model, cfg, self.instances.values()),
-        }
-        return SimResult(summary=summary, series=self.series, timeline=timeline, extra=extra, steps=self.step_rows)
-
-
-def _speculation_report_of(model: DecodeModel, cfg: SimConfig, instances) -> dict[str, Any]:
-    """What speculation did in a run: the model's tokens per verify step and the share of decoded
-    tokens that came from verify steps (the rest were decoded at batches where the policy does not draft)."""
-    decoded = sum(i.decoded_tokens for i in instances)
-    spec = sum(i.spec_tokens for i in instances)
-    out: dict[str, Any] = {"mode": cfg.rollout.speculative, "spec_tokens": cfg.rollout.spec_tokens,
-                           "spec_max_batch": cfg.rollout.spec_max_batch,
-                           "decoded_tokens": decoded, "speculative_tokens": spec,
-                           "speculative_token_share": spec / decoded if decoded else 0.0}
-    if model.spec is not None:
-        out["acceptance"] = model.acceptance
-        out["draft_tokens"] = model.draft_tokens  # the engine policy's draft length for a lone request
-        out["tokens_per_verify_step"] = model.tokens_per_verify
-        out["verify_steps_per_request_token"] = 1.0 / model.tokens_per_verify
-        out["largest_speculating_batch"] = model.largest_speculating_batch
-    return out
-
-
-class _RowSink:
-    """Keeps each step's scalars (the simulator's steps.jsonl rows)."""
-
-    def __init__(self, rows: list[dict[str, Any]]) -> None:
-        self.rows = rows
-
-    def scalars(self, step: int, values: dict[str, Any]) -> None:
-        self.rows.append({"step": step, **values})
+        return build_result(self, end, _time.perf_counter() - wall0)
 
 
 def simulate(cfg: SimConfig) -> SimResult:

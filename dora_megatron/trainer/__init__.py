@@ -13,6 +13,5 @@ Modules:
 - ``parallel``: torch.distributed + Megatron ``parallel_state`` from ``TrainerConfig``.
 - ``hf_weights``: load HF safetensors into a model chunk; gather it back as HF tensors on rank 0.
 - ``logprobs``: vocab-parallel token log-probs and entropy.
-- ``parity`` / ``scenarios``: logits vs transformers and small rank programs used by tests and tools.
 - ``entry`` / ``service``: the runtime's torchrun entry point and command service.
 """

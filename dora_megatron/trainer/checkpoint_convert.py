@@ -73,6 +73,10 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int
         raise FileNotFoundError(f"no config.json in {hf_dir}")
     if Path(out_dir).exists() and any(Path(out_dir).iterdir()):
         raise FileExistsError(f"{out_dir} exists and is not empty")
+    from dora_megatron.models.hf_config import read_spec
+    from dora_megatron.trainer.hf_weights import read_hf_names, warn_skipped_mtp
+
+    warn_skipped_mtp(read_hf_names(str(hf_dir)), read_spec(hf_dir))  # here: the ranks' output shows on failure only
     _launch(["hf-to-megatron", "--hf", str(hf_dir), "--out", str(out_dir), "--tp", str(tp), "--pp", str(pp),
              "--ep", str(ep)], tp * pp * ep, timeout_s)
     return Path(out_dir)
@@ -126,7 +130,7 @@ def _setup(tp: int, pp: int, ep: int, hf_config_dir: str):
     compat = cpu_compat.activate("cpu")
     info = parallel.init_distributed(cfg)
     arch = model_mod.load_arch(hf_config_dir)
-    spec = model_mod.choose_spec("auto", "cpu")
+    spec = "local"  # conversion runs on CPU (gloo): trainer.spec auto resolves to local there
     config = model_mod.build_transformer_config(arch, cfg, spec)
     gpt = model_mod.build_gpt_model(arch, config, spec, tp=tp, pre_process=info.layout.first_stage,
                                     post_process=info.layout.last_stage)
@@ -183,9 +187,11 @@ def _output_dtype(checkpoint_dtype: str | None, requested: str | None):
 
 def run_megatron_to_hf(ckpts: Sequence[str], outs: Sequence[str], hf_config: str | None, tp: int, pp: int, ep: int,
                        dtype: str | None) -> None:
+    import torch
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
+    from dora_megatron.models.hf_config import keeps_fp32
     from dora_megatron.trainer import hf_weights
     from dora_megatron.weights.snapshots import write_snapshot
 
@@ -198,7 +204,9 @@ def run_megatron_to_hf(ckpts: Sequence[str], outs: Sequence[str], hf_config: str
         for ckpt, out in zip(ckpts, outs):
             state = dist_checkpointing.load({"model": gpt.sharded_state_dict()}, ckpt)
             gpt.load_state_dict(state["model"])
-            tensors = {n: t.to(out_dtype) for n, t in hf_weights.export_hf(gpt, arch, info.layout)}
+            # what transformers keeps in fp32 (GLM-4.5's router weight and correction bias) stays fp32
+            tensors = {n: t.to(torch.float32 if keeps_fp32(arch.model_type, n) else out_dtype)
+                       for n, t in hf_weights.export_hf(gpt, arch, info.layout)}
             if info.rank == 0:
                 write_snapshot(out, tensors, config_dir)
             dist.barrier()

@@ -19,7 +19,10 @@ with a small, reversible set of redirections (DESIGN section 7):
 * the alltoall MoE dispatcher's ``maybe_move_tensor_to_cpu`` (its name in
   ``megatron.core.transformer.moe.token_dispatcher``) also turns a CPU tensor into the numpy array
   it asks for: on CUDA the split sizes of ``all_to_all`` arrive as numpy arrays from the device-to-host
-  copy, on CPU there is no copy and torch's ``all_to_all_single`` refuses a tensor of sizes.
+  copy, on CPU there is no copy and torch's ``all_to_all_single`` refuses a tensor of sizes;
+* ``HAVE_TE = False`` in ``megatron.core.transformer.multi_latent_attention`` when Transformer
+  Engine is absent (the TE extension module imports without TE, its classes built on a MagicMock,
+  so MLA sets the flag and then calls ``isinstance(linear_proj, <a MagicMock>)``).
 
 It is active only while a handle returned by :func:`activate` is open (or inside
 :func:`cpu_compat`), only for device ``cpu``, and :meth:`CompatHandle.deactivate` restores every
@@ -206,6 +209,8 @@ def activate(device: str = "cpu") -> CompatHandle:
     import megatron.core.tensor_parallel.random as mrandom
     import megatron.core.transformer.moe.moe_utils as moe_utils
     import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+    import megatron.core.extensions.transformer_engine as te_ext
+    import megatron.core.transformer.multi_latent_attention as mla
 
     saved: list = []
     cuda = torch.cuda
@@ -225,6 +230,10 @@ def activate(device: str = "cpu") -> CompatHandle:
     if not hasattr(moe_utils, "te_general_gemm"):
         _patch(saved, moe_utils, "te_general_gemm", None)
     _patch(saved, token_dispatcher, "maybe_move_tensor_to_cpu", _cpu_maybe_move_tensor_to_cpu)
+    if not te_ext.HAVE_TE:
+        # MLA believes TE is there when the TE extension module imports (it does without TE, its
+        # classes built on a MagicMock) and then calls isinstance(linear_proj, <a MagicMock>)
+        _patch(saved, mla, "HAVE_TE", False)
     # the dispatcher caches its device-to-host stream on the class: it gets a null stream here, dropped again
     _patch(saved, token_dispatcher.MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", None)
     mode = _CudaToCpuMode()

@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dora_megatron.comm.train_sample import TrainSample
+
 log = logging.getLogger("dora_megatron.trainer")
 
 
@@ -30,7 +32,7 @@ class VersionedWorker:
         self.version = 0
         self.port_range = port_range  # launch.port_range: where a push without a fixed store port picks one
 
-    def train_step(self, samples: list[dict[str, Any]]) -> dict[str, float]:
+    def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
         metrics = self.worker.train_step(samples, current_version=self.version)
         self.version += 1
         return {k: float(v) for k, v in metrics.items()}

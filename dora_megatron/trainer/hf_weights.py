@@ -14,6 +14,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from dora_megatron.models.hf_config import mtp_names
 from dora_megatron.weights import naming
 
 logger = logging.getLogger(__name__)
@@ -32,20 +33,51 @@ def read_hf_safetensors(hf_dir: str) -> dict[str, torch.Tensor]:
     return sd
 
 
+def read_hf_names(hf_dir: str) -> list[str]:
+    """The tensor names of ``hf_dir/*.safetensors`` (headers only, no tensor read)."""
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for f in sorted(glob.glob(os.path.join(hf_dir, "*.safetensors"))):
+        with safe_open(f, "pt") as handle:
+            names += list(handle.keys())
+    return names
+
+
+def warn_skipped_mtp(names, arch) -> list[str]:
+    """Log (a warning) and return the multi-token-prediction tensors among ``names`` that the
+    trainer leaves out: it does not train them, `dora convert` does not write them, and a trained
+    version has none."""
+    skipped = mtp_names(names, arch.num_layers)
+    if skipped:
+        logger.warning("skipping %d tensors of %d multi-token-prediction layer(s) (num_nextn_predict_layers): the "
+                       "trainer does not train them and no converted checkpoint or trained version has them",
+                       len(skipped), getattr(arch, "mtp_layers", 0))
+    return skipped
+
+
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     while hasattr(model, "module"):
         model = model.module
     return model
 
 
+def model_weights(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The parameters and the buffers that are model weights (:func:`naming.is_carried_buffer`:
+    the sigmoid router's correction bias, which Megatron keeps as a buffer, so a load or an export
+    over ``named_parameters`` alone would silently drop it)."""
+    return list(module.named_parameters()) + [(n, b) for n, b in module.named_buffers() if naming.is_carried_buffer(n)]
+
+
 @torch.no_grad()
 def load_hf_into_model(model: torch.nn.Module, hf_sd: dict[str, torch.Tensor], arch,
                        layout: naming.Layout) -> None:
     """Copy HF weights into this rank's (unwrapped or DDP-wrapped) GPTModel; every parameter must be covered."""
+    warn_skipped_mtp(hf_sd, arch)
     local = naming.hf_state_dict_to_megatron(hf_sd, arch, layout)
     module = unwrap(model)
     missing = []
-    for name, param in module.named_parameters():
+    for name, param in model_weights(module):
         cname = naming.canonical_name(name)
         if cname == "output_layer.weight" and cname not in local and "embedding.word_embeddings.weight" in local:
             src = local["embedding.word_embeddings.weight"]
@@ -71,7 +103,7 @@ def gather_megatron_global(model: torch.nn.Module, arch, layout: naming.Layout) 
 
     module = unwrap(model)
     out: dict[str, torch.Tensor] = {}
-    for name, param in module.named_parameters():
+    for name, param in model_weights(module):
         cname = naming.canonical_name(name)
         if not cname:
             continue
@@ -112,6 +144,4 @@ def export_hf(model: torch.nn.Module | list[torch.nn.Module], arch, layout: nami
                 merged.setdefault(k, v)
     else:
         merged = local
-    hf = dict(naming.megatron_to_hf(merged, arch))
-    for name in naming.hf_names(arch):
-        yield name, hf[name]
+    yield from naming.hf_export(merged, arch)

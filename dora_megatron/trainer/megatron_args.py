@@ -48,8 +48,17 @@ def field_names(cls: type) -> set[str]:
     return {f.name for f in dataclasses.fields(cls) if f.init}
 
 
+#: Megatron fields that split the pipeline's layers unevenly (DeepSeek-V3's 61 layers need one):
+#: the HF <-> Megatron weight mapping (``weights.naming.Layout.layer_offset``) and the trainer's
+#: layer checks assume Megatron's even split, so a stage would load another stage's layers
+UNEVEN_PIPELINE_FIELDS = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
+                          "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
+                          "account_for_loss_in_pipeline_split")
+
+
 def megatron_field_problems(overrides: dict[str, Any], path: str = "trainer.megatron") -> list[str]:
-    """Why names of ``overrides`` are not fields of any Megatron config class (empty: all are)."""
+    """Why names of ``overrides`` are not fields of any Megatron config class (empty: all are), or
+    are fields this trainer does not take (:data:`UNEVEN_PIPELINE_FIELDS`)."""
     if not overrides:
         return []
     known: set[str] = set()
@@ -57,7 +66,11 @@ def megatron_field_problems(overrides: dict[str, Any], path: str = "trainer.mega
         known |= field_names(cls)
     problems = []
     for name in overrides:
-        if name not in known:
+        if name in UNEVEN_PIPELINE_FIELDS:
+            problems.append(f"{path}.{name}: uneven pipeline splits are not supported (the trainer splits "
+                            "num_hidden_layers evenly over trainer.pp * trainer.vpp stages, and maps the "
+                            "Hugging Face layers onto the stages that way)")
+        elif name not in known:
             close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             problems.append(f"{path}.{name}: not a field of Megatron-Core's TransformerConfig, OptimizerConfig or "
@@ -85,6 +98,25 @@ def fusions_on(cfg: TrainerConfig, spec: str) -> bool:
 def uses_sequence_parallel(cfg: TrainerConfig, arch: ModelSpec) -> bool:
     """Explicit ``trainer.sequence_parallel``, or forced: Megatron requires it for MoE with TP > 1."""
     return cfg.tp > 1 and (cfg.sequence_parallel or arch.is_moe)
+
+
+def router_kwargs(arch: ModelSpec) -> dict[str, Any]:
+    """Megatron's router fields for the family's router kind (models.families.RouterKind).
+
+    ``softmax``: softmax over all experts, top-k, renormalise iff norm_topk_prob; Megatron's
+    pre_softmax=False (top-k logits then softmax) equals the renormalised form. ``sigmoid``: the
+    correction bias is Megatron's ``expert_bias`` buffer, held fixed (update rate 0) so the policy
+    routes as the checkpoint does; Megatron's aux-loss-free balancing would move it every step
+    (``trainer.megatron.moe_router_bias_update_rate`` turns that on, and the weight push carries the
+    moved bias). Group-limited top-k and the scaling factor only where the config asks for them."""
+    if arch.router == "softmax":
+        return dict(moe_router_score_function="softmax", moe_router_pre_softmax=not arch.norm_topk_prob)
+    grouped = arch.router_groups > 1
+    return dict(moe_router_score_function="sigmoid", moe_router_pre_softmax=False,
+                moe_router_enable_expert_bias=arch.router_expert_bias, moe_router_bias_update_rate=0.0,
+                moe_router_num_groups=arch.router_groups if grouped else None,
+                moe_router_group_topk=arch.router_group_topk if grouped else None,
+                moe_router_topk_scaling_factor=arch.routed_scaling_factor if arch.routed_scaling_factor != 1.0 else None)
 
 
 def transformer_kwargs(arch: ModelSpec, cfg: TrainerConfig, spec: str) -> dict[str, Any]:
@@ -151,11 +183,7 @@ def transformer_kwargs(arch: ModelSpec, cfg: TrainerConfig, spec: str) -> dict[s
             num_moe_experts=arch.num_experts,
             moe_router_topk=arch.top_k,
             moe_ffn_hidden_size=arch.moe_intermediate_size,
-            moe_router_score_function="softmax",
-            # the "softmax" router kind (models.families): softmax over all experts, top-k, renormalise
-            # iff norm_topk_prob. Megatron's pre_softmax=False (top-k logits then softmax) equals the
-            # renormalised form.
-            moe_router_pre_softmax=not arch.norm_topk_prob,
+            **router_kwargs(arch),
             moe_shared_expert_intermediate_size=arch.shared_expert_intermediate_size or None,
             moe_shared_expert_gate=arch.shared_expert_gate,
             # which layers are MoE (1) or dense (0): Qwen's mlp_only_layers / decoder_sparse_step
@@ -170,10 +198,69 @@ def transformer_kwargs(arch: ModelSpec, cfg: TrainerConfig, spec: str) -> dict[s
             kwargs["moe_flex_dispatcher_backend"] = "deepep"
     else:
         kwargs["moe_permute_fusion"] = False
-    from megatron.core.transformer import TransformerConfig
-
-    kwargs.update(_overrides_for(TransformerConfig, cfg.megatron))
+    if arch.is_mla:
+        kwargs.update(mla_kwargs(arch))
+    kwargs.update(yarn_kwargs(arch))
+    kwargs.update(_overrides_for(transformer_config_class(arch), cfg.megatron))
     return kwargs
+
+
+def transformer_config_class(arch: ModelSpec) -> type:
+    """Megatron's config class of ``arch``: ``MLATransformerConfig`` for multi-latent attention,
+    :class:`~dora_megatron.trainer.yarn_config.YarnTransformerConfig` for YaRN without it."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    if arch.is_mla:
+        return MLATransformerConfig
+    if arch.rope_type == "yarn":
+        from dora_megatron.trainer.yarn_config import YarnTransformerConfig
+
+        return YarnTransformerConfig
+    return TransformerConfig
+
+
+def position_embedding_type(arch: ModelSpec) -> str:
+    """GPTModel's ``position_embedding_type``: ``yarn`` builds Megatron's ``YarnRotaryEmbedding``
+    from the config's ``yarn_*`` fields; MLA builds its own rotary embedding from its config
+    (GPTModel builds none for it under ``rope``)."""
+    return "yarn" if arch.rope_type == "yarn" and not arch.is_mla else "rope"
+
+
+def yarn_kwargs(arch: ModelSpec) -> dict[str, Any]:
+    """Megatron's YaRN fields for ``arch`` (empty without YaRN): ``MLATransformerConfig``'s
+    (``rotary_scaling_factor``, ...) for multi-latent attention, ``YarnTransformerConfig``'s
+    ``yarn_*`` fields otherwise, as transformers resolves them (``ModelSpec.yarn``).
+
+    The cos/sin scaling (transformers' ``attention_factor``) is the mscale ratio when both mscales
+    are given, else ``0.1 ln(factor) + 1``: Megatron's GPT path takes the default when either
+    ``yarn_mscale`` is None, its MLA path when the pair is (1, 0). RoPE fusion is off: TE's fused
+    RoPE refuses a scaling other than 1."""
+    if arch.rope_type != "yarn":
+        return {}
+    y = arch.yarn
+    if arch.is_mla:
+        return dict(rope_type="yarn", rotary_scaling_factor=y.factor,
+                    original_max_position_embeddings=y.original_max_position_embeddings,
+                    beta_fast=y.beta_fast, beta_slow=y.beta_slow, mscale=y.mscale if y.mscale_pair else 1.0,
+                    mscale_all_dim=y.mscale_all_dim, apply_rope_fusion=False)
+    return dict(yarn_rotary_scaling_factor=y.factor,
+                yarn_original_max_position_embeddings=y.original_max_position_embeddings,
+                yarn_beta_fast=y.beta_fast, yarn_beta_slow=y.beta_slow,
+                yarn_mscale=y.mscale if y.mscale_pair else None,
+                yarn_mscale_all_dim=y.mscale_all_dim if y.mscale_pair else None,
+                yarn_correction_range_round_to_int=y.truncate, apply_rope_fusion=False)
+
+
+def mla_kwargs(arch: ModelSpec) -> dict[str, Any]:
+    """``MLATransformerConfig`` fields of a multi-latent attention model (DeepSeek-V3's names ->
+    Megatron's: qk_nope_head_dim -> qk_head_dim, qk_rope_head_dim -> qk_pos_emb_head_dim). RoPE
+    ``default`` is Megatron's ``rope``; ``yarn``'s fields come from :func:`yarn_kwargs`."""
+    return dict(
+        multi_latent_attention=True, q_lora_rank=arch.q_lora_rank or None, kv_lora_rank=arch.kv_lora_rank,
+        qk_head_dim=arch.qk_nope_head_dim, qk_pos_emb_head_dim=arch.qk_rope_head_dim, v_head_dim=arch.v_head_dim,
+        kv_channels=arch.v_head_dim, num_query_groups=arch.num_heads, rotary_base=arch.rope_theta,
+        rope_type="rope", apply_rope_fusion=False)
 
 
 def optimizer_kwargs(cfg: TrainerConfig) -> dict[str, Any]:

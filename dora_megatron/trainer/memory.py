@@ -79,7 +79,8 @@ def rank_params(arch, cfg) -> tuple[float, float]:
     tp, etp = cfg.tp, cfg.etp or cfg.tp
     h, d = arch.hidden_size, arch.head_dim
     layers = arch.num_layers / cfg.pp
-    attn = (h * d * (arch.num_heads + 2 * arch.num_kv_heads) + arch.num_heads * d * h) / tp + 2 * h + 2 * d
+    attn = _mla_params(arch, tp) if getattr(arch, "is_mla", False) else (
+        (h * d * (arch.num_heads + 2 * arch.num_kv_heads) + arch.num_heads * d * h) / tp + 2 * h + 2 * d)
     vocab = -(-arch.vocab_size // tp) * tp
     embed = vocab * h / tp
     if arch.is_moe:
@@ -95,6 +96,28 @@ def rank_params(arch, cfg) -> tuple[float, float]:
     if cfg.pp == 1:
         dense += h + (0 if arch.tie_word_embeddings else embed)  # final norm and output layer here too
     return dense, layers * expert_layer
+
+
+def _mla_params(arch, tp: int) -> float:
+    """One multi-latent attention layer's parameters on a TP rank (every projection TP-split by its
+    output, Megatron's local spec), with the layer's two norms and the latents' norms."""
+    h, nh = arch.hidden_size, arch.num_heads
+    qr, kr, rope = arch.q_lora_rank, arch.kv_lora_rank, arch.qk_rope_head_dim
+    q_head = arch.qk_nope_head_dim + rope
+    q = (h * qr + qr * nh * q_head) / tp + qr if qr else h * nh * q_head / tp
+    kv = (h * (kr + rope) + kr * nh * (arch.qk_nope_head_dim + arch.v_head_dim)) / tp + kr
+    return q + kv + nh * arch.v_head_dim * h / tp + 2 * h
+
+
+def _mla_activations(arch, tp: int, wide: int) -> float:
+    """Elements per token one MLA layer keeps: the norm's input and output (2h), the q and kv
+    latents before and after their norms (2 q_lora + kv_lora + rope + kv_lora), the up-projected q
+    (nh (nope + rope)) and kv (nh (nope + v)), query and key after RoPE (2 nh (nope + rope)), the
+    value (nh v) and the context (nh v)."""
+    nh, q_head = arch.num_heads, arch.qk_nope_head_dim + arch.qk_rope_head_dim
+    latents = 2 * arch.q_lora_rank + 2 * arch.kv_lora_rank + arch.qk_rope_head_dim
+    heads = nh * q_head + nh * (arch.qk_nope_head_dim + arch.v_head_dim) + 2 * nh * q_head + 2 * nh * arch.v_head_dim
+    return 2 * arch.hidden_size / wide + latents + heads / tp
 
 
 def layer_activation_bytes(arch, cfg, tokens: int, spec: str) -> tuple[float, float, float]:
@@ -115,7 +138,10 @@ def layer_activation_bytes(arch, cfg, tokens: int, spec: str) -> tuple[float, fl
     wide = tp if sp else 1  # h-wide tensors are split over TP only under sequence parallelism
     h, d, nh, ng = arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads
     seq = cfg.max_seq_len / cfg.cp
-    attn = 2 * h / wide + ((nh + ng) * d + (nh + 2 * ng) * d + nh * d) / tp
+    if getattr(arch, "is_mla", False):
+        attn = _mla_activations(arch, tp, wide)
+    else:
+        attn = 2 * h / wide + ((nh + ng) * d + (nh + 2 * ng) * d + nh * d) / tp
     scores = nh * seq / tp if spec == "local" else 0.0  # TE's fused attention keeps O(s) statistics only
     if arch.is_moe:
         routed = arch.top_k * etp / tp

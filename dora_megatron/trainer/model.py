@@ -58,29 +58,56 @@ def te_available() -> bool:
     return True
 
 
-def choose_spec(spec: str, device: str) -> str:
-    """Resolve ``auto`` to ``te`` (TE importable and CUDA) or ``local``."""
-    if spec == "auto":
-        return "te" if device == "cuda" and te_available() else "local"
-    return spec
+def te_spec_problems(arch: ModelSpec) -> list[str]:
+    """What of ``arch`` the Transformer Engine layer spec does not build here (empty: it builds all).
+
+    WHY: the TE spec is one layer spec for every layer with Megatron's stock attention, so neither
+    this trainer's MLA core attention (:mod:`dora_megatron.trainer.mla_attention`) nor a dense layer
+    between MoE layers (a per-layer spec) goes into it; the local spec builds both."""
+    problems = []
+    if arch.is_mla:
+        problems.append("multi-latent attention (kv_lora_rank) is built with the local spec only")
+    if arch.is_moe and len(arch.sparse_layers) != arch.num_layers:
+        problems.append("dense layers inside an MoE (mlp_only_layers / decoder_sparse_step / first_k_dense_replace) "
+                        "are built with the local spec only")
+    return problems
+
+
+def choose_spec(spec: str, device: str, arch: ModelSpec, *, te_importable: bool) -> str:
+    """``trainer.spec`` resolved for ``arch``: ``auto`` is ``te`` on CUDA when Transformer Engine
+    imports and builds the model (:func:`te_spec_problems`), else ``local``; ``te`` and ``local``
+    are kept (an explicit ``te`` the model cannot take fails in :func:`build_layer_spec`, naming why).
+
+    A pure function (``te_importable`` is :func:`te_available` at the call site), so the choice
+    for each model and machine is testable without either."""
+    if spec != "auto":
+        return spec
+    if device == "cuda" and te_importable and not te_spec_problems(arch):
+        return "te"
+    return "local"
 
 
 def build_transformer_config(arch: ModelSpec, cfg: TrainerConfig, spec: str = "local"):
     """A ``TransformerConfig`` equivalent to the HF model under the trainer section ``cfg`` (no dropout;
     precision, recompute, parallel sizes, dispatcher and fusions from ``cfg``, then ``cfg.megatron``:
     :mod:`dora_megatron.trainer.megatron_args`). Megatron's own ``__post_init__`` checks the result."""
-    from megatron.core.transformer import TransformerConfig
-
-    from dora_megatron.trainer.megatron_args import transformer_kwargs
+    from dora_megatron.trainer.megatron_args import (UNEVEN_PIPELINE_FIELDS, megatron_field_problems,
+                                                     transformer_config_class, transformer_kwargs)
 
     layers = arch.num_layers
     if layers % (cfg.pp * cfg.vpp):
-        raise ValueError(f"num_layers={layers} not divisible by pp*vpp={cfg.pp * cfg.vpp}")
-    if arch.num_kv_heads % cfg.tp or arch.num_heads % cfg.tp:
+        raise ValueError(f"num_hidden_layers={layers} not divisible by trainer.pp * trainer.vpp = {cfg.pp * cfg.vpp} "
+                         "(the trainer splits the layers evenly over the pipeline stages)")
+    uneven = megatron_field_problems({k: v for k, v in cfg.megatron.items() if k in UNEVEN_PIPELINE_FIELDS})
+    if uneven:
+        raise ValueError("; ".join(uneven))
+    if not arch.is_mla and (arch.num_kv_heads % cfg.tp or arch.num_heads % cfg.tp):
         raise ValueError(f"heads ({arch.num_heads}/{arch.num_kv_heads} kv) not divisible by tp={cfg.tp}")
     if cfg.ep > 1 and (not arch.is_moe or arch.num_experts % cfg.ep):
         raise ValueError(f"ep={cfg.ep} needs an MoE model with experts divisible by ep")
-    return TransformerConfig(**transformer_kwargs(arch, cfg, spec))
+    if arch.is_mla and arch.num_heads % cfg.tp:
+        raise ValueError(f"heads ({arch.num_heads}) not divisible by tp={cfg.tp}")
+    return transformer_config_class(arch)(**transformer_kwargs(arch, cfg, spec))
 
 
 def build_layer_spec(arch: ModelSpec, config, spec: str, pp_rank: int | None = None, vp_stage: int | None = None):
@@ -90,9 +117,10 @@ def build_layer_spec(arch: ModelSpec, config, spec: str, pp_rank: int | None = N
     if spec == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        if num_experts and len(arch.sparse_layers) != arch.num_layers:
-            raise ValueError("dense layers inside an MoE (mlp_only_layers / decoder_sparse_step) are built with "
-                             "trainer.spec: local only")
+        problems = te_spec_problems(arch)
+        if problems:
+            raise ValueError(f"trainer.spec: te cannot build this model: {'; '.join(problems)} "
+                             "(use trainer.spec: local or auto)")
         return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=grouped,
                                                           qk_layernorm=arch.qk_norm)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -102,12 +130,20 @@ def build_layer_spec(arch: ModelSpec, config, spec: str, pp_rank: int | None = N
     from dora_megatron.trainer.norm import RMSNorm
 
     def local_spec(experts: int | None):
-        layer = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=grouped, qk_layernorm=arch.qk_norm,
-                                         normalization="RMSNorm")
+        # MLA: Megatron's "qk_layernorm" is the norm of the q and kv latents (always on in DeepSeek-V3)
+        layer = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=grouped,
+                                         qk_layernorm=arch.qk_norm or arch.is_mla,
+                                         multi_latent_attention=arch.is_mla, normalization="RMSNorm")
         sub = layer.submodules
         sub.input_layernorm = RMSNorm
         sub.pre_mlp_layernorm = RMSNorm
-        if arch.qk_norm:
+        if arch.is_mla:
+            from dora_megatron.trainer.mla_attention import MLADotProductAttention
+
+            sub.self_attention.submodules.core_attention = MLADotProductAttention
+            sub.self_attention.submodules.q_layernorm = RMSNorm
+            sub.self_attention.submodules.kv_layernorm = RMSNorm
+        elif arch.qk_norm:
             sub.self_attention.submodules.q_layernorm = RMSNorm
             sub.self_attention.submodules.k_layernorm = RMSNorm
         return layer
@@ -127,6 +163,8 @@ def build_gpt_model(arch: ModelSpec, config, spec: str, *, tp: int, pre_process:
     ``vp_stage``: the chunk's virtual pipeline stage (interleaved schedule), None without one."""
     from megatron.core.models.gpt import GPTModel
 
+    from dora_megatron.trainer.megatron_args import position_embedding_type
+
     return GPTModel(
         config=config,
         transformer_layer_spec=build_layer_spec(arch, config, spec, vp_stage=vp_stage),
@@ -136,7 +174,8 @@ def build_gpt_model(arch: ModelSpec, config, spec: str, *, tp: int, pre_process:
         post_process=post_process,
         parallel_output=True,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type=position_embedding_type(arch),  # yarn: the config's yarn_* fields
         rotary_base=int(arch.rope_theta),
+        rotary_percent=arch.rotary_percent,  # partial rotary (GLM-4.5's partial_rotary_factor)
         vp_stage=vp_stage,
     )

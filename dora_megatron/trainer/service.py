@@ -48,6 +48,8 @@ from typing import Any, Callable, Protocol
 
 from dora_megatron.comm import auth
 from dora_megatron.comm.batch_files import BatchFileError, BatchReader
+from dora_megatron.comm.routed_spool import SPOOL_DIR
+from dora_megatron.comm.train_sample import SampleError, TrainSample, decode_train
 from dora_megatron.comm.protocol import PAUSE_MODES
 
 log = logging.getLogger(__name__)
@@ -58,7 +60,7 @@ class TrainWorker(Protocol):
 
     version: int
 
-    def train_step(self, samples: list[dict[str, Any]]) -> dict[str, float]: ...
+    def train_step(self, samples: list[TrainSample]) -> dict[str, float]: ...
 
     def data_rows(self, lengths: list[int]) -> list[int]: ...
 
@@ -89,38 +91,6 @@ ROUTES = (("GET", "/health"), ("POST", "/train"), ("POST", "/save_checkpoint"), 
           ("POST", "/shutdown"), ("POST", "/push_weights"))
 CHECKPOINT_RULE = "the trainer saves and loads checkpoints only under the run directory"
 BATCH_RULE = "the trainer reads batch files only under the run directory"
-
-
-def validate_samples(samples: Any) -> list[dict[str, Any]]:
-    if not isinstance(samples, list) or not samples:
-        raise BadRequest("'samples' must be a non-empty list")
-    required = {"prompt_ids": list, "response_ids": list, "rollout_logprobs": list, "version": int}
-    for i, s in enumerate(samples):
-        if not isinstance(s, dict):
-            raise BadRequest(f"samples[{i}] must be an object")
-        for key, tp in required.items():
-            if key not in s:
-                raise BadRequest(f"samples[{i}].{key} is missing")
-            if not isinstance(s[key], tp) or isinstance(s[key], bool):
-                raise BadRequest(f"samples[{i}].{key} has the wrong type")
-        has_adv = isinstance(s.get("advantage"), (int, float)) and not isinstance(s.get("advantage"), bool)
-        has_reward = isinstance(s.get("reward"), (int, float)) and "group_id" in s
-        if not (has_adv or has_reward):
-            raise BadRequest(f"samples[{i}] needs a numeric 'advantage', or 'reward' with 'group_id'")
-        if len(s["rollout_logprobs"]) != len(s["response_ids"]):
-            raise BadRequest(f"samples[{i}]: rollout_logprobs and response_ids differ in length")
-        if not s["response_ids"]:
-            raise BadRequest(f"samples[{i}].response_ids is empty")
-        mask = s.get("loss_mask")
-        if mask is not None:
-            if not isinstance(mask, list) or len(mask) != len(s["response_ids"]):
-                raise BadRequest(f"samples[{i}].loss_mask must be a list of one 0/1 per response token")
-            bad = next((m for m in mask if m not in (0, 1) or isinstance(m, float)), None)
-            if bad is not None:
-                raise BadRequest(f"samples[{i}].loss_mask holds {bad!r}; only 0 (environment) and 1 (model)")
-            if not any(mask):
-                raise BadRequest(f"samples[{i}].loss_mask is all 0 (no model token to train on)")
-    return samples
 
 
 def validate_push(payload: dict[str, Any]) -> None:
@@ -168,7 +138,7 @@ class TrainerService:
         self._inbox: Queue[tuple[Command, Queue]] = Queue()
 
     # ---- command execution (all ranks) ----------------------------------
-    def _samples(self, payload: dict[str, Any]) -> tuple[list[Any], int]:
+    def _samples(self, payload: dict[str, Any]) -> tuple[list[TrainSample], int]:
         """A ``/train`` command's samples on this rank, and the bytes of sample data it read: from
         the body, or from a batch directory, where this rank reads only the rows its data-parallel
         share trains (the worker's own plan of the step, by the lengths in the request)."""
@@ -301,15 +271,17 @@ def _make_handler(service: TrainerService) -> type[BaseHTTPRequestHandler]:
                 if not isinstance(payload, dict):
                     raise BadRequest("body must be a JSON object")
                 if op == "train":
-                    if not isinstance(payload.get("step"), int):
-                        raise BadRequest("'step' must be an integer")
-                    if "batch" in payload:
-                        entry = payload["batch"]
+                    request = decode_train(payload)  # the samples in the body: typed and checked
+                    if request.batch is not None:
+                        entry = request.batch
                         if isinstance(entry, dict) and isinstance(entry.get("dir"), str):  # before any file is opened
                             auth.inside(entry["dir"], [service.run_dir], BATCH_RULE)
+                            if any(isinstance(m, dict) and "routed_at" in m for m in entry.get("samples") or ()):
+                                # spooled routed experts are read beside it (comm.routed_spool): in the run too
+                                auth.inside(Path(entry["dir"]).parent / SPOOL_DIR, [service.run_dir], BATCH_RULE)
                         BatchReader(entry)  # the files are there and match: else a 400 naming the field
                     else:
-                        validate_samples(payload.get("samples"))
+                        payload["samples"] = request.samples  # the ranks get the typed records
                 if op in ("save_checkpoint", "load_checkpoint"):
                     if not isinstance(payload.get("path"), str):
                         raise BadRequest("'path' must be a string")
@@ -319,7 +291,7 @@ def _make_handler(service: TrainerService) -> type[BaseHTTPRequestHandler]:
             except json.JSONDecodeError as err:
                 self._send(400, {"error": f"malformed JSON: {err.msg}"})
                 return
-            except (BadRequest, BatchFileError) as err:
+            except (BadRequest, BatchFileError, SampleError) as err:
                 self._send(400, {"error": str(err)})
                 return
             except auth.OutsideJob as err:

@@ -18,7 +18,8 @@ WHY this order (reference B.2 and pitfalls E.1-E.8):
   to instances it drained, as the DORA runtime does); ``/begin_weight_update`` (SGLang >= 0.5.22
   refuses ``/update_weights_from_distributed`` outside such a session, weight_updater.py); then
   per bucket (HF names, at most ``bucket_mb``, planned by
-  :func:`dora_megatron.weights.plan.plan_buckets`, the planner every transport shares) one
+  :func:`dora_megatron.weights.plan.plan_buckets`, the planner every transport shares, which keeps
+  the tensors SGLang loads only together in one bucket: :func:`~dora_megatron.weights.naming.load_together`) one
   ``/update_weights_from_distributed`` per instance, sent before the broadcast of the bucket's
   tensors (in ``names`` order, from a worker thread so the HTTP answers, which carry errors and
   have timeouts, stay on the event loop); then ``/end_weight_update`` and
@@ -49,12 +50,18 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol, Sequence
 
 from dora_megatron.comm.engine_client import probe_unavailable
+from dora_megatron.comm.json_value import JSONObject
 from dora_megatron.comm.protocol import PAUSE_MODES
-from dora_megatron.weights.plan import plan_buckets, spec_of
+from dora_megatron.weights import naming
+from dora_megatron.weights.plan import Bucket, plan_buckets, spec_of
 from dora_megatron.weights.results import PushError, PushResult, failures
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup
 
 log = logging.getLogger(__name__)
 
@@ -63,15 +70,24 @@ class UpdateTarget(Protocol):
     """The instance calls a push needs (:class:`~dora_megatron.comm.sglang_client.SGLangClient`)."""
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                        group_name: str = ..., backend: str = ...) -> dict[str, Any]: ...
-    async def destroy_weights_update_group(self, group_name: str = ...) -> dict[str, Any]: ...
-    async def update_weights_from_distributed(self, names, dtypes, shapes, group_name=..., weight_version=None, *,
-                                              flush_cache: bool = True, abort_all_requests: bool = False) -> dict[str, Any]: ...
-    async def begin_weight_update(self) -> dict[str, Any]: ...
-    async def end_weight_update(self) -> dict[str, Any]: ...
-    async def pause(self, mode: str = "abort") -> dict[str, Any]: ...
-    async def continue_generation(self) -> dict[str, Any]: ...
+                                        group_name: str = ..., backend: str = ...) -> JSONObject: ...
+    async def destroy_weights_update_group(self, group_name: str = ...) -> JSONObject: ...
+    async def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
+                                              shapes: Sequence[Sequence[int]], group_name: str = ...,
+                                              weight_version: int | str | None = None, *, flush_cache: bool = True,
+                                              abort_all_requests: bool = False) -> JSONObject: ...
+    async def begin_weight_update(self) -> JSONObject: ...
+    async def end_weight_update(self) -> JSONObject: ...
+    async def pause(self, mode: str = "abort") -> JSONObject: ...
+    async def continue_generation(self) -> JSONObject: ...
     async def weight_version(self) -> str: ...
+
+
+def push_buckets(tensors: Mapping[str, torch.Tensor], bucket_mb: float) -> list[Bucket]:
+    """The buckets of a push of ``tensors`` (HF name -> tensor, in export order): at most
+    ``bucket_mb`` MiB each, the tensors an engine loads only together (MLA's ``q_a_proj`` and
+    ``kv_a_proj_with_mqa``, :func:`~dora_megatron.weights.naming.load_together`) in one."""
+    return plan_buckets([spec_of(n, t) for n, t in tensors.items()], bucket_mb, naming.load_together)
 
 
 @dataclass(frozen=True)
@@ -104,7 +120,7 @@ def bucket_flags(pause_mode: str | None, last: bool) -> dict[str, bool]:
     return {"flush_cache": pause_mode in (None, "abort", "retract") and last, "abort_all_requests": False}
 
 
-def pushed_versions(names: list[str], got: list[Any], version: int | str,
+def pushed_versions(names: list[str], got: Sequence[str | BaseException], version: int | str,
                     warned: set[str] | None = None) -> tuple[dict[str, str], dict[str, str]]:
     """``(versions, wrong)`` from each target's ``weight_version()`` after a push (``gather`` with
     ``return_exceptions``). A target without a version report (:func:`probe_unavailable`: no
@@ -154,31 +170,56 @@ class DistributedWeightPusher:
         self.bucket_mb = bucket_mb
         self.timeout_s = timeout_s
         self._unverified_warned: set[str] = set()  # targets told about once: no version report
-        self.group: Any = None
+        self.group: ProcessGroup | None = None
         self.joined: list[str] = []
         self.connect_seconds = 0.0
 
     async def connect(self) -> None:
         """Form the group; raises :class:`PushError` naming the instances (or ``trainer``) that
-        could not join. Call :meth:`disconnect` afterwards either way."""
+        could not join. Call :meth:`disconnect` afterwards either way.
+
+        Fails at the first failure on either side: a group forms only when every rank joins, so
+        once one cannot, the others would only wait out their ``timeout_s``. The calls still
+        waiting are then cancelled and the trainer's side is left to time out on its own thread
+        (its store's port stays taken until then; each push picks a free port and a new name)."""
         from dora_megatron.comm import weight_group
 
+        if weight_group.group_name_in_use(self.group_name):
+            raise PushError(f"weight update group {self.group_name} not formed", {
+                "trainer": f"this process already has a process group named {self.group_name!r}; "
+                           "disconnect the pusher that made it, or name another"})
         t0 = time.perf_counter()
         names = list(self.targets)
         # engines first (they retry connecting to the store), the trainer hosts the rendezvous
         calls = [asyncio.ensure_future(t.init_weights_update_group(self.master_address, self.master_port, off,
                                                                    self.layout.world_size, self.group_name, self.backend))
                  for t, off in zip(self.targets.values(), self.layout.rank_offsets)]
-        own = asyncio.ensure_future(asyncio.to_thread(
-            weight_group.init_weight_update_group, self.master_address, self.master_port, 0, self.layout.world_size,
-            self.group_name, self.backend, self.timeout_s))
-        results = await asyncio.gather(own, *calls, return_exceptions=True)
-        errors = failures(names, results[1:])
-        self.joined = [n for n, r in zip(names, results[1:]) if not isinstance(r, BaseException)]
-        if isinstance(results[0], BaseException):
-            errors = errors or {"trainer": f"{type(results[0]).__name__}: {results[0]}"}
+        own = weight_group.in_daemon_thread(lambda: weight_group.init_weight_update_group(
+            self.master_address, self.master_port, 0, self.layout.world_size, self.group_name, self.backend,
+            self.timeout_s))
+        pending: set[asyncio.Future[Any]] = {own, *calls}
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if any(f.exception() is not None for f in done):
+                break
+        for f in pending:
+            f.cancel()
+        if pending:
+            await asyncio.wait(pending)  # the cancelled HTTP calls settle (own is abandoned at once)
+        errors: dict[str, str] = {}
+        self.joined = []
+        for name, c in zip(names, calls):
+            if c.cancelled():
+                errors[name] = "gave up waiting: another rank could not join"
+            elif (exc := c.exception()) is not None:
+                errors[name] = f"{type(exc).__name__}: {exc}"
+            else:
+                self.joined.append(name)
+        if own.cancelled() or (own_exc := own.exception()) is not None:
+            if not own.cancelled():
+                errors["trainer"] = f"{type(own_exc).__name__}: {own_exc}"
             raise PushError(f"weight update group {self.group_name} not formed", errors)
-        self.group = results[0]
+        self.group = own.result()
         if errors:
             raise PushError(f"weight update group {self.group_name} not formed", errors)
         self.connect_seconds = time.perf_counter() - t0
@@ -210,7 +251,7 @@ class DistributedWeightPusher:
             log.error("%s: end_weight_update failed: %s", name, err)
         return errors
 
-    async def push(self, version: int | str, named_tensors: Iterable[tuple[str, Any]]) -> PushResult:
+    async def push(self, version: int | str, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> PushResult:
         """Send every ``(hf_name, tensor)`` as weights ``version`` to every instance."""
         from dora_megatron.comm import weight_group
 
@@ -220,9 +261,9 @@ class DistributedWeightPusher:
         by_name = {n: t.detach().contiguous() for n, t in named_tensors}
         if self.backend == "gloo":
             by_name = {n: t.cpu() for n, t in by_name.items()}
-        buckets = plan_buckets([spec_of(n, t) for n, t in by_name.items()], self.bucket_mb)
+        buckets = push_buckets(by_name, self.bucket_mb)
         names = list(self.targets)
-        paused: dict[str, Any] = {}
+        paused: dict[str, JSONObject] = {}
         opened: list[str] = []
         try:
             if self.pause_mode is not None:
@@ -230,7 +271,7 @@ class DistributedWeightPusher:
                                            return_exceptions=True)
                 if errors := failures(names, res):
                     raise PushError("pause_generation failed", errors)
-                paused = dict(zip(names, res))
+                paused = {n: r for n, r in zip(names, res) if not isinstance(r, BaseException)}  # all of them
             res = await asyncio.gather(*(t.begin_weight_update() for t in self.targets.values()), return_exceptions=True)
             opened = [n for n, r in zip(names, res) if not isinstance(r, BaseException)]
             if errors := failures(names, res):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Mapping
+from typing import Iterable, Iterator, Mapping, Protocol
 
 import torch
 
@@ -100,6 +100,48 @@ class Layout:
         return replace(self, vp_stage=vp_stage)
 
 
+class Arch(Protocol):
+    """The shape facts naming reads: a :class:`NamingArch`, or a ``models.hf_config.ModelSpec``
+    (which has them among others). Read-only properties, so a frozen dataclass satisfies it."""
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def tie_word_embeddings(self) -> bool: ...
+    @property
+    def qk_norm(self) -> bool: ...
+    @property
+    def qkv_bias(self) -> bool: ...
+    @property
+    def shared_expert_intermediate_size(self) -> int: ...
+    @property
+    def shared_expert_gate(self) -> bool: ...
+    @property
+    def moe_module(self) -> str: ...
+    @property
+    def expert_proj(self) -> tuple[str, str, str]: ...
+    @property
+    def sparse_layers(self) -> tuple[int, ...] | None: ...
+    @property
+    def shared_expert_module(self) -> str: ...
+    @property
+    def router_expert_bias(self) -> bool: ...
+    @property
+    def kv_lora_rank(self) -> int: ...
+    @property
+    def q_lora_rank(self) -> int: ...
+
+
 @dataclass(frozen=True)
 class NamingArch:
     """The shape facts naming needs (a subset of ``models.hf_config.ModelSpec``, duck-typed)."""
@@ -119,9 +161,17 @@ class NamingArch:
     moe_module: str = "mlp"
     expert_proj: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     sparse_layers: tuple[int, ...] | None = None  # the MoE layers; None: all of them when num_experts
+    shared_expert_module: str = "shared_expert"
+    router_expert_bias: bool = False  # sigmoid routing's e_score_correction_bias (a Megatron buffer)
+    kv_lora_rank: int = 0  # > 0: multi-latent attention
+    q_lora_rank: int = 0
 
 
-def is_moe_layer(arch, layer: int) -> bool:
+def _is_mla(arch: Arch) -> bool:
+    return arch.kv_lora_rank > 0
+
+
+def is_moe_layer(arch: Arch, layer: int) -> bool:
     """Layer ``layer`` (global index) of ``arch`` is MoE (an MoE model may have dense layers)."""
     sparse = arch.sparse_layers
     return bool(arch.num_experts) and (sparse is None or layer in sparse)
@@ -150,15 +200,52 @@ _LAYER_SIMPLE = {
 }
 
 
-def _moe_simple(arch) -> dict[str, str]:
+#: Megatron's router keeps the sigmoid routing's correction bias as a buffer, not a parameter: the
+#: loaders and exporters carry the buffers this predicate names next to the parameters
+ROUTER_BIAS = "mlp.router.expert_bias"
+
+
+def is_carried_buffer(name: str) -> bool:
+    """A Megatron buffer that is a model weight (HF ``e_score_correction_bias``), loaded and exported."""
+    return name.endswith("." + ROUTER_BIAS)
+
+
+# Multi-latent attention (DeepSeek-V3), Megatron (local spec) -> HF; every projection keeps its
+# layout (q_b / kv_b rows per head [nope | rope] and [k_nope | v], kv_a rows [latent | rope], as
+# Megatron splits them), so each is a rename. The latents' norms replace Qwen's q/k norms.
+_MLA_SIMPLE = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "self_attention.linear_q_proj.weight": "self_attn.q_proj.weight",
+    "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_a_layernorm.weight",
+    "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+    "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
+    "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+
+
+def _layer_simple(arch: Arch) -> dict[str, str]:
+    """Per-layer one-to-one renames (Megatron -> HF): the attention kind's, then the MoE block's."""
+    return {**(_MLA_SIMPLE if _is_mla(arch) else _LAYER_SIMPLE), **_moe_simple(arch)}
+
+
+def _moe_simple(arch: Arch) -> dict[str, str]:
     """Per-layer one-to-one renames of the MoE block (Megatron -> HF) under the family's module name."""
     moe = arch.moe_module
     out = {"mlp.router.weight": f"{moe}.gate.weight"}
+    if arch.router_expert_bias:
+        out[ROUTER_BIAS] = f"{moe}.gate.e_score_correction_bias"
     if arch.shared_expert_intermediate_size:
-        out["mlp.shared_experts.linear_fc2.weight"] = f"{moe}.shared_expert.down_proj.weight"
+        out["mlp.shared_experts.linear_fc2.weight"] = f"{moe}.{arch.shared_expert_module}.down_proj.weight"
         if arch.shared_expert_gate:
             out["mlp.shared_experts.gate_weight"] = f"{moe}.shared_expert_gate.weight"
     return out
+
+
 _TOP_SIMPLE = {
     "embedding.word_embeddings.weight": "model.embed_tokens.weight",
     "decoder.final_layernorm.weight": "model.norm.weight",
@@ -184,7 +271,7 @@ def is_expert_param(name: str) -> bool:
     return ".mlp.experts." in name
 
 
-def local_to_global_name(name: str, arch, layout: Layout) -> str:
+def local_to_global_name(name: str, arch: Arch, layout: Layout) -> str:
     """Rank-local canonical Megatron name -> global name (layer += PP offset, expert += EP offset)."""
     m = _LAYER.match(name)
     if not m:
@@ -197,7 +284,7 @@ def local_to_global_name(name: str, arch, layout: Layout) -> str:
     return f"decoder.layers.{layer}.{rest}"
 
 
-def global_to_local_name(name: str, arch, layout: Layout) -> str | None:
+def global_to_local_name(name: str, arch: Arch, layout: Layout) -> str | None:
     """Global Megatron name -> this rank's local name, or None when another rank owns it."""
     m = _LAYER.match(name)
     if not m:
@@ -229,11 +316,18 @@ def tp_kind(name: str) -> str:
         return "vocab"
     if name.endswith("self_attention.linear_qkv.weight") or name.endswith("self_attention.linear_qkv.bias"):
         return "column"
+    if any(name.endswith(f"self_attention.{m}.weight") for m in _MLA_COLUMN):
+        return "column"
     if name.endswith("linear_fc1.weight"):
         return "glu"
     if name.endswith("linear_fc2.weight") or name.endswith("self_attention.linear_proj.weight"):
         return "row"
     return "replicated"
+
+
+# MLA's projections are ColumnParallelLinear in Megatron's local spec, the down projections too
+# (their output is gathered back to the full latent): each is split by output rows over TP
+_MLA_COLUMN = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj")
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
@@ -269,7 +363,7 @@ def merge_tp(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
 # --------------------------------------------------------------------------- HF <-> global
 
 
-def _qkv_pack(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch) -> torch.Tensor:
+def _qkv_pack(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: Arch) -> torch.Tensor:
     """Q, K, V rows grouped per query group (weights ``[rows, hidden]`` or biases ``[rows]``)."""
     ng, hd, rest = arch.num_kv_heads, arch.head_dim, tuple(q.shape[1:])
     qpg = arch.num_heads // ng
@@ -279,15 +373,15 @@ def _qkv_pack(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch) -> torch.
     return torch.cat([q, k, v], dim=1).reshape(ng * (qpg + 2) * hd, *rest)
 
 
-def _qkv_unpack(qkv: torch.Tensor, arch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _qkv_unpack(qkv: torch.Tensor, arch: Arch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ng, hd, rest = arch.num_kv_heads, arch.head_dim, tuple(qkv.shape[1:])
     qpg = arch.num_heads // ng
     grouped = qkv.reshape(ng, (qpg + 2) * hd, *rest)
-    q, k, v = grouped.split([qpg * hd, hd, hd], dim=1)
+    q, k, v = torch.split(grouped, [qpg * hd, hd, hd], dim=1)  # Tensor.split: the same, untyped in torch
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
-def hf_per_expert(hf_sd: Mapping[str, torch.Tensor], arch=None) -> dict[str, torch.Tensor]:
+def hf_per_expert(hf_sd: Mapping[str, torch.Tensor], arch: Arch | None = None) -> dict[str, torch.Tensor]:
     """Normalise fused in-memory expert tensors (transformers 5.x ``mlp.experts.gate_up_proj``
     [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]) to the family's per-expert checkpoint layout
     (``arch``'s MoE module and projection names; Qwen's without ``arch``); other entries pass through."""
@@ -310,7 +404,7 @@ def hf_per_expert(hf_sd: Mapping[str, torch.Tensor], arch=None) -> dict[str, tor
     return out
 
 
-def hf_to_megatron_global(hf_sd: Mapping[str, torch.Tensor], arch, tp: int = 1) -> dict[str, torch.Tensor]:
+def hf_to_megatron_global(hf_sd: Mapping[str, torch.Tensor], arch: Arch, tp: int = 1) -> dict[str, torch.Tensor]:
     """HF state dict -> full Megatron tensors under global local-spec names.
 
     Vocab-parallel tensors are zero-padded to a multiple of ``tp`` rows. ``lm_head.weight`` may be
@@ -330,13 +424,15 @@ def hf_to_megatron_global(hf_sd: Mapping[str, torch.Tensor], arch, tp: int = 1) 
     if lm_head is None or arch.tie_word_embeddings:
         lm_head = sd["model.embed_tokens.weight"]
     out["output_layer.weight"] = pad(lm_head)
-    hf_simple = {v: k for k, v in {**_LAYER_SIMPLE, **_moe_simple(arch)}.items()}
+    hf_simple = {v: k for k, v in _layer_simple(arch).items()}
     gate_n, up_n, down_n = arch.expert_proj
     for layer in range(arch.num_layers):
         p = f"model.layers.{layer}."
         g = f"decoder.layers.{layer}."
-        out[g + "self_attention.linear_qkv.weight"] = _qkv_pack(
-            sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"], sd[p + "self_attn.v_proj.weight"], arch)
+        if not _is_mla(arch):
+            out[g + "self_attention.linear_qkv.weight"] = _qkv_pack(
+                sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"], sd[p + "self_attn.v_proj.weight"],
+                arch)
         if arch.qkv_bias:
             out[g + "self_attention.linear_qkv.bias"] = _qkv_pack(
                 sd[p + "self_attn.q_proj.bias"], sd[p + "self_attn.k_proj.bias"], sd[p + "self_attn.v_proj.bias"], arch)
@@ -352,15 +448,16 @@ def hf_to_megatron_global(hf_sd: Mapping[str, torch.Tensor], arch, tp: int = 1) 
                     [sd[f"{ep}{gate_n}.weight"], sd[f"{ep}{up_n}.weight"]], dim=0)
                 out[eg + "linear_fc2.weight"] = sd[f"{ep}{down_n}.weight"]
             if arch.shared_expert_intermediate_size:
+                shared = f"{moe}{arch.shared_expert_module}."
                 out[g + "mlp.shared_experts.linear_fc1.weight"] = torch.cat(
-                    [sd[moe + "shared_expert.gate_proj.weight"], sd[moe + "shared_expert.up_proj.weight"]], dim=0)
+                    [sd[shared + "gate_proj.weight"], sd[shared + "up_proj.weight"]], dim=0)
         else:
             out[g + "mlp.linear_fc1.weight"] = torch.cat(
                 [sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]], dim=0)
     return out
 
 
-def megatron_global_to_hf(name: str, tensor: torch.Tensor, arch) -> list[tuple[str, torch.Tensor]]:
+def megatron_global_to_hf(name: str, tensor: torch.Tensor, arch: Arch) -> list[tuple[str, torch.Tensor]]:
     """One full (TP-gathered) global canonical Megatron tensor -> its HF (name, tensor) pairs.
 
     Vocab padding is removed; ``output_layer.weight`` yields nothing for tied embeddings."""
@@ -386,7 +483,8 @@ def megatron_global_to_hf(name: str, tensor: torch.Tensor, arch) -> list[tuple[s
     moe = f"{p}{arch.moe_module}."
     if rest == "mlp.shared_experts.linear_fc1.weight":
         gate, up = tensor.chunk(2, dim=0)
-        return [(moe + "shared_expert.gate_proj.weight", gate), (moe + "shared_expert.up_proj.weight", up)]
+        shared = f"{moe}{arch.shared_expert_module}."
+        return [(shared + "gate_proj.weight", gate), (shared + "up_proj.weight", up)]
     e = _EXPERT.match(rest)
     if e:
         ep = f"{moe}experts.{e.group(1)}."
@@ -396,7 +494,7 @@ def megatron_global_to_hf(name: str, tensor: torch.Tensor, arch) -> list[tuple[s
             return [(f"{ep}{gate_n}.weight", gate), (f"{ep}{up_n}.weight", up)]
         if e.group(2) == "linear_fc2.weight":
             return [(f"{ep}{down_n}.weight", tensor)]
-    simple = {**_LAYER_SIMPLE, **_moe_simple(arch)}
+    simple = _layer_simple(arch)
     if rest in simple:
         return [(p + simple[rest], tensor)]
     raise KeyError(f"no HF name for Megatron parameter {name!r}")
@@ -405,7 +503,7 @@ def megatron_global_to_hf(name: str, tensor: torch.Tensor, arch) -> list[tuple[s
 # --------------------------------------------------------------------------- composed
 
 
-def hf_state_dict_to_megatron(hf_sd: Mapping[str, torch.Tensor], arch, layout: Layout) -> dict[str, torch.Tensor]:
+def hf_state_dict_to_megatron(hf_sd: Mapping[str, torch.Tensor], arch: Arch, layout: Layout) -> dict[str, torch.Tensor]:
     """HF state dict -> this rank's canonical local Megatron tensors (PP/EP selected, TP sharded)."""
     out: dict[str, torch.Tensor] = {}
     for gname, full in hf_to_megatron_global(hf_sd, arch, layout.tp).items():
@@ -422,7 +520,7 @@ def hf_state_dict_to_megatron(hf_sd: Mapping[str, torch.Tensor], arch, layout: L
 
 
 def megatron_to_hf(megatron_global_sd: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
-                   arch) -> Iterator[tuple[str, torch.Tensor]]:
+                   arch: Arch) -> Iterator[tuple[str, torch.Tensor]]:
     """Full global Megatron tensors (any spec, ``module.`` prefixes allowed) -> HF (name, tensor)."""
     items = megatron_global_sd.items() if isinstance(megatron_global_sd, Mapping) else megatron_global_sd
     for name, tensor in items:
@@ -431,13 +529,46 @@ def megatron_to_hf(megatron_global_sd: Iterable[tuple[str, torch.Tensor]] | Mapp
             yield from megatron_global_to_hf(cname, tensor, arch)
 
 
-def hf_names(arch) -> list[str]:
+_QKV_A = re.compile(r"^(model\.layers\.\d+\.self_attn\.)(q_a_proj|kv_a_proj_with_mqa)\.weight$")
+
+
+def load_together(name: str) -> str | None:
+    """A key shared by the HF tensors an engine loads only when one ``load_weights`` call gets them
+    all, None for a tensor that loads alone.
+
+    SGLang 0.5.23 fuses MLA's ``q_a_proj`` and ``kv_a_proj_with_mqa`` into one parameter
+    (``fused_qkv_a_proj_with_mqa``, ``deepseek_weight_loader.py``): it keeps the first of the pair
+    until the second arrives in the same call and, with the pair split over two calls (two buckets
+    of ``/update_weights_from_distributed``), loads neither, without a word. The push planner
+    (:func:`dora_megatron.weights.plan.plan_buckets`) keeps tensors with one key in one bucket;
+    :func:`hf_names` lists them next to each other."""
+    m = _QKV_A.match(name)
+    return f"{m.group(1)}q_a_proj+kv_a_proj_with_mqa" if m else None
+
+
+def hf_export(megatron_global_sd: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+              arch: Arch) -> Iterator[tuple[str, torch.Tensor]]:
+    """The whole model's HF (name, tensor) pairs in :func:`hf_names` order, from its gathered global
+    Megatron tensors: what an export, a snapshot and a weight push send (KeyError naming a weight
+    the tensors do not give)."""
+    hf = dict(megatron_to_hf(megatron_global_sd, arch))
+    for name in hf_names(arch):
+        yield name, hf[name]
+
+
+def hf_names(arch: Arch) -> list[str]:
     """Every HF name the model has, per-expert layout, in a deterministic order."""
     names = ["model.embed_tokens.weight"]
     for layer in range(arch.num_layers):
         p = f"model.layers.{layer}."
-        names += [p + "input_layernorm.weight", p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
-                  p + "self_attn.v_proj.weight", p + "self_attn.o_proj.weight"]
+        names.append(p + "input_layernorm.weight")
+        if _is_mla(arch):  # q_a_proj next to kv_a_proj_with_mqa: they load together (load_together)
+            q = ["q_a_proj", "kv_a_proj_with_mqa", "q_a_layernorm", "q_b_proj"] if arch.q_lora_rank else \
+                ["q_proj", "kv_a_proj_with_mqa"]
+            names += [f"{p}self_attn.{m}.weight" for m in (*q, "kv_a_layernorm", "kv_b_proj", "o_proj")]
+        else:
+            names += [p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
+                      p + "self_attn.v_proj.weight", p + "self_attn.o_proj.weight"]
         if arch.qkv_bias:
             names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
         if arch.qk_norm:
@@ -446,10 +577,12 @@ def hf_names(arch) -> list[str]:
         if is_moe_layer(arch, layer):
             moe = f"{p}{arch.moe_module}."
             names.append(moe + "gate.weight")
+            if arch.router_expert_bias:
+                names.append(moe + "gate.e_score_correction_bias")
             for e in range(arch.num_experts):
                 names += [f"{moe}experts.{e}.{k}.weight" for k in arch.expert_proj]
             if arch.shared_expert_intermediate_size:
-                names += [f"{moe}shared_expert.{k}_proj.weight" for k in ("gate", "up", "down")]
+                names += [f"{moe}{arch.shared_expert_module}.{k}_proj.weight" for k in ("gate", "up", "down")]
                 if arch.shared_expert_gate:
                     names.append(moe + "shared_expert_gate.weight")
         else:

@@ -12,7 +12,10 @@ whole HF tensors).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+
+if TYPE_CHECKING:
+    import torch
 
 MB = 1 << 20
 
@@ -74,35 +77,55 @@ class Bucket:
         return sum(s.nbytes for s in self.specs)
 
 
-def spec_of(name: str, tensor) -> TensorSpec:  # noqa: ANN001 - a torch.Tensor (no torch import here)
+def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:
     """The :class:`TensorSpec` of a torch tensor (dtype without the ``torch.`` prefix)."""
     return TensorSpec(name, str(tensor.dtype).replace("torch.", ""), tuple(int(s) for s in tensor.shape))
 
 
-def plan_buckets(specs: Iterable[TensorSpec | tuple[str, object, Sequence[int]]], bucket_mb: float) -> list[Bucket]:
+def plan_buckets(specs: Iterable[TensorSpec | tuple[str, object, Sequence[int]]], bucket_mb: float,
+                 together: Callable[[str], str | None] | None = None) -> list[Bucket]:
     """Split ``specs`` (in the given order) into consecutive buckets of at most ``bucket_mb`` MiB.
 
     Greedy and order-preserving: a tensor joins the current bucket if the bucket stays within the
     limit, else it starts a new one; a tensor bigger than the limit is alone in its bucket. Every
-    tensor is in exactly one bucket; duplicate names are an error (the receiver keys by name)."""
+    tensor is in exactly one bucket; duplicate names are an error (the receiver keys by name).
+
+    ``together`` (name -> key or None): consecutive tensors with one key are placed as one (never
+    split over buckets), for an engine that loads them only from one call
+    (:func:`dora_megatron.weights.naming.load_together`); a key whose tensors are not consecutive is
+    an error, as it could not be kept whole."""
     if not bucket_mb > 0:
         raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
     limit = int(bucket_mb * MB)
-    buckets: list[Bucket] = []
-    current: list[TensorSpec] = []
-    size = 0
+    units: list[list[TensorSpec]] = []
     seen: set[str] = set()
+    closed: set[str] = set()  # keys whose run of consecutive tensors has ended
+    key_of_last: str | None = None
     for item in specs:
         spec = item if isinstance(item, TensorSpec) else TensorSpec(
             str(item[0]), str(item[1]).replace("torch.", ""), tuple(int(s) for s in item[2]))
         if spec.name in seen:
             raise ValueError(f"duplicate tensor name {spec.name!r}")
         seen.add(spec.name)
-        n = spec.nbytes
+        key = together(spec.name) if together is not None else None
+        if key is not None and key in closed:
+            raise ValueError(f"tensor {spec.name!r} loads together with others ({key}) but does not follow them")
+        if key is not None and key == key_of_last:
+            units[-1].append(spec)
+        else:
+            if key_of_last is not None:
+                closed.add(key_of_last)
+            units.append([spec])
+        key_of_last = key
+    buckets: list[Bucket] = []
+    current: list[TensorSpec] = []
+    size = 0
+    for unit in units:
+        n = sum(s.nbytes for s in unit)
         if current and size + n > limit:
             buckets.append(Bucket(len(buckets), tuple(current)))
             current, size = [], 0
-        current.append(spec)
+        current.extend(unit)
         size += n
     if current:
         buckets.append(Bucket(len(buckets), tuple(current)))

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from dora_megatron.comm.json_value import JSONObject
+
 
 class PushError(RuntimeError):
     """A push did not reach every engine; ``errors`` maps engine (URL or name) -> message. Engines
@@ -32,7 +34,7 @@ class PushResult:
     checksum: str | None = None
     versions: dict[str, str] = field(default_factory=dict)
     group_name: str = ""
-    paused: dict[str, Any] = field(default_factory=dict)  # each engine's /pause_generation answer
+    paused: dict[str, JSONObject] = field(default_factory=dict)  # each engine's /pause_generation answer
 
     @property
     def mb_per_s(self) -> float:
@@ -45,6 +47,6 @@ class PushResult:
                 "group_name": self.group_name, "mb_per_s": self.mb_per_s}
 
 
-def failures(names: Sequence[str], results: Sequence[Any]) -> dict[str, str]:
+def failures(names: Sequence[str], results: Sequence[object]) -> dict[str, str]:
     """``name -> "Type: message"`` for each result of ``gather(..., return_exceptions=True)`` that failed."""
     return {n: f"{type(r).__name__}: {r}" for n, r in zip(names, results) if isinstance(r, BaseException)}

@@ -18,7 +18,12 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping
+
+import msgspec
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +38,20 @@ class SnapshotError(RuntimeError):
     """A snapshot is missing, incomplete, truncated or does not match its recorded checksum."""
 
 
+class Manifest(msgspec.Struct):
+    """A snapshot's ``dora_version.json``: written last, so a directory holding one is complete."""
+
+    checksum: str  # comm.checksum.weights_checksum of model.safetensors' tensors
+    files: dict[str, int] = {}  # each file's size in bytes
+    version: int | None = None
+    num_tensors: int | None = None
+
+
 def version_dir_name(version: int) -> str:
     return f"v{int(version):06d}"
 
 
-def write_snapshot(out_dir: str | Path, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
+def write_snapshot(out_dir: str | Path, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
                    config_src_dir: str | Path, version: int | None = None) -> str:
     """Write ``out_dir`` atomically (``config.json`` + tokenizer files from ``config_src_dir``,
     ``model.safetensors``, manifest); returns the weights checksum.
@@ -64,8 +78,8 @@ def write_snapshot(out_dir: str | Path, tensors: Mapping[str, Any] | Iterable[tu
     save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
     checksum = weights_checksum(state)
     files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
-    manifest = {"version": version, "checksum": checksum, "num_tensors": len(state), "files": files}
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    manifest = Manifest(checksum=checksum, files=files, version=version, num_tensors=len(state))
+    (tmp / MANIFEST).write_text(json.dumps(msgspec.structs.asdict(manifest), indent=1, sort_keys=True) + "\n")
     _fsync_dir(tmp)
     if out_dir.exists():
         shutil.rmtree(out_dir)
@@ -79,13 +93,13 @@ def _fsync_dir(path: Path) -> None:
             os.fsync(f.fileno())
 
 
-def read_manifest(snapshot_dir: str | Path) -> dict[str, Any]:
+def read_manifest(snapshot_dir: str | Path) -> Manifest:
     path = Path(snapshot_dir) / MANIFEST
     if not path.is_file():
         raise SnapshotError(f"{snapshot_dir}: no {MANIFEST} (not a snapshot, or an interrupted write)")
     try:
-        return json.loads(path.read_text())
-    except ValueError as exc:
+        return msgspec.json.decode(path.read_bytes(), type=Manifest)
+    except msgspec.DecodeError as exc:
         raise SnapshotError(f"{path}: unreadable manifest ({exc})") from None
 
 
@@ -100,7 +114,7 @@ def verify_snapshot(snapshot_dir: str | Path) -> str:
 
     d = Path(snapshot_dir)
     manifest = read_manifest(d)
-    for name, size in (manifest.get("files") or {}).items():
+    for name, size in manifest.files.items():
         p = d / name
         if not p.is_file():
             raise SnapshotError(f"{p}: missing")
@@ -113,8 +127,8 @@ def verify_snapshot(snapshot_dir: str | Path) -> str:
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
         raise SnapshotError(f"{d / WEIGHTS_FILE}: unreadable ({str(exc)[:200]})") from None
     checksum = weights_checksum(state)
-    if checksum != manifest.get("checksum"):
-        raise SnapshotError(f"{d}: weights checksum {checksum[:16]}... != recorded {str(manifest.get('checksum'))[:16]}... "
+    if checksum != manifest.checksum:
+        raise SnapshotError(f"{d}: weights checksum {checksum[:16]}... != recorded {manifest.checksum[:16]}... "
                             "(corrupted file)")
     return checksum
 
@@ -128,7 +142,8 @@ class SnapshotStore:
     def path(self, version: int) -> Path:
         return self.root / version_dir_name(version)
 
-    def write(self, version: int, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], config_src_dir: str | Path) -> str:
+    def write(self, version: int, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+              config_src_dir: str | Path) -> str:
         """Write version ``version``'s snapshot; returns its checksum."""
         return write_snapshot(self.path(version), tensors, config_src_dir, version=version)
 
@@ -149,7 +164,7 @@ class SnapshotStore:
 
     def checksum(self, version: int) -> str:
         """The recorded checksum (no re-hash; see :meth:`verify`)."""
-        return str(read_manifest(self.path(version))["checksum"])
+        return read_manifest(self.path(version)).checksum
 
     def verify(self, version: int) -> str:
         if not self.path(version).is_dir():

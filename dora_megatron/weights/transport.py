@@ -1,7 +1,7 @@
-"""Trainer-side weight transports to rollout engines: distributed broadcast, disk, peer copy.
+"""Trainer-side weight transports to rollout engines: distributed broadcast and disk.
 
 WHY: after a training step the new version must reach some rollout instances quickly, the others
-later (DORA keeps several versions live). Three ways, all ending with the engine reporting the new
+later (DORA keeps several versions live). Two ways, all ending with the engine reporting the new
 ``weight_version`` and a weights checksum equal to the trainer's export checksum:
 
 ``distributed`` (:func:`push_distributed`): SGLang's ``/init_weights_update_group`` +
@@ -11,11 +11,8 @@ is rank 0, engine ``i`` takes as many consecutive ranks as it has GPUs), destroy
 both sides. Gloo on CPU, NCCL on CUDA. Its failure semantics are in that module.
 
 ``disk`` (:func:`push_disk`): every engine loads a snapshot directory written by
-:mod:`dora_megatron.weights.snapshots` (``/update_weights_from_disk``).
-
-``peer`` (:func:`push_peer`): an instance that already holds the version serves its weights to
-others (``/dora/update_weights_from_peer``), so a late switch to an older live version needs
-neither the trainer nor a snapshot.
+:mod:`dora_megatron.weights.snapshots` (``/update_weights_from_disk``); a late switch to an older
+live version loads its snapshot the same way.
 """
 
 from __future__ import annotations
@@ -25,19 +22,22 @@ import dataclasses
 import logging
 import time
 import uuid
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Mapping, Sequence
 
 from dora_megatron.ports import job_port_range, pick_ports
 from dora_megatron.weights.distributed import DistributedWeightPusher
 from dora_megatron.weights.results import PushError, PushResult, failures
 
-__all__ = ["PushError", "PushResult", "push_disk", "push_distributed", "push_distributed_async",
-           "push_peer"]
+if TYPE_CHECKING:
+    from dora_megatron.comm.engine_client import EngineClient
+    from dora_megatron.comm.json_value import JSONObject
+
+__all__ = ["PushError", "PushResult", "push_disk", "push_distributed", "push_distributed_async"]
 
 log = logging.getLogger(__name__)
 
 
-async def _versions(clients: Sequence[Any]) -> dict[str, str]:
+async def _versions(clients: Sequence[EngineClient]) -> dict[str, str]:
     got = await asyncio.gather(*(c.weight_version() for c in clients), return_exceptions=True)
     return {c.base_url: (str(v) if not isinstance(v, BaseException) else f"error: {v}") for c, v in zip(clients, got)}
 
@@ -109,7 +109,8 @@ def push_distributed(
     return asyncio.run(push_distributed_async(tensors, engine_urls, bucket_mb, version, master_addr, backend, **kwargs))
 
 
-async def _fan_out(engine_urls: Sequence[str], call, what: str, timeout_s: float) -> tuple[list, float, dict]:
+async def _fan_out(engine_urls: Sequence[str], call: Callable[[EngineClient], Awaitable[JSONObject]], what: str,
+                   timeout_s: float) -> tuple[list[JSONObject | BaseException], float, dict[str, str]]:
     """Run ``call(client)`` on every engine concurrently; raise :class:`PushError` naming the failed ones.
 
     Returns the per-engine results, the seconds the calls took and the versions the engines report."""
@@ -141,19 +142,8 @@ async def push_disk(snapshot_dir: str, engine_urls: Sequence[str], version: int 
         f"update_weights_from_disk {snapshot_dir}", timeout_s)
     size = os.path.getsize(os.path.join(snapshot_dir, WEIGHTS_FILE)) * len(engine_urls)
     try:
-        checksum = read_manifest(snapshot_dir).get("checksum")
+        checksum: str | None = read_manifest(snapshot_dir).checksum
     except Exception:  # noqa: BLE001 - a plain HF dir without manifest
         checksum = None
     return PushResult("disk", version, size, seconds, checksum=checksum, versions=versions)
 
-
-async def push_peer(peer_url: str, engine_urls: Sequence[str], version: int | str,
-                    timeout_s: float = 600.0) -> PushResult:
-    """Every engine in ``engine_urls`` copies the weights of the instance at ``peer_url``."""
-    res, seconds, versions = await _fan_out(
-        engine_urls, lambda c: c.update_weights_from_peer(peer_url, weight_version=version),
-        f"update_weights_from_peer {peer_url}", timeout_s)
-    nbytes = sum(int(r.get("bytes", 0)) for r in res if isinstance(r, dict))
-    checksums = {r.get("checksum") for r in res if isinstance(r, dict)}
-    return PushResult("peer", version, nbytes, seconds, checksum=checksums.pop() if len(checksums) == 1 else None,
-                      versions=versions)

@@ -189,7 +189,7 @@ class FakeTrainer:
         before the event a test is about (a timeout, a rejoin serving work) happens at all."""
         self._holds[step] = (until, limit_s)
 
-    async def train(self, step: int, samples: list[dict]) -> dict:
+    async def train(self, step: int, samples: list) -> dict:
         assert step == self.version, (step, self.version)
         if step in self._holds:
             until, limit_s = self._holds[step]

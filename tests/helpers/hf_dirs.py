@@ -56,24 +56,62 @@ def hub_spelled(src: str | Path, out: str | Path) -> Path:
     return out
 
 
-def save_family(out: str | Path, family: str, seed: int = 0) -> Path:
+def save_family(out: str | Path, family: str, seed: int = 0, **overrides) -> Path:
     """A tiny model of ``family`` (a supported ``model_type``) written by transformers' ``save_pretrained``
-    in fp32, with every bias, gate and norm weight random too (transformers initialises biases at 0
-    and norms at 1, which would hide a bias or a norm read from the wrong tensor)."""
-    import torch
+    in fp32 (its config given ``overrides`` too, e.g. ``tie_word_embeddings=True``), with every bias,
+    gate and norm weight random too (transformers initialises biases at 0, norms at 1 and the routing
+    correction bias of GLM-4.5 / DeepSeek-V3 at 0, which would hide a bias or a norm read from the
+    wrong tensor)."""
     import transformers
 
     from dora_megatron.models.example import tiny_config_kwargs
 
-    config = transformers.CONFIG_MAPPING[family](
-        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        tie_word_embeddings=False, initializer_range=0.1, eos_token_id=2,
-        rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA}, **tiny_config_kwargs(family, 64))
+    config = transformers.CONFIG_MAPPING[family](**{
+        **dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               tie_word_embeddings=False, initializer_range=0.1, eos_token_id=2,
+               rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA}),
+        **tiny_config_kwargs(family, 64), **overrides})
+    _save_random(config, out, seed)
+    return Path(out)
+
+
+def _save_random(config, out: str | Path, seed: int) -> None:
+    """A model of the transformers ``config`` saved to ``out`` in fp32, every bias, gate, norm and
+    routing correction bias random (see :func:`save_family`)."""
+    import torch
+    import transformers
+
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1 or name.endswith("shared_expert_gate.weight"):
                 p.copy_((1.0 if "norm" in name else 0.0) + 0.1 * torch.randn(p.shape))
+        for name, b in model.named_buffers():  # the routing correction bias, large enough to change choices
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.5 * torch.randn(b.shape))
     model.save_pretrained(str(out))
+
+
+#: hand-written ``config.json`` files of each family as checkpoints saved by transformers 4.x spell
+#: them (``rope_theta`` and ``rope_scaling`` with ``type``, ``torch_dtype``, GLM's top-level
+#: ``partial_rotary_factor``, Qwen1.5-MoE's ``sliding_window`` with ``use_sliding_window: false``,
+#: DeepSeek-V3's remote-code keys), at tiny sizes
+V4_CONFIGS = Path(__file__).resolve().parent / "hf_configs_v4"
+
+
+def v4_config(family: str) -> dict:
+    """The hand-written transformers-4.x ``config.json`` of ``family`` (:data:`V4_CONFIGS`)."""
+    return json.loads((V4_CONFIGS / f"{family}.json").read_text())
+
+
+def save_v4(out: str | Path, family: str, seed: int = 0) -> Path:
+    """A random model (as :func:`save_family`) whose ``config.json`` is the hand-written 4.x one of
+    ``family``, byte for byte: transformers builds the model from that file, then the file it
+    re-spelled on saving is replaced by the original."""
+    import transformers
+
+    config = transformers.CONFIG_MAPPING[family].from_dict(v4_config(family))
+    _save_random(config, out, seed)
+    shutil.copyfile(V4_CONFIGS / f"{family}.json", Path(out) / "config.json")
     return Path(out)

@@ -1,6 +1,6 @@
 """An orchestrator wrapper that records who called each of its event methods: the controller loop
 and the simulator must reach the orchestrator only through the one event mapping
-(``controller/loop.py::EventMapping``)."""
+(``events/mapping.py::EventMapping``)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,8 @@ import asyncio
 import time
 from typing import Callable
 
-from dora_megatron.controller.loop import EventQueue, MigrationDone
+from dora_megatron.events import MigrationDone
+from dora_megatron.controller.loop import EventQueue
 
 
 class StaticTrainer:
@@ -66,6 +67,6 @@ class MoveLog(EventQueue):
         """``(prompt_ids, response_ids)`` of every trained sample (``batches``: the trainer's) and of
         each sample moved with output that finished but was not trained: what the tests set against
         an uninterrupted greedy answer."""
-        out = [(list(s["prompt_ids"]), list(s["response_ids"])) for batch in batches for s in batch]
+        out = [(list(s.prompt_ids), list(s.response_ids)) for batch in batches for s in batch]
         return out + [(list(self.records[sid].prompt_ids), list(self.records[sid].output_ids))  # compact arrays
                       for sid in self.carried_and_ended() if sid in self.records]

@@ -70,15 +70,15 @@ def check_run(rt, engines, trainer, steps, tbs, G):
     assert len(trainer.batches) == steps
     seen = set()
     for step, batch in enumerate(trainer.batches):
-        groups = {s["group_id"] for s in batch}
+        groups = {s.group_id for s in batch}
         assert len(groups) == tbs and len(batch) == tbs * G
         assert not (groups & seen), "a group was trained twice"
         seen |= groups
         for s in batch:
-            assert step - s["version"] <= rt.orch.S
+            assert step - s.version <= rt.orch.S
             # the fake engine answers correctly: the assembled response must be exactly right
-            assert s["reward"] == 1.0, tok.decode(s["response_ids"])
-            assert len(s["rollout_logprobs"]) == len(s["response_ids"])
+            assert s.reward == 1.0, tok.decode(s.response_ids)
+            assert len(s.rollout_logprobs) == len(s.response_ids)
     # C1 from what the engines saw: every request of a sample (generate, import) ran on one version
     versions = engine_versions(engines)
     assert all(len(vs) == 1 for vs in versions.values()), {rid: vs for rid, vs in versions.items() if len(vs) > 1}
@@ -97,4 +97,4 @@ def engine_versions(engines) -> dict[str, set[int]]:
 
 
 def trained_groups(trainer) -> set[str]:
-    return {s["group_id"] for batch in trainer.batches for s in batch}
+    return {s.group_id for batch in trainer.batches for s in batch}

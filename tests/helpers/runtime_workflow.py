@@ -37,7 +37,7 @@ def with_workflow(rt, fn=answer_then_env):
 def check_trajectories(trainer, seen):
     for batch in trainer.batches:
         for s in batch:
-            n = len(s["response_ids"]) - len(ENV)
-            assert list(s["response_ids"])[n:] == ENV and s["loss_mask"] == [1] * n + [0] * len(ENV)
-            assert list(s["rollout_logprobs"])[n:] == [0.0] * len(ENV)
+            n = len(s.response_ids) - len(ENV)
+            assert list(s.response_ids)[n:] == ENV and s.loss_mask == [1] * n + [0] * len(ENV)
+            assert list(s.rollout_logprobs)[n:] == [0.0] * len(ENV)
     assert seen and not any("|" in text for text in seen)  # the reward never saw the environment's tokens

@@ -59,18 +59,13 @@ class RealSGLang:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
-        try:  # the children too, whether or not the leader is gone
+        """SIGKILL of the whole group at once: a test's server holds nothing to save, and 0.5.23's
+        SIGTERM path sleeps 5 s "before crash diagnostics" once its scheduler child is gone."""
+        try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-        if self.proc.poll() is None:
-            self.proc.wait(timeout=timeout_s)
+        self.proc.wait(timeout=timeout_s)
 
 
 def server_command(model_dir: str, port: int, *, weight_version: str = "0", max_running: int = 8,
@@ -122,3 +117,76 @@ def start_real_sglang(model_dir: str, log_dir: Path, *, name: str = "sgl", weigh
     except BaseException:
         inst.stop()
         raise
+
+
+#: the environment of the tier's jobs, which their SGLang servers inherit: no py-spy or CUDA core
+#: dump "before crash" when a job stops its servers (0.5.23's ``tokenizer_manager.py`` sleeps 5 s
+#: first "to let GPU activity settle", on every stop: its scheduler child exits on the SIGTERM)
+QUICK_STOP_ENV = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
+
+
+@pytest.fixture(scope="module")
+def quick_server_stops():
+    """:data:`QUICK_STOP_ENV` for a module's jobs (restored afterwards)."""
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in QUICK_STOP_ENV.items():
+            env.setenv(key, value)
+        yield
+
+
+class Budget:
+    """One test's time, shared by its waits: each wait gets what is left of it, so a hang fails with
+    the name of what it waited for before pytest's own limit (600 s, ``pytest.ini``) kills the test.
+    WHY not a bound per wait: a test waits several times, and on a loaded 2-core machine a real
+    server's start alone took 137 s; bounds that each fit add up past pytest's limit."""
+
+    def __init__(self, total_s: float) -> None:
+        self.total_s = total_s
+        self.end = time.monotonic() + total_s
+
+    def left(self) -> float:
+        """Seconds left (at least 1, so a wait still looks once and then fails with its name)."""
+        return max(1.0, self.end - time.monotonic())
+
+
+def run_sglang_train(tmp_path: Path, *overrides: str, budget: Budget) -> tuple[subprocess.CompletedProcess, Path]:
+    """``dora train`` on ``configs/cpu_sglang.yaml`` with the tier's interpreter, bounded by what is
+    left of ``budget``: one that does not end in time fails with the tail of its output (SIGKILL of
+    the launcher: the controller runs in it, and every child it started dies with it)."""
+    from tests.helpers.train_job import run_train
+
+    limit = budget.left()
+    try:
+        return run_train(tmp_path, f"sglang.python={SGLANG_PYTHON}", *overrides, config=CPU_CONFIG.name,
+                         timeout=limit)
+    except subprocess.TimeoutExpired as hung:
+        tail = [(s.decode(errors="replace") if isinstance(s, bytes) else s or "")[-3000:]
+                for s in (hung.stdout, hung.stderr)]
+        pytest.fail(f"dora train on real SGLang did not end within {limit:.0f} s (of the test's "
+                    f"{budget.total_s:.0f}):\n{tail[0]}\n{tail[1]}")
+
+
+def engine_log(run_dir: Path, name: str) -> str:
+    """An instance's log in a job's run directory (a restarted instance appends to it)."""
+    return (run_dir / "logs" / f"{name}.log").read_text(errors="replace")
+
+
+def check_secret_kept(run_dir: Path) -> None:
+    """The job's secret (SGLang's keys, from its ``--config``) is in no file but its own two 0600
+    ones: the servers logged their resolved arguments, keys redacted."""
+    from dora_megatron.comm import auth
+
+    secret = (run_dir / auth.SECRET_FILE).read_text().strip().encode()
+    kept = {run_dir / auth.SECRET_FILE, run_dir / auth.SGLANG_KEYS_FILE}
+    assert "<redacted>" in engine_log(run_dir, "engine0")
+    assert not [p for p in run_dir.rglob("*") if p.is_file() and p not in kept and secret in p.read_bytes()]
+
+
+def check_weight_group(run_dir: Path, summary: dict, instances: int) -> None:
+    """Versions reached every real instance over the gloo group, each paused around its push."""
+    assert summary["weight_push_bytes"] > 0 and summary["checksum_mismatches"] == 0
+    for i in range(instances):
+        log = engine_log(run_dir, f"engine{i}")
+        for call in ("init_weights_update_group", "update_weights_from_distributed", "pause_generation",
+                     "continue_generation"):
+            assert f'POST /{call} HTTP/1.1" 200' in log, (f"engine{i}", call, log[-2000:])

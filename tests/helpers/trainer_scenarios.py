@@ -1,4 +1,4 @@
-"""Runs ``dora_megatron.trainer.scenarios`` in real processes (torchrun for more than one rank) and
+"""Runs ``tests.helpers.trainer_programs`` in real processes (torchrun for more than one rank) and
 builds tiny Hugging Face models; shared by the trainer integration tests."""
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ def run_scenario(args: list[str], nproc: int, out: str, timeout: int = 300) -> d
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     if nproc == 1:
-        cmd = [sys.executable, "-m", "dora_megatron.trainer.scenarios"]
+        cmd = [sys.executable, "-m", "tests.helpers.trainer_programs"]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={free_port()}", "--master_addr=127.0.0.1", "-m", "dora_megatron.trainer.scenarios"]
+               f"--master_port={free_port()}", "--master_addr=127.0.0.1", "-m", "tests.helpers.trainer_programs"]
     proc = subprocess.run(cmd + args + ["--out", out, "--lr", str(LR)], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -30,7 +30,7 @@ def run_scenario(args: list[str], nproc: int, out: str, timeout: int = 300) -> d
 
 
 def run_matrix(items: list[str], nproc: int, models: dict[str, str], out: str, timeout: int = 600) -> list[dict]:
-    """``scenarios matrix`` over ``items`` (see ``dora_megatron.trainer.scenarios.parse_item``)."""
+    """``scenarios matrix`` over ``items`` (see ``tests.helpers.trainer_programs.parse_item``)."""
     args = ["matrix", "--models", *(f"{k}={v}" for k, v in models.items()), "--items", *items]
     return run_scenario(args, nproc, out, timeout=timeout)["items"]
 

@@ -4,8 +4,7 @@ The routes come from the servers' own tables (the aiohttp router of the embedded
 SGLang stand-in, :data:`~dora_megatron.trainer.service.ROUTES` that the trainer's handler serves
 from), so a route added without the check fails here. Each is called without a credential (401),
 with a wrong one (403) and with the right one (neither); only ``/health`` answers without one, and
-says nothing but health. Then the paths a request names: checkpoints and weights stay in the job,
-and weights are pulled only from a peer that proves it holds the same secret.
+says nothing but health. Then the paths a request names: checkpoints and weights stay in the job.
 """
 
 from __future__ import annotations
@@ -73,7 +72,7 @@ def test_every_route_of_the_embedded_engine_asks_for_the_secret(model_dir):
 
     app = build_app(model_dir, max_running=2, keys=auth.Keys(SECRET, SECRET))
     routes = aiohttp_routes(app)
-    assert ("GET", "/dora/weights") in routes and ("POST", "/update_weights_from_disk") in routes
+    assert ("POST", "/dora/export_request") in routes and ("POST", "/update_weights_from_disk") in routes
     results = asyncio.run(call_all(app, routes, CREDENTIALS))
     check_levels(results, auth.OPEN_PATHS)
     # the right credential reached the handlers: their own answers, not the gate's
@@ -216,15 +215,23 @@ def test_the_trainer_reads_batch_files_only_in_the_run_directory(trainer_service
     from array import array
 
     from dora_megatron.comm.batch_files import write_batch
+    from dora_megatron.comm.train_sample import TrainSample
 
     url, worker, run_dir = trainer_service
-    samples = [{"prompt_ids": [1, 2], "response_ids": array("i", [3, 4]), "rollout_logprobs": array("f", [-0.5, -0.5]),
-                "reward": float(i), "group_id": "g0", "version": 0} for i in range(2)]
+    samples = [TrainSample([1, 2], array("i", [3, 4]), array("f", [-0.5, -0.5]), version=0, reward=float(i),
+                           group_id="g0") for i in range(2)]
     for where in (tmp_path / "elsewhere", run_dir / ".." / "elsewhere2"):
         entry = write_batch(where, samples)
         status, body = http("POST", f"{url}/train", {"step": 0, "batch": entry}, SECRET)
         assert status == 403 and "batch files only under the run directory" in body["error"], body
     assert worker.calls == []
+    # spooled routed experts are read from ``<dir>/../routed``: a batch at the run directory's top
+    # would read them from outside it (403 before any file is opened; else a 400 for the missing files)
+    spooled = {"prompt_tokens": 2, "response_tokens": 2, "reward": 0.0, "group_id": "g0", "routed_ids": 4,
+               "routed_at": ["routed_000000.bin", 0, "int8"]}
+    status, body = http("POST", f"{url}/train", {"step": 0, "batch": {"dir": str(run_dir), "samples": [spooled]}},
+                        SECRET)
+    assert status == 403 and "batch files only under the run directory" in body["error"], body
     status, body = http("POST", f"{url}/train", {"step": 0, "batch": write_batch(run_dir / "batches" / "step_0",
                                                                                   samples)}, SECRET)
     assert status == 200, body
@@ -258,30 +265,6 @@ def test_engines_load_weights_only_from_their_model_or_the_jobs_snapshots(model_
     assert answers[0][0] == 403 and "weights load only from the model directory" in answers[0][1]
     assert [a[0] for a in answers[1:]] == [200, 200]
     assert version == "2"  # the refused load changed nothing; the two allowed ones did
-
-
-def test_peer_pulls_come_only_from_the_jobs_own_instances(model_dir, tmp_path):
-    from aiohttp.test_utils import TestClient, TestServer
-
-    from dora_megatron.rollout.engine.server import build_app
-
-    async def main():
-        puller = build_app(model_dir, max_running=2, keys=auth.Keys(SECRET, SECRET), weight_version="0")
-        same_job = build_app(model_dir, max_running=2, keys=auth.Keys(SECRET, SECRET), weight_version="5")
-        # a foreign server that accepts any credential (here: no keys) but cannot prove the secret
-        foreign = build_app(model_dir, max_running=2, weight_version="6")
-        async with TestServer(same_job) as ours, TestServer(foreign) as theirs, \
-                TestClient(TestServer(puller)) as c:
-            out = []
-            for peer in (theirs, ours):
-                r = await c.post("/dora/update_weights_from_peer", json={"url": str(peer.make_url("")).rstrip("/")},
-                                 headers=auth.auth_headers(SECRET))
-                out.append((r.status, (await r.json())["message"]))
-            return out
-
-    (s1, m1), (s2, m2) = asyncio.run(main())
-    assert s1 == 403 and "only from the job's own instances" in m1 and "did not prove" in m1
-    assert s2 == 200 and "weight_version 5" in m2
 
 
 def test_the_servers_above_are_every_server_in_the_package():

@@ -71,8 +71,9 @@ def test_greedy_matches_in_process_engine_and_logprobs(engine, model_dir):
     r = call(go)
     assert r.output_ids == out["output_ids"]
     assert r.output_token_logprobs == pytest.approx([x[0] for x in out["meta_info"]["output_token_logprobs"]], abs=1e-5)
-    assert r.raw["meta_info"]["output_token_logprobs"][0][1] == r.output_ids[0]
-    assert r.raw["meta_info"]["output_token_logprobs"][0][2] is None
+    # the engine answers [logprob, token_id, text] per token, as SGLang (the client parses them flat)
+    assert out["meta_info"]["output_token_logprobs"][0][1] == r.output_ids[0]
+    assert out["meta_info"]["output_token_logprobs"][0][2] is None
     assert r.finish_reason == {"type": "length", "length": 12}
     assert (r.rid, r.prompt_tokens, r.completion_tokens, r.weight_version) == ("greedy-1", len(PROMPTS[0]), 12, "7")
 

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.integration
 PROBE = r"""
 import json, sys, urllib.request, urllib.error
 engine, trainer, outside, secret = sys.argv[1:5]
-calls = [("GET", engine + "/dora/weights", None), ("POST", engine + "/generate", {"input_ids": [1, 2, 3]}),
+calls = [("GET", engine + "/dora/weights_checksum", None), ("POST", engine + "/generate", {"input_ids": [1, 2, 3]}),
          ("POST", engine + "/pause_generation", {}), ("POST", engine + "/update_weights_from_disk",
           {"model_path": outside}), ("POST", trainer + "/save_checkpoint", {"path": outside}),
          ("POST", trainer + "/load_checkpoint", {"path": outside}), ("GET", engine + "/health", None),

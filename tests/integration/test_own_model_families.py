@@ -25,7 +25,7 @@ def _run(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
     return proc
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3"])
 def test_own_model_of_the_family_trains_three_steps_with_routing_replay(tmp_path, family):
     from safetensors.torch import load_file
 

@@ -171,7 +171,7 @@ def test_rollout_dumps_show_what_the_model_was_sent_and_answered(job, own_model)
 def test_exports_load_with_transformers_and_equal_the_trainers_logits(job, own_model):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from dora_megatron.trainer.parity import fixed_inputs, hf_logits
+    from tests.helpers.trainer_parity import fixed_inputs, hf_logits
 
     run_dir, _, tmp = job
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -190,7 +190,7 @@ def test_exports_load_with_transformers_and_equal_the_trainers_logits(job, own_m
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     ckpts = ",".join(str(run_dir / "checkpoints" / f"v{v:06d}" / "trainer") for v in (2, 3))
     out = tmp / "logits.pt"
-    proc = subprocess.run([sys.executable, "-m", "dora_megatron.trainer.scenarios", "logits", "--hf",
+    proc = subprocess.run([sys.executable, "-m", "tests.helpers.trainer_programs", "logits", "--hf",
                            str(own_model.model_dir), "--ckpt", ckpts, "--out", str(out), "--no-distributed-optimizer",
                            # the run's LR schedule (a checkpoint loads only under the schedule that wrote it)
                            "--lr", str(load_config(ROOT / "configs/cpu_own_model.yaml").trainer.lr),

@@ -18,6 +18,10 @@ the values are compared too (weight versions, finish reasons, token counts, empt
 
 Every shape difference that remains is listed in :data:`CPU_SGLANG_CANNOT`, with the reason;
 the test fails on an unlisted difference and on a listed one that no longer occurs.
+
+The module's two real servers then run the stand-in's push choreography of
+``tests/integration/test_sglang_path.py`` (both needed there): one start of two servers serves
+both claims (a real server takes 30-140 s to start on two cores).
 """
 
 from __future__ import annotations
@@ -25,12 +29,15 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import aiohttp
 import pytest
 
 from dora_megatron.comm.protocol import PAUSE_MODES, GenerateRequest, SamplingParams
+from dora_megatron.rollout.sglang.engine import FLUSH_RETRY_S
+from tests.helpers.push_choreography import check_push_choreography, model_dir  # noqa: F401 - a fixture
 from tests.sglang_standin import start_standin
 
 pytestmark = [pytest.mark.integration, pytest.mark.sglang]
@@ -120,6 +127,18 @@ async def running(http: aiohttp.ClientSession, url: str, timeout_s: float = 120.
     raise AssertionError(f"{url}: the long request never ran")
 
 
+async def flush_when_idle(http: aiohttp.ClientSession, url: str) -> tuple[int, Any]:
+    """``/flush_cache`` as dora sends it (``SGLangEngine`` retries a refused flush for up to
+    ``FLUSH_RETRY_S``): real 0.5.23 can still count the request just answered as running and
+    answer 400 ``Flush cache failed``, so a refusal is retried; the last answer is what counts."""
+    deadline = time.monotonic() + FLUSH_RETRY_S
+    while True:
+        answer = await call(http, url, "POST", "/flush_cache")
+        if answer[0] == 200 or time.monotonic() > deadline:
+            return answer
+        await asyncio.sleep(0.1)
+
+
 async def sequence(url: str, model_dir: str) -> dict[str, tuple[int, Any]]:
     """The requests, in order; step name -> (status, body)."""
     out: dict[str, tuple[int, Any]] = {}
@@ -139,7 +158,7 @@ async def sequence(url: str, model_dir: str) -> dict[str, tuple[int, Any]]:
             await step(f"continue_{mode}", "POST", "/continue_generation", {})
         await step("model_info_updated", "GET", "/model_info")
         await step("generate_updated", "POST", "/generate", gen_body("conf-2", GREEDY))
-        await step("flush_cache", "POST", "/flush_cache")
+        out["flush_cache"] = await flush_when_idle(http, url)
         await step("abort_unknown_rid", "POST", "/abort_request", {"rid": "nobody"})
         await step("abort_all_idle", "POST", "/abort_request", {"abort_all": True})
         # prompts of their own: a prompt SGLang's radix cache holds would answer cached_tokens_details,
@@ -161,26 +180,41 @@ async def sequence(url: str, model_dir: str) -> dict[str, tuple[int, Any]]:
     return out
 
 
-# ---------------------------------------------------------------- the servers (one each)
+# ---------------------------------------------------------------- the servers
 @pytest.fixture(scope="module")
-def answers(model_dir, tmp_path_factory):
-    """Both servers' answers to the sequence; each server is stopped by pid before the next starts
-    (two servers at once would share the machine's two cores)."""
+def real_servers(model_dir, tmp_path_factory):
+    """Two real SGLang servers, started in parallel, for this module's tests (the sequence uses the
+    first, the push choreography both); stopped by pid."""
     from tests.helpers.sglang_real import require_sglang, start_real_sglang
 
     require_sglang()
-    log_dir = tmp_path_factory.mktemp("conformance")
+    logs = tmp_path_factory.mktemp("sglang-logs")
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(start_real_sglang, model_dir, logs, name=f"sgl{i}", weight_version="0")
+                   for i in range(2)]
+    started = [f.result() for f in futures if f.exception() is None]
+    try:
+        if len(started) < 2:
+            raise RuntimeError(f"SGLang start failed: {[f.exception() for f in futures if f.exception()]}")
+        print("start to ready, s:", [round(e.ready_s, 1) for e in started])
+        yield started
+    finally:
+        for e in started:
+            e.stop()
+
+
+@pytest.fixture(scope="module")
+def answers(real_servers, model_dir, tmp_path_factory):
+    """Both servers' answers to the sequence: the stand-in's, stopped by pid before the real
+    server's run (two busy servers at once would share the machine's two cores; the second real
+    server sleeps while idle)."""
     got: dict[str, dict[str, tuple[int, Any]]] = {}
-    standin = start_standin(model_dir, log_dir, name="standin")
+    standin = start_standin(model_dir, tmp_path_factory.mktemp("conformance"), name="standin")
     try:
         got["standin"] = asyncio.run(sequence(standin.url, model_dir))
     finally:
         standin.stop()
-    real = start_real_sglang(model_dir, log_dir, name="sglang")
-    try:
-        got["sglang"] = asyncio.run(sequence(real.url, model_dir))
-    finally:
-        real.stop()
+    got["sglang"] = asyncio.run(sequence(real_servers[0].url, model_dir))
     return got
 
 
@@ -232,3 +266,20 @@ def test_values_that_carry_meaning_agree(answers):
             reason = side[name][1]["meta_info"]["finish_reason"]
             assert reason["type"] == "abort", (name, reason)
             assert 0 < side[name][1]["meta_info"]["completion_tokens"] < LONG["max_new_tokens"]
+
+
+# ---------------------------------------------------------------- the stand-in's push scenario, real
+# After the sequence (it reloads its weights from disk first), on this module's two real servers.
+# The stand-in's migration scenario (a resubmitted greedy continuation equals the uninterrupted
+# sequence token for token) is not run here: on real 0.5.23 in float32 the re-prefill's logits differ
+# from decoding's in the last bits, and at a near-tie the continuation leaves the sequence (seen in
+# the clean-clone CI re-run of 2026-12-06: EOS after 16 tokens uninterrupted, another token after the
+# move). The tier's train jobs move requests by resubmit on real servers and check nothing is lost.
+# The push scenario runs its whole choreography (abort, then retract pause over gloo) and fails at one
+# assertion, where 0.5.23 differs from the stand-in: a push naming a tensor the model lacks
+# ("experts.99") is accepted, where the stand-in refuses before receiving ("DID NOT RAISE PushError");
+# strict: once it passes, drop the mark.
+@pytest.mark.xfail(raises=pytest.fail.Exception, strict=True, reason="real SGLang 0.5.23 accepts a distributed "
+                   "update naming a tensor the model lacks (the stand-in refuses it)")
+def test_distributed_push_abort_and_retract_on_real_sglang(real_servers, answers, model_dir):
+    check_push_choreography(real_servers, model_dir)

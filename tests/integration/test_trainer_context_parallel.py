@@ -24,12 +24,12 @@ def _rank(rank: int, port: int, out: dict) -> None:
     dist.init_process_group("gloo")
     from megatron.core import parallel_state as ps
 
+    from dora_megatron.comm.train_sample import TrainSample
     from dora_megatron.trainer.worker import context_parallel_part, gather_context_parallel, pad_micro_batch
 
     ps.initialize_model_parallel(context_parallel_size=2, create_gloo_process_groups=True)
     try:
-        samples = [{"prompt_ids": [1, 2, 3], "response_ids": [4, 5, 6, 7], "rollout_logprobs": [-1.0, -2.0, -3.0, -4.0]},
-                   {"prompt_ids": [9], "response_ids": [8, 7], "rollout_logprobs": [-5.0, -6.0]}]
+        samples = [TrainSample([1, 2, 3], [4, 5, 6, 7], [-1.0, -2.0, -3.0, -4.0]), TrainSample([9], [8, 7], [-5.0, -6.0])]
         mb = pad_micro_batch(samples, [0, 1], 8)
         part = context_parallel_part(mb)
         pos = part.positions[0]

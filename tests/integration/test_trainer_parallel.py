@@ -1,6 +1,6 @@
 """Megatron trainer on CPU/gloo against Hugging Face transformers, in several TP/PP/EP layouts.
 
-Each layout runs ``dora_megatron.trainer.scenarios step`` in real processes (torchrun, 2 ranks):
+Each layout runs ``tests.helpers.trainer_programs step`` in real processes (torchrun, 2 ranks):
 logits must match transformers (fp32), and one training step must give the same loss, grad norm
 and updated weights as the 1-rank run. MoE covers TP (with sequence parallelism), EP and PP; the
 dense model is checked at 1 rank and with TP=2 through ``tools/check_parity.py``.
@@ -55,7 +55,7 @@ def baselines(models, tmp_path_factory):
 
 
 def _hf_reference(hf_dir: str) -> torch.Tensor:
-    from dora_megatron.trainer.parity import fixed_inputs, hf_logits
+    from tests.helpers.trainer_parity import fixed_inputs, hf_logits
 
     return hf_logits(hf_dir, fixed_inputs(128))
 

@@ -99,10 +99,10 @@ def test_tool_turns_run_on_one_version_per_trajectory_across_weight_switches(too
     assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
     samples = [s for b in trainer.batches for s in b]
     assert len(trainer.batches) == 3 and len(samples) == 3 * 2 * 2
-    assert len({s["version"] for s in samples}) >= 2  # trajectories of several versions were trained
+    assert len({s.version for s in samples}) >= 2  # trajectories of several versions were trained
     tk = codec.tokenizer
     for s in samples:
-        mask, ids, lps = s["loss_mask"], s["response_ids"], s["rollout_logprobs"]
+        mask, ids, lps = s.loss_mask, s.response_ids, s.rollout_logprobs
         assert mask[:5] == [1] * 5 and mask[-5:] == [1] * 5 and set(mask[5:-5]) == {0}
         assert "<tool_response>\n51\n</tool_response>" in tk.decode(ids[5:-5], skip_special_tokens=False)
         assert all(lp < 0 for lp, m in zip(lps, mask) if m) and all(lp == 0 for lp, m in zip(lps, mask) if not m)
@@ -193,11 +193,11 @@ def test_a_turn_moved_while_it_generates_and_a_prefix_moved_between_turns_are_ne
     assert summary["migrations_kv"] == 1 and summary["env/trajectories_aborted"] == 0
     assert summary["workflow_turn_kv_moved"] == 1 and summary["workflow_turn_prefix_recomputed"] == 0
     (sample,) = [s for b in trainer.batches for s in b]
-    ids, mask, lps = sample["response_ids"], sample["loss_mask"], sample["rollout_logprobs"]
+    ids, mask, lps = sample.response_ids, sample.loss_mask, sample.rollout_logprobs
     n1, n2 = run["lengths"]  # (a turn may end at a stop token of the job's sampling)
     assert n1 > 4 and n2 > 0 and len(ids) > n1 + n2
     assert mask[:n1] == [1] * n1 and mask[-n2:] == [1] * n2 and set(mask[n1:-n2]) == {0}
     assert all(lp < 0 for lp, m in zip(lps, mask) if m) and all(lp == 0 for lp, m in zip(lps, mask) if not m)
     computed = sum(after[n]["tokens_computed"] - before[n]["tokens_computed"] for n in names)
-    assert computed == len(sample["prompt_ids"]) + len(ids) - 1  # each position once, the last one never fed
+    assert computed == len(sample.prompt_ids) + len(ids) - 1  # each position once, the last one never fed
     assert all(a["kv_kept_blocks"] == 0 for a in after.values())  # released when the trajectory ended

@@ -16,7 +16,9 @@ def cross_test_imports(root: Path) -> list[str]:
     for path in sorted(root.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                     # ``from tests.integration import test_x`` names the test module as an alias
+                     else [node.module or "", *(f"{node.module}.{a.name}" for a in node.names)]
+                     if isinstance(node, ast.ImportFrom) else [])
             found += [f"{path.relative_to(root)}: {n}" for n in names
                       if n.startswith("tests.") and any(part.startswith("test_") for part in n.split("."))]
     return found
@@ -29,5 +31,8 @@ def test_no_test_module_imports_another():
 def test_the_check_sees_a_cross_import(tmp_path):
     (tmp_path / "test_a.py").write_text("from tests.unit.test_b import helper\n")
     (tmp_path / "test_c.py").write_text("def f():\n    import tests.integration.test_d\n")
-    (tmp_path / "ok.py").write_text("from tests.helpers.fakes import FakeTrainer\n")
-    assert cross_test_imports(tmp_path) == ["test_a.py: tests.unit.test_b", "test_c.py: tests.integration.test_d"]
+    (tmp_path / "test_e.py").write_text("from tests.integration import test_f as f\n")
+    (tmp_path / "ok.py").write_text("from tests.helpers.fakes import FakeTrainer\nfrom tests import helpers\n")
+    assert cross_test_imports(tmp_path) == ["test_a.py: tests.unit.test_b", "test_a.py: tests.unit.test_b.helper",
+                                            "test_c.py: tests.integration.test_d",
+                                            "test_e.py: tests.integration.test_f"]

@@ -42,9 +42,8 @@ Credentials (:mod:`dora_megatron.comm.auth`): with keys, every route but ``/heal
 ``/health_generate`` needs ``Authorization: Bearer <key>`` (401 without, 403 with a wrong one);
 :data:`ADMIN_PATHS` (SGLang 0.5.23's admin routes, and the dora extensions that move weights or
 request state) need the admin key when one is set. Given ``weights_roots`` (a job's engine: the run
-directory's snapshots), weights load only from under them or the model directory, and peer pulls
-only from a peer that proves it holds the same key (:func:`~dora_megatron.comm.auth.proof`): 403
-otherwise, naming the rule.
+directory's snapshots), weights load only from under them or the model directory: 403 otherwise,
+naming the rule.
 
 Errors: malformed JSON, missing/mistyped fields, prompts too long, unknown rids, bad weights
 answer 4xx with ``{"error": msg, "success": false, "message": msg}``; nothing else is affected.
@@ -57,7 +56,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import threading
 import uuid
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -74,8 +72,8 @@ from dora_megatron.rollout.engine.scheduler import Request, Scheduler
 
 log = logging.getLogger(__name__)
 
-DORA_EXTENSIONS = ("export_request", "import_request", "weights_checksum", "dora_version", "weights",
-                   "update_weights_from_peer", "draft_sources", "keep_kv")
+DORA_EXTENSIONS = ("export_request", "import_request", "weights_checksum", "dora_version", "draft_sources",
+                   "keep_kv")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 #: routes SGLang 0.5.23 marks ``AuthLevel.ADMIN_OPTIONAL`` (``sglang/srt/entrypoints/http_server.py``),
@@ -84,7 +82,7 @@ ADMIN_PATHS = frozenset({
     "/flush_cache", "/abort_request", "/pause_generation", "/continue_generation",
     "/update_weights_from_disk", "/init_weights_update_group", "/destroy_weights_update_group",
     "/update_weights_from_distributed", "/begin_weight_update", "/end_weight_update",
-    "/dora/weights", "/dora/update_weights_from_peer", "/dora/export_request", "/dora/import_request",
+    "/dora/export_request", "/dora/import_request",
     "/dora/export_kv", "/dora/import_kv", "/dora/release_kv",
 })
 
@@ -135,30 +133,6 @@ async def _json(request: web.Request) -> Any:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0][:300] if text else repr(exc)
-
-
-def _in_daemon_thread(fn: Callable[[], Any]) -> "asyncio.Future[Any]":
-    """Run ``fn`` on a new daemon thread; the future can be abandoned if ``fn`` never returns."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future = loop.create_future()
-
-    def settle(value: Any, exc: BaseException | None) -> None:
-        if fut.done():  # abandoned (timed out)
-            return
-        if exc is not None:
-            fut.set_exception(exc)
-        else:
-            fut.set_result(value)
-
-    def work() -> None:
-        try:
-            value, exc = fn(), None
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting handler
-            value, exc = None, e
-        loop.call_soon_threadsafe(settle, value, exc)
-
-    threading.Thread(target=work, name="dora-group-connect", daemon=True).start()
-    return fut
 
 
 @dataclass
@@ -216,8 +190,6 @@ class EngineServer:
         r.add_post("/dora/import_kv", self.import_kv)
         r.add_post("/dora/release_kv", self.release_kv)
         r.add_get("/dora/weights_checksum", self.weights_checksum)
-        r.add_get("/dora/weights", self.get_weights)
-        r.add_post("/dora/update_weights_from_peer", self.update_weights_from_peer)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -380,7 +352,7 @@ class EngineServer:
             # TCPStore retries with back-off until connect_s; a peer that accepts but never answers
             # would block it for good, so wait on an abandonable thread with a bound of our own
             store = await asyncio.wait_for(
-                _in_daemon_thread(
+                weight_group.in_daemon_thread(
                     lambda: weight_group.connect_store(g.master_address, g.master_port, g.rank_offset, g.world_size, connect_s)
                 ),
                 3 * connect_s + 5,
@@ -440,35 +412,6 @@ class EngineServer:
     async def weights_checksum(self, request: web.Request) -> web.Response:
         checksum, version = await self._runner.call(lambda s: (s.weights_checksum(), s.weight_version))
         return web.json_response({"checksum": checksum, "weight_version": version})
-
-    # ---- peer copy (dora extension) ------------------------------------------------------
-    async def get_weights(self, request: web.Request) -> web.Response:
-        """The current weights as one safetensors blob; version and checksum in the headers."""
-        from dora_megatron.rollout.engine import peer_weights
-
-        # version and checksum are read on the engine thread; the receiver verifies the checksum
-        state, version, checksum = await self._runner.call(peer_weights.capture)
-        key = self.options.keys.admin_api_key or self.options.keys.api_key
-        nonce = request.headers.get(auth.NONCE_HEADER)
-        proof = {auth.PROOF_HEADER: auth.proof(key, nonce)} if key and nonce else {}
-        return await peer_weights.stream(request, state, version, checksum, proof)
-
-    async def update_weights_from_peer(self, request: web.Request) -> web.Response:
-        """Copy the weights of the instance at ``url`` (its ``GET /dora/weights``), verified by checksum."""
-        from dora_megatron.rollout.engine import peer_weights
-
-        body = await _json(request)
-        req = peer_weights.PeerRequest.from_json(body)
-        keys = self.options.keys
-        fetched = await peer_weights.fetch(req, keys.admin_api_key or keys.api_key)
-        if req.abort_all_requests:
-            await self._runner.call(lambda s: s.abort(abort_all=True))
-        version = req.weight_version if req.weight_version is not None else fetched.version
-        await self._runner.call_when_idle(lambda s: s.load_weights(fetched.state, version, require_all=True))
-        v = self._runner.scheduler.weight_version
-        return web.json_response({"success": True, "message": f"copied {len(fetched.state)} tensors from {req.url}, "
-                                  f"weight_version {v}", "weight_version": v, "checksum": fetched.checksum,
-                                  "bytes": fetched.nbytes})
 
     async def draft_sources(self, request: web.Request) -> web.Response:
         d = P.DraftSourcesRequest.from_json(await _json(request))

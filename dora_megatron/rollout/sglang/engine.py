@@ -26,14 +26,23 @@ how the CPU integration tests exercise the production path.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import logging
 from typing import Any, Iterable, Sequence
 
-from dora_megatron.comm.engine_client import EngineClient, ExtensionUnsupported, VersionMismatch
+from dora_megatron.comm.engine_client import EngineClient, EngineError, ExtensionUnsupported, VersionMismatch
 from dora_megatron.comm.sglang_client import SGLangClient
 from dora_megatron.rollout.versions import span_problem
 
+log = logging.getLogger(__name__)
+
 RID_END = "#"
+#: SGLang's answer (``weight_updater.py``) when an update loaded the weights but its cache flush was refused
+NOT_FLUSHED = "the cache was not flushed"
+#: how long a refused post-update flush is retried: the request the scheduler still counted is one
+#: whose answer already went out, so it leaves within a scheduler step or two
+FLUSH_RETRY_S = 30.0
 
 
 def wire_rid(rid: str) -> str:
@@ -102,8 +111,30 @@ class SGLangEngine:
 
     async def update_weights_from_disk(self, model_path: str, weight_version=None) -> dict[str, Any]:
         """Switch to a snapshot; the runtime calls this only once the instance is empty, so the
-        update neither waits for nor aborts anything, and the post-update cache flush succeeds."""
-        return await self.client.update_weights_from_disk(model_path, weight_version=weight_version)
+        update neither waits for nor aborts anything.
+
+        Its post-update cache flush can still be refused: real SGLang 0.5.23 counts a request as
+        running for a moment after its ``/generate`` answered (seen in a 200-step CPU run: every
+        answer in, then ``Cache not flushed ... #running-req: 1`` at the update, a 400, and the
+        instance restarted as failed). The weights are then loaded and the version set; only the
+        flush is missing, so it is retried until the scheduler is idle (at most
+        :data:`FLUSH_RETRY_S`), and no request reuses KV that the old weights computed."""
+        try:
+            return await self.client.update_weights_from_disk(model_path, weight_version=weight_version)
+        except EngineError as exc:
+            if exc.status != 400 or NOT_FLUSHED not in exc.message:
+                raise
+            refused = exc
+        loop = asyncio.get_running_loop()
+        deadline, tries = loop.time() + FLUSH_RETRY_S, 0
+        while loop.time() < deadline:
+            await asyncio.sleep(0.05)
+            tries += 1
+            if await self.client.flush_cache():
+                log.info("%s: weights %s loaded; the cache flush after it was refused, flushed on try %d",
+                         self.base_url, weight_version, tries)
+                return {"success": True, "message": f"weights loaded; cache flushed on try {tries}"}
+        raise refused
 
     async def export_request(self, rid: str) -> bytes:
         if not await self.supports("export_request"):

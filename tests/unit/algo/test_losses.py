@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from dora_megatron.algo.losses import ClipBounds, LossSettings, clipped_surrogate, k3_kl, policy_loss, settings_from_config
+from dora_megatron.algo.losses import ClipBounds, LossSettings, clipped_surrogate, policy_loss, settings_from_config
 from dora_megatron.config.algo import AlgoConfig
 
 
@@ -82,19 +82,14 @@ def test_length_normalisations():
         policy_loss(lp, lp, adv, mask, LossSettings(length_norm="constant"))
 
 
-def test_k3_kl_and_entropy_bonus():
-    assert k3_kl(torch.tensor([0.0]), torch.tensor([0.0])).item() == 0.0
-    d = math.log(2.0)  # ref - lp
-    assert k3_kl(torch.tensor([0.0]), torch.tensor([d])).item() == pytest.approx(2.0 - d - 1)
+def test_entropy_bonus():
     lp = torch.zeros(1, 1)
-    ref = torch.full((1, 1), d)
     ent = torch.full((1, 1), 3.0)
-    s = LossSettings(kl_coef=0.5, entropy_coef=0.1)
-    out = policy_loss(lp, lp, _t(0.0), torch.ones(1, 1), s, ref_logprobs=ref, entropy=ent)
-    assert out.loss.item() == pytest.approx(0.5 * (1 - d) - 0.3, rel=1e-6)
+    out = policy_loss(lp, lp, _t(0.0), torch.ones(1, 1), LossSettings(entropy_coef=0.1), entropy=ent)
+    assert out.loss.item() == pytest.approx(-0.3, rel=1e-6)
     assert out.metric_sums["entropy"].item() == 3.0
-    with pytest.raises(ValueError):
-        policy_loss(lp, lp, _t(0.0), torch.ones(1, 1), s)
+    plain = policy_loss(lp, lp, _t(0.0), torch.ones(1, 1), LossSettings(), entropy=ent)
+    assert plain.loss.item() == 0.0 and plain.metric_sums["entropy"].item() == 3.0
 
 
 def test_masked_tokens_do_not_count():

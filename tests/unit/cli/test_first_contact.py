@@ -200,10 +200,10 @@ def test_convert_of_an_unsupported_model_type_is_one_line_before_any_rank_starts
 
     model = create_model_dir("tiny-dense", tmp_path / "m", seed=0)
     cfg = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**cfg, "model_type": "deepseek_v3"}))
+    (model / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
     out = tmp_path / "ckpt"
     proc = dora("convert", "hf-to-megatron", "--hf", str(model), "--out", str(out), timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert proc.stderr.startswith("dora convert: config.json: model_type 'deepseek_v3' is not supported (supported: "
-                                  "qwen3, qwen3_moe, qwen2_moe, mixtral)") and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("dora convert: config.json: model_type 'gpt2' is not supported (supported: "
+                                  "qwen3, qwen3_moe, qwen2_moe, mixtral, glm4_moe, deepseek_v3)") and proc.stderr.count("\n") == 1, proc.stderr
     assert "torch" not in proc.stderr and not out.exists()

@@ -75,3 +75,180 @@ def test_a_malformed_answer_names_the_field(mutate, field):
 def test_not_json_is_a_protocol_error():
     with pytest.raises(ProtocolError, match="not JSON"):
         parse_generate(b"<html>502</html>")
+
+
+def test_a_big_answer_is_read_in_pieces_and_joined_and_decoded_off_the_loop(monkeypatch):
+    """An EngineClient against a server streaming a ~3 MB answer (with routed experts) in small
+    writes: the pieces reach the decoder unjoined, and the join and the decode run in a worker
+    thread, not the loop's (at reasoning lengths both are proportional to tokens)."""
+    import threading
+
+    from aiohttp import web
+
+    import dora_megatron.comm.generate_codec as codec
+    from dora_megatron.comm.engine_client import EngineClient
+
+    d = _answer(30_000, 128, layers=4, top_k=4)
+    body = json.dumps(d).encode()
+    seen: list[tuple[int, int]] = []
+    real = codec._join_and_parse
+
+    def recording(pieces):
+        seen.append((threading.get_ident(), len(pieces)))
+        return real(pieces)
+
+    monkeypatch.setattr(codec, "_join_and_parse", recording)
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        for i in range(0, len(body), 64 << 10):  # the socket hands the client pieces, as a real answer does
+            await resp.write(body[i:i + (64 << 10)])
+            await asyncio.sleep(0)
+        await resp.write_eof()
+        return resp
+
+    async def get_info(_request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        app.router.add_get("/get_server_info", get_info)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            async with EngineClient(f"http://127.0.0.1:{port}") as client:
+                return threading.get_ident(), await client.generate([1, 2, 3], {"max_new_tokens": 30_000},
+                                                                    routed_experts=True)
+        finally:
+            await runner.cleanup()
+
+    loop_thread, got = asyncio.run(main())
+    assert got.output_ids == d["output_ids"]
+    assert got.raw["meta_info"]["routed_experts"].size == (3 + 30_000 - 1) * 16
+    assert len(seen) == 1
+    thread, pieces = seen[0]
+    assert thread != loop_thread and pieces > 1
+
+
+def test_log_probs_are_parsed_without_a_tracked_container_per_token():
+    """A 30K-token answer's log-probs are not one Python list per token: those triggered garbage
+    collections that scan every object the controller holds. The answer is the JSON path's, and
+    the collector does not run while it is parsed."""
+    import gc
+
+    d = _answer(30_000)
+    body = json.dumps(d).encode()
+    want = GenerateResponse.from_json(json.loads(body))
+    runs = []
+
+    def note(phase, info):
+        if phase == "start":
+            runs.append(info["generation"])
+
+    gc.collect()
+    gc.callbacks.append(note)
+    try:
+        got = parse_generate(body)
+    finally:
+        gc.callbacks.remove(note)
+    assert got.output_token_logprobs == want.output_token_logprobs and got.output_ids == want.output_ids
+    assert runs == []  # the nested parse runs the collector ~40 times here
+
+
+@pytest.mark.parametrize("items", [
+    [[-0.5, 3, "a],[b"], [-0.25, 4, None]],  # the tokens' text: brackets inside strings
+    [[-0.5, 3], [-0.25, 4, None, 9]],  # items that are not [logprob, id, null]: their first numbers
+    [[-0.5, 3, None, -0.75], [4, None]],
+    [[0, 3, None], [-1e-05, 4, None]],  # an integer log-prob, an exponent
+])
+def test_log_probs_of_any_item_shape_are_the_first_numbers_as_the_json_path_has_them(items):
+    d = {"output_ids": [3, 4], "meta_info": {"output_token_logprobs": items}}
+    got = parse_generate(json.dumps(d).encode())
+    assert got.output_token_logprobs == [float(x[0]) for x in items]
+    assert all(type(x) is float for x in got.output_token_logprobs)
+
+
+def _variants() -> list[tuple[str, dict]]:
+    flat = _answer(800)
+    nested = _answer(30)  # the tokens' text in the log-probs: the nested parse
+    nested["meta_info"]["output_token_logprobs"] = [[lp, t, "x]"] for lp, t, _ in nested["meta_info"]["output_token_logprobs"]]
+    bare = _answer(12)
+    del bare["meta_info"]["output_token_logprobs"]
+    return [("flat", flat), ("nested", nested), ("none", bare)]
+
+
+@pytest.mark.parametrize("name, d", _variants())
+def test_the_answers_arrays_are_bit_for_bit_what_the_store_appended_from_the_lists(name, d):
+    from array import array
+
+    from dora_megatron.controller.records import SampleRecord
+    from dora_megatron.controller.samples import SampleStore
+
+    resp = parse_generate(json.dumps(d).encode())
+    ids, lps = resp.token_arrays
+    assert (ids.typecode, lps.typecode) == ("i", "f") and len(ids) == len(lps) == len(d["output_ids"])
+    # what SampleStore.apply did with the lists before (array.extend converting each token)
+    want_ids, want_lps = array("i"), array("f")
+    want_ids.extend(d["output_ids"])
+    want_lps.extend([x[0] for x in d["meta_info"].get("output_token_logprobs", [])] or [0.0] * len(d["output_ids"]))
+    assert ids.tobytes() == want_ids.tobytes() and lps.tobytes() == want_lps.tobytes()
+    # the store appends the arrays, and gives what it gave appending the lists
+    fast, slow = SampleRecord("s", "g", 0, 0, [1]), SampleRecord("s", "g", 0, 0, [1])
+    for rec, r in ((fast, resp), (slow, GenerateResponse.from_json(json.loads(json.dumps(d))))):
+        rec.output_ids.extend(array("i", [7]))  # an earlier submission's output, kept
+        rec.logprobs.extend(array("f", [-1.0]))
+        assert SampleStore.apply(rec, r) == "stop"
+    assert slow.output_ids.tobytes() == fast.output_ids.tobytes() == array("i", [7]).tobytes() + want_ids.tobytes()
+    assert slow.logprobs.tobytes() == fast.logprobs.tobytes() == array("f", [-1.0]).tobytes() + want_lps.tobytes()
+
+
+def test_a_token_id_beyond_int32_is_named():
+    d = _answer(6)
+    d["output_ids"][3] = 1 << 31
+    with pytest.raises(ProtocolError, match=r"output_ids\[3\] does not fit a 32-bit token id"):
+        parse_generate(json.dumps(d).encode())
+
+
+def test_a_clients_big_answers_are_decoded_on_its_decoder_one_at_a_time(monkeypatch):
+    """Big answers of clients sharing a decoder (the controller's one thread) are decoded there,
+    not on the loop's default executor; small ones stay on the loop."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import dora_megatron.comm.generate_codec as codec
+    from dora_megatron.comm.engine_client import EngineClient
+
+    big, small = json.dumps(_answer(2_000)).encode(), json.dumps(_answer(2)).encode()
+    assert len(big) > BIG_ANSWER_BYTES > len(small)
+    seen: list[str] = []
+    real = codec.parse_generate
+
+    def recording(body):
+        seen.append(threading.current_thread().name)
+        return real(body)
+
+    monkeypatch.setattr(codec, "parse_generate", recording)
+    decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode-answers")
+
+    async def main():
+        clients = [EngineClient(f"http://127.0.0.1:{9}", decoder=decoder) for _ in range(3)]
+        for c, body in zip(clients, (big, big, small)):
+            async def answer(*_a, _body=body, **_k):
+                return [_body[:100], _body[100:]]
+
+            c._call = answer  # the answer as the socket delivered it, in pieces
+        got = await asyncio.gather(*(c.generate([1], {"max_new_tokens": 8}) for c in clients))
+        for c in clients:
+            await c.close()
+        return threading.current_thread().name, got
+
+    loop_thread, got = asyncio.run(main())
+    decoder.shutdown()
+    assert [len(r.output_ids) for r in got] == [2_000, 2_000, 2]
+    assert sorted(seen) == sorted(["decode-answers_0", "decode-answers_0", loop_thread])

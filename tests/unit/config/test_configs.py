@@ -102,7 +102,7 @@ def test_write_reference_rewrites_only_the_block_between_the_markers(tmp_path):
     ("trainer.checkpoint_dir=/ck", "trainer.checkpoint_dir", "run.checkpoint_interval"),
     ("trainer.checkpoint_interval=5", "trainer.checkpoint_interval", "run.checkpoint_interval"),
     ("sglang.skip_tokenizer_init=false", "sglang.skip_tokenizer_init", "always starts SGLang with --skip-tokenizer-init"),
-    ("algo.kl_coef=0.1", "algo.kl_coef", "reference model"),
+    ("algo.kl_coef=0.1", "algo.kl_coef", "no reference model"),
 ])
 def test_keys_that_did_nothing_are_refused_naming_what_to_use(override, where, says):
     """Issue A1: every config key acts or is gone. These were never read (or failed at step 1)."""

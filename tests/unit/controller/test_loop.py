@@ -38,7 +38,8 @@ def test_only_the_loop_calls_the_orchestrator_even_with_failures_and_a_rejoin():
 def test_report_returns_after_its_event_was_applied_and_a_cancelled_reporter_withdraws_it():
     """Per-sample ordering rests on this: a task that awaited ``report`` has had its event applied;
     one cancelled first (its instance failed) never reaches the orchestrator."""
-    from dora_megatron.controller.loop import ControllerLoop, EventQueue, Stop, Tick
+    from dora_megatron.events import Stop, Tick
+    from dora_megatron.controller.loop import ControllerLoop, EventQueue
 
     class Orch:
         def __init__(self):
@@ -77,7 +78,8 @@ def test_report_returns_after_its_event_was_applied_and_a_cancelled_reporter_wit
 def test_a_report_after_the_loop_ended_is_cancelled_not_left_waiting():
     """A task that reports once the loop has stopped (on Python 3.11 a shutdown cancel can be lost
     inside ``asyncio.wait_for``) is cancelled: it used to wait forever and hang the run's end."""
-    from dora_megatron.controller.loop import ControllerLoop, EventQueue, Stop, Tick
+    from dora_megatron.events import Stop, Tick
+    from dora_megatron.controller.loop import ControllerLoop, EventQueue
 
     async def main():
         events, done = EventQueue(), asyncio.Event()

@@ -180,5 +180,5 @@ def test_an_instance_answering_without_routed_experts_is_counted_not_failed(capl
     assert len(warnings) == 1 and "e1" in warnings[0].getMessage()
     samples = [s for batch in rt.trainer.batches for s in batch]
     # e0's still reach the trainer, as compact arrays (2 experts' ids and -1 fit int8)
-    assert any(s.get("routed_experts") is not None and s["routed_experts"].tolist() == [7, -1]
-               and s["routed_experts"].dtype.itemsize == 1 for s in samples)
+    assert any(s.routed_experts is not None and s.routed_experts.tolist() == [7, -1]
+               and s.routed_experts.dtype.itemsize == 1 for s in samples)

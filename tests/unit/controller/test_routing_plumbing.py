@@ -12,7 +12,7 @@ from dora_megatron.controller.journal import Journal, JournaledSample, read_jour
 from dora_megatron.controller.main import drive
 from dora_megatron.observability.routing import routing_summary
 from dora_megatron.comm.routed_experts import decode_routed_experts, encode_routed_experts
-from dora_megatron.comm.batch_files import routed_text
+from dora_megatron.comm.train_sample import routed_text
 from dora_megatron.rollout.sglang.args import InstanceSpec, server_argv
 
 from tests.helpers.fakes import FakeEngine
@@ -68,8 +68,8 @@ def test_samples_carry_the_engines_routing_for_prompt_and_response():
             check_run(rt, engines, trainer, 4, 4, 2)
         for batch in trainer.batches:
             for s in batch:
-                ids = [*s["prompt_ids"], *s["response_ids"]]
-                rows = decode_routed_experts(routed_text(s["routed_experts"]), num_layers=1, top_k=2)
+                ids = [*s.prompt_ids, *s.response_ids]
+                rows = decode_routed_experts(routed_text(s.routed_experts), num_layers=1, top_k=2)
                 assert rows == [[[t, p]] for p, t in enumerate(ids[:-1])], mode
         assert all(a for e in engines.values() for a in e.asked)
 
@@ -77,7 +77,7 @@ def test_samples_carry_the_engines_routing_for_prompt_and_response():
 def test_off_by_default_nothing_is_requested_or_sent():
     rt, engines, trainer, _ = _run("dora", False)
     assert not any(a for e in engines.values() for a in e.asked)
-    assert all("routed_experts" not in s for b in trainer.batches for s in b)
+    assert all(s.routed_experts is None for b in trainer.batches for s in b)
 
 
 def test_journal_keeps_routed_experts_for_resume(tmp_path):
@@ -141,13 +141,13 @@ def test_resume_from_the_journal_trains_on_the_journaled_routing(tmp_path):
     for b in trainer2.batches:
         per_group: dict[str, list] = {}
         for s in b:
-            per_group.setdefault(s["group_id"], []).append(s)
+            per_group.setdefault(s.group_id, []).append(s)
         for gid, ss in per_group.items():
             # batches list a group's samples in order; the runtime forgot the consumed group's records
             for sid, s in zip((f"{gid}.{i}" for i in range(len(ss))), ss):
-                assert routed_text(s["routed_experts"]) == _routing_of([*s["prompt_ids"], *s["response_ids"]])
+                assert routed_text(s.routed_experts) == _routing_of([*s.prompt_ids, *s.response_ids])
                 if sid in journaled and sid not in generated:
-                    assert routed_text(s["routed_experts"]) == journaled[sid].routed_experts
+                    assert routed_text(s.routed_experts) == journaled[sid].routed_experts
                     restored += 1
     assert restored > 0
 

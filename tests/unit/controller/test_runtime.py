@@ -36,7 +36,7 @@ def test_partial_mode_resubmits_partial_output():
     assert len(trainer.batches) == 6
     for batch in trainer.batches:
         for s in batch:
-            assert s["reward"] == 1.0  # partial + continuation assembled into the right answer
+            assert s.reward == 1.0  # partial + continuation assembled into the right answer
     # C1 broken exactly for the trained samples whose requests the engines ran on several versions
     mixed = [rid for rid, vs in engine_versions(engines).items() if len(vs) > 1]
     consumed = trained_groups(trainer)
@@ -189,19 +189,19 @@ def test_checkpoint_and_resume_consume_every_group_once(tmp_path):
     rt, engines, trainer = make(mode="dora", steps=4, tmp_path=tmp_path)
     asyncio.run(drive(rt))
     assert trainer.checkpoints == [str(tmp_path / "ck2" / "trainer"), str(tmp_path / "ck4" / "trainer")]
-    first_two = [{s["group_id"] for s in b} for b in trainer.batches[:2]]
+    first_two = [{s.group_id for s in b} for b in trainer.batches[:2]]
     # resume from the step-2 checkpoint with fresh engines and a trainer restored at version 2
     rt2, engines2, trainer2 = make(mode="dora", steps=6, tmp_path=tmp_path)
     resume(rt2, trainer2, tmp_path, 2)
     summary = asyncio.run(drive(rt2))
     assert len(trainer2.batches) == 4  # steps 2..5
-    resumed = [{s["group_id"] for s in b} for b in trainer2.batches]
+    resumed = [{s.group_id for s in b} for b in trainer2.batches]
     all_groups = [g for b in first_two + resumed for g in b]
     assert len(all_groups) == len(set(all_groups)) == 6 * 4
     assert summary["steps"] == 6 and summary["lost_groups"] == 0 and summary["c1_violations"] == 0
     for batch in trainer2.batches:
         for s in batch:
-            assert s["reward"] == 1.0
+            assert s.reward == 1.0
 
 
 def test_resuming_a_finished_run_returns_at_once(tmp_path):

@@ -180,7 +180,7 @@ def test_resume_restores_finished_samples_from_the_journal(tmp_path):
     journaled = read_journal(run_dir, 2)
     assert journaled and all(j.version <= 2 for j in journaled.values())
     assert read_journal(run_dir, 1) == {}  # no marker for a version without a checkpoint
-    first_two = [{s["group_id"] for s in b} for b in trainer.batches[:2]]
+    first_two = [{s.group_id for s in b} for b in trainer.batches[:2]]
 
     rt2, engines2, trainer2 = make(mode="dora", steps=6, tmp_path=tmp_path)
     resume(rt2, trainer2, tmp_path, 2)
@@ -196,7 +196,7 @@ def test_resume_restores_finished_samples_from_the_journal(tmp_path):
     for b in trainer2.batches:
         per_group: dict[str, list] = {}
         for s in b:
-            per_group.setdefault(s["group_id"], []).append(s)
+            per_group.setdefault(s.group_id, []).append(s)
         for gid, ss in per_group.items():
             trained.update(zip((f"{gid}.{i}" for i in range(len(ss))), ss))  # consumed: records forgotten
     for r in replayed:
@@ -204,17 +204,17 @@ def test_resume_restores_finished_samples_from_the_journal(tmp_path):
         s = trained.get(r["sample_id"])
         if s is not None:  # consumed in this lineage: trained on exactly the journaled tokens
             j = journaled[r["sample_id"]]
-            assert list(s["response_ids"]) == list(j.output_ids) and list(s["rollout_logprobs"]) == list(j.logprobs)
-            assert s["version"] == j.version
+            assert list(s.response_ids) == list(j.output_ids) and list(s.rollout_logprobs) == list(j.logprobs)
+            assert s.version == j.version
     assert any(r["sample_id"] in trained for r in replayed)
     # every group of the final lineage consumed once; the restored samples are right answers
-    resumed = [{s["group_id"] for s in b} for b in trainer2.batches]
+    resumed = [{s.group_id for s in b} for b in trainer2.batches]
     all_groups = [g for b in first_two + resumed for g in b]
     assert len(all_groups) == len(set(all_groups)) == 6 * 4
     assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
     for batch in trainer2.batches:
         for s in batch:
-            assert s["reward"] == 1.0
+            assert s.reward == 1.0
     assert (run_dir / JOURNAL).is_file()
 
 

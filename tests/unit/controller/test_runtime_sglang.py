@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from dora_megatron.controller.loop import EngineReply
+from dora_megatron.events import EngineReply
 from dora_megatron.controller.main import drive
 from dora_megatron.controller.records import SampleRecord
 from dora_megatron.data import tokenizer as tok

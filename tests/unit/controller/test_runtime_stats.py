@@ -69,7 +69,7 @@ def make_runtime(engines: dict, concurrency: int = 64, health_timeout_s: float =
 def finish(rt: Runtime) -> dict[str, Any]:
     summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=120))
     assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0
-    assert len(rt.training.steps) == 3
+    assert len(rt.metrics.rows) == 3
     return summary
 
 

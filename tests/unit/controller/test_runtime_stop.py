@@ -48,7 +48,7 @@ def test_a_stop_checkpoints_at_the_next_boundary_and_the_resume_trains_each_grou
     summary2 = asyncio.run(drive(rt2))
     assert summary2["status"] == "completed" and summary2["stopped_by"] is None
     assert len(trainer2.batches) == n - k
-    groups = [s["group_id"] for b in trainer.batches + trainer2.batches for s in b[::2]]  # G=2: one per group
+    groups = [s.group_id for b in trainer.batches + trainer2.batches for s in b[::2]]  # G=2: one per group
     assert len(groups) == len(set(groups)) == n * 4
     assert summary2["lost_groups"] == 0 and summary2["duplicated_groups"] == 0
 

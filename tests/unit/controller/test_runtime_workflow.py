@@ -42,18 +42,18 @@ def test_partial_mode_reruns_an_interrupted_trajectory_whole_on_the_new_version(
     check_trajectories(trainer, seen)
     assert summary["env/trajectories_aborted"] > 0  # interrupts happened, mid-trajectory
     trained = [s for b in trainer.batches for s in b]
-    assert len(trained) == 6 * 4 * 2 and len({s["group_id"] for s in trained}) == 6 * 4
-    assert all(s["reward"] == 1.0 for s in trained)
+    assert len(trained) == 6 * 4 * 2 and len({s.group_id for s in trained}) == 6 * 4
+    assert all(s.reward == 1.0 for s in trained)
     # the engines ran some samples on several versions (the dropped attempts), but every trained
     # trajectory is from one: both its turns were generated on the version it is trained as
     calls = [(rid, v) for e in engines.values() for op, rid, v in e.log if op == "generate"]
     rerun = {rid for rid, v in calls if any(r == rid and w != v for r, w in calls)}
-    assert {s["group_id"] for s in trained} & {rid.rsplit(".", 1)[0] for rid in rerun}
+    assert {s.group_id for s in trained} & {rid.rsplit(".", 1)[0] for rid in rerun}
     # each trained sample's two turns on the version it is trained as (partial mode may re-run a
     # group's samples on different versions: a sample's version is its own)
     whole = {(rid, v) for rid, v in calls if calls.count((rid, v)) >= 2}
-    for g in {s["group_id"] for s in trained}:
-        versions = sorted(s["version"] for s in trained if s["group_id"] == g)
+    for g in {s.group_id for s in trained}:
+        versions = sorted(s.version for s in trained if s.group_id == g)
         assert any(sorted(v for rid, v in pick) == versions and len({rid for rid, _ in pick}) == 2
                    for pick in itertools.combinations([p for p in whole if p[0].rsplit(".", 1)[0] == g], 2)), g
     assert summary["c1_violations"] == 0 and summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0
@@ -88,7 +88,7 @@ def test_a_resume_keeps_the_finished_trajectories_masks(tmp_path):
     finished = state["samples"]  # the finished samples of the outstanding groups
     assert all(s["loss_mask"][-len(ENV):] == [0] * len(ENV) for s in finished)
     summary = asyncio.run(asyncio.wait_for(drive(rt2), timeout=120))
-    trained = [g for b in trainer.batches[:2] + trainer2.batches for g in {s["group_id"] for s in b}]
+    trained = [g for b in trainer.batches[:2] + trainer2.batches for g in {s.group_id for s in b}]
     assert len(trained) == len(set(trained)) == 6 * 4 and summary["lost_groups"] == 0
     check_trajectories(trainer2, seen)
     restored = {s["sample_id"].rsplit(".", 1)[0] for s in finished} & trained_groups(trainer2)

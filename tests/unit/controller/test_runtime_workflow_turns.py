@@ -132,7 +132,7 @@ def test_a_trajectory_moved_between_turns_takes_its_prefix_kv_along_and_frees_it
     stayed = {sid for sid, names in wf.turn_engines.items() if len(set(names)) == 1}
     assert any(("reuse", sid) in log[wf.turn_engines[sid][0]] for sid in stayed)
     assert summary["workflow_turn_kv_moved"] + summary["workflow_turn_prefix_recomputed"] >= len(moved)
-    trained = {s["group_id"] for b in trainer.batches for s in b}
+    trained = {s.group_id for b in trainer.batches for s in b}
     held = {rid for e in engines.values() for rid in e.kept}
     assert held.isdisjoint(sid for sid in wf.turn_engines if sid.rsplit(".", 1)[0] in trained)
     assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
@@ -195,7 +195,7 @@ def test_partial_mode_runs_a_trajectory_again_on_the_newer_weights_its_next_turn
     assert outlived and summary["env/trajectories_aborted"] > 0
     calls = [(rid, v) for e in engines.values() for op, rid, v in e.log if op == "generate"]
     trained = [s for b in trainer.batches for s in b]
-    assert len({s["group_id"] for s in trained}) == 4 * 4 and all(s["reward"] == 1.0 for s in trained)
+    assert len({s.group_id for s in trained}) == 4 * 4 and all(s.reward == 1.0 for s in trained)
     again = {rid for rid, v in calls if rid in outlived and any(r == rid and w > v for r, w in calls)}
     assert again  # an outlived trajectory ran again on the newer version
     assert summary["c1_violations"] == 0 and summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0
@@ -214,7 +214,7 @@ def test_a_move_ordered_during_a_turn_moves_that_turn_with_its_kv_and_the_workfl
     log = [(op, rid) for e in engines.values() for op, rid, _ in e.log]
     moved = {rid for op, rid in log if op == "import"}
     assert moved and summary["migrations_kv"] == len([1 for op, _ in log if op == "import"])
-    trained = {s["group_id"] for b in trainer.batches for s in b}
+    trained = {s.group_id for b in trainer.batches for s in b}
     for sid in moved:
         assert wf.starts[sid] == 1  # the workflow went on: not run again
         if sid.rsplit(".", 1)[0] in trained:  # two turns, one generate each: the moved one was not submitted again

@@ -130,9 +130,9 @@ def test_a_failing_reward_is_counted_per_step_in_the_summary_and_logged_once(tmp
     rt.store.reward_fn = recording_scorer(rows, seen, fail_odd_rows=True)
     with caplog.at_level(logging.WARNING, logger="dora_megatron.controller.samples"):
         summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=120))
-    failed_per_step = [sum(s["reward"] == 0.0 for s in batch) for batch in trainer.batches]
-    assert all(s["reward"] in (0.0, 1.0) for batch in trainer.batches for s in batch)
-    assert sum(failed_per_step) > 0 and any(s["reward"] == 1.0 for b in trainer.batches for s in b)
+    failed_per_step = [sum(s.reward == 0.0 for s in batch) for batch in trainer.batches]
+    assert all(s.reward in (0.0, 1.0) for batch in trainer.batches for s in batch)
+    assert sum(failed_per_step) > 0 and any(s.reward == 1.0 for b in trainer.batches for s in b)
     steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
     assert [r["reward/errors"] for r in steps] == failed_per_step
     assert summary["reward_errors"] == sum(failed_per_step)

@@ -150,11 +150,15 @@ def test_load_weights_rejects_bad_names_and_shapes_atomically(moe_dir):
     assert torch.equal(m.model.norm.weight, before)
 
 
-@pytest.mark.parametrize("family,moe_module", [("qwen2_moe", "mlp"), ("mixtral", "block_sparse_moe")])
+@pytest.mark.parametrize("family,moe_module", [("qwen2_moe", "mlp"), ("mixtral", "block_sparse_moe"),
+                                               ("glm4_moe", "mlp"), ("deepseek_v3", "mlp")])
 def test_other_families_match_transformers(tmp_path, family, moe_module):
     """Qwen2-MoE (q/k/v biases, no QK-norm, a gated shared expert, top-k weights not renormalised)
     and Mixtral (experts w1/w3/w2 under block_sparse_moe, renormalised top-2), as transformers saves
-    them: our forward equals transformers' on the long (per-expert) and the short (all-experts) path."""
+    them, GLM-4.5 (half-rotary heads, QK-norm, q/k/v biases, a dense first layer, an ungated
+    shared expert, sigmoid routing in groups with a correction bias, scaled) and DeepSeek-V3 (MLA,
+    GLM-4.5's router and shared experts): our forward equals transformers' on the long (per-expert)
+    and the short (all-experts) path."""
     from tests.helpers.hf_dirs import save_family
 
     model_dir = save_family(tmp_path / family, family)
@@ -162,21 +166,100 @@ def test_other_families_match_transformers(tmp_path, family, moe_module):
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     hf.eval()
     ours = load_model(str(model_dir))
-    assert any(k.startswith(f"model.layers.0.{moe_module}.experts.0.") for k in ours.state_dict())
+    moe_layer = ours.config.sparse_layers[0]
+    assert any(k.startswith(f"model.layers.{moe_layer}.{moe_module}.experts.0.") for k in ours.state_dict())
     for n in (40, 8):
         ids = torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist()
         with torch.no_grad():
             ref = hf(torch.tensor([ids])).logits[0].float()
         assert ref.std() > 0.3
         torch.testing.assert_close(ours.full_logits(ids), ref, rtol=1e-5, atol=1e-5)
+    # in bf16, every tensor has the dtype transformers gives it (GLM-4.5's router stays fp32)
+    hf16 = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    theirs = {**dict(hf16.named_parameters()), **dict(hf16.named_buffers())}
+    ours16 = load_model(str(model_dir), dtype=torch.bfloat16).state_dict()
+    common = [k for k in ours16 if k in theirs]  # (transformers 5 holds experts fused, Mixtral's block as mlp)
+    assert family == "mixtral" or any(k.endswith(f"{moe_module}.gate.weight") for k in common)
+    assert {k: ours16[k].dtype for k in common} == {k: theirs[k].dtype for k in common}
+
+
+def test_mla_decodes_from_a_latent_cache_of_kv_lora_rank_plus_rope_values_per_token(tmp_path):
+    """DeepSeek-V3's engine caches per token and layer the kv latent and the shared rotary key
+    (16 + 8 values in the tiny model), not 4 heads' keys and values (4 * (24 + 16) = 160); decoding
+    token by token from it, prefills in chunks included, gives transformers' logits."""
+    from tests.helpers.hf_dirs import save_family
+
+    model_dir = save_family(tmp_path / "ds", "deepseek_v3")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    ours = load_model(str(model_dir))
+    c = ours.config
+    ids = torch.randint(3, 96, (24,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    kv = RequestKV(ours.kv_shape(16))
+    kv.ensure_capacity(len(ids))
+    rows = []
+    with torch.inference_mode():
+        h = ours.forward_segments(torch.tensor(ids[:6]), torch.arange(6), [(kv, 6)])
+        rows.append(ours.logits(h))
+        h = ours.forward_segments(torch.tensor(ids[6:10]), torch.arange(6, 10), [(kv, 4)])  # chunk after a past
+        rows.append(ours.logits(h))
+        for i in range(10, len(ids)):
+            rows.append(ours.logits(ours.forward_segments(torch.tensor([ids[i]]), torch.tensor([i]), [(kv, 1)])))
+    torch.testing.assert_close(torch.cat(rows), ref, rtol=1e-5, atol=1e-5)
+    per_token_layer = (kv.k[0].numel() + kv.v[0].numel()) // kv.capacity
+    assert per_token_layer == c.kv_lora_rank + c.qk_rope_head_dim == 24
+    assert kv.export_tensor().shape[3] == len(ids)
+
+
+def test_multi_token_prediction_layers_are_skipped_as_transformers_skips_them(tmp_path, caplog):
+    """A DeepSeek-V3 checkpoint stores its MTP module as ``model.layers.<num_hidden_layers>``; the
+    engine loads the directory without it (saying so), as transformers does, and computes the same."""
+    import logging
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.helpers.hf_dirs import save_family
+
+    model_dir = save_family(tmp_path / "ds", "deepseek_v3")
+    state = load_file(str(model_dir / "model.safetensors"))
+    extra = {"model.layers.2.eh_proj.weight": torch.randn(64, 128), "model.layers.2.enorm.weight": torch.ones(64),
+             "model.layers.2.self_attn.kv_b_proj.weight": torch.randn(128, 16)}
+    save_file({**state, **extra}, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    ids = list(range(3, 23))
+    with torch.no_grad():
+        ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()(torch.tensor([ids])).logits[0]
+    with caplog.at_level(logging.INFO, logger="dora_megatron.rollout.engine.model"):
+        ours = load_model(str(model_dir))
+    assert "skipping 3 tensors of multi-token-prediction layers (num_nextn_predict_layers=1)" in caplog.text
+    torch.testing.assert_close(ours.full_logits(ids), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_mla_with_yarn_matches_transformers(tmp_path):
+    """DeepSeek-V3's YaRN: the rotary part's blended frequencies and attention factor, and the
+    ``mscale_all_dim`` factor on every dimension's softmax scale, past the original length of 8."""
+    from tests.helpers.hf_dirs import save_family
+
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
+            "mscale": 1.0, "mscale_all_dim": 1.0}
+    ids = torch.randint(3, 96, (24,), generator=torch.Generator().manual_seed(6)).tolist()
+    logits = {}
+    for name, rope in (("yarn", yarn), ("plain", {"rope_type": "default", "rope_theta": 10000.0})):
+        model_dir = save_family(tmp_path / name, "deepseek_v3", rope_parameters=rope)
+        with torch.no_grad():
+            ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()(torch.tensor([ids])).logits[0]
+        logits[name] = ref
+        torch.testing.assert_close(load_model(str(model_dir)).full_logits(ids), ref, rtol=1e-5, atol=1e-5)
+    assert (logits["yarn"] - logits["plain"]).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("rope", [
     {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16},
     {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}])
-def test_scaled_rope_matches_transformers_and_only_the_trainer_refuses_it(tmp_path, rope):
+def test_scaled_rope_matches_transformers_and_the_trainer_takes_only_yarn(tmp_path, rope):
     """YaRN (frequencies blended by position band, cos/sin scaled by its attention factor) and linear
-    scaling: the engine computes them as transformers does; the trainer and the job refuse them."""
+    scaling: the engine computes them as transformers does; the trainer (Megatron's GPT YaRN path)
+    takes YaRN and refuses linear, and so does the job's model check."""
     from dora_megatron.models.hf_model_dir import check_model_dir
     from dora_megatron.models.presets import preset_config
 
@@ -194,5 +277,8 @@ def test_scaled_rope_matches_transformers_and_only_the_trainer_refuses_it(tmp_pa
     hf_model_dir.save_model_dir(tmp_path / "plain", cfg, hf_model_dir.random_state_dict(cfg, 4))
     assert (load_model(str(tmp_path / "plain")).full_logits(ids) - ref).abs().max() > 1e-3  # the scaling mattered
     assert check_model_dir(tmp_path, need_tokenizer=False, engine_only=True) == []
+    if rope["rope_type"] == "yarn":
+        assert check_model_dir(tmp_path, need_tokenizer=False) == []
+        return
     (problem,) = check_model_dir(tmp_path, need_tokenizer=False)
     assert f"rope_type {rope['rope_type']!r} is not supported by the Megatron trainer" in problem

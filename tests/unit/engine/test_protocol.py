@@ -25,6 +25,12 @@ from dora_megatron.comm import protocol as P
         ({"input_ids": [1], "return_logprob": "yes"}, "return_logprob must be a boolean"),
         ({"input_ids": [1], "rid": 5}, "rid must be a string"),
         ({"input_ids": [1], "stream": True}, "stream"),
+        ({"input_ids": [1], "sampling_params": {"temperature": float("nan")}},
+         "sampling_params.temperature must be a finite number, got nan"),
+        ({"input_ids": [1], "sampling_params": {"stop_token_ids": [3, True]}},
+         "sampling_params.stop_token_ids[1] must be an integer, got True"),
+        ({"input_ids": [1], "sampling_params": {"sampling_seed": 1 << 70}}, "sampling_seed must be >= "),
+        ({"input_ids": [1], "routed_experts_start_len": -2}, "routed_experts_start_len must be >= 0, got -2"),
     ],
 )
 def test_generate_validation(body, needle):
@@ -54,6 +60,10 @@ def test_admin_request_validation():
         P.UpdateFromDiskRequest.from_json({})
     with pytest.raises(P.ProtocolError, match="differ in length"):
         P.UpdateFromDistributedRequest.from_json({"names": ["a"], "dtypes": [], "shapes": [[1]]})
+    with pytest.raises(P.ProtocolError, match=r"shapes\[0\]\[1\] must be >= 0, got -2"):
+        P.UpdateFromDistributedRequest.from_json({"names": ["a"], "dtypes": ["float32"], "shapes": [[1, -2]]})
+    with pytest.raises(P.ProtocolError, match="master_port must be <= 65535, got 70000"):
+        P.InitGroupRequest.from_json({"master_address": "x", "master_port": 70000, "rank_offset": 1, "world_size": 2})
     with pytest.raises(P.ProtocolError, match="master_port"):
         P.InitGroupRequest.from_json({"master_address": "x", "rank_offset": 1, "world_size": 2})
     with pytest.raises(P.ProtocolError, match="rank_offset"):

@@ -838,7 +838,7 @@ def test_each_recording_request_of_a_batch_gets_its_own_rows(moe_model):
 
 
 def test_a_failed_scoring_leaves_the_counts_and_the_batch_runs(moe_model, monkeypatch):
-    from dora_megatron.rollout.engine import scheduler as sched_module
+    from dora_megatron.rollout.engine import speculator as sched_module
 
     def out_of_memory(*args, **kwargs):
         raise RuntimeError("CUDA out of memory (a stand-in)")

@@ -190,3 +190,86 @@ def test_the_committed_digit_eval_set_is_the_held_out_prompts_scored_by_the_task
     _, reward = make_prompt_source(cfg.data.task, min_len=1, max_len=4)
     assert len(rows) == 32 and all(reward(p.answer, p.answer) == 1.0 for p in rows)
     assert sum(reward("", p.answer) for p in rows) == 0.0
+
+
+def test_engines_run_every_variant_on_each_engine_in_the_same_round():
+    from dora_megatron.launch.bench import run_order
+
+    order = run_order(["sync", "dora_s3", "dora_s3_reprefill@embedded"], 2, limits=False, engines=["embedded", "sglang"])
+    assert order[:5] == [(0, "sync@embedded"), (0, "dora_s3@embedded"), (0, "dora_s3_reprefill@embedded"),
+                         (0, "sync@sglang"), (0, "dora_s3@sglang")]
+    assert order[5:] == [(1, n) for _, n in order[:5]]  # round 1 repeats round 0: seed-major
+    # limits are measured per engine (its own capacities), at the head of that engine's runs
+    assert run_order(["sync"], 1, limits=True, engines=["embedded", "sglang"]) == [
+        (0, "limits@embedded"), (0, "sync@embedded"), (0, "limits@sglang"), (0, "sync@sglang")]
+
+
+def test_a_variant_at_an_engine_starts_that_engine_with_its_own_section(tmp_path):
+    base = load_config(ROOT / "configs" / "bench" / "cpu_sglang.yaml")
+    assert base.rollout.engine == "sglang" and base.bench.engines == ["embedded", "sglang"]
+    emb = variant_config(base, "dora_s3@embedded", 0, tmp_path / "e", tmp_path / "model", 2)
+    sgl = variant_config(base, "sync@sglang", 0, tmp_path / "s", tmp_path / "model", 2)
+    assert emb.rollout.engine == "embedded" and emb.orchestrator.max_staleness == 3
+    assert sgl.rollout.engine == "sglang" and sgl.orchestrator.mode == "sync"
+    assert sgl.sglang.python == base.sglang.python and sgl.launch.engine_cpus == [0]
+    kvless = variant_config(base, "dora_s3_reprefill@embedded", 0, tmp_path / "r", tmp_path / "model", 2)
+    assert kvless.controller.migration == "reprefill" and kvless.rollout.engine == "embedded"
+
+
+def test_bench_engines_and_engine_suffixes_are_checked():
+    from dora_megatron.config.base import ConfigError
+
+    cfg = ROOT / "configs" / "bench" / "cpu_sglang.yaml"
+    with pytest.raises(ConfigError, match=r"bench.engines\[1\].*'sglng'"):
+        load_config(cfg, ['bench.engines=["embedded", "sglng"]'])
+    with pytest.raises(ConfigError, match=r"bench.variants\[0\].*vllm"):
+        load_config(cfg, ['bench.variants=["sync@vllm"]'])  # an engine the bench does not run
+    with pytest.raises(ConfigError, match="twice"):
+        load_config(cfg, ['bench.engines=["sglang", "sglang"]'])
+
+
+def test_engines_get_their_own_baseline_and_a_paired_ratio_against_the_first():
+    from dora_megatron.launch.bench import aggregate_engines, engines_markdown
+
+    runs = {"sync@embedded": [{"throughput_tokens_per_s": 100.0}, {"throughput_tokens_per_s": 50.0}],
+            "dora_s3@embedded": [{"throughput_tokens_per_s": 200.0}, {"throughput_tokens_per_s": 100.0}],
+            "sync@sglang": [{"throughput_tokens_per_s": 50.0}, {"throughput_tokens_per_s": 25.0}],
+            "dora_s3@sglang": [{"throughput_tokens_per_s": 150.0}, {"throughput_tokens_per_s": 75.0}]}
+    agg = aggregate_engines(runs, ["embedded", "sglang"], "auto", {}, 0.95)
+    # each engine's DORA against its own sync: 2x on embedded, 3x on sglang
+    assert agg["engines"]["embedded"]["ratios"]["dora_s3/sync_throughput"] == pytest.approx(2.0)
+    assert agg["engines"]["sglang"]["ratios"]["dora_s3/sync_throughput"] == pytest.approx(3.0)
+    cross = agg["engine_ratio_ci"]
+    assert set(cross) == {"sync@sglang/sync@embedded_throughput", "dora_s3@sglang/dora_s3@embedded_throughput"}
+    # round 1 ran at half speed on both engines: pairing by round leaves no spread
+    assert cross["dora_s3@sglang/dora_s3@embedded_throughput"]["ratio"] == pytest.approx(0.75)
+    assert cross["dora_s3@sglang/dora_s3@embedded_throughput"]["lo"] == pytest.approx(0.75)
+    md = engines_markdown(agg)
+    assert "### Engine `sglang`" in md and "`sync@sglang/sync@embedded_throughput`: 0.50x" in md
+
+
+def test_reprefill_costs_count_resubmits_and_time_against_the_kv_pair_on_the_same_engine():
+    from dora_megatron.launch.bench import reprefill_costs, reprefill_table
+
+    kv = [{"throughput_tokens_per_s": 200.0, "mean_step_time_s": 2.0, "migrations": 6, "migrations_reprefill": 0,
+           "reprefill_tokens": 0, "migration_stall_s": 0.1}] * 2
+    resub = [{"throughput_tokens_per_s": 160.0, "mean_step_time_s": 2.5, "migrations": 5, "migrations_reprefill": 4,
+              "reprefill_tokens": 300, "migration_stall_s": 0.4},
+             {"throughput_tokens_per_s": 180.0, "mean_step_time_s": 2.5, "migrations": 7, "migrations_reprefill": 6,
+              "reprefill_tokens": 500, "migration_stall_s": 0.6}]
+    runs = {"sync@embedded": [{"throughput_tokens_per_s": 100.0, "migrations": 0}] * 2,
+            "dora_s3@embedded": kv, "dora_s3_reprefill@embedded": resub,
+            "dora_s3@sglang": resub}  # SGLang resubmits every move, and has no KV run to pair with
+    costs = reprefill_costs(runs)
+    assert "sync@embedded" not in costs  # nothing moved
+    r = costs["dora_s3_reprefill@embedded"]
+    assert (r["migrations_reprefill"], r["reprefill_tokens"], r["tokens_per_reprefill"]) == (5.0, 400.0, 80.0)
+    assert r["migration_stall_s"] == pytest.approx(0.5)
+    assert r["kv_reference"] == "dora_s3@embedded" and r["step_time_cost_s"] == pytest.approx(0.5)
+    assert r["vs_kv"]["ratio"] == pytest.approx((0.8 * 0.9) ** 0.5) and r["vs_kv"]["pairs"] == 2
+    s = costs["dora_s3@sglang"]
+    assert s["reprefill_tokens"] == 400.0 and s["kv_reference"] is None and s["step_time_cost_s"] is None
+    assert costs["dora_s3@embedded"]["migrations_reprefill"] == 0 and costs["dora_s3@embedded"]["tokens_per_reprefill"] is None
+    table = reprefill_table(costs)
+    assert "| dora_s3_reprefill@embedded | 6.0 | 5.0 | 400 | 80 | 0.50 | 0.50 |" in table
+    assert reprefill_table({}) == ""

@@ -165,7 +165,7 @@ def test_write_results_puts_curves_intervals_and_times_in_the_bench_outputs(tmp_
             for v, t in (("sync_colocated", 2.0), ("dora_s3", 1.0))}
     runs = {"sync_colocated": [{"throughput_tokens_per_s": 100.0}, {"throughput_tokens_per_s": 90.0}],
             "dora_s3": [{"throughput_tokens_per_s": 130.0}, {"throughput_tokens_per_s": 120.0}]}
-    result = write_results(cfg, tmp_path, runs, dirs, [], 2, say=lambda _: None)
+    result = write_results(cfg, tmp_path, runs, dirs, {}, 2, say=lambda _: None)
     saved = json.loads((tmp_path / "bench.json").read_text())
     # the 2-step mean first reaches 0.5 at step 2 (0.55), after two steps of 1 s (dora) or 2 s (sync)
     assert saved["learning"]["variants"]["dora_s3"]["time_to_reward_median_s"] == pytest.approx(2.0)

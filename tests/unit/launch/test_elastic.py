@@ -34,10 +34,10 @@ def _check(rt, trainer, steps):
     assert len(trainer.batches) == steps
     seen = set()
     for step, batch in enumerate(trainer.batches):
-        groups = {s["group_id"] for s in batch}
+        groups = {s.group_id for s in batch}
         assert len(groups) == 4 and not groups & seen
         seen |= groups
-        assert all(s["reward"] == 1.0 and step - s["version"] <= 2 for s in batch)
+        assert all(s.reward == 1.0 and step - s.version <= 2 for s in batch)
 
 
 async def _run_watched(rt, join_dir, make, event, **watch):

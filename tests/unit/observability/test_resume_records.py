@@ -32,9 +32,8 @@ def test_tensorboard_shows_each_re_done_step_once(tmp_path):
 
 def test_a_resume_at_a_checkpoint_boundary_records_each_step_once(tmp_path):
     """The crashed lineage recorded step 4 (the first after checkpoint v4) before it died; the
-    resume trains step 4 again on the groups the checkpoint kept. The record must list it once,
-    and the summary's duplicate count, read from that record, must see any group listed twice."""
-    from dora_megatron.controller.outputs import duplicated_in_record, open_run_records
+    resume trains step 4 again on the groups the checkpoint kept. The record must list it once."""
+    from dora_megatron.controller.outputs import open_run_records
 
     def rec(step):
         return json.dumps({"step": step, "groups": [f"g{2 * step}", f"g{2 * step + 1}"], "versions": [step, step]})
@@ -50,11 +49,34 @@ def test_a_resume_at_a_checkpoint_boundary_records_each_step_once(tmp_path):
     records = [json.loads(x) for x in (tmp_path / "consumed.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(6))
     assert [json.loads(x)["step"] for x in (tmp_path / "steps.jsonl").read_text().splitlines()] == list(range(6))
-    assert duplicated_in_record(tmp_path / "consumed.jsonl") == 0
-    with open(tmp_path / "consumed.jsonl", "a") as f:  # a group listed twice is counted from the record
-        f.write(rec(5) + "\n")
-    assert duplicated_in_record(tmp_path / "consumed.jsonl") == 2
     new_steps, new_consumed = open_run_records(tmp_path, None)  # a fresh run starts both records empty
     new_steps.close()
     new_consumed.close()
     assert (tmp_path / "consumed.jsonl").read_text() == ""
+
+
+def test_a_group_trained_before_and_after_a_resume_is_counted_once_as_a_duplicate(tmp_path):
+    """The summary's ``duplicated_groups`` is counted over the run's step records, the steps before
+    the checkpoint (read back from steps.jsonl) included: a group the resumed lineage trains again
+    after the crashed one trained it before the checkpoint is seen."""
+    from dora_megatron.observability.recorder import MetricsRecorder, StepsJsonl, read_step_rows
+    from dora_megatron.observability.summary import RunTotals
+
+    def step(rec, k, groups):
+        rec.step_trained(k, end_s=10.0 * (k + 1), wait_s=0.0, train_s=1.0, tokens=10, staleness=[0] * len(groups),
+                         rewards=[1.0], response_lengths=[5], live_versions=1, groups=groups, versions=[k] * len(groups))
+
+    def duplicated(rec):
+        return rec.summary(mode="dora", max_staleness=1, tbs=2, rbs=1, wall_time_s=1.0,
+                           totals=RunTotals(dispatched_groups=6, consumed_groups=6))["duplicated_groups"]
+
+    first = MetricsRecorder(slots_per_instance=1, rebalancer=False, sinks=[StepsJsonl(open(tmp_path / "steps.jsonl", "w"))])
+    step(first, 0, ["g0", "g1"])
+    step(first, 1, ["g2", "g3"])
+    first.sinks[0].close()
+    resumed = MetricsRecorder(slots_per_instance=1, rebalancer=False)
+    resumed.load_state_dict(first.state_dict(), rows=read_step_rows(tmp_path / "steps.jsonl", 2))
+    step(resumed, 2, ["g4", "g5"])
+    assert duplicated(resumed) == 0
+    step(resumed, 3, ["g1", "g6", "g3"])  # two groups the steps before the checkpoint trained
+    assert duplicated(resumed) == 2

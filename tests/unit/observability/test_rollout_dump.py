@@ -82,7 +82,7 @@ def test_the_runtime_dumps_the_samples_the_trainer_is_handed(tmp_path):
     for step, (path, batch) in enumerate(zip(files, trainer.batches)):
         rows = [json.loads(line) for line in path.read_text().splitlines()]
         assert len(rows) == 3 and len({r["group_id"] for r in rows}) == 3  # three prompts, one sample each
-        trained = {(s["group_id"], tuple(s["prompt_ids"]), tuple(s["response_ids"]), s["reward"], s["version"])
+        trained = {(s.group_id, tuple(s.prompt_ids), tuple(s.response_ids), s.reward, s.version)
                    for s in batch}
         for r in rows:
             assert r["step"] == step and r["finish_reason"] == "stop"

@@ -93,7 +93,7 @@ def test_snapshot_round_trip_with_a_tail():
     assert json.loads(json.dumps(clone.snapshot())) == snap
     assert clone.on_switch_done("a", 2) == o.on_switch_done("a", 2)
     assert clone.on_sample_finished("g4.0") == o.on_sample_finished("g4.0")
-    assert clone.instances["a"].tail_version is None and clone._unserved() == o._unserved()
+    assert clone.instances["a"].tail_version is None and clone.index.unserved() == o.index.unserved()
     # the tail was served, not demand: a rebalance after the restore leaves b alone
     assert clone.on_tick(100.0) == o.on_tick(100.0)
 

@@ -35,8 +35,8 @@ class ScansThePool(Traced):
 
     def _pool_view(self):
         alive = [i for i in self.instances.values() if i.alive]
-        running = sorted(v for v, ids in self._active.items() if any(self.instances[i].samples for i in ids))
-        idle = {v for v, ids in self._active.items() if any(not self.instances[i].samples for i in ids)}
+        running = sorted(v for v, ids in self.index.active.items() if any(self.instances[i].samples for i in ids))
+        idle = {v for v, ids in self.index.active.items() if any(not self.instances[i].samples for i in ids)}
         fast = super()._pool_view()
         assert fast == (len(alive), running, idle), (fast, (len(alive), running, idle))
         return len(alive), running, idle

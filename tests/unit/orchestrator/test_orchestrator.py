@@ -337,7 +337,7 @@ def test_legacy_fill_off_by_default_and_bounded_by_admission_when_on():
         for sid in sorted(s for s, i in h.where.items() if i == legacy)[:3]:
             h.finish(sid)
         extra[fill] = [a for a in h.log[mark:] if isinstance(a, Dispatch) and a.version == 0]
-        assert h.o._dispatched[0] <= (0 + 3 + 1) * 2
+        assert h.o.index.dispatched[0] <= (0 + 3 + 1) * 2
     assert extra[False] == []
     assert len(extra[True]) >= 1
 
@@ -472,26 +472,14 @@ def test_consumed_groups_are_forgotten_and_late_reports_are_harmless():
     assert clone.on_step_finished(1) == h.o.on_step_finished(1)
 
 
-def test_snapshot_written_before_groups_were_forgotten_still_restores():
-    """``data/snapshot_format1.json`` was written by the pre-change code (format 1: every group
-    ever made) for exactly this driver run; restoring it must give the orchestrator the current
-    code has at the same point: same counters, same next decisions, consumed groups dropped."""
-    from pathlib import Path
-
-    from .sim_driver import Driver
-
-    cfg = OrchestratorConfig(mode="dora", tbs=2, rbs=6, group_size=2, max_staleness=2, cap_before_rebalance=3,
-                             cap_after_rebalance=3, legacy_fill=True)
-    d = Driver(cfg, 3, seed=5)
-    d.run(6)
-    old = json.loads((Path(__file__).parent / "data" / "snapshot_format1.json").read_text())
-    assert old["format"] == 1 and len(old["groups"]) > d.orch.outstanding  # it does hold consumed groups
-    clone = Orchestrator.restore(cfg, old)
-    assert set(clone.groups) == set(d.orch.groups) and set(clone.samples) == set(d.orch.samples)
-    assert clone.summary() == d.orch.summary()
-    assert clone.on_tick(d.now + 100.0) == d.orch.on_tick(d.now + 100.0)
-    with pytest.raises(ValueError, match="format 99"):
-        Orchestrator.restore(cfg, {**old, "format": 99})
+def test_a_snapshot_of_another_format_is_refused_naming_it():
+    """Only this version's snapshot format is read: another is refused, naming its format."""
+    h = Harness(mode="dora")
+    snap = json.loads(json.dumps(h.o.snapshot()))
+    assert Orchestrator.restore(h.cfg, snap).summary() == h.o.summary()
+    for fmt in (1, 99):
+        with pytest.raises(ValueError, match=f"format {fmt} is not supported"):
+            Orchestrator.restore(h.cfg, {**snap, "format": fmt})
 
 
 def _two_busy_instances(free_into_room):

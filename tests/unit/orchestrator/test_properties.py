@@ -70,4 +70,4 @@ def test_folding_old_version_counts_changes_no_decision(sc):
     kept.run(sc["steps"])
     assert kept.batches == folded.batches
     assert kept.orch.summary() == folded.orch.summary()
-    assert sum(kept.orch._dispatched.values()) == sum(folded.orch._dispatched.values())
+    assert sum(kept.orch.index.dispatched.values()) == sum(folded.orch.index.dispatched.values())

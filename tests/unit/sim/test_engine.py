@@ -176,7 +176,7 @@ def test_weight_sync_metrics_agree_with_the_instance_timelines(mode):
                                         ("dora", ["workload.turns.kind=point", "workload.turns.value=3"])])
 def test_the_simulator_reaches_the_orchestrator_only_through_the_runtimes_event_mapping(mode, extra):
     """The simulator feeds the runtime's event dataclasses through the runtime's own mapping
-    (controller/loop.py::EventMapping): no orchestrator event method is called from anywhere else,
+    (events/mapping.py::EventMapping): no orchestrator event method is called from anywhere else,
     across re-tagged partial requests, elastic leaves and joins, stats, migrations and the turns of
     multi-turn trajectories."""
     from dora_megatron.orchestrator import Orchestrator

@@ -2,27 +2,32 @@
 
 import pytest
 
+from dora_megatron.observability.recorder import RUN_EXTRA_KEYS
 from dora_megatron.observability.summary import SUMMARY_FIELDS, RunTotals, StepRecord, build_summary
 
 
-def _steps():
+def _steps(seconds=({}, {}, {})):
     # three steps ending at 100, 250, 400 s; waits 60, 10, 0; tokens 1000 each
-    return [StepRecord(0, 100.0, 60.0, 30.0, 10.0, 1000, [0, 0], reward=0.1),
-            StepRecord(1, 250.0, 10.0, 130.0, 10.0, 1000, [0, 1], reward=0.2),
-            StepRecord(2, 400.0, 0.0, 140.0, 10.0, 1000, [1, 2], reward=0.5)]
+    return [StepRecord(0, 100.0, 60.0, 30.0, 1000, [0, 0], reward=0.1, seconds=dict(seconds[0])),
+            StepRecord(1, 250.0, 10.0, 130.0, 1000, [0, 1], reward=0.2, seconds=dict(seconds[1])),
+            StepRecord(2, 400.0, 0.0, 140.0, 1000, [1, 2], reward=0.5, seconds=dict(seconds[2]))]
 
 
 def test_every_field_present_in_order():
     s = build_summary(mode="dora", max_staleness=2, tbs=2, rbs=4, steps=_steps(),
                       totals=RunTotals(dispatched_groups=8, consumed_groups=6), wall_time_s=400.0)
-    assert tuple(s) == SUMMARY_FIELDS
+    assert tuple(s) == SUMMARY_FIELDS + RUN_EXTRA_KEYS  # the section 11 fields, then the recorder's
 
 
 def test_definitions_over_the_whole_run():
-    # two instances in the pool for the whole 400 s: 800 instance-seconds
-    totals = RunTotals(dispatched_groups=8, consumed_groups=6, busy_slot_s=400.0, slots_per_instance=4,
-                       instance_s=800.0, weight_sync_s=30.0, rebalance_s=8.0)
-    s = build_summary(mode="dora", max_staleness=2, tbs=2, rbs=4, steps=_steps(), totals=totals, wall_time_s=400.0)
+    # two instances in the pool for the whole 400 s (200, 300, 300 instance-seconds a step: 800);
+    # busy slots 400 s, weight loads 30 s (8 of them a rebalance's)
+    per_step = ({"instance": 200.0, "busy_slot": 100.0, "weight_sync": 10.0, "rebalance": 8.0},
+                {"instance": 300.0, "busy_slot": 150.0, "weight_sync": 10.0},
+                {"instance": 300.0, "busy_slot": 150.0, "weight_sync": 10.0})
+    totals = RunTotals(dispatched_groups=8, consumed_groups=6)
+    s = build_summary(mode="dora", max_staleness=2, tbs=2, rbs=4, steps=_steps(per_step), totals=totals,
+                      wall_time_s=400.0, slots_per_instance=4)
     assert s["throughput_tokens_per_s"] == pytest.approx(3000 / 400)
     assert s["rollout_only_fraction"] == pytest.approx(70 / 400)
     assert s["weight_sync_fraction"] == pytest.approx(30 / 800)
@@ -57,8 +62,16 @@ def test_window_step_time_counts_the_first_step_after_the_warmup():
 
 
 def test_not_applicable_is_null_not_missing():
-    steps = [StepRecord(0, 50.0, 5.0, 40.0, 5.0, 10)]
+    steps = [StepRecord(0, 50.0, 5.0, 40.0, 10)]
     s = build_summary(mode="sync", max_staleness=0, tbs=1, rbs=1, steps=steps,
-                      totals=RunTotals(dispatched_groups=1, consumed_groups=1, rebalance_s=None), wall_time_s=50.0)
+                      totals=RunTotals(dispatched_groups=1, consumed_groups=1), wall_time_s=50.0, rebalancer=False)
     for key in ("reward_first", "reward_last", "rollout_utilization", "rebalance_fraction", "max_consumed_staleness"):
         assert key in s and s[key] is None
+
+
+def test_duplicated_groups_counts_each_listing_after_the_first():
+    steps = _steps()
+    steps[0].groups, steps[1].groups, steps[2].groups = ["a", "b"], ["c", "a"], ["a", "d", "d"]
+    s = build_summary(mode="dora", max_staleness=2, tbs=2, rbs=4, steps=steps,
+                      totals=RunTotals(dispatched_groups=8, consumed_groups=6), wall_time_s=400.0)
+    assert s["duplicated_groups"] == 3  # "a" twice more, "d" once more

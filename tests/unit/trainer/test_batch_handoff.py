@@ -4,13 +4,18 @@ of the service reads only the rows its plan trains, a bad directory is a 400 nam
 from __future__ import annotations
 
 import asyncio
+import json
+import base64
+import contextlib
 import socket
 import threading
 from array import array
 from pathlib import Path
+from typing import Any, AsyncIterator
 
 import pytest
 
+from dora_megatron.comm.train_sample import TrainSample
 from dora_megatron.controller.trainer_client import TrainerClient, TrainerError
 from dora_megatron.trainer.packing import plan_step
 from dora_megatron.trainer.service import BadRequest, Command, TrainerService
@@ -36,10 +41,9 @@ class ShardWorker:
         return None
 
 
-def _samples(n: int) -> list[dict]:
-    return [{"prompt_ids": [1, 2, 3], "response_ids": array("i", range(10, 10 + 2 + i)),
-             "rollout_logprobs": array("f", [-0.25] * (2 + i)), "reward": float(i % 2), "group_id": f"g{i // 2}",
-             "version": 0} for i in range(n)]
+def _samples(n: int) -> list[TrainSample]:
+    return [TrainSample([1, 2, 3], array("i", range(10, 10 + 2 + i)), array("f", [-0.25] * (2 + i)), version=0,
+                        reward=float(i % 2), group_id=f"g{i // 2}") for i in range(n)]
 
 
 def _serve(svc: TrainerService) -> tuple[int, threading.Thread]:
@@ -51,6 +55,20 @@ def _serve(svc: TrainerService) -> tuple[int, threading.Thread]:
     return port, t
 
 
+@contextlib.asynccontextmanager
+async def _client(port: int, **kwargs: Any) -> AsyncIterator[TrainerClient]:
+    """A client of the service on ``port`` once it answers ``/health`` (the leader loop starts in
+    a thread); the service is shut down and the client closed on the way out."""
+    client = TrainerClient(f"http://127.0.0.1:{port}", **kwargs)
+    while await client.health() is None:
+        await asyncio.sleep(0.02)
+    try:
+        yield client
+    finally:
+        await client.shutdown()
+        await client.close()
+
+
 def test_client_writes_a_batch_each_rank_trains_its_own_rows(tmp_path):
     samples = _samples(7)
     leader = ShardWorker(dp=2, dp_rank=0)
@@ -59,21 +77,16 @@ def test_client_writes_a_batch_each_rank_trains_its_own_rows(tmp_path):
     sent: dict = {}
 
     async def go():
-        c = TrainerClient(f"http://127.0.0.1:{port}", batch_dir=tmp_path / "batches")
-        try:
-            while await c.health() is None:
-                await asyncio.sleep(0.02)
+        async with _client(port, batch_dir=tmp_path / "batches") as c:
             original = c._post
 
             async def spy(path, body):
-                sent.update(body)  # what the other rank gets broadcast: the entry, no token
+                # what the other rank gets broadcast: the entry, no token (encoded off the loop)
+                sent.update(json.loads(body) if isinstance(body, bytes) else body)
                 return await original(path, body)
 
             c._post = spy
             return await c.train(0, samples)
-        finally:
-            await c.shutdown()
-            await c.close()
 
     reply = asyncio.run(go())
     thread.join(timeout=10)
@@ -83,7 +96,7 @@ def test_client_writes_a_batch_each_rank_trains_its_own_rows(tmp_path):
     assert 0 < len(rows0) < 7
     assert reply["batch_bytes_read"] == sum(4 * 3 + 8 * (2 + i) for i in rows0)
     assert [s.response_ids.tolist() for s in leader.trained if s.response_ids.flags.owndata] == \
-        [list(samples[i]["response_ids"]) for i in rows0]
+        [list(samples[i].response_ids) for i in rows0]
 
 
 def test_other_rank_reads_the_complement(tmp_path):
@@ -109,15 +122,75 @@ def test_bad_batch_directory_is_a_400_naming_it(tmp_path):
     port, thread = _serve(svc)
 
     async def go():
-        c = TrainerClient(f"http://127.0.0.1:{port}")
-        try:
-            while await c.health() is None:
-                await asyncio.sleep(0.02)
+        async with _client(port) as c:
             with pytest.raises(TrainerError, match=r"400.*batch\.samples\[0\]\.response_tokens"):
                 await c._post("/train", {"step": 0, "batch": {"dir": str(tmp_path), "samples": [{"prompt_tokens": 1}]}})
-        finally:
-            await c.shutdown()
-            await c.close()
 
     asyncio.run(go())
     thread.join(timeout=10)
+
+
+def test_samples_in_the_body_reach_the_worker_as_the_same_typed_record(tmp_path):
+    """Without a batch directory the samples travel in the ``/train`` body: the controller's compact
+    arrays go out as lists (routed experts as SGLang's text) and every rank gets
+    :class:`TrainSample` records with the same fields; a malformed sample is a 400 naming it."""
+    import numpy as np
+
+    samples = _samples(3)
+    samples[1].loss_mask = [1, 0, 1]
+    samples[2].routed_experts = np.array([3, -1, 7], np.int8)
+    worker = ShardWorker(dp=1, dp_rank=0)
+    svc = TrainerService(worker, run_dir=tmp_path, rank=0, world_size=1)
+    port, thread = _serve(svc)
+
+    async def go():
+        async with _client(port) as c:
+            bad = TrainSample([1], [2, 3], [0.0], version=1, reward=1.0, group_id="g")
+            with pytest.raises(TrainerError, match=r"400.*samples\[0\]: rollout_logprobs \(1\) and response_ids \(2\)"):
+                await c.train(0, [bad])
+            return await c.train(0, samples)
+
+    reply = asyncio.run(go())
+    thread.join(timeout=10)
+    assert reply["version"] == 1 and reply["batch_bytes_read"] == 0  # nothing read from files
+    got = worker.trained
+    assert all(isinstance(s, TrainSample) for s in got) and len(got) == 3
+    for s, g in zip(samples, got):
+        assert (g.prompt_ids, g.response_ids) == (list(s.prompt_ids), list(s.response_ids))
+        assert g.rollout_logprobs == list(s.rollout_logprobs)
+        assert (g.version, g.reward, g.group_id, g.loss_mask) == (s.version, s.reward, s.group_id, s.loss_mask)
+    assert got[0].routed_experts is None
+    assert np.frombuffer(base64.b64decode(got[2].routed_experts), "<i4").tolist() == [3, -1, 7]
+
+
+def test_spooled_routed_experts_reach_the_rank_that_trains_them_and_trained_segments_go(tmp_path):
+    import numpy as np
+
+    from dora_megatron.comm.routed_spool import SPOOL_DIR
+
+    samples = _samples(7)
+    want = [np.random.default_rng(i).integers(-1, 100, (3 + 2 + i - 1) * 4).astype(np.int8) for i in range(7)]
+    leader = ShardWorker(dp=2, dp_rank=0)
+    svc = TrainerService(leader, run_dir=tmp_path, rank=0, world_size=2)
+    port, thread = _serve(svc)
+    spool_dir = tmp_path / "batches" / SPOOL_DIR
+
+    async def go():
+        async with _client(port, batch_dir=tmp_path / "batches") as c:
+            c.routed_spool.segment_bytes = 40  # several segment files
+            for s, r in zip(samples, want):  # as the sample store queues them when each sample finishes
+                s.routed_experts = c.routed_spool.put(r)
+            reply = await c.train(0, samples)
+            return reply, sorted(p.name for p in spool_dir.iterdir())
+
+    reply, left = asyncio.run(go())
+    thread.join(timeout=10)
+    rows0 = leader.data_rows([3 + 2 + i for i in range(7)])
+    assert 0 < len(rows0) < 7
+    trained = {i: s for i, s in enumerate(leader.trained) if s.response_ids.flags.owndata}
+    assert sorted(trained) == rows0
+    for i in rows0:
+        assert trained[i].routed_experts.tolist() == want[i].tolist()
+    assert reply["batch_bytes_read"] == sum(4 * 3 + 8 * (2 + i) + want[i].nbytes for i in rows0)
+    assert left == [samples[-1].routed_experts.file]  # trained: only the segment still open stays
+    assert not spool_dir.exists()  # the client's close removed the spool

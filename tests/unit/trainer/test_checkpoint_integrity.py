@@ -1,7 +1,7 @@
 """A corrupt trainer checkpoint on ``--resume``: fall back to the previous good one, or fail clearly.
 
 Uses a real Megatron ``dist_checkpointing`` directory (tiny MoE, one rank, saved by
-``dora_megatron.trainer.scenarios resume-save``). Garbling bytes in place does not make the torch
+``tests.helpers.trainer_programs resume-save``). Garbling bytes in place does not make the torch
 load fail (it silently loads other numbers), truncating does (deep inside torch): the checksum
 manifest written next to every checkpoint catches both before any process starts.
 """
@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[3]
 
 def _scenario(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "dora_megatron.trainer.scenarios", *args], capture_output=True,
-                          text=True, env=env, timeout=600)
+    return subprocess.run([sys.executable, "-m", "tests.helpers.trainer_programs", *args], capture_output=True,
+                          text=True, env=env, timeout=600, cwd=ROOT)
 
 
 @pytest.fixture(scope="module")

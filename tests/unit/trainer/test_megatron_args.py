@@ -35,7 +35,7 @@ def test_typed_knobs_reach_transformer_config():
     assert sel.recompute_granularity == "selective" and sel.recompute_modules == ["core_attn"]
     vpp = build_transformer_config(moe, TrainerConfig(pp=2, vpp=2))
     assert vpp.virtual_pipeline_model_parallel_size == 2 and not vpp.batch_p2p_comm
-    with pytest.raises(ValueError, match="pp\\*vpp=8"):
+    with pytest.raises(ValueError, match=r"trainer.pp \* trainer.vpp = 8"):
         build_transformer_config(moe, TrainerConfig(pp=2, vpp=4))
 
 

@@ -28,6 +28,30 @@ def test_parameter_count_is_the_models():
     assert 30.3e9 < est.param_count < 30.7e9
 
 
+#: DeepSeek-V3's config.json (the Hub's, transformers 4.x spelling), without the quantization block
+DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_nextn_predict_layers": 1,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
+    "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True, "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-06, "rope_theta": 10000, "tie_word_embeddings": False,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"}}
+
+
+def test_mla_parameter_count_is_deepseek_v3s():
+    """Multi-latent attention, shared experts and dense first layers counted: DeepSeek-V3's 671 B
+    (the model card's total without its 14 B multi-token-prediction module); a GQA count of the
+    same config (num_key_value_heads heads of head_dim) would be 3 B off."""
+    arch = spec_from_dict(DEEPSEEK_V3)
+    est = estimate(arch, TrainerConfig(device="cuda", max_seq_len=128), world_size=1)
+    assert 670.5e9 < est.param_count < 671.5e9
+    gqa = estimate(replace(arch, kv_lora_rank=0), TrainerConfig(device="cuda", max_seq_len=128), world_size=1)
+    assert abs(gqa.param_count - est.param_count) > 2e9
+
+
 def test_each_knob_moves_its_term():
     arch = _arch()
     base = TrainerConfig(device="cuda", tp=4, ep=8, max_seq_len=8192)
@@ -56,3 +80,23 @@ def test_shipped_30b_config_fits_and_its_fp32_form_is_refused():
     problem = trainer_layout_problem(fp32)
     assert problem and problem.startswith("cluster.gpu_memory_gb=80: the trainer needs an estimated")
     assert estimate(_arch(), fp32.trainer, 32).total > 80 * GIB
+
+
+def test_parameter_count_is_each_familys_model():
+    """Each family's tiny model as transformers builds it (GLM-4.5: a dense first layer beside MoE
+    layers, shared experts, q/k/v biases; Qwen2-MoE: a gated shared expert): a rank of tp=ep=pp=1
+    holds the model's parameters (to the per-layer norms the estimate rounds over)."""
+    import torch
+    import transformers
+
+    from dora_megatron.models.example import tiny_config_kwargs
+
+    for family in ("qwen2_moe", "mixtral", "glm4_moe"):
+        cfg = transformers.CONFIG_MAPPING[family](vocab_size=96, hidden_size=64, num_hidden_layers=4,
+                                                  num_attention_heads=4, num_key_value_heads=2,
+                                                  **tiny_config_kwargs(family, 64))
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(cfg)
+        real = sum(p.numel() for p in model.parameters())
+        est = estimate(spec_from_dict(cfg.to_dict()), TrainerConfig(device="cuda", max_seq_len=128), world_size=1)
+        assert abs(est.param_count - real) / real < 0.005, (family, est.param_count, real)

@@ -1,14 +1,14 @@
 import pytest
 import torch
 
+from dora_megatron.comm.train_sample import TrainSample
 from dora_megatron.config.base import ConfigError
 from dora_megatron.config.trainer import TrainerConfig
 from dora_megatron.trainer.worker import build_micro_batches
 
 
 def test_targets_mask_and_logprobs_are_shifted_to_predicting_position():
-    samples = [{"prompt_ids": [5, 6], "response_ids": [7, 8, 9], "rollout_logprobs": [-0.1, -0.2, -0.3]},
-               {"prompt_ids": [1], "response_ids": [2], "rollout_logprobs": [-1.0]}]
+    samples = [TrainSample([5, 6], [7, 8, 9], [-0.1, -0.2, -0.3]), TrainSample([1], [2], [-1.0])]
     mbs = build_micro_batches(samples, indices=[0, 1], micro_batch_size=2, num_micro_batches=2, seq_len=6,
                               advantages=torch.tensor([0.5, -1.0]))
     mb = mbs[0]
@@ -25,7 +25,7 @@ def test_targets_mask_and_logprobs_are_shifted_to_predicting_position():
 
 def test_too_long_sample_is_rejected():
     with pytest.raises(ValueError):
-        build_micro_batches([{"prompt_ids": [1, 2], "response_ids": [3]}], indices=[0], micro_batch_size=1,
+        build_micro_batches([TrainSample([1, 2], [3])], indices=[0], micro_batch_size=1,
                             num_micro_batches=1, seq_len=2)
 
 
@@ -40,17 +40,8 @@ def test_data_parallel_size_is_derived_and_checked():
         TrainerConfig(ep=4).data_parallel_size(2)
 
 
-def test_reference_logprobs_are_aligned_when_given():
-    samples = [{"prompt_ids": [5], "response_ids": [7, 8], "ref_logprobs": [-0.5, -0.25]}]
-    mb = build_micro_batches(samples, indices=[0], micro_batch_size=1, num_micro_batches=1, seq_len=4)[0]
-    assert mb.ref_logprobs[0].tolist() == [-0.5, -0.25, 0, 0]
-    plain = build_micro_batches([{"prompt_ids": [5], "response_ids": [7]}], indices=[0], micro_batch_size=1,
-                                num_micro_batches=1, seq_len=4)[0]
-    assert plain.ref_logprobs is None
-
-
 def test_on_policy_rows_follow_the_current_version():
-    samples = [{"prompt_ids": [1, 2], "response_ids": [3], "version": v} for v in (5, 4, 5)]
+    samples = [TrainSample([1, 2], [3], version=v) for v in (5, 4, 5)]
     (mb,) = build_micro_batches(samples, indices=[0, 1, 2], micro_batch_size=4, num_micro_batches=1, seq_len=4,
                                 current_version=5)
     assert mb.on_policy.tolist() == [True, False, True, False]  # last row is filler
@@ -65,8 +56,8 @@ def test_a_trajectorys_environment_tokens_are_context_not_loss_nor_parity():
     from dora_megatron.algo.losses import LossSettings, policy_loss
 
     def sample(env_logprob):
-        return {"prompt_ids": [5, 6], "response_ids": [7, 8, 40, 41, 9], "loss_mask": [1, 1, 0, 0, 1],
-                "rollout_logprobs": [-0.1, -0.2, env_logprob, env_logprob, -0.3]}
+        return TrainSample([5, 6], [7, 8, 40, 41, 9], [-0.1, -0.2, env_logprob, env_logprob, -0.3],
+                           loss_mask=[1, 1, 0, 0, 1])
 
     mb = build_micro_batches([sample(0.0)], indices=[0], micro_batch_size=1, num_micro_batches=1, seq_len=7)[0]
     assert mb.tokens[0].tolist() == [5, 6, 7, 8, 40, 41, 9]  # tool tokens stay in the context
@@ -89,12 +80,13 @@ def test_a_trajectorys_environment_tokens_are_context_not_loss_nor_parity():
 
 
 def test_the_trainer_service_refuses_a_malformed_loss_mask_naming_the_sample():
-    from dora_megatron.trainer.service import BadRequest, validate_samples
+    from dora_megatron.comm.train_sample import SampleError, decode_train
 
     good = {"prompt_ids": [1], "response_ids": [2, 3], "rollout_logprobs": [0.0, 0.0], "version": 0, "reward": 1.0,
             "group_id": "g"}
-    assert validate_samples([{**good, "loss_mask": [1, 0]}])
-    for mask, match in (([1], "one 0/1 per response token"), ([1, 2], "holds 2"), ([0, 0], "all 0"),
-                        ([1.0, 0], "holds 1.0")):
-        with pytest.raises(BadRequest, match=rf"samples\[1\]\.loss_mask .*{match}"):
-            validate_samples([good, {**good, "loss_mask": mask}])
+    (sample,) = decode_train({"step": 0, "samples": [{**good, "loss_mask": [1, 0]}]}).samples
+    assert sample.loss_mask == [1, 0] and sample.group_id == "g"
+    for mask, match in (([1], r"\.loss_mask must be a list of one 0/1 per response token"), ([1, 2], r"\.loss_mask holds 2"),
+                        ([0, 0], r"\.loss_mask is all 0"), ([1.0, 0], r": Expected `int`, got `float` - at `samples\[1\]\.loss_mask\[0\]`")):
+        with pytest.raises(SampleError, match=rf"samples\[1\]{match}"):
+            decode_train({"step": 0, "samples": [good, {**good, "loss_mask": mask}]})

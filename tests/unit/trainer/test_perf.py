@@ -51,7 +51,8 @@ def _dense_layers():
 def test_forward_flops_match_torchs_count_of_the_matmuls():
     """One token: attention is trivial, so torch's count is the matmul part alone (2 x active weights)."""
     for name, (model, arch) in {"dense": _hf(False), "moe": _hf(True), "qwen2_moe": _family("qwen2_moe"),
-                                "mixtral": _family("mixtral"), "dense-layers": _dense_layers()}.items():
+                                "mixtral": _family("mixtral"), "glm4_moe": _family("glm4_moe"),
+                                "dense-layers": _dense_layers()}.items():
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
             model(torch.tensor([[3]]))
         measured = counter.get_total_flops()

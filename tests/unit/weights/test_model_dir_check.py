@@ -20,7 +20,7 @@ def test_each_problem_is_named(tmp_path):
     (d / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
     problems = check_model_dir(d)
     assert len(problems) == 3
-    assert "model_type 'llama' is not supported (supported: qwen3, qwen3_moe, qwen2_moe, mixtral)" in problems[0]
+    assert "model_type 'llama' is not supported (supported: qwen3, qwen3_moe, qwen2_moe, mixtral, glm4_moe, deepseek_v3)" in problems[0]
     assert "no model.safetensors or model.safetensors.index.json" in problems[1]
     assert "no tokenizer.json" in problems[2]
     assert check_model_dir(d, need_tokenizer=False) == problems[:2]

@@ -147,6 +147,11 @@ FAMILY_SPECS = {
     "qwen2_moe": dict(num_experts=4, moe_intermediate_size=6, shared_expert_intermediate_size=10),
     "mixtral": dict(num_local_experts=4),
     "qwen3_moe": dict(num_experts=4, moe_intermediate_size=6, mlp_only_layers=[0, 2]),
+    "glm4_moe": dict(n_routed_experts=4, moe_intermediate_size=6, n_shared_experts=1, first_k_dense_replace=1,
+                     attention_bias=True, use_qk_norm=True, n_group=2, topk_group=1),
+    "deepseek_v3": dict(n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=6, n_group=2, topk_group=1,
+                        first_k_dense_replace=1, q_lora_rank=4, kv_lora_rank=4, qk_nope_head_dim=2,
+                        qk_rope_head_dim=2, v_head_dim=3, num_key_value_heads=4),
 }
 
 
@@ -154,7 +159,8 @@ FAMILY_SPECS = {
 @pytest.mark.parametrize("tp,pp,ep", [(2, 1, 1), (1, 2, 2), (2, 2, 2)])
 def test_each_familys_hf_names_round_trip_through_rank_shards(family, tp, pp, ep):
     """Qwen2-MoE's q/k/v biases (grouped with the weights, TP-sharded) and gated shared expert,
-    Mixtral's block_sparse_moe.experts.E.w1/w3/w2, a Qwen3-MoE's dense layers: every HF tensor the
+    Mixtral's block_sparse_moe.experts.E.w1/w3/w2, a Qwen3-MoE's dense layers, GLM-4.5's
+    shared_experts and e_score_correction_bias after its dense first layer: every HF tensor the
     family has comes back bit-exact from the ranks' Megatron shards."""
     spec = _family_spec(family, **FAMILY_SPECS[family])
     g = torch.Generator().manual_seed(1)
@@ -176,5 +182,32 @@ def test_each_familys_hf_names_round_trip_through_rank_shards(family, tp, pp, ep
         assert "linear_qkv.bias" in names and "shared_experts.gate_weight" in names
     if family == "mixtral":
         assert "model.layers.3.block_sparse_moe.experts.3.w3.weight" in sd
+    if family == "deepseek_v3":
+        assert "decoder.layers.1.mlp.router.expert_bias" in names and "linear_kv_down_proj" in names
+        assert "model.layers.1.mlp.shared_experts.up_proj.weight" in sd and "decoder.layers.0.mlp.linear_fc1" in names
     if family == "qwen3_moe":
         assert "decoder.layers.0.mlp.linear_fc1.weight" in names and "decoder.layers.1.mlp.router.weight" in names
+    if family == "glm4_moe":  # the correction bias travels as Megatron's router buffer
+        assert "decoder.layers.1.mlp.router.expert_bias" in names and "decoder.layers.0.mlp.linear_fc1.weight" in names
+        assert "model.layers.3.mlp.shared_experts.up_proj.weight" in sd and "linear_qkv.bias" in names
+
+
+def test_a_deepseek_push_keeps_each_layers_q_a_and_kv_a_projections_in_one_bucket():
+    """SGLang fuses q_a_proj and kv_a_proj_with_mqa and loads the pair only from one call: at the
+    smallest bucket size every other tensor travels alone and each layer's pair together."""
+    from dora_megatron.weights.distributed import push_buckets
+    from dora_megatron.weights.plan import plan_buckets
+
+    spec = _family_spec("deepseek_v3", **FAMILY_SPECS["deepseek_v3"])
+    g = torch.Generator().manual_seed(0)
+    sd = {k: torch.randn(s, generator=g) for k, s in spec.expected_shapes().items()}
+    pushed = list(naming.hf_export(naming.hf_to_megatron_global(sd, spec), spec))
+    assert [n for n, _ in pushed] == naming.hf_names(spec)
+    buckets = push_buckets(dict(pushed), 1e-9)
+    together = [b.names for b in buckets if len(b.names) > 1]
+    assert together == [[f"model.layers.{i}.self_attn.q_a_proj.weight", f"model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight"]
+                        for i in range(spec.num_layers)]
+    assert len(buckets) == len(pushed) - spec.num_layers
+    no_q_lora = _family_spec("deepseek_v3", **{**FAMILY_SPECS["deepseek_v3"], "q_lora_rank": None})
+    names = naming.hf_names(no_q_lora)
+    assert all(len(b.names) == 1 for b in plan_buckets([(n, "float32", (1,)) for n in names], 1e-9, naming.load_together))

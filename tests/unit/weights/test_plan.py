@@ -59,3 +59,16 @@ def test_errors():
     with pytest.raises(ValueError, match="unknown dtype"):
         dtype_bytes("float128")
     assert plan_buckets([], 1) == []
+
+
+def test_tensors_that_load_together_are_never_split_over_buckets():
+    """``together``: a pair whose second tensor would not fit the current bucket moves to the next
+    one whole (without it, a 1-tensor-per-bucket limit splits it); a key whose tensors are not
+    consecutive is refused, since no order-preserving plan could keep it whole."""
+    pair = {"q": "qa+kva", "kv": "qa+kva"}
+    specs = [TensorSpec(n, "float32", (256, 256)) for n in ("a", "q", "kv", "b")]  # 256 KiB each
+    assert [b.names for b in plan_buckets(specs, 0.5)] == [["a", "q"], ["kv", "b"]]
+    assert [b.names for b in plan_buckets(specs, 0.5, pair.get)] == [["a"], ["q", "kv"], ["b"]]
+    assert [b.names for b in plan_buckets(specs, 1e-9, pair.get)] == [["a"], ["q", "kv"], ["b"]]  # oversized: alone
+    with pytest.raises(ValueError, match="'kv' loads together with others"):
+        plan_buckets([specs[1], specs[0], specs[2]], 1, pair.get)

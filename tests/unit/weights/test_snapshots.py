@@ -104,3 +104,16 @@ def test_versioned_worker_export_snapshot_uses_atomic_writer(tmp_path, src):
     assert json.loads((store.path(4) / MANIFEST).read_text())["version"] == 4
     assert VersionedWorker(Fake(), str(src), rank=1).export_snapshot(store.path(5)) is None  # only rank 0 writes
     assert store.versions() == [4]
+
+
+def test_a_manifest_of_the_wrong_shape_is_refused_naming_the_field(tmp_path, src):
+    store = SnapshotStore(tmp_path)
+    store.write(1, tensors(0), src)
+    manifest = store.path(1) / MANIFEST
+    recorded = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**recorded, "files": {"model.safetensors": "big"}}))
+    with pytest.raises(SnapshotError, match=r"unreadable manifest.*\$\.files"):
+        store.verify(1)
+    manifest.write_text(json.dumps({k: v for k, v in recorded.items() if k != "checksum"}))
+    with pytest.raises(SnapshotError, match="unreadable manifest.*checksum"):
+        store.checksum(1)

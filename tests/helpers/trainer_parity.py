@@ -23,9 +23,10 @@ def megatron_logits(worker, input_ids: torch.Tensor) -> torch.Tensor | None:
     Collective over all ranks of the worker's job."""
     from megatron.core import parallel_state as ps
 
+    from dora_megatron.comm.train_sample import TrainSample
     from dora_megatron.trainer.worker import build_micro_batches
 
-    samples = [{"prompt_ids": row.tolist()[:1], "response_ids": row.tolist()[1:]} for row in input_ids]
+    samples = [TrainSample(row.tolist()[:1], row.tolist()[1:]) for row in input_ids]
     seq_len = worker._seq_len(samples)
     # the interleaved schedule runs micro-batches in groups of pp: filler micro-batches after the real one
     count = worker.cfg.pp if len(worker.chunks) > 1 else 1

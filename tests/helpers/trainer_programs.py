@@ -1,10 +1,10 @@
 """Small rank programs that exercise the trainer end to end (tests, tools, GPU smoke).
 
-WHY: multi-rank checks need a program every torchrun rank runs; keeping them in the package (not
-in the tests) lets the integration tests, ``tools/check_parity.py`` and ``tools/gpu_trainer_smoke.py``
-share one implementation. Run as::
+WHY: multi-rank checks need a program every torchrun rank runs; it is test scaffolding, so it lives
+beside the tests (not in the package users install), and the integration tests and the GPU smoke
+share it. Run from the repository root as::
 
-    python -m torch.distributed.run --nproc_per_node N -m dora_megatron.trainer.scenarios \
+    python -m torch.distributed.run --nproc_per_node N -m tests.helpers.trainer_programs \
         step --hf DIR --tp 2 --out result.pt
 
 ``step``: parity logits, then one train step on :func:`fixed_batch`, then the exported HF weights.
@@ -21,7 +21,7 @@ entry ``MODEL:key=value,...`` (a model of ``--models`` and ``TrainerConfig`` ove
 log-probs of batch 0, on 1 rank the gradients of one accumulation, then ``train_steps`` optimizer
 steps and the exported weights. ``logits``: the parity logits of each checkpoint in ``--ckpt``
 (comma-separated; a run's ``checkpoints/vN/trainer``), the trainer's own function of that version, on
-:func:`~dora_megatron.trainer.parity.fixed_inputs` (``result["logits"]``: one tensor per checkpoint).
+:func:`~tests.helpers.trainer_parity.fixed_inputs` (``result["logits"]``: one tensor per checkpoint).
 Rank 0 writes a ``torch.save`` dict to ``--out``.
 """
 
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import sys
 import time
@@ -36,8 +37,10 @@ import warnings
 
 import torch
 
+from dora_megatron.comm.train_sample import TrainSample
 
-def fixed_batch(vocab_size: int, seed: int, num_groups: int = 2, group_size: int = 2) -> list[dict]:
+
+def fixed_batch(vocab_size: int, seed: int, num_groups: int = 2, group_size: int = 2) -> list[TrainSample]:
     """Deterministic GRPO batch: groups of samples with varied prompt/response lengths and 0/1 rewards."""
     g = torch.Generator().manual_seed(seed)
     batch = []
@@ -45,13 +48,13 @@ def fixed_batch(vocab_size: int, seed: int, num_groups: int = 2, group_size: int
         prompt = torch.randint(0, vocab_size, (3 + grp,), generator=g).tolist()
         for k in range(group_size):
             n = 4 + (k + grp) % 3
-            batch.append({"prompt_ids": prompt, "response_ids": torch.randint(0, vocab_size, (n,), generator=g).tolist(),
-                          "reward": float((k + grp) % 2), "group_id": grp, "version": 0})
+            batch.append(TrainSample(prompt, torch.randint(0, vocab_size, (n,), generator=g).tolist(), version=0,
+                                     reward=float((k + grp) % 2), group_id=grp))
     return batch
 
 
 def long_tail_batch(vocab_size: int, seed: int, response_lengths: tuple[int, ...] = (1, 2, 2, 3, 3, 4, 5, 7, 9, 14,
-                                                                                   22, 41)) -> list[dict]:
+                                                                                   22, 41)) -> list[TrainSample]:
     """GRPO batch of pairs whose response lengths have a long tail (most short, a few long), in a
     shuffled order, so that grouping by length differs from batch order."""
     g = torch.Generator().manual_seed(seed)
@@ -60,8 +63,7 @@ def long_tail_batch(vocab_size: int, seed: int, response_lengths: tuple[int, ...
     for k, j in enumerate(order):
         prompt = torch.randint(0, vocab_size, (3 + k % 4,), generator=g).tolist()
         response = torch.randint(0, vocab_size, (response_lengths[j],), generator=g).tolist()
-        batch.append({"prompt_ids": prompt, "response_ids": response, "reward": float(j % 3 == 0),
-                      "group_id": k // 2, "version": 0})
+        batch.append(TrainSample(prompt, response, version=0, reward=float(j % 3 == 0), group_id=k // 2))
     return batch
 
 
@@ -136,14 +138,14 @@ def parse_item(item: str) -> tuple[str, dict, dict]:
 
 def _matrix_item(cfg, algo, hf_dir: str, options: dict, noise: float) -> dict:
     """One configuration of the ``matrix`` scenario (see :func:`run`)."""
-    from dora_megatron.trainer.parity import fixed_inputs, megatron_logits
+    from tests.helpers.trainer_parity import fixed_inputs, megatron_logits
     from dora_megatron.trainer.worker import TrainerWorker
 
     worker = TrainerWorker(cfg, algo, hf_dir, total_steps=max(2, options["train_steps"]))
     vocab = worker.arch.vocab_size
     out: dict = {"logits": megatron_logits(worker, fixed_inputs(vocab))}
     if options["batch"] == "zero_advantage":
-        batch = [dict(s, reward=1.0, group_id=0) for s in fixed_batch(vocab, seed=0)]
+        batch = [dataclasses.replace(s, reward=1.0, group_id=0) for s in fixed_batch(vocab, seed=0)]
     else:
         batch = fixed_batch(vocab, seed=0)
     out["logprobs"] = worker.compute_logprobs(batch)
@@ -162,19 +164,19 @@ def _matrix_item(cfg, algo, hf_dir: str, options: dict, noise: float) -> dict:
     return out
 
 
-def _with_rollout_logprobs(worker, batch: list[dict], noise: float, seed: int) -> list[dict]:
+def _with_rollout_logprobs(worker, batch: list[TrainSample], noise: float, seed: int) -> list[TrainSample]:
     """Rollout log-probs = trainer log-probs (+ optional deterministic noise to exercise clipping)."""
     lps = worker.compute_logprobs(batch)
     g = torch.Generator().manual_seed(seed)
     for s, lp in zip(batch, lps):
-        s["rollout_logprobs"] = (lp + noise * torch.randn(lp.shape, generator=g)).tolist()
+        s.rollout_logprobs = (lp + noise * torch.randn(lp.shape, generator=g)).tolist()
     return batch
 
 
 def _replay(worker, vocab: int, routing: list, noise: float) -> dict:
     batch = fixed_batch(vocab, seed=0)
     for s, r in zip(batch, routing):
-        s["routed_experts"] = r
+        s.routed_experts = r
     used: dict[int, list] = {}
     hooks = []
     if worker.info.world_size == 1:  # the experts each router really used, in micro-batch order
@@ -192,7 +194,7 @@ def _replay(worker, vocab: int, routing: list, noise: float) -> dict:
 
 
 def run(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dora_megatron.trainer.scenarios")
+    parser = argparse.ArgumentParser(prog="tests.helpers.trainer_programs")
     parser.add_argument("scenario", choices=("step", "resume-save", "resume-load", "replay", "grouping", "matrix", "logits"))
     parser.add_argument("--items", nargs="*", default=[], help="matrix: MODEL:key=value,... (see parse_item)")
     parser.add_argument("--models", nargs="*", default=[], help="matrix: NAME=HF_DIR for the items' MODEL")
@@ -226,7 +228,7 @@ def run(argv: list[str] | None = None) -> int:
 
     from dora_megatron.config.algo import AlgoConfig
     from dora_megatron.config.trainer import TrainerConfig
-    from dora_megatron.trainer.parity import fixed_inputs, megatron_logits
+    from tests.helpers.trainer_parity import fixed_inputs, megatron_logits
     from dora_megatron.trainer.worker import TrainerWorker
 
     cfg = TrainerConfig(tp=args.tp, pp=args.pp, ep=args.ep, device=args.device, lr=args.lr, adam_eps=args.adam_eps,
@@ -265,7 +267,7 @@ def run(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         result["metrics"] = worker.train_step(batch)
         result["step_seconds"] = time.perf_counter() - t0
-        result["tokens"] = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in batch)
+        result["tokens"] = sum(s.tokens() for s in batch)
     elif args.scenario == "logits":
         ids = fixed_inputs(vocab)
         result["logits"] = []

@@ -1,0 +1,149 @@
+"""The training sample, one record from the controller's released batch to the trainer rank, and
+the ``/train`` body that carries it.
+
+WHY one record: the controller builds a sample from the engine's answer, the ``/train`` body (JSON)
+or a batch directory (:mod:`.batch_files`, columnar files) carries it, and every trainer rank reads
+it. With a dict per sample its schema was restated by the service's checks, the batch files'
+columns and the worker's string lookups; here the fields are named once, and each path fills the
+same dataclass: the controller with its own compact arrays (``array('i')``/``array('f')``), the
+batch reader with numpy views of the mapped files, the service with the lists of a JSON body
+(decoded by msgspec against the field types below, then :meth:`TrainSample.check`).
+
+The token columns hold a list (a JSON body), an ``array.array`` (the controller) or a numpy array
+(a batch directory): what the worker takes is any flat sequence of numbers, never a per-token
+Python object it has to build.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+import msgspec
+import numpy as np
+
+if TYPE_CHECKING:  # the arrays the controller and the batch reader fill the columns with
+    from array import array
+
+    IntColumn = Sequence[int] | array[int] | np.ndarray[Any, Any]
+    FloatColumn = Sequence[float] | array[float] | np.ndarray[Any, Any]
+else:  # what msgspec decodes a JSON body's columns into (lists, checked element by element)
+    IntColumn = Sequence[int]
+    FloatColumn = Sequence[float]
+
+
+class SampleError(ValueError):
+    """A training sample that cannot be trained on; the message names the sample and the field."""
+
+
+@dataclass
+class TrainSample:
+    """One sample of a training step. ``advantage`` (precomputed) or ``reward`` with ``group_id``
+    (the trainer's group-relative advantage) must be given; ``version``: the weights that produced
+    it (the on-policy metrics; a batch directory may leave it out)."""
+
+    prompt_ids: IntColumn
+    response_ids: IntColumn
+    #: one per response token: the engine's log-probs (None only for ``compute_logprobs``)
+    rollout_logprobs: FloatColumn | None = None
+    version: int | None = None
+    reward: float | None = None
+    group_id: Any = None  # hashable: the samples of one group share it
+    advantage: float | None = None
+    loss_mask: IntColumn | None = None  # a workflow's trajectory: 1 on model tokens, 0 on the tools'
+    #: the engine's routed experts for prompt + response (routing replay): a flat compact integer
+    #: array (the controller, a batch directory) or SGLang's base64 text (a JSON body)
+    routed_experts: Any = None
+
+    def check(self, where: str) -> "TrainSample":
+        """What training needs beyond the field types; ``where`` (``samples[3]``) prefixes the error."""
+        for name in ("rollout_logprobs", "version"):
+            if getattr(self, name) is None:
+                raise SampleError(f"{where}.{name} is missing")
+        if self.advantage is None and (self.reward is None or self.group_id is None):
+            raise SampleError(f"{where} needs a numeric 'advantage', or 'reward' with 'group_id'")
+        if len(self.rollout_logprobs or ()) != len(self.response_ids):
+            raise SampleError(f"{where}: rollout_logprobs ({len(self.rollout_logprobs or ())}) and response_ids "
+                              f"({len(self.response_ids)}) differ in length")
+        if not len(self.response_ids):
+            raise SampleError(f"{where}.response_ids is empty")
+        mask = self.loss_mask
+        if mask is not None:
+            if len(mask) != len(self.response_ids):
+                raise SampleError(f"{where}.loss_mask must be a list of one 0/1 per response token")
+            bad = next((m for m in mask if m not in (0, 1)), None)
+            if bad is not None:
+                raise SampleError(f"{where}.loss_mask holds {bad!r}; only 0 (environment) and 1 (model)")
+            if not any(mask):
+                raise SampleError(f"{where}.loss_mask is all 0 (no model token to train on)")
+        return self
+
+    def tokens(self) -> int:
+        """Prompt + response tokens (what the trainer plans a step by)."""
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+@dataclass
+class TrainRequest:
+    """``POST /train``: the step, and its samples in the body (``samples``) or in a batch directory
+    (``batch``: :func:`~dora_megatron.comm.batch_files.write_batch`'s entry, checked by
+    :class:`~dora_megatron.comm.batch_files.BatchReader`)."""
+
+    step: int
+    samples: list[TrainSample] | None = None
+    batch: dict[str, Any] | None = None
+
+
+def _wire(obj: Any) -> Any:
+    """A column's JSON form: arrays as lists (msgspec encodes lists and numbers itself)."""
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    raise NotImplementedError(f"{type(obj).__name__} has no JSON form")
+
+
+_ENCODER = msgspec.json.Encoder(enc_hook=_wire)
+
+
+def routed_text(routed: Any) -> str | None:
+    """A sample's routed experts in SGLang's encoding (base64 of little-endian int32): what the
+    journal, the checkpoint and a ``/train`` body carry."""
+    if routed is None or isinstance(routed, str):
+        return routed
+    return base64.b64encode(np.asarray(routed).astype("<i4").tobytes()).decode("ascii")
+
+
+def encode_train(step: int, samples: Sequence[TrainSample]) -> bytes:
+    """A ``/train`` body with the samples in it: arrays as lists, routed experts as SGLang's text, a
+    null field left out (the decoder's default). Blocking (proportional to the tokens): call it in
+    a worker thread."""
+    def fields(s: TrainSample) -> dict[str, Any]:
+        out = {k: v for k, v in vars(s).items() if v is not None}
+        if s.routed_experts is not None:
+            out["routed_experts"] = routed_text(s.routed_experts)
+        return out
+
+    return _ENCODER.encode({"step": step, "samples": [fields(s) for s in samples]})
+
+
+def decode_train(body: Mapping[str, Any]) -> TrainRequest:
+    """A ``/train`` body (parsed JSON) as a :class:`TrainRequest`: the field types checked by msgspec,
+    each sample's rules by :meth:`TrainSample.check`; a :class:`SampleError` names what is wrong."""
+    if not isinstance(body.get("step"), int) or isinstance(body.get("step"), bool):
+        raise SampleError("'step' must be an integer")
+    if "batch" in body:
+        return TrainRequest(int(body["step"]), batch=body["batch"])
+    samples = body.get("samples")
+    if not isinstance(samples, list) or not samples:
+        raise SampleError("'samples' must be a non-empty list")
+    out = []
+    for i, s in enumerate(samples):
+        where = f"samples[{i}]"
+        if not isinstance(s, dict):
+            raise SampleError(f"{where} must be an object")
+        try:
+            sample = msgspec.convert(s, TrainSample, strict=True)
+        except msgspec.ValidationError as err:  # msgspec names the field at ``$``: the sample's path here
+            raise SampleError(f"{where}: {str(err).replace('`$', '`' + where)}") from None
+        out.append(sample.check(where))
+    return TrainRequest(int(body["step"]), samples=out)
