@@ -8,7 +8,7 @@ prefills those tokens again (counted as ``reprefill_tokens``). This tool measure
 against two real SGLang CPU servers it starts (the flags and environment dora's launcher computes
 from ``--config``, ``configs/cpu_sglang.yaml`` by default: one OMP thread, ``--sleep-on-idle``) on
 the tiny Qwen3-MoE of the ``tiny-moe`` preset (random weights: the timing does not depend on them),
-and stops by pid (SIGKILL of each server's process group) however it ends.
+and stops by pid (its process group: SIGTERM, SIGKILL 2 s later) however it ends.
 
 For each repetition and each partial-output length ``L``, side by side, with dora's own SGLang
 client (:class:`~dora_megatron.rollout.sglang.engine.SGLangEngine`, as the runtime drives SGLang):
