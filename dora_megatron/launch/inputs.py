@@ -18,7 +18,22 @@ def model_path_problem(cfg: DoraConfig) -> str | None:
     from dora_megatron.models.hf_model_dir import check_model_dir
 
     problems = check_model_dir(Path(cfg.model.path).resolve()) if cfg.model.path else []
+    if not problems and cfg.model.path and cfg.rollout.engine in ("sglang", "vllm"):
+        problems = fp8_engine_problem(Path(cfg.model.path).resolve(), cfg.rollout.engine)
     return "model.path: " + "; ".join(problems) if problems else None
+
+
+def fp8_engine_problem(model_dir: Path, engine: str) -> list[str]:
+    """An FP8 checkpoint cannot start external engines: they would load it as FP8 and then be sent
+    the trainer's full-precision weights. The trainer and the embedded engine dequantize it."""
+    from dora_megatron.models.fp8_checkpoint import QUANT_KEY, fp8_block
+    from dora_megatron.models.hf_model_dir import load_config
+
+    if fp8_block(load_config(model_dir), str(model_dir)) is None:
+        return []
+    return [f"{model_dir} is a block-FP8 checkpoint ({QUANT_KEY}); rollout.engine {engine!r} would serve it as FP8 "
+            "while dora sends full-precision weights: write a full-precision copy first (`dora convert "
+            "hf-to-megatron`, then `dora convert megatron-to-hf`), or use rollout.engine: embedded"]
 
 
 def input_problem(cfg: DoraConfig) -> str | None:

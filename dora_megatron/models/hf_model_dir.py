@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from dora_megatron.models import hf_config
+from dora_megatron.models import fp8_checkpoint, hf_config
 
 CONFIG_FILE = hf_config.CONFIG_FILE
 WEIGHTS_FILE = "model.safetensors"
@@ -41,6 +41,7 @@ def check_model_dir(model_dir: str | Path, need_tokenizer: bool = True, engine_o
         return [f"{d} is not a directory"]
     problems = []
     try:
+        fp8_checkpoint.fp8_block(load_config(d), str(d / CONFIG_FILE))  # before transformers misreads it
         spec = hf_config.read_spec(d)
         problems += [f"{d / CONFIG_FILE}: {p}" for p in (spec.engine_problems() if engine_only else spec.trainer_problems())]
     except (OSError, ValueError) as err:
@@ -78,7 +79,8 @@ def unfuse_experts(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_state_dict(model_dir: str | Path) -> dict[str, Any]:
-    """All tensors of an HF directory (single file or sharded with an index), per-expert layout."""
+    """All tensors of an HF directory (single file or sharded with an index), per-expert layout;
+    a block-FP8 checkpoint's weights dequantized (:mod:`.fp8_checkpoint`)."""
     from safetensors.torch import load_file
 
     model_dir = Path(model_dir)
@@ -92,6 +94,7 @@ def load_state_dict(model_dir: str | Path) -> dict[str, Any]:
         state = load_file(str(model_dir / WEIGHTS_FILE))
     else:
         raise FileNotFoundError(f"no {WEIGHTS_FILE} or {INDEX_FILE} in {model_dir}")
+    state = fp8_checkpoint.dequantize_state(state, load_config(model_dir), str(model_dir / CONFIG_FILE))
     return unfuse_experts(state)
 
 

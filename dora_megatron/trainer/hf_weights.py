@@ -14,14 +14,16 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from dora_megatron.models.hf_config import mtp_names
+from dora_megatron.models import fp8_checkpoint
+from dora_megatron.models.hf_config import CONFIG_FILE, mtp_names, read_json
 from dora_megatron.weights import naming
 
 logger = logging.getLogger(__name__)
 
 
 def read_hf_safetensors(hf_dir: str) -> dict[str, torch.Tensor]:
-    """All tensors of ``hf_dir/*.safetensors`` (fp32, CPU)."""
+    """All tensors of ``hf_dir/*.safetensors`` (fp32, CPU); a block-FP8 checkpoint's weights
+    dequantized (:mod:`dora_megatron.models.fp8_checkpoint`)."""
     from safetensors.torch import load_file
 
     files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
@@ -29,8 +31,11 @@ def read_hf_safetensors(hf_dir: str) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"no *.safetensors in {hf_dir}")
     sd: dict[str, torch.Tensor] = {}
     for f in files:
-        sd.update({k: v.float() for k, v in load_file(f).items()})
-    return sd
+        sd.update(load_file(f))
+    config_path = os.path.join(hf_dir, CONFIG_FILE)
+    config = read_json(hf_dir) if os.path.isfile(config_path) else {}
+    sd = fp8_checkpoint.dequantize_state(sd, config, config_path)
+    return {k: v.float() for k, v in sd.items()}
 
 
 def read_hf_names(hf_dir: str) -> list[str]:

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Iterable, Mapping
 
 import msgspec
 
+from dora_megatron.models.fp8_checkpoint import QUANT_KEY, without_quantization
+
 if TYPE_CHECKING:
     import torch
 
@@ -75,6 +77,11 @@ def write_snapshot(out_dir: str | Path, tensors: Mapping[str, torch.Tensor] | It
     for name in SNAPSHOT_FILES:
         if (src / name).is_file():
             shutil.copy2(src / name, tmp / name)
+    # the weights written here are never quantized: an FP8 source's quantization_config must not
+    # make an engine read them as FP8
+    config = json.loads((src / SNAPSHOT_FILES[0]).read_text())
+    if QUANT_KEY in config:
+        (tmp / SNAPSHOT_FILES[0]).write_text(json.dumps(without_quantization(config), indent=2) + "\n")
     save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
     checksum = weights_checksum(state)
     files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}

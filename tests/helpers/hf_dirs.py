@@ -115,3 +115,52 @@ def save_v4(out: str | Path, family: str, seed: int = 0) -> Path:
     _save_random(config, out, seed)
     shutil.copyfile(V4_CONFIGS / f"{family}.json", Path(out) / "config.json")
     return Path(out)
+
+
+
+def fp8_quantize(state: dict, block: tuple[int, int], magnitudes: bool = False) -> tuple[dict, dict]:
+    """``state`` block-quantized as DeepSeek-V3 publishes its checkpoints: every 2-D weight of a
+    decoder layer but the router's as ``float8_e4m3fn`` with one ``weight_scale_inv`` per ``block``
+    tile (the last tile of a dimension ``block`` does not divide is partial); returns (the
+    quantized state, the full-precision weights it quantized). ``magnitudes``: each tile is first
+    scaled by its own power of ten (1e-3 .. 1e3), so a scale applied to the wrong tile shows."""
+    import torch
+
+    gen = torch.Generator().manual_seed(7)
+    quantized, reference = {}, {}
+    for name, w in state.items():
+        reference[name] = w
+        if w.dim() != 2 or ".layers." not in name or name.endswith("mlp.gate.weight"):
+            quantized[name] = w
+            continue
+        rows, cols = w.shape
+        grid = (-(-rows // block[0]), -(-cols // block[1]))
+        w = w.clone()
+        scales = torch.empty(grid)
+        q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+        for i in range(grid[0]):
+            for j in range(grid[1]):
+                tile = (slice(i * block[0], (i + 1) * block[0]), slice(j * block[1], (j + 1) * block[1]))
+                if magnitudes:
+                    w[tile] *= 10.0 ** float(torch.randint(-3, 4, (), generator=gen))
+                scales[i, j] = w[tile].abs().max().clamp(min=1e-12) / 448.0  # e4m3's largest value
+                q[tile] = (w[tile] / scales[i, j]).to(torch.float8_e4m3fn)
+        quantized[name], quantized[name[: -len("weight")] + "weight_scale_inv"] = q, scales
+        reference[name] = w
+    return quantized, reference
+
+
+def save_fp8(src: str | Path, out: str | Path, block: tuple[int, int] = (8, 8)) -> Path:
+    """``src`` (an HF directory) copied to ``out`` as a block-FP8 checkpoint (:func:`fp8_quantize`,
+    ``quantization_config`` added to ``config.json`` as DeepSeek-V3's)."""
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(src), Path(out)
+    shutil.copytree(src, out)
+    quantized, _ = fp8_quantize(load_file(str(src / "model.safetensors")), block)
+    save_file(quantized, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                     "weight_block_size": list(block)}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
