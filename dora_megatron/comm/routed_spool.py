@@ -113,6 +113,7 @@ class RoutedSpool:
         self._last: Future[None] | None = None
         self._error: BaseException | None = None  # the first failed write (every later one is skipped)
         self._lock = threading.Lock()  # the loop, the trainer client's and the checkpoint's threads share the counts
+        self._submitting = threading.Lock()
         self._fh: BinaryIO | None = None  # the writer thread's open segment
         self._fh_name = ""
 
@@ -145,7 +146,8 @@ class RoutedSpool:
     def _submit(self, fn: Any, *args: Any) -> None:
         """Run ``fn`` on the writer thread after everything queued before (a deletion after the
         writes of its segment)."""
-        self._last = self._pool.submit(fn, *args)
+        with self._submitting:  # ``_last`` is the last job queued, whichever thread queued it
+            self._last = self._pool.submit(fn, *args)
 
     def _write(self, name: str, ids: np.ndarray) -> None:
         if self._error is not None:
