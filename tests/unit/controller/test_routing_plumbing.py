@@ -284,3 +284,21 @@ def test_a_resume_after_a_kill_trains_the_routing_its_checkpoint_and_journal_nam
     spool2.close()  # the run's end: only what its last two checkpoints (and their journal tails) name stays
     left = {p.name for p in spool_dir.glob("routed_*.bin")}
     assert left <= _named(tmp_path, run_dir, (4, 6)) and len(left) < written
+
+
+def test_a_checkpoint_is_not_completed_when_the_spool_could_not_write_the_routing_it_names(tmp_path):
+    """The checkpoint's writer waits for the spool's queued writes before controller.json: a write
+    that failed (here the spool's directory is a file) fails the run instead of completing a
+    checkpoint whose samples name ids that are not on disk."""
+    rt, engines, _ = make(mode="dora", steps=4, tmp_path=tmp_path)
+    fakes = {name: RoutingEngine(name, token_s=0.001) for name in engines}
+    rt.engines.clear()
+    rt.engines.update(fakes)
+    rt.opt.routed_experts = True
+    blocker = tmp_path / "not_a_directory"
+    blocker.write_text("the spool's directory should be here")
+    rt.store.routed_spool = spool = RoutedSpool(blocker)
+    with pytest.raises(OSError):
+        asyncio.run(drive(rt))
+    assert not (tmp_path / "ck2" / "controller.json").exists() and (tmp_path / "ck2").is_dir()
+    spool.close()
