@@ -114,6 +114,7 @@ class RoutedSpool:
         self._error: BaseException | None = None  # the first failed write (every later one is skipped)
         self._lock = threading.Lock()  # the loop, the trainer client's and the checkpoint's threads share the counts
         self._submitting = threading.Lock()
+        self._closed = False  # the writer thread is stopped (:meth:`close`)
         self._fh: BinaryIO | None = None  # the writer thread's open segment
         self._fh_name = ""
 
@@ -147,6 +148,9 @@ class RoutedSpool:
         """Run ``fn`` on the writer thread after everything queued before (a deletion after the
         writes of its segment)."""
         with self._submitting:  # ``_last`` is the last job queued, whichever thread queued it
+            if self._closed:  # a late deletion (a checkpoint completing as the run ends): done here
+                fn(*args)
+                return
             self._last = self._pool.submit(fn, *args)
 
     def _write(self, name: str, ids: np.ndarray) -> None:
@@ -264,6 +268,8 @@ class RoutedSpool:
         """The run is over: stop the writer thread (after its queued writes); the samples still held
         are dropped, and only the segments a checkpoint a resume may load names stay (all of them go
         without checkpoints: the spool's directory too)."""
+        with self._submitting:
+            self._closed = True
         self._pool.shutdown(wait=True)
         if self._fh is not None:
             self._fh.close()

@@ -157,6 +157,21 @@ def test_a_trained_samples_segment_stays_while_a_checkpoint_a_resume_may_load_na
     assert _names(tmp_path) == [c.file, d.file]
 
 
+def test_the_last_checkpoint_completing_after_the_spool_closed_still_frees_what_it_passed(tmp_path):
+    spool = RoutedSpool(tmp_path, segment_bytes=8)
+    a, b = spool.put(np.zeros(8, np.int8)), spool.put(np.ones(8, np.int8))
+    spool.checkpoint_cut(2)
+    spool.checkpoint_completed(2)
+    spool.retire([a])
+    for v in (4, 6):
+        spool.checkpoint_cut(v)
+    spool.checkpoint_completed(4)
+    spool.close()  # the run's end, with v6 still being written
+    assert _names(tmp_path) == [a.file, b.file]  # v2 is v4's fallback
+    spool.checkpoint_completed(6)  # v2 is no longer loaded by a resume
+    assert _names(tmp_path) == [b.file]  # b, held at v6's cut, stays
+
+
 def test_a_dropped_sample_goes_at_once_without_checkpoints_and_its_segment_shares_are_counted(tmp_path):
     """A sample dropped untrained (an answer replaced it, the run ended) frees its segment once
     every other sample of that segment is gone too; without checkpoints, at once."""
