@@ -207,4 +207,7 @@ def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, mo
             runtime.replay.load(samples)
             restorable = len(samples)
         journal.start(int(state["version"]) if state is not None else None)
+    spool = runtime.store.routed_spool
+    if state is not None and spool is not None:  # every sample naming the spool is held again: the rest goes
+        spool.resumed()
     return Controller(runtime, trainer, engines, reward_name, scorer, source, state, journal, restorable)

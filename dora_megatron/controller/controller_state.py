@@ -12,7 +12,7 @@ checkpoint is sized by is DESIGN section 5.5.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
 from dora_megatron.controller.records import RuntimeOptions
 from dora_megatron.observability.recorder import MetricsRecorder
@@ -77,12 +77,21 @@ class ControllerState:
         path = rt.checkpoints.path(version)
         state = self.state_dict(version, orchestrator_snapshot)
 
+        spool = rt.store.routed_spool  # holds the routed experts the state names (routed_at)
+
         def complete() -> None:
             log.info("checkpoint v%d written to %s", version, path)
             if rt.journal is not None:
                 rt.journal.completed(version)
+            if spool is not None:
+                spool.checkpoint_completed(version)
 
         writer = rt.checkpoints.start_state(version, state, complete)
+        if spool is not None:
+            # the spool's writes the state names are in their files before controller.json is
+            # (the state writer's thread waits for them), and the spool keeps what the state names
+            writer = _after_flush(spool.flush, writer)
+            spool.checkpoint_cut(version)
         if rt.journal is not None:
             rt.journal.checkpoint(version)
         if self.on_checkpoint is not None:
@@ -151,3 +160,10 @@ class ControllerState:
         # an older controller.json also holds "c1_count"/"duplicated": ignored, the C1 and
         # duplicate counts of a run are the orchestrator's (its snapshot carries them)
         self.resumed = True
+
+
+def _after_flush(flush: Callable[[], None], writer: Iterator[None]) -> Iterator[None]:
+    """``writer``'s steps, run once ``flush()`` returned (it raises a failed spool write: the
+    checkpoint then fails rather than name ids that are not on disk)."""
+    flush()
+    yield from writer

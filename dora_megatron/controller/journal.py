@@ -35,7 +35,11 @@ Record kinds::
     {"t": "checkpoint", "version": V}
     {"t": "dispatch", "group_id", "version", "prompt_index", "sample_ids"}
     {"t": "sample", "sample_id", "group_id", "version", "prompt_index", "versions", "output_ids",
-     "logprobs", "reward", "replayed", "finish_reason", "reward_error"}
+     "logprobs", "reward", "replayed", "finish_reason", "reward_error", "routed_experts" | "routed_at"}
+
+With routing replay and batch files a sample's routed experts are in the trainer's spool
+(:mod:`~dora_megatron.comm.routed_spool`): its line records where (``routed_at``), and the spool
+keeps that segment while a resume may read this journal.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Sequence
 
 from dora_megatron.comm.batch_files import routed_base64
+from dora_megatron.comm.routed_spool import SpoolError, SpooledRouted
 from dora_megatron.controller.array_text import array_json
 
 log = logging.getLogger(__name__)
@@ -69,8 +74,9 @@ class JournaledSample:
     output_ids: Sequence[int]  # a tuple when read back; the sample's own int32 array when journaled
     logprobs: Sequence[float]
     reward: float
-    # engine routing when routing replay is on: base64 (SGLang's encoding) when read back, the
-    # sample's compact array when journaled (encoded by the writer thread)
+    # engine routing when routing replay is on: where the spool holds it (a SpooledRouted, recorded
+    # as ``routed_at``: the journal line holds no ids), or without a spool base64 (SGLang's
+    # encoding) when read back, the sample's compact array when journaled (encoded by the writer thread)
     routed_experts: Any = None
     finish_reason: str | None = None  # the engine's finish_reason type ("stop", "length"); the rollout dump's
     reward_error: str | None = None  # why the reward function failed (reward 0), counted in its step's reward/errors
@@ -254,7 +260,9 @@ def _sample_line(s: JournaledSample, versions: list[int], replayed: bool) -> byt
            **({"reward_error": s.reward_error} if s.reward_error is not None else {})}
     line = json.dumps(rec).encode()
     parts = [line[:-1], b', "output_ids": ', _list_text(s.output_ids), b', "logprobs": ', _list_text(s.logprobs)]
-    if s.routed_experts is not None:
+    if isinstance(s.routed_experts, SpooledRouted):
+        parts += [b', "routed_at": ', json.dumps(s.routed_experts.state()).encode()]
+    elif s.routed_experts is not None:
         parts += [b', "routed_experts": "', *routed_base64(s.routed_experts), b'"']
     return b"".join([*parts, b"}"])
 
@@ -291,9 +299,15 @@ def read_journal(run_dir: str | Path, version: int) -> dict[str, JournaledSample
         v = int(rec["version"])
         if v > version or list(rec.get("versions", [])) != [v] or rec.get("reward") is None:
             continue
+        try:
+            routed = (SpooledRouted.from_state(rec["routed_at"], f"journal sample {rec['sample_id']}")
+                      if "routed_at" in rec else rec.get("routed_experts"))
+        except SpoolError as err:  # the journal only spares work: the sample is generated again
+            log.warning("%s; not restored", err)
+            continue
         out[rec["sample_id"]] = JournaledSample(rec["sample_id"], rec["group_id"], v, int(rec["prompt_index"]),
                                                 tuple(rec["output_ids"]), tuple(rec["logprobs"]), float(rec["reward"]),
-                                                rec.get("routed_experts"), rec.get("finish_reason"), rec.get("reward_error"))
+                                                routed, rec.get("finish_reason"), rec.get("reward_error"))
     return out
 
 

@@ -85,12 +85,11 @@ class SampleRecord:
     gen_task: asyncio.Task[None] | None = None
     gen_instance: str | None = None
     replay_pending: bool = False  # restored from the journal; reported finished at its next Submit
-    #: the engine's routed experts for prompt + output (routing replay), flat, in the smallest integer
-    #: type that holds the ids (:func:`~dora_megatron.comm.batch_files.compact_routed`)
+    #: the engine's routed experts for prompt + output (routing replay): where the trainer's spool
+    #: holds them (:class:`~dora_megatron.comm.routed_spool.SpooledRouted`, written when the sample
+    #: finished: the controller keeps only that), or without a spool the ids themselves, flat, in
+    #: the smallest integer type that holds them (:func:`~dora_megatron.comm.batch_files.compact_routed`)
     routed_experts: Any = None
-    #: where ``routed_experts`` was written to the trainer's spool when the sample finished
-    #: (:class:`~dora_megatron.comm.routed_spool.SpooledRouted`; None: not spooled, the batch files copy them)
-    routed_at: Any = None
     finish_reason: str | None = None  # the engine's finish_reason type of the answer that finished it ("stop", "length")
     loss_mask: list[int] | None = None  # a workflow's trajectory: 1 on model tokens of output_ids, 0 on the tools'
     turn: Any = None  # a workflow's run (controller.turns.TurnGate): where its turns run, whether it was dropped

@@ -9,15 +9,20 @@ executor's (:class:`~dora_megatron.controller.runtime.Runtime`).
 
 from __future__ import annotations
 
+import logging
 from array import array
 from typing import TYPE_CHECKING, Protocol
 
 from dora_megatron.comm.batch_files import compact_routed
+from dora_megatron.comm.routed_spool import SpooledRouted
 from dora_megatron.controller.records import GroupRecord, SampleRecord
 
 if TYPE_CHECKING:
     from dora_megatron.controller.journal import Journal, JournaledSample
+    from dora_megatron.controller.samples import SampleStore
     from dora_megatron.orchestrator import Orchestrator
+
+log = logging.getLogger(__name__)
 
 
 class ReplayHost(Protocol):
@@ -26,6 +31,7 @@ class ReplayHost(Protocol):
 
     journal: Journal | None
     orch: Orchestrator  # a group's version is the orchestrator's
+    store: SampleStore  # its spool holds a journaled sample's routed experts
 
     @property
     def samples(self) -> dict[str, SampleRecord]: ...
@@ -45,28 +51,51 @@ class JournalReplay:
     def load(self, samples: dict[str, JournaledSample]) -> None:
         """After the executor's ``load_state_dict``: finished samples the journal recorded after the checkpoint
         (:func:`~dora_megatron.controller.journal.read_journal`). Those of restored groups are filled
-        in now, those of groups dispatched again later when they are (same id, version, prompt)."""
-        self._pending = dict(samples)
+        in now, those of groups dispatched again later when they are (same id, version, prompt).
+        One whose routed experts the spool no longer has (a crash before their write reached the
+        file) is not restored: it is generated again."""
+        self._pending = {}
+        spool = self.rt.store.routed_spool
+        for sid, j in samples.items():
+            if isinstance(j.routed_experts, SpooledRouted):
+                problem = (spool.adopt(j.routed_experts) if spool is not None
+                           else "this run has no spool (it writes no batch files)")
+                if problem is not None:
+                    log.warning("journal sample %s is generated again: its routed experts cannot be read back: %s",
+                                sid, problem)
+                    continue
+            self._pending[sid] = j
         for gid in list(self.rt.groups):
             self.restore(gid)
 
     def restore(self, group_id: str) -> None:
-        """Fill in the samples of ``group_id`` (restored, or dispatched again) the journal holds."""
+        """Fill in the samples of ``group_id`` (restored, or dispatched again) the journal holds; one
+        that cannot stand for its sample is dropped (its spooled routed experts with it)."""
         if not self._pending:
             return
         group = self.rt.groups[group_id]
         version = self.rt.orch.groups[group_id].version
         for sid in group.sample_ids:
             j = self._pending.pop(sid, None)
+            if j is None:
+                continue
             rec = self.rt.samples[sid]
-            if (j is None or rec.finished or j.group_id != group_id or j.version != version
+            if (rec.finished or j.group_id != group_id or j.version != version
                     or j.prompt_index != group.prompt.index or rec.version != j.version):
+                self.drop(j)
                 continue
             rec.output_ids, rec.logprobs = array("i", j.output_ids), array("f", j.logprobs)
             rec.reward, rec.versions = j.reward, {j.version}
-            rec.routed_experts, rec.finish_reason = compact_routed(j.routed_experts), j.finish_reason
-            rec.reward_error = j.reward_error
+            rec.routed_experts = (j.routed_experts if isinstance(j.routed_experts, SpooledRouted)
+                                  else compact_routed(j.routed_experts))
+            rec.finish_reason, rec.reward_error = j.finish_reason, j.reward_error
             rec.finished = rec.replay_pending = True
+
+    def drop(self, j: JournaledSample) -> None:
+        """A journal sample that stands for none: the spool no longer holds its routed experts for it."""
+        spool = self.rt.store.routed_spool
+        if spool is not None and isinstance(j.routed_experts, SpooledRouted):
+            spool.retire([j.routed_experts])
 
     def replayed(self, sample_id: str) -> int | None:
         """Loop (:class:`Replayed`): the orchestrator asked to run a sample the journal restored: it

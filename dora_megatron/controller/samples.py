@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from dora_megatron.comm.batch_files import compact_routed
-from dora_megatron.comm.routed_spool import RoutedSpool
-from dora_megatron.comm.train_sample import TrainSample, routed_text
+from dora_megatron.comm.routed_spool import RoutedSpool, SpoolError, SpooledRouted
+from dora_megatron.comm.train_sample import TrainSample
 from dora_megatron.controller.records import GroupRecord, RuntimeOptions, SampleRecord
 from dora_megatron.data.codec import TextCodec
 from dora_megatron.data.reward_api import RewardInput, RewardResult, reward_input
@@ -137,12 +137,30 @@ class SampleStore:
         return self.reward_fn(self.reward_input(rec, done.tolist(), mask))
 
     def keep_routed(self, rec: SampleRecord, routed: Any) -> None:
-        """``rec`` finished with these routed experts (a compact array, or None): kept, and queued
-        to the spool (:mod:`~dora_megatron.comm.routed_spool`: written in its thread while the
-        rollout goes on, so that the step's hand-off does not write them)."""
-        rec.routed_experts = routed
-        rec.routed_at = (self.routed_spool.put(routed) if self.routed_spool is not None and routed is not None
-                         else None)
+        """``rec`` finished with these routed experts (a compact array, or None). With a spool they
+        are queued to it (:mod:`~dora_megatron.comm.routed_spool`: written in its thread while the
+        rollout goes on, so that the step's hand-off does not write them) and ``rec`` keeps only
+        where they will be: the controller's memory, its checkpoints and its journal then hold a
+        location, not ids proportional to the tokens. An earlier answer's spooled ids are dropped."""
+        spool = self.routed_spool
+        if spool is not None and isinstance(rec.routed_experts, SpooledRouted):
+            spool.retire([rec.routed_experts])
+        rec.routed_experts = spool.put(routed) if spool is not None and routed is not None else routed
+
+    def restore_routed(self, rec: SampleRecord, value: Any, spooled: Any, where: str) -> str | None:
+        """Resume: ``rec``'s routed experts as a checkpoint or the journal recorded them (``value``:
+        the ids as SGLang's text or a list; ``spooled``: a ``routed_at`` location). A location is
+        held again by the spool if its ids are there; returns why not (None: restored)."""
+        if spooled is None:
+            rec.routed_experts = compact_routed(value)
+            return None
+        ref = SpooledRouted.from_state(spooled, where)
+        if self.routed_spool is None:
+            return f"they are in the spool ({ref.file}), but this run has none (it writes no batch files)"
+        problem = self.routed_spool.adopt(ref)
+        if problem is None:
+            rec.routed_experts = ref
+        return problem
 
     def reward_input(self, rec: SampleRecord, output_ids: list[int], loss_mask: list[int] | None) -> RewardInput:
         """What the reward sees of ``rec`` finished with ``output_ids``: the model's tokens decoded
@@ -190,13 +208,11 @@ class SampleStore:
                 rec = self.samples.pop(sid)
                 samples.append(TrainSample(rec.prompt_ids, rec.output_ids, rec.logprobs, version=rec.version,
                                            reward=rec.reward, group_id=gid, loss_mask=rec.loss_mask,
-                                           routed_experts=rec.routed_at or rec.routed_experts))
-                if dump:  # JSON lines: lists and SGLang's routed-experts text
+                                           routed_experts=rec.routed_experts))
+                if dump:  # JSON lines: lists (a dump shows texts and tokens, not routing)
                     dumped.append({"prompt_ids": rec.prompt_ids, "response_ids": rec.output_ids.tolist(),
                                    "rollout_logprobs": rec.logprobs.tolist(), "reward": rec.reward,
                                    "group_id": gid, "version": rec.version,
-                                   **({"routed_experts": routed_text(rec.routed_experts)}
-                                      if rec.routed_experts is not None else {}),
                                    **({"loss_mask": rec.loss_mask} if rec.loss_mask is not None else {}),
                                    "sample_id": sid, "finish_reason": rec.finish_reason,
                                    **({"reward_error": rec.reward_error} if rec.reward_error is not None else {})})
@@ -216,7 +232,9 @@ class SampleStore:
         rendering in its entry). Unfinished samples restart from their prompt on their own version
         (C1), so they need no entry; a pending replay is unfinished for the orchestrator.
 
-        A finished sample's token ids, log-probs and routed experts are its own arrays, not lists
+        A spooled sample's routed experts are its ``routed_at`` location (a ``--resume`` reads them
+        back from the spool, :meth:`restore_routed`). A finished sample's token ids, log-probs and
+        unspooled routed experts are its own arrays, not lists
         or base64: the cut is one loop turn and must not be proportional to the tokens held (at
         reasoning lengths millions); :mod:`.state_file` encodes them in its writer thread, the
         text a list and SGLang's base64 would give. They can be shared: a finished sample's arrays
@@ -233,7 +251,8 @@ class SampleStore:
                     "sample_id": r.sample_id, "reward": r.reward, "output_ids": r.output_ids,
                     **({"reward_error": r.reward_error} if r.reward_error is not None else {}),
                     "logprobs": r.logprobs, "versions": sorted(r.versions),
-                    **({"routed_experts": r.routed_experts} if r.routed_experts is not None else {}),
+                    **({"routed_at": r.routed_experts.state()} if isinstance(r.routed_experts, SpooledRouted)
+                       else {"routed_experts": r.routed_experts} if r.routed_experts is not None else {}),
                     **({"finish_reason": r.finish_reason} if r.finish_reason is not None else {}),
                     **({"prompt_ids": r.prompt_ids, "loss_mask": r.loss_mask} if r.loss_mask is not None else {}),
                 })
@@ -266,5 +285,8 @@ class SampleStore:
             rec.output_ids, rec.logprobs = array("i", d["output_ids"]), array("f", d["logprobs"])
             rec.versions, rec.reward, rec.finished = set(d["versions"]), d["reward"], True
             rec.reward_error = d.get("reward_error")
-            rec.routed_experts, rec.finish_reason = compact_routed(d.get("routed_experts")), d.get("finish_reason")
-            rec.loss_mask = d.get("loss_mask")
+            rec.finish_reason, rec.loss_mask = d.get("finish_reason"), d.get("loss_mask")
+            problem = self.restore_routed(rec, d.get("routed_experts"), d.get("routed_at"), f"sample {rec.sample_id}")
+            if problem is not None:  # the checkpoint's samples are trained as they were, or not at all
+                raise SpoolError(f"cannot resume: sample {rec.sample_id} of the checkpoint: its routed experts "
+                                 f"cannot be read back: {problem}")

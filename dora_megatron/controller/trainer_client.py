@@ -104,8 +104,8 @@ class TrainerClient:
         finally:
             await asyncio.to_thread(shutil.rmtree, directory, True)
         spooled = [s.routed_experts for s in samples if isinstance(s.routed_experts, SpooledRouted)]
-        if spooled and self.routed_spool is not None:  # trained: their segments may go
-            await asyncio.to_thread(self.routed_spool.release, spooled)
+        if spooled and self.routed_spool is not None:  # trained: their segments go once no checkpoint needs them
+            self.routed_spool.retire(spooled)  # counts, and deletions queued to the spool's thread
         return answer
 
     async def push_weights(self, engines: list[str], bucket_mb: float, master_addr: str | None = None,

@@ -123,6 +123,60 @@ def test_job_sigkill_then_resume_consumes_every_group_once(tmp_path):
     check_prompt_stream(run_dir, lineage, n)
 
 
+def _held_in_spool(checkpoint: Path) -> set[str]:
+    """The spool segments a checkpoint's samples name (``routed_at``)."""
+    state = json.loads((checkpoint / "controller.json").read_text())
+    assert not any("routed_experts" in s for s in state["samples"]), "a checkpoint holds routed ids, not where they are"
+    return {s["routed_at"][0] for s in state["samples"] if "routed_at" in s}
+
+
+def test_job_sigkill_with_routing_replay_resumes_with_the_routing_the_spool_holds(tmp_path):
+    """Routing replay: each finished sample's routed experts are in the run's spool
+    (``batches/routed/``), and checkpoints and the journal record where. The whole job is SIGKILLed
+    and its newest checkpoint garbled: the resume from the one before reads that checkpoint's samples'
+    routing back from the spool (a lost location leaves a sample without routing, which the trainer
+    refuses under replay), every step replays, and at the end the spool keeps only segments its last
+    checkpoints or their journal tails name (the others were deleted during the run)."""
+    from dora_megatron.comm.routed_spool import SPOOL_DIR
+
+    run_dir = tmp_path / "run"
+    spool = run_dir / "batches" / SPOOL_DIR
+    n = 8
+    args = ("run.checkpoint_interval=2", f"run.steps={n}", "algo.routing_replay=true")
+
+    def ready() -> bool:
+        if not restorable(run_dir, 4, n):
+            return False
+        previous = sorted(p for p in (run_dir / "checkpoints").glob("v*") if (p / "controller.json").is_file())[-2]
+        return bool(_held_in_spool(previous))
+
+    proc = start_train(run_dir, *args)
+    try:
+        wait_for(ready, 600, "two checkpoints, the older holding spooled samples, and a journaled sample", proc)
+        kill_controller(run_dir, proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    done = sorted(p for p in (run_dir / "checkpoints").glob("v*") if (p / "controller.json").is_file())
+    newest, previous = done[-1], done[-2]
+    held = _held_in_spool(previous)
+    assert held <= {p.name for p in spool.glob("routed_*.bin")}, "the fallback checkpoint's segments were deleted"
+    shard = sorted((newest / "trainer").glob("*.distcp"))[0]
+    with open(shard, "r+b") as f:  # garbled: the resume falls back to ``previous``
+        f.seek(shard.stat().st_size // 2)
+        f.write(b"\xff" * 4096)
+    out = finish(start_train(run_dir, *args, resume=True))
+    assert f"resuming {run_dir} from {previous.name}" in out
+    summary, _, _, _ = check_resumed_run(run_dir, n)
+    assert summary["routing_replay_steps"] == n
+    written = int(max(p.name for p in spool.glob("routed_*.bin"))[7:13]) + 1 if spool.is_dir() else 0
+    left = {p.name for p in spool.glob("routed_*.bin")}
+    named: set[str] = set()
+    for ck in sorted(p for p in (run_dir / "checkpoints").glob("v*") if (p / "controller.json").is_file())[-2:]:
+        named |= _held_in_spool(ck) | {j.routed_experts.file for j in read_journal(run_dir, int(ck.name[1:])).values()}
+    assert left <= named and len(left) < max(written, 1), (sorted(left), sorted(named), written)
+
+
 def restorable(run_dir: Path, newest_at_least: int, steps: int) -> bool:
     """The moment to kill for a resume that falls back one checkpoint and has samples to restore: a
     complete checkpoint ``>= newest_at_least``, no newer one being written (its directory is made

@@ -1,21 +1,29 @@
 """Routing replay plumbing: the runtime asks engines for routed experts only when configured, hands
 them to the trainer with each sample (also across migrations and partial-mode resubmits), the
-journal keeps them for a resume, summary.json aggregates the agreement, SGLang gets its flag."""
+journal keeps them for a resume (with batch files: where the spool holds them, read back from it
+on resume), summary.json aggregates the agreement, SGLang gets its flag."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
+import shutil
 from types import SimpleNamespace
+
+import numpy as np
+import pytest
 
 from dora_megatron.config.schema import load_config
 from dora_megatron.controller.journal import Journal, JournaledSample, read_journal
 from dora_megatron.controller.main import drive
 from dora_megatron.observability.routing import routing_summary
 from dora_megatron.comm.routed_experts import decode_routed_experts, encode_routed_experts
+from dora_megatron.comm.routed_spool import SPOOL_DIR, RoutedSpool, SpoolError, SpooledRouted
 from dora_megatron.comm.train_sample import routed_text
 from dora_megatron.rollout.sglang.args import InstanceSpec, server_argv
 
-from tests.helpers.fakes import FakeEngine
+from tests.helpers.fakes import FakeEngine, FakeTrainer
 from tests.helpers.runtime import check_run, make, resume
 
 
@@ -174,3 +182,123 @@ def test_sglang_adapter_forwards_the_routed_experts_request():
     asyncio.run(eng.generate([1, 2], {}, rid="r", routed_experts=True))
     asyncio.run(eng.generate([1, 2], {}, rid="r"))
     assert [k["routed_experts"] for k in client.kw] == [True, False]
+
+
+class SpoolReadingTrainer(FakeTrainer):
+    """FakeTrainer that reads each sample's spooled routed experts from the spool's files as a
+    trainer rank does (a missing or short segment fails the step), then hands them back to the
+    spool as trained, as :meth:`TrainerClient.train` does."""
+
+    def __init__(self, spool: RoutedSpool, engines: dict) -> None:
+        super().__init__(engines=engines)
+        self.spool = spool
+
+    async def train(self, step: int, samples: list) -> dict:
+        self.spool.flush()
+        refs = [s.routed_experts for s in samples if isinstance(s.routed_experts, SpooledRouted)]
+        read = []
+        for s in samples:
+            ref = s.routed_experts
+            if isinstance(ref, SpooledRouted):
+                ids = np.fromfile(self.spool.dir / ref.file, dtype=ref.dtype, count=ref.count, offset=ref.offset)
+                assert ids.size == ref.count, (ref, ids.size)
+                s = dataclasses.replace(s, routed_experts=ids)
+            read.append(s)
+        answer = await super().train(step, read)
+        self.spool.retire(refs)
+        return answer
+
+
+def _spooled_make(steps: int, tmp_path, spool_dir):
+    rt, engines, _ = make(mode="dora", steps=steps, tmp_path=tmp_path)
+    fakes = {name: RoutingEngine(name, token_s=0.001) for name in engines}
+    rt.engines.clear()
+    rt.engines.update(fakes)
+    rt.opt.routed_experts = True
+    spool = RoutedSpool(spool_dir, segment_bytes=512)  # small segments: several per step, some freed
+    rt.trainer = trainer = SpoolReadingTrainer(spool, fakes)
+    rt.store.routed_spool = spool
+    return rt, fakes, trainer, spool
+
+
+def _named(tmp_path, run_dir, versions) -> set[str]:
+    """The segments checkpoints ``versions`` and their journal tails name."""
+    out = set()
+    for v in versions:
+        state = json.loads((tmp_path / f"ck{v}" / "controller.json").read_text())
+        out |= {s["routed_at"][0] for s in state["samples"] if "routed_at" in s}
+        out |= {j.routed_experts.file for j in read_journal(run_dir, v).values()}
+    return out
+
+
+def test_a_resume_after_a_kill_trains_the_routing_its_checkpoint_and_journal_name_in_the_spool(tmp_path):
+    """Routing replay with the spool: checkpoints and the journal record where each sample's routed
+    experts are (no ids); after the job is killed a resume from v2 reads them back from the spool
+    (a sample finished before v2 and trained after it is not generated again, and trains exactly
+    the routing it finished with), segments no loadable checkpoint names go during the run, and a
+    resume whose checkpoint names a missing segment is refused naming the sample and the file."""
+    run_dir, spool_dir = tmp_path / "run", tmp_path / "batches" / SPOOL_DIR
+    run_dir.mkdir()
+    rt, _, _, spool = _spooled_make(4, tmp_path, spool_dir)
+    rt.journal = Journal(run_dir)
+    rt.journal.start(None)
+    asyncio.run(drive(rt))
+    rt.journal.close()
+    spool.flush()  # the job is killed here: nothing closes the spool
+    state2 = json.loads((tmp_path / "ck2" / "controller.json").read_text())
+    from_ck = {s["sample_id"]: s["routed_at"] for s in state2["samples"] if "routed_at" in s}
+    assert from_ck and not any("routed_experts" in s for s in state2["samples"])  # locations, not ids
+    journaled = read_journal(run_dir, 2)
+    assert journaled and all(isinstance(j.routed_experts, SpooledRouted) for j in journaled.values())
+
+    broken = tmp_path / "broken" / SPOOL_DIR
+    shutil.copytree(spool_dir, broken)
+    gone = min(at[0] for at in from_ck.values())
+    (broken / gone).unlink()
+    sid = next(sid for sid, at in from_ck.items() if at[0] == gone)  # the first of the checkpoint's samples in it
+    rt_x, _, trainer_x, spool_x = _spooled_make(6, tmp_path, broken)
+    with pytest.raises(SpoolError, match=rf"sample {sid} of the checkpoint: .*{broken / gone} is missing"):
+        resume(rt_x, trainer_x, tmp_path, 2)
+    spool_x.close()
+
+    rt2, engines2, trainer2, spool2 = _spooled_make(6, tmp_path, spool_dir)
+    resume(rt2, trainer2, tmp_path, 2)
+    rt2.journal = Journal(run_dir)
+    rt2.replay.load(read_journal(run_dir, 2))
+    rt2.journal.start(2)
+    spool2.resumed()
+    asyncio.run(drive(rt2))
+    rt2.journal.close()
+    generated = {rid for e in engines2.values() for op, rid, _ in e.log if op == "generate"}
+    from_checkpoint = 0
+    for b in trainer2.batches:
+        per_group: dict[str, list] = {}
+        for s in b:
+            per_group.setdefault(s.group_id, []).append(s)
+        for gid, ss in per_group.items():
+            for sid, s in zip((f"{gid}.{i}" for i in range(len(ss))), ss):
+                assert routed_text(s.routed_experts) == _routing_of([*s.prompt_ids, *s.response_ids])
+                from_checkpoint += sid in from_ck and sid not in generated
+    assert from_checkpoint > 0
+    written = int(max(p.name for p in spool_dir.glob("routed_*.bin"))[7:13]) + 1
+    spool2.close()  # the run's end: only what its last two checkpoints (and their journal tails) name stays
+    left = {p.name for p in spool_dir.glob("routed_*.bin")}
+    assert left <= _named(tmp_path, run_dir, (4, 6)) and len(left) < written
+
+
+def test_a_checkpoint_is_not_completed_when_the_spool_could_not_write_the_routing_it_names(tmp_path):
+    """The checkpoint's writer waits for the spool's queued writes before controller.json: a write
+    that failed (here the spool's directory is a file) fails the run instead of completing a
+    checkpoint whose samples name ids that are not on disk."""
+    rt, engines, _ = make(mode="dora", steps=4, tmp_path=tmp_path)
+    fakes = {name: RoutingEngine(name, token_s=0.001) for name in engines}
+    rt.engines.clear()
+    rt.engines.update(fakes)
+    rt.opt.routed_experts = True
+    blocker = tmp_path / "not_a_directory"
+    blocker.write_text("the spool's directory should be here")
+    rt.store.routed_spool = spool = RoutedSpool(blocker)
+    with pytest.raises(OSError):
+        asyncio.run(drive(rt))
+    assert not (tmp_path / "ck2" / "controller.json").exists() and (tmp_path / "ck2").is_dir()
+    spool.close()

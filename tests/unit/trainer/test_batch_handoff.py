@@ -181,6 +181,7 @@ def test_spooled_routed_experts_reach_the_rank_that_trains_them_and_trained_segm
             for s, r in zip(samples, want):  # as the sample store queues them when each sample finishes
                 s.routed_experts = c.routed_spool.put(r)
             reply = await c.train(0, samples)
+            c.routed_spool.flush()  # the deletions are queued behind the spool's writes
             return reply, sorted(p.name for p in spool_dir.iterdir())
 
     reply, left = asyncio.run(go())
