@@ -34,8 +34,12 @@ Record kinds::
 
     {"t": "checkpoint", "version": V}
     {"t": "dispatch", "group_id", "version", "prompt_index", "sample_ids"}
-    {"t": "sample", "sample_id", "group_id", "version", "prompt_index", "versions", "output_ids",
-     "logprobs", "reward", "replayed", "finish_reason", "reward_error"}
+    {"t": "sample", "sample_id", "group_id", "version", "prompt_index", "versions", "response_ids",
+     "rollout_logprobs", "reward", "replayed", "finish_reason", "reward_error"}
+
+A sample's tokens and log-probs are named as the training sample names them
+(:class:`~dora_megatron.comm.train_sample.TrainSample`); a journal written by an older dora, which
+named them ``output_ids`` and ``logprobs``, stops a resume with an error naming the file and the key.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from typing import IO, Any, Callable, Sequence
 
 from dora_megatron.comm.batch_files import routed_base64
 from dora_megatron.controller.array_text import array_json
+from dora_megatron.controller.records import entry_tokens
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +71,8 @@ class JournaledSample:
     group_id: str
     version: int
     prompt_index: int
-    output_ids: Sequence[int]  # a tuple when read back; the sample's own int32 array when journaled
-    logprobs: Sequence[float]
+    response_ids: Sequence[int]  # a tuple when read back; the sample's own int32 array when journaled
+    rollout_logprobs: Sequence[float]
     reward: float
     # engine routing when routing replay is on: base64 (SGLang's encoding) when read back, the
     # sample's compact array when journaled (encoded by the writer thread)
@@ -203,7 +208,7 @@ class Journal:
 
     def replayed(self, s: JournaledSample) -> None:
         line = {"sample_id": s.sample_id, "group_id": s.group_id, "version": s.version,
-                "prompt_index": s.prompt_index, "tokens": len(s.output_ids)}
+                "prompt_index": s.prompt_index, "tokens": len(s.response_ids)}
         self._put(lambda: self._write_replayed(line))
 
     def _write_replayed(self, line: dict[str, Any]) -> None:
@@ -253,7 +258,8 @@ def _sample_line(s: JournaledSample, versions: list[int], replayed: bool) -> byt
            **({"finish_reason": s.finish_reason} if s.finish_reason is not None else {}),
            **({"reward_error": s.reward_error} if s.reward_error is not None else {})}
     line = json.dumps(rec).encode()
-    parts = [line[:-1], b', "output_ids": ', _list_text(s.output_ids), b', "logprobs": ', _list_text(s.logprobs)]
+    parts = [line[:-1], b', "response_ids": ', _list_text(s.response_ids), b', "rollout_logprobs": ',
+             _list_text(s.rollout_logprobs)]
     if s.routed_experts is not None:
         parts += [b', "routed_experts": "', *routed_base64(s.routed_experts), b'"']
     return b"".join([*parts, b"}"])
@@ -268,16 +274,18 @@ def _list_text(values: Sequence[Any]) -> bytes:
 def read_journal(run_dir: str | Path, version: int) -> dict[str, JournaledSample]:
     """Finished samples recorded after checkpoint marker ``version`` that may be restored on a resume
     from that checkpoint (one version ``<= version``, whole), by sample id. A torn last line (crash
-    mid-write) and anything before the marker are ignored; no marker: nothing."""
-    lines: list[str] = []
+    mid-write) and anything before the marker are ignored; no marker: nothing. A restorable sample
+    without ``response_ids`` or ``rollout_logprobs`` (an older dora's journal) is a ``ValueError``
+    naming the file, the line and the key (:func:`~.records.entry_tokens`)."""
+    lines: list[tuple[str, str]] = []  # (where: file and line number, the line)
     for path in [*segments(Path(run_dir)), Path(run_dir) / JOURNAL]:
         try:
-            lines += path.read_text().splitlines()
+            lines += [(f"{path}:{n}", line) for n, line in enumerate(path.read_text().splitlines(), 1)]
         except OSError:
             continue
     out: dict[str, JournaledSample] = {}
     started = False
-    for line in lines:
+    for where, line in lines:
         try:
             rec = json.loads(line)
         except ValueError:
@@ -291,8 +299,9 @@ def read_journal(run_dir: str | Path, version: int) -> dict[str, JournaledSample
         v = int(rec["version"])
         if v > version or list(rec.get("versions", [])) != [v] or rec.get("reward") is None:
             continue
+        ids, logprobs = entry_tokens(rec, f"{where} (sample {rec['sample_id']})")
         out[rec["sample_id"]] = JournaledSample(rec["sample_id"], rec["group_id"], v, int(rec["prompt_index"]),
-                                                tuple(rec["output_ids"]), tuple(rec["logprobs"]), float(rec["reward"]),
+                                                tuple(ids), tuple(logprobs), float(rec["reward"]),
                                                 rec.get("routed_experts"), rec.get("finish_reason"), rec.get("reward_error"))
     return out
 

@@ -229,7 +229,7 @@ class Migrations:
         self.migrations_fallback += 1
         left = self.rt.now()
         self.stall_s += left - start
-        reprefill = len(rec.prompt_ids) + len(rec.output_ids)
+        reprefill = len(rec.prompt_ids) + len(rec.response_ids)
         await self.rt.events.report(MigrationDone(a.sample_id, reprefill))
         await self.rt.resubmit(Submit(a.sample_id, a.dst, a.version, resume=True))
         self.freed_slot_s += self.rt.now() - left
