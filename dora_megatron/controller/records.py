@@ -104,9 +104,10 @@ TOKEN_KEYS = ("response_ids", "rollout_logprobs")
 _OLD_TOKEN_KEYS = {"response_ids": "output_ids", "rollout_logprobs": "logprobs"}
 
 
-def entry_tokens(entry: Mapping[str, Any], where: str) -> tuple[Any, Any]:
+def entry_tokens(entry: Mapping[str, Any], where: str) -> tuple[Sequence[int], Sequence[float]]:
     """The ``response_ids`` and ``rollout_logprobs`` of a finished sample's entry in
-    ``controller.json`` or the journal. An entry without one (an older dora's, which wrote
+    ``controller.json`` or the journal, as written (lists; their items are not checked one by one:
+    ``array`` refuses a wrong one when the caller packs them). An entry without one (an older dora's, which wrote
     ``output_ids`` and ``logprobs``) is refused with a ``ValueError`` naming ``where`` and the key:
     a 0.1 project keeps one format, and a traceback ending in ``KeyError`` would not say which
     file is at fault."""
