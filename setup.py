@@ -44,10 +44,11 @@ setup(
         # of holding the whole run; pytest-xdist: CI runs the suite on two workers (`-n 2 --dist
         # loadfile`: a module's fixtures stay on one worker), the integration tests wait on their
         # servers about half of the time; mypy (pinned: a new release may flag what this one passes):
-        # the type check of mypy.ini (tests/unit/test_types.py); accelerate: transformers needs it to
+        # the type check of mypy.ini (tests/unit/test_types.py), with types-tqdm: tqdm ships no
+        # type hints (controller/outputs.py's progress bar); accelerate: transformers needs it to
         # read a block-FP8 checkpoint, the oracle of tests/unit/weights/test_fp8_checkpoint.py
         "test": ["pytest>=8", "hypothesis>=6.100", "msgspec>=0.18", "import-linter>=2.17", "pytest-timeout>=2.3",
-                 "pytest-xdist>=3.5", "wandb>=0.17", "mypy==2.4.1", "accelerate>=1.0"],  # wandb: the offline W&B log of tests/integration/test_own_model_job.py
+                 "pytest-xdist>=3.5", "wandb>=0.17", "mypy==2.4.1", "types-tqdm>=4.60", "accelerate>=1.0"],  # wandb: the offline W&B log of tests/integration/test_own_model_job.py
         # CUDA clusters only; documented in the README, never needed on CPU. SGLang is pinned to
         # the release whose protocol dora speaks (comm/sglang_client.py TESTED_SGLANG_VERSION);
         # another one gets a warning at launch.

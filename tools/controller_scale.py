@@ -152,7 +152,7 @@ class HeldTokens:
     async def _run(self, rt) -> None:
         while True:
             await asyncio.sleep(self.period_s)
-            held = sum(len(r.output_ids) + len(r.prompt_ids) for r in list(rt.store.samples.values()))
+            held = sum(len(r.response_ids) + len(r.prompt_ids) for r in list(rt.store.samples.values()))
             if held > self.peak_tokens:
                 self.peak_tokens, self.rss_at_peak = held, _rss_bytes()
 

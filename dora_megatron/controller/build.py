@@ -159,7 +159,8 @@ def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, mo
     from dora_megatron.data.sources import eval_prompts
 
     evals = eval_prompts(cfg, codec)  # checked whole at load, like the training prompts
-    state = json.loads((checkpoint / "controller.json").read_text()) if checkpoint is not None else None
+    state_file = checkpoint / "controller.json" if checkpoint is not None else None
+    state = json.loads(state_file.read_text()) if state_file is not None else None
     orch = (Orchestrator.restore(cfg.orchestrator, state["orchestrator"]) if state
             else Orchestrator(cfg.orchestrator, list(endpoints.engines)))
     journal = None
@@ -197,7 +198,11 @@ def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, mo
 
         # the recorder's rows of the steps done are steps.jsonl's (the launcher has cut the crashed
         # lineage's lines after the checkpoint); controller.json keeps only their count
-        runtime.controller_state.load_state_dict(state, read_step_rows(run_dir / "steps.jsonl", int(state.get("steps_done", 0))))
+        try:
+            runtime.controller_state.load_state_dict(state, read_step_rows(run_dir / "steps.jsonl",
+                                                                           int(state.get("steps_done", 0))))
+        except ValueError as err:  # an entry this version cannot read: which file, then which entry and key
+            raise ValueError(f"{state_file}: {err}") from err
     if journal is not None:
         if state is not None and runtime.workflow is None:  # what the crashed lineage finished after this
             # checkpoint (a workflow's samples are not journaled: they run again), then start anew

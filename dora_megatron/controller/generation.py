@@ -226,7 +226,7 @@ class Generation:
         its workflow generated on this instance with this version (every turn pinned to it)."""
         rt = self.rt
         if rt.workflow is None:
-            return await engine.generate([*rec.prompt_ids, *rec.output_ids], rt.store.sampling(rec), rid=a.sample_id,
+            return await engine.generate([*rec.prompt_ids, *rec.response_ids], rt.store.sampling(rec), rid=a.sample_id,
                                          return_logprob=True, version=a.version,
                                          **({"routed_experts": True} if rt.opt.routed_experts else {}),
                                          **({"draft_sources": finished_sources(rec, rt.store.siblings(rec))}
@@ -294,7 +294,7 @@ class Generation:
         if rt.opt.draft_siblings:
             # offered first: a push this finish holds (its instance not yet counted down) is then
             # among what ``finished`` looks at again once the turn is over
-            self.drafts.offer(running_targets(rec, rt.store.siblings(rec)), [*rec.prompt_ids, *rec.output_ids])
+            self.drafts.offer(running_targets(rec, rt.store.siblings(rec)), [*rec.prompt_ids, *rec.response_ids])
             self.drafts.finished(instance, rec.sample_id)
         rt.store.score(rec, resp, reason, ev.reward)
         if getattr(resp, "loss_mask", None) is not None:  # a workflow's trajectory (rollout.workflow)
@@ -303,7 +303,7 @@ class Generation:
             # a workflow's trajectory is not journaled (the journal keeps no prompt of its own nor loss
             # mask): after a crash it runs again from its prompt, on its own version
             rt.journal.sample(rt.replay.journaled(rec), sorted(rec.versions))
-        return len(rec.output_ids)
+        return len(rec.response_ids)
 
     def sample_versions(self, sample_id: str) -> set[int]:
         """Loop: every version the sample was submitted on or an engine said produced its tokens;

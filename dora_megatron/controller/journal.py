@@ -34,9 +34,12 @@ Record kinds::
 
     {"t": "checkpoint", "version": V}
     {"t": "dispatch", "group_id", "version", "prompt_index", "sample_ids"}
-    {"t": "sample", "sample_id", "group_id", "version", "prompt_index", "versions", "output_ids",
-     "logprobs", "reward", "replayed", "finish_reason", "reward_error", "routed_experts" | "routed_at"}
+    {"t": "sample", "sample_id", "group_id", "version", "prompt_index", "versions", "response_ids",
+     "rollout_logprobs", "reward", "replayed", "finish_reason", "reward_error", "routed_experts" | "routed_at"}
 
+A sample's tokens and log-probs are named as the training sample names them
+(:class:`~dora_megatron.comm.train_sample.TrainSample`); a journal written by an older dora, which
+named them ``output_ids`` and ``logprobs``, stops a resume with an error naming the file and the key.
 With routing replay and batch files a sample's routed experts are in the trainer's spool
 (:mod:`~dora_megatron.comm.routed_spool`): its line records where (``routed_at``), and the spool
 keeps that segment while a resume may read this journal.
@@ -57,6 +60,7 @@ from typing import IO, Any, Callable, Sequence
 from dora_megatron.comm.batch_files import routed_base64
 from dora_megatron.comm.routed_spool import SpoolError, SpooledRouted
 from dora_megatron.controller.array_text import array_json
+from dora_megatron.controller.records import entry_tokens
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +75,8 @@ class JournaledSample:
     group_id: str
     version: int
     prompt_index: int
-    output_ids: Sequence[int]  # a tuple when read back; the sample's own int32 array when journaled
-    logprobs: Sequence[float]
+    response_ids: Sequence[int]  # a tuple when read back; the sample's own int32 array when journaled
+    rollout_logprobs: Sequence[float]
     reward: float
     # engine routing when routing replay is on: where the spool holds it (a SpooledRouted, recorded
     # as ``routed_at``: the journal line holds no ids), or without a spool base64 (SGLang's
@@ -209,7 +213,7 @@ class Journal:
 
     def replayed(self, s: JournaledSample) -> None:
         line = {"sample_id": s.sample_id, "group_id": s.group_id, "version": s.version,
-                "prompt_index": s.prompt_index, "tokens": len(s.output_ids)}
+                "prompt_index": s.prompt_index, "tokens": len(s.response_ids)}
         self._put(lambda: self._write_replayed(line))
 
     def _write_replayed(self, line: dict[str, Any]) -> None:
@@ -259,7 +263,8 @@ def _sample_line(s: JournaledSample, versions: list[int], replayed: bool) -> byt
            **({"finish_reason": s.finish_reason} if s.finish_reason is not None else {}),
            **({"reward_error": s.reward_error} if s.reward_error is not None else {})}
     line = json.dumps(rec).encode()
-    parts = [line[:-1], b', "output_ids": ', _list_text(s.output_ids), b', "logprobs": ', _list_text(s.logprobs)]
+    parts = [line[:-1], b', "response_ids": ', _list_text(s.response_ids), b', "rollout_logprobs": ',
+             _list_text(s.rollout_logprobs)]
     if isinstance(s.routed_experts, SpooledRouted):
         parts += [b', "routed_at": ', json.dumps(s.routed_experts.state()).encode()]
     elif s.routed_experts is not None:
@@ -276,16 +281,18 @@ def _list_text(values: Sequence[Any]) -> bytes:
 def read_journal(run_dir: str | Path, version: int) -> dict[str, JournaledSample]:
     """Finished samples recorded after checkpoint marker ``version`` that may be restored on a resume
     from that checkpoint (one version ``<= version``, whole), by sample id. A torn last line (crash
-    mid-write) and anything before the marker are ignored; no marker: nothing."""
-    lines: list[str] = []
+    mid-write) and anything before the marker are ignored; no marker: nothing. A restorable sample
+    without ``response_ids`` or ``rollout_logprobs`` (an older dora's journal) is a ``ValueError``
+    naming the file, the line and the key (:func:`~.records.entry_tokens`)."""
+    lines: list[tuple[str, str]] = []  # (where: file and line number, the line)
     for path in [*segments(Path(run_dir)), Path(run_dir) / JOURNAL]:
         try:
-            lines += path.read_text().splitlines()
+            lines += [(f"{path}:{n}", line) for n, line in enumerate(path.read_text().splitlines(), 1)]
         except OSError:
             continue
     out: dict[str, JournaledSample] = {}
     started = False
-    for line in lines:
+    for where, line in lines:
         try:
             rec = json.loads(line)
         except ValueError:
@@ -305,8 +312,9 @@ def read_journal(run_dir: str | Path, version: int) -> dict[str, JournaledSample
         except SpoolError as err:  # the journal only spares work: the sample is generated again
             log.warning("%s; not restored", err)
             continue
+        ids, logprobs = entry_tokens(rec, f"{where} (sample {rec['sample_id']})")
         out[rec["sample_id"]] = JournaledSample(rec["sample_id"], rec["group_id"], v, int(rec["prompt_index"]),
-                                                tuple(rec["output_ids"]), tuple(rec["logprobs"]), float(rec["reward"]),
+                                                tuple(ids), tuple(logprobs), float(rec["reward"]),
                                                 routed, rec.get("finish_reason"), rec.get("reward_error"))
     return out
 

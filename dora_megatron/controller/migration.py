@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Coroutine, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dora_megatron.controller.errors import is_comm_error as _is_comm_error, is_local as _is_local
 from dora_megatron.events import EngineReply, InstanceFailed, MigrationDone, MigrationFailed
@@ -23,6 +23,7 @@ from dora_megatron.controller.records import Engine, RuntimeOptions, SampleRecor
 from dora_megatron.orchestrator import Interrupt, Migrate, Submit
 
 if TYPE_CHECKING:
+    from dora_megatron.controller.generation import Generation
     from dora_megatron.controller.samples import SampleStore
     from dora_megatron.controller.turns import Turns
     from dora_megatron.observability.timeline import Timeline
@@ -62,7 +63,8 @@ async def _abort_once(engine: Engine, sample_id: str) -> None:
 
 
 class MoveHost(Protocol):
-    """What the moves use of the executor that owns them (the pool, the samples, the queue, the clock)."""
+    """What the moves use of the executor that owns them (the pool, the samples, the queue, the
+    clock) and of generation, which orders every operation on a sample."""
 
     engines: dict[str, Engine]
     store: SampleStore  # the sample store: a finishing answer's reward is scored off the loop (:mod:`.samples`)
@@ -71,18 +73,14 @@ class MoveHost(Protocol):
     timeline: Timeline | None
     workflow: WorkflowRunner | None
     turns: Turns  # a workflow's runs: one moved or interrupted mid-turn is dropped
+    # per-sample ordering (``concurrent``), a migration's fallback (``resubmit``) and the count of
+    # local shortages are generation's (:mod:`.generation`)
+    generation: Generation
 
     @property
     def samples(self) -> dict[str, SampleRecord]: ...
 
     def now(self) -> float: ...
-
-    def concurrent(self, sample_id: str, make_coro: Callable[[asyncio.Task[None] | None], Coroutine[Any, Any, object]],
-                   name: str) -> asyncio.Task[None]: ...
-
-    async def resubmit(self, a: Submit) -> None: ...
-
-    def local_shortage(self, what: str, err: BaseException) -> None: ...
 
 
 class Migrations:
@@ -117,7 +115,7 @@ class Migrations:
             if not released.done():
                 released.set_result(None)
 
-        task = self.rt.concurrent(a.sample_id, lambda prev: self.move(a, prev, released), f"migrate-{a.sample_id}")
+        task = self.rt.generation.concurrent(a.sample_id, lambda prev: self.move(a, prev, released), f"migrate-{a.sample_id}")
         task.add_done_callback(release)
         self._track_move(a.src, released)
         self._track_move(a.dst, task)
@@ -132,7 +130,7 @@ class Migrations:
 
     def interrupt(self, a: Interrupt) -> None:
         self.rt.turns.drop(a.sample_id)  # an interrupted trajectory runs again from its prompt
-        task = self.rt.concurrent(a.sample_id, lambda prev: self.abort(a, prev), f"interrupt-{a.sample_id}")
+        task = self.rt.generation.concurrent(a.sample_id, lambda prev: self.abort(a, prev), f"interrupt-{a.sample_id}")
         self._track_move(a.instance, task)
 
     async def move(self, a: Migrate, prev: asyncio.Task[Any] | None, released: asyncio.Future[None]) -> None:
@@ -169,7 +167,7 @@ class Migrations:
                         await asyncio.sleep(0.02)
         except Exception as err:  # noqa: BLE001 - the source is unreachable: re-run the sample elsewhere
             if _is_local(err):  # the controller's shortage: move it the other way (abort + resubmit)
-                self.rt.local_shortage(f"export of {a.sample_id} from {a.src}", err)
+                self.rt.generation.local_shortage(f"export of {a.sample_id} from {a.src}", err)
                 blob = None
             elif not _is_comm_error(err):
                 raise
@@ -193,7 +191,7 @@ class Migrations:
                 if gate is not None:
                     gate.move_failed()  # the trajectory runs again from its prompt (re-queued below)
                 if _is_local(err):  # the controller's shortage: the sample runs again from what it holds
-                    self.rt.local_shortage(f"import of {a.sample_id} into {a.dst}", err)
+                    self.rt.generation.local_shortage(f"import of {a.sample_id} into {a.dst}", err)
                     await self.rt.events.report(MigrationFailed(a.sample_id))
                     return
                 if not _is_comm_error(err):
@@ -229,9 +227,9 @@ class Migrations:
         self.migrations_fallback += 1
         left = self.rt.now()
         self.stall_s += left - start
-        reprefill = len(rec.prompt_ids) + len(rec.output_ids)
+        reprefill = len(rec.prompt_ids) + len(rec.response_ids)
         await self.rt.events.report(MigrationDone(a.sample_id, reprefill))
-        await self.rt.resubmit(Submit(a.sample_id, a.dst, a.version, resume=True))
+        await self.rt.generation.resubmit(Submit(a.sample_id, a.dst, a.version, resume=True))
         self.freed_slot_s += self.rt.now() - left
 
     async def abort(self, a: Interrupt, prev: asyncio.Task[Any] | None) -> None:

@@ -15,10 +15,19 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, TYPE_CHECKING, Any, Callable, Mapping, Never, Sequence, TypedDict
 
 from dora_megatron.config.schema import DoraConfig
 from dora_megatron.observability.summary import StepRecord, write_summary
+from dora_megatron.observability.tensorboard import ScalarWriter
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
+
+    from dora_megatron.controller.runtime import Runtime
+    from dora_megatron.observability.overview import CheckpointOverviews
+    from dora_megatron.observability.wandb_writer import WandbWriter
+    from dora_megatron.orchestrator import Orchestrator
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +43,8 @@ def drop_steps_from(path: Path, first: int) -> int:
     again. Returns how many."""
     if not path.is_file():
         return 0
-    kept, dropped = [], 0
+    kept: list[str] = []
+    dropped = 0
     for line in path.read_text().splitlines():
         try:
             keep = int(json.loads(line)["step"]) < first
@@ -50,7 +60,7 @@ def drop_steps_from(path: Path, first: int) -> int:
     return dropped
 
 
-def open_run_records(run_dir: Path, resumed_at: int | None):
+def open_run_records(run_dir: Path, resumed_at: int | None) -> tuple[IO[str], IO[str]]:
     """``steps.jsonl`` and ``consumed.jsonl`` opened for this run's steps: new files, or on a resume
     from the checkpoint of version ``resumed_at`` the existing ones without the crashed lineage's
     records of steps >= it (those steps are trained again from the checkpoint, on the groups it
@@ -64,7 +74,15 @@ def open_run_records(run_dir: Path, resumed_at: int | None):
     return open(run_dir / "steps.jsonl", "a"), open(run_dir / "consumed.jsonl", "a")
 
 
-def earlier_steps(run_dir: Path) -> dict[str, Any]:
+class EarlierSteps(TypedDict):
+    """What a resumed run's :class:`~dora_megatron.observability.overview.CheckpointOverviews` starts
+    from (its keyword arguments of these names)."""
+
+    rows: list[dict[str, Any]]  # steps.jsonl's rows of the steps before the checkpoint
+    staleness: dict[int, int]  # staleness -> groups consumed at it by those steps
+
+
+def earlier_steps(run_dir: Path) -> EarlierSteps:
     """A resumed run's step rows and staleness histogram before the checkpoint (``steps.jsonl``
     already cut at it, ``consumed.jsonl``), to seed :class:`CheckpointOverviews`."""
     from dora_megatron.observability.overview import read_steps
@@ -99,38 +117,49 @@ class RunOutputs:
         self.cfg, self.run_dir = cfg, run_dir
         resumed_at = steps_done_at(checkpoint) if checkpoint is not None else None  # steps >= it are re-done
         purge = resumed_at if checkpoint is not None else (0 if trainer_restarts else None)
-        self.writer = TensorBoardWriter(run_dir / "tb", purge_step=purge) if obs.tensorboard else NullWriter()
+        self.writer: ScalarWriter = (TensorBoardWriter(run_dir / "tb", purge_step=purge) if obs.tensorboard
+                                     else NullWriter())
         # the slow writes of the run (rollout dumps, checkpoint overviews) run here, off the event loop
         self.background = BackgroundWriter()
         self.timeline = Timeline() if obs.timeline else None
         self.progress = Progress(cfg.run.steps, enabled=obs.progress)
         self.steps_file, self.consumed_file = open_run_records(run_dir, resumed_at)
-        self.overviews = None  # overview.png at each checkpoint, drawn on the background writer
+        self.overviews: CheckpointOverviews | None = None  # overview.png at each checkpoint, drawn on the background writer
         if obs.overview and cfg.run.checkpoint_interval > 0:
             from dora_megatron.observability.overview import CheckpointOverviews
 
+            seed = earlier_steps(run_dir) if checkpoint is not None else EarlierSteps(rows=[], staleness={})
             self.overviews = CheckpointOverviews(
                 run_dir / "overview.png", self.background, max_staleness=cfg.orchestrator.max_staleness,
-                title=f"{cfg.orchestrator.mode}: run overview ({run_dir.name})",
-                **(earlier_steps(run_dir) if checkpoint is not None else {}))
-        self.orch = None  # set by :meth:`attach` (the retention asks it for the live versions)
+                title=f"{cfg.orchestrator.mode}: run overview ({run_dir.name})", **seed)
+        self._orch: Orchestrator | None = None  # set by :meth:`attach` (the retention asks it for the live versions)
         self.retention = SnapshotRetention(run_dir, lambda: self.orch.live_versions())
-        self.sinks = [self.writer, StepsJsonl(self.steps_file)]
+        self.wandb: WandbWriter | None = None
         if obs.wandb:
             from dora_megatron.config.loader import to_dict
             from dora_megatron.observability.wandb_writer import WandbWriter
 
-            self.sinks.append(WandbWriter(run_dir, obs.wandb_project, config=to_dict(cfg)))
+            self.wandb = WandbWriter(run_dir, obs.wandb_project, config=to_dict(cfg))
+        #: where the metrics recorder writes each step's scalars
+        self.sinks: list[ScalarWriter] = [self.writer, StepsJsonl(self.steps_file),
+                                          *([self.wandb] if self.wandb is not None else [])]
 
-    def attach(self, orch, resumed: bool) -> None:
+    @property
+    def orch(self) -> Orchestrator:
+        """The run's orchestrator, once :meth:`attach` gave it."""
+        if self._orch is None:
+            raise RuntimeError("RunOutputs.attach(orchestrator) was not called: the outputs have no orchestrator")
+        return self._orch
+
+    def attach(self, orch: Orchestrator, resumed: bool) -> None:
         """The controller is built: its orchestrator's live versions bound the snapshot retention."""
-        self.orch = orch
+        self._orch = orch
         if self.cfg.run.checkpoint_interval == 0:  # no mid-run checkpoint to resume from: only live versions matter
             self.retention.min_live_at_checkpoint = float("inf")
         if resumed:
             self.retention.min_live_at_checkpoint = min(orch.live_versions())
 
-    def on_step(self, s: StepRecord, rt) -> None:
+    def on_step(self, s: StepRecord, rt: Runtime) -> None:
         """After each step (its record): prune snapshots, record the consumed groups, progress, overview."""
         self.retention.prune()
         self.consumed_file.write(json.dumps({"step": s.step, "groups": s.groups, "versions": s.versions}) + "\n")
@@ -150,14 +179,14 @@ class RunOutputs:
         self.steps_file.close()
         self.consumed_file.close()
         self.writer.close()
-        for sink in self.sinks[2:]:  # observability.wandb
-            sink.close()
+        if self.wandb is not None:
+            self.wandb.close()
 
     def close_background(self) -> None:
         """Every queued dump and checkpoint overview written (the run's work is over)."""
         self.background.close()
 
-    def finish(self, summary: dict[str, Any], model_dir: Path, say) -> dict[str, Any]:
+    def finish(self, summary: dict[str, Any], model_dir: Path, say: Callable[[str], None]) -> dict[str, Any]:
         """``summary.json`` and ``orchestrator_state.json``; for a completed run also the Hugging Face
         export of the trained policy and the timeline (a stopped run: the checkpoint is what
         matters, quickly)."""
@@ -193,10 +222,10 @@ class SnapshotRetention:
 
     KEEP_CHECKPOINTS = 2
 
-    def __init__(self, run_dir: Path, live_versions) -> None:
+    def __init__(self, run_dir: Path, live_versions: Callable[[], Sequence[int]]) -> None:
         self.run_dir = run_dir
-        self.live_versions = live_versions  # () -> the orchestrator's live versions
-        self._floors: list[float] = [0]  # oldest live version at each of the last checkpoints
+        self.live_versions = live_versions  # the orchestrator's live versions, now
+        self._floors: list[float] = [0.0]  # oldest live version at each of the last checkpoints
 
     @property
     def min_live_at_checkpoint(self) -> float:
@@ -233,7 +262,7 @@ class Progress:
     """The progress line of ``dora train``: a tqdm bar on a terminal, else a log line per step with an ETA."""
 
     def __init__(self, total: int, enabled: bool) -> None:
-        self.bar = None
+        self.bar: tqdm[Never] | None = None  # no iterable: a bar updated by hand
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
@@ -242,7 +271,7 @@ class Progress:
         self.t0 = time.monotonic()
         self.done = 0
 
-    def update(self, step: int, scalars: dict[str, Any], samples: int = 0) -> None:
+    def update(self, step: int, scalars: Mapping[str, Any], samples: int = 0) -> None:
         """Step ``step`` of ``samples`` samples ended with ``scalars``; a step whose rewards all
         failed gets a warning of its own (a flat reward of 0 is otherwise all the user sees)."""
         reward = scalars.get("reward/mean")

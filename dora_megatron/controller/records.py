@@ -73,9 +73,11 @@ class SampleRecord:
     index: int
     version: int
     prompt_ids: list[int]
-    #: the output as compact arrays (int32 ids, float32 log-probs: 8 bytes a token, not ~68 as lists)
-    output_ids: array[int] = field(default_factory=lambda: array("i"))
-    logprobs: array[float] = field(default_factory=lambda: array("f"))
+    #: the generated tokens and the engine's log-probs of them as compact arrays (int32 ids, float32
+    #: log-probs: 8 bytes a token, not ~68 as lists); named as the training sample names them
+    #: (:class:`~dora_megatron.comm.train_sample.TrainSample`), in the checkpoint and the journal too
+    response_ids: array[int] = field(default_factory=lambda: array("i"))
+    rollout_logprobs: array[float] = field(default_factory=lambda: array("f"))
     versions: set[int] = field(default_factory=set)
     submissions: int = 0
     reward: float | None = None
@@ -91,8 +93,31 @@ class SampleRecord:
     #: the smallest integer type that holds them (:func:`~dora_megatron.comm.batch_files.compact_routed`)
     routed_experts: Any = None
     finish_reason: str | None = None  # the engine's finish_reason type of the answer that finished it ("stop", "length")
-    loss_mask: list[int] | None = None  # a workflow's trajectory: 1 on model tokens of output_ids, 0 on the tools'
+    loss_mask: list[int] | None = None  # a workflow's trajectory: 1 on model tokens of response_ids, 0 on the tools'
     turn: Any = None  # a workflow's run (controller.turns.TurnGate): where its turns run, whether it was dropped
+
+
+#: a finished sample's tokens and log-probs as ``controller.json`` and the journal name them
+TOKEN_KEYS = ("response_ids", "rollout_logprobs")
+#: what a dora before the rename wrote instead (named in the error only: such a file is not read)
+_OLD_TOKEN_KEYS = {"response_ids": "output_ids", "rollout_logprobs": "logprobs"}
+
+
+def entry_tokens(entry: Mapping[str, Any], where: str) -> tuple[Sequence[int], Sequence[float]]:
+    """The ``response_ids`` and ``rollout_logprobs`` of a finished sample's entry in
+    ``controller.json`` or the journal, as written (lists; their items are not checked one by one:
+    ``array`` refuses a wrong one when the caller packs them). An entry without one (an older dora's, which wrote
+    ``output_ids`` and ``logprobs``) is refused with a ``ValueError`` naming ``where`` and the key:
+    a 0.1 project keeps one format, and a traceback ending in ``KeyError`` would not say which
+    file is at fault."""
+    for key in TOKEN_KEYS:
+        if key not in entry:
+            old = _OLD_TOKEN_KEYS[key]
+            why = (f" but {old!r}: written by an older dora, which named a sample's tokens and log-probs "
+                   f"'output_ids' and 'logprobs'; this version cannot resume from it (start a new run)"
+                   if old in entry else "")
+            raise ValueError(f"{where}: no {key!r}{why}")
+    return entry["response_ids"], entry["rollout_logprobs"]
 
 
 @dataclass

@@ -84,7 +84,7 @@ class JournalReplay:
                     or j.prompt_index != group.prompt.index or rec.version != j.version):
                 self.drop(j)
                 continue
-            rec.output_ids, rec.logprobs = array("i", j.output_ids), array("f", j.logprobs)
+            rec.response_ids, rec.rollout_logprobs = array("i", j.response_ids), array("f", j.rollout_logprobs)
             rec.reward, rec.versions = j.reward, {j.version}
             rec.routed_experts = (j.routed_experts if isinstance(j.routed_experts, SpooledRouted)
                                   else compact_routed(j.routed_experts))
@@ -109,7 +109,7 @@ class JournalReplay:
             js = self.journaled(rec)
             self.rt.journal.sample(js, sorted(rec.versions), replayed=True)
             self.rt.journal.replayed(js)
-        return len(rec.output_ids)
+        return len(rec.response_ids)
 
     def journaled(self, rec: SampleRecord) -> JournaledSample:
         """``rec`` as the journal records it (:class:`~dora_megatron.controller.journal.JournaledSample`):
@@ -120,5 +120,5 @@ class JournalReplay:
         if rec.reward is None:  # journaled once finished, and a finished sample is scored
             raise ValueError(f"sample {rec.sample_id} has no reward: a sample is journaled after its reward")
         return JournaledSample(rec.sample_id, rec.group_id, rec.version, self.rt.groups[rec.group_id].prompt.index,
-                               rec.output_ids, rec.logprobs, float(rec.reward), rec.routed_experts,
+                               rec.response_ids, rec.rollout_logprobs, float(rec.reward), rec.routed_experts,
                                rec.finish_reason, rec.reward_error)

@@ -80,7 +80,8 @@ class Runtime:
     (:mod:`.checkpointing`), :attr:`replay` (:mod:`.replay`), :attr:`turns` (:mod:`.turns`),
     :attr:`stats` (:mod:`.stats`), over the samples of :attr:`store` (:mod:`.samples`). It owns
     only the run's tasks, its clock and its end (:meth:`stop`). Components never import each
-    other: what one asks of another goes through the few host methods below."""
+    other at run time: what one asks of another it asks of the sibling its ``*Host`` protocol
+    names (e.g. the moves' ``generation``, a switch's ``moves``), reached through this executor."""
 
     def __init__(self, orch: Orchestrator, engines: dict[str, Engine], trainer: Trainer, source: PromptSource,
                  reward_fn: RewardFn, options: RuntimeOptions, *, timeline: Timeline | None = None,
@@ -131,7 +132,7 @@ class Runtime:
         #: instance membership and failures (:mod:`.pool`)
         self.pool = Pool(self)
         #: the event source of load reports and ticks (:mod:`.stats`)
-        self.stats = StatsPoller(orch, engines, self.events, options, self.local_shortage, load_reports,
+        self.stats = StatsPoller(orch, engines, self.events, options, self.generation.local_shortage, load_reports,
                                  on_sweep=self.generation.drafts.release_ready)
         #: switches, their checks and the ``distributed`` push (:mod:`.weight_sync`)
         self.weights = WeightSync(self)
@@ -253,25 +254,8 @@ class Runtime:
             self.stop(err)
 
     def is_failed(self, instance: str) -> bool:
-        """:meth:`Pool.is_failed` (also what the launchers' pollers ask)."""
+        """:meth:`Pool.is_failed` (what the launchers' pollers and the eval rounds ask)."""
         return self.pool.is_failed(instance)
-
-    def local_shortage(self, what: str, err: BaseException) -> None:
-        """For every component that calls engines: :meth:`Generation.local_shortage` (one count)."""
-        self.generation.local_shortage(what, err)
-
-    def concurrent(self, sample_id: str, make_coro: Callable[[asyncio.Task[None] | None], Coroutine[Any, Any, object]],
-                   name: str) -> asyncio.Task[None]:
-        """For the moves: :meth:`Generation.concurrent` (per-sample ordering is generation's)."""
-        return self.generation.concurrent(sample_id, make_coro, name)
-
-    async def resubmit(self, a: Submit) -> None:
-        """For the moves (a migration's fallback): :meth:`Generation.resubmit`."""
-        await self.generation.resubmit(a)
-
-    def pending_moves(self, instance: str) -> list[asyncio.Future[object]]:
-        """For a switch: :meth:`Migrations.pending`, what it waits for."""
-        return self.moves.pending(instance)
 
     # ------------------------------------------------------------------ what launchers call
     def add_instance(self, name: str, engine: Engine) -> None:

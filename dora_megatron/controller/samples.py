@@ -22,7 +22,7 @@ from typing import Any, Callable
 from dora_megatron.comm.batch_files import compact_routed
 from dora_megatron.comm.routed_spool import RoutedSpool, SpoolError, SpooledRouted
 from dora_megatron.comm.train_sample import TrainSample
-from dora_megatron.controller.records import GroupRecord, RuntimeOptions, SampleRecord
+from dora_megatron.controller.records import GroupRecord, RuntimeOptions, SampleRecord, entry_tokens
 from dora_megatron.data.codec import TextCodec
 from dora_megatron.data.reward_api import RewardInput, RewardResult, reward_input
 from dora_megatron.data.tasks import PromptSource
@@ -93,7 +93,7 @@ class SampleStore:
         the run, the sample and its submission count (a resubmission draws anew)."""
         seed = zlib.crc32(f"{self.opt.seed}/{rec.sample_id}/{rec.submissions}".encode()) & 0x7FFFFFFF
         return {
-            "max_new_tokens": max(1, self.opt.max_new_tokens - len(rec.output_ids)),
+            "max_new_tokens": max(1, self.opt.max_new_tokens - len(rec.response_ids)),
             "temperature": self.opt.temperature, "top_p": self.opt.top_p, "top_k": self.opt.top_k,
             "stop_token_ids": list(dict.fromkeys([*self.codec.eos_ids, *self.opt.stop_token_ids])),
             "sampling_seed": seed,
@@ -108,11 +108,11 @@ class SampleStore:
         its tokens under several versions: each is recorded, not just the routed one."""
         arrays = getattr(resp, "token_arrays", None)  # parsed by comm.generate_codec: a copy of bytes here
         if arrays is not None:
-            rec.output_ids.extend(arrays[0])
-            rec.logprobs.extend(arrays[1])
+            rec.response_ids.extend(arrays[0])
+            rec.rollout_logprobs.extend(arrays[1])
         else:  # an answer built otherwise (a workflow's trajectory, an in-process engine): converted here
-            rec.output_ids.extend(resp.output_ids)
-            rec.logprobs.extend(resp.output_token_logprobs or [0.0] * len(resp.output_ids))
+            rec.response_ids.extend(resp.output_ids)
+            rec.rollout_logprobs.extend(resp.output_token_logprobs or [0.0] * len(resp.output_ids))
         rec.versions.update(int(v) for v in getattr(resp, "versions_used", ()) if str(v).lstrip("-").isdigit())
         return (resp.finish_reason or {}).get("type")
 
@@ -128,7 +128,7 @@ class SampleStore:
         # the output so far copied here (a memcpy: the loop appends the answer only after this
         # returns, but the copy owns no state); joining it with the answer and detokenizing it,
         # proportional to its tokens, in the worker thread with the reward
-        done, mask = array("i", rec.output_ids), getattr(resp, "loss_mask", None)
+        done, mask = array("i", rec.response_ids), getattr(resp, "loss_mask", None)
         mask = list(mask) if mask is not None else rec.loss_mask
         return await asyncio.to_thread(self._reward_of, rec, done, resp.output_ids, mask)
 
@@ -162,12 +162,12 @@ class SampleStore:
             rec.routed_experts = ref
         return problem
 
-    def reward_input(self, rec: SampleRecord, output_ids: list[int], loss_mask: list[int] | None) -> RewardInput:
-        """What the reward sees of ``rec`` finished with ``output_ids``: the model's tokens decoded
+    def reward_input(self, rec: SampleRecord, response_ids: list[int], loss_mask: list[int] | None) -> RewardInput:
+        """What the reward sees of ``rec`` finished with ``response_ids``: the model's tokens decoded
         (not a workflow's tool results), and its group's row (ground truth, ``data_source``,
         ``extra_info``) through :func:`~dora_megatron.data.reward_api.reward_input`, the one builder
         the eval rounds and the bench's capacity pass use too."""
-        model = output_ids if loss_mask is None else [t for t, m in zip(output_ids, loss_mask) if m]
+        model = response_ids if loss_mask is None else [t for t, m in zip(response_ids, loss_mask) if m]
         return reward_input(self.groups[rec.group_id].prompt, self.codec.decode(model))
 
     def score(self, rec: SampleRecord, resp: Any, reason: str | None, reward: RewardResult | None = None) -> None:
@@ -183,7 +183,7 @@ class SampleStore:
         if getattr(resp, "reward", None) is not None:
             rec.reward = float(resp.reward)
             return
-        result = reward if reward is not None else self.reward_fn(self.reward_input(rec, rec.output_ids.tolist(),
+        result = reward if reward is not None else self.reward_fn(self.reward_input(rec, rec.response_ids.tolist(),
                                                                                      rec.loss_mask))
         rec.reward, rec.reward_error = float(result.score), result.error
         if result.error is not None:
@@ -206,20 +206,20 @@ class SampleStore:
             staleness.append(a.step - version)
             for sid in group.sample_ids:
                 rec = self.samples.pop(sid)
-                samples.append(TrainSample(rec.prompt_ids, rec.output_ids, rec.logprobs, version=rec.version,
+                samples.append(TrainSample(rec.prompt_ids, rec.response_ids, rec.rollout_logprobs, version=rec.version,
                                            reward=rec.reward, group_id=gid, loss_mask=rec.loss_mask,
                                            routed_experts=rec.routed_experts))
                 if dump:  # JSON lines: lists (a dump shows texts and tokens, not routing)
-                    dumped.append({"prompt_ids": rec.prompt_ids, "response_ids": rec.output_ids.tolist(),
-                                   "rollout_logprobs": rec.logprobs.tolist(), "reward": rec.reward,
+                    dumped.append({"prompt_ids": rec.prompt_ids, "response_ids": rec.response_ids.tolist(),
+                                   "rollout_logprobs": rec.rollout_logprobs.tolist(), "reward": rec.reward,
                                    "group_id": gid, "version": rec.version,
                                    **({"loss_mask": rec.loss_mask} if rec.loss_mask is not None else {}),
                                    "sample_id": sid, "finish_reason": rec.finish_reason,
                                    **({"reward_error": rec.reward_error} if rec.reward_error is not None else {})})
                 rewards.append(rec.reward)
                 errors += rec.reward_error is not None
-                lengths.append(len(rec.output_ids))
-                tokens += len(rec.prompt_ids) + len(rec.output_ids)
+                lengths.append(len(rec.response_ids))
+                tokens += len(rec.prompt_ids) + len(rec.response_ids)
         batch = ReleasedBatch(wait_s, rewards, lengths, staleness, tokens, tuple(a.group_ids), tuple(a.versions),
                               errors)
         return samples, batch, dumped
@@ -248,9 +248,9 @@ class SampleStore:
                 if not r.finished or r.replay_pending:
                     continue
                 samples.append({
-                    "sample_id": r.sample_id, "reward": r.reward, "output_ids": r.output_ids,
+                    "sample_id": r.sample_id, "reward": r.reward, "response_ids": r.response_ids,
                     **({"reward_error": r.reward_error} if r.reward_error is not None else {}),
-                    "logprobs": r.logprobs, "versions": sorted(r.versions),
+                    "rollout_logprobs": r.rollout_logprobs, "versions": sorted(r.versions),
                     **({"routed_at": r.routed_experts.state()} if isinstance(r.routed_experts, SpooledRouted)
                        else {"routed_experts": r.routed_experts} if r.routed_experts is not None else {}),
                     **({"finish_reason": r.finish_reason} if r.finish_reason is not None else {}),
@@ -274,7 +274,7 @@ class SampleStore:
             for i, sid in enumerate(sample_ids):
                 self.samples[sid] = SampleRecord(sid, g["group_id"], i, int(orch_samples.get(sid, og).get("version", version)),
                                                  list(g.get("prompt_ids") or ()))
-        for d in state["samples"]:
+        for i, d in enumerate(state["samples"]):
             rec = self.samples[d["sample_id"]]
             if "prompt_ids" in d:  # an older controller.json: the prompt ids in every sample entry
                 rec.prompt_ids = list(d["prompt_ids"])
@@ -282,7 +282,8 @@ class SampleStore:
                 rec.version = int(d["version"])
             if not d.get("finished", True):
                 continue
-            rec.output_ids, rec.logprobs = array("i", d["output_ids"]), array("f", d["logprobs"])
+            ids, logprobs = entry_tokens(d, f"samples[{i}] (sample {d['sample_id']})")
+            rec.response_ids, rec.rollout_logprobs = array("i", ids), array("f", logprobs)
             rec.versions, rec.reward, rec.finished = set(d["versions"]), d["reward"], True
             rec.reward_error = d.get("reward_error")
             rec.finish_reason, rec.loss_mask = d.get("finish_reason"), d.get("loss_mask")

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 def finished_sources(rec: SampleRecord, siblings: Iterable[SampleRecord | None]) -> list[list[int]]:
     """Prompt + output of the finished ones among ``rec``'s ``siblings`` (``rec`` itself skipped)."""
-    return [[*rec.prompt_ids, *s.output_ids] for s in siblings if s is not None and s is not rec and s.finished]
+    return [[*rec.prompt_ids, *s.response_ids] for s in siblings if s is not None and s is not rec and s.finished]
 
 
 def running_targets(rec: SampleRecord, siblings: Iterable[SampleRecord | None]) -> list[tuple[str, str]]:

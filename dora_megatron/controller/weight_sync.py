@@ -25,13 +25,17 @@ from dora_megatron.orchestrator import SwitchVersion
 
 if TYPE_CHECKING:
     from dora_megatron.controller.evaluation import Evaluator
+    from dora_megatron.controller.generation import Generation
+    from dora_megatron.controller.migration import Migrations
+    from dora_megatron.controller.pool import Pool
     from dora_megatron.observability.timeline import Timeline
 
 log = logging.getLogger(__name__)
 
 
 class SyncHost(Protocol):
-    """What a weight sync uses of the executor that owns it (the pool, the queue, the clock, tasks)."""
+    """What a weight sync uses of the executor that owns it (the pool, the queue, the clock, tasks)
+    and of the components a switch waits for or counts with."""
 
     engines: dict[str, Engine]
     events: EventQueue
@@ -40,16 +44,13 @@ class SyncHost(Protocol):
     opt: RuntimeOptions
     timeline: Timeline | None
     evaluator: Evaluator | None
+    pool: Pool  # which instances failed (:mod:`.pool`)
+    moves: Migrations  # what a switch waits for: the moves onto and off its instance (:mod:`.migration`)
+    generation: Generation  # the count of local shortages (:mod:`.generation`)
 
     def now(self) -> float: ...
 
-    def is_failed(self, instance: str) -> bool: ...
-
     def spawn(self, coro: Coroutine[Any, Any, object], name: str) -> asyncio.Task[None]: ...
-
-    def pending_moves(self, instance: str) -> list[asyncio.Future[object]]: ...
-
-    def local_shortage(self, what: str, err: BaseException) -> None: ...
 
 
 class WeightSync:
@@ -113,7 +114,7 @@ class WeightSync:
         SGLang's pause (every later ``/generate`` would wait), so generation is continued after it."""
         if prev is not None and not prev.done():
             await asyncio.wait([prev])
-        moves = self.rt.pending_moves(a.instance)
+        moves = self.rt.moves.pending(a.instance)
         if moves:
             await asyncio.wait(moves)
         if self.rt.evaluator is not None:  # a load waits for running requests: the eval's go elsewhere
@@ -122,7 +123,7 @@ class WeightSync:
             if self._superseded(a.instance):
                 return
             engine = engine if engine is not None else self.rt.engines[a.instance]
-            if self.rt.is_failed(a.instance) or self.rt.engines.get(a.instance) is not engine:
+            if self.rt.pool.is_failed(a.instance) or self.rt.engines.get(a.instance) is not engine:
                 return  # failed (or replaced) while this switch waited: the orchestrator no longer expects it
             await self._switch_now(a, engine, resume)
         finally:
@@ -157,7 +158,7 @@ class WeightSync:
         instance failed or was replaced (restarted: its own switch follows) or was re-targeted
         while loading (``origin``, the task that loaded, is no longer its newest switch order:
         that order reports, after loading again)."""
-        if self.rt.is_failed(ev.instance) or self.rt.engines.get(ev.instance) is not ev.engine:
+        if self.rt.pool.is_failed(ev.instance) or self.rt.engines.get(ev.instance) is not ev.engine:
             return False
         if self.rt.timeline is not None:  # the time was spent loading, whether or not this order still stands
             self.rt.timeline.span(ev.instance, f"{ev.how} v{ev.version}", ev.start, ev.end, version=ev.version,
@@ -189,7 +190,7 @@ class WeightSync:
             except Exception as err:  # noqa: BLE001
                 if not _is_local(err):
                     raise
-                self.rt.local_shortage(f"switch of {a.instance} to v{a.version}", err)
+                self.rt.generation.local_shortage(f"switch of {a.instance} to v{a.version}", err)
                 await asyncio.sleep(delay)
                 delay = min(LOCAL_RETRY_S[1], delay * 2)
 
@@ -246,10 +247,10 @@ class WeightSync:
 
         Falls back to the per-version snapshot (disk) for every instance if the broadcast fails."""
         waits: list[asyncio.Future[Any]] = [t for t in prevs.values() if t is not None and not t.done()]
-        waits += [t for a in actions for t in self.rt.pending_moves(a.instance)]
+        waits += [t for a in actions for t in self.rt.moves.pending(a.instance)]
         if waits:
             await asyncio.wait(waits)
-        live = [a for a in actions if not self.rt.is_failed(a.instance) and not self._superseded(a.instance)]
+        live = [a for a in actions if not self.rt.pool.is_failed(a.instance) and not self._superseded(a.instance)]
         if not live:
             return
         if self.rt.evaluator is not None:  # a broadcast waits for running requests too

@@ -92,8 +92,8 @@ class _Sample:
     index: int
     prompt: Any  # data.tasks.Prompt
     prompt_ids: list[int]
-    output_ids: list[int] | None = None
-    logprobs: list[float] | None = None
+    response_ids: list[int] | None = None  # named as the training sample names them (TrainSample)
+    rollout_logprobs: list[float] | None = None
     reward: float = 0.0
 
 
@@ -118,10 +118,10 @@ async def _rollout_pass(cfg, engines: dict[str, Any], codec, samples: list[_Samp
                 "max_new_tokens": r.max_new_tokens, "temperature": r.temperature, "top_p": r.top_p,
                 "top_k": r.top_k, "stop_token_ids": stops, "sampling_seed": seed}, rid=f"capacity-{s.group}-{s.index}",
                 return_logprob=True, version=0)
-            s.output_ids = list(resp.output_ids)
-            s.logprobs = list(resp.output_token_logprobs or [0.0] * len(s.output_ids))
-            done.append((time.monotonic() - t0, len(s.prompt_ids) + len(s.output_ids)))
-            s.reward = (await scorer.score(reward_input(s.prompt, codec.decode(s.output_ids)))).score
+            s.response_ids = list(resp.output_ids)
+            s.rollout_logprobs = list(resp.output_token_logprobs or [0.0] * len(s.response_ids))
+            done.append((time.monotonic() - t0, len(s.prompt_ids) + len(s.response_ids)))
+            s.reward = (await scorer.score(reward_input(s.prompt, codec.decode(s.response_ids)))).score
 
     await asyncio.gather(*(slot(e) for e in engines.values() for _ in range(slots)))
     return done
@@ -165,7 +165,7 @@ async def _measure(cfg, run_dir: Path, model_dir: Path, procs, host: str, engine
         rollout_s = time.monotonic() - t
         groups: dict[int, list[TrainSample]] = {}
         for s in samples:
-            groups.setdefault(s.group, []).append(TrainSample(s.prompt_ids, s.output_ids, s.logprobs, version=0,
+            groups.setdefault(s.group, []).append(TrainSample(s.prompt_ids, s.response_ids, s.rollout_logprobs, version=0,
                                                               reward=s.reward, group_id=f"capacity-{s.group}"))
         batches = record_batches([groups[g] for g in sorted(groups)], o.tbs, steps)
         say(f"bench limits: training alone, {len(batches)} recorded batches of {o.tbs} groups")

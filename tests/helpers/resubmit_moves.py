@@ -68,5 +68,5 @@ class MoveLog(EventQueue):
         each sample moved with output that finished but was not trained: what the tests set against
         an uninterrupted greedy answer."""
         out = [(list(s.prompt_ids), list(s.response_ids)) for batch in batches for s in batch]
-        return out + [(list(self.records[sid].prompt_ids), list(self.records[sid].output_ids))  # compact arrays
+        return out + [(list(self.records[sid].prompt_ids), list(self.records[sid].response_ids))  # compact arrays
                       for sid in self.carried_and_ended() if sid in self.records]

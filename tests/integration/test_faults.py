@@ -116,7 +116,7 @@ def test_job_sigkill_then_resume_consumes_every_group_once(tmp_path):
     for sid, r in replayed.items():
         j = finished_after[sid]
         assert (r["group_id"], r["version"], r["prompt_index"], r["tokens"]) == (
-            j.group_id, j.version, j.prompt_index, len(j.output_ids))
+            j.group_id, j.version, j.prompt_index, len(j.response_ids))
     final_version = {g: v for s in range(n) for g, v in zip(lineage[s], final_versions[s])}
     came_back = {sid for sid, j in finished_after.items() if final_version.get(j.group_id) == j.version}
     assert set(replayed) == came_back, "journaled samples whose group came back on their version were generated again"

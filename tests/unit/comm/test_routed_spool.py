@@ -231,8 +231,8 @@ def _store(tmp_path):
 
 def _finish(store) -> None:
     for rec in store.samples.values():
-        rec.output_ids.extend(array("i", [5, 6]))
-        rec.logprobs.extend(array("f", [-0.1, -0.2]))
+        rec.response_ids.extend(array("i", [5, 6]))
+        rec.rollout_logprobs.extend(array("f", [-0.1, -0.2]))
         rec.finished, rec.reward = True, 1.0
 
 

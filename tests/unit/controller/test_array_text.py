@@ -38,5 +38,5 @@ def test_a_journaled_sample_with_an_infinite_logprob_is_restored_whole(tmp_path)
     journal.sample(JournaledSample("g0.0", "g0", 2, 0, array("i", [5, 6, 7]), lps, 1.0, finish_reason="stop"), [2])
     journal.close()
     [(sid, back)] = read_journal(tmp_path, 2).items()
-    assert sid == "g0.0" and back.output_ids == (5, 6, 7) and back.finish_reason == "stop"
-    assert array("f", back.logprobs) == lps
+    assert sid == "g0.0" and back.response_ids == (5, 6, 7) and back.finish_reason == "stop"
+    assert array("f", back.rollout_logprobs) == lps

@@ -87,9 +87,9 @@ def test_samples_are_encoded_by_the_writer_thread_in_order_and_replay_once(tmp_p
     assert set(_Ids.threads) and threading.get_ident() not in _Ids.threads
     first, second = read_journal(tmp_path, 0), read_journal(tmp_path, 2)
     # from marker 0 every sample is read (once, the later record of g0.0 winning), from marker 2 those after it
-    assert sorted(first) == sorted(f"g{i}.0" for i in range(50)) and first["g0.0"].output_ids == (9,)
+    assert sorted(first) == sorted(f"g{i}.0" for i in range(50)) and first["g0.0"].response_ids == (9,)
     assert sorted(second) == sorted([*(f"g{i}.0" for i in range(25, 50)), "g0.0"])
-    assert first["g7.0"].output_ids == (7, 8, 7) and first["g7.0"].logprobs == (-0.25, -1.5, -7.0)
+    assert first["g7.0"].response_ids == (7, 8, 7) and first["g7.0"].rollout_logprobs == (-0.25, -1.5, -7.0)
     assert first["g3.0"].routed_experts == base64.b64encode(routed.astype("<i4").tobytes()).decode()
     assert first["g4.0"].routed_experts is None and first["g4.0"].reward == 0.4
 

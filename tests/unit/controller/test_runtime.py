@@ -286,7 +286,7 @@ def test_the_checkpoint_state_does_not_grow_with_the_step_count(tmp_path):
         assert "steps" not in state and state["steps_done"] == v and "rows" not in state["metrics"]
         for g in state["groups"]:
             assert "version" not in g and "sample_ids" not in g
-        assert state["samples"] and all(set(s) >= {"output_ids", "reward"} and "version" not in s
+        assert state["samples"] and all(set(s) >= {"response_ids", "reward"} and "version" not in s
                                         for s in state["samples"])
         assert len(state["expected_checksums"]) <= rt.orch.S + 1
         sizes[v] = len(text)
@@ -318,7 +318,7 @@ def test_an_older_controller_json_with_step_logs_and_duplicated_groups_still_loa
     for g in old["groups"]:
         g["version"], g["sample_ids"] = orch[g["group_id"]]["version"], orch[g["group_id"]]["sample_ids"]
         for i, sid in enumerate(g["sample_ids"]):
-            entry = finished.get(sid) or {"sample_id": sid, "reward": None, "output_ids": [], "logprobs": [],
+            entry = finished.get(sid) or {"sample_id": sid, "reward": None, "response_ids": [], "rollout_logprobs": [],
                                           "versions": []}
             old["samples"].append({**entry, "version": version_of[sid], "finished": sid in finished,
                                    "group_id": g["group_id"], "index": i, "prompt_ids": g["prompt_ids"]})

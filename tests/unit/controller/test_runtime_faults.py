@@ -204,7 +204,7 @@ def test_resume_restores_finished_samples_from_the_journal(tmp_path):
         s = trained.get(r["sample_id"])
         if s is not None:  # consumed in this lineage: trained on exactly the journaled tokens
             j = journaled[r["sample_id"]]
-            assert list(s.response_ids) == list(j.output_ids) and list(s.rollout_logprobs) == list(j.logprobs)
+            assert list(s.response_ids) == list(j.response_ids) and list(s.rollout_logprobs) == list(j.rollout_logprobs)
             assert s.version == j.version
     assert any(r["sample_id"] in trained for r in replayed)
     # every group of the final lineage consumed once; the restored samples are right answers

@@ -67,7 +67,7 @@ def test_an_answer_spanning_a_weight_update_records_every_version():
     rt.samples["s1"] = rec
     assert rt.absorb(EngineReply("s1", "e0", resp, 0.0, 0.0)) is None  # aborted: partial output kept
     assert rec.versions == {1, 2}
-    assert rec.output_ids.tolist() == [4, 5, 6]
+    assert rec.response_ids.tolist() == [4, 5, 6]
 
 
 class ChecksumEngine(FakeEngine):

@@ -91,14 +91,14 @@ def test_a_cut_holds_the_samples_arrays_and_the_file_their_lists():
 
     ids, lps = array("i", range(70_000)), array("f", [-0.5, -1.25] * 35_000)
     routed = (np.arange(1000) % 100 - 1).astype(np.int8)
-    state = {"samples": [{"sample_id": "g0.0", "output_ids": ids, "logprobs": lps, "routed_experts": routed},
-                         {"sample_id": "g0.1", "output_ids": array("i"), "logprobs": array("f")}]}
+    state = {"samples": [{"sample_id": "g0.0", "response_ids": ids, "rollout_logprobs": lps, "routed_experts": routed},
+                         {"sample_id": "g0.1", "response_ids": array("i"), "rollout_logprobs": array("f")}]}
     text = "".join(json_chunks(state, chunk_chars=1000))
     got = json.loads(text)
-    assert got["samples"][0]["output_ids"] == list(range(70_000))
-    assert got["samples"][0]["logprobs"] == [-0.5, -1.25] * 35_000
+    assert got["samples"][0]["response_ids"] == list(range(70_000))
+    assert got["samples"][0]["rollout_logprobs"] == [-0.5, -1.25] * 35_000
     assert base64.b64decode(got["samples"][0]["routed_experts"]) == routed.astype("<i4").tobytes()
-    assert got["samples"][1] == {"sample_id": "g0.1", "output_ids": [], "logprobs": []}
+    assert got["samples"][1] == {"sample_id": "g0.1", "response_ids": [], "rollout_logprobs": []}
 
 
 def test_the_last_checkpoint_is_complete_when_the_run_returns(tmp_path):

@@ -75,9 +75,9 @@ def test_rollout_pass_keeps_every_engine_at_its_cap_and_finishes_every_sample():
     samples = [_Sample(g, i, Prompt(g, "p", "xx"), [1] * (g + 1)) for g in range(10) for i in range(4)]
     scorer = ThreadScorer(lambda text, answer: float(text == answer))
     done = asyncio.run(_rollout_pass(cfg, engines, codec, samples, 3, scorer))
-    assert len(done) == 40 and all(s.output_ids for s in samples)
+    assert len(done) == 40 and all(s.response_ids for s in samples)
     assert [e.peak for e in engines.values()] == [3, 3]  # full concurrency, never above the cap
     assert sum(e.served for e in engines.values()) == 40
-    assert sum(tok for _, tok in done) == sum(len(s.prompt_ids) + len(s.output_ids) for s in samples)
-    assert {s.reward for s in samples if len(s.output_ids) == 2} == {1.0}
-    assert all(s.logprobs == [0.0] * len(s.output_ids) for s in samples)
+    assert sum(tok for _, tok in done) == sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    assert {s.reward for s in samples if len(s.response_ids) == 2} == {1.0}
+    assert all(s.rollout_logprobs == [0.0] * len(s.response_ids) for s in samples)
