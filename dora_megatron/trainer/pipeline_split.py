@@ -160,7 +160,8 @@ def construct(cls: type, kwargs: Mapping[str, Any], megatron: Mapping[str, Any],
     except (AssertionError, ValueError) as err:
         if not fields:
             raise
-        raise ValueError(f"{_described(fields, names)}: Megatron's TransformerConfig refuses the split: {err}") from err
+        raise ValueError(f"{_described(fields, names)}: Megatron's TransformerConfig refuses the configuration: "
+                         f"{err}") from err
 
 
 def trainer_split(arch, cfg, names: Names | None = None) -> PipelineSplit:

@@ -61,7 +61,7 @@ def test_an_uneven_pipeline_split_passes_and_moves_the_memory_estimate():
     # Megatron's own refusal: no layers left for the middle stage
     (["trainer.pp=3", "launch.trainer_procs=3", "trainer.megatron.num_layers_in_first_pipeline_stage=2",
       "trainer.megatron.num_layers_in_last_pipeline_stage=2"],
-     "trainer.megatron.num_layers_in_last_pipeline_stage=2: Megatron's TransformerConfig refuses the split: Mismatch"),
+     "trainer.megatron.num_layers_in_last_pipeline_stage=2: Megatron's TransformerConfig refuses the configuration: Mismatch"),
     # a stage of only the loss (Megatron's standalone loss stage)
     (["trainer.pp=3", "launch.trainer_procs=3", "trainer.megatron.pipeline_model_parallel_layout=Et|ttt|L"],
      "pipeline_model_parallel_layout='Et|ttt|L': pipeline rank 2 would hold 0 transformer layers"),
@@ -71,7 +71,7 @@ def test_an_uneven_pipeline_split_passes_and_moves_the_memory_estimate():
      "virtual stages) in a custom layout are not supported"),
     # the uneven first stage's layers must split into the virtual stages
     (["trainer.vpp=2", "trainer.megatron.num_layers_in_first_pipeline_stage=1"],
-     "num_layers_in_first_pipeline_stage=1: Megatron's TransformerConfig refuses the split: number of layers at "
+     "num_layers_in_first_pipeline_stage=1: Megatron's TransformerConfig refuses the configuration: number of layers at "
      "first stage: 1"),
 ])
 def test_impossible_uneven_splits_are_refused_naming_the_field(overrides, words):
@@ -91,7 +91,7 @@ def test_the_trainer_refuses_an_impossible_split_and_an_even_one_that_does_not_d
     with pytest.raises(ValueError, match=r"num_layers_in_last_pipeline_stage=5: pipeline rank 0 would hold -1"):
         build_transformer_config(arch, TrainerConfig(pp=2, megatron={"num_layers_in_last_pipeline_stage": 5}))
     with pytest.raises(ValueError, match=r"num_layers_in_last_pipeline_stage=4: Megatron's TransformerConfig refuses "
-                                         r"the split: Mismatch: 0 middle layers"):
+                                         r"the configuration: Mismatch: 0 middle layers"):
         build_transformer_config(arch, TrainerConfig(pp=2, megatron={"num_layers_in_last_pipeline_stage": 4}))
     with pytest.raises(ValueError, match=r"num_hidden_layers=4 not divisible by trainer.pp \* trainer.vpp = 3"):
         build_transformer_config(arch, TrainerConfig(pp=3))
