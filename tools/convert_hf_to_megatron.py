@@ -2,6 +2,7 @@
 """Hugging Face model directory -> Megatron-Core dist_checkpointing checkpoint in a TP/PP/EP layout.
 
     python tools/convert_hf_to_megatron.py --hf DIR --out DIR [--tp N] [--pp N] [--ep N]
+                                           [--first-stage-layers N] [--last-stage-layers N]
 
 Same as ``dora convert hf-to-megatron`` (see :mod:`dora_megatron.trainer.checkpoint_convert`).
 """

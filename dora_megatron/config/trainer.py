@@ -91,7 +91,7 @@ class TrainerConfig:
     }
 
     tp: int = field_doc(1, "tensor-parallel size", ge=1)
-    pp: int = field_doc(1, "pipeline-parallel size (layers are split evenly)", ge=1)
+    pp: int = field_doc(1, "pipeline-parallel size (layers are split evenly unless trainer.megatron.num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage / pipeline_model_parallel_layout say otherwise)", ge=1)
     ep: int = field_doc(1, "expert-parallel size (MoE models only; experts split evenly)", ge=1)
     dp: int = field_doc(0, "data-parallel size; 0 = derived as world_size / (tp * pp * cp)", ge=0)
     cp: int = field_doc(1, "context-parallel size: each sequence is split into 2*cp chunks over cp ranks (needs the "
@@ -100,7 +100,7 @@ class TrainerConfig:
     etp: int = field_doc(0, "expert tensor-parallel size (MoE experts are split over etp ranks instead of tp); "
                             "0 = tp (Megatron's default). etp * ep must divide world_size / pp", ge=0)
     vpp: int = field_doc(1, "virtual pipeline stages per pipeline rank (interleaved 1F1B schedule); needs pp > 1 and "
-                            "the model's layers divisible by pp * vpp", ge=1)
+                            "the model's layers divisible by pp * vpp (by Megatron's rules under an uneven split)", ge=1)
     sequence_parallel: bool = field_doc(False, "Megatron sequence parallelism (activations outside the TP regions are "
                                                "split over the TP ranks); needs tp > 1. Always on for a MoE model "
                                                "with tp > 1 (Megatron requires it there)")
@@ -181,7 +181,8 @@ class TrainerConfig:
     megatron: dict[str, Any] = field_doc(
         default_factory=dict, doc="any other field of Megatron-Core's TransformerConfig, OptimizerConfig or "
                                   "DistributedDataParallelConfig, {field: value}, applied to every class that has "
-                                  "it (e.g. `recompute_modules: [core_attn, moe_act]`, `moe_router_fusion: true`); "
+                                  "it (e.g. `recompute_modules: [core_attn, moe_act]`, `moe_router_fusion: true`, an uneven "
+                                  "pipeline split: `num_layers_in_first_pipeline_stage: 13`); "
                                   "names are checked against those dataclasses before the job starts, and a field "
                                   "a typed key of this section sets is refused here")
 

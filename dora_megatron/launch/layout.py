@@ -19,13 +19,16 @@ from pathlib import Path
 from typing import Any
 
 
-def layout_problems(hf_config: dict[str, Any], tp: int, pp: int, ep: int, prefix: str = "trainer.") -> list[str]:
+def layout_problems(hf_config: dict[str, Any], tp: int, pp: int, ep: int, prefix: str = "trainer.",
+                    even_pp: bool = True) -> list[str]:
     """Why a ``tp`` x ``pp`` x ``ep`` layout cannot hold the model ``hf_config`` (empty: it can).
 
     The config is read by the one reader (:mod:`dora_megatron.models.hf_config`, transformers' own
     classes), so every spelling means here what it means to the engine and the trainer; a config that
     reader refuses is reported by the model-directory check, not here. Each problem names the size
-    (``{prefix}tp`` etc.) and the model dimension it must divide."""
+    (``{prefix}tp`` etc.) and the model dimension it must divide. ``even_pp`` False: an uneven pipeline
+    split is asked for, whose counts are checked against Megatron's rules instead
+    (:func:`dora_megatron.trainer.pipeline_split.trainer_split`)."""
     from dora_megatron.models.hf_config import spec_from_dict
 
     try:
@@ -33,7 +36,7 @@ def layout_problems(hf_config: dict[str, Any], tp: int, pp: int, ep: int, prefix
     except (ValueError, KeyError, TypeError):
         return []
     problems = []
-    if spec.num_layers % pp:
+    if even_pp and spec.num_layers % pp:
         problems.append(f"{prefix}pp={pp}: the model's {spec.num_layers} layers are not divisible by pp")
     if spec.num_heads % tp or spec.num_kv_heads % tp:
         problems.append(f"{prefix}tp={tp}: the model's attention heads ({spec.num_heads} query, {spec.num_kv_heads} "
@@ -48,18 +51,30 @@ def layout_problems(hf_config: dict[str, Any], tp: int, pp: int, ep: int, prefix
 
 def trainer_section_problems(hf_config: dict[str, Any], trainer) -> list[str]:
     """:func:`layout_problems` plus the rules of the other trainer knobs that need the model's shape:
-    interleaved stages (``vpp``), expert tensor parallelism (``etp``) and the recompute chunks."""
+    interleaved stages (``vpp``), an uneven pipeline split (``trainer.megatron``'s split fields, checked
+    by Megatron's own rules), expert tensor parallelism (``etp``) and the recompute chunks."""
     from dora_megatron.models.hf_config import spec_from_dict
 
-    problems = layout_problems(hf_config, trainer.tp, trainer.pp, trainer.ep)
+    uneven = _uneven(trainer)
+    problems = layout_problems(hf_config, trainer.tp, trainer.pp, trainer.ep, even_pp=not uneven)
     try:
         spec = spec_from_dict(hf_config)
     except (ValueError, KeyError, TypeError):
         return problems
     chunks = trainer.pp * trainer.vpp
-    if trainer.vpp > 1 and spec.num_layers % chunks:
+    counts: list[int] = []  # layers of each model chunk; empty where the split itself is refused
+    if uneven:
+        from dora_megatron.trainer.pipeline_split import trainer_split
+
+        try:
+            counts = [n for row in trainer_split(spec, trainer).chunks for _, n in row]
+        except ValueError as err:
+            problems.append(str(err))
+    elif trainer.vpp > 1 and spec.num_layers % chunks:
         problems.append(f"trainer.vpp={trainer.vpp}: the model's {spec.num_layers} layers cannot be split into "
                         f"pp*vpp={chunks} equal virtual stages")
+    elif spec.num_layers % chunks == 0:
+        counts = [spec.num_layers // chunks]
     if trainer.etp and not spec.num_experts:
         problems.append(f"trainer.etp={trainer.etp} applies to MoE experts; the model ({spec.model_type}) is dense: "
                         "set etp=0")
@@ -70,16 +85,25 @@ def trainer_section_problems(hf_config: dict[str, Any], trainer) -> list[str]:
     if not spec.num_experts and spec.intermediate_size % trainer.tp:
         problems.append(f"trainer.tp={trainer.tp}: the model's intermediate_size {spec.intermediate_size} is not "
                         "divisible by tp")
-    per_chunk = spec.num_layers // chunks if spec.num_layers % chunks == 0 else 0
-    if trainer.recompute == "full" and per_chunk:
+    if trainer.recompute == "full" and counts:
         n = trainer.recompute_num_layers
-        if trainer.recompute_method == "uniform" and per_chunk % n:
-            problems.append(f"trainer.recompute_num_layers={n}: recompute_method uniform splits the {per_chunk} "
+        undivided = [c for c in counts if c % n]
+        if trainer.recompute_method == "uniform" and undivided:
+            problems.append(f"trainer.recompute_num_layers={n}: recompute_method uniform splits the {undivided[0]} "
                             "layers of each stage into equal chunks, which this does not divide")
-        if trainer.recompute_method == "block" and n > per_chunk:
+        if trainer.recompute_method == "block" and n > min(counts):
             problems.append(f"trainer.recompute_num_layers={n}: recompute_method block recomputes at most the "
-                            f"{per_chunk} layers of a stage")
+                            f"{min(counts)} layers of a stage")
     return problems
+
+
+def _uneven(trainer) -> bool:
+    """``trainer.megatron`` asks for an uneven pipeline split (imports nothing when it is empty)."""
+    if not trainer.megatron:
+        return False
+    from dora_megatron.trainer.pipeline_split import uneven_fields
+
+    return bool(uneven_fields(trainer.megatron))
 
 
 def megatron_value_problems(hf_config: dict[str, Any], trainer) -> list[str]:
@@ -137,7 +161,15 @@ def memory_estimate(cfg, hf_config: dict[str, Any] | None = None):
         arch = spec_from_dict(hf_config)
     except (ValueError, KeyError, TypeError):
         return None
-    return estimate(arch, cfg.trainer, cfg.launch.trainer_procs)
+    stage_layers = None
+    if _uneven(cfg.trainer):  # the first pipeline rank's layers as Megatron splits them
+        from dora_megatron.trainer.pipeline_split import trainer_split
+
+        try:
+            stage_layers = trainer_split(arch, cfg.trainer).rank_layers(0)
+        except ValueError:  # the split is refused, with its reason, by trainer_layout_problem
+            return None
+    return estimate(arch, cfg.trainer, cfg.launch.trainer_procs, stage_layers=stage_layers)
 
 
 def memory_problem(cfg, hf_config: dict[str, Any] | None = None) -> str | None:

@@ -25,6 +25,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -36,6 +37,38 @@ META_FILE = "dora_convert.json"
 HF_META_DIR = "hf"  # config.json and tokenizer files of the source model, kept next to the checkpoint
 HF_SIDE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+@dataclass(frozen=True)
+class PipelineSplitArgs:
+    """An uneven pipeline split of a conversion: Megatron's ``num_layers_in_first_pipeline_stage`` and
+    ``num_layers_in_last_pipeline_stage`` (None: the even split), as ``trainer.megatron`` takes them."""
+
+    first: int | None = None
+    last: int | None = None
+
+    def megatron(self) -> dict[str, int]:
+        """The ``trainer.megatron`` fields of this split."""
+        fields = {"num_layers_in_first_pipeline_stage": self.first, "num_layers_in_last_pipeline_stage": self.last}
+        return {k: v for k, v in fields.items() if v is not None}
+
+    def argv(self) -> list[str]:
+        """The rank program's options for this split."""
+        return [*(["--first-stage-layers", str(self.first)] if self.first is not None else []),
+                *(["--last-stage-layers", str(self.last)] if self.last is not None else [])]
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "PipelineSplitArgs":
+        return cls(args.first_stage_layers, args.last_stage_layers)
+
+
+def add_split_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--first-stage-layers`` / ``--last-stage-layers`` (:class:`PipelineSplitArgs`) on ``parser``."""
+    parser.add_argument("--first-stage-layers", type=int, default=None,
+                        help="layers of the first pipeline stage (Megatron's num_layers_in_first_pipeline_stage); "
+                             "the other stages split the rest evenly")
+    parser.add_argument("--last-stage-layers", type=int, default=None,
+                        help="layers of the last pipeline stage (Megatron's num_layers_in_last_pipeline_stage)")
 
 
 # --------------------------------------------------------------------------- launcher
@@ -63,9 +96,10 @@ def _launch(argv: Sequence[str], nproc: int, timeout_s: float | None) -> None:
 
 
 def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 1, ep: int = 1,
-                   timeout_s: float | None = None) -> Path:
+                   timeout_s: float | None = None, split: PipelineSplitArgs | None = None) -> Path:
     """Write a ``dist_checkpointing`` checkpoint of the HF model at ``hf_dir`` in layout TP/PP/EP
-    (``tp * pp * ep`` gloo ranks on CPU); returns ``out_dir``."""
+    (``tp * pp * ep`` gloo ranks on CPU); returns ``out_dir``. ``split``: an uneven pipeline split
+    (default Megatron's even one)."""
     for k, v in (("tp", tp), ("pp", pp), ("ep", ep)):
         if v < 1:
             raise ValueError(f"{k} must be >= 1, got {v}")
@@ -78,24 +112,25 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int
 
     warn_skipped_mtp(read_hf_names(str(hf_dir)), read_spec(hf_dir))  # here: the ranks' output shows on failure only
     _launch(["hf-to-megatron", "--hf", str(hf_dir), "--out", str(out_dir), "--tp", str(tp), "--pp", str(pp),
-             "--ep", str(ep)], tp * pp * ep, timeout_s)
+             "--ep", str(ep), *(split or PipelineSplitArgs()).argv()], tp * pp * ep, timeout_s)
     return Path(out_dir)
 
 
 def megatron_to_hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config_dir: str | Path | None = None,
                    tp: int = 1, pp: int = 1, ep: int = 1, dtype: str | None = None,
-                   timeout_s: float | None = None) -> Path:
+                   timeout_s: float | None = None, split: PipelineSplitArgs | None = None) -> Path:
     """Read a checkpoint (written by :func:`hf_to_megatron` or the trainer, any layout) in layout
     TP/PP/EP (default one rank) and write an HF directory; returns ``out_dir``.
 
     ``hf_config_dir``: where ``config.json`` (+ tokenizer) come from; default the copy kept in the
-    checkpoint by :func:`hf_to_megatron`. ``dtype``: of the written tensors; default the config's."""
-    return megatron_to_hf_many([(ckpt_dir, out_dir)], hf_config_dir, tp, pp, ep, dtype, timeout_s)[0]
+    checkpoint by :func:`hf_to_megatron`. ``dtype``: of the written tensors; default the config's.
+    ``split``: the pipeline split to read in (any split reads any checkpoint)."""
+    return megatron_to_hf_many([(ckpt_dir, out_dir)], hf_config_dir, tp, pp, ep, dtype, timeout_s, split)[0]
 
 
 def megatron_to_hf_many(pairs: Sequence[tuple[str | Path, str | Path]], hf_config_dir: str | Path | None = None,
                         tp: int = 1, pp: int = 1, ep: int = 1, dtype: str | None = None,
-                        timeout_s: float | None = None) -> list[Path]:
+                        timeout_s: float | None = None, split: PipelineSplitArgs | None = None) -> list[Path]:
     """:func:`megatron_to_hf` for several ``(ckpt_dir, out_dir)`` pairs of the same model in one
     launch (the model is built once; saves the start-up cost in tests and benchmarks)."""
     if not pairs:
@@ -107,7 +142,7 @@ def megatron_to_hf_many(pairs: Sequence[tuple[str | Path, str | Path]], hf_confi
     if not (config_dir / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in {config_dir}; pass the model's HF directory as hf_config_dir "
                                 "(--hf-config)")
-    argv = ["megatron-to-hf", "--tp", str(tp), "--pp", str(pp), "--ep", str(ep)]
+    argv = ["megatron-to-hf", "--tp", str(tp), "--pp", str(pp), "--ep", str(ep), *(split or PipelineSplitArgs()).argv()]
     for ckpt_dir, out_dir in pairs:
         argv += ["--ckpt", str(ckpt_dir), "--out", str(out_dir)]
     if hf_config_dir is not None:
@@ -121,17 +156,21 @@ def megatron_to_hf_many(pairs: Sequence[tuple[str | Path, str | Path]], hf_confi
 # --------------------------------------------------------------------------- rank programs
 
 
-def _setup(tp: int, pp: int, ep: int, hf_config_dir: str):
-    """Process groups, CPU layer, and this rank's GPTModel chunk (fp32 parameters)."""
-    from dora_megatron.config.trainer import TrainerConfig
-    from dora_megatron.trainer import cpu_compat, model as model_mod, parallel
+def _setup(tp: int, pp: int, ep: int, hf_config_dir: str, split: PipelineSplitArgs):
+    """Process groups, CPU layer, and this rank's GPTModel chunk (fp32 parameters); ``info.layout``
+    carries the chunk's layers as Megatron builds them."""
+    from dataclasses import replace
 
-    cfg = TrainerConfig(tp=tp, pp=pp, ep=ep, device="cpu")
+    from dora_megatron.config.trainer import TrainerConfig
+    from dora_megatron.trainer import cpu_compat, model as model_mod, parallel, pipeline_split
+
+    cfg = TrainerConfig(tp=tp, pp=pp, ep=ep, device="cpu", megatron=split.megatron())
     compat = cpu_compat.activate("cpu")
     info = parallel.init_distributed(cfg)
     arch = model_mod.load_arch(hf_config_dir)
     spec = "local"  # conversion runs on CPU (gloo): trainer.spec auto resolves to local there
     config = model_mod.build_transformer_config(arch, cfg, spec)
+    info = replace(info, layout=pipeline_split.staged_layout(info.layout, config))
     gpt = model_mod.build_gpt_model(arch, config, spec, tp=tp, pre_process=info.layout.first_stage,
                                     post_process=info.layout.last_stage)
     return compat, info, arch, spec, gpt
@@ -151,13 +190,13 @@ def _copy_side_files(src: Path, dst: Path) -> None:
             shutil.copy2(src / name, dst / name)
 
 
-def run_hf_to_megatron(hf: str, out: str, tp: int, pp: int, ep: int) -> None:
+def run_hf_to_megatron(hf: str, out: str, tp: int, pp: int, ep: int, split: PipelineSplitArgs) -> None:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
     from dora_megatron.trainer import hf_weights
 
-    compat, info, arch, spec, gpt = _setup(tp, pp, ep, hf)
+    compat, info, arch, spec, gpt = _setup(tp, pp, ep, hf, split)
     try:
         hf_weights.load_hf_into_model(gpt, hf_weights.read_hf_safetensors(hf), arch, info.layout)
         out_path = Path(out)
@@ -169,7 +208,7 @@ def run_hf_to_megatron(hf: str, out: str, tp: int, pp: int, ep: int) -> None:
         if info.rank == 0:
             _copy_side_files(Path(hf), out_path / HF_META_DIR)
             meta = {"format": "megatron-core dist_checkpointing", "key": "model", "tp": tp, "pp": pp, "ep": ep,
-                    "spec": spec, "source": str(Path(hf).resolve())}
+                    **split.megatron(), "spec": spec, "source": str(Path(hf).resolve())}
             (out_path / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
     finally:
         _teardown(compat)
@@ -186,7 +225,7 @@ def _output_dtype(checkpoint_dtype: str | None, requested: str | None):
 
 
 def run_megatron_to_hf(ckpts: Sequence[str], outs: Sequence[str], hf_config: str | None, tp: int, pp: int, ep: int,
-                       dtype: str | None) -> None:
+                       dtype: str | None, split: PipelineSplitArgs) -> None:
     import torch
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
@@ -198,7 +237,7 @@ def run_megatron_to_hf(ckpts: Sequence[str], outs: Sequence[str], hf_config: str
     config_dir = Path(hf_config) if hf_config else Path(ckpts[0]) / HF_META_DIR
     if not (config_dir / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in {config_dir}; pass --hf-config DIR (the model's HF directory)")
-    compat, info, arch, _, gpt = _setup(tp, pp, ep, str(config_dir))
+    compat, info, arch, _, gpt = _setup(tp, pp, ep, str(config_dir), split)
     try:
         out_dtype = _output_dtype(arch.dtype, dtype)
         for ckpt, out in zip(ckpts, outs):
@@ -226,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--dtype", default=None, choices=sorted(_DTYPES))
+    add_split_arguments(parser)
     args = parser.parse_args(argv)
     import warnings
 
@@ -237,11 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.direction == "hf-to-megatron":
         if not args.hf:
             parser.error("--hf is required")
-        run_hf_to_megatron(args.hf, args.out[-1], args.tp, args.pp, args.ep)
+        run_hf_to_megatron(args.hf, args.out[-1], args.tp, args.pp, args.ep, PipelineSplitArgs.from_args(args))
     else:
         if not args.ckpt or len(args.ckpt) != len(args.out):
             parser.error("--ckpt is required, with one --out per --ckpt")
-        run_megatron_to_hf(args.ckpt, args.out, args.hf_config, args.tp, args.pp, args.ep, args.dtype)
+        run_megatron_to_hf(args.ckpt, args.out, args.hf_config, args.tp, args.pp, args.ep, args.dtype,
+                           PipelineSplitArgs.from_args(args))
     return 0
 
 

@@ -48,17 +48,8 @@ def field_names(cls: type) -> set[str]:
     return {f.name for f in dataclasses.fields(cls) if f.init}
 
 
-#: Megatron fields that split the pipeline's layers unevenly (DeepSeek-V3's 61 layers need one):
-#: the HF <-> Megatron weight mapping (``weights.naming.Layout.layer_offset``) and the trainer's
-#: layer checks assume Megatron's even split, so a stage would load another stage's layers
-UNEVEN_PIPELINE_FIELDS = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
-                          "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
-                          "account_for_loss_in_pipeline_split")
-
-
 def megatron_field_problems(overrides: dict[str, Any], path: str = "trainer.megatron") -> list[str]:
-    """Why names of ``overrides`` are not fields of any Megatron config class (empty: all are), or
-    are fields this trainer does not take (:data:`UNEVEN_PIPELINE_FIELDS`)."""
+    """Why names of ``overrides`` are not fields of any Megatron config class (empty: all are)."""
     if not overrides:
         return []
     known: set[str] = set()
@@ -66,11 +57,7 @@ def megatron_field_problems(overrides: dict[str, Any], path: str = "trainer.mega
         known |= field_names(cls)
     problems = []
     for name in overrides:
-        if name in UNEVEN_PIPELINE_FIELDS:
-            problems.append(f"{path}.{name}: uneven pipeline splits are not supported (the trainer splits "
-                            "num_hidden_layers evenly over trainer.pp * trainer.vpp stages, and maps the "
-                            "Hugging Face layers onto the stages that way)")
-        elif name not in known:
+        if name not in known:
             close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             problems.append(f"{path}.{name}: not a field of Megatron-Core's TransformerConfig, OptimizerConfig or "

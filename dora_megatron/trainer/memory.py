@@ -74,11 +74,12 @@ def _dtype_bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
-def rank_params(arch, cfg) -> tuple[float, float]:
-    """(dense, expert) parameters held by a first-stage rank."""
+def rank_params(arch, cfg, stage_layers: float | None = None) -> tuple[float, float]:
+    """(dense, expert) parameters held by a first-stage rank holding ``stage_layers`` transformer
+    layers (None: Megatron's even split, ``L / pp``)."""
     tp, etp = cfg.tp, cfg.etp or cfg.tp
     h, d = arch.hidden_size, arch.head_dim
-    layers = arch.num_layers / cfg.pp
+    layers = arch.num_layers / cfg.pp if stage_layers is None else stage_layers
     attn = _mla_params(arch, tp) if getattr(arch, "is_mla", False) else (
         (h * d * (arch.num_heads + 2 * arch.num_kv_heads) + arch.num_heads * d * h) / tp + 2 * h + 2 * d)
     vocab = -(-arch.vocab_size // tp) * tp
@@ -166,11 +167,13 @@ def planned_spec(cfg) -> str:
     return "local" if cfg.spec == "local" or cfg.device == "cpu" else "te"
 
 
-def estimate(arch, cfg, world_size: int, spec: str | None = None) -> MemoryEstimate:
+def estimate(arch, cfg, world_size: int, spec: str | None = None, stage_layers: float | None = None) -> MemoryEstimate:
     """The per-rank estimate for ``world_size`` trainer ranks under the trainer section ``cfg``
-    (``spec`` None: :func:`planned_spec`)."""
+    (``spec`` None: :func:`planned_spec`). ``stage_layers``: the transformer layers of the first
+    pipeline rank under an uneven split, as Megatron builds them
+    (:func:`dora_megatron.trainer.pipeline_split.trainer_split`); None: the even ``L / pp``."""
     spec = spec or planned_spec(cfg)
-    dense, expert = rank_params(arch, cfg)
+    dense, expert = rank_params(arch, cfg, stage_layers)
     count = dense + expert
     params = count * _dtype_bytes(cfg.precision)
     grads = count * 4
@@ -185,7 +188,7 @@ def estimate(arch, cfg, world_size: int, spec: str | None = None) -> MemoryEstim
         optimizer = per_param * count
     tokens = max(1, micro_batch_tokens(cfg) // cfg.cp)
     layer, scores, layer_input = layer_activation_bytes(arch, cfg, tokens, spec)
-    stage_layers = arch.num_layers / cfg.pp
+    stage_layers = arch.num_layers / cfg.pp if stage_layers is None else stage_layers
     in_flight = cfg.pp * (1 + (cfg.pp - 1) / (cfg.pp * cfg.vpp)) if cfg.vpp > 1 else cfg.pp
     if cfg.recompute == "full":
         n = min(cfg.recompute_num_layers, stage_layers)

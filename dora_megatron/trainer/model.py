@@ -91,23 +91,26 @@ def build_transformer_config(arch: ModelSpec, cfg: TrainerConfig, spec: str = "l
     """A ``TransformerConfig`` equivalent to the HF model under the trainer section ``cfg`` (no dropout;
     precision, recompute, parallel sizes, dispatcher and fusions from ``cfg``, then ``cfg.megatron``:
     :mod:`dora_megatron.trainer.megatron_args`). Megatron's own ``__post_init__`` checks the result."""
-    from dora_megatron.trainer.megatron_args import (UNEVEN_PIPELINE_FIELDS, megatron_field_problems,
-                                                     transformer_config_class, transformer_kwargs)
+    from dora_megatron.trainer.megatron_args import transformer_config_class, transformer_kwargs
+    from dora_megatron.trainer.pipeline_split import config_problems, construct, uneven_fields
 
     layers = arch.num_layers
-    if layers % (cfg.pp * cfg.vpp):
+    if not uneven_fields(cfg.megatron) and layers % (cfg.pp * cfg.vpp):
         raise ValueError(f"num_hidden_layers={layers} not divisible by trainer.pp * trainer.vpp = {cfg.pp * cfg.vpp} "
-                         "(the trainer splits the layers evenly over the pipeline stages)")
-    uneven = megatron_field_problems({k: v for k, v in cfg.megatron.items() if k in UNEVEN_PIPELINE_FIELDS})
-    if uneven:
-        raise ValueError("; ".join(uneven))
+                         "(Megatron splits the layers evenly over the pipeline stages unless "
+                         "trainer.megatron.num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage "
+                         "say otherwise)")
     if not arch.is_mla and (arch.num_kv_heads % cfg.tp or arch.num_heads % cfg.tp):
         raise ValueError(f"heads ({arch.num_heads}/{arch.num_kv_heads} kv) not divisible by tp={cfg.tp}")
     if cfg.ep > 1 and (not arch.is_moe or arch.num_experts % cfg.ep):
         raise ValueError(f"ep={cfg.ep} needs an MoE model with experts divisible by ep")
     if arch.is_mla and arch.num_heads % cfg.tp:
         raise ValueError(f"heads ({arch.num_heads}) not divisible by tp={cfg.tp}")
-    return transformer_config_class(arch)(**transformer_kwargs(arch, cfg, spec))
+    config = construct(transformer_config_class(arch), transformer_kwargs(arch, cfg, spec), cfg.megatron)
+    problems = config_problems(config, layers, cfg.megatron, cfg.vpp)
+    if problems:
+        raise ValueError("; ".join(problems))
+    return config
 
 
 def build_layer_spec(arch: ModelSpec, config, spec: str, pp_rank: int | None = None, vp_stage: int | None = None):

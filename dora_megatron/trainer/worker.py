@@ -185,7 +185,7 @@ class TrainerWorker:
                  total_steps: int = 0) -> None:
         """``total_steps``: optimizer steps of the run (``run.steps``), where the LR decay ends unless
         ``trainer.lr_decay_steps`` says otherwise."""
-        from dora_megatron.trainer import cpu_compat, hf_weights, model as model_mod, parallel
+        from dora_megatron.trainer import cpu_compat, hf_weights, model as model_mod, parallel, pipeline_split
 
         self.cfg = trainer_cfg
         self.algo = algo_cfg
@@ -199,6 +199,8 @@ class TrainerWorker:
         self.spec = model_mod.choose_spec(trainer_cfg.spec, trainer_cfg.device, self.arch,
                                           te_importable=model_mod.te_available())
         self.config = model_mod.build_transformer_config(self.arch, trainer_cfg, self.spec)
+        # the layer ranges of this rank's chunks as Megatron builds them (an uneven split included)
+        self.layout = pipeline_split.staged_layout(self.layout, self.config)
         self.config.calculate_per_token_loss = True
         if algo_cfg.routing_replay and not self.arch.is_moe:
             raise ValueError("algo.routing_replay needs a MoE model; the trainer's model is dense")

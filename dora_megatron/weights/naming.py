@@ -38,8 +38,12 @@ class Layout:
 
     ``etp`` is the expert tensor-parallel size (0 = ``tp``, Megatron's default) and ``etp_rank`` this
     rank's place in it (ignored when ``etp`` is 0: the TP rank). With an interleaved pipeline
-    (``vpp > 1``) a rank holds ``vpp`` chunks; ``vp_stage`` names the chunk: chunk ``v`` of pipeline
-    rank ``r`` holds the layers from ``v * L / vpp + r * L / (pp * vpp)`` on (Megatron's layer offset)."""
+    (``vpp > 1``) a rank holds ``vpp`` chunks; ``vp_stage`` names the chunk.
+
+    ``chunk_layers``: (first global layer, layer count) of each of this rank's chunks, by virtual
+    stage, as Megatron builds them (:func:`dora_megatron.trainer.pipeline_split.staged_layout` sets
+    it from Megatron's own functions; an uneven split needs it). Empty: Megatron's even split, chunk
+    ``v`` of pipeline rank ``r`` holding ``L / (pp * vpp)`` layers from ``v * L / vpp + r * L / (pp * vpp)``."""
 
     tp: int = 1
     tp_rank: int = 0
@@ -51,6 +55,7 @@ class Layout:
     etp_rank: int = 0
     vpp: int = 1
     vp_stage: int = 0
+    chunk_layers: tuple[tuple[int, int], ...] = ()
 
     @property
     def expert_tp(self) -> int:
@@ -61,12 +66,17 @@ class Layout:
         return self.etp_rank if self.etp else self.tp_rank
 
     def layers_per_stage(self, num_layers: int) -> int:
-        """Layers of one model chunk (one pipeline stage without interleaving)."""
+        """Layers of this model chunk (one pipeline stage without interleaving)."""
+        if self.chunk_layers:
+            return self.chunk_layers[self.vp_stage][1]
         if num_layers % (self.pp * self.vpp):
             raise ValueError(f"num_layers={num_layers} not divisible by pp*vpp={self.pp * self.vpp}")
         return num_layers // (self.pp * self.vpp)
 
     def layer_offset(self, num_layers: int) -> int:
+        """The global index of this chunk's first layer."""
+        if self.chunk_layers:
+            return self.chunk_layers[self.vp_stage][0]
         per = self.layers_per_stage(num_layers)
         return self.vp_stage * per * self.pp + self.pp_rank * per
 

@@ -38,23 +38,65 @@ def test_megatron_field_names_and_values_are_checked_by_megatron():
     assert trainer_layout_problem(load_config(None, ["trainer.megatron.moe_router_fusion=false"])) is None
 
 
-def test_uneven_pipeline_splits_are_refused_naming_the_field():
-    """Megatron's fields for an uneven layer split are real (Megatron would build 1 + 3 layers), but
-    the trainer maps the Hugging Face layers onto evenly split stages, so a stage would load another
-    stage's layers: refused before the job starts, and by the trainer itself."""
+def test_an_uneven_pipeline_split_passes_and_moves_the_memory_estimate():
+    """``num_layers_in_first_pipeline_stage: 1`` of the 4-layer preset on 2 stages (1 + 3 layers) is
+    taken before the job starts, and the estimated first-stage rank holds 1 layer, not the even 2."""
+    from dora_megatron.launch.layout import memory_estimate
+
+    even = load_config(None, ["trainer.pp=2", "launch.trainer_procs=2"])
+    uneven = load_config(None, ["trainer.pp=2", "launch.trainer_procs=2",
+                                "trainer.megatron.num_layers_in_first_pipeline_stage=1"])
+    assert trainer_layout_problem(uneven) is None
+    # 3 layers of 4 on 2 stages: only an uneven split holds them
+    three = ["trainer.pp=2", "launch.trainer_procs=2", "trainer.megatron.num_layers_in_last_pipeline_stage=1"]
+    assert trainer_layout_problem(load_config(None, three)) is None
+    est_even, est_uneven = memory_estimate(even), memory_estimate(uneven)
+    assert est_uneven.params < est_even.params and est_uneven.activations < est_even.activations
+
+
+@pytest.mark.parametrize("overrides,words", [
+    # the first stage takes every layer and more: Megatron leaves the last stage -1 layers
+    (["trainer.megatron.num_layers_in_first_pipeline_stage=5"],
+     "trainer.megatron.num_layers_in_first_pipeline_stage=5: pipeline rank 1 would hold -1 transformer layers"),
+    # Megatron's own refusal: no layers left for the middle stage
+    (["trainer.pp=3", "launch.trainer_procs=3", "trainer.megatron.num_layers_in_first_pipeline_stage=2",
+      "trainer.megatron.num_layers_in_last_pipeline_stage=2"],
+     "trainer.megatron.num_layers_in_last_pipeline_stage=2: Megatron's TransformerConfig refuses the configuration: Mismatch"),
+    # a stage of only the loss (Megatron's standalone loss stage)
+    (["trainer.pp=3", "launch.trainer_procs=3", "trainer.megatron.pipeline_model_parallel_layout=Et|ttt|L"],
+     "pipeline_model_parallel_layout='Et|ttt|L': pipeline rank 2 would hold 0 transformer layers"),
+    # a layout of 2 chunks per rank where trainer.vpp is 1
+    (["trainer.megatron.pipeline_model_parallel_layout=Et|t|t|tL"], "2 model chunks per pipeline rank, but trainer.vpp=1"),
+    (["trainer.vpp=2", "trainer.megatron.pipeline_model_parallel_layout=Et|t|t|tL"],
+     "virtual stages) in a custom layout are not supported"),
+    # the uneven first stage's layers must split into the virtual stages
+    (["trainer.vpp=2", "trainer.megatron.num_layers_in_first_pipeline_stage=1"],
+     "num_layers_in_first_pipeline_stage=1: Megatron's TransformerConfig refuses the configuration: number of layers at "
+     "first stage: 1"),
+])
+def test_impossible_uneven_splits_are_refused_naming_the_field(overrides, words):
+    base = [] if any(o.startswith("trainer.pp=") for o in overrides) else ["trainer.pp=2", "launch.trainer_procs=2"]
+    problem = trainer_layout_problem(load_config(None, base + overrides))
+    assert problem and words in problem
+
+
+def test_the_trainer_refuses_an_impossible_split_and_an_even_one_that_does_not_divide():
+    """The same rules on the ranks (``build_transformer_config``), where no pre-flight ran."""
     from dora_megatron.config.trainer import TrainerConfig
     from dora_megatron.models.hf_config import spec_from_dict
     from dora_megatron.models.presets import preset_config
     from dora_megatron.trainer.model import build_transformer_config
 
-    problem = trainer_layout_problem(load_config(None, ["trainer.pp=2", "launch.trainer_procs=2",
-                                                        "trainer.megatron.num_layers_in_first_pipeline_stage=1"]))
-    assert problem and "trainer.megatron.num_layers_in_first_pipeline_stage: uneven pipeline splits" in problem
     arch = spec_from_dict(preset_config("tiny-moe"))
-    with pytest.raises(ValueError, match="trainer.megatron.num_layers_in_last_pipeline_stage: uneven"):
-        build_transformer_config(arch, TrainerConfig(pp=2, megatron={"num_layers_in_last_pipeline_stage": 3}))
+    with pytest.raises(ValueError, match=r"num_layers_in_last_pipeline_stage=5: pipeline rank 0 would hold -1"):
+        build_transformer_config(arch, TrainerConfig(pp=2, megatron={"num_layers_in_last_pipeline_stage": 5}))
+    with pytest.raises(ValueError, match=r"num_layers_in_last_pipeline_stage=4: Megatron's TransformerConfig refuses "
+                                         r"the configuration: Mismatch: 0 middle layers"):
+        build_transformer_config(arch, TrainerConfig(pp=2, megatron={"num_layers_in_last_pipeline_stage": 4}))
     with pytest.raises(ValueError, match=r"num_hidden_layers=4 not divisible by trainer.pp \* trainer.vpp = 3"):
         build_transformer_config(arch, TrainerConfig(pp=3))
+    # 1 + 3 layers on 2 stages is built
+    assert build_transformer_config(arch, TrainerConfig(pp=2, megatron={"num_layers_in_last_pipeline_stage": 3}))
 
 
 def test_dry_run_prints_the_memory_estimate(tmp_path, capsys):

@@ -211,3 +211,39 @@ def test_a_deepseek_push_keeps_each_layers_q_a_and_kv_a_projections_in_one_bucke
     no_q_lora = _family_spec("deepseek_v3", **{**FAMILY_SPECS["deepseek_v3"], "q_lora_rank": None})
     names = naming.hf_names(no_q_lora)
     assert all(len(b.names) == 1 for b in plan_buckets([(n, "float32", (1,)) for n in names], 1e-9, naming.load_together))
+
+
+@pytest.mark.parametrize("layers,vpp,field,count", [(3, 1, "num_layers_in_first_pipeline_stage", 1),
+                                                    (6, 2, "num_layers_in_last_pipeline_stage", 2)])
+def test_an_uneven_split_pushes_every_hf_name_once(layers, vpp, field, count):
+    """DeepSeek-V3 (a dense first layer) on 2 pipeline ranks split unevenly by Megatron's own rule
+    (``trainer.pipeline_split``): each rank's chunks load only their layers, their global names
+    meet no other chunk's, and the push's buckets carry every HF name exactly once, bit-exact."""
+    from collections import Counter
+
+    from dora_megatron.config.trainer import TrainerConfig
+    from dora_megatron.trainer.pipeline_split import trainer_split
+    from dora_megatron.weights.distributed import push_buckets
+
+    spec = _family_spec("deepseek_v3", **{**FAMILY_SPECS["deepseek_v3"], "num_hidden_layers": layers})
+    split = trainer_split(spec, TrainerConfig(pp=2, vpp=vpp, megatron={field: count}))
+    g = torch.Generator().manual_seed(2)
+    sd = {k: torch.randn(s, generator=g) for k, s in spec.expected_shapes().items()}
+    owners: Counter = Counter()
+    merged: dict[str, torch.Tensor] = {}
+    for pp_rank in range(2):
+        rank = Layout(pp=2, pp_rank=pp_rank, vpp=vpp, chunk_layers=split.rank(pp_rank))
+        for v in range(vpp):
+            chunk = rank.chunk(v)
+            local = naming.hf_state_dict_to_megatron(sd, spec, chunk)
+            layers_here = {int(n.split(".")[2]) for n in local if n.startswith("decoder.layers.")}
+            assert layers_here == set(range(chunk.layers_per_stage(layers))), (pp_rank, v)
+            for name, t in local.items():
+                global_name = naming.local_to_global_name(name, spec, chunk)
+                owners[global_name] += 1
+                merged[global_name] = t
+    assert max(owners.values()) == 1  # no two chunks hold the same layer
+    pushed = [name for bucket in push_buckets(dict(naming.hf_export(merged, spec)), 1e-9) for name in bucket.names]
+    assert sorted(pushed) == sorted(naming.hf_names(spec)) == sorted(sd)
+    for name, t in naming.hf_export(merged, spec):
+        assert torch.equal(t, sd[name]), name
