@@ -201,11 +201,11 @@ def test_the_answers_arrays_are_bit_for_bit_what_the_store_appended_from_the_lis
     # the store appends the arrays, and gives what it gave appending the lists
     fast, slow = SampleRecord("s", "g", 0, 0, [1]), SampleRecord("s", "g", 0, 0, [1])
     for rec, r in ((fast, resp), (slow, GenerateResponse.from_json(json.loads(json.dumps(d))))):
-        rec.output_ids.extend(array("i", [7]))  # an earlier submission's output, kept
-        rec.logprobs.extend(array("f", [-1.0]))
+        rec.response_ids.extend(array("i", [7]))  # an earlier submission's output, kept
+        rec.rollout_logprobs.extend(array("f", [-1.0]))
         assert SampleStore.apply(rec, r) == "stop"
-    assert slow.output_ids.tobytes() == fast.output_ids.tobytes() == array("i", [7]).tobytes() + want_ids.tobytes()
-    assert slow.logprobs.tobytes() == fast.logprobs.tobytes() == array("f", [-1.0]).tobytes() + want_lps.tobytes()
+    assert slow.response_ids.tobytes() == fast.response_ids.tobytes() == array("i", [7]).tobytes() + want_ids.tobytes()
+    assert slow.rollout_logprobs.tobytes() == fast.rollout_logprobs.tobytes() == array("f", [-1.0]).tobytes() + want_lps.tobytes()
 
 
 def test_a_token_id_beyond_int32_is_named():
