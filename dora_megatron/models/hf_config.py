@@ -167,12 +167,6 @@ class ModelSpec:
             if self.rope_type not in ("default", "yarn") and self.rope_type in ENGINE_ROPE_TYPES:
                 problems.append(f"rope_parameters.rope_type {self.rope_type!r} is not supported by the Megatron "
                                 "trainer (supported: default, yarn)")
-            if self.rope_type == "yarn" and self.rotary_dim:
-                # megatron/core/models/common/embeddings/yarn_rotary_pos_embedding.py: YarnRotaryEmbedding
-                # computes its frequencies over all kv_channels, ignoring rotary_percent
-                problems.append(f"rope_parameters.rope_type 'yarn' with partial_rotary_factor={self.rotary_percent:g} "
-                                "is not supported by the Megatron trainer (Megatron-Core 0.16.1's YaRN rotates the "
-                                "whole head, transformers only the partial_rotary_factor share)")
             if self.o_bias:
                 problems.append("attention_bias=true (an o_proj bias) is not supported by the Megatron trainer")
         if self.rope_type == "yarn" and self.yarn.attention_factor is not None:

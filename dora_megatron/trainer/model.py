@@ -168,7 +168,7 @@ def build_gpt_model(arch: ModelSpec, config, spec: str, *, tp: int, pre_process:
 
     from dora_megatron.trainer.megatron_args import position_embedding_type
 
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=build_layer_spec(arch, config, spec, vp_stage=vp_stage),
         vocab_size=padded_vocab_size(arch.vocab_size, tp),
@@ -182,3 +182,8 @@ def build_gpt_model(arch: ModelSpec, config, spec: str, *, tp: int, pre_process:
         rotary_percent=arch.rotary_percent,  # partial rotary (GLM-4.5's partial_rotary_factor)
         vp_stage=vp_stage,
     )
+    if position_embedding_type(arch) == "yarn" and arch.rotary_dim:  # YaRN over the rotated share only
+        from dora_megatron.trainer.yarn_config import partial_rotary_yarn
+
+        model.rotary_pos_emb = partial_rotary_yarn(config, arch.rotary_dim, arch.rope_theta)
+    return model

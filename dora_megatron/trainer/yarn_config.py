@@ -13,7 +13,7 @@ attributes set on an instance afterwards. Imported only when a non-MLA model use
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from megatron.core.transformer import TransformerConfig
 
@@ -43,3 +43,26 @@ class YarnTransformerConfig(TransformerConfig):
 
     yarn_correction_range_round_to_int: bool = True
     """Round the correction range to whole dimensions (transformers' ``truncate``)."""
+
+
+def partial_rotary_yarn(config: YarnTransformerConfig, rotary_dim: int, rotary_base: float) -> Any:
+    """The YaRN rotary of a partial-rotary model (GLM-4.5's ``partial_rotary_factor``): frequencies
+    over the ``rotary_dim`` leading dimensions of a head, as transformers computes YaRN for it.
+
+    WHY: ``GPTModel`` builds ``YarnRotaryEmbedding`` with ``kv_channels`` (the whole head) as the
+    dimension its frequencies and correction range are computed over; ``rotary_percent`` only trims
+    the non-YaRN ``RotaryEmbedding``. Built over ``rotary_dim`` instead, its embedding is
+    ``rotary_dim`` wide, and Megatron's ``apply_rotary_pos_emb`` rotates that many leading
+    dimensions of each head and passes the rest through (``rope_utils.py``: ``rot_dim =
+    freqs.shape[-1]``), which is transformers' partial rotary. The cos/sin scaling attention applies
+    is read from the config's ``yarn_*`` fields, so it is unchanged."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+
+    return YarnRotaryEmbedding(
+        kv_channels=rotary_dim, rotary_percent=1.0, rotary_interleaved=config.rotary_interleaved,
+        rotary_base=rotary_base, use_cpu_initialization=config.use_cpu_initialization,
+        scaling_factor=config.yarn_rotary_scaling_factor,
+        original_max_position_embeddings=config.yarn_original_max_position_embeddings,
+        beta_fast=config.yarn_beta_fast, beta_slow=config.yarn_beta_slow, mscale=config.yarn_mscale,
+        mscale_all_dim=config.yarn_mscale_all_dim,
+        correction_range_round_to_int=config.yarn_correction_range_round_to_int)

@@ -33,13 +33,17 @@ FAMILIES = ("qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3")
 YARN = {"rope_type": "yarn", "rope_theta": hf_dirs.ROPE_THETA, "factor": 4.0, "original_max_position_embeddings": 8,
         "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}
 #: YaRN on the grouped-query families (Megatron's GPT YaRN path): Qwen3-MoE with transformers'
-#: defaults (cos/sin scaled by 0.1 ln(factor) + 1), Qwen2-MoE with an mscale pair and other betas
+#: defaults (cos/sin scaled by 0.1 ln(factor) + 1), Qwen2-MoE with an mscale pair and other betas,
+#: GLM-4.5 with a partial rotary
 V4_FAMILIES = ("qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3")
 GQA_YARN = {"moe-yarn": ("qwen3_moe", {"rope_type": "yarn", "rope_theta": hf_dirs.ROPE_THETA, "factor": 4.0,
                                        "original_max_position_embeddings": 8}),
             "qwen2_moe-yarn": ("qwen2_moe", {"rope_type": "yarn", "rope_theta": hf_dirs.ROPE_THETA, "factor": 8.0,
                                              "original_max_position_embeddings": 8, "mscale": 2.0,
-                                             "mscale_all_dim": 1.0, "beta_fast": 16.0, "beta_slow": 2.0})}
+                                             "mscale_all_dim": 1.0, "beta_fast": 16.0, "beta_slow": 2.0}),
+            # GLM-4.5's partial rotary (half of each head) with YaRN over that half
+            "glm4_moe-yarn": ("glm4_moe", {"rope_type": "yarn", "rope_theta": hf_dirs.ROPE_THETA, "factor": 4.0,
+                                           "original_max_position_embeddings": 8, "partial_rotary_factor": 0.5})}
 
 
 @pytest.fixture(scope="module")

@@ -245,16 +245,46 @@ def test_megatron_yarn_rotary_equals_transformers_yarn(yarn):
     assert hf_scaling != 1.0 and not config.apply_rope_fusion
 
 
+def test_partial_rotary_yarn_rotates_the_rotary_share_with_transformers_frequencies():
+    """GLM-4.5's partial rotary with YaRN: the rotary the trainer builds (frequencies over the
+    rotated half of each head, and the cos/sin scaling its attention applies) is transformers' for
+    the same config.json; Megatron's own YaRN over the whole head would not be."""
+    import transformers
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        YarnRotaryEmbedding, _yarn_get_concentration_factor_from_config)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from dora_megatron.trainer.cpu_compat import cpu_compat
+    from dora_megatron.trainer.model import build_transformer_config
+    from dora_megatron.trainer.yarn_config import partial_rotary_yarn
+
+    yarn = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 64,
+            "partial_rotary_factor": 0.5}
+    cfg = {**{k: v for k, v in GLM.items() if k not in ("partial_rotary_factor", "rope_theta")},
+           "max_position_embeddings": 1024, "rope_parameters": yarn}
+    arch = arch_from_hf_config(cfg)
+    config = build_transformer_config(arch, TrainerConfig())
+    assert arch.rotary_dim == config.kv_channels // 2
+    with cpu_compat():
+        emb, _ = partial_rotary_yarn(config, arch.rotary_dim, arch.rope_theta)(16)
+        whole, _ = YarnRotaryEmbedding(kv_channels=config.kv_channels, rotary_base=arch.rope_theta,
+                                       use_cpu_initialization=True, scaling_factor=4.0,
+                                       original_max_position_embeddings=64)(16)
+    hf_inv_freq, hf_scaling = ROPE_INIT_FUNCTIONS["yarn"](transformers.Glm4MoeConfig(**cfg), None)
+    positions = torch.arange(16, dtype=torch.float32)
+    assert emb.shape[-1] == arch.rotary_dim == 2 * hf_inv_freq.numel()
+    torch.testing.assert_close(emb[:, 0, 0, : arch.rotary_dim // 2], torch.outer(positions, hf_inv_freq))
+    assert whole.shape[-1] != arch.rotary_dim  # what GPTModel builds by itself
+    assert _yarn_get_concentration_factor_from_config(config) == pytest.approx(hf_scaling, rel=1e-12)
+
+
 def test_yarn_the_trainer_cannot_build_is_refused_naming_the_key():
-    """GLM-4.5's partial rotary with YaRN (Megatron's YaRN rotates whole heads), and for MLA a
-    truncate=false or an mscale_all_dim without mscale (Megatron's MLA cannot express either);
-    the embedded engine computes all of them (transformers' own rope functions)."""
+    """For MLA a truncate=false or an mscale_all_dim without mscale (Megatron's MLA cannot express
+    either); the embedded engine computes both (transformers' own rope functions)."""
     from dora_megatron.models.hf_config import spec_from_dict
 
     yarn = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 64}
-    cases = [({**GLM, "rope_parameters": {**yarn, "partial_rotary_factor": 0.5}},
-              "rope_type 'yarn' with partial_rotary_factor=0.5"),
-             ({**DEEPSEEK, "rope_parameters": {**yarn, "truncate": False}}, "rope_parameters.truncate=false"),
+    cases = [({**DEEPSEEK, "rope_parameters": {**yarn, "truncate": False}}, "rope_parameters.truncate=false"),
              ({**DEEPSEEK, "rope_parameters": {**yarn, "mscale_all_dim": 1.0}},
               "rope_parameters.mscale_all_dim without rope_parameters.mscale")]
     for cfg, match in cases:
