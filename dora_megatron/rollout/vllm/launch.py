@@ -28,6 +28,25 @@ def vllm_problem(cfg: "DoraConfig") -> str | None:
     if not os.access(python, os.X_OK):
         return (f"vllm.python: {python} is not an executable interpreter; create the venv with "
                 f"`bash tools/setup_vllm.sh {Path(python).parent.parent}` or set vllm.python")
+    return model_problem(cfg.model.path) if cfg.model.path else None
+
+
+def model_problem(model_dir: str) -> str | None:
+    """What vLLM 0.32.0 would serve differently from the checkpoint in ``model_dir`` (None:
+    nothing known). Its ``qwen2_moe.py`` takes the head size as ``hidden_size /
+    num_attention_heads`` and ignores a ``head_dim`` of ``config.json``: such a model would load
+    and answer with heads of the wrong size, silently."""
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # the model directory's own check names it
+    if config.get("model_type") == "qwen2_moe" and config.get("head_dim") is not None:
+        derived = int(config["hidden_size"]) // int(config["num_attention_heads"])
+        if int(config["head_dim"]) != derived:
+            return (f"model.path: {path}: head_dim {config['head_dim']} differs from hidden_size / "
+                    f"num_attention_heads = {derived}, which vLLM 0.32.0's qwen2_moe model uses instead; "
+                    "use rollout.engine: embedded or sglang for this model")
     return None
 
 

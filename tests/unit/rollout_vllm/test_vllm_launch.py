@@ -291,3 +291,22 @@ def test_bench_runs_the_same_dora_workload_on_each_engine(tmp_path):
     for c in cfgs.values():
         assert c.orchestrator.mode == "dora" and c.model.path == str(tmp_path / "model")
         assert (c.data.seed, c.run.steps, c.orchestrator.tbs) == (base.data.seed, base.run.steps, base.orchestrator.tbs)
+
+
+def test_a_qwen2_moe_whose_head_dim_vllm_would_ignore_is_refused_before_start(tmp_path):
+    """vLLM 0.32.0's qwen2_moe model sizes heads as hidden_size / num_attention_heads: a config.json
+    whose head_dim says otherwise would be served with the wrong heads, so the job refuses it."""
+    from dora_megatron.rollout.vllm.launch import vllm_problem
+
+    def problem(**config):
+        d = tmp_path / str(len(list(tmp_path.iterdir())))
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"model_type": "qwen2_moe", "hidden_size": 64,
+                                                   "num_attention_heads": 2, **config}))
+        return vllm_problem(load_config(None, ["rollout.engine=vllm", f"vllm.python={sys.executable}",
+                                               f"model.path={d}"]))
+    refused = problem(head_dim=16)
+    assert refused is not None and refused.startswith("model.path: ") and "head_dim 16" in refused
+    assert "hidden_size / num_attention_heads = 32" in refused
+    assert problem(head_dim=32) is None and problem() is None
+    assert problem(model_type="qwen3_moe", head_dim=16) is None  # its model file reads head_dim
