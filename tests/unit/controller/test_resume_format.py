@@ -79,6 +79,13 @@ def test_an_older_controller_json_layout_is_refused_naming_its_file(tmp_path):
         _build(tmp_path, ck)
     assert str(err.value) == (f"{ck / 'controller.json'}: the consumed groups (now consumed.jsonl's): written by an "
                               "older dora; this version cannot resume from it (start a new run)")
+    del state["consumed"]
+    state["orchestrator"]["format"] = 1  # an orchestrator snapshot of another format: refused by the same file name
+    (ck / "controller.json").write_text(json.dumps(state))
+    with pytest.raises(ValueError) as err:
+        _build(tmp_path, ck)
+    assert str(err.value) == (f"{ck / 'controller.json'}: orchestrator snapshot format 1 is not supported "
+                              "(this version reads format 2 only)")
 
 
 def test_an_entry_without_the_tokens_is_refused_without_blaming_an_older_dora(tmp_path):
