@@ -161,8 +161,16 @@ def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, mo
     evals = eval_prompts(cfg, codec)  # checked whole at load, like the training prompts
     state_file = checkpoint / "controller.json" if checkpoint is not None else None
     state = json.loads(state_file.read_text()) if state_file is not None else None
-    orch = (Orchestrator.restore(cfg.orchestrator, state["orchestrator"]) if state
-            else Orchestrator(cfg.orchestrator, list(endpoints.engines)))
+    if state is not None:
+        from dora_megatron.controller.controller_state import check_format
+
+        try:  # before anything reads it: a file (or an orchestrator snapshot) an older dora wrote, by name
+            check_format(state)
+            orch = Orchestrator.restore(cfg.orchestrator, state["orchestrator"])
+        except ValueError as err:
+            raise ValueError(f"{state_file}: {err}") from err
+    else:
+        orch = Orchestrator(cfg.orchestrator, list(endpoints.engines))
     journal = None
     if cfg.controller.journal and cfg.run.checkpoint_interval > 0:
         from dora_megatron.controller.journal import Journal
@@ -200,7 +208,7 @@ def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, mo
         # lineage's lines after the checkpoint); controller.json keeps only their count
         try:
             runtime.controller_state.load_state_dict(state, read_step_rows(run_dir / "steps.jsonl",
-                                                                           int(state.get("steps_done", 0))))
+                                                                           int(state["steps_done"])))
         except ValueError as err:  # an entry this version cannot read: which file, then which entry and key
             raise ValueError(f"{state_file}: {err}") from err
     if journal is not None:

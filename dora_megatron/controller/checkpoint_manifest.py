@@ -64,11 +64,11 @@ def write_manifest(root: Path, entries: dict[str, FileEntry]) -> Path:
 
 
 def verify(root: Path) -> list[str]:
-    """Problems of checkpoint ``root`` against its manifest (empty: intact). A checkpoint without a
-    manifest (written before manifests existed) yields no problem; :func:`has_manifest` tells."""
+    """Problems of checkpoint ``root`` against its manifest (empty: intact; one without a manifest
+    is not this version's: :func:`choose_checkpoint` refuses it before asking)."""
     path = root / MANIFEST
     if not path.is_file():
-        return []
+        return [f"{path}: missing"]
     try:
         files = json.loads(path.read_text())["files"]
         assert isinstance(files, dict)
@@ -103,9 +103,9 @@ def missing_snapshots(root: Path, snapshot_dir: Callable[[int], Path]) -> list[s
     (pruned): the versions of its unconsumed groups and its own version."""
     try:
         state = json.loads((root / COMPLETE).read_text())
-        # a group's version is the orchestrator snapshot's (an older controller.json has it in its own entry)
-        orch = {g["group_id"]: g for g in state.get("orchestrator", {}).get("groups", [])}
-        versions = {int((g if "version" in g else orch[g["group_id"]])["version"]) for g in state.get("groups", [])}
+        # a group's version is the orchestrator snapshot's
+        orch = {g["group_id"]: g for g in state["orchestrator"]["groups"]}
+        versions = {int(orch[g["group_id"]]["version"]) for g in state["groups"]}
         versions.add(int(state["version"]))
     except (OSError, ValueError, KeyError, TypeError) as err:
         return [f"{root / COMPLETE}: unreadable ({err})"]
@@ -141,6 +141,11 @@ def choose_checkpoint(run_dir: Path, snapshot_dir: Callable[[int], Path], say: C
     choice = Choice(None)
     corrupt: list[Path] = []
     for ck in reversed(complete_checkpoints(run_dir)):
+        if not has_manifest(ck):  # every checkpoint this version writes has one: not corrupt, not resumable
+            why = f"{ck / MANIFEST}: missing: written by an older dora; this version cannot resume from it"
+            say(f"checkpoint {ck} cannot be resumed: {why}")
+            choice.rejected.append((ck, [why]))
+            continue
         problems = verify(ck)
         if problems:
             say(f"checkpoint {ck} is corrupt: " + "; ".join(problems))
@@ -152,8 +157,6 @@ def choose_checkpoint(run_dir: Path, snapshot_dir: Callable[[int], Path], say: C
             say(f"checkpoint {ck} cannot be resumed: weight snapshot(s) {', '.join(missing)} no longer exist")
             choice.rejected.append((ck, [f"{m}: missing weight snapshot" for m in missing]))
             continue
-        if not has_manifest(ck):
-            say(f"checkpoint {ck} has no {MANIFEST} (written by an older version): resuming without verifying it")
         for bad in corrupt if quarantine else ():
             dest = bad.with_name(QUARANTINE_PREFIX + bad.name)
             n = 1

@@ -12,7 +12,7 @@ checkpoint is sized by is DESIGN section 5.5.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 from dora_megatron.controller.records import RuntimeOptions
 from dora_megatron.observability.recorder import MetricsRecorder
@@ -27,6 +27,35 @@ if TYPE_CHECKING:
     from dora_megatron.controller.weight_sync import WeightSync
 
 log = logging.getLogger(__name__)
+
+#: the layout of ``controller.json`` :meth:`ControllerState.state_dict` writes, the only one read
+STATE_FORMAT = 2
+#: the keys it always writes (a file without one is not this version's)
+STATE_KEYS = ("format", "version", "pending_step_finished", "next_prompt", "wall_s", "orchestrator", "groups",
+              "samples", "steps_done", "metrics", "migrated_bytes", "migrations_done", "migrations_fallback",
+              "migration_stall_s", "migration_freed_slot_s", "workflow_turns", "expected_checksums")
+#: what an older dora's ``controller.json`` held instead, named in the refusal (never read)
+_OLD_LAYOUT = {"steps": "a list of step logs (now steps.jsonl's, with 'steps_done' their count)",
+               "consumed": "the consumed groups (now consumed.jsonl's)",
+               "c1_count": "C1 and duplicate counts (now the orchestrator snapshot's)",
+               "duplicated": "C1 and duplicate counts (now the orchestrator snapshot's)"}
+
+
+def check_format(state: Mapping[str, Any]) -> None:
+    """Refuse a ``controller.json`` this version did not write, with a ``ValueError`` saying what is
+    old (the caller names the file). WHY one check up front: a 0.1 project keeps one format and no
+    reader of older ones; without it an older file fails later on a bare ``KeyError`` that names no
+    file, or half-loads into records that differ from the run that wrote it."""
+    old = sorted({why for key, why in _OLD_LAYOUT.items() if key in state})
+    if isinstance(state.get("metrics"), Mapping) and "rows" in state["metrics"]:
+        old.append("the recorder's step rows in 'metrics' (now steps.jsonl's)")
+    missing = [key for key in STATE_KEYS if key not in state]
+    if state.get("format") == STATE_FORMAT and not missing and not old:
+        return
+    what = [f"format {state.get('format')!r}, not {STATE_FORMAT}"] if state.get("format") != STATE_FORMAT else []
+    what += [f"no {', '.join(repr(k) for k in missing)}"] if missing else []
+    raise ValueError("; ".join(what + old) + ": written by an older dora; this version cannot resume from it "
+                     "(start a new run)")
 
 
 class StateHost(Protocol):
@@ -118,7 +147,7 @@ class ControllerState:
         # and the newest (older ones are never switched to again)
         oldest = min((int(g["version"]) for g in orchestrator_snapshot["groups"]), default=version)
         return {
-            "format": 2, "version": version, "pending_step_finished": version,
+            "format": STATE_FORMAT, "version": version, "pending_step_finished": version,
             "next_prompt": rt.store.next_prompt, "wall_s": rt.now(),
             "orchestrator": orchestrator_snapshot,
             "groups": groups, "samples": samples,
@@ -136,29 +165,24 @@ class ControllerState:
         their own version; every instance is fresh and is switched to the version it is given.
         ``step_rows``: the metrics recorder's rows of the steps done, as ``steps.jsonl`` has them
         (:func:`~dora_megatron.observability.recorder.read_step_rows`; the summary of the resumed
-        run covers the whole run)."""
+        run covers the whole run). A file another dora wrote is refused (:func:`check_format`)."""
+        check_format(state)
         rt = self.rt
         rt.store.load_entries(state)
         self.wall_s = float(state["wall_s"])
-        # consumed groups are not carried (consumed.jsonl lists them; an older controller.json's
-        # "consumed" is ignored): the restored orchestrator has forgotten them, so none can be
-        # released again
-        # the step logs themselves are steps.jsonl's (an older controller.json's "steps" list: its length)
-        rt.training.steps_done = int(state["steps_done"]) if "steps_done" in state else len(state["steps"])
-        if "metrics" in state:  # absent in checkpoints written before the recorder: the summary then starts anew
-            rt.metrics.load_state_dict(state["metrics"], rows=step_rows)
+        # consumed groups are not carried (consumed.jsonl lists them): the restored orchestrator has
+        # forgotten them, so none can be released again; the step logs are steps.jsonl's
+        rt.training.steps_done = int(state["steps_done"])
+        rt.metrics.load_state_dict(state["metrics"], rows=step_rows)
         rt.moves.migrated_bytes = int(state["migrated_bytes"])
         rt.moves.migrations_done = int(state["migrations_done"])
         rt.moves.migrations_fallback = int(state["migrations_fallback"])
-        # absent in checkpoints written before these were measured: the resumed run counts from 0
-        rt.moves.stall_s = float(state.get("migration_stall_s", 0.0))
-        rt.moves.freed_slot_s = float(state.get("migration_freed_slot_s", 0.0))
-        rt.turns.load(state.get("workflow_turns", {}))
+        rt.moves.stall_s = float(state["migration_stall_s"])
+        rt.moves.freed_slot_s = float(state["migration_freed_slot_s"])
+        rt.turns.load(state["workflow_turns"])
         rt.weights.expected_checksums = {int(k): v for k, v in state["expected_checksums"].items()}
-        self.pending_step_finished = state.get("pending_step_finished")
+        self.pending_step_finished = state["pending_step_finished"]
         rt.weights.latest_version = int(state["version"])
-        # an older controller.json also holds "c1_count"/"duplicated": ignored, the C1 and
-        # duplicate counts of a run are the orchestrator's (its snapshot carries them)
         self.resumed = True
 
 

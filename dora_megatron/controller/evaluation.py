@@ -61,10 +61,8 @@ class EvalHost(Protocol):
     opt: RuntimeOptions
     codec: TextCodec
     engines: dict[str, Engine]
-    pool: Pool
+    pool: Pool  # which instances failed (:meth:`Pool.is_failed`), which version each holds
     weights: WeightSync
-
-    def is_failed(self, instance: str) -> bool: ...
 
 
 class Evaluator:
@@ -240,12 +238,12 @@ class Evaluator:
         rt = self.runtime
         while True:
             ready = [(self._in_flight.get(iid, 0), iid) for iid in list(rt.engines)
-                     if iid not in self._closed and not rt.is_failed(iid)
+                     if iid not in self._closed and not rt.pool.is_failed(iid)
                      and self._version(iid) >= min_version and self._in_flight.get(iid, 0) < self.slots]
             if ready:
                 iid = min(ready)[1]
                 return iid, self._version(iid)
-            if self._ending and not any(not rt.is_failed(iid) and self._version(iid) >= min_version
+            if self._ending and not any(not rt.pool.is_failed(iid) and self._version(iid) >= min_version
                                         for iid in list(rt.engines)):
                 raise EvalRoundFailed(f"no live engine holds v{min_version} or newer")
             await asyncio.sleep(0.05)
@@ -276,7 +274,7 @@ class Evaluator:
                 return
             self._final_loads[iid] = version
 
-        await asyncio.gather(*(one(iid) for iid in list(rt.engines) if not rt.is_failed(iid)))
+        await asyncio.gather(*(one(iid) for iid in list(rt.engines) if not rt.pool.is_failed(iid)))
 
     # ------------------------------------------------------------------ summary
     def summary(self) -> dict[str, Any]:

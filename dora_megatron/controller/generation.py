@@ -25,7 +25,7 @@ from dora_megatron.comm.protocol import GenerateResponse
 from dora_megatron.controller.errors import LOCAL_RETRY_S, is_comm_error as _is_comm_error, is_local as _is_local
 from dora_megatron.events import EngineReply, InstanceFailed, MigrationFailed, Replayed
 from dora_megatron.controller.loop import EventQueue
-from dora_megatron.controller.records import Engine, GroupRecord, RuntimeOptions, SampleRecord
+from dora_megatron.controller.records import Engine, RuntimeOptions, SampleRecord
 from dora_megatron.controller.siblings import DraftPushes, finished_sources, running_targets
 from dora_megatron.observability.recorder import MetricsRecorder
 from dora_megatron.observability.trajectories import TrajectoryStats
@@ -61,12 +61,6 @@ class GenerationHost(Protocol):
     workflow: WorkflowRunner | None
     turns: Turns  # a workflow's trajectories between their turns (:mod:`.turns`)
     replay: JournalReplay  # the journal's finished samples on resume (:mod:`.replay`)
-
-    @property
-    def samples(self) -> dict[str, SampleRecord]: ...
-
-    @property
-    def groups(self) -> dict[str, GroupRecord]: ...
 
     def now(self) -> float: ...
 
@@ -108,7 +102,7 @@ class Generation:
 
     def _chain(self, sample_id: str, coro: Coroutine[Any, Any, object], name: str) -> asyncio.Task[None]:
         """Run ``coro`` after the sample's previous operation finished (per-sample ordering)."""
-        rec = self.rt.samples[sample_id]
+        rec = self.rt.store.samples[sample_id]
         prev = rec.task
 
         async def run() -> None:
@@ -123,7 +117,7 @@ class Generation:
                    name: str) -> asyncio.Task[None]:
         """Run an operation that acts on the sample's in-flight request (it does not wait for it);
         later operations on the sample wait for both."""
-        rec = self.rt.samples[sample_id]
+        rec = self.rt.store.samples[sample_id]
         prev = rec.task
         task = self.rt.spawn(make_coro(prev), name)
 
@@ -149,7 +143,7 @@ class Generation:
         from dora_megatron.comm.engine_client import VersionMismatch
 
         rt = self.rt
-        rec = rt.samples.get(a.sample_id)
+        rec = rt.store.samples.get(a.sample_id)
         if rec is None:  # an earlier operation finished it and its group was consumed meanwhile
             return
         if rec.finished:
@@ -233,7 +227,7 @@ class Generation:
                                             if rt.opt.draft_siblings else {}))
         turn = rt.turns.open(rec, a.instance, engine)
         try:
-            return await rt.workflow.run(engine, rt.groups[rec.group_id].prompt, rec.prompt_ids,
+            return await rt.workflow.run(engine, rt.store.groups[rec.group_id].prompt, rec.prompt_ids,
                                          sample_id=a.sample_id, version=a.version, sampling=rt.store.sampling(rec),
                                          routed_experts=rt.opt.routed_experts, turns=turn)
         finally:
@@ -266,7 +260,7 @@ class Generation:
         orchestrator hears of it); aborted: the partial output is kept, None. A late answer about a
         sample whose group was consumed meanwhile (the source's reply to a KV export) is dropped."""
         rt = self.rt
-        rec, resp, instance, start, end = rt.samples.get(ev.sample_id), ev.resp, ev.instance, ev.start, ev.end
+        rec, resp, instance, start, end = rt.store.samples.get(ev.sample_id), ev.resp, ev.instance, ev.start, ev.end
         if rt.workflow is None:  # a trajectory's turns count their own slot time (:class:`TurnGate`), not its tools'
             rt.metrics.request_held_slot(start, end)
         if rec is None:
@@ -308,4 +302,4 @@ class Generation:
     def sample_versions(self, sample_id: str) -> set[int]:
         """Loop: every version the sample was submitted on or an engine said produced its tokens;
         the orchestrator counts a sample of more than one as a C1 violation (the one C1 count)."""
-        return self.rt.samples[sample_id].versions
+        return self.rt.store.samples[sample_id].versions

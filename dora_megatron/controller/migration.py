@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from dora_megatron.controller.errors import is_comm_error as _is_comm_error, is_local as _is_local
 from dora_megatron.events import EngineReply, InstanceFailed, MigrationDone, MigrationFailed
 from dora_megatron.controller.loop import EventQueue
-from dora_megatron.controller.records import Engine, RuntimeOptions, SampleRecord
+from dora_megatron.controller.records import Engine, RuntimeOptions
 from dora_megatron.orchestrator import Interrupt, Migrate, Submit
 
 if TYPE_CHECKING:
@@ -76,9 +76,6 @@ class MoveHost(Protocol):
     # per-sample ordering (``concurrent``), a migration's fallback (``resubmit``) and the count of
     # local shortages are generation's (:mod:`.generation`)
     generation: Generation
-
-    @property
-    def samples(self) -> dict[str, SampleRecord]: ...
 
     def now(self) -> float: ...
 
@@ -138,7 +135,7 @@ class Migrations:
         longer holds it (a switch of the source may then go ahead)."""
         from dora_megatron.comm.engine_client import EngineError
 
-        rec = self.rt.samples.get(a.sample_id)
+        rec = self.rt.store.samples.get(a.sample_id)
         if rec is None or rec.finished:  # finished (its group maybe consumed) before this move ran
             return
         gate = None  # a workflow's run: the turn on the engine is what moves

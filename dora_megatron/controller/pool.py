@@ -15,12 +15,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping, Set as AbstractSet
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dora_megatron.events import InstanceFailed, InstanceJoined
-from dora_megatron.controller.records import Engine, SampleRecord
+from dora_megatron.controller.records import Engine
 from dora_megatron.observability.recorder import MetricsRecorder
 from dora_megatron.orchestrator import Orchestrator
+
+if TYPE_CHECKING:
+    from dora_megatron.controller.samples import SampleStore
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +34,7 @@ class PoolHost(Protocol):
     orch: Orchestrator
     engines: dict[str, Engine]
     metrics: MetricsRecorder
-
-    @property
-    def samples(self) -> dict[str, SampleRecord]: ...
+    store: SampleStore  # the outstanding samples: a failed instance's are no longer waited on (:mod:`.samples`)
 
     def now(self) -> float: ...
 
@@ -126,7 +127,7 @@ class Pool:
         self.rt.metrics.instance_left(instance, self.rt.now())
         if instance not in self._late_starters:
             self.failed_ever.add(instance)  # (the orchestrator hears of it next: it owns which instances are failed)
-        for rec in self.rt.samples.values():  # stop waiting on requests that lived there
+        for rec in self.rt.store.samples.values():  # stop waiting on requests that lived there
             if rec.gen_instance == instance and rec.gen_task is not None and rec.gen_task is not origin \
                     and not rec.gen_task.done() and not rec.finished:
                 rec.gen_task.cancel()

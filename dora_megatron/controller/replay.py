@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from dora_megatron.comm.batch_files import compact_routed
 from dora_megatron.comm.routed_spool import SpooledRouted
-from dora_megatron.controller.records import GroupRecord, SampleRecord
+from dora_megatron.controller.records import SampleRecord
 
 if TYPE_CHECKING:
     from dora_megatron.controller.journal import Journal, JournaledSample
@@ -32,12 +32,6 @@ class ReplayHost(Protocol):
     journal: Journal | None
     orch: Orchestrator  # a group's version is the orchestrator's
     store: SampleStore  # its spool holds a journaled sample's routed experts
-
-    @property
-    def samples(self) -> dict[str, SampleRecord]: ...
-
-    @property
-    def groups(self) -> dict[str, GroupRecord]: ...
 
 
 class JournalReplay:
@@ -65,7 +59,7 @@ class JournalReplay:
                                 sid, problem)
                     continue
             self._pending[sid] = j
-        for gid in list(self.rt.groups):
+        for gid in list(self.rt.store.groups):
             self.restore(gid)
 
     def restore(self, group_id: str) -> None:
@@ -73,13 +67,13 @@ class JournalReplay:
         that cannot stand for its sample is dropped (its spooled routed experts with it)."""
         if not self._pending:
             return
-        group = self.rt.groups[group_id]
+        group = self.rt.store.groups[group_id]
         version = self.rt.orch.groups[group_id].version
         for sid in group.sample_ids:
             j = self._pending.pop(sid, None)
             if j is None:
                 continue
-            rec = self.rt.samples[sid]
+            rec = self.rt.store.samples[sid]
             if (rec.finished or j.group_id != group_id or j.version != version
                     or j.prompt_index != group.prompt.index or rec.version != j.version):
                 self.drop(j)
@@ -100,7 +94,7 @@ class JournalReplay:
     def replayed(self, sample_id: str) -> int | None:
         """Loop (:class:`Replayed`): the orchestrator asked to run a sample the journal restored: it
         is finished already. Returns its length, None when it was reported before."""
-        rec = self.rt.samples[sample_id]
+        rec = self.rt.store.samples[sample_id]
         if not rec.replay_pending:
             return None
         rec.replay_pending = False
@@ -119,6 +113,6 @@ class JournalReplay:
 
         if rec.reward is None:  # journaled once finished, and a finished sample is scored
             raise ValueError(f"sample {rec.sample_id} has no reward: a sample is journaled after its reward")
-        return JournaledSample(rec.sample_id, rec.group_id, rec.version, self.rt.groups[rec.group_id].prompt.index,
+        return JournaledSample(rec.sample_id, rec.group_id, rec.version, self.rt.store.groups[rec.group_id].prompt.index,
                                rec.response_ids, rec.rollout_logprobs, float(rec.reward), rec.routed_experts,
                                rec.finish_reason, rec.reward_error)

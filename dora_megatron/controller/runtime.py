@@ -43,7 +43,7 @@ from dora_megatron.events import (EngineReply, InstanceFailed, InstanceJoined, R
 from dora_megatron.controller.loop import EventQueue
 from dora_megatron.controller.migration import Migrations
 from dora_megatron.controller.pool import Pool
-from dora_megatron.controller.records import Engine, GroupRecord, LoadReports, RuntimeOptions, SampleRecord, Trainer
+from dora_megatron.controller.records import Engine, LoadReports, RuntimeOptions, Trainer
 from dora_megatron.controller.replay import JournalReplay
 from dora_megatron.controller.samples import RewardFn, SampleStore
 from dora_megatron.controller.stats import StatsPoller
@@ -223,16 +223,6 @@ class Runtime:
         return self.training.step_boundary()
 
     # ------------------------------------------------------------------ what components ask of each other
-    @property
-    def samples(self) -> dict[str, SampleRecord]:
-        """The outstanding samples' records (:attr:`SampleStore.samples`)."""
-        return self.store.samples
-
-    @property
-    def groups(self) -> dict[str, GroupRecord]:
-        """The outstanding groups' records (:attr:`SampleStore.groups`)."""
-        return self.store.groups
-
     def now(self) -> float:
         """Seconds of the run (a resumed run goes on from its checkpoint's wall time)."""
         return time.monotonic() - self._t0 + self.controller_state.wall_s
@@ -253,11 +243,11 @@ class Runtime:
             log.exception("runtime task failed")
             self.stop(err)
 
+    # ------------------------------------------------------------------ what launchers call
     def is_failed(self, instance: str) -> bool:
-        """:meth:`Pool.is_failed` (what the launchers' pollers and the eval rounds ask)."""
+        """:meth:`Pool.is_failed` (what the launchers' pollers ask of a run, per instance)."""
         return self.pool.is_failed(instance)
 
-    # ------------------------------------------------------------------ what launchers call
     def add_instance(self, name: str, engine: Engine) -> None:
         """Elastic pools: ``engine`` joins the running job as ``name`` (new, or a failed name coming
         back); the orchestrator switches it to the version it assigns, then routes work to it.
@@ -365,7 +355,7 @@ class Runtime:
             except Exception:  # noqa: BLE001 - best effort at shutdown
                 pass
 
-        await asyncio.gather(*(abort_all(e) for iid, e in list(self.engines.items()) if not self.is_failed(iid)))
+        await asyncio.gather(*(abort_all(e) for iid, e in list(self.engines.items()) if not self.pool.is_failed(iid)))
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:

@@ -259,29 +259,26 @@ class SampleStore:
         return groups, samples
 
     def load_entries(self, state: dict[str, Any]) -> None:
-        """Continue from :meth:`state_entries`. A group's version and sample ids, a sample's version:
-        the orchestrator snapshot's (an older ``controller.json`` also has them in its own entries,
-        and the prompt ids in every sample entry)."""
+        """Continue from :meth:`state_entries` (the caller has checked the file's format). A group's
+        version and sample ids, a sample's version: the orchestrator snapshot's, which lists every
+        outstanding group and sample."""
         self.next_prompt = int(state["next_prompt"])
         orch_groups = {g["group_id"]: g for g in state["orchestrator"]["groups"]}
         orch_samples = {s["sample_id"]: s for s in state["orchestrator"]["samples"]}
-        for g in state["groups"]:
-            og = orch_groups.get(g["group_id"], g)
+        for i, g in enumerate(state["groups"]):
+            og = orch_groups.get(g["group_id"])
+            if og is None:
+                raise ValueError(f"groups[{i}] (group {g['group_id']}): not in the orchestrator snapshot")
             prompt = self.source.get(int(g["prompt_index"]))
-            sample_ids = tuple(g.get("sample_ids", og["sample_ids"]))
-            version = int(g.get("version", og["version"]))
+            sample_ids = tuple(og["sample_ids"])
             self.groups[g["group_id"]] = GroupRecord(g["group_id"], prompt, sample_ids)
-            for i, sid in enumerate(sample_ids):
-                self.samples[sid] = SampleRecord(sid, g["group_id"], i, int(orch_samples.get(sid, og).get("version", version)),
-                                                 list(g.get("prompt_ids") or ()))
+            for j, sid in enumerate(sample_ids):
+                self.samples[sid] = SampleRecord(sid, g["group_id"], j, int(orch_samples[sid]["version"]),
+                                                 list(g["prompt_ids"]))
         for i, d in enumerate(state["samples"]):
             rec = self.samples[d["sample_id"]]
-            if "prompt_ids" in d:  # an older controller.json: the prompt ids in every sample entry
+            if "prompt_ids" in d:  # a workflow's trajectory: its own rendering of the prompt (with loss_mask)
                 rec.prompt_ids = list(d["prompt_ids"])
-            if "version" in d:  # an older controller.json: every sample, with its version
-                rec.version = int(d["version"])
-            if not d.get("finished", True):
-                continue
             ids, logprobs = entry_tokens(d, f"samples[{i}] (sample {d['sample_id']})")
             rec.response_ids, rec.rollout_logprobs = array("i", ids), array("f", logprobs)
             rec.versions, rec.reward, rec.finished = set(d["versions"]), d["reward"], True

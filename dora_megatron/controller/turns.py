@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Coroutine, Protocol
+from typing import TYPE_CHECKING, Any, Coroutine, Protocol
 
 from dora_megatron.events import TurnEnded, TurnReady
 from dora_megatron.controller.loop import EventQueue
@@ -39,6 +39,9 @@ from dora_megatron.controller.records import Engine, SampleRecord
 from dora_megatron.observability.recorder import MetricsRecorder
 from dora_megatron.orchestrator import Submit
 from dora_megatron.workflow.runner import TrajectoryAborted
+
+if TYPE_CHECKING:
+    from dora_megatron.controller.samples import SampleStore
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +52,7 @@ class TurnsHost(Protocol):
     engines: dict[str, Engine]
     events: EventQueue
     metrics: MetricsRecorder  # the slot time of each turn
-
-    @property
-    def samples(self) -> dict[str, SampleRecord]: ...
+    store: SampleStore  # the outstanding samples, each with its current run (:mod:`.samples`)
 
     def now(self) -> float: ...
 
@@ -222,17 +223,16 @@ class Turns:
         return {key: getattr(self, attr) for key, attr in self.COUNTS.items()}
 
     def load(self, counts: dict[str, int]) -> None:
-        """The counts of :meth:`summary` a checkpoint kept (a resumed run goes on counting from
-        them; absent in checkpoints written before they were kept: from 0)."""
+        """The counts of :meth:`summary` a checkpoint kept (a resumed run goes on counting from them)."""
         for key, attr in self.COUNTS.items():
-            setattr(self, attr, int(counts.get(key, 0)))
+            setattr(self, attr, int(counts[key]))
 
     def live(self, sample_id: str) -> TurnGate | None:
         """The sample's current run (opened, not ended nor dropped), None without one."""
         return self._live(sample_id)
 
     def _live(self, sample_id: str) -> TurnGate | None:
-        rec = self.host.samples.get(sample_id)
+        rec = self.host.store.samples.get(sample_id)
         gate = rec.turn if rec is not None else None
         return gate if gate is not None and not gate.closed and not gate.dropped else None
 

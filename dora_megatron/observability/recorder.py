@@ -256,12 +256,11 @@ class MetricsRecorder:
         return {"tail": dict(self._tail)}
 
     def load_state_dict(self, state: Mapping[str, Any], rows: Sequence[Mapping[str, Any]] = ()) -> None:
-        """Continue from :meth:`state_dict` and the rows of the steps done (``rows``; an older
-        checkpoint carries them in ``state["rows"]``)."""
+        """Continue from :meth:`state_dict` and the rows of the steps done (``rows``, steps.jsonl's)."""
         self.rows, self._ends, self._so_far = [], [], {}
-        for d in state.get("rows", rows):
+        for d in rows:
             self._close(StepRecord(**d))
-        self._tail = dict(state.get("tail", {}))
+        self._tail = dict(state["tail"])
 
     # ------------------------------------------------------------------ internals
     def _begin(self, kind: str, key: str, now: float) -> None:

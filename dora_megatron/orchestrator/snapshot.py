@@ -67,14 +67,12 @@ def restore_into(o: RuleHost, snap: dict[str, Any]) -> None:
     cd = dict(snap["counters"])
     cd["staleness_histogram"] = {int(k): v for k, v in cd["staleness_histogram"].items()}
     o.counters = type(o.counters)(**cd)
-    for gd in snap["groups"]:
+    for gd in snap["groups"]:  # outstanding ones only: a consumed group is forgotten at its release
         g = Group(**gd)
-        if g.consumed_step is None:  # (format 2 holds no consumed group)
-            o.groups[g.group_id] = g
+        o.groups[g.group_id] = g
     for sd in snap["samples"]:
         s = Sample(**sd)
-        if s.group_id in o.groups:
-            o.samples[s.sample_id] = s
+        o.samples[s.sample_id] = s
     pending_order = {int(v): list(ids) for v, ids in snap["pending_order"].items()}
     for s in o.samples.values():
         if s.state == WAITING:  # its trajectory lived in the process that wrote the snapshot: run it again

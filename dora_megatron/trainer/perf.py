@@ -16,6 +16,7 @@ is 3 forwards (forward + backward) plus the log-prob forward when the loss needs
 from __future__ import annotations
 
 import time
+from typing import Sequence
 
 #: Dense bf16/fp16 tensor-core peak of one GPU, TFLOP/s (vendor data sheets, SXM parts, no sparsity).
 PEAK_TFLOPS_16BIT = {"B200": 2250.0, "H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0,
@@ -96,3 +97,17 @@ def peak_flops_per_gpu(cfg) -> float | None:
         if key in name:
             return tflops * 1e12
     return None
+
+
+def step_perf(lengths: Sequence[int], seconds: float, peak_memory: float, arch, forwards: float, world_size: int,
+              peak_flops: float | None) -> dict[str, float]:
+    """``perf/trainer_*`` of a step of samples of ``lengths`` tokens that took ``seconds`` (the
+    recorder logs ``perf/*`` keys under their own name): ``peak_memory`` (bytes, the max over
+    ranks), tokens/s and, with a known ``peak_flops`` per GPU, the MFU of ``forwards`` forward
+    passes' FLOPs (a backward counts as two) over ``world_size`` GPUs."""
+    out = {"perf/trainer_peak_memory_bytes": peak_memory,
+           "perf/trainer_tokens_per_s": sum(lengths) / seconds if seconds > 0 else float("nan")}
+    if peak_flops and seconds > 0:
+        flops = forwards * sum(forward_flops(arch, n) for n in lengths)
+        out["perf/trainer_mfu"] = flops / (seconds * world_size * peak_flops)
+    return out

@@ -40,14 +40,9 @@ from dora_megatron.comm.train_sample import TrainSample
 from dora_megatron.config.algo import AlgoConfig
 from dora_megatron.config.trainer import TrainerConfig
 from dora_megatron.trainer.packing import StepPlan
+from dora_megatron.trainer.step_metrics import step_metrics, sum_reports
 
 logger = logging.getLogger(__name__)
-
-METRIC_KEYS = ("pg_loss", "entropy", "clip_fraction", "rollout_vs_trainer_logprob_diff", "tis_weight",
-               "approx_kl_behaviour", "correction_dropped_fraction")
-#: Metrics averaged over the tokens of on-policy samples only (the rest are over all response tokens).
-ON_POLICY_METRICS = ("rollout_vs_trainer_logprob_diff",)
-
 
 @dataclass
 class MicroBatch:
@@ -327,21 +322,6 @@ class TrainerWorker:
         under context parallelism (both: their product)."""
         return (self.cfg.tp if self.config.sequence_parallel else 1) * (2 * self.cfg.cp if self.cfg.cp > 1 else 1)
 
-    @staticmethod
-    def _micro_batches(batch: Sequence[TrainSample], plan: StepPlan, **fields: Any) -> list[MicroBatch]:
-        return [pad_micro_batch(batch, mb.rows, mb.seq_len, **fields) for mb in plan.micro_batches]
-
-    def _routing_shape(self, batch: Sequence[TrainSample]) -> tuple[int, int] | None:
-        """``(layers, top_k)`` when every sample carries the engine's routed experts (MoE only)."""
-        if not self.arch.is_moe or any(s.routed_experts is None for s in batch):
-            if self.algo.routing_replay:
-                raise ValueError("algo.routing_replay is on but a sample has no 'routed_experts' (the rollout "
-                                 "engine must be asked for return_routed_experts)")
-            return None
-        if self.cfg.cp > 1:  # refused at config load; routed experts of a batch are then ignored
-            return None
-        return self.arch.num_layers, self.arch.top_k
-
     def _run(self, micro_batches: list[MicroBatch], loss_fn, forward_only: bool,
              routing: str | None = None) -> list[dict]:
         """Megatron schedule over ``micro_batches``; ``routing`` ``replay`` forces each MoE router to
@@ -407,8 +387,8 @@ class TrainerWorker:
 
         Collective; the full list (one ``[len(response_ids)]`` tensor per sample, in batch order) is
         returned on every rank."""
-        shape = self._routing_shape(batch) if self.algo.routing_replay else None
-        mbs = self._micro_batches(batch, self._plan(batch), routing_shape=shape)
+        shape = routing_shape(batch, self.arch, self.algo.routing_replay, self.cfg.cp) if self.algo.routing_replay else None
+        mbs = planned_micro_batches(batch, self._plan(batch), routing_shape=shape)
         results: dict[int, torch.Tensor] = {}
 
         def loss_fn(mb: MicroBatch, logits: torch.Tensor):
@@ -440,10 +420,10 @@ class TrainerWorker:
         engine's ``routed_experts``, with the trainer routing on its own (before any replay).
 
         Collective; None when the batch carries no routing (or the model is dense)."""
-        shape = self._routing_shape(batch)
+        shape = routing_shape(batch, self.arch, self.algo.routing_replay, self.cfg.cp)
         if shape is None:
             return None
-        mbs = self._micro_batches(batch, self._plan(batch), routing_shape=shape)
+        mbs = planned_micro_batches(batch, self._plan(batch), routing_shape=shape)
         self._agreement = [0.0, 0.0]
 
         def loss_fn(mb: MicroBatch, logits: torch.Tensor):
@@ -507,23 +487,15 @@ class TrainerWorker:
         return metrics
 
     def _perf_metrics(self, batch: Sequence[TrainSample], seconds: float) -> dict[str, float]:
-        """``perf/trainer_*`` of a step (the recorder logs ``perf/*`` keys under their own name):
-        peak memory (max over ranks), tokens/s and, on cuda with a known peak, the MFU."""
+        """``perf/trainer_*`` of a step (:func:`.perf.step_perf`), with the peak memory of every rank."""
         from dora_megatron.trainer import perf
 
-        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in batch]
-        peak = torch.tensor([float(perf.peak_memory_bytes(self.cfg.device))], dtype=torch.float64)
         dev = torch.device("cuda", torch.cuda.current_device()) if self.cfg.device == "cuda" else torch.device("cpu")
-        peak = peak.to(dev)
+        peak = torch.tensor([float(perf.peak_memory_bytes(self.cfg.device))], dtype=torch.float64).to(dev)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        out = {"perf/trainer_peak_memory_bytes": float(peak.item()),
-               "perf/trainer_tokens_per_s": sum(lengths) / seconds if seconds > 0 else float("nan")}
         forwards = 3.0 + float(self.algo_needs_logprob_pass)  # fwd+bwd of training, plus the log-prob forward
-        flops = forwards * sum(perf.forward_flops(self.arch, n) for n in lengths)
-        peak_flops = perf.peak_flops_per_gpu(self.cfg)
-        if peak_flops and seconds > 0:
-            out["perf/trainer_mfu"] = flops / (seconds * self.info.world_size * peak_flops)
-        return out
+        return perf.step_perf([len(s.prompt_ids) + len(s.response_ids) for s in batch], seconds, float(peak.item()),
+                              self.arch, forwards, self.info.world_size, perf.peak_flops_per_gpu(self.cfg))
 
     @property
     def algo_needs_logprob_pass(self) -> bool:
@@ -544,12 +516,12 @@ class TrainerWorker:
 
         settings = settings_from_config(self.algo)
         agreement = self.router_agreement(batch)
-        shape = self._routing_shape(batch) if self.algo.routing_replay else None
+        shape = routing_shape(batch, self.arch, self.algo.routing_replay, self.cfg.cp) if self.algo.routing_replay else None
         advantages = self.advantages_for(batch)
         need_recompute = settings.needs_trainer_logprobs
         trainer_lp = self.compute_logprobs(batch) if need_recompute else None
         plan = self._plan(batch)
-        mbs = self._micro_batches(batch, plan, advantages=advantages, trainer_logprobs=trainer_lp,
+        mbs = planned_micro_batches(batch, plan, advantages=advantages, trainer_logprobs=trainer_lp,
                                   current_version=current_version, routing_shape=shape)
         has_rollout = all(s.rollout_logprobs is not None for s in batch)
 
@@ -582,34 +554,17 @@ class TrainerWorker:
         return metrics
 
     def _reduce_reports(self, reports: list[dict]) -> dict[str, float]:
+        """The step's metrics (:mod:`.step_metrics`): the reports' sums of the rank that computed
+        the loss (the last pipeline stage's first tensor-parallel rank), added over the ranks."""
         from megatron.core import parallel_state as ps
 
-        keys = ("loss_sum", "denominator", "num_tokens", "num_samples", "on_policy_tokens") + METRIC_KEYS
-        present = torch.zeros(len(keys))
-        totals = torch.zeros(len(keys), dtype=torch.float64)
-        if self.layout.last_rank and ps.get_tensor_model_parallel_rank() == 0:
-            for rep in reports:
-                for k, name in enumerate(keys):
-                    if name in rep:
-                        totals[k] += float(rep[name])
-                        present[k] = 1
+        here = self.layout.last_rank and ps.get_tensor_model_parallel_rank() == 0
+        sums, seen = sum_reports(reports if here else [])
         dev = torch.device("cuda", torch.cuda.current_device()) if self.cfg.device == "cuda" else torch.device("cpu")
-        totals, present = totals.to(dev), present.to(dev)
+        totals, present = torch.tensor(sums, dtype=torch.float64, device=dev), torch.tensor(seen, device=dev)
         dist.all_reduce(totals)  # NCCL needs device tensors
         dist.all_reduce(present, op=dist.ReduceOp.MAX)
-        t = dict(zip(keys, totals.tolist()))
-        ntok = max(t["num_tokens"], 1.0)
-        metrics = {"loss": t["loss_sum"] / max(t["denominator"], 1.0), "num_tokens": t["num_tokens"],
-                   "num_samples": t["num_samples"]}
-        fresh = t["on_policy_tokens"]
-        metrics["on_policy_tokens"] = fresh
-        for k, name in enumerate(keys):
-            if name in ON_POLICY_METRICS:
-                if present[k] and fresh > 0:
-                    metrics[name] = t[name] / fresh
-            elif name in METRIC_KEYS and present[k]:
-                metrics[name] = t[name] / ntok
-        return metrics
+        return step_metrics(totals.tolist(), present.tolist())
 
     def export_hf_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full HF-named tensors (per-expert layout, TP/EP/PP gathered), yielded on global rank 0 only.
@@ -709,6 +664,23 @@ class TrainerWorker:
             self.scheduler.step(self.step)
             return
         restore_schedule(self.scheduler, saved, self.cfg, directory)
+
+
+def planned_micro_batches(batch: Sequence[TrainSample], plan: StepPlan, **fields: Any) -> list[MicroBatch]:
+    """The padded micro-batches of ``plan`` (:mod:`.packing`) over ``batch``."""
+    return [pad_micro_batch(batch, mb.rows, mb.seq_len, **fields) for mb in plan.micro_batches]
+
+
+def routing_shape(batch: Sequence[TrainSample], arch: Any, routing_replay: bool, cp: int) -> tuple[int, int] | None:
+    """``(layers, top_k)`` when every sample carries the engine's routed experts (MoE only)."""
+    if not arch.is_moe or any(s.routed_experts is None for s in batch):
+        if routing_replay:
+            raise ValueError("algo.routing_replay is on but a sample has no 'routed_experts' (the rollout "
+                             "engine must be asked for return_routed_experts)")
+        return None
+    if cp > 1:  # refused at config load; routed experts of a batch are then ignored
+        return None
+    return arch.num_layers, arch.top_k
 
 
 def restore_schedule(scheduler: Any, saved: dict, cfg: TrainerConfig, directory: str) -> None:

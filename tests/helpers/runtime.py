@@ -83,7 +83,7 @@ def check_run(rt, engines, trainer, steps, tbs, G):
     versions = engine_versions(engines)
     assert all(len(vs) == 1 for vs in versions.values()), {rid: vs for rid, vs in versions.items() if len(vs) > 1}
     # the runtime forgot every consumed group's records (the orchestrator owns run state)
-    assert not any(rec.group_id in seen for rec in rt.samples.values()) and not set(rt.groups) & seen
+    assert not any(rec.group_id in seen for rec in rt.store.samples.values()) and not set(rt.store.groups) & seen
 
 
 def engine_versions(engines) -> dict[str, set[int]]:

@@ -92,7 +92,7 @@ def test_runtime_on_sglang_adapter_migrates_by_resubmit_and_keeps_outputs(engine
             await a.update_weights_from_disk(model_dir, weight_version=0)
         rt = Runtime(Orchestrator(cfg, names), adapters, trainer, RunningSumTask(1, 30, 1.2, seed=1), ThreadScorer(running_sum_reward).score_sync, opts,
                      events=events)
-        events.records = rt.samples
+        events.records = rt.store.samples
         summary = await drive(rt)
         # greedy reference: every trained sample, and each moved one that finished but was not
         # trained, generated in one piece on one instance

@@ -265,7 +265,7 @@ def test_runtime_on_vllm_migrates_by_resubmit_and_continues_the_same_greedy_sequ
             adapters = {n: VLLMEngine(s.url, initial_version=0, timeout_s=REQUEST_BOUND_S) for n, s in zip(names, servers)}
             rt = Runtime(Orchestrator(ocfg, names), adapters, trainer, RunningSumTask(1, 30, 1.2, seed=1),
                          ThreadScorer(running_sum_reward).score_sync, opts, events=events)
-            events.records = rt.samples
+            events.records = rt.store.samples
             try:
                 summary = await asyncio.wait_for(drive(rt), timeout=RUN_BOUND_S)
             except asyncio.TimeoutError:

@@ -1,7 +1,8 @@
-"""No class in the orchestrator, the simulator or the embedded engine is one a reader must hold
-whole: each stays within 500 lines and 40 methods (issue A3 item 4: the orchestrator's tables, the
-simulator's clock/executor/checks and the scheduler's speculation and export format were split out
-of classes of 1,073, 748 and 707 lines). A class that grows past the bound fails here, naming it."""
+"""No class in the package is one a reader must hold whole: each stays within 500 lines and 40
+methods (issue A3 item 4: the orchestrator's tables, the simulator's clock/executor/checks and the
+scheduler's speculation and export format were split out of classes of 1,073, 748 and 707 lines;
+the trainer worker's step metrics and perf arithmetic out of a class of 536). A class that grows
+past the bound fails here, naming it."""
 
 import ast
 from pathlib import Path
@@ -9,7 +10,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "dora_megatron"
-AREAS = ("orchestrator", "sim", "rollout/engine")
+#: every package of dora_megatron, and its top-level modules ("")
+AREAS = ("", *sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()))
 MAX_LINES, MAX_METHODS = 500, 40
 
 
@@ -23,7 +25,7 @@ def class_sizes(path: Path) -> list[tuple[str, int, int]]:
 
 @pytest.mark.parametrize("area", AREAS)
 def test_no_class_over_500_lines_or_40_methods(area):
-    modules = sorted((PACKAGE / area).glob("*.py"))
+    modules = sorted((PACKAGE / area).rglob("*.py") if area else PACKAGE.glob("*.py"))
     assert modules, area
     too_big = [f"{m.relative_to(PACKAGE)}::{name} ({lines} lines, {methods} methods)"
                for m in modules for name, lines, methods in class_sizes(m)

@@ -70,30 +70,11 @@ def test_a_resumed_controller_continues_from_the_checkpoint(tmp_path):
     assert rt.training.steps_done == 2 and rt.weights.latest_version == 2
     assert rt.store.next_prompt == state["next_prompt"]
     # consumed groups stay out of controller.json (consumed.jsonl lists them): it grows with outstanding work
-    assert "consumed" not in state and set(rt.groups) == {g["group_id"] for g in state["groups"]}
+    assert "consumed" not in state and set(rt.store.groups) == {g["group_id"] for g in state["groups"]}
     assert {g["group_id"] for g in state["groups"]}.isdisjoint(g for r in rt.metrics.rows for g in r.groups)
     assert ctl.journal is not None  # cpu_tiny journals; a resume starts a new lineage at v2
     ctl.close()
     assert json.loads((run_dir / "journal.jsonl").read_text().splitlines()[0]) == {"t": "checkpoint", "version": 2}
-
-
-def test_a_controller_json_that_lists_consumed_groups_still_loads(tmp_path):
-    """Checkpoints written before consumed ids left controller.json resume as before."""
-    rt0, _, _ = make(mode="dora", steps=2, tmp_path=tmp_path)
-    asyncio.run(drive(rt0))
-    state = json.loads((tmp_path / "ck2" / "controller.json").read_text())
-    state["consumed"] = sorted(g for s in rt0.metrics.rows for g in s.groups)
-    rt, _, trainer = make(mode="dora", steps=4)
-    from dora_megatron.observability.recorder import read_step_rows
-    from dora_megatron.orchestrator import Orchestrator
-
-    rt.orch = Orchestrator.restore(rt.orch.config, state["orchestrator"])
-    rt.controller_state.load_state_dict(state, read_step_rows(tmp_path / "steps.jsonl", 2))
-    trainer.version = 2
-    summary = asyncio.run(drive(rt))
-    trained = [s.group_id for b in trainer.batches for s in b]
-    assert summary["steps"] == 4 and len(trainer.batches) == 2
-    assert not set(trained) & set(state["consumed"])  # nothing of the old lineage trained again
 
 
 def test_warmup_steps_must_leave_a_step_to_measure():

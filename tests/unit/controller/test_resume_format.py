@@ -1,7 +1,7 @@
-"""A checkpoint or journal written by a dora that named a sample's tokens and log-probs
-``output_ids`` / ``logprobs`` (now ``response_ids`` / ``rollout_logprobs``, the training sample's
-names) stops a resume with an error naming the file and the key, never a ``KeyError`` traceback;
-the same files with today's names resume."""
+"""A checkpoint or journal written by an older dora (one that named a sample's tokens and
+log-probs ``output_ids`` / ``logprobs``, now ``response_ids`` / ``rollout_logprobs``, the training
+sample's names; a ``controller.json`` of another layout) stops a resume with an error naming the
+file and what is old, never a ``KeyError`` traceback; the same files as written today resume."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def test_an_older_checkpoint_is_refused_naming_its_file_the_entry_and_the_key(tm
     assert finished and all({"response_ids", "rollout_logprobs"} <= set(s) for s in finished)
     ctl = _build(tmp_path, ck)  # today's names: resumed, each finished sample's tokens back in its record
     for s in finished:
-        rec = ctl.runtime.samples[s["sample_id"]]
+        rec = ctl.runtime.store.samples[s["sample_id"]]
         assert rec.finished and rec.response_ids.tolist() == s["response_ids"] and len(s["response_ids"]) > 0
         assert rec.rollout_logprobs.tolist() == pytest.approx(s["rollout_logprobs"])
     ctl.close()
@@ -67,6 +67,25 @@ def test_an_older_checkpoint_is_refused_naming_its_file_the_entry_and_the_key(tm
     assert text.startswith(f"{ck / 'controller.json'}: samples[0] (sample {finished[0]['sample_id']}): "
                            "no 'response_ids' but 'output_ids'"), text
     assert "older dora" in text and not isinstance(err.value.__cause__, KeyError)
+
+
+def test_an_older_controller_json_layout_is_refused_naming_its_file(tmp_path):
+    """A controller.json that still lists the consumed groups (now consumed.jsonl's) is an older
+    dora's: ``--resume`` names the file and what is old, and builds nothing."""
+    ck, state = _checkpointed_run(tmp_path)
+    state["consumed"] = ["g0", "g1"]
+    (ck / "controller.json").write_text(json.dumps(state))
+    with pytest.raises(ValueError) as err:
+        _build(tmp_path, ck)
+    assert str(err.value) == (f"{ck / 'controller.json'}: the consumed groups (now consumed.jsonl's): written by an "
+                              "older dora; this version cannot resume from it (start a new run)")
+    del state["consumed"]
+    state["orchestrator"]["format"] = 1  # an orchestrator snapshot of another format: refused by the same file name
+    (ck / "controller.json").write_text(json.dumps(state))
+    with pytest.raises(ValueError) as err:
+        _build(tmp_path, ck)
+    assert str(err.value) == (f"{ck / 'controller.json'}: orchestrator snapshot format 1 is not supported "
+                              "(this version reads format 2 only)")
 
 
 def test_an_entry_without_the_tokens_is_refused_without_blaming_an_older_dora(tmp_path):

@@ -52,7 +52,7 @@ def test_dora_keeps_multiple_versions_and_migrates():
     for e in engines.values():  # migrated requests continue where they were (no restart)
         imports = [rid for op, rid, _ in e.log if op == "import"]
         for rid in imports:  # (samples still in flight when the run ends are simply aborted)
-            assert rid in rt.samples or rid.rsplit(".", 1)[0] in trained_groups(trainer)
+            assert rid in rt.store.samples or rid.rsplit(".", 1)[0] in trained_groups(trainer)
 
 
 class MislabellingEngine(FakeEngine):
@@ -255,7 +255,7 @@ def test_extra_stop_token_ids_reach_every_request():
     eos = list(rt.codec.eos_ids)
     rt.opt = rt.store.opt = dataclasses.replace(rt.opt, stop_token_ids=(7, eos[0], 9))
     asyncio.run(drive(rt))
-    rec = next(iter(rt.samples.values()))
+    rec = next(iter(rt.store.samples.values()))
     assert rt.store.sampling(rec)["stop_token_ids"] == [*eos, 7, 9]  # EOS first, no duplicates
 
 
@@ -298,42 +298,40 @@ def test_the_checkpoint_state_does_not_grow_with_the_step_count(tmp_path):
     assert [r.end_s for r in rt2.metrics.rows] == [r.end_s for r in rt.metrics.rows]
 
 
-def test_an_older_controller_json_with_step_logs_and_duplicated_groups_still_loads(tmp_path):
-    """Checkpoints written before the step logs, the recorder's rows and the unfinished samples
-    left controller.json load into the same records."""
+def test_an_older_controller_json_is_refused_saying_what_is_old(tmp_path):
+    """A 0.1 project reads only the layout it writes: a controller.json with an older layout (the
+    step logs, the recorder's rows, consumed groups in it, a key missing, another format number)
+    is refused with one ValueError saying what is old, before any record is touched; the file as
+    written resumes."""
     from dora_megatron.observability.recorder import read_step_rows
 
     rt, _, _ = make(steps=4, tmp_path=tmp_path)
     asyncio.run(drive(rt))
     state = json.loads((tmp_path / "ck2" / "controller.json").read_text())
     rows = read_step_rows(tmp_path / "steps.jsonl", 2)
-    orch = {g["group_id"]: g for g in state["orchestrator"]["groups"]}
-    version_of = {s["sample_id"]: s["version"] for s in state["orchestrator"]["samples"]}
+    as_written, _, _ = make(steps=4)
+    as_written.controller_state.load_state_dict(state, rows)
+    assert as_written.training.steps_done == 2 and as_written.store.samples and len(as_written.metrics.rows) == 2
+
+    def refused(old: dict) -> str:
+        fresh, _, _ = make(steps=4)
+        with pytest.raises(ValueError) as err:
+            fresh.controller_state.load_state_dict(old, rows)
+        assert not fresh.store.samples and fresh.training.steps_done == 0 and not fresh.controller_state.resumed
+        return str(err.value)
+
     old = json.loads(json.dumps(state))
     del old["steps_done"]
-    old["steps"] = [{"step": 0}, {"step": 1}]  # only their count is read
+    old["steps"] = [{"step": 0}, {"step": 1}]
     old["metrics"]["rows"] = rows
-    finished = {s["sample_id"]: s for s in old["samples"]}
-    old["samples"] = []
-    for g in old["groups"]:
-        g["version"], g["sample_ids"] = orch[g["group_id"]]["version"], orch[g["group_id"]]["sample_ids"]
-        for i, sid in enumerate(g["sample_ids"]):
-            entry = finished.get(sid) or {"sample_id": sid, "reward": None, "response_ids": [], "rollout_logprobs": [],
-                                          "versions": []}
-            old["samples"].append({**entry, "version": version_of[sid], "finished": sid in finished,
-                                   "group_id": g["group_id"], "index": i, "prompt_ids": g["prompt_ids"]})
-        del g["prompt_ids"]
-    assert any(not s["finished"] for s in old["samples"]) and any(s["finished"] for s in old["samples"])
-    new_rt, _, _ = make(steps=4)
-    new_rt.controller_state.load_state_dict(state, rows)
-    old_rt, _, _ = make(steps=4)
-    old_rt.controller_state.load_state_dict(old)
-    assert old_rt.training.steps_done == new_rt.training.steps_done == 2
-    assert old_rt.samples == new_rt.samples and old_rt.samples
-    # (a group's version is the orchestrator's, restored from the snapshot, not the executor's)
-    assert {k: (g.sample_ids, g.prompt.index) for k, g in old_rt.groups.items()} == \
-        {k: (g.sample_ids, g.prompt.index) for k, g in new_rt.groups.items()}
-    assert old_rt.metrics.rows == new_rt.metrics.rows and len(new_rt.metrics.rows) == 2
+    assert refused(old) == ("no 'steps_done'; a list of step logs (now steps.jsonl's, with 'steps_done' their "
+                            "count); the recorder's step rows in 'metrics' (now steps.jsonl's): written by an "
+                            "older dora; this version cannot resume from it (start a new run)")
+    for key in ("migration_stall_s", "workflow_turns", "pending_step_finished"):
+        old = {k: v for k, v in state.items() if k != key}
+        assert refused(old).startswith(f"no {key!r}: written by an older dora")
+    assert refused({**state, "format": 1}).startswith("format 1, not 2: written by an older dora")
+    assert refused({k: v for k, v in state.items() if k != "format"}).startswith("format None, not 2; no 'format'")
 
 
 def test_the_reward_runs_off_the_loop_thread():
@@ -359,7 +357,7 @@ def test_the_reward_runs_off_the_loop_thread():
 
 def test_the_workflow_turns_kv_counts_go_on_from_the_checkpoint(tmp_path):
     """A resumed run's summary counts the prefix KV carried or computed again between turns over
-    the whole run, as the migration counters do; a checkpoint without them starts them at 0."""
+    the whole run, as the migration counters do."""
     rt, _, _ = make(steps=2, tmp_path=tmp_path)
     asyncio.run(drive(rt))
     state = json.loads((tmp_path / "ck2" / "controller.json").read_text())
@@ -369,8 +367,4 @@ def test_the_workflow_turns_kv_counts_go_on_from_the_checkpoint(tmp_path):
     resumed.controller_state.load_state_dict(state)
     assert resumed.turns.summary() == state["workflow_turns"]
     assert resumed.controller_state.state_dict(2, state["orchestrator"])["workflow_turns"] == state["workflow_turns"]
-    del state["workflow_turns"]
-    older, _, _ = make(steps=4)
-    older.controller_state.load_state_dict(state)
-    assert set(older.turns.summary().values()) == {0}
 

@@ -64,7 +64,7 @@ def test_an_answer_spanning_a_weight_update_records_every_version():
     resp = SimpleNamespace(output_ids=[4, 5, 6], output_token_logprobs=[-0.1] * 3, finish_reason={"type": "abort"},
                            migrated=False, weight_version="2", versions_used=["1", "2"])
     rec.versions.add(1)
-    rt.samples["s1"] = rec
+    rt.store.samples["s1"] = rec
     assert rt.absorb(EngineReply("s1", "e0", resp, 0.0, 0.0)) is None  # aborted: partial output kept
     assert rec.versions == {1, 2}
     assert rec.response_ids.tolist() == [4, 5, 6]

@@ -102,7 +102,8 @@ def test_the_store_builds_each_reward_input_from_the_samples_own_row():
                            "orchestrator": {"groups": [{"group_id": "g5", "sample_ids": ["g5/0"], "version": 0},
                                                        {"group_id": "g6", "sample_ids": ["g6/0", "g6/1"],
                                                         "version": 0}],
-                                            "samples": []}})
+                                            "samples": [{"sample_id": sid, "version": 0}
+                                                        for sid in ("g5/0", "g6/0", "g6/1")]}})
     assert restored.reward_input(restored.samples["g6/0"], tok.encode("5"), None) == reward_input(rows.get(6), "5")
     assert restored.samples["g5/0"].reward == rec5.reward
 

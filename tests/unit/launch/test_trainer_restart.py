@@ -76,8 +76,12 @@ def _checkpoint(run_dir: Path, version: int, complete: bool) -> Path:
     (ck / "trainer").mkdir(parents=True)
     (ck / "trainer" / "shard.bin").write_bytes(b"x" * 8)
     (run_dir / "weights" / f"v{version:06d}").mkdir(parents=True, exist_ok=True)
-    if complete:
-        (ck / "controller.json").write_text(json.dumps({"version": version, "groups": [], "orchestrator": {}}))
+    if complete:  # as the runtime completes one: the manifest, then controller.json
+        from dora_megatron.controller.checkpoint_manifest import describe_files, describe_tree, write_manifest
+
+        state = ck / "controller.json"
+        state.write_text(json.dumps({"version": version, "groups": [], "orchestrator": {"groups": []}}))
+        write_manifest(ck, {**describe_tree(ck, "trainer"), **describe_files(ck, [state])})
     return ck
 
 

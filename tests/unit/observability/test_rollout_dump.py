@@ -101,7 +101,7 @@ def test_finish_reason_survives_a_checkpoint_and_the_journal(tmp_path):
     assert finished and all(s["finish_reason"] == "stop" for s in finished)
     rt2, _, _ = make(mode="dora", steps=4, tmp_path=tmp_path)
     rt2.controller_state.load_state_dict(state)  # the records only (their rows: tests/unit/controller/test_runtime.py)
-    assert all(rt2.samples[s["sample_id"]].finish_reason == "stop" for s in finished)
+    assert all(rt2.store.samples[s["sample_id"]].finish_reason == "stop" for s in finished)
     j = Journal(tmp_path)
     j.start(3)
     j.sample(JournaledSample("s1", "g1", 3, 0, (5, 6), (-0.1, -0.2), 1.0, None, "length"), [3])

@@ -45,12 +45,24 @@ def saved(tmp_path_factory):
     return model, base / "trainer"
 
 
-def make_checkpoint(run_dir: Path, version: int, trainer_dir: Path) -> Path:
-    """A complete checkpoint as the runtime writes it: trainer/, manifest.json, controller.json last."""
+def _state(version: int) -> bytes:
+    """What :func:`~dora_megatron.controller.checkpoint_manifest.missing_snapshots` reads of a
+    ``controller.json``: its version, and one outstanding group of the version before (its version
+    is the orchestrator snapshot's)."""
+    return json.dumps({"version": version, "groups": [{"group_id": "g0"}],
+                       "orchestrator": {"groups": [{"group_id": "g0", "version": version - 1}]}}).encode()
+
+
+def make_checkpoint(run_dir: Path, version: int, trainer_dir: Path | None) -> Path:
+    """A complete checkpoint as the runtime writes it: trainer/ (none: without trainer files),
+    manifest.json, controller.json last."""
     ck = run_dir / "checkpoints" / f"v{version:06d}"
-    shutil.copytree(trainer_dir, ck / "trainer")
-    state = json.dumps({"version": version, "groups": [{"version": version - 1}]}).encode()
-    entries = describe_tree(ck, "trainer")
+    if trainer_dir is not None:
+        shutil.copytree(trainer_dir, ck / "trainer")
+    else:
+        ck.mkdir(parents=True)
+    state = _state(version)
+    entries = describe_tree(ck, "trainer") if trainer_dir is not None else {}
     import hashlib
 
     entries["controller.json"] = {"size": len(state), "sha256": hashlib.sha256(state).hexdigest()}
@@ -107,12 +119,25 @@ def test_only_checkpoint_truncated_fails_with_the_path_and_no_traceback(tmp_path
 def test_a_checkpoint_whose_weight_snapshot_was_pruned_is_skipped(tmp_path):
     run_dir = tmp_path / "run"
     for v in (2, 4):
-        ck = run_dir / "checkpoints" / f"v{v:06d}"
-        ck.mkdir(parents=True)
-        (ck / "controller.json").write_text(json.dumps({"version": v, "groups": [{"version": v - 1}]}))
-    (run_dir / "weights" / "v000001").mkdir(parents=True)
-    (run_dir / "weights" / "v000002").mkdir(parents=True)  # v3 (needed by v4's unconsumed groups) is gone
+        make_checkpoint(run_dir, v, None)
+    shutil.rmtree(run_dir / "weights" / "v000003")  # (needed by v4's unconsumed groups) is gone
     said: list[str] = []
     choice = choose_checkpoint(run_dir, lambda v: run_dir / "weights" / f"v{v:06d}", say=said.append)
     assert choice.checkpoint == run_dir / "checkpoints" / "v000002"
     assert any("v000003" in s and "no longer exist" in s for s in said)
+
+
+def test_a_checkpoint_without_a_manifest_is_refused_as_older_and_left_in_place(tmp_path):
+    """Every checkpoint this version writes has a manifest: one without is an older dora's, refused
+    by name (not read unverified), and not moved away as corrupt; an older good one is chosen."""
+    run_dir = tmp_path / "run"
+    good = make_checkpoint(run_dir, 2, None)
+    older = make_checkpoint(run_dir, 4, None)
+    (older / MANIFEST).unlink()
+    said: list[str] = []
+    choice = choose_checkpoint(run_dir, lambda v: run_dir / "weights" / f"v{v:06d}", say=said.append)
+    assert choice.checkpoint == good and older.is_dir() and not choice.quarantined
+    assert f"checkpoint {older} cannot be resumed: {older / MANIFEST}: missing: written by an older dora" in said[0]
+    (good / MANIFEST).unlink()
+    choice = choose_checkpoint(run_dir, lambda v: run_dir / "weights" / f"v{v:06d}", say=said.append)
+    assert choice.checkpoint is None and "older dora" in choice.error(run_dir)
