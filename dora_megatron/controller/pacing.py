@@ -15,8 +15,10 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-#: request starts let through per event-loop turn (~20 ms of the loop's CPU at ~0.3 ms each)
-STARTS_PER_TURN = 64
+#: request starts let through per event-loop turn (~5 ms of the loop's CPU at ~0.3 ms each): with 64
+#: the wave still held the loop ~100-240 ms of CPU between two ticks on the loaded 2-core machine,
+#: with 16 it left no stall of 500 ms (docs/results/controller_scale.md)
+STARTS_PER_TURN = 16
 
 
 class TurnPacer:
