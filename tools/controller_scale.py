@@ -71,21 +71,36 @@ class LagMonitor:
         self.gc: dict[int, list[float]] = {}
         self.gc_running = False
         self._gc_t0 = 0.0
+        self._gc_total_ms = 0.0
+        #: every tick at least ``long_s`` late: its lag, the CPU the loop's thread and the whole
+        #: process used meanwhile, the collections' time, and where the watchdog saw the loop's
+        #: thread on each look during it. WHY the CPU: a loop thread that ran for the whole stall
+        #: was busy with work of its own (a long callback, a collection); one that hardly ran while
+        #: the process did waited for the GIL (another thread of the process); one that hardly ran
+        #: while the process hardly did was not given a core (CPU starvation by other processes).
+        self.long_s = 0.5
+        self.long_stalls: list[dict[str, Any]] = []
+        self._looks: dict[float, list[str]] = {}
+        self._t_start = 0.0
 
     def _gc_callback(self, phase: str, info: dict) -> None:
         if phase == "start":
             self.gc_running, self._gc_t0 = True, time.perf_counter()
             return
         self.gc_running = False
-        self.gc.setdefault(info["generation"], []).append((time.perf_counter() - self._gc_t0) * 1000)
+        ms = (time.perf_counter() - self._gc_t0) * 1000
+        self._gc_total_ms += ms
+        self.gc.setdefault(info["generation"], []).append(ms)
 
     def gc_report(self) -> dict[str, dict[str, float]]:
         return {f"gen{g}": {"count": len(v), "max_ms": max(v), "total_ms": sum(v)} for g, v in sorted(self.gc.items())}
 
-    def start(self, stall_s: float = 0.0) -> None:
+    def start(self, stall_s: float = 0.0, long_s: float = 0.5) -> None:
         """``stall_s`` > 0: a watchdog thread records where the loop's thread is whenever no tick
-        came for ``stall_s`` (what blocks the loop, by innermost project frame)."""
-        self._last_tick = time.monotonic()
+        came for ``stall_s`` (what blocks the loop, by innermost project frame); ticks ``long_s``
+        late are recorded one by one (:attr:`long_stalls`)."""
+        self.long_s = long_s
+        self._last_tick = self._t_start = time.monotonic()
         gc.callbacks.append(self._gc_callback)
         self._task = asyncio.get_running_loop().create_task(self._run())
         if stall_s > 0:
@@ -95,17 +110,30 @@ class LagMonitor:
 
     async def _run(self) -> None:
         while True:
-            t = time.monotonic()
+            t, since = time.monotonic(), self._last_tick
+            loop_cpu, proc_cpu, gc_ms = time.thread_time(), time.process_time(), self._gc_total_ms
             await asyncio.sleep(self.period_s)
-            self._last_tick = time.monotonic()
-            self.lags.append(max(0.0, self._last_tick - t - self.period_s))
+            self._last_tick = now = time.monotonic()
+            lag = max(0.0, now - t - self.period_s)
+            self.lags.append(lag)
+            looks = self._looks.pop(since, [])
+            if lag >= self.long_s:
+                where: dict[str, int] = {}
+                for key in looks:
+                    where[key] = where.get(key, 0) + 1
+                self.long_stalls.append({
+                    "at_s": round(t - self._t_start, 2), "lag_ms": round(lag * 1000),
+                    "loop_thread_cpu_ms": round((time.thread_time() - loop_cpu) * 1000),
+                    "process_cpu_ms": round((time.process_time() - proc_cpu) * 1000),
+                    "gc_ms": round(self._gc_total_ms - gc_ms), "where": where})
 
     def _watchdog(self, loop_thread: int, stall_s: float) -> None:
         seen = None
         while not self._stop_watch.wait(stall_s / 4):
-            if time.monotonic() - self._last_tick < stall_s or seen == self._last_tick:
+            tick = self._last_tick
+            if time.monotonic() - tick < stall_s:
                 continue
-            seen = self._last_tick  # one sample per stall
+            first, seen = seen != tick, tick
             frame = sys._current_frames().get(loop_thread)
             stack = traceback.extract_stack(frame) if frame is not None else []
             ours = [f for f in stack if "dora_megatron" in f.filename]
@@ -115,7 +143,9 @@ class LagMonitor:
             # collector was running (a full collection stops whatever thread allocated)
             key = (f"{inner} in {where}" if where and stack[-1] is not ours[-1] else where or inner) + \
                 (" [gc running]" if self.gc_running else "")
-            self.stalls[key] = self.stalls.get(key, 0) + 1
+            self._looks.setdefault(tick, []).append(key)  # every look during a stall (long_stalls)
+            if first:  # one sample per stall
+                self.stalls[key] = self.stalls.get(key, 0) + 1
 
     async def stop(self) -> None:
         if self._gc_callback in gc.callbacks:
@@ -351,6 +381,7 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "loop_lag_max_ms": max(lags_ms) if lags_ms else None, "loop_lag_samples": len(lags_ms),
         "loop_stalls": dict(sorted(lag.stalls.items(), key=lambda kv: -kv[1])),
         "gc_collections": lag.gc_report(),
+        "long_stalls": lag.long_stalls,
         "gc_oldest_generation_objects_at_end": holder.get("gc_tracked_at_end"), "gc_frozen_objects": holder.get("gc_frozen"),
         # the same until the runtime ended (its last step trained): without the run's end (the last
         # checkpoint, the model's export with torch's import, the overview plot), which a short run

@@ -41,15 +41,17 @@ except ImportError:  # pragma: no cover - orjson is a dependency; json is the fa
 
 #: answers above this many bytes are decoded in a worker thread (below, the thread hop costs more)
 BIG_ANSWER_BYTES = 8 * 1024
-#: base64 characters decoded per call (a multiple of 4): the GIL is free between two slices
+#: base64 characters decoded per call (rounded down to a multiple of 16: 12 bytes, 3 whole int32
+#: ids): the GIL is free between two slices, and a slice's int32 copy is the largest transient
 B64_SLICE = 4 << 20
 _ROUTED_KEY = b'"routed_experts"'
 _LOGPROBS_KEY = b'"output_token_logprobs"'
 
 
-def split_routed(body: bytes) -> tuple[bytes, bytes | None]:
-    """``body`` with ``meta_info.routed_experts``' text replaced by ``null``, and that text (None:
-    the answer carries none as a string)."""
+def split_routed(body: bytes) -> tuple[bytes, memoryview | None]:
+    """``body`` with ``meta_info.routed_experts``' text replaced by ``null``, and that text as a view
+    into ``body`` (no copy of the ~60 MB of a long answer; None: the answer carries none as a
+    string)."""
     at = body.find(_ROUTED_KEY)
     while at > 0 and body[at - 1:at] == b"\\":  # an escaped quote: the key inside a string, not a key
         at = body.find(_ROUTED_KEY, at + 1)
@@ -63,7 +65,7 @@ def split_routed(body: bytes) -> tuple[bytes, bytes | None]:
     end = body.find(b'"', j + 1)
     if end < 0:
         raise ProtocolError("meta_info.routed_experts: unterminated string")
-    return body[:j] + b"null" + body[end + 1:], body[j + 1:end]
+    return body[:j] + b"null" + body[end + 1:], memoryview(body)[j + 1:end]
 
 
 def _value_start(body: bytes, key: bytes) -> int:
@@ -124,20 +126,48 @@ def split_logprobs(body: bytes) -> tuple[bytes, list[float]] | None:
     return body[:j] + b"null" + body[end + 2:], logprobs
 
 
-def decode_routed(text: bytes) -> np.ndarray:
-    """SGLang's base64 of little-endian int32 expert ids -> a flat array of the smallest signed
-    integer type that holds them (int8 up to 127 experts: 1 byte an id, not 4)."""
-    if len(text) % 4:
-        raise ProtocolError(f"meta_info.routed_experts: {len(text)} base64 characters, not a multiple of 4")
+def _b64_slice(view: memoryview, i: int, step: int) -> bytes:
     try:
-        raw = b"".join(binascii.a2b_base64(text[i:i + B64_SLICE], strict_mode=True)
-                       for i in range(0, len(text), B64_SLICE))
+        return binascii.a2b_base64(view[i:i + step], strict_mode=True)
     except binascii.Error as err:
-        raise ProtocolError(f"meta_info.routed_experts is not base64: {err}") from None
-    if len(raw) % 4:
-        raise ProtocolError(f"meta_info.routed_experts: {len(raw)} bytes, not a whole number of int32 ids")
-    ids = np.frombuffer(raw, dtype="<i4")
-    return ids.astype(expert_dtype(int(ids.max()) + 1 if ids.size else 1))
+        raise ProtocolError(f"meta_info.routed_experts is not base64 (at character {i} or after): {err}") from None
+
+
+def decode_routed(text: bytes | memoryview) -> np.ndarray:
+    """SGLang's base64 of little-endian int32 expert ids -> a flat array of the smallest signed
+    integer type that holds them (int8 up to 127 experts: 1 byte an id, not 4).
+
+    WHY slice by slice into the result: a 30K-token answer of a 48-layer top-8 MoE is ~60 MB of
+    base64, ~46 MB as int32 and ~12 MB as int8. Decoded whole (then cast) the answer-sized int32
+    copy and the joined bytes were transients that glibc's dynamic mmap threshold left in the heap
+    once freed: the controller's RSS grew 2.2x the bytes it held (``docs/results/controller_scale.md``).
+    Here each :data:`B64_SLICE` of the text (a view, not a copy) is decoded and cast straight into
+    the result, whose type is widened (once per width) only when a later slice holds a larger id,
+    so the transients are a slice's and the result is the same array the whole decode gave."""
+    view = memoryview(text)
+    if len(view) % 4:
+        raise ProtocolError(f"meta_info.routed_experts: {len(view)} base64 characters, not a multiple of 4")
+    pad = bytes(view[-2:]).count(b"=") if len(view) else 0
+    n_bytes = len(view) // 4 * 3 - pad
+    step = max(16, B64_SLICE // 16 * 16)
+    if n_bytes % 4:
+        for i in range(0, len(view), step):  # text that is not base64 is named as such first
+            _b64_slice(view, i, step)
+        raise ProtocolError(f"meta_info.routed_experts: {n_bytes} bytes, not a whole number of int32 ids")
+    out = np.empty(n_bytes // 4, dtype=expert_dtype(1))
+    top, at = 0, 0  # the largest id so far (ids 0 .. top fit out's type), the ids written
+    for i in range(0, len(view), step):
+        raw = _b64_slice(view, i, step)
+        if len(raw) != min(step, len(view) - i) // 4 * 3 - (pad if i + step >= len(view) else 0):
+            raise ProtocolError(f"meta_info.routed_experts: '=' padding before the text's end (at character {i} or after)")
+        ids = np.frombuffer(raw, dtype="<i4")
+        if ids.size and int(ids.max()) > top:
+            top = int(ids.max())
+            if expert_dtype(top + 1) != out.dtype:
+                out = out.astype(expert_dtype(top + 1))
+        out[at:at + ids.size] = ids  # the cast of the whole decode (``astype``: wraps ids below the type's minimum)
+        at += ids.size
+    return out
 
 
 def _bad_item(values: list[JSON], ok: Callable[[JSON], bool]) -> int:
@@ -192,7 +222,11 @@ def parse_generate(body: bytes) -> GenerateResponse:
             raise ProtocolError(f"meta_info.output_token_logprobs has {len(lps)} entries for {len(ids)} output_ids")
     answer: Mapping[str, object] = d  # the JSON answer, and below the decoded routed experts (an array) in it
     if routed is not None:
-        answer = {**d, "meta_info": {**meta, "routed_experts": decode_routed(routed)}}
+        try:
+            experts = decode_routed(routed)
+        except ProtocolError as err:  # the sample named: the caller reports only the instance
+            raise ProtocolError(f"the answer to {meta.get('id')!r}: {err}") from None
+        answer = {**d, "meta_info": {**meta, "routed_experts": experts}}
     resp = GenerateResponse.from_json(answer)
     resp.output_token_logprobs = logprobs
     resp.token_arrays = token_arrays(cast(list[int], ids), logprobs)  # each checked an int above

@@ -25,6 +25,7 @@ from dora_megatron.comm.protocol import GenerateResponse
 from dora_megatron.controller.errors import LOCAL_RETRY_S, is_comm_error as _is_comm_error, is_local as _is_local
 from dora_megatron.events import EngineReply, InstanceFailed, MigrationFailed, Replayed
 from dora_megatron.controller.loop import EventQueue
+from dora_megatron.controller.pacing import TurnPacer
 from dora_megatron.controller.records import Engine, RuntimeOptions, SampleRecord
 from dora_megatron.controller.siblings import DraftPushes, finished_sources, running_targets
 from dora_megatron.observability.recorder import MetricsRecorder
@@ -82,6 +83,7 @@ class Generation:
         #: calls that failed for a shortage of the controller's own process (EMFILE, ENOBUFS, a
         #: full pool): retried or re-queued, never counted against the instance
         self.local_resource_errors = 0
+        self.pacer = TurnPacer()  # request starts per loop turn
         self.drafts = DraftPushes(host.engines, host.spawn, self._may_push)  # rollout.speculative=group's pushes
 
     def dispatch(self, a: Dispatch) -> None:
@@ -143,6 +145,9 @@ class Generation:
         from dora_megatron.comm.engine_client import VersionMismatch
 
         rt = self.rt
+        # a wave of submits (a run's start, a weight switch) starts per_turn a loop turn (:mod:`.pacing`);
+        # what the sample became meanwhile is read below
+        await self.pacer.turn()
         rec = rt.store.samples.get(a.sample_id)
         if rec is None:  # an earlier operation finished it and its group was consumed meanwhile
             return

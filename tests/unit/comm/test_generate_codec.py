@@ -57,6 +57,53 @@ def test_routed_experts_in_slices_give_the_same_ids(monkeypatch):
     assert parse_generate(json.dumps(d).encode()).raw["meta_info"]["routed_experts"].tolist() == whole.tolist()
 
 
+def test_sliced_decode_widens_when_a_later_slice_holds_a_larger_id(monkeypatch):
+    """The first slices fit int8; an id of 40,000 in the last one needs int32: the earlier ids
+    survive the widening, and the whole array is what SGLang's int32 bytes hold."""
+    import dora_megatron.comm.generate_codec as codec
+
+    ids = np.concatenate([np.arange(-1, 90, dtype="<i4"), np.array([300, 5, 40_000, 7], dtype="<i4")])
+    text = base64.b64encode(ids.tobytes())
+    monkeypatch.setattr(codec, "B64_SLICE", 16)  # 4 ids a slice: int8, then int16 (300), then int32
+    got = codec.decode_routed(text)
+    assert got.dtype == np.int32
+    assert got.tolist() == ids.tolist()
+    small = codec.decode_routed(base64.b64encode(ids[:92].tobytes()))  # up to 89 and 300: int16
+    assert small.dtype == np.int16 and small.tolist() == ids[:92].tolist()
+
+
+def test_routed_experts_are_a_view_into_the_answer_not_a_copy():
+    d = _answer(40, 64)
+    body = json.dumps(d).encode()
+    _, text = split_routed(body)
+    assert isinstance(text, memoryview) and text.obj is body
+    assert bytes(text) == d["meta_info"]["routed_experts"].encode()
+
+
+@pytest.mark.parametrize("routed, field", [
+    ("AAAAAAA", r"7 base64 characters, not a multiple of 4"),  # short: cut mid-character
+    ("AAAA", r"3 bytes, not a whole number of int32 ids"),  # short: cut mid-id
+    ("AAAAAA==AAAAAAAA", r"is not base64 \(at character 0 or after\)"),  # padding inside
+    ("AAAAAAAA" * 3 + "AAAAAA!A", r"is not base64 \(at character 0 or after\)"),
+    ("AAAAAAAA" * 3 + "AA!A", r"is not base64"),  # not base64 and short: named not base64
+])
+def test_bad_or_short_routed_experts_are_refused_naming_the_sample(routed, field):
+    d = _answer(4, 8)
+    d["meta_info"]["id"] = "sample-17"
+    d["meta_info"]["routed_experts"] = routed
+    with pytest.raises(ProtocolError, match=r"the answer to 'sample-17': meta_info\.routed_experts.*" + field):
+        parse_generate(json.dumps(d).encode())
+
+
+def test_padding_at_a_slice_end_inside_the_text_is_refused(monkeypatch):
+    """16 characters a slice: one ending in "=" decodes alone (11 bytes), yet it is not the text's end."""
+    import dora_megatron.comm.generate_codec as codec
+
+    monkeypatch.setattr(codec, "B64_SLICE", 16)
+    with pytest.raises(ProtocolError, match=r"'=' padding before the text's end \(at character 16 or after\)"):
+        codec.decode_routed(b"A" * 16 + b"A" * 15 + b"=" + b"A" * 16)
+
+
 @pytest.mark.parametrize("mutate, field", [
     (lambda d: d["output_ids"].__setitem__(2, "x"), r"output_ids\[2\]"),
     (lambda d: d["meta_info"]["output_token_logprobs"].__setitem__(1, []), r"meta_info\.output_token_logprobs\[1\]"),
