@@ -188,21 +188,32 @@ def test_deepseek_v3_pipeline_parallel_equals_one_stage(dirs, tmp_path):
     builds its own layers' kinds (the dense layer and an MoE layer on stage 0, two MoE layers on
     stage 1), the logits equal transformers', and one training step gives the 1-stage run's loss,
     grad norm and updated weights."""
+    one = _two_stages_equal_one(dirs["deepseek_v3-4-layers"], tmp_path)
+    assert "model.layers.0.mlp.gate_proj.weight" in one["weights"]  # layer 0 dense, layers 1-3 MoE
+    assert "model.layers.3.mlp.experts.0.up_proj.weight" in one["weights"]
+
+
+def _two_stages_equal_one(model_dir, tmp_path, *trainer_sets: str, one_equals_hf: bool = False) -> dict:
+    """One training step of ``model_dir`` on 2 pipeline stages (``trainer_sets``: ``--trainer``
+    overrides) against 1: the 2-stage logits equal transformers' (and the 1-stage ones with
+    ``one_equals_hf``), loss, entropy, grad norm and token count agree, and every updated weight,
+    exported under its HF name from either stage, is the 1-stage one's; returns the 1-stage result."""
     from tests.helpers.trainer_parity import fixed_inputs
     from tests.helpers.trainer_scenarios import LR
 
-    model_dir = dirs["deepseek_v3-4-layers"]
     one = run_scenario(["step", "--hf", str(model_dir)], 1, str(tmp_path / "one.pt"))
-    two = run_scenario(["step", "--hf", str(model_dir), "--pp", "2"], 2, str(tmp_path / "two.pt"))
+    two = run_scenario(["step", "--hf", str(model_dir), "--pp", "2",
+                        *(arg for s in trainer_sets for arg in ("--trainer", s))], 2, str(tmp_path / "two.pt"))
     ref = torch.stack([_hf_logits(model_dir, row.tolist()) for row in fixed_inputs(hf_dirs.VOCAB)])
     torch.testing.assert_close(two["logits"], ref, rtol=1e-5, atol=1e-5)
+    if one_equals_hf:
+        torch.testing.assert_close(one["logits"], ref, rtol=1e-5, atol=1e-5)
     for key in ("loss", "entropy", "grad_norm", "num_tokens"):
         assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-4, abs=1e-6), key
     assert set(two["weights"]) == set(one["weights"])
-    assert "model.layers.0.mlp.gate_proj.weight" in one["weights"]  # layer 0 dense, layers 1-3 MoE
-    assert "model.layers.3.mlp.experts.0.up_proj.weight" in one["weights"]
     for name, w in one["weights"].items():
         assert (two["weights"][name] - w).abs().max().item() < LR / 10, name
+    return one
 
 
 def test_deepseek_v3_uneven_pipeline_equals_one_stage(dirs, tmp_path):
@@ -211,23 +222,10 @@ def test_deepseek_v3_uneven_pipeline_equals_one_stage(dirs, tmp_path):
     and loads the dense layer 0, stage 1 the MoE layers 1 and 2. The logits equal transformers', one
     training step gives the 1-stage run's loss, grad norm and updated weights, exported (the weight
     push's path) from both stages under their HF names."""
-    from tests.helpers.trainer_parity import fixed_inputs
-    from tests.helpers.trainer_scenarios import LR
-
-    model_dir = dirs["deepseek_v3-3-layers"]
-    one = run_scenario(["step", "--hf", str(model_dir)], 1, str(tmp_path / "one.pt"))
-    two = run_scenario(["step", "--hf", str(model_dir), "--pp", "2",
-                        "--trainer", "megatron.num_layers_in_first_pipeline_stage=1"], 2, str(tmp_path / "two.pt"))
-    ref = torch.stack([_hf_logits(model_dir, row.tolist()) for row in fixed_inputs(hf_dirs.VOCAB)])
-    torch.testing.assert_close(two["logits"], ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(one["logits"], ref, rtol=1e-5, atol=1e-5)
-    for key in ("loss", "entropy", "grad_norm", "num_tokens"):
-        assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-4, abs=1e-6), key
-    assert set(two["weights"]) == set(one["weights"])
+    one = _two_stages_equal_one(dirs["deepseek_v3-3-layers"], tmp_path,
+                                "megatron.num_layers_in_first_pipeline_stage=1", one_equals_hf=True)
     assert "model.layers.0.mlp.gate_proj.weight" in one["weights"]  # layer 0 dense, layers 1-2 MoE
     assert "model.layers.2.mlp.experts.0.up_proj.weight" in one["weights"]
-    for name, w in one["weights"].items():
-        assert (two["weights"][name] - w).abs().max().item() < LR / 10, name
 
 
 def test_dora_convert_uneven_pipeline_round_trip_is_bit_exact(dirs, tmp_path):

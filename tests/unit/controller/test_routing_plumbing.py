@@ -117,6 +117,17 @@ def test_sglang_gets_enable_return_routed_experts_when_replay_is_on():
         assert ("--enable-return-routed-experts" in argv) == want, overrides
 
 
+def _trained_by_sample_id(batches):
+    """(sample id, trained sample) of every sample the trainer got: batches list a group's samples
+    in order, and the runtime forgot the consumed groups' records, so the ids are rebuilt here."""
+    for b in batches:
+        per_group: dict[str, list] = {}
+        for s in b:
+            per_group.setdefault(s.group_id, []).append(s)
+        for gid, ss in per_group.items():
+            yield from zip((f"{gid}.{i}" for i in range(len(ss))), ss)
+
+
 def _routed_make(steps, tmp_path):
     rt, engines, trainer = make(mode="dora", steps=steps, tmp_path=tmp_path)
     fakes = {name: RoutingEngine(name, token_s=0.001) for name in engines}
@@ -146,17 +157,11 @@ def test_resume_from_the_journal_trains_on_the_journaled_routing(tmp_path):
     rt2.journal.close()
     generated = {rid for e in engines2.values() for op, rid, _ in e.log if op == "generate"}
     restored = 0
-    for b in trainer2.batches:
-        per_group: dict[str, list] = {}
-        for s in b:
-            per_group.setdefault(s.group_id, []).append(s)
-        for gid, ss in per_group.items():
-            # batches list a group's samples in order; the runtime forgot the consumed group's records
-            for sid, s in zip((f"{gid}.{i}" for i in range(len(ss))), ss):
-                assert routed_text(s.routed_experts) == _routing_of([*s.prompt_ids, *s.response_ids])
-                if sid in journaled and sid not in generated:
-                    assert routed_text(s.routed_experts) == journaled[sid].routed_experts
-                    restored += 1
+    for sid, s in _trained_by_sample_id(trainer2.batches):
+        assert routed_text(s.routed_experts) == _routing_of([*s.prompt_ids, *s.response_ids])
+        if sid in journaled and sid not in generated:
+            assert routed_text(s.routed_experts) == journaled[sid].routed_experts
+            restored += 1
     assert restored > 0
 
 
@@ -271,14 +276,9 @@ def test_a_resume_after_a_kill_trains_the_routing_its_checkpoint_and_journal_nam
     rt2.journal.close()
     generated = {rid for e in engines2.values() for op, rid, _ in e.log if op == "generate"}
     from_checkpoint = 0
-    for b in trainer2.batches:
-        per_group: dict[str, list] = {}
-        for s in b:
-            per_group.setdefault(s.group_id, []).append(s)
-        for gid, ss in per_group.items():
-            for sid, s in zip((f"{gid}.{i}" for i in range(len(ss))), ss):
-                assert routed_text(s.routed_experts) == _routing_of([*s.prompt_ids, *s.response_ids])
-                from_checkpoint += sid in from_ck and sid not in generated
+    for sid, s in _trained_by_sample_id(trainer2.batches):
+        assert routed_text(s.routed_experts) == _routing_of([*s.prompt_ids, *s.response_ids])
+        from_checkpoint += sid in from_ck and sid not in generated
     assert from_checkpoint > 0
     written = int(max(p.name for p in spool_dir.glob("routed_*.bin"))[7:13]) + 1
     spool2.close()  # the run's end: only what its last two checkpoints (and their journal tails) name stays
