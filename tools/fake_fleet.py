@@ -47,6 +47,12 @@ from aiohttp import web
 
 log = logging.getLogger("fake_fleet")
 
+#: bytes one write of a streamed answer hands aiohttp (it waits for the socket to drain between
+#: writes): what each unread answer holds here beyond the kernel's socket buffer. WHY this small:
+#: 4,096 answers waiting on a busy controller held 4 GB here at 1 MiB a write
+ANSWER_CHUNK = 64 << 10
+
+
 def _token_id() -> int:
     """A digit of the preset character vocabulary: decodable, never EOS."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -107,6 +113,10 @@ class Fleet:
         if routed is not None:  # a pool as long as the longest answer: windows of it are every answer's
             draws = np.frombuffer(rng.randbytes(max_tokens * routed[0] * routed[1]), dtype=np.uint8)
             self.routed_pool = (draws % num_experts).astype("<i4").tobytes()
+            # encoded once: an answer's base64 is a slice of it (what SGLang's GPU side costs is not
+            # this process's to pay; encoding ~60 MB per long answer here starved the fleet's own
+            # /server_info answers at 64 instances)
+            self.routed_pool_b64 = base64.b64encode(self.routed_pool)
 
     def inst(self, request: web.Request) -> _Instance:
         return self.instances[request.transport.get_extra_info("sockname")[1]]
@@ -143,10 +153,34 @@ class Fleet:
             "weight_version": version, "weight_versions": [{"version": version, "start": 0, "end": n}],
             "output_token_logprobs": [[lp, self.token, None] for lp in lps],
         }
+        routed = None
         if body.get("return_routed_experts") and self.routed is not None:  # SGLang: prompt + output - 1 positions
             start = int(body.get("routed_experts_start_len") or 0)
-            meta["routed_experts"] = self.routed_experts(seed, state.prompt_tokens + n - 1 - start)
-        return web.json_response({"output_ids": [self.token] * n, "meta_info": meta})
+            routed = self.routed_experts(seed, state.prompt_tokens + n - 1 - start)
+        pieces = self.answer(n, meta, routed)
+        if routed is None:
+            return web.Response(body=pieces[0], content_type="application/json")
+        # streamed: each write waits while the controller has not read the last ones, as a real
+        # server's socket would make it (written whole, unread answers piled up in this process
+        # until the kernel killed it: 19 GB at 64 instances x 64 slots with 48x8 routed experts)
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        resp.content_length = sum(len(p) for p in pieces)
+        await resp.prepare(request)
+        for piece in pieces:
+            view = memoryview(piece)
+            for i in range(0, len(view), ANSWER_CHUNK):
+                await resp.write(view[i:i + ANSWER_CHUNK])
+        await resp.write_eof()
+        return resp
+
+    def answer(self, n: int, meta: dict[str, Any], routed: list[bytes | memoryview] | None) -> list[bytes | memoryview]:
+        """The ``/generate`` answer's JSON, in pieces: ``n`` output ids, ``meta`` and, when given,
+        the routed experts' base64 pieces as ``meta_info.routed_experts``, spliced in as bytes
+        (``json.dumps`` would scan and copy the tens of MB of a long answer's base64 again)."""
+        text = json.dumps({"output_ids": [self.token] * n, "meta_info": meta}).encode()
+        if routed is None:
+            return [text]
+        return [text[:-2], b', "routed_experts": "', *routed, b'"}}']
 
     def logprobs(self, seed: int, n: int) -> list[float]:
         """``n`` distinct log-probs (a window of a fixed pool of exponential draws, by the request's
@@ -158,17 +192,22 @@ class Fleet:
             out += pool[:n - len(out)]
         return out
 
-    def routed_experts(self, seed: int, positions: int) -> str:
-        """SGLang's ``meta_info.routed_experts`` for ``positions`` tokens: base64 of int32 ids
-        ``(positions, layers, top_k)``, a window of a fixed pool of random ids below the expert count."""
+    def routed_experts(self, seed: int, positions: int) -> list[bytes | memoryview]:
+        """SGLang's ``meta_info.routed_experts`` text for ``positions`` tokens, in pieces: base64 of
+        int32 ids ``(positions, layers, top_k)``, a window of a fixed pool of random ids below the
+        expert count.
+
+        The window starts at a multiple of three positions (a whole number of base64 quanta), so
+        its text is a view of the pool's text (no copy of a long answer's ~60 MB); only the last,
+        partial quantum is encoded here."""
         width = 4 * self.routed[0] * self.routed[1]
-        need = max(0, positions) * width
-        pool = self.routed_pool
-        start = ((seed % 4096) * width) % len(pool)
-        raw = pool[start:start + need]
-        while len(raw) < need:
-            raw += pool[:need - len(raw)]
-        return base64.b64encode(raw).decode("ascii")
+        need = min(max(0, positions) * width, len(self.routed_pool))
+        room = (len(self.routed_pool) - need) // (3 * width)
+        start = (seed % (room + 1)) * 3 * width
+        whole = need - need % 3
+        head = memoryview(self.routed_pool_b64)[start // 3 * 4:(start + whole) // 3 * 4]
+        tail = base64.b64encode(self.routed_pool[start + whole:start + need]) if need % 3 else b""
+        return [head, tail]
 
     async def abort_request(self, request: web.Request) -> web.Response:
         inst = self.inst(request)

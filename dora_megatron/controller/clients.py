@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping
 
+from dora_megatron.comm.receive_budget import RECEIVE_BUDGET_BYTES, ReceiveBudget
 from dora_megatron.config.schema import DoraConfig
 
 from dora_megatron.controller.records import Engine
@@ -67,6 +68,8 @@ class EngineClients:
         #: the one thread this process's clients decode big answers in (the decode holds the GIL:
         #: more threads add no throughput, only waits for the event loop; comm.generate_codec)
         self.decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode-answers")
+        #: the bytes of big answers read and decoded at once (the rest wait in the engines' sockets)
+        self.budget = ReceiveBudget(RECEIVE_BUDGET_BYTES)
 
     async def start_pool(self) -> None:
         """The client worker processes (``rollout.client_workers``), if any; they push load reports."""
@@ -87,7 +90,8 @@ class EngineClients:
         if self.pool is not None:
             return self.pool.engine(url)
         engine: Engine = engine_for(self.cfg, url, str(self.model_dir), self.procs, self.run_dir,
-                                    plan=self.plan, waits=self.waits, decoder=self.decoder)
+                                    plan=self.plan, waits=self.waits, decoder=self.decoder,
+                                    budget=self.budget)
         return engine
 
     @property

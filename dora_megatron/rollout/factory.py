@@ -14,25 +14,28 @@ if TYPE_CHECKING:
     from concurrent.futures import Executor
 
     from dora_megatron.comm.limits import ConnectionPlan, ConnectionWaits
+    from dora_megatron.comm.receive_budget import ReceiveBudget
     from dora_megatron.config.schema import DoraConfig
     from dora_megatron.processes import ProcessSet
 
 
 def engine_for(cfg: "DoraConfig", url: str, model_dir: str, procs: "ProcessSet | None" = None,
                run_dir: Path | None = None, *, plan: "ConnectionPlan | None" = None,
-               waits: "ConnectionWaits | None" = None, decoder: "Executor | None" = None):
+               waits: "ConnectionWaits | None" = None, decoder: "Executor | None" = None,
+               budget: "ReceiveBudget | None" = None):
     """The runtime's client of the instance at ``url``, by ``rollout.engine`` (local runs, SLURM and
     elastic joins alike). ``procs``: the launcher's processes, when it may restart vLLM instances;
     ``run_dir``: the run's (shared) directory, through which other nodes restart theirs.
     ``plan`` / ``waits``: this process's connection budget and back-pressure count
     (:mod:`dora_megatron.comm.limits`; SGLang and embedded clients); ``decoder``: the executor
-    their big answers are decoded in (:func:`~dora_megatron.comm.generate_codec.decode_generate`)."""
+    their big answers are decoded in (:func:`~dora_megatron.comm.generate_codec.decode_generate`);
+    ``budget``: the bytes of big answers this process holds at once (:mod:`~dora_megatron.comm.receive_budget`)."""
     if cfg.rollout.engine == "sglang":  # SGLang protocol only: abort+resubmit migration, echoed-version C1 check
         from dora_megatron.comm.sglang_client import SGLangClient
         from dora_megatron.rollout.sglang.engine import SGLangEngine
 
         return SGLangEngine(SGLangClient(url, timeout_s=cfg.rollout.request_timeout_s, plan=plan, waits=waits,
-                                         decoder=decoder),
+                                         decoder=decoder, budget=budget),
                             checksum=not cfg.sglang.enable_eplb)  # EPLB: per-instance expert layouts
     if cfg.rollout.engine == "vllm":  # vLLM API: resubmit migration, weight_versions C1 guard, reload/restart switch
         from dora_megatron.rollout.vllm.launch import make_vllm_engine
@@ -40,4 +43,5 @@ def engine_for(cfg: "DoraConfig", url: str, model_dir: str, procs: "ProcessSet |
         return make_vllm_engine(cfg, url, model_dir, procs, run_dir)
     from dora_megatron.comm.engine_client import EngineClient
 
-    return EngineClient(url, timeout_s=cfg.rollout.request_timeout_s, plan=plan, waits=waits, decoder=decoder)
+    return EngineClient(url, timeout_s=cfg.rollout.request_timeout_s, plan=plan, waits=waits, decoder=decoder,
+                        budget=budget)

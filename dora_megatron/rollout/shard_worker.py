@@ -50,7 +50,10 @@ class Worker:
         self.plan = None  # the connection budget of this process (comm.limits.ConnectionPlan), from ``init``
         from dora_megatron.comm.limits import ConnectionWaits
 
+        from dora_megatron.comm.receive_budget import RECEIVE_BUDGET_BYTES, ReceiveBudget
+
         self.waits = ConnectionWaits()  # sent to the controller after each poll sweep (``waits``)
+        self.budget = ReceiveBudget(RECEIVE_BUDGET_BYTES)  # big answers read at once by this worker
         self._waits_sent = 0
         self._poller: asyncio.Task | None = None
 
@@ -70,7 +73,8 @@ class Worker:
             from dora_megatron.rollout.factory import engine_for
 
             _, h, url = msg
-            self.engines[h] = engine_for(self.cfg, url, self.model_dir, plan=self.plan, waits=self.waits)
+            self.engines[h] = engine_for(self.cfg, url, self.model_dir, plan=self.plan, waits=self.waits,
+                                         budget=self.budget)
             if self.poll is not None:
                 self.polled.add(h)
                 if self._poller is None:

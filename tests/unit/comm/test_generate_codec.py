@@ -287,9 +287,9 @@ def test_a_clients_big_answers_are_decoded_on_its_decoder_one_at_a_time(monkeypa
         clients = [EngineClient(f"http://127.0.0.1:{9}", decoder=decoder) for _ in range(3)]
         for c, body in zip(clients, (big, big, small)):
             async def answer(*_a, _body=body, **_k):
-                return [_body[:100], _body[100:]]
+                return [_body[:100], _body[100:]], 0
 
-            c._call = answer  # the answer as the socket delivered it, in pieces
+            c._call_held = answer  # the answer as the socket delivered it, in pieces, nothing held
         got = await asyncio.gather(*(c.generate([1], {"max_new_tokens": 8}) for c in clients))
         for c in clients:
             await c.close()

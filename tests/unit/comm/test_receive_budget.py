@@ -1,0 +1,189 @@
+"""The bytes of big answers a process reads at once (``comm/receive_budget.py``): granted in arrival
+order, given back on every path, and what an :class:`EngineClient` holds while it reads and decodes
+real answers off a socket."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from aiohttp import web
+
+from dora_megatron.comm.engine_client import EngineClient
+from dora_megatron.comm.receive_budget import ReceiveBudget
+
+
+def test_a_big_waiter_is_not_passed_by_later_small_ones():
+    async def main() -> list[str]:
+        budget, order = ReceiveBudget(10), []
+        first = await budget.acquire(6)
+
+        async def take(name: str, size: int) -> None:
+            n = await budget.acquire(size)
+            order.append(name)
+            budget.release(n)
+
+        big = asyncio.create_task(take("big", 8))  # does not fit beside the 6 held
+        await asyncio.sleep(0)
+        small = asyncio.create_task(take("small", 1))  # would fit, but arrived after the big one
+        await asyncio.sleep(0)
+        assert order == [] and budget.waited == 2
+        budget.release(first)
+        await asyncio.gather(big, small)
+        assert budget.used == 0
+        return order
+
+    assert asyncio.run(main()) == ["big", "small"]
+
+
+def test_an_answer_larger_than_the_budget_takes_all_of_it():
+    async def main() -> tuple[int, int]:
+        budget = ReceiveBudget(10)
+        n = await budget.acquire(50)
+        used = budget.used
+        budget.release(n)
+        return n, used
+
+    assert asyncio.run(main()) == (10, 10)
+
+
+def test_a_cancelled_wait_takes_nothing_and_lets_the_next_one_through():
+    async def main() -> int:
+        budget = ReceiveBudget(10)
+        held = await budget.acquire(10)
+        gone = asyncio.create_task(budget.acquire(5))
+        nxt = asyncio.create_task(budget.acquire(10))
+        await asyncio.sleep(0)
+        gone.cancel()
+        await asyncio.sleep(0)
+        budget.release(held)
+        granted = await nxt
+        assert budget.used == 10
+        budget.release(granted)
+        return budget.used
+
+    assert asyncio.run(main()) == 0
+
+
+def test_a_budget_must_be_positive():
+    with pytest.raises(ValueError, match="positive"):
+        ReceiveBudget(0)
+
+
+def _answer(n: int) -> bytes:
+    return json.dumps({"output_ids": [7] * n, "meta_info": {
+        "id": "r", "finish_reason": {"type": "length", "length": n},
+        "output_token_logprobs": [[-0.25, 7, None]] * n}}).encode()
+
+
+async def _serve(handler) -> tuple[web.AppRunner, str]:
+    app = web.Application()
+    app.router.add_post("/generate", handler)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+def test_a_client_holds_at_most_the_budget_of_answers_and_gives_it_all_back():
+    """Eight answers of ~150 KB at once through clients sharing a 400 KB budget: every answer comes
+    back whole, at most the budget was ever held, some had to wait, and nothing stays held."""
+    body = _answer(8_000)
+    budget = ReceiveBudget(400_000)
+    peak = [0]
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        resp.content_length = len(body)
+        await resp.prepare(request)
+        for i in range(0, len(body), 16_384):
+            peak[0] = max(peak[0], budget.used)
+            await resp.write(body[i:i + 16_384])
+            await asyncio.sleep(0.001)
+        await resp.write_eof()
+        return resp
+
+    async def main() -> list[int]:
+        runner, url = await _serve(handler)
+        try:
+            clients = [EngineClient(url, timeout_s=30, budget=budget) for _ in range(8)]
+            got = await asyncio.gather(*(c.generate([1], {"max_new_tokens": 8}) for c in clients))
+            for c in clients:
+                await c.close()
+        finally:
+            await runner.cleanup()
+        return [len(r.output_ids) for r in got]
+
+    assert len(body) > 100_000
+    assert asyncio.run(main()) == [8_000] * 8
+    assert budget.used == 0
+    assert budget.waited > 0  # the bound was reached: answers waited in the server's sockets
+    assert len(body) <= peak[0] <= budget.max_bytes
+
+
+def test_an_answer_cut_off_mid_body_gives_its_bytes_back():
+    """The server dies half-way through an answer: the call fails and its grant is returned."""
+    body = _answer(8_000)
+    budget = ReceiveBudget(1_000_000)
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        resp.content_length = len(body)
+        await resp.prepare(request)
+        await resp.write(body[:20_000])
+        request.transport.close()  # the engine dies mid-answer
+        return resp
+
+    async def main() -> BaseException | None:
+        runner, url = await _serve(handler)
+        try:
+            async with EngineClient(url, timeout_s=30, budget=budget) as client:
+                try:
+                    await client.generate([1], {"max_new_tokens": 8})
+                except Exception as exc:  # noqa: BLE001 - whichever error aiohttp raises for a cut body
+                    return exc
+        finally:
+            await runner.cleanup()
+        return None
+
+    err = asyncio.run(main())
+    assert err is not None  # the fault happened
+    assert budget.used == 0 and budget.waited == 0
+
+
+def test_a_cancelled_head_of_the_line_does_not_hold_up_the_next_caller():
+    """The first waiter gives up (its request was aborted) while the budget is full; once the
+    budget is free, a new caller is granted at once, not queued behind the one that left."""
+    async def main() -> int:
+        budget = ReceiveBudget(10)
+        held = await budget.acquire(10)
+        gone = asyncio.create_task(budget.acquire(10))
+        await asyncio.sleep(0)
+        gone.cancel()
+        await asyncio.sleep(0)
+        budget.release(held)
+        return await asyncio.wait_for(budget.acquire(4), timeout=5)
+
+    assert asyncio.run(main()) == 4
+
+
+def test_a_release_between_a_cancel_and_the_cancelled_task_resuming_skips_it():
+    """A waiter is cancelled and, before its task runs again, a release comes: the release must
+    pass over it (granting it would fail on a cancelled future) and grant the next in line."""
+    async def main() -> tuple[int, int]:
+        budget = ReceiveBudget(10)
+        held = await budget.acquire(10)
+        gone = asyncio.create_task(budget.acquire(10))
+        nxt = asyncio.create_task(budget.acquire(3))
+        await asyncio.sleep(0)
+        gone.cancel()
+        budget.release(held)  # same loop turn: gone's task has not yet seen its cancellation
+        got = await nxt
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        return got, budget.used
+
+    assert asyncio.run(main()) == (3, 3)
