@@ -12,8 +12,8 @@ from dora_megatron.comm import protocol as P
     [
         ([1, 2], "JSON object"),
         ({}, "missing field input_ids"),
-        ({"input_ids": "abc"}, "input_ids must be a list of integers"),
-        ({"input_ids": [1, 2.5]}, "input_ids must be a list of integers"),
+        ({"input_ids": "abc"}, "input_ids must be a list, got 'abc'"),
+        ({"input_ids": [1, 2.5]}, "input_ids[1] must be an integer, got 2.5"),
         ({"input_ids": []}, "must not be empty"),
         ({"input_ids": [[1], [2]]}, "batched"),
         ({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens must be >= 0"),

@@ -87,6 +87,6 @@ def test_the_trainer_service_refuses_a_malformed_loss_mask_naming_the_sample():
     (sample,) = decode_train({"step": 0, "samples": [{**good, "loss_mask": [1, 0]}]}).samples
     assert sample.loss_mask == [1, 0] and sample.group_id == "g"
     for mask, match in (([1], r"\.loss_mask must be a list of one 0/1 per response token"), ([1, 2], r"\.loss_mask holds 2"),
-                        ([0, 0], r"\.loss_mask is all 0"), ([1.0, 0], r": Expected `int`, got `float` - at `samples\[1\]\.loss_mask\[0\]`")):
+                        ([0, 0], r"\.loss_mask is all 0"), ([1.0, 0], r"\.loss_mask\[0\] must be an integer, got 1\.0")):
         with pytest.raises(SampleError, match=rf"samples\[1\]{match}"):
             decode_train({"step": 0, "samples": [good, {**good, "loss_mask": mask}]})
