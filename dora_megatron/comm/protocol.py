@@ -2,10 +2,12 @@
 
 Why: the embedded server validates untrusted JSON and the client builds requests; both use
 these dataclasses so field names and defaults live in one place. Their field types (with
-``msgspec.Meta`` bounds) are the wire schema: :func:`_decode` has msgspec check a body against them
-(strictly: no bool for an int, no string for a number) and turns its error into a
-:class:`ProtocolError` carrying the HTTP status and a message that names the offending field and
-value. The rules a type cannot say (a range across fields, a host name) are checked after it.
+``msgspec.Meta`` bounds) are the wire schema: :func:`decode_fields` has msgspec check a body
+against them (strictly: no bool for an int, no string for a number; a list such as ``input_ids``
+checked and copied in one pass) and turns its error into a :class:`ProtocolError` carrying the HTTP
+status and a message that names the offending field and value (:func:`field_message`:
+``input_ids[3] must be an integer, got 'x'``). The rules a type cannot say (a range across fields,
+a host name) are checked after it.
 
 SGLang fields implemented (see reference A.3-A.4): ``/generate`` ``input_ids``, ``rid``,
 ``sampling_params`` {``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop_token_ids``,
@@ -93,8 +95,9 @@ def field_message(exc: msgspec.ValidationError, value: Any, path: str = "", what
     missing = _MISSING.match(m["other"] or "") if m else None
     if missing:
         return f"missing field {where + '.' if where else ''}{missing[1]}"
-    if m is None or not where:
+    if m is None:
         return f"{where or what}: {exc}"
+    where = where or what  # the whole value is wrong: named as the body
     known, unknown, _ = inner.partition("[...]")
     got = f"in {_short(_at(value, known))}" if unknown else f"got {_short(_at(value, inner))}"
     rest = (m["rest"] or "").strip()
@@ -115,11 +118,11 @@ def _error(exc: msgspec.ValidationError, value: Any, path: str, what: str) -> Pr
     return ProtocolError(field_message(exc, value, path, what))
 
 
-def _decode(cls: type[_T], body: Mapping[str, Any], keys: tuple[str, ...], path: str = "", **given: Any) -> _T:
+def decode_fields(cls: type[_T], body: Mapping[str, Any], keys: tuple[str, ...], path: str = "", **given: Any) -> _T:
     """``cls`` (a dataclass) from the ``keys`` of ``body``, checked by msgspec against its field
     types; a null or absent key takes the field's default (as SGLang's request models do), ``given``
-    are fields already decoded. A wrong value raises :class:`ProtocolError` naming ``path`` + the
-    field and the value."""
+    are fields taken as they are instead (checked too). A wrong value raises :class:`ProtocolError`
+    naming ``path`` + the field and the value."""
     fields = {**{k: body[k] for k in keys if body.get(k) is not None}, **given}
     try:
         return msgspec.convert(fields, cls, strict=True)
@@ -174,7 +177,7 @@ class SamplingParams:
             return cls()
         d = _obj(d, "sampling_params")
         p = "sampling_params."
-        sp = _decode(cls, d, _SAMPLING_KEYS, p)
+        sp = decode_fields(cls, d, _SAMPLING_KEYS, p)
         if sp.sampling_seed is not None and not SEED_MIN <= sp.sampling_seed <= SEED_MAX:
             raise ProtocolError(f"{p}sampling_seed must be >= {SEED_MIN} and <= {SEED_MAX}, "
                                 f"got {_short(sp.sampling_seed)}")
@@ -222,7 +225,7 @@ class GenerateRequest:
             raise ProtocolError("stream=true is not supported by the embedded engine")
         # input_ids (up to tens of thousands of ids) and the draft sources are checked and copied by
         # msgspec in one pass: an int each, never a bool or a float
-        r = _decode(cls, body, ("rid", "return_logprob", "return_routed_experts", "routed_experts_start_len",
+        r = decode_fields(cls, body, ("rid", "return_logprob", "return_routed_experts", "routed_experts_start_len",
                                 "dora_draft_sources", "dora_keep_kv"),
                     input_ids=ids, dora_version=_label(body, "dora_version"))
         if not r.input_ids:
@@ -343,7 +346,7 @@ class AbortRequest:
     @classmethod
     def from_json(cls, body: Any) -> "AbortRequest":
         body = _obj(body, "/abort_request")
-        r = _decode(cls, body, ("rid", "abort_all"))
+        r = decode_fields(cls, body, ("rid", "abort_all"))
         if not r.rid and not r.abort_all:
             raise ProtocolError("give rid (non-empty) or abort_all=true")
         return r
@@ -359,7 +362,7 @@ class PauseRequest:
     @classmethod
     def from_json(cls, body: Any) -> "PauseRequest":
         body = _obj(body or {}, "/pause_generation")
-        r = _decode(cls, body, ("mode",))
+        r = decode_fields(cls, body, ("mode",))
         if r.mode not in PAUSE_MODES:
             raise ProtocolError(f"mode must be one of {PAUSE_MODES}, got {r.mode!r}")
         return r
@@ -376,7 +379,7 @@ class UpdateFromDiskRequest:
         body = _obj(body, "/update_weights_from_disk")
         if body.get("model_path") in (None, ""):
             raise ProtocolError("missing field model_path")
-        return _decode(cls, body, ("model_path", "abort_all_requests"), weight_version=_label(body, "weight_version"))
+        return decode_fields(cls, body, ("model_path", "abort_all_requests"), weight_version=_label(body, "weight_version"))
 
 
 MAX_WORLD_SIZE = 1 << 16  # far above any real weight-update group; keeps ranks in C++ int range
@@ -399,7 +402,7 @@ class InitGroupRequest:
                 raise ProtocolError(f"missing field {k}")
             if body[k] is None:
                 raise ProtocolError(f"{k} must not be null")
-        r = _decode(cls, body, ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"))
+        r = decode_fields(cls, body, ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"))
         check_host(r.master_address)
         if r.rank_offset >= r.world_size:
             raise ProtocolError(f"rank_offset {r.rank_offset} must be < world_size {r.world_size}")
@@ -415,7 +418,7 @@ class DestroyGroupRequest:
     @classmethod
     def from_json(cls, body: Any) -> "DestroyGroupRequest":
         body = _obj(body, "/destroy_weights_update_group")
-        return _decode(cls, body, ("group_name",))
+        return decode_fields(cls, body, ("group_name",))
 
 
 @dataclass
@@ -433,7 +436,7 @@ class UpdateFromDistributedRequest:
         for k in ("names", "dtypes", "shapes"):
             if k not in body:
                 raise ProtocolError(f"missing field {k}")
-        r = _decode(cls, body, ("names", "dtypes", "shapes", "group_name", "abort_all_requests"),
+        r = decode_fields(cls, body, ("names", "dtypes", "shapes", "group_name", "abort_all_requests"),
                     weight_version=_label(body, "weight_version"))
         if not (len(r.names) == len(r.dtypes) == len(r.shapes)):
             raise ProtocolError(f"names, dtypes, shapes differ in length ({len(r.names)}, {len(r.dtypes)}, "
@@ -454,7 +457,7 @@ class DraftSourcesRequest:
         if body.get("rid") in (None, ""):
             raise ProtocolError("missing field rid")
         sources = body.get("sources")
-        return _decode(cls, body, ("rid",), sources=[] if sources is None else sources)
+        return decode_fields(cls, body, ("rid",), sources=[] if sources is None else sources)
 
 
 @dataclass
@@ -468,4 +471,4 @@ class ExportRequest:
         body = _obj(body, "/dora/export_request")
         if body.get("rid") in (None, ""):
             raise ProtocolError("missing field rid")
-        return _decode(cls, body, ("rid",))
+        return decode_fields(cls, body, ("rid",))

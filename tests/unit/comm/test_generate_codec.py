@@ -110,7 +110,7 @@ def test_padding_at_a_slice_end_inside_the_text_is_refused(monkeypatch):
     (lambda d: d["meta_info"]["output_token_logprobs"].pop(), r"output_token_logprobs has 3 entries for 4"),
     (lambda d: d["meta_info"].__setitem__("routed_experts", "AB!D"), r"meta_info\.routed_experts is not base64"),
     (lambda d: d["meta_info"].__setitem__("routed_experts", "AAA="), r"meta_info\.routed_experts: 2 bytes, not a whole"),
-    (lambda d: d.__setitem__("meta_info", [1]), r"meta_info must be an object"),
+    (lambda d: d.__setitem__("meta_info", [1]), r"meta_info must be a JSON object, got \[1\]"),
 ])
 def test_a_malformed_answer_names_the_field(mutate, field):
     d = _answer(4, 8)
