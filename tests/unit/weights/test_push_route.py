@@ -44,6 +44,28 @@ def test_validate_push_rejects(payload, msg):
         validate_push(payload)
 
 
+@pytest.mark.parametrize("payload, message", [
+    ({"engines": [""], "bucket_mb": 1}, "engines[0] must be a string of length >= 1, got ''"),
+    ({"engines": ["http://a"], "bucket_mb": True}, "bucket_mb must be a number, got True"),
+    ({"engines": ["http://a"], "bucket_mb": float("nan")}, "bucket_mb must be > 0.0, got nan"),
+    ({"engines": ["http://a"], "bucket_mb": 1, "master_addr": None}, "master_addr must be a string, got None"),
+    ({"engines": ["http://a"], "bucket_mb": 1, "master_port": "29700"}, "master_port must be an integer, got '29700'"),
+    ({"engines": ["http://a"], "bucket_mb": 1, "timeout_s": 0}, "timeout_s must be > 0.0, got 0"),
+    ({"engines": ["http://a"], "bucket_mb": 1, "gpus": {"http://a": True}}, "gpus[...] must be an integer, in {'http://a': True}"),
+])
+def test_validate_push_names_the_field_and_value(payload, message):
+    with pytest.raises(BadRequest) as e:
+        validate_push(payload)
+    assert str(e.value) == message
+
+
+def test_validate_push_accepts_nulls_for_the_optional_fields():
+    validate_push({"engines": ["http://a"], "bucket_mb": 0.5, "backend": None, "master_port": None, "timeout_s": None,
+                   "gpus": None, "pause_mode": None})
+    validate_push({"engines": ["http://a"], "bucket_mb": 8, "backend": "nccl", "master_port": 29700, "timeout_s": 30,
+                   "gpus": {"http://a": 2}, "pause_mode": "in_place", "master_addr": "10.0.0.1"})
+
+
 def test_execute_dispatches_with_defaults():
     w = FakeWorker()
     svc = TrainerService(w, run_dir=".", rank=0, world_size=1)
