@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence, cast
 
 import msgspec
-
 import numpy as np
 
 from dora_megatron.comm.batch_files import expert_dtype

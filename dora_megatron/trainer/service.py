@@ -111,6 +111,22 @@ class PushBody:
     pause_mode: str | None = None
 
 
+@dataclass
+class CheckpointBody:
+    """``/save_checkpoint`` and ``/load_checkpoint``: the checkpoint directory (under the run's)."""
+
+    path: str
+
+
+def validate_checkpoint(payload: dict[str, Any]) -> str:
+    """The ``path`` of a checkpoint command, its type checked by msgspec (a :class:`BadRequest`
+    naming the field and value otherwise)."""
+    try:
+        return msgspec.convert(payload, CheckpointBody, strict=True).path
+    except msgspec.ValidationError as err:
+        raise BadRequest(field_message(err, payload, what="the checkpoint command")) from None
+
+
 def validate_push(payload: dict[str, Any]) -> None:
     """A :class:`BadRequest` naming the field and value when ``payload`` is not a ``/push_weights``
     body: the types by msgspec (:class:`PushBody`), then what they cannot say (known names, the
@@ -288,9 +304,7 @@ def _make_handler(service: TrainerService) -> type[BaseHTTPRequestHandler]:
                     else:
                         payload["samples"] = request.samples  # the ranks get the typed records
                 if op in ("save_checkpoint", "load_checkpoint"):
-                    if not isinstance(payload.get("path"), str):
-                        raise BadRequest("'path' must be a string")
-                    auth.inside(payload["path"], [service.run_dir], CHECKPOINT_RULE)
+                    auth.inside(validate_checkpoint(payload), [service.run_dir], CHECKPOINT_RULE)
                 if op == "push_weights":
                     validate_push(payload)
             except json.JSONDecodeError as err:

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from dora_megatron.controller.trainer_client import TrainerClient, TrainerError
-from dora_megatron.trainer.service import BadRequest, Command, TrainerService, validate_push
+from dora_megatron.trainer.service import BadRequest, Command, TrainerService, validate_checkpoint, validate_push
 
 
 class FakeWorker:
@@ -64,6 +64,16 @@ def test_validate_push_accepts_nulls_for_the_optional_fields():
                    "gpus": None, "pause_mode": None})
     validate_push({"engines": ["http://a"], "bucket_mb": 8, "backend": "nccl", "master_port": 29700, "timeout_s": 30,
                    "gpus": {"http://a": 2}, "pause_mode": "in_place", "master_addr": "10.0.0.1"})
+
+
+@pytest.mark.parametrize("payload, message", [
+    ({}, "missing field path"), ({"path": 5}, "path must be a string, got 5"), ({"path": None}, "path must be a string, got None"),
+])
+def test_a_checkpoint_command_names_a_bad_path(payload, message):
+    with pytest.raises(BadRequest) as e:
+        validate_checkpoint(payload)
+    assert str(e.value) == message
+    assert validate_checkpoint({"path": "/run/ckpt/3", "extra": 1}) == "/run/ckpt/3"
 
 
 def test_execute_dispatches_with_defaults():
