@@ -21,13 +21,15 @@ import binascii
 import json
 from array import array
 from concurrent.futures import Executor
-from typing import Callable, Mapping, Sequence, cast
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence, cast
 
+import msgspec
 import numpy as np
 
 from dora_megatron.comm.batch_files import expert_dtype
 from dora_megatron.comm.json_value import JSON
-from dora_megatron.comm.protocol import GenerateResponse, ProtocolError
+from dora_megatron.comm.protocol import GenerateResponse, ProtocolError, field_message
 
 _loads: Callable[[bytes], JSON]  # orjson's and json's loads both return only what JSON names
 try:
@@ -174,6 +176,15 @@ def _bad_item(values: list[JSON], ok: Callable[[JSON], bool]) -> int:
     return next(i for i, v in enumerate(values) if not ok(v))
 
 
+@dataclass
+class _Answer:
+    """The parts of a ``/generate`` answer :func:`parse_generate` reads before
+    :meth:`GenerateResponse.from_json`: their types are checked by msgspec (null: none)."""
+
+    output_ids: list[int] | None = None
+    meta_info: dict[str, Any] | None = None
+
+
 def parse_generate(body: bytes) -> GenerateResponse:
     """A ``/generate`` answer's bytes -> :class:`GenerateResponse` (``raw["meta_info"]["routed_experts"]``
     decoded to an integer array). Raises :class:`ProtocolError` naming the malformed field."""
@@ -191,17 +202,13 @@ def parse_generate(body: bytes) -> GenerateResponse:
             d = _loads(body)
         except _JSONError as err:
             raise ProtocolError(f"/generate answer is not JSON: {err}") from None
-    if not isinstance(d, dict):
-        raise ProtocolError(f"/generate answer must be a JSON object, got {type(d).__name__}")
-    ids = d.get("output_ids") or []
-    if not isinstance(ids, list):
-        raise ProtocolError(f"output_ids must be a list of token ids, got {type(ids).__name__}")
-    if not all(type(t) is int for t in ids):
-        i = _bad_item(ids, lambda t: type(t) is int)
-        raise ProtocolError(f"output_ids[{i}] must be a token id, got {ids[i]!r}")
-    meta = d.get("meta_info") or {}
-    if not isinstance(meta, dict):
-        raise ProtocolError(f"meta_info must be an object, got {type(meta).__name__}")
+    try:  # the ids checked (an int each, no bool) and copied by msgspec in one pass; meta_info's values are not walked
+        shape = msgspec.convert(d, _Answer, strict=True)
+    except msgspec.ValidationError as err:
+        raise ProtocolError(field_message(err, d, what="/generate answer")) from None
+    d = cast(dict[str, JSON], d)  # an object: msgspec said so
+    ids = shape.output_ids or []
+    meta = shape.meta_info or {}
     lps, logprobs = meta.get("output_token_logprobs"), None
     if fast is not None:  # cut out and parsed flat (None in ``raw``)
         logprobs = fast[1]
@@ -229,7 +236,7 @@ def parse_generate(body: bytes) -> GenerateResponse:
         answer = {**d, "meta_info": {**meta, "routed_experts": experts}}
     resp = GenerateResponse.from_json(answer)
     resp.output_token_logprobs = logprobs
-    resp.token_arrays = token_arrays(cast(list[int], ids), logprobs)  # each checked an int above
+    resp.token_arrays = token_arrays(ids, logprobs)  # each checked an int above
     return resp
 
 

@@ -4,9 +4,9 @@ WHY: an engine's answer is JSON that this process did not write. Typed as ``Any`
 read ``answer["tokens"] + 1`` unchecked; typed as :data:`JSON` (what ``json.loads`` can return) the
 type checker makes every reader narrow it first. A reader that needs fields states them once as a
 msgspec ``Struct`` and :func:`read_answer` checks the answer against it, so a malformed answer
-raises a :class:`~dora_megatron.comm.protocol.ProtocolError` naming the route and the field
-(msgspec's message: ``Expected `int`, got `str` - at `$.tokens```) instead of a KeyError or a
-TypeError deep in the caller.
+raises a :class:`~dora_megatron.comm.protocol.ProtocolError` naming the route, the field and the
+value (``tokens must be an integer, got 'x'``) instead of a KeyError or a TypeError deep in the
+caller.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import TypeAlias, TypeVar
 
 import msgspec
 
-from dora_megatron.comm.protocol import ProtocolError
+from dora_megatron.comm.protocol import ProtocolError, field_message
 
 #: any value ``json.loads`` returns
 JSON: TypeAlias = "dict[str, JSON] | list[JSON] | str | int | float | bool | None"
@@ -40,7 +40,7 @@ def read_answer(answer: JSON, cls: type[_T], where: str) -> _T:
     try:
         return msgspec.convert(answer, cls, strict=True)
     except msgspec.ValidationError as exc:
-        raise ProtocolError(f"{where}: malformed answer: {exc}") from None
+        raise ProtocolError(f"{where}: malformed answer: {field_message(exc, answer, what='the answer')}") from None
 
 
 def json_object(answer: JSON, where: str) -> JSONObject:

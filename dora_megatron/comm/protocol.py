@@ -2,10 +2,12 @@
 
 Why: the embedded server validates untrusted JSON and the client builds requests; both use
 these dataclasses so field names and defaults live in one place. Their field types (with
-``msgspec.Meta`` bounds) are the wire schema: :func:`_decode` has msgspec check a body against them
-(strictly: no bool for an int, no string for a number) and turns its error into a
-:class:`ProtocolError` carrying the HTTP status and a message that names the offending field and
-value. The rules a type cannot say (a range across fields, a host name) are checked after it.
+``msgspec.Meta`` bounds) are the wire schema: :func:`decode_fields` has msgspec check a body
+against them (strictly: no bool for an int, no string for a number; a list such as ``input_ids``
+checked and copied in one pass) and turns its error into a :class:`ProtocolError` carrying the HTTP
+status and a message that names the offending field and value (:func:`field_message`:
+``input_ids[3] must be an integer, got 'x'``). The rules a type cannot say (a range across fields,
+a host name) are checked after it.
 
 SGLang fields implemented (see reference A.3-A.4): ``/generate`` ``input_ids``, ``rid``,
 ``sampling_params`` {``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop_token_ids``,
@@ -46,10 +48,12 @@ class ProtocolError(Exception):
         self.message = message
 
 
-def _obj(body: Any, what: str) -> Mapping[str, Any]:
-    if not isinstance(body, Mapping):
-        raise ProtocolError(f"{what}: request body must be a JSON object, got {type(body).__name__}")
-    return body
+def _obj(body: Any, what: str) -> dict[str, Any]:
+    """``body`` if it is a JSON object (msgspec checks it: the values are not walked)."""
+    try:
+        return msgspec.convert(body, dict[str, Any], strict=True)
+    except msgspec.ValidationError:
+        raise ProtocolError(f"{what}: request body must be a JSON object, got {type(body).__name__}") from None
 
 
 def _short(v: Any) -> str:
@@ -61,9 +65,12 @@ def _short(v: Any) -> str:
 #: a finite float: msgspec's bounds refuse inf and nan (any other float passes them)
 Finite = Annotated[float, Meta(ge=-1.7976931348623157e308, le=1.7976931348623157e308)]
 _KINDS = {"int": "an integer", "float": "a number", "bool": "a boolean", "str": "a string", "str | null": "a string",
-          "array": "a list", "object": "a JSON object"}
-_ERROR = re.compile(r"^(?:Expected `(?P<kind>[^`]+)`(?P<rest>.*?)|(?P<other>.*?)) - at `\$(?P<where>[^`]*)`$")
+          "int | str": "a string or an integer", "array": "a list", "object": "a JSON object"}
+_ERROR = re.compile(r"^(?:Expected `(?P<kind>[^`]+)`(?P<rest>.*?)|(?P<other>.*?))(?: - at `\$(?P<where>[^`]*)`)?$")
 _T = TypeVar("_T")
+_MISSING = re.compile(r"^Object missing required field `([^`]+)`$")
+#: a weight version label: clients send a string or an integer (the label is its str())
+Label = int | str
 
 
 def _at(body: Any, where: str) -> Any:
@@ -73,44 +80,66 @@ def _at(body: Any, where: str) -> Any:
     return body
 
 
-def _decode(cls: type[_T], body: Mapping[str, Any], keys: tuple[str, ...], path: str = "", **given: Any) -> _T:
+def field_message(exc: msgspec.ValidationError, value: Any, path: str = "", what: str = "body") -> str:
+    """msgspec's error about ``value`` (found at ``path`` of a body) as a message naming the field
+    (``path`` + msgspec's path inside ``value``, ``samples[3].reward``) and the offending value
+    (``must be an integer, got 'x'``); ``what`` names the whole body when there is no field. A
+    value inside a JSON object's values (msgspec's ``[...]``: it does not say which key) is shown
+    with the object it is in.
+
+    WHY here: every wire decoder (the engine's requests and answers, the trainer's ``/train`` and
+    ``/push_weights``) words its errors the same way."""
+    m = _ERROR.match(str(exc))
+    inner = (m["where"] or "") if m else ""
+    where = (path + inner) if path else inner.lstrip(".")
+    missing = _MISSING.match(m["other"] or "") if m else None
+    if missing:
+        return f"missing field {where + '.' if where else ''}{missing[1]}"
+    if m is None:
+        return f"{where or what}: {exc}"
+    where = where or what  # the whole value is wrong: named as the body
+    known, unknown, _ = inner.partition("[...]")
+    got = f"in {_short(_at(value, known))}" if unknown else f"got {_short(_at(value, inner))}"
+    rest = (m["rest"] or "").strip()
+    if m["kind"] == "float" and rest.startswith((">=", "<=")) or m["other"] == "Number out of range":
+        return f"{where} must be a finite number, {got}"
+    if rest.startswith((">=", "<=", ">", "<")):
+        return f"{where} must be {rest}, {got}"
+    if m["kind"] is not None:
+        kind = m["kind"]
+        said = _KINDS.get(kind) or _KINDS.get(kind.removesuffix(" | null"), kind)
+        bound = "" if not rest or rest.startswith(",") else " " + rest  # "of length >= 1", not ", got `str`"
+        return f"{where} must be {said}{bound}, {got}"
+    return f"{where}: {m['other']}, {got}"
+
+
+def _error(exc: msgspec.ValidationError, value: Any, path: str, what: str) -> ProtocolError:
+    """:func:`field_message` as a 400 :class:`ProtocolError`."""
+    return ProtocolError(field_message(exc, value, path, what))
+
+
+def decode_fields(cls: type[_T], body: Mapping[str, Any], keys: tuple[str, ...], path: str = "", **given: Any) -> _T:
     """``cls`` (a dataclass) from the ``keys`` of ``body``, checked by msgspec against its field
     types; a null or absent key takes the field's default (as SGLang's request models do), ``given``
-    are fields already decoded. A wrong value raises :class:`ProtocolError` naming ``path`` + the
-    field and the value."""
-    picked = {k: body[k] for k in keys if body.get(k) is not None}
+    are fields taken as they are instead (checked too). A wrong value raises :class:`ProtocolError`
+    naming ``path`` + the field and the value."""
+    fields = {**{k: body[k] for k in keys if body.get(k) is not None}, **given}
     try:
-        return msgspec.convert({**picked, **given}, cls, strict=True)
+        return msgspec.convert(fields, cls, strict=True)
     except msgspec.ValidationError as exc:
-        m = _ERROR.match(str(exc))
-        if m is None or not m["where"]:
-            raise ProtocolError(f"{path.rstrip('.') or cls.__name__}: {exc}") from None
-        where = m["where"].lstrip(".")
-        got = _short(_at(picked, m["where"]))
-        rest = (m["rest"] or "").strip()
-        if m["kind"] == "float" and rest.startswith((">=", "<=")) or m["other"] == "Number out of range":
-            raise ProtocolError(f"{path}{where} must be a finite number, got {got}") from None
-        if rest.startswith((">=", "<=", ">", "<")):
-            raise ProtocolError(f"{path}{where} must be {rest}, got {got}") from None
-        if m["kind"] is not None:
-            raise ProtocolError(f"{path}{where} must be {_KINDS.get(m['kind'], m['kind'])}, got {got}") from None
-        raise ProtocolError(f"{path}{where}: {m['other']}, got {got}") from None
+        raise _error(exc, fields, path.rstrip("."), cls.__name__) from None
 
 
-def _int_list(v: Any, name: str) -> list[int]:
-    if not isinstance(v, list) or any(isinstance(x, bool) or not isinstance(x, int) for x in v):
-        raise ProtocolError(f"{name} must be a list of integers")
-    return list(v)
-
-
-def _version(d: Mapping[str, Any], key: str) -> str | None:
-    """A weight version label: a string or an integer (sent as either by clients)."""
-    v = d.get(key)
+def _label(body: Mapping[str, Any], key: str) -> str | None:
+    """The weight version label at ``key`` of ``body`` (a string or an integer, checked by msgspec),
+    as a string; None when absent or null."""
+    v = body.get(key)
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, str)):
-        raise ProtocolError(f"{key} must be a string or integer, got {_short(v)}")
-    return str(v)
+    try:
+        return str(msgspec.convert(v, Label, strict=True))
+    except msgspec.ValidationError as exc:
+        raise _error(exc, v, key, key) from None
 
 
 def check_host(address: str) -> str:
@@ -148,7 +177,7 @@ class SamplingParams:
             return cls()
         d = _obj(d, "sampling_params")
         p = "sampling_params."
-        sp = _decode(cls, d, _SAMPLING_KEYS, p)
+        sp = decode_fields(cls, d, _SAMPLING_KEYS, p)
         if sp.sampling_seed is not None and not SEED_MIN <= sp.sampling_seed <= SEED_MAX:
             raise ProtocolError(f"{p}sampling_seed must be >= {SEED_MIN} and <= {SEED_MAX}, "
                                 f"got {_short(sp.sampling_seed)}")
@@ -189,19 +218,19 @@ class GenerateRequest:
         if "input_ids" not in body:
             raise ProtocolError("missing field input_ids (this engine takes token ids, not text)")
         ids = body["input_ids"]
+        # WHY a look at the first entry: SGLang's batched form deserves its own word, not "must be an integer"
         if isinstance(ids, list) and ids and isinstance(ids[0], list):
             raise ProtocolError("batched input_ids (list of lists) are not supported; send one request per prompt")
-        ids = _int_list(ids, "input_ids")
-        if not ids:
-            raise ProtocolError("input_ids must not be empty")
         if body.get("stream"):
             raise ProtocolError("stream=true is not supported by the embedded engine")
-        version = _version(body, "dora_version")
-        sources = _draft_sources(body, "dora_draft_sources")
-        r = _decode(cls, body, ("rid", "return_logprob", "return_routed_experts", "routed_experts_start_len",
-                                "dora_keep_kv"), input_ids=ids)
-        return dataclasses.replace(r, sampling_params=SamplingParams.from_json(body.get("sampling_params")),
-                                   dora_version=version, dora_draft_sources=sources)
+        # input_ids (up to tens of thousands of ids) and the draft sources are checked and copied by
+        # msgspec in one pass: an int each, never a bool or a float
+        r = decode_fields(cls, body, ("rid", "return_logprob", "return_routed_experts", "routed_experts_start_len",
+                                "dora_draft_sources", "dora_keep_kv"),
+                    input_ids=ids, dora_version=_label(body, "dora_version"))
+        if not r.input_ids:
+            raise ProtocolError("input_ids must not be empty")
+        return dataclasses.replace(r, sampling_params=SamplingParams.from_json(body.get("sampling_params")))
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -286,13 +315,27 @@ class GenerateResponse:
         )
 
 
+@dataclass
+class _Span:
+    """One entry of ``meta_info.weight_versions`` (SGLang's ``{"version", "start", "end"}``)."""
+
+    version: Label
+    start: int = 0
+    end: int = 0
+
+
 def _spans(raw: Any) -> list[tuple[str, int, int]]:
-    """``meta_info.weight_versions`` as ``(version, start, end)``; malformed entries are skipped."""
-    out: list[tuple[str, int, int]] = []
-    for span in raw or ():
-        if isinstance(span, Mapping) and "version" in span:
-            out.append((str(span["version"]), int(span.get("start", 0)), int(span.get("end", 0))))
-    return out
+    """``meta_info.weight_versions`` as ``(version, start, end)``, checked by msgspec.
+
+    WHY an error, not a skipped entry: the spans say which weights sampled the answer, and the
+    runtime refuses an answer by them; a span it cannot read must not vanish from that check."""
+    if raw is None:
+        return []
+    try:
+        spans = msgspec.convert(raw, list[_Span], strict=True)
+    except msgspec.ValidationError as exc:
+        raise _error(exc, raw, "meta_info.weight_versions", "meta_info.weight_versions") from None
+    return [(str(s.version), s.start, s.end) for s in spans]
 
 
 @dataclass
@@ -303,7 +346,7 @@ class AbortRequest:
     @classmethod
     def from_json(cls, body: Any) -> "AbortRequest":
         body = _obj(body, "/abort_request")
-        r = _decode(cls, body, ("rid", "abort_all"))
+        r = decode_fields(cls, body, ("rid", "abort_all"))
         if not r.rid and not r.abort_all:
             raise ProtocolError("give rid (non-empty) or abort_all=true")
         return r
@@ -319,7 +362,7 @@ class PauseRequest:
     @classmethod
     def from_json(cls, body: Any) -> "PauseRequest":
         body = _obj(body or {}, "/pause_generation")
-        r = _decode(cls, body, ("mode",))
+        r = decode_fields(cls, body, ("mode",))
         if r.mode not in PAUSE_MODES:
             raise ProtocolError(f"mode must be one of {PAUSE_MODES}, got {r.mode!r}")
         return r
@@ -336,7 +379,7 @@ class UpdateFromDiskRequest:
         body = _obj(body, "/update_weights_from_disk")
         if body.get("model_path") in (None, ""):
             raise ProtocolError("missing field model_path")
-        return _decode(cls, body, ("model_path", "abort_all_requests"), weight_version=_version(body, "weight_version"))
+        return decode_fields(cls, body, ("model_path", "abort_all_requests"), weight_version=_label(body, "weight_version"))
 
 
 MAX_WORLD_SIZE = 1 << 16  # far above any real weight-update group; keeps ranks in C++ int range
@@ -359,7 +402,7 @@ class InitGroupRequest:
                 raise ProtocolError(f"missing field {k}")
             if body[k] is None:
                 raise ProtocolError(f"{k} must not be null")
-        r = _decode(cls, body, ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"))
+        r = decode_fields(cls, body, ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"))
         check_host(r.master_address)
         if r.rank_offset >= r.world_size:
             raise ProtocolError(f"rank_offset {r.rank_offset} must be < world_size {r.world_size}")
@@ -375,7 +418,7 @@ class DestroyGroupRequest:
     @classmethod
     def from_json(cls, body: Any) -> "DestroyGroupRequest":
         body = _obj(body, "/destroy_weights_update_group")
-        return _decode(cls, body, ("group_name",))
+        return decode_fields(cls, body, ("group_name",))
 
 
 @dataclass
@@ -393,8 +436,8 @@ class UpdateFromDistributedRequest:
         for k in ("names", "dtypes", "shapes"):
             if k not in body:
                 raise ProtocolError(f"missing field {k}")
-        r = _decode(cls, body, ("names", "dtypes", "shapes", "group_name", "abort_all_requests"),
-                    weight_version=_version(body, "weight_version"))
+        r = decode_fields(cls, body, ("names", "dtypes", "shapes", "group_name", "abort_all_requests"),
+                    weight_version=_label(body, "weight_version"))
         if not (len(r.names) == len(r.dtypes) == len(r.shapes)):
             raise ProtocolError(f"names, dtypes, shapes differ in length ({len(r.names)}, {len(r.dtypes)}, "
                                 f"{len(r.shapes)})")
@@ -413,14 +456,8 @@ class DraftSourcesRequest:
         body = _obj(body, "/dora/draft_sources")
         if body.get("rid") in (None, ""):
             raise ProtocolError("missing field rid")
-        return _decode(cls, body, ("rid",), sources=_draft_sources(body, "sources"))
-
-
-def _draft_sources(body: Mapping[str, Any], key: str) -> list[list[int]]:
-    sources = body.get(key) or []
-    if not isinstance(sources, list):
-        raise ProtocolError(f"{key} must be a list of lists of integers")
-    return [_int_list(src, f"{key}[{i}]") for i, src in enumerate(sources)]
+        sources = body.get("sources")
+        return decode_fields(cls, body, ("rid",), sources=[] if sources is None else sources)
 
 
 @dataclass
@@ -434,4 +471,4 @@ class ExportRequest:
         body = _obj(body, "/dora/export_request")
         if body.get("rid") in (None, ""):
             raise ProtocolError("missing field rid")
-        return _decode(cls, body, ("rid",))
+        return decode_fields(cls, body, ("rid",))

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import msgspec
 import numpy as np
 
+from dora_megatron.comm.protocol import field_message
+
 if TYPE_CHECKING:  # the arrays the controller and the batch reader fill the columns with
     from array import array
 
@@ -127,23 +129,18 @@ def encode_train(step: int, samples: Sequence[TrainSample]) -> bytes:
 
 
 def decode_train(body: Mapping[str, Any]) -> TrainRequest:
-    """A ``/train`` body (parsed JSON) as a :class:`TrainRequest`: the field types checked by msgspec,
-    each sample's rules by :meth:`TrainSample.check`; a :class:`SampleError` names what is wrong."""
-    if not isinstance(body.get("step"), int) or isinstance(body.get("step"), bool):
-        raise SampleError("'step' must be an integer")
-    if "batch" in body:
-        return TrainRequest(int(body["step"]), batch=body["batch"])
-    samples = body.get("samples")
-    if not isinstance(samples, list) or not samples:
+    """A ``/train`` body (parsed JSON) as a :class:`TrainRequest`: the field types (the step, each
+    sample's columns) checked by msgspec in one pass over the body, each sample's rules by
+    :meth:`TrainSample.check`; a :class:`SampleError` names what is wrong (``samples[3].reward must
+    be a number, got 'x'``)."""
+    try:
+        request = msgspec.convert(body, TrainRequest, strict=True)
+    except msgspec.ValidationError as err:
+        raise SampleError(field_message(err, body, what="/train")) from None
+    if request.batch is not None:  # the samples are in a batch directory (BatchReader checks the entry)
+        return TrainRequest(request.step, batch=request.batch)
+    if not request.samples:
         raise SampleError("'samples' must be a non-empty list")
-    out = []
-    for i, s in enumerate(samples):
-        where = f"samples[{i}]"
-        if not isinstance(s, dict):
-            raise SampleError(f"{where} must be an object")
-        try:
-            sample = msgspec.convert(s, TrainSample, strict=True)
-        except msgspec.ValidationError as err:  # msgspec names the field at ``$``: the sample's path here
-            raise SampleError(f"{where}: {str(err).replace('`$', '`' + where)}") from None
-        out.append(sample.check(where))
-    return TrainRequest(int(body["step"]), samples=out)
+    for i, sample in enumerate(request.samples):
+        sample.check(f"samples[{i}]")
+    return request

@@ -44,13 +44,16 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from queue import Queue
-from typing import Any, Callable, Protocol
+from typing import Annotated, Any, Callable, Protocol
+
+import msgspec
+from msgspec import Meta
 
 from dora_megatron.comm import auth
 from dora_megatron.comm.batch_files import BatchFileError, BatchReader
 from dora_megatron.comm.routed_spool import SPOOL_DIR
 from dora_megatron.comm.train_sample import SampleError, TrainSample, decode_train
-from dora_megatron.comm.protocol import PAUSE_MODES
+from dora_megatron.comm.protocol import PAUSE_MODES, field_message
 
 log = logging.getLogger(__name__)
 
@@ -93,35 +96,53 @@ CHECKPOINT_RULE = "the trainer saves and loads checkpoints only under the run di
 BATCH_RULE = "the trainer reads batch files only under the run directory"
 
 
+@dataclass
+class PushBody:
+    """The ``/push_weights`` fields, typed: msgspec checks a body against them (strictly: no bool
+    for a number, no string for a port); :meth:`TrainerService.execute` reads the body itself."""
+
+    engines: Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(min_length=1)]  # base URLs
+    bucket_mb: Annotated[float, Meta(gt=0)]
+    master_addr: str = "127.0.0.1"  # null is refused (it was never a default)
+    backend: str | None = None
+    master_port: Annotated[int, Meta(ge=1, le=65535)] | None = None
+    timeout_s: Annotated[float, Meta(gt=0)] | None = None
+    gpus: dict[str, Annotated[int, Meta(ge=1)]] | None = None  # engine URL -> its TP size
+    pause_mode: str | None = None
+
+
+@dataclass
+class CheckpointBody:
+    """``/save_checkpoint`` and ``/load_checkpoint``: the checkpoint directory (under the run's)."""
+
+    path: str
+
+
+def validate_checkpoint(payload: dict[str, Any]) -> str:
+    """The ``path`` of a checkpoint command, its type checked by msgspec (a :class:`BadRequest`
+    naming the field and value otherwise)."""
+    try:
+        return msgspec.convert(payload, CheckpointBody, strict=True).path
+    except msgspec.ValidationError as err:
+        raise BadRequest(field_message(err, payload, what="the checkpoint command")) from None
+
+
 def validate_push(payload: dict[str, Any]) -> None:
-    engines = payload.get("engines")
-    if not isinstance(engines, list) or not engines or not all(isinstance(u, str) and u for u in engines):
-        raise BadRequest("'engines' must be a non-empty list of base URLs")
-    mb = payload.get("bucket_mb")
-    if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not mb > 0:
-        raise BadRequest("'bucket_mb' must be a number > 0")
-    if "master_addr" in payload and not isinstance(payload["master_addr"], str):
-        raise BadRequest("'master_addr' must be a string")
-    backend = payload.get("backend")
-    if backend is not None and backend not in ("gloo", "nccl"):
-        raise BadRequest(f"'backend' must be gloo or nccl, got {backend!r}")
-    port = payload.get("master_port")
-    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535):
-        raise BadRequest(f"'master_port' must be an integer port 1..65535, got {port!r}")
-    t = payload.get("timeout_s")
-    if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
-        raise BadRequest("'timeout_s' must be a number > 0")
-    gpus = payload.get("gpus")
-    if gpus is not None:
-        if not isinstance(gpus, dict) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
-                                                 for n in gpus.values()):
-            raise BadRequest("'gpus' must map engine URLs to integers >= 1 (each engine's TP size)")
-        unknown = sorted(set(gpus) - set(engines))
+    """A :class:`BadRequest` naming the field and value when ``payload`` is not a ``/push_weights``
+    body: the types by msgspec (:class:`PushBody`), then what they cannot say (known names, the
+    ``gpus`` keys among the ``engines``)."""
+    try:
+        push = msgspec.convert(payload, PushBody, strict=True)
+    except msgspec.ValidationError as err:
+        raise BadRequest(field_message(err, payload, what="/push_weights")) from None
+    if push.backend is not None and push.backend not in ("gloo", "nccl"):
+        raise BadRequest(f"'backend' must be gloo or nccl, got {push.backend!r}")
+    if push.gpus is not None:
+        unknown = sorted(set(push.gpus) - set(push.engines))
         if unknown:
             raise BadRequest(f"'gpus' names engines not in 'engines': {unknown}")
-    mode = payload.get("pause_mode")
-    if mode is not None and mode not in PAUSE_MODES:
-        raise BadRequest(f"'pause_mode' must be one of {list(PAUSE_MODES)} or null, got {mode!r}")
+    if push.pause_mode is not None and push.pause_mode not in PAUSE_MODES:
+        raise BadRequest(f"'pause_mode' must be one of {list(PAUSE_MODES)} or null, got {push.pause_mode!r}")
 
 
 class TrainerService:
@@ -283,9 +304,7 @@ def _make_handler(service: TrainerService) -> type[BaseHTTPRequestHandler]:
                     else:
                         payload["samples"] = request.samples  # the ranks get the typed records
                 if op in ("save_checkpoint", "load_checkpoint"):
-                    if not isinstance(payload.get("path"), str):
-                        raise BadRequest("'path' must be a string")
-                    auth.inside(payload["path"], [service.run_dir], CHECKPOINT_RULE)
+                    auth.inside(validate_checkpoint(payload), [service.run_dir], CHECKPOINT_RULE)
                 if op == "push_weights":
                     validate_push(payload)
             except json.JSONDecodeError as err:

@@ -8,12 +8,15 @@ before :func:`dump_request` and queues the one :func:`request_from_blob` builds.
 
 from __future__ import annotations
 
+import dataclasses
 import io
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Annotated, Any
 
 import torch
+from msgspec import Meta
 
-from dora_megatron.comm.protocol import ProtocolError, SamplingParams
+from dora_megatron.comm.protocol import Label, ProtocolError, SamplingParams, decode_fields
 from dora_megatron.models.hf_config import ModelSpec
 from dora_megatron.rollout.engine.kept_kv import KeptEntry
 from dora_megatron.rollout.engine.kv_cache import KVShape, RequestKV
@@ -23,6 +26,45 @@ from dora_megatron.rollout.speculation import DraftAcceptance
 
 EXPORT_FORMAT = "dora-request-v1"
 KV_EXPORT_FORMAT = "dora-kept-kv-v1"
+
+
+#: a token id as an export carries it (below the vocabulary: :func:`_in_vocab`, the bound is the model's)
+TokenId = Annotated[int, Meta(ge=0)]
+
+
+@dataclass
+class _RequestFields:
+    """The plain fields of a request export, typed: msgspec checks an import against them (the
+    tensors, the sampling parameters and the routing are checked by their own readers)."""
+
+    rid: Annotated[str, Meta(min_length=1)]
+    version: Label
+    prompt_ids: Annotated[list[TokenId], Meta(min_length=1)]
+    output_ids: list[TokenId]
+    output_logprobs: list[float]
+    migrations: Annotated[int, Meta(ge=0)]
+    return_logprob: bool
+    draft_sources: list[list[TokenId]] = field(default_factory=list)  # absent: an engine without speculation
+
+
+_REQUEST_KEYS = tuple(f.name for f in dataclasses.fields(_RequestFields))
+
+
+@dataclass
+class _KeptFields:
+    """The plain fields of a kept KV's export (:func:`dump_kept`), typed."""
+
+    rid: Annotated[str, Meta(min_length=1)]
+    version: str
+    tokens: Annotated[list[TokenId], Meta(min_length=1)]
+
+
+def _in_vocab(ids: list[int], vocab: int, key: str) -> None:
+    """A :class:`ProtocolError` naming the first of ``ids`` (at ``key``) that is no token id of a
+    ``vocab``-token model (msgspec checked each is an int >= 0; the bound is the model's)."""
+    if ids and max(ids) >= vocab:
+        i = next(i for i, t in enumerate(ids) if t >= vocab)
+        raise ProtocolError(f"{key}[{i}] must be a token id < {vocab}, got {ids[i]}")
 
 
 def model_shape(c: ModelSpec) -> list[int]:
@@ -95,71 +137,55 @@ def kv_of(blob: dict[str, Any], kv_shape: KVShape, n_tokens: int) -> RequestKV |
     return out
 
 
-def kept_of(blob: dict[str, Any], vocab: int, kv_shape: KVShape, max_context: int) -> tuple[list[int], RequestKV]:
-    """An exported kept KV's tokens and KV, checked (its rid and version are checked by the caller first)."""
-    tokens, kv = blob.get("tokens"), blob.get("kv")
-    if not isinstance(tokens, list) or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
-                                           for t in tokens):
-        raise ProtocolError(f"tokens must be a list of token ids in [0, {vocab})")
+def kept_fields(blob: dict[str, Any]) -> _KeptFields:
+    """An exported kept KV's rid, version and tokens, their types checked (before the version is
+    compared with the instance's)."""
+    return decode_fields(_KeptFields, blob, ("rid", "version", "tokens"))
+
+
+def kept_of(blob: dict[str, Any], fields: _KeptFields, vocab: int, kv_shape: KVShape,
+            max_context: int) -> tuple[list[int], RequestKV]:
+    """An exported kept KV's tokens (``fields``: :func:`kept_fields`) and KV, checked."""
+    tokens, kv = fields.tokens, blob.get("kv")
+    _in_vocab(tokens, vocab, "tokens")
     if not isinstance(kv, torch.Tensor) or kv.layout != torch.strided or not kv.is_floating_point():
         raise ProtocolError("kv must be a dense floating-point tensor")
     try:
         req_kv = RequestKV.from_tensor(kv_shape, kv)
     except ValueError as exc:
         raise ProtocolError(str(exc)) from None
-    if req_kv.length != len(tokens) or not tokens or len(tokens) >= max_context:
+    if req_kv.length != len(tokens) or len(tokens) >= max_context:
         raise ProtocolError(f"the KV covers {req_kv.length} tokens, the export names {len(tokens)}")
     return tokens, req_kv
 
 
 def request_from_blob(blob: dict[str, Any], on_done: DoneCallback | None, vocab: int, weight_version: str) -> Request:
-    """Validate an export's fields (it is untrusted input) and build the request (on weights ``weight_version``)."""
-
-    def ids(key: str, allow_empty: bool) -> list[int]:
-        v = blob.get(key)
-        if not isinstance(v, list) or not (v or allow_empty):
-            raise ProtocolError(f"{key} must be a{'' if allow_empty else ' non-empty'} list of token ids")
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in v):
-            raise ProtocolError(f"{key} must hold token ids in [0, {vocab})")
-        return list(v)
-
-    rid, version, lps = blob.get("rid"), blob.get("version"), blob.get("output_logprobs")
-    if not isinstance(rid, str) or not rid:
-        raise ProtocolError("rid must be a non-empty string")
-    if isinstance(version, bool) or not isinstance(version, (str, int)):
-        raise ProtocolError("version must be a string or integer")
-    output_ids = ids("output_ids", allow_empty=True)
-    try:
-        if not isinstance(lps, list) or len(lps) != len(output_ids) or any(
-            isinstance(x, bool) or not isinstance(x, (int, float)) for x in lps
-        ):
-            raise TypeError
-        logprobs = [float(x) for x in lps]  # TypeError for non-numbers, OverflowError for huge ints
-    except (TypeError, ValueError, OverflowError):
-        raise ProtocolError("output_logprobs must be a list of numbers, one per output id") from None
-    migrations = blob.get("migrations")
-    if isinstance(migrations, bool) or not isinstance(migrations, int) or migrations < 0:
-        raise ProtocolError("migrations must be an integer >= 0")
-    if not isinstance(blob.get("return_logprob"), bool):
-        raise ProtocolError("return_logprob must be a boolean")
+    """Validate an export's fields (it is untrusted input: the types by msgspec, :class:`_RequestFields`;
+    then the vocabulary bound and the lengths) and build the request (on weights ``weight_version``)."""
+    f = decode_fields(_RequestFields, blob, _REQUEST_KEYS)
+    for key, ids in (("prompt_ids", f.prompt_ids), ("output_ids", f.output_ids),
+                     *((f"draft_sources[{i}]", src) for i, src in enumerate(f.draft_sources))):
+        _in_vocab(ids, vocab, key)
+    if len(f.output_logprobs) != len(f.output_ids):
+        raise ProtocolError(f"output_logprobs has {len(f.output_logprobs)} entries for {len(f.output_ids)} output_ids")
     gen = torch.Generator(device="cpu")
     try:
         gen.set_state(blob.get("rng_state"))
     except Exception as exc:  # noqa: BLE001 - TypeError, RuntimeError, ... all mean "not a state"
         raise ProtocolError(f"rng_state is not a CPU generator state: {str(exc)[:200]}") from None
     return Request(
-        rid=rid,
-        prompt_ids=ids("prompt_ids", allow_empty=False),
+        rid=f.rid,
+        prompt_ids=f.prompt_ids,
         params=SamplingParams.from_json(blob.get("params")),
-        return_logprob=blob["return_logprob"],
+        return_logprob=f.return_logprob,
         on_done=on_done,
         version=weight_version,
-        required_version=str(version),
-        output_ids=output_ids,
-        output_logprobs=logprobs,
+        required_version=str(f.version),
+        output_ids=f.output_ids,
+        output_logprobs=f.output_logprobs,
         generator=gen,
-        migrations=migrations,
-        draft_sources=_draft_sources_of(blob.get("draft_sources"), vocab),
+        migrations=f.migrations,
+        draft_sources=f.draft_sources[-MAX_DRAFT_SOURCES:],  # the bound submit keeps
         spec_acceptance=_spec_acceptance_of(blob.get("spec_acceptance")),
         keep_kv=blob.get("keep_kv") is True,
     )
@@ -174,15 +200,3 @@ def _spec_acceptance_of(raw: Any) -> DraftAcceptance:
         return DraftAcceptance.from_json(raw)
     except ValueError as exc:
         raise ProtocolError(str(exc)) from None
-
-
-def _draft_sources_of(raw: Any, vocab: int) -> list[list[int]]:
-    """An export's ``draft_sources`` (absent in exports of engines without speculation)."""
-    if raw is None:
-        return []
-    if not isinstance(raw, list) or not all(
-        isinstance(src, list) and all(not isinstance(t, bool) and isinstance(t, int) and 0 <= t < vocab for t in src)
-        for src in raw
-    ):
-        raise ProtocolError(f"draft_sources must be a list of lists of token ids in [0, {vocab})")
-    return [list(src) for src in raw[-MAX_DRAFT_SOURCES:]]  # the bound submit keeps

@@ -454,14 +454,10 @@ class Scheduler:
         the kept budget has no room for it."""
         c = self.model.config
         blob = export.load_export(data, export.KV_EXPORT_FORMAT, "KV", export.model_shape(c))
-        rid, version = blob.get("rid"), blob.get("version")
-        if not isinstance(rid, str) or not rid:
-            raise ProtocolError("rid must be a non-empty string")
-        self.check_version(version if isinstance(version, str) else None)
-        if not isinstance(version, str):
-            raise ProtocolError("version must be a string")
-        tokens, req_kv = export.kept_of(blob, c.vocab_size, self.kv_shape, self.max_context)
-        if not self.kept.keep(rid, tokens, req_kv, version):
+        fields = export.kept_fields(blob)
+        self.check_version(fields.version)
+        tokens, req_kv = export.kept_of(blob, fields, c.vocab_size, self.kv_shape, self.max_context)
+        if not self.kept.keep(fields.rid, tokens, req_kv, fields.version):
             raise ProtocolError(f"no room to keep {len(tokens)} tokens of KV", 507)
         return len(tokens)
 

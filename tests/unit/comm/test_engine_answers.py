@@ -52,10 +52,10 @@ def test_well_formed_answers_give_their_fields():
 
 
 @pytest.mark.parametrize("path, answer, call, field", [
-    ("/dora/import_kv", {"tokens": "37"}, lambda c: c.import_kv(b"blob"), "$.tokens"),
-    ("/dora/import_kv", {"success": True}, lambda c: c.import_kv(b"blob"), "tokens"),
-    ("/dora/release_kv", {"released": 1}, lambda c: c.release_kv("r1"), "$.released"),
-    ("/dora/weights_checksum", {"checksum": None}, lambda c: c.weights_checksum(), "$.checksum"),
+    ("/dora/import_kv", {"tokens": "37"}, lambda c: c.import_kv(b"blob"), "tokens must be an integer, got '37'"),
+    ("/dora/import_kv", {"success": True}, lambda c: c.import_kv(b"blob"), "missing field tokens"),
+    ("/dora/release_kv", {"released": 1}, lambda c: c.release_kv("r1"), "released must be a boolean, got 1"),
+    ("/dora/weights_checksum", {"checksum": None}, lambda c: c.weights_checksum(), "checksum must be a string, got None"),
 ])
 def test_a_malformed_extension_answer_names_the_route_and_the_field(path, answer, call, field):
     with pytest.raises(ProtocolError) as err:
@@ -66,7 +66,7 @@ def test_a_malformed_extension_answer_names_the_route_and_the_field(path, answer
 def test_a_malformed_extension_list_names_the_field():
     with pytest.raises(ProtocolError) as err:
         _serve({"/get_server_info": {"dora_extensions": "keep_kv"}}, lambda c: c.supports("keep_kv"))
-    assert "/get_server_info" in err.value.message and "$.dora_extensions" in err.value.message
+    assert "/get_server_info" in err.value.message and "dora_extensions must be a list, got 'keep_kv'" in err.value.message
 
 
 def test_a_control_route_answering_no_object_is_refused_by_name():

@@ -110,13 +110,23 @@ def test_padding_at_a_slice_end_inside_the_text_is_refused(monkeypatch):
     (lambda d: d["meta_info"]["output_token_logprobs"].pop(), r"output_token_logprobs has 3 entries for 4"),
     (lambda d: d["meta_info"].__setitem__("routed_experts", "AB!D"), r"meta_info\.routed_experts is not base64"),
     (lambda d: d["meta_info"].__setitem__("routed_experts", "AAA="), r"meta_info\.routed_experts: 2 bytes, not a whole"),
-    (lambda d: d.__setitem__("meta_info", [1]), r"meta_info must be an object"),
+    (lambda d: d.__setitem__("meta_info", [1]), r"meta_info must be a JSON object, got \[1\]"),
+    (lambda d: d["output_ids"].__setitem__(1, True), r"output_ids\[1\] must be an integer, got True"),
+    (lambda d: d["output_ids"].__setitem__(3, [5]), r"output_ids\[3\] must be an integer, got \[5\]"),
+    (lambda d: d.__setitem__("output_ids", {"a": 1}), r"output_ids must be a list, got \{'a': 1\}"),
+    (lambda d: d["meta_info"]["weight_versions"][0].__setitem__("end", 4.0),
+     r"meta_info\.weight_versions\[0\]\.end must be an integer, got 4\.0"),
 ])
 def test_a_malformed_answer_names_the_field(mutate, field):
     d = _answer(4, 8)
     mutate(d)
     with pytest.raises(ProtocolError, match=field):
         parse_generate(json.dumps(d).encode())
+
+
+def test_an_answer_that_is_no_object_is_named():
+    with pytest.raises(ProtocolError, match=r"^/generate answer must be a JSON object, got \[1, 2\]$"):
+        parse_generate(b"[1, 2]")
 
 
 def test_not_json_is_a_protocol_error():

@@ -12,8 +12,8 @@ from dora_megatron.comm import protocol as P
     [
         ([1, 2], "JSON object"),
         ({}, "missing field input_ids"),
-        ({"input_ids": "abc"}, "input_ids must be a list of integers"),
-        ({"input_ids": [1, 2.5]}, "input_ids must be a list of integers"),
+        ({"input_ids": "abc"}, "input_ids must be a list, got 'abc'"),
+        ({"input_ids": [1, 2.5]}, "input_ids[1] must be an integer, got 2.5"),
         ({"input_ids": []}, "must not be empty"),
         ({"input_ids": [[1], [2]]}, "batched"),
         ({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens must be >= 0"),
@@ -77,3 +77,92 @@ def test_response_parsing():
          "output_token_logprobs": [[-0.5, 5, None], [-1.5, 6, None]]}}
     )
     assert r.finish_type == "length" and r.output_token_logprobs == [-0.5, -1.5] and not r.migrated
+
+
+# ---- wire values decoded by msgspec: each refusal is a 400 naming the field path and the value ----------
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"input_ids": [1, True]}, "input_ids[1] must be an integer, got True"),
+    ({"input_ids": [1, [2]]}, "input_ids[1] must be an integer, got [2]"),
+    ({"input_ids": None}, "input_ids must be a list, got None"),
+    ({"input_ids": [1], "dora_draft_sources": [[1], [2, 3.5]]}, "dora_draft_sources[1][1] must be an integer, got 3.5"),
+    ({"input_ids": [1], "dora_draft_sources": [[1, [2]]]}, "dora_draft_sources[0][1] must be an integer, got [2]"),
+    ({"input_ids": [1], "dora_draft_sources": [[1], None]}, "dora_draft_sources[1] must be a list, got None"),
+    ({"input_ids": [1], "dora_draft_sources": {"a": [1]}}, "dora_draft_sources must be a list, got {'a': [1]}"),
+    ({"input_ids": [1], "dora_version": {"v": 1}}, "dora_version must be a string or an integer, got {'v': 1}"),
+    ({"input_ids": [1], "dora_version": True}, "dora_version must be a string or an integer, got True"),
+    ({"input_ids": [1], "dora_version": 2.0}, "dora_version must be a string or an integer, got 2.0"),
+])
+def test_a_wrong_wire_value_is_named_with_its_path(body, message):
+    with pytest.raises(P.ProtocolError) as e:
+        P.GenerateRequest.from_json(body)
+    assert e.value.status == 400 and e.value.message == message
+
+
+def test_valid_wire_values_decode_to_the_same_request():
+    ids = list(range(30_000))  # a long prompt: checked and copied by msgspec in one pass
+    g = P.GenerateRequest.from_json({"input_ids": ids, "dora_version": 7, "dora_draft_sources": None,
+                                     "dora_keep_kv": True})
+    assert g.input_ids == ids and all(type(t) is int for t in g.input_ids)
+    assert g.dora_version == "7" and g.dora_draft_sources == [] and g.dora_keep_kv
+    assert P.GenerateRequest.from_json({"input_ids": [1], "dora_version": "v2"}).dora_version == "v2"
+
+
+@pytest.mark.parametrize("cls, body, message", [
+    (P.UpdateFromDiskRequest, {"model_path": "/m", "weight_version": {"v": 1}},
+     "weight_version must be a string or an integer, got {'v': 1}"),
+    (P.UpdateFromDistributedRequest, {"names": [], "dtypes": [], "shapes": [], "weight_version": [3]},
+     "weight_version must be a string or an integer, got [3]"),
+    (P.DraftSourcesRequest, {"rid": "a", "sources": [[1], [2.5]]}, "sources[1][0] must be an integer, got 2.5"),
+    (P.DraftSourcesRequest, {"rid": "a", "sources": [[1], "ab"]}, "sources[1] must be a list, got 'ab'"),
+    (P.DraftSourcesRequest, {"rid": "a", "sources": 5}, "sources must be a list, got 5"),
+])
+def test_admin_wire_values_are_named_with_their_path(cls, body, message):
+    with pytest.raises(P.ProtocolError) as e:
+        cls.from_json(body)
+    assert e.value.status == 400 and e.value.message == message
+
+
+def test_admin_version_labels_and_absent_sources_decode_as_before():
+    assert P.UpdateFromDiskRequest.from_json({"model_path": "/m", "weight_version": 4}).weight_version == "4"
+    assert P.UpdateFromDiskRequest.from_json({"model_path": "/m"}).weight_version is None
+    assert P.DraftSourcesRequest.from_json({"rid": "a"}).sources == []
+    assert P.DraftSourcesRequest.from_json({"rid": "a", "sources": None}).sources == []
+    assert P.DraftSourcesRequest.from_json({"rid": "a", "sources": [[1, 2]]}).sources == [[1, 2]]
+
+
+@pytest.mark.parametrize("cls, what", [
+    (P.GenerateRequest, "/generate"), (P.AbortRequest, "/abort_request"), (P.PauseRequest, "/pause_generation"),
+    (P.UpdateFromDiskRequest, "/update_weights_from_disk"), (P.DraftSourcesRequest, "/dora/draft_sources"),
+    (P.ExportRequest, "/dora/export_request"),
+])
+def test_a_body_that_is_no_object_is_named(cls, what):
+    with pytest.raises(P.ProtocolError) as e:
+        cls.from_json([1, 2])
+    assert e.value.status == 400 and e.value.message == f"{what}: request body must be a JSON object, got list"
+
+
+@pytest.mark.parametrize("spans, message", [
+    ([{"version": "1", "start": 0, "end": 2}, {"version": "2", "start": "2", "end": 3}],
+     "meta_info.weight_versions[1].start must be an integer, got '2'"),
+    ([{"start": 0, "end": 2}], "missing field meta_info.weight_versions[0].version"),
+    ([["1", 0, 2]], "meta_info.weight_versions[0] must be a JSON object, got ['1', 0, 2]"),
+    ([{"version": {"v": 1}}], "meta_info.weight_versions[0].version must be a string or an integer, got {'v': 1}"),
+    ({"version": "1"}, "meta_info.weight_versions must be a list, got {'version': '1'}"),
+])
+def test_a_malformed_weight_version_span_is_refused_not_skipped(spans, message):
+    """A span the runtime cannot read would drop a version from the check of which weights sampled
+    the answer: it is an error (formerly skipped)."""
+    with pytest.raises(P.ProtocolError) as e:
+        P.GenerateResponse.from_json({"meta_info": {"weight_versions": spans}})
+    assert e.value.status == 400 and e.value.message == message
+
+
+def test_weight_version_spans_decode_as_before():
+    def spans(raw):
+        return P.GenerateResponse.from_json({"meta_info": {"weight_versions": raw}}).weight_versions
+
+    assert spans([{"version": "1", "start": 0, "end": 2}, {"version": 2, "start": 2, "end": 5}]) == [("1", 0, 2),
+                                                                                                   ("2", 2, 5)]
+    assert spans([{"version": "3"}]) == [("3", 0, 0)] and spans(None) == [] and spans([]) == []

@@ -369,6 +369,28 @@ def test_the_kept_kv_moves_to_an_instance_of_the_same_version_only(moe_model):
     assert moved["output_ids"] == plain["output_ids"]
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("version", 0, r"^version must be a string, got 0$"),
+    ("rid", "", r"^rid must be a string of length >= 1, got ''$"),
+    ("tokens", "abc", r"^tokens must be a list, got 'abc'$"),
+    ("tokens", [], r"^tokens must be a list of length >= 1, got \[\]$"),
+    ("tokens", [1, 2.0], r"^tokens\[1\] must be an integer, got 2\.0$"),
+    ("tokens", [1, 10**9], r"^tokens\[1\] must be a token id < \d+, got 1000000000$"),
+])
+def test_a_kept_kv_import_names_a_bad_field_and_value(moe_model, field, value, message):
+    import io
+
+    a = _sched(moe_model)
+    _turn(a, "t", PROMPTS[2])
+    blob = torch.load(io.BytesIO(a.export_kept("t")), weights_only=True)
+    buf = io.BytesIO()
+    torch.save({**blob, field: value}, buf)
+    b = _sched(moe_model)
+    with pytest.raises(ProtocolError, match=message) as err:
+        b.import_kept(buf.getvalue())
+    assert err.value.status == 400 and b.pool.used == 0 and not b.kept.entries
+
+
 def test_a_bf16_instance_keeps_and_moves_its_kv_in_bf16_and_the_next_turn_is_the_same_anywhere(moe_dir):
     """In bf16 a full prefill need not equal the kept KV's incremental one, so the check is the
     move itself: the next turn on the instance the KV was carried to answers exactly as on an

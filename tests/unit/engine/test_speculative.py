@@ -553,16 +553,25 @@ def test_abort_mid_speculation_frees_exactly_its_blocks(moe_model):
     assert sink["b"]["output_ids"] == ref and s.pool.used == 0
 
 
-def test_bad_draft_sources_in_an_import_are_refused(moe_model):
+@pytest.mark.parametrize("field, value, message", [
+    ("draft_sources", [[1, 10**9]], r"^draft_sources\[0\]\[1\] must be a token id < \d+, got 1000000000$"),
+    ("draft_sources", [[1], [2, 2.5]], r"^draft_sources\[1\]\[1\] must be an integer, got 2\.5$"),
+    ("draft_sources", [[1, True]], r"^draft_sources\[0\]\[1\] must be an integer, got True$"),
+    ("prompt_ids", [1, -3], r"^prompt_ids\[1\] must be >= 0, got -3$"),
+    ("version", {"v": 1}, r"^version must be a string or an integer, got \{'v': 1\}$"),
+    ("migrations", True, r"^migrations must be an integer, got True$"),
+])
+def test_bad_fields_in_an_import_are_refused(moe_model, field, value, message):
     src = _sched(moe_model, "group")
     src.submit(_req("a", PROMPTS[0], Collector(), sources=[[1, 2]]))
     src.step()
     blob = torch.load(io.BytesIO(src.export_request("a")), weights_only=True)
-    blob["draft_sources"] = [[1, 10**9]]
+    blob[field] = value
     buf = io.BytesIO()
     torch.save(blob, buf)
-    with pytest.raises(ProtocolError, match="draft_sources"):
+    with pytest.raises(ProtocolError, match=message) as e:
         _sched(moe_model, "group").import_request(buf.getvalue(), None)
+    assert e.value.status == 400
 
 
 def test_unknown_mode_is_refused_at_construction(moe_model):

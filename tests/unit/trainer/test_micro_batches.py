@@ -87,6 +87,39 @@ def test_the_trainer_service_refuses_a_malformed_loss_mask_naming_the_sample():
     (sample,) = decode_train({"step": 0, "samples": [{**good, "loss_mask": [1, 0]}]}).samples
     assert sample.loss_mask == [1, 0] and sample.group_id == "g"
     for mask, match in (([1], r"\.loss_mask must be a list of one 0/1 per response token"), ([1, 2], r"\.loss_mask holds 2"),
-                        ([0, 0], r"\.loss_mask is all 0"), ([1.0, 0], r": Expected `int`, got `float` - at `samples\[1\]\.loss_mask\[0\]`")):
+                        ([0, 0], r"\.loss_mask is all 0"), ([1.0, 0], r"\.loss_mask\[0\] must be an integer, got 1\.0")):
         with pytest.raises(SampleError, match=rf"samples\[1\]{match}"):
             decode_train({"step": 0, "samples": [good, {**good, "loss_mask": mask}]})
+
+
+_GOOD = {"prompt_ids": [1], "response_ids": [2, 3], "rollout_logprobs": [0.0, -0.5], "version": 0, "reward": 1.0,
+         "group_id": "g"}
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"samples": [_GOOD]}, "missing field step"),
+    ({"step": True, "samples": [_GOOD]}, "step must be an integer, got True"),
+    ({"step": 0, "samples": [_GOOD, 5]}, "samples[1] must be a JSON object, got 5"),
+    ({"step": 0, "samples": [{**_GOOD, "response_ids": [2, True]}]}, "samples[0].response_ids[1] must be an integer, got True"),
+    ({"step": 0, "samples": [{**_GOOD, "prompt_ids": [[1]]}]}, "samples[0].prompt_ids[0] must be an integer, got [1]"),
+    ({"step": 0, "samples": [{**_GOOD, "reward": "high"}]}, "samples[0].reward must be a number, got 'high'"),
+    ({"step": 0, "samples": []}, "'samples' must be a non-empty list"),
+    ({"step": 0, "batch": None}, "'samples' must be a non-empty list"),
+    ({"step": 0, "batch": [1]}, "batch must be a JSON object, got [1]"),
+])
+def test_a_malformed_train_body_names_the_field_and_value(body, message):
+    from dora_megatron.comm.train_sample import SampleError, decode_train
+
+    with pytest.raises(SampleError) as e:
+        decode_train(body)
+    assert str(e.value) == message
+
+
+def test_a_train_body_decodes_to_the_same_records():
+    from dora_megatron.comm.train_sample import TrainSample, decode_train
+
+    req = decode_train({"step": 4, "samples": [_GOOD, {**_GOOD, "advantage": 0.5, "loss_mask": [1, 0]}]})
+    assert req.step == 4 and req.batch is None
+    assert req.samples == [TrainSample(**_GOOD), TrainSample(**{**_GOOD, "advantage": 0.5, "loss_mask": [1, 0]})]
+    entry = {"dir": "/run/batches/4", "samples": [{"prompt_tokens": 1}]}
+    assert decode_train({"step": 4, "batch": entry}).batch == entry  # checked by BatchReader, not here

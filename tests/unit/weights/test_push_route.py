@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from dora_megatron.controller.trainer_client import TrainerClient, TrainerError
-from dora_megatron.trainer.service import BadRequest, Command, TrainerService, validate_push
+from dora_megatron.trainer.service import BadRequest, Command, TrainerService, validate_checkpoint, validate_push
 
 
 class FakeWorker:
@@ -42,6 +42,38 @@ class FakeWorker:
 def test_validate_push_rejects(payload, msg):
     with pytest.raises(BadRequest, match=msg):
         validate_push(payload)
+
+
+@pytest.mark.parametrize("payload, message", [
+    ({"engines": [""], "bucket_mb": 1}, "engines[0] must be a string of length >= 1, got ''"),
+    ({"engines": ["http://a"], "bucket_mb": True}, "bucket_mb must be a number, got True"),
+    ({"engines": ["http://a"], "bucket_mb": float("nan")}, "bucket_mb must be > 0.0, got nan"),
+    ({"engines": ["http://a"], "bucket_mb": 1, "master_addr": None}, "master_addr must be a string, got None"),
+    ({"engines": ["http://a"], "bucket_mb": 1, "master_port": "29700"}, "master_port must be an integer, got '29700'"),
+    ({"engines": ["http://a"], "bucket_mb": 1, "timeout_s": 0}, "timeout_s must be > 0.0, got 0"),
+    ({"engines": ["http://a"], "bucket_mb": 1, "gpus": {"http://a": True}}, "gpus[...] must be an integer, in {'http://a': True}"),
+])
+def test_validate_push_names_the_field_and_value(payload, message):
+    with pytest.raises(BadRequest) as e:
+        validate_push(payload)
+    assert str(e.value) == message
+
+
+def test_validate_push_accepts_nulls_for_the_optional_fields():
+    validate_push({"engines": ["http://a"], "bucket_mb": 0.5, "backend": None, "master_port": None, "timeout_s": None,
+                   "gpus": None, "pause_mode": None})
+    validate_push({"engines": ["http://a"], "bucket_mb": 8, "backend": "nccl", "master_port": 29700, "timeout_s": 30,
+                   "gpus": {"http://a": 2}, "pause_mode": "in_place", "master_addr": "10.0.0.1"})
+
+
+@pytest.mark.parametrize("payload, message", [
+    ({}, "missing field path"), ({"path": 5}, "path must be a string, got 5"), ({"path": None}, "path must be a string, got None"),
+])
+def test_a_checkpoint_command_names_a_bad_path(payload, message):
+    with pytest.raises(BadRequest) as e:
+        validate_checkpoint(payload)
+    assert str(e.value) == message
+    assert validate_checkpoint({"path": "/run/ckpt/3", "extra": 1}) == "/run/ckpt/3"
 
 
 def test_execute_dispatches_with_defaults():
