@@ -99,6 +99,12 @@ class RolloutConfig:
                                         "requests take blocks from them first; 0 = keep none)", ge=0.0, le=1.0)
     sglang_args: list[str] = field_doc(default_factory=list, doc="extra command-line flags passed to SGLang (engine=sglang)")
 
+    @property
+    def draft_siblings(self) -> bool:
+        """The controller sends each running request its group's finished siblings as drafts
+        (``speculative: group``); the engine speculates from them."""
+        return self.speculative == "group"
+
     def check(self, path: str) -> None:
         if self.workflow and self.workflow not in ("single_turn", "tool_calling") and ":" not in self.workflow:
             raise ConfigError(f"{path}.workflow", f"{self.workflow!r} is not single_turn, tool_calling, "

@@ -4,8 +4,8 @@ WHY here and not in a launcher: the local launcher, the SLURM node launcher and 
 (tools/controller_scale.py) run the same controller against engines and a trainer they started
 in different ways. Launchers start processes and pass :class:`Endpoints`; what the controller is
 made of (engine and trainer clients, prompts and reward, the orchestrator, restored from a
-checkpoint or new, the journal, the event queue, the runtime and its options) is decided once,
-here, from the config sections that own each setting.
+checkpoint or new, the journal, the event queue, the runtime) is decided once, here; each of the
+runtime's components is handed the config sections it reads.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from urllib.parse import urlsplit
 
 from dora_megatron.config.schema import DoraConfig
-from dora_megatron.controller.records import RuntimeOptions, instance_slots
+from dora_megatron.controller.records import RunPaths, instance_slots
 from dora_megatron.controller.trainer_client import PushOptions
 from dora_megatron.observability.summary import StepRecord
 
@@ -46,43 +46,17 @@ class Endpoints:
     trainer: str
 
 
-def snapshot_dir(run_dir: Path, model_dir: Path, version: int) -> str:
-    """The HF weights of ``version``: the model directory for 0, the per-version snapshot after."""
-    return str(model_dir) if version == 0 else str(run_dir / "weights" / f"v{version:06d}")
-
-
-def checkpoint_dir(run_dir: Path, version: int) -> str:
-    return str(run_dir / "checkpoints" / f"v{version:06d}")
-
-
-def runtime_options(cfg: DoraConfig, run_dir: Path, model_dir: Path, trainer_url: str) -> RuntimeOptions:
-    """What the runtime needs of ``run``, ``rollout``, ``controller``, ``sglang``, ``cluster``,
-    ``observability`` and ``algo``, each read from the section that owns it."""
+def push_options(cfg: DoraConfig, trainer_url: str) -> PushOptions:
+    """The fields of every ``distributed`` broadcast of the run (``controller.weight_transport``),
+    derived from several sections: the bucket size (``controller``), where engines reach the
+    trainer's rendezvous (its URL's host; the fixed port of ``cluster`` under SLURM), and on SGLang
+    the group's backend, ranks per engine and pause mode (``sglang``)."""
     sglang = cfg.rollout.engine == "sglang"
-    ctl = cfg.controller
-    return RuntimeOptions(
-        steps=cfg.run.steps, seed=cfg.run.seed, max_new_tokens=cfg.rollout.max_new_tokens,
-        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-        snapshot_dir=lambda v: snapshot_dir(run_dir, model_dir, v),
-        stats_interval_s=cfg.observability.stats_interval_s,
-        slots_per_instance=instance_slots(cfg.rollout.max_running, cfg.orchestrator.cap_before_rebalance),
-        request_timeout_s=cfg.rollout.request_timeout_s,
-        checkpoint_interval=cfg.run.checkpoint_interval,
-        migration=ctl.migration, health_timeout_s=ctl.health_timeout_s, verify_checksums=ctl.verify_checksums,
-        weight_transport=ctl.weight_transport,
-        push=PushOptions(
-            bucket_mb=ctl.bucket_mb, master_addr=urlsplit(trainer_url).hostname,
-            master_port=(cfg.cluster.weight_group_port or None) if cfg.launch.backend == "slurm" else None,
-            backend=cfg.sglang.weight_group_backend if sglang else None,
-            engine_ranks=cfg.sglang.tp_size if sglang else 1, pause_mode=cfg.sglang.pause_mode if sglang else None),
-        stop_token_ids=tuple(cfg.rollout.stop_token_ids),
-        weight_sync_timeout_s=ctl.weight_sync_timeout_s,
-        checkpoint_dir=lambda v: checkpoint_dir(run_dir, v),
-        stop_checkpoint_timeout_s=ctl.stop_checkpoint_timeout_s,
-        routed_experts=cfg.algo.wants_routed_experts,
-        draft_siblings=cfg.rollout.speculative == "group",
-        draft_push_max_batch=cfg.rollout.spec_max_batch,
-    )
+    return PushOptions(
+        bucket_mb=cfg.controller.bucket_mb, master_addr=urlsplit(trainer_url).hostname,
+        master_port=(cfg.cluster.weight_group_port or None) if cfg.launch.backend == "slurm" else None,
+        backend=cfg.sglang.weight_group_backend if sglang else None,
+        engine_ranks=cfg.sglang.tp_size if sglang else 1, pause_mode=cfg.sglang.pause_mode if sglang else None)
 
 
 def prompt_source(cfg: DoraConfig, codec: TextCodec) -> tuple[PromptSource, RewardScorer, str]:
@@ -176,15 +150,19 @@ def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, mo
         from dora_megatron.controller.journal import Journal
 
         journal = Journal(run_dir)
-    options = runtime_options(cfg, run_dir, model_dir, endpoints.trainer)
-    metrics = MetricsRecorder(slots_per_instance=options.slots_per_instance, rebalancer=orch.policy.rebalance,
+    slots = instance_slots(cfg.rollout.max_running, cfg.orchestrator.cap_before_rebalance)
+    metrics = MetricsRecorder(slots_per_instance=slots, rebalancer=orch.policy.rebalance,
                               warmup_steps=cfg.observability.warmup_steps, sinks=metric_sinks)
     rollout_dump = None
     if cfg.observability.dump_rollouts > 0:
         from dora_megatron.observability.rollout_dump import RolloutDumper
 
         rollout_dump = RolloutDumper(run_dir, cfg.observability.dump_rollouts, codec, writer=background)
-    runtime = Runtime(orch, engines, trainer, source, scorer.score_sync, options, timeline=timeline,
+    # each component reads its own section of the loaded config (the objects themselves)
+    runtime = Runtime(orch, engines, trainer, source, scorer.score_sync, run=cfg.run,
+                      paths=RunPaths(run_dir, model_dir), rollout=cfg.rollout, controller=cfg.controller,
+                      observability=cfg.observability, algo=cfg.algo, push=push_options(cfg, endpoints.trainer),
+                      timeline=timeline,
                       on_step=on_step, on_checkpoint=on_checkpoint, codec=codec, journal=journal, metrics=metrics,
                       load_reports=load_reports, rollout_dump=rollout_dump, events=EventQueue())
     if cfg.rollout.workflow:
@@ -195,9 +173,8 @@ def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, mo
     if evals is not None:
         from dora_megatron.controller.evaluation import Evaluator
 
-        obs = cfg.observability
-        runtime.evaluator = Evaluator(runtime, evals, scorer, samples=obs.eval_samples, interval=obs.eval_interval,
-                                      threshold=obs.eval_pass_threshold, slots=options.slots_per_instance,
+        runtime.evaluator = Evaluator(runtime, evals, scorer, observability=cfg.observability, rollout=cfg.rollout,
+                                      seed=cfg.run.seed, slots=slots,
                                       sinks=metric_sinks if eval_sinks is None else eval_sinks,
                                       out=run_dir / "eval.jsonl", path=cfg.data.eval_path)
     restorable = 0

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Coroutine, Iterator, Protocol
 
 from dora_megatron.events import CheckpointSaved
 from dora_megatron.controller.loop import EventQueue
-from dora_megatron.controller.records import RuntimeOptions, Trainer
+from dora_megatron.controller.records import RunPaths, Trainer
 
 if TYPE_CHECKING:
     from dora_megatron.controller.checkpoint_manifest import FileEntry
@@ -41,7 +41,6 @@ class CheckpointHost(Protocol):
     """What the checkpoint writer uses of the executor that owns it."""
 
     events: EventQueue
-    opt: RuntimeOptions
     trainer: Trainer
     timeline: Timeline | None
 
@@ -51,21 +50,22 @@ class CheckpointHost(Protocol):
 
 
 class CheckpointWriter:
-    """Writes checkpoint ``version`` under ``opt.checkpoint_dir(version)``; ``host``: the executor."""
+    """Writes checkpoint ``version`` under ``paths.checkpoint_dir(version)``; ``host``: the executor."""
 
-    def __init__(self, host: CheckpointHost) -> None:
+    def __init__(self, host: CheckpointHost, paths: RunPaths) -> None:
         self.rt = host
+        self.paths = paths
         # checksums of the trainer part of the checkpoint being written
         self._trainer_manifest: dict[str, FileEntry] = {}
         self._thread: ThreadPoolExecutor | None = None  # writes controller.json (state_file), one at a time
         self._last: Future[None] | None = None  # the run's last checkpoint's write, waited for by close()
 
     def path(self, version: int) -> Path:
-        """Where checkpoint ``version`` goes (``opt.checkpoint_dir``)."""
-        checkpoint_dir = self.rt.opt.checkpoint_dir
-        if checkpoint_dir is None:  # the runtime saves only with a checkpoint directory
-            raise RuntimeError(f"checkpoint v{version} asked for in a run without checkpoints (no checkpoint_dir)")
-        return Path(checkpoint_dir(version))
+        """Where checkpoint ``version`` goes (:meth:`RunPaths.checkpoint_dir`)."""
+        if not self.paths.checkpoints:  # the runtime saves only in a run that writes checkpoints
+            raise RuntimeError(f"checkpoint v{version} asked for in a run without checkpoints (RunPaths.checkpoints "
+                               "is off)")
+        return Path(self.paths.checkpoint_dir(version))
 
     async def save_trainer(self, version: int) -> None:
         """Trainer part of checkpoint ``version`` (model + optimizer via dist_checkpointing); then

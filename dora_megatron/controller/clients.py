@@ -75,13 +75,13 @@ class EngineClients:
         """The client worker processes (``rollout.client_workers``), if any; they push load reports."""
         cfg = self.cfg
         if cfg.rollout.client_workers > 0:
-            from dora_megatron.controller.records import RuntimeOptions
+            from dora_megatron.controller.stats import STATS_CONCURRENCY
             from dora_megatron.rollout.sharded import ClientPool
 
             self.pool = await ClientPool.start(cfg, str(self.model_dir), cfg.rollout.client_workers,
                                                log_dir=self.run_dir / "logs", poll={
                 "interval_s": cfg.observability.stats_interval_s, "health_timeout_s": cfg.controller.health_timeout_s,
-                "concurrency": RuntimeOptions.stats_concurrency}, plan=self.plan)
+                "concurrency": STATS_CONCURRENCY}, plan=self.plan)
 
     def make(self, url: str) -> Engine:
         """The client of the instance at ``url``."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol, Sequence
 
-from dora_megatron.controller.records import RuntimeOptions
 from dora_megatron.observability.recorder import MetricsRecorder
 
 if TYPE_CHECKING:
@@ -61,7 +60,6 @@ def check_format(state: Mapping[str, Any]) -> None:
 class StateHost(Protocol):
     """What the controller state reads and restores of the executor: its components."""
 
-    opt: RuntimeOptions
     metrics: MetricsRecorder
     journal: Journal | None
     store: SampleStore  # the sample store (:mod:`.samples`)

@@ -32,7 +32,9 @@ import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
-from dora_megatron.controller.records import Engine, RuntimeOptions
+from dora_megatron.config.observability import ObservabilityConfig
+from dora_megatron.config.rollout import RolloutConfig
+from dora_megatron.controller.records import Engine
 from dora_megatron.data.codec import TextCodec
 from dora_megatron.data.reward_api import RewardScorer, reward_input
 from dora_megatron.data.tasks import Prompt
@@ -55,10 +57,9 @@ class EvalRoundFailed(RuntimeError):
 
 
 class EvalHost(Protocol):
-    """What the eval rounds use of the executor: its options, renderer and engines, which instances
+    """What the eval rounds use of the executor: its renderer and engines, which instances
     failed, which version each holds, and the weight loads of the final round."""
 
-    opt: RuntimeOptions
     codec: TextCodec
     engines: dict[str, Engine]
     pool: Pool  # which instances failed (:meth:`Pool.is_failed`), which version each holds
@@ -68,21 +69,26 @@ class EvalHost(Protocol):
 class Evaluator:
     """Runs eval rounds of ``prompts`` (:class:`~dora_megatron.data.tasks.Prompt`) on the engines of
     ``runtime`` (:class:`~dora_megatron.controller.runtime.Runtime`); ``scorer``: the run's
-    :class:`~dora_megatron.data.reward_api.RewardScorer`. ``sinks``: scalar writers (TensorBoard,
-    W&B) that get ``eval/...`` at the step evaluated; ``out``: ``eval.jsonl`` (one line per round)."""
+    :class:`~dora_megatron.data.reward_api.RewardScorer`. ``observability``: the config's section
+    (``eval_interval``, ``eval_samples``, ``eval_pass_threshold``); ``rollout`` and ``seed``
+    (``run.seed``): each eval sample is drawn as the rollout's are. ``slots``: eval requests one
+    instance runs at once. ``sinks``: scalar writers (TensorBoard, W&B) that get ``eval/...`` at the
+    step evaluated; ``out``: ``eval.jsonl`` (one line per round); ``path``: ``data.eval_path``, for the summary."""
 
-    def __init__(self, runtime: EvalHost, prompts: Sequence[Prompt], scorer: RewardScorer, *, samples: int,
-                 interval: int, threshold: float, slots: int, sinks: Sequence[Any] = (), out: Path | None = None,
-                 path: str = "") -> None:
+    def __init__(self, runtime: EvalHost, prompts: Sequence[Prompt], scorer: RewardScorer, *,
+                 observability: ObservabilityConfig, rollout: RolloutConfig, seed: int, slots: int,
+                 sinks: Sequence[Any] = (), out: Path | None = None, path: str = "") -> None:
         if not prompts:
             raise ValueError("data.eval_path: no usable rows")
         self.runtime = runtime
         self.prompts = list(prompts)
         self.prompt_ids = [runtime.codec.encode_prompt(p) for p in self.prompts]  # the one renderer
         self.scorer = scorer
-        self.samples = samples
-        self.interval = interval
-        self.threshold = threshold
+        self.samples = observability.eval_samples
+        self.interval = observability.eval_interval
+        self.threshold = observability.eval_pass_threshold
+        self.rollout = rollout
+        self.seed = seed
         self.slots = max(1, slots)
         self.sinks = list(sinks)
         self.out = out
@@ -189,11 +195,11 @@ class Evaluator:
         from dora_megatron.comm.engine_client import VersionMismatch
         from dora_megatron.controller.errors import is_comm_error
 
-        rt, opt = self.runtime, self.runtime.opt
-        seed = zlib.crc32(f"{opt.seed}/eval/{step}/{i}/{j}".encode()) & 0x7FFFFFFF
-        sampling = {"max_new_tokens": opt.max_new_tokens, "temperature": opt.temperature, "top_p": opt.top_p,
-                    "top_k": opt.top_k, "sampling_seed": seed,
-                    "stop_token_ids": list(dict.fromkeys([*rt.codec.eos_ids, *opt.stop_token_ids]))}
+        rt = self.runtime
+        seed = zlib.crc32(f"{self.seed}/eval/{step}/{i}/{j}".encode()) & 0x7FFFFFFF
+        sampling = {"max_new_tokens": self.rollout.max_new_tokens, "temperature": self.rollout.temperature,
+                    "top_p": self.rollout.top_p, "top_k": self.rollout.top_k, "sampling_seed": seed,
+                    "stop_token_ids": list(dict.fromkeys([*rt.codec.eos_ids, *self.rollout.stop_token_ids]))}
         last_problem = "no engine held the weights"
         for attempt in range(MAX_ATTEMPTS):
             iid, version = await self._engine(min_version)

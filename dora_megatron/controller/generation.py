@@ -26,7 +26,9 @@ from dora_megatron.controller.errors import LOCAL_RETRY_S, is_comm_error as _is_
 from dora_megatron.events import EngineReply, InstanceFailed, MigrationFailed, Replayed
 from dora_megatron.controller.loop import EventQueue
 from dora_megatron.controller.pacing import TurnPacer
-from dora_megatron.controller.records import Engine, RuntimeOptions, SampleRecord
+from dora_megatron.config.algo import AlgoConfig
+from dora_megatron.config.rollout import RolloutConfig
+from dora_megatron.controller.records import Engine, SampleRecord
 from dora_megatron.controller.siblings import DraftPushes, finished_sources, running_targets
 from dora_megatron.observability.recorder import MetricsRecorder
 from dora_megatron.observability.trajectories import TrajectoryStats
@@ -55,7 +57,6 @@ class GenerationHost(Protocol):
     engines: dict[str, Engine]
     store: SampleStore  # the sample store (:mod:`.samples`)
     events: EventQueue
-    opt: RuntimeOptions
     metrics: MetricsRecorder
     timeline: Timeline | None
     journal: Journal | None
@@ -72,10 +73,15 @@ class GenerationHost(Protocol):
 
 class Generation:
     """Carries out :class:`Dispatch` and :class:`Submit` actions and applies engine answers
-    (DESIGN section 5.3); ``host``: the executor."""
+    (DESIGN section 5.3); ``host``: the executor. ``rollout``: the request timeout and group
+    speculation (``speculative``, ``spec_max_batch``); ``algo``: whether engines are asked for the
+    routed experts (:attr:`~dora_megatron.config.algo.AlgoConfig.wants_routed_experts`); both the
+    config's sections themselves."""
 
-    def __init__(self, host: GenerationHost) -> None:
+    def __init__(self, host: GenerationHost, rollout: RolloutConfig, algo: AlgoConfig) -> None:
         self.rt = host
+        self.rollout = rollout
+        self.algo = algo
         self.version_refusals = 0
         self._refusal_streak: dict[str, int] = {}  # instance -> refusals in a row of its own version
         #: instances whose answers carry no routed_experts although asked for (same rule)
@@ -162,7 +168,7 @@ class Generation:
         rec.version = a.version
         engine = rt.engines[a.instance]
         rec.gen_task, rec.gen_instance = asyncio.current_task(), a.instance
-        delay, deadline = LOCAL_RETRY_S[0], time.monotonic() + rt.opt.request_timeout_s
+        delay, deadline = LOCAL_RETRY_S[0], time.monotonic() + self.rollout.request_timeout_s
         while True:
             start = rt.now()
             try:
@@ -227,22 +233,22 @@ class Generation:
         if rt.workflow is None:
             return await engine.generate([*rec.prompt_ids, *rec.response_ids], rt.store.sampling(rec), rid=a.sample_id,
                                          return_logprob=True, version=a.version,
-                                         **({"routed_experts": True} if rt.opt.routed_experts else {}),
+                                         **({"routed_experts": True} if self.algo.wants_routed_experts else {}),
                                          **({"draft_sources": finished_sources(rec, rt.store.siblings(rec))}
-                                            if rt.opt.draft_siblings else {}))
+                                            if self.rollout.draft_siblings else {}))
         turn = rt.turns.open(rec, a.instance, engine)
         try:
             return await rt.workflow.run(engine, rt.store.groups[rec.group_id].prompt, rec.prompt_ids,
                                          sample_id=a.sample_id, version=a.version, sampling=rt.store.sampling(rec),
-                                         routed_experts=rt.opt.routed_experts, turns=turn)
+                                         routed_experts=self.algo.wants_routed_experts, turns=turn)
         finally:
             rt.turns.close(turn)
 
     def _may_push(self, instance: str) -> bool:
         """Whether draft pushes to ``instance`` are useful now: it holds at most
-        ``draft_push_max_batch`` requests (``rollout.spec_max_batch``, above which the engine does not
-        speculate; 0: always), by the orchestrator's own count of what it placed there."""
-        bound = self.rt.opt.draft_push_max_batch
+        ``rollout.spec_max_batch`` requests (above which the engine does not speculate; 0, which the
+        config refuses, would mean always), by the orchestrator's own count of what it placed there."""
+        bound = self.rollout.spec_max_batch
         inst = self.rt.orch.instances.get(instance)
         return inst is not None and inst.alive and (bound <= 0 or inst.load <= bound)
 
@@ -277,7 +283,7 @@ class Generation:
         reason = rt.store.apply(rec, resp)
         if reason == "abort":
             return None  # interrupted (partial mode) or failed over: a later Submit(resume) continues it
-        if rt.opt.routed_experts:  # covers prompt + every output token (the last submission's input is all of it)
+        if self.algo.wants_routed_experts:  # covers prompt + every output token (the last submission's input is all of it)
             try:
                 rt.store.keep_routed(rec, compact_routed((resp.raw.get("meta_info") or {}).get("routed_experts")))
             except BatchFileError as err:  # a malformed answer: the sample is kept, without routing
@@ -290,7 +296,7 @@ class Generation:
                 log.warning("%s answers without routed_experts (launched without "
                             "--enable-return-routed-experts?); its samples carry none (counted as "
                             "routed_experts_unavailable)", instance)
-        if rt.opt.draft_siblings:
+        if self.rollout.draft_siblings:
             # offered first: a push this finish holds (its instance not yet counted down) is then
             # among what ``finished`` looks at again once the turn is over
             self.drafts.offer(running_targets(rec, rt.store.siblings(rec)), [*rec.prompt_ids, *rec.response_ids])

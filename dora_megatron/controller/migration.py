@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from dora_megatron.controller.errors import is_comm_error as _is_comm_error, is_local as _is_local
 from dora_megatron.events import EngineReply, InstanceFailed, MigrationDone, MigrationFailed
 from dora_megatron.controller.loop import EventQueue
-from dora_megatron.controller.records import Engine, RuntimeOptions
+from dora_megatron.config.controller import ControllerConfig
+from dora_megatron.controller.records import Engine
 from dora_megatron.orchestrator import Interrupt, Migrate, Submit
 
 if TYPE_CHECKING:
@@ -69,7 +70,6 @@ class MoveHost(Protocol):
     engines: dict[str, Engine]
     store: SampleStore  # the sample store: a finishing answer's reward is scored off the loop (:mod:`.samples`)
     events: EventQueue
-    opt: RuntimeOptions
     timeline: Timeline | None
     workflow: WorkflowRunner | None
     turns: Turns  # a workflow's runs: one moved or interrupted mid-turn is dropped
@@ -81,10 +81,12 @@ class MoveHost(Protocol):
 
 
 class Migrations:
-    """Carries out :class:`Migrate` and :class:`Interrupt` actions; ``host``: the executor."""
+    """Carries out :class:`Migrate` and :class:`Interrupt` actions; ``host``: the executor;
+    ``controller``: the config's section (``migration``: kv or reprefill)."""
 
-    def __init__(self, host: MoveHost) -> None:
+    def __init__(self, host: MoveHost, controller: ControllerConfig) -> None:
         self.rt = host
+        self.controller = controller
         # instance -> what a switch of it waits for: migrations into it (until they end), migrations
         # out of it (until the source let the request go) and interrupts
         self._moves_at: dict[str, set[asyncio.Future[Any]]] = {}
@@ -149,7 +151,7 @@ class Migrations:
         try:
             # a workflow whose run has not started yet (its submission waits for an earlier
             # operation) moves by abort + resubmit: there is no turn to carry
-            use_kv = ((self.rt.workflow is None or gate is not None) and self.rt.opt.migration == "kv"
+            use_kv = ((self.rt.workflow is None or gate is not None) and self.controller.migration == "kv"
                       and await src.supports("export_request") and await dst.supports("import_request"))
             if use_kv:
                 for _ in range(50):  # the generate may not have reached the engine yet

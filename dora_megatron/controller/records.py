@@ -1,4 +1,4 @@
-"""The runtime's vocabulary: the engine and trainer interfaces it drives, its options, and the
+"""The runtime's vocabulary: the engine and trainer interfaces it drives, the run's paths, and the
 records it keeps per sample and per group (a step's is the recorder's
 :class:`~dora_megatron.observability.summary.StepRecord`).
 
@@ -11,16 +11,11 @@ from __future__ import annotations
 import asyncio
 from array import array
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from pathlib import Path
+from typing import Any, Mapping, Protocol, Sequence
 
 from dora_megatron.comm.protocol import GenerateResponse
 from dora_megatron.comm.train_sample import TrainSample
-from dora_megatron.config.controller import ControllerConfig
-from dora_megatron.config.observability import ObservabilityConfig
-from dora_megatron.config.orchestrator import OrchestratorConfig
-from dora_megatron.config.rollout import RolloutConfig
-from dora_megatron.config.run import RunConfig
-from dora_megatron.controller.trainer_client import PushOptions
 from dora_megatron.data.tasks import Prompt
 
 
@@ -138,43 +133,24 @@ def instance_slots(max_running: int, cap_before_rebalance: int) -> int:
     return min(max_running, cap_before_rebalance)
 
 
-@dataclass
-class RuntimeOptions:
-    """What the runtime reads of the config, filled from each owning section by
-    :func:`~dora_megatron.controller.build.runtime_options`.
+@dataclass(frozen=True)
+class RunPaths:
+    """Where a run's weights and checkpoints live, by version: the one value the controller's
+    components need that is no config key (the launcher decides the run and model directories).
 
-    WHY the defaults name the config: each default is owned once, by the config section's field
-    (``field_doc``, documented in docs/configuration.md); the defaults here read it, so a test or
-    tool that builds options by hand runs with what ``dora train`` would (and
-    tests/unit/controller/test_runtime_options.py checks they agree field by field)."""
+    WHY a record and not two callables: the snapshot and checkpoint layouts are the trainer's and
+    the launcher's too (``RUN_DIR/weights/vNNNNNN``, ``RUN_DIR/checkpoints/vNNNNNN``); one typed
+    value says them once. ``checkpoints=False``: the run writes no checkpoint, not even the final
+    one (a runtime driven without a run to resume, e.g. the tests' fake fleets)."""
 
-    steps: int
-    seed: int
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    snapshot_dir: Callable[[int], str]  # version -> HF snapshot directory
-    stats_interval_s: float = ObservabilityConfig.stats_interval_s
-    stats_concurrency: int = 64  # stats polls in flight at once during one sweep (not a config key)
-    slots_per_instance: int = instance_slots(RolloutConfig.max_running, OrchestratorConfig.cap_before_rebalance)
-    request_timeout_s: float = RolloutConfig.request_timeout_s
-    health_timeout_s: float = ControllerConfig.health_timeout_s
-    verify_checksums: bool = ControllerConfig.verify_checksums
-    # "kv": export/import when both engines offer it; "reprefill": abort + resubmit
-    migration: str = ControllerConfig.migration
-    # "distributed": the trainer broadcasts the newest version to switching engines
-    weight_transport: str = ControllerConfig.weight_transport
-    push: PushOptions = field(default_factory=PushOptions)  # how the trainer broadcasts (distributed transport)
-    stop_token_ids: tuple[int, ...] = ()  # extra ids that end a sample (the codec's EOS always does)
-    # one instance's weight update; slower = the instance failed
-    weight_sync_timeout_s: float = ControllerConfig.weight_sync_timeout_s
-    checkpoint_interval: int = RunConfig.checkpoint_interval  # steps; 0 = only at the end
-    checkpoint_dir: Callable[[int], str] | None = None  # version -> checkpoint directory (None: no checkpoints)
-    # a stop request waits this long for the next step boundary
-    stop_checkpoint_timeout_s: float = ControllerConfig.stop_checkpoint_timeout_s
-    routed_experts: bool = False  # ask engines for routed experts and hand them to the trainer (algo.routing_replay)
-    draft_siblings: bool = False  # send each request its group's finished siblings (rollout.speculative=group)
-    # push them only to instances running at most this many (0: always)
-    draft_push_max_batch: int = RolloutConfig.spec_max_batch
+    run_dir: Path
+    model_dir: Path  # version 0's weights (the model the run starts from)
+    checkpoints: bool = True
 
+    def snapshot_dir(self, version: int) -> str:
+        """The HF weights of ``version``: the model directory for 0, the per-version snapshot after."""
+        return str(self.model_dir) if version == 0 else str(self.run_dir / "weights" / f"v{version:06d}")
+
+    def checkpoint_dir(self, version: int) -> str:
+        """Checkpoint ``version``'s directory (trainer part and ``controller.json``)."""
+        return str(self.run_dir / "checkpoints" / f"v{version:06d}")

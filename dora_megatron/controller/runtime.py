@@ -35,6 +35,11 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable, Coroutine
 
+from dora_megatron.config.algo import AlgoConfig
+from dora_megatron.config.controller import ControllerConfig
+from dora_megatron.config.observability import ObservabilityConfig
+from dora_megatron.config.rollout import RolloutConfig
+from dora_megatron.config.run import RunConfig
 from dora_megatron.controller.checkpointing import CheckpointWriter
 from dora_megatron.controller.controller_state import ControllerState
 from dora_megatron.controller.generation import Generation
@@ -43,11 +48,12 @@ from dora_megatron.events import (EngineReply, InstanceFailed, InstanceJoined, R
 from dora_megatron.controller.loop import EventQueue
 from dora_megatron.controller.migration import Migrations
 from dora_megatron.controller.pool import Pool
-from dora_megatron.controller.records import Engine, LoadReports, RuntimeOptions, Trainer
+from dora_megatron.controller.records import Engine, LoadReports, RunPaths, Trainer, instance_slots
 from dora_megatron.controller.replay import JournalReplay
 from dora_megatron.controller.samples import RewardFn, SampleStore
 from dora_megatron.controller.stats import StatsPoller
 from dora_megatron.controller.summary import run_summary
+from dora_megatron.controller.trainer_client import PushOptions
 from dora_megatron.controller.training import Training
 from dora_megatron.controller.turns import Turns
 from dora_megatron.controller.weight_sync import WeightSync
@@ -68,7 +74,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 class Runtime:
-    """Runs ``options.steps`` training steps; returns the run summary (DESIGN section 11).
+    """Runs ``run.steps`` training steps; returns the run summary (DESIGN section 11).
 
     The executor of the :class:`~dora_megatron.controller.loop.ControllerLoop` that
     :func:`~dora_megatron.controller.main.drive` runs: each action
@@ -81,16 +87,26 @@ class Runtime:
     :attr:`stats` (:mod:`.stats`), over the samples of :attr:`store` (:mod:`.samples`). It owns
     only the run's tasks, its clock and its end (:meth:`stop`). Components never import each
     other at run time: what one asks of another it asks of the sibling its ``*Host`` protocol
-    names (e.g. the moves' ``generation``, a switch's ``moves``), reached through this executor."""
+    names (e.g. the moves' ``generation``, a switch's ``moves``), reached through this executor.
+    Each component is handed the config sections it reads, the loaded config's own objects (no
+    copy of their values is kept here)."""
 
     def __init__(self, orch: Orchestrator, engines: dict[str, Engine], trainer: Trainer, source: PromptSource,
-                 reward_fn: RewardFn, options: RuntimeOptions, *, timeline: Timeline | None = None,
+                 reward_fn: RewardFn, *, run: RunConfig, paths: RunPaths, rollout: RolloutConfig | None = None,
+                 controller: ControllerConfig | None = None, observability: ObservabilityConfig | None = None,
+                 algo: AlgoConfig | None = None, push: PushOptions | None = None, timeline: Timeline | None = None,
                  on_step: Callable[[StepRecord, "Runtime"], None] | None = None,
                  on_checkpoint: Callable[[int], None] | None = None, first_prompt: int = 0,
                  codec: TextCodec | None = None, journal: Journal | None = None, metrics: MetricsRecorder | None = None,
                  load_reports: LoadReports | None = None, rollout_dump: RolloutDumper | None = None,
                  events: EventQueue) -> None:
-        """``reward_fn``: the training reward, blocking (e.g. a scorer's ``score_sync``; see
+        """The config sections, each handed to the components that read it: ``run`` (the steps, the
+        seed, the checkpoint interval), ``rollout`` (sampling, the request timeout, group
+        speculation), ``controller`` (migrations, timeouts, weight transport and checks),
+        ``observability`` (the stats interval), ``algo`` (routed experts); a section left out is
+        the config's default. ``paths``: the run's snapshot and checkpoint directories;
+        ``push``: the ``distributed`` broadcast's fields (default: ``controller.bucket_mb`` and the
+        trainer's own choices). ``reward_fn``: the training reward, blocking (e.g. a scorer's ``score_sync``; see
         :data:`~dora_megatron.controller.samples.RewardFn`). ``events``: the queue of the :class:`~dora_megatron.controller.loop.ControllerLoop` that
         drives this executor (made by whoever builds the controller): every task reports there.
         ``load_reports``: pushed load reports of the engines it covers, taken once per stats
@@ -106,17 +122,21 @@ class Runtime:
         self.orch = orch
         self.engines = engines
         self.trainer = trainer
-        self.opt = options
+        rollout = rollout if rollout is not None else RolloutConfig()
+        controller = controller if controller is not None else ControllerConfig()
+        observability = observability if observability is not None else ObservabilityConfig()
+        algo = algo if algo is not None else AlgoConfig()
         self.timeline = timeline
         self.codec: TextCodec = codec or CharCodec()
         #: the outstanding groups' prompts, tokens and rewards, and the batch hand-off (:mod:`.samples`)
-        self.store = SampleStore(source, self.codec, reward_fn, options, first_prompt)
-        if options.routed_experts:  # the trainer client's spool (a client with batch files has one)
+        self.store = SampleStore(source, self.codec, reward_fn, rollout, run.seed, first_prompt)
+        if algo.wants_routed_experts:  # the trainer client's spool (a client with batch files has one)
             self.store.routed_spool = getattr(trainer, "routed_spool", None)
         self.journal = journal
         #: every metric of the run (summary.json, steps.jsonl, TensorBoard) comes from these events
-        self.metrics = metrics or MetricsRecorder(slots_per_instance=options.slots_per_instance,
-                                                  rebalancer=orch.policy.rebalance)
+        self.metrics = metrics or MetricsRecorder(
+            slots_per_instance=instance_slots(rollout.max_running, orch.config.cap_before_rebalance),
+            rebalancer=orch.policy.rebalance)
         #: this process's back-pressure count (calls that waited for a pooled connection), read at the
         #: run's end; set by the launcher (:attr:`~dora_megatron.controller.clients.EngineClients.connection_waits`)
         self.connection_waits: Callable[[], int] | None = None
@@ -126,22 +146,23 @@ class Runtime:
         self._t0 = 0.0
         self.events = events
         #: submissions, their answers and the workflow's turns (:mod:`.generation`)
-        self.generation = Generation(self)
+        self.generation = Generation(self, rollout, algo)
         #: the trainer step, the checkpoint decision and the end of the run (:mod:`.training`)
-        self.training = Training(self, on_step)
+        self.training = Training(self, run, controller, paths, on_step)
         #: instance membership and failures (:mod:`.pool`)
         self.pool = Pool(self)
         #: the event source of load reports and ticks (:mod:`.stats`)
-        self.stats = StatsPoller(orch, engines, self.events, options, self.generation.local_shortage, load_reports,
-                                 on_sweep=self.generation.drafts.release_ready)
+        self.stats = StatsPoller(orch, engines, self.events, observability, controller, self.generation.local_shortage,
+                                 load_reports, on_sweep=self.generation.drafts.release_ready)
         #: switches, their checks and the ``distributed`` push (:mod:`.weight_sync`)
-        self.weights = WeightSync(self)
+        self.weights = WeightSync(self, controller, paths,
+                                  push if push is not None else PushOptions(bucket_mb=controller.bucket_mb))
         #: migrations and interrupts of in-flight requests (:mod:`.migration`)
-        self.moves = Migrations(self)
+        self.moves = Migrations(self, controller)
         #: a workflow's trajectories between their turns (:mod:`.turns`)
         self.turns = Turns(self)
         #: the checkpoint files: the trainer's part, then controller.json (:mod:`.checkpointing`)
-        self.checkpoints = CheckpointWriter(self)
+        self.checkpoints = CheckpointWriter(self, paths)
         #: what controller.json holds, cut and restored (:mod:`.controller_state`)
         self.controller_state = ControllerState(self, on_checkpoint)
         #: finished samples the journal recorded after the checkpoint resumed from (:mod:`.replay`)
@@ -313,13 +334,13 @@ class Runtime:
                 v = self.pool.instance_version(iid)
                 if v is not None:
                     self.timeline.set_version(iid, v, start)
-        if resumed.resumed and self.training.steps_done >= self.opt.steps:
+        if resumed.resumed and self.training.steps_done >= self.training.run.steps:
             # every step was done before the checkpoint: nothing to dispatch, and no
             # on_step_finished will ever come to end the run
             self._done.set()
         elif resumed.resumed:
             self.training.idle_since(self.now())
-            pending = resumed.pending_step_finished if self.training.steps_done < self.opt.steps else None
+            pending = resumed.pending_step_finished if self.training.steps_done < self.training.run.steps else None
             self.events.post(Resume(tuple(i for i in self.engines if i not in self.pool.absent_at_start), pending))
         else:
             self.events.post(Start())

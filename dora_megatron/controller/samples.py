@@ -22,7 +22,8 @@ from typing import Any, Callable
 from dora_megatron.comm.batch_files import compact_routed
 from dora_megatron.comm.routed_spool import RoutedSpool, SpoolError, SpooledRouted
 from dora_megatron.comm.train_sample import TrainSample
-from dora_megatron.controller.records import GroupRecord, RuntimeOptions, SampleRecord, entry_tokens
+from dora_megatron.config.rollout import RolloutConfig
+from dora_megatron.controller.records import GroupRecord, SampleRecord, entry_tokens
 from dora_megatron.data.codec import TextCodec
 from dora_megatron.data.reward_api import RewardInput, RewardResult, reward_input
 from dora_megatron.data.tasks import PromptSource
@@ -53,14 +54,18 @@ class ReleasedBatch:
 class SampleStore:
     """The outstanding groups' records: dispatched (:meth:`dispatch`), filled by engine answers
     (:meth:`apply`, :meth:`score`), handed to the trainer (:meth:`take_batch`), checkpointed
-    (:meth:`state_entries`, :meth:`load_entries`)."""
+    (:meth:`state_entries`, :meth:`load_entries`).
+
+    ``rollout``: the sampling settings of every submission (the config's section itself);
+    ``seed``: the run's seed (``run.seed``), drawn into each submission's sampling seed."""
 
     def __init__(self, source: PromptSource, codec: TextCodec, reward_fn: RewardFn,
-                 options: RuntimeOptions, first_prompt: int = 0) -> None:
+                 rollout: RolloutConfig, seed: int, first_prompt: int = 0) -> None:
         self.source = source
         self.codec = codec
         self.reward_fn = reward_fn
-        self.opt = options
+        self.rollout = rollout
+        self.seed = seed
         self.next_prompt = first_prompt
         self.samples: dict[str, SampleRecord] = {}
         self.groups: dict[str, GroupRecord] = {}
@@ -91,11 +96,11 @@ class SampleStore:
     def sampling(self, rec: SampleRecord) -> dict[str, Any]:
         """Sampling parameters of ``rec``'s next submission: the tokens it has left, and a seed of
         the run, the sample and its submission count (a resubmission draws anew)."""
-        seed = zlib.crc32(f"{self.opt.seed}/{rec.sample_id}/{rec.submissions}".encode()) & 0x7FFFFFFF
+        seed = zlib.crc32(f"{self.seed}/{rec.sample_id}/{rec.submissions}".encode()) & 0x7FFFFFFF
         return {
-            "max_new_tokens": max(1, self.opt.max_new_tokens - len(rec.response_ids)),
-            "temperature": self.opt.temperature, "top_p": self.opt.top_p, "top_k": self.opt.top_k,
-            "stop_token_ids": list(dict.fromkeys([*self.codec.eos_ids, *self.opt.stop_token_ids])),
+            "max_new_tokens": max(1, self.rollout.max_new_tokens - len(rec.response_ids)),
+            "temperature": self.rollout.temperature, "top_p": self.rollout.top_p, "top_k": self.rollout.top_k,
+            "stop_token_ids": list(dict.fromkeys([*self.codec.eos_ids, *self.rollout.stop_token_ids])),
             "sampling_seed": seed,
         }
 

@@ -17,27 +17,39 @@ from typing import Any, Callable
 from dora_megatron.controller.errors import is_local
 from dora_megatron.events import InstanceFailed, InstanceStats, Tick
 from dora_megatron.controller.loop import EventQueue
-from dora_megatron.controller.records import Engine, LoadReports, RuntimeOptions
+from dora_megatron.config.controller import ControllerConfig
+from dora_megatron.config.observability import ObservabilityConfig
+from dora_megatron.controller.records import Engine, LoadReports
 from dora_megatron.orchestrator import Orchestrator
 from dora_megatron.rollout.speculation import counter_growth
 
 log = logging.getLogger(__name__)
+
+#: stats polls in flight at once during one sweep (not a config key; the client workers' own polls,
+#: ``rollout.client_workers``, use the same bound: :mod:`~dora_megatron.controller.clients`)
+STATS_CONCURRENCY = 64
 
 
 class StatsPoller:
     """Polls (or takes pushed reports of) every live instance's load, ``stats_interval_s`` apart.
 
     ``engines``: the pool, shared with the executor (instances may join while it runs);
-    ``on_local_shortage(what, err)``: counts a poll that failed for the controller's own shortage
-    (the instance is not failed for it)."""
+    ``observability``: ``stats_interval_s``; ``controller``: ``health_timeout_s`` (the config's
+    sections themselves); ``on_local_shortage(what, err)``: counts a poll that failed for the
+    controller's own shortage (the instance is not failed for it); ``concurrency``: polls in flight
+    at once."""
 
-    def __init__(self, orch: Orchestrator, engines: dict[str, Engine], events: EventQueue, options: RuntimeOptions,
+    def __init__(self, orch: Orchestrator, engines: dict[str, Engine], events: EventQueue,
+                 observability: ObservabilityConfig, controller: ControllerConfig,
                  on_local_shortage: Callable[[str, BaseException], None],
-                 load_reports: LoadReports | None = None, on_sweep: Callable[[], None] | None = None) -> None:
+                 load_reports: LoadReports | None = None, on_sweep: Callable[[], None] | None = None,
+                 concurrency: int = STATS_CONCURRENCY) -> None:
         self.orch = orch
         self.engines = engines
         self.events = events
-        self.opt = options
+        self.observability = observability
+        self.controller = controller
+        self.concurrency = concurrency
         self.on_local_shortage = on_local_shortage
         #: pushed load reports of the engines it covers, taken once per sweep instead of polling them
         self.load_reports = load_reports
@@ -62,12 +74,12 @@ class StatsPoller:
                 if self._is_failed(iid) or self.engines.get(iid) is not engine:
                     return
                 try:
-                    info = await asyncio.wait_for(engine.server_info(), timeout=self.opt.health_timeout_s)
+                    info = await asyncio.wait_for(engine.server_info(), timeout=self.controller.health_timeout_s)
                     break
                 except asyncio.TimeoutError:
                     if attempt == 2:
                         self.events.post(InstanceFailed(
-                            iid, f"server_info did not answer within {self.opt.health_timeout_s:g} s "
+                            iid, f"server_info did not answer within {self.controller.health_timeout_s:g} s "
                                  "(controller.health_timeout_s), twice in a row", engine))
                         return
                     log.info("stats poll of %s timed out; asking again before failing it", iid)
@@ -112,10 +124,10 @@ class StatsPoller:
     async def run(self, done: asyncio.Event) -> None:
         """Event source (the one place stats are polled): every ``stats_interval_s`` until ``done``,
         one sweep over every live instance, then a :class:`Tick`. WHY concurrent (at most
-        ``stats_concurrency`` calls in flight): asked one after the other, a sweep takes N round
+        ``concurrency`` calls in flight): asked one after the other, a sweep takes N round
         trips, so at a few hundred instances the load the orchestrator decides on is seconds old
         (tools/controller_scale.py measured a 6 s poll interval at 256 instances)."""
-        slots = asyncio.Semaphore(max(1, self.opt.stats_concurrency))
+        slots = asyncio.Semaphore(max(1, self.concurrency))
         while not done.is_set():
             pushed = self.load_reports
             if pushed is not None:
@@ -129,6 +141,6 @@ class StatsPoller:
             if self.on_sweep is not None:
                 self.on_sweep()
             try:
-                await asyncio.wait_for(done.wait(), timeout=self.opt.stats_interval_s)
+                await asyncio.wait_for(done.wait(), timeout=self.observability.stats_interval_s)
             except asyncio.TimeoutError:
                 pass

@@ -20,9 +20,11 @@ from dora_megatron.comm.train_sample import TrainSample, encode_train
 @dataclass(frozen=True)
 class PushOptions:
     """The fields of ``POST /push_weights`` that stay the same for every push of a run
-    (``controller.weight_transport: distributed``); the launcher fills them from the config."""
+    (``controller.weight_transport: distributed``); the launcher fills them from the config
+    (:func:`~dora_megatron.controller.build.push_options`). ``bucket_mb`` is ``controller.bucket_mb``
+    (no default of its own); the rest default to what the trainer chooses alone."""
 
-    bucket_mb: float = 256.0
+    bucket_mb: float
     master_addr: str | None = None  # where engines reach the trainer's rendezvous (None: the trainer's loopback)
     master_port: int | None = None  # its store port (None: a free port per push)
     backend: str | None = None  # gloo | nccl (None: the trainer's choice by its device)

@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, Any, Callable, Coroutine, Protocol
 from dora_megatron.comm.train_sample import TrainSample
 from dora_megatron.events import TrainerDone
 from dora_megatron.controller.loop import EventQueue
-from dora_megatron.controller.records import RuntimeOptions, Trainer
+from dora_megatron.config.controller import ControllerConfig
+from dora_megatron.config.run import RunConfig
+from dora_megatron.controller.records import RunPaths, Trainer
 from dora_megatron.observability.recorder import MetricsRecorder
 from dora_megatron.observability.summary import StepRecord
 from dora_megatron.orchestrator import Orchestrator, ReleaseBatch
@@ -42,7 +44,6 @@ class TrainingHost(Protocol):
     trainer: Trainer
     store: SampleStore  # the sample store: the batch hand-off (:mod:`.samples`)
     events: EventQueue
-    opt: RuntimeOptions
     metrics: MetricsRecorder
     timeline: Timeline | None
     evaluator: Evaluator | None
@@ -60,11 +61,17 @@ class TrainingHost(Protocol):
 
 class Training:
     """Carries out :class:`ReleaseBatch` actions and logs each trained step (DESIGN section 5.3);
-    ``host``: the executor; ``on_step(record, host)``: after each step's record (the launcher's
-    outputs; the run's records are the recorder's, ``host.metrics.rows``)."""
+    ``host``: the executor; ``run``: the config's section (``steps``, ``checkpoint_interval``);
+    ``controller``: the config's section (``stop_checkpoint_timeout_s``); ``paths``: whether the run
+    writes checkpoints (:attr:`RunPaths.checkpoints`); ``on_step(record, host)``: after each step's
+    record (the launcher's outputs; the run's records are the recorder's, ``host.metrics.rows``)."""
 
-    def __init__(self, host: TrainingHost, on_step: Callable[[StepRecord, Any], None] | None = None) -> None:
+    def __init__(self, host: TrainingHost, run: RunConfig, controller: ControllerConfig, paths: RunPaths,
+                 on_step: Callable[[StepRecord, Any], None] | None = None) -> None:
         self.rt = host
+        self.run = run
+        self.controller = controller
+        self.paths = paths
         self.on_step = on_step
         self.steps_done = 0  # steps of the run so far, resumed ones included
         #: a stop asked from outside (the launcher's first SIGINT/SIGTERM/SIGUSR1): its reason, and the
@@ -127,19 +134,19 @@ class Training:
         if self.on_step is not None:
             self.on_step(record, rt)
         self._trainer_idle_since = end
-        finished = self.steps_done >= rt.opt.steps
+        finished = self.steps_done >= self.run.steps
         last = finished or self.stop_reason is not None  # a stop ends the run here
         if rt.evaluator is not None:  # a round of these weights, beside the rollout (or the final one)
             rt.evaluator.after_step(self.steps_done, new_version, finished)
-        due = rt.opt.checkpoint_dir is not None and (
-            last or bool(rt.opt.checkpoint_interval and new_version % rt.opt.checkpoint_interval == 0))
+        interval = self.run.checkpoint_interval
+        due = self.paths.checkpoints and (last or bool(interval and new_version % interval == 0))
         if due and self.stop_reason is not None:
             self._stop_at_boundary = True  # the step ended in time: its checkpoint is not abandoned
         return new_version, due
 
     def is_last(self) -> bool:
         """Whether the run ends at this step boundary: every step done, or a stop was asked."""
-        return self.steps_done >= self.rt.opt.steps or self.stop_reason is not None
+        return self.steps_done >= self.run.steps or self.stop_reason is not None
 
     def checkpoint_cut(self, version: int) -> None:
         """Checkpoint ``version`` was cut: on a stop request it is the one ``--resume`` goes on from."""
@@ -166,7 +173,7 @@ class Training:
         if self.stop_reason is not None or self.rt.is_done():
             return
         self.stop_reason = reason
-        timeout = self.rt.opt.stop_checkpoint_timeout_s
+        timeout = self.controller.stop_checkpoint_timeout_s
         log.warning("stop asked (%s): checkpoint at the end of the current step (at most %.0f s, "
                     "controller.stop_checkpoint_timeout_s), then exit", reason, timeout)
         self.rt.spawn(self._abandon_after(timeout), "stop-timeout")
@@ -182,6 +189,6 @@ class Training:
         """The summary's end of the run: ``status`` is "completed"; "stopped" (a stop request:
         checkpoint ``stop_checkpoint`` written, ``--resume`` goes on from it); or
         "stopped_without_checkpoint" (the step was abandoned: the last complete checkpoint stays)."""
-        status = ("completed" if self.stop_reason is None or self.steps_done >= self.rt.opt.steps else
+        status = ("completed" if self.stop_reason is None or self.steps_done >= self.run.steps else
                   "stopped" if self.stop_checkpoint is not None else "stopped_without_checkpoint")
         return {"status": status, "stopped_by": self.stop_reason, "stop_checkpoint": self.stop_checkpoint}

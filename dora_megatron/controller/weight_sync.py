@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any, Coroutine, Protocol
 from dora_megatron.controller.errors import LOCAL_RETRY_S, is_comm_error as _is_comm_error, is_local as _is_local
 from dora_megatron.events import InstanceFailed, SwitchDone
 from dora_megatron.controller.loop import EventQueue
-from dora_megatron.controller.records import Engine, RuntimeOptions, Trainer
+from dora_megatron.config.controller import ControllerConfig
+from dora_megatron.controller.records import Engine, RunPaths, Trainer
+from dora_megatron.controller.trainer_client import PushOptions
 from dora_megatron.observability.recorder import MetricsRecorder
 from dora_megatron.orchestrator import SwitchVersion
 
@@ -41,7 +43,6 @@ class SyncHost(Protocol):
     events: EventQueue
     metrics: MetricsRecorder
     trainer: Trainer
-    opt: RuntimeOptions
     timeline: Timeline | None
     evaluator: Evaluator | None
     pool: Pool  # which instances failed (:mod:`.pool`)
@@ -54,10 +55,16 @@ class SyncHost(Protocol):
 
 
 class WeightSync:
-    """Carries out :class:`SwitchVersion` actions (DESIGN section 8); ``host``: the executor."""
+    """Carries out :class:`SwitchVersion` actions (DESIGN section 8); ``host``: the executor.
+    ``controller``: the config's section (``weight_transport``, ``weight_sync_timeout_s``,
+    ``verify_checksums``); ``paths``: where each version's snapshot is; ``push``: the fields of a
+    ``distributed`` broadcast (built from several sections by the launcher)."""
 
-    def __init__(self, host: SyncHost) -> None:
+    def __init__(self, host: SyncHost, controller: ControllerConfig, paths: RunPaths, push: PushOptions) -> None:
         self.rt = host
+        self.controller = controller
+        self.paths = paths
+        self.push = push
         self.checksum_mismatches = 0
         #: instances whose weights check cannot run (no ``/weights_checker``, no checksum action):
         #: the check is off for them, after one warning each; only a checksum that differs fails one
@@ -90,7 +97,7 @@ class WeightSync:
     def order(self, a: SwitchVersion) -> None:
         """One switch action. Switches to the weights the trainer still holds (``distributed``
         transport) are only collected here: :meth:`flush` broadcasts them once per orchestrator answer."""
-        if self.rt.opt.weight_transport == "distributed" and a.version == self.latest_version and a.version > 0:
+        if self.controller.weight_transport == "distributed" and a.version == self.latest_version and a.version > 0:
             self._pushes.append(a)  # the trainer still holds these weights: broadcast them once (flush)
             return
         prev = self._orders.get(a.instance)  # loads on one instance run in order
@@ -135,11 +142,11 @@ class WeightSync:
         self.rt.metrics.weight_sync_started(a.instance, start, rebalance=a.rebalance)
         try:
             got = await asyncio.wait_for(self._load_weights_retrying(engine, a, resume=resume),
-                                         timeout=self.rt.opt.weight_sync_timeout_s)
+                                         timeout=self.controller.weight_sync_timeout_s)
         except asyncio.TimeoutError:
             self.weight_sync_timeouts += 1
             await self.rt.events.report(InstanceFailed(
-                a.instance, f"switch to v{a.version} did not finish within {self.rt.opt.weight_sync_timeout_s:g} s "
+                a.instance, f"switch to v{a.version} did not finish within {self.controller.weight_sync_timeout_s:g} s "
                             "(controller.weight_sync_timeout_s)", engine))
             return
         except Exception as err:  # noqa: BLE001 - an instance that cannot load weights is failed
@@ -197,7 +204,7 @@ class WeightSync:
     async def load_weights(self, engine: Engine, version: int, *, resume: bool = False,
                             instance: str = "") -> str | None:
         """Load snapshot ``version``; returns why the loaded weights are wrong (checksum), or None."""
-        await engine.update_weights_from_disk(self.rt.opt.snapshot_dir(version), weight_version=version)
+        await engine.update_weights_from_disk(self.paths.snapshot_dir(version), weight_version=version)
         if resume and hasattr(engine, "continue_generation"):
             await engine.continue_generation()
         return await self.verify_weights(engine, version, instance)
@@ -214,7 +221,7 @@ class WeightSync:
         from dora_megatron.comm.engine_client import ProbeUnavailable
 
         key = instance or getattr(engine, "base_url", repr(engine))  # one key for the check and the switch
-        if not self.rt.opt.verify_checksums or key in self.checksum_off:
+        if not self.controller.verify_checksums or key in self.checksum_off:
             return None
         try:
             return await self._compare_checksum(engine, version)
@@ -269,8 +276,8 @@ class WeightSync:
             self.rt.metrics.weight_sync_started(a.instance, start, rebalance=a.rebalance)
         try:
             urls = [getattr(self.rt.engines[a.instance], "base_url") for a in live]
-            result = await self.rt.trainer.push_weights(urls, timeout_s=self.rt.opt.weight_sync_timeout_s,
-                                                     **self.rt.opt.push.request(urls))
+            result = await self.rt.trainer.push_weights(urls, timeout_s=self.controller.weight_sync_timeout_s,
+                                                     **self.push.request(urls))
         except Exception as err:  # noqa: BLE001 - the snapshot path still works
             log.warning("weight broadcast of v%d failed (%s); loading the snapshot instead", live[0].version, err)
             result = None

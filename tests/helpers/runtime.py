@@ -6,11 +6,20 @@ from __future__ import annotations
 import asyncio
 import json
 
+from dataclasses import dataclass
+from pathlib import Path
+
+from dora_megatron.config.algo import AlgoConfig
+from dora_megatron.config.controller import ControllerConfig
+from dora_megatron.config.observability import ObservabilityConfig
 from dora_megatron.config.orchestrator import OrchestratorConfig
+from dora_megatron.config.rollout import RolloutConfig
+from dora_megatron.config.run import RunConfig
 from dora_megatron.controller.loop import EventQueue
 from dora_megatron.controller.main import drive
-from dora_megatron.controller.records import RuntimeOptions
+from dora_megatron.controller.records import RunPaths, instance_slots
 from dora_megatron.controller.runtime import Runtime
+from dora_megatron.controller.trainer_client import PushOptions
 from dora_megatron.data import tokenizer as tok
 from dora_megatron.data.tasks import RunningSumTask, running_sum_reward
 from dora_megatron.observability.recorder import MetricsRecorder, StepsJsonl, read_step_rows
@@ -19,27 +28,45 @@ from dora_megatron.data.reward_api import ThreadScorer
 from tests.helpers.fakes import FakeEngine, FakeTrainer
 
 
+#: the paths of a runtime on fake engines without a run directory: the fakes load any path, and
+#: no checkpoint is written
+NO_RUN_DIR = RunPaths(Path("/run"), Path("/model"), checkpoints=False)
+
+
 def make(mode="dora", n=3, steps=6, tbs=4, rbs=8, S=2, G=2, migration=True, token_s=0.001, tmp_path=None,
-         transport="disk", **orch):
+         transport="disk", *, checkpoint_interval: int | None = None, rollout: RolloutConfig | None = None,
+         controller: ControllerConfig | None = None, algo: AlgoConfig | None = None, push: PushOptions | None = None,
+         **orch):
+    """A runtime on ``n`` fake engines and a fake trainer. ``tmp_path``: the run directory (its
+    checkpoints, every 2 steps unless ``checkpoint_interval`` says otherwise, and ``steps.jsonl``);
+    without it the run writes no checkpoint. ``rollout``, ``controller``, ``algo``, ``push``: the
+    sections handed to the runtime (the config's defaults otherwise; ``transport`` sets
+    ``controller.weight_transport`` of the default one)."""
     orch = {"cap_before_rebalance": 6, "cap_after_rebalance": 4, **orch}
     cfg = OrchestratorConfig(mode=mode, tbs=tbs, rbs=rbs, max_staleness=S, group_size=G, rebalance_interval_s=0.05,
                              **orch)
     names = [f"e{i}" for i in range(n)]
     engines = {name: FakeEngine(name, token_s=token_s, migration=migration) for name in names}
     trainer = FakeTrainer(engines=engines)
-    opts = RuntimeOptions(steps=steps, seed=0, weight_transport=transport, max_new_tokens=64, temperature=1.0, top_p=1.0, top_k=-1,
-                          snapshot_dir=lambda v: f"/snap/v{v}", stats_interval_s=0.01,
-                          checkpoint_interval=2 if tmp_path else 0,
-                          checkpoint_dir=(lambda v: str(tmp_path / f"ck{v}")) if tmp_path else None)
+    if checkpoint_interval is None:
+        checkpoint_interval = 2 if tmp_path else 0
+    run = RunConfig(steps=steps, seed=0, checkpoint_interval=checkpoint_interval)
+    paths = RunPaths(tmp_path, Path("/model")) if tmp_path else NO_RUN_DIR
     task = RunningSumTask(1, 30, 1.2, seed=1)
     orchestrator = Orchestrator(cfg, names)
+    rollout = rollout if rollout is not None else RolloutConfig()
     metrics = None
     if tmp_path is not None:  # a checkpointing run keeps its step record, as the launcher's does
         tmp_path.mkdir(parents=True, exist_ok=True)
         sink = StepsJsonl(open(tmp_path / "steps.jsonl", "a"))
-        metrics = MetricsRecorder(slots_per_instance=opts.slots_per_instance, rebalancer=orchestrator.policy.rebalance,
+        metrics = MetricsRecorder(slots_per_instance=instance_slots(rollout.max_running, cfg.cap_before_rebalance),
+                                  rebalancer=orchestrator.policy.rebalance,
                                   sinks=[sink])
-    rt = Runtime(orchestrator, engines, trainer, task, ThreadScorer(running_sum_reward).score_sync, opts, metrics=metrics, events=EventQueue())
+    rt = Runtime(orchestrator, engines, trainer, task, ThreadScorer(running_sum_reward).score_sync, run=run,
+                 paths=paths, rollout=rollout,
+                 controller=controller if controller is not None else ControllerConfig(weight_transport=transport),
+                 observability=ObservabilityConfig(stats_interval_s=0.01), algo=algo, push=push, metrics=metrics,
+                 events=EventQueue())
     return rt, engines, trainer
 
 
@@ -56,10 +83,10 @@ def run_killing(rt, engine, after_s: float = 0.05) -> dict:
 
 
 def resume(rt, trainer, tmp_path, version: int) -> dict:
-    """Load checkpoint ``ck<version>`` of a run made by :func:`make` into the fresh ``rt``, as
+    """Load checkpoint ``version`` of a run made by :func:`make` into the fresh ``rt``, as
     ``build_controller`` does on ``--resume`` (orchestrator, runtime records, the recorder's rows
     from steps.jsonl), with the trainer at that version; returns the checkpoint's state."""
-    state = json.loads((tmp_path / f"ck{version}" / "controller.json").read_text())
+    state = json.loads((rt.checkpoints.path(version) / "controller.json").read_text())
     rt.orch = Orchestrator.restore(rt.orch.config, state["orchestrator"])
     rt.controller_state.load_state_dict(state, read_step_rows(tmp_path / "steps.jsonl", int(state["steps_done"])))
     trainer.version = version
@@ -98,3 +125,19 @@ def engine_versions(engines) -> dict[str, set[int]]:
 
 def trained_groups(trainer) -> set[str]:
     return {s.group_id for batch in trainer.batches for s in batch}
+
+
+def ck_dir(run_dir: Path, version: int) -> Path:
+    """Checkpoint ``version`` of a run :func:`make` gave ``tmp_path=run_dir`` (the run's layout, :class:`RunPaths`)."""
+    return Path(RunPaths(run_dir, Path("/model")).checkpoint_dir(version))
+
+
+@dataclass(frozen=True)
+class StaticWeights(RunPaths):
+    """The paths of a runtime whose trainer never changes the weights (a static or fake trainer
+    over real engines): every version's snapshot is the model directory; no checkpoint is written."""
+
+    checkpoints: bool = False
+
+    def snapshot_dir(self, version: int) -> str:
+        return str(self.model_dir)

@@ -28,7 +28,9 @@ import torch
 from dora_megatron.config.orchestrator import OrchestratorConfig
 from dora_megatron.controller.loop import EventQueue
 from dora_megatron.controller.main import drive
-from dora_megatron.controller.records import RuntimeOptions
+from dora_megatron.config.observability import ObservabilityConfig
+from dora_megatron.config.rollout import RolloutConfig
+from dora_megatron.config.run import RunConfig
 from dora_megatron.controller.runtime import Runtime
 from dora_megatron.data import tokenizer as tok
 from dora_megatron.data.tasks import RunningSumTask, running_sum_reward
@@ -42,6 +44,7 @@ from dora_megatron.weights.distributed import DistributedWeightPusher
 from dora_megatron.weights.results import PushError
 from dora_megatron.data.reward_api import ThreadScorer
 from tests.helpers.push_choreography import check_push_choreography, model_dir  # noqa: F401 - a fixture
+from tests.helpers.runtime import StaticWeights
 from tests.helpers.resubmit_moves import MoveLog, StaticTrainer
 from tests.sglang_standin import start_standin
 
@@ -80,8 +83,9 @@ def test_runtime_on_sglang_adapter_migrates_by_resubmit_and_keeps_outputs(engine
                              # any KV use counts as pressure: a hot instance levels with its peers
                              kv_high_watermark=1e-3, kv_rebalance_min_interval_s=0.05)
     max_new = 256  # long enough that a move lands while the request decodes
-    opts = RuntimeOptions(steps=5, seed=0, max_new_tokens=max_new, temperature=0.0, top_p=1.0, top_k=-1,
-                          snapshot_dir=lambda v: model_dir, stats_interval_s=0.02)
+    sections = {"run": RunConfig(steps=5, seed=0), "paths": StaticWeights(Path("/run"), Path(model_dir)),
+                "rollout": RolloutConfig(max_new_tokens=max_new, temperature=0.0),
+                "observability": ObservabilityConfig(stats_interval_s=0.02)}
     events = MoveLog()
     # the steps after step 0 wait until a request moved with its partial output has finished
     trainer = StaticTrainer(until=lambda: bool(events.carried_and_ended()), first=1)
@@ -90,8 +94,8 @@ def test_runtime_on_sglang_adapter_migrates_by_resubmit_and_keeps_outputs(engine
         adapters = {n: SGLangEngine(SGLangClient(e.url)) for n, e in zip(names, engines)}
         for a in adapters.values():  # start every instance at version 0
             await a.update_weights_from_disk(model_dir, weight_version=0)
-        rt = Runtime(Orchestrator(cfg, names), adapters, trainer, RunningSumTask(1, 30, 1.2, seed=1), ThreadScorer(running_sum_reward).score_sync, opts,
-                     events=events)
+        rt = Runtime(Orchestrator(cfg, names), adapters, trainer, RunningSumTask(1, 30, 1.2, seed=1), ThreadScorer(running_sum_reward).score_sync,
+                     **sections, events=events)
         events.records = rt.store.samples
         summary = await drive(rt)
         # greedy reference: every trained sample, and each moved one that finished but was not
@@ -258,8 +262,9 @@ def test_an_instance_without_weights_checker_survives_every_weight_switch(engine
         names = ["e0", "e1"]
         cfg = OrchestratorConfig(mode="dora", tbs=2, rbs=4, max_staleness=1, group_size=2, rebalance_interval_s=0.05,
                                  cap_before_rebalance=6, cap_after_rebalance=4)
-        opts = RuntimeOptions(steps=4, seed=0, max_new_tokens=16, temperature=0.0, top_p=1.0, top_k=-1,
-                              snapshot_dir=lambda v: model_dir, stats_interval_s=0.05)
+        sections = {"run": RunConfig(steps=4, seed=0), "paths": StaticWeights(Path("/run"), Path(model_dir)),
+                    "rollout": RolloutConfig(max_new_tokens=16, temperature=0.0),
+                    "observability": ObservabilityConfig(stats_interval_s=0.05)}
         trainer = StaticTrainer()
 
         async def go():
@@ -267,7 +272,7 @@ def test_an_instance_without_weights_checker_survives_every_weight_switch(engine
             # engines[0] holds what the tests before this one left on it: start it at version 0
             await adapters["e0"].update_weights_from_disk(model_dir, weight_version=0)
             rt = Runtime(Orchestrator(cfg, names), adapters, trainer, RunningSumTask(1, 30, 1.2, seed=1),
-                         ThreadScorer(running_sum_reward).score_sync, opts, events=EventQueue())
+                         ThreadScorer(running_sum_reward).score_sync, **sections, events=EventQueue())
             try:
                 return await drive(rt), rt
             finally:

@@ -32,6 +32,7 @@ from dora_megatron.controller.main import drive
 from dora_megatron.ports import free_ports
 from dora_megatron.data.reward_api import ThreadScorer
 from tests.helpers.tiers import require_venv
+from tests.helpers.runtime import StaticWeights
 from tests.helpers.vllm_server import VLLM_PYTHON, Server
 from tests.helpers.proc_tree import process_tree, signal_tree
 from tests.helpers.resubmit_moves import MoveLog, StaticTrainer
@@ -221,7 +222,9 @@ def test_runtime_on_vllm_migrates_by_resubmit_and_continues_the_same_greedy_sequ
     are abort + resubmit of prompt + partial output, and the resubmitted continuation is exactly
     the sequence one uninterrupted greedy request gives."""
     from dora_megatron.config.orchestrator import OrchestratorConfig
-    from dora_megatron.controller.records import RuntimeOptions
+    from dora_megatron.config.observability import ObservabilityConfig
+    from dora_megatron.config.rollout import RolloutConfig
+    from dora_megatron.config.run import RunConfig
     from dora_megatron.controller.runtime import Runtime
     from dora_megatron.data import tokenizer as tok
     from dora_megatron.data.tasks import RunningSumTask, running_sum_reward
@@ -251,8 +254,9 @@ def test_runtime_on_vllm_migrates_by_resubmit_and_continues_the_same_greedy_sequ
                               # tiny here), so a hot instance levels with its peer every stats tick
                               kv_high_watermark=1e-9, kv_rebalance_min_interval_s=0.05)
     max_new = 256  # long enough that a move lands while the request decodes (one of 64 tokens often finished first)
-    opts = RuntimeOptions(steps=5, seed=0, max_new_tokens=max_new, temperature=0.0, top_p=1.0, top_k=-1,
-                          snapshot_dir=lambda v: str(model_dir), stats_interval_s=0.02)
+    sections = {"run": RunConfig(steps=5, seed=0), "paths": StaticWeights(Path("/run"), model_dir),
+                "rollout": RolloutConfig(max_new_tokens=max_new, temperature=0.0),
+                "observability": ObservabilityConfig(stats_interval_s=0.02)}
     events = MoveLog()
     # the steps after step 0 wait until a request moved with its partial output has finished
     trainer = StaticTrainer(until=lambda: bool(events.carried_and_ended()), first=1)
@@ -264,7 +268,7 @@ def test_runtime_on_vllm_migrates_by_resubmit_and_continues_the_same_greedy_sequ
             # a request or a run that hangs fails within minutes, naming what hung (not pytest's 10-minute timeout)
             adapters = {n: VLLMEngine(s.url, initial_version=0, timeout_s=REQUEST_BOUND_S) for n, s in zip(names, servers)}
             rt = Runtime(Orchestrator(ocfg, names), adapters, trainer, RunningSumTask(1, 30, 1.2, seed=1),
-                         ThreadScorer(running_sum_reward).score_sync, opts, events=events)
+                         ThreadScorer(running_sum_reward).score_sync, **sections, events=events)
             events.records = rt.store.samples
             try:
                 summary = await asyncio.wait_for(drive(rt), timeout=RUN_BOUND_S)

@@ -9,6 +9,7 @@ the rendered tool result is appended token-exactly between turns."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +17,10 @@ from dora_megatron.comm.engine_client import EngineClient, VersionMismatch
 from dora_megatron.config.orchestrator import OrchestratorConfig
 from dora_megatron.controller.loop import EventQueue
 from dora_megatron.controller.main import drive
-from dora_megatron.controller.records import RuntimeOptions
+from dora_megatron.config.controller import ControllerConfig
+from dora_megatron.config.observability import ObservabilityConfig
+from dora_megatron.config.rollout import RolloutConfig
+from dora_megatron.config.run import RunConfig
 from dora_megatron.controller.runtime import Runtime
 from dora_megatron.data.codec import load_codec
 from dora_megatron.data.tasks import Prompt
@@ -27,6 +31,7 @@ from dora_megatron.workflow.tool_calling import env_tokens
 from dora_megatron.workflow.tools import Calculator, call_tool
 from dora_megatron.data.reward_api import ThreadScorer
 from tests.helpers.fakes import FakeTrainer
+from tests.helpers.runtime import StaticWeights
 
 pytestmark = pytest.mark.integration
 
@@ -82,11 +87,13 @@ def test_tool_turns_run_on_one_version_per_trajectory_across_weight_switches(too
     async def main():
         engines = {n: EngineClient(ep.url, timeout_s=120) for n, ep in zip(names, servers)}
         trainer = FakeTrainer()
-        opts = RuntimeOptions(steps=3, seed=0, max_new_tokens=64, temperature=1.0, top_p=1.0, top_k=-1,
-                              snapshot_dir=lambda v: str(tool_dir), stats_interval_s=0.05, verify_checksums=False,
-                              migration="reprefill")
+        sections = {"run": RunConfig(steps=3, seed=0), "paths": StaticWeights(Path("/run"), Path(tool_dir)),
+                    "rollout": RolloutConfig(max_new_tokens=64, temperature=1.0),
+                    "controller": ControllerConfig(verify_checksums=False, migration="reprefill"),
+                    "observability": ObservabilityConfig(stats_interval_s=0.05)}
         rt = Runtime(Orchestrator(cfg, names), engines, trainer, Prompts(),
-                     ThreadScorer(lambda response, answer: seen.append(response) or 0.0).score_sync, opts, codec=codec, events=EventQueue())
+                     ThreadScorer(lambda response, answer: seen.append(response) or 0.0).score_sync, **sections, codec=codec,
+                     events=EventQueue())
         rt.workflow = WorkflowRunner(calculator_turns, WorkflowContext(codec.tokenizer, tuple(codec.eos_ids)))
         try:
             summary = await asyncio.wait_for(drive(rt), timeout=240)
@@ -148,11 +155,12 @@ def test_a_turn_moved_while_it_generates_and_a_prefix_moved_between_turns_are_ne
             await e.update_weights_from_disk(str(tool_dir), weight_version="0")
         before = {n: await e.server_info() for n, e in engines.items()}
         trainer = FakeTrainer()
-        opts = RuntimeOptions(steps=1, seed=0, max_new_tokens=LONG + 64, temperature=1.0, top_p=1.0, top_k=-1,
-                              snapshot_dir=lambda v: str(tool_dir), stats_interval_s=0.05, verify_checksums=False,
-                              migration="kv")
-        rt = Runtime(Orchestrator(cfg, names), engines, trainer, Prompts(), ThreadScorer(lambda response, answer: 0.0).score_sync, opts,
-                     codec=codec, events=EventQueue())
+        sections = {"run": RunConfig(steps=1, seed=0), "paths": StaticWeights(Path("/run"), Path(tool_dir)),
+                    "rollout": RolloutConfig(max_new_tokens=LONG + 64, temperature=1.0),
+                    "controller": ControllerConfig(verify_checksums=False, migration="kv"),
+                    "observability": ObservabilityConfig(stats_interval_s=0.05)}
+        rt = Runtime(Orchestrator(cfg, names), engines, trainer, Prompts(), ThreadScorer(lambda response, answer: 0.0).score_sync,
+                     **sections, codec=codec, events=EventQueue())
 
         async def move_once_generating(client):
             """Once the turn generates, hold the source's decoding in place (the request keeps its

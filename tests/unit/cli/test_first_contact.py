@@ -32,7 +32,6 @@ def _finished_run(run_dir: Path, steps: int) -> None:
     from tests.helpers.runtime import make
 
     rt, _, _ = make(mode="dora", steps=steps, tmp_path=run_dir)
-    rt.opt.checkpoint_dir = lambda v: str(run_dir / "checkpoints" / f"v{v:06d}")
     asyncio.run(drive(rt))
     for v in range(1, steps + 1):  # the snapshots the checkpoint's unconsumed groups need
         (run_dir / "weights" / f"v{v:06d}").mkdir(parents=True)

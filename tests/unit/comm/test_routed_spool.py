@@ -217,14 +217,13 @@ def test_resume_holds_what_the_checkpoint_names_refuses_a_missing_or_short_segme
 
 
 def _store(tmp_path):
-    from dora_megatron.controller.records import RuntimeOptions
+    from dora_megatron.config.rollout import RolloutConfig
     from dora_megatron.controller.samples import SampleStore
     from dora_megatron.data.codec import CharCodec
     from dora_megatron.data.tasks import RunningSumTask
 
-    opts = RuntimeOptions(steps=1, seed=0, max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=-1,
-                          snapshot_dir=lambda v: f"/snap/v{v}", routed_experts=True)
-    store = SampleStore(RunningSumTask(1, 30, 1.2, seed=1), CharCodec(), lambda item: None, opts)
+    store = SampleStore(RunningSumTask(1, 30, 1.2, seed=1), CharCodec(), lambda item: None,
+                        RolloutConfig(max_new_tokens=8), seed=0)
     store.routed_spool = RoutedSpool(tmp_path / SPOOL_DIR, segment_bytes=12)
     return store
 

@@ -16,7 +16,7 @@ from dora_megatron.controller.build import Endpoints, build_controller
 from dora_megatron.controller.main import drive
 from dora_megatron.data.tokenizer import save_tokenizer
 
-from tests.helpers.runtime import make
+from tests.helpers.runtime import ck_dir, make
 
 ROOT = Path(__file__).resolve().parents[3]
 # the orchestrator of test_runtime.make(): a checkpoint it wrote restores under this config
@@ -45,12 +45,12 @@ def test_a_fresh_controller_reads_each_setting_from_its_config_section(tmp_path)
     assert rt.engines == {"a": "client:http://127.0.0.1:1", "b": "client:http://127.0.0.1:2"}
     assert sorted(ctl.orch.instances) == ["a", "b"] and ctl.orch.config == cfg.orchestrator
     assert ctl.trainer.base_url == "http://127.0.0.1:3"
-    assert (rt.opt.steps, rt.opt.max_new_tokens, rt.opt.migration) == (5, 17, "reprefill")
-    assert rt.opt.health_timeout_s == 7 and rt.opt.stop_token_ids == (3,)
+    assert (rt.training.run.steps, rt.store.rollout.max_new_tokens, rt.moves.controller.migration) == (5, 17, "reprefill")
+    assert rt.stats.controller.health_timeout_s == 7 and rt.store.rollout.stop_token_ids == [3]
     assert rt.metrics.warmup_steps == 2  # summary.json's rate metrics leave out the first 2 steps
-    assert rt.opt.snapshot_dir(0) == str(model_dir)
-    assert Path(rt.opt.snapshot_dir(3)).parent == run_dir / "weights"
-    assert Path(rt.opt.checkpoint_dir(2)).parent == run_dir / "checkpoints"
+    assert rt.weights.paths.snapshot_dir(0) == str(model_dir)
+    assert Path(rt.weights.paths.snapshot_dir(3)).parent == run_dir / "weights"
+    assert Path(rt.checkpoints.path(2)).parent == run_dir / "checkpoints"
     rt.controller_state.on_checkpoint(4)  # handed in, not patched onto the runtime from outside
     assert checkpoints == [4] and ctl.state is None
 
@@ -60,7 +60,7 @@ def test_a_resumed_controller_continues_from_the_checkpoint(tmp_path):
     rt0, _, _ = make(mode="dora", steps=4, tmp_path=tmp_path)
     asyncio.run(drive(rt0))
     checkpoint = run_dir / "checkpoints" / "v000002"
-    shutil.copytree(tmp_path / "ck2", checkpoint)
+    shutil.copytree(ck_dir(tmp_path, 2), checkpoint)
     state = json.loads((checkpoint / "controller.json").read_text())
     cfg = load_config(ROOT / "configs" / "cpu_tiny.yaml", [*ORCH, "run.steps=6", "run.checkpoint_interval=2"])
     ctl = build_controller(cfg, Endpoints({"e0": "u0", "e1": "u1", "e2": "u2"}, "http://127.0.0.1:3"),

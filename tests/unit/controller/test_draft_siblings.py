@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+from dora_megatron.config.rollout import RolloutConfig
 from dora_megatron.controller.main import drive
 from dora_megatron.controller.summary import run_summary
 
@@ -47,12 +48,11 @@ class DraftEngine(FakeEngine):
 
 
 def _run(draft_siblings: bool, push_max_batch: int = 0):
-    rt, engines, trainer = make(mode="dora", n=3, steps=3)
+    rollout = RolloutConfig(speculative="group" if draft_siblings else "off", spec_max_batch=push_max_batch)
+    rt, engines, trainer = make(mode="dora", n=3, steps=3, rollout=rollout)
     fakes = {name: DraftEngine(name, token_s=0.001) for name in engines}
     rt.engines.clear()
     rt.engines.update(fakes)
-    rt.opt.draft_siblings = draft_siblings
-    rt.opt.draft_push_max_batch = push_max_batch
     summary = asyncio.run(drive(rt))
     return rt, fakes, trainer, summary
 

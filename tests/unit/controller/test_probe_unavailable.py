@@ -10,7 +10,6 @@ classification of the replies is the production one."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from types import SimpleNamespace
 
@@ -19,6 +18,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from dora_megatron.comm.sglang_client import SGLangClient
+from dora_megatron.config.algo import AlgoConfig
 from dora_megatron.controller.main import drive
 
 from tests.helpers.runtime import make
@@ -169,8 +169,7 @@ class RoutingEngine(FakeEngine):
 
 def test_an_instance_answering_without_routed_experts_is_counted_not_failed(caplog):
     caplog.set_level(logging.WARNING, logger="dora_megatron.controller.runtime")
-    rt, names, _ = make(mode="dora", n=2, steps=4)
-    rt.opt = dataclasses.replace(rt.opt, routed_experts=True)
+    rt, names, _ = make(mode="dora", n=2, steps=4, algo=AlgoConfig(routing_replay=True))
     engines = {"e0": RoutingEngine("e0", True, token_s=0.001, migration=False),
                "e1": RoutingEngine("e1", False, token_s=0.001, migration=False)}
     rt.engines, rt.trainer = engines, FakeTrainer(engines=engines)

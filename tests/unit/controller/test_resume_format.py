@@ -17,7 +17,7 @@ from dora_megatron.controller.journal import JOURNAL, read_journal
 from dora_megatron.controller.main import drive
 from dora_megatron.data import tokenizer as tok
 
-from tests.helpers.runtime import make
+from tests.helpers.runtime import ck_dir, make
 
 ROOT = Path(__file__).resolve().parents[3]
 # the orchestrator of tests.helpers.runtime.make, so that build_controller restores its checkpoint
@@ -36,7 +36,7 @@ def _older(entry: dict) -> dict:
 def _checkpointed_run(tmp_path: Path) -> tuple[Path, dict]:
     rt, _, _ = make(mode="dora", steps=2, tmp_path=tmp_path)
     asyncio.run(drive(rt))
-    ck = tmp_path / "ck2"
+    ck = ck_dir(tmp_path, 2)
     return ck, json.loads((ck / "controller.json").read_text())
 
 

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from dora_megatron.config.algo import AlgoConfig
 from dora_megatron.config.schema import load_config
 from dora_megatron.controller.journal import Journal, JournaledSample, read_journal
 from dora_megatron.controller.main import drive
@@ -24,7 +25,7 @@ from dora_megatron.comm.train_sample import routed_text
 from dora_megatron.rollout.sglang.args import InstanceSpec, server_argv
 
 from tests.helpers.fakes import FakeEngine, FakeTrainer
-from tests.helpers.runtime import check_run, make, resume
+from tests.helpers.runtime import check_run, ck_dir, make, resume
 
 
 def _routing_of(ids: list[int]) -> str:
@@ -60,11 +61,10 @@ class RoutingEngine(FakeEngine):
 
 
 def _run(mode: str, routed: bool):
-    rt, engines, trainer = make(mode=mode, n=3, steps=4)
+    rt, engines, trainer = make(mode=mode, n=3, steps=4, algo=AlgoConfig(routing_replay=routed))
     fakes = {name: RoutingEngine(name, token_s=0.001) for name in engines}
     rt.engines.clear()
     rt.engines.update(fakes)
-    rt.opt.routed_experts = routed
     summary = asyncio.run(drive(rt))
     return rt, fakes, trainer, summary
 
@@ -129,11 +129,10 @@ def _trained_by_sample_id(batches):
 
 
 def _routed_make(steps, tmp_path):
-    rt, engines, trainer = make(mode="dora", steps=steps, tmp_path=tmp_path)
+    rt, engines, trainer = make(mode="dora", steps=steps, tmp_path=tmp_path, algo=AlgoConfig(routing_replay=True))
     fakes = {name: RoutingEngine(name, token_s=0.001) for name in engines}
     rt.engines.clear()
     rt.engines.update(fakes)
-    rt.opt.routed_experts = True
     return rt, fakes, trainer
 
 
@@ -215,11 +214,10 @@ class SpoolReadingTrainer(FakeTrainer):
 
 
 def _spooled_make(steps: int, tmp_path, spool_dir):
-    rt, engines, _ = make(mode="dora", steps=steps, tmp_path=tmp_path)
+    rt, engines, _ = make(mode="dora", steps=steps, tmp_path=tmp_path, algo=AlgoConfig(routing_replay=True))
     fakes = {name: RoutingEngine(name, token_s=0.001) for name in engines}
     rt.engines.clear()
     rt.engines.update(fakes)
-    rt.opt.routed_experts = True
     spool = RoutedSpool(spool_dir, segment_bytes=512)  # small segments: several per step, some freed
     rt.trainer = trainer = SpoolReadingTrainer(spool, fakes)
     rt.store.routed_spool = spool
@@ -230,7 +228,7 @@ def _named(tmp_path, run_dir, versions) -> set[str]:
     """The segments checkpoints ``versions`` and their journal tails name."""
     out = set()
     for v in versions:
-        state = json.loads((tmp_path / f"ck{v}" / "controller.json").read_text())
+        state = json.loads((ck_dir(tmp_path, v) / "controller.json").read_text())
         out |= {s["routed_at"][0] for s in state["samples"] if "routed_at" in s}
         out |= {j.routed_experts.file for j in read_journal(run_dir, v).values()}
     return out
@@ -250,7 +248,7 @@ def test_a_resume_after_a_kill_trains_the_routing_its_checkpoint_and_journal_nam
     asyncio.run(drive(rt))
     rt.journal.close()
     spool.flush()  # the job is killed here: nothing closes the spool
-    state2 = json.loads((tmp_path / "ck2" / "controller.json").read_text())
+    state2 = json.loads((ck_dir(tmp_path, 2) / "controller.json").read_text())
     from_ck = {s["sample_id"]: s["routed_at"] for s in state2["samples"] if "routed_at" in s}
     assert from_ck and not any("routed_experts" in s for s in state2["samples"])  # locations, not ids
     journaled = read_journal(run_dir, 2)
@@ -290,15 +288,14 @@ def test_a_checkpoint_is_not_completed_when_the_spool_could_not_write_the_routin
     """The checkpoint's writer waits for the spool's queued writes before controller.json: a write
     that failed (here the spool's directory is a file) fails the run instead of completing a
     checkpoint whose samples name ids that are not on disk."""
-    rt, engines, _ = make(mode="dora", steps=4, tmp_path=tmp_path)
+    rt, engines, _ = make(mode="dora", steps=4, tmp_path=tmp_path, algo=AlgoConfig(routing_replay=True))
     fakes = {name: RoutingEngine(name, token_s=0.001) for name in engines}
     rt.engines.clear()
     rt.engines.update(fakes)
-    rt.opt.routed_experts = True
     blocker = tmp_path / "not_a_directory"
     blocker.write_text("the spool's directory should be here")
     rt.store.routed_spool = spool = RoutedSpool(blocker)
     with pytest.raises(OSError):
         asyncio.run(drive(rt))
-    assert not (tmp_path / "ck2" / "controller.json").exists() and (tmp_path / "ck2").is_dir()
+    assert not (ck_dir(tmp_path, 2) / "controller.json").exists() and (ck_dir(tmp_path, 2)).is_dir()
     spool.close()

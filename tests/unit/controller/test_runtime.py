@@ -13,9 +13,10 @@ import json
 
 import pytest
 
+from dora_megatron.config.rollout import RolloutConfig
 from dora_megatron.controller.main import drive
 from dora_megatron.controller.trainer_client import PushOptions
-from tests.helpers.runtime import check_run, engine_versions, make, resume, run_killing, trained_groups
+from tests.helpers.runtime import check_run, ck_dir, engine_versions, make, resume, run_killing, trained_groups
 
 from tests.helpers.fakes import FakeEngine
 
@@ -188,7 +189,7 @@ def test_instance_failure_reruns_on_same_version():
 def test_checkpoint_and_resume_consume_every_group_once(tmp_path):
     rt, engines, trainer = make(mode="dora", steps=4, tmp_path=tmp_path)
     asyncio.run(drive(rt))
-    assert trainer.checkpoints == [str(tmp_path / "ck2" / "trainer"), str(tmp_path / "ck4" / "trainer")]
+    assert trainer.checkpoints == [str(ck_dir(tmp_path, 2) / "trainer"), str(ck_dir(tmp_path, 4) / "trainer")]
     first_two = [{s.group_id for s in b} for b in trainer.batches[:2]]
     # resume from the step-2 checkpoint with fresh engines and a trainer restored at version 2
     rt2, engines2, trainer2 = make(mode="dora", steps=6, tmp_path=tmp_path)
@@ -228,19 +229,18 @@ def test_distributed_transport_pushes_newest_version_once_per_switch_batch():
     assert all(v >= 1 for v in versions)
     assert summary["weight_push_bytes"] > 0
     # older versions (late switchers) still come from snapshots
+    snapshots = {rt.weights.paths.snapshot_dir(v) for v in range(7)}
     for e in engines.values():
         for path in e.loads:
-            assert path.startswith("/snap/v")
+            assert path in snapshots
 
 
 def test_distributed_transport_passes_rendezvous_address_tp_ranks_and_pause_mode():
     """SGLang instances with TP 4 take 4 ranks each in the group; the engines reach the trainer's
     rendezvous at its host (not the trainer's loopback); the configured pause mode is used."""
-    import dataclasses
-
-    rt, engines, trainer = make(mode="dora", n=3, steps=3, transport="distributed")
-    rt.opt = dataclasses.replace(rt.opt, push=PushOptions(bucket_mb=8, master_addr="10.1.2.3", master_port=29700,
-                                                          engine_ranks=4, pause_mode="abort", backend="nccl"))
+    rt, engines, trainer = make(mode="dora", n=3, steps=3, transport="distributed",
+                                push=PushOptions(bucket_mb=8, master_addr="10.1.2.3", master_port=29700,
+                                                 engine_ranks=4, pause_mode="abort", backend="nccl"))
     asyncio.run(drive(rt))
     assert trainer.push_args
     for (_, urls), args in zip(trainer.pushes, trainer.push_args):
@@ -249,11 +249,11 @@ def test_distributed_transport_passes_rendezvous_address_tp_ranks_and_pause_mode
 
 
 def test_extra_stop_token_ids_reach_every_request():
-    import dataclasses
+    from dora_megatron.data.codec import CharCodec
 
-    rt, engines, trainer = make(mode="dora", n=2, steps=1)
-    eos = list(rt.codec.eos_ids)
-    rt.opt = rt.store.opt = dataclasses.replace(rt.opt, stop_token_ids=(7, eos[0], 9))
+    eos = list(CharCodec().eos_ids)  # the runtime's renderer when none is given
+    rt, engines, trainer = make(mode="dora", n=2, steps=1, rollout=RolloutConfig(stop_token_ids=[7, eos[0], 9]))
+    assert list(rt.codec.eos_ids) == eos
     asyncio.run(drive(rt))
     rec = next(iter(rt.store.samples.values()))
     assert rt.store.sampling(rec)["stop_token_ids"] == [*eos, 7, 9]  # EOS first, no duplicates
@@ -281,7 +281,7 @@ def test_the_checkpoint_state_does_not_grow_with_the_step_count(tmp_path):
     asyncio.run(drive(rt))
     sizes = {}
     for v in (2, 20):
-        text = (tmp_path / f"ck{v}" / "controller.json").read_text()
+        text = (ck_dir(tmp_path, v) / "controller.json").read_text()
         state = json.loads(text)
         assert "steps" not in state and state["steps_done"] == v and "rows" not in state["metrics"]
         for g in state["groups"]:
@@ -307,7 +307,7 @@ def test_an_older_controller_json_is_refused_saying_what_is_old(tmp_path):
 
     rt, _, _ = make(steps=4, tmp_path=tmp_path)
     asyncio.run(drive(rt))
-    state = json.loads((tmp_path / "ck2" / "controller.json").read_text())
+    state = json.loads((ck_dir(tmp_path, 2) / "controller.json").read_text())
     rows = read_step_rows(tmp_path / "steps.jsonl", 2)
     as_written, _, _ = make(steps=4)
     as_written.controller_state.load_state_dict(state, rows)
@@ -360,7 +360,7 @@ def test_the_workflow_turns_kv_counts_go_on_from_the_checkpoint(tmp_path):
     the whole run, as the migration counters do."""
     rt, _, _ = make(steps=2, tmp_path=tmp_path)
     asyncio.run(drive(rt))
-    state = json.loads((tmp_path / "ck2" / "controller.json").read_text())
+    state = json.loads((ck_dir(tmp_path, 2) / "controller.json").read_text())
     state["workflow_turns"] = {"workflow_turn_kv_moved": 3, "workflow_turn_kv_moved_bytes": 4096,
                                "workflow_turn_prefix_recomputed": 1}
     resumed, _, _ = make(steps=4)

@@ -9,12 +9,12 @@ trained twice) and the runs must finish every step.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
+from dora_megatron.config.controller import ControllerConfig
 from dora_megatron.controller.main import drive
 
 from tests.helpers.fakes import FakeEngine, fail_after_first_step
-from tests.helpers.runtime import check_run, make, resume
+from tests.helpers.runtime import check_run, ck_dir, make, resume
 
 
 async def execute_with_loop(rt, actions) -> None:
@@ -88,11 +88,11 @@ class HangOnceEngine(FakeEngine):
 
 
 def test_weight_sync_timeout_fails_the_instance_and_training_continues():
-    rt, engines, trainer = make(mode="dora", n=3, steps=6, token_s=0.002)
+    rt, engines, trainer = make(mode="dora", n=3, steps=6, token_s=0.002,
+                                controller=ControllerConfig(weight_sync_timeout_s=0.2))
     budget = {"hangs": 1}
     for name in list(engines):
         engines[name] = rt.engines[name] = HangOnceEngine(name, budget, token_s=0.002)
-    rt.opt = dataclasses.replace(rt.opt, weight_sync_timeout_s=0.2)
     trainer.hold_step(5, lambda: rt.weights.weight_sync_timeouts > 0)  # else the run may end first
     summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=60))
     check_run(rt, engines, trainer, 6, 4, 2)
@@ -142,25 +142,25 @@ def test_only_the_newest_switch_order_of_an_instance_is_carried_out():
         await execute_with_loop(rt, [SwitchVersion("e1", 2), SwitchVersion("e1", 0), SwitchVersion("e1", 2)])
 
     asyncio.run(main())
-    assert engines["e1"].loads == ["/snap/v2"] and engines["e1"].version == 2
+    assert engines["e1"].loads == [rt.weights.paths.snapshot_dir(2)] and engines["e1"].version == 2
     assert done == [("e1", 2)]
 
 
 def test_checkpoints_carry_a_manifest_and_stale_ones_are_replaced(tmp_path):
     from dora_megatron.controller.checkpoint_manifest import MANIFEST, verify
 
-    stale = tmp_path / "ck4"  # left by a crashed lineage: must not mix with the new checkpoint
+    stale = ck_dir(tmp_path, 4)  # left by a crashed lineage: must not mix with the new checkpoint
     (stale / "trainer").mkdir(parents=True)
     (stale / "trainer" / "old_shard.distcp").write_bytes(b"old")
     (stale / "controller.json").write_text("{}")
     rt, engines, trainer = make(mode="dora", steps=4, tmp_path=tmp_path)
     asyncio.run(drive(rt))
-    for ck in (tmp_path / "ck2", tmp_path / "ck4"):
+    for ck in (ck_dir(tmp_path, 2), ck_dir(tmp_path, 4)):
         assert (ck / MANIFEST).is_file() and verify(ck) == []
     assert not (stale / "trainer" / "old_shard.distcp").exists()
-    state = (tmp_path / "ck2" / "controller.json").read_text()
-    (tmp_path / "ck2" / "controller.json").write_text(state.replace('"version"', '"versioX"', 1))
-    assert any("controller.json" in p and "SHA-256" in p for p in verify(tmp_path / "ck2"))
+    state = (ck_dir(tmp_path, 2) / "controller.json").read_text()
+    (ck_dir(tmp_path, 2) / "controller.json").write_text(state.replace('"version"', '"versioX"', 1))
+    assert any("controller.json" in p and "SHA-256" in p for p in verify(ck_dir(tmp_path, 2)))
 
 
 def test_resume_restores_finished_samples_from_the_journal(tmp_path):
@@ -233,7 +233,7 @@ def test_a_push_of_newer_weights_than_assigned_falls_back_to_the_snapshot():
 
     asyncio.run(main())
     assert trainer.pushes == [(3, ["fake://e1"])]
-    assert engines["e1"].version == 2 and engines["e1"].loads == ["/snap/v2"]
+    assert engines["e1"].version == 2 and engines["e1"].loads == [rt.weights.paths.snapshot_dir(2)]
     assert done == [("e1", 2)]
 
 

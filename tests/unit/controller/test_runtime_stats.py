@@ -14,13 +14,16 @@ from typing import Any
 from dora_megatron.config.orchestrator import OrchestratorConfig
 from dora_megatron.controller.loop import EventQueue
 from dora_megatron.controller.main import drive
-from dora_megatron.controller.records import RuntimeOptions
+from dora_megatron.config.controller import ControllerConfig
+from dora_megatron.config.observability import ObservabilityConfig
+from dora_megatron.config.run import RunConfig
 from dora_megatron.controller.runtime import Runtime
 from dora_megatron.data.tasks import RunningSumTask, running_sum_reward
 from dora_megatron.orchestrator import Orchestrator
 from dora_megatron.data.reward_api import ThreadScorer
 
 from tests.helpers.fakes import FakeEngine, FakeTrainer
+from tests.helpers.runtime import NO_RUN_DIR
 
 POLL_S = 0.2  # one stats round trip of a slow instance
 
@@ -59,11 +62,12 @@ class StallingStatsEngine(FakeEngine):
 def make_runtime(engines: dict, concurrency: int = 64, health_timeout_s: float = 30.0) -> Runtime:
     names = list(engines)
     cfg = OrchestratorConfig(mode="dora", tbs=4, rbs=8, max_staleness=1, group_size=2, rebalance_interval_s=0.05)
-    opts = RuntimeOptions(steps=3, seed=0, max_new_tokens=64, temperature=1.0, top_p=1.0, top_k=-1,
-                          snapshot_dir=lambda v: f"/snap/v{v}", stats_interval_s=0.01, stats_concurrency=concurrency,
-                          health_timeout_s=health_timeout_s)
-    return Runtime(Orchestrator(cfg, names), engines, FakeTrainer(engines=engines), RunningSumTask(1, 30, 1.2, seed=1),
-                   ThreadScorer(running_sum_reward).score_sync, opts, events=EventQueue())
+    rt = Runtime(Orchestrator(cfg, names), engines, FakeTrainer(engines=engines), RunningSumTask(1, 30, 1.2, seed=1),
+                 ThreadScorer(running_sum_reward).score_sync, run=RunConfig(steps=3, seed=0), paths=NO_RUN_DIR,
+                 controller=ControllerConfig(health_timeout_s=health_timeout_s),
+                 observability=ObservabilityConfig(stats_interval_s=0.01), events=EventQueue())
+    rt.stats.concurrency = concurrency  # not a config key: the poller's own bound (STATS_CONCURRENCY)
+    return rt
 
 
 def finish(rt: Runtime) -> dict[str, Any]:

@@ -7,15 +7,11 @@ group exactly once; a step that does not end within ``stop_checkpoint_timeout_s`
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
+from dora_megatron.config.controller import ControllerConfig
 from dora_megatron.controller.main import drive
 
-from tests.helpers.runtime import make, resume
-
-
-def _no_interval(rt, **opts) -> None:
-    rt.opt = dataclasses.replace(rt.opt, checkpoint_interval=0, **opts)
+from tests.helpers.runtime import ck_dir, make, resume
 
 
 async def _run_and_stop_after(rt, steps: int) -> dict:
@@ -33,17 +29,15 @@ async def _run_and_stop_after(rt, steps: int) -> dict:
 
 def test_a_stop_checkpoints_at_the_next_boundary_and_the_resume_trains_each_group_once(tmp_path):
     n = 12
-    rt, engines, trainer = make(mode="dora", steps=n, tmp_path=tmp_path)
-    _no_interval(rt)
+    rt, engines, trainer = make(mode="dora", steps=n, tmp_path=tmp_path, checkpoint_interval=0)
     summary = asyncio.run(_run_and_stop_after(rt, 2))
     k = summary["stop_checkpoint"]
     assert summary["status"] == "stopped" and summary["stopped_by"] == "SIGINT"
     assert 2 <= k < n and rt.training.steps_done == k == len(trainer.batches)
-    written = sorted(p.name for p in tmp_path.glob("ck*") if (p / "controller.json").is_file())
-    assert written == [f"ck{k}"]  # the stop's checkpoint only (interval 0)
+    written = sorted(p for p in (tmp_path / "checkpoints").glob("v*") if (p / "controller.json").is_file())
+    assert written == [ck_dir(tmp_path, k)]  # the stop's checkpoint only (interval 0)
 
-    rt2, engines2, trainer2 = make(mode="dora", steps=n, tmp_path=tmp_path)
-    _no_interval(rt2)
+    rt2, engines2, trainer2 = make(mode="dora", steps=n, tmp_path=tmp_path, checkpoint_interval=0)
     resume(rt2, trainer2, tmp_path, k)
     summary2 = asyncio.run(drive(rt2))
     assert summary2["status"] == "completed" and summary2["stopped_by"] is None
@@ -54,8 +48,8 @@ def test_a_stop_checkpoints_at_the_next_boundary_and_the_resume_trains_each_grou
 
 
 def test_a_step_that_outlasts_the_stop_timeout_is_abandoned(tmp_path):
-    rt, engines, trainer = make(mode="dora", steps=12, tmp_path=tmp_path)
-    _no_interval(rt, stop_checkpoint_timeout_s=0.2)
+    rt, engines, trainer = make(mode="dora", steps=12, tmp_path=tmp_path, checkpoint_interval=0,
+                                controller=ControllerConfig(stop_checkpoint_timeout_s=0.2))
     held = {"go": False}
     trainer.hold_step(2, until=lambda: held["go"], limit_s=30)
 
@@ -76,4 +70,4 @@ def test_a_step_that_outlasts_the_stop_timeout_is_abandoned(tmp_path):
     assert summary["status"] == "stopped_without_checkpoint" and summary["stop_checkpoint"] is None
     assert summary["stopped_by"] == "SIGTERM" and summary["elapsed"] < 10  # the held step was not waited for
     assert rt.training.steps_done == 2 and len(trainer.batches) == 2
-    assert not [p for p in tmp_path.glob("ck*") if (p / "controller.json").is_file()]
+    assert not [p for p in tmp_path.glob("checkpoints/v*") if (p / "controller.json").is_file()]

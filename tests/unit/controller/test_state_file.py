@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 from dora_megatron.controller.checkpoint_manifest import verify
 from dora_megatron.controller.main import drive
 from dora_megatron.controller.state_file import json_chunks, write_state
 
-from tests.helpers.runtime import make
+from tests.helpers.runtime import ck_dir, make
 
 
 def test_chunks_are_the_text_of_json_dumps():
@@ -44,7 +45,7 @@ def test_a_checkpoint_is_cut_in_the_turn_and_written_by_a_thread_while_the_loop_
     import dora_megatron.controller.state_file as state_file
 
     rt, engines, trainer = make(mode="dora", steps=4, tmp_path=tmp_path)
-    ck = tmp_path / "ck2"
+    ck = ck_dir(tmp_path, 2)
     gate, writers = threading.Event(), []
     real_manifest = state_file.write_manifest
 
@@ -56,7 +57,7 @@ def test_a_checkpoint_is_cut_in_the_turn_and_written_by_a_thread_while_the_loop_
     monkeypatch.setattr(state_file, "write_manifest", held_manifest)
 
     async def main():
-        ck.mkdir()
+        ck.mkdir(parents=True)
         snap = rt.orch.snapshot()
         seen = []
         rt.controller_state.on_checkpoint = seen.append
@@ -108,7 +109,7 @@ def test_the_last_checkpoint_is_complete_when_the_run_returns(tmp_path):
     summary = asyncio.run(drive(rt))
     assert summary["steps"] == 4 and seen == [2, 4]
     for v in (2, 4):
-        assert (tmp_path / f"ck{v}" / "controller.json").is_file() and verify(tmp_path / f"ck{v}") == []
+        assert (ck_dir(tmp_path, v) / "controller.json").is_file() and verify(ck_dir(tmp_path, v)) == []
 
 
 def test_the_last_checkpoint_is_written_while_the_loop_runs_and_its_failure_fails_the_run(tmp_path, monkeypatch):
@@ -126,7 +127,7 @@ def test_the_last_checkpoint_is_written_while_the_loop_runs_and_its_failure_fail
     real_manifest = state_file.write_manifest
 
     def failing_manifest(path, entries):
-        if path.name != "ck4":
+        if Path(path) != ck_dir(tmp_path, 4):
             return real_manifest(path, entries)
         # the last one: the loop turns on while it is written (a loop waiting for it never would)
         start, deadline = ticks[0], time.monotonic() + 10
@@ -152,4 +153,4 @@ def test_the_last_checkpoint_is_written_while_the_loop_runs_and_its_failure_fail
     with pytest.raises(OSError, match="disk full"):
         asyncio.run(main())
     assert seen["loop_turned"] and seen["thread"] != threading.get_ident()
-    assert (tmp_path / "ck2" / "controller.json").is_file() and not (tmp_path / "ck4" / "controller.json").exists()
+    assert (ck_dir(tmp_path, 2) / "controller.json").is_file() and not (ck_dir(tmp_path, 4) / "controller.json").exists()

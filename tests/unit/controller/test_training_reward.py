@@ -20,11 +20,10 @@ from dora_megatron.data.codec import CharCodec
 from dora_megatron.data.reward_api import RewardInput, RewardResult, ThreadScorer, reward_input
 from dora_megatron.data.tasks import RunningSumTask, running_sum_reward
 from dora_megatron.orchestrator import Dispatch
-from dora_megatron.controller.records import RuntimeOptions
+from dora_megatron.config.rollout import RolloutConfig
 from tests.helpers.runtime import check_run, make
 
-OPTS = RuntimeOptions(steps=1, seed=0, max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=-1,
-                      snapshot_dir=lambda v: f"/snap/v{v}")
+ROLLOUT = RolloutConfig(max_new_tokens=8)
 
 
 class TaggedRows:
@@ -66,11 +65,9 @@ def test_the_store_builds_each_reward_input_from_the_samples_own_row():
     """Both places the store scores (off the loop for an answer, on the loop for one that came
     without a reward) and a store restored from its checkpoint entries hand the reward the row of
     the sample's own group, as :func:`reward_input` builds it for the eval set."""
-    from dora_megatron.controller.records import RuntimeOptions
-
     rows, seen = TaggedRows(), []
     codec = CharCodec()
-    store = SampleStore(rows, codec, recording_scorer(rows, seen), OPTS, first_prompt=5)
+    store = SampleStore(rows, codec, recording_scorer(rows, seen), ROLLOUT, seed=0, first_prompt=5)
     g5 = store.dispatch(Dispatch("g5", 0, ["g5/0"]))
     g6 = store.dispatch(Dispatch("g6", 0, ["g6/0", "g6/1"]))
     assert (g5.prompt.index, g6.prompt.index) == (5, 6)
@@ -97,7 +94,7 @@ def test_the_store_builds_each_reward_input_from_the_samples_own_row():
 
     # a resumed run: the restored groups' rows come from the source again, by their prompt index
     groups, samples = store.state_entries()
-    restored = SampleStore(rows, codec, recording_scorer(rows, seen), OPTS)
+    restored = SampleStore(rows, codec, recording_scorer(rows, seen), ROLLOUT, seed=0)
     restored.load_entries({"next_prompt": 7, "groups": groups, "samples": samples,
                            "orchestrator": {"groups": [{"group_id": "g5", "sample_ids": ["g5/0"], "version": 0},
                                                        {"group_id": "g6", "sample_ids": ["g6/0", "g6/1"],

@@ -8,13 +8,15 @@ import asyncio
 from dora_megatron.config.orchestrator import OrchestratorConfig
 from dora_megatron.controller.loop import EventQueue
 from dora_megatron.controller.main import drive
-from dora_megatron.controller.records import RuntimeOptions
+from dora_megatron.config.observability import ObservabilityConfig
+from dora_megatron.config.run import RunConfig
 from dora_megatron.controller.runtime import Runtime
 from dora_megatron.data.tasks import RunningSumTask, running_sum_reward
 from dora_megatron.launch.elastic import JoinRequest, read_join_requests, watch_joins, write_join_request
 from dora_megatron.orchestrator import Orchestrator
 from dora_megatron.data.reward_api import ThreadScorer
 from tests.helpers import fakes
+from tests.helpers.runtime import NO_RUN_DIR
 
 
 
@@ -23,10 +25,9 @@ def _runtime(names, steps=8):
                              cap_before_rebalance=6, cap_after_rebalance=4)
     engines = {n: fakes.FakeEngine(n, token_s=0.002, migration=False) for n in names}
     trainer = fakes.FakeTrainer()
-    opts = RuntimeOptions(steps=steps, seed=0, max_new_tokens=64, temperature=1.0, top_p=1.0, top_k=-1,
-                          snapshot_dir=lambda v: f"/snap/v{v}", stats_interval_s=0.01)
-    rt = Runtime(Orchestrator(cfg, names), engines, trainer, RunningSumTask(1, 30, 1.2, seed=1), ThreadScorer(running_sum_reward).score_sync, opts,
-                 events=EventQueue())
+    rt = Runtime(Orchestrator(cfg, names), engines, trainer, RunningSumTask(1, 30, 1.2, seed=1),
+                 ThreadScorer(running_sum_reward).score_sync, run=RunConfig(steps=steps, seed=0), paths=NO_RUN_DIR,
+                 observability=ObservabilityConfig(stats_interval_s=0.01), events=EventQueue())
     return rt, engines, trainer
 
 
@@ -75,7 +76,8 @@ def test_joined_instance_gets_the_assigned_version_and_serves(tmp_path):
     summary = asyncio.run(_run_watched(rt, tmp_path, make, join_later))
     _check(rt, trainer, 8)
     new = joined["new0"]
-    assert new.loads and new.loads[0].startswith("/snap/v") and int(new.loads[0][7:]) >= 2  # a current version
+    snapshots = f"{NO_RUN_DIR.run_dir}/weights/v"
+    assert new.loads and new.loads[0].startswith(snapshots) and int(new.loads[0][len(snapshots):]) >= 2  # a current version
     assert any(op == "generate" for op, _, _ in new.log), "the joined instance never got work"
     assert summary["lost_groups"] == 0 and summary["duplicated_groups"] == 0 and summary["c1_violations"] == 0
 

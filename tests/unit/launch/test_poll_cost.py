@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 from dora_megatron.config.orchestrator import OrchestratorConfig
 from dora_megatron.controller.loop import EventQueue
-from dora_megatron.controller.records import RuntimeOptions
+from dora_megatron.config.rollout import RolloutConfig
+from dora_megatron.config.run import RunConfig
 from dora_megatron.controller.runtime import Runtime
 from dora_megatron.data.tasks import RunningSumTask, running_sum_reward
 from dora_megatron.launch.elastic import JoinRequest, watch_joins, write_join_request
@@ -18,6 +19,7 @@ from dora_megatron.launch.supervise import EngineSupervisor, RestartPolicy
 from dora_megatron.orchestrator import Orchestrator
 from dora_megatron.data.reward_api import ThreadScorer
 from tests.helpers import fakes
+from tests.helpers.runtime import NO_RUN_DIR
 
 
 POOL = 4096
@@ -34,11 +36,10 @@ class CountingOrchestrator(Orchestrator):
 def _runtime(n: int) -> Runtime:
     names = [f"engine{i}" for i in range(n)]
     cfg = OrchestratorConfig(mode="dora", tbs=4, rbs=8, max_staleness=2, group_size=2)
-    opts = RuntimeOptions(steps=1, seed=0, max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=-1,
-                          snapshot_dir=lambda v: f"/snap/v{v}")
     engines = {n: fakes.FakeEngine(n, migration=False) for n in names}
     return Runtime(CountingOrchestrator(cfg, names), engines, fakes.FakeTrainer(), RunningSumTask(1, 30, 1.2, seed=1),
-                   ThreadScorer(running_sum_reward).score_sync, opts, events=EventQueue())
+                   ThreadScorer(running_sum_reward).score_sync, run=RunConfig(steps=1, seed=0), paths=NO_RUN_DIR,
+                   rollout=RolloutConfig(max_new_tokens=8), events=EventQueue())
 
 
 class _Child:

@@ -20,7 +20,7 @@ from dora_megatron.data.codec import CharCodec
 from dora_megatron.data.tasks import parse_running_sum_prompt, running_sum_answer
 from dora_megatron.observability.rollout_dump import RolloutDumper, dump_path, select_samples
 
-from tests.helpers.runtime import make
+from tests.helpers.runtime import ck_dir, make
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -96,7 +96,7 @@ def test_the_runtime_dumps_the_samples_the_trainer_is_handed(tmp_path):
 def test_finish_reason_survives_a_checkpoint_and_the_journal(tmp_path):
     rt, _, _ = make(mode="dora", steps=2, tmp_path=tmp_path)
     asyncio.run(drive(rt))
-    state = json.loads((tmp_path / "ck2" / "controller.json").read_text())
+    state = json.loads((ck_dir(tmp_path, 2) / "controller.json").read_text())
     finished = state["samples"]  # only finished samples have an entry
     assert finished and all(s["finish_reason"] == "stop" for s in finished)
     rt2, _, _ = make(mode="dora", steps=4, tmp_path=tmp_path)
