@@ -51,6 +51,8 @@ log = logging.getLogger("fake_fleet")
 #: writes): what each unread answer holds here beyond the kernel's socket buffer. WHY this small:
 #: 4,096 answers waiting on a busy controller held 4 GB here at 1 MiB a write
 ANSWER_CHUNK = 64 << 10
+#: the kernel send buffer of each of the fleet's sockets (see :func:`_listen`)
+SEND_BUFFER = 16 << 10
 
 
 def _token_id() -> int:
@@ -391,6 +393,10 @@ def _listen(n: int) -> list[socket.socket]:
     for _ in range(n):
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # WHY: here one kernel holds both ends of every connection, and the answers' send buffers
+        # (autotuned to MBs each) would count against the controller's host; a real engine's
+        # answer waits in its own host's kernel. Accepted sockets inherit this.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
         s.bind(("127.0.0.1", 0))
         s.listen(1024)
         s.setblocking(False)

@@ -11,9 +11,9 @@ those files::
 
 Plots:
 
-* ``bench_modes.png``: the shipped bench config's two invocations (``bench_cpu_tbs16.json``,
-  ``bench_cpu_tbs16_rerun.json``): per variant, each run's throughput (prompt+response tok/s) with
-  the median over the 6 runs, and each run's efficiency (throughput / the bound of its round).
+* ``bench_modes.png``: the current bench table's run (``bench_cpu_ci10.json``, docs/results/bench.md):
+  per variant it ran, each run's throughput (prompt+response tok/s) with the median over its runs,
+  and each run's efficiency (throughput / the bound of its round).
 * ``sim_speedup.png``: simulated throughput over sync per mode at four scales (the paper's benchmark
   on 64 and 128 GPUs, the MoE config on 4,096 and 16,384 accelerators), with the paper's own ratios
   where it reports them.
@@ -33,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "examples" / "results"
-BENCH_FILES = ("bench_cpu_tbs16.json", "bench_cpu_tbs16_rerun.json")
+BENCH_FILES = ("bench_cpu_ci10.json",)
 VARIANTS = ("sync_colocated", "sync", "one_step_off", "partial", "dora_s1", "dora_s3")
 LABELS = {"sync_colocated": "sync\n(colocated)", "sync": "sync", "one_step_off": "one_step\n_off",
           "partial": "partial", "dora_s1": "DORA\nS=1", "dora_s3": "DORA\nS=3", "dora": "DORA",
@@ -65,19 +65,21 @@ def plot_bench(paths: list[Path], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = bench_runs(paths)
+    variants = [v for v in VARIANTS if runs[v]]  # those the run measured
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.4))
     for ax, idx, title in ((ax1, 0, "throughput (prompt+response tok/s)"), (ax2, 1, "efficiency (run / bound of its round)")):
-        for x, variant in enumerate(VARIANTS):
+        for x, variant in enumerate(variants):
             values = [r[idx] for r in runs[variant]]
             colour = "tab:red" if variant.startswith("dora") else "tab:gray"
             ax.bar(x, statistics.median(values), color=colour, alpha=0.35, width=0.7)
             ax.scatter([x] * len(values), values, color=colour, s=12, zorder=3)
-        ax.set_xticks(range(len(VARIANTS)), [LABELS[v] for v in VARIANTS], fontsize=7)
+        ax.set_xticks(range(len(variants)), [LABELS[v] for v in variants], fontsize=7)
         ax.set_title(title, fontsize=9)
         ax.tick_params(axis="y", labelsize=8)
         ax.grid(axis="y", alpha=0.3)
     ax2.axhline(1.0, color="black", lw=0.8, ls="--")
-    fig.suptitle("dora bench, configs/bench/cpu_longtail.yaml: bars = median of 6 runs, dots = runs", fontsize=9)
+    n = len(runs[variants[0]])
+    fig.suptitle(f"dora bench, configs/bench/cpu_longtail.yaml: bars = median of {n} runs, dots = runs", fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=90)
     plt.close(fig)

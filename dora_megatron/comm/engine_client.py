@@ -146,7 +146,7 @@ class EngineClient:
         tracing = [_queued_trace(waits)] if waits is not None else None
         if plan is not None:
             self._http = HttpSession(timeout_s, session=session, limit=plan.generate + plan.control,
-                                     trace_configs=tracing)
+                                     trace_configs=tracing, receive_buffer=plan.receive_buffer)
             self._generates: asyncio.Semaphore | None = asyncio.Semaphore(plan.generate)
         else:
             self._http = HttpSession(timeout_s, session=session, trace_configs=tracing)

@@ -9,7 +9,9 @@ thousands of clients is closed by whoever made it, once).
 
 from __future__ import annotations
 
-from typing import Mapping
+import socket
+from functools import partial
+from typing import Any, Mapping
 
 import aiohttp
 
@@ -17,6 +19,15 @@ from dora_megatron.comm import auth
 
 #: aiohttp's own default: the number of connections one session keeps on the wire at most
 DEFAULT_CONNECTION_LIMIT = 100
+
+
+def _socket_with_receive_buffer(size: int, addr_info: tuple[Any, ...]) -> socket.socket:
+    """A client socket whose receive buffer is ``size`` bytes, set before it connects (the window
+    scale is agreed at the handshake); aiohttp's ``socket_factory``."""
+    family, kind, proto = addr_info[0], addr_info[1], addr_info[2]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
+    return sock
 
 
 class HttpSession:
@@ -29,14 +40,16 @@ class HttpSession:
     and reuses an idle kept-alive one first, so a session that talks to one host never holds more
     than ``limit`` sockets. ``trace_configs``: aiohttp tracing of an owned session. ``session``: a
     session to borrow instead (its own connection limit applies; :meth:`close` leaves it open).
-    ``headers``: sent with every call of an owned session; default: the job's credential
+    ``receive_buffer``: ``SO_RCVBUF`` of an owned session's sockets, and twice what aiohttp buffers of
+    an answer not yet read (None: the kernel's autotuning and aiohttp's 64 KiB;
+    :attr:`~dora_megatron.comm.limits.ConnectionPlan.receive_buffer`). ``headers``: sent with every call of an owned session; default: the job's credential
     (:func:`~dora_megatron.comm.auth.auth_headers` of the secret in this process's environment), so
     every client of a job is let in by the job's servers without each caller passing it along."""
 
     def __init__(self, timeout: float | aiohttp.ClientTimeout | None = None, *,
                  limit: int = DEFAULT_CONNECTION_LIMIT, session: aiohttp.ClientSession | None = None,
                  trace_configs: list[aiohttp.TraceConfig] | None = None,
-                 headers: Mapping[str, str] | None = None) -> None:
+                 headers: Mapping[str, str] | None = None, receive_buffer: int | None = None) -> None:
         if limit < 0:
             raise ValueError(f"limit must be >= 0 (0: no limit), got {limit}")
         self.timeout = timeout if isinstance(timeout, aiohttp.ClientTimeout) else aiohttp.ClientTimeout(total=timeout)
@@ -45,6 +58,7 @@ class HttpSession:
         self._owned = session is None
         self.trace_configs = trace_configs  # of an owned session (e.g. counting waits for a pooled connection)
         self._headers = dict(headers) if headers is not None else None
+        self.receive_buffer = receive_buffer  # SO_RCVBUF of an owned session's sockets (None: the kernel's autotuning)
 
     @property
     def owned(self) -> bool:
@@ -55,8 +69,17 @@ class HttpSession:
         """The session, made at the first call (which must run on the event loop that uses it)."""
         if self._session is None:
             headers = self._headers if self._headers is not None else auth.auth_headers(auth.secret_from_env())
+            extra: dict[str, Any] = {}
+            factory = None
+            if self.receive_buffer is not None:
+                factory = partial(_socket_with_receive_buffer, self.receive_buffer)
+                # WHY: aiohttp reads an answer on until its buffer holds twice this, read or not: an
+                # answer waiting for the receive budget then holds 128 KiB here at the default;
+                # 8,192 of them were 1.3 GB of copies and loop turns of 0.9 s as they all arrived
+                extra["read_bufsize"] = max(4096, self.receive_buffer // 2)
+            connector = aiohttp.TCPConnector(limit=self.limit, socket_factory=factory)
             self._session = aiohttp.ClientSession(timeout=self.timeout, trace_configs=self.trace_configs,
-                                                  connector=aiohttp.TCPConnector(limit=self.limit), headers=headers)
+                                                  connector=connector, headers=headers, **extra)
         return self._session
 
     def call_timeout(self, timeout_s: float | None) -> aiohttp.ClientTimeout:

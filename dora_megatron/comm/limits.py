@@ -97,6 +97,16 @@ class ConnectionWaits:
         self.count += n
 
 
+#: kernel receive-buffer bytes one process's generate connections share (:attr:`ConnectionPlan.receive_buffer`):
+#: a sixth of the TCP memory at which a 24 GB Linux host starts to drop (its ``tcp_mem`` pressure mark, ~1.5 GB)
+KERNEL_RECEIVE_BYTES = 256 << 20
+#: the smallest receive buffer a generate connection gets (64 KiB charged): a window that still
+#: moves an answer at a hundred MB/s or more at a datacenter's sub-millisecond round trip
+MIN_RECEIVE_BUFFER = 32 << 10
+#: at or above this share, the kernel's autotuning is left alone (Linux's default ``tcp_rmem`` maximum)
+AUTOTUNED_RECEIVE_BUFFER = 6 << 20
+
+
 @dataclass(frozen=True)
 class ConnectionPlan:
     """How many connections each instance's client may hold in one process.
@@ -122,6 +132,24 @@ class ConnectionPlan:
     def fits(self) -> bool:
         """Whether every slot gets its own connection (no request ever waits for one)."""
         return self.generate >= self.slots
+
+    @property
+    def receive_buffer(self) -> int | None:
+        """The kernel receive buffer (``SO_RCVBUF``) of each generate connection: this process's
+        share of :data:`KERNEL_RECEIVE_BYTES`, at least :data:`MIN_RECEIVE_BUFFER`; None (the
+        kernel's autotuning, up to MBs a socket) where the share is larger than the kernel's own
+        default maximum would give anyway.
+
+        WHY: answers that finish while the process is busy wait in these buffers (the process
+        reads at most :data:`~dora_megatron.comm.receive_budget.RECEIVE_BUDGET_BYTES` of them at
+        once). Autotuned, thousands of waiting answers took 1.7 GB of the kernel's TCP memory at 64
+        instances x 64 slots, past its pressure limit: it then dropped packets on every socket, and
+        retransmission back-offs stalled every answer and stats poll for seconds
+        (``docs/results/controller_scale.md``). Bounded, the rest of an answer waits in the
+        engine's send buffer, on the engine's host."""
+        share = KERNEL_RECEIVE_BYTES // max(1, self.instances * self.generate)
+        # Linux charges twice the size set (its bookkeeping): half the share is what is set
+        return None if share >= AUTOTUNED_RECEIVE_BUFFER else max(MIN_RECEIVE_BUFFER, share // 2)
 
     def describe(self) -> str:
         where = (f"each of rollout.client_workers={self.client_workers} processes holds {self.instances}"

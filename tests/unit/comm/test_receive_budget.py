@@ -187,3 +187,61 @@ def test_a_release_between_a_cancel_and_the_cancelled_task_resuming_skips_it():
         return got, budget.used
 
     assert asyncio.run(main()) == (3, 3)
+
+
+def test_thousands_of_generate_connections_get_small_receive_buffers_a_few_keep_autotuning():
+    from dora_megatron.comm.limits import KERNEL_RECEIVE_BYTES, MIN_RECEIVE_BUFFER, plan_connections
+
+    few = plan_connections(4, 8, 100_000)
+    paper = plan_connections(64, 64, 100_000)
+    huge = plan_connections(4096, 8, 1_000_000)
+    assert few.receive_buffer is None  # a few connections: the kernel's autotuning, as before
+    assert paper.receive_buffer is not None
+    # what the kernel charges (twice the size set) stays within the bytes they share
+    assert 2 * paper.receive_buffer * paper.instances * paper.generate <= KERNEL_RECEIVE_BYTES
+    assert huge.receive_buffer == MIN_RECEIVE_BUFFER  # never a window too small to move an answer
+    assert MIN_RECEIVE_BUFFER <= paper.receive_buffer
+
+
+def test_a_session_with_a_receive_buffer_connects_with_it():
+    """The socket the session connects with has the buffer asked for (Linux reports twice the
+    bytes set, its bookkeeping included), below what autotuning gives a socket left alone, and
+    aiohttp buffers no more of an unread answer than that."""
+    import socket
+
+    from dora_megatron.comm.http_session import HttpSession
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()  # a body still arriving: the connection is the response's
+        await resp.prepare(request)
+        for _ in range(64):
+            await resp.write(b"x" * 65_536)
+        await resp.write_eof()
+        return resp
+
+    async def rcvbuf(session: HttpSession, url: str) -> tuple[int, int]:
+        async with session.session().get(url) as resp:
+            sock = resp.connection.transport.get_extra_info("socket")
+            size = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+            unread = resp.content.get_read_buffer_limits()[1]  # aiohttp stops reading above this
+            await resp.read()
+        await session.close()
+        return size, unread
+
+    async def main() -> tuple[tuple[int, int], tuple[int, int]]:
+        app = web.Application()
+        app.router.add_get("/x", handler)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/x"
+        try:
+            return await rcvbuf(HttpSession(5, receive_buffer=32 << 10), url), await rcvbuf(HttpSession(5), url)
+        finally:
+            await runner.cleanup()
+
+    (small, unread), (default, default_unread) = asyncio.run(main())
+    assert small == 2 * (32 << 10)
+    assert default != small
+    assert unread <= 32 << 10 < default_unread  # an answer left unread holds at most the buffer here
