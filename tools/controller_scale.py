@@ -173,6 +173,7 @@ class HeldTokens:
         self.peak_tokens = 0
         self.rss_at_peak = 0
         self.rss_at_start = 0
+        self.rising: list[tuple[int, int]] = []  # (held tokens, RSS) of each sample up to the peak
         self._task: asyncio.Task | None = None
 
     def start(self, rt) -> None:
@@ -185,6 +186,20 @@ class HeldTokens:
             held = sum(len(r.response_ids) + len(r.prompt_ids) for r in list(rt.store.samples.values()))
             if held > self.peak_tokens:
                 self.peak_tokens, self.rss_at_peak = held, _rss_bytes()
+                self.rising.append((held, self.rss_at_peak))
+
+    def slope(self) -> float | None:
+        """RSS bytes per further held token while the held tokens rise to their peak (least
+        squares): what each token costs, without what the run holds whatever its tokens (the
+        connections of every slot, their buffers, the clients), which the growth from the start
+        counts too."""
+        if len(self.rising) < 3:
+            return None
+        n = len(self.rising)
+        mx = sum(t for t, _ in self.rising) / n
+        my = sum(r for _, r in self.rising) / n
+        var = sum((t - mx) ** 2 for t, _ in self.rising)
+        return sum((t - mx) * (r - my) for t, r in self.rising) / var if var else None
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -401,6 +416,7 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "peak_held_tokens": held.peak_tokens,
         "rss_growth_per_held_token_b": ((held.rss_at_peak - held.rss_at_start) / held.peak_tokens
                                         if held.peak_tokens else None),
+        "rss_per_further_held_token_b": held.slope(),
         "array_bytes_per_token": array_b,
         "routed_experts": args.routed_experts or None,
         "handoff": "batch files" if reads else "json body",
