@@ -48,13 +48,18 @@ def test_an_answer_larger_than_the_budget_takes_all_of_it():
     assert asyncio.run(main()) == (10, 10)
 
 
+async def _full_then_waiting(*sizes: int) -> tuple[ReceiveBudget, int, list[asyncio.Task[int]]]:
+    """A budget of 10 wholly granted, and a waiting call for each of ``sizes``, in that order."""
+    budget = ReceiveBudget(10)
+    held = await budget.acquire(10)
+    waiters = [asyncio.create_task(budget.acquire(n)) for n in sizes]
+    await asyncio.sleep(0)
+    return budget, held, waiters
+
+
 def test_a_cancelled_wait_takes_nothing_and_lets_the_next_one_through():
     async def main() -> int:
-        budget = ReceiveBudget(10)
-        held = await budget.acquire(10)
-        gone = asyncio.create_task(budget.acquire(5))
-        nxt = asyncio.create_task(budget.acquire(10))
-        await asyncio.sleep(0)
+        budget, held, (gone, nxt) = await _full_then_waiting(5, 10)
         gone.cancel()
         await asyncio.sleep(0)
         budget.release(held)
@@ -77,9 +82,10 @@ def _answer(n: int) -> bytes:
         "output_token_logprobs": [[-0.25, 7, None]] * n}}).encode()
 
 
-async def _serve(handler) -> tuple[web.AppRunner, str]:
+async def _serve(handler, method: str = "POST", path: str = "/generate") -> tuple[web.AppRunner, str]:
+    """``handler`` served on 127.0.0.1: its runner and its base URL."""
     app = web.Application()
-    app.router.add_post("/generate", handler)
+    app.router.add_route(method, path, handler)
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -158,10 +164,7 @@ def test_a_cancelled_head_of_the_line_does_not_hold_up_the_next_caller():
     """The first waiter gives up (its request was aborted) while the budget is full; once the
     budget is free, a new caller is granted at once, not queued behind the one that left."""
     async def main() -> int:
-        budget = ReceiveBudget(10)
-        held = await budget.acquire(10)
-        gone = asyncio.create_task(budget.acquire(10))
-        await asyncio.sleep(0)
+        budget, held, (gone,) = await _full_then_waiting(10)
         gone.cancel()
         await asyncio.sleep(0)
         budget.release(held)
@@ -174,11 +177,7 @@ def test_a_release_between_a_cancel_and_the_cancelled_task_resuming_skips_it():
     """A waiter is cancelled and, before its task runs again, a release comes: the release must
     pass over it (granting it would fail on a cancelled future) and grant the next in line."""
     async def main() -> tuple[int, int]:
-        budget = ReceiveBudget(10)
-        held = await budget.acquire(10)
-        gone = asyncio.create_task(budget.acquire(10))
-        nxt = asyncio.create_task(budget.acquire(3))
-        await asyncio.sleep(0)
+        budget, held, (gone, nxt) = await _full_then_waiting(10, 3)
         gone.cancel()
         budget.release(held)  # same loop turn: gone's task has not yet seen its cancellation
         got = await nxt
@@ -229,13 +228,8 @@ def test_a_session_with_a_receive_buffer_connects_with_it():
         return size, unread
 
     async def main() -> tuple[tuple[int, int], tuple[int, int]]:
-        app = web.Application()
-        app.router.add_get("/x", handler)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/x"
+        runner, base = await _serve(handler, "GET", "/x")
+        url = base + "/x"
         try:
             return await rcvbuf(HttpSession(5, receive_buffer=32 << 10), url), await rcvbuf(HttpSession(5), url)
         finally:
