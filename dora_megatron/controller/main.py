@@ -96,7 +96,8 @@ async def drive(runtime: Runtime) -> dict[str, Any]:
     done = runtime.ended
     loop = ControllerLoop(runtime.orch, runtime, runtime.events, done)
     tasks = [asyncio.get_running_loop().create_task(runtime.stats.run(done)),
-             asyncio.get_running_loop().create_task(_stop_when(done, runtime.events))]
+             asyncio.get_running_loop().create_task(_stop_when(done, runtime.events)),
+             asyncio.get_running_loop().create_task(runtime.loop_lag.run(done))]
     error = None
     try:
         await loop.run()

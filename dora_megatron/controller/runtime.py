@@ -46,6 +46,7 @@ from dora_megatron.controller.generation import Generation
 from dora_megatron.events import (EngineReply, InstanceFailed, InstanceJoined, Resume, Start, Stop, SwitchDone,
                                   TrainerDone)
 from dora_megatron.controller.loop import EventQueue
+from dora_megatron.controller.loop_lag import LoopLag
 from dora_megatron.controller.migration import Migrations
 from dora_megatron.controller.pool import Pool
 from dora_megatron.controller.records import Engine, LoadReports, RunPaths, Trainer, instance_slots
@@ -140,6 +141,8 @@ class Runtime:
         #: this process's back-pressure count (calls that waited for a pooled connection), read at the
         #: run's end; set by the launcher (:attr:`~dora_megatron.controller.clients.EngineClients.connection_waits`)
         self.connection_waits: Callable[[], int] | None = None
+        #: how late the loop runs, ticked by :func:`~dora_megatron.controller.main.drive` (summary.json)
+        self.loop_lag = LoopLag()
         self._tasks: set[asyncio.Task[None]] = set()
         self._error: BaseException | None = None
         self._done = asyncio.Event()

@@ -18,6 +18,7 @@ from dora_megatron.rollout.speculation import speculation_summary
 if TYPE_CHECKING:
     from dora_megatron.controller.evaluation import Evaluator
     from dora_megatron.controller.generation import Generation
+    from dora_megatron.controller.loop_lag import LoopLag
     from dora_megatron.controller.migration import Migrations
     from dora_megatron.controller.pool import Pool
     from dora_megatron.controller.records import Engine
@@ -46,6 +47,7 @@ class SummaryHost(Protocol):
     evaluator: Evaluator | None
     workflow: WorkflowRunner | None
     connection_waits: Callable[[], int] | None  # this process's back-pressure count (None: no pooled clients)
+    loop_lag: LoopLag  # how late the event loop ran
 
 
 def run_summary(rt: SummaryHost, wall: float) -> dict[str, Any]:
@@ -78,6 +80,7 @@ def run_summary(rt: SummaryHost, wall: float) -> dict[str, Any]:
     waits = rt.connection_waits
     out["connection_waits"] = waits() if waits is not None else 0
     out["samples_from_journal"] = rt.replay.samples_from_journal
+    out.update(rt.loop_lag.summary())  # loop_lag_p99_ms, loop_lag_max_ms
     out["max_live_versions"] = osum.get("max_live_versions")
     out["outstanding_groups_at_end"] = osum["dispatched_groups"] - osum["consumed_groups"]
     if rt.evaluator is not None:
