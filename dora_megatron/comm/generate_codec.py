@@ -98,7 +98,7 @@ def split_logprobs(body: bytes) -> tuple[bytes, list[float]] | None:
     WHY: parsed as JSON, the list is one small Python list per token; at reasoning lengths
     thousands per answer, each counted by the garbage collector, so the answers of a busy
     controller triggered collections that scan every object it holds (hundreds of thousands at
-    4,096 requests in flight): ~3x the parse's own CPU (``docs/results/controller_scale.md``). Here
+    4,096 requests in flight): about three times the parse's own CPU when it was measured. Here
     its brackets are dropped and the numbers parsed as one flat list (no container per token)."""
     j = _value_start(body, _LOGPROBS_KEY)
     if j < 0 or body[j:j + 1] != b"[":
@@ -142,7 +142,7 @@ def decode_routed(text: bytes | memoryview) -> np.ndarray:
     WHY slice by slice into the result: a 30K-token answer of a 48-layer top-8 MoE is ~60 MB of
     base64, ~46 MB as int32 and ~12 MB as int8. Decoded whole (then cast) the answer-sized int32
     copy and the joined bytes were transients that glibc's dynamic mmap threshold left in the heap
-    once freed: the controller's RSS grew 2.2x the bytes it held (``docs/results/controller_scale.md``).
+    once freed: the controller's RSS grew to twice the bytes it held and more, when it was measured.
     Here each :data:`B64_SLICE` of the text (a view, not a copy) is decoded and cast straight into
     the result, whose type is widened (once per width) only when a later slice holds a larger id,
     so the transients are a slice's and the result is the same array the whole decode gave."""
@@ -264,7 +264,7 @@ async def decode_generate(body: bytes | list[bytes], decoder: Executor | None = 
     WHY a decoder of its own: the decode holds the GIL (orjson, array conversion, base64), so
     several threads decoding at once add no throughput, but each is one more thread the event loop
     waits behind to retake the GIL after every socket call: a loop ticking beside 4 decoding
-    threads lagged 4-9x more than beside 1 (``docs/results/controller_scale.md``)."""
+    threads lagged several times more than beside 1, when it was measured."""
     pieces = [body] if isinstance(body, (bytes, bytearray)) else body
     if sum(len(p) for p in pieces) > BIG_ANSWER_BYTES:
         return await asyncio.get_running_loop().run_in_executor(decoder, _join_and_parse, pieces)  # None: the default

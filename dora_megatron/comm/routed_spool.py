@@ -5,7 +5,7 @@ WHY: with routing replay a sample carries ``layers x top_k`` expert ids per toke
 48-layer top-8 MoE): the paper's 512 x 16 step at 2.4K tokens is ~7.5 GB of them, ~50x its token
 ids and log-probs. Written by :func:`~dora_megatron.comm.batch_files.write_batch` when the batch
 is released, that write alone took the hand-off minutes on a shared filesystem while the trainer
-waited (an eighth of that step: 8 s here, ``docs/results/controller_scale.md``). Here each finished
+waited (an eighth of that step took seconds on this project's test machine). Here each finished
 sample's ids are appended to a segment file of the spool directory (next to the batch directories,
 on the filesystem the trainer's ranks share) by one writer thread while the rollout goes on: the
 write is spread over the step's generation, and the batch entry names where each sample's ids

@@ -79,7 +79,7 @@ def encode(text: str, add_bos: bool = False) -> list[int]:
 def decode(ids: Iterable[int], skip_special: bool = True) -> str:
     """Map ids back to text; special and unused ids are dropped when ``skip_special``. The
     id -> token table is built only when specials are kept (the controller decodes every finished
-    sample: rebuilding it each time was 4% of the controller's CPU, docs/results/controller_scale.md)."""
+    sample: rebuilding it each time cost a few per cent of the controller's CPU when measured)."""
     inverse = {} if skip_special else {i: tok for tok, i in vocab().items()}
     out = []
     for i in ids:

@@ -34,7 +34,8 @@ renormalised) at each sibling's occurrence of the longest match nearest the requ
 drawn from as the mixture it is (:class:`RowMixture`: a row, then a token from it), so a draft
 token costs lookups in a few rows rather than a merge of them all.
 Measured on the main job's model (the same positions as above): kept 0.77 of the time, against
-0.37 for the counts and 0.42 for the best any fixed token could do (docs/results/speculation.md).
+0.37 for the counts and 0.42 for the best any fixed token could do (when it was measured; the
+current figures are in docs/results/speculation.md).
 """
 
 from __future__ import annotations
