@@ -19,6 +19,8 @@ from dora_megatron.comm import auth
 
 #: aiohttp's own default: the number of connections one session keeps on the wire at most
 DEFAULT_CONNECTION_LIMIT = 100
+#: aiohttp's own default read buffer of a response (it stops reading a socket at twice this)
+AIOHTTP_READ_BUFSIZE = 2**16
 
 
 def _socket_with_receive_buffer(size: int, addr_info: tuple[Any, ...]) -> socket.socket:
@@ -69,17 +71,16 @@ class HttpSession:
         """The session, made at the first call (which must run on the event loop that uses it)."""
         if self._session is None:
             headers = self._headers if self._headers is not None else auth.auth_headers(auth.secret_from_env())
-            extra: dict[str, Any] = {}
-            factory = None
+            factory, read_bufsize = None, AIOHTTP_READ_BUFSIZE
             if self.receive_buffer is not None:
                 factory = partial(_socket_with_receive_buffer, self.receive_buffer)
                 # WHY: aiohttp reads an answer on until its buffer holds twice this, read or not: an
                 # answer waiting for the receive budget then holds 128 KiB here at the default;
                 # 8,192 of them were 1.3 GB of copies and loop turns of 0.9 s as they all arrived
-                extra["read_bufsize"] = max(4096, self.receive_buffer // 2)
+                read_bufsize = max(4096, self.receive_buffer // 2)
             connector = aiohttp.TCPConnector(limit=self.limit, socket_factory=factory)
             self._session = aiohttp.ClientSession(timeout=self.timeout, trace_configs=self.trace_configs,
-                                                  connector=connector, headers=headers, **extra)
+                                                  connector=connector, headers=headers, read_bufsize=read_bufsize)
         return self._session
 
     def call_timeout(self, timeout_s: float | None) -> aiohttp.ClientTimeout:

@@ -33,7 +33,7 @@ class ReceiveBudget:
             raise ValueError(f"a receive budget must be positive, got {max_bytes} bytes")
         self.max_bytes = max_bytes
         self.used = 0  # bytes granted and not yet given back
-        self.waited = 0  # grants that had to wait (back-pressure, counted for the run's summary)
+        self.waited = 0  # grants that had to wait: how often the budget held an answer back
         self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
 
     async def acquire(self, size: int) -> int:
