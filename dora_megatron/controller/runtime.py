@@ -52,6 +52,7 @@ from dora_megatron.controller.pool import Pool
 from dora_megatron.controller.records import Engine, LoadReports, RunPaths, Trainer, instance_slots
 from dora_megatron.controller.replay import JournalReplay
 from dora_megatron.controller.samples import RewardFn, SampleStore
+from dora_megatron.controller.shutdown import cancel_in_batches, collector_paused
 from dora_megatron.controller.stats import StatsPoller
 from dora_megatron.controller.summary import run_summary
 from dora_megatron.controller.trainer_client import PushOptions
@@ -379,11 +380,9 @@ class Runtime:
             except Exception:  # noqa: BLE001 - best effort at shutdown
                 pass
 
-        await asyncio.gather(*(abort_all(e) for iid, e in list(self.engines.items()) if not self.pool.is_failed(iid)))
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        with collector_paused():  # the in-flight requests' objects are dropped, not scanned (:mod:`.shutdown`)
+            await asyncio.gather(*(abort_all(e) for iid, e in list(self.engines.items()) if not self.pool.is_failed(iid)))
+            await cancel_in_batches(list(self._tasks))
         # a state file still being written is finished, not cut off (its thread is no task); the
         # last checkpoint's failure is the run's error unless it has one already
         failed = await asyncio.to_thread(self.checkpoints.close)
