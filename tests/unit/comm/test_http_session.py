@@ -67,3 +67,49 @@ def test_every_client_closes_its_own_session_only():
                 return answers, shared.closed, [s.closed for s in sessions]
 
     assert asyncio.run(go()) == ([True, True, True, True], False, [True, True, True])
+
+
+def test_json_bodies_are_encoded_compactly_with_string_keys():
+    """``json=`` bodies go through orjson (compact, no spaces as ``json.dumps`` writes them), typed as
+    JSON, and non-string keys become strings as ``json.dumps`` makes them: the receiver reads the
+    same values."""
+    import json
+
+    seen: dict[str, object] = {}
+
+    async def echo(req: web.Request) -> web.Response:
+        seen["type"] = req.content_type
+        seen["raw"] = await req.read()
+        return web.json_response({"ok": True})
+
+    async def go() -> None:
+        app = web.Application()
+        app.router.add_post("/x", echo)
+        async with TestServer(app, host="127.0.0.1") as server:
+            async with HttpSession(5.0) as http:
+                async with http.session().post(server.make_url("/x"), json={"input_ids": list(range(5000)),
+                                                                           "spans": {3: [1, 2]}, "t": 0.5}) as r:
+                    assert r.status == 200
+
+    asyncio.run(go())
+    raw = seen["raw"]
+    assert isinstance(raw, bytes)
+    assert seen["type"] == "application/json"
+    assert b" " not in raw  # json.dumps would have written ", " between the 5,000 ids
+    assert json.loads(raw) == {"input_ids": list(range(5000)), "spans": {"3": [1, 2]}, "t": 0.5}
+
+
+def test_json_encoder_takes_what_json_dumps_takes() -> None:
+    import json
+
+    import numpy as np
+
+    from dora_megatron.comm.http_session import encode_json
+
+    class Weight(float):
+        pass
+
+    value = {"a": np.float64(0.25), "b": np.int64(3), "c": Weight(1.5), 7: (1, 2), "d": np.arange(3, dtype=np.int32)}
+    assert json.loads(encode_json(value)) == {"a": 0.25, "b": 3, "c": 1.5, "7": [1, 2], "d": [0, 1, 2]}
+    with pytest.raises(TypeError, match="JSON serializable: set"):
+        encode_json({"x": {1, 2}})
