@@ -11,19 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from concurrent.futures import Executor
 from types import SimpleNamespace
 from typing import Mapping, Sequence
 
 import aiohttp
 import msgspec
 
-from dora_megatron.comm.generate_codec import BIG_ANSWER_BYTES, decode_generate
+from dora_megatron.comm.answer_reader import AnswerReader
+from dora_megatron.comm.generate_codec import decode_generate
 from dora_megatron.comm.http_session import HttpSession
 from dora_megatron.comm.json_value import JSON, JSONObject, json_object, parse_json, read_answer
 from dora_megatron.comm.limits import ConnectionPlan, ConnectionWaits, ControllerResourceError
 from dora_megatron.comm.protocol import GenerateRequest, GenerateResponse, SamplingParams
-from dora_megatron.comm.receive_budget import ReceiveBudget
 
 log = logging.getLogger(__name__)
 
@@ -131,16 +130,15 @@ class EngineClient:
 
     def __init__(self, base_url: str, session: aiohttp.ClientSession | None = None, timeout_s: float = 600.0, *,
                  plan: ConnectionPlan | None = None, waits: ConnectionWaits | None = None,
-                 decoder: Executor | None = None, budget: ReceiveBudget | None = None) -> None:
+                 reader: AnswerReader | None = None) -> None:
         """``plan``: this process's connection budget (:func:`~dora_megatron.comm.limits.plan_connections`):
         at most ``plan.generate`` generates on the wire, more wait for one to end (the wait is not
         part of the call's timeout), and ``plan.generate + plan.control`` sockets in all. ``waits``:
         counts every call that waited for a connection (back-pressure). Without a plan: aiohttp's
-        default pool of 100 and no gate. ``decoder``: the executor big answers are decoded in,
-        shared by a process's clients (:func:`~dora_megatron.comm.generate_codec.decode_generate`).
-        ``budget``: the bytes of big ``/generate`` answers this process's clients hold at once, from
-        the first byte read to the end of the decode (:mod:`~dora_megatron.comm.receive_budget`;
-        None: no bound)."""
+        default pool of 100 and no gate. ``reader``: how this process reads big ``/generate``
+        answers, shared by its clients (:class:`~dora_megatron.comm.answer_reader.AnswerReader`):
+        each is read once its bytes are granted from the process's receive budget and decoded on its
+        decoder thread (None: no bound, decoded on the loop's default executor)."""
         self.base_url = base_url.rstrip("/")
         self.waits = waits
         tracing = [_queued_trace(waits)] if waits is not None else None
@@ -152,8 +150,7 @@ class EngineClient:
             self._http = HttpSession(timeout_s, session=session, trace_configs=tracing)
             self._generates = None
         self._extensions: frozenset[str] | None = None
-        self.decoder = decoder  # where big /generate answers are decoded (None: the loop's default executor)
-        self.budget = budget
+        self.reader = reader  # this process's receive budget and decoder thread (None: neither)
 
     async def __aenter__(self) -> "EngineClient":
         return self
@@ -174,10 +171,11 @@ class EngineClient:
         return (await self._call_held(method, path, json_body, data, timeout_s, None))[0]
 
     async def _call_held(self, method: str, path: str, json_body: JSONObject | None, data: bytes | None,
-                         timeout_s: float | None, budget: ReceiveBudget | None) -> tuple[list[bytes], int]:
-        """:meth:`_call`, and with ``budget`` a body above :data:`BIG_ANSWER_BYTES` is read only once
-        its size is granted; returns the pieces and the bytes granted, which the caller gives back
-        to ``budget`` once it has decoded them (0: nothing held)."""
+                         timeout_s: float | None, reader: AnswerReader | None) -> tuple[list[bytes], int]:
+        """:meth:`_call`, and with ``reader`` a big body is read only once ``reader`` grants its size
+        (:meth:`~dora_megatron.comm.answer_reader.AnswerReader.acquire`); returns the pieces and the
+        bytes granted, which the caller gives back to ``reader`` once it has decoded them (0: nothing
+        held)."""
         url = self.base_url + path
         timeout = self._http.call_timeout(timeout_s)
         queued = {"queued": False}  # set by the tracing while the call waits for a pooled connection
@@ -186,13 +184,13 @@ class EngineClient:
             async with self._http.session().request(method, url, json=json_body, data=data, timeout=timeout,
                                                     trace_request_ctx=queued) as resp:
                 size = resp.content_length or 0
-                if budget is not None and size > BIG_ANSWER_BYTES and resp.status < 400:
-                    held = await budget.acquire(size)
+                if reader is not None and resp.status < 400:
+                    held = await reader.acquire(size)
                 # each piece as the socket gave it: a loop turn per piece, none proportional to the body
                 chunks = [chunk async for chunk in resp.content.iter_any()]
         except BaseException as exc:
-            if held and budget is not None:  # nothing of the body is kept
-                budget.release(held)
+            if reader is not None:  # nothing of the body is kept
+                reader.release(held)
             if isinstance(exc, asyncio.TimeoutError) and queued["queued"]:
                 # timed out before any connection was free: the pool's limit, not the engine
                 raise ControllerResourceError(url, "no pooled connection became free within the call's timeout") from exc
@@ -248,17 +246,18 @@ class EngineClient:
         if keep_kv and await self.supports("keep_kv"):
             body["dora_keep_kv"] = True
         if self._generates is None:
-            answer, held = await self._call_held("POST", "/generate", body, None, None, self.budget)
+            answer, held = await self._call_held("POST", "/generate", body, None, None, self.reader)
         else:
             if self._generates.locked() and self.waits is not None:
                 self.waits.add()  # back-pressure: every generate connection of this instance is in use
             async with self._generates:  # the timeout starts once a connection is ours
-                answer, held = await self._call_held("POST", "/generate", body, None, None, self.budget)
-        try:  # a big answer in a worker thread, the connection free; its bytes held until decoded
-            return await decode_generate(answer, self.decoder)
+                answer, held = await self._call_held("POST", "/generate", body, None, None, self.reader)
+        if self.reader is None:
+            return await decode_generate(answer)  # a big answer on the loop's default executor
+        try:  # a big answer on the reader's thread, the connection free; its bytes held until decoded
+            return await self.reader.decode(answer)
         finally:
-            if held and self.budget is not None:
-                self.budget.release(held)
+            self.reader.release(held)
 
     async def abort(self, rid: str = "", abort_all: bool = False) -> bool:
         """Abort by rid prefix (or all); False if nothing matched (already finished)."""

@@ -1,6 +1,6 @@
 """The bytes of big answers a process reads at once (``comm/receive_budget.py``): granted in arrival
-order, given back on every path, and what an :class:`EngineClient` holds while it reads and decodes
-real answers off a socket."""
+order, given back on every path, and what an :class:`EngineClient` holds through its
+:class:`AnswerReader` while it reads and decodes real answers off a socket."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import json
 import pytest
 from aiohttp import web
 
+from dora_megatron.comm.answer_reader import AnswerReader
 from dora_megatron.comm.engine_client import EngineClient
 from dora_megatron.comm.receive_budget import ReceiveBudget
 
@@ -98,7 +99,8 @@ def test_a_client_holds_at_most_the_budget_of_answers_and_gives_it_all_back():
     """Eight answers of ~150 KB at once through clients sharing a 400 KB budget: every answer comes
     back whole, at most the budget was ever held, some had to wait, and nothing stays held."""
     body = _answer(8_000)
-    budget = ReceiveBudget(400_000)
+    reader = AnswerReader(400_000)
+    budget = reader.budget
     peak = [0]
 
     async def handler(request: web.Request) -> web.StreamResponse:
@@ -115,12 +117,13 @@ def test_a_client_holds_at_most_the_budget_of_answers_and_gives_it_all_back():
     async def main() -> list[int]:
         runner, url = await _serve(handler)
         try:
-            clients = [EngineClient(url, timeout_s=30, budget=budget) for _ in range(8)]
+            clients = [EngineClient(url, timeout_s=30, reader=reader) for _ in range(8)]
             got = await asyncio.gather(*(c.generate([1], {"max_new_tokens": 8}) for c in clients))
             for c in clients:
                 await c.close()
         finally:
             await runner.cleanup()
+            reader.close()
         return [len(r.output_ids) for r in got]
 
     assert len(body) > 100_000
@@ -133,7 +136,8 @@ def test_a_client_holds_at_most_the_budget_of_answers_and_gives_it_all_back():
 def test_an_answer_cut_off_mid_body_gives_its_bytes_back():
     """The server dies half-way through an answer: the call fails and its grant is returned."""
     body = _answer(8_000)
-    budget = ReceiveBudget(1_000_000)
+    reader = AnswerReader(1_000_000)
+    budget = reader.budget
 
     async def handler(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "application/json"})
@@ -146,13 +150,14 @@ def test_an_answer_cut_off_mid_body_gives_its_bytes_back():
     async def main() -> BaseException | None:
         runner, url = await _serve(handler)
         try:
-            async with EngineClient(url, timeout_s=30, budget=budget) as client:
+            async with EngineClient(url, timeout_s=30, reader=reader) as client:
                 try:
                     await client.generate([1], {"max_new_tokens": 8})
                 except Exception as exc:  # noqa: BLE001 - whichever error aiohttp raises for a cut body
                     return exc
         finally:
             await runner.cleanup()
+            reader.close()
         return None
 
     err = asyncio.run(main())
