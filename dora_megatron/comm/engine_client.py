@@ -11,19 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from concurrent.futures import Executor
 from types import SimpleNamespace
-from typing import Mapping, Sequence
+from typing import Awaitable, Mapping, Sequence
 
 import aiohttp
 import msgspec
 
-from dora_megatron.comm.generate_codec import BIG_ANSWER_BYTES, decode_generate
+from dora_megatron.comm.answer_reader import AnswerReader
+from dora_megatron.comm.generate_codec import decode_generate
 from dora_megatron.comm.http_session import HttpSession
 from dora_megatron.comm.json_value import JSON, JSONObject, json_object, parse_json, read_answer
 from dora_megatron.comm.limits import ConnectionPlan, ConnectionWaits, ControllerResourceError
 from dora_megatron.comm.protocol import GenerateRequest, GenerateResponse, SamplingParams
-from dora_megatron.comm.receive_budget import ReceiveBudget
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +89,29 @@ def _queued_trace(waits: ConnectionWaits) -> aiohttp.TraceConfig:
     return tc
 
 
+#: given to aiohttp with every call: the call's bound is :func:`asyncio.timeout`'s (:func:`_untimed`)
+_NO_AIOHTTP_TIMEOUT = aiohttp.ClientTimeout(total=None)
+
+
+async def _untimed(bound: asyncio.Timeout, wait: Awaitable[int]) -> int:
+    """``await wait`` with ``bound`` stopped meanwhile, then given back the time it had left.
+
+    WHY: a call waits for the answer reader's budget once the engine has answered (the headers
+    are in); that wait is this process's back-pressure, as long as the other answers take to
+    decode, not the engine's slowness, so it must neither count toward the call's timeout nor
+    let a stalled body escape it."""
+    deadline = bound.when()
+    if deadline is None or bound.expired():  # no bound, or it has fired: the wait ends at once
+        return await wait
+    loop = asyncio.get_running_loop()
+    left = deadline - loop.time()
+    bound.reschedule(None)
+    try:
+        return await wait
+    finally:
+        bound.reschedule(loop.time() + left)  # none left (the deadline passed as the headers came): at once
+
+
 class ExtensionUnsupported(RuntimeError):
     """The engine lacks a dora extension (an SGLang server, or an older engine)."""
 
@@ -131,16 +153,17 @@ class EngineClient:
 
     def __init__(self, base_url: str, session: aiohttp.ClientSession | None = None, timeout_s: float = 600.0, *,
                  plan: ConnectionPlan | None = None, waits: ConnectionWaits | None = None,
-                 decoder: Executor | None = None, budget: ReceiveBudget | None = None) -> None:
-        """``plan``: this process's connection budget (:func:`~dora_megatron.comm.limits.plan_connections`):
-        at most ``plan.generate`` generates on the wire, more wait for one to end (the wait is not
-        part of the call's timeout), and ``plan.generate + plan.control`` sockets in all. ``waits``:
+                 reader: AnswerReader | None = None) -> None:
+        """``timeout_s``: each call's bound unless the call names its own (:meth:`_call`: the
+        engine's work, not a wait for ``reader``'s budget). ``plan``: this process's connection
+        budget (:func:`~dora_megatron.comm.limits.plan_connections`): at most ``plan.generate``
+        generates on the wire, more wait for one to end (the wait is not part of the call's
+        timeout), and ``plan.generate + plan.control`` sockets in all. ``waits``:
         counts every call that waited for a connection (back-pressure). Without a plan: aiohttp's
-        default pool of 100 and no gate. ``decoder``: the executor big answers are decoded in,
-        shared by a process's clients (:func:`~dora_megatron.comm.generate_codec.decode_generate`).
-        ``budget``: the bytes of big ``/generate`` answers this process's clients hold at once, from
-        the first byte read to the end of the decode (:mod:`~dora_megatron.comm.receive_budget`;
-        None: no bound)."""
+        default pool of 100 and no gate. ``reader``: how this process reads big ``/generate``
+        answers, shared by its clients (:class:`~dora_megatron.comm.answer_reader.AnswerReader`):
+        each is read once its bytes are granted from the process's receive budget and decoded on its
+        decoder thread (None: no bound, decoded on the loop's default executor)."""
         self.base_url = base_url.rstrip("/")
         self.waits = waits
         tracing = [_queued_trace(waits)] if waits is not None else None
@@ -152,8 +175,8 @@ class EngineClient:
             self._http = HttpSession(timeout_s, session=session, trace_configs=tracing)
             self._generates = None
         self._extensions: frozenset[str] | None = None
-        self.decoder = decoder  # where big /generate answers are decoded (None: the loop's default executor)
-        self.budget = budget
+        self.timeout_s = timeout_s  # a call's bound, unless the call names its own
+        self.reader = reader  # this process's receive budget and decoder thread (None: neither)
 
     async def __aenter__(self) -> "EngineClient":
         return self
@@ -168,31 +191,36 @@ class EngineClient:
     async def _call(self, method: str, path: str, json_body: JSONObject | None = None, data: bytes | None = None,
                     timeout_s: float | None = None) -> list[bytes]:
         """One call, bounded by ``timeout_s`` or else the client's ``timeout_s``: a stalled engine raises
-        TimeoutError. Returns a 2xx answer's body as the list of pieces it arrived in (a big one is
-        joined by the caller's worker thread, never copied whole on the loop); a 4xx/5xx answer
-        raises :class:`EngineError` (:class:`VersionMismatch` for a 409 about the weight version)."""
+        TimeoutError. The bound covers the engine's work (a pooled connection, sending, the headers
+        and the body, together), never a wait for the answer reader's budget (:meth:`_call_held`).
+        Returns a 2xx answer's body as the list of pieces it arrived in (a big one is joined by the
+        caller's worker thread, never copied whole on the loop); a 4xx/5xx answer raises
+        :class:`EngineError` (:class:`VersionMismatch` for a 409 about the weight version)."""
         return (await self._call_held(method, path, json_body, data, timeout_s, None))[0]
 
     async def _call_held(self, method: str, path: str, json_body: JSONObject | None, data: bytes | None,
-                         timeout_s: float | None, budget: ReceiveBudget | None) -> tuple[list[bytes], int]:
-        """:meth:`_call`, and with ``budget`` a body above :data:`BIG_ANSWER_BYTES` is read only once
-        its size is granted; returns the pieces and the bytes granted, which the caller gives back
-        to ``budget`` once it has decoded them (0: nothing held)."""
+                         timeout_s: float | None, reader: AnswerReader | None) -> tuple[list[bytes], int]:
+        """:meth:`_call`, and with ``reader`` a big body is read only once ``reader`` grants its size
+        (:meth:`~dora_megatron.comm.answer_reader.AnswerReader.acquire`); returns the pieces and the
+        bytes granted, which the caller gives back to ``reader`` once it has decoded them (0: nothing
+        held)."""
         url = self.base_url + path
-        timeout = self._http.call_timeout(timeout_s)
         queued = {"queued": False}  # set by the tracing while the call waits for a pooled connection
         held = 0
         try:
-            async with self._http.session().request(method, url, json=json_body, data=data, timeout=timeout,
-                                                    trace_request_ctx=queued) as resp:
-                size = resp.content_length or 0
-                if budget is not None and size > BIG_ANSWER_BYTES and resp.status < 400:
-                    held = await budget.acquire(size)
-                # each piece as the socket gave it: a loop turn per piece, none proportional to the body
-                chunks = [chunk async for chunk in resp.content.iter_any()]
+            # WHY asyncio's timeout and not aiohttp's: aiohttp's ``total`` runs on while the answer
+            # waits for ``reader``'s budget (and then fails the first read of the body), so under load
+            # a healthy engine's answer was timed out by this process's own wait; this one stops for it
+            async with asyncio.timeout(self.timeout_s if timeout_s is None else timeout_s) as bound:
+                async with self._http.session().request(method, url, json=json_body, data=data,
+                                                        timeout=_NO_AIOHTTP_TIMEOUT, trace_request_ctx=queued) as resp:
+                    if reader is not None and resp.status < 400:
+                        held = await _untimed(bound, reader.acquire(resp.content_length or 0))
+                    # each piece as the socket gave it: a loop turn per piece, none proportional to the body
+                    chunks = [chunk async for chunk in resp.content.iter_any()]
         except BaseException as exc:
-            if held and budget is not None:  # nothing of the body is kept
-                budget.release(held)
+            if reader is not None:  # nothing of the body is kept
+                reader.release(held)
             if isinstance(exc, asyncio.TimeoutError) and queued["queued"]:
                 # timed out before any connection was free: the pool's limit, not the engine
                 raise ControllerResourceError(url, "no pooled connection became free within the call's timeout") from exc
@@ -248,17 +276,18 @@ class EngineClient:
         if keep_kv and await self.supports("keep_kv"):
             body["dora_keep_kv"] = True
         if self._generates is None:
-            answer, held = await self._call_held("POST", "/generate", body, None, None, self.budget)
+            answer, held = await self._call_held("POST", "/generate", body, None, None, self.reader)
         else:
             if self._generates.locked() and self.waits is not None:
                 self.waits.add()  # back-pressure: every generate connection of this instance is in use
             async with self._generates:  # the timeout starts once a connection is ours
-                answer, held = await self._call_held("POST", "/generate", body, None, None, self.budget)
-        try:  # a big answer in a worker thread, the connection free; its bytes held until decoded
-            return await decode_generate(answer, self.decoder)
+                answer, held = await self._call_held("POST", "/generate", body, None, None, self.reader)
+        if self.reader is None:
+            return await decode_generate(answer)  # a big answer on the loop's default executor
+        try:  # a big answer on the reader's thread, the connection free; its bytes held until decoded
+            return await self.reader.decode(answer)
         finally:
-            if held and self.budget is not None:
-                self.budget.release(held)
+            self.reader.release(held)
 
     async def abort(self, rid: str = "", abort_all: bool = False) -> bool:
         """Abort by rid prefix (or all); False if nothing matched (already finished)."""

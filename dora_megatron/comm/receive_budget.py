@@ -26,7 +26,8 @@ RECEIVE_BUDGET_BYTES = 512 << 20
 class ReceiveBudget:
     """``max_bytes`` of answers held at once, granted first come, first served (a big answer is
     not starved by a stream of small ones). An answer larger than the whole budget takes all of
-    it. Used on one event loop only."""
+    it. Used on one event loop only; a process's :class:`~dora_megatron.comm.answer_reader.AnswerReader`
+    holds one."""
 
     def __init__(self, max_bytes: int) -> None:
         if max_bytes <= 0:

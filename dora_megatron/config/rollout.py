@@ -65,7 +65,9 @@ class RolloutConfig:
     top_k: int = field_doc(-1, "top-k sampling (-1 = disabled)", ge=-1)
     max_new_tokens: int = field_doc(64, "max generated tokens per sample", ge=1, unit="tokens")
     stop_token_ids: list[int] = field_doc(default_factory=list, doc="extra token ids that end a sample (EOS always does)")
-    request_timeout_s: float = field_doc(600.0, "HTTP timeout of one generate call", gt=0.0, unit="s")
+    request_timeout_s: float = field_doc(600.0, "HTTP timeout of one generate call: the engine's work (connecting, "
+                                         "sending, headers and body), not a wait for the process's receive budget",
+                                         gt=0.0, unit="s")
     startup_timeout_s: float = field_doc(120.0, "how long to wait for an instance to become healthy", gt=0.0, unit="s")
     client_workers: int = field_doc(0, "processes that run the controller's HTTP calls to the instances (generate, abort, "
                                     "weight loads, stats polls; each owns the clients of a share of the instances and "

@@ -8,11 +8,10 @@ on the instances; both must refuse alike.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping
 
-from dora_megatron.comm.receive_budget import RECEIVE_BUDGET_BYTES, ReceiveBudget
+from dora_megatron.comm.answer_reader import AnswerReader
 from dora_megatron.config.schema import DoraConfig
 
 from dora_megatron.controller.records import Engine
@@ -65,11 +64,9 @@ class EngineClients:
         self.waits = ConnectionWaits()
         # rollout.client_workers > 0: the instances' HTTP clients run in worker processes
         self.pool: ClientPool | None = None
-        #: the one thread this process's clients decode big answers in (the decode holds the GIL:
-        #: more threads add no throughput, only waits for the event loop; comm.generate_codec)
-        self.decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode-answers")
-        #: the bytes of big answers read and decoded at once (the rest wait in the engines' sockets)
-        self.budget = ReceiveBudget(RECEIVE_BUDGET_BYTES)
+        #: how this process's clients read big answers: the bytes read and decoded at once (the rest
+        #: wait in the engines' sockets) and the one thread they are decoded in; closed by :meth:`close`
+        self.reader = AnswerReader()
 
     async def start_pool(self) -> None:
         """The client worker processes (``rollout.client_workers``), if any; they push load reports."""
@@ -90,8 +87,7 @@ class EngineClients:
         if self.pool is not None:
             return self.pool.engine(url)
         engine: Engine = engine_for(self.cfg, url, str(self.model_dir), self.procs, self.run_dir,
-                                    plan=self.plan, waits=self.waits, decoder=self.decoder,
-                                    budget=self.budget)
+                                    plan=self.plan, waits=self.waits, reader=self.reader)
         return engine
 
     @property
@@ -107,7 +103,7 @@ class EngineClients:
             await e.close()
         if self.pool is not None:
             await self.pool.close()
-        self.decoder.shutdown(wait=False)  # the clients are closed: nothing is queued any more
+        self.reader.close()  # the clients are closed: nothing is queued any more
 
     async def wait_ready(self, launcher: Launcher, urls: dict[str, str], trainer_url: str,
                          say: Callable[[str], None]) -> Started:

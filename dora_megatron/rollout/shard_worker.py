@@ -48,12 +48,12 @@ class Worker:
         self.model_dir = ""
         self.poll: dict[str, float] | None = None
         self.plan = None  # the connection budget of this process (comm.limits.ConnectionPlan), from ``init``
+        from dora_megatron.comm.answer_reader import AnswerReader
         from dora_megatron.comm.limits import ConnectionWaits
 
-        from dora_megatron.comm.receive_budget import RECEIVE_BUDGET_BYTES, ReceiveBudget
-
         self.waits = ConnectionWaits()  # sent to the controller after each poll sweep (``waits``)
-        self.budget = ReceiveBudget(RECEIVE_BUDGET_BYTES)  # big answers read at once by this worker
+        #: how this worker reads big answers (the bytes read at once, the one decoder thread); closed by :meth:`close`
+        self.reader = AnswerReader()
         self._waits_sent = 0
         self._poller: asyncio.Task | None = None
 
@@ -74,7 +74,7 @@ class Worker:
 
             _, h, url = msg
             self.engines[h] = engine_for(self.cfg, url, self.model_dir, plan=self.plan, waits=self.waits,
-                                         budget=self.budget)
+                                         reader=self.reader)
             if self.poll is not None:
                 self.polled.add(h)
                 if self._poller is None:
@@ -158,6 +158,7 @@ class Worker:
                 await engine.close()
             except Exception:  # noqa: BLE001 - best effort at exit
                 pass
+        self.reader.close()
 
 
 async def serve(fd: int) -> None:

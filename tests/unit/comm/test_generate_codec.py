@@ -272,13 +272,13 @@ def test_a_token_id_beyond_int32_is_named():
         parse_generate(json.dumps(d).encode())
 
 
-def test_a_clients_big_answers_are_decoded_on_its_decoder_one_at_a_time(monkeypatch):
-    """Big answers of clients sharing a decoder (the controller's one thread) are decoded there,
-    not on the loop's default executor; small ones stay on the loop."""
+def test_a_clients_big_answers_are_decoded_on_its_readers_thread(monkeypatch):
+    """Big answers of clients sharing an answer reader (the controller's one decoder thread) are
+    decoded there, not on the loop's default executor; small ones stay on the loop."""
     import threading
-    from concurrent.futures import ThreadPoolExecutor
 
     import dora_megatron.comm.generate_codec as codec
+    from dora_megatron.comm.answer_reader import AnswerReader
     from dora_megatron.comm.engine_client import EngineClient
 
     big, small = json.dumps(_answer(2_000)).encode(), json.dumps(_answer(2)).encode()
@@ -291,10 +291,10 @@ def test_a_clients_big_answers_are_decoded_on_its_decoder_one_at_a_time(monkeypa
         return real(body)
 
     monkeypatch.setattr(codec, "parse_generate", recording)
-    decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode-answers")
+    reader = AnswerReader()
 
     async def main():
-        clients = [EngineClient(f"http://127.0.0.1:{9}", decoder=decoder) for _ in range(3)]
+        clients = [EngineClient(f"http://127.0.0.1:{9}", reader=reader) for _ in range(3)]
         for c, body in zip(clients, (big, big, small)):
             async def answer(*_a, _body=body, **_k):
                 return [_body[:100], _body[100:]], 0
@@ -306,6 +306,6 @@ def test_a_clients_big_answers_are_decoded_on_its_decoder_one_at_a_time(monkeypa
         return threading.current_thread().name, got
 
     loop_thread, got = asyncio.run(main())
-    decoder.shutdown()
+    reader.close()
     assert [len(r.output_ids) for r in got] == [2_000, 2_000, 2]
     assert sorted(seen) == sorted(["decode-answers_0", "decode-answers_0", loop_thread])

@@ -1,15 +1,17 @@
 """The bytes of big answers a process reads at once (``comm/receive_budget.py``): granted in arrival
-order, given back on every path, and what an :class:`EngineClient` holds while it reads and decodes
-real answers off a socket."""
+order, given back on every path, and what an :class:`EngineClient` holds through its
+:class:`AnswerReader` while it reads and decodes real answers off a socket."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 from aiohttp import web
 
+from dora_megatron.comm.answer_reader import AnswerReader
 from dora_megatron.comm.engine_client import EngineClient
 from dora_megatron.comm.receive_budget import ReceiveBudget
 
@@ -98,7 +100,8 @@ def test_a_client_holds_at_most_the_budget_of_answers_and_gives_it_all_back():
     """Eight answers of ~150 KB at once through clients sharing a 400 KB budget: every answer comes
     back whole, at most the budget was ever held, some had to wait, and nothing stays held."""
     body = _answer(8_000)
-    budget = ReceiveBudget(400_000)
+    reader = AnswerReader(400_000)
+    budget = reader.budget
     peak = [0]
 
     async def handler(request: web.Request) -> web.StreamResponse:
@@ -115,12 +118,13 @@ def test_a_client_holds_at_most_the_budget_of_answers_and_gives_it_all_back():
     async def main() -> list[int]:
         runner, url = await _serve(handler)
         try:
-            clients = [EngineClient(url, timeout_s=30, budget=budget) for _ in range(8)]
+            clients = [EngineClient(url, timeout_s=30, reader=reader) for _ in range(8)]
             got = await asyncio.gather(*(c.generate([1], {"max_new_tokens": 8}) for c in clients))
             for c in clients:
                 await c.close()
         finally:
             await runner.cleanup()
+            reader.close()
         return [len(r.output_ids) for r in got]
 
     assert len(body) > 100_000
@@ -133,7 +137,8 @@ def test_a_client_holds_at_most_the_budget_of_answers_and_gives_it_all_back():
 def test_an_answer_cut_off_mid_body_gives_its_bytes_back():
     """The server dies half-way through an answer: the call fails and its grant is returned."""
     body = _answer(8_000)
-    budget = ReceiveBudget(1_000_000)
+    reader = AnswerReader(1_000_000)
+    budget = reader.budget
 
     async def handler(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "application/json"})
@@ -146,13 +151,14 @@ def test_an_answer_cut_off_mid_body_gives_its_bytes_back():
     async def main() -> BaseException | None:
         runner, url = await _serve(handler)
         try:
-            async with EngineClient(url, timeout_s=30, budget=budget) as client:
+            async with EngineClient(url, timeout_s=30, reader=reader) as client:
                 try:
                     await client.generate([1], {"max_new_tokens": 8})
                 except Exception as exc:  # noqa: BLE001 - whichever error aiohttp raises for a cut body
                     return exc
         finally:
             await runner.cleanup()
+            reader.close()
         return None
 
     err = asyncio.run(main())
@@ -239,3 +245,178 @@ def test_a_session_with_a_receive_buffer_connects_with_it():
     assert small == 2 * (32 << 10)
     assert default != small
     assert unread <= 32 << 10 < default_unread  # an answer left unread holds at most the buffer here
+
+
+class _TimedReader(AnswerReader):
+    """An answer reader that records how long each grant of its budget took (seconds)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(max_bytes)
+        self.waits: list[float] = []
+
+    async def acquire(self, size: int) -> int:
+        t0 = time.monotonic()
+        granted = await super().acquire(size)
+        self.waits.append(time.monotonic() - t0)
+        return granted
+
+
+def test_a_wait_for_the_budget_is_not_part_of_the_calls_timeout(monkeypatch):
+    """Two big answers, a budget smaller than one: the first holds all of it while its decode takes
+    three times the clients' ``timeout_s``, and the second, whose engine answered at once, waits that
+    long for it and still succeeds: the timeout bounds the engine's work, not this process's wait."""
+    import dora_megatron.comm.generate_codec as codec
+
+    timeout_s, body = 0.5, _answer(8_000)
+    reader = _TimedReader(10_000)
+    real, decodes = codec.parse_generate, []
+
+    def slow_first(raw: bytes):
+        decodes.append(raw)
+        if len(decodes) == 1:
+            time.sleep(3 * timeout_s)  # on the decoder thread, the budget held
+        return real(raw)
+
+    monkeypatch.setattr(codec, "parse_generate", slow_first)
+
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(body=body, content_type="application/json")
+
+    async def main() -> list[int]:
+        runner, url = await _serve(handler)
+        clients = [EngineClient(url, timeout_s=timeout_s, reader=reader) for _ in range(2)]
+        try:
+            first = asyncio.create_task(clients[0].generate([1], {"max_new_tokens": 8}))
+            while not decodes:  # the first answer is read and decoding: the budget is all its
+                await asyncio.sleep(0.01)
+            second = await asyncio.wait_for(clients[1].generate([1], {"max_new_tokens": 8}), 30)
+            return [len(r.output_ids) for r in (await first, second)]
+        finally:
+            for c in clients:
+                await c.close()
+            await runner.cleanup()
+            reader.close()
+
+    assert asyncio.run(main()) == [8_000, 8_000]
+    assert reader.budget.waited == 1 and reader.budget.used == 0
+    assert max(reader.waits) > 2 * timeout_s  # the second waited well past its timeout
+
+
+async def _stalling(before_headers: float, before_rest: float, *, timeout_s: float,
+                    reader: AnswerReader) -> tuple[BaseException | None, float]:
+    """A generate against an engine that waits ``before_headers`` s to answer, sends the first 20 KB
+    of a ~150 KB body, and waits ``before_rest`` s before the rest: the call's error (None: it
+    succeeded) and how long it took."""
+    body, stop = _answer(8_000), asyncio.Event()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        try:
+            await asyncio.wait_for(stop.wait(), before_headers)
+            return web.Response(status=503)  # the test is over
+        except asyncio.TimeoutError:
+            pass
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        resp.content_length = len(body)
+        await resp.prepare(request)
+        await resp.write(body[:20_000])
+        try:
+            await asyncio.wait_for(stop.wait(), before_rest)
+            return resp  # the test is over: the body stays cut
+        except asyncio.TimeoutError:
+            pass
+        await resp.write(body[20_000:])
+        await resp.write_eof()
+        return resp
+
+    runner, url = await _serve(handler)
+    t0 = time.monotonic()
+    try:
+        async with EngineClient(url, timeout_s=timeout_s, reader=reader) as client:
+            # the outer bound only turns a call that never times out into a failure, not a hang
+            await asyncio.wait_for(client.generate([1], {"max_new_tokens": 8}), 20)
+        return None, time.monotonic() - t0
+    except Exception as exc:  # noqa: BLE001 - the test looks at which error it is
+        return exc, time.monotonic() - t0
+    finally:
+        stop.set()
+        await runner.cleanup()
+        reader.close()
+
+
+@pytest.mark.parametrize("stall", ["headers", "body"])
+def test_an_engine_that_stalls_still_times_out(stall: str):
+    """Headers that never come, or a body that stops mid-way after its bytes were granted: the call
+    raises TimeoutError after about ``timeout_s`` (not the test's outer bound), holding nothing."""
+    reader = AnswerReader(1_000_000)
+    before = (60.0, 0.0) if stall == "headers" else (0.0, 60.0)
+    err, took = asyncio.run(_stalling(*before, timeout_s=0.5, reader=reader))
+    assert isinstance(err, asyncio.TimeoutError), repr(err)
+    assert 0.5 <= took < 10
+    assert reader.budget.used == 0
+    assert reader.budget.waited == 0
+
+
+def test_the_headers_and_the_body_share_one_timeout():
+    """The time to the headers and the time to read the body add up against one ``timeout_s``: each
+    under it, together over it, the call times out (the bound is not restarted after the grant)."""
+    reader = AnswerReader(1_000_000)
+    err, took = asyncio.run(_stalling(0.35, 0.35, timeout_s=0.5, reader=reader))
+    assert isinstance(err, asyncio.TimeoutError), repr(err)
+    assert reader.budget.used == 0
+
+
+def test_a_small_answer_is_never_held_back_by_the_budget():
+    """An answer of at most BIG_ANSWER_BYTES is decoded on the loop: the reader lets it through at
+    once, counting nothing, even while its budget is all granted."""
+    from dora_megatron.comm.generate_codec import BIG_ANSWER_BYTES
+
+    async def main() -> tuple[int, int, int]:
+        reader = AnswerReader(BIG_ANSWER_BYTES + 1)
+        held = await reader.acquire(10 * BIG_ANSWER_BYTES)  # all of it
+        small = await asyncio.wait_for(reader.acquire(BIG_ANSWER_BYTES), 5)
+        reader.release(small)
+        used = reader.budget.used
+        reader.release(held)
+        reader.close()
+        return small, used, reader.budget.waited
+
+    assert asyncio.run(main()) == (0, BIG_ANSWER_BYTES + 1, 0)
+
+
+@pytest.mark.parametrize("owner", ["controller", "client worker"])
+def test_a_process_clients_share_one_answer_reader_closed_by_its_owner(owner: str, tmp_path):
+    """The controller's clients (``EngineClients``) and a client worker's each share the one reader
+    their owner made, and the owner's close stops its decoder thread: no big answer is decoded after."""
+    from dora_megatron.config.schema import load_config
+
+    cfg = load_config(None, [])
+    urls = ("http://127.0.0.1:9", "http://127.0.0.1:10")
+    big = _answer(2_000)
+
+    async def main() -> tuple[bool, int, BaseException | None]:
+        if owner == "controller":
+            from dora_megatron.controller.clients import EngineClients
+
+            clients = EngineClients(cfg, tmp_path, tmp_path, None, len(urls), lambda _msg: None)
+            engines = {u: clients.make(u) for u in urls}
+            reader, close = clients.reader, lambda: clients.close(engines)
+        else:
+            from dora_megatron.rollout.shard_worker import Worker
+
+            worker = Worker(out=None)  # nothing is sent here
+            worker.handle(("init", cfg, str(tmp_path), None))
+            for h, u in enumerate(urls):
+                worker.handle(("add", h, u))
+            engines, reader, close = worker.engines, worker.reader, worker.close
+        shared = all(e.reader is reader for e in engines.values())
+        decoded = len((await reader.decode(big)).output_ids)
+        await close()
+        try:
+            await reader.decode(big)
+        except RuntimeError as exc:  # the executor refuses new work after its shutdown
+            return shared, decoded, exc
+        return shared, decoded, None
+
+    shared, decoded, after_close = asyncio.run(main())
+    assert shared and decoded == 2_000
+    assert isinstance(after_close, RuntimeError) and "shutdown" in str(after_close)
