@@ -457,7 +457,7 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 async def _at_run_end(rt, lag: LagMonitor, holder: dict[str, Any]) -> None:
     """Note the controller's CPU, its finished samples and the loop's ticks and stalls so far once
     the runtime ended (its last step done), before the run's end work."""
-    await rt.ended.wait()
+    await rt.tasks.ended.wait()
     holder["ru_end"] = resource.getrusage(resource.RUSAGE_SELF)
     holder["finished_at_end"] = rt.store.samples_finished
     holder["lags_at_end"] = len(lag.lags)

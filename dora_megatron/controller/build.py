@@ -25,6 +25,7 @@ from dora_megatron.observability.summary import StepRecord
 if TYPE_CHECKING:
     from dora_megatron.controller.journal import Journal
     from dora_megatron.controller.records import Engine, LoadReports
+    from dora_megatron.observability.recorder import MetricsRecorder
     from dora_megatron.controller.runtime import Runtime
     from dora_megatron.controller.trainer_client import TrainerClient
     from dora_megatron.data.codec import TextCodec
@@ -101,7 +102,7 @@ class Controller:
 
 def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, model_dir: Path,
                      make_engine: Callable[[str], Engine], checkpoint: Path | None = None,
-                     on_step: Callable[[StepRecord, Runtime], None] | None = None,
+                     on_step: Callable[[StepRecord, MetricsRecorder], None] | None = None,
                      on_checkpoint: Callable[[int], None] | None = None, timeline: Timeline | None = None,
                      metric_sinks: Sequence[Any] = (), load_reports: LoadReports | None = None,
                      background: BackgroundWriter | None = None,
@@ -110,7 +111,7 @@ def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, mo
     given, with its journal), and the runtime that executes its actions.
 
     ``make_engine(url)``: the launcher's engine-client factory (local runs hand it the processes
-    it may restart). ``on_step(step_log, runtime)`` after each trained step, ``on_checkpoint(version)``
+    it may restart). ``on_step(step_log, metrics)`` after each trained step, ``on_checkpoint(version)``
     at each checkpoint's cut, in its loop turn (the launcher's snapshot retention reads the live versions then).
     ``metric_sinks``: where the metrics recorder writes each step's scalars (TensorBoard, steps.jsonl).
     ``load_reports``: pushed load reports replacing the stats polls of the engines they cover
@@ -158,25 +159,28 @@ def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, mo
         from dora_megatron.observability.rollout_dump import RolloutDumper
 
         rollout_dump = RolloutDumper(run_dir, cfg.observability.dump_rollouts, codec, writer=background)
+    workflow = None
+    if cfg.rollout.workflow:
+        from dora_megatron.workflow.runner import workflow_runner
+
+        workflow = workflow_runner(cfg.rollout.workflow, cfg.rollout.workflow_kwargs, codec,
+                                   cfg.data.chat_template_kwargs, cfg.trainer.max_seq_len)
     # each component reads its own section of the loaded config (the objects themselves)
     runtime = Runtime(orch, engines, trainer, source, scorer.score_sync, run=cfg.run,
                       paths=RunPaths(run_dir, model_dir), rollout=cfg.rollout, controller=cfg.controller,
                       observability=cfg.observability, algo=cfg.algo, push=push_options(cfg, endpoints.trainer),
                       timeline=timeline,
                       on_step=on_step, on_checkpoint=on_checkpoint, codec=codec, journal=journal, metrics=metrics,
-                      load_reports=load_reports, rollout_dump=rollout_dump, events=EventQueue())
-    if cfg.rollout.workflow:
-        from dora_megatron.workflow.runner import workflow_runner
-
-        runtime.workflow = workflow_runner(cfg.rollout.workflow, cfg.rollout.workflow_kwargs, codec,
-                                           cfg.data.chat_template_kwargs, cfg.trainer.max_seq_len)
+                      load_reports=load_reports, rollout_dump=rollout_dump, workflow=workflow, events=EventQueue())
     if evals is not None:
         from dora_megatron.controller.evaluation import Evaluator
 
-        runtime.evaluator = Evaluator(runtime, evals, scorer, observability=cfg.observability, rollout=cfg.rollout,
-                                      seed=cfg.run.seed, slots=slots,
-                                      sinks=metric_sinks if eval_sinks is None else eval_sinks,
-                                      out=run_dir / "eval.jsonl", path=cfg.data.eval_path)
+        # after the runtime: the eval rounds load their final weights through its weight sync
+        runtime.attach_evaluator(Evaluator(
+            evals, scorer, engines=engines, pool=runtime.pool, weights=runtime.weights, codec=codec,
+            observability=cfg.observability, rollout=cfg.rollout, seed=cfg.run.seed, slots=slots,
+            sinks=metric_sinks if eval_sinks is None else eval_sinks, out=run_dir / "eval.jsonl",
+            path=cfg.data.eval_path))
     restorable = 0
     if state is not None:
         from dora_megatron.observability.recorder import read_step_rows

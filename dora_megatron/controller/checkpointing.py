@@ -14,11 +14,12 @@ import asyncio
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Coroutine, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from dora_megatron.events import CheckpointSaved
 from dora_megatron.controller.loop import EventQueue
 from dora_megatron.controller.records import RunPaths, Trainer
+from dora_megatron.controller.run_tasks import RunTasks
 
 if TYPE_CHECKING:
     from dora_megatron.controller.checkpoint_manifest import FileEntry
@@ -37,23 +38,17 @@ def _clear_stale_checkpoint(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-class CheckpointHost(Protocol):
-    """What the checkpoint writer uses of the executor that owns it."""
-
-    events: EventQueue
-    trainer: Trainer
-    timeline: Timeline | None
-
-    def now(self) -> float: ...
-
-    def spawn(self, coro: Coroutine[Any, Any, object], name: str) -> asyncio.Task[None]: ...
-
-
 class CheckpointWriter:
-    """Writes checkpoint ``version`` under ``paths.checkpoint_dir(version)``; ``host``: the executor."""
+    """Writes checkpoint ``version`` under ``paths.checkpoint_dir(version)``: the ``trainer`` writes
+    its part, ``events`` hears when it is done; ``tasks``: the clock, the task that waits for a
+    state file; ``timeline`` (None: none)."""
 
-    def __init__(self, host: CheckpointHost, paths: RunPaths) -> None:
-        self.rt = host
+    def __init__(self, paths: RunPaths, *, trainer: Trainer, events: EventQueue, tasks: RunTasks,
+                 timeline: Timeline | None) -> None:
+        self.trainer = trainer
+        self.events = events
+        self.tasks = tasks
+        self.timeline = timeline
         self.paths = paths
         # checksums of the trainer part of the checkpoint being written
         self._trainer_manifest: dict[str, FileEntry] = {}
@@ -74,15 +69,15 @@ class CheckpointWriter:
         if path.exists():  # left by a crashed lineage after the checkpoint this run resumed from
             await asyncio.to_thread(_clear_stale_checkpoint, path)
         path.mkdir(parents=True, exist_ok=True)
-        start = self.rt.now()
-        await self.rt.trainer.save_checkpoint(str(path / "trainer"))
+        start = self.tasks.now()
+        await self.trainer.save_checkpoint(str(path / "trainer"))
         from dora_megatron.controller.checkpoint_manifest import describe_tree
 
         # checksums of what the trainer wrote (off the event loop: real checkpoints are large)
         self._trainer_manifest = await asyncio.to_thread(describe_tree, path, "trainer")
-        if self.rt.timeline is not None:
-            self.rt.timeline.span("trainer", f"checkpoint v{version}", start, self.rt.now(), kind="checkpoint")
-        await self.rt.events.report(CheckpointSaved(version))
+        if self.timeline is not None:
+            self.timeline.span("trainer", f"checkpoint v{version}", start, self.tasks.now(), kind="checkpoint")
+        await self.events.report(CheckpointSaved(version))
 
     def start_state(self, version: int, state: dict[str, Any], complete: Callable[[], None]) -> Iterator[None]:
         """The writer of the controller part ``state`` (:func:`~dora_megatron.controller.state_file.write_state`),
@@ -110,7 +105,7 @@ class CheckpointWriter:
         async def drive() -> None:
             await asyncio.wrap_future(done)
 
-        self.rt.spawn(drive(), f"controller-state-v{version}")
+        self.tasks.spawn(drive(), f"controller-state-v{version}")
 
     def close(self) -> BaseException | None:
         """Wait for the state files still being written (the run is over; off the loop: the

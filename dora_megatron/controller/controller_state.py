@@ -12,8 +12,9 @@ checkpoint is sized by is DESIGN section 5.5.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
+from dora_megatron.controller.run_tasks import RunTasks
 from dora_megatron.observability.recorder import MetricsRecorder
 
 if TYPE_CHECKING:
@@ -57,30 +58,28 @@ def check_format(state: Mapping[str, Any]) -> None:
                      "(start a new run)")
 
 
-class StateHost(Protocol):
-    """What the controller state reads and restores of the executor: its components."""
-
-    metrics: MetricsRecorder
-    journal: Journal | None
-    store: SampleStore  # the sample store (:mod:`.samples`)
-    moves: Migrations  # the migration counters (:mod:`.migration`)
-    weights: WeightSync  # the checksums instances may load, the trainer's newest version (:mod:`.weight_sync`)
-    training: Training  # the step count, a stop's checkpoint (:mod:`.training`)
-    checkpoints: CheckpointWriter  # the files (:mod:`.checkpointing`)
-    turns: Turns  # the workflows' prefix KV between turns: carried or computed again (:mod:`.turns`)
-
-    def now(self) -> float: ...
-
-
 class ControllerState:
-    """Cuts and restores the controller part of a checkpoint; ``host``: the executor;
-    ``on_checkpoint(version)``: at each checkpoint's cut (the launcher's snapshot retention)."""
+    """Cuts and restores the controller part of a checkpoint: the state of the ``store`` (the
+    outstanding samples), ``training`` (the step count, a stop's checkpoint), ``moves`` (the
+    migration counters), ``weights`` (the checksums instances may load, the trainer's newest
+    version), ``turns`` (the workflows' prefix KV between turns) and ``metrics``; ``tasks``: the
+    clock (a resumed run's goes on from the checkpoint's wall time); ``checkpoints``: the files;
+    ``journal`` (None: none). ``on_checkpoint(version)``: at each checkpoint's cut (the launcher's
+    snapshot retention)."""
 
-    def __init__(self, host: StateHost, on_checkpoint: Callable[[int], None] | None = None) -> None:
-        self.rt = host
+    def __init__(self, *, store: SampleStore, training: Training, moves: Migrations, weights: WeightSync,
+                 turns: Turns, metrics: MetricsRecorder, checkpoints: CheckpointWriter, tasks: RunTasks,
+                 journal: Journal | None, on_checkpoint: Callable[[int], None] | None = None) -> None:
+        self.store = store
+        self.training = training
+        self.moves = moves
+        self.weights = weights
+        self.turns = turns
+        self.metrics = metrics
+        self.checkpoints = checkpoints
+        self.tasks = tasks
+        self.journal = journal
         self.on_checkpoint = on_checkpoint
-        #: the wall time of the run resumed from (0.0: a new run): the clock goes on from it
-        self.wall_s = 0.0
         #: the version whose ``on_step_finished`` the checkpoint was cut before (replayed on resume)
         self.pending_step_finished: int | None = None
         self.resumed = False
@@ -100,35 +99,34 @@ class ControllerState:
         the records since the one before, :mod:`.journal`). Just before it, ``manifest.json``
         (sizes and SHA-256 of the trainer's files and of ``controller.json``) lets resume detect a
         corrupt checkpoint."""
-        rt = self.rt
-        path = rt.checkpoints.path(version)
+        path = self.checkpoints.path(version)
         state = self.state_dict(version, orchestrator_snapshot)
 
-        spool = rt.store.routed_spool  # holds the routed experts the state names (routed_at)
+        spool = self.store.routed_spool  # holds the routed experts the state names (routed_at)
 
         def complete() -> None:
             log.info("checkpoint v%d written to %s", version, path)
-            if rt.journal is not None:
-                rt.journal.completed(version)
+            if self.journal is not None:
+                self.journal.completed(version)
             if spool is not None:
                 spool.checkpoint_completed(version)
 
-        writer = rt.checkpoints.start_state(version, state, complete)
+        writer = self.checkpoints.start_state(version, state, complete)
         if spool is not None:
             # the spool's writes the state names are in their files before controller.json is
             # (the state writer's thread waits for them), and the spool keeps what the state names
             writer = _after_flush(spool.flush, writer)
             spool.checkpoint_cut(version)
-        if rt.journal is not None:
-            rt.journal.checkpoint(version)
+        if self.journal is not None:
+            self.journal.checkpoint(version)
         if self.on_checkpoint is not None:
             # in the turn of the cut too: the launcher's snapshot retention records the live
             # versions the checkpoint holds (later they have moved on, and a snapshot it needs
             # would be pruned); it keeps the previous checkpoint's as well, the fallback while
             # this one is being written
             self.on_checkpoint(version)
-        rt.training.checkpoint_cut(version)  # on a stop, the one --resume goes on from: the run ends in this turn
-        rt.checkpoints.finish(version, writer, last=rt.training.is_last())
+        self.training.checkpoint_cut(version)  # on a stop, the one --resume goes on from: the run ends in this turn
+        self.checkpoints.finish(version, writer, last=self.training.is_last())
 
     def state_dict(self, version: int, orchestrator_snapshot: dict[str, Any]) -> dict[str, Any]:
         """The controller part of a checkpoint, sized by outstanding work (DESIGN section 5.5): the
@@ -139,22 +137,21 @@ class ControllerState:
         snapshot already lists every outstanding group and sample with its version and ids; what is
         kept here is only what it does not hold (prompt and output tokens, rewards). Unfinished
         samples restart from their prompt on their own version (C1), so they need no entry."""
-        rt = self.rt
-        groups, samples = rt.store.state_entries()
+        groups, samples = self.store.state_entries()
         # the checksums an instance may still load after a resume: the versions of outstanding work
         # and the newest (older ones are never switched to again)
         oldest = min((int(g["version"]) for g in orchestrator_snapshot["groups"]), default=version)
         return {
             "format": STATE_FORMAT, "version": version, "pending_step_finished": version,
-            "next_prompt": rt.store.next_prompt, "wall_s": rt.now(),
+            "next_prompt": self.store.next_prompt, "wall_s": self.tasks.now(),
             "orchestrator": orchestrator_snapshot,
             "groups": groups, "samples": samples,
-            "steps_done": rt.training.steps_done,
-            "metrics": rt.metrics.state_dict(), "migrated_bytes": rt.moves.migrated_bytes,
-            "migrations_done": rt.moves.migrations_done, "migrations_fallback": rt.moves.migrations_fallback,
-            "migration_stall_s": rt.moves.stall_s, "migration_freed_slot_s": rt.moves.freed_slot_s,
-            "workflow_turns": rt.turns.summary(),
-            "expected_checksums": {str(k): v for k, v in rt.weights.expected_checksums.items()
+            "steps_done": self.training.steps_done,
+            "metrics": self.metrics.state_dict(), "migrated_bytes": self.moves.migrated_bytes,
+            "migrations_done": self.moves.migrations_done, "migrations_fallback": self.moves.migrations_fallback,
+            "migration_stall_s": self.moves.stall_s, "migration_freed_slot_s": self.moves.freed_slot_s,
+            "workflow_turns": self.turns.summary(),
+            "expected_checksums": {str(k): v for k, v in self.weights.expected_checksums.items()
                                    if k >= min(oldest, version)},
         }
 
@@ -165,22 +162,21 @@ class ControllerState:
         (:func:`~dora_megatron.observability.recorder.read_step_rows`; the summary of the resumed
         run covers the whole run). A file another dora wrote is refused (:func:`check_format`)."""
         check_format(state)
-        rt = self.rt
-        rt.store.load_entries(state)
-        self.wall_s = float(state["wall_s"])
+        self.store.load_entries(state)
+        self.tasks.resumed_from_s = float(state["wall_s"])  # the clock goes on from it
         # consumed groups are not carried (consumed.jsonl lists them): the restored orchestrator has
         # forgotten them, so none can be released again; the step logs are steps.jsonl's
-        rt.training.steps_done = int(state["steps_done"])
-        rt.metrics.load_state_dict(state["metrics"], rows=step_rows)
-        rt.moves.migrated_bytes = int(state["migrated_bytes"])
-        rt.moves.migrations_done = int(state["migrations_done"])
-        rt.moves.migrations_fallback = int(state["migrations_fallback"])
-        rt.moves.stall_s = float(state["migration_stall_s"])
-        rt.moves.freed_slot_s = float(state["migration_freed_slot_s"])
-        rt.turns.load(state["workflow_turns"])
-        rt.weights.expected_checksums = {int(k): v for k, v in state["expected_checksums"].items()}
+        self.training.steps_done = int(state["steps_done"])
+        self.metrics.load_state_dict(state["metrics"], rows=step_rows)
+        self.moves.migrated_bytes = int(state["migrated_bytes"])
+        self.moves.migrations_done = int(state["migrations_done"])
+        self.moves.migrations_fallback = int(state["migrations_fallback"])
+        self.moves.stall_s = float(state["migration_stall_s"])
+        self.moves.freed_slot_s = float(state["migration_freed_slot_s"])
+        self.turns.load(state["workflow_turns"])
+        self.weights.expected_checksums = {int(k): v for k, v in state["expected_checksums"].items()}
         self.pending_step_finished = state["pending_step_finished"]
-        rt.weights.latest_version = int(state["version"])
+        self.weights.latest_version = int(state["version"])
         self.resumed = True
 
 

@@ -30,7 +30,7 @@ import logging
 import time
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from dora_megatron.config.observability import ObservabilityConfig
 from dora_megatron.config.rollout import RolloutConfig
@@ -56,33 +56,28 @@ class EvalRoundFailed(RuntimeError):
     """A round could not be completed (no engine answered one of its samples)."""
 
 
-class EvalHost(Protocol):
-    """What the eval rounds use of the executor: its renderer and engines, which instances
-    failed, which version each holds, and the weight loads of the final round."""
-
-    codec: TextCodec
-    engines: dict[str, Engine]
-    pool: Pool  # which instances failed (:meth:`Pool.is_failed`), which version each holds
-    weights: WeightSync
-
-
 class Evaluator:
-    """Runs eval rounds of ``prompts`` (:class:`~dora_megatron.data.tasks.Prompt`) on the engines of
-    ``runtime`` (:class:`~dora_megatron.controller.runtime.Runtime`); ``scorer``: the run's
-    :class:`~dora_megatron.data.reward_api.RewardScorer`. ``observability``: the config's section
-    (``eval_interval``, ``eval_samples``, ``eval_pass_threshold``); ``rollout`` and ``seed``
-    (``run.seed``): each eval sample is drawn as the rollout's are. ``slots``: eval requests one
-    instance runs at once. ``sinks``: scalar writers (TensorBoard, W&B) that get ``eval/...`` at the
-    step evaluated; ``out``: ``eval.jsonl`` (one line per round); ``path``: ``data.eval_path``, for the summary."""
+    """Runs eval rounds of ``prompts`` (:class:`~dora_megatron.data.tasks.Prompt`) on the rollout
+    ``engines``; ``scorer``: the run's :class:`~dora_megatron.data.reward_api.RewardScorer`;
+    ``codec``: the one renderer of prompts and answers; ``pool``: which instances failed, which
+    version each holds; ``weights``: the final round's weight loads. ``observability``: the
+    config's section (``eval_interval``, ``eval_samples``, ``eval_pass_threshold``); ``rollout`` and
+    ``seed`` (``run.seed``): each eval sample is drawn as the rollout's are. ``slots``: eval requests
+    one instance runs at once. ``sinks``: scalar writers (TensorBoard, W&B) that get ``eval/...`` at
+    the step evaluated; ``out``: ``eval.jsonl`` (one line per round); ``path``: ``data.eval_path``, for the summary."""
 
-    def __init__(self, runtime: EvalHost, prompts: Sequence[Prompt], scorer: RewardScorer, *,
-                 observability: ObservabilityConfig, rollout: RolloutConfig, seed: int, slots: int,
-                 sinks: Sequence[Any] = (), out: Path | None = None, path: str = "") -> None:
+    def __init__(self, prompts: Sequence[Prompt], scorer: RewardScorer, *, engines: dict[str, Engine],
+                 pool: Pool, weights: WeightSync, codec: TextCodec, observability: ObservabilityConfig,
+                 rollout: RolloutConfig, seed: int, slots: int, sinks: Sequence[Any] = (), out: Path | None = None,
+                 path: str = "") -> None:
         if not prompts:
             raise ValueError("data.eval_path: no usable rows")
-        self.runtime = runtime
+        self.engines = engines
+        self.pool = pool
+        self.weights = weights
+        self.codec = codec
         self.prompts = list(prompts)
-        self.prompt_ids = [runtime.codec.encode_prompt(p) for p in self.prompts]  # the one renderer
+        self.prompt_ids = [codec.encode_prompt(p) for p in self.prompts]  # the one renderer
         self.scorer = scorer
         self.samples = observability.eval_samples
         self.interval = observability.eval_interval
@@ -131,8 +126,7 @@ class Evaluator:
 
         for iid in instances:
             self._closed[iid] = self._closed.get(iid, 0) + 1
-        rt = self.runtime
-        waits = [abort_until_returned(rt.engines[iid], rid, task) for iid in instances if iid in rt.engines
+        waits = [abort_until_returned(self.engines[iid], rid, task) for iid in instances if iid in self.engines
                  for rid, task in list(self._requests.get(iid, {}).items())]
         if waits:
             await asyncio.gather(*waits, return_exceptions=True)
@@ -195,15 +189,14 @@ class Evaluator:
         from dora_megatron.comm.engine_client import VersionMismatch
         from dora_megatron.controller.errors import is_comm_error
 
-        rt = self.runtime
         seed = zlib.crc32(f"{self.seed}/eval/{step}/{i}/{j}".encode()) & 0x7FFFFFFF
         sampling = {"max_new_tokens": self.rollout.max_new_tokens, "temperature": self.rollout.temperature,
                     "top_p": self.rollout.top_p, "top_k": self.rollout.top_k, "sampling_seed": seed,
-                    "stop_token_ids": list(dict.fromkeys([*rt.codec.eos_ids, *self.rollout.stop_token_ids]))}
+                    "stop_token_ids": list(dict.fromkeys([*self.codec.eos_ids, *self.rollout.stop_token_ids]))}
         last_problem = "no engine held the weights"
         for attempt in range(MAX_ATTEMPTS):
             iid, version = await self._engine(min_version)
-            engine = rt.engines[iid]
+            engine = self.engines[iid]
             rid = f"eval/{step}/{i}/{j}/{attempt}/"  # no rid is a prefix of another (aborts match prefixes)
             self._in_flight[iid] = self._in_flight.get(iid, 0) + 1
             task = asyncio.get_running_loop().create_task(engine.generate(
@@ -228,36 +221,34 @@ class Evaluator:
             if (resp.finish_reason or {}).get("type") == "abort" or len(used) > 1:
                 last_problem = f"{iid}: the answer was aborted or crossed a weight switch"
                 continue
-            return list(resp.output_ids), rt.codec.decode(resp.output_ids), version
+            return list(resp.output_ids), self.codec.decode(resp.output_ids), version
         raise EvalRoundFailed(f"prompt {i} sample {j}: {MAX_ATTEMPTS} attempts ({last_problem})")
 
     def _version(self, iid: str) -> int:
         """The weights ``iid`` holds: the orchestrator's view (-1: none yet), or the final round's load."""
         if iid in self._final_loads:
             return self._final_loads[iid]
-        v = self.runtime.pool.instance_version(iid)
+        v = self.pool.instance_version(iid)
         return -1 if v is None else v
 
     async def _engine(self, min_version: int) -> tuple[str, int]:
         """A live engine holding ``min_version`` or newer with an eval slot free (the one with the
         fewest eval requests), and its version; waits until there is one."""
-        rt = self.runtime
         while True:
-            ready = [(self._in_flight.get(iid, 0), iid) for iid in list(rt.engines)
-                     if iid not in self._closed and not rt.pool.is_failed(iid)
+            ready = [(self._in_flight.get(iid, 0), iid) for iid in list(self.engines)
+                     if iid not in self._closed and not self.pool.is_failed(iid)
                      and self._version(iid) >= min_version and self._in_flight.get(iid, 0) < self.slots]
             if ready:
                 iid = min(ready)[1]
                 return iid, self._version(iid)
-            if self._ending and not any(not rt.pool.is_failed(iid) and self._version(iid) >= min_version
-                                        for iid in list(rt.engines)):
+            if self._ending and not any(not self.pool.is_failed(iid) and self._version(iid) >= min_version
+                                        for iid in list(self.engines)):
                 raise EvalRoundFailed(f"no live engine holds v{min_version} or newer")
             await asyncio.sleep(0.05)
 
     async def _switch_all(self, version: int) -> None:
         """Every live engine onto ``version`` (its snapshot), before the final round. An engine that
         cannot load it keeps its weights (and answers only rounds of older steps)."""
-        rt = self.runtime
 
         async def one(iid: str) -> None:
             if self._version(iid) == version:
@@ -266,7 +257,7 @@ class Evaluator:
             try:
                 for attempt in range(LOAD_ATTEMPTS):  # the rollout's aborted requests may take a moment to leave
                     try:
-                        bad = await rt.weights.load_weights(rt.engines[iid], version, instance=iid)
+                        bad = await self.weights.load_weights(self.engines[iid], version, instance=iid)
                         break
                     except Exception as err:  # noqa: BLE001 - the eval is not worth failing a finished run
                         if attempt == LOAD_ATTEMPTS - 1:
@@ -280,7 +271,7 @@ class Evaluator:
                 return
             self._final_loads[iid] = version
 
-        await asyncio.gather(*(one(iid) for iid in list(rt.engines) if not rt.pool.is_failed(iid)))
+        await asyncio.gather(*(one(iid) for iid in list(self.engines) if not self.pool.is_failed(iid)))
 
     # ------------------------------------------------------------------ summary
     def summary(self) -> dict[str, Any]:

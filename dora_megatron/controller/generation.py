@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable, Coroutine, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Coroutine
 
 from dora_megatron.comm.batch_files import BatchFileError, compact_routed
 from dora_megatron.comm.protocol import GenerateResponse
@@ -29,6 +29,7 @@ from dora_megatron.controller.pacing import TurnPacer
 from dora_megatron.config.algo import AlgoConfig
 from dora_megatron.config.rollout import RolloutConfig
 from dora_megatron.controller.records import Engine, SampleRecord
+from dora_megatron.controller.run_tasks import RunTasks
 from dora_megatron.controller.siblings import DraftPushes, finished_sources, running_targets
 from dora_megatron.observability.recorder import MetricsRecorder
 from dora_megatron.observability.trajectories import TrajectoryStats
@@ -37,6 +38,7 @@ from dora_megatron.workflow.runner import WorkflowFailed, WorkflowReply
 
 if TYPE_CHECKING:
     from dora_megatron.controller.journal import Journal
+    from dora_megatron.controller.pool import Pool
     from dora_megatron.controller.replay import JournalReplay
     from dora_megatron.controller.samples import SampleStore
     from dora_megatron.controller.turns import Turns
@@ -50,36 +52,33 @@ log = logging.getLogger(__name__)
 OUT_OF_STEP_REFUSALS = 3
 
 
-class GenerationHost(Protocol):
-    """What generation uses of the executor: the pool, the samples, the queue, the clock, tasks."""
-
-    orch: Orchestrator
-    engines: dict[str, Engine]
-    store: SampleStore  # the sample store (:mod:`.samples`)
-    events: EventQueue
-    metrics: MetricsRecorder
-    timeline: Timeline | None
-    journal: Journal | None
-    workflow: WorkflowRunner | None
-    turns: Turns  # a workflow's trajectories between their turns (:mod:`.turns`)
-    replay: JournalReplay  # the journal's finished samples on resume (:mod:`.replay`)
-
-    def now(self) -> float: ...
-
-    def spawn(self, coro: Coroutine[Any, Any, object], name: str) -> asyncio.Task[None]: ...
-
-    def is_current(self, instance: str, engine: Engine) -> bool: ...
-
-
 class Generation:
     """Carries out :class:`Dispatch` and :class:`Submit` actions and applies engine answers
-    (DESIGN section 5.3); ``host``: the executor. ``rollout``: the request timeout and group
-    speculation (``speculative``, ``spec_max_batch``); ``algo``: whether engines are asked for the
-    routed experts (:attr:`~dora_megatron.config.algo.AlgoConfig.wants_routed_experts`); both the
-    config's sections themselves."""
+    (DESIGN section 5.3). ``rollout``: the request timeout and group speculation (``speculative``,
+    ``spec_max_batch``); ``algo``: whether engines are asked for the routed experts
+    (:attr:`~dora_megatron.config.algo.AlgoConfig.wants_routed_experts`); both the config's
+    sections themselves. Its collaborators: ``store`` (the samples' records), ``pool`` (whether an
+    instance is still current), ``turns`` (a workflow's trajectories between their turns),
+    ``replay`` (the journal's finished samples on resume), ``orch`` (what it placed where, read
+    only), ``tasks`` (the clock, per-sample tasks), ``journal`` and ``timeline`` (None: none),
+    ``workflow`` (``rollout.workflow``; None: one ``/generate`` per submission)."""
 
-    def __init__(self, host: GenerationHost, rollout: RolloutConfig, algo: AlgoConfig) -> None:
-        self.rt = host
+    def __init__(self, rollout: RolloutConfig, algo: AlgoConfig, *, orch: Orchestrator, engines: dict[str, Engine],
+                 store: SampleStore, events: EventQueue, metrics: MetricsRecorder, pool: Pool, turns: Turns,
+                 replay: JournalReplay, tasks: RunTasks, timeline: Timeline | None, journal: Journal | None,
+                 workflow: WorkflowRunner | None) -> None:
+        self.orch = orch
+        self.engines = engines
+        self.store = store
+        self.events = events
+        self.metrics = metrics
+        self.pool = pool
+        self.turns = turns
+        self.replay = replay
+        self.tasks = tasks
+        self.timeline = timeline
+        self.journal = journal
+        self.workflow = workflow
         self.rollout = rollout
         self.algo = algo
         self.version_refusals = 0
@@ -90,27 +89,26 @@ class Generation:
         #: full pool): retried or re-queued, never counted against the instance
         self.local_resource_errors = 0
         self.pacer = TurnPacer()  # request starts per loop turn
-        self.drafts = DraftPushes(host.engines, host.spawn, self._may_push)  # rollout.speculative=group's pushes
+        self.drafts = DraftPushes(engines, tasks.spawn, self._may_push)  # rollout.speculative=group's pushes
 
     def dispatch(self, a: Dispatch) -> None:
-        rt = self.rt
-        group = rt.store.dispatch(a)
-        if rt.journal is not None:
-            rt.journal.dispatch(a.group_id, a.version, group.prompt.index, list(a.sample_ids))
-        rt.replay.restore(a.group_id)
+        group = self.store.dispatch(a)
+        if self.journal is not None:
+            self.journal.dispatch(a.group_id, a.version, group.prompt.index, list(a.sample_ids))
+        self.replay.restore(a.group_id)
 
     def prompt_tokens(self, group_id: str) -> int:
         """Loop: the prompt length of a dispatched group (the orchestrator's re-prefill accounting)."""
-        return self.rt.store.prompt_tokens(group_id)
+        return self.store.prompt_tokens(group_id)
 
     def submit(self, a: Submit) -> None:
-        if self.rt.turns.hand_over(a):  # the next turn of a trajectory in flight
+        if self.turns.hand_over(a):  # the next turn of a trajectory in flight
             return
         self._chain(a.sample_id, self._submit(a), f"submit-{a.sample_id}")
 
     def _chain(self, sample_id: str, coro: Coroutine[Any, Any, object], name: str) -> asyncio.Task[None]:
         """Run ``coro`` after the sample's previous operation finished (per-sample ordering)."""
-        rec = self.rt.store.samples[sample_id]
+        rec = self.store.samples[sample_id]
         prev = rec.task
 
         async def run() -> None:
@@ -118,21 +116,21 @@ class Generation:
                 await asyncio.wait([prev])
             await coro
 
-        rec.task = self.rt.spawn(run(), name)
+        rec.task = self.tasks.spawn(run(), name)
         return rec.task
 
     def concurrent(self, sample_id: str, make_coro: Callable[[asyncio.Task[None] | None], Coroutine[Any, Any, object]],
                    name: str) -> asyncio.Task[None]:
         """Run an operation that acts on the sample's in-flight request (it does not wait for it);
         later operations on the sample wait for both."""
-        rec = self.rt.store.samples[sample_id]
+        rec = self.store.samples[sample_id]
         prev = rec.task
-        task = self.rt.spawn(make_coro(prev), name)
+        task = self.tasks.spawn(make_coro(prev), name)
 
         async def both() -> None:
             await asyncio.wait([t for t in (prev, task) if t is not None])
 
-        rec.task = self.rt.spawn(both(), f"{name}-join")
+        rec.task = self.tasks.spawn(both(), f"{name}-join")
         return task
 
     def local_shortage(self, what: str, err: BaseException) -> None:
@@ -150,27 +148,26 @@ class Generation:
     async def _submit(self, a: Submit) -> None:
         from dora_megatron.comm.engine_client import VersionMismatch
 
-        rt = self.rt
         # a wave of submits (a run's start, a weight switch) starts per_turn a loop turn (:mod:`.pacing`);
         # what the sample became meanwhile is read below
         await self.pacer.turn()
-        rec = rt.store.samples.get(a.sample_id)
+        rec = self.store.samples.get(a.sample_id)
         if rec is None:  # an earlier operation finished it and its group was consumed meanwhile
             return
         if rec.finished:
             if rec.replay_pending:
-                await rt.events.report(Replayed(a.sample_id))
+                await self.events.report(Replayed(a.sample_id))
             return
         rec.submissions += 1
-        if rt.workflow is not None:  # a workflow's trajectory runs whole again: nothing of an earlier version is kept
+        if self.workflow is not None:  # a workflow's trajectory runs whole again: nothing of an earlier version is kept
             rec.versions.clear()
         rec.versions.add(a.version)
         rec.version = a.version
-        engine = rt.engines[a.instance]
+        engine = self.engines[a.instance]
         rec.gen_task, rec.gen_instance = asyncio.current_task(), a.instance
         delay, deadline = LOCAL_RETRY_S[0], time.monotonic() + self.rollout.request_timeout_s
         while True:
-            start = rt.now()
+            start = self.tasks.now()
             try:
                 try:
                     resp = await self._generate(engine, rec, a)
@@ -184,72 +181,71 @@ class Generation:
                             err.message)
                 self.version_refusals += 1
                 if self._out_of_step(a.instance, a.version):
-                    await rt.events.report(InstanceFailed(
+                    await self.events.report(InstanceFailed(
                         a.instance, f"serves another weight version than the {a.version} it was switched to "
                         f"({OUT_OF_STEP_REFUSALS} requests in a row refused: {err.message})", engine))
                 else:
-                    await rt.events.report(MigrationFailed(a.sample_id))
+                    await self.events.report(MigrationFailed(a.sample_id))
                 return
             except WorkflowFailed as err:
                 if err.final:
                     raise
-                await rt.events.report(MigrationFailed(a.sample_id))  # its environment crashed: run it again
+                await self.events.report(MigrationFailed(a.sample_id))  # its environment crashed: run it again
                 return
             except Exception as err:  # noqa: BLE001
                 if _is_local(err):
                     # the controller's own shortage (no descriptor, no pooled connection): the instance
                     # is not at fault; the same call is tried again after a back-off
                     self.local_shortage(f"generate of {a.sample_id} on {a.instance}", err)
-                    if not rt.is_current(a.instance, engine):
+                    if not self.pool.is_current(a.instance, engine):
                         return  # failed or replaced meanwhile: its requests are re-queued already
-                    if rt.workflow is not None or time.monotonic() + delay > deadline:
+                    if self.workflow is not None or time.monotonic() + delay > deadline:
                         # short for a whole request timeout, or a trajectory (its turns are placed by the
                         # orchestrator, not retried here): run it later
-                        await rt.events.report(MigrationFailed(a.sample_id))
+                        await self.events.report(MigrationFailed(a.sample_id))
                         return
                     await asyncio.sleep(delay)
                     delay = min(LOCAL_RETRY_S[1], delay * 2)
                     continue
                 if not _is_comm_error(err):
                     raise
-                await rt.events.report(InstanceFailed(a.instance, f"generate failed: {err}", engine))
+                await self.events.report(InstanceFailed(a.instance, f"generate failed: {err}", engine))
                 return
         a, engine = self._last_turn(rec, a, engine)
         self._refusal_streak.pop(a.instance, None)
-        end = rt.now()
-        reward = await rt.store.reward_off_loop(rec, resp)  # off the loop thread, before the report
-        await rt.events.report(EngineReply(a.sample_id, a.instance, resp, start, end, reward))
+        end = self.tasks.now()
+        reward = await self.store.reward_off_loop(rec, resp)  # off the loop thread, before the report
+        await self.events.report(EngineReply(a.sample_id, a.instance, resp, start, end, reward))
 
     def _last_turn(self, rec: SampleRecord, a: Submit, engine: Engine) -> tuple[Submit, Engine]:
         """``a`` naming the instance (and the engine) of the last turn of the sample's trajectory,
         where its answer or its failure came from (without a workflow: ``a``'s own)."""
-        at, engine = self.rt.turns.where(rec, a.instance, engine)
+        at, engine = self.turns.where(rec, a.instance, engine)
         return (a if at == a.instance else replace(a, instance=at)), engine
 
     async def _generate(self, engine: Engine, rec: SampleRecord, a: Submit) -> GenerateResponse | WorkflowReply:
         """One submission's answer: the engine's, or with ``rollout.workflow`` the whole trajectory
         its workflow generated on this instance with this version (every turn pinned to it)."""
-        rt = self.rt
-        if rt.workflow is None:
-            return await engine.generate([*rec.prompt_ids, *rec.response_ids], rt.store.sampling(rec), rid=a.sample_id,
-                                         return_logprob=True, version=a.version,
+        if self.workflow is None:
+            return await engine.generate([*rec.prompt_ids, *rec.response_ids], self.store.sampling(rec),
+                                         rid=a.sample_id, return_logprob=True, version=a.version,
                                          **({"routed_experts": True} if self.algo.wants_routed_experts else {}),
-                                         **({"draft_sources": finished_sources(rec, rt.store.siblings(rec))}
+                                         **({"draft_sources": finished_sources(rec, self.store.siblings(rec))}
                                             if self.rollout.draft_siblings else {}))
-        turn = rt.turns.open(rec, a.instance, engine)
+        turn = self.turns.open(rec, a.instance, engine)
         try:
-            return await rt.workflow.run(engine, rt.store.groups[rec.group_id].prompt, rec.prompt_ids,
-                                         sample_id=a.sample_id, version=a.version, sampling=rt.store.sampling(rec),
-                                         routed_experts=self.algo.wants_routed_experts, turns=turn)
+            return await self.workflow.run(engine, self.store.groups[rec.group_id].prompt, rec.prompt_ids,
+                                           sample_id=a.sample_id, version=a.version, sampling=self.store.sampling(rec),
+                                           routed_experts=self.algo.wants_routed_experts, turns=turn)
         finally:
-            rt.turns.close(turn)
+            self.turns.close(turn)
 
     def _may_push(self, instance: str) -> bool:
         """Whether draft pushes to ``instance`` are useful now: it holds at most
         ``rollout.spec_max_batch`` requests (above which the engine does not speculate; 0, which the
         config refuses, would mean always), by the orchestrator's own count of what it placed there."""
         bound = self.rollout.spec_max_batch
-        inst = self.rt.orch.instances.get(instance)
+        inst = self.orch.instances.get(instance)
         return inst is not None and inst.alive and (bound <= 0 or inst.load <= bound)
 
     def _out_of_step(self, instance: str, version: int) -> bool:
@@ -259,7 +255,7 @@ class Generation:
         weights than the controller believes (started on another checkpoint, a reload that did not
         take), and re-queueing its samples onto it would go on for ever. Failing it hands it to the
         supervisor's restart, which loads the version the controller expects."""
-        inst = self.rt.orch.instances.get(instance)  # the orchestrator's view of what it serves
+        inst = self.orch.instances.get(instance)  # the orchestrator's view of what it serves
         if inst is None or inst.version != version or inst.switching:
             self._refusal_streak.pop(instance, None)
             return False
@@ -270,25 +266,24 @@ class Generation:
         """Loop (:class:`EngineReply`): apply an engine response. Finished: the sample's length (the
         orchestrator hears of it); aborted: the partial output is kept, None. A late answer about a
         sample whose group was consumed meanwhile (the source's reply to a KV export) is dropped."""
-        rt = self.rt
-        rec, resp, instance, start, end = rt.store.samples.get(ev.sample_id), ev.resp, ev.instance, ev.start, ev.end
-        if rt.workflow is None:  # a trajectory's turns count their own slot time (:class:`TurnGate`), not its tools'
-            rt.metrics.request_held_slot(start, end)
+        rec, resp, instance, start, end = self.store.samples.get(ev.sample_id), ev.resp, ev.instance, ev.start, ev.end
+        if self.workflow is None:  # a trajectory's turns count their own slot time (:class:`TurnGate`), not its tools'
+            self.metrics.request_held_slot(start, end)
         if rec is None:
             return None
         if getattr(resp, "migrated", False):
             return None  # the import on the destination delivers this sample
-        if rt.timeline is not None:
-            rt.timeline.span(instance, rec.sample_id, start, end, version=rec.version, kind="request")
-        reason = rt.store.apply(rec, resp)
+        if self.timeline is not None:
+            self.timeline.span(instance, rec.sample_id, start, end, version=rec.version, kind="request")
+        reason = self.store.apply(rec, resp)
         if reason == "abort":
             return None  # interrupted (partial mode) or failed over: a later Submit(resume) continues it
         if self.algo.wants_routed_experts:  # covers prompt + every output token (the last submission's input is all of it)
             try:
-                rt.store.keep_routed(rec, compact_routed((resp.raw.get("meta_info") or {}).get("routed_experts")))
+                self.store.keep_routed(rec, compact_routed((resp.raw.get("meta_info") or {}).get("routed_experts")))
             except BatchFileError as err:  # a malformed answer: the sample is kept, without routing
                 log.error("%s: sample %s: meta_info.%s", instance, rec.sample_id, err)
-                rt.store.keep_routed(rec, None)
+                self.store.keep_routed(rec, None)
             if rec.routed_experts is None and instance not in self.routed_experts_off:
                 # an optional probe that cannot run there (SGLang without --enable-return-routed-experts
                 # answers without them): the instance is not failed for it, one warning, counted
@@ -299,18 +294,18 @@ class Generation:
         if self.rollout.draft_siblings:
             # offered first: a push this finish holds (its instance not yet counted down) is then
             # among what ``finished`` looks at again once the turn is over
-            self.drafts.offer(running_targets(rec, rt.store.siblings(rec)), [*rec.prompt_ids, *rec.response_ids])
+            self.drafts.offer(running_targets(rec, self.store.siblings(rec)), [*rec.prompt_ids, *rec.response_ids])
             self.drafts.finished(instance, rec.sample_id)
-        rt.store.score(rec, resp, reason, ev.reward)
+        self.store.score(rec, resp, reason, ev.reward)
         if getattr(resp, "loss_mask", None) is not None:  # a workflow's trajectory (rollout.workflow)
-            rt.metrics.trajectory_finished(TrajectoryStats.of(resp.turns, sum(rec.loss_mask or ()), resp.metrics))
-        if rt.journal is not None and rt.workflow is None:
+            self.metrics.trajectory_finished(TrajectoryStats.of(resp.turns, sum(rec.loss_mask or ()), resp.metrics))
+        if self.journal is not None and self.workflow is None:
             # a workflow's trajectory is not journaled (the journal keeps no prompt of its own nor loss
             # mask): after a crash it runs again from its prompt, on its own version
-            rt.journal.sample(rt.replay.journaled(rec), sorted(rec.versions))
+            self.journal.sample(self.replay.journaled(rec), sorted(rec.versions))
         return len(rec.response_ids)
 
     def sample_versions(self, sample_id: str) -> set[int]:
         """Loop: every version the sample was submitted on or an engine said produced its tokens;
         the orchestrator counts a sample of more than one as a C1 violation (the one C1 count)."""
-        return self.rt.store.samples[sample_id].versions
+        return self.store.samples[sample_id].versions

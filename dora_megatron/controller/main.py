@@ -90,10 +90,10 @@ async def drive(runtime: Runtime) -> dict[str, Any]:
     that run a runtime on fakes.
 
     The loop reads the runtime's queue; beside it run the stats poller (load reports and ticks)
-    and the end watcher: a run ended from outside the loop (a supervisor's :meth:`stop`) posts
+    and the end watcher: a run ended from outside the loop (a supervisor's ``runtime.tasks.stop``) posts
     ``Stop`` so that the loop wakes. A failing event handler ends the run with its cause."""
     runtime.begin()
-    done = runtime.ended
+    done = runtime.tasks.ended
     loop = ControllerLoop(runtime.orch, runtime, runtime.events, done)
     tasks = [asyncio.get_running_loop().create_task(runtime.stats.run(done)),
              asyncio.get_running_loop().create_task(_stop_when(done, runtime.events)),

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from dora_megatron.controller.errors import is_comm_error as _is_comm_error, is_local as _is_local
 from dora_megatron.events import EngineReply, InstanceFailed, MigrationDone, MigrationFailed
 from dora_megatron.controller.loop import EventQueue
 from dora_megatron.config.controller import ControllerConfig
 from dora_megatron.controller.records import Engine
+from dora_megatron.controller.run_tasks import RunTasks
 from dora_megatron.orchestrator import Interrupt, Migrate, Submit
 
 if TYPE_CHECKING:
@@ -63,29 +64,25 @@ async def _abort_once(engine: Engine, sample_id: str) -> None:
         log.debug("abort of %s not sent (local shortage): %s", sample_id, err)
 
 
-class MoveHost(Protocol):
-    """What the moves use of the executor that owns them (the pool, the samples, the queue, the
-    clock) and of generation, which orders every operation on a sample."""
-
-    engines: dict[str, Engine]
-    store: SampleStore  # the sample store: a finishing answer's reward is scored off the loop (:mod:`.samples`)
-    events: EventQueue
-    timeline: Timeline | None
-    workflow: WorkflowRunner | None
-    turns: Turns  # a workflow's runs: one moved or interrupted mid-turn is dropped
-    # per-sample ordering (``concurrent``), a migration's fallback (``resubmit``) and the count of
-    # local shortages are generation's (:mod:`.generation`)
-    generation: Generation
-
-    def now(self) -> float: ...
-
-
 class Migrations:
-    """Carries out :class:`Migrate` and :class:`Interrupt` actions; ``host``: the executor;
-    ``controller``: the config's section (``migration``: kv or reprefill)."""
+    """Carries out :class:`Migrate` and :class:`Interrupt` actions; ``controller``: the config's
+    section (``migration``: kv or reprefill). ``generation`` orders every operation on a sample
+    (``concurrent``), resubmits a migration's fallback and counts local shortages; ``turns``: a
+    workflow's runs (one moved or interrupted mid-turn is dropped); ``store``: the samples (a
+    finishing answer's reward is scored off the loop); ``tasks``: the clock; ``timeline``
+    (None: none); ``workflow`` (``rollout.workflow``; None: single-turn requests)."""
 
-    def __init__(self, host: MoveHost, controller: ControllerConfig) -> None:
-        self.rt = host
+    def __init__(self, controller: ControllerConfig, *, engines: dict[str, Engine], store: SampleStore,
+                 events: EventQueue, generation: Generation, turns: Turns, tasks: RunTasks,
+                 timeline: Timeline | None, workflow: WorkflowRunner | None) -> None:
+        self.engines = engines
+        self.store = store
+        self.events = events
+        self.generation = generation
+        self.turns = turns
+        self.tasks = tasks
+        self.timeline = timeline
+        self.workflow = workflow
         self.controller = controller
         # instance -> what a switch of it waits for: migrations into it (until they end), migrations
         # out of it (until the source let the request go) and interrupts
@@ -114,7 +111,7 @@ class Migrations:
             if not released.done():
                 released.set_result(None)
 
-        task = self.rt.generation.concurrent(a.sample_id, lambda prev: self.move(a, prev, released), f"migrate-{a.sample_id}")
+        task = self.generation.concurrent(a.sample_id, lambda prev: self.move(a, prev, released), f"migrate-{a.sample_id}")
         task.add_done_callback(release)
         self._track_move(a.src, released)
         self._track_move(a.dst, task)
@@ -128,8 +125,8 @@ class Migrations:
         fut.add_done_callback(lambda f: self._moves_at.get(instance, set()).discard(f))
 
     def interrupt(self, a: Interrupt) -> None:
-        self.rt.turns.drop(a.sample_id)  # an interrupted trajectory runs again from its prompt
-        task = self.rt.generation.concurrent(a.sample_id, lambda prev: self.abort(a, prev), f"interrupt-{a.sample_id}")
+        self.turns.drop(a.sample_id)  # an interrupted trajectory runs again from its prompt
+        task = self.generation.concurrent(a.sample_id, lambda prev: self.abort(a, prev), f"interrupt-{a.sample_id}")
         self._track_move(a.instance, task)
 
     async def move(self, a: Migrate, prev: asyncio.Task[Any] | None, released: asyncio.Future[None]) -> None:
@@ -137,21 +134,21 @@ class Migrations:
         longer holds it (a switch of the source may then go ahead)."""
         from dora_megatron.comm.engine_client import EngineError
 
-        rec = self.rt.store.samples.get(a.sample_id)
+        rec = self.store.samples.get(a.sample_id)
         if rec is None or rec.finished:  # finished (its group maybe consumed) before this move ran
             return
         gate = None  # a workflow's run: the turn on the engine is what moves
-        if self.rt.workflow is not None:
-            gate = self.rt.turns.live(a.sample_id)
+        if self.workflow is not None:
+            gate = self.turns.live(a.sample_id)
             if gate is not None and not gate.in_turn:  # its turn ended first: the orchestrator places its next turn
                 return
-        src, dst = self.rt.engines[a.src], self.rt.engines[a.dst]
-        start = self.rt.now()
+        src, dst = self.engines[a.src], self.engines[a.dst]
+        start = self.tasks.now()
         blob = None
         try:
             # a workflow whose run has not started yet (its submission waits for an earlier
             # operation) moves by abort + resubmit: there is no turn to carry
-            use_kv = ((self.rt.workflow is None or gate is not None) and self.controller.migration == "kv"
+            use_kv = ((self.workflow is None or gate is not None) and self.controller.migration == "kv"
                       and await src.supports("export_request") and await dst.supports("import_request"))
             if use_kv:
                 for _ in range(50):  # the generate may not have reached the engine yet
@@ -166,22 +163,22 @@ class Migrations:
                         await asyncio.sleep(0.02)
         except Exception as err:  # noqa: BLE001 - the source is unreachable: re-run the sample elsewhere
             if _is_local(err):  # the controller's shortage: move it the other way (abort + resubmit)
-                self.rt.generation.local_shortage(f"export of {a.sample_id} from {a.src}", err)
+                self.generation.local_shortage(f"export of {a.sample_id} from {a.src}", err)
                 blob = None
             elif not _is_comm_error(err):
                 raise
             else:
-                await self.rt.events.report(InstanceFailed(a.src, f"export failed: {err}", src))
-                await self.rt.events.report(MigrationFailed(a.sample_id))
+                await self.events.report(InstanceFailed(a.src, f"export failed: {err}", src))
+                await self.events.report(MigrationFailed(a.sample_id))
                 return
         if blob is not None:
             released.set_result(None)  # the export removed it from the source
-            left = self.rt.now()
+            left = self.tasks.now()
             self.stall_s += left - start
             self.migrated_bytes += len(blob)
             self.migrations_done += 1
-            if self.rt.timeline is not None:
-                self.rt.timeline.span(a.dst, f"migrate-in {a.sample_id}", start, self.rt.now(), version=a.version, kind="migration")
+            if self.timeline is not None:
+                self.timeline.span(a.dst, f"migrate-in {a.sample_id}", start, self.tasks.now(), version=a.version, kind="migration")
             if gate is not None:
                 gate.move_started(a.dst, dst)
             try:
@@ -190,20 +187,20 @@ class Migrations:
                 if gate is not None:
                     gate.move_failed()  # the trajectory runs again from its prompt (re-queued below)
                 if _is_local(err):  # the controller's shortage: the sample runs again from what it holds
-                    self.rt.generation.local_shortage(f"import of {a.sample_id} into {a.dst}", err)
-                    await self.rt.events.report(MigrationFailed(a.sample_id))
+                    self.generation.local_shortage(f"import of {a.sample_id} into {a.dst}", err)
+                    await self.events.report(MigrationFailed(a.sample_id))
                     return
                 if not _is_comm_error(err):
                     raise
-                await self.rt.events.report(InstanceFailed(a.dst, f"import failed: {err}", dst))
+                await self.events.report(InstanceFailed(a.dst, f"import failed: {err}", dst))
                 return
-            end = self.rt.now()
+            end = self.tasks.now()
             self.freed_slot_s += end - left
             if gate is not None:  # the turn's generate returns this; the trajectory goes on
                 gate.move_landed(resp)
                 return
-            reward = await self.rt.store.reward_off_loop(rec, resp)  # off the loop thread, before the report
-            await self.rt.events.report(EngineReply(a.sample_id, a.dst, resp, start, end, reward))
+            reward = await self.store.reward_off_loop(rec, resp)  # off the loop thread, before the report
+            await self.events.report(EngineReply(a.sample_id, a.dst, resp, start, end, reward))
             return
         # Fallback (SGLang): abort at src, resubmit prompt + partial output at dst (re-prefill).
         if gate is not None:
@@ -215,8 +212,8 @@ class Migrations:
         except Exception as err:  # noqa: BLE001
             if not _is_comm_error(err):
                 raise
-            await self.rt.events.report(InstanceFailed(a.src, f"abort failed: {err}", src))
-            await self.rt.events.report(MigrationFailed(a.sample_id))
+            await self.events.report(InstanceFailed(a.src, f"abort failed: {err}", src))
+            await self.events.report(MigrationFailed(a.sample_id))
             return
         if prev is not None and not prev.done():
             await asyncio.wait([prev])  # the aborted generate's partial output is applied (absorb)
@@ -224,15 +221,15 @@ class Migrations:
         if rec.finished:
             return  # it finished before the abort reached it: nothing to move
         self.migrations_fallback += 1
-        left = self.rt.now()
+        left = self.tasks.now()
         self.stall_s += left - start
         reprefill = len(rec.prompt_ids) + len(rec.response_ids)
-        await self.rt.events.report(MigrationDone(a.sample_id, reprefill))
-        await self.rt.generation.resubmit(Submit(a.sample_id, a.dst, a.version, resume=True))
-        self.freed_slot_s += self.rt.now() - left
+        await self.events.report(MigrationDone(a.sample_id, reprefill))
+        await self.generation.resubmit(Submit(a.sample_id, a.dst, a.version, resume=True))
+        self.freed_slot_s += self.tasks.now() - left
 
     async def abort(self, a: Interrupt, prev: asyncio.Task[Any] | None) -> None:
         """Abort the request and wait until its partial output is back (before the instance switches)."""
-        await abort_until_returned(self.rt.engines[a.instance], a.sample_id, prev)
+        await abort_until_returned(self.engines[a.instance], a.sample_id, prev)
         if prev is not None and not prev.done():
             await asyncio.wait([prev])

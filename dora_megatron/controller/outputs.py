@@ -24,8 +24,8 @@ from dora_megatron.observability.tensorboard import ScalarWriter
 if TYPE_CHECKING:
     from tqdm import tqdm
 
-    from dora_megatron.controller.runtime import Runtime
     from dora_megatron.observability.overview import CheckpointOverviews
+    from dora_megatron.observability.recorder import MetricsRecorder
     from dora_megatron.observability.wandb_writer import WandbWriter
     from dora_megatron.orchestrator import Orchestrator
 
@@ -159,14 +159,15 @@ class RunOutputs:
         if resumed:
             self.retention.min_live_at_checkpoint = min(orch.live_versions())
 
-    def on_step(self, s: StepRecord, rt: Runtime) -> None:
-        """After each step (its record): prune snapshots, record the consumed groups, progress, overview."""
+    def on_step(self, s: StepRecord, metrics: MetricsRecorder) -> None:
+        """After each step (its record; ``metrics``: the run's recorder): prune snapshots, record the
+        consumed groups, progress, overview."""
         self.retention.prune()
         self.consumed_file.write(json.dumps({"step": s.step, "groups": s.groups, "versions": s.versions}) + "\n")
         self.consumed_file.flush()
-        self.progress.update(s.step, rt.metrics.last, s.samples)
+        self.progress.update(s.step, metrics.last, s.samples)
         if self.overviews is not None:
-            self.overviews.step(s.step, rt.metrics.last, s.staleness)
+            self.overviews.step(s.step, metrics.last, s.staleness)
 
     def on_checkpoint(self, version: int) -> None:
         self.retention.checkpointed(version)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from array import array
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from dora_megatron.comm.batch_files import compact_routed
 from dora_megatron.comm.routed_spool import SpooledRouted
@@ -25,20 +25,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class ReplayHost(Protocol):
-    """What the replay uses of the executor: its records and the journal (a workflow's trajectories
-    are never journaled, so there is nothing of them to replay)."""
-
-    journal: Journal | None
-    orch: Orchestrator  # a group's version is the orchestrator's
-    store: SampleStore  # its spool holds a journaled sample's routed experts
-
-
 class JournalReplay:
-    """Samples of ``read_journal`` restorable on resume; ``host``: the executor."""
+    """Samples of ``read_journal`` restorable on resume. ``store``: the records they fill (its spool
+    holds a journaled sample's routed experts); ``orch``: a group's version is its; ``journal``: where
+    a replayed sample is recorded again (None: no journal; a workflow's trajectories are never
+    journaled, so there is nothing of them to replay)."""
 
-    def __init__(self, host: ReplayHost) -> None:
-        self.rt = host
+    def __init__(self, *, store: SampleStore, orch: Orchestrator, journal: Journal | None) -> None:
+        self.store = store
+        self.orch = orch
+        self.journal = journal
         self._pending: dict[str, JournaledSample] = {}  # sample id -> JournaledSample, restorable on resume
         self.samples_from_journal = 0
 
@@ -49,7 +45,7 @@ class JournalReplay:
         One whose routed experts the spool no longer has (a crash before their write reached the
         file) is not restored: it is generated again."""
         self._pending = {}
-        spool = self.rt.store.routed_spool
+        spool = self.store.routed_spool
         for sid, j in samples.items():
             if isinstance(j.routed_experts, SpooledRouted):
                 problem = (spool.adopt(j.routed_experts) if spool is not None
@@ -59,7 +55,7 @@ class JournalReplay:
                                 sid, problem)
                     continue
             self._pending[sid] = j
-        for gid in list(self.rt.store.groups):
+        for gid in list(self.store.groups):
             self.restore(gid)
 
     def restore(self, group_id: str) -> None:
@@ -67,13 +63,13 @@ class JournalReplay:
         that cannot stand for its sample is dropped (its spooled routed experts with it)."""
         if not self._pending:
             return
-        group = self.rt.store.groups[group_id]
-        version = self.rt.orch.groups[group_id].version
+        group = self.store.groups[group_id]
+        version = self.orch.groups[group_id].version
         for sid in group.sample_ids:
             j = self._pending.pop(sid, None)
             if j is None:
                 continue
-            rec = self.rt.store.samples[sid]
+            rec = self.store.samples[sid]
             if (rec.finished or j.group_id != group_id or j.version != version
                     or j.prompt_index != group.prompt.index or rec.version != j.version):
                 self.drop(j)
@@ -87,22 +83,22 @@ class JournalReplay:
 
     def drop(self, j: JournaledSample) -> None:
         """A journal sample that stands for none: the spool no longer holds its routed experts for it."""
-        spool = self.rt.store.routed_spool
+        spool = self.store.routed_spool
         if spool is not None and isinstance(j.routed_experts, SpooledRouted):
             spool.retire([j.routed_experts])
 
     def replayed(self, sample_id: str) -> int | None:
         """Loop (:class:`Replayed`): the orchestrator asked to run a sample the journal restored: it
         is finished already. Returns its length, None when it was reported before."""
-        rec = self.rt.store.samples[sample_id]
+        rec = self.store.samples[sample_id]
         if not rec.replay_pending:
             return None
         rec.replay_pending = False
         self.samples_from_journal += 1
-        if self.rt.journal is not None:  # still finished after this lineage's checkpoint
+        if self.journal is not None:  # still finished after this lineage's checkpoint
             js = self.journaled(rec)
-            self.rt.journal.sample(js, sorted(rec.versions), replayed=True)
-            self.rt.journal.replayed(js)
+            self.journal.sample(js, sorted(rec.versions), replayed=True)
+            self.journal.replayed(js)
         return len(rec.response_ids)
 
     def journaled(self, rec: SampleRecord) -> JournaledSample:
@@ -113,6 +109,6 @@ class JournalReplay:
 
         if rec.reward is None:  # journaled once finished, and a finished sample is scored
             raise ValueError(f"sample {rec.sample_id} has no reward: a sample is journaled after its reward")
-        return JournaledSample(rec.sample_id, rec.group_id, rec.version, self.rt.store.groups[rec.group_id].prompt.index,
+        return JournaledSample(rec.sample_id, rec.group_id, rec.version, self.store.groups[rec.group_id].prompt.index,
                                rec.response_ids, rec.rollout_logprobs, float(rec.reward), rec.routed_experts,
                                rec.finish_reason, rec.reward_error)

@@ -32,8 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from typing import TYPE_CHECKING, Any, Callable, Coroutine
+from typing import TYPE_CHECKING, Any, Callable
 
 from dora_megatron.config.algo import AlgoConfig
 from dora_megatron.config.controller import ControllerConfig
@@ -43,16 +42,16 @@ from dora_megatron.config.run import RunConfig
 from dora_megatron.controller.checkpointing import CheckpointWriter
 from dora_megatron.controller.controller_state import ControllerState
 from dora_megatron.controller.generation import Generation
-from dora_megatron.events import (EngineReply, InstanceFailed, InstanceJoined, Resume, Start, Stop, SwitchDone,
-                                  TrainerDone)
+from dora_megatron.events import EngineReply, InstanceFailed, InstanceJoined, Resume, Start, SwitchDone, TrainerDone
 from dora_megatron.controller.loop import EventQueue
 from dora_megatron.controller.loop_lag import LoopLag
 from dora_megatron.controller.migration import Migrations
 from dora_megatron.controller.pool import Pool
 from dora_megatron.controller.records import Engine, LoadReports, RunPaths, Trainer, instance_slots
 from dora_megatron.controller.replay import JournalReplay
+from dora_megatron.controller.run_tasks import RunTasks
 from dora_megatron.controller.samples import RewardFn, SampleStore
-from dora_megatron.controller.shutdown import cancel_in_batches, collector_paused
+from dora_megatron.controller.shutdown import collector_paused
 from dora_megatron.controller.stats import StatsPoller
 from dora_megatron.controller.summary import run_summary
 from dora_megatron.controller.trainer_client import PushOptions
@@ -62,7 +61,6 @@ from dora_megatron.controller.weight_sync import WeightSync
 from dora_megatron.data.codec import CharCodec, TextCodec
 from dora_megatron.data.tasks import PromptSource
 from dora_megatron.observability.recorder import MetricsRecorder
-from dora_megatron.observability.rollout_dump import RolloutDumper
 from dora_megatron.observability.summary import StepRecord
 from dora_megatron.orchestrator import (Action, Dispatch, Interrupt, Migrate, Orchestrator, ReleaseBatch, Submit,
                                         SwitchVersion, perform)
@@ -70,6 +68,7 @@ from dora_megatron.orchestrator import (Action, Dispatch, Interrupt, Migrate, Or
 if TYPE_CHECKING:
     from dora_megatron.controller.evaluation import Evaluator
     from dora_megatron.controller.journal import Journal
+    from dora_megatron.observability.rollout_dump import RolloutDumper
     from dora_megatron.observability.timeline import Timeline
     from dora_megatron.workflow.runner import WorkflowRunner
 
@@ -86,22 +85,26 @@ class Runtime:
     (:mod:`.weight_sync`), :attr:`training` (:mod:`.training`), :attr:`pool` (:mod:`.pool`),
     :attr:`controller_state` (:mod:`.controller_state`) with :attr:`checkpoints`
     (:mod:`.checkpointing`), :attr:`replay` (:mod:`.replay`), :attr:`turns` (:mod:`.turns`),
-    :attr:`stats` (:mod:`.stats`), over the samples of :attr:`store` (:mod:`.samples`). It owns
-    only the run's tasks, its clock and its end (:meth:`stop`). Components never import each
-    other at run time: what one asks of another it asks of the sibling its ``*Host`` protocol
-    names (e.g. the moves' ``generation``, a switch's ``moves``), reached through this executor.
-    Each component is handed the config sections it reads, the loaded config's own objects (no
-    copy of their values is kept here)."""
+    :attr:`stats` (:mod:`.stats`), over the samples of :attr:`store` (:mod:`.samples`); the run's
+    tasks, clock and end are :attr:`tasks` (:class:`~dora_megatron.controller.run_tasks.RunTasks`).
+    Components never import each other at run time, nor reach each other through this executor:
+    each is handed, when it is built, the typed collaborators it uses (e.g. the moves'
+    ``generation``, a switch's ``moves``), in an order that needs no cycle; the eval rounds, built
+    after it by whoever builds the controller, come through :meth:`attach_evaluator`. Each
+    component is handed the config sections it reads, the loaded config's own objects (no copy of
+    their values is kept here). Launchers ask the component that owns the answer (``pool``,
+    ``training``, ``tasks``); only what becomes an event (:meth:`add_instance`,
+    :meth:`report_failure`) is asked of this executor."""
 
     def __init__(self, orch: Orchestrator, engines: dict[str, Engine], trainer: Trainer, source: PromptSource,
                  reward_fn: RewardFn, *, run: RunConfig, paths: RunPaths, rollout: RolloutConfig | None = None,
                  controller: ControllerConfig | None = None, observability: ObservabilityConfig | None = None,
                  algo: AlgoConfig | None = None, push: PushOptions | None = None, timeline: Timeline | None = None,
-                 on_step: Callable[[StepRecord, "Runtime"], None] | None = None,
+                 on_step: Callable[[StepRecord, MetricsRecorder], None] | None = None,
                  on_checkpoint: Callable[[int], None] | None = None, first_prompt: int = 0,
                  codec: TextCodec | None = None, journal: Journal | None = None, metrics: MetricsRecorder | None = None,
                  load_reports: LoadReports | None = None, rollout_dump: RolloutDumper | None = None,
-                 events: EventQueue) -> None:
+                 workflow: WorkflowRunner | None = None, events: EventQueue) -> None:
         """The config sections, each handed to the components that read it: ``run`` (the steps, the
         seed, the checkpoint interval), ``rollout`` (sampling, the request timeout, group
         speculation), ``controller`` (migrations, timeouts, weight transport and checks),
@@ -114,13 +117,13 @@ class Runtime:
         ``load_reports``: pushed load reports of the engines it covers, taken once per stats
         sweep instead of polling them (e.g. :class:`~dora_megatron.rollout.sharded.ClientPool`).
         ``rollout_dump``: writes some of each step's samples as the trainer is handed them
-        (``observability.dump_rollouts``)."""
-        self.rollout_dump = rollout_dump
-        #: the eval set's rounds (:class:`~dora_megatron.controller.evaluation.Evaluator`, ``data.eval_path``)
+        (``observability.dump_rollouts``). ``workflow``: ``rollout.workflow``
+        (:class:`~dora_megatron.workflow.runner.WorkflowRunner`); None: one ``/generate`` per
+        submission (the default single turn)."""
+        #: the eval set's rounds (:class:`~dora_megatron.controller.evaluation.Evaluator`,
+        #: ``data.eval_path``), set by :meth:`attach_evaluator`
         self.evaluator: Evaluator | None = None
-        #: ``rollout.workflow`` (:class:`~dora_megatron.workflow.runner.WorkflowRunner`); None: one
-        #: ``/generate`` per submission (the default single turn)
-        self.workflow: WorkflowRunner | None = None
+        self.workflow = workflow
         self.orch = orch
         self.engines = engines
         self.trainer = trainer
@@ -144,33 +147,54 @@ class Runtime:
         self.connection_waits: Callable[[], int] | None = None
         #: how late the loop runs, ticked by :func:`~dora_megatron.controller.main.drive` (summary.json)
         self.loop_lag = LoopLag()
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._error: BaseException | None = None
-        self._done = asyncio.Event()
-        self._t0 = 0.0
         self.events = events
-        #: submissions, their answers and the workflow's turns (:mod:`.generation`)
-        self.generation = Generation(self, rollout, algo)
-        #: the trainer step, the checkpoint decision and the end of the run (:mod:`.training`)
-        self.training = Training(self, run, controller, paths, on_step)
+        #: the run's tasks, its clock and its end (:mod:`.run_tasks`)
+        self.tasks = RunTasks(events)
+        tasks = self.tasks
+        # built in the order they use each other: none needs one built after it (but the evaluator)
         #: instance membership and failures (:mod:`.pool`)
-        self.pool = Pool(self)
-        #: the event source of load reports and ticks (:mod:`.stats`)
-        self.stats = StatsPoller(orch, engines, self.events, observability, controller, self.generation.local_shortage,
-                                 load_reports, on_sweep=self.generation.drafts.release_ready)
-        #: switches, their checks and the ``distributed`` push (:mod:`.weight_sync`)
-        self.weights = WeightSync(self, controller, paths,
-                                  push if push is not None else PushOptions(bucket_mb=controller.bucket_mb))
-        #: migrations and interrupts of in-flight requests (:mod:`.migration`)
-        self.moves = Migrations(self, controller)
+        self.pool = Pool(orch=orch, engines=engines, metrics=self.metrics, store=self.store, tasks=tasks)
         #: a workflow's trajectories between their turns (:mod:`.turns`)
-        self.turns = Turns(self)
-        #: the checkpoint files: the trainer's part, then controller.json (:mod:`.checkpointing`)
-        self.checkpoints = CheckpointWriter(self, paths)
-        #: what controller.json holds, cut and restored (:mod:`.controller_state`)
-        self.controller_state = ControllerState(self, on_checkpoint)
+        self.turns = Turns(engines=engines, events=events, metrics=self.metrics, store=self.store, pool=self.pool,
+                           tasks=tasks)
         #: finished samples the journal recorded after the checkpoint resumed from (:mod:`.replay`)
-        self.replay = JournalReplay(self)
+        self.replay = JournalReplay(store=self.store, orch=orch, journal=journal)
+        #: submissions, their answers and the workflow's turns (:mod:`.generation`)
+        self.generation = Generation(rollout, algo, orch=orch, engines=engines, store=self.store, events=events,
+                                     metrics=self.metrics, pool=self.pool, turns=self.turns, replay=self.replay,
+                                     tasks=tasks, timeline=timeline, journal=journal, workflow=workflow)
+        #: migrations and interrupts of in-flight requests (:mod:`.migration`)
+        self.moves = Migrations(controller, engines=engines, store=self.store, events=events,
+                                generation=self.generation, turns=self.turns, tasks=tasks, timeline=timeline,
+                                workflow=workflow)
+        #: switches, their checks and the ``distributed`` push (:mod:`.weight_sync`)
+        push = push if push is not None else PushOptions(bucket_mb=controller.bucket_mb)
+        self.weights = WeightSync(controller, paths, push, engines=engines, events=events, metrics=self.metrics, trainer=trainer, pool=self.pool,
+                                  moves=self.moves, generation=self.generation, tasks=tasks, timeline=timeline)
+        #: the trainer step, the checkpoint decision and the end of the run (:mod:`.training`)
+        self.training = Training(run, controller, paths, orch=orch, trainer=trainer, store=self.store, events=events,
+                                 metrics=self.metrics, moves=self.moves, tasks=tasks, timeline=timeline,
+                                 rollout_dump=rollout_dump, on_step=on_step)
+        #: the checkpoint files: the trainer's part, then controller.json (:mod:`.checkpointing`)
+        self.checkpoints = CheckpointWriter(paths, trainer=trainer, events=events, tasks=tasks, timeline=timeline)
+        #: what controller.json holds, cut and restored (:mod:`.controller_state`)
+        self.controller_state = ControllerState(store=self.store, training=self.training, moves=self.moves,
+                                                weights=self.weights, turns=self.turns, metrics=self.metrics,
+                                                checkpoints=self.checkpoints, tasks=tasks, journal=journal,
+                                                on_checkpoint=on_checkpoint)
+        #: the event source of load reports and ticks (:mod:`.stats`)
+        self.stats = StatsPoller(orch, engines, events, observability, controller, self.generation.local_shortage,
+                                 load_reports, on_sweep=self.generation.drafts.release_ready)
+
+    def attach_evaluator(self, evaluator: Evaluator) -> None:
+        """The eval rounds of ``data.eval_path``, built (by whoever builds the controller) after this
+        executor: the :class:`~dora_megatron.controller.evaluation.Evaluator` loads its final
+        round's weights through :attr:`weights`, and a switch (:attr:`weights`) and a step
+        (:attr:`training`) use it in turn, so it is handed to those two here; the executor
+        itself runs the final round (:meth:`finish`) and reads its summary."""
+        self.evaluator = evaluator
+        self.weights.use_evaluator(evaluator)
+        self.training.use_evaluator(evaluator)
 
     # ------------------------------------------------------------------ actions (ActionHandler)
     def execute(self, actions: list[Action]) -> None:
@@ -238,7 +262,7 @@ class Runtime:
             # Trainer first, then the controller state, both at the same boundary: weights
             # ``new_version`` exist and the orchestrator has not yet reacted to them (resume
             # replays ``on_step_finished(new_version)``).
-            self.spawn(self.checkpoints.save_trainer(new_version), f"checkpoint-v{new_version}")
+            self.tasks.spawn(self.checkpoints.save_trainer(new_version), f"checkpoint-v{new_version}")
         return new_version, due
 
     def write_controller_state(self, version: int, orchestrator_snapshot: dict[str, Any]) -> None:
@@ -247,32 +271,11 @@ class Runtime:
     def step_boundary(self) -> bool:
         return self.training.step_boundary()
 
-    # ------------------------------------------------------------------ what components ask of each other
     def now(self) -> float:
-        """Seconds of the run (a resumed run goes on from its checkpoint's wall time)."""
-        return time.monotonic() - self._t0 + self.controller_state.wall_s
+        """Seconds of the run (:meth:`RunTasks.now`; the loop times its events with it)."""
+        return self.tasks.now()
 
-    def spawn(self, coro: Coroutine[Any, Any, object], name: str) -> asyncio.Task[None]:
-        """A task of the run: its failure stops the run with its cause; :meth:`finish` cancels it."""
-        task = asyncio.get_running_loop().create_task(self._guard(coro), name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
-    async def _guard(self, coro: Coroutine[Any, Any, object]) -> None:
-        try:
-            await coro
-        except asyncio.CancelledError:
-            raise
-        except BaseException as err:  # noqa: BLE001 - any failure stops the run with its cause
-            log.exception("runtime task failed")
-            self.stop(err)
-
-    # ------------------------------------------------------------------ what launchers call
-    def is_failed(self, instance: str) -> bool:
-        """:meth:`Pool.is_failed` (what the launchers' pollers ask of a run, per instance)."""
-        return self.pool.is_failed(instance)
-
+    # ------------------------------------------------------------------ what launchers post
     def add_instance(self, name: str, engine: Engine) -> None:
         """Elastic pools: ``engine`` joins the running job as ``name`` (new, or a failed name coming
         back); the orchestrator switches it to the version it assigns, then routes work to it.
@@ -284,48 +287,14 @@ class Runtime:
         failed. Goes through the loop like every other event."""
         self.events.post(InstanceFailed(instance, why, engine))
 
-    def all_failed(self) -> bool:
-        """For a supervising launcher: :meth:`Pool.all_failed`."""
-        return self.pool.all_failed()
-
-    def request_stop(self, reason: str) -> None:
-        """For the launcher's stop signals: :meth:`Training.request_stop` (at the next step boundary)."""
-        self.training.request_stop(reason)
-
-    # ------------------------------------------------------------------ the run: start, end, error
-    @property
-    def ended(self) -> asyncio.Event:
-        """Set once the run ends (:meth:`stop`): a :class:`ControllerLoop` runs until it is."""
-        return self._done
-
-    @property
-    def tasks(self) -> tuple[asyncio.Task[None], ...]:
-        """The asyncio tasks this executor started that have not ended yet."""
-        return tuple(self._tasks)
-
-    def is_done(self) -> bool:
-        """Whether the run was ended (:meth:`stop`): a supervisor stops acting on it then."""
-        return self._done.is_set()
-
-    @property
-    def error(self) -> BaseException | None:
-        """What ended the run, the first error given to :meth:`stop` (None: none so far)."""
-        return self._error
-
-    def stop(self, error: BaseException | None = None) -> None:
-        """End the run (with ``error``, the first one wins): the loop stops after its current event."""
-        if error is not None and self._error is None:
-            self._error = error
-        self._done.set()
-        self.events.post(Stop())
-
+    # ------------------------------------------------------------------ the run: start, end, summary
     def begin(self) -> None:
         """What comes before the loop reads its first event (:func:`~dora_megatron.controller.main.drive`):
         the clock starts, the instances absent at start fail, ``Start`` or ``Resume`` is posted (a
         resumed run whose every step was done ends at once)."""
         resumed = self.controller_state
-        self._t0 = time.monotonic()
-        self.training.idle_since(resumed.wall_s)
+        self.tasks.start_clock()
+        self.training.idle_since(self.tasks.resumed_from_s)
         for iid in self.engines:
             self.metrics.instance_joined(iid, self.now())
         for iid, why in self.pool.absent_at_start.items():  # before Start / Resume: never given work
@@ -341,7 +310,7 @@ class Runtime:
         if resumed.resumed and self.training.steps_done >= self.training.run.steps:
             # every step was done before the checkpoint: nothing to dispatch, and no
             # on_step_finished will ever come to end the run
-            self._done.set()
+            self.tasks.ended.set()
         elif resumed.resumed:
             self.training.idle_since(self.now())
             pending = resumed.pending_step_finished if self.training.steps_done < self.training.run.steps else None
@@ -353,23 +322,32 @@ class Runtime:
         """After the loop ended: stop what still runs; raise the run's error (``loop_error``, the
         loop's own failure, counts as one given to :meth:`stop`: the first wins) or evaluate the
         final weights and return the summary."""
-        if loop_error is not None and self._error is None:
-            self._error = loop_error
-        if self._error is not None:
+        tasks = self.tasks
+        if loop_error is not None:
+            tasks.fail(loop_error)
+        if tasks.error is not None:
             if self.evaluator is not None:
                 self.evaluator.cancel()
             await self._cancel_all()
-            raise self._error
+            raise tasks.error
         wall = self.now()
         await self._cancel_all()
-        if self._error is not None:  # the last checkpoint's write failed: the run did not complete
-            raise self._error
+        if tasks.error is not None:  # the last checkpoint's write failed: the run did not complete
+            raise tasks.error
         if self.timeline is not None:
             self.timeline.close(wall)
         if self.evaluator is not None and self.training.stop_reason is None:  # the final weights, once the rollout stopped (not in the run's wall time; not on a stop)
             await self.evaluator.finish(self.training.steps_done, self.weights.latest_version or max(
                 (v for v in map(self.pool.instance_version, self.engines) if v is not None), default=0))
-        return run_summary(self, wall)
+        return self.summary(wall)
+
+    def summary(self, wall: float) -> dict[str, Any]:
+        """The run summary after ``wall`` seconds (:func:`~dora_megatron.controller.summary.run_summary`
+        over the components)."""
+        return run_summary(wall, orch=self.orch, metrics=self.metrics, engines=self.engines, moves=self.moves,
+                           weights=self.weights, generation=self.generation, pool=self.pool, stats=self.stats,
+                           replay=self.replay, training=self.training, turns=self.turns, loop_lag=self.loop_lag,
+                           evaluator=self.evaluator, workflow=self.workflow, connection_waits=self.connection_waits)
 
     async def _cancel_all(self) -> None:
         """Abort what is still generating (outstanding groups of the next steps) and stop tasks.
@@ -382,11 +360,10 @@ class Runtime:
 
         with collector_paused():  # the in-flight requests' objects are dropped, not scanned (:mod:`.shutdown`)
             await asyncio.gather(*(abort_all(e) for iid, e in list(self.engines.items()) if not self.pool.is_failed(iid)))
-            await cancel_in_batches(list(self._tasks))
+            await self.tasks.cancel_all()
         # a state file still being written is finished, not cut off (its thread is no task); the
         # last checkpoint's failure is the run's error unless it has one already
         failed = await asyncio.to_thread(self.checkpoints.close)
         if failed is not None:
             log.error("the last checkpoint's controller.json was not written: %s", failed)
-            if self._error is None:
-                self._error = failed
+            self.tasks.fail(failed)

@@ -31,51 +31,37 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any, Coroutine, Protocol
+from typing import TYPE_CHECKING, Any
 
 from dora_megatron.events import TurnEnded, TurnReady
 from dora_megatron.controller.loop import EventQueue
 from dora_megatron.controller.records import Engine, SampleRecord
+from dora_megatron.controller.run_tasks import RunTasks
 from dora_megatron.observability.recorder import MetricsRecorder
 from dora_megatron.orchestrator import Submit
 from dora_megatron.workflow.runner import TrajectoryAborted
 
 if TYPE_CHECKING:
+    from dora_megatron.controller.pool import Pool
     from dora_megatron.controller.samples import SampleStore
 
 log = logging.getLogger(__name__)
 
 
-class TurnsHost(Protocol):
-    """What the turns use of the executor: its pool and its event queue."""
-
-    engines: dict[str, Engine]
-    events: EventQueue
-    metrics: MetricsRecorder  # the slot time of each turn
-    store: SampleStore  # the outstanding samples, each with its current run (:mod:`.samples`)
-
-    def now(self) -> float: ...
-
-    def spawn(self, coro: Coroutine[Any, Any, object], name: str) -> asyncio.Task[None]: ...
-
-    def is_current(self, instance: str, engine: Engine) -> bool: ...
-
-
 class TurnGate:
     """One run of a sample's workflow (:class:`~dora_megatron.workflow.runner.TurnHost`):
-    ``instance``/``engine`` are those of its current (or last) turn."""
+    ``instance``/``engine`` are those of its current (or last) turn; ``turns``: the component that
+    opened it (its clients, queue, recorder and clock, and the counts of the KV carried between turns)."""
 
-    def __init__(self, host: TurnsHost, rec: SampleRecord, instance: str, engine: Engine,
-                 turns: "Turns | None" = None) -> None:
-        self.host = host
-        self.turns = turns  # the counts of the KV carried between turns
+    def __init__(self, turns: Turns, rec: SampleRecord, instance: str, engine: Engine) -> None:
+        self.turns = turns
         self.rec = rec
         self.instance = instance
         self.engine = engine
         self.dropped = False
         self.closed = False
         self.waiting: asyncio.Future[Submit] | None = None  # the next turn's placement, once asked for
-        self.turn_start = host.now()
+        self.turn_start = turns.tasks.now()
         self.in_turn = True  # a turn's request is on an engine (from the submission until it returns)
         # the destinations' answers of the turns moved mid-generation, in the order of the moves
         # (:meth:`moved`); an exception: the move failed, the trajectory is dropped
@@ -96,9 +82,9 @@ class TurnGate:
         self.in_turn = False
         if self.keeping:
             self.kept_at = (self.instance, self.engine)
-        self.host.metrics.request_held_slot(self.turn_start, self.host.now())  # (rollout_utilization)
+        self.turns.metrics.request_held_slot(self.turn_start, self.turns.tasks.now())  # (rollout_utilization)
         self.rec.gen_instance = None  # off the engine: a failure of that instance no longer concerns it
-        await self.host.events.report(TurnEnded(self.rec.sample_id, self))
+        await self.turns.events.report(TurnEnded(self.rec.sample_id, self))
         if self.dropped:
             raise TrajectoryAborted(self.rec.sample_id)
 
@@ -106,18 +92,18 @@ class TurnGate:
         if self.dropped:
             raise TrajectoryAborted(self.rec.sample_id)
         self.waiting = asyncio.get_running_loop().create_future()
-        await self.host.events.report(TurnReady(self.rec.sample_id, self))
+        await self.turns.events.report(TurnReady(self.rec.sample_id, self))
         a: Submit = await self.waiting
         self.waiting = None
         if self.dropped:  # moved or interrupted as soon as it was placed: the new submission runs it
             raise TrajectoryAborted(self.rec.sample_id)
         rec = self.rec
         moved = a.instance != self.instance
-        self.instance, self.engine = a.instance, self.host.engines[a.instance]
+        self.instance, self.engine = a.instance, self.turns.engines[a.instance]
         rec.gen_instance = a.instance
-        if moved and a.version == rec.version and self.turns is not None:
+        if moved and a.version == rec.version:
             await self.turns.carry_kv(self)
-        self.turn_start = self.host.now()
+        self.turn_start = self.turns.tasks.now()
         self.in_turn = True
         if a.version != rec.version:  # partial mode placed it on newer weights: it runs again on them
             rec.versions.clear()
@@ -163,10 +149,19 @@ class TurnGate:
 
 class Turns:
     """Opens and closes the runs of the samples' workflows; a sample's current run is its record's
-    ``turn`` (forgotten with the record)."""
+    ``turn`` (forgotten with the record). ``engines``, ``events``, ``metrics`` (the slot time of
+    each turn) and ``tasks`` (the clock, the release of kept KV) are what its runs use; ``store``:
+    the outstanding samples, each with its current run; ``pool``: whether an instance that keeps
+    KV is still current."""
 
-    def __init__(self, host: TurnsHost) -> None:
-        self.host = host
+    def __init__(self, *, engines: dict[str, Engine], events: EventQueue, metrics: MetricsRecorder,
+                 store: SampleStore, pool: Pool, tasks: RunTasks) -> None:
+        self.engines = engines
+        self.events = events
+        self.metrics = metrics
+        self.store = store
+        self.pool = pool
+        self.tasks = tasks
         self.kv_moved = 0  # next turns placed on another instance that got the prefix KV carried there
         self.kv_moved_bytes = 0
         self.prefix_recomputed = 0  # next turns placed on another instance that compute the prefix again
@@ -175,7 +170,7 @@ class Turns:
         """A new run of ``rec``'s workflow, its first turn on ``instance``; an earlier run is dropped."""
         if rec.turn is not None:
             rec.turn.drop()
-        gate = rec.turn = TurnGate(self.host, rec, instance, engine, self)
+        gate = rec.turn = TurnGate(self, rec, instance, engine)
         return gate
 
     def close(self, gate: TurnGate) -> None:
@@ -185,10 +180,10 @@ class Turns:
         if gate.kept_at is not None:
             instance, engine = gate.kept_at
             gate.kept_at = None
-            self.host.spawn(self._release(instance, engine, gate.rec.sample_id), f"release-kv-{gate.rec.sample_id}")
+            self.tasks.spawn(self._release(instance, engine, gate.rec.sample_id), f"release-kv-{gate.rec.sample_id}")
 
     async def _release(self, instance: str, engine: Engine, rid: str) -> None:
-        if not self.host.is_current(instance, engine):
+        if not self.pool.is_current(instance, engine):
             return  # failed or replaced: its memory went with it
         try:
             await engine.release_kv(rid)
@@ -200,7 +195,7 @@ class Turns:
         prefix KV there (counted), else the prefix is computed again there (counted)."""
         kept, gate.kept_at = gate.kept_at, None
         rid = gate.rec.sample_id
-        if kept is not None and self.host.is_current(*kept):
+        if kept is not None and self.pool.is_current(*kept):
             src_name, src = kept
             try:
                 if await gate.engine.supports("keep_kv"):
@@ -232,7 +227,7 @@ class Turns:
         return self._live(sample_id)
 
     def _live(self, sample_id: str) -> TurnGate | None:
-        rec = self.host.store.samples.get(sample_id)
+        rec = self.store.samples.get(sample_id)
         gate = rec.turn if rec is not None else None
         return gate if gate is not None and not gate.closed and not gate.dropped else None
 

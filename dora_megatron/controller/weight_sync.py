@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any, Coroutine, Protocol
+from typing import TYPE_CHECKING, Any
 
 from dora_megatron.controller.errors import LOCAL_RETRY_S, is_comm_error as _is_comm_error, is_local as _is_local
 from dora_megatron.events import InstanceFailed, SwitchDone
 from dora_megatron.controller.loop import EventQueue
 from dora_megatron.config.controller import ControllerConfig
 from dora_megatron.controller.records import Engine, RunPaths, Trainer
+from dora_megatron.controller.run_tasks import RunTasks
 from dora_megatron.controller.trainer_client import PushOptions
 from dora_megatron.observability.recorder import MetricsRecorder
 from dora_megatron.orchestrator import SwitchVersion
@@ -35,33 +36,31 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class SyncHost(Protocol):
-    """What a weight sync uses of the executor that owns it (the pool, the queue, the clock, tasks)
-    and of the components a switch waits for or counts with."""
-
-    engines: dict[str, Engine]
-    events: EventQueue
-    metrics: MetricsRecorder
-    trainer: Trainer
-    timeline: Timeline | None
-    evaluator: Evaluator | None
-    pool: Pool  # which instances failed (:mod:`.pool`)
-    moves: Migrations  # what a switch waits for: the moves onto and off its instance (:mod:`.migration`)
-    generation: Generation  # the count of local shortages (:mod:`.generation`)
-
-    def now(self) -> float: ...
-
-    def spawn(self, coro: Coroutine[Any, Any, object], name: str) -> asyncio.Task[None]: ...
-
-
 class WeightSync:
-    """Carries out :class:`SwitchVersion` actions (DESIGN section 8); ``host``: the executor.
+    """Carries out :class:`SwitchVersion` actions (DESIGN section 8).
     ``controller``: the config's section (``weight_transport``, ``weight_sync_timeout_s``,
     ``verify_checksums``); ``paths``: where each version's snapshot is; ``push``: the fields of a
-    ``distributed`` broadcast (built from several sections by the launcher)."""
+    ``distributed`` broadcast (built from several sections by the launcher). A switch waits for
+    the ``moves`` onto and off its instance, skips an instance the ``pool`` failed, counts local
+    shortages with ``generation``; ``trainer`` pushes a broadcast; ``tasks``: the clock, one task
+    per switch; ``timeline`` (None: none). The eval rounds, built after it, come through
+    :meth:`use_evaluator`."""
 
-    def __init__(self, host: SyncHost, controller: ControllerConfig, paths: RunPaths, push: PushOptions) -> None:
-        self.rt = host
+    def __init__(self, controller: ControllerConfig, paths: RunPaths, push: PushOptions, *,
+                 engines: dict[str, Engine], events: EventQueue, metrics: MetricsRecorder, trainer: Trainer,
+                 pool: Pool, moves: Migrations, generation: Generation, tasks: RunTasks,
+                 timeline: Timeline | None) -> None:
+        self.engines = engines
+        self.events = events
+        self.metrics = metrics
+        self.trainer = trainer
+        self.pool = pool
+        self.moves = moves
+        self.generation = generation
+        self.tasks = tasks
+        self.timeline = timeline
+        #: the eval rounds (``data.eval_path``): a switch first sends their requests away (None: no eval set)
+        self.evaluator: Evaluator | None = None
         self.controller = controller
         self.paths = paths
         self.push = push
@@ -87,6 +86,14 @@ class WeightSync:
         self.latest_version = 0
         self.pushed_bytes = 0
 
+    def use_evaluator(self, evaluator: Evaluator) -> None:
+        """The eval rounds whose requests a switch first sends away.
+
+        WHY after construction: the two need each other. The :class:`~dora_megatron.controller.evaluation.Evaluator`
+        loads the final round's weights through this component (:meth:`load_weights`), so it is
+        built after it, and handed here once it exists."""
+        self.evaluator = evaluator
+
     def trained(self, version: int, checksum: str | None) -> None:
         """The trainer now holds ``version`` (what a push sends); ``checksum``: what instances that
         load it must show (None: the trainer computed none)."""
@@ -101,7 +108,7 @@ class WeightSync:
             self._pushes.append(a)  # the trainer still holds these weights: broadcast them once (flush)
             return
         prev = self._orders.get(a.instance)  # loads on one instance run in order
-        self._orders[a.instance] = self.rt.spawn(self.switch(a, prev, self.rt.engines[a.instance]),
+        self._orders[a.instance] = self.tasks.spawn(self.switch(a, prev, self.engines[a.instance]),
                                                    f"switch-{a.instance}")
 
     def flush(self) -> None:
@@ -109,7 +116,7 @@ class WeightSync:
         pushes, self._pushes = self._pushes, []
         if pushes:
             prevs = {a.instance: self._orders.get(a.instance) for a in pushes}
-            task = self.rt.spawn(self._push_switch(pushes, prevs), f"push-v{pushes[0].version}")
+            task = self.tasks.spawn(self._push_switch(pushes, prevs), f"push-v{pushes[0].version}")
             for a in pushes:
                 self._orders[a.instance] = task
 
@@ -121,60 +128,60 @@ class WeightSync:
         SGLang's pause (every later ``/generate`` would wait), so generation is continued after it."""
         if prev is not None and not prev.done():
             await asyncio.wait([prev])
-        moves = self.rt.moves.pending(a.instance)
+        moves = self.moves.pending(a.instance)
         if moves:
             await asyncio.wait(moves)
-        if self.rt.evaluator is not None:  # a load waits for running requests: the eval's go elsewhere
-            await self.rt.evaluator.vacate([a.instance])
+        if self.evaluator is not None:  # a load waits for running requests: the eval's go elsewhere
+            await self.evaluator.vacate([a.instance])
         try:
             if self._superseded(a.instance):
                 return
-            engine = engine if engine is not None else self.rt.engines[a.instance]
-            if self.rt.pool.is_failed(a.instance) or self.rt.engines.get(a.instance) is not engine:
+            engine = engine if engine is not None else self.engines[a.instance]
+            if self.pool.is_failed(a.instance) or self.engines.get(a.instance) is not engine:
                 return  # failed (or replaced) while this switch waited: the orchestrator no longer expects it
             await self._switch_now(a, engine, resume)
         finally:
-            if self.rt.evaluator is not None:
-                self.rt.evaluator.reopen(a.instance)
+            if self.evaluator is not None:
+                self.evaluator.reopen(a.instance)
 
     async def _switch_now(self, a: SwitchVersion, engine: Engine, resume: bool) -> None:
-        start = self.rt.now()
-        self.rt.metrics.weight_sync_started(a.instance, start, rebalance=a.rebalance)
+        start = self.tasks.now()
+        self.metrics.weight_sync_started(a.instance, start, rebalance=a.rebalance)
         try:
             got = await asyncio.wait_for(self._load_weights_retrying(engine, a, resume=resume),
                                          timeout=self.controller.weight_sync_timeout_s)
         except asyncio.TimeoutError:
             self.weight_sync_timeouts += 1
-            await self.rt.events.report(InstanceFailed(
+            await self.events.report(InstanceFailed(
                 a.instance, f"switch to v{a.version} did not finish within {self.controller.weight_sync_timeout_s:g} s "
                             "(controller.weight_sync_timeout_s)", engine))
             return
         except Exception as err:  # noqa: BLE001 - an instance that cannot load weights is failed
-            await self.rt.events.report(InstanceFailed(a.instance, f"switch to v{a.version} failed: {err}", engine))
+            await self.events.report(InstanceFailed(a.instance, f"switch to v{a.version} failed: {err}", engine))
             return
         finally:
-            self.rt.metrics.weight_sync_finished(a.instance, self.rt.now())
+            self.metrics.weight_sync_finished(a.instance, self.tasks.now())
         if got is not None:
             self.checksum_mismatches += 1
-            await self.rt.events.report(InstanceFailed(a.instance, got, engine))
+            await self.events.report(InstanceFailed(a.instance, got, engine))
             return
-        await self.rt.events.report(SwitchDone(a.instance, a.version, engine, start, self.rt.now()))
+        await self.events.report(SwitchDone(a.instance, a.version, engine, start, self.tasks.now()))
 
     def landed(self, ev: SwitchDone, origin: asyncio.Task[Any] | None) -> bool:
         """Loop (:class:`SwitchDone`): whether the orchestrator is to hear of it. Not when the
         instance failed or was replaced (restarted: its own switch follows) or was re-targeted
         while loading (``origin``, the task that loaded, is no longer its newest switch order:
         that order reports, after loading again)."""
-        if self.rt.pool.is_failed(ev.instance) or self.rt.engines.get(ev.instance) is not ev.engine:
+        if self.pool.is_failed(ev.instance) or self.engines.get(ev.instance) is not ev.engine:
             return False
-        if self.rt.timeline is not None:  # the time was spent loading, whether or not this order still stands
-            self.rt.timeline.span(ev.instance, f"{ev.how} v{ev.version}", ev.start, ev.end, version=ev.version,
+        if self.timeline is not None:  # the time was spent loading, whether or not this order still stands
+            self.timeline.span(ev.instance, f"{ev.how} v{ev.version}", ev.start, ev.end, version=ev.version,
                                   kind="weight_sync")
         latest = self._orders.get(ev.instance)
         if origin is not None and latest is not None and latest is not origin:
             return False
-        if self.rt.timeline is not None:
-            self.rt.timeline.set_version(ev.instance, ev.version, ev.end)
+        if self.timeline is not None:
+            self.timeline.set_version(ev.instance, ev.version, ev.end)
         return True
 
     def _superseded(self, instance: str) -> bool:
@@ -197,7 +204,7 @@ class WeightSync:
             except Exception as err:  # noqa: BLE001
                 if not _is_local(err):
                     raise
-                self.rt.generation.local_shortage(f"switch of {a.instance} to v{a.version}", err)
+                self.generation.local_shortage(f"switch of {a.instance} to v{a.version}", err)
                 await asyncio.sleep(delay)
                 delay = min(LOCAL_RETRY_S[1], delay * 2)
 
@@ -254,37 +261,37 @@ class WeightSync:
 
         Falls back to the per-version snapshot (disk) for every instance if the broadcast fails."""
         waits: list[asyncio.Future[Any]] = [t for t in prevs.values() if t is not None and not t.done()]
-        waits += [t for a in actions for t in self.rt.moves.pending(a.instance)]
+        waits += [t for a in actions for t in self.moves.pending(a.instance)]
         if waits:
             await asyncio.wait(waits)
-        live = [a for a in actions if not self.rt.pool.is_failed(a.instance) and not self._superseded(a.instance)]
+        live = [a for a in actions if not self.pool.is_failed(a.instance) and not self._superseded(a.instance)]
         if not live:
             return
-        if self.rt.evaluator is not None:  # a broadcast waits for running requests too
-            await self.rt.evaluator.vacate([a.instance for a in live])
+        if self.evaluator is not None:  # a broadcast waits for running requests too
+            await self.evaluator.vacate([a.instance for a in live])
         try:
             await self._push_now(live)
         finally:
-            if self.rt.evaluator is not None:
+            if self.evaluator is not None:
                 for a in live:
-                    self.rt.evaluator.reopen(a.instance)
+                    self.evaluator.reopen(a.instance)
 
     async def _push_now(self, live: list[SwitchVersion]) -> None:
-        start = self.rt.now()
-        broadcast = self.rt.metrics.trainer_sync_started(start)
+        start = self.tasks.now()
+        broadcast = self.metrics.trainer_sync_started(start)
         for a in live:
-            self.rt.metrics.weight_sync_started(a.instance, start, rebalance=a.rebalance)
+            self.metrics.weight_sync_started(a.instance, start, rebalance=a.rebalance)
         try:
-            urls = [getattr(self.rt.engines[a.instance], "base_url") for a in live]
-            result = await self.rt.trainer.push_weights(urls, timeout_s=self.controller.weight_sync_timeout_s,
+            urls = [getattr(self.engines[a.instance], "base_url") for a in live]
+            result = await self.trainer.push_weights(urls, timeout_s=self.controller.weight_sync_timeout_s,
                                                      **self.push.request(urls))
         except Exception as err:  # noqa: BLE001 - the snapshot path still works
             log.warning("weight broadcast of v%d failed (%s); loading the snapshot instead", live[0].version, err)
             result = None
         finally:
-            self.rt.metrics.trainer_sync_finished(broadcast, self.rt.now())
-            if self.rt.timeline is not None:
-                self.rt.timeline.span("trainer", f"broadcast v{live[0].version}", start, self.rt.now(), kind="broadcast")
+            self.metrics.trainer_sync_finished(broadcast, self.tasks.now())
+            if self.timeline is not None:
+                self.timeline.span("trainer", f"broadcast v{live[0].version}", start, self.tasks.now(), kind="broadcast")
         pushed = None if result is None else result.get("version")
         if pushed is not None and int(pushed) != live[0].version:
             # the trainer finished another step while this push waited: it sent newer weights than
@@ -294,16 +301,16 @@ class WeightSync:
             result = None
         if result is None:
             for a in live:
-                self.rt.metrics.weight_sync_finished(a.instance, self.rt.now())  # each snapshot load times itself
+                self.metrics.weight_sync_finished(a.instance, self.tasks.now())  # each snapshot load times itself
                 await self.switch(a, resume=True)
             return
         if result.get("checksum") and live[0].version not in self.expected_checksums:
             self.expected_checksums[live[0].version] = str(result["checksum"])
-        end = self.rt.now()
+        end = self.tasks.now()
         for a in live:
-            self.rt.metrics.weight_sync_finished(a.instance, end)
+            self.metrics.weight_sync_finished(a.instance, end)
         self.pushed_bytes += int(result.get("bytes", 0))
-        engines = {a.instance: self.rt.engines[a.instance] for a in live}
+        engines = {a.instance: self.engines[a.instance] for a in live}
         checks = await asyncio.gather(*(self.verify_weights(engines[a.instance], a.version, a.instance)
                                         for a in live),
                                       return_exceptions=True)  # concurrently: a checksum can take seconds
@@ -312,11 +319,11 @@ class WeightSync:
             if isinstance(wrong, BaseException):
                 if not _is_comm_error(wrong):
                     raise wrong
-                await self.rt.events.report(InstanceFailed(
+                await self.events.report(InstanceFailed(
                     a.instance, f"weights check after the push of v{a.version} failed: {wrong}", engine))
                 continue
             if wrong is not None:
                 self.checksum_mismatches += 1
-                await self.rt.events.report(InstanceFailed(a.instance, wrong, engine))
+                await self.events.report(InstanceFailed(a.instance, wrong, engine))
                 continue
-            await self.rt.events.report(SwitchDone(a.instance, a.version, engine, start, end, how="push"))
+            await self.events.report(SwitchDone(a.instance, a.version, engine, start, end, how="push"))

@@ -101,7 +101,7 @@ async def watch_joins(join_dir: str | Path, runtime: Any, make_engine: Callable[
         touch_heartbeat(join_dir)
         for req in read_join_requests(join_dir):
             key = (req.name, req.attempt)
-            live = req.name in runtime.engines and not runtime.is_failed(req.name)  # O(1) per request
+            live = req.name in runtime.engines and not runtime.pool.is_failed(req.name)  # O(1) per request
             if key in seen or (live and req.attempt == 0):
                 seen.add(key)
                 continue
@@ -119,7 +119,7 @@ async def watch_joins(join_dir: str | Path, runtime: Any, make_engine: Callable[
                 continue
             seen.add(key)
             old = runtime.engines.get(req.name)
-            if old is not None and not runtime.is_failed(req.name):
+            if old is not None and not runtime.pool.is_failed(req.name):
                 # restarted by its node before the controller noticed: what ran on the old process is lost
                 runtime.report_failure(req.name, f"restarted by its node's launcher (attempt {req.attempt})")
             runtime.add_instance(req.name, engine)

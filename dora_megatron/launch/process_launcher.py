@@ -75,7 +75,7 @@ class ProcessLauncher:
         for name, why in sorted(started.absent.items()):
             supervisor.expect(name, started.urls[name], why)
         return [supervisor.run(), watch_trainer(runtime.trainer.health, self.cfg.controller.trainer_timeout_s,
-                                                runtime.stop)]
+                                                runtime.tasks.stop)]
 
     async def trainer_failure(self, err: Exception, answered: str | None) -> BaseException:
         return await trainer_failure(self.procs, err, wait_s=5.0 if answered is not None else 30.0, answered=answered)

@@ -592,7 +592,7 @@ class JoiningLauncher(ProcessLauncher):
                    watch_joins(self.join_dir, runtime, self._make_joined, poll_s=self.cfg.cluster.join_poll_s,
                                started_at=time.time())]
         if self.trainer_lineage is not None:
-            sources.append(watch_trainer_parts(self.run_dir, *self.trainer_lineage, runtime.stop))
+            sources.append(watch_trainer_parts(self.run_dir, *self.trainer_lineage, runtime.tasks.stop))
         return sources
 
 

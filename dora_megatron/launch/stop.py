@@ -3,7 +3,7 @@
 WHY two stages: Ctrl-C, ``kill``, ``scancel`` and SLURM's time limit all mean "end this job", but
 a job whose ``run.checkpoint_interval`` is 0 (or large) would lose every step since its start if
 it ended at once. So the first signal asks the controller's runtime for a checkpoint at the next
-step boundary (:meth:`~dora_megatron.controller.runtime.Runtime.request_stop`, bounded by
+step boundary (:meth:`~dora_megatron.controller.training.Training.request_stop`, bounded by
 ``controller.stop_checkpoint_timeout_s``) and the job then exits with the signal's status; a
 second signal, or any signal while no runtime is running (startup, the final outputs), unwinds at
 once as before (every child process is stopped on the way out). SIGUSR1 is SLURM's early warning
@@ -68,7 +68,7 @@ class StopSignals:
         loop = asyncio.get_running_loop()
 
         def target(signame: str) -> bool:
-            loop.call_soon_threadsafe(runtime.request_stop, signame)
+            loop.call_soon_threadsafe(runtime.training.request_stop, signame)
             return True
 
         self.arm(target)

@@ -108,17 +108,17 @@ class EngineSupervisor:
             if not child.alive() and child.popen.pid not in self._reported:
                 self._reported.add(child.popen.pid)
                 if name == "trainer":  # the launcher may restart it (launch/trainer_restart.py)
-                    rt.stop(TrainerLost(child.failure()))
+                    rt.tasks.stop(TrainerLost(child.failure()))
                     return
                 if name in self.engine_names and name in rt.engines:
                     rt.report_failure(name, f"process exited with status {child.popen.returncode}")
             if (self.policy.enabled and name in self.engine_names and name not in self._restarting
-                    and self.attempts.get(name, 0) < self.policy.max_restarts and not rt.is_done()
-                    and name in rt.engines and rt.is_failed(name)):
+                    and self.attempts.get(name, 0) < self.policy.max_restarts and not rt.tasks.is_done()
+                    and name in rt.engines and rt.pool.is_failed(name)):
                 self._restarting[name] = asyncio.get_running_loop().create_task(self._restart(name),
                                                                                 name=f"restart-{name}")
         # per poll, so O(1) questions only (rt.pool.failed is a scan of the whole pool)
-        if not (self.policy.enabled and not self._restarting and not rt.is_done() and rt.all_failed()):
+        if not (self.policy.enabled and not self._restarting and not rt.tasks.is_done() and rt.pool.all_failed()):
             self._all_failed_since = None
             return
         # instances on other nodes (SLURM) are restarted by their own node and may still rejoin: wait
@@ -130,7 +130,7 @@ class EngineSupervisor:
             self._all_failed_since = now
         if remote and now - self._all_failed_since < self.policy.startup_timeout_s:
             return
-        rt.stop(RuntimeError(
+        rt.tasks.stop(RuntimeError(
             f"every rollout instance failed and no restart is left (launch.max_engine_restarts="
             f"{self.policy.max_restarts}" + (f"; none of {remote} on other nodes came back within "
                                             f"rollout.startup_timeout_s={self.policy.startup_timeout_s:.0f} s"

@@ -231,18 +231,15 @@ async def fail_after_first_step(rt, trainer: FakeTrainer, engine: FakeEngine, na
         await asyncio.sleep(0.005)
 
 
-class FakeRuntime:
-    """The part of :class:`~dora_megatron.controller.runtime.Runtime` a supervisor uses. ``failed``
-    (the whole set, O(pool)) raises: a poller asks ``is_failed`` / ``all_failed``; tests read ``down``."""
+class FakePool:
+    """The part of :class:`~dora_megatron.controller.pool.Pool` a supervisor uses: what it sets
+    (``engine_restarts``, ``instances_may_return``) and what it asks per poll. ``failed`` (the
+    whole set, O(pool)) raises: a poller asks ``is_failed`` / ``all_failed``."""
 
-    def __init__(self, names):
-        self.engines = {n: f"client-of-{n}" for n in names}
-        self.down: set[str] = set()
-        self.added: list[tuple[str, str]] = []
-        #: what a supervisor sets on the runtime's :class:`~dora_megatron.controller.pool.Pool`
-        self.pool = SimpleNamespace(engine_restarts=None, instances_may_return=False)
-        self._done = asyncio.Event()
-        self._error = None
+    def __init__(self, engines: dict, down: set[str]) -> None:
+        self.engines, self.down = engines, down
+        self.engine_restarts: int | None = None
+        self.instances_may_return = False
 
     @property
     def failed(self):
@@ -254,17 +251,21 @@ class FakeRuntime:
     def all_failed(self):
         return bool(self.engines) and set(self.engines) <= self.down
 
-    def is_done(self):
-        return self._done.is_set()
 
-    @property
-    def error(self):
-        return self._error
+class FakeRuntime:
+    """The part of :class:`~dora_megatron.controller.runtime.Runtime` a supervisor uses: its clients,
+    its ``pool`` (:class:`FakePool`), the run's end (a real :class:`~dora_megatron.controller.run_tasks.RunTasks`)
+    and the two events a launcher posts; tests read ``down`` and ``added``."""
 
-    def stop(self, error=None):  # the first error wins, as the runtime's
-        if error is not None and self._error is None:
-            self._error = error
-        self._done.set()
+    def __init__(self, names):
+        from dora_megatron.controller.loop import EventQueue
+        from dora_megatron.controller.run_tasks import RunTasks
+
+        self.engines = {n: f"client-of-{n}" for n in names}
+        self.down: set[str] = set()
+        self.added: list[tuple[str, str]] = []
+        self.pool = FakePool(self.engines, self.down)
+        self.tasks = RunTasks(EventQueue())
 
     def report_failure(self, name, why, engine=None):
         self.down.add(name)

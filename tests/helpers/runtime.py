@@ -8,6 +8,7 @@ import json
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from dora_megatron.config.algo import AlgoConfig
 from dora_megatron.config.controller import ControllerConfig
@@ -36,37 +37,52 @@ NO_RUN_DIR = RunPaths(Path("/run"), Path("/model"), checkpoints=False)
 def make(mode="dora", n=3, steps=6, tbs=4, rbs=8, S=2, G=2, migration=True, token_s=0.001, tmp_path=None,
          transport="disk", *, checkpoint_interval: int | None = None, rollout: RolloutConfig | None = None,
          controller: ControllerConfig | None = None, algo: AlgoConfig | None = None, push: PushOptions | None = None,
-         **orch):
+         engines: dict | None = None, trainer=None, resume_from: int | None = None,
+         orchestrator: Callable[[Orchestrator], Orchestrator] | None = None, timeline=None, journal=None,
+         rollout_dump=None, workflow=None, **orch):
     """A runtime on ``n`` fake engines and a fake trainer. ``tmp_path``: the run directory (its
     checkpoints, every 2 steps unless ``checkpoint_interval`` says otherwise, and ``steps.jsonl``);
     without it the run writes no checkpoint. ``rollout``, ``controller``, ``algo``, ``push``: the
     sections handed to the runtime (the config's defaults otherwise; ``transport`` sets
-    ``controller.weight_transport`` of the default one)."""
+    ``controller.weight_transport`` of the default one).
+
+    What the runtime's components are built with (each is handed its collaborators once, as
+    ``build_controller`` does): ``engines`` (name -> client; default ``n`` fake engines named
+    ``e0``...) and ``trainer`` (default a :class:`FakeTrainer` over them); ``resume_from``: the
+    orchestrator is restored from that checkpoint of ``tmp_path`` (then :func:`resume` loads the
+    rest); ``orchestrator(made)``: the orchestrator the runtime runs instead of ``made`` (a spy
+    around it); ``timeline``, ``journal``, ``rollout_dump``, ``workflow``: as the launcher hands them."""
     orch = {"cap_before_rebalance": 6, "cap_after_rebalance": 4, **orch}
     cfg = OrchestratorConfig(mode=mode, tbs=tbs, rbs=rbs, max_staleness=S, group_size=G, rebalance_interval_s=0.05,
                              **orch)
-    names = [f"e{i}" for i in range(n)]
-    engines = {name: FakeEngine(name, token_s=token_s, migration=migration) for name in names}
-    trainer = FakeTrainer(engines=engines)
+    if engines is None:
+        engines = {name: FakeEngine(name, token_s=token_s, migration=migration) for name in (f"e{i}" for i in range(n))}
+    names = list(engines)
+    if trainer is None:
+        trainer = FakeTrainer(engines=engines)
     if checkpoint_interval is None:
         checkpoint_interval = 2 if tmp_path else 0
     run = RunConfig(steps=steps, seed=0, checkpoint_interval=checkpoint_interval)
     paths = RunPaths(tmp_path, Path("/model")) if tmp_path else NO_RUN_DIR
     task = RunningSumTask(1, 30, 1.2, seed=1)
-    orchestrator = Orchestrator(cfg, names)
+    made = Orchestrator(cfg, names)
+    if resume_from is not None:
+        state = json.loads((ck_dir(tmp_path, resume_from) / "controller.json").read_text())
+        made = Orchestrator.restore(cfg, state["orchestrator"])
+    orchestrator_ = orchestrator(made) if orchestrator is not None else made
     rollout = rollout if rollout is not None else RolloutConfig()
     metrics = None
     if tmp_path is not None:  # a checkpointing run keeps its step record, as the launcher's does
         tmp_path.mkdir(parents=True, exist_ok=True)
         sink = StepsJsonl(open(tmp_path / "steps.jsonl", "a"))
         metrics = MetricsRecorder(slots_per_instance=instance_slots(rollout.max_running, cfg.cap_before_rebalance),
-                                  rebalancer=orchestrator.policy.rebalance,
+                                  rebalancer=orchestrator_.policy.rebalance,
                                   sinks=[sink])
-    rt = Runtime(orchestrator, engines, trainer, task, ThreadScorer(running_sum_reward).score_sync, run=run,
+    rt = Runtime(orchestrator_, engines, trainer, task, ThreadScorer(running_sum_reward).score_sync, run=run,
                  paths=paths, rollout=rollout,
                  controller=controller if controller is not None else ControllerConfig(weight_transport=transport),
                  observability=ObservabilityConfig(stats_interval_s=0.01), algo=algo, push=push, metrics=metrics,
-                 events=EventQueue())
+                 timeline=timeline, journal=journal, rollout_dump=rollout_dump, workflow=workflow, events=EventQueue())
     return rt, engines, trainer
 
 
@@ -83,11 +99,11 @@ def run_killing(rt, engine, after_s: float = 0.05) -> dict:
 
 
 def resume(rt, trainer, tmp_path, version: int) -> dict:
-    """Load checkpoint ``version`` of a run made by :func:`make` into the fresh ``rt``, as
-    ``build_controller`` does on ``--resume`` (orchestrator, runtime records, the recorder's rows
-    from steps.jsonl), with the trainer at that version; returns the checkpoint's state."""
+    """Load checkpoint ``version`` of a run made by :func:`make` into the fresh ``rt`` (made with
+    ``resume_from=version``: its orchestrator is the checkpoint's), as ``build_controller`` does on
+    ``--resume`` (runtime records, the recorder's rows from steps.jsonl), with the trainer at that
+    version; returns the checkpoint's state."""
     state = json.loads((rt.checkpoints.path(version) / "controller.json").read_text())
-    rt.orch = Orchestrator.restore(rt.orch.config, state["orchestrator"])
     rt.controller_state.load_state_dict(state, read_step_rows(tmp_path / "steps.jsonl", int(state["steps_done"])))
     trainer.version = version
     return state

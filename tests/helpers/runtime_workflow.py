@@ -8,6 +8,7 @@ from dora_megatron.data.tasks import running_sum_reward
 from dora_megatron.workflow.api import Trajectory, WorkflowContext
 from dora_megatron.workflow.runner import WorkflowRunner
 from dora_megatron.data.reward_api import ThreadScorer
+from tests.helpers.runtime import make
 
 ENV = tok.encode("|")  # what the test environment answers after the model's first turn
 
@@ -22,16 +23,19 @@ async def answer_then_env(prompt, prompt_ids, client, ctx):
     return Trajectory(prompt_ids, ids, mask, first.logprobs + [0.0] * len(ENV) + second.logprobs, turns=2)
 
 
-def with_workflow(rt, fn=answer_then_env):
+def make_with_workflow(fn=answer_then_env, maker=make, **kw):
+    """``maker(**kw)`` (:func:`~tests.helpers.runtime.make` or a test's own) with ``fn`` as its
+    ``rollout.workflow``; returns the runtime, its engines and trainer, and every response text the
+    reward was asked about."""
     seen: list[str] = []
 
     def reward(response: str, answer: str) -> float:
         seen.append(response)
         return running_sum_reward(response, answer)
 
+    rt, engines, trainer = maker(workflow=WorkflowRunner(fn, WorkflowContext(None, (tok.EOS_ID,))), **kw)
     rt.store.reward_fn = ThreadScorer(reward).score_sync
-    rt.workflow = WorkflowRunner(fn, WorkflowContext(None, (tok.EOS_ID,)))
-    return seen
+    return rt, engines, trainer, seen
 
 
 def check_trajectories(trainer, seen):

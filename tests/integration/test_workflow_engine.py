@@ -93,8 +93,8 @@ def test_tool_turns_run_on_one_version_per_trajectory_across_weight_switches(too
                     "observability": ObservabilityConfig(stats_interval_s=0.05)}
         rt = Runtime(Orchestrator(cfg, names), engines, trainer, Prompts(),
                      ThreadScorer(lambda response, answer: seen.append(response) or 0.0).score_sync, **sections, codec=codec,
+                     workflow=WorkflowRunner(calculator_turns, WorkflowContext(codec.tokenizer, tuple(codec.eos_ids))),
                      events=EventQueue())
-        rt.workflow = WorkflowRunner(calculator_turns, WorkflowContext(codec.tokenizer, tuple(codec.eos_ids)))
         try:
             summary = await asyncio.wait_for(drive(rt), timeout=240)
         finally:
@@ -159,9 +159,6 @@ def test_a_turn_moved_while_it_generates_and_a_prefix_moved_between_turns_are_ne
                     "rollout": RolloutConfig(max_new_tokens=LONG + 64, temperature=1.0),
                     "controller": ControllerConfig(verify_checksums=False, migration="kv"),
                     "observability": ObservabilityConfig(stats_interval_s=0.05)}
-        rt = Runtime(Orchestrator(cfg, names), engines, trainer, Prompts(), ThreadScorer(lambda response, answer: 0.0).score_sync,
-                     **sections, codec=codec, events=EventQueue())
-
         async def move_once_generating(client):
             """Once the turn generates, hold the source's decoding in place (the request keeps its
             slot and KV: a loaded machine cannot let it finish before the move lands), move it."""
@@ -186,7 +183,9 @@ def test_a_turn_moved_while_it_generates_and_a_prefix_moved_between_turns_are_ne
             mask = [1] * len(first.output_ids) + [0] * len(env) + [1] * len(second.output_ids)
             return Trajectory(prompt_ids, ids, mask, first.logprobs + [0.0] * len(env) + second.logprobs, turns=2)
 
-        rt.workflow = WorkflowRunner(moved_turns, WorkflowContext(codec.tokenizer, tuple(codec.eos_ids)))
+        workflow = WorkflowRunner(moved_turns, WorkflowContext(codec.tokenizer, tuple(codec.eos_ids)))
+        rt = Runtime(Orchestrator(cfg, names), engines, trainer, Prompts(), ThreadScorer(lambda response, answer: 0.0).score_sync,
+                     **sections, codec=codec, workflow=workflow, events=EventQueue())
         try:
             summary = await asyncio.wait_for(drive(rt), timeout=240)
             after = {n: await e.server_info() for n, e in engines.items()}

@@ -1,8 +1,8 @@
 """The type checker (mypy, config in ``mypy.ini``) passes on the modules it covers, and catches errors.
 
 WHY a test: CI runs the default suite, so a type error in the orchestrator, the events, the losses
-or the typed part of the wire, or a controller ``Runtime`` that no longer satisfies a component's
-``*Host`` protocol, fails CI like any other test. Missing mypy skips locally but fails
+or the typed part of the wire, or a controller ``Runtime`` that hands a component a collaborator
+other than the one its constructor declares, fails CI like any other test. Missing mypy skips locally but fails
 under ``CI=true`` (``pip install -e '.[test]'`` installs the pinned version): a check that silently
 does not run is worse than none.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -32,8 +31,8 @@ def _planted_untyped(x):
     return x
 '''
 
-# a member the Runtime does not have, added to the protocol of what the summary reads of it
-PLANTED_HOST_MEMBER = "    planted_member: int\n"
+# the pool's recorder declared as another type than the one the Runtime hands it
+PLANTED_COLLABORATOR = ("metrics: MetricsRecorder,", "metrics: int,")
 
 
 def _require_mypy() -> None:
@@ -67,16 +66,14 @@ def test_the_check_catches_a_planted_error(tmp_path, cache):
     shutil.copy(REPO / "mypy.ini", tmp_path / "mypy.ini")
     target = tmp_path / "dora_megatron" / "orchestrator" / "rules.py"
     target.write_text(target.read_text() + PLANTED)
-    summary = tmp_path / "dora_megatron" / "controller" / "summary.py"
-    text, n = re.subn(r'(class SummaryHost\(Protocol\):\n    """.*?"""\n)', lambda m: m.group(1) + PLANTED_HOST_MEMBER,
-                      summary.read_text(), count=1, flags=re.DOTALL)
-    assert n == 1, "no SummaryHost protocol with a docstring in controller/summary.py"
-    summary.write_text(text)
+    pool = tmp_path / "dora_megatron" / "controller" / "pool.py"
+    declared, planted = PLANTED_COLLABORATOR
+    assert pool.read_text().count(declared) == 1, "Pool.__init__ declares no `metrics: MetricsRecorder,`"
+    pool.write_text(pool.read_text().replace(declared, planted))
     proc = _mypy(tmp_path, cache)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
     assert "rules.py" in out and "[return-value]" in out and "[no-untyped-def]" in out, out
-    # the Runtime handed to run_summary lacks the planted member: the protocol is checked where it is used
-    host_errors = [line for line in out.splitlines() if "runtime.py" in line and ": error:" in line]
-    assert host_errors and all("[arg-type]" in line and '"SummaryHost"' in line for line in host_errors), out
-    assert "planted_member" in out, out
+    # the Runtime hands the pool its recorder: the collaborator is checked where it is handed
+    handed = [line for line in out.splitlines() if "runtime.py" in line and ": error:" in line]
+    assert handed and all("[arg-type]" in line and '"Pool"' in line and '"metrics"' in line for line in handed), out

@@ -8,7 +8,6 @@ import asyncio
 
 from dora_megatron.config.rollout import RolloutConfig
 from dora_megatron.controller.main import drive
-from dora_megatron.controller.summary import run_summary
 
 from tests.helpers.fakes import FakeEngine
 from tests.helpers.runtime import check_run, make
@@ -96,7 +95,7 @@ def test_the_summary_keeps_what_an_instance_reported_before_it_was_restarted():
     for steps in (10, 25, 4):
         rt.stats.apply_load(iid, rt.engines[iid], {"num_running_reqs": 1, "kv_usage": 0.1, "spec_verify_steps": steps,
                                               "spec_verify_tokens": 2 * steps})
-    spec = run_summary(rt, 1.0)["speculation"]
+    spec = rt.summary(1.0)["speculation"]
     assert spec["spec_verify_steps"] == 29 and spec["spec_verify_tokens"] == 58
 
 

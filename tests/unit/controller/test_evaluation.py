@@ -36,10 +36,11 @@ def test_rounds_at_the_interval_and_the_end_on_one_version_each(mode, tmp_path):
     # the fake engines answer every prompt right: prompts 1 and 3 get a ground truth no answer matches
     prompts = [task.get(i) if i not in (1, 3) else dataclasses.replace(task.get(i), answer="nope") for i in range(4)]
     sink = ListSink()
-    rt.evaluator = Evaluator(rt, prompts, ThreadScorer(running_sum_reward),
-                             observability=ObservabilityConfig(eval_samples=3, eval_interval=2, eval_pass_threshold=1.0),
-                             rollout=rt.store.rollout, seed=rt.store.seed, slots=2, sinks=[sink],
-                             out=tmp_path / "eval.jsonl", path="eval.parquet")
+    rt.attach_evaluator(Evaluator(
+        prompts, ThreadScorer(running_sum_reward), engines=rt.engines, pool=rt.pool, weights=rt.weights, codec=rt.codec,
+        observability=ObservabilityConfig(eval_samples=3, eval_interval=2, eval_pass_threshold=1.0),
+        rollout=rt.store.rollout, seed=rt.store.seed, slots=2, sinks=[sink], out=tmp_path / "eval.jsonl",
+        path="eval.parquet"))
     summary = asyncio.run(drive(rt))
     check_run(rt, engines, trainer, 6, 4, 2)  # C1 of every request the engines ran, the eval's included
     assert summary["failed_instances"] == []  # no switch found an eval request on its engine (the fake refuses)
@@ -67,9 +68,11 @@ def test_rounds_at_the_interval_and_the_end_on_one_version_each(mode, tmp_path):
 def test_only_the_final_round_with_interval_0():
     rt, engines, trainer = make(mode="one_step_off", steps=4)
     task = RunningSumTask(1, 8, 1.2, seed=78)
-    rt.evaluator = Evaluator(rt, [task.get(i) for i in range(3)], ThreadScorer(running_sum_reward),
-                             observability=ObservabilityConfig(eval_samples=2, eval_interval=0, eval_pass_threshold=1.0),
-                             rollout=rt.store.rollout, seed=rt.store.seed, slots=4)
+    rt.attach_evaluator(Evaluator(
+        [task.get(i) for i in range(3)], ThreadScorer(running_sum_reward), engines=rt.engines, pool=rt.pool,
+        weights=rt.weights, codec=rt.codec,
+        observability=ObservabilityConfig(eval_samples=2, eval_interval=0, eval_pass_threshold=1.0),
+        rollout=rt.store.rollout, seed=rt.store.seed, slots=4))
     summary = asyncio.run(drive(rt))
     assert [(r["step"], r["final"], r["versions"]) for r in summary["eval_rounds"]] == [(4, True, [4])]
     assert summary["eval_mean_reward"] == 1.0 and summary["eval_pass@1"] == 1.0

@@ -14,8 +14,10 @@ from tests.helpers.runtime import check_run, make
 
 
 def test_only_the_loop_calls_the_orchestrator_even_with_failures_and_a_rejoin():
-    rt, engines, trainer = make(mode="dora", n=3, steps=6, token_s=0.003)
-    rt.orch = spy = CallerCheckingOrchestrator(rt.orch)
+    spies: list[CallerCheckingOrchestrator] = []
+    rt, engines, trainer = make(mode="dora", n=3, steps=6, token_s=0.003,
+                                orchestrator=lambda made: spies.append(CallerCheckingOrchestrator(made)) or spies[-1])
+    spy = spies[0]
     back = type(engines["e1"])("e1-back", token_s=0.003)
 
     async def main():

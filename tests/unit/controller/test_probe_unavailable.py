@@ -87,10 +87,9 @@ class PushTrainer(FakeTrainer):
 
 
 def _run(checkers: dict[str, str], steps: int = 5):
-    rt, names, _ = make(mode="dora", n=len(checkers), steps=steps, transport="distributed")
-    engines = {n: CheckerEngine(n, checkers[n], token_s=0.001) for n in names}
+    engines = {n: CheckerEngine(n, checkers[n], token_s=0.001) for n in checkers}
     trainer = PushTrainer(engines=engines)
-    rt.engines, rt.trainer = engines, trainer
+    rt, _, _ = make(mode="dora", steps=steps, transport="distributed", engines=engines, trainer=trainer)
 
     async def go():
         for e in engines.values():
@@ -142,9 +141,8 @@ class NoLoadsEngine(FakeEngine):
 
 
 def test_an_instance_without_a_load_report_keeps_serving():
-    rt, names, _ = make(mode="dora", n=2, steps=4)
     engines = {"e0": FakeEngine("e0", token_s=0.001), "e1": NoLoadsEngine("e1", token_s=0.001)}
-    rt.engines, rt.trainer = engines, FakeTrainer(engines=engines)
+    rt, _, _ = make(mode="dora", steps=4, engines=engines)
     summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=120))
     assert summary["failed_instances"] == [] and summary["lost_groups"] == 0
     assert any(op == "generate" for op, _, _ in engines["e1"].log), "e1 got no work"
@@ -169,10 +167,9 @@ class RoutingEngine(FakeEngine):
 
 def test_an_instance_answering_without_routed_experts_is_counted_not_failed(caplog):
     caplog.set_level(logging.WARNING, logger="dora_megatron.controller.runtime")
-    rt, names, _ = make(mode="dora", n=2, steps=4, algo=AlgoConfig(routing_replay=True))
     engines = {"e0": RoutingEngine("e0", True, token_s=0.001, migration=False),
                "e1": RoutingEngine("e1", False, token_s=0.001, migration=False)}
-    rt.engines, rt.trainer = engines, FakeTrainer(engines=engines)
+    rt, _, _ = make(mode="dora", steps=4, algo=AlgoConfig(routing_replay=True), engines=engines)
     summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=120))
     assert summary["failed_instances"] == [] and summary["routed_experts_unavailable"] == 1
     warnings = [r for r in caplog.records if "routed_experts_unavailable" in r.getMessage()]

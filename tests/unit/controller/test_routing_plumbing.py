@@ -128,28 +128,25 @@ def _trained_by_sample_id(batches):
             yield from zip((f"{gid}.{i}" for i in range(len(ss))), ss)
 
 
-def _routed_make(steps, tmp_path):
-    rt, engines, trainer = make(mode="dora", steps=steps, tmp_path=tmp_path, algo=AlgoConfig(routing_replay=True))
-    fakes = {name: RoutingEngine(name, token_s=0.001) for name in engines}
-    rt.engines.clear()
-    rt.engines.update(fakes)
+def _routed_make(steps, tmp_path, **kw):
+    fakes = {name: RoutingEngine(name, token_s=0.001) for name in ("e0", "e1", "e2")}
+    rt, _, trainer = make(mode="dora", steps=steps, tmp_path=tmp_path, algo=AlgoConfig(routing_replay=True),
+                          engines=fakes, **kw)
     return rt, fakes, trainer
 
 
 def test_resume_from_the_journal_trains_on_the_journaled_routing(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    rt, _, _ = _routed_make(4, tmp_path)
-    rt.journal = Journal(run_dir)
+    rt, _, _ = _routed_make(4, tmp_path, journal=Journal(run_dir))
     rt.journal.start(None)
     asyncio.run(drive(rt))
     rt.journal.close()
     journaled = read_journal(run_dir, 2)
     assert journaled and all(j.routed_experts for j in journaled.values())
 
-    rt2, engines2, trainer2 = _routed_make(6, tmp_path)
+    rt2, engines2, trainer2 = _routed_make(6, tmp_path, resume_from=2, journal=Journal(run_dir))
     resume(rt2, trainer2, tmp_path, 2)
-    rt2.journal = Journal(run_dir)
     rt2.replay.load(journaled)
     rt2.journal.start(2)
     asyncio.run(drive(rt2))
@@ -213,13 +210,12 @@ class SpoolReadingTrainer(FakeTrainer):
         return answer
 
 
-def _spooled_make(steps: int, tmp_path, spool_dir):
-    rt, engines, _ = make(mode="dora", steps=steps, tmp_path=tmp_path, algo=AlgoConfig(routing_replay=True))
-    fakes = {name: RoutingEngine(name, token_s=0.001) for name in engines}
-    rt.engines.clear()
-    rt.engines.update(fakes)
+def _spooled_make(steps: int, tmp_path, spool_dir, **kw):
+    fakes = {name: RoutingEngine(name, token_s=0.001) for name in ("e0", "e1", "e2")}
     spool = RoutedSpool(spool_dir, segment_bytes=512)  # small segments: several per step, some freed
-    rt.trainer = trainer = SpoolReadingTrainer(spool, fakes)
+    trainer = SpoolReadingTrainer(spool, fakes)
+    rt, _, _ = make(mode="dora", steps=steps, tmp_path=tmp_path, algo=AlgoConfig(routing_replay=True),
+                    engines=fakes, trainer=trainer, **kw)
     rt.store.routed_spool = spool
     return rt, fakes, trainer, spool
 
@@ -242,8 +238,7 @@ def test_a_resume_after_a_kill_trains_the_routing_its_checkpoint_and_journal_nam
     resume whose checkpoint names a missing segment is refused naming the sample and the file."""
     run_dir, spool_dir = tmp_path / "run", tmp_path / "batches" / SPOOL_DIR
     run_dir.mkdir()
-    rt, _, _, spool = _spooled_make(4, tmp_path, spool_dir)
-    rt.journal = Journal(run_dir)
+    rt, _, _, spool = _spooled_make(4, tmp_path, spool_dir, journal=Journal(run_dir))
     rt.journal.start(None)
     asyncio.run(drive(rt))
     rt.journal.close()
@@ -259,14 +254,13 @@ def test_a_resume_after_a_kill_trains_the_routing_its_checkpoint_and_journal_nam
     gone = min(at[0] for at in from_ck.values())
     (broken / gone).unlink()
     sid = next(sid for sid, at in from_ck.items() if at[0] == gone)  # the first of the checkpoint's samples in it
-    rt_x, _, trainer_x, spool_x = _spooled_make(6, tmp_path, broken)
+    rt_x, _, trainer_x, spool_x = _spooled_make(6, tmp_path, broken, resume_from=2)
     with pytest.raises(SpoolError, match=rf"sample {sid} of the checkpoint: .*{broken / gone} is missing"):
         resume(rt_x, trainer_x, tmp_path, 2)
     spool_x.close()
 
-    rt2, engines2, trainer2, spool2 = _spooled_make(6, tmp_path, spool_dir)
+    rt2, engines2, trainer2, spool2 = _spooled_make(6, tmp_path, spool_dir, resume_from=2, journal=Journal(run_dir))
     resume(rt2, trainer2, tmp_path, 2)
-    rt2.journal = Journal(run_dir)
     rt2.replay.load(read_journal(run_dir, 2))
     rt2.journal.start(2)
     spool2.resumed()

@@ -192,7 +192,7 @@ def test_checkpoint_and_resume_consume_every_group_once(tmp_path):
     assert trainer.checkpoints == [str(ck_dir(tmp_path, 2) / "trainer"), str(ck_dir(tmp_path, 4) / "trainer")]
     first_two = [{s.group_id for s in b} for b in trainer.batches[:2]]
     # resume from the step-2 checkpoint with fresh engines and a trainer restored at version 2
-    rt2, engines2, trainer2 = make(mode="dora", steps=6, tmp_path=tmp_path)
+    rt2, engines2, trainer2 = make(mode="dora", steps=6, tmp_path=tmp_path, resume_from=2)
     resume(rt2, trainer2, tmp_path, 2)
     summary = asyncio.run(drive(rt2))
     assert len(trainer2.batches) == 4  # steps 2..5
@@ -210,7 +210,7 @@ def test_resuming_a_finished_run_returns_at_once(tmp_path):
     busy: the restored runtime must finish at once instead of waiting for a step that never comes."""
     rt, engines, trainer = make(mode="dora", steps=2, tmp_path=tmp_path)
     asyncio.run(drive(rt))
-    rt2, _, trainer2 = make(mode="dora", steps=2, tmp_path=tmp_path)
+    rt2, _, trainer2 = make(mode="dora", steps=2, tmp_path=tmp_path, resume_from=2)
     resume(rt2, trainer2, tmp_path, 2)
 
     async def bounded():
@@ -292,7 +292,7 @@ def test_the_checkpoint_state_does_not_grow_with_the_step_count(tmp_path):
         sizes[v] = len(text)
     assert sizes[20] <= 1.5 * sizes[2], sizes
     # the resumed recorder has every step back, from steps.jsonl
-    rt2, _, trainer2 = make(steps=20, tmp_path=tmp_path)
+    rt2, _, trainer2 = make(steps=20, tmp_path=tmp_path, resume_from=20)
     resume(rt2, trainer2, tmp_path, 20)
     assert [r.step for r in rt2.metrics.rows] == list(range(20))
     assert [r.end_s for r in rt2.metrics.rows] == [r.end_s for r in rt.metrics.rows]

@@ -22,18 +22,23 @@ async def execute_with_loop(rt, actions) -> None:
     every task ended (the tasks wait for their events to be applied)."""
     from dora_megatron.controller.loop import ControllerLoop
 
-    loop = asyncio.get_running_loop().create_task(ControllerLoop(rt.orch, rt, rt.events, rt.ended).run())
+    loop = asyncio.get_running_loop().create_task(ControllerLoop(rt.orch, rt, rt.events, rt.tasks.ended).run())
     rt.execute(actions)
-    await asyncio.gather(*rt.tasks)
-    rt.stop()
+    await asyncio.gather(*rt.tasks.running)
+    rt.tasks.stop()
     await loop
 
 
-def record_switches(rt) -> list[tuple[str, int]]:
-    """Replace the runtime's orchestrator by one that only records ``on_switch_done`` calls."""
+def record_switches():
+    """An orchestrator that only records ``on_switch_done`` calls, for :func:`make`'s
+    ``orchestrator`` (it keeps the made one's config and policy, which the runtime is sized by),
+    and the list of the calls."""
     done: list[tuple[str, int]] = []
 
     class Orch:
+        def __init__(self, made):
+            self.config, self.policy = made.config, made.policy
+
         def is_alive(self, instance):
             return True
 
@@ -41,8 +46,7 @@ def record_switches(rt) -> list[tuple[str, int]]:
             done.append((instance, version))
             return []
 
-    rt.orch = Orch()
-    return done
+    return Orch, done
 
 
 def test_failed_instance_rejoins_and_serves_again():
@@ -135,8 +139,8 @@ def test_only_the_newest_switch_order_of_an_instance_is_carried_out():
     completion reported as ``v2`` would let v2 requests in before the queued v0 load."""
     from dora_megatron.orchestrator import SwitchVersion
 
-    rt, engines, trainer = make(mode="dora", n=2, steps=1)
-    done = record_switches(rt)
+    recording, done = record_switches()
+    rt, engines, trainer = make(mode="dora", n=2, steps=1, orchestrator=recording)
 
     async def main():
         await execute_with_loop(rt, [SwitchVersion("e1", 2), SwitchVersion("e1", 0), SwitchVersion("e1", 2)])
@@ -172,8 +176,7 @@ def test_resume_restores_finished_samples_from_the_journal(tmp_path):
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    rt, engines, trainer = make(mode="dora", steps=4, tmp_path=tmp_path)
-    rt.journal = Journal(run_dir)
+    rt, engines, trainer = make(mode="dora", steps=4, tmp_path=tmp_path, journal=Journal(run_dir))
     rt.journal.start(None)
     asyncio.run(drive(rt))
     rt.journal.close()
@@ -182,9 +185,8 @@ def test_resume_restores_finished_samples_from_the_journal(tmp_path):
     assert read_journal(run_dir, 1) == {}  # no marker for a version without a checkpoint
     first_two = [{s.group_id for s in b} for b in trainer.batches[:2]]
 
-    rt2, engines2, trainer2 = make(mode="dora", steps=6, tmp_path=tmp_path)
+    rt2, engines2, trainer2 = make(mode="dora", steps=6, tmp_path=tmp_path, resume_from=2, journal=Journal(run_dir))
     resume(rt2, trainer2, tmp_path, 2)
-    rt2.journal = Journal(run_dir)
     rt2.replay.load(journaled)
     rt2.journal.start(2)
     summary = asyncio.run(drive(rt2))
@@ -223,8 +225,8 @@ def test_a_push_of_newer_weights_than_assigned_falls_back_to_the_snapshot():
     instance the orchestrator assigned v2; the instance must end on v2 (C1), from the snapshot."""
     from dora_megatron.orchestrator import SwitchVersion
 
-    rt, engines, trainer = make(mode="dora", n=2, steps=1, transport="distributed")
-    done = record_switches(rt)
+    recording, done = record_switches()
+    rt, engines, trainer = make(mode="dora", n=2, steps=1, transport="distributed", orchestrator=recording)
     rt.weights.latest_version = 2  # what the runtime knew when it chose the push
     trainer.version = 3  # what the trainer holds when the push runs
 

@@ -17,7 +17,7 @@ from dora_megatron.observability.summary import SUMMARY_FIELDS
 from dora_megatron.observability.timeline import Timeline
 from dora_megatron.sim.engine import simulate
 
-from tests.helpers.fakes import FakeTrainer
+from tests.helpers.fakes import FakeEngine, FakeTrainer
 from tests.helpers.runtime import make
 
 TINY_SIM = Path(__file__).resolve().parents[3] / "configs" / "sim" / "tiny.yaml"
@@ -32,10 +32,9 @@ class _Rows:
 
 
 def _run(mode: str, transport: str = "disk", push_s: float = 0.0, steps: int = 5):
-    rt, engines, _ = make(mode=mode, steps=steps, transport=transport)
-    if push_s:
-        rt.trainer = FakeTrainer(engines=engines, push_s=push_s)
-    rt.timeline = Timeline()
+    engines = {f"e{i}": FakeEngine(f"e{i}", token_s=0.001) for i in range(3)}
+    rt, _, _ = make(mode=mode, steps=steps, transport=transport, engines=engines,
+                    trainer=FakeTrainer(engines=engines, push_s=push_s), timeline=Timeline())
     sink = _Rows()
     rt.metrics.sinks.append(sink)
     summary = asyncio.run(drive(rt))

@@ -114,10 +114,9 @@ class ChecksumTrainer(FakeTrainer):
 
 
 def _run_with(engine_cls):
-    rt, engines, _ = make(mode="dora", n=3, steps=4, transport="distributed")
-    engines = {n: engine_cls(n, bad_after_push=(n == "e2"), token_s=0.001) for n in engines}
+    engines = {n: engine_cls(n, bad_after_push=(n == "e2"), token_s=0.001) for n in ("e0", "e1", "e2")}
     trainer = ChecksumTrainer(engines=engines)
-    rt.engines, rt.trainer = engines, trainer
+    rt, _, _ = make(mode="dora", steps=4, transport="distributed", engines=engines, trainer=trainer)
     summary = asyncio.run(drive(rt))
     return rt, trainer, summary
 
@@ -169,9 +168,9 @@ class PausingFailedPushTrainer(FakeTrainer):
 
 
 def test_the_snapshot_fallback_after_a_failed_push_resumes_the_instance():
-    rt, engines, _ = make(mode="dora", n=2, steps=3, transport="distributed")
-    engines = {n: PausableEngine(n, token_s=0.001) for n in engines}
-    rt.engines, rt.trainer = engines, PausingFailedPushTrainer(engines=engines)
+    engines = {n: PausableEngine(n, token_s=0.001) for n in ("e0", "e1")}
+    rt, _, _ = make(mode="dora", steps=3, transport="distributed", engines=engines,
+                    trainer=PausingFailedPushTrainer(engines=engines))
     summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=60))  # paused instances: every generate would wait
     assert len(rt.trainer.batches) == 3 and summary["lost_groups"] == 0
     assert all(e.loads for e in engines.values()), "the fallback loads the snapshot"

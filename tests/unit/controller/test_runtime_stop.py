@@ -18,8 +18,8 @@ async def _run_and_stop_after(rt, steps: int) -> dict:
     async def stop_later() -> None:
         while rt.training.steps_done < steps:
             await asyncio.sleep(0.002)
-        rt.request_stop("SIGINT")
-        rt.request_stop("SIGTERM")  # a second request changes nothing (the launcher exits on a second signal)
+        rt.training.request_stop("SIGINT")
+        rt.training.request_stop("SIGTERM")  # a second request changes nothing (the launcher exits on a second signal)
 
     stopper = asyncio.get_running_loop().create_task(stop_later())
     summary = await drive(rt)
@@ -37,7 +37,7 @@ def test_a_stop_checkpoints_at_the_next_boundary_and_the_resume_trains_each_grou
     written = sorted(p for p in (tmp_path / "checkpoints").glob("v*") if (p / "controller.json").is_file())
     assert written == [ck_dir(tmp_path, k)]  # the stop's checkpoint only (interval 0)
 
-    rt2, engines2, trainer2 = make(mode="dora", steps=n, tmp_path=tmp_path, checkpoint_interval=0)
+    rt2, engines2, trainer2 = make(mode="dora", steps=n, tmp_path=tmp_path, checkpoint_interval=0, resume_from=k)
     resume(rt2, trainer2, tmp_path, k)
     summary2 = asyncio.run(drive(rt2))
     assert summary2["status"] == "completed" and summary2["stopped_by"] is None
@@ -57,7 +57,7 @@ def test_a_step_that_outlasts_the_stop_timeout_is_abandoned(tmp_path):
         async def stop_while_held() -> None:
             while trainer.holding != 2:  # inside step 2, not at the boundary before it
                 await asyncio.sleep(0.002)
-            rt.request_stop("SIGTERM")
+            rt.training.request_stop("SIGTERM")
 
         stopper = asyncio.get_running_loop().create_task(stop_while_held())
         t0 = asyncio.get_running_loop().time()

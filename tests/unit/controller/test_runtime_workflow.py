@@ -10,12 +10,11 @@ import itertools
 
 from dora_megatron.controller.main import drive
 from tests.helpers.runtime import check_run, engine_versions, make, resume, run_killing, trained_groups
-from tests.helpers.runtime_workflow import ENV, answer_then_env, check_trajectories, with_workflow
+from tests.helpers.runtime_workflow import ENV, answer_then_env, check_trajectories, make_with_workflow
 
 
 def test_dora_runs_each_trajectory_on_one_version_and_hands_the_trainer_its_mask():
-    rt, engines, trainer = make(mode="dora", n=3, steps=6, token_s=0.002)
-    seen = with_workflow(rt)
+    rt, engines, trainer, seen = make_with_workflow(mode="dora", n=3, steps=6, token_s=0.002)
     summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=120))
     check_run(rt, engines, trainer, 6, 4, 2)  # C1 from the engines' own logs: every turn of a rid on one version
     check_trajectories(trainer, seen)
@@ -36,8 +35,7 @@ def test_dora_runs_each_trajectory_on_one_version_and_hands_the_trainer_its_mask
 def test_partial_mode_reruns_an_interrupted_trajectory_whole_on_the_new_version():
     """Partial rollout resumes a single-turn sample on the new weights (a C1 violation by design);
     an interrupted trajectory is run again from its prompt instead, so C1 holds."""
-    rt, engines, trainer = make(mode="partial", token_s=0.003)
-    seen = with_workflow(rt)
+    rt, engines, trainer, seen = make_with_workflow(mode="partial", token_s=0.003)
     summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=120))
     check_trajectories(trainer, seen)
     assert summary["env/trajectories_aborted"] > 0  # interrupts happened, mid-trajectory
@@ -60,7 +58,6 @@ def test_partial_mode_reruns_an_interrupted_trajectory_whole_on_the_new_version(
 
 
 def test_a_failed_instance_or_a_crashed_environment_reruns_the_trajectory():
-    rt, engines, trainer = make(mode="dora", n=3, steps=6, token_s=0.003)
     crashed: set[str] = set()
 
     async def crashes_once(prompt, prompt_ids, client, ctx):
@@ -70,7 +67,7 @@ def test_a_failed_instance_or_a_crashed_environment_reruns_the_trajectory():
             raise RuntimeError("the sandbox crashed")
         return traj
 
-    seen = with_workflow(rt, crashes_once)
+    rt, engines, trainer, seen = make_with_workflow(crashes_once, mode="dora", n=3, steps=6, token_s=0.003)
     summary = run_killing(rt, engines["e1"])
     check_run(rt, engines, trainer, 6, 4, 2)
     check_trajectories(trainer, seen)
@@ -79,11 +76,9 @@ def test_a_failed_instance_or_a_crashed_environment_reruns_the_trajectory():
 
 
 def test_a_resume_keeps_the_finished_trajectories_masks(tmp_path):
-    rt, engines, trainer = make(mode="dora", steps=4, tmp_path=tmp_path)
-    with_workflow(rt)
+    rt, engines, trainer, _ = make_with_workflow(mode="dora", steps=4, tmp_path=tmp_path)
     asyncio.run(asyncio.wait_for(drive(rt), timeout=120))
-    rt2, engines2, trainer2 = make(mode="dora", steps=6, tmp_path=tmp_path)
-    seen = with_workflow(rt2)
+    rt2, engines2, trainer2, seen = make_with_workflow(mode="dora", steps=6, tmp_path=tmp_path, resume_from=2)
     state = resume(rt2, trainer2, tmp_path, 2)
     finished = state["samples"]  # the finished samples of the outstanding groups
     assert all(s["loss_mask"][-len(ENV):] == [0] * len(ENV) for s in finished)
@@ -109,8 +104,7 @@ class _RecordingJournal:
 def test_a_trajectory_is_not_journaled_so_that_after_a_crash_it_runs_again_whole():
     """The journal keeps no loss mask nor the workflow's own prompt: restoring a trajectory from it
     would train tool tokens; its groups' dispatches are still journaled (exactly-once)."""
-    rt, engines, trainer = make(mode="dora", n=3, steps=2, token_s=0.002)
-    with_workflow(rt)
-    rt.journal = journal = _RecordingJournal()
+    journal = _RecordingJournal()
+    rt, engines, trainer, _ = make_with_workflow(mode="dora", n=3, steps=2, token_s=0.002, journal=journal)
     asyncio.run(asyncio.wait_for(drive(rt), timeout=120))
     assert "dispatch" in journal.calls and "sample" not in journal.calls

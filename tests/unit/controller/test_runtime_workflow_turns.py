@@ -11,7 +11,7 @@ from dora_megatron.workflow.api import Trajectory
 from dora_megatron.comm.engine_client import EngineError
 from tests.helpers.fakes import FakeEngine
 from tests.helpers.runtime import check_run, engine_versions, make
-from tests.helpers.runtime_workflow import ENV, answer_then_env, check_trajectories, with_workflow
+from tests.helpers.runtime_workflow import ENV, answer_then_env, check_trajectories, make_with_workflow
 
 WAIT_S = 2.0  # bound of a tool's wait for another sample's turn (reached only when no slot is free)
 
@@ -21,8 +21,8 @@ class ToolThatWaitsForAnotherTurn:
     (at most :data:`WAIT_S`): with the instance's one slot held through the tool, none can, and the
     tool runs out its bound instead. ``hook(client)`` runs as the tool starts (a test's fault)."""
 
-    def __init__(self, rt, hook=None) -> None:
-        self.rt = rt
+    def __init__(self, hook=None) -> None:
+        self.rt = None  # the runtime it runs in (set once made): the tool reads its orchestrator's view
         self.hook = hook
         self.waiting: dict[str, asyncio.Event] = {}
         self.overlapped: list[bool] = []  # per tool call: another sample's turn returned during it
@@ -71,15 +71,15 @@ class StartsCounted:
         return await answer_then_env(prompt, prompt_ids, client, ctx)
 
 
-def _one_slot_each(n, steps, G=1, tbs=1, rbs=2):
+def _one_slot_each(n, steps, G=1, tbs=1, rbs=2, **kw):
     return make(mode="dora", n=n, steps=steps, tbs=tbs, rbs=rbs, S=1, G=G, token_s=0.001,
-                cap_before_rebalance=1, cap_after_rebalance=1)
+                cap_before_rebalance=1, cap_after_rebalance=1, **kw)
 
 
 def test_the_slot_is_free_while_the_tool_runs_and_another_sample_runs_a_turn_in_it():
-    rt, engines, trainer = _one_slot_each(n=1, steps=3)
-    wf = ToolThatWaitsForAnotherTurn(rt)
-    seen = with_workflow(rt, wf)
+    wf = ToolThatWaitsForAnotherTurn()
+    rt, engines, trainer, seen = make_with_workflow(wf, _one_slot_each, n=1, steps=3)
+    wf.rt = rt
     summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=120))
     check_run(rt, engines, trainer, 3, 1, 1)
     check_trajectories(trainer, seen)
@@ -92,9 +92,9 @@ def test_the_slot_is_free_while_the_tool_runs_and_another_sample_runs_a_turn_in_
 
 
 def test_a_trajectory_continues_on_another_instance_of_its_version_between_turns():
-    rt, engines, trainer = _one_slot_each(n=4, steps=4, G=2, tbs=2, rbs=8)
-    wf = ToolThatWaitsForAnotherTurn(rt)
-    seen = with_workflow(rt, wf)
+    wf = ToolThatWaitsForAnotherTurn()
+    rt, engines, trainer, seen = make_with_workflow(wf, _one_slot_each, n=4, steps=4, G=2, tbs=2, rbs=8)
+    wf.rt = rt
     summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=120))
     check_run(rt, engines, trainer, 4, 2, 2)  # C1 from the engines' logs: both turns on one version
     check_trajectories(trainer, seen)
@@ -113,12 +113,12 @@ def test_a_trajectory_moved_between_turns_takes_its_prefix_kv_along_and_frees_it
     """Engines that keep a turn's KV (``keep_kv``): a next turn on the same instance continues the
     kept KV; one placed on another instance gets it carried there (export_kv, import_kv) first.
     Whatever ended a trajectory, no KV of it stays kept on a live engine."""
-    rt, engines, trainer = _one_slot_each(n=4, steps=4, G=2, tbs=2, rbs=8)
+    wf = ToolThatWaitsForAnotherTurn()
+    rt, engines, trainer, seen = make_with_workflow(wf, _one_slot_each, n=4, steps=4, G=2, tbs=2, rbs=8)
+    wf.rt = rt
     for name in list(engines):
         engines[name] = rt.engines[name] = FakeEngine(name, token_s=0.001, keep_kv=True)
     trainer.engines = {e.base_url: e for e in engines.values()}
-    wf = ToolThatWaitsForAnotherTurn(rt)
-    seen = with_workflow(rt, wf)
     summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=120))
     check_run(rt, engines, trainer, 4, 2, 2)
     check_trajectories(trainer, seen)
@@ -142,7 +142,6 @@ def test_an_engine_killed_between_turns_or_inside_one_loses_and_duplicates_nothi
     """e1 dies while a trajectory that ran its first turn there is in its tool (between turns): the
     trajectory's next turn runs elsewhere, it is not run again; then another instance dies with
     turns in flight (inside a turn): those trajectories run again from their prompts on their version."""
-    rt, engines, trainer = _one_slot_each(n=3, steps=4, G=2, tbs=1, rbs=4)
     killed: dict[str, object] = {}
 
     def kill(client):
@@ -156,8 +155,9 @@ def test_an_engine_killed_between_turns_or_inside_one_loses_and_duplicates_nothi
                 killed["inside"], killed["inside_at"] = set(busy[0].reqs), busy[0].name
                 busy[0].dead = True
 
-    wf = ToolThatWaitsForAnotherTurn(rt, kill)
-    seen = with_workflow(rt, wf)
+    wf = ToolThatWaitsForAnotherTurn(kill)
+    rt, engines, trainer, seen = make_with_workflow(wf, _one_slot_each, n=3, steps=4, G=2, tbs=1, rbs=4)
+    wf.rt = rt
     summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=120))
     check_run(rt, engines, trainer, 4, 1, 2)
     check_trajectories(trainer, seen)
@@ -174,7 +174,6 @@ def test_an_engine_killed_between_turns_or_inside_one_loses_and_duplicates_nothi
 def test_partial_mode_runs_a_trajectory_again_on_the_newer_weights_its_next_turn_is_placed_on():
     """In partial mode a turn waiting for a slot is placed on the newest weights; a trajectory whose
     tool outlived a weight update therefore runs again from its prompt on them, never mixing versions."""
-    rt, engines, trainer = make(mode="partial", n=2, steps=4, token_s=0.001)
     outlived: list[str] = []
 
     async def tool_outlives_an_update(prompt, prompt_ids, client, ctx):
@@ -189,7 +188,8 @@ def test_partial_mode_runs_a_trajectory_again_on_the_newer_weights_its_next_turn
         mask = [1] * len(first.output_ids) + [0] * len(ENV) + [1] * len(second.output_ids)
         return Trajectory(prompt_ids, ids, mask, first.logprobs + [0.0] * len(ENV) + second.logprobs, turns=2)
 
-    seen = with_workflow(rt, tool_outlives_an_update)
+    rt, engines, trainer, seen = make_with_workflow(tool_outlives_an_update, mode="partial", n=2, steps=4,
+                                                    token_s=0.001)
     summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=120))
     check_trajectories(trainer, seen)
     assert outlived and summary["env/trajectories_aborted"] > 0
@@ -205,9 +205,8 @@ def test_a_move_ordered_during_a_turn_moves_that_turn_with_its_kv_and_the_workfl
     """The rebalances of a DORA run move requests between instances of a version; a trajectory's
     turn caught generating moves with its KV (export, import) and its ``generate`` answers from the
     destination: the workflow is never started again, the turn is not recomputed."""
-    rt, engines, trainer = make(mode="dora", n=4, steps=8, token_s=0.002)
     wf = StartsCounted()
-    seen = with_workflow(rt, wf)
+    rt, engines, trainer, seen = make_with_workflow(wf, mode="dora", n=4, steps=8, token_s=0.002)
     summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=120))
     check_run(rt, engines, trainer, 8, 4, 2)
     check_trajectories(trainer, seen)
@@ -227,7 +226,8 @@ def test_a_move_ordered_during_a_turn_moves_that_turn_with_its_kv_and_the_workfl
 def test_a_source_that_dies_after_letting_a_moved_turn_go_is_the_only_instance_failed():
     """The first instance a turn is exported from dies right after the export, before its own answer
     (``migrated``) comes back: the turn goes on at its destination, which is not blamed."""
-    rt, engines, trainer = make(mode="dora", n=4, steps=8, token_s=0.002)
+    wf = StartsCounted()
+    rt, engines, trainer, seen = make_with_workflow(wf, mode="dora", n=4, steps=8, token_s=0.002)
     died: list[tuple[str, str]] = []
 
     class DiesAfterItsFirstExport(FakeEngine):
@@ -247,8 +247,6 @@ def test_a_source_that_dies_after_letting_a_moved_turn_go_is_the_only_instance_f
     for name in list(engines):
         engines[name] = rt.engines[name] = DiesAfterItsFirstExport(name, token_s=0.002)
     trainer.engines = {e.base_url: e for e in engines.values()}
-    wf = StartsCounted()
-    seen = with_workflow(rt, wf)
     summary = asyncio.run(asyncio.wait_for(drive(rt), timeout=120))
     check_trajectories(trainer, seen)
     (src, sid), = died

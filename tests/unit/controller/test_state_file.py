@@ -72,7 +72,7 @@ def test_a_checkpoint_is_cut_in_the_turn_and_written_by_a_thread_while_the_loop_
             await asyncio.sleep(0.001)
         assert not (ck / "controller.json").exists()  # held before its manifest: not complete yet
         gate.set()
-        await asyncio.wait_for(asyncio.gather(*rt.tasks), timeout=30)
+        await asyncio.wait_for(asyncio.gather(*rt.tasks.running), timeout=30)
         return want, threading.get_ident()
 
     want, loop_thread = asyncio.run(main())

@@ -116,7 +116,7 @@ def test_a_restart_made_while_the_job_started_fails_no_one_and_still_brings_the_
     async def fail_later():
         while len(trainer.batches) < 4:
             await asyncio.sleep(0.005)
-        before.append((rt.engines["e1"] is engines["e1"], rt.is_failed("e1"), len(made)))
+        before.append((rt.engines["e1"] is engines["e1"], rt.pool.is_failed("e1"), len(made)))
         rt.report_failure("e1", "its process died")
 
     write_join_request(tmp_path, JoinRequest("e1", "http://e1", attempt=1, restarted_at=999.0))

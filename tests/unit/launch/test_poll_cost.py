@@ -69,7 +69,7 @@ def test_a_supervision_poll_asks_about_its_children_not_the_pool():
 
     restarting = asyncio.run(main())
     assert list(restarting) == ["engine9"]  # the failed instance is restarted, the live one is not
-    assert not rt.is_done()
+    assert not rt.tasks.is_done()
     assert rt.orch.asked <= 4, f"one poll asked is_alive {rt.orch.asked} times for {POOL} instances"
 
 
@@ -101,9 +101,9 @@ def test_an_elastic_poll_asks_once_per_join_request(tmp_path):
 
 def test_all_failed_is_the_pools_state():
     rt = _runtime(3)
-    assert not rt.all_failed()
+    assert not rt.pool.all_failed()
     rt.orch.on_instance_failed("engine0")
     rt.orch.on_instance_failed("engine1")
-    assert not rt.all_failed() and rt.is_failed("engine1") and not rt.is_failed("engine2")
+    assert not rt.pool.all_failed() and rt.pool.is_failed("engine1") and not rt.pool.is_failed("engine2")
     rt.orch.on_instance_failed("engine2")
-    assert rt.all_failed() and rt.pool.failed == {"engine0", "engine1", "engine2"}
+    assert rt.pool.all_failed() and rt.pool.failed == {"engine0", "engine1", "engine2"}

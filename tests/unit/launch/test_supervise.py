@@ -51,7 +51,7 @@ def test_killed_engine_is_restarted_on_a_new_port_and_rejoins(tmp_path):
 
     rt, child = asyncio.run(main())
     assert len(rt.added) == 1 and rt.pool.engine_restarts == 1 and not rt.down
-    assert rt.error is None  # losing its only instance for a moment did not end the run
+    assert rt.tasks.error is None  # losing its only instance for a moment did not end the run
     name, url = rt.added[0]
     assert name == "engine0" and url.startswith("http://127.0.0.1:") and not url.endswith(":0")
     assert child.argv[-1] == url.rsplit(":", 1)[1]
@@ -78,7 +78,7 @@ def test_restart_budget_is_respected(tmp_path):
     assert sup.attempts == {"engine0": 2}
     assert rt.added == [] and rt.down == {"engine0"} and rt.pool.engine_restarts == 0
     # its only instance is gone for good: the run is ended with a message, not left waiting
-    assert rt.is_done() and "no restart is left" in str(rt.error)
+    assert rt.tasks.is_done() and "no restart is left" in str(rt.tasks.error)
 
 
 def test_disabled_policy_only_reports_failures(tmp_path):
@@ -112,7 +112,7 @@ def test_all_failed_waits_for_instances_on_other_nodes_then_ends_the_run(tmp_pat
             sup = EngineSupervisor(procs, rt, RestartPolicy(max_restarts=1, startup_timeout_s=1.0),
                                    make_engine=lambda url: url, engine_names=["remote0"], poll_s=0.05)
             sup.check()
-            assert not rt.is_done()  # its node may still bring it back
+            assert not rt.tasks.is_done()  # its node may still bring it back
             if come_back:
                 rt.add_instance("remote0", "client-2")
             await asyncio.sleep(1.2)
@@ -120,9 +120,9 @@ def test_all_failed_waits_for_instances_on_other_nodes_then_ends_the_run(tmp_pat
             return rt
 
     rt = asyncio.run(main(come_back=True))
-    assert rt.error is None and not rt.is_done()
+    assert rt.tasks.error is None and not rt.tasks.is_done()
     rt = asyncio.run(main(come_back=False))
-    assert rt.is_done() and "remote0" in str(rt.error) and "startup_timeout_s" in str(rt.error)
+    assert rt.tasks.is_done() and "remote0" in str(rt.tasks.error) and "startup_timeout_s" in str(rt.tasks.error)
 
 
 def test_a_restarted_engine_is_polled_on_the_configured_health_path():

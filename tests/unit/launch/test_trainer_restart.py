@@ -148,8 +148,8 @@ def test_the_supervisor_reports_a_dead_trainer_process_as_lost(tmp_path):
         child.popen.wait(timeout=30)
         rt = FakeRuntime([])
         EngineSupervisor(procs, rt, RestartPolicy(enabled=False), lambda url: url, []).check()
-    assert isinstance(rt.error, TrainerLost) and rt.is_done()
-    assert str(rt.error).startswith("trainer exited with status 9")
+    assert isinstance(rt.tasks.error, TrainerLost) and rt.tasks.is_done()
+    assert str(rt.tasks.error).startswith("trainer exited with status 9")
 
 
 # A rank in miniature: ties itself to its parent, starts a ``multiprocessing`` spawn child (which

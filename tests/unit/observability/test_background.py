@@ -69,7 +69,6 @@ def test_a_full_queue_drops_with_a_warning_instead_of_blocking(caplog):
 
 
 def test_the_runtime_dumps_through_the_writer_and_close_leaves_every_step_written(tmp_path):
-    rt, _, trainer = make(mode="dora", steps=3, tbs=4, G=2)
     w = BackgroundWriter()
     threads = []
     dumper = RolloutDumper(tmp_path, 2, CharCodec(), writer=w)
@@ -80,7 +79,7 @@ def test_the_runtime_dumps_through_the_writer_and_close_leaves_every_step_writte
         return write(*args)
 
     dumper._write = spy
-    rt.rollout_dump = dumper
+    rt, _, trainer = make(mode="dora", steps=3, tbs=4, G=2, rollout_dump=dumper)
     asyncio.run(drive(rt))
     w.close()
     files = sorted(p.name for p in (tmp_path / "rollouts").iterdir())

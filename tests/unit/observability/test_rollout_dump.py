@@ -74,8 +74,7 @@ def test_a_file_that_cannot_be_written_is_logged_and_the_run_goes_on(tmp_path, c
 
 
 def test_the_runtime_dumps_the_samples_the_trainer_is_handed(tmp_path):
-    rt, _, trainer = make(mode="dora", steps=3, tbs=4, G=2)
-    rt.rollout_dump = RolloutDumper(tmp_path, 3, CharCodec())
+    rt, _, trainer = make(mode="dora", steps=3, tbs=4, G=2, rollout_dump=RolloutDumper(tmp_path, 3, CharCodec()))
     asyncio.run(drive(rt))
     files = sorted((tmp_path / "rollouts").iterdir())
     assert [p.name for p in files] == [f"step_{k:06d}.jsonl" for k in range(3)]
@@ -120,8 +119,9 @@ def test_the_config_key_builds_the_dumper_and_a_negative_count_is_refused(tmp_pa
     for n, built in ((0, False), (5, True)):
         cfg = load_config(ROOT / "configs" / "cpu_tiny.yaml", [f"observability.dump_rollouts={n}"])
         rt = build_controller(cfg, endpoints, run_dir=run_dir, model_dir=model_dir, make_engine=str).runtime
-        assert (rt.rollout_dump is not None) == built
+        dump = rt.training.rollout_dump  # the trainer step dumps what it hands the trainer
+        assert (dump is not None) == built
         if built:
-            assert rt.rollout_dump.n == 5 and rt.rollout_dump.run_dir == run_dir and rt.rollout_dump.codec is rt.codec
+            assert dump.n == 5 and dump.run_dir == run_dir and dump.codec is rt.codec
     with pytest.raises(ConfigError, match=r"observability.dump_rollouts: must be >= 0, got -1"):
         load_config(ROOT / "configs" / "cpu_tiny.yaml", ["observability.dump_rollouts=-1"])

@@ -70,9 +70,8 @@ def test_resumed_run_does_not_draw_the_time_before_the_crash_as_idle_instances(t
 
     rt, _, _ = make(mode="dora", steps=2, tmp_path=tmp_path)
     asyncio.run(drive(rt))
-    rt2, _, trainer2 = make(mode="dora", steps=4, tmp_path=tmp_path)
+    rt2, _, trainer2 = make(mode="dora", steps=4, tmp_path=tmp_path, resume_from=2, timeline=Timeline())
     state = resume(rt2, trainer2, tmp_path, 2)
-    rt2.timeline = Timeline()
     asyncio.run(drive(rt2))
     offset = float(state["wall_s"])
     assert offset > 0

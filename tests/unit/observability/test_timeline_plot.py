@@ -70,8 +70,7 @@ def test_age_is_the_trainer_version_minus_the_held_one_the_oldest_in_each_pixel(
 
 
 def _recorded(tmp_path, steps=3):
-    rt, _, _ = make(mode="dora", steps=steps)
-    rt.timeline = Timeline()
+    rt, _, _ = make(mode="dora", steps=steps, timeline=Timeline())
     asyncio.run(drive(rt))
     return rt.timeline.write_chrome_trace(tmp_path / "trace.json")
 
