@@ -97,6 +97,11 @@ class ConnectionWaits:
         self.count += n
 
 
+#: requests in flight in one process above which ``dora train`` suggests ``rollout.client_workers``.
+#: WHY: each holds about 80 objects the garbage collector tracks, and a full collection scans them
+#: all with every thread of the process stopped: 0.3-0.6 s at 8,192 in the controller's process
+#: (``docs/results/controller_scale.md``), its loop stopped for the whole cluster meanwhile
+MANY_IN_FLIGHT = 4096
 #: kernel receive-buffer bytes one process's generate connections share (:attr:`ConnectionPlan.receive_buffer`):
 #: a sixth of the TCP memory at which a 24 GB Linux host starts to drop (its ``tcp_mem`` pressure mark, ~1.5 GB)
 KERNEL_RECEIVE_BYTES = 256 << 20
@@ -150,6 +155,11 @@ class ConnectionPlan:
         share = KERNEL_RECEIVE_BYTES // max(1, self.instances * self.generate)
         # Linux charges twice the size set (its bookkeeping): half the share is what is set
         return None if share >= AUTOTUNED_RECEIVE_BUFFER else max(MIN_RECEIVE_BUFFER, share // 2)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests on the wire in this process at most: one per generate connection, one per slot."""
+        return self.instances * min(self.generate, self.slots)
 
     def describe(self) -> str:
         where = (f"each of rollout.client_workers={self.client_workers} processes holds {self.instances}"

@@ -30,8 +30,8 @@ def connection_plan(cfg: DoraConfig, instances: int, say: Callable[[str], None] 
     ``rollout.client_workers`` and the numbers) when not one generate connection per instance
     fits; ``say``: where the warning goes when not every slot gets its own connection (requests
     then wait for one, counted as ``connection_waits``)."""
-    from dora_megatron.comm.limits import (CONTROL_CONNECTIONS, ConnectionBudgetError, plan_connections,
-                                           raise_open_files_limit)
+    from dora_megatron.comm.limits import (CONTROL_CONNECTIONS, MANY_IN_FLIGHT, ConnectionBudgetError,
+                                           plan_connections, raise_open_files_limit)
     from dora_megatron.config.base import ConfigError
 
     old, new = raise_open_files_limit()
@@ -48,6 +48,11 @@ def connection_plan(cfg: DoraConfig, instances: int, say: Callable[[str], None] 
     if say is not None and not plan.fits:
         say(f"warning: {plan.describe()} of {plan.slots} slots; requests beyond them wait for a connection "
             f"(connection_waits in summary.json): raise the hard open-files limit or set rollout.client_workers")
+    if say is not None and plan.client_workers == 0 and plan.in_flight > MANY_IN_FLIGHT:
+        say(f"warning: up to {plan.in_flight} requests in flight in the controller's own process; each full garbage "
+            f"collection scans all of them with its event loop stopped (0.3-0.6 s at 8,192): "
+            f"rollout.client_workers={-(-plan.in_flight // MANY_IN_FLIGHT)} or more runs them in worker processes "
+            f"(docs/results/controller_scale.md)")
     return plan
 
 

@@ -49,3 +49,27 @@ def test_dora_train_refuses_before_starting_anything(tmp_path, capsys):
     out = capsys.readouterr()
     assert "rollout.client_workers" in out.out + out.err
     assert not (tmp_path / "run").exists()  # no run directory, no process
+
+
+def test_many_requests_in_flight_in_the_controller_suggest_client_workers():
+    """96 instances x 64 slots: 6,144 requests on the wire in the controller's own process, above
+    MANY_IN_FLIGHT; the warning names the count and the client_workers that spreads them. The same
+    job with client workers, or a small one, is not warned about."""
+    from dora_megatron.comm.limits import MANY_IN_FLIGHT
+
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < 96 * 66 + 128:
+        pytest.skip(f"the hard open-files limit {hard} cannot hold 96 x 64 connections")
+    said: list[str] = []
+    plan = connection_plan(load_config(None, ["orchestrator.cap_before_rebalance=64"]), 96, said.append)
+    assert plan.in_flight == 96 * 64 > MANY_IN_FLIGHT
+    warned = [s for s in said if "requests in flight" in s]
+    assert len(warned) == 1
+    assert "up to 6144 requests in flight" in warned[0] and "rollout.client_workers=2 or more" in warned[0]
+
+    said.clear()
+    workers = connection_plan(load_config(None, ["orchestrator.cap_before_rebalance=64", "rollout.client_workers=2"]),
+                              96, said.append)
+    assert workers.client_workers == 2 and not [s for s in said if "requests in flight" in s]
+    connection_plan(load_config(None, ["orchestrator.cap_before_rebalance=64"]), 32, said.append)  # 2,048
+    assert not [s for s in said if "requests in flight" in s]
