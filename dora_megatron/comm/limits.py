@@ -99,7 +99,7 @@ class ConnectionWaits:
 
 #: requests in flight in one process above which ``dora train`` suggests ``rollout.client_workers``.
 #: WHY: each holds about 80 objects the garbage collector tracks, and a full collection scans them
-#: all with every thread of the process stopped: 0.3-0.6 s at 8,192 in the controller's process
+#: all with every thread of the process stopped: up to 0.6 s at 8,192 in the controller's process
 #: (``docs/results/controller_scale.md``), its loop stopped for the whole cluster meanwhile
 MANY_IN_FLIGHT = 4096
 #: kernel receive-buffer bytes one process's generate connections share (:attr:`ConnectionPlan.receive_buffer`):

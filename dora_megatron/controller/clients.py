@@ -50,7 +50,7 @@ def connection_plan(cfg: DoraConfig, instances: int, say: Callable[[str], None] 
             f"(connection_waits in summary.json): raise the hard open-files limit or set rollout.client_workers")
     if say is not None and plan.client_workers == 0 and plan.in_flight > MANY_IN_FLIGHT:
         say(f"warning: up to {plan.in_flight} requests in flight in the controller's own process; each full garbage "
-            f"collection scans all of them with its event loop stopped (0.3-0.6 s at 8,192): "
+            f"collection scans all of them with its event loop stopped (up to 0.6 s at 8,192): "
             f"rollout.client_workers={-(-plan.in_flight // MANY_IN_FLIGHT)} or more runs them in worker processes "
             f"(docs/results/controller_scale.md)")
     return plan
