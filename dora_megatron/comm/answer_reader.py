@@ -30,12 +30,18 @@ class AnswerReader:
         self.budget = ReceiveBudget(max_bytes)
         self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode-answers")
 
+    @staticmethod
+    def budgeted(size: int) -> bool:
+        """Whether an answer of ``size`` bytes (its Content-Length) is read under the budget: one of
+        at most :data:`~dora_megatron.comm.generate_codec.BIG_ANSWER_BYTES` is decoded on the loop
+        and never waits."""
+        return size > BIG_ANSWER_BYTES
+
     async def acquire(self, size: int) -> int:
-        """Wait until an answer of ``size`` bytes (its Content-Length) may be read; returns the
-        bytes granted, to be handed back to :meth:`release` once it is decoded. An answer of at
-        most :data:`~dora_megatron.comm.generate_codec.BIG_ANSWER_BYTES` is decoded on the loop
-        and never waits: 0. A cancelled wait takes nothing."""
-        if size <= BIG_ANSWER_BYTES:
+        """Wait until an answer of ``size`` bytes may be read; returns the bytes granted, to be
+        handed back to :meth:`release` once it is decoded (0 for one not :meth:`budgeted`). A
+        cancelled wait takes nothing."""
+        if not self.budgeted(size):
             return 0
         return await self.budget.acquire(size)
 

@@ -214,8 +214,9 @@ class EngineClient:
             async with asyncio.timeout(self.timeout_s if timeout_s is None else timeout_s) as bound:
                 async with self._http.session().request(method, url, json=json_body, data=data,
                                                         timeout=_NO_AIOHTTP_TIMEOUT, trace_request_ctx=queued) as resp:
-                    if reader is not None and resp.status < 400:
-                        held = await _untimed(bound, reader.acquire(resp.content_length or 0))
+                    size = resp.content_length or 0
+                    if reader is not None and resp.status < 400 and reader.budgeted(size):  # a small one never waits
+                        held = await _untimed(bound, reader.acquire(size))
                     # each piece as the socket gave it: a loop turn per piece, none proportional to the body
                     chunks = [chunk async for chunk in resp.content.iter_any()]
         except BaseException as exc:
