@@ -138,7 +138,7 @@ def end_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> Non
     the last process holding its pipe is gone. Forked children get it through
     :func:`os.register_at_fork`; spawned ``multiprocessing`` children call this with
     ``parent=`` the pid in :data:`PARENT_PID_ENV` when they import the main module
-    (``dora_megatron.trainer.entry``). ``parent``: the pid this process must outlive not (default:
+    (``dora_megatron.trainer.service``). ``parent``: the pid this process must outlive not (default:
     its parent now); when it is already gone the signal could never come, so the process ends at once."""
     setter = _pdeathsig_setter()
     if setter is None:

@@ -21,7 +21,7 @@ from dora_megatron.comm.train_sample import TrainSample, encode_train
 class PushOptions:
     """The fields of ``POST /push_weights`` that stay the same for every push of a run
     (``controller.weight_transport: distributed``); the launcher fills them from the config
-    (:func:`~dora_megatron.controller.build.push_options`). ``bucket_mb`` is ``controller.bucket_mb``
+    (:func:`~dora_megatron.controller.main.push_options`). ``bucket_mb`` is ``controller.bucket_mb``
     (no default of its own); the rest default to what the trainer chooses alone."""
 
     bucket_mb: float

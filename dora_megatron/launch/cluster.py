@@ -88,7 +88,7 @@ def _trainer_argv(cfg: "DoraConfig", model_dir: str, run_dir: str, nnodes: int, 
     return (
         sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node-rank={node_rank}",
         f"--nproc-per-node={nproc}", f"--master-addr={master}", f"--master-port={_port(c.torchrun_port, 'torchrun')}",
-        "-m", "dora_megatron.trainer.entry", "--run-dir", run_dir, "--model", model_dir,
+        "-m", "dora_megatron.trainer.service", "--run-dir", run_dir, "--model", model_dir,
         "--host", master, "--port", _port(c.trainer_service_port, "trainer_service"),
     )
 

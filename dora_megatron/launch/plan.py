@@ -58,7 +58,7 @@ def local_plan(cfg: "DoraConfig", model_dir: str, run_dir: str, base_port: int |
     nprocs = cfg.launch.trainer_procs
     trainer_argv = (
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}",
-        "-m", "dora_megatron.trainer.entry", "--run-dir", run_dir, "--model", model_dir,
+        "-m", "dora_megatron.trainer.service", "--run-dir", run_dir, "--model", model_dir,
     )
     plan.append(ProcessSpec("trainer", "trainer", host, trainer_argv, threads=cfg.launch.trainer_threads,
                             ranks=tuple(range(nprocs)), env=thread_env(cfg.launch.trainer_threads),

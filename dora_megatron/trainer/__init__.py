@@ -13,5 +13,5 @@ Modules:
 - ``parallel``: torch.distributed + Megatron ``parallel_state`` from ``TrainerConfig``.
 - ``hf_weights``: load HF safetensors into a model chunk; gather it back as HF tensors on rank 0.
 - ``logprobs``: vocab-parallel token log-probs and entropy.
-- ``entry`` / ``service``: the runtime's torchrun entry point and command service.
+- ``service``: the torchrun entry point of the trainer job: its ranks, the command service, the versioned worker.
 """

@@ -153,7 +153,7 @@ def _trainer_held(run_dir: Path, cwd: Path, job: str, until: str):
     steps_file = run_dir / "steps.jsonl"
     _wait(lambda: steps_file.exists() and steps_file.read_text().count("\n") >= 1, JOB_TIMEOUT_S,
           lambda: f"first step of job {job}:\n{_output(cwd, job)[-3000:]}")
-    trainer = _pids_of(run_dir, b"dora_megatron.trainer.entry")  # torchrun and its rank (own sessions)
+    trainer = _pids_of(run_dir, b"dora_megatron.trainer.service")  # torchrun and its rank (own sessions)
     assert len(trainer) == 2, (trainer, _output(cwd, job)[-3000:])
     for pid in trainer:
         os.kill(pid, signal.SIGSTOP)

@@ -193,7 +193,7 @@ class _FakeMegatron:
 
 def test_trainer_service_push_weights(engines, dirs):
     from dora_megatron.controller.trainer_client import TrainerClient, TrainerError
-    from dora_megatron.trainer.entry import VersionedWorker
+    from dora_megatron.trainer.service import VersionedWorker
     from dora_megatron.trainer.service import Command, TrainerService
 
     worker = VersionedWorker(_FakeMegatron(dirs[1]), dirs[1], rank=0)

@@ -12,8 +12,7 @@ import pytest
 
 from dora_megatron.config.base import ConfigError
 from dora_megatron.config.schema import load_config
-from dora_megatron.controller.build import Endpoints, build_controller
-from dora_megatron.controller.main import drive
+from dora_megatron.controller.main import Endpoints, build_controller, drive
 from dora_megatron.data.tokenizer import save_tokenizer
 
 from tests.helpers.runtime import ck_dir, make

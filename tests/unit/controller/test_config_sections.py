@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from dora_megatron.config.schema import DoraConfig, load_config
-from dora_megatron.controller.build import Endpoints, build_controller
+from dora_megatron.controller.main import Endpoints, build_controller
 from dora_megatron.controller.records import RunPaths
 from dora_megatron.controller.runtime import Runtime
 from dora_megatron.controller.trainer_client import PushOptions

@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 
 from dora_megatron.config.schema import load_config
-from dora_megatron.controller.build import Endpoints, build_controller
 from dora_megatron.controller.journal import JOURNAL, read_journal
-from dora_megatron.controller.main import drive
+from dora_megatron.controller.main import Endpoints, build_controller, drive
 from dora_megatron.data import tokenizer as tok
 
 from tests.helpers.runtime import ck_dir, make

@@ -94,7 +94,7 @@ def test_the_restart_point_skips_the_checkpoint_being_written_when_the_trainer_d
 
 
 def test_the_trainer_argv_loads_the_restart_point_instead_of_what_it_loaded_before():
-    base = ["python", "-m", "torch.distributed.run", "-m", "dora_megatron.trainer.entry", "--port", "9"]
+    base = ["python", "-m", "torch.distributed.run", "-m", "dora_megatron.trainer.service", "--port", "9"]
     resumed = trainer_argv(base + ["--resume", "/r/checkpoints/v000002/trainer"], Path("/r/checkpoints/v000004"))
     assert resumed == base + ["--resume", "/r/checkpoints/v000004/trainer"]
     assert trainer_argv(resumed, None) == base
@@ -153,7 +153,7 @@ def test_the_supervisor_reports_a_dead_trainer_process_as_lost(tmp_path):
 
 
 # A rank in miniature: ties itself to its parent, starts a ``multiprocessing`` spawn child (which
-# ties itself too when it imports the main module, as ``dora_megatron.trainer.entry`` does) and a
+# ties itself too when it imports the main module, as ``dora_megatron.trainer.service`` does) and a
 # fork child, prints their pids and the resource tracker's, then waits to be killed. The kill comes
 # at once, mostly before the spawn child has tied itself: it must then notice its parent is gone.
 RANK = '''

@@ -12,9 +12,8 @@ import pytest
 
 from dora_megatron.config.base import ConfigError
 from dora_megatron.config.schema import load_config
-from dora_megatron.controller.build import Endpoints, build_controller
 from dora_megatron.controller.journal import Journal, JournaledSample, read_journal
-from dora_megatron.controller.main import drive
+from dora_megatron.controller.main import Endpoints, build_controller, drive
 from dora_megatron.data import tokenizer as tok
 from dora_megatron.data.codec import CharCodec
 from dora_megatron.data.tasks import parse_running_sum_prompt, running_sum_answer

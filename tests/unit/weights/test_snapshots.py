@@ -90,7 +90,7 @@ def test_missing_config_is_an_error(tmp_path):
 
 
 def test_versioned_worker_export_snapshot_uses_atomic_writer(tmp_path, src):
-    from dora_megatron.trainer.entry import VersionedWorker
+    from dora_megatron.trainer.service import VersionedWorker
 
     class Fake:
         def export_hf_state_dict(self):
