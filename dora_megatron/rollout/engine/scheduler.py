@@ -17,7 +17,7 @@ Speculative decoding (``SchedulerLimits.speculative``): while
 :func:`~dora_megatron.rollout.speculation.should_speculate` allows it for the running batch, a
 decoding request feeds its last token plus a draft of up to ``spec_tokens`` tokens
 (:mod:`~dora_megatron.rollout.engine.drafter`) in the same ragged forward; the draft is verified
-by :func:`~dora_megatron.rollout.engine.sampler.verify_draft`, and the KV positions of rejected
+by :meth:`~dora_megatron.rollout.engine.speculator.Speculator.verify`, and the KV positions of rejected
 draft tokens are dropped again, so the invariant above holds after every step and the blocks a
 request reserved at admission still bound its cache (a draft never reaches past the request's
 remaining token budget).
@@ -34,14 +34,13 @@ import torch
 
 from dora_megatron.comm.protocol import ProtocolError, finish_abort, finish_length, finish_stop
 from dora_megatron.rollout.engine import export
-from dora_megatron.rollout.engine.drafter import propose_draft
 from dora_megatron.rollout.engine.kept_kv import KeptKV
 from dora_megatron.rollout.engine.kv_cache import BlockPool, RequestKV, blocks_for
 from dora_megatron.rollout.engine.model import CausalLM
 from dora_megatron.rollout.engine.request import DoneCallback, Request, SchedulerLimits, weight_version_spans
 from dora_megatron.rollout.engine.routing_trace import RoutingTrace, split_step_routing
 from dora_megatron.rollout.engine.sampled_dists import SampledDists
-from dora_megatron.rollout.engine.sampler import DraftLaw, make_generator, sample_token, verify_draft
+from dora_megatron.rollout.engine.sampler import DraftLaw, make_generator, sample_token
 from dora_megatron.rollout.engine.speculator import Drafter, SpecStats, Speculator
 
 __all__ = ["Request", "Scheduler", "SchedulerLimits", "weight_version_spans"]
@@ -51,7 +50,7 @@ log = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, model: CausalLM, limits: SchedulerLimits, weight_version: str = "0",
-                 drafter: Drafter = propose_draft) -> None:
+                 drafter: Drafter | None = None) -> None:
         self.model = model
         self.limits = limits
         self.max_context = int(limits.max_context or model.config.max_position_embeddings)
@@ -221,7 +220,7 @@ class Scheduler:
             row += len(draft) + 1
             try:
                 if draft:
-                    toks, lps = verify_draft(own, draft, r.params, r.generator, q)
+                    toks, lps = spec.verify(r, own, draft, q)
                 else:
                     tok, lp = sample_token(own[0], r.params, r.generator)
                     toks, lps = [tok], [lp]

@@ -7,7 +7,7 @@ keeps the siblings' sampled or scored distributions the drafts are drawn from
 (:mod:`.sampled_dists`, :mod:`.sibling_scores`), and counts what verification kept. The scheduler
 asks it at five points: a request arrives (:meth:`Speculator.attach`), a step is planned
 (:meth:`Speculator.should` and :meth:`Speculator.draft`), the logits are in
-(:meth:`Speculator.step_records`, :meth:`Speculator.verified`), a request finishes
+(:meth:`Speculator.step_records`, :meth:`Speculator.verify`, :meth:`Speculator.verified`), a request finishes
 (:meth:`Speculator.finished`) and the weights change (:meth:`Speculator.weights_changed`).
 """
 
@@ -25,7 +25,7 @@ from dora_megatron.rollout.engine.kv_cache import BlockPool, blocks_for
 from dora_megatron.rollout.engine.model import CausalLM
 from dora_megatron.rollout.engine.request import Request, SchedulerLimits
 from dora_megatron.rollout.engine.sampled_dists import RecordRows, SampledDists, SampledRecord, record_dists
-from dora_megatron.rollout.engine.sampler import DraftLaw
+from dora_megatron.rollout.engine.sampler import DraftLaw, verify_draft
 from dora_megatron.rollout.engine.sibling_scores import score_sources, scoring_lengths, top_dists
 from dora_megatron.rollout.speculation import observe_decode, observe_verify, plan_draft, should_speculate
 
@@ -69,13 +69,13 @@ class Speculator:
     only while it has the blocks) and the limits (``rollout.spec_*``)."""
 
     def __init__(self, model: CausalLM, limits: SchedulerLimits, pool: BlockPool, block_size: int,
-                 max_context: int, drafter: Drafter = propose_draft) -> None:
+                 max_context: int, drafter: Drafter | None = None) -> None:
         self.model = model
         self.limits = limits
         self.pool = pool
         self.block_size = block_size
         self.max_context = max_context
-        self.drafter = drafter
+        self.drafter: Drafter = drafter or propose_draft
         #: finished requests' sampled distributions, for their siblings' drafts: as many rows as the pool holds tokens
         self.sampled = SampledDists(pool.total * block_size)
         self.stats = SpecStats()
@@ -219,6 +219,13 @@ class Speculator:
                 if r.sampled is not None:
                     self.sampled.keep(seq, rec)
                 r.draft_dists[i] = record_dists(rec, seq, d.start)
+
+    def verify(self, r: Request, logits: torch.Tensor, draft: list[int], q: list[DraftLaw] | None
+               ) -> tuple[list[int], list[float]]:
+        """The tokens ``r`` yields for ``draft`` from its ``len(draft) + 1`` predicting rows of
+        ``logits`` (rejection sampling against the draft's law ``q``, greedy: the longest agreeing
+        prefix) and their log-probs."""
+        return verify_draft(logits, draft, r.params, r.generator, q)
 
     def verified(self, r: Request, draft: list[int], toks: list[int], kept: int) -> None:
         """A verify step of ``r`` kept ``kept`` of the tokens ``toks`` it yielded for ``draft``:
