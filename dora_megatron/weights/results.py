@@ -1,5 +1,5 @@
 """What a weight push reports: :class:`PushResult` on success, :class:`PushError` naming the engines
-that did not get the weights. Shared by every transport (distributed, disk, peer) so the trainer
+that did not get the weights. Shared by every transport (distributed, disk) so the trainer
 service and the controller read one shape whichever path moved the weights."""
 
 from __future__ import annotations

@@ -87,7 +87,7 @@ def check_resumed_run(run_dir: Path, n: int) -> tuple[dict, list[dict], dict[int
     # steps re-done after the checkpoint replaced the crashed lineage's records: each step once
     assert [json.loads(line)["step"] for line in (run_dir / "steps.jsonl").read_text().splitlines()] == list(range(n))
     if (run_dir / "tb").is_dir():
-        from dora_megatron.observability.tensorboard import read_scalar_tags
+        from tests.helpers.tensorboard_read import read_scalar_tags
 
         assert [step for step, _ in read_scalar_tags(run_dir / "tb")["reward/mean"]] == list(range(n))
     return summary, records, lineage, final_versions

@@ -105,7 +105,7 @@ def test_the_eval_set_is_answered_after_the_interval_and_at_the_end(job):
     (or newer) while the run trains, and one of the final weights; in ``eval.jsonl``,
     ``summary.json`` and TensorBoard at those steps."""
     from dora_megatron.observability.eval_metrics import pass_at_k
-    from dora_megatron.observability.tensorboard import read_scalar_tags
+    from tests.helpers.tensorboard_read import read_scalar_tags
 
     run_dir, out, _ = job
     summary = json.loads((run_dir / "summary.json").read_text())

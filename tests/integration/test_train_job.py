@@ -38,7 +38,7 @@ def test_short_dora_run(tmp_path):
     assert summary["throughput_tokens_per_s"] > 0
     assert 0 <= summary["rollout_only_fraction"] <= 1
     # TensorBoard scalars
-    from dora_megatron.observability.tensorboard import read_scalar_tags
+    from tests.helpers.tensorboard_read import read_scalar_tags
 
     tags = read_scalar_tags(run_dir / "tb")
     for tag in ("reward/mean", "response_length/p50", "response_length/p99", "perf/throughput_tokens_per_s",
@@ -67,7 +67,8 @@ def test_short_dora_run(tmp_path):
     assert (run_dir / "timeline.png").read_bytes()[:4] == b"\x89PNG"
     assert (run_dir / "overview.png").read_bytes()[:4] == b"\x89PNG"
     # the held-out rates on the reward charts' step axis, and the CUSTOM SCALARS layout that shows them
-    from dora_megatron.observability.tensorboard import DORA_LAYOUT, HELDOUT_TAG, read_layout
+    from dora_megatron.observability.tensorboard import DORA_LAYOUT, HELDOUT_TAG
+    from tests.helpers.tensorboard_read import read_layout
 
     assert [s for s, _ in tags[HELDOUT_TAG]] == [0, 4]
     assert list(read_layout(run_dir / "tb")) == list(DORA_LAYOUT)

@@ -19,6 +19,7 @@ from dora_megatron.comm.engine_client import EngineClient, EngineError
 from dora_megatron.comm.checksum import weights_checksum
 from dora_megatron.ports import free_port
 from dora_megatron.weights.transport import PushError, push_disk, push_distributed
+from tests.helpers.engine_logits import full_logits
 
 pytestmark = pytest.mark.integration
 
@@ -71,7 +72,7 @@ def _reference(model_dir: str, output_ids: list[int]) -> tuple[torch.Tensor, lis
     """Log-probs of ``output_ids`` and the greedy choices under the weights of ``model_dir``."""
     from dora_megatron.rollout.engine.model import load_model
 
-    logits = load_model(model_dir).full_logits(PROMPT + output_ids)
+    logits = full_logits(load_model(model_dir), PROMPT + output_ids)
     logp = torch.log_softmax(logits, dim=-1)
     pos = torch.arange(len(PROMPT) - 1, len(PROMPT) + len(output_ids) - 1)
     return logp[pos, torch.tensor(output_ids)], logp[pos].argmax(dim=-1).tolist()

@@ -405,9 +405,13 @@ def _shell_var(path: str, name: str) -> str:
 def test_the_numbers_and_versions_design_states_are_the_codes():
     """Each number or version docs/design.md states that the code holds, read from the code: the
     port ranges, the descriptor reserve and control connections, the back-off, the class-size
-    bound, the speculation constants, the workflow's failures in a row, the config defaults it
-    names, the pinned versions and CI's pytest-xdist options."""
+    bound, the speculation constants, the workflow's failures in a row, the answer reader's budget and
+    the kernel receive buffers, the run's-end cancel batch, the config defaults it names, the pinned
+    versions and CI's pytest-xdist options."""
     from dora_megatron.comm import limits
+    from dora_megatron.comm.generate_codec import BIG_ANSWER_BYTES
+    from dora_megatron.comm.receive_budget import RECEIVE_BUDGET_BYTES
+    from dora_megatron.controller.shutdown import CANCEL_BATCH
     from dora_megatron.config.rollout import RolloutConfig
     from dora_megatron.config.trainer import TrainerConfig
     from dora_megatron.controller.errors import LOCAL_RETRY_S
@@ -431,6 +435,12 @@ def test_the_numbers_and_versions_design_states_are_the_codes():
         f"`min(slots, share - {limits.CONTROL_CONNECTIONS})` generate connections",
         f"({first_ms * 1000:g} ms doubling to {last_s:g} s;",
         f"over {MAX_LINES} lines or {MAX_METHODS} methods",
+        f"a `/generate` answer above {BIG_ANSWER_BYTES >> 10} KiB (`comm/generate_codec.py::BIG_ANSWER_BYTES`)",
+        f"{RECEIVE_BUDGET_BYTES >> 20} MiB, first come first served",
+        f"the process's share of {limits.KERNEL_RECEIVE_BYTES >> 20} MiB as the kernel charges it",
+        f"(at least {limits.MIN_RECEIVE_BUFFER >> 10} KiB set, {limits.MIN_RECEIVE_BUFFER >> 9} KiB charged;",
+        f"where the share is {limits.AUTOTUNED_RECEIVE_BUFFER >> 20} MiB or more",
+        f"a batch of {CANCEL_BATCH} per loop turn",
         f"({drafter.MAX_NGRAM} down to {drafter.MIN_NGRAM} tokens)",
         f"every n from {drafter.MIN_NGRAM} to {drafter.MAX_NGRAM} that matches",
         f"forwards of at most {sibling_scores.SCORE_CHUNK_TOKENS:,} tokens",

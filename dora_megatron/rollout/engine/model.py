@@ -485,16 +485,6 @@ class CausalLM(nn.Module):
             return KVShape(c.num_layers, 1, mla_cache_width(c), block_size, p.dtype, p.device)
         return KVShape(c.num_layers, c.num_kv_heads, c.head_dim, block_size, p.dtype, p.device)
 
-    @torch.inference_mode()
-    def full_logits(self, token_ids: Sequence[int], block_size: int = 16) -> torch.Tensor:
-        """Logits for every position of one sequence (used by parity checks and tests)."""
-        kv = RequestKV(self.kv_shape(block_size))
-        kv.ensure_capacity(len(token_ids))
-        dev = self.model.embed_tokens.weight.device
-        ids = torch.tensor(list(token_ids), dtype=torch.long, device=dev)
-        pos = torch.arange(len(token_ids), device=dev)
-        return self.logits(self.forward_segments(ids, pos, [(kv, len(token_ids))])).float()
-
 
 def load_model(model_dir: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> CausalLM:
     """Build :class:`CausalLM` from an HF directory (config.json + safetensors)."""

@@ -19,6 +19,7 @@ from dora_megatron.models import hf_config
 from dora_megatron.models.hf_model_dir import check_model_dir
 from dora_megatron.rollout.engine.model import load_model
 from tests.helpers import hf_dirs
+from tests.helpers.engine_logits import full_logits
 
 transformers = pytest.importorskip("transformers")
 
@@ -48,7 +49,7 @@ def test_engine_logits_equal_transformers(dirs, name):
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()
     assert ref.std() > 0.3  # the layers matter, not just embedding -> head
-    torch.testing.assert_close(load_model(str(dirs[name])).full_logits(ids), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(full_logits(load_model(str(dirs[name])), ids), ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["moe", "dense"])

@@ -8,6 +8,7 @@ import torch
 from dora_megatron.models import hf_model_dir
 from dora_megatron.rollout.engine.kv_cache import RequestKV
 from dora_megatron.rollout.engine.model import load_model
+from tests.helpers.engine_logits import full_logits
 
 transformers = pytest.importorskip("transformers")
 
@@ -23,7 +24,7 @@ def test_logits_match_transformers(request, which, cls):
     ids = torch.randint(3, 98, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()
-    got = ours.full_logits(ids)
+    got = full_logits(ours, ids)
     assert ref.std() > 0.5  # the layers matter, not just embedding -> head
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
@@ -43,13 +44,13 @@ def test_all_experts_path_matches_transformers_and_follows_weight_updates(moe_di
     assert all(len(ids) <= m.all_experts_max_tokens for m in _moe_layers(ours))
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()
-    before = ours.full_logits(ids)
+    before = full_logits(ours, ids)
     torch.testing.assert_close(before, ref, rtol=1e-5, atol=1e-5)
     ours.load_weights({k: -1.5 * v for k, v in ours.state_dict().items() if ".mlp.experts." in k and ".layers.1." in k})
-    after = ours.full_logits(ids)
+    after = full_logits(ours, ids)
     for m in _moe_layers(ours):
         m.all_experts_max_tokens = 0  # the per-expert path reads the parameters
-    per_expert = ours.full_logits(ids)
+    per_expert = full_logits(ours, ids)
     assert (per_expert - before).abs().max() > 1e-2  # the update matters to the output
     torch.testing.assert_close(after, per_expert, rtol=1e-5, atol=1e-5)
 
@@ -85,12 +86,12 @@ def test_tied_embeddings_and_attention_bias_match_transformers(tmp_path):
     ids = list(range(3, 40))
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()
-    torch.testing.assert_close(load_model(str(tmp_path)).full_logits(ids), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(full_logits(load_model(str(tmp_path)), ids), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_incremental_decode_matches_full_forward(moe_model):
     ids = torch.randint(3, 98, (30,), generator=torch.Generator().manual_seed(2)).tolist()
-    full = moe_model.full_logits(ids)
+    full = full_logits(moe_model, ids)
     kv = RequestKV(moe_model.kv_shape(16))
     rows = []
     with torch.inference_mode():
@@ -116,8 +117,8 @@ def test_ragged_batch_equals_separate_sequences(moe_model):
             torch.tensor(a + b), torch.tensor(list(range(len(a))) + list(range(len(b)))), [(kva, len(a)), (kvb, len(b))]
         )
         logits = moe_model.logits(h)
-    torch.testing.assert_close(logits[: len(a)], moe_model.full_logits(a), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(logits[len(a) :], moe_model.full_logits(b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits[: len(a)], full_logits(moe_model, a), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits[len(a) :], full_logits(moe_model, b), rtol=1e-5, atol=1e-5)
 
 
 def test_reads_what_transformers_saves(moe_dir, tmp_path):
@@ -173,7 +174,7 @@ def test_other_families_match_transformers(tmp_path, family, moe_module):
         with torch.no_grad():
             ref = hf(torch.tensor([ids])).logits[0].float()
         assert ref.std() > 0.3
-        torch.testing.assert_close(ours.full_logits(ids), ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(full_logits(ours, ids), ref, rtol=1e-5, atol=1e-5)
     # in bf16, every tensor has the dtype transformers gives it (GLM-4.5's router stays fp32)
     hf16 = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     theirs = {**dict(hf16.named_parameters()), **dict(hf16.named_buffers())}
@@ -232,7 +233,7 @@ def test_multi_token_prediction_layers_are_skipped_as_transformers_skips_them(tm
     with caplog.at_level(logging.INFO, logger="dora_megatron.rollout.engine.model"):
         ours = load_model(str(model_dir))
     assert "skipping 3 tensors of multi-token-prediction layers (num_nextn_predict_layers=1)" in caplog.text
-    torch.testing.assert_close(ours.full_logits(ids), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(full_logits(ours, ids), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_mla_with_yarn_matches_transformers(tmp_path):
@@ -249,7 +250,7 @@ def test_mla_with_yarn_matches_transformers(tmp_path):
         with torch.no_grad():
             ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()(torch.tensor([ids])).logits[0]
         logits[name] = ref
-        torch.testing.assert_close(load_model(str(model_dir)).full_logits(ids), ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(full_logits(load_model(str(model_dir)), ids), ref, rtol=1e-5, atol=1e-5)
     assert (logits["yarn"] - logits["plain"]).abs().max() > 1e-2
 
 
@@ -272,10 +273,10 @@ def test_scaled_rope_matches_transformers_and_the_trainer_takes_only_yarn(tmp_pa
     ids = list(range(3, 43))  # past original_max_position_embeddings
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()
-    torch.testing.assert_close(ours.full_logits(ids), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(full_logits(ours, ids), ref, rtol=1e-5, atol=1e-5)
     cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
     hf_model_dir.save_model_dir(tmp_path / "plain", cfg, hf_model_dir.random_state_dict(cfg, 4))
-    assert (load_model(str(tmp_path / "plain")).full_logits(ids) - ref).abs().max() > 1e-3  # the scaling mattered
+    assert (full_logits(load_model(str(tmp_path / "plain")), ids) - ref).abs().max() > 1e-3  # the scaling mattered
     assert check_model_dir(tmp_path, need_tokenizer=False, engine_only=True) == []
     if rope["rope_type"] == "yarn":
         assert check_model_dir(tmp_path, need_tokenizer=False) == []

@@ -22,6 +22,7 @@ from dora_megatron.rollout.engine.sampler import (accept_or_resample, accept_or_
 from dora_megatron.rollout.engine.scheduler import Request, Scheduler, SchedulerLimits
 from dora_megatron.rollout.speculation import speculation_summary
 from tests.helpers.stats import chi2_sf, gof_pvalue
+from tests.helpers.engine_logits import full_logits
 
 
 # ---- the acceptance rule as a pure function --------------------------------------------------
@@ -729,7 +730,7 @@ def test_scored_sibling_distributions_are_the_models_own(moe_model):
         chunked, _ = score_sources(moe_model, kv, prompt, sources, params, top_k=4, chunk_tokens=7)
         assert computed == sum(len(src) for src in sources)
         for (seq, start), d, c in zip([sibling_context(prompt, src) for src in sources], dists, chunked):
-            full = moe_model.full_logits(seq)[start:]  # row j: after seq[start + j]
+            full = full_logits(moe_model, seq)[start:]  # row j: after seq[start + j]
             assert d.ids.shape == (len(seq) - start, 4) and d.start == start
             assert torch.equal(c.ids, d.ids) and torch.allclose(c.probs, d.probs, atol=1e-5)
             for row, ids, probs in zip(full, d.ids, d.probs):
@@ -812,7 +813,7 @@ def test_a_retracted_request_keeps_recording_its_tokens(moe_model):
         s.step()
     seq = prompt + req.output_ids
     kept = s.sampled.source_dists(prompt, sibling_source(prompt, seq))
-    full = torch.softmax(moe_model.full_logits(seq)[len(prompt) - 1 : -1].float(), -1)
+    full = torch.softmax(full_logits(moe_model, seq)[len(prompt) - 1 : -1].float(), -1)
     rows = _dense(kept, moe_model.config.vocab_size)[2:-1]  # after the last prompt token .. the last but one
     assert rows.shape[0] == 14
     top = full.topk(32, dim=-1)
@@ -839,7 +840,7 @@ def test_each_recording_request_of_a_batch_gets_its_own_rows(moe_model):
     for req, temp in ((drafting, 0.8), (plain, 1.0)):
         seq = req.prompt_ids + req.output_ids
         kept = s.sampled.source_dists(req.prompt_ids, sibling_source(req.prompt_ids, seq))
-        full = torch.softmax(moe_model.full_logits(seq)[len(req.prompt_ids) - 1 : -1].float() / temp, -1)
+        full = torch.softmax(full_logits(moe_model, seq)[len(req.prompt_ids) - 1 : -1].float() / temp, -1)
         rows = _dense(kept, moe_model.config.vocab_size)[2:-1]
         assert rows.shape[0] == 14
         top = full.topk(32, dim=-1)

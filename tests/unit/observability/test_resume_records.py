@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 
 from dora_megatron.controller.outputs import drop_steps_from
-from dora_megatron.observability.tensorboard import TensorBoardWriter, read_scalar_tags
+from dora_megatron.observability.tensorboard import TensorBoardWriter
+from tests.helpers.tensorboard_read import read_scalar_tags
 
 
 def test_steps_after_the_checkpoint_are_dropped_from_steps_jsonl(tmp_path):

@@ -9,8 +9,8 @@ import pytest
 from dora_megatron.observability.eval_metrics import EVAL_TAGS, eval_scalars, round_metrics
 from dora_megatron.observability.recorder import STEP_KEYS, MetricsRecorder
 from dora_megatron.observability.trajectories import TrajectoryStats
-from dora_megatron.observability.tensorboard import (
-    DORA_LAYOUT, HELDOUT_TAG, TensorBoardWriter, read_layout, read_scalar_tags, write_heldout)
+from dora_megatron.observability.tensorboard import DORA_LAYOUT, HELDOUT_TAG, TensorBoardWriter, write_heldout
+from tests.helpers.tensorboard_read import read_layout, read_scalar_tags
 
 
 def _run(logdir, steps=3):

@@ -16,6 +16,7 @@ from dora_megatron.models.hf_model_dir import check_model_dir, load_state_dict, 
 from dora_megatron.rollout.engine.model import load_model
 from dora_megatron.trainer.hf_weights import read_hf_safetensors
 from dora_megatron.weights.snapshots import write_snapshot
+from tests.helpers.engine_logits import full_logits
 from tests.helpers.hf_dirs import fp8_quantize, save_family, save_fp8
 
 FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [8, 8]}
@@ -71,7 +72,7 @@ def test_the_engine_serves_an_fp8_checkpoint_with_transformers_logits(deepseek):
     with torch.no_grad():
         theirs = transformers.AutoModelForCausalLM.from_pretrained(fp8_dir, dtype=torch.float32).eval()(ids).logits[0]
         unquantized = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()(ids).logits[0]
-        ours = load_model(str(fp8_dir)).full_logits(ids[0].tolist())
+        ours = full_logits(load_model(str(fp8_dir)), ids[0].tolist())
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
     assert (theirs - unquantized).abs().max() > 1e-3  # the quantization is there to see
 
