@@ -55,13 +55,15 @@ def main(argv: list[str] | None = None) -> int:
             "throughput_tokens_per_s": s["throughput_tokens_per_s"], "rollout_only_fraction": s["rollout_only_fraction"],
             "rollout_utilization": s["rollout_utilization"], "staleness_histogram": s["staleness_histogram"],
             "c1": s["c1_violations"], "c3": s["c3_violations"], "lost": s["lost_groups"], "dup": s["duplicated_groups"],
+            # the simulator's own check of every batch, beside the orchestrator's counts
+            "sim_c3": x["sim_checks"]["c3_violations"], "sim_lost": x["sim_checks"]["lost_groups"],
             "deadlock": x["deadlock"],
         }
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     cols = ["config", "accelerators", "instances", "steps", "samples_per_step", "sim_wall_s_per_step",
             "orch_wall_s_per_step", "orch_wall_ms_per_rebalance", "orch_max_call_ms", "rebalances",
-            "throughput_tokens_per_s", "rollout_only_fraction", "rollout_utilization", "c1", "c3", "lost", "dup"]
+            "throughput_tokens_per_s", "rollout_only_fraction", "rollout_utilization", "c1", "c3", "lost", "dup", "sim_c3", "sim_lost"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:

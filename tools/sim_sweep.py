@@ -58,6 +58,8 @@ def _one(job: tuple[str, str, str, list[str]]) -> tuple[str, str, dict]:
         "rollout_only": s["rollout_only_fraction"], "utilization": s["rollout_utilization"],
         "bound": bound_report(cfg, s["throughput_tokens_per_s"]), "sim_cpu_s": res.extra["sim_cpu_s"],
         "checks": [s["lost_groups"], s["duplicated_groups"], s["c3_violations"], res.extra["deadlock"]],
+        # the simulator's own check of every batch, beside the orchestrator's counts above
+        "sim_checks": res.extra["sim_checks"],
     }
 
 

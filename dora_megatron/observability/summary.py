@@ -15,8 +15,9 @@ writes the file with :func:`write_summary`.
 
 Rate metrics are computed over a *measurement window*: the steps with index >= ``warmup_steps``
 (the paper averages steps after warm-up). The window's wall time runs from the end of the last
-warm-up step (or time 0) to the end of the last step. Counting fields (dispatched, consumed,
-duplicated, violations, histogram) always cover the whole run.
+warm-up step (or time 0) to the end of the last step. Counting fields (dispatched, consumed, lost,
+duplicated, violations, histogram, migrations, migrated KV bytes, re-prefilled tokens) always cover
+the whole run, and both drivers take them from the same place (:meth:`RunTotals.of_orchestrator`).
 """
 
 from __future__ import annotations
@@ -87,7 +88,9 @@ class RunTotals:
     @classmethod
     def of_orchestrator(cls, osum: Mapping[str, Any], **driver: Any) -> "RunTotals":
         """The orchestrator's counters (``Orchestrator.summary()``) under their summary names;
-        ``driver``: the fields the driver counts itself (migrated bytes, the simulator's own checks)."""
+        ``driver``: the fields the driver counts itself (``migrated_kv_bytes``: the KV bytes its
+        migrations moved over the whole run). Both drivers pass exactly these; the simulator's own
+        checks are fields of its own result, not totals here."""
         keys = ("dispatched_groups", "consumed_groups", "lost_groups", "c1_violations", "c3_violations",
                 "migrations", "reprefill_tokens")
         return cls(**{**{k: osum[k] for k in keys}, **driver})

@@ -337,13 +337,14 @@ class Orchestrator:
         return self.index.lost_groups()
 
     def summary(self) -> dict[str, Any]:
-        """Counters under the summary.json names (DESIGN section 11)."""
+        """Counters under the summary.json names (DESIGN section 11) where they are summary fields,
+        and the orchestrator's own counts beside them."""
         c = self.counters
         return {
             "mode": self.policy.name, "max_staleness": self.S, "tbs": self.tbs, "rbs": self.policy.rbs,
             "steps": self.next_step, "dispatched_groups": c.dispatched_groups,
             "consumed_groups": c.consumed_groups, "lost_groups": self.audit(),
-            "duplicated_groups": c.duplicated_groups, "c1_violations": c.c1_violations,
+            "duplicate_releases": c.duplicate_releases, "c1_violations": c.c1_violations,
             "c3_violations": c.c3_violations, "max_consumed_staleness": c.max_consumed_staleness,
             "staleness_histogram": {str(k): v for k, v in sorted(c.staleness_histogram.items())},
             "migrations": c.migrations, "reprefill_tokens": c.reprefill_tokens,
@@ -434,7 +435,7 @@ class Orchestrator:
             for gid in ids:
                 g = self.groups.get(gid)
                 if g is None or g.consumed_step is not None:  # consumed before (and forgotten)
-                    c.duplicated_groups += 1
+                    c.duplicate_releases += 1
                     continue
                 g.consumed_step = step
                 ix.consume(g)

@@ -21,11 +21,15 @@ from dora_megatron.types import Group, Instance, Sample
 
 @dataclasses.dataclass
 class Counters:
-    """Run counters; names match the summary.json fields (DESIGN section 11)."""
+    """Run counters; a counter that is a summary.json field (DESIGN section 11) has its name."""
 
     dispatched_groups: int = 0
     consumed_groups: int = 0
-    duplicated_groups: int = 0
+    #: groups a batch selection listed again after their consumption (select_batch offers only
+    #: unconsumed ones, so never expected). Not the summary's ``duplicated_groups``, which counts
+    #: groups trained twice over the step records, a resumed run's included
+    #: (``observability/summary.py::duplicated_groups``); hence a name of its own.
+    duplicate_releases: int = 0
     c1_violations: int = 0
     c3_violations: int = 0
     max_consumed_staleness: int = 0

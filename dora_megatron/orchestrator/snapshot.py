@@ -16,8 +16,9 @@ from dora_megatron.orchestrator.host import RuleHost
 from dora_megatron.orchestrator.index import PoolIndex
 from dora_megatron.types import PENDING, WAITING, Group, Instance, Sample
 
-# 2: consumed groups are not in the snapshot; per-version counts are (1: every group ever made)
-SNAPSHOT_FORMAT = 2
+# 3: the counter duplicated_groups is named duplicate_releases (2: consumed groups are not in the
+# snapshot, per-version counts are; 1: every group ever made)
+SNAPSHOT_FORMAT = 3
 # The snapshot reads the records' fields directly (what ``dataclasses.asdict`` gives, at a fraction
 # of its cost: asdict deep-copies field by field, ~0.5 s for the 4,096 instances and 16k samples of
 # a large pool, all in the one loop turn of a checkpoint). Every field is an immutable value except

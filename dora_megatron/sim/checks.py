@@ -43,7 +43,7 @@ class ReleaseChecks:
 
     def release(self, a: ReleaseBatch, groups: dict[str, GroupState], trainer_busy: bool) -> list[GroupState]:
         """Marks the groups of ``a`` consumed; returns those consumed for the first time (a group
-        released twice is the orchestrator's ``duplicated_groups``). Raises on a batch a trainer
+        released twice is counted over the step records: ``observability.summary.duplicated_groups``). Raises on a batch a trainer
         would refuse."""
         if trainer_busy:
             raise SimProtocolError(f"batch {a.step} released while the trainer is busy")

@@ -141,10 +141,17 @@ class Simulation:
         self._busy_seen = 0.0  # the instance models' busy slot-seconds already reported
         self.series = step_series()  # the plots' data (sim/report.py)
         self.checks = ReleaseChecks(cfg.sim.steps, self.ocfg.tbs, self.S)
-        self.migrations = 0
+        # the summary's migrations / reprefill_tokens are the orchestrator's counters, as in dora
+        # train; these are the simulator's own records of what its instances did
+        self.migrations_in_window = 0  # moves carried out inside the measurement window
+        self.migration_s_in_window = 0.0  # request-seconds in KV transfer inside the window (migration_fraction)
+        #: KV bytes moved by Migrate actions over the whole run (dora train's Migrations.migrated_bytes)
         self.migrated_bytes = 0.0
-        self.migration_s = 0.0
-        self.reprefill_tokens = 0
+        self.elastic_kv_bytes = 0.0  # KV carried back with requests of departed elastic instances (no Migrate)
+        #: tokens the simulated instances prefilled again (resumed requests, moves by re-prefill, next
+        #: turns placed on another instance), whole run; the orchestrator's reprefill_tokens does not
+        #: see a next turn's prefill
+        self.sim_reprefill_tokens = 0
         self.switch_s_total = 0.0  # instance-seconds spent loading weights (window)
         self.dual_switches = 0  # SwitchVersion actions that kept the old version's tail
         self.profile = OrchestratorProfile()
@@ -251,7 +258,7 @@ class Simulation:
         else:
             prefill = req.context
             if req.generated > 0:
-                self.reprefill_tokens += prefill
+                self.sim_reprefill_tokens += prefill
             self._place(req, inst, prefill)
             self._touch(inst)
 
@@ -271,7 +278,7 @@ class Simulation:
             prefill = self.cfg.workload.tool_result_tokens
         else:
             prefill = req.context
-            self.reprefill_tokens += prefill
+            self.sim_reprefill_tokens += prefill
         self._sync(inst)
         self._place(req, inst, prefill)
         self._touch(inst)
@@ -279,10 +286,14 @@ class Simulation:
     def _start_transfer(self, req: SimRequest, dst: SimInstance, counted_as_migration: bool = True) -> None:
         dt = kv_transfer_s(self.cost, req.context) + (self._rebalance_overhead_s if counted_as_migration else 0.0)
         self.transit[req.sample_id] = (req, dst.iid)
+        moved = req.context * self.cost.kv_bytes_per_token
+        if counted_as_migration:
+            self.migrated_bytes += moved  # over the whole run, as dora train counts an exported request's KV
+        else:
+            self.elastic_kv_bytes += moved
         if self._in_window():
-            self.migrations += 1 if counted_as_migration else 0
-            self.migrated_bytes += req.context * self.cost.kv_bytes_per_token
-            self.migration_s += dt
+            self.migrations_in_window += 1 if counted_as_migration else 0
+            self.migration_s_in_window += dt
         self.q.push(self.q.now + dt, ARRIVE, req.sample_id)
 
     def _take(self, sid: str, iid: str) -> SimRequest | None:
@@ -316,10 +327,10 @@ class Simulation:
         if self.cost.reprefill_on_migrate or req.generated == 0:
             prefill = req.context
             if req.generated > 0:
-                self.reprefill_tokens += prefill
+                self.sim_reprefill_tokens += prefill
                 self._note(MigrationDone(a.sample_id, prefill))
             if self._in_window():
-                self.migrations += 1
+                self.migrations_in_window += 1
             self._sync(dst)
             self._place(req, dst, prefill)
             self._touch(dst)
@@ -478,12 +489,13 @@ class Simulation:
         # the trainer pushes (or swaps roles) after computing: the step's last sync_s seconds
         self.metrics.trainer_sync(now - cur["sync_s"], now)
         busy = sum(inst.occupied_slot_s(now) for inst in self.instances.values())
+        oc = self.orch.counters  # the run totals so far, as dora train's step record takes them
         self.metrics.busy_slot_seconds(busy - self._busy_seen)
         self._busy_seen = busy
         self.metrics.step_trained(step, end_s=now, wait_s=cur["wait_s"], train_s=cur["train_s"], tokens=cur["tokens"],
                                   staleness=cur["staleness"], rewards=(), response_lengths=cur["lengths"],
-                                  live_versions=len(self.orch.live_versions()), migrations=self.migrations,
-                                  migrated_kv_bytes=self.migrated_bytes, reprefill_tokens=self.reprefill_tokens,
+                                  live_versions=len(self.orch.live_versions()), migrations=oc.migrations,
+                                  migrated_kv_bytes=self.migrated_bytes, reprefill_tokens=oc.reprefill_tokens,
                                   groups=cur["groups"], versions=cur["versions"])
         append_step(self.series, step, now, now - self._last_step_end, cur, len(self.orch.live_versions()),
                     self.orch.instances_by_version())
@@ -516,7 +528,7 @@ class Simulation:
         self.window_start = now
         self._busy_seen = 0.0  # the instance models count from the window's start on
         self.switch_s_total = 0.0
-        self.migration_s = 0.0
+        self.migration_s_in_window = 0.0
         for inst in self.instances.values():
             inst.busy_slot_s = 0.0
             inst.window_start = now

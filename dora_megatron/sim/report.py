@@ -142,10 +142,11 @@ class _Run(Protocol):
     rollout_ids: list[str]
     window_start: float | None
     deadlock: bool
-    migrations: int
+    migrations_in_window: int
     migrated_bytes: float
-    migration_s: float
-    reprefill_tokens: int
+    elastic_kv_bytes: float
+    migration_s_in_window: float
+    sim_reprefill_tokens: int
     switch_s_total: float
     dual_switches: int
     series: dict[str, list[Any]]
@@ -161,12 +162,11 @@ def build_result(sim: _Run, end: float, cpu_s: float) -> SimResult:
     window_start = sim.window_start if sim.window_start is not None else 0.0
     n_roll = len(sim.rollout_ids)
     span = max(1e-9, wall - window_start)
-    # the orchestrator's counts, as dora train's summary takes them, with the simulator's own
-    # checks added (it sees every request, so it counts lost work and C3 independently)
-    totals = RunTotals.of_orchestrator(
-        sim.orch.summary(), lost_groups=sim.checks.lost + sim.orch.audit(),
-        c3_violations=max(oc.c3_violations, sim.checks.c3), migrations=sim.migrations,
-        migrated_kv_bytes=sim.migrated_bytes, reprefill_tokens=sim.reprefill_tokens)
+    # exactly the totals dora train passes (controller/summary.py::run_summary): the orchestrator's
+    # counters, and the KV bytes the driver moved over the whole run. The simulator's independent
+    # checks (it sees every request) are their own fields (extra["sim_checks"]), never folded in here,
+    # so a shared field means the same count whichever driver wrote it.
+    totals = RunTotals.of_orchestrator(sim.orch.summary(), migrated_kv_bytes=sim.migrated_bytes)
     summary = sim.metrics.summary(mode=sim.mode, max_staleness=sim.S, tbs=sim.ocfg.tbs,
                                   rbs=sim.orch.policy.rbs, totals=totals, wall_time_s=wall)
     n_steps = max(1, len(rows))
@@ -199,9 +199,15 @@ def build_result(sim: _Run, end: float, cpu_s: float) -> SimResult:
         "dual_switches": sim.dual_switches,
         "dual_weight_instance_s": sum(i.dual_s + ((end - i.tail_since) if i.tail_version is not None else 0.0)
                                       for i in sim.instances.values()),
-        "migration_fraction": sim.migration_s / (max(1, n_roll) * sim.slot_cap * span),
+        # the window's moves and their transfer time (the summary's migrations: the orchestrator's, whole run)
+        "migrations_in_window": sim.migrations_in_window,
+        "migration_fraction": sim.migration_s_in_window / (max(1, n_roll) * sim.slot_cap * span),
+        "elastic_kv_bytes": sim.elastic_kv_bytes,
+        "sim_reprefill_tokens": sim.sim_reprefill_tokens,
         "slot_cap": sim.slot_cap,
-        "sim_checks": {"c3": sim.checks.c3, "lost": sim.checks.lost},
+        # the simulator's own check of every released batch (sim/checks.py), independent of the
+        # orchestrator's lost_groups / c3_violations in the summary
+        "sim_checks": {"lost_groups": sim.checks.lost, "c3_violations": sim.checks.c3},
         "mean_response_tokens": (sum(sim.series["mean_response_tokens"]) / n_steps) if rows else None,
         "speculation": speculation_report(sim.decode_model, cfg, sim.instances.values()),
     }

@@ -84,7 +84,7 @@ def test_an_older_controller_json_layout_is_refused_naming_its_file(tmp_path):
     with pytest.raises(ValueError) as err:
         _build(tmp_path, ck)
     assert str(err.value) == (f"{ck / 'controller.json'}: orchestrator snapshot format 1 is not supported "
-                              "(this version reads format 2 only)")
+                              "(this version reads format 3 only)")
 
 
 def test_an_entry_without_the_tokens_is_refused_without_blaming_an_older_dora(tmp_path):

@@ -287,5 +287,5 @@ class Driver:
             raise ContractViolation("counters disagree with the ledger")
         if mode != "partial" and summ["c1_violations"]:
             raise ContractViolation("orchestrator counted C1 violations")
-        if summ["c3_violations"] or summ["duplicated_groups"]:
+        if summ["c3_violations"] or summ["duplicate_releases"]:
             raise ContractViolation("orchestrator counted C3 violations / duplicates")

@@ -466,7 +466,7 @@ def test_consumed_groups_are_forgotten_and_late_reports_are_harmless():
     assert h.o.counters.ignored_events == ignored + 1
     h.o.set_prompt_tokens(batch.group_ids[0], 10)  # late: ignored, no KeyError
     s = h.o.summary()
-    assert s["consumed_groups"] == 2 and s["lost_groups"] == 0 and s["duplicated_groups"] == 0
+    assert s["consumed_groups"] == 2 and s["lost_groups"] == 0 and s["duplicate_releases"] == 0
     clone = Orchestrator.restore(h.cfg, snap)
     assert clone.summary() == s
     assert clone.on_step_finished(1) == h.o.on_step_finished(1)
@@ -477,7 +477,7 @@ def test_a_snapshot_of_another_format_is_refused_naming_it():
     h = Harness(mode="dora")
     snap = json.loads(json.dumps(h.o.snapshot()))
     assert Orchestrator.restore(h.cfg, snap).summary() == h.o.summary()
-    for fmt in (1, 99):
+    for fmt in (1, 2, 99):  # 2: the counter duplicate_releases was named duplicated_groups
         with pytest.raises(ValueError, match=f"format {fmt} is not supported"):
             Orchestrator.restore(h.cfg, {**snap, "format": fmt})
 

@@ -8,7 +8,7 @@ from dora_megatron.config.base import ConfigError
 from dora_megatron.config.sim import load_sim_config
 from dora_megatron.sim.engine import Simulation, simulate
 from dora_megatron.observability.summary import SUMMARY_FIELDS
-from tests.helpers.sim import FAST, TINY, assert_run_invariants
+from tests.helpers.sim import FAST, TINY, assert_run_invariants, assert_sim_checks_clean
 
 
 def _cfg(mode, *extra):
@@ -57,13 +57,15 @@ batch is complete whenever a step ends (the case where a batch after the last on
     assert len(consumed) == 5 * s["tbs"] and all(g.consumed == 1 for g in consumed)
     assert sum(s["staleness_histogram"].values()) == 5 * s["tbs"]  # every consumed group was trained
     assert s["lost_groups"] == 0 and s["duplicated_groups"] == 0 and not res.extra["deadlock"]
+    assert_sim_checks_clean(res)
 
 
 def test_dora_keeps_c1_and_moves_requests_by_kv():
     res = simulate(_cfg("dora"))
     s = res.summary
     assert s["c1_violations"] == 0 and s["c3_violations"] == 0
-    assert s["reprefill_tokens"] == 0
+    assert_sim_checks_clean(res)
+    assert s["reprefill_tokens"] == 0 and res.extra["sim_reprefill_tokens"] == 0
     assert res.extra["orchestrator_summary"]["max_live_versions"] >= 2
 
 
@@ -84,6 +86,7 @@ def test_elastic_colocation_serves_rollout_with_trainer_devices():
     assert res.extra["elastic_instances"] == 4
     assert s["lost_groups"] == 0 and s["duplicated_groups"] == 0 and s["c1_violations"] == 0
     assert s["c3_violations"] == 0 and not res.extra["deadlock"]
+    assert_sim_checks_clean(res)
     # the trainer's devices joined the pool (loaded weights) while it waited, and left for training
     states = {state for iid, _, _, _, state in res.timeline if iid.startswith("e")}
     assert {"switching", "paused"} <= states
@@ -104,6 +107,7 @@ def test_orchestrator_state_stays_bounded_over_a_long_run():
     long = simulate(load_sim_config(TINY, ["sim.steps=320"], mode="dora"))
     assert long.summary["consumed_groups"] == 320 * long.summary["tbs"]
     assert long.summary["lost_groups"] == 0 and long.summary["duplicated_groups"] == 0
+    assert_sim_checks_clean(long)
     small, big = short.extra["orchestrator_state_bytes"], long.extra["orchestrator_state_bytes"]
     assert small > 0
     assert big <= 1.5 * small, (small, big)
@@ -137,6 +141,7 @@ def test_host_kv_tier_lifts_a_kv_bound_rollout():
     slow = simulate(_cfg("dora", *kv_bound, "cost.host_kv_capacity_tokens=40000", "cost.host_kv_bandwidth_Bps=1e9"))
     for r in (off, fast, slow):
         assert r.summary["lost_groups"] == 0 and r.summary["c1_violations"] == 0 and not r.extra["deadlock"]
+        assert_sim_checks_clean(r)
     assert fast.summary["rollout_utilization"] > 1.2 * off.summary["rollout_utilization"]
     assert fast.summary["throughput_tokens_per_s"] > 1.2 * off.summary["throughput_tokens_per_s"]
     assert slow.summary["throughput_tokens_per_s"] < off.summary["throughput_tokens_per_s"]
@@ -255,9 +260,9 @@ class _LoadCheckingSimulation(Simulation):
 
     def _next_turn(self, a, inst):
         moved = a.instance != self.tooling[a.sample_id][1]
-        before = self.reprefill_tokens
+        before = self.sim_reprefill_tokens
         super()._next_turn(a, inst)
-        self.next_turns.append((moved, self.reprefill_tokens - before))
+        self.next_turns.append((moved, self.sim_reprefill_tokens - before))
 
 
 @pytest.mark.parametrize("mode", ["sync", "dora"])
