@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from dora_megatron.comm.batch_files import BatchReader, write_batch  # noqa: E402
+from dora_megatron.comm.batch_files import BatchReader, decode_batch, write_batch  # noqa: E402
 from dora_megatron.comm.routed_spool import SPOOL_DIR, RoutedSpool  # noqa: E402
 from dora_megatron.comm.train_sample import TrainSample, decode_train, encode_train  # noqa: E402
 from dora_megatron.trainer.packing import plan_step  # noqa: E402
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         per_rank, seconds, seen = [], [], []
         for rank in range(args.dp):
             t0 = time.monotonic()
-            reader = BatchReader(entry)
+            reader = BatchReader(decode_batch(entry))
             plan = plan_step(lengths, dp=args.dp, dp_rank=rank, micro_batch_size=1, max_tokens=32768)
             rows = sorted({i for mb in plan.micro_batches for i in mb.rows if i >= 0})
             reader.samples(rows)

@@ -291,14 +291,14 @@ def read_as_ranks(entry: dict[str, Any], dp: int) -> dict[str, Any]:
     picks a rank's rows from the lengths; :class:`~dora_megatron.comm.batch_files.BatchReader`
     copies out only those): bytes and seconds per rank, and the whole batch's bytes."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from dora_megatron.comm.batch_files import BatchReader
+    from dora_megatron.comm.batch_files import BatchReader, decode_batch
     from dora_megatron.trainer.packing import plan_step
 
     lengths = [s["prompt_tokens"] + s["response_tokens"] for s in entry["samples"]]
     per_rank, seconds, rows_seen = [], [], []
     for rank in range(dp):
         t0 = time.monotonic()
-        reader = BatchReader(entry)
+        reader = BatchReader(decode_batch(entry))
         plan = plan_step(lengths, dp=dp, dp_rank=rank, micro_batch_size=1, max_tokens=max(max(lengths), 16384))
         rows = sorted({i for mb in plan.micro_batches for i in mb.rows if i >= 0})
         reader.samples(rows)

@@ -10,7 +10,8 @@ ranks follow its commands (:func:`main`).
 Why this shape: the controller is an asyncio process that must never block on
 training, and the trainer is a torchrun job whose ranks must execute the same
 collective calls in the same order. Rank 0 therefore serves a tiny HTTP API on
-loopback (stdlib ``http.server``) and queues every command for its main thread, which
+loopback (stdlib ``http.server``), decodes each command's body once into a typed record
+(:class:`Command`) and queues it for its main thread, which
 executes them one at a time (the order the ranks execute) and broadcasts each to the other
 ranks over the gloo world group; all ranks run it; rank 0 answers. Each request has a thread
 of its own, so ``GET /health`` answers during a long step: the controller's watchdog
@@ -53,7 +54,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from queue import Queue
-from typing import Annotated, Any, Callable, Protocol
+from typing import Annotated, Any, Callable, Protocol, TypeVar
 
 import msgspec
 from msgspec import Meta
@@ -61,7 +62,7 @@ from msgspec import Meta
 from dora_megatron.comm import auth
 from dora_megatron.comm.batch_files import BatchFileError, BatchReader
 from dora_megatron.comm.routed_spool import SPOOL_DIR
-from dora_megatron.comm.train_sample import SampleError, TrainSample, decode_train
+from dora_megatron.comm.train_sample import SampleError, TrainRequest, TrainSample, decode_train
 from dora_megatron.comm.protocol import PAUSE_MODES, field_message
 
 log = logging.getLogger("dora_megatron.trainer.service")  # the same name when torchrun runs it as __main__
@@ -148,12 +149,6 @@ class VersionedWorker:
         self.version = int(json.loads(meta.read_text())["version"]) if meta.is_file() else int(self.worker.step)
 
 
-@dataclass
-class Command:
-    op: str
-    payload: dict[str, Any]
-
-
 class BadRequest(ValueError):
     """A malformed command: answered with HTTP 400, the trainer keeps running."""
 
@@ -169,7 +164,7 @@ BATCH_RULE = "the trainer reads batch files only under the run directory"
 @dataclass
 class PushBody:
     """The ``/push_weights`` fields, typed: msgspec checks a body against them (strictly: no bool
-    for a number, no string for a port); :meth:`TrainerService.execute` reads the body itself."""
+    for a number, no string for a port); :meth:`TrainerService.execute` calls the push with them."""
 
     engines: Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(min_length=1)]  # base URLs
     bucket_mb: Annotated[float, Meta(gt=0)]
@@ -188,19 +183,47 @@ class CheckpointBody:
     path: str
 
 
-def validate_checkpoint(payload: dict[str, Any]) -> str:
-    """The ``path`` of a checkpoint command, its type checked by msgspec (a :class:`BadRequest`
-    naming the field and value otherwise)."""
+#: a command's typed body, what every rank executes it from: ``/train``'s request, a checkpoint's
+#: path, a push's fields (``/shutdown`` has none)
+Body = TrainRequest | CheckpointBody | PushBody | None
+_B = TypeVar("_B", TrainRequest, CheckpointBody, PushBody)
+
+
+@dataclass
+class Command:
+    """One command, decoded and checked by rank 0's HTTP handler, executed by every rank in the
+    order rank 0 queued it. ``op``: the route without its slash; ``body``: the typed body.
+
+    WHY typed: the ranks after rank 0 get it pickled (``torch.distributed.broadcast_object_list``)
+    and run it from its fields, so what the handler checked is what each rank runs (no second
+    reading of a JSON dict). Under torchrun this module runs as ``__main__`` on every rank, so
+    ``Command`` and the bodies defined here pickle as ``__main__.<name>`` and resolve to the same
+    classes on every rank; :class:`~dora_megatron.comm.train_sample.TrainRequest` pickles by its
+    module path."""
+
+    op: str
+    body: Body = None
+
+    def body_as(self, kind: type[_B]) -> _B:
+        """The body, a ``kind``; a :class:`BadRequest` when the command carries another."""
+        if not isinstance(self.body, kind):
+            raise BadRequest(f"command {self.op!r} takes a {kind.__name__} body, got {type(self.body).__name__}")
+        return self.body
+
+
+def validate_checkpoint(payload: dict[str, Any]) -> CheckpointBody:
+    """A checkpoint command's body, its ``path`` checked by msgspec (a :class:`BadRequest` naming
+    the field and value otherwise)."""
     try:
-        return msgspec.convert(payload, CheckpointBody, strict=True).path
+        return msgspec.convert(payload, CheckpointBody, strict=True)
     except msgspec.ValidationError as err:
         raise BadRequest(field_message(err, payload, what="the checkpoint command")) from None
 
 
-def validate_push(payload: dict[str, Any]) -> None:
-    """A :class:`BadRequest` naming the field and value when ``payload`` is not a ``/push_weights``
-    body: the types by msgspec (:class:`PushBody`), then what they cannot say (known names, the
-    ``gpus`` keys among the ``engines``)."""
+def validate_push(payload: dict[str, Any]) -> PushBody:
+    """``payload`` as a :class:`PushBody`, or a :class:`BadRequest` naming the field and value: the
+    types by msgspec, then what they cannot say (known names, the ``gpus`` keys among the
+    ``engines``)."""
     try:
         push = msgspec.convert(payload, PushBody, strict=True)
     except msgspec.ValidationError as err:
@@ -213,6 +236,7 @@ def validate_push(payload: dict[str, Any]) -> None:
             raise BadRequest(f"'gpus' names engines not in 'engines': {unknown}")
     if push.pause_mode is not None and push.pause_mode not in PAUSE_MODES:
         raise BadRequest(f"'pause_mode' must be one of {list(PAUSE_MODES)} or null, got {push.pause_mode!r}")
+    return push
 
 
 class TrainerService:
@@ -229,14 +253,16 @@ class TrainerService:
         self._inbox: Queue[tuple[Command, Queue]] = Queue()
 
     # ---- command execution (all ranks) ----------------------------------
-    def _samples(self, payload: dict[str, Any]) -> tuple[list[TrainSample], int]:
+    def _samples(self, request: TrainRequest) -> tuple[list[TrainSample], int]:
         """A ``/train`` command's samples on this rank, and the bytes of sample data it read: from
         the body, or from a batch directory, where this rank reads only the rows its data-parallel
         share trains (the worker's own plan of the step, by the lengths in the request)."""
-        if "batch" not in payload:
-            return payload["samples"], 0
+        if request.batch is None:
+            if not request.samples:  # decode_train refuses it; a Command built by hand may not
+                raise BadRequest("'samples' must be a non-empty list")
+            return request.samples, 0
         try:
-            reader = BatchReader(payload["batch"])
+            reader = BatchReader(request.batch)
         except BatchFileError as err:
             raise BadRequest(str(err)) from None
         samples = reader.samples(self.worker.data_rows(reader.lengths()))
@@ -244,11 +270,12 @@ class TrainerService:
 
     def execute(self, cmd: Command) -> dict[str, Any]:
         if cmd.op == "train":
-            step = int(cmd.payload["step"])
+            request = cmd.body_as(TrainRequest)
+            step = request.step
             if step != self.worker.version:
                 raise BadRequest(f"step {step} does not match the trainer's weights version {self.worker.version}")
             t0 = time.monotonic()
-            samples, read = self._samples(cmd.payload)
+            samples, read = self._samples(request)
             # the step's bounds in the trainer's log: where a lost trainer was (mid-step or between steps)
             log.info("step %d: training on %d sample(s) (%d bytes read by this rank in %.3f s)", step, len(samples),
                      read, time.monotonic() - t0)
@@ -262,18 +289,18 @@ class TrainerService:
             return {"version": self.worker.version, "metrics": metrics, "snapshot": str(snapshot_dir), "checksum": checksum,
                     "train_s": t1 - t0, "export_s": time.monotonic() - t1, "batch_bytes_read": read}
         if cmd.op == "save_checkpoint":
-            self.worker.save_checkpoint(cmd.payload["path"])
-            return {"path": cmd.payload["path"], "version": self.worker.version}
+            path = cmd.body_as(CheckpointBody).path
+            self.worker.save_checkpoint(path)
+            return {"path": path, "version": self.worker.version}
         if cmd.op == "load_checkpoint":
-            self.worker.load_checkpoint(cmd.payload["path"])
+            self.worker.load_checkpoint(cmd.body_as(CheckpointBody).path)
             return {"version": self.worker.version}
         if cmd.op == "push_weights":
-            p = cmd.payload
-            return self.worker.push_weights(list(p["engines"]), float(p["bucket_mb"]),
-                                            str(p.get("master_addr") or "127.0.0.1"),
-                                            float(p.get("timeout_s") or 120.0),
-                                            p.get("gpus"), p.get("pause_mode"), p.get("master_port"),
-                                            p.get("backend")) or {}
+            push = cmd.body_as(PushBody)
+            return self.worker.push_weights(list(push.engines), float(push.bucket_mb),
+                                            push.master_addr or "127.0.0.1",  # "" as before: the default
+                                            float(push.timeout_s) if push.timeout_s is not None else 120.0,
+                                            push.gpus, push.pause_mode, push.master_port, push.backend) or {}
         if cmd.op == "shutdown":
             return {"ok": True}
         raise BadRequest(f"unknown command {cmd.op!r}")
@@ -361,22 +388,21 @@ def _make_handler(service: TrainerService) -> type[BaseHTTPRequestHandler]:
                 payload = json.loads(self.rfile.read(length) or b"{}")
                 if not isinstance(payload, dict):
                     raise BadRequest("body must be a JSON object")
+                body: Body = None  # /shutdown
                 if op == "train":
-                    request = decode_train(payload)  # the samples in the body: typed and checked
-                    if request.batch is not None:
-                        entry = request.batch
-                        if isinstance(entry, dict) and isinstance(entry.get("dir"), str):  # before any file is opened
-                            auth.inside(entry["dir"], [service.run_dir], BATCH_RULE)
-                            if any(isinstance(m, dict) and "routed_at" in m for m in entry.get("samples") or ()):
-                                # spooled routed experts are read beside it (comm.routed_spool): in the run too
-                                auth.inside(Path(entry["dir"]).parent / SPOOL_DIR, [service.run_dir], BATCH_RULE)
+                    body = decode_train(payload)  # the samples or the batch entry: typed and checked
+                    entry = body.batch
+                    if entry is not None:  # before any file is opened: the directory is the run's
+                        auth.inside(entry.dir, [service.run_dir], BATCH_RULE)
+                        if any(s.routed_at is not None for s in entry.samples):
+                            # spooled routed experts are read beside it (comm.routed_spool): in the run too
+                            auth.inside(Path(entry.dir).parent / SPOOL_DIR, [service.run_dir], BATCH_RULE)
                         BatchReader(entry)  # the files are there and match: else a 400 naming the field
-                    else:
-                        payload["samples"] = request.samples  # the ranks get the typed records
-                if op in ("save_checkpoint", "load_checkpoint"):
-                    auth.inside(validate_checkpoint(payload), [service.run_dir], CHECKPOINT_RULE)
-                if op == "push_weights":
-                    validate_push(payload)
+                elif op in ("save_checkpoint", "load_checkpoint"):
+                    body = validate_checkpoint(payload)
+                    auth.inside(body.path, [service.run_dir], CHECKPOINT_RULE)
+                elif op == "push_weights":
+                    body = validate_push(payload)
             except json.JSONDecodeError as err:
                 self._send(400, {"error": f"malformed JSON: {err.msg}"})
                 return
@@ -386,8 +412,8 @@ def _make_handler(service: TrainerService) -> type[BaseHTTPRequestHandler]:
             except auth.OutsideJob as err:
                 self._send(403, {"error": str(err)})
                 return
-            code, body = service.submit(Command(op, payload))
-            self._send(code, body)
+            code, answer = service.submit(Command(op, body))
+            self._send(code, answer)
 
     return Handler
 

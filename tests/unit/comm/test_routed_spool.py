@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dora_megatron.comm.batch_files import BatchFileError, BatchReader, write_batch
+from dora_megatron.comm.batch_files import BatchFileError, BatchReader, decode_batch, write_batch
 from dora_megatron.comm.routed_spool import SPOOL_DIR, RoutedSpool, SpooledRouted
 from dora_megatron.comm.train_sample import TrainSample
 from dora_megatron.trainer.packing import plan_step
@@ -43,7 +43,7 @@ def test_spooled_and_in_memory_routed_experts_read_back_identically_by_each_rank
     for rank in range(3):
         plan = plan_step(lengths, dp=3, dp_rank=rank, micro_batch_size=1, max_tokens=0)
         rows = sorted({i for mb in plan.micro_batches for i in mb.rows if i >= 0})
-        reader = BatchReader(entry)
+        reader = BatchReader(decode_batch(entry))
         got = reader.samples(rows)
         for i in rows:
             assert got[i].routed_experts.tolist() == want[i].tolist()
@@ -56,9 +56,11 @@ def test_spooled_and_in_memory_routed_experts_read_back_identically_by_each_rank
 
 
 @pytest.mark.parametrize("at, match", [
-    (["../secret.bin", 0, "int8"], r"batch\.samples\[1\]\.routed_at must be"),
-    (["routed_000000.bin", -1, "int8"], r"batch\.samples\[1\]\.routed_at must be"),
-    (["routed_000000.bin", 0, "float32"], r"batch\.samples\[1\]\.routed_at must be"),
+    (["../secret.bin", 0, "int8"], r"batch\.samples\[1\]\.routed_at\[0\] must be a string matching .*, got '\.\./secret\.bin'"),
+    (["routed_000000.bin", -1, "int8"], r"batch\.samples\[1\]\.routed_at\[1\] must be >= 0, got -1"),
+    (["routed_000000.bin", 0, "float32"], r"batch\.samples\[1\]\.routed_at\[2\] must be a string matching .*int8\|int16\|int32.*, "
+                                          r"got 'float32'"),
+    (["routed_000000.bin", 0], r"batch\.samples\[1\]\.routed_at must be a list of length 3"),
     (["routed_000000.bin", 10, "int8"], r"batch\.samples\[1\]\.routed_at: 16 int8 ids at byte 10 end past the 20"),
     (["routed_000009.bin", 0, "int8"], r"batch\.samples\[1\]\.routed_at: cannot read the spool segment"),
 ])
@@ -68,10 +70,10 @@ def test_a_bad_routed_at_is_refused_naming_the_sample(tmp_path, at, match):
     spool.flush()
     entry = write_batch(tmp_path / "step_000000", samples)
     assert entry["samples"][1]["routed_at"] == ["routed_000000.bin", 4, "int8"]
-    BatchReader(entry).samples([0, 1])  # as written: read
+    BatchReader(decode_batch(entry)).samples([0, 1])  # as written: read
     entry["samples"][1]["routed_at"] = at
     with pytest.raises(BatchFileError, match=match):
-        BatchReader(entry)
+        BatchReader(decode_batch(entry))  # the types refuse the first four, the reader the others
     spool.close()
 
 

@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator
 
 import pytest
 
-from dora_megatron.comm.train_sample import TrainSample
+from dora_megatron.comm.train_sample import TrainRequest, TrainSample, decode_train
 from dora_megatron.controller.trainer_client import TrainerClient, TrainerError
 from dora_megatron.trainer.packing import plan_step
 from dora_megatron.trainer.service import BadRequest, Command, TrainerService
@@ -100,15 +100,19 @@ def test_client_writes_a_batch_each_rank_trains_its_own_rows(tmp_path):
 
 
 def test_other_rank_reads_the_complement(tmp_path):
+    """Rank 1 executes the command rank 0 decoded, received pickled (``broadcast_object_list``)."""
+    import pickle
+
     from dora_megatron.comm.batch_files import write_batch
 
     samples = _samples(7)
     entry = write_batch(tmp_path / "b", samples)
+    cmd = Command("train", decode_train({"step": 0, "batch": entry}))
     out = {}
     for rank in (0, 1):
         w = ShardWorker(dp=2, dp_rank=rank)
         svc = TrainerService(w, run_dir=tmp_path, rank=rank, world_size=2)
-        out[rank] = svc.execute(Command("train", {"step": 0, "batch": entry}))["batch_bytes_read"]
+        out[rank] = svc.execute(cmd if rank == 0 else pickle.loads(pickle.dumps(cmd)))["batch_bytes_read"]
     total = sum(4 * 3 + 8 * (2 + i) for i in range(7))
     assert out[0] + out[1] == total and out[0] and out[1]
 
@@ -116,9 +120,13 @@ def test_other_rank_reads_the_complement(tmp_path):
 def test_bad_batch_directory_is_a_400_naming_it(tmp_path):
     svc = TrainerService(ShardWorker(1, 0), run_dir=tmp_path, rank=0, world_size=1)
     with pytest.raises(BadRequest, match="batch.dir"):
-        svc.execute(Command("train", {"step": 0, "batch": {"dir": str(tmp_path / "nope"),
-                                                          "samples": [{"prompt_tokens": 1, "response_tokens": 1,
-                                                                       "reward": 0.0, "group_id": "g"}]}}))
+        svc.execute(Command("train", decode_train({"step": 0, "batch": {
+            "dir": str(tmp_path / "nope"), "samples": [{"prompt_tokens": 1, "response_tokens": 1, "reward": 0.0,
+                                                         "group_id": "g"}]}})))
+    with pytest.raises(BadRequest, match=r"command 'train' takes a TrainRequest body, got dict"):
+        svc.execute(Command("train", {"step": 0}))
+    with pytest.raises(BadRequest, match="'samples' must be a non-empty list"):  # neither samples nor batch
+        svc.execute(Command("train", TrainRequest(0)))
     port, thread = _serve(svc)
 
     async def go():
@@ -195,3 +203,55 @@ def test_spooled_routed_experts_reach_the_rank_that_trains_them_and_trained_segm
     assert reply["batch_bytes_read"] == sum(4 * 3 + 8 * (2 + i) + want[i].nbytes for i in rows0)
     assert left == [samples[-1].routed_experts.file]  # trained: only the segment still open stays
     assert not spool_dir.exists()  # the client's close removed the spool
+
+
+_AS_MAIN = '''
+import contextlib, importlib.util, io, pickle, sys, types
+mode = sys.argv[1]
+spec = importlib.util.find_spec("dora_megatron.trainer.service")
+main = types.ModuleType("__main__")
+main.__file__ = spec.origin
+sys.modules["__main__"] = main  # as torchrun runs the module on every rank
+sys.argv = ["service", "--help"]  # defines everything, then argparse exits before a rank starts
+with contextlib.redirect_stdout(io.StringIO()):
+    try:
+        exec(compile(open(spec.origin).read(), spec.origin, "exec"), main.__dict__)
+    except SystemExit:
+        pass
+from dora_megatron.comm.train_sample import decode_train
+if mode == "send":
+    sys.stdout.buffer.write(pickle.dumps([
+        main.Command("push_weights", main.validate_push({"engines": ["http://e"], "bucket_mb": 2})),
+        main.Command("save_checkpoint", main.validate_checkpoint({"path": "/run/c"})),
+        main.Command("train", decode_train({"step": 0, "batch": {"dir": "/run/b", "samples": [
+            {"prompt_tokens": 1, "response_tokens": 2, "reward": 1.0, "group_id": "g"}]}}))]))
+else:
+    push, save, train = pickle.loads(sys.stdin.buffer.read())
+    class Worker:
+        version = 0
+        def push_weights(self, *args):
+            return {"args": list(args)}
+        def save_checkpoint(self, path):
+            pass
+    svc = main.TrainerService(Worker(), "/run", rank=1, world_size=2)
+    print(repr([svc.execute(push), svc.execute(save), train.body.batch.lengths(), type(push.body).__module__]))
+'''
+
+
+def test_a_command_rank_0_pickles_runs_on_another_rank_when_the_module_is_main(tmp_path):
+    """Under torchrun ``service.py`` is ``__main__`` on every rank: a typed command rank 0 pickles
+    (``broadcast_object_list``) names ``__main__.PushBody`` and so on, which the other rank's
+    ``__main__`` (the same module) resolves; the command runs there with the same fields."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "as_main.py"
+    script.write_text(_AS_MAIN)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
+    sent = subprocess.run([sys.executable, str(script), "send"], capture_output=True, env=env, timeout=120, check=True)
+    got = subprocess.run([sys.executable, str(script), "recv"], input=sent.stdout, capture_output=True, env=env,
+                         timeout=120, check=True)
+    assert got.stdout.decode().strip() == repr([
+        {"args": [["http://e"], 2.0, "127.0.0.1", 120.0, None, None, None, None]},
+        {"path": "/run/c", "version": 0}, [3], "__main__"])

@@ -94,6 +94,7 @@ def test_the_trainer_service_refuses_a_malformed_loss_mask_naming_the_sample():
 
 _GOOD = {"prompt_ids": [1], "response_ids": [2, 3], "rollout_logprobs": [0.0, -0.5], "version": 0, "reward": 1.0,
          "group_id": "g"}
+_ENTRY = {"prompt_tokens": 1, "response_tokens": 2, "reward": 1.0, "group_id": "g", "version": 0}
 
 
 @pytest.mark.parametrize("body, message", [
@@ -106,6 +107,16 @@ _GOOD = {"prompt_ids": [1], "response_ids": [2, 3], "rollout_logprobs": [0.0, -0
     ({"step": 0, "samples": []}, "'samples' must be a non-empty list"),
     ({"step": 0, "batch": None}, "'samples' must be a non-empty list"),
     ({"step": 0, "batch": [1]}, "batch must be a JSON object, got [1]"),
+    # a batch directory's entry: typed too, the sample named by its index
+    ({"step": 0, "batch": {"samples": [_ENTRY]}}, "missing field batch.dir"),
+    ({"step": 0, "batch": {"dir": "/run/b", "samples": [_ENTRY, {**_ENTRY, "response_tokens": -2}]}},
+     "batch.samples[1].response_tokens must be >= 0, got -2"),
+    ({"step": 0, "batch": {"dir": "/run/b", "samples": [_ENTRY, {**_ENTRY, "prompt_tokens": False}]}},
+     "batch.samples[1].prompt_tokens must be an integer, got False"),
+    ({"step": 0, "batch": {"dir": "/run/b", "samples": [{**_ENTRY, "routed_ids": 4, "routed_at": ["routed_000000.bin", 0, 8]}]}},
+     "batch.samples[0].routed_at[2] must be a string, got 8"),
+    ({"step": 0, "batch": {"dir": "/run/b", "samples": [{**_ENTRY, "routed_ids": 4, "routed_at": {"file": "routed_000000.bin"}}]}},
+     "batch.samples[0].routed_at must be a list, got {'file': 'routed_000000.bin'}"),
 ])
 def test_a_malformed_train_body_names_the_field_and_value(body, message):
     from dora_megatron.comm.train_sample import SampleError, decode_train
@@ -116,10 +127,18 @@ def test_a_malformed_train_body_names_the_field_and_value(body, message):
 
 
 def test_a_train_body_decodes_to_the_same_records():
-    from dora_megatron.comm.train_sample import TrainSample, decode_train
+    from dora_megatron.comm.train_sample import (BatchEntry, BatchSample, SampleError, TrainRequest, TrainSample,
+                                                 decode_train)
 
     req = decode_train({"step": 4, "samples": [_GOOD, {**_GOOD, "advantage": 0.5, "loss_mask": [1, 0]}]})
     assert req.step == 4 and req.batch is None
     assert req.samples == [TrainSample(**_GOOD), TrainSample(**{**_GOOD, "advantage": 0.5, "loss_mask": [1, 0]})]
-    entry = {"dir": "/run/batches/4", "samples": [{"prompt_tokens": 1}]}
-    assert decode_train({"step": 4, "batch": entry}).batch == entry  # checked by BatchReader, not here
+    entry = {"dir": "/run/batches/4", "samples": [_ENTRY, {**_ENTRY, "advantage": 0.5, "routed_ids": 6}]}
+    with pytest.raises(SampleError, match=r"batch: samples\[0\] has no routed_ids and samples\[1\] has"):
+        decode_train({"step": 4, "batch": entry})
+    entry["samples"][0] = {**_ENTRY, "routed_ids": 3, "routed_at": ["routed_000002.bin", 12, "int16"]}
+    # the entry typed (its files are BatchReader's to check)
+    assert decode_train({"step": 4, "batch": entry}) == TrainRequest(4, batch=BatchEntry("/run/batches/4", [
+        BatchSample(1, 2, routed_ids=3, routed_at=("routed_000002.bin", 12, "int16"), reward=1.0, group_id="g",
+                    version=0),
+        BatchSample(1, 2, routed_ids=6, reward=1.0, group_id="g", version=0, advantage=0.5)]))

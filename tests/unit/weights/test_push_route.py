@@ -9,7 +9,8 @@ import threading
 import pytest
 
 from dora_megatron.controller.trainer_client import TrainerClient, TrainerError
-from dora_megatron.trainer.service import BadRequest, Command, TrainerService, validate_checkpoint, validate_push
+from dora_megatron.trainer.service import (BadRequest, CheckpointBody, Command, TrainerService, validate_checkpoint,
+                                           validate_push)
 
 
 class FakeWorker:
@@ -73,15 +74,30 @@ def test_a_checkpoint_command_names_a_bad_path(payload, message):
     with pytest.raises(BadRequest) as e:
         validate_checkpoint(payload)
     assert str(e.value) == message
-    assert validate_checkpoint({"path": "/run/ckpt/3", "extra": 1}) == "/run/ckpt/3"
+    assert validate_checkpoint({"path": "/run/ckpt/3", "extra": 1}) == CheckpointBody("/run/ckpt/3")
 
 
 def test_execute_dispatches_with_defaults():
     w = FakeWorker()
     svc = TrainerService(w, run_dir=".", rank=0, world_size=1)
-    out = svc.execute(Command("push_weights", {"engines": ["http://e1"], "bucket_mb": 8}))
+    out = svc.execute(Command("push_weights", validate_push({"engines": ["http://e1"], "bucket_mb": 8})))
     assert out["versions"] == {"http://e1": "3"}
     assert w.calls == [(["http://e1"], 8.0, "127.0.0.1", 120.0, None, None, None, None)]
+
+
+def test_a_follower_executes_the_typed_push_it_receives_pickled():
+    """The other ranks get each command by ``broadcast_object_list`` (pickle): the typed body
+    arrives whole and runs with the same arguments; a body of another command is refused."""
+    import pickle
+
+    cmd = Command("push_weights", validate_push({"engines": ["http://e1", "http://e2"], "bucket_mb": 2, "timeout_s": 9,
+                                                 "gpus": {"http://e2": 2}, "pause_mode": "abort", "master_port": 29701,
+                                                 "backend": "gloo", "master_addr": "10.1.1.1"}))
+    w = FakeWorker()
+    TrainerService(w, run_dir=".", rank=1, world_size=2).execute(pickle.loads(pickle.dumps(cmd)))
+    assert w.calls == [(["http://e1", "http://e2"], 2.0, "10.1.1.1", 9.0, {"http://e2": 2}, "abort", 29701, "gloo")]
+    with pytest.raises(BadRequest, match="command 'push_weights' takes a PushBody body, got CheckpointBody"):
+        TrainerService(w, run_dir=".", rank=0, world_size=1).execute(Command("push_weights", CheckpointBody("/x")))
 
 
 def test_http_route_and_client():
