@@ -41,6 +41,7 @@ from dora_megatron.data.tasks import Prompt
 from dora_megatron.observability.eval_metrics import eval_scalars, round_metrics
 
 if TYPE_CHECKING:
+    from dora_megatron.comm.protocol import GenerateResponse
     from dora_megatron.controller.pool import Pool
     from dora_megatron.controller.weight_sync import WeightSync
     from dora_megatron.observability.tensorboard import ScalarWriter
@@ -92,9 +93,9 @@ class Evaluator:
         self.rounds: list[dict[str, Any]] = []
         self.reward_errors = 0
         self._in_flight: dict[str, int] = {}  # instance -> eval requests on it now
-        self._requests: dict[str, dict[str, asyncio.Task[Any]]] = {}  # instance -> rid -> its /generate
+        self._requests: dict[str, dict[str, asyncio.Task[GenerateResponse]]] = {}  # instance -> rid -> its /generate
         self._closed: dict[str, int] = {}  # instance -> switches of it under way: no eval request goes there
-        self._pending: list[asyncio.Task[Any]] = []
+        self._pending: list[asyncio.Task[dict[str, Any] | None]] = []
         self._ending = False
         #: instance -> the version the final round loaded there (the rollout has stopped: the
         #: orchestrator no longer follows what the instances hold)
