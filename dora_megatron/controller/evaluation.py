@@ -41,8 +41,10 @@ from dora_megatron.data.tasks import Prompt
 from dora_megatron.observability.eval_metrics import eval_scalars, round_metrics
 
 if TYPE_CHECKING:
+    from dora_megatron.comm.protocol import GenerateResponse
     from dora_megatron.controller.pool import Pool
     from dora_megatron.controller.weight_sync import WeightSync
+    from dora_megatron.observability.tensorboard import ScalarWriter
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +70,7 @@ class Evaluator:
 
     def __init__(self, prompts: Sequence[Prompt], scorer: RewardScorer, *, engines: dict[str, Engine],
                  pool: Pool, weights: WeightSync, codec: TextCodec, observability: ObservabilityConfig,
-                 rollout: RolloutConfig, seed: int, slots: int, sinks: Sequence[Any] = (), out: Path | None = None,
+                 rollout: RolloutConfig, seed: int, slots: int, sinks: Sequence[ScalarWriter] = (), out: Path | None = None,
                  path: str = "") -> None:
         if not prompts:
             raise ValueError("data.eval_path: no usable rows")
@@ -91,9 +93,9 @@ class Evaluator:
         self.rounds: list[dict[str, Any]] = []
         self.reward_errors = 0
         self._in_flight: dict[str, int] = {}  # instance -> eval requests on it now
-        self._requests: dict[str, dict[str, asyncio.Task[Any]]] = {}  # instance -> rid -> its /generate
+        self._requests: dict[str, dict[str, asyncio.Task[GenerateResponse]]] = {}  # instance -> rid -> its /generate
         self._closed: dict[str, int] = {}  # instance -> switches of it under way: no eval request goes there
-        self._pending: list[asyncio.Task[Any]] = []
+        self._pending: list[asyncio.Task[dict[str, Any] | None]] = []
         self._ending = False
         #: instance -> the version the final round loaded there (the rollout has stopped: the
         #: orchestrator no longer follows what the instances hold)
@@ -217,7 +219,7 @@ class Evaluator:
             finally:
                 self._in_flight[iid] -= 1
                 self._requests[iid].pop(rid, None)
-            used = {str(v) for v in getattr(resp, "versions_used", ()) if str(v)}
+            used = {str(v) for v in resp.versions_used if str(v)}
             if (resp.finish_reason or {}).get("type") == "abort" or len(used) > 1:
                 last_problem = f"{iid}: the answer was aborted or crossed a weight switch"
                 continue

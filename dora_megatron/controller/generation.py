@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable, Coroutine
+from typing import TYPE_CHECKING, Any, Callable, Coroutine, Mapping
 
 from dora_megatron.comm.batch_files import BatchFileError, compact_routed
 from dora_megatron.comm.protocol import GenerateResponse
@@ -267,11 +267,13 @@ class Generation:
         orchestrator hears of it); aborted: the partial output is kept, None. A late answer about a
         sample whose group was consumed meanwhile (the source's reply to a KV export) is dropped."""
         rec, resp, instance, start, end = self.store.samples.get(ev.sample_id), ev.resp, ev.instance, ev.start, ev.end
+        if isinstance(resp, int):  # (the simulator's reply: its length; the runtime's engines answer in full)
+            raise TypeError(f"EngineReply of {ev.sample_id}: resp is {resp!r}, not an engine's answer")
         if self.workflow is None:  # a trajectory's turns count their own slot time (:class:`TurnGate`), not its tools'
             self.metrics.request_held_slot(start, end)
         if rec is None:
             return None
-        if getattr(resp, "migrated", False):
+        if resp.migrated:
             return None  # the import on the destination delivers this sample
         if self.timeline is not None:
             self.timeline.span(instance, rec.sample_id, start, end, version=rec.version, kind="request")
@@ -280,7 +282,8 @@ class Generation:
             return None  # interrupted (partial mode) or failed over: a later Submit(resume) continues it
         if self.algo.wants_routed_experts:  # covers prompt + every output token (the last submission's input is all of it)
             try:
-                self.store.keep_routed(rec, compact_routed((resp.raw.get("meta_info") or {}).get("routed_experts")))
+                meta = resp.raw.get("meta_info")
+                self.store.keep_routed(rec, compact_routed(meta.get("routed_experts") if isinstance(meta, Mapping) else None))
             except BatchFileError as err:  # a malformed answer: the sample is kept, without routing
                 log.error("%s: sample %s: meta_info.%s", instance, rec.sample_id, err)
                 self.store.keep_routed(rec, None)
@@ -297,7 +300,7 @@ class Generation:
             self.drafts.offer(running_targets(rec, self.store.siblings(rec)), [*rec.prompt_ids, *rec.response_ids])
             self.drafts.finished(instance, rec.sample_id)
         self.store.score(rec, resp, reason, ev.reward)
-        if getattr(resp, "loss_mask", None) is not None:  # a workflow's trajectory (rollout.workflow)
+        if isinstance(resp, WorkflowReply) and resp.loss_mask is not None:  # a workflow's trajectory (rollout.workflow)
             self.metrics.trajectory_finished(TrajectoryStats.of(resp.turns, sum(rec.loss_mask or ()), resp.metrics))
         if self.journal is not None and self.workflow is None:
             # a workflow's trajectory is not journaled (the journal keeps no prompt of its own nor loss

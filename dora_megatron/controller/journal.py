@@ -55,12 +55,15 @@ import threading
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Callable, Sequence
+from typing import IO, TYPE_CHECKING, Any, Callable, Sequence
 
 from dora_megatron.comm.batch_files import routed_base64
 from dora_megatron.comm.routed_spool import SpoolError, SpooledRouted
 from dora_megatron.controller.array_text import array_json
 from dora_megatron.controller.records import entry_tokens
+
+if TYPE_CHECKING:
+    import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +84,7 @@ class JournaledSample:
     # engine routing when routing replay is on: where the spool holds it (a SpooledRouted, recorded
     # as ``routed_at``: the journal line holds no ids), or without a spool base64 (SGLang's
     # encoding) when read back, the sample's compact array when journaled (encoded by the writer thread)
-    routed_experts: Any = None
+    routed_experts: SpooledRouted | np.ndarray | str | None = None
     finish_reason: str | None = None  # the engine's finish_reason type ("stop", "length"); the rollout dump's
     reward_error: str | None = None  # why the reward function failed (reward 0), counted in its step's reward/errors
 
@@ -272,7 +275,7 @@ def _sample_line(s: JournaledSample, versions: list[int], replayed: bool) -> byt
     return b"".join([*parts, b"}"])
 
 
-def _list_text(values: Sequence[Any]) -> bytes:
+def _list_text(values: Sequence[float]) -> bytes:
     """A sample's array as :func:`~.array_text.array_json` writes it (any other sequence, e.g. one
     read back from a journal, as ``json.dumps`` of its list)."""
     return array_json(values) if isinstance(values, array) else json.dumps(list(values)).encode()

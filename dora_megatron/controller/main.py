@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from dora_megatron.launch.stop import StopSignals
     from dora_megatron.observability.background import BackgroundWriter
     from dora_megatron.observability.recorder import MetricsRecorder
+    from dora_megatron.observability.tensorboard import ScalarWriter
     from dora_megatron.observability.timeline import Timeline
     from dora_megatron.orchestrator import Orchestrator
     from dora_megatron.processes import ProcessSet
@@ -168,9 +169,9 @@ def build_controller(cfg: DoraConfig, endpoints: Endpoints, *, run_dir: Path, mo
                      make_engine: Callable[[str], Engine], checkpoint: Path | None = None,
                      on_step: Callable[[StepRecord, MetricsRecorder], None] | None = None,
                      on_checkpoint: Callable[[int], None] | None = None, timeline: Timeline | None = None,
-                     metric_sinks: Sequence[Any] = (), load_reports: LoadReports | None = None,
+                     metric_sinks: Sequence[ScalarWriter] = (), load_reports: LoadReports | None = None,
                      background: BackgroundWriter | None = None,
-                     eval_sinks: Sequence[Any] | None = None) -> Controller:
+                     eval_sinks: Sequence[ScalarWriter] | None = None) -> Controller:
     """Clients for ``endpoints``, prompts, the orchestrator (restored from ``checkpoint`` when
     given, with its journal), and the runtime that executes its actions.
 

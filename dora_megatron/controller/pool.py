@@ -80,7 +80,7 @@ class Pool:
         :meth:`is_failed` / :meth:`all_failed` instead."""
         return {iid for iid in self.engines if self.is_failed(iid)}
 
-    def is_current(self, instance: str, engine: Engine) -> bool:
+    def is_current(self, instance: str, engine: object) -> bool:
         """Loop: ``engine`` is still ``instance``'s client and the instance has not failed."""
         return not self.is_failed(instance) and self.engines.get(instance) is engine
 

@@ -12,11 +12,17 @@ import asyncio
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
 from dora_megatron.comm.protocol import GenerateResponse
 from dora_megatron.comm.train_sample import TrainSample
 from dora_megatron.data.tasks import Prompt
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from dora_megatron.comm.routed_spool import RoutedSpool, SpooledRouted
+    from dora_megatron.controller.turns import TurnGate
 
 
 class Engine(Protocol):
@@ -42,16 +48,28 @@ class Engine(Protocol):
     async def close(self) -> None: ...  # at the run's end (controller.clients.EngineClients.close)
 
 
+#: one pushed load report: the engine's ``server_info`` answer, or ``("failed", why)``
+LoadReport = dict[str, Any] | tuple[str, str]
+
+
 class LoadReports(Protocol):
     """Load reports pushed by whoever runs the engines' clients (instead of one poll per instance)."""
 
-    def covers(self, engine: Any) -> bool: ...  # its reports include this engine's: the runtime does not poll it
-    def take_reports(self) -> dict[Any, Any]: ...  # engine -> server_info dict or ("failed", why), since the last take
+    def covers(self, engine: Engine) -> bool: ...  # its reports include this engine's: the runtime does not poll it
+    # engine -> its server_info answer, or ("failed", why), since the last take. The key is the
+    # reporter's own client class (e.g. rollout.sharded.ProxyEngine), which the runtime holds as an
+    # Engine: a dict's key type is invariant, so Engine here would refuse the reporter's narrower one
+    def take_reports(self) -> dict[Any, LoadReport]: ...
 
 
 class Trainer(Protocol):
     """The subset of :class:`~dora_megatron.controller.trainer_client.TrainerClient` the runtime uses
-    (``push_weights`` only with ``weight_transport: distributed``)."""
+    (``push_weights`` only with ``weight_transport: distributed``; ``routed_spool`` only with
+    routing replay: where finished samples' routed experts are written as they finish, None for a
+    client without batch files, which copies them into the batch instead)."""
+
+    @property
+    def routed_spool(self) -> RoutedSpool | None: ...
 
     async def train(self, step: int, samples: list[TrainSample]) -> dict[str, Any]: ...
     async def save_checkpoint(self, path: str) -> dict[str, Any]: ...
@@ -86,10 +104,10 @@ class SampleRecord:
     #: holds them (:class:`~dora_megatron.comm.routed_spool.SpooledRouted`, written when the sample
     #: finished: the controller keeps only that), or without a spool the ids themselves, flat, in
     #: the smallest integer type that holds them (:func:`~dora_megatron.comm.batch_files.compact_routed`)
-    routed_experts: Any = None
+    routed_experts: SpooledRouted | np.ndarray | None = None
     finish_reason: str | None = None  # the engine's finish_reason type of the answer that finished it ("stop", "length")
     loss_mask: list[int] | None = None  # a workflow's trajectory: 1 on model tokens of response_ids, 0 on the tools'
-    turn: Any = None  # a workflow's run (controller.turns.TurnGate): where its turns run, whether it was dropped
+    turn: TurnGate | None = None  # a workflow's run: where its turns run, whether it was dropped
 
 
 #: a finished sample's tokens and log-probs as ``controller.json`` and the journal name them

@@ -136,7 +136,7 @@ class Runtime:
         #: the outstanding groups' prompts, tokens and rewards, and the batch hand-off (:mod:`.samples`)
         self.store = SampleStore(source, self.codec, reward_fn, rollout, run.seed, first_prompt)
         if algo.wants_routed_experts:  # the trainer client's spool (a client with batch files has one)
-            self.store.routed_spool = getattr(trainer, "routed_spool", None)
+            self.store.routed_spool = trainer.routed_spool
         self.journal = journal
         #: every metric of the run (summary.json, steps.jsonl, TensorBoard) comes from these events
         self.metrics = metrics or MetricsRecorder(
@@ -238,10 +238,10 @@ class Runtime:
     def replayed(self, sample_id: str) -> int | None:
         return self.replay.replayed(sample_id)
 
-    def turn_current(self, sample_id: str, turn: Any) -> bool:
+    def turn_current(self, sample_id: str, turn: object) -> bool:
         return self.turns.current(sample_id, turn)
 
-    def is_current(self, instance: str, engine: Engine) -> bool:
+    def is_current(self, instance: str, engine: object) -> bool:
         return self.pool.is_current(instance, engine)
 
     def switch_landed(self, ev: SwitchDone, origin: asyncio.Task[Any] | None) -> bool:

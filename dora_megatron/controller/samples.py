@@ -17,9 +17,10 @@ import logging
 import zlib
 from array import array
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from dora_megatron.comm.batch_files import compact_routed
+from dora_megatron.comm.json_value import JSON
 from dora_megatron.comm.routed_spool import RoutedSpool, SpoolError, SpooledRouted
 from dora_megatron.comm.train_sample import TrainSample
 from dora_megatron.config.rollout import RolloutConfig
@@ -27,7 +28,12 @@ from dora_megatron.controller.records import GroupRecord, SampleRecord, entry_to
 from dora_megatron.data.codec import TextCodec
 from dora_megatron.data.reward_api import RewardInput, RewardResult, reward_input
 from dora_megatron.data.tasks import PromptSource
+from dora_megatron.events.answer import EngineAnswer
 from dora_megatron.orchestrator import Dispatch, ReleaseBatch
+from dora_megatron.workflow.runner import WorkflowReply
+
+if TYPE_CHECKING:
+    import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -105,43 +111,45 @@ class SampleStore:
         }
 
     @staticmethod
-    def apply(rec: SampleRecord, resp: Any) -> str | None:
+    def apply(rec: SampleRecord, resp: EngineAnswer) -> str | None:
         """Append an engine answer's tokens to ``rec``; returns its finish reason's type ("abort":
         interrupted or failed over, the partial output is kept for a later resubmission).
 
         An answer that crossed a weight update (SGLang's ``meta_info.weight_versions``) produced
         its tokens under several versions: each is recorded, not just the routed one."""
-        arrays = getattr(resp, "token_arrays", None)  # parsed by comm.generate_codec: a copy of bytes here
+        arrays = resp.token_arrays  # parsed by comm.generate_codec: a copy of bytes here
         if arrays is not None:
             rec.response_ids.extend(arrays[0])
             rec.rollout_logprobs.extend(arrays[1])
         else:  # an answer built otherwise (a workflow's trajectory, an in-process engine): converted here
             rec.response_ids.extend(resp.output_ids)
             rec.rollout_logprobs.extend(resp.output_token_logprobs or [0.0] * len(resp.output_ids))
-        rec.versions.update(int(v) for v in getattr(resp, "versions_used", ()) if str(v).lstrip("-").isdigit())
-        return (resp.finish_reason or {}).get("type")
+        rec.versions.update(int(v) for v in resp.versions_used if str(v).lstrip("-").isdigit())
+        reason = (resp.finish_reason or {}).get("type")
+        return None if reason is None else str(reason)  # (a string on every engine's answer)
 
-    async def reward_off_loop(self, rec: SampleRecord, resp: Any) -> RewardResult | None:
+    async def reward_off_loop(self, rec: SampleRecord, resp: EngineAnswer) -> RewardResult | None:
         """The reward of the sample ``resp`` finishes, computed in a worker thread by the task that
         got the answer, before it reports it: a slow reward function (a checker, a sandbox) then
         never holds the loop. None: ``resp`` does not finish the sample, or carries its own reward
         (a workflow's), or the sample is gone. Scores exactly what :meth:`score` would: the model's
         tokens of the whole output once ``resp`` is appended."""
-        if (rec.sample_id not in self.samples or getattr(resp, "migrated", False)
-                or (resp.finish_reason or {}).get("type") == "abort" or getattr(resp, "reward", None) is not None):
+        workflow = resp if isinstance(resp, WorkflowReply) else None  # a trajectory: its own mask and reward
+        if (rec.sample_id not in self.samples or resp.migrated
+                or (resp.finish_reason or {}).get("type") == "abort" or (workflow is not None and workflow.reward is not None)):
             return None
         # the output so far copied here (a memcpy: the loop appends the answer only after this
         # returns, but the copy owns no state); joining it with the answer and detokenizing it,
         # proportional to its tokens, in the worker thread with the reward
-        done, mask = array("i", rec.response_ids), getattr(resp, "loss_mask", None)
+        done, mask = array("i", rec.response_ids), workflow.loss_mask if workflow is not None else None
         mask = list(mask) if mask is not None else rec.loss_mask
         return await asyncio.to_thread(self._reward_of, rec, done, resp.output_ids, mask)
 
-    def _reward_of(self, rec: SampleRecord, done: array[int], new: Any, mask: list[int] | None) -> RewardResult:
+    def _reward_of(self, rec: SampleRecord, done: array[int], new: Sequence[int], mask: list[int] | None) -> RewardResult:
         done.extend(new)
         return self.reward_fn(self.reward_input(rec, done.tolist(), mask))
 
-    def keep_routed(self, rec: SampleRecord, routed: Any) -> None:
+    def keep_routed(self, rec: SampleRecord, routed: np.ndarray | None) -> None:
         """``rec`` finished with these routed experts (a compact array, or None). With a spool they
         are queued to it (:mod:`~dora_megatron.comm.routed_spool`: written in its thread while the
         rollout goes on, so that the step's hand-off does not write them) and ``rec`` keeps only
@@ -152,7 +160,7 @@ class SampleStore:
             spool.retire([rec.routed_experts])
         rec.routed_experts = spool.put(routed) if spool is not None and routed is not None else routed
 
-    def restore_routed(self, rec: SampleRecord, value: Any, spooled: Any, where: str) -> str | None:
+    def restore_routed(self, rec: SampleRecord, value: JSON, spooled: JSON, where: str) -> str | None:
         """Resume: ``rec``'s routed experts as a checkpoint or the journal recorded them (``value``:
         the ids as SGLang's text or a list; ``spooled``: a ``routed_at`` location). A location is
         held again by the spool if its ids are there; returns why not (None: restored)."""
@@ -175,7 +183,7 @@ class SampleStore:
         model = response_ids if loss_mask is None else [t for t, m in zip(response_ids, loss_mask) if m]
         return reward_input(self.groups[rec.group_id].prompt, self.codec.decode(model))
 
-    def score(self, rec: SampleRecord, resp: Any, reason: str | None, reward: RewardResult | None = None) -> None:
+    def score(self, rec: SampleRecord, resp: EngineAnswer, reason: str | None, reward: RewardResult | None = None) -> None:
         """``rec`` finished with answer ``resp``: mark it and set its reward (a workflow's own, the
         one :meth:`reward_off_loop` computed, or else the reward function's, here), on the model's
         tokens only, not the tools' results. A failed reward function scores 0 and is counted
@@ -183,10 +191,13 @@ class SampleStore:
         rec.finished = True
         rec.finish_reason = reason
         self.samples_finished += 1
-        if getattr(resp, "loss_mask", None) is not None:  # a workflow's trajectory (rollout.workflow)
-            rec.prompt_ids, rec.loss_mask = list(resp.prompt_ids), list(resp.loss_mask)
-        if getattr(resp, "reward", None) is not None:
-            rec.reward = float(resp.reward)
+        workflow = resp if isinstance(resp, WorkflowReply) else None  # a trajectory (rollout.workflow)
+        if workflow is not None and workflow.loss_mask is not None:
+            if workflow.prompt_ids is None:  # (WorkflowRunner sets both)
+                raise ValueError(f"sample {rec.sample_id}: a workflow's trajectory with a loss_mask but no prompt_ids")
+            rec.prompt_ids, rec.loss_mask = list(workflow.prompt_ids), list(workflow.loss_mask)
+        if workflow is not None and workflow.reward is not None:
+            rec.reward = float(workflow.reward)
             return
         result = reward if reward is not None else self.reward_fn(self.reward_input(rec, rec.response_ids.tolist(),
                                                                                      rec.loss_mask))

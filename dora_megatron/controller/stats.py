@@ -19,7 +19,7 @@ from dora_megatron.events import InstanceFailed, InstanceStats, Tick
 from dora_megatron.controller.loop import EventQueue
 from dora_megatron.config.controller import ControllerConfig
 from dora_megatron.config.observability import ObservabilityConfig
-from dora_megatron.controller.records import Engine, LoadReports
+from dora_megatron.controller.records import Engine, LoadReport, LoadReports
 from dora_megatron.orchestrator import Orchestrator
 from dora_megatron.rollout.speculation import counter_growth
 
@@ -106,7 +106,7 @@ class StatsPoller:
             self.spec_last[iid] = info
         self.events.post(InstanceStats(iid, running, kv, engine))  # the loop drops it if failed/replaced meanwhile
 
-    async def _apply_reports(self, reports: dict[Any, Any], chunk: int = 128) -> None:
+    async def _apply_reports(self, reports: dict[Any, LoadReport], chunk: int = 128) -> None:
         """Pushed load reports, ``chunk`` per event-loop turn: thousands of instances in one turn
         would stall every request's completion behind them."""
         names = {id(e): iid for iid, e in self.engines.items()}
@@ -114,7 +114,7 @@ class StatsPoller:
             iid = names.get(id(engine))
             if iid is None:
                 continue
-            if isinstance(info, tuple) and info and info[0] == "failed":
+            if isinstance(info, tuple):  # ("failed", why): the one tuple a report is
                 self.events.post(InstanceFailed(iid, str(info[1]), engine))
             else:
                 self.apply_load(iid, engine, info)

@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from dora_megatron.comm.protocol import GenerateResponse
 from dora_megatron.events import TurnEnded, TurnReady
 from dora_megatron.controller.loop import EventQueue
 from dora_megatron.controller.records import Engine, SampleRecord
@@ -65,7 +66,7 @@ class TurnGate:
         self.in_turn = True  # a turn's request is on an engine (from the submission until it returns)
         # the destinations' answers of the turns moved mid-generation, in the order of the moves
         # (:meth:`moved`); an exception: the move failed, the trajectory is dropped
-        self._moved: asyncio.Queue[tuple[Engine, Any]] = asyncio.Queue()
+        self._moved: asyncio.Queue[tuple[Engine, GenerateResponse | BaseException]] = asyncio.Queue()
         self._moves = 0  # moves of its turns started; those whose answer was taken: _moves_taken
         self._moves_taken = 0
         self.keeping = False  # the current turn was sent with keep_kv
@@ -111,7 +112,7 @@ class TurnGate:
             rec.version = a.version
         return self.engine, a.version
 
-    async def moved(self) -> tuple[Engine, Any]:
+    async def moved(self) -> tuple[Engine, GenerateResponse]:
         """The turn's request left its instance (its answer there said ``migrated``): the engine
         it was moved to and that engine's answer to it (:meth:`move_landed`)."""
         engine, resp = await self._moved.get()
@@ -132,7 +133,7 @@ class TurnGate:
         taken: the source's failure to answer (it died after the export) is then not the turn's."""
         return self._moves > self._moves_taken
 
-    def move_landed(self, resp: Any) -> None:
+    def move_landed(self, resp: GenerateResponse) -> None:
         """The destination answered the moved turn (maybe ``migrated`` again: moved on from there)."""
         self._moved.put_nowait((self.engine, resp))
 

@@ -4,14 +4,21 @@ WHY a package of their own, below :mod:`dora_megatron.controller` and :mod:`dora
 ``dora train`` (the asyncio runtime) and ``dora simulate`` (a virtual clock) must drive the sans-IO
 :class:`~dora_megatron.orchestrator.Orchestrator` the same way, so they share these records and the
 one mapping onto it (:mod:`.mapping`), and neither driver owns them (an import contract keeps the
-simulator off the controller). Fields typed ``Any`` carry a driver's own handle (an engine client,
-a turn run) that this layer only compares or hands back.
+simulator off the controller). A field typed ``object`` carries a driver's own handle (an engine
+client, a turn run) that this layer and the executors only compare with what they hold. The two fields
+still typed ``Any`` are handed back to the driver that made them, which reads them as its own type
+(``InstanceJoined.engine``: the runtime's ``Engine``, the simulator's None; ``TrainerDone.batch``:
+the runtime's ``ReleasedBatch``, the simulator's None; ``EngineReply.reward``: the runtime's
+``RewardResult``): naming those types here would import the controller or the data layer, which
+this layer sits below.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from dora_megatron.events.answer import EngineAnswer
 
 
 @dataclass(frozen=True)
@@ -31,14 +38,15 @@ class Resume:
 
 @dataclass(frozen=True)
 class EngineReply:
-    """A ``/generate`` (or KV import) answered for ``sample_id``; ``resp`` is the engine's answer.
+    """A ``/generate`` (or KV import) answered for ``sample_id``; ``resp`` is the engine's answer
+    (:class:`~dora_megatron.events.answer.EngineAnswer`; the simulator's: the answer's length in tokens).
     ``reward``: the finished sample's reward, scored off the loop by the task that got the answer
     (None: scored when the reply is applied); the controller's ``RewardResult``, opaque here as
     ``resp`` is (events import nothing of the data layer)."""
 
     sample_id: str
     instance: str
-    resp: Any
+    resp: EngineAnswer | int
     start: float
     end: float
     reward: Any = None
@@ -47,10 +55,11 @@ class EngineReply:
 @dataclass(frozen=True)
 class TurnEnded:
     """A turn of ``sample_id``'s workflow returned: the trajectory is off its engine while its tool
-    runs (``turn``: the run it belongs to, :class:`~dora_megatron.controller.turns.TurnGate` in a run)."""
+    runs (``turn``: the run it belongs to, :class:`~dora_megatron.controller.turns.TurnGate` in a run,
+    the turn's index in the simulator; compared with the sample's present one)."""
 
     sample_id: str
-    turn: Any
+    turn: object
 
 
 @dataclass(frozen=True)
@@ -58,7 +67,7 @@ class TurnReady:
     """``sample_id``'s workflow asks for its next turn (the orchestrator places it)."""
 
     sample_id: str
-    turn: Any
+    turn: object
 
 
 @dataclass(frozen=True)
@@ -86,7 +95,7 @@ class InstanceStats:
     instance: str
     running: int
     kv_usage: float
-    engine: Any
+    engine: object
 
 
 @dataclass(frozen=True)
@@ -100,7 +109,7 @@ class SwitchDone:
 
     instance: str
     version: int
-    engine: Any
+    engine: object
     start: float
     end: float
     how: str = "load"
@@ -128,7 +137,7 @@ class InstanceFailed:
 
     instance: str
     why: str
-    engine: Any = None
+    engine: object = None
 
 
 @dataclass(frozen=True)

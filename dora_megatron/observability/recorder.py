@@ -26,13 +26,16 @@ import logging
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Mapping, Sequence
+from typing import IO, TYPE_CHECKING, Any, Mapping, Sequence
 
 from dora_megatron.observability.summary import (
     BUSY_SLOT, INSTANCE, REBALANCE, SUMMARY_FIELDS, TRAINER_SYNC, WEIGHT_SYNC, RunTotals, StepRecord, build_summary,
 )
 from dora_megatron.observability.trainer_perf import TRAINER_PERF_KEYS
 from dora_megatron.observability.trajectories import TrajectoryStats, TrajectoryTotals
+
+if TYPE_CHECKING:
+    from dora_megatron.observability.tensorboard import ScalarWriter
 
 log = logging.getLogger(__name__)
 
@@ -142,11 +145,12 @@ class MetricsRecorder:
     """Fed by the driver's events (in time order); see the module docstring.
 
     ``slots_per_instance``: request slots of one instance (the utilization denominator);
-    ``rebalancer``: the mode rebalances (else ``rebalance_fraction`` is null); ``sinks``: objects
-    with ``scalars(step, values)`` (TensorBoard, :class:`StepsJsonl`) that receive each step's row."""
+    ``rebalancer``: the mode rebalances (else ``rebalance_fraction`` is null); ``sinks``: scalar
+    writers (:class:`~dora_megatron.observability.tensorboard.ScalarWriter`: TensorBoard, W&B,
+    :class:`StepsJsonl`) that receive each step's row."""
 
     def __init__(self, *, slots_per_instance: int, rebalancer: bool, warmup_steps: int = 0,
-                 sinks: Sequence[Any] = ()) -> None:
+                 sinks: Sequence[ScalarWriter] = ()) -> None:
         self.slots_per_instance = slots_per_instance
         self.rebalancer = rebalancer
         self.warmup_steps = warmup_steps

@@ -27,9 +27,12 @@ import os
 import socket
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dora_megatron.rollout.wire import FrameWriter, decode_error, read_frame
+
+if TYPE_CHECKING:
+    from dora_megatron.comm.protocol import GenerateResponse
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +144,8 @@ class ProxyEngine:
                 w.out.send(("cancel", cid))  # e.g. the runtime failed the instance: stop the HTTP call
             raise
 
-    async def generate(self, input_ids, sampling_params=None, *, rid=None, return_logprob=True, version=None, **kw):
+    async def generate(self, input_ids, sampling_params=None, *, rid=None, return_logprob=True, version=None,
+                       **kw) -> GenerateResponse:  # the worker's client's answer, unpickled
         return await self._call("generate", list(input_ids), sampling_params, rid=rid, return_logprob=return_logprob,
                                 version=version, **kw)
 
@@ -163,7 +167,7 @@ class ProxyEngine:
     async def export_request(self, rid: str) -> bytes:
         return await self._call("export_request", rid)
 
-    async def import_request(self, blob: bytes):
+    async def import_request(self, blob: bytes) -> GenerateResponse:
         return await self._call("import_request", blob)
 
     async def export_kv(self, rid: str) -> bytes:

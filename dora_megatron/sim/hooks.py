@@ -51,7 +51,7 @@ class MappingHooks:
     def absorb(self, ev: EngineReply) -> int:
         return int(ev.resp)  # the simulated answer is its length
 
-    def turn_current(self, sample_id: str, turn: Any) -> bool:
+    def turn_current(self, sample_id: str, turn: object) -> bool:
         """The turn event is about the trajectory's present turn (``turn``: its index)."""
         entry = self.run.tooling.get(sample_id)
         return entry is not None and entry[0].turn == turn
@@ -62,7 +62,7 @@ class MappingHooks:
     def replayed(self, sample_id: str) -> int:
         raise SimProtocolError(f"replay of {sample_id}: the simulator keeps no journal")
 
-    def is_current(self, instance: str, engine: Any) -> bool:
+    def is_current(self, instance: str, engine: object) -> bool:
         return True
 
     def switch_landed(self, ev: SwitchDone, origin: Any) -> bool:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import zlib
+from array import array
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
@@ -264,6 +265,9 @@ class WorkflowReply:
     metrics: dict[str, float] = field(default_factory=dict)
     raw: dict[str, Any] = field(default_factory=dict)
     migrated: bool = False
+    #: never pre-packed (the engine's ``GenerateResponse`` may be): the sample store converts the
+    #: lists (:class:`~dora_megatron.events.answer.EngineAnswer` names what both carry)
+    token_arrays: tuple[array[int], array[float]] | None = None
 
 
 class WorkflowRunner:

@@ -113,8 +113,11 @@ class FakeEngine:
         reason = "abort" if req.aborted else "stop"
         if req.keep and reason == "stop" and not req.migrated:
             self.kept[req.rid] = (req.input_ids + req.produced[:-1], self.version)
+        # what the runtime reads of an answer (events.answer.EngineAnswer); no versions_used: the
+        # fake reports none, the runtime records the versions it submitted on
         return SimpleNamespace(output_ids=list(req.produced), output_token_logprobs=[-0.5] * len(req.produced),
-                               finish_reason={"type": reason}, migrated=req.migrated, weight_version=str(req.version))
+                               finish_reason={"type": reason}, migrated=req.migrated, weight_version=str(req.version),
+                               versions_used=[], token_arrays=None, raw={})
 
     async def abort(self, rid: str = "", abort_all: bool = False) -> bool:
         hit = False
@@ -171,6 +174,8 @@ class FakeEngine:
 
 
 class FakeTrainer:
+    routed_spool = None  # no batch files: routed experts travel in the batch (controller.records.Trainer)
+
     def __init__(self, train_s: float = 0.01, engines: dict | None = None, push_s: float = 0.0) -> None:
         self.engines = {e.base_url: e for e in (engines or {}).values()}
         self.push_s = push_s  # how long one broadcast takes

@@ -2,7 +2,8 @@
 
 WHY a test: CI runs the default suite, so a type error in the orchestrator, the events, the losses
 or the typed part of the wire, or a controller ``Runtime`` that hands a component a collaborator
-other than the one its constructor declares, fails CI like any other test. Missing mypy skips locally but fails
+other than the one its constructor declares, or an engine's answer that is not the
+``EngineAnswer`` the events declare, fails CI like any other test. Missing mypy skips locally but fails
 under ``CI=true`` (``pip install -e '.[test]'`` installs the pinned version): a check that silently
 does not run is worse than none.
 """
@@ -33,6 +34,9 @@ def _planted_untyped(x):
 
 # the pool's recorder declared as another type than the one the Runtime hands it
 PLANTED_COLLABORATOR = ("metrics: MetricsRecorder,", "metrics: int,")
+
+# a workflow's reply whose versions are no longer what events.answer.EngineAnswer declares
+PLANTED_ANSWER = ("    versions_used: list[str]\n    prompt_ids:", "    versions_used: int\n    prompt_ids:")
 
 
 def _require_mypy() -> None:
@@ -70,6 +74,10 @@ def test_the_check_catches_a_planted_error(tmp_path, cache):
     declared, planted = PLANTED_COLLABORATOR
     assert pool.read_text().count(declared) == 1, "Pool.__init__ declares no `metrics: MetricsRecorder,`"
     pool.write_text(pool.read_text().replace(declared, planted))
+    runner = tmp_path / "dora_megatron" / "workflow" / "runner.py"
+    declared, planted = PLANTED_ANSWER
+    assert runner.read_text().count(declared) == 1, "WorkflowReply declares no `versions_used: list[str]`"
+    runner.write_text(runner.read_text().replace(declared, planted))
     proc = _mypy(tmp_path, cache)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
@@ -77,3 +85,7 @@ def test_the_check_catches_a_planted_error(tmp_path, cache):
     # the Runtime hands the pool its recorder: the collaborator is checked where it is handed
     handed = [line for line in out.splitlines() if "runtime.py" in line and ": error:" in line]
     assert handed and all("[arg-type]" in line and '"Pool"' in line and '"metrics"' in line for line in handed), out
+    # the generation reports the workflow's reply as an engine's answer: the answer is checked there
+    reported = [line for line in out.splitlines() if "generation.py" in line and ": error:" in line]
+    assert reported and all("[arg-type]" in line and "WorkflowReply" in line and "EngineAnswer" in line
+                            for line in reported), out

@@ -162,7 +162,7 @@ class RoutingEngine(FakeEngine):
         resp = await super().generate(input_ids, sampling_params, rid=rid, return_logprob=return_logprob,
                                       version=version)
         meta = {"routed_experts": "BwAAAP////8="} if routed_experts and self.routing else {}  # int32 ids [7, -1]
-        return SimpleNamespace(**vars(resp), raw={"meta_info": meta})
+        return SimpleNamespace(**{**vars(resp), "raw": {"meta_info": meta}})
 
 
 def test_an_instance_answering_without_routed_experts_is_counted_not_failed(caplog):

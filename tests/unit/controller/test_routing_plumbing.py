@@ -57,7 +57,7 @@ class RoutingEngine(FakeEngine):
     @staticmethod
     def _with_routing(resp, input_ids, asked):
         meta = {"routed_experts": _routing_of(input_ids + resp.output_ids)} if asked else {}
-        return SimpleNamespace(**vars(resp), raw={"meta_info": meta})
+        return SimpleNamespace(**{**vars(resp), "raw": {"meta_info": meta}})
 
 
 def _run(mode: str, routed: bool):

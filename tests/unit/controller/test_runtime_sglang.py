@@ -62,7 +62,7 @@ def test_an_answer_spanning_a_weight_update_records_every_version():
     rt, _, _ = make(mode="partial", n=1, steps=1)
     rec = SampleRecord("s1", "g1", 0, 1, [1, 2, 3])
     resp = SimpleNamespace(output_ids=[4, 5, 6], output_token_logprobs=[-0.1] * 3, finish_reason={"type": "abort"},
-                           migrated=False, weight_version="2", versions_used=["1", "2"])
+                           migrated=False, weight_version="2", versions_used=["1", "2"], token_arrays=None, raw={})
     rec.versions.add(1)
     rt.store.samples["s1"] = rec
     assert rt.absorb(EngineReply("s1", "e0", resp, 0.0, 0.0)) is None  # aborted: partial output kept

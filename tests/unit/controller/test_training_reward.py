@@ -76,6 +76,7 @@ def test_the_store_builds_each_reward_input_from_the_samples_own_row():
         def __init__(self, text: str, loss_mask=None) -> None:
             self.output_ids, self.output_token_logprobs = tok.encode(text), None
             self.finish_reason, self.loss_mask = {"type": "stop"}, loss_mask
+            self.versions_used, self.migrated, self.token_arrays, self.raw = [], False, None, {}
 
     off_loop = asyncio.run(store.reward_off_loop(store.samples["g6/1"], Answer("12")))
     store.score(store.samples["g6/1"], Answer("12"), "stop", off_loop)
