@@ -66,8 +66,7 @@ from dora_megatron.sim.events import EventQueue
 from dora_megatron.sim.hooks import MappingHooks
 from dora_megatron.sim.instance import PAUSED, READY, SWITCHING, SimInstance, SimRequest
 from dora_megatron.sim.polls import EnginePolls
-from dora_megatron.sim.report import (OrchestratorProfile, RowSink, SimResult, append_step, build_result,
-                                      step_series)
+from dora_megatron.sim.report import OrchestratorProfile, RowSink, SimResult, StepExtras, build_result
 from dora_megatron.sim.trainer import SimTrainer
 from dora_megatron.sim.workload import Workload
 
@@ -139,7 +138,9 @@ class Simulation:
         self.metrics = MetricsRecorder(slots_per_instance=self.slot_cap, rebalancer=self.orch.policy.rebalance,
                                        warmup_steps=cfg.sim.warmup_steps, sinks=[RowSink(self.step_rows)])
         self._busy_seen = 0.0  # the instance models' busy slot-seconds already reported
-        self.series = step_series()  # the plots' data (sim/report.py)
+        #: what the plots draw of each trained step beyond its StepRecord (the series are a view of
+        #: both, built once at the end: sim/report.py::series_of)
+        self.step_extras: list[StepExtras] = []
         self.checks = ReleaseChecks(cfg.sim.steps, self.ocfg.tbs, self.S)
         # the summary's migrations / reprefill_tokens are the orchestrator's counters, as in dora
         # train; these are the simulator's own records of what its instances did
@@ -159,7 +160,6 @@ class Simulation:
         # actions of an orchestrator call that ran a rebalance)
         self._rebalance_overhead_s = 0.0
         self.deadlock = False
-        self._last_step_end = 0.0
 
     # ================================================================== orchestrator calls
     def _feed(self, event: Event) -> None:
@@ -487,19 +487,17 @@ class Simulation:
         now = self.q.now
         cur = self.trainer.finish(now)
         # the trainer pushes (or swaps roles) after computing: the step's last sync_s seconds
-        self.metrics.trainer_sync(now - cur["sync_s"], now)
+        self.metrics.trainer_sync(now - cur.sync_s, now)
         busy = sum(inst.occupied_slot_s(now) for inst in self.instances.values())
         oc = self.orch.counters  # the run totals so far, as dora train's step record takes them
         self.metrics.busy_slot_seconds(busy - self._busy_seen)
         self._busy_seen = busy
-        self.metrics.step_trained(step, end_s=now, wait_s=cur["wait_s"], train_s=cur["train_s"], tokens=cur["tokens"],
-                                  staleness=cur["staleness"], rewards=(), response_lengths=cur["lengths"],
+        self.metrics.step_trained(step, end_s=now, wait_s=cur.wait_s, train_s=cur.train_s, tokens=cur.tokens,
+                                  staleness=cur.staleness, rewards=(), response_lengths=cur.lengths,
                                   live_versions=len(self.orch.live_versions()), migrations=oc.migrations,
                                   migrated_kv_bytes=self.migrated_bytes, reprefill_tokens=oc.reprefill_tokens,
-                                  groups=cur["groups"], versions=cur["versions"])
-        append_step(self.series, step, now, now - self._last_step_end, cur, len(self.orch.live_versions()),
-                    self.orch.instances_by_version())
-        self._last_step_end = now
+                                  groups=cur.groups, versions=cur.versions)
+        self.step_extras.append(StepExtras.of(cur, len(self.orch.live_versions()), self.orch.instances_by_version()))
         self.clock.progressed()
         if self.trainer.steps_done == self.cfg.sim.warmup_steps and self.window_start is None:
             self._open_window(now)
@@ -513,8 +511,8 @@ class Simulation:
             self.polls.report_progress(self.polls.in_flight())
         # the run's last step ends the run in the mapping (step_boundary): the orchestrator does
         # not hear of it, so it cannot release a batch nobody will train
-        self._note(TrainerDone(step, {"version": step + 1}, start=now - cur["train_s"] - cur["sync_s"],
-                               train_s=cur["train_s"], batch=None))
+        self._note(TrainerDone(step, {"version": step + 1}, start=now - cur.train_s - cur.sync_s,
+                               train_s=cur.train_s, batch=None))
         self._note(self._maybe_elastic_join)
 
     def _maybe_elastic_join(self) -> None:

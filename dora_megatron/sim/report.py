@@ -1,5 +1,6 @@
-"""What a simulation hands back: the summary, the per-step series the plots draw, the
-orchestrator's share of the run's CPU time, and the speculation report.
+"""What a simulation hands back: the summary, the per-step series the plots draw (a view of the
+recorder's step records, :func:`series_of`), the orchestrator's share of the run's CPU time, and the
+speculation report.
 
 WHY apart from the executor (:mod:`.engine`): these are records the run fills as it goes and reads
 once at its end; none of them decides anything, so the event loop stays the one place that does.
@@ -10,17 +11,18 @@ from __future__ import annotations
 import json
 import time as _time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Protocol, TypeVar
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, TypeVar
 
 from dora_megatron.config.orchestrator import OrchestratorConfig
 from dora_megatron.config.sim import SimConfig
 from dora_megatron.observability.recorder import MetricsRecorder
-from dora_megatron.observability.summary import RunTotals
+from dora_megatron.observability.summary import RunTotals, StepRecord
 from dora_megatron.orchestrator import Orchestrator
 from dora_megatron.sim.checks import ReleaseChecks
 from dora_megatron.sim.cost import DecodeModel
 from dora_megatron.sim.elastic import ElasticColocation
 from dora_megatron.sim.instance import SimInstance
+from dora_megatron.sim.trainer import SimStep
 
 T = TypeVar("T")
 
@@ -43,29 +45,56 @@ class SimResult:
         return {**self.summary, "series": self.series, "extra": self.extra}
 
 
-def step_series() -> dict[str, list[Any]]:
-    """The per-step series the plots draw (:mod:`.plots`), one list per key, empty."""
-    return {k: [] for k in SERIES_KEYS}
+@dataclass(frozen=True)
+class StepExtras:
+    """What the plots draw of a trained step that its
+    :class:`~dora_megatron.observability.summary.StepRecord` does not hold: the response lengths'
+    shape (the record counts samples, not lengths), the version mix at the step's end, and the sync
+    seconds as charged (the record's ``sync_s`` is the same interval integrated by the recorder,
+    ``end - (end - sync_s)``, equal only up to rounding). Sim-only, so not fields of the record."""
+
+    weight_sync_s: float  # the trainer push or role swap charged after training
+    bubble: float  # (max - mean) / max response tokens of the step's samples
+    mean_response_tokens: float
+    max_response_tokens: int
+    live_versions: int  # versions with unconsumed groups, plus the newest weights
+    instances_by_version: dict[str, int]  # version (as the JSON key) -> active plus switching instances
+
+    @classmethod
+    def of(cls, trained: SimStep, live_versions: int, instances_by_version: Mapping[int, int]) -> "StepExtras":
+        """The extras of the step ``trained`` at its end (``instances_by_version``: the orchestrator's)."""
+        return cls(weight_sync_s=trained.sync_s, bubble=trained.bubble, mean_response_tokens=trained.mean_len,
+                   max_response_tokens=trained.max_len, live_versions=live_versions,
+                   instances_by_version={str(k): v for k, v in sorted(instances_by_version.items())})
 
 
-def append_step(series: dict[str, list[Any]], step: int, now: float, step_time_s: float, cur: dict[str, Any],
-                live_versions: int, instances_by_version: dict[int, int]) -> None:
-    """One trained step's point of every series (``cur``: the trainer's record of the step)."""
-    s = series
-    s["step"].append(step)
-    s["end_s"].append(now)
-    s["step_time_s"].append(step_time_s)
-    s["wait_s"].append(cur["wait_s"])
-    s["train_s"].append(cur["train_s"])
-    s["weight_sync_s"].append(cur["sync_s"])
-    s["tokens"].append(cur["tokens"])
-    s["bubble"].append(cur["bubble"])
-    st = cur["staleness"]
-    s["mean_staleness"].append(sum(st) / len(st) if st else None)
-    s["live_versions"].append(live_versions)
-    s["instances_by_version"].append({str(k): v for k, v in sorted(instances_by_version.items())})
-    s["mean_response_tokens"].append(cur["mean_len"])
-    s["max_response_tokens"].append(cur["max_len"])
+def series_of(records: Sequence[StepRecord], extras: Sequence[StepExtras]) -> dict[str, list[Any]]:
+    """The per-step series the plots draw (:mod:`.plots`; ``SERIES_KEYS``, one list per key): a view
+    of the run's step records (``records``, the recorder's, in training order) and each step's
+    :class:`StepExtras` (``extras``, same order). ``step_time_s`` is each step's end minus the one
+    before it (the run start for the first)."""
+    if len(records) != len(extras):
+        raise ValueError(f"series_of: {len(records)} step records but {len(extras)} step extras; "
+                         "one StepExtras is recorded per trained step")
+    s: dict[str, list[Any]] = {k: [] for k in SERIES_KEYS}
+    prev_end = 0.0
+    for r, x in zip(records, extras):
+        s["step"].append(r.step)
+        s["end_s"].append(r.end_s)
+        s["step_time_s"].append(r.end_s - prev_end)
+        s["wait_s"].append(r.wait_s)
+        s["train_s"].append(r.train_s)
+        s["weight_sync_s"].append(x.weight_sync_s)
+        s["tokens"].append(r.tokens)
+        s["bubble"].append(x.bubble)
+        st = r.staleness
+        s["mean_staleness"].append(sum(st) / len(st) if st else None)
+        s["live_versions"].append(x.live_versions)
+        s["instances_by_version"].append(dict(x.instances_by_version))
+        s["mean_response_tokens"].append(x.mean_response_tokens)
+        s["max_response_tokens"].append(x.max_response_tokens)
+        prev_end = r.end_s
+    return s
 
 
 @dataclass
@@ -149,7 +178,7 @@ class _Run(Protocol):
     sim_reprefill_tokens: int
     switch_s_total: float
     dual_switches: int
-    series: dict[str, list[Any]]
+    step_extras: list[StepExtras]
     step_rows: list[dict[str, Any]]
 
 
@@ -170,7 +199,8 @@ def build_result(sim: _Run, end: float, cpu_s: float) -> SimResult:
     summary = sim.metrics.summary(mode=sim.mode, max_staleness=sim.S, tbs=sim.ocfg.tbs,
                                   rbs=sim.orch.policy.rbs, totals=totals, wall_time_s=wall)
     n_steps = max(1, len(rows))
-    timeline = []
+    series = series_of(rows, sim.step_extras)
+    timeline: list[tuple[str, float, float, int | None, str]] = []
     if sim.record_timeline:
         for iid, inst in list(sim.instances.items())[: cfg.sim.timeline_max_instances]:
             timeline.extend((iid, a, b, v, st) for a, b, v, st in inst.intervals)
@@ -208,7 +238,7 @@ def build_result(sim: _Run, end: float, cpu_s: float) -> SimResult:
         # the simulator's own check of every released batch (sim/checks.py), independent of the
         # orchestrator's lost_groups / c3_violations in the summary
         "sim_checks": {"lost_groups": sim.checks.lost, "c3_violations": sim.checks.c3},
-        "mean_response_tokens": (sum(sim.series["mean_response_tokens"]) / n_steps) if rows else None,
+        "mean_response_tokens": (sum(series["mean_response_tokens"]) / n_steps) if rows else None,
         "speculation": speculation_report(sim.decode_model, cfg, sim.instances.values()),
     }
-    return SimResult(summary=summary, series=sim.series, timeline=timeline, extra=extra, steps=sim.step_rows)
+    return SimResult(summary=summary, series=series, timeline=timeline, extra=extra, steps=sim.step_rows)

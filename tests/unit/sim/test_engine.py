@@ -10,6 +10,8 @@ from dora_megatron.sim.engine import Simulation, simulate
 from dora_megatron.observability.summary import SUMMARY_FIELDS
 from tests.helpers.sim import FAST, TINY, assert_run_invariants, assert_sim_checks_clean
 
+TWO_INSTANCES = TINY.with_name("two_instances.yaml")
+
 
 def _cfg(mode, *extra):
     return load_sim_config(TINY, FAST + list(extra), mode=mode)
@@ -282,3 +284,32 @@ def test_between_turns_the_slot_is_the_orchestrators_and_a_move_re_prefills(mode
     assert sim.orch.counters.workflow_turn_moves == len(moved)
     if mode == "dora":
         assert moved  # a rebalance gives a waiting trajectory's instance to another version
+
+
+@pytest.mark.parametrize("mode,config", [("sync", TINY), ("dora", TWO_INSTANCES)])
+def test_plot_series_agree_with_the_groups_trained_and_the_config(mode, config):
+    """The plots' series (a view of the recorder's step records and the sim's per-step extras,
+    sim/report.py::series_of) against independent quantities: each step's response lengths from
+    the groups it trained (the simulator's group store, looked up by the ids the batch released),
+    its staleness from the released versions, its sync from the cost model, and its step time,
+    wait and live versions from the recorder's own steps.jsonl scalars. Two rollout instances at
+    S = 3 (dora) train batches that mix versions, so a mean staleness is not any one group's."""
+    cfg = load_sim_config(config, FAST, mode=mode)
+    sim = Simulation(cfg)
+    res = sim.run()
+    s, records = res.series, sim.metrics.rows
+    assert s["step"] == list(range(6))
+    if mode == "dora":
+        assert any(len(set(rec.versions)) > 1 for rec in records)
+    for k, rec in enumerate(records):
+        lengths = [n for g in rec.groups for n in sim.groups[g].spec.response_tokens]
+        assert s["max_response_tokens"][k] == max(lengths)
+        assert s["mean_response_tokens"][k] == pytest.approx(sum(lengths) / len(lengths))
+        assert s["mean_staleness"][k] == pytest.approx(sum(k - v for v in rec.versions) / len(rec.versions))
+    sync_s = 2 * cfg.cost.colocated_switch_s if mode == "sync" else cfg.cost.trainer_push_s
+    assert s["weight_sync_s"] == [sync_s] * 6
+    assert s["step_time_s"] == [r["perf/step_time_s"] for r in res.steps]
+    assert s["wait_s"] == [r["perf/wait_time_s"] for r in res.steps]
+    assert s["live_versions"] == [r["versions/live"] for r in res.steps]
+    assert sum(s["step_time_s"]) == pytest.approx(res.summary["wall_time_s"])
+    assert res.extra["mean_response_tokens"] == pytest.approx(sum(s["mean_response_tokens"]) / 6)
